@@ -1,0 +1,157 @@
+"""lucebox command line: generate | chat (serve, bench, convert and train-drafter join later)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from .config import EngineArgs
+from .errors import LuceboxError
+
+SAMPLING_FLAGS = {  # flag -> (type, help); unset flags take the model's generation_config defaults
+    "temperature": (float, "sampling temperature; 0 = greedy (default: the model's generation_config)"),
+    "top_p": (float, "nucleus sampling mass (default: the model's)"),
+    "top_k": (int, "keep the k most likely tokens; 0 = off (default: the model's)"),
+    "min_p": (float, "drop tokens below min_p x the top probability (default: the model's)"),
+    "repetition_penalty": (float, "penalty on tokens already in prompt or output (default: the model's)"),
+    "presence_penalty": (float, "OpenAI-style presence penalty (default 0)"),
+    "frequency_penalty": (float, "OpenAI-style frequency penalty (default 0)"),
+    "seed": (int, "per-request sampling seed, for reproducible samples (default: none)"),
+}
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    defaults = EngineArgs()
+    types = {"model": str, "dtype": str, "device": str, "max_model_len": int, "block_size": int,
+             "max_num_seqs": int, "max_num_batched_tokens": int, "kv_cache_memory": int,
+             "gpu_memory_utilization": float}
+    for name, kind in types.items():
+        p.add_argument("--" + name.replace("_", "-"), type=kind, default=getattr(defaults, name),
+                       help=EngineArgs.HELP[name])
+
+
+def _sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    for name, (kind, help_text) in SAMPLING_FLAGS.items():
+        p.add_argument("--" + name.replace("_", "-"), type=kind, default=None, help=help_text)
+    p.add_argument("--max-tokens", type=int, default=max_tokens, help="most tokens to generate")
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    parser = argparse.ArgumentParser(prog="lucebox", description="Speculative-inference engine for LLMs",
+                                     formatter_class=fmt)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log engine details")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate a continuation and stream it", formatter_class=fmt)
+    _engine_flags(gen)
+    gen.add_argument("--prompt", default="def fibonacci(n):", help="the prompt text")
+    gen.add_argument("--chat-template", action="store_true",
+                     help="wrap the prompt as a user message with the model's chat template")
+    _sampling_flags(gen, max_tokens=128)
+
+    chat = sub.add_parser("chat", help="interactive chat that keeps the conversation", formatter_class=fmt)
+    _engine_flags(chat)
+    chat.add_argument("--system", default=None, help="system prompt")
+    _sampling_flags(chat, max_tokens=512)
+    return parser
+
+
+def _sampling_params(args):
+    from .sampling import SamplingParams
+    chosen = {name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name) is not None}
+    return SamplingParams(max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos, **chosen)
+
+
+def _make_engine(args):
+    from .engine.engine import LLMEngine
+    from .model.loader import load_model
+    engine_args = EngineArgs(**{k: getattr(args, k) for k in EngineArgs.field_names() if hasattr(args, k)})
+    if engine_args.model is None:
+        from .default_model import default_model_path
+        engine_args.model = str(default_model_path())
+    loaded = load_model(engine_args.model, dtype=engine_args.dtype, device=engine_args.device)
+    return LLMEngine(loaded, engine_args)
+
+
+def _stream(engine, request_id: str, prompt, params, out=sys.stdout) -> tuple[str, int, float]:
+    """Run one request to the end, printing text as it arrives. Returns (text, tokens, seconds)."""
+    engine.add_request(request_id, prompt, params)
+    start, shown, final = time.perf_counter(), 0, None
+    while engine.has_unfinished():
+        for output in engine.step():
+            completion = output.outputs[0]
+            out.write(completion.text[shown:])
+            out.flush()
+            shown = len(completion.text)
+            final = completion
+    return final.text, len(final.token_ids), time.perf_counter() - start
+
+
+def cmd_generate(args) -> int:
+    engine = _make_engine(args)
+    params = _sampling_params(args)
+    prompt = args.prompt
+    if args.chat_template:
+        text = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        prompt = {"prompt": text, "prompt_token_ids": engine.tokenizer.encode(text, add_special_tokens=False)}
+    else:
+        sys.stdout.write(prompt)
+    _, tokens, seconds = _stream(engine, "generate", prompt, params)
+    print(f"\n[{tokens} tokens in {seconds:.2f} s, {tokens / max(seconds, 1e-9):.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    engine = _make_engine(args)
+    params = _sampling_params(args)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print("lucebox chat: type a message; /reset clears the conversation, /exit or Ctrl-D quits.", file=sys.stderr)
+    turn = 0
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            messages = messages[:1] if args.system else []
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        text = engine.tokenizer.apply_chat_template(messages)
+        prompt = {"prompt": text, "prompt_token_ids": engine.tokenizer.encode(text, add_special_tokens=False)}
+        turn += 1
+        try:
+            reply, tokens, seconds = _stream(engine, f"chat-{turn}", prompt, params)
+        except LuceboxError as e:  # e.g. the conversation outgrew the context: say so, keep the session
+            messages.pop()
+            print(f"error: {e}", file=sys.stderr)
+            continue
+        print(f"\n[{tokens} tokens, {tokens / max(seconds, 1e-9):.1f} tok/s]", file=sys.stderr)
+        messages.append({"role": "assistant", "content": reply})
+
+
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    try:
+        return COMMANDS[args.command](args)
+    except LuceboxError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""EngineArgs: every engine setting in one place, with the names vLLM users know."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from .errors import RequestError
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None  # HF dir, .gguf file or hub id; None = the default model
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    max_model_len: int | None = None  # default: the model's context length
+    block_size: int = 16  # tokens per KV block
+    max_num_seqs: int = 64  # sequences in one batch
+    max_num_batched_tokens: int = 8192  # new tokens in one step
+    kv_cache_memory: int | None = None  # bytes of KV pool; default: enough for max_num_seqs x max_model_len, capped
+    gpu_memory_utilization: float = 0.9  # fraction of GPU memory lucebox may use (weights + KV)
+    seed: int = 0
+
+    HELP = {
+        "model": "HF model directory, .gguf file or hub id (default: the bundled default model)",
+        "dtype": "activation / weight dtype: auto, float32, bfloat16 or float16 (auto: float32 on CPU, "
+                 "the checkpoint's dtype on GPU)",
+        "device": "auto, cpu, cuda or cuda:N",
+        "max_model_len": "context window in tokens (default: the model's)",
+        "block_size": "tokens per paged KV block",
+        "max_num_seqs": "most sequences batched in one step",
+        "max_num_batched_tokens": "most new tokens computed in one step",
+        "kv_cache_memory": "bytes for the KV pool on CPU (default: enough for max_num_seqs full contexts, "
+                           "at most 2 GiB)",
+        "gpu_memory_utilization": "fraction of GPU memory for weights and KV pool",
+        "seed": "global random seed (per-request seeds override it)",
+    }
+
+    def __post_init__(self):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise RequestError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise RequestError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise RequestError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise RequestError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

@@ -1,0 +1,289 @@
+"""HF checkpoint directory -> GGUF file, following llama.cpp's convert_hf_to_gguf.py conventions
+(architecture names, metadata keys, tensor names, q/k row order, tokenizer metadata), so the file
+also runs in llama.cpp and lucebox reads llama.cpp's files the same way.
+
+Tensors are streamed: the header is written from shapes alone, then each tensor is read, quantised
+and appended, so peak memory is about one tensor. The file appears under its name only when complete.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from contextlib import ExitStack
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import (GGML_QUANT_SIZES, GGML_QUANT_VERSION, GGMLQuantizationType as Q, GGUFWriter, LlamaFileType,
+                  RopeScalingType, TokenType)
+from gguf.quants import quantize
+from safetensors import safe_open
+from tqdm import tqdm
+
+from .errors import CheckpointError, RequestError, UnsupportedError
+from .model.config import ModelConfig
+from .model.loader import read_generation_config
+from .model.rope import inverse_frequencies
+from .model.transformer import Transformer
+from .weights.gguf_config import FAMILY_TO_ARCH, ROPE_FREQS, SAMPLING_KEYS, permute_rows, rows_permuted, to_gguf_name
+from .weights.safetensors import safetensors_files
+
+log = logging.getLogger("lucebox")
+
+QTYPES = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1,
+          "q5_0": Q.Q5_0, "q5_1": Q.Q5_1}
+FILE_TYPES = {Q.F32: LlamaFileType.ALL_F32, Q.F16: LlamaFileType.MOSTLY_F16, Q.BF16: LlamaFileType.MOSTLY_BF16,
+              Q.Q8_0: LlamaFileType.MOSTLY_Q8_0, Q.Q4_0: LlamaFileType.MOSTLY_Q4_0,
+              Q.Q4_1: LlamaFileType.MOSTLY_Q4_1, Q.Q5_0: LlamaFileType.MOSTLY_Q5_0,
+              Q.Q5_1: LlamaFileType.MOSTLY_Q5_1}
+FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
+
+
+def convert_hf_to_gguf(hf_dir: str | Path, out_path: str | Path, qtype: str = "f16") -> Path:
+    """Write `out_path` (a .gguf) from the HF model in `hf_dir`. `qtype` is llama.cpp's --outtype:
+    f32, f16, bf16 or q8_0/q4_0/q4_1/q5_0/q5_1 for the 2-D weight matrices (norms and biases stay
+    F32; a matrix whose rows are not whole blocks falls back to F16, as in llama.cpp)."""
+    hf_dir, out_path = Path(hf_dir), Path(out_path)
+    if qtype not in QTYPES:
+        raise RequestError(f"GGUF type {qtype!r} is not one lucebox can write; choose one of {', '.join(QTYPES)}")
+    if not hf_dir.is_dir():
+        raise CheckpointError(f"{hf_dir}: not a HF model directory")
+    if not out_path.parent.is_dir():
+        raise RequestError(f"{out_path}: the directory {out_path.parent} does not exist")
+    want = QTYPES[qtype]
+    cfg = ModelConfig.from_hf_dir(hf_dir)
+    arch = FAMILY_TO_ARCH[cfg.family]
+    plan = _plan(hf_dir, cfg, want)
+
+    tmp = out_path.with_name(f".{out_path.name}.{os.getpid()}.partial")
+    writer = GGUFWriter(tmp, arch)
+    try:
+        _write_metadata(writer, cfg, arch, hf_dir, want)
+        _write_tokenizer(writer, hf_dir, cfg)
+        extra = _rope_freqs(cfg)
+        for gguf_name, shape, ggml_type, _, _ in plan:
+            writer.add_tensor_info(gguf_name, shape, np.dtype(np.float32), _nbytes(shape, ggml_type), ggml_type)
+        if extra is not None:
+            writer.add_tensor_info(ROPE_FREQS, extra.shape, extra.dtype, extra.nbytes, Q.F32)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        with ExitStack() as stack:
+            files = {}
+            for _, _, _, file, _ in plan:
+                if file not in files:
+                    files[file] = stack.enter_context(safe_open(str(file), framework="pt"))
+            for gguf_name, shape, ggml_type, file, hf_name in tqdm(plan, desc=f"Converting to {qtype}",
+                                                                   unit="tensor", disable=None):
+                values = files[file].get_tensor(hf_name).to(torch.float32).numpy()
+                writer.write_tensor_data(_encode(values, gguf_name, arch, cfg, ggml_type))
+        if extra is not None:
+            writer.write_tensor_data(extra)
+        writer.close()
+        os.replace(tmp, out_path)
+    except BaseException:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    return out_path
+
+
+def _nbytes(shape, ggml_type: Q) -> int:
+    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+    return math.prod(shape) // block_size * type_size
+
+
+def _tensor_type(shape: tuple[int, ...], want: Q) -> Q:
+    if len(shape) < 2:
+        return Q.F32  # norms and biases: tiny, and precision matters more than bytes there
+    if want in FLOAT_TYPES:
+        return want
+    return want if shape[-1] % GGML_QUANT_SIZES[want][0] == 0 else Q.F16
+
+
+def _plan(hf_dir: Path, cfg: ModelConfig, want: Q) -> list[tuple[str, tuple[int, ...], Q, Path, str]]:
+    """(gguf name, shape, GGUF type, file, HF name) for every tensor, checked against the config
+    before anything is written."""
+    with torch.device("meta"):
+        expected = {name: tuple(p.shape) for name, p in Transformer(cfg).named_parameters()}
+    plan = {}
+    for file in safetensors_files(hf_dir):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                entries = [(name, tuple(f.get_slice(name).get_shape())) for name in f.keys()]
+        except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
+            raise CheckpointError(f"{file}: cannot read safetensors file ({e})") from None
+        for hf_name, shape in entries:
+            ours = hf_name.removeprefix("model.")
+            if ours.endswith("rotary_emb.inv_freq") or (ours == "lm_head.weight" and cfg.tie_word_embeddings):
+                continue
+            gguf_name = to_gguf_name(ours)
+            if gguf_name is None or ours not in expected:
+                log.warning("%s: skipping tensor %s (no GGUF counterpart for this architecture)", file, hf_name)
+                continue
+            if shape != expected[ours]:
+                raise CheckpointError(f"{file}: tensor {hf_name} has shape {list(shape)}, the config needs "
+                                      f"{list(expected[ours])}")
+            plan[ours] = (gguf_name, shape, _tensor_type(shape, want), file, hf_name)
+    missing = [name for name in expected if name not in plan]
+    if missing:
+        raise CheckpointError(f"{hf_dir}: missing tensors {', '.join(missing[:5])}")
+    return sorted(plan.values(), key=_gguf_order)
+
+
+def _gguf_order(entry) -> tuple:
+    # llama.cpp's files list the embedding first, then layer by layer, then the head.
+    name = entry[0]
+    if name.startswith("blk."):
+        return (1, int(name.split(".")[1]), name)
+    return (0 if name.startswith("token_embd") else 2, 0, name)
+
+
+def _encode(values: np.ndarray, gguf_name: str, arch: str, cfg: ModelConfig, ggml_type: Q) -> np.ndarray:
+    which = rows_permuted(arch, gguf_name)
+    if which:
+        values = permute_rows(values, cfg.num_heads if which == "q" else cfg.num_kv_heads)
+    return np.ascontiguousarray(quantize(np.ascontiguousarray(values), ggml_type))
+
+
+def _write_metadata(w: GGUFWriter, cfg: ModelConfig, arch: str, hf_dir: Path, want: Q) -> None:
+    w.add_type("model")
+    w.add_name(hf_dir.resolve().name)
+    w.add_file_type(FILE_TYPES[want])
+    if want not in FLOAT_TYPES:
+        w.add_quantization_version(GGML_QUANT_VERSION)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_heads)
+    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope.theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    rope = cfg.rope
+    if rope.type == "linear":
+        w.add_rope_scaling_type(RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope.factor)
+    elif rope.type == "yarn":
+        if rope.mscale or rope.mscale_all_dim or not rope.truncate:
+            raise UnsupportedError(f"{hf_dir}: YaRN with mscale/mscale_all_dim/truncate=false has no GGUF keys "
+                                   "that lucebox writes")
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope.factor)
+        w.add_rope_scaling_orig_ctx_len(rope.original_max_position_embeddings)
+        w.add_rope_scaling_yarn_beta_fast(rope.beta_fast)
+        w.add_rope_scaling_yarn_beta_slow(rope.beta_slow)
+        if rope.attention_factor is not None:
+            w.add_rope_scaling_attn_factors(rope.attention_factor)
+    # llama3 scaling travels as the rope_freqs tensor instead (see _rope_freqs).
+    windows = {win for win in cfg.sliding_windows if win}
+    if len(windows) > 1:
+        raise UnsupportedError(f"{hf_dir}: layers use different sliding windows {sorted(windows)}")
+    if windows:
+        w.add_sliding_window(windows.pop())
+        if not all(cfg.sliding_windows):
+            w.add_sliding_window_pattern([bool(win) for win in cfg.sliding_windows])
+    generation = read_generation_config(hf_dir)
+    for key, name in SAMPLING_KEYS.items():
+        value = generation.get(name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if key == "top_k":
+                w.add_int32(f"general.sampling.{key}", int(value))
+            else:
+                w.add_float32(f"general.sampling.{key}", float(value))
+
+
+def _rope_freqs(cfg: ModelConfig) -> np.ndarray | None:
+    """llama3 RoPE as llama.cpp stores it: per-frequency divisors of the unscaled inverse frequencies."""
+    if cfg.rope.type != "llama3":
+        return None
+    scaled, _ = inverse_frequencies(cfg.rope, cfg.head_dim)
+    plain = 1.0 / (cfg.rope.theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
+    return (plain / scaled).numpy().astype(np.float32)
+
+
+# ---------------------------------------------------------------------------------------- tokenizer
+
+def _write_tokenizer(w: GGUFWriter, hf_dir: Path, cfg: ModelConfig) -> None:
+    """Byte-level BPE tokenizer.json -> tokenizer.ggml.* ("gpt2" model), as llama.cpp writes it."""
+    from .tokenizer import Tokenizer
+
+    if not (hf_dir / "tokenizer.json").is_file():
+        raise UnsupportedError(f"{hf_dir}: no tokenizer.json; lucebox converts byte-level BPE tokenizers "
+                               "(tokenizer.json) only, not SentencePiece tokenizer.model files")
+    tok = Tokenizer.from_hf_dir(hf_dir)
+    spec = json.loads(tok.backend.to_str())
+    if spec.get("model", {}).get("type") != "BPE" or "ByteLevel" not in json.dumps(spec.get("pre_tokenizer")):
+        raise UnsupportedError(f"{hf_dir}/tokenizer.json: only byte-level BPE tokenizers (GPT-2 / Llama 3 / "
+                               "Qwen style) can be written to GGUF by lucebox")
+    vocab = tok.backend.get_vocab(with_added_tokens=True)
+    size = max(cfg.vocab_size, max(vocab.values()) + 1)
+    if size > cfg.vocab_size:
+        raise CheckpointError(f"{hf_dir}: the tokenizer has {size} tokens but the model's embedding only "
+                              f"{cfg.vocab_size} rows")
+    # Ids the tokenizer never produces are padding rows of the embedding, named as llama.cpp does.
+    tokens = [f"[PAD{i}]" for i in range(size)]
+    types = [TokenType.UNUSED] * size
+    for token, i in vocab.items():
+        tokens[i], types[i] = token, TokenType.NORMAL
+    for i, added in tok.backend.get_added_tokens_decoder().items():
+        types[i] = TokenType.CONTROL if added.special else TokenType.USER_DEFINED
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"].get("merges", [])]
+
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(_pre_tokenizer(spec, cfg.family))
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    if (bos := tok.bos_token_id) is not None:
+        w.add_bos_token_id(bos)
+    eos = tok.eos_token_id
+    if eos is None and cfg.eos_token_ids:
+        eos = cfg.eos_token_ids[0]
+    if eos is not None:
+        w.add_eos_token_id(eos)
+    others = sorted(i for i in set(tok.eos_token_ids) | set(cfg.eos_token_ids) if i != eos)
+    if others:  # GGUF has one EOS; a second stop token (e.g. <|eot_id|>) goes in as end-of-turn
+        w.add_eot_token_id(others[0])
+    if (pad := tok.pad_token_id) is not None:
+        w.add_pad_token_id(pad)
+    if (unk := tok.unk_token_id) is not None:
+        w.add_unk_token_id(unk)
+    probe = tok.encode("a")  # what the HF tokenizer adds around a text decides the GGUF flags
+    w.add_add_bos_token(bos is not None and probe[:1] == [bos])
+    w.add_add_eos_token(eos is not None and len(probe) > 1 and probe[-1:] == [eos])
+    templates = tok.chat_templates
+    if templates:
+        w.add_chat_template([{"name": name, "template": text} for name, text in templates.items()])
+
+
+def _pre_tokenizer(spec: dict, family: str) -> str:
+    """tokenizer.ggml.pre: llama.cpp names a pre-tokenizer (a split regex) rather than storing it."""
+    from .tokenizer import _LLAMA3_REGEX, _QWEN2_REGEX  # the regexes the GGUF reader maps these names to
+
+    parts = list(_walk(spec.get("pre_tokenizer")))
+    regexes = [p["pattern"].get("Regex") for p in parts if p.get("type") == "Split" and isinstance(p.get("pattern"), dict)]
+    if _QWEN2_REGEX in regexes:
+        return "qwen2"
+    if _LLAMA3_REGEX in regexes:
+        return "llama-bpe"
+    if not regexes and any(p.get("type") == "ByteLevel" and p.get("use_regex", True) for p in parts):
+        return "gpt-2"  # a plain ByteLevel pre-tokenizer splits with the GPT-2 regex
+    fallback = "qwen2" if family.startswith("qwen") else "llama-bpe"
+    log.warning("unrecognised pre-tokenizer in tokenizer.json; writing tokenizer.ggml.pre=%s, "
+                "some texts may tokenize differently", fallback)
+    return fallback
+
+
+def _walk(node):
+    """Every component of a (possibly nested Sequence) tokenizer.json pre_tokenizer."""
+    if isinstance(node, dict):
+        yield node
+        for child in node.get("pretokenizers", []):
+            yield from _walk(child)

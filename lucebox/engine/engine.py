@@ -1,0 +1,185 @@
+"""LLMEngine: requests in, one batched forward per step, incremental outputs out."""
+from __future__ import annotations
+
+import itertools
+import logging
+
+import torch
+
+from ..config import EngineArgs
+from ..errors import ContextLengthError, RequestError
+from ..model.loader import LoadedModel
+from ..outputs import CompletionOutput, RequestOutput
+from ..sampling import Sampler, SamplingParams, make_generator
+from ..stop import StopChecker
+from ..tokenizer import IncrementalDetokenizer
+from .block_manager import BlockManager
+from .runner import ModelRunner, kv_bytes_per_token
+from .scheduler import Scheduler
+from .sequence import Sequence
+
+log = logging.getLogger("lucebox")
+CPU_KV_CAP = 2 << 30
+
+
+class LLMEngine:
+    def __init__(self, loaded: LoadedModel, args: EngineArgs):
+        self.loaded, self.args = loaded, args
+        self.model, self.tokenizer = loaded.model, loaded.tokenizer
+        cfg = loaded.config
+        self.max_model_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings) \
+            if args.max_model_len is None else args.max_model_len
+        if self.max_model_len > cfg.max_position_embeddings:
+            log.warning("max_model_len %d exceeds the model's %d positions", self.max_model_len,
+                        cfg.max_position_embeddings)
+        num_blocks = self._plan_kv_blocks()
+        self.runner = ModelRunner(self.model, num_blocks, args.block_size)
+        self.scheduler = Scheduler(BlockManager(num_blocks, args.block_size), args.max_num_seqs,
+                                   max(args.max_num_batched_tokens, self.max_model_len))
+        self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(cfg.eos_token_ids)
+        self.sampler = Sampler(self.eos_token_ids)
+        self.requests: dict[str, tuple[str | None, list[Sequence]]] = {}
+        self._arrivals = itertools.count()
+        log.info("KV pool: %d blocks of %d tokens = %d tokens", num_blocks, args.block_size,
+                 num_blocks * args.block_size)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.runner.num_blocks * self.runner.block_size
+
+    def _plan_kv_blocks(self) -> int:
+        args = self.args
+        per_block = kv_bytes_per_token(self.model, self.model.dtype) * args.block_size
+        blocks_per_seq = -(-self.max_model_len // args.block_size)
+        if self.model.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.model.device)
+            used = total - free
+            budget = args.kv_cache_memory or int(total * args.gpu_memory_utilization) - used
+        else:
+            budget = args.kv_cache_memory or min(CPU_KV_CAP, per_block * blocks_per_seq * args.max_num_seqs)
+        num_blocks = budget // per_block
+        if num_blocks < blocks_per_seq:
+            raise RequestError(
+                f"the KV cache budget ({budget / 2**20:.1f} MiB) holds {num_blocks * args.block_size} tokens, "
+                f"less than one sequence of max_model_len={self.max_model_len}; lower --max-model-len or "
+                f"raise --kv-cache-memory / --gpu-memory-utilization")
+        return int(num_blocks)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams) -> None:
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already running")
+        text, ids = self._tokenize(prompt)
+        if not ids:
+            raise RequestError("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise ContextLengthError(
+                f"the prompt has {len(ids)} tokens; the context window (max_model_len) is {self.max_model_len}, "
+                f"which leaves no room for output")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        params.verify_token_ids(vocab)
+        params = params.with_defaults(self.loaded.generation_defaults)
+        seqs = []
+        for index in range(params.n):
+            seq = Sequence(request_id, index, list(ids), params, arrival=next(self._arrivals))
+            seq.generator = make_generator(params.seed, self.model.device, index)
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens,
+                                                     context_ids=ids[-4:])
+            seq.stop_checker = StopChecker.from_params(params)
+            seq.logprobs = [] if params.logprobs is not None else None
+            seqs.append(seq)
+        self.requests[request_id] = (text, seqs)
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+            raise RequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise RequestError(f"a prompt is a string, a list of token ids or a dict, not {type(prompt).__name__}")
+
+    def abort(self, request_id: str) -> None:
+        entry = self.requests.pop(request_id, None)
+        if entry is None:
+            return
+        for seq in entry[1]:
+            if not seq.is_finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            if self.scheduler.has_work():
+                raise RuntimeError("scheduler made no progress (KV pool too small for any waiting sequence)")
+            return []
+        logits = self.runner.run(batch.token_ids, batch.start_positions, [s.block_table for s in batch.seqs])
+        sampled = self.sampler(logits, batch.seqs)
+        tokens = sampled.sampled_token_ids.tolist()
+        logprobs = sampled.logprob_dicts(self.tokenizer.id_to_token) if sampled.logprobs is not None \
+            else [None] * len(tokens)
+        touched = {}
+        for seq, token, lp in zip(batch.seqs, tokens, logprobs):
+            seq.num_computed = seq.num_tokens
+            self._append(seq, token, lp)
+            touched[seq.request_id] = True
+        return [self._request_output(rid) for rid in touched]
+
+    def _append(self, seq: Sequence, token: int, logprobs: dict | None) -> None:
+        params = seq.params
+        seq.output_token_ids.append(token)
+        if logprobs is not None:
+            seq.logprobs.append(logprobs)
+            seq.cumulative_logprob += logprobs[token].logprob
+        stop_ids = params.stop_token_ids or ()
+        if token in stop_ids or (token in self.eos_token_ids and not params.ignore_eos):
+            # The stop token itself is not part of the text (vLLM's behaviour).
+            if self._emit(seq, seq.detokenizer.flush(), final=True):
+                return
+            return self._finish(seq, "stop", token if token in stop_ids else None)
+        if self._emit(seq, seq.detokenizer.push(token)):
+            return
+        if (params.max_tokens is not None and len(seq.output_token_ids) >= params.max_tokens) \
+                or seq.num_tokens >= self.max_model_len:
+            if not self._emit(seq, seq.detokenizer.flush(), final=True):
+                self._finish(seq, "length", None)
+
+    def _emit(self, seq: Sequence, piece: str, final: bool = False) -> bool:
+        """Pass new text through the stop-string check; True when a stop string ended the sequence."""
+        emitted, stopped, matched = seq.stop_checker.feed(piece)
+        seq.text += emitted
+        if stopped:
+            self._finish(seq, "stop", matched)
+            return True
+        if final:
+            seq.text += seq.stop_checker.flush()
+        return False
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason) -> None:
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        self.scheduler.finish(seq)
+
+    def _request_output(self, request_id: str) -> RequestOutput:
+        text, seqs = self.requests[request_id]
+        outputs = [CompletionOutput(s.index, s.text, list(s.output_token_ids),
+                                    s.cumulative_logprob if s.logprobs is not None else None,
+                                    list(s.logprobs) if s.logprobs is not None else None,
+                                    s.finish_reason, s.stop_reason) for s in seqs]
+        finished = all(s.is_finished for s in seqs)
+        if finished:
+            del self.requests[request_id]
+        return RequestOutput(request_id, text, seqs[0].prompt_token_ids, outputs, finished)

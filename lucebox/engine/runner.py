@@ -1,0 +1,41 @@
+"""ModelRunner: owns the model and its paged KV pool; runs one ragged batch per call."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..model.forward_batch import ForwardBatch
+from ..model.transformer import Transformer
+
+log = logging.getLogger("lucebox")
+
+
+def kv_bytes_per_token(model: Transformer, dtype: torch.dtype) -> int:
+    cfg = model.config
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
+class ModelRunner:
+    def __init__(self, model: Transformer, num_blocks: int, block_size: int, kv_dtype: torch.dtype | None = None):
+        self.model = model
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        cfg = model.config
+        kv_dtype = kv_dtype or model.dtype
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        for layer in model.layers:
+            layer.self_attn.k_cache = torch.zeros(shape, dtype=kv_dtype, device=model.device)
+            layer.self_attn.v_cache = torch.zeros(shape, dtype=kv_dtype, device=model.device)
+
+    @torch.inference_mode()
+    def run(self, token_ids: list[list[int]], start_positions: list[int], block_tables: list[list[int]],
+            logits_for: str = "last") -> torch.Tensor:
+        """Forward the new tokens of each sequence; returns float32 logits.
+
+        logits_for="last": one row per sequence (its last new token); "all": one row per new token."""
+        batch = ForwardBatch.build(token_ids, start_positions, block_tables, self.block_size, self.model.device)
+        hidden = self.model(batch)
+        if logits_for == "last":
+            hidden = hidden[batch.query_start_loc[1:] - 1]
+        return self.model.compute_logits(hidden)

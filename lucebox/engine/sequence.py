@@ -1,0 +1,48 @@
+"""Sequence: one generated continuation, its tokens, KV blocks, sampling state and stop rules."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from ..sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    index: int  # position among the request's n outputs
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: int = 0  # admission order, for FIFO fairness and newest-first preemption
+    output_token_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    status: Status = Status.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    text: str = ""  # emitted text (stop strings removed)
+    logprobs: list[dict] | None = None
+    cumulative_logprob: float = 0.0
+    generator: torch.Generator | None = None
+    detokenizer: object = None
+    stop_checker: object = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED

@@ -1,0 +1,21 @@
+"""Every failure a user can cause is a LuceboxError with a message a person can act on."""
+
+
+class LuceboxError(Exception):
+    """Base class: the CLI prints these without a traceback; the server maps them to API errors."""
+
+
+class CheckpointError(LuceboxError):
+    """A model file is missing, truncated, corrupt or does not fit its config."""
+
+
+class UnsupportedError(LuceboxError):
+    """An architecture, tensor type or feature lucebox does not support."""
+
+
+class RequestError(LuceboxError):
+    """A request (prompt, sampling parameter, flag) is invalid."""
+
+
+class ContextLengthError(RequestError):
+    """A prompt plus its requested output does not fit the context window."""

@@ -1,0 +1,49 @@
+"""Paged attention: torch reference (CPU and any device).
+
+K/V live in a paged pool [num_blocks, block_size, kv_heads, head_dim]. Each sequence's new
+queries attend causally to its cached context and to themselves; a layer with a sliding window
+sees only keys with q_pos - k_pos < window.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..model.forward_batch import ForwardBatch
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store the new tokens' K/V [T, kv_heads, head_dim] in their cache slots."""
+    k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = k.to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = v.to(v_cache.dtype)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
+                    scale: float, sliding_window: int | None = None) -> torch.Tensor:
+    """q [T, heads, head_dim] -> [T, heads, head_dim]; the new K/V must already be written."""
+    out = torch.empty_like(q)
+    heads, kv_heads = q.shape[1], k_cache.shape[2]
+    flat_k = k_cache.view(-1, *k_cache.shape[2:])
+    flat_v = v_cache.view(-1, *v_cache.shape[2:])
+    start = 0
+    for i, q_len in enumerate(batch.query_lens_host):
+        if q_len == 0:
+            continue
+        slots = batch.context_slots(i)
+        k = flat_k[slots].to(q.dtype).transpose(0, 1)  # [kv_heads, ctx, d]
+        v = flat_v[slots].to(q.dtype).transpose(0, 1)
+        if heads != kv_heads:
+            k = k.repeat_interleave(heads // kv_heads, dim=0)
+            v = v.repeat_interleave(heads // kv_heads, dim=0)
+        ctx = slots.shape[0]
+        q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
+        k_pos = torch.arange(ctx, device=q.device)[None, :]
+        mask = k_pos <= q_pos
+        if sliding_window is not None:
+            mask &= (q_pos - k_pos) < sliding_window
+        qi = q[start:start + q_len].transpose(0, 1)  # [heads, q_len, d]
+        o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale)
+        out[start:start + q_len] = o.transpose(0, 1)
+        start += q_len
+    return out

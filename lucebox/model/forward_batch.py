@@ -1,0 +1,73 @@
+"""ForwardBatch: one ragged batch, the same description for prefill chunks, decodes and verifies.
+
+Each sequence brings `q_len` new tokens that attend causally to themselves and to its cached
+context. Built once per step by the runner; every layer reads it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64, all sequences' new tokens back to back
+    positions: torch.Tensor  # [T] int64, absolute position of each new token
+    query_start_loc: torch.Tensor  # [B+1] int64, offsets of each sequence's tokens in input_ids
+    seq_lens: torch.Tensor  # [B] int64, context length after this step (cached + new)
+    block_tables: torch.Tensor  # [B, max_blocks] int32, -1 padded
+    slot_mapping: torch.Tensor  # [T] int64, cache slot (block * block_size + offset) for each new token
+    block_size: int
+    # Hidden states after these layer indices are captured (speculative drafters tap them).
+    capture_layers: tuple[int, ...] = ()
+    captured: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Host-side copies so the CPU reference attention never syncs on device tensors.
+    query_lens_host: list[int] = field(default_factory=list)
+    seq_lens_host: list[int] = field(default_factory=list)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def context_slots(self, i: int) -> torch.Tensor:
+        """Cache slots of positions 0..seq_len-1 of sequence i (cached context plus new tokens)."""
+        cached = getattr(self, "_slots_cache", None)
+        if cached is None:
+            cached = self._slots_cache = {}
+        if i not in cached:
+            n = self.seq_lens_host[i]
+            pos = torch.arange(n, device=self.block_tables.device)
+            blocks = self.block_tables[i, pos // self.block_size].long()
+            cached[i] = blocks * self.block_size + pos % self.block_size
+        return cached[i]
+
+    @classmethod
+    def build(cls, token_ids: list[list[int]], start_positions: list[int], block_tables: list[list[int]],
+              block_size: int, device: torch.device | str = "cpu", capture_layers: tuple[int, ...] = ()
+              ) -> "ForwardBatch":
+        """token_ids[i] are the new tokens of sequence i, placed at start_positions[i]..."""
+        ids, positions, slots, starts = [], [], [], [0]
+        for toks, start, table in zip(token_ids, start_positions, block_tables):
+            for j, tok in enumerate(toks):
+                pos = start + j
+                ids.append(tok)
+                positions.append(pos)
+                slots.append(table[pos // block_size] * block_size + pos % block_size)
+            starts.append(starts[-1] + len(toks))
+        width = max((len(t) for t in block_tables), default=0)
+        tables = [t + [-1] * (width - len(t)) for t in block_tables]
+        seq_lens = [s + len(t) for s, t in zip(start_positions, token_ids)]
+
+        def as_tensor(values, dtype=torch.int64):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        return cls(
+            input_ids=as_tensor(ids), positions=as_tensor(positions), query_start_loc=as_tensor(starts),
+            seq_lens=as_tensor(seq_lens), block_tables=as_tensor(tables, torch.int32).reshape(len(tables), width),
+            slot_mapping=as_tensor(slots), block_size=block_size, capture_layers=tuple(capture_layers),
+            query_lens_host=[len(t) for t in token_ids], seq_lens_host=seq_lens)

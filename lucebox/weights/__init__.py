@@ -1,0 +1,1 @@
+"""Checkpoint loading: safetensors and GGUF readers, quantised tensor types."""

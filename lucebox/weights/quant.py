@@ -1,0 +1,202 @@
+"""Quantised GGUF weights that stay quantised in memory, and the linear / embedding layers using them.
+
+A `QuantTensor` keeps the raw GGUF blocks (uint8, one row of blocks per output feature); a
+`QuantLinear` dequantises a few rows at a time inside `forward`, so a large matrix never exists in
+float form; a `QuantEmbedding` dequantises only the rows a batch looks up. All dequantisation
+goes through `lucebox.kernels.dequant` so a faster kernel can be dispatched there.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from lucebox.errors import CheckpointError, UnsupportedError
+from lucebox.kernels import dequant
+from lucebox.kernels.dequant import SUPPORTED_TYPES, qtype_name
+
+__all__ = ["SUPPORTED_TYPES", "QuantTensor", "QuantLinear", "QuantEmbedding", "quant_matmul"]
+
+
+def _check_type(qtype, name: str) -> GGMLQuantizationType:
+    try:
+        qtype = GGMLQuantizationType(qtype)
+    except ValueError:
+        pass
+    if qtype not in SUPPORTED_TYPES:
+        raise UnsupportedError(
+            f"tensor {name!r} has GGUF type {qtype_name(qtype)}, which lucebox cannot load; "
+            f"supported types: {', '.join(sorted(t.name for t in SUPPORTED_TYPES))} "
+            f"(re-quantise the model, e.g. with llama.cpp's llama-quantize)")
+    return qtype
+
+
+def _row_bytes(qtype: GGMLQuantizationType, in_features: int, name: str) -> int:
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    if in_features % block_size:
+        raise CheckpointError(f"tensor {name!r}: row length {in_features} is not a multiple of the "
+                              f"{qtype.name} block size {block_size}")
+    return in_features // block_size * type_size
+
+
+@dataclass(frozen=True, eq=False)  # eq would compare tensors elementwise
+class QuantTensor:
+    """Raw GGUF bytes `data` [rows, bytes_per_row] of a tensor whose logical shape is `shape`
+    (outermost first, e.g. (out_features, in_features); rows = product of all but the last)."""
+
+    data: torch.Tensor
+    qtype: GGMLQuantizationType
+    shape: tuple[int, ...]
+    name: str = ""
+
+    def __post_init__(self):
+        object.__setattr__(self, "qtype", _check_type(self.qtype, self.name))
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        if not self.shape:
+            raise CheckpointError(f"tensor {self.name!r} has no dimensions")
+        expected = (math.prod(self.shape[:-1]), _row_bytes(self.qtype, self.shape[-1], self.name))
+        if self.data.dtype != torch.uint8 or tuple(self.data.shape) != expected:
+            raise CheckpointError(
+                f"tensor {self.name!r} ({self.qtype.name}, shape {self.shape}) should hold "
+                f"{expected[0]} rows of {expected[1]} bytes, found {self.data.dtype} "
+                f"{tuple(self.data.shape)}; the file is corrupt or does not match its header")
+
+    @classmethod
+    def from_numpy(cls, array: np.ndarray, qtype, gguf_shape, name: str = "") -> QuantTensor:
+        """Build from `GGUFReader` output: `array` is a tensor's `.data` and `gguf_shape` its
+        `.shape`, which GGUF lists innermost first (in_features, out_features)."""
+        qtype = _check_type(qtype, name)
+        shape = tuple(int(d) for d in reversed(list(gguf_shape)))
+        if not shape:
+            raise CheckpointError(f"tensor {name!r} has no dimensions")
+        row_bytes = _row_bytes(qtype, shape[-1], name)
+        # F32/F16 arrive as float arrays; their bytes are the GGUF blocks.
+        raw = np.ascontiguousarray(array).view(np.uint8) if array.ndim else array
+        if raw.ndim == 0 or raw.shape[-1] != row_bytes or raw.size != math.prod(shape[:-1]) * row_bytes:
+            raise CheckpointError(
+                f"tensor {name!r} ({qtype.name}, shape {shape}) should have {row_bytes} bytes per "
+                f"row, found data of shape {tuple(raw.shape)}; the file is corrupt or truncated")
+        with warnings.catch_warnings():
+            # The reader hands out read-only memory maps; copying is what torch would want anyway.
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.from_numpy(np.array(raw.reshape(-1, row_bytes), copy=True))
+        return cls(data, qtype, shape, name)
+
+    @classmethod
+    def from_reader_tensor(cls, tensor) -> QuantTensor:
+        """Build from a `gguf.GGUFReader` `ReaderTensor`."""
+        return cls.from_numpy(tensor.data, tensor.tensor_type, tensor.shape, tensor.name)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def to(self, device) -> QuantTensor:
+        return QuantTensor(self.data.to(device), self.qtype, self.shape, self.name)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequant.dequantize(self.data, self.qtype, dtype).reshape(self.shape)
+
+    def __repr__(self) -> str:
+        return (f"QuantTensor({self.name!r}, {self.qtype.name}, shape={self.shape}, "
+                f"nbytes={self.nbytes}, device={self.device})")
+
+
+def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantizationType, in_features: int,
+                 bias: torch.Tensor | None = None, chunk_bytes: int = 32 << 20) -> torch.Tensor:
+    """x @ W.T (+ bias) for raw GGUF rows `qweight` [out_features, bytes_per_row], dequantising
+    `chunk_bytes` (float32-equivalent) worth of output rows at a time."""
+    out_features = qweight.shape[0]
+    bias = None if bias is None else bias.to(x.dtype)
+    rows = max(1, chunk_bytes // (4 * in_features))
+    if rows >= out_features:
+        return F.linear(x, dequant.dequantize(qweight, qtype, x.dtype), bias)
+    out = x.new_empty(*x.shape[:-1], out_features)
+    for start in range(0, out_features, rows):
+        w = dequant.dequantize(qweight[start:start + rows], qtype, x.dtype)
+        out[..., start:start + rows] = F.linear(x, w)
+    if bias is not None:
+        out += bias
+    return out
+
+
+class QuantLinear(torch.nn.Module):
+    """y = x @ W.T (+ bias) with W kept quantised; dequantised `chunk_bytes` (float32-equivalent)
+    worth of output rows at a time."""
+
+    def __init__(self, weight: QuantTensor, bias: torch.Tensor | None = None,
+                 chunk_bytes: int = 32 << 20):
+        super().__init__()
+        if len(weight.shape) != 2:
+            raise CheckpointError(f"tensor {weight.name!r}: a linear weight must be 2-D, "
+                                  f"got shape {weight.shape}")
+        self.out_features, self.in_features = weight.shape
+        if bias is not None and tuple(bias.shape) != (self.out_features,):
+            raise CheckpointError(f"bias for {weight.name!r} has shape {tuple(bias.shape)}, "
+                                  f"expected ({self.out_features},)")
+        self.qtype = weight.qtype
+        self.name = weight.name
+        self.chunk_bytes = chunk_bytes
+        self.register_buffer("qweight", weight.data)
+        self.register_buffer("bias", bias)
+
+    @property
+    def weight(self) -> QuantTensor:
+        return QuantTensor(self.qweight, self.qtype, (self.out_features, self.in_features), self.name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return quant_matmul(x, self.qweight, self.qtype, self.in_features, self.bias, self.chunk_bytes)
+
+    def extra_repr(self) -> str:
+        return (f"{self.name!r}, in_features={self.in_features}, out_features={self.out_features}, "
+                f"qtype={self.qtype.name}, bias={self.bias is not None}")
+
+
+class QuantEmbedding(torch.nn.Module):
+    """Token embedding with the table kept quantised: a lookup dequantises only the rows it reads.
+
+    With tied embeddings the same bytes are the LM head (`project`), so they are stored once."""
+
+    def __init__(self, weight: QuantTensor, dtype: torch.dtype = torch.float32, chunk_bytes: int = 32 << 20):
+        super().__init__()
+        if len(weight.shape) != 2:
+            raise CheckpointError(f"tensor {weight.name!r}: an embedding table must be 2-D, "
+                                  f"got shape {weight.shape}")
+        self.num_embeddings, self.embedding_dim = weight.shape
+        self.qtype = weight.qtype
+        self.name = weight.name
+        self.chunk_bytes = chunk_bytes
+        self.register_buffer("qweight", weight.data)
+        # Empty, but `module.to(dtype)` casts it, so lookups follow the model's float dtype the
+        # way nn.Embedding's output follows its weight.
+        self.register_buffer("_dtype_anchor", torch.empty(0, dtype=dtype, device=weight.device))
+
+    @property
+    def weight(self) -> QuantTensor:
+        return QuantTensor(self.qweight, self.qtype, (self.num_embeddings, self.embedding_dim), self.name)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype_anchor.dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.qweight.index_select(0, ids.reshape(-1))
+        values = dequant.dequantize(rows, self.qtype, self.dtype)
+        return values.reshape(*ids.shape, self.embedding_dim)
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden @ table.T: the tied LM head."""
+        return quant_matmul(hidden, self.qweight, self.qtype, self.embedding_dim, None, self.chunk_bytes)
+
+    def extra_repr(self) -> str:
+        return (f"{self.name!r}, num_embeddings={self.num_embeddings}, "
+                f"embedding_dim={self.embedding_dim}, qtype={self.qtype.name}")

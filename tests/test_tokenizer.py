@@ -1,0 +1,613 @@
+"""Tokenizer: HF dirs and GGUF vocabularies encode like their originals; chat templates render like transformers."""
+
+import json
+import logging
+
+import gguf
+import pytest
+import tokenizers
+from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
+
+from lucebox.errors import CheckpointError, LuceboxError, RequestError, UnsupportedError
+from lucebox.tokenizer import IncrementalDetokenizer, Tokenizer
+
+# ---- test data -------------------------------------------------------------------------------------
+
+_PARAGRAPHS = [
+    "The quick brown fox jumps over the lazy dog. I'm sure they'll say it's fine; we've seen worse, haven't we?",
+    "def fibonacci(n: int) -> int:\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "for (int i = 0; i < 1024; ++i) { total += values[i] * 3.14159; }  // sum it up\n",
+    'import json\nprint(json.dumps({"name": "lucebox", "version": [0, 1, 2]}, indent=2))\n',
+    "Numbers: 1234567890, 2024-06-01, 0x7fff, 1e-9, 42%, $19.99 and 3,000,000 people.",
+    "Unicode text: naïve café, résumé, Ελληνικά, русский язык, 東京タワーは高い。中文分词测试，日本語もある。",
+    "Emoji: 🤖🧠👍 ok 🎉🎉 and a ZWJ sequence 👩‍💻 plus flags 🇫🇷.",
+    "Whitespace   runs\t\ttabs\n\n\nnew lines    and trailing spaces   \n",
+    "<|im_start|>user\nHello there!<|im_end|>\n<|im_start|>assistant\nHi! How can I help?<|im_end|>\n",
+]
+CORPUS = [p for _ in range(6) for p in _PARAGRAPHS]
+
+TEXTS = [
+    "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n\n\n",
+    "Unicode: naïve café, 東京タワー, Ελληνικά, emoji 🤖🧠👍🏽 and ZWJ 👩‍💻 and unseen 🦜 𝔘",
+    "digits 1234567890 3.14159 1e-9 0x7fff 00000",
+    "   leading spaces\t\ttabs\n\n\n  trailing   ",
+    '<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<tool_call>{"a": 1}</tool_call><|im_end|>',
+    "I'm sure they'll say it's OK, WE'LL SEE, You'RE right",
+    "e\u0301 combining accent (NFD) vs é (NFC)",
+    "",
+]
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
+            "<|end_header_id|>", "<|eot_id|>"]
+
+# The pre-tokenizer regexes of the real models' tokenizer.json files, written out independently of lucebox.
+LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+QWEN_TEMPLATE = """{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] }}
+    {%- else %}
+        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}
+    {%- endif %}
+    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
+{%- else %}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
+    {%- else %}
+        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}
+            {{- '\\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\\n<tool_call>\\n{"name": "' }}
+            {{- tool_call.name }}
+            {{- '", "arguments": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- '}\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' }}
+        {{- message.content }}
+        {{- '\\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- endif %}
+{%- endif %}
+"""
+
+LLAMA3_TEMPLATE = """{{- bos_token }}
+{%- if not date_string is defined %}
+    {%- set date_string = strftime_now("%d %b %Y") %}
+{%- endif %}
+{%- if messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content']|trim %}
+    {%- set messages = messages[1:] %}
+{%- else %}
+    {%- set system_message = "" %}
+{%- endif %}
+{{- "<|start_header_id|>system<|end_header_id|>\\n\\n" }}
+{%- if tools is not none %}
+    {{- "Environment: ipython\\n" }}
+{%- endif %}
+{{- "Cutting Knowledge Date: December 2023\\n" }}
+{{- "Today Date: " + date_string + "\\n\\n" }}
+{%- if tools is not none %}
+    {{- "You have access to the following functions. To call a function, please respond with JSON for a function call." }}
+    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.' }}
+    {{- "Do not use variables.\\n\\n" }}
+    {%- for t in tools %}
+        {{- t | tojson(indent=4) }}
+        {{- "\\n\\n" }}
+    {%- endfor %}
+{%- endif %}
+{{- system_message }}
+{{- "<|eot_id|>" }}
+{%- for message in messages %}
+    {%- if message.role in ['ipython', 'tool'] %}
+        {{- "<|start_header_id|>ipython<|end_header_id|>\\n\\n" }}
+        {%- if message.content is mapping or message.content is iterable and message.content is not string %}
+            {{- message.content | tojson }}
+        {%- else %}
+            {{- message.content }}
+        {%- endif %}
+        {{- "<|eot_id|>" }}
+    {%- elif 'tool_calls' in message %}
+        {%- if not message.tool_calls|length == 1 %}
+            {{- raise_exception("This model only supports single tool-calls at once!") }}
+        {%- endif %}
+        {%- set tool_call = message.tool_calls[0].function %}
+        {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}
+        {{- '{"name": "' + tool_call.name + '", ' }}
+        {{- '"parameters": ' }}
+        {{- tool_call.arguments | tojson }}
+        {{- "}" }}
+        {{- "<|eot_id|>" }}
+    {%- else %}
+        {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + '<|eot_id|>' }}
+    {%- endif %}
+    {%- if loop.index > 50 %}{% break %}{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
+{%- endif %}
+"""
+
+MESSAGES = [
+    {"role": "system", "content": "You are terse. Ünïcödé is fine."},
+    {"role": "user", "content": "What's the weather in 東京? 🌧 <b>&</b>"},
+    {
+        "role": "assistant",
+        "content": None,  # as OpenAI clients send it; transformers drops None-valued keys
+        "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "東京"}}}],
+    },
+    {"role": "tool", "content": '{"temperature": 21, "unit": "°C"}'},
+    {"role": "assistant", "content": "It is 21 °C in 東京."},
+    {"role": "user", "content": "Thanks!"},
+]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather for a city, in °C <now>",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "description": "City name, e.g. 東京"},
+                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                },
+                "required": ["city"],
+            },
+        },
+    }
+]
+
+
+# ---- helpers ---------------------------------------------------------------------------------------
+
+
+def train_byte_level_bpe(pre: str = "gpt-2", vocab_size: int = 800) -> tokenizers.Tokenizer:
+    """A tiny tokenizer shaped like GPT-2 ("gpt-2"), Llama 3 ("llama-bpe") or Qwen2 ("qwen2")."""
+    tok = tokenizers.Tokenizer(models.BPE())
+    if pre == "gpt-2":
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        regex = LLAMA3_REGEX if pre == "llama-bpe" else QWEN2_REGEX
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(regex), behavior="isolated"),
+             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        )
+    if pre == "qwen2":
+        tok.normalizer = normalizers.NFC()
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    if pre == "llama-bpe":
+        tok.model.ignore_merges = True  # as in Llama 3's tokenizer.json
+    tok.add_tokens(["<tool_call>", "</tool_call>"])  # added, but not special (Qwen has these)
+    return tok
+
+
+def added_token_json(content: str) -> dict:
+    """A special token as older tokenizer_config.json files store it (a serialised AddedToken)."""
+    return {"__type": "AddedToken", "content": content, "lstrip": False, "normalized": False, "rstrip": False,
+            "single_word": False, "special": True}
+
+
+def write_hf_dir(path, tok: tokenizers.Tokenizer, **config) -> str:
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+    (path / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False), encoding="utf-8")
+    return str(path)
+
+
+def write_gguf(path, model: str, tokens, types, *, merges=None, scores=None, pre=None, **keys) -> gguf.GGUFReader:
+    w = gguf.GGUFWriter(str(path), arch="llama")
+    w.add_tokenizer_model(model)
+    if pre is not None:
+        w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    if merges is not None:
+        w.add_token_merges(merges)
+    if scores is not None:
+        w.add_token_scores(scores)
+    for name, value in keys.items():  # add_bos_token_id=..., add_chat_template=..., ...
+        getattr(w, name)(value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+    return gguf.GGUFReader(str(path))
+
+
+def gguf_from_hf(path, tok: tokenizers.Tokenizer, pre: str, **keys) -> gguf.GGUFReader:
+    """What llama.cpp's convert_hf_to_gguf writes for a byte-level BPE tokenizer."""
+    vocab = tok.get_vocab(with_added_tokens=True)
+    tokens = [None] * len(vocab)
+    for t, i in vocab.items():
+        tokens[i] = t
+    added = tok.get_added_tokens_decoder()
+    types = [
+        (gguf.TokenType.CONTROL if added[i].special else gguf.TokenType.USER_DEFINED) if i in added
+        else gguf.TokenType.NORMAL
+        for i in range(len(tokens))
+    ]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in json.loads(tok.to_str())["model"]["merges"]]
+    return write_gguf(path, "gpt2", tokens, types, merges=merges, pre=pre, **keys)
+
+
+def spm_reference_encode(text: str, vocab: dict[str, int], scores: list[float]) -> list[int]:
+    """llama.cpp's SentencePiece algorithm, naively: join the adjacent pair making the best-scored piece."""
+    symbols = list("\u2581" + text.replace(" ", "\u2581"))
+    while True:
+        best = None
+        for i in range(len(symbols) - 1):
+            j = vocab.get(symbols[i] + symbols[i + 1])
+            if j is not None and (best is None or scores[j] > best[0]):  # strict: leftmost wins ties
+                best = (scores[j], i)
+        if best is None:
+            break
+        i = best[1]
+        symbols[i : i + 2] = [symbols[i] + symbols[i + 1]]
+    ids = []
+    for s in symbols:
+        ids.extend([vocab[s]] if s in vocab else [vocab[f"<0x{b:02X}>"] for b in s.encode()])
+    return ids
+
+
+def hand_spm_vocab():
+    """A small SentencePiece-style vocabulary: <unk> <s> </s>, 256 byte pieces, ▁-prefixed pieces."""
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL] + [gguf.TokenType.BYTE] * 256
+    scores = [0.0] * len(tokens)
+    pieces = ["ll", "he", "\u2581he", "llo", "\u2581hello", "or", "\u2581w", "ld", "\u2581wor", "\u2581world",
+              "\u2581hell", "lo", "\u2581a", "aa", "\u2581aa"]
+    for rank, piece in enumerate(pieces):
+        tokens.append(piece)
+        types.append(gguf.TokenType.NORMAL)
+        scores.append(-float(rank))
+    for ch in "\u2581helowrdab!,.":  # single characters score lowest, as in sentencepiece
+        tokens.append(ch)
+        types.append(gguf.TokenType.NORMAL)
+        scores.append(-1000.0)
+    return tokens, types, scores
+
+
+# ---- chat templates ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def chatml_bpe():
+    return train_byte_level_bpe("qwen2")
+
+
+@pytest.mark.parametrize("with_tools", [False, True], ids=["no-tools", "tools"])
+@pytest.mark.parametrize("template", [QWEN_TEMPLATE, LLAMA3_TEMPLATE], ids=["qwen", "llama3"])
+def test_chat_template_renders_exactly_like_transformers(tmp_path, chatml_bpe, template, with_tools):
+    transformers = pytest.importorskip("transformers")
+    d = write_hf_dir(
+        tmp_path, chatml_bpe, chat_template=template, bos_token="<|begin_of_text|>",
+        eos_token=added_token_json("<|im_end|>"), pad_token="<|endoftext|>",
+    )
+    tools = TOOLS if with_tools else None
+    expected = transformers.PreTrainedTokenizerFast.from_pretrained(d).apply_chat_template(
+        MESSAGES, tools=tools, tokenize=False, add_generation_prompt=True
+    )
+    assert Tokenizer.from_hf_dir(d).apply_chat_template(MESSAGES, tools=tools) == expected
+
+
+def test_chat_template_extra_kwargs_reach_the_template_like_transformers(tmp_path, chatml_bpe):
+    transformers = pytest.importorskip("transformers")
+    d = write_hf_dir(tmp_path, chatml_bpe, chat_template=QWEN_TEMPLATE, eos_token="<|im_end|>")
+    hf = transformers.PreTrainedTokenizerFast.from_pretrained(d)
+    ours = Tokenizer.from_hf_dir(d)
+    for add_generation_prompt in (True, False):
+        expected = hf.apply_chat_template(
+            MESSAGES[:2], tokenize=False, add_generation_prompt=add_generation_prompt, enable_thinking=False
+        )
+        got = ours.apply_chat_template(MESSAGES[:2], add_generation_prompt=add_generation_prompt, enable_thinking=False)
+        assert got == expected
+    assert ours.apply_chat_template(MESSAGES[:2], enable_thinking=False).endswith("<think>\n\n</think>\n\n")
+
+
+def test_named_chat_templates_pick_default_or_tool_use_like_transformers(tmp_path, chatml_bpe):
+    transformers = pytest.importorskip("transformers")
+    templates = [{"name": "default", "template": "plain:{{ messages[0].content }}"},
+                 {"name": "tool_use", "template": "tools:{{ tools[0].function.name }}"}]
+    d = write_hf_dir(tmp_path, chatml_bpe, chat_template=templates)
+    hf = transformers.PreTrainedTokenizerFast.from_pretrained(d)
+    ours = Tokenizer.from_hf_dir(d)
+    for tools in (None, TOOLS):
+        assert ours.apply_chat_template(MESSAGES, tools=tools) == hf.apply_chat_template(
+            MESSAGES, tools=tools, tokenize=False, add_generation_prompt=True
+        )
+    assert ours.apply_chat_template(MESSAGES, chat_template="default", tools=TOOLS).startswith("plain:")
+
+
+def test_generation_tags_render_their_body_like_transformers(tmp_path, chatml_bpe):
+    transformers = pytest.importorskip("transformers")
+    template = "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}[{{ m.content }}]{% endgeneration %}" \
+               "{% else %}{{ m.role }}{% endif %}{% endfor %}"
+    d = write_hf_dir(tmp_path, chatml_bpe, chat_template=template)
+    expected = transformers.PreTrainedTokenizerFast.from_pretrained(d).apply_chat_template(MESSAGES, tokenize=False)
+    assert Tokenizer.from_hf_dir(d).apply_chat_template(MESSAGES, add_generation_prompt=False) == expected
+
+
+def test_chat_template_jinja_file_overrides_the_config_template(tmp_path, chatml_bpe):
+    d = write_hf_dir(tmp_path, chatml_bpe, chat_template="from config")
+    (tmp_path / "chat_template.jinja").write_text("from file {{ messages | length }}", encoding="utf-8")
+    assert Tokenizer.from_hf_dir(d).apply_chat_template(MESSAGES) == "from file 6"
+
+
+def test_missing_chat_template_is_a_request_error(chatml_bpe):
+    tok = Tokenizer.from_tokenizers(chatml_bpe)
+    with pytest.raises(RequestError, match="no chat template"):
+        tok.apply_chat_template(MESSAGES)
+
+
+def test_raise_exception_in_template_is_a_request_error_with_its_message(tmp_path, chatml_bpe):
+    d = write_hf_dir(tmp_path, chatml_bpe, chat_template=LLAMA3_TEMPLATE, bos_token="<|begin_of_text|>")
+    two_calls = dict(MESSAGES[2], tool_calls=MESSAGES[2]["tool_calls"] * 2)
+    with pytest.raises(RequestError, match="only supports single tool-calls"):
+        Tokenizer.from_hf_dir(d).apply_chat_template([MESSAGES[1], two_calls])
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+        "{{ cycler.__init__.__globals__.os.popen('id').read() }}",
+        "{{ messages.__class__.__init__.__globals__['sys'].modules['os'].system('id') }}",
+        "{% set ns = namespace(__class__=1) %}{{ ns }}",
+        "{{ dict.__class__.__mro__ }}",
+        "{{ [].append.__self__.__class__.__base__.__subclasses__() }}",
+    ],
+)
+def test_sandbox_blocks_python_internals_in_templates(chatml_bpe, template):
+    tok = Tokenizer.from_tokenizers(chatml_bpe, chat_template=template)
+    with pytest.raises(LuceboxError):
+        tok.apply_chat_template(MESSAGES)
+
+
+def test_sandbox_renders_unsafe_attribute_access_as_nothing(chatml_bpe):
+    tok = Tokenizer.from_tokenizers(chatml_bpe, chat_template="[{{ ''.__class__ }}][{{ messages.pop }}]")
+    out = tok.apply_chat_template(MESSAGES)
+    assert "class" not in out and "method" not in out
+    with pytest.raises(LuceboxError):  # the immutable sandbox refuses to mutate the caller's messages
+        Tokenizer.from_tokenizers(chatml_bpe, chat_template="{{ messages.pop() }}").apply_chat_template(MESSAGES)
+
+
+# ---- HF directory loading ------------------------------------------------------------------------------
+
+
+def test_hf_dir_reads_special_tokens_and_generation_config_eos_ids(tmp_path, chatml_bpe):
+    d = write_hf_dir(tmp_path, chatml_bpe, bos_token="<|begin_of_text|>", eos_token=added_token_json("<|im_end|>"),
+                     pad_token="<|endoftext|>", add_bos_token=True)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [6, 0]}))
+    tok = Tokenizer.from_hf_dir(d)
+    ids = {t: chatml_bpe.token_to_id(t) for t in SPECIALS}
+    assert tok.bos_token_id == ids["<|begin_of_text|>"]
+    assert tok.eos_token_ids == {ids["<|im_end|>"], 6, 0}
+    assert tok.pad_token_id == ids["<|endoftext|>"]
+    assert tok.encode("hi")[0] == tok.bos_token_id and tok.encode("hi", add_special_tokens=False)[0] != tok.bos_token_id
+    assert set(ids.values()) <= set(tok.all_special_ids)
+    assert tok.vocab_size == chatml_bpe.get_vocab_size(with_added_tokens=True)
+    assert tok.id_to_token(ids["<|im_end|>"]) == "<|im_end|>" and tok.token_to_id("<|im_end|>") == ids["<|im_end|>"]
+
+
+def test_missing_tokenizer_json_is_a_checkpoint_error_naming_the_file(tmp_path):
+    with pytest.raises(CheckpointError, match=str(tmp_path / "tokenizer.json").replace("\\", "\\\\")):
+        Tokenizer.from_hf_dir(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json", "generation_config.json"])
+def test_corrupt_json_is_a_checkpoint_error_naming_the_file(tmp_path, chatml_bpe, name):
+    d = write_hf_dir(tmp_path, chatml_bpe)
+    (tmp_path / name).write_text("{ not json", encoding="utf-8")
+    with pytest.raises(CheckpointError, match=name):
+        Tokenizer.from_hf_dir(d)
+
+
+# ---- GGUF byte-level BPE --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pre", ["gpt-2", "llama-bpe", "qwen2"])
+def test_gguf_byte_level_bpe_encodes_like_the_hf_tokenizer_it_came_from(tmp_path, pre):
+    hf = train_byte_level_bpe(pre)
+    reader = gguf_from_hf(tmp_path / "t.gguf", hf, pre, add_eos_token_id=hf.token_to_id("<|im_end|>"),
+                          add_add_bos_token=False)
+    tok = Tokenizer.from_gguf(reader, tmp_path / "t.gguf")
+    for text in TEXTS:
+        expected = hf.encode(text, add_special_tokens=False).ids
+        assert tok.encode(text) == expected, text
+        assert tok.decode(expected, skip_special_tokens=False) == hf.decode(expected, skip_special_tokens=False)
+        assert tok.decode(expected) == hf.decode(expected, skip_special_tokens=True)
+    assert tok.eos_token_ids == {hf.token_to_id("<|im_end|>")}
+    assert tok.decode(tok.encode("<|im_start|>hi<tool_call>")) == "hi<tool_call>"  # user-defined is not special
+
+
+def test_gguf_unknown_pre_tokenizer_falls_back_to_gpt2_with_a_warning(tmp_path, caplog):
+    hf = train_byte_level_bpe("gpt-2")
+    with caplog.at_level(logging.WARNING, logger="lucebox.tokenizer"):
+        tok = Tokenizer.from_gguf(gguf_from_hf(tmp_path / "t.gguf", hf, "some-future-model"))
+    assert "some-future-model" in caplog.text
+    assert tok.encode(TEXTS[0]) == hf.encode(TEXTS[0]).ids
+
+
+def test_gguf_special_ids_and_chat_template_are_read(tmp_path):
+    hf = train_byte_level_bpe("llama-bpe")
+    ids = {t: hf.token_to_id(t) for t in SPECIALS}
+    reader = gguf_from_hf(
+        tmp_path / "t.gguf", hf, "llama-bpe", add_bos_token_id=ids["<|begin_of_text|>"],
+        add_eos_token_id=ids["<|endoftext|>"], add_eot_token_id=ids["<|eot_id|>"],
+        add_pad_token_id=ids["<|endoftext|>"], add_chat_template=LLAMA3_TEMPLATE,
+    )
+    tok = Tokenizer.from_gguf(reader)
+    assert tok.bos_token_id == ids["<|begin_of_text|>"]
+    assert tok.eos_token_ids == {ids["<|endoftext|>"], ids["<|eot_id|>"]}
+    assert tok.pad_token_id == ids["<|endoftext|>"]
+    assert tok.encode("hi")[0] == ids["<|begin_of_text|>"]  # llama-bpe adds BOS unless the file says otherwise
+    prompt = tok.apply_chat_template(MESSAGES[:2])
+    assert prompt.startswith("<|begin_of_text|><|start_header_id|>system")
+    assert tok.encode(prompt, add_special_tokens=False)[:2] == [ids["<|begin_of_text|>"], ids["<|start_header_id|>"]]
+
+
+def test_gguf_unknown_tokenizer_model_is_unsupported(tmp_path):
+    reader = write_gguf(tmp_path / "t.gguf", "rwkv", ["a", "b"], [1, 1])
+    with pytest.raises(UnsupportedError, match="rwkv"):
+        Tokenizer.from_gguf(reader, tmp_path / "t.gguf")
+
+
+def test_gguf_without_merges_is_a_checkpoint_error(tmp_path):
+    reader = write_gguf(tmp_path / "t.gguf", "gpt2", ["a", "b"], [1, 1])
+    with pytest.raises(CheckpointError, match="tokenizer.ggml.merges"):
+        Tokenizer.from_gguf(reader, tmp_path / "t.gguf")
+
+
+# ---- GGUF SentencePiece ("llama") -----------------------------------------------------------------------
+
+
+def test_gguf_spm_vocab_splits_known_pieces_and_round_trips(tmp_path):
+    tokens, types, scores = hand_spm_vocab()
+    tok = Tokenizer.from_gguf(write_gguf(tmp_path / "t.gguf", "llama", tokens, types, scores=scores))
+    pieces = lambda ids: [tok.id_to_token(i) for i in ids]  # noqa: E731
+    assert pieces(tok.encode("hello world")) == ["<s>", "\u2581hello", "\u2581world"]  # BOS by default for SPM
+    assert pieces(tok.encode("hello world", add_special_tokens=False)) == ["\u2581hello", "\u2581world"]
+    assert pieces(tok.encode("hell", add_special_tokens=False)) == ["\u2581hell"]
+    # the best-scored pair is joined first, not the longest piece: ▁a (-12) then aa (-13), never ▁aa (-14)
+    assert pieces(tok.encode("aaa", add_special_tokens=False)) == ["\u2581a", "aa"]
+    # a special token in text is one token, and the text after it gets its own dummy-prefix space (llama.cpp)
+    assert pieces(tok.encode("hello</s>world", add_special_tokens=False)) == ["\u2581hello", "</s>", "\u2581world"]
+    # characters outside the vocabulary fall back to UTF-8 byte pieces
+    assert pieces(tok.encode("w 世", add_special_tokens=False)) == ["\u2581w", "\u2581", "<0xE4>", "<0xB8>", "<0x96>"]
+    for text in ["hello world", "  hello,  world!\n", "世界 hello 🦜", "abba dab", "helloworld"]:
+        ids = tok.encode(text)
+        assert tok.decode(ids) == text
+        vocab = {t: i for i, t in enumerate(tokens)}
+        assert ids[1:] == spm_reference_encode(text, vocab, scores), text
+
+
+def test_gguf_spm_matches_sentencepiece_on_a_trained_model(tmp_path):
+    spm = pytest.importorskip("sentencepiece")
+    import io
+
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS), model_writer=model, vocab_size=400, model_type="bpe", byte_fallback=True,
+        normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=True,
+        character_coverage=1.0, split_digits=True, minloglevel=2,
+    )
+    sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    tokens, types, scores = [], [], []
+    for i in range(sp.get_piece_size()):
+        tokens.append(sp.id_to_piece(i))
+        scores.append(sp.get_score(i))
+        types.append(
+            gguf.TokenType.UNKNOWN if sp.is_unknown(i) else gguf.TokenType.CONTROL if sp.is_control(i)
+            else gguf.TokenType.BYTE if sp.is_byte(i) else gguf.TokenType.UNUSED if sp.is_unused(i)
+            else gguf.TokenType.NORMAL
+        )
+    tok = Tokenizer.from_gguf(write_gguf(tmp_path / "t.gguf", "llama", tokens, types, scores=scores,
+                                         add_bos_token_id=sp.bos_id(), add_eos_token_id=sp.eos_id()))
+    vocab = {t: i for i, t in enumerate(tokens) if types[i] == gguf.TokenType.NORMAL}
+    vocab.update({f"<0x{b:02X}>": tokens.index(f"<0x{b:02X}>") for b in range(256)})
+    for text in TEXTS[:4] + _PARAGRAPHS:
+        text = text.replace("<|", "< |")  # no control tokens here: sentencepiece would not match them in text
+        expected = sp.encode(text)
+        assert tok.encode(text, add_special_tokens=False) == expected, text
+        assert expected == spm_reference_encode(text, vocab, scores), text
+        assert tok.decode(expected) == sp.decode(expected)
+
+
+# ---- incremental detokenizer ------------------------------------------------------------------------------
+
+
+def stream(tok, ids, **kwargs):
+    detok = IncrementalDetokenizer(tok, **kwargs)
+    pieces = [detok.push(i) for i in ids]
+    return pieces + [detok.flush()]
+
+
+def test_incremental_detokenizer_emits_whole_characters_split_across_byte_tokens():
+    hf = train_byte_level_bpe("qwen2")
+    tok = Tokenizer.from_tokenizers(hf)
+    text = "A parrot 🦜 says 鸚鵡 and 👩‍💻 codes, 𝔘𝔫𝔦𝔠𝔬𝔡𝔢!"
+    ids = tok.encode(text)
+    assert len(ids) > len(text.split()) * 2  # the unseen characters really are split into byte tokens
+    pieces = stream(tok, ids)
+    assert "".join(pieces) == tok.decode(ids) == text
+    assert not any("\ufffd" in p for p in pieces)
+    assert any("🦜" in p for p in pieces) and any("鸚" in p for p in pieces)
+
+
+def test_incremental_detokenizer_with_byte_fallback_pieces(tmp_path):
+    tokens, types, scores = hand_spm_vocab()
+    tok = Tokenizer.from_gguf(write_gguf(tmp_path / "t.gguf", "llama", tokens, types, scores=scores))
+    ids = tok.encode("hello 世界 world 🦜!")
+    pieces = stream(tok, ids)
+    assert "".join(pieces) == tok.decode(ids) == "hello 世界 world 🦜!"
+    assert not any("\ufffd" in p for p in pieces)
+    assert "世" in pieces and "界" in pieces and "🦜" in pieces
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_incremental_detokenizer_skip_special_tokens(skip):
+    hf = train_byte_level_bpe("qwen2")
+    tok = Tokenizer.from_tokenizers(hf)
+    ids = tok.encode("<|im_start|>assistant\n東京 🦜<|im_end|><|endoftext|>")
+    pieces = stream(tok, ids, skip_special_tokens=skip)
+    assert "".join(pieces) == tok.decode(ids, skip_special_tokens=skip)
+    assert ("<|im_end|>" in "".join(pieces)) is not skip
+
+
+def test_incremental_detokenizer_several_ids_at_once_and_flush_of_an_incomplete_character():
+    tok = Tokenizer.from_tokenizers(train_byte_level_bpe("gpt-2"))
+    ids = tok.encode("ok 🦜")
+    assert IncrementalDetokenizer(tok).push(ids) == "ok 🦜"
+    detok = IncrementalDetokenizer(tok)
+    assert detok.push(ids[:-1]) == ""  # the parrot's last byte is missing, so nothing is final yet
+    assert detok.flush() == tok.decode(ids[:-1])  # at the end of a stream, what is left comes out as is
+    assert detok.flush() == ""
+
+
+def test_incremental_detokenizer_context_ids_keep_the_first_tokens_leading_space(tmp_path):
+    tokens, types, scores = hand_spm_vocab()
+    tok = Tokenizer.from_gguf(write_gguf(tmp_path / "t.gguf", "llama", tokens, types, scores=scores))
+    prompt, output = tok.encode("hello"), tok.encode("world", add_special_tokens=False)
+    assert stream(tok, output) == ["world", ""]  # on its own, SentencePiece drops the dummy-prefix space
+    assert stream(tok, output, context_ids=prompt) == [" world", ""]  # after "hello" it is a real space
