@@ -18,6 +18,8 @@ class EngineArgs:
     kv_cache_memory: int | None = None  # bytes of KV pool; default: enough for max_num_seqs x max_model_len, capped
     gpu_memory_utilization: float = 0.9  # fraction of GPU memory lucebox may use (weights + KV)
     seed: int = 0
+    enable_prefix_caching: bool = True
+    max_queue: int = 1024  # waiting requests before new ones are refused
 
     HELP = {
         "model": "HF model directory, .gguf file or hub id (default: the bundled default model)",
@@ -32,10 +34,12 @@ class EngineArgs:
                            "at most 2 GiB)",
         "gpu_memory_utilization": "fraction of GPU memory for weights and KV pool",
         "seed": "global random seed (per-request seeds override it)",
+        "enable_prefix_caching": "reuse the KV of shared prompt prefixes across requests",
+        "max_queue": "most requests waiting for a slot; more are refused with an overload error",
     }
 
     def __post_init__(self):
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_queue"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise RequestError(f"{name} must be a positive integer, got {value!r}")

@@ -19,3 +19,7 @@ class RequestError(LuceboxError):
 
 class ContextLengthError(RequestError):
     """A prompt plus its requested output does not fit the context window."""
+
+
+class OverloadError(LuceboxError):
+    """The engine's waiting queue is full; the request was not accepted (retry later)."""

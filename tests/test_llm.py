@@ -126,7 +126,7 @@ def test_prompt_longer_than_the_context_is_rejected_naming_the_limit(hf_models):
 def test_generation_stops_at_the_context_window(hf_models):
     llm = LLM(str(hf_models["qwen3"]), max_model_len=16)
     out = llm.generate({"prompt_token_ids": list(range(10))},
-                       SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), use_tqdm=False)[0]
+                       SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 6 and out.outputs[0].finish_reason == "length"
 
 

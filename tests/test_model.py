@@ -38,7 +38,7 @@ def test_batched_prefill_logits_match_transformers(family, hf_models):
     tables = [[] for _ in prompts]
     for table, prompt in zip(tables, prompts):
         blocks.allocate(table, len(prompt))
-    logits = runner.run(prompts, [0] * len(prompts), tables, logits_for="all")
+    logits = runner.run(prompts, [0] * len(prompts), tables, all_logits=True)
     start = 0
     for prompt in prompts:
         expected = reference_logits(hf_models[family], prompt)
@@ -56,10 +56,10 @@ def test_incremental_decode_through_paged_cache_matches_full_forward(family, hf_
     runner, blocks = make_runner(loaded)
     table: list[int] = []
     blocks.allocate(table, len(prompt))
-    pos, rows = 6, [runner.run([prompt[:6]], [0], [table], logits_for="all")]
+    pos, rows = 6, [runner.run([prompt[:6]], [0], [table], all_logits=True)]
     for step in (1, 3, 1, 1, 3, 1, 1):
         chunk = prompt[pos:pos + step]
-        rows.append(runner.run([chunk], [pos], [table], logits_for="all"))
+        rows.append(runner.run([chunk], [pos], [table], all_logits=True))
         pos += len(chunk)
     got = torch.cat(rows)
     assert got.shape == expected.shape

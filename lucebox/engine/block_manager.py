@@ -1,38 +1,123 @@
-"""Paged KV bookkeeping: a pool of fixed-size blocks and each sequence's block table."""
+"""Paged KV bookkeeping: a pool of fixed-size blocks, block tables, and prefix caching.
+
+A full block is identified by a hash chained over the previous block's hash and its own token
+ids, so equal hashes mean equal prefixes (token ids are compared too, against collisions).
+Blocks are reference-counted; a freed block keeps its hash and stays findable until it is
+reused, least recently freed first (lazy LRU eviction).
+"""
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass
+class Block:
+    id: int
+    ref_count: int = 0
+    hash: int | None = None
+    token_ids: tuple[int, ...] = ()
+
+
+def chain_hash(prev: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((prev, token_ids))
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU first
+        self.cached: dict[int, int] = {}  # hash -> block id
+        self.hits = self.queries = 0  # prompt tokens served from cache / looked up
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
+        return len(self.free)
 
-    def blocks_needed(self, block_table: list[int], num_tokens: int) -> int:
-        """How many more blocks a table needs to hold `num_tokens` tokens."""
-        return max(0, -(-num_tokens // self.block_size) - len(block_table))
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
 
+    # ------------------------------------------------------------------ prefix cache
+    def match_prefix(self, token_ids: list[int]) -> list[int]:
+        """Ids of cached blocks holding a prefix of `token_ids`; the last token is never served from
+        cache, so the model still computes it and produces logits."""
+        if not self.enable_prefix_caching:
+            return []
+        found, prev = [], None
+        for start in range(0, len(token_ids) - 1 - self.block_size + 1, self.block_size):
+            chunk = tuple(token_ids[start:start + self.block_size])
+            prev = chain_hash(prev, chunk)
+            block_id = self.cached.get(prev)
+            if block_id is None or self.blocks[block_id].token_ids != chunk:
+                break
+            found.append(block_id)
+        return found
+
+    def can_admit(self, cached: list[int], num_tokens: int) -> bool:
+        """Whether a new table starting with `cached` blocks can grow to hold `num_tokens` tokens."""
+        reclaimed = sum(1 for b in cached if self.blocks[b].ref_count == 0)  # they leave the free pool
+        return self.blocks_for(num_tokens) - len(cached) <= len(self.free) - reclaimed
+
+    def admit(self, block_table: list[int], cached: list[int]) -> None:
+        for block_id in cached:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free[block_id]
+            block.ref_count += 1
+            block_table.append(block_id)
+
+    def register_full_blocks(self, block_table: list[int], block_hashes: list[int], token_ids: list[int],
+                             num_computed: int) -> None:
+        """Hash the blocks completed by computed tokens, so later requests can share them."""
+        if not self.enable_prefix_caching:
+            return
+        for index in range(len(block_hashes), num_computed // self.block_size):
+            chunk = tuple(token_ids[index * self.block_size:(index + 1) * self.block_size])
+            h = chain_hash(block_hashes[-1] if block_hashes else None, chunk)
+            block_hashes.append(h)
+            block = self.blocks[block_table[index]]
+            if block.hash is None and h not in self.cached:
+                block.hash, block.token_ids = h, chunk
+                self.cached[h] = block.id
+
+    # ------------------------------------------------------------------ allocation
     def can_allocate(self, block_table: list[int], num_tokens: int) -> bool:
-        return self.blocks_needed(block_table, num_tokens) <= len(self.free_blocks)
+        return self.blocks_for(num_tokens) - len(block_table) <= len(self.free)
 
     def allocate(self, block_table: list[int], num_tokens: int) -> None:
         """Grow `block_table` in place so it holds `num_tokens` tokens."""
-        needed = self.blocks_needed(block_table, num_tokens)
-        if needed > len(self.free_blocks):
-            raise RuntimeError(f"KV pool exhausted: need {needed} blocks, {len(self.free_blocks)} free")
-        block_table.extend(self.free_blocks.popleft() for _ in range(needed))
+        needed = self.blocks_for(num_tokens) - len(block_table)
+        if needed > len(self.free):
+            raise RuntimeError(f"KV pool exhausted: need {needed} blocks, {len(self.free)} free")
+        for _ in range(needed):
+            block_id, _ = self.free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.hash is not None:  # evict: its old contents are about to be overwritten
+                if self.cached.get(block.hash) == block_id:
+                    del self.cached[block.hash]
+                block.hash, block.token_ids = None, ()
+            block.ref_count = 1
+            block_table.append(block_id)
 
     def truncate(self, block_table: list[int], num_tokens: int) -> None:
-        """Release the blocks past `num_tokens` tokens (speculative rollback, shorter context)."""
-        keep = -(-num_tokens // self.block_size)
+        """Release the blocks past `num_tokens` tokens (preemption, speculative rollback)."""
+        keep = self.blocks_for(num_tokens)
         while len(block_table) > keep:
-            self.free_blocks.append(block_table.pop())
+            self._release(block_table.pop())
 
-    def free(self, block_table: list[int]) -> None:
+    def free_table(self, block_table: list[int]) -> None:
+        # Tail blocks first, so a prompt's early blocks, the likeliest to be shared, are evicted last.
         self.truncate(block_table, 0)
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free[block_id] = None
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0

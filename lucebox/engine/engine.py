@@ -7,7 +7,7 @@ import logging
 import torch
 
 from ..config import EngineArgs
-from ..errors import ContextLengthError, RequestError
+from ..errors import ContextLengthError, OverloadError, RequestError
 from ..model.loader import LoadedModel
 from ..outputs import CompletionOutput, RequestOutput
 from ..sampling import Sampler, SamplingParams, make_generator
@@ -27,15 +27,14 @@ class LLMEngine:
         self.loaded, self.args = loaded, args
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         cfg = loaded.config
-        self.max_model_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings) \
-            if args.max_model_len is None else args.max_model_len
+        self.max_model_len = args.max_model_len or cfg.max_position_embeddings
         if self.max_model_len > cfg.max_position_embeddings:
             log.warning("max_model_len %d exceeds the model's %d positions", self.max_model_len,
                         cfg.max_position_embeddings)
         num_blocks = self._plan_kv_blocks()
         self.runner = ModelRunner(self.model, num_blocks, args.block_size)
-        self.scheduler = Scheduler(BlockManager(num_blocks, args.block_size), args.max_num_seqs,
-                                   max(args.max_num_batched_tokens, self.max_model_len))
+        self.scheduler = Scheduler(BlockManager(num_blocks, args.block_size, args.enable_prefix_caching),
+                                   args.max_num_seqs, args.max_num_batched_tokens)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(cfg.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids)
         self.requests: dict[str, tuple[str | None, list[Sequence]]] = {}
@@ -72,10 +71,18 @@ class LLMEngine:
         text, ids = self._tokenize(prompt)
         if not ids:
             raise RequestError("the prompt is empty")
+        if len(self.scheduler.waiting) >= self.args.max_queue:
+            raise OverloadError(f"the server is busy: {len(self.scheduler.waiting)} requests are waiting "
+                                f"(--max-queue {self.args.max_queue}); retry later")
         if len(ids) >= self.max_model_len:
             raise ContextLengthError(
                 f"the prompt has {len(ids)} tokens; the context window (max_model_len) is {self.max_model_len}, "
                 f"which leaves no room for output")
+        if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
+            raise ContextLengthError(
+                f"the prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the context "
+                f"window (max_model_len {self.max_model_len}); lower max_tokens to at most "
+                f"{self.max_model_len - len(ids)}")
         vocab = self.model.config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
@@ -127,14 +134,25 @@ class LLMEngine:
             if self.scheduler.has_work():
                 raise RuntimeError("scheduler made no progress (KV pool too small for any waiting sequence)")
             return []
-        logits = self.runner.run(batch.token_ids, batch.start_positions, [s.block_table for s in batch.seqs])
-        sampled = self.sampler(logits, batch.seqs)
+        token_ids = [s.token_ids[s.num_computed:s.num_computed + n] for s, n in zip(batch.seqs, batch.num_new_tokens)]
+        # Only sequences whose new tokens reach their end sample; a partial prefill chunk does not.
+        sampling = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
+                    if s.num_computed + n == s.num_tokens]
+        logits = self.runner.run(token_ids, [s.num_computed for s in batch.seqs],
+                                 [s.block_table for s in batch.seqs], logits_rows=sampling)
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed += n
+            self.scheduler.blocks.register_full_blocks(seq.block_table, seq.block_hashes, seq.token_ids,
+                                                       seq.num_computed)
+        if not sampling:
+            return []
+        seqs = [batch.seqs[i] for i in sampling]
+        sampled = self.sampler(logits, seqs)
         tokens = sampled.sampled_token_ids.tolist()
         logprobs = sampled.logprob_dicts(self.tokenizer.id_to_token) if sampled.logprobs is not None \
             else [None] * len(tokens)
         touched = {}
-        for seq, token, lp in zip(batch.seqs, tokens, logprobs):
-            seq.num_computed = seq.num_tokens
+        for seq, token, lp in zip(seqs, tokens, logprobs):
             self._append(seq, token, lp)
             touched[seq.request_id] = True
         return [self._request_output(rid) for rid in touched]
@@ -182,4 +200,5 @@ class LLMEngine:
         finished = all(s.is_finished for s in seqs)
         if finished:
             del self.requests[request_id]
-        return RequestOutput(request_id, text, seqs[0].prompt_token_ids, outputs, finished)
+        return RequestOutput(request_id, text, seqs[0].prompt_token_ids, outputs, finished,
+                             seqs[0].num_cached_tokens or 0)

@@ -30,12 +30,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, token_ids: list[list[int]], start_positions: list[int], block_tables: list[list[int]],
-            logits_for: str = "last") -> torch.Tensor:
+            logits_rows: list[int] | None = None, all_logits: bool = False) -> torch.Tensor:
         """Forward the new tokens of each sequence; returns float32 logits.
 
-        logits_for="last": one row per sequence (its last new token); "all": one row per new token."""
+        Default: one row per sequence in `logits_rows` (all when None), for its last new token;
+        all_logits=True: one row per new token (verification, tests)."""
         batch = ForwardBatch.build(token_ids, start_positions, block_tables, self.block_size, self.model.device)
         hidden = self.model(batch)
-        if logits_for == "last":
-            hidden = hidden[batch.query_start_loc[1:] - 1]
+        if not all_logits:
+            last = batch.query_start_loc[1:] - 1
+            if logits_rows is not None:
+                last = last[torch.tensor(logits_rows, dtype=torch.long, device=last.device)]
+            hidden = hidden[last]
         return self.model.compute_logits(hidden)

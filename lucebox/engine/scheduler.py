@@ -1,13 +1,16 @@
 """Scheduler: which sequences run in the next step, and how many new tokens each brings.
 
-Continuous batching: waiting sequences join the running batch at any step (their whole
-prompt as one prefill), running sequences decode one token. When the KV pool runs out, the
-newest running sequence is preempted (its blocks freed) and recomputed later, first in line.
+Continuous batching with chunked prefill: every step has a token budget; running sequences
+(oldest first) take their decode token or their next prefill chunk, then waiting sequences join
+while budget, sequence slots and KV blocks last. Prompts are matched against the prefix cache on
+admission. When blocks run out, the newest running sequence is preempted (blocks freed,
+recomputed later, first in line), so the oldest always progresses: FIFO, no starvation.
 """
 from __future__ import annotations
 
+import bisect
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
 from .sequence import Sequence, Status
@@ -15,9 +18,16 @@ from .sequence import Sequence, Status
 
 @dataclass
 class ScheduledBatch:
-    seqs: list[Sequence]
-    token_ids: list[list[int]]  # new tokens per sequence
-    start_positions: list[int]
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+
+    def add(self, seq: Sequence, n: int) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(n)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_new_tokens)
 
 
 class Scheduler:
@@ -26,7 +36,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.running: list[Sequence] = []  # in arrival order
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -36,52 +46,64 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
-        batch = ScheduledBatch([], [], [])
-        # Decodes first: every running sequence needs a slot for its newest token.
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        preempted = False
         for seq in list(self.running):
-            if seq not in self.running:  # preempted below to make room for an older one
+            if budget == 0:
+                break
+            if seq.status is not Status.RUNNING:  # preempted below for an older sequence
                 continue
-            while not self.blocks.can_allocate(seq.block_table, seq.num_tokens):
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            while not self.blocks.can_allocate(seq.block_table, seq.num_computed + n):
                 victim = self.running[-1]
-                self._preempt(victim)
+                self.preempt(victim)
+                preempted = True
                 if victim is seq:
                     break
-            if seq in self.running:
-                self.blocks.allocate(seq.block_table, seq.num_tokens)
-                self._add(batch, seq)
-        budget = self.max_num_batched_tokens - sum(len(t) for t in batch.token_ids)
-        while self.waiting and len(self.running) < self.max_num_seqs:
+            if seq.status is Status.RUNNING:
+                self.blocks.allocate(seq.block_table, seq.num_computed + n)
+                batch.add(seq, n)
+                budget -= n
+        # New sequences join only when nobody had to give up blocks this step.
+        while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            new_tokens = seq.num_tokens - seq.num_computed
-            if new_tokens > budget and batch.seqs:
-                break  # a prompt longer than the budget still runs, alone, so nothing starves
-            if not self.blocks.can_allocate(seq.block_table, seq.num_tokens):
+            cached = self.blocks.match_prefix(seq.token_ids)
+            start = len(cached) * self.blocks.block_size
+            n = min(seq.num_tokens - start, budget)
+            if not self.blocks.can_admit(cached, start + n):
                 break
             self.waiting.popleft()
-            self.blocks.allocate(seq.block_table, seq.num_tokens)
+            self.blocks.admit(seq.block_table, cached)
+            self.blocks.allocate(seq.block_table, start + n)
+            if seq.num_cached_tokens is None:  # first admission (not a recompute after preemption)
+                seq.num_cached_tokens = start
+                self.blocks.queries += len(seq.prompt_token_ids)
+                self.blocks.hits += start
+            seq.num_computed = start
             seq.status = Status.RUNNING
-            self.running.append(seq)
-            self._add(batch, seq)
-            budget -= new_tokens
+            bisect.insort(self.running, seq, key=lambda s: s.arrival)
+            batch.add(seq, n)
+            budget -= n
         return batch
 
     def finish(self, seq: Sequence) -> None:
         seq.status = Status.FINISHED
-        self.blocks.free(seq.block_table)
+        self.blocks.free_table(seq.block_table)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
-    def _add(self, batch: ScheduledBatch, seq: Sequence) -> None:
-        batch.seqs.append(seq)
-        batch.token_ids.append(seq.token_ids[seq.num_computed:])
-        batch.start_positions.append(seq.num_computed)
-
-    def _preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
         self.running.remove(seq)
-        self.blocks.free(seq.block_table)
+        self.blocks.free_table(seq.block_table)
         seq.num_computed = 0
+        seq.block_hashes.clear()
         seq.status = Status.WAITING
-        self.waiting.appendleft(seq)
+        # Back to the front, in arrival order among the other preempted ones.
+        index = 0
+        while index < len(self.waiting) and self.waiting[index].arrival < seq.arrival:
+            index += 1
+        self.waiting.insert(index, seq)

@@ -25,6 +25,8 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache at admission
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
