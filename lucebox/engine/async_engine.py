@@ -1,0 +1,100 @@
+"""AsyncEngine: the engine's step loop on a background thread, with asyncio streams per request.
+
+`stream = await engine.add_request(id, prompt, params)` validates and queues the request (raising
+LuceboxError at once if it is bad), then `async for output in stream` yields cumulative
+RequestOutputs until the last one has `finished`. Leaving the loop early (a client that went away)
+aborts the request and frees its KV blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator
+
+from ..errors import LuceboxError
+from ..outputs import RequestOutput
+from ..sampling import SamplingParams
+from .engine import LLMEngine
+
+log = logging.getLogger("lucebox")
+
+
+class EngineDeadError(LuceboxError):
+    """The engine's step loop failed; the request could not be completed."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._lock = threading.Lock()  # guards the engine: steps on the thread, add/abort from asyncio
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="lucebox-engine", daemon=True)
+        self._thread.start()
+
+    async def add_request(self, request_id: str, prompt, params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        if self._stopped:
+            raise EngineDeadError("the engine has shut down")
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            self.engine.add_request(request_id, prompt, params)
+            self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        self._wake.set()
+        return self._stream(request_id, queue)
+
+    async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self.engine.abort(request_id)
+            self._streams.pop(request_id, None)
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while not self._stopped:
+            self._wake.wait()
+            deliveries = []
+            with self._lock:
+                if not self.engine.has_unfinished():
+                    self._wake.clear()
+                    continue
+                try:
+                    outputs = self.engine.step()
+                except Exception as e:  # a failed step must not hang its requests: fail them all
+                    log.exception("engine step failed")
+                    error = EngineDeadError(f"the engine failed while running this request: {e}")
+                    for request_id in list(self._streams):
+                        self.engine.abort(request_id)
+                        deliveries.append((self._streams.pop(request_id), error))
+                    outputs = []
+                for output in outputs:
+                    target = self._streams.get(output.request_id)
+                    if target is None:
+                        continue
+                    if output.finished:
+                        del self._streams[output.request_id]
+                    deliveries.append((target, output))
+            for (loop, queue), item in deliveries:
+                try:
+                    loop.call_soon_threadsafe(queue.put_nowait, item)
+                except RuntimeError:  # the caller's event loop has closed
+                    pass
