@@ -1,4 +1,4 @@
-"""lucebox command line: generate | chat (serve, bench, convert and train-drafter join later)."""
+"""lucebox command line: generate | chat | convert | bench (serve and train-drafter join later)."""
 from __future__ import annotations
 
 import argparse
@@ -57,6 +57,23 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_flags(chat)
     chat.add_argument("--system", default=None, help="system prompt")
     _sampling_flags(chat, max_tokens=512)
+
+    convert = sub.add_parser("convert", help="convert a HF model directory to a GGUF file", formatter_class=fmt)
+    convert.add_argument("hf_dir", help="HF model directory (config.json, *.safetensors, tokenizer.json)")
+    convert.add_argument("outfile", help="the .gguf file to write")
+    convert.add_argument("--outtype", default="f16", help="f32, f16, bf16, q8_0, q4_0, q4_1, q5_0 or q5_1")
+
+    bench = sub.add_parser("bench", help="benchmarks", formatter_class=fmt)
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    tp = bench_sub.add_parser("throughput", help="batched decode tok/s, KV bytes per token, prefix-cache hits",
+                              formatter_class=fmt)
+    tp.add_argument("--model", default=None, help="model to measure (default: the default model)")
+    tp.add_argument("--dtype", default="auto", help=EngineArgs.HELP["dtype"])
+    tp.add_argument("--device", default="auto", help=EngineArgs.HELP["device"])
+    tp.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64], help="sequences decoded at once")
+    tp.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per sequence")
+    tp.add_argument("--output-len", type=int, default=64, help="output tokens per sequence")
+    tp.add_argument("--json", default=None, help="also write the results to this JSON file")
     return parser
 
 
@@ -138,7 +155,22 @@ def cmd_chat(args) -> int:
         messages.append({"role": "assistant", "content": reply})
 
 
-COMMANDS = {"generate": cmd_generate, "chat": cmd_chat}
+def cmd_convert(args) -> int:
+    from .convert import convert_hf_to_gguf
+    path = convert_hf_to_gguf(args.hf_dir, args.outfile, args.outtype)
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .bench import throughput
+    if args.model is None:
+        from .default_model import default_model_path
+        args.model = str(default_model_path())
+    return throughput.main(args)
+
+
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "convert": cmd_convert, "bench": cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

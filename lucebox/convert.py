@@ -1,6 +1,6 @@
 """HF checkpoint directory -> GGUF file, following llama.cpp's convert_hf_to_gguf.py conventions
-(architecture names, metadata keys, tensor names, q/k row order, tokenizer metadata), so the file
-also runs in llama.cpp and lucebox reads llama.cpp's files the same way.
+(architecture names, metadata keys, tensor names, q/k row order, tokenizer metadata), so that
+lucebox's files look like llama.cpp's and the loader has one layout to read.
 
 Tensors are streamed: the header is written from shapes alone, then each tensor is read, quantised
 and appended, so peak memory is about one tensor. The file appears under its name only when complete.
@@ -16,18 +16,33 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import (GGML_QUANT_SIZES, GGML_QUANT_VERSION, GGMLQuantizationType as Q, GGUFWriter, LlamaFileType,
-                  RopeScalingType, TokenType)
+from gguf import (
+    GGML_QUANT_SIZES,
+    GGML_QUANT_VERSION,
+    GGUFWriter,
+    LlamaFileType,
+    RopeScalingType,
+    TokenType,
+)
+from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
 from safetensors import safe_open
 from tqdm import tqdm
 
-from .errors import CheckpointError, RequestError, UnsupportedError
+from .errors import CheckpointError, LuceboxError, RequestError, UnsupportedError
+from .gguf_vocab import LLAMA3_REGEX, QWEN2_REGEX
 from .model.config import ModelConfig
 from .model.loader import read_generation_config
 from .model.rope import inverse_frequencies
 from .model.transformer import Transformer
-from .weights.gguf_config import FAMILY_TO_ARCH, ROPE_FREQS, SAMPLING_KEYS, permute_rows, rows_permuted, to_gguf_name
+from .weights.gguf_config import (
+    FAMILY_TO_ARCH,
+    ROPE_FREQS,
+    SAMPLING_KEYS,
+    permute_rows,
+    rows_permuted,
+    to_gguf_name,
+)
 from .weights.safetensors import safetensors_files
 
 log = logging.getLogger("lucebox")
@@ -77,15 +92,20 @@ def convert_hf_to_gguf(hf_dir: str | Path, out_path: str | Path, qtype: str = "f
                     files[file] = stack.enter_context(safe_open(str(file), framework="pt"))
             for gguf_name, shape, ggml_type, file, hf_name in tqdm(plan, desc=f"Converting to {qtype}",
                                                                    unit="tensor", disable=None):
-                values = files[file].get_tensor(hf_name).to(torch.float32).numpy()
+                try:
+                    values = files[file].get_tensor(hf_name).to(torch.float32).numpy()
+                except Exception as e:  # safetensors' own error types, for a file cut short
+                    raise CheckpointError(f"{file}: cannot read tensor {hf_name} ({e})") from None
                 writer.write_tensor_data(_encode(values, gguf_name, arch, cfg, ggml_type))
         if extra is not None:
             writer.write_tensor_data(extra)
         writer.close()
         os.replace(tmp, out_path)
-    except BaseException:
+    except BaseException as e:
         writer.close()
         tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise LuceboxError(f"{out_path}: cannot write the GGUF file ({e})") from None
         raise
     return out_path
 
@@ -263,15 +283,17 @@ def _write_tokenizer(w: GGUFWriter, hf_dir: Path, cfg: ModelConfig) -> None:
         w.add_chat_template([{"name": name, "template": text} for name, text in templates.items()])
 
 
+# The split regexes of the Llama 3 and Qwen2 tokenizer.json files, which llama.cpp names "llama-bpe"
+# and "qwen2" in tokenizer.ggml.pre.
+
+
 def _pre_tokenizer(spec: dict, family: str) -> str:
     """tokenizer.ggml.pre: llama.cpp names a pre-tokenizer (a split regex) rather than storing it."""
-    from .tokenizer import _LLAMA3_REGEX, _QWEN2_REGEX  # the regexes the GGUF reader maps these names to
-
     parts = list(_walk(spec.get("pre_tokenizer")))
     regexes = [p["pattern"].get("Regex") for p in parts if p.get("type") == "Split" and isinstance(p.get("pattern"), dict)]
-    if _QWEN2_REGEX in regexes:
+    if QWEN2_REGEX in regexes:
         return "qwen2"
-    if _LLAMA3_REGEX in regexes:
+    if LLAMA3_REGEX in regexes:
         return "llama-bpe"
     if not regexes and any(p.get("type") == "ByteLevel" and p.get("use_regex", True) for p in parts):
         return "gpt-2"  # a plain ByteLevel pre-tokenizer splits with the GPT-2 regex

@@ -21,20 +21,20 @@ _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _BYTE = (
 )
 
 # Pre-tokenizer regexes selected by `tokenizer.ggml.pre`, as written in the models' own tokenizer.json.
-_LLAMA3_REGEX = (
+LLAMA3_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_QWEN2_REGEX = (
+QWEN2_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_QWEN35_REGEX = (
+QWEN35_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _LLAMA3_PRE = {"llama3", "llama-v3", "llama-bpe"}
-_QWEN_PRE = {"qwen2": _QWEN2_REGEX, "deepseek-r1-qwen": _QWEN2_REGEX, "qwen35": _QWEN35_REGEX}
+_QWEN_PRE = {"qwen2": QWEN2_REGEX, "deepseek-r1-qwen": QWEN2_REGEX, "qwen35": QWEN35_REGEX}
 _GPT2_PRE = {"default", "gpt-2", "gpt2"}
 
 
@@ -169,7 +169,7 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str, where: str) 
         raise CheckpointError(f"{where}: tokenizer.ggml.merges does not fit tokenizer.ggml.tokens: {e}") from e
 
     if pre in _LLAMA3_PRE:
-        regex = _LLAMA3_REGEX
+        regex = LLAMA3_REGEX
     elif pre in _QWEN_PRE:
         regex = _QWEN_PRE[pre]
         tok.normalizer = normalizers.NFC()  # Qwen's tokenizer.json normalises to NFC first

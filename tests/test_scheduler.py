@@ -4,7 +4,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from lucebox import LLM, SamplingParams
 from lucebox.errors import ContextLengthError, OverloadError

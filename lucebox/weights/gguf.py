@@ -23,8 +23,16 @@ from ..model.config import ModelConfig
 from ..model.loader import LoadedModel, resolve_dtype
 from ..model.rope import RopeTable
 from ..model.transformer import Transformer
-from .gguf_config import (ROPE_FREQS, SAMPLING_KEYS, Metadata, architecture, model_config, rows_permuted,
-                          to_our_name, unpermute_rows)
+from .gguf_config import (
+    ROPE_FREQS,
+    SAMPLING_KEYS,
+    Metadata,
+    architecture,
+    model_config,
+    rows_permuted,
+    to_our_name,
+    unpermute_rows,
+)
 from .load import assign
 from .quant import SUPPORTED_TYPES, QuantEmbedding, QuantLinear, QuantTensor
 
@@ -49,6 +57,8 @@ def load_gguf(path: Path, dtype, device: torch.device) -> LoadedModel:
     assign(model, _model_tensors(reader, cfg, meta, model, torch_dtype, path), str(path), torch_dtype, device)
     if ROPE_FREQS in tensors:
         model.rope = RopeTable(cfg.rope, cfg.head_dim, _rope_freqs(tensors[ROPE_FREQS], cfg, path))
+    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        raise RuntimeError("load_gguf: a Transformer tensor is not filled from the file (new buffer?)")
     model.eval()
     tokenizer = Tokenizer.from_gguf(reader, path)
     return LoadedModel(model, tokenizer, cfg, str(path), "gguf", generation_defaults(meta))
@@ -84,10 +94,13 @@ def check_tensors(reader: GGUFReader, path: Path) -> None:
             raise CheckpointError(f"{path}: tensor {t.name} ({qtype.name}) has shape {list(shape)}, whose rows "
                                   f"are not whole {block_size}-value blocks")
         nbytes = math.prod(shape) // block_size * type_size
-        if t.data_offset + nbytes > file_size or t.data.nbytes != nbytes:
+        if t.data_offset + nbytes > file_size:
             raise CheckpointError(f"{path}: tensor {t.name} ({qtype.name}, shape {list(shape)}) needs {nbytes} bytes "
                                   f"at offset {t.data_offset}, past the end of the {file_size}-byte file "
                                   "(the file is truncated)")
+        if t.data.nbytes != nbytes:
+            raise CheckpointError(f"{path}: tensor {t.name} ({qtype.name}, shape {list(shape)}) should hold "
+                                  f"{nbytes} bytes, the file gives {t.data.nbytes}")
 
 
 def _raw_rows(tensor, shape: tuple[int, ...]) -> np.ndarray:
@@ -147,5 +160,5 @@ def generation_defaults(meta: Metadata) -> dict:
     for key, name in SAMPLING_KEYS.items():
         value = meta.get(f"general.sampling.{key}")
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            out[name] = value
+            out[name] = value if isinstance(value, int) else meta.number(f"general.sampling.{key}")
     return out

@@ -9,6 +9,7 @@ import re
 from typing import Any
 
 import numpy as np
+from gguf import GGUFValueType
 
 from ..errors import CheckpointError, UnsupportedError
 from ..model.config import ModelConfig, RopeConfig
@@ -137,6 +138,10 @@ class Metadata:
             return None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise CheckpointError(f"{self.path}: metadata key {key} should be a number, got {value!r:.60}")
+        if key in self.fields and self.fields[key].types == [GGUFValueType.FLOAT32]:
+            # The shortest decimal that rounds to this float32 is what the config said (1e-06, not
+            # 9.99999997e-07), so float64 maths on it (RoPE tables) matches the HF checkpoint's.
+            return float(str(np.float32(value)))
         return float(value)
 
 
@@ -174,13 +179,13 @@ def model_config(meta: Metadata, shapes: dict[str, tuple[int, ...]]) -> ModelCon
              or shapes.get("token_embd.weight", (0,))[0])
     eos = [meta.integer(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
 
-    values = dict(
-        intermediate_size=meta.integer(key("feed_forward_length"), required=True),
-        rms_norm_eps=meta.number(key("attention.layer_norm_rms_epsilon"), required=True),
-        rope=_rope(meta, arch, context),
-        sliding_windows=_sliding_windows(meta, arch, layers),
-        bos_token_id=meta.integer("tokenizer.ggml.bos_token_id"),
-    )
+    values = {
+        "intermediate_size": meta.integer(key("feed_forward_length"), required=True),
+        "rms_norm_eps": meta.number(key("attention.layer_norm_rms_epsilon"), required=True),
+        "rope": _rope(meta, arch, context),
+        "sliding_windows": _sliding_windows(meta, arch, layers),
+        "bos_token_id": meta.integer("tokenizer.ggml.bos_token_id"),
+    }
 
     def has(suffix):
         return f"blk.0.{suffix}" in shapes

@@ -20,7 +20,7 @@ from lucebox.errors import CheckpointError, UnsupportedError
 from lucebox.kernels import dequant
 from lucebox.kernels.dequant import SUPPORTED_TYPES, qtype_name
 
-__all__ = ["SUPPORTED_TYPES", "QuantTensor", "QuantLinear", "QuantEmbedding", "quant_matmul"]
+__all__ = ["SUPPORTED_TYPES", "QuantEmbedding", "QuantLinear", "QuantTensor", "quant_matmul"]
 
 
 def _check_type(qtype, name: str) -> GGMLQuantizationType:
