@@ -24,11 +24,14 @@ SAMPLING_FLAGS = {  # flag -> (type, help); unset flags take the model's generat
 def _engine_flags(p: argparse.ArgumentParser) -> None:
     defaults = EngineArgs()
     types = {"model": str, "dtype": str, "device": str, "max_model_len": int, "block_size": int,
-             "max_num_seqs": int, "max_num_batched_tokens": int, "kv_cache_memory": int,
-             "gpu_memory_utilization": float}
+             "max_num_seqs": int, "max_num_batched_tokens": int, "max_queue": int, "kv_cache_memory": int,
+             "gpu_memory_utilization": float, "cache_type_k": str, "cache_type_v": str}
     for name, kind in types.items():
         p.add_argument("--" + name.replace("_", "-"), type=kind, default=getattr(defaults, name),
                        help=EngineArgs.HELP[name])
+    p.add_argument("--cache-rotate-k", action="store_true", help=EngineArgs.HELP["cache_rotate_k"])
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="turn off " + EngineArgs.HELP["enable_prefix_caching"])
 
 
 def _sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -91,7 +94,11 @@ def _make_engine(args):
         from .default_model import default_model_path
         engine_args.model = str(default_model_path())
     loaded = load_model(engine_args.model, dtype=engine_args.dtype, device=engine_args.device)
-    return LLMEngine(loaded, engine_args)
+    engine = LLMEngine(loaded, engine_args)
+    print(f"[{loaded.source}: KV cache holds {engine.kv_capacity_tokens:,} tokens "
+          f"(K {engine.runner.cache_types[0]}, V {engine.runner.cache_types[1]}); "
+          f"context {engine.max_model_len:,}]", file=sys.stderr)
+    return engine
 
 
 def _stream(engine, request_id: str, prompt, params, out=sys.stdout) -> tuple[str, int, float]:

@@ -19,6 +19,9 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9  # fraction of GPU memory lucebox may use (weights + KV)
     seed: int = 0
     enable_prefix_caching: bool = True
+    cache_type_k: str = "auto"  # llama.cpp's names: auto f32 f16 bf16 fp8 q8_0 q4_0
+    cache_type_v: str = "auto"
+    cache_rotate_k: bool = False  # Walsh-Hadamard rotation of K before quantising it
     max_queue: int = 1024  # waiting requests before new ones are refused
 
     HELP = {
@@ -34,6 +37,9 @@ class EngineArgs:
                            "at most 2 GiB)",
         "gpu_memory_utilization": "fraction of GPU memory for weights and KV pool",
         "seed": "global random seed (per-request seeds override it)",
+        "cache_type_k": "KV cache type of keys: auto (the model dtype), f32, f16, bf16, fp8, q8_0 or q4_0",
+        "cache_type_v": "KV cache type of values: auto (the model dtype), f32, f16, bf16, fp8, q8_0 or q4_0",
+        "cache_rotate_k": "rotate keys with a Walsh-Hadamard transform before quantising (tames outlier channels)",
         "enable_prefix_caching": "reuse the KV of shared prompt prefixes across requests",
         "max_queue": "most requests waiting for a slot; more are refused with an overload error",
     }

@@ -32,7 +32,8 @@ class LLMEngine:
             log.warning("max_model_len %d exceeds the model's %d positions", self.max_model_len,
                         cfg.max_position_embeddings)
         num_blocks = self._plan_kv_blocks()
-        self.runner = ModelRunner(self.model, num_blocks, args.block_size)
+        self.runner = ModelRunner(self.model, num_blocks, args.block_size, args.cache_type_k, args.cache_type_v,
+                                  args.cache_rotate_k)
         self.scheduler = Scheduler(BlockManager(num_blocks, args.block_size, args.enable_prefix_caching),
                                    args.max_num_seqs, args.max_num_batched_tokens)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(cfg.eos_token_ids)
@@ -48,7 +49,7 @@ class LLMEngine:
 
     def _plan_kv_blocks(self) -> int:
         args = self.args
-        per_block = kv_bytes_per_token(self.model, self.model.dtype) * args.block_size
+        per_block = kv_bytes_per_token(self.model, args.cache_type_k, args.cache_type_v) * args.block_size
         blocks_per_seq = -(-self.max_model_len // args.block_size)
         if self.model.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.model.device)

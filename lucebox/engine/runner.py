@@ -6,27 +6,33 @@ import logging
 import torch
 
 from ..model.forward_batch import ForwardBatch
+from .kv_cache import PagedKVCache, bytes_per_value, parse_cache_type
 from ..model.transformer import Transformer
 
 log = logging.getLogger("lucebox")
 
 
-def kv_bytes_per_token(model: Transformer, dtype: torch.dtype) -> int:
+def kv_bytes_per_token(model: Transformer, cache_type_k: str = "auto", cache_type_v: str = "auto") -> int:
+    """KV bytes one token costs across all layers, K and V, scales included."""
     cfg = model.config
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.empty(0, dtype=dtype).element_size()
+    per_value = (bytes_per_value(parse_cache_type(cache_type_k, model.dtype, "--cache-type-k"), cfg.head_dim)
+                 + bytes_per_value(parse_cache_type(cache_type_v, model.dtype, "--cache-type-v"), cfg.head_dim))
+    return round(cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * per_value)
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer, num_blocks: int, block_size: int, kv_dtype: torch.dtype | None = None):
+    def __init__(self, model: Transformer, num_blocks: int, block_size: int, cache_type_k: str = "auto",
+                 cache_type_v: str = "auto", rotate_k: bool = False):
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
         cfg = model.config
-        kv_dtype = kv_dtype or model.dtype
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.cache_types = (parse_cache_type(cache_type_k, model.dtype, "--cache-type-k"),
+                            parse_cache_type(cache_type_v, model.dtype, "--cache-type-v"))
         for layer in model.layers:
-            layer.self_attn.k_cache = torch.zeros(shape, dtype=kv_dtype, device=model.device)
-            layer.self_attn.v_cache = torch.zeros(shape, dtype=kv_dtype, device=model.device)
+            layer.self_attn.k_cache = PagedKVCache(*shape, cache_type_k, model.dtype, model.device, rotate=rotate_k)
+            layer.self_attn.v_cache = PagedKVCache(*shape, cache_type_v, model.dtype, model.device)
 
     @torch.inference_mode()
     def run(self, token_ids: list[list[int]], start_positions: list[int], block_tables: list[list[int]],

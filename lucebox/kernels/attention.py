@@ -1,6 +1,7 @@
 """Paged attention: torch reference (CPU and any device).
 
-K/V live in a paged pool [num_blocks, block_size, kv_heads, head_dim]. Each sequence's new
+K/V live in paged stores (engine/kv_cache.PagedKVCache: [num_blocks, block_size, kv_heads,
+head_dim] in the chosen cache type, gathered back as floats). Each sequence's new
 queries attend causally to its cached context and to themselves; a layer with a sliding window
 sees only keys with q_pos - k_pos < window.
 """
@@ -12,27 +13,18 @@ import torch.nn.functional as F
 from ..model.forward_batch import ForwardBatch
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store the new tokens' K/V [T, kv_heads, head_dim] in their cache slots."""
-    k_cache.view(-1, *k_cache.shape[2:])[slot_mapping] = k.to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = v.to(v_cache.dtype)
-
-
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
-                    scale: float, sliding_window: int | None = None) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, k_cache, v_cache, batch: ForwardBatch, scale: float,
+                    sliding_window: int | None = None) -> torch.Tensor:
     """q [T, heads, head_dim] -> [T, heads, head_dim]; the new K/V must already be written."""
     out = torch.empty_like(q)
-    heads, kv_heads = q.shape[1], k_cache.shape[2]
-    flat_k = k_cache.view(-1, *k_cache.shape[2:])
-    flat_v = v_cache.view(-1, *v_cache.shape[2:])
+    heads, kv_heads = q.shape[1], k_cache.num_kv_heads
     start = 0
     for i, q_len in enumerate(batch.query_lens_host):
         if q_len == 0:
             continue
         slots = batch.context_slots(i)
-        k = flat_k[slots].to(q.dtype).transpose(0, 1)  # [kv_heads, ctx, d]
-        v = flat_v[slots].to(q.dtype).transpose(0, 1)
+        k = k_cache.gather(slots, q.dtype).transpose(0, 1)  # [kv_heads, ctx, d]
+        v = v_cache.gather(slots, q.dtype).transpose(0, 1)
         if heads != kv_heads:
             k = k.repeat_interleave(heads // kv_heads, dim=0)
             v = v.repeat_interleave(heads // kv_heads, dim=0)

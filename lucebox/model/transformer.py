@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.attention import paged_attention, write_kv
+from ..kernels.attention import paged_attention
 from ..kernels.norm import rms_norm
 from ..kernels.rope import apply_rope
 from ..weights.quant import QuantEmbedding
@@ -42,9 +42,9 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
         self.sliding_window = cfg.sliding_windows[layer]
         self.scale = cfg.head_dim ** -0.5
-        # Paged KV pool of this layer, [num_blocks, block_size, kv_heads, head_dim]; set by the runner.
-        self.k_cache: torch.Tensor | None = None
-        self.v_cache: torch.Tensor | None = None
+        # Paged K and V stores of this layer (engine/kv_cache.PagedKVCache), set by the runner.
+        self.k_cache = None
+        self.v_cache = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         tokens = x.shape[0]
@@ -54,7 +54,8 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        write_kv(self.k_cache, self.v_cache, k, v, batch.slot_mapping)
+        self.k_cache.write(k, batch.slot_mapping)
+        self.v_cache.write(v, batch.slot_mapping)
         o = paged_attention(q, self.k_cache, self.v_cache, batch, self.scale, self.sliding_window)
         return self.o_proj(o.reshape(tokens, -1))
 

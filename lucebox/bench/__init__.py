@@ -1,0 +1,1 @@
+"""Benchmarks: scripts that print measured figures with their ratios (never timed tests)."""
