@@ -77,6 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per sequence")
     tp.add_argument("--output-len", type=int, default=64, help="output tokens per sequence")
     tp.add_argument("--json", default=None, help="also write the results to this JSON file")
+    kq = bench_sub.add_parser("kv-quality", help="greedy agreement and perplexity of each KV cache type",
+                              formatter_class=fmt)
+    kq.add_argument("--model", default=None, help="model to measure (default: the default model)")
+    kq.add_argument("--dtype", default="auto", help=EngineArgs.HELP["dtype"])
+    kq.add_argument("--device", default="auto", help=EngineArgs.HELP["device"])
+    kq.add_argument("--samples", type=int, default=16, help="held-out snippets")
+    kq.add_argument("--chars", type=int, default=1200, help="characters per snippet")
+    kq.add_argument("--new-tokens", type=int, default=64, help="greedy tokens generated per snippet")
     return parser
 
 
@@ -170,11 +178,11 @@ def cmd_convert(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import throughput
+    from .bench import kv_quality, throughput
     if args.model is None:
         from .default_model import default_model_path
         args.model = str(default_model_path())
-    return throughput.main(args)
+    return {"throughput": throughput, "kv-quality": kv_quality}[args.bench].main(args)
 
 
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "convert": cmd_convert, "bench": cmd_bench}
