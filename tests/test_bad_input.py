@@ -6,7 +6,6 @@ import shutil
 
 import pytest
 
-from lucebox.cli import main
 from lucebox.errors import CheckpointError, RequestError, UnsupportedError
 from lucebox.model.loader import load_model
 
@@ -103,30 +102,3 @@ def test_bad_dtype_and_device_flags_name_the_flag(hf_models):
         load_model(str(hf_models["qwen3"]), dtype="int3")
     with pytest.raises(RequestError, match="--device"):
         load_model(str(hf_models["qwen3"]), device="tpu")
-
-
-def test_cli_prints_errors_without_traceback_and_exits_nonzero(tmp_path, capsys):
-    code = main(["generate", "--model", str(tmp_path / "missing"), "--prompt", "x"])
-    err = capsys.readouterr().err
-    assert code == 1 and err.startswith("error: ") and "Traceback" not in err
-
-
-def test_cli_rejects_invalid_sampling_value(hf_models, capsys):
-    code = main(["generate", "--model", str(hf_models["qwen3"]), "--top-p", "2"])
-    assert code == 1 and "top_p" in capsys.readouterr().err
-
-
-def test_cli_generate_streams_text_and_reports_speed(hf_models, capsys):
-    code = main(["generate", "--model", str(hf_models["qwen3"]), "--prompt", "def", "--max-tokens", "4",
-                 "--temperature", "0", "--ignore-eos"])
-    captured = capsys.readouterr()
-    assert code == 0 and captured.out.startswith("def") and "tok/s" in captured.err
-
-
-def test_cli_help_lists_every_flag_with_its_default(capsys):
-    with pytest.raises(SystemExit):
-        main(["generate", "--help"])
-    text = capsys.readouterr().out
-    for flag in ("--model", "--dtype", "--max-model-len", "--temperature", "--max-tokens", "--stop"):
-        assert flag in text
-    assert "(default: 128)" in text

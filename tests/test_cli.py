@@ -1,0 +1,52 @@
+"""The command line: streams, reports speed, keeps a chat, prints errors without tracebacks."""
+from __future__ import annotations
+
+import pytest
+
+from lucebox.cli import main
+
+
+def test_cli_prints_errors_without_traceback_and_exits_nonzero(tmp_path, capsys):
+    code = main(["generate", "--model", str(tmp_path / "missing"), "--prompt", "x"])
+    err = capsys.readouterr().err
+    assert code == 1 and err.startswith("error: ") and "Traceback" not in err
+
+
+def test_cli_rejects_invalid_sampling_value(hf_models, capsys):
+    code = main(["generate", "--model", str(hf_models["qwen3"]), "--top-p", "2"])
+    assert code == 1 and "top_p" in capsys.readouterr().err
+
+
+def test_cli_generate_streams_text_and_reports_speed(hf_models, capsys):
+    code = main(["generate", "--model", str(hf_models["qwen3"]), "--prompt", "def", "--max-tokens", "4",
+                 "--temperature", "0", "--ignore-eos"])
+    captured = capsys.readouterr()
+    assert code == 0 and captured.out.startswith("def") and "tok/s" in captured.err
+
+
+def test_cli_help_lists_every_flag_with_its_default(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = capsys.readouterr().out
+    for flag in ("--model", "--dtype", "--max-model-len", "--temperature", "--max-tokens", "--stop"):
+        assert flag in text
+    assert "(default: 128)" in text
+
+
+def test_cli_chat_keeps_the_conversation(hf_models, monkeypatch, capsys):
+    lines = iter(["hello", "and again", "/exit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    rendered = []
+    from lucebox.tokenizer import Tokenizer
+    original = Tokenizer.apply_chat_template
+
+    def spy(self, messages, *args, **kwargs):
+        rendered.append([m["content"] for m in messages])
+        return original(self, messages, *args, **kwargs)
+
+    monkeypatch.setattr(Tokenizer, "apply_chat_template", spy)
+    code = main(["chat", "--model", str(hf_models["qwen3"]), "--max-tokens", "3", "--temperature", "0",
+                 "--ignore-eos"])
+    assert code == 0
+    assert rendered[0] == ["hello"]
+    assert rendered[1][0] == "hello" and rendered[1][2] == "and again" and len(rendered[1]) == 3
