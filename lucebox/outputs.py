@@ -19,6 +19,23 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """Per-request counters; the speculative ones stay zero when speculation is off."""
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_drafts: int = 0  # verify steps that carried at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [i]: drafts accepted at position i
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """tau: tokens committed per verify step (accepted drafts + the bonus token)."""
+        return (self.num_accepted_tokens + self.num_drafts) / self.num_drafts if self.num_drafts else 1.0
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -26,3 +43,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None

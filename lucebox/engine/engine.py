@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 
 import torch
 
 from ..config import EngineArgs
 from ..errors import ContextLengthError, OverloadError, RequestError
 from ..model.loader import LoadedModel
-from ..outputs import CompletionOutput, RequestOutput
+from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
 from ..sampling import Sampler, SamplingParams, make_generator
 from ..stop import StopChecker
 from ..tokenizer import IncrementalDetokenizer
@@ -93,6 +94,7 @@ class LLMEngine:
         seqs = []
         for index in range(params.n):
             seq = Sequence(request_id, index, list(ids), params, arrival=next(self._arrivals))
+            seq.metrics.arrival_time = time.monotonic()
             seq.generator = make_generator(params.seed, self.model.device, index)
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens,
                                                      context_ids=ids[-4:])
@@ -161,6 +163,8 @@ class LLMEngine:
     def _append(self, seq: Sequence, token: int, logprobs: dict | None) -> None:
         params = seq.params
         seq.output_token_ids.append(token)
+        if seq.metrics.first_token_time is None:
+            seq.metrics.first_token_time = time.monotonic()
         if logprobs is not None:
             seq.logprobs.append(logprobs)
             seq.cumulative_logprob += logprobs[token].logprob
@@ -190,6 +194,7 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: str, stop_reason) -> None:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
+        seq.metrics.finished_time = time.monotonic()
         self.scheduler.finish(seq)
 
     def _request_output(self, request_id: str) -> RequestOutput:
@@ -202,4 +207,20 @@ class LLMEngine:
         if finished:
             del self.requests[request_id]
         return RequestOutput(request_id, text, seqs[0].prompt_token_ids, outputs, finished,
-                             seqs[0].num_cached_tokens or 0)
+                             seqs[0].num_cached_tokens or 0, _merge_metrics([s.metrics for s in seqs]))
+
+
+def _merge_metrics(per_seq: list[RequestMetrics]) -> RequestMetrics:
+    """One request's metrics: timing of its first sample, speculative counters summed over its n samples."""
+    first = per_seq[0]
+    merged = RequestMetrics(first.arrival_time, first.first_token_time,
+                            max((m.finished_time for m in per_seq if m.finished_time), default=None))
+    for m in per_seq:
+        merged.num_drafts += m.num_drafts
+        merged.num_draft_tokens += m.num_draft_tokens
+        merged.num_accepted_tokens += m.num_accepted_tokens
+        for i, n in enumerate(m.accepted_per_position):
+            if i == len(merged.accepted_per_position):
+                merged.accepted_per_position.append(0)
+            merged.accepted_per_position[i] += n
+    return merged

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..outputs import RequestMetrics
 from ..sampling import SamplingParams
 
 
@@ -36,6 +37,7 @@ class Sequence:
     generator: torch.Generator | None = None
     detokenizer: object = None
     stop_checker: object = None
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
 
     @property
     def token_ids(self) -> list[int]:
