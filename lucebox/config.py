@@ -22,6 +22,8 @@ class EngineArgs:
     cache_type_k: str = "auto"  # llama.cpp's names: auto f32 f16 bf16 fp8 q8_0 q4_0
     cache_type_v: str = "auto"
     cache_rotate_k: bool = False  # Walsh-Hadamard rotation of K before quantising it
+    # vLLM's shape: {"method": "dflash"|"draft_model"|"ngram", "model": ..., "num_speculative_tokens": k, ...}
+    speculative_config: dict | None = None
     max_queue: int = 1024  # waiting requests before new ones are refused
 
     HELP = {
@@ -40,6 +42,7 @@ class EngineArgs:
         "cache_type_k": "KV cache type of keys: auto (the model dtype), f32, f16, bf16, fp8, q8_0 or q4_0",
         "cache_type_v": "KV cache type of values: auto (the model dtype), f32, f16, bf16, fp8, q8_0 or q4_0",
         "cache_rotate_k": "rotate keys with a Walsh-Hadamard transform before quantising (tames outlier channels)",
+        "speculative_config": "speculative decoding settings",
         "enable_prefix_caching": "reuse the KV of shared prompt prefixes across requests",
         "max_queue": "most requests waiting for a slot; more are refused with an overload error",
     }

@@ -67,6 +67,9 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None  # top logprobs reported besides the sampled token's
     skip_special_tokens: bool = True
+    # Per-request hooks (constrained decoding): each gets the row's generated ids so far and its
+    # [vocab] logits, and returns new logits. Applied first, before every other processing step.
+    logits_processors: list[Callable[[list[int], torch.Tensor], torch.Tensor]] | None = None
 
     def __post_init__(self):
         # Normalised once so the engine never re-checks every shape the API accepts.
@@ -128,6 +131,9 @@ class SamplingParams:
             _fail("stop_token_ids", self.stop_token_ids, "a list of token ids or None")
         for tok in self.stop_token_ids:
             _check("stop_token_ids", tok, lambda v: v >= 0, "a list of token ids (integers >= 0)", integer=True)
+        if self.logits_processors is not None and (
+                not isinstance(self.logits_processors, (list, tuple)) or not all(map(callable, self.logits_processors))):
+            _fail("logits_processors", self.logits_processors, "a list of callables (token_ids, logits) -> logits")
 
     def verify_token_ids(self, vocab_size: int) -> None:
         """Checks what only the model knows: token ids in logit_bias / stop_token_ids exist."""
@@ -254,6 +260,7 @@ class Sampler:
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(states)} sampling states")
         logits = logits.to(torch.float32, copy=True)
         params = [s.params for s in states]
+        _apply_logits_processors(logits, states)
         _apply_logit_bias(logits, params)
         _apply_min_tokens(logits, states, self.eos_token_ids)
         _apply_penalties(logits, states)
@@ -270,6 +277,13 @@ class Sampler:
         if any(min_p):
             _apply_min_p(logits, torch.tensor(min_p, device=dev))
         return logits
+
+
+def _apply_logits_processors(logits: torch.Tensor, states: Sequence[SamplingState]) -> None:
+    # Each row with its own history: under speculative verification a sequence's rows differ.
+    for i, s in enumerate(states):
+        for proc in s.params.logits_processors or ():
+            logits[i] = proc(list(s.output_token_ids), logits[i])
 
 
 def _apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:

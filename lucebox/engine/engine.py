@@ -11,7 +11,9 @@ from ..config import EngineArgs
 from ..errors import ContextLengthError, OverloadError, RequestError
 from ..model.loader import LoadedModel
 from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
-from ..sampling import Sampler, SamplingParams, make_generator
+from ..sampling import Sampler, SamplerOutput, SamplingParams, _raw_logprobs, make_generator
+from ..spec.factory import make_speculator
+from ..spec.verify import accept
 from ..stop import StopChecker
 from ..tokenizer import IncrementalDetokenizer
 from .block_manager import BlockManager
@@ -32,11 +34,15 @@ class LLMEngine:
         if self.max_model_len > cfg.max_position_embeddings:
             log.warning("max_model_len %d exceeds the model's %d positions", self.max_model_len,
                         cfg.max_position_embeddings)
+        self.speculator = make_speculator(args.speculative_config, loaded, self.max_model_len)
         num_blocks = self._plan_kv_blocks()
         self.runner = ModelRunner(self.model, num_blocks, args.block_size, args.cache_type_k, args.cache_type_v,
                                   args.cache_rotate_k)
         self.scheduler = Scheduler(BlockManager(num_blocks, args.block_size, args.enable_prefix_caching),
-                                   args.max_num_seqs, args.max_num_batched_tokens)
+                                   args.max_num_seqs, args.max_num_batched_tokens,
+                                   on_release=self.speculator.release if self.speculator else None)
+        if self.speculator is not None:
+            self.speculator.proposer.allocate(num_blocks, args.block_size, self.scheduler.blocks)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(cfg.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids)
         self.requests: dict[str, tuple[str | None, list[Sequence]]] = {}
@@ -50,7 +56,10 @@ class LLMEngine:
 
     def _plan_kv_blocks(self) -> int:
         args = self.args
-        per_block = kv_bytes_per_token(self.model, args.cache_type_k, args.cache_type_v) * args.block_size
+        per_token = kv_bytes_per_token(self.model, args.cache_type_k, args.cache_type_v)
+        if self.speculator is not None:  # the drafter's KV shares the target's block tables
+            per_token += self.speculator.proposer.kv_bytes_per_token()
+        per_block = per_token * args.block_size
         blocks_per_seq = -(-self.max_model_len // args.block_size)
         if self.model.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.model.device)
@@ -132,33 +141,70 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if not batch.seqs:
             if self.scheduler.has_work():
                 raise RuntimeError("scheduler made no progress (KV pool too small for any waiting sequence)")
             return []
-        token_ids = [s.token_ids[s.num_computed:s.num_computed + n] for s, n in zip(batch.seqs, batch.num_new_tokens)]
-        # Only sequences whose new tokens reach their end sample; a partial prefill chunk does not.
-        sampling = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
-                    if s.num_computed + n == s.num_tokens]
-        logits = self.runner.run(token_ids, [s.num_computed for s in batch.seqs],
-                                 [s.block_table for s in batch.seqs], logits_rows=sampling)
+        token_ids, rows, plain, verifying, chunks = [], [], [], [], []
+        offset = 0
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed += n
-            self.scheduler.blocks.register_full_blocks(seq.block_table, seq.block_hashes, seq.token_ids,
-                                                       seq.num_computed)
-        if not sampling:
-            return []
-        seqs = [batch.seqs[i] for i in sampling]
-        sampled = self.sampler(logits, seqs)
-        tokens = sampled.sampled_token_ids.tolist()
-        logprobs = sampled.logprob_dicts(self.tokenizer.id_to_token) if sampled.logprobs is not None \
-            else [None] * len(tokens)
-        touched = {}
-        for seq, token, lp in zip(seqs, tokens, logprobs):
+            drafts = seq.draft.tokens if seq.draft is not None else []
+            token_ids.append((seq.token_ids + drafts)[seq.num_computed:seq.num_computed + n])
+            if seq.num_computed + n < seq.num_tokens:  # a prefill chunk short of the end: nothing to sample
+                chunks.append((seq, n, offset))
+            else:
+                (verifying if drafts else plain).append((seq, len(rows), offset))
+                rows.extend(range(offset + n - 1 - len(drafts), offset + n))
+            offset += n
+        capture = self.speculator.capture_layers if self.speculator is not None else ()
+        started = time.perf_counter()
+        out = self.runner.run(token_ids, [s.num_computed for s in batch.seqs], [s.block_table for s in batch.seqs],
+                              logits_rows=rows, capture_layers=capture)
+        logits, features = out if capture else (out, None)
+        for seq, n, offset in chunks:
+            self._commit(seq, n, features, offset)
+        if plain:
+            sampled = self.sampler(logits[[row for _, row, _ in plain]], [seq for seq, _, _ in plain])
+            logprobs = sampled.logprob_dicts(self.tokenizer.id_to_token)
+            for (seq, _, offset), token, lp in zip(plain, sampled.sampled_token_ids.tolist(), logprobs):
+                self._commit(seq, seq.num_tokens - seq.num_computed, features, offset)
+                self._append(seq, token, lp)
+        for seq, row, offset in verifying:
+            self._verify(seq, logits[row:row + len(seq.draft.tokens) + 1], features, offset)
+        if self.speculator is not None:  # after the host has the tokens: the step's full cost
+            self.speculator.record_forward(batch.total_tokens, time.perf_counter() - started)
+        touched = dict.fromkeys(seq.request_id for seq, _, _ in plain + verifying)
+        return [self._request_output(rid) for rid in touched if rid in self.requests]
+
+    def _commit(self, seq: Sequence, n: int, features, offset: int) -> None:
+        """The next n positions of seq (their K/V written this step) are now committed."""
+        if features is not None:
+            self.speculator.observe(seq, seq.num_computed, features[offset:offset + n])
+        seq.num_computed += n
+        self.scheduler.blocks.register_full_blocks(seq.block_table, seq.block_hashes, seq.token_ids,
+                                                   seq.num_computed)
+
+    def _verify(self, seq: Sequence, rows, features, offset: int) -> None:
+        """Accept drafts, keep the K/V of accepted positions, forget the rest, append the new tokens."""
+        draft, seq.draft = seq.draft, None
+        verdict = accept(self.sampler, rows, seq, draft)
+        self.speculator.record(seq, len(draft.tokens), verdict.num_accepted)
+        self._commit(seq, 1 + verdict.num_accepted, features, offset)  # the pending token + accepted drafts
+        self.scheduler.blocks.truncate(seq.block_table, seq.num_computed + 1)
+        logprobs = self._logprobs(seq, rows[:len(verdict.tokens)], verdict.tokens)
+        for token, lp in zip(verdict.tokens, logprobs):
             self._append(seq, token, lp)
-            touched[seq.request_id] = True
-        return [self._request_output(rid) for rid in touched]
+            if seq.is_finished:
+                break
+
+    def _logprobs(self, seq: Sequence, rows, tokens: list[int]) -> list[dict | None]:
+        if seq.params.logprobs is None:
+            return [None] * len(tokens)
+        tensors = _raw_logprobs(rows, torch.tensor(tokens, device=rows.device), [seq.params.logprobs] * len(tokens))
+        return SamplerOutput(torch.tensor(tokens), tensors).logprob_dicts(self.tokenizer.id_to_token)
 
     def _append(self, seq: Sequence, token: int, logprobs: dict | None) -> None:
         params = seq.params

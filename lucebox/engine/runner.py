@@ -36,16 +36,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, token_ids: list[list[int]], start_positions: list[int], block_tables: list[list[int]],
-            logits_rows: list[int] | None = None, all_logits: bool = False) -> torch.Tensor:
+            logits_rows: list[int] | None = None, all_logits: bool = False,
+            capture_layers: tuple[int, ...] = ()) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Forward the new tokens of each sequence; returns float32 logits.
 
-        Default: one row per sequence in `logits_rows` (all when None), for its last new token;
-        all_logits=True: one row per new token (verification, tests)."""
-        batch = ForwardBatch.build(token_ids, start_positions, block_tables, self.block_size, self.model.device)
+        Logits rows: `logits_rows` (flat token indices) when given, else the last new token of each
+        sequence, or every new token with all_logits=True. With capture_layers, also returns the
+        outputs of those layers for every new token, concatenated: [T, len(capture_layers) * hidden]."""
+        batch = ForwardBatch.build(token_ids, start_positions, block_tables, self.block_size, self.model.device,
+                                   capture_layers)
         hidden = self.model(batch)
-        if not all_logits:
-            last = batch.query_start_loc[1:] - 1
-            if logits_rows is not None:
-                last = last[torch.tensor(logits_rows, dtype=torch.long, device=last.device)]
-            hidden = hidden[last]
-        return self.model.compute_logits(hidden)
+        if logits_rows is not None:
+            hidden = hidden[torch.tensor(logits_rows, dtype=torch.long, device=hidden.device)]
+        elif not all_logits:
+            hidden = hidden[batch.query_start_loc[1:] - 1]
+        logits = self.model.compute_logits(hidden)
+        if not capture_layers:
+            return logits
+        return logits, torch.cat([batch.captured[i] for i in capture_layers], dim=-1)

@@ -31,8 +31,10 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 on_release=None):
         self.blocks = block_manager
+        self.on_release = on_release  # (seq, finished) -> None: the speculator drops per-sequence state
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -54,7 +56,11 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING:  # preempted below for an older sequence
                 continue
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            pending = seq.num_tokens - seq.num_computed
+            drafts = len(seq.draft.tokens) if seq.draft is not None else 0
+            n = min(pending + drafts, budget)
+            if drafts and n < pending + drafts:  # the budget cuts the draft short
+                self._trim_draft(seq, n - pending)
             while not self.blocks.can_allocate(seq.block_table, seq.num_computed + n):
                 victim = self.running[-1]
                 self.preempt(victim)
@@ -87,7 +93,18 @@ class Scheduler:
             budget -= n
         return batch
 
+    @staticmethod
+    def _trim_draft(seq: Sequence, keep: int) -> None:
+        if keep <= 0:
+            seq.draft = None
+        else:
+            seq.draft.tokens = seq.draft.tokens[:keep]
+            if seq.draft.probs is not None:
+                seq.draft.probs = seq.draft.probs[:keep]
+
     def finish(self, seq: Sequence) -> None:
+        if self.on_release is not None:
+            self.on_release(seq, True)
         seq.status = Status.FINISHED
         self.blocks.free_table(seq.block_table)
         if seq in self.running:
@@ -96,6 +113,8 @@ class Scheduler:
             self.waiting.remove(seq)
 
     def preempt(self, seq: Sequence) -> None:
+        if self.on_release is not None:
+            self.on_release(seq, False)
         self.num_preemptions += 1
         self.running.remove(seq)
         self.blocks.free_table(seq.block_table)

@@ -38,6 +38,7 @@ class Sequence:
     detokenizer: object = None
     stop_checker: object = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    draft: object = None  # spec.proposer.Draft for this step, or None
 
     @property
     def token_ids(self) -> list[int]:

@@ -1,0 +1,53 @@
+"""API errors: one exception type, rendered in the OpenAI or the Anthropic shape by the route's API."""
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+
+from ..engine.async_engine import EngineDeadError
+from ..errors import ContextLengthError, LuceboxError, OverloadError, RequestError
+
+# Anthropic names its error types after the HTTP status.
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 408: "timeout_error", 413: "request_too_large",
+                    429: "rate_limit_error", 500: "api_error", 503: "overloaded_error", 504: "timeout_error"}
+_OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                 408: "timeout_error", 413: "invalid_request_error", 429: "rate_limit_exceeded",
+                 500: "server_error", 503: "service_unavailable", 504: "timeout_error"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+
+    def openai_body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type or _OPENAI_TYPES.get(self.status, "error"),
+                          "param": self.param, "code": self.code}}
+
+    def anthropic_body(self) -> dict:
+        return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(self.status, "api_error"),
+                                           "message": self.message}}
+
+    def response(self, api: str) -> JSONResponse:
+        body = self.anthropic_body() if api == "anthropic" else self.openai_body()
+        headers = {"retry-after": "1"} if self.status in (429, 503) else None
+        return JSONResponse(body, status_code=self.status, headers=headers)
+
+
+def from_lucebox(e: LuceboxError) -> APIError:
+    """The engine's errors, mapped to the status a client should act on."""
+    if isinstance(e, ContextLengthError):
+        return APIError(400, str(e), param="messages", code="context_length_exceeded")
+    if isinstance(e, OverloadError):
+        return APIError(503, str(e), code="overloaded")
+    if isinstance(e, EngineDeadError):
+        return APIError(503, str(e), code="engine_unavailable")
+    if isinstance(e, RequestError):
+        return APIError(400, str(e), code="invalid_request")
+    return APIError(400, str(e))
+
+
+def api_of(path: str) -> str:
+    """Which API's error shape a path speaks."""
+    return "anthropic" if path.startswith("/v1/messages") else "openai"

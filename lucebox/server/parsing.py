@@ -1,0 +1,331 @@
+"""Incremental output parsing: reasoning (<think>), content and tool calls, over any chunking.
+
+The engine hands over text in arbitrary pieces (several tokens per step under speculation, a tag
+split over two steps...). `OutputParser.feed(piece)` returns the events that piece completes and
+holds back only text that could still be the start of a tag. Feeding the same text in any chunks
+yields events that aggregate to the same reasoning, content and calls, so a non-streamed response
+(the parser fed everything) equals the reassembled stream.
+
+Tool-call bodies: Hermes/Qwen JSON (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`) and
+Qwen3-Coder XML (`<function=NAME><parameter=P>value</parameter></function>`, wrapped in
+<tool_call> or bare), recognised by the body's first character whatever the template says.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+FUNC_OPEN, FUNC_CLOSE = "<function=", "</function>"
+PARAM_OPEN, PARAM_CLOSE = "<parameter=", "</parameter>"
+# name first, then arguments: the lookahead waits for the value's first character, so whitespace
+# before it never depends on where a chunk ended.
+_JSON_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=[{\[])')
+_FUNC_HEAD = re.compile(r"\s*<function=([^>\n]+)>")
+
+
+@dataclass
+class Event:
+    kind: str  # content | reasoning | tool_start | tool_args | tool_end
+    text: str = ""
+    call: int = -1  # tool-call index within this output
+    name: str = ""
+
+
+def _held_prefix(text: str, tags) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of one of `tags`."""
+    for n in range(min(len(text), max(len(t) for t in tags) - 1), 0, -1):
+        tail = text[-n:]
+        if any(t.startswith(tail) for t in tags):
+            return n
+    return 0
+
+
+class OutputParser:
+    """One per generated output. `param_schemas[tool][param]` coerces XML parameter strings."""
+
+    def __init__(self, *, tools: bool = True, reasoning: bool = True, in_reasoning: bool = False,
+                 param_schemas: dict[str, dict[str, dict]] | None = None):
+        self.tools, self.reasoning = tools, reasoning
+        self.param_schemas = param_schemas or {}
+        self.mode = "reasoning" if in_reasoning else "content"
+        self.buf = ""
+        self.strip_lead = in_reasoning  # leading whitespace of a section is not part of it
+        self.num_calls = 0
+        self.content_seen = False
+        self._call: _CallBody | None = None
+
+    # ------------------------------------------------------------------ public
+    def feed(self, text: str) -> list[Event]:
+        self.buf += text
+        out: list[Event] = []
+        while self._step(out, final=False):
+            pass
+        return out
+
+    def finish(self) -> list[Event]:
+        out: list[Event] = []
+        while self._step(out, final=True):
+            pass
+        return out
+
+    # ------------------------------------------------------------------ modes
+    def _step(self, out: list[Event], final: bool) -> bool:
+        if self.mode == "tool":
+            return self._tool_step(out, final)
+        if self.mode == "reasoning":
+            tags = [THINK_CLOSE]
+        else:
+            tags = ([THINK_OPEN] if self.reasoning else []) + ([TOOL_OPEN, FUNC_OPEN] if self.tools else [])
+        found = [(self.buf.find(t), t) for t in tags]
+        found = [(p, t) for p, t in found if p >= 0]
+        if found:
+            pos, tag = min(found)
+            self._text(out, self.buf[:pos].rstrip())
+            self.buf = self.buf[pos:] if tag == FUNC_OPEN else self.buf[pos + len(tag):]
+            if tag == THINK_CLOSE:
+                self.mode = "content"
+            elif tag == THINK_OPEN:
+                self.mode = "reasoning"
+            else:
+                self.mode = "tool"
+                self._call = _CallBody(self, wrapped=tag == TOOL_OPEN)
+            self.strip_lead = True
+            return True
+        if final:
+            self._text(out, self.buf.rstrip())
+            self.buf = ""
+            return False
+        hold = _held_prefix(self.buf, tags) if tags else 0
+        # Trailing whitespace waits too: before a tag or at the end it is dropped.
+        upto = len(self.buf[:len(self.buf) - hold].rstrip())
+        self._text(out, self.buf[:upto])
+        self.buf = self.buf[upto:]
+        return False
+
+    def _text(self, out: list[Event], text: str) -> None:
+        # A section's leading whitespace is framing ("</think>\n\n"), except between two pieces of
+        # content, where it separates them.
+        if self.strip_lead and not (self.mode == "content" and self.content_seen):
+            text = text.lstrip()
+        if text:
+            self.strip_lead = False
+            self.content_seen |= self.mode == "content"
+            out.append(Event(self.mode, text))
+
+    def _tool_step(self, out: list[Event], final: bool) -> bool:
+        call = self._call
+        end_tag = TOOL_CLOSE if call.wrapped else FUNC_CLOSE
+        pos = self.buf.find(end_tag)
+        if pos >= 0:
+            cut = pos + len(end_tag)
+            call.extend(self.buf[:pos] if call.wrapped else self.buf[:cut], out)
+            self.buf = self.buf[cut:]
+        elif final:
+            call.extend(self.buf, out)
+            self.buf = ""
+        else:
+            hold = _held_prefix(self.buf, [end_tag])
+            call.extend(self.buf[:len(self.buf) - hold], out)
+            self.buf = self.buf[len(self.buf) - hold:]
+            return False
+        call.close(out)
+        self._call, self.mode, self.strip_lead = None, "content", True
+        return pos >= 0
+
+    def _new_call(self, name: str, out: list[Event]) -> int:
+        index = self.num_calls
+        self.num_calls += 1
+        out.append(Event("tool_start", call=index, name=name))
+        return index
+
+
+class _CallBody:
+    """The text inside one <tool_call> block (or one bare <function=...> block), parsed as it grows."""
+
+    def __init__(self, parser: OutputParser, wrapped: bool):
+        self.parser, self.wrapped = parser, wrapped
+        self.body = ""
+        self.style: str | None = None  # json | xml
+        self.index: int | None = None  # the open call's index
+        self.opened: list[int] = []
+        self.pos = 0  # how far the body has been consumed
+        # json streaming state
+        self.depth, self.in_str, self.esc, self.done = 0, False, False, False
+        # xml state
+        self.name = ""
+        self.num_params = 0
+
+    def extend(self, text: str, out: list[Event]) -> None:
+        self.body += text
+        if self.style is None:
+            head = self.body.lstrip()
+            if not head:
+                return
+            self.style = "xml" if head.startswith("<") else "json"
+        if self.style == "json":
+            self._json_progress(out)
+        else:
+            self._xml_progress(out, final=False)
+
+    # ---------------------------------------------------------------- Hermes JSON
+    def _json_progress(self, out: list[Event]) -> None:
+        if self.index is None:
+            m = _JSON_HEAD.match(self.body)
+            if not m:
+                return
+            try:
+                name = json.loads('"' + m.group(1) + '"')
+            except json.JSONDecodeError:
+                return
+            self.index = self.parser._new_call(name, out)
+            self.opened.append(self.index)
+            self.pos = m.end()
+        start, i = self.pos, self.pos
+        while i < len(self.body) and not self.done:
+            c = self.body[i]
+            if self.in_str:
+                if self.esc:
+                    self.esc = False
+                elif c == "\\":
+                    self.esc = True
+                elif c == '"':
+                    self.in_str = False
+            elif c == '"':
+                self.in_str = True
+            elif c in "{[":
+                self.depth += 1
+            elif c in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.done = True
+            i += 1
+        if i > start:
+            out.append(Event("tool_args", self.body[start:i], call=self.index))
+        self.pos = i
+
+    def _json_close(self, out: list[Event]) -> None:
+        if self.index is not None:
+            return
+        try:
+            obj = json.loads(self.body)
+            name = obj["name"]
+            args = obj.get("arguments", obj.get("parameters", {}))
+            if not isinstance(name, str):
+                raise TypeError
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+            self._as_text(out)
+            return
+        self.index = self.parser._new_call(name, out)
+        self.opened.append(self.index)
+        out.append(Event("tool_args", args if isinstance(args, str) else json.dumps(args, ensure_ascii=False),
+                         call=self.index))
+
+    # ---------------------------------------------------------------- Qwen3-Coder XML
+    def _xml_progress(self, out: list[Event], final: bool) -> None:
+        while True:
+            if self.index is None:
+                m = _FUNC_HEAD.match(self.body, self.pos)
+                if not m:
+                    return
+                self.name = m.group(1).strip()
+                self.index = self.parser._new_call(self.name, out)
+                self.opened.append(self.index)
+                self.num_params, self.pos = 0, m.end()
+                continue
+            rest = self.body[self.pos:]
+            lead = len(rest) - len(rest.lstrip())
+            rest = rest[lead:]
+            if rest.startswith(FUNC_CLOSE):
+                self._xml_end_function(out)
+                self.pos += lead + len(FUNC_CLOSE)
+                continue
+            if not rest.startswith(PARAM_OPEN):
+                return
+            gt = rest.find(">")
+            if gt < 0:
+                return
+            pname = rest[len(PARAM_OPEN):gt].strip()
+            value_from = gt + 1
+            ends = [(p, t) for t in (PARAM_CLOSE, PARAM_OPEN, FUNC_CLOSE) if (p := rest.find(t, value_from)) >= 0]
+            if ends:
+                end, tag = min(ends)
+            elif final:
+                end, tag = len(rest), ""
+            else:
+                return
+            self._xml_param(pname, rest[value_from:end], out)
+            self.pos += lead + end + (len(PARAM_CLOSE) if tag == PARAM_CLOSE else 0)
+
+    def _xml_param(self, pname: str, raw: str, out: list[Event]) -> None:
+        # The template writes "<parameter=p>\nvalue\n</parameter>": one newline each side is framing.
+        raw = raw[1:] if raw.startswith("\n") else raw
+        raw = raw[:-1] if raw.endswith("\n") else raw
+        schema = self.parser.param_schemas.get(self.name, {}).get(pname) or {}
+        value = _coerce(raw, schema)
+        sep = "{" if self.num_params == 0 else ", "
+        self.num_params += 1
+        out.append(Event("tool_args", sep + json.dumps(pname, ensure_ascii=False) + ": "
+                         + json.dumps(value, ensure_ascii=False), call=self.index))
+
+    def _xml_end_function(self, out: list[Event]) -> None:
+        out.append(Event("tool_args", "{}" if self.num_params == 0 else "}", call=self.index))
+        out.append(Event("tool_end", call=self.index))
+        self.index = None
+
+    # ---------------------------------------------------------------- end of block
+    def close(self, out: list[Event]) -> None:
+        if self.style == "xml":
+            self._xml_progress(out, final=True)
+            if self.index is not None:
+                self._xml_end_function(out)
+            if not self.opened:
+                self._as_text(out)
+            return
+        if self.style == "json":
+            self._json_close(out)
+        if self.index is not None:
+            out.append(Event("tool_end", call=self.index))
+            self.index = None
+
+    def _as_text(self, out: list[Event]) -> None:
+        # Not a call after all: give the text back rather than lose it.
+        raw = (TOOL_OPEN + self.body + TOOL_CLOSE) if self.wrapped else self.body
+        out.append(Event("content", raw))
+
+
+def _coerce(raw: str, schema: dict):
+    """An XML parameter's string, typed by the tool's JSON schema (strings stay strings)."""
+    kinds = schema.get("type")
+    kinds = set(kinds) if isinstance(kinds, list) else {kinds} if kinds else set()
+    if not kinds or "string" in kinds:
+        return raw
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        if "boolean" in kinds and raw.strip().lower() in ("true", "false"):
+            return raw.strip().lower() == "true"
+        return raw
+
+
+@dataclass
+class ParsedOutput:
+    content: str = ""
+    reasoning: str = ""
+    calls: list = None  # [[name, arguments]]
+
+    @classmethod
+    def of(cls, events: list[Event]) -> ParsedOutput:
+        p = cls(calls=[])
+        for e in events:
+            if e.kind == "content":
+                p.content += e.text
+            elif e.kind == "reasoning":
+                p.reasoning += e.text
+            elif e.kind == "tool_start":
+                p.calls.append([e.name, ""])
+            elif e.kind == "tool_args":
+                p.calls[e.call][1] += e.text
+        return p

@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers (DFlash, draft model, n-gram), verification, adaptive draft length."""

@@ -1,0 +1,92 @@
+"""Adaptive draft length: speculate only as far as it pays, from measured costs and acceptance.
+
+Each sequence's drafts are modelled as accepted independently with probability alpha until the
+first rejection, so k drafts commit E(k) = (1 - alpha^(k+1)) / (1 - alpha) tokens per step. A step
+costs the measured draft time plus the measured target forward time for the batch's token count.
+The step's k maximises committed tokens per second over the batch; k = 0 is plain decoding. When
+plain decoding wins, drafts are re-tried now and then, so a sequence whose text turns
+predictable (a quoted file, a repeated block) gets speculation back.
+"""
+from __future__ import annotations
+
+PRIOR_ACCEPTED, PRIOR_REJECTED = 2.0, 1.0  # a mild prior: alpha = 2/3 before any evidence
+DECAY = 0.9  # recent steps weigh more: acceptance drifts as the text changes
+PROBE_EVERY = 16  # steps of plain decoding between two probes with drafts
+
+
+class TimingTable:
+    """EMA of a duration keyed by an integer size; unseen sizes interpolate linearly between
+    the nearest seen ones (or extrapolate from the two nearest)."""
+
+    def __init__(self, smoothing: float = 0.3):
+        self.smoothing = smoothing
+        self.values: dict[int, float] = {}
+
+    def add(self, size: int, seconds: float) -> None:
+        old = self.values.get(size)
+        self.values[size] = seconds if old is None else old + self.smoothing * (seconds - old)
+
+    def estimate(self, size: int) -> float | None:
+        if size in self.values:
+            return self.values[size]
+        if not self.values:
+            return None
+        keys = sorted(self.values)
+        if len(keys) == 1:
+            return self.values[keys[0]]
+        lower = [k for k in keys if k < size]
+        upper = [k for k in keys if k > size]
+        a, b = (lower[-1], upper[0]) if lower and upper else ((keys[0], keys[1]) if not lower else (keys[-2], keys[-1]))
+        va, vb = self.values[a], self.values[b]
+        return max(0.0, va + (vb - va) * (size - a) / (b - a))
+
+
+class SequenceAcceptance:
+    def __init__(self):
+        self.accepted, self.rejected = PRIOR_ACCEPTED, PRIOR_REJECTED
+
+    def update(self, k: int, accepted: int) -> None:
+        self.accepted = DECAY * self.accepted + accepted
+        self.rejected = DECAY * self.rejected + (1 if accepted < k else 0)
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+class DraftLengthPolicy:
+    def __init__(self, max_k: int, adaptive: bool = True):
+        self.max_k, self.adaptive = max_k, adaptive
+        self.forward = TimingTable()  # target forward seconds by tokens in the batch
+        self.draft = TimingTable()  # proposer seconds by draft length
+        self.plain_steps = 0
+        self.candidates = sorted({k for k in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32) if k <= max_k} | {max_k})
+
+    def choose(self, alphas: list[float], batch_tokens: int) -> int:
+        """One k for this step: `alphas` of the decoding sequences, `batch_tokens` other new tokens."""
+        if not self.adaptive or not alphas:
+            return self.max_k
+        n = len(alphas)
+        plain_cost = self.forward.estimate(batch_tokens + n)
+        if plain_cost is None:
+            return 0  # measure plain decoding first: it is the baseline speculation must beat
+        best_k, best_rate = 0, n / plain_cost
+        for k in self.candidates:
+            forward = self.forward.estimate(batch_tokens + n * (1 + k))
+            draft = self.draft.estimate(k)
+            if forward is None or draft is None:
+                return k  # no measurement of speculating yet: try it once
+            rate = sum(expected_tokens(a, k) for a in alphas) / (forward + draft)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        if best_k == 0:
+            self.plain_steps += 1
+            if self.plain_steps % PROBE_EVERY == 0:
+                return self.candidates[0]
+        return best_k

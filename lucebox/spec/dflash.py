@@ -1,0 +1,128 @@
+"""DFlash block drafting: one drafter pass fills [anchor, MASK x (B-1)] from the target's features.
+
+The target's tapped layer outputs are captured for every committed position (prefill and
+accepted verify rows) and projected at once into the drafter's per-layer context K/V, which
+lives in a paged pool indexed by the target's own block tables: positions map to the same slots,
+so prefix-cache hits and rollback need nothing extra. Block K/V are never stored (the block is
+re-drafted next step), which is the reference's "crop after drafting".
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from ..engine.kv_cache import PagedKVCache, bytes_per_value, parse_cache_type
+from ..errors import CheckpointError
+from ..model.loader import resolve_path
+from ..sampling import Sampler, SamplingState
+from ..weights.load import assign
+from ..weights.safetensors import iter_safetensors
+from .dflash_model import DFlashConfig, DFlashDrafter, read_drafter_config
+from .proposer import Draft, Proposer
+
+log = logging.getLogger("lucebox")
+
+
+def load_drafter(path: str | Path, dtype: torch.dtype, device) -> tuple[DFlashDrafter, Path]:
+    path = resolve_path(str(path))
+    cfg = read_drafter_config(path)
+    with torch.device("meta"):
+        drafter = DFlashDrafter(cfg)
+    drafter = drafter.to(dtype=dtype).to_empty(device=device)
+    assign(drafter, iter_safetensors(path), str(path), dtype)
+    return drafter.eval(), path
+
+
+def check_fits_target(cfg: DFlashConfig, target, where: str) -> None:
+    t = target.config
+    if cfg.model.hidden_size != t.hidden_size:
+        raise CheckpointError(f"{where}: the drafter's hidden size {cfg.model.hidden_size} does not match the "
+                              f"target's {t.hidden_size}")
+    bad = [i for i in cfg.target_layer_ids if not 0 <= i < t.num_layers]
+    if bad:
+        raise CheckpointError(f"{where}: tap layer(s) {bad} outside the target's {t.num_layers} layers")
+    if not 0 <= cfg.mask_token_id < t.vocab_size:
+        raise CheckpointError(f"{where}: mask_token_id {cfg.mask_token_id} is outside the target's embedding "
+                              f"({t.vocab_size} rows)")
+    if cfg.model.vocab_size != t.vocab_size:
+        raise CheckpointError(f"{where}: the drafter was trained for a vocabulary of {cfg.model.vocab_size} "
+                              f"tokens, the target has {t.vocab_size}")
+    if cfg.block_size < 2:
+        raise CheckpointError(f"{where}: block_size {cfg.block_size} leaves no room for drafts")
+
+
+class DFlashProposer(Proposer):
+    method = "dflash"
+
+    def __init__(self, drafter: DFlashDrafter, target):
+        self.drafter, self.target = drafter, target
+        cfg = drafter.config
+        self.capture_layers = tuple(cfg.target_layer_ids)
+        self.block_size, self.mask_token_id = cfg.block_size, cfg.mask_token_id
+        self.sampler = Sampler(set(target.tokenizer.eos_token_ids) | set(target.config.eos_token_ids))
+        self.caches: list[tuple[PagedKVCache, PagedKVCache]] = []
+        self.block_tokens = 0
+
+    @classmethod
+    def load(cls, path: str, target) -> "DFlashProposer":
+        model = target.model
+        drafter, where = load_drafter(path, model.dtype, model.device)
+        check_fits_target(drafter.config, target, str(where))
+        return cls(drafter, target)
+
+    def kv_bytes_per_token(self) -> int:
+        m = self.drafter.config.model
+        dtype = parse_cache_type("auto", self.target.model.dtype)
+        return round(2 * m.num_layers * m.num_kv_heads * m.head_dim * bytes_per_value(dtype, m.head_dim))
+
+    def allocate(self, num_blocks: int, block_size: int, block_manager=None) -> None:
+        m, model = self.drafter.config.model, self.target.model
+        shape = (num_blocks, block_size, m.num_kv_heads, m.head_dim)
+        self.caches = [(PagedKVCache(*shape, "auto", model.dtype, model.device),
+                        PagedKVCache(*shape, "auto", model.dtype, model.device)) for _ in range(m.num_layers)]
+        self.block_tokens = block_size
+
+    def _slots(self, seq, start: int, end: int) -> torch.Tensor:
+        pos = torch.arange(start, end)
+        table = torch.tensor(seq.block_table, dtype=torch.long)
+        return (table[pos // self.block_tokens] * self.block_tokens + pos % self.block_tokens).to(
+            self.target.model.device)
+
+    @torch.inference_mode()
+    def observe(self, seq, start: int, features: torch.Tensor) -> None:
+        n = features.shape[0]
+        positions = torch.arange(start, start + n, device=features.device)
+        slots = self._slots(seq, start, start + n)
+        for (k_cache, v_cache), (k, v) in zip(self.caches, self.drafter.context_kv(features, positions)):
+            k_cache.write(k, slots)
+            v_cache.write(v, slots)
+
+    @torch.inference_mode()
+    def propose(self, seqs: list, num_tokens: list[int]) -> list[Draft]:
+        return [self._draft_one(seq, min(k, self.block_size - 1)) for seq, k in zip(seqs, num_tokens)]
+
+    def _draft_one(self, seq, k: int) -> Draft:
+        device = self.target.model.device
+        anchor = seq.num_tokens - 1  # the last committed token: its K/V and features are not known yet
+        slots = self._slots(seq, 0, anchor)
+        dtype = self.target.model.dtype
+        context = [(kc.gather(slots, dtype), vc.gather(slots, dtype)) for kc, vc in self.caches]
+        ids = torch.tensor([seq.token_ids[-1]] + [self.mask_token_id] * (self.block_size - 1), device=device)
+        x = self.target.model.embed_tokens(ids)
+        positions = torch.arange(anchor, anchor + self.block_size, device=device)
+        hidden = self.drafter.blocks(x, positions, context, torch.arange(anchor, device=device))
+        logits = self.target.model.compute_logits(hidden[1:1 + k])  # slot i predicts the token at anchor + i
+        tokens: list[int] = []
+        probs = []
+        out = list(seq.output_token_ids)
+        for i in range(k):
+            state = SamplingState(seq.params, seq.prompt_token_ids, out + tokens, seq.generator)
+            if seq.params.is_greedy:
+                tokens.append(int(self.sampler.process_logits(logits[i:i + 1], [state]).argmax()))
+                continue
+            q = self.sampler.processed_probs(logits[i:i + 1], [state])
+            tokens.append(int(self.sampler(logits[i:i + 1], [state]).sampled_token_ids[0]))
+            probs.append(q[0])
+        return Draft(tokens, torch.stack(probs) if probs else None)

@@ -1,0 +1,119 @@
+"""Draft-model speculation: a smaller model with the target's tokenizer proposes k tokens, one
+forward per token, with its own paged KV indexed by the target's block tables.
+
+The draft's KV is valid for the positions whose tokens it was fed and that are still the
+sequence's tokens; after a verify, the first position where they differ is where it resumes.
+At temperature > 0 drafts are sampled from the draft's processed distribution q (the same
+processing as the target's), which verification needs for lossless acceptance.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..engine.runner import ModelRunner, kv_bytes_per_token
+from ..errors import CheckpointError
+from ..model.loader import load_model
+from ..sampling import Sampler
+from .proposer import Draft, Proposer
+from .verify import row_states
+
+
+class DraftModelProposer(Proposer):
+    method = "draft_model"
+
+    def __init__(self, draft, target):
+        self.draft, self.target = draft, target
+        self.vocab = target.config.vocab_size
+        self.sampler = Sampler(set(target.tokenizer.eos_token_ids) | set(target.config.eos_token_ids))
+        self.runner: ModelRunner | None = None
+        self.blocks = None
+        self.fed: dict[int, list[int]] = {}  # per sequence: the tokens whose draft K/V are cached
+
+    @classmethod
+    def load(cls, path: str, target, dtype=None) -> "DraftModelProposer":
+        draft = load_model(path, dtype=dtype or target.model.dtype, device=str(target.model.device))
+        _check_same_vocabulary(draft, target, path)
+        return cls(draft, target)
+
+    def kv_bytes_per_token(self) -> int:
+        return kv_bytes_per_token(self.draft.model)
+
+    def allocate(self, num_blocks: int, block_size: int, block_manager=None) -> None:
+        self.runner = ModelRunner(self.draft.model, num_blocks, block_size)
+        self.blocks = block_manager
+
+    def release(self, seq) -> None:
+        self.fed.pop(id(seq), None)
+
+    @torch.inference_mode()
+    def propose(self, seqs: list, num_tokens: list[int]) -> list[Draft]:
+        # Drafts need KV slots past the target's allocation; take blocks now or draft less.
+        ks = [self._reserve(seq, k) for seq, k in zip(seqs, num_tokens)]
+        active = [i for i, k in enumerate(ks) if k > 0]
+        drafts = [Draft([]) for _ in seqs]
+        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        feed = {}
+        for i in active:
+            seq = seqs[i]
+            fed = self.fed.setdefault(id(seq), [])
+            keep = _common_prefix(fed, seq.token_ids)
+            del fed[keep:]
+            feed[i] = seq.token_ids[keep:]
+        for step in range(max((ks[i] for i in active), default=0)):
+            rows = [i for i in active if len(drafts[i].tokens) < ks[i]]
+            if not rows:
+                break
+            logits = self.runner.run([feed[i] for i in rows], [len(self.fed[id(seqs[i])]) for i in rows],
+                                     [seqs[i].block_table for i in rows])
+            logits = _fit_vocab(logits, self.vocab)
+            states = [row_states(seqs[i], drafts[i].tokens)[-1] for i in rows]
+            q = self.sampler.processed_probs(logits, states)
+            greedy = [seqs[i].params.is_greedy for i in rows]
+            tokens = self.sampler(logits, states).sampled_token_ids.tolist()
+            for row, i in enumerate(rows):
+                self.fed[id(seqs[i])].extend(feed[i])
+                drafts[i].tokens.append(tokens[row])
+                if not greedy[row]:
+                    probs[i].append(q[row])
+                feed[i] = [tokens[row]]
+        for i in active:
+            if probs[i]:
+                drafts[i].probs = torch.stack(probs[i])
+        return drafts
+
+    def _reserve(self, seq, k: int) -> int:
+        """Blocks for the draft positions (up to num_tokens + k - 1): take them, or shorten k."""
+        if self.blocks is None:
+            return k
+        while k > 0 and not self.blocks.can_allocate(seq.block_table, seq.num_tokens + k):
+            k -= 1
+        if k > 0:
+            self.blocks.allocate(seq.block_table, seq.num_tokens + k)
+        return k
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _fit_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Draft logits over the target's vocabulary: padded rows the draft lacks get -inf."""
+    if logits.shape[1] == vocab:
+        return logits
+    if logits.shape[1] > vocab:
+        return logits[:, :vocab]
+    pad = torch.full((logits.shape[0], vocab - logits.shape[1]), float("-inf"), device=logits.device)
+    return torch.cat([logits, pad], dim=1)
+
+
+def _check_same_vocabulary(draft, target, path: str) -> None:
+    a, b = draft.tokenizer.backend.get_vocab(), target.tokenizer.backend.get_vocab()
+    if a != b:
+        diff = next((t for t in b if a.get(t) != b[t]), None) or next(t for t in a if a[t] != b.get(t))
+        raise CheckpointError(f"{path}: the draft model's tokenizer differs from the target's "
+                              f"(token {diff!r}: {a.get(diff)} vs {b.get(diff)}); a draft model must share "
+                              f"the target's vocabulary")

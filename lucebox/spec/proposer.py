@@ -1,0 +1,41 @@
+"""The proposer seam: draft tokens per sequence, verified by the target in one forward.
+
+A proposer returns, per sequence, up to k draft tokens and (when it sampled them) the processed
+draft distributions q they were drawn from; `probs=None` means deterministic drafts (one-hot q).
+Proposers that read target hidden states (DFlash) name the layers to capture and receive the
+features of committed positions through `observe`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    probs: torch.Tensor | None = None  # [len(tokens), vocab] processed q, or None: deterministic drafts
+
+
+class Proposer:
+    method = "none"
+    # Target layers whose outputs the proposer needs, for every committed position.
+    capture_layers: tuple[int, ...] = ()
+
+    def allocate(self, num_blocks: int, block_size: int, block_manager=None) -> None:
+        """Make the proposer's KV pool; it is indexed by the target's block tables."""
+
+    def propose(self, seqs: list, num_tokens: list[int]) -> list[Draft]:
+        """Drafts for each sequence (at most num_tokens[i] tokens; fewer or none is fine)."""
+        raise NotImplementedError
+
+    def observe(self, seq, start: int, features: torch.Tensor) -> None:
+        """Target features (captured layers, concatenated) of committed positions start.. of seq."""
+
+    def release(self, seq) -> None:
+        """The sequence finished, was aborted or preempted: drop per-sequence state."""
+
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes per token the proposer keeps next to the target's (0 if none)."""
+        return 0
