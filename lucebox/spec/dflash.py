@@ -68,6 +68,9 @@ class DFlashProposer(Proposer):
     @classmethod
     def load(cls, path: str, target) -> "DFlashProposer":
         model = target.model
+        if not str(path).endswith(".gguf"):  # check the config before reading any weights
+            local = resolve_path(str(path))
+            check_fits_target(read_drafter_config(local), target, str(local))
         drafter, where = load_drafter(path, model.dtype, model.device)
         check_fits_target(drafter.config, target, str(where))
         return cls(drafter, target)

@@ -1,0 +1,221 @@
+"""Speculative decoding is lossless: greedy output is token-identical to plain decoding with every
+proposer, and sampled output has exactly the target's distribution."""
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from lucebox import LLM, SamplingParams
+from lucebox.errors import CheckpointError, RequestError
+
+from .conftest import build_hf_model
+from .spec_fixtures import peaked_model, small_vocab_tokenizer, write_dflash_drafter
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def target(hf_models):
+    return hf_models["qwen3"]
+
+
+@pytest.fixture(scope="module")
+def configs(target, tokenizer_dir, tmp_path_factory):
+    small_draft = build_hf_model("qwen3", tmp_path_factory.mktemp("draft"), tokenizer_dir, seed=5,
+                                 num_hidden_layers=1)
+    drafter = write_dflash_drafter(target, tmp_path_factory.mktemp("dflash"))
+    return {
+        "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2},
+        "draft_model": {"method": "draft_model", "model": str(small_draft), "num_speculative_tokens": 3},
+        "self_draft": {"method": "draft_model", "model": str(target), "num_speculative_tokens": 5},
+        "dflash": {"method": "dflash", "model": str(drafter)},
+    }
+
+
+def prompts(n=6, seed=0):
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(380) for _ in range(rng.randint(3, 30))] * 2} for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def plain(target):
+    llm = LLM(str(target), block_size=4)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)]
+
+
+def spec_llm(target, config, **kwargs):
+    return LLM(str(target), block_size=4, speculative_config=dict(config, adaptive=False), **kwargs)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "self_draft", "dflash"])
+def test_greedy_batched_output_equals_plain_decoding(method, target, configs, plain):
+    llm = spec_llm(target, configs[method])
+    outs = llm.generate(prompts(), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    assert sum(o.metrics.num_draft_tokens for o in outs) > 0  # speculation actually happened
+    blocks = llm.engine.scheduler.blocks
+    assert blocks.num_free_blocks == blocks.num_blocks
+
+
+@pytest.mark.parametrize("method", ["ngram", "self_draft", "dflash"])
+def test_greedy_single_sequence_with_chunked_prefill_and_prefix_hits(method, target, configs, plain):
+    llm = spec_llm(target, configs[method], max_num_batched_tokens=5)
+    for _ in range(2):  # the second pass is served from the prefix cache
+        outs = [llm.generate(p, GREEDY, use_tqdm=False)[0] for p in prompts()]
+        assert [o.outputs[0].token_ids for o in outs] == plain
+    assert sum(o.num_cached_tokens for o in outs) > 0
+
+
+def test_self_draft_accepts_everything(target, configs):
+    out = spec_llm(target, configs["self_draft"]).generate(prompts(1), GREEDY, use_tqdm=False)[0]
+    m = out.metrics
+    assert m.num_accepted_tokens == m.num_draft_tokens > 0
+    assert m.mean_accepted_length > 3 and m.accepted_per_position[0] == m.num_drafts
+
+
+def test_stop_token_and_stop_string_inside_an_accepted_block(target, configs, plain):
+    llm = spec_llm(target, configs["self_draft"])
+    reference = plain[0]
+    stop_id = reference[7]
+    out = llm.generate(prompts(1), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                                  stop_token_ids=[stop_id]), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == reference[:reference.index(stop_id) + 1] and out.finish_reason == "stop"
+    text = llm.tokenizer.decode(reference)
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    out = llm.generate(prompts(1), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.text == text[:text.index(stop)] and out.stop_reason == stop
+
+
+def test_max_tokens_is_exact_with_speculation(target, configs, plain):
+    llm = spec_llm(target, configs["self_draft"])
+    out = llm.generate(prompts(1), SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == plain[0][:7] and out.finish_reason == "length"
+
+
+# ---------------------------------------------------------------------- sampling is lossless
+@pytest.fixture(scope="module")
+def small_pair(tmp_path_factory):
+    tok = small_vocab_tokenizer(tmp_path_factory.mktemp("tok6"), ["a", "b", "c", "d", "e", "f"])
+    target = peaked_model(tmp_path_factory.mktemp("t6"), tok, layers=2, seed=1)
+    draft = peaked_model(tmp_path_factory.mktemp("d6"), tok, layers=1, seed=2)
+    return target, draft
+
+
+def exact_pair_distribution(path, prompt: list[int]) -> dict[tuple[int, int], float]:
+    """P(second, third generated token) under the target at temperature 1, by enumeration."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+    def next_probs(ids):
+        with torch.no_grad():
+            return model(torch.tensor([ids])).logits[0, -1].softmax(-1).double()
+
+    vocab = model.config.vocab_size
+    result: Counter = Counter()
+    p1 = next_probs(prompt)
+    for t1 in range(vocab):
+        p2 = next_probs(prompt + [t1])
+        for t2 in range(vocab):
+            p3 = next_probs(prompt + [t1, t2])
+            for t3 in range(vocab):
+                result[(t2, t3)] += float(p1[t1] * p2[t2] * p3[t3])
+    return result
+
+
+def chi_square_rejects(counts: Counter, probs: dict, n: int) -> tuple[bool, float, float]:
+    """Pearson's test at significance 1e-3 (cells with expected count < 5 pooled)."""
+    stat, pooled_obs, pooled_exp, cells = 0.0, 0, 0.0, 0
+    for cell, p in probs.items():
+        expected = n * p
+        if expected < 5:
+            pooled_obs += counts.get(cell, 0)
+            pooled_exp += expected
+            continue
+        stat += (counts.get(cell, 0) - expected) ** 2 / expected
+        cells += 1
+    if pooled_exp > 0:
+        stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
+        cells += 1
+    df = cells - 1
+    z = 3.090  # the 0.999 normal quantile; Wilson-Hilferty turns it into the chi-square quantile
+    critical = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    return stat > critical, stat, critical
+
+
+def sample_pairs(llm, prompt, n: int) -> Counter:
+    params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, n=n, seed=1234)
+    out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+    return Counter(tuple(o.token_ids[1:3]) for o in out.outputs)
+
+
+SAMPLES = 4000
+PROMPT = [0, 3, 1, 5, 2]
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_sampled_tokens_follow_the_target_distribution(method, small_pair):
+    target, draft = small_pair
+    config = {"method": method, "model": str(draft), "num_speculative_tokens": 2, "adaptive": False} \
+        if method == "draft_model" else {"method": "ngram", "prompt_lookup_min": 1, "num_speculative_tokens": 2,
+                                         "adaptive": False}
+    llm = LLM(str(target), speculative_config=config, max_num_seqs=1024, max_num_batched_tokens=8192)
+    counts = sample_pairs(llm, PROMPT, SAMPLES)
+    rejected, stat, critical = chi_square_rejects(counts, exact_pair_distribution(target, PROMPT), SAMPLES)
+    print(f"\n{method}: chi-square {stat:.1f} (reject above {critical:.1f})")
+    assert not rejected
+
+
+def test_a_wrong_acceptance_rule_fails_the_same_test(small_pair, monkeypatch):
+    """Accepting every draft makes the output follow the draft model: the test must notice."""
+    from lucebox.spec import verify
+
+    def always_accept(sampler, logits, seq, draft):
+        return verify.Verdict(draft.tokens + [verify._sample(sampler.processed_probs(
+            logits, verify.row_states(seq, draft.tokens))[-1], seq.generator)], len(draft.tokens))
+
+    monkeypatch.setattr("lucebox.engine.engine.accept", always_accept)
+    target, draft = small_pair
+    llm = LLM(str(target), speculative_config={"method": "draft_model", "model": str(draft),
+                                                "num_speculative_tokens": 2, "adaptive": False},
+              max_num_seqs=1024, max_num_batched_tokens=8192)
+    counts = sample_pairs(llm, PROMPT, SAMPLES)
+    rejected, stat, critical = chi_square_rejects(counts, exact_pair_distribution(target, PROMPT), SAMPLES)
+    print(f"\nalways-accept rule: chi-square {stat:.1f} (reject above {critical:.1f})")
+    assert rejected
+
+
+# ---------------------------------------------------------------------- bad input
+def test_unknown_method_is_named(target):
+    with pytest.raises(RequestError, match="eagle9"):
+        LLM(str(target), speculative_config={"method": "eagle9"})
+
+
+def test_drafter_hidden_size_mismatch_is_named(target, tmp_path):
+    drafter = write_dflash_drafter(target, tmp_path / "d", hidden_size=32)
+    with pytest.raises(CheckpointError, match="hidden size"):
+        LLM(str(target), speculative_config={"method": "dflash", "model": str(drafter)})
+
+
+def test_drafter_taps_outside_the_target_are_named(target, tmp_path):
+    drafter = write_dflash_drafter(target, tmp_path / "d", taps=(0, 9))
+    with pytest.raises(CheckpointError, match="tap layer"):
+        LLM(str(target), speculative_config={"method": "dflash", "model": str(drafter)})
+
+
+def test_mask_token_outside_the_embedding_is_named(target, tmp_path):
+    drafter = write_dflash_drafter(target, tmp_path / "d", mask_token_id=10**6)
+    with pytest.raises(CheckpointError, match="mask_token_id"):
+        LLM(str(target), speculative_config={"method": "dflash", "model": str(drafter)})
+
+
+def test_draft_model_with_another_vocabulary_is_refused(target, tmp_path):
+    tok = small_vocab_tokenizer(tmp_path / "tok", ["x", "y"])
+    other = peaked_model(tmp_path / "other", tok, layers=1, seed=0)
+    with pytest.raises(CheckpointError, match="tokenizer differs"):
+        LLM(str(target), speculative_config={"method": "draft_model", "model": str(other)})
