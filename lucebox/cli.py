@@ -1,4 +1,4 @@
-"""lucebox command line: generate | chat | convert | bench (serve and train-drafter join later)."""
+"""lucebox command line: serve | generate | chat | convert | bench (train-drafter joins later)."""
 from __future__ import annotations
 
 import argparse
@@ -42,12 +42,32 @@ def _sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence tokens")
 
 
+def _serve_flags(p: argparse.ArgumentParser) -> None:
+    from .server.config import ServerConfig  # no web dependencies: --help works without them
+    d, h = ServerConfig(), ServerConfig.HELP
+    p.add_argument("--host", default=d.host, help=h["host"])
+    p.add_argument("--port", type=int, default=d.port, help=h["port"])
+    p.add_argument("--api-key", default=d.api_key, help=h["api_key"])
+    p.add_argument("--served-model-name", default=d.served_model_name, help=h["served_model_name"])
+    p.add_argument("--cors-origin", dest="cors_origins", action="append", default=[], help=h["cors_origins"])
+    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help=h["max_body_bytes"])
+    p.add_argument("--keepalive", type=float, default=d.keepalive, help=h["keepalive"])
+    p.add_argument("--request-timeout", type=float, default=d.request_timeout, help=h["request_timeout"])
+    p.add_argument("--idle-timeout", type=float, default=d.idle_timeout, help=h["idle_timeout"])
+    p.add_argument("--graceful-timeout", type=float, default=d.graceful_timeout, help=h["graceful_timeout"])
+
+
 def build_parser() -> argparse.ArgumentParser:
     fmt = argparse.ArgumentDefaultsHelpFormatter
     parser = argparse.ArgumentParser(prog="lucebox", description="Speculative-inference engine for LLMs",
                                      formatter_class=fmt)
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine details")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="OpenAI (chat, completions, responses) and Anthropic (messages) "
+                                         "compatible HTTP server", formatter_class=fmt)
+    _engine_flags(serve)
+    _serve_flags(serve)
 
     gen = sub.add_parser("generate", help="generate a continuation and stream it", formatter_class=fmt)
     _engine_flags(gen)
@@ -77,6 +97,20 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per sequence")
     tp.add_argument("--output-len", type=int, default=64, help="output tokens per sequence")
     tp.add_argument("--json", default=None, help="also write the results to this JSON file")
+    sp = bench_sub.add_parser("spec", help="speculative decoding: tau, tok/s and speedup over plain decoding",
+                              formatter_class=fmt)
+    sp.add_argument("--model", default=None, help="target model (default: the default model)")
+    sp.add_argument("--draft", default=None, help="drafter (DFlash dir or draft model); n-gram always runs")
+    sp.add_argument("--spec-method", default="dflash", help="method of --draft: dflash or draft_model")
+    sp.add_argument("--spec-tokens", type=int, default=None, help="draft tokens per step (default: the method's)")
+    sp.add_argument("--no-adaptive", action="store_true", help="always draft the full length")
+    sp.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="sampling temperatures")
+    sp.add_argument("--prompts", type=int, default=8, help="held-out prompts")
+    sp.add_argument("--chars", type=int, default=600, help="characters per prompt")
+    sp.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt")
+    sp.add_argument("--dtype", default="auto", help=EngineArgs.HELP["dtype"])
+    sp.add_argument("--device", default="auto", help=EngineArgs.HELP["device"])
+    sp.add_argument("--json", default=None, help="also write the results to this JSON file")
     kq = bench_sub.add_parser("kv-quality", help="greedy agreement and perplexity of each KV cache type",
                               formatter_class=fmt)
     kq.add_argument("--model", default=None, help="model to measure (default: the default model)")
@@ -121,6 +155,15 @@ def _stream(engine, request_id: str, prompt, params, out=sys.stdout) -> tuple[st
             shown = len(completion.text)
             final = completion
     return final.text, len(final.token_ids), time.perf_counter() - start
+
+
+def cmd_serve(args) -> int:
+    try:
+        from .server.app import serve
+    except ImportError as e:  # a trimmed install without the web stack
+        raise LuceboxError(f"lucebox serve needs the server packages ({e.name} is missing): "
+                           "pip install 'lucebox[server]'") from e
+    return serve(args)
 
 
 def cmd_generate(args) -> int:
@@ -178,14 +221,14 @@ def cmd_convert(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import kv_quality, throughput
+    from .bench import kv_quality, spec, throughput
     if args.model is None:
         from .default_model import default_model_path
         args.model = str(default_model_path())
-    return {"throughput": throughput, "kv-quality": kv_quality}[args.bench].main(args)
+    return {"throughput": throughput, "kv-quality": kv_quality, "spec": spec}[args.bench].main(args)
 
 
-COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "convert": cmd_convert, "bench": cmd_bench}
+COMMANDS = {"serve": cmd_serve, "generate": cmd_generate, "chat": cmd_chat, "convert": cmd_convert, "bench": cmd_bench}
 
 
 def main(argv: list[str] | None = None) -> int:

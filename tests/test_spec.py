@@ -158,12 +158,15 @@ SAMPLES = 4000
 PROMPT = [0, 3, 1, 5, 2]
 
 
-@pytest.mark.parametrize("method", ["draft_model", "ngram"])
-def test_sampled_tokens_follow_the_target_distribution(method, small_pair):
+@pytest.mark.parametrize("method", ["draft_model", "ngram", "dflash"])
+def test_sampled_tokens_follow_the_target_distribution(method, small_pair, tmp_path):
     target, draft = small_pair
-    config = {"method": method, "model": str(draft), "num_speculative_tokens": 2, "adaptive": False} \
-        if method == "draft_model" else {"method": "ngram", "prompt_lookup_min": 1, "num_speculative_tokens": 2,
-                                         "adaptive": False}
+    config = {
+        "draft_model": {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2},
+        "ngram": {"method": "ngram", "prompt_lookup_min": 1, "num_speculative_tokens": 2},
+        "dflash": {"method": "dflash", "model": str(write_dflash_drafter(target, tmp_path / "d", block_size=3)),
+                   "num_speculative_tokens": 2},
+    }[method] | {"adaptive": False}
     llm = LLM(str(target), speculative_config=config, max_num_seqs=1024, max_num_batched_tokens=8192)
     counts = sample_pairs(llm, PROMPT, SAMPLES)
     rejected, stat, critical = chi_square_rejects(counts, exact_pair_distribution(target, PROMPT), SAMPLES)

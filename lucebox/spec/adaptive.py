@@ -32,13 +32,19 @@ class TimingTable:
         if not self.values:
             return None
         keys = sorted(self.values)
-        if len(keys) == 1:
-            return self.values[keys[0]]
-        lower = [k for k in keys if k < size]
-        upper = [k for k in keys if k > size]
-        a, b = (lower[-1], upper[0]) if lower and upper else ((keys[0], keys[1]) if not lower else (keys[-2], keys[-1]))
-        va, vb = self.values[a], self.values[b]
-        return max(0.0, va + (vb - va) * (size - a) / (b - a))
+        if size < keys[0]:
+            return self.values[keys[0]]  # no extrapolation downwards: smaller is not cheaper than measured
+        if size > keys[-1]:
+            # Upwards, grow with the slope of the two largest sizes, never shrink: noise must not
+            # make a wider forward look cheaper than a measured narrower one.
+            if len(keys) == 1:
+                return self.values[keys[-1]]
+            a, b = keys[-2], keys[-1]
+            slope = max(0.0, (self.values[b] - self.values[a]) / (b - a))
+            return self.values[b] + slope * (size - b)
+        a = max(k for k in keys if k < size)
+        b = min(k for k in keys if k > size)
+        return self.values[a] + (self.values[b] - self.values[a]) * (size - a) / (b - a)
 
 
 class SequenceAcceptance:

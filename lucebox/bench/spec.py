@@ -1,0 +1,86 @@
+"""`lucebox bench spec`: tau, tok/s and speedup over plain decoding, measured in the same run.
+
+Each proposer runs the same fixed prompt set (held-out standard-library source) one request at a
+time (batch 1, the latency case speculation is for), at temperature 0 and 1, next to plain
+decoding of the same prompts on the same loaded target.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+from ..config import EngineArgs
+from ..engine.engine import LLMEngine
+from ..model.loader import load_model
+from ..sampling import SamplingParams
+from .kv_quality import held_out_texts
+
+
+def _decode(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> dict:
+    tokens = drafts = accepted = steps = 0
+    seconds = 0.0
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"s{i}", {"prompt_token_ids": prompt}, params)
+        out = None
+        while engine.has_unfinished():
+            for o in engine.step():
+                out = o
+        # Time from the first token on: prefill is the same with and without speculation.
+        m = out.metrics
+        if engine.model.device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds += m.finished_time - m.first_token_time
+        tokens += len(out.outputs[0].token_ids) - 1
+        drafts += m.num_draft_tokens
+        accepted += m.num_accepted_tokens
+        steps += m.num_drafts
+    return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "draft_tokens": drafts,
+            "accepted_tokens": accepted, "tau": (accepted + steps) / steps if steps else 1.0,
+            "acceptance": accepted / drafts if drafts else 0.0}
+
+
+def run(args) -> dict:
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    texts = held_out_texts(args.prompts, args.chars, seed=1)
+    prompts = [loaded.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    max_len = max(map(len, prompts)) + args.max_tokens + 32
+    methods = []
+    if args.draft:
+        methods.append({"method": args.spec_method, "model": args.draft})
+    methods.append({"method": "ngram"})
+    rows = []
+    for temperature in args.temperatures:
+        params = SamplingParams(temperature=temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
+        base_engine = LLMEngine(loaded, EngineArgs(model=args.model, max_model_len=max_len, max_num_seqs=1))
+        _decode(base_engine, prompts[:1], params)  # warm-up
+        plain = _decode(base_engine, prompts, params)
+        rows.append({"method": "plain", "temperature": temperature, **plain, "speedup": 1.0})
+        for config in methods:
+            spec_config = dict(config, adaptive=not args.no_adaptive)
+            if args.spec_tokens:
+                spec_config["num_speculative_tokens"] = args.spec_tokens
+            engine = LLMEngine(loaded, EngineArgs(model=args.model, max_model_len=max_len, max_num_seqs=1,
+                                                  speculative_config=spec_config))
+            _decode(engine, prompts[:1], params)
+            result = _decode(engine, prompts, params)
+            rows.append({"method": config["method"], "temperature": temperature, **result,
+                         "speedup": result["tok_s"] / plain["tok_s"]})
+    return {"model": args.model, "draft": args.draft, "device": str(loaded.model.device),
+            "prompts": args.prompts, "max_tokens": args.max_tokens, "rows": rows}
+
+
+def main(args) -> int:
+    result = run(args)
+    print(f"target {result['model']} on {result['device']}; drafter {result['draft'] or '-'}; "
+          f"{result['prompts']} held-out code prompts, {result['max_tokens']} tokens each, batch 1\n")
+    print("| method | T | tau | acceptance | tok/s | speedup vs plain |\n|---|---:|---:|---:|---:|---:|")
+    for r in result["rows"]:
+        tau = f"{r['tau']:.2f}" if r["method"] != "plain" else "-"
+        acc = f"{100 * r['acceptance']:.0f}%" if r["method"] != "plain" else "-"
+        print(f"| {r['method']} | {r['temperature']:g} | {tau} | {acc} | {r['tok_s']:.1f} | {r['speedup']:.2f}x |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0

@@ -1,0 +1,74 @@
+"""Adaptive draft length: speculate as far as measured costs and acceptance make it pay."""
+from __future__ import annotations
+
+import pytest
+
+from lucebox import LLM, SamplingParams
+from lucebox.spec.adaptive import PROBE_EVERY, DraftLengthPolicy, SequenceAcceptance, TimingTable, expected_tokens
+
+from .spec_fixtures import write_dflash_drafter
+
+
+def policy_with(forward_per_token: float, forward_fixed: float, draft_cost: float, max_k: int = 8):
+    policy = DraftLengthPolicy(max_k)
+    for tokens in (1, 4, 9):
+        policy.forward.add(tokens, forward_fixed + forward_per_token * tokens)
+    for k in (1, 8):
+        policy.draft.add(k, draft_cost)
+    return policy
+
+
+def test_expected_tokens_is_the_geometric_sum():
+    assert expected_tokens(0.0, 5) == 1.0
+    assert expected_tokens(1.0, 5) == 6.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_cheap_verify_and_good_drafts_speculate_fully():
+    # Memory-bound target: a wider forward costs almost nothing more.
+    policy = policy_with(forward_per_token=0.0001, forward_fixed=0.01, draft_cost=0.001)
+    assert policy.choose([0.9], batch_tokens=0) == 8
+
+
+def test_poor_acceptance_falls_back_to_plain_decoding():
+    policy = policy_with(forward_per_token=0.002, forward_fixed=0.01, draft_cost=0.004)
+    assert policy.choose([0.05], batch_tokens=0) == 0
+
+
+def test_plain_decoding_is_measured_before_speculating_and_probes_come_back():
+    policy = DraftLengthPolicy(4)
+    assert policy.choose([0.9], 0) == 0  # nothing measured: the baseline first
+    slow = policy_with(forward_per_token=0.01, forward_fixed=0.001, draft_cost=0.05, max_k=4)
+    choices = [slow.choose([0.1], 0) for _ in range(PROBE_EVERY)]
+    assert choices.count(0) == PROBE_EVERY - 1 and choices[-1] > 0
+
+
+def test_acceptance_estimate_tracks_recent_steps():
+    acc = SequenceAcceptance()
+    for _ in range(30):
+        acc.update(4, 4)
+    high = acc.alpha
+    for _ in range(30):
+        acc.update(4, 0)
+    assert high > 0.9 and acc.alpha < 0.2
+
+
+def test_timing_table_interpolates_between_measured_sizes():
+    table = TimingTable()
+    table.add(2, 1.0)
+    table.add(10, 3.0)
+    assert table.estimate(6) == pytest.approx(2.0)
+    assert table.estimate(14) == pytest.approx(4.0)
+    assert table.estimate(1) == pytest.approx(1.0)
+
+
+def test_a_useless_drafter_is_mostly_switched_off(hf_models, tmp_path):
+    target = hf_models["qwen3"]
+    drafter = write_dflash_drafter(target, tmp_path / "d")
+    llm = LLM(str(target), speculative_config={"method": "dflash", "model": str(drafter)})
+    out = llm.generate({"prompt_token_ids": list(range(40, 60))},
+                       SamplingParams(temperature=0, max_tokens=100, ignore_eos=True),
+                       use_tqdm=False)[0]
+    # A random drafter is almost never right; after the first probes it drafts only now and then.
+    assert out.metrics.num_accepted_tokens <= out.metrics.num_drafts
+    assert 1 <= out.metrics.num_drafts <= 100 // 6
