@@ -1,0 +1,32 @@
+"""ServerConfig: every `lucebox serve` setting (importable without the web stack, for --help)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    cors_origins: list[str] = field(default_factory=list)  # empty: CORS off
+    max_body_bytes: int = 64 << 20
+    keepalive: float = 15.0  # seconds without output before an SSE keep-alive / ping
+    request_timeout: float = 0.0  # seconds per request; 0: none
+    idle_timeout: float = 60.0  # seconds an idle keep-alive connection stays open
+    graceful_timeout: float = 30.0  # seconds in-flight requests get at shutdown
+    constrain_auto_tools: bool = True  # with tool_choice auto, a <tool_call> must match a declared tool's schema
+
+    HELP = {
+        "host": "address to bind (127.0.0.1: this machine only; 0.0.0.0: every interface)",
+        "port": "TCP port",
+        "api_key": "require this key (Authorization: Bearer KEY or x-api-key: KEY); default: no auth",
+        "served_model_name": "model id reported by /v1/models (default: the model path's name)",
+        "cors_origins": "allow browser requests from these origins (repeatable; '*' for any); default: CORS off",
+        "max_body_bytes": "largest accepted request body, in bytes",
+        "keepalive": "seconds without output before an SSE keep-alive comment / ping event",
+        "request_timeout": "abort a request after this many seconds (0: never)",
+        "idle_timeout": "close idle keep-alive connections after this many seconds",
+        "graceful_timeout": "seconds in-flight requests may take to finish at shutdown",
+    }
