@@ -32,6 +32,14 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-rotate-k", action="store_true", help=EngineArgs.HELP["cache_rotate_k"])
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="turn off " + EngineArgs.HELP["enable_prefix_caching"])
+    p.add_argument("--draft", default=None, help="drafter for speculative decoding: a DFlash drafter directory "
+                                                 "(z-lab layout) or a smaller model with the same tokenizer")
+    p.add_argument("--spec-method", default=None, choices=["dflash", "draft_model", "ngram"],
+                   help="speculative method (default: dflash with --draft, none without; ngram needs no --draft)")
+    p.add_argument("--spec-tokens", type=int, default=None,
+                   help="draft tokens per step (default: block size - 1 for dflash, 4 draft_model, 5 ngram)")
+    p.add_argument("--no-spec-adaptive", dest="spec_adaptive", action="store_false",
+                   help="always draft the full length instead of adapting it to measured acceptance and cost")
 
 
 def _sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -128,10 +136,24 @@ def _sampling_params(args):
     return SamplingParams(max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos, **chosen)
 
 
+def speculative_config(args) -> dict | None:
+    """--draft / --spec-method / --spec-tokens -> EngineArgs.speculative_config (vLLM's shape)."""
+    method = args.spec_method or ("dflash" if args.draft else None)
+    if method is None:
+        return None
+    config = {"method": method, "adaptive": args.spec_adaptive}
+    if args.draft:
+        config["model"] = args.draft
+    if args.spec_tokens is not None:
+        config["num_speculative_tokens"] = args.spec_tokens
+    return config
+
+
 def _make_engine(args):
     from .engine.engine import LLMEngine
     from .model.loader import load_model
     engine_args = EngineArgs(**{k: getattr(args, k) for k in EngineArgs.field_names() if hasattr(args, k)})
+    engine_args.speculative_config = speculative_config(args)
     if engine_args.model is None:
         from .default_model import default_model_path
         engine_args.model = str(default_model_path())

@@ -50,3 +50,12 @@ def test_cli_chat_keeps_the_conversation(hf_models, monkeypatch, capsys):
     assert code == 0
     assert rendered[0] == ["hello"]
     assert rendered[1][0] == "hello" and rendered[1][2] == "and again" and len(rendered[1]) == 3
+
+
+def test_cli_generate_with_speculation_prints_the_same_greedy_text(hf_models, capsys):
+    args = ["generate", "--model", str(hf_models["qwen3"]), "--prompt", "def", "--max-tokens", "12",
+            "--temperature", "0", "--ignore-eos"]
+    assert main(args) == 0
+    plain = capsys.readouterr().out
+    assert main(args + ["--draft", str(hf_models["qwen3"]), "--spec-method", "draft_model"]) == 0
+    assert capsys.readouterr().out == plain
