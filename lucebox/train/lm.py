@@ -1,0 +1,100 @@
+"""Training a lucebox Transformer as a language model (the default model's pre-training and chat
+stage). Inference runs on the paged engine; training needs a dense causal forward over fixed-size
+batches, written here over the very same modules so trained weights load unchanged."""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+from ..model.transformer import Transformer
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, T, heads, d]; cos/sin [T, d]."""
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def dense_forward(model: Transformer, ids: torch.Tensor) -> torch.Tensor:
+    """ids [B, T] -> final normed hidden states [B, T, hidden], causal attention, no cache."""
+    b, t = ids.shape
+    x = model.embed_tokens(ids)
+    cos, sin = model.rope.lookup(torch.arange(t, device=ids.device), x.dtype)
+    for layer in model.layers:
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        q = attn.q_proj(h).view(b, t, attn.num_heads, attn.head_dim)
+        k = attn.k_proj(h).view(b, t, attn.num_kv_heads, attn.head_dim)
+        v = attn.v_proj(h).view(b, t, attn.num_kv_heads, attn.head_dim)
+        if attn.qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                           is_causal=True, scale=attn.scale, enable_gqa=True)
+        x = x + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return model.norm(x)
+
+
+def lm_loss(model: Transformer, ids: torch.Tensor, loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Next-token cross-entropy; loss_mask [B, T] marks the target positions that count."""
+    hidden = dense_forward(model, ids[:, :-1])
+    logits = model.compute_logits(hidden)
+    targets = ids[:, 1:]
+    if loss_mask is not None:
+        targets = targets.masked_fill(~loss_mask[:, 1:], -100)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
+
+
+def train(model: Transformer, batches: Callable[[], Iterator], seconds: float, lr: float, warmup: float = 0.03,
+          weight_decay: float = 0.1, log: Callable[[str], None] = print, min_lr_ratio: float = 0.1) -> dict:
+    """AdamW with warm-up then cosine decay over a wall-clock budget (so one GPU call fits its limit)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    fused = next(model.parameters()).is_cuda
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95), fused=fused)
+    device_type = "cuda" if fused else "cpu"
+    start, step, tokens, last_log = time.time(), 0, 0, 0.0
+    history = []
+    for batch in batches():
+        elapsed = (time.time() - start) / seconds
+        if elapsed >= 1.0:
+            break
+        scale = elapsed / warmup if elapsed < warmup else \
+            min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * (elapsed - warmup) / (1 - warmup)))
+        for group in opt.param_groups:
+            group["lr"] = lr * scale
+        ids, mask = batch if isinstance(batch, tuple) else (batch, None)
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=fused):
+            loss = lm_loss(model, ids, mask)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        tokens += ids.numel()
+        if time.time() - last_log > 15 or step == 1:
+            last_log = time.time()
+            value = loss.item()
+            history.append((step, round(time.time() - start, 1), value))
+            log(f"step {step} t={time.time() - start:.0f}s loss {value:.3f} tok/s {tokens / (time.time() - start):,.0f}")
+    return {"steps": step, "tokens": tokens, "seconds": time.time() - start, "history": history}
+
+
+@torch.no_grad()
+def evaluate(model: Transformer, batches: list, device) -> float:
+    """Mean next-token loss (nats) over held-out batches."""
+    total, count = 0.0, 0
+    for ids in batches:
+        ids = ids.to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            total += lm_loss(model, ids).item() * (ids.shape[1] - 1) * ids.shape[0]
+        count += (ids.shape[1] - 1) * ids.shape[0]
+    return total / count
