@@ -94,6 +94,15 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("outfile", help="the .gguf file to write")
     convert.add_argument("--outtype", default="f16", help="f32, f16, bf16, q8_0, q4_0, q4_1, q5_0 or q5_1")
 
+    from .train.args import add_arguments as train_drafter_arguments
+    train = sub.add_parser("train-drafter", help="train a DFlash drafter for a target model", formatter_class=fmt)
+    train_drafter_arguments(train)
+    convert_drafter = sub.add_parser("convert-drafter", help="write a DFlash drafter directory as a GGUF file",
+                                     formatter_class=fmt)
+    convert_drafter.add_argument("drafter_dir", help="DFlash drafter directory (config.json + *.safetensors)")
+    convert_drafter.add_argument("outfile", help="the .gguf file to write")
+    convert_drafter.add_argument("--outtype", default="f16", help="f16 or q8_0 matrices (norms stay f32), or f32")
+
     bench = sub.add_parser("bench", help="benchmarks", formatter_class=fmt)
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     tp = bench_sub.add_parser("throughput", help="batched decode tok/s, KV bytes per token, prefix-cache hits",
@@ -242,6 +251,18 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def cmd_train_drafter(args) -> int:
+    from .train.drafter import main as train_drafter_main
+    return train_drafter_main(args)
+
+
+def cmd_convert_drafter(args) -> int:
+    from .spec.dflash_gguf import convert_drafter_to_gguf
+    path = convert_drafter_to_gguf(args.drafter_dir, args.outfile, args.outtype)
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
 def cmd_bench(args) -> int:
     from .bench import kv_quality, spec, throughput
     if args.model is None:
@@ -251,6 +272,7 @@ def cmd_bench(args) -> int:
 
 
 COMMANDS = {"serve": cmd_serve, "generate": cmd_generate, "chat": cmd_chat, "convert": cmd_convert, "bench": cmd_bench}
+COMMANDS.update({"train-drafter": cmd_train_drafter, "convert-drafter": cmd_convert_drafter})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,7 +23,9 @@ try:
 except ImportError:  # the server still runs; constrained requests get a clear error
     xgr = None
 
-MAX_ROLLBACK = 64
+MAX_ROLLBACK = 64  # beyond this a fresh matcher replays the history instead
+# Unbounded whitespace lets a weak model loop on spaces forever inside a constrained object.
+MAX_WHITESPACE = 4
 
 
 class GrammarFactory:
@@ -58,7 +60,8 @@ class GrammarFactory:
             return None
         compiler = self._get_compiler()
         if kind == "json_object":
-            return compiler.compile_builtin_json_grammar()
+            return compiler.compile_json_schema('{"type": "object"}', strict_mode=False,
+                                                max_whitespace_cnt=MAX_WHITESPACE)
         if kind == "json_schema":
             spec = fmt.get("json_schema") if isinstance(fmt.get("json_schema"), dict) else fmt
             schema = spec.get("schema")
@@ -67,7 +70,8 @@ class GrammarFactory:
             if not isinstance(schema, (dict, bool)):
                 raise APIError(400, f"{param}.json_schema.schema must be a JSON schema object", param=param)
             try:
-                return compiler.compile_json_schema(json.dumps(schema), strict_mode=False)
+                return compiler.compile_json_schema(json.dumps(schema), strict_mode=False,
+                                                    max_whitespace_cnt=MAX_WHITESPACE)
             except Exception as e:
                 raise APIError(400, f"{param}: cannot compile the JSON schema: {e}", param=param) from e
         raise APIError(400, f"{param}.type must be text, json_object or json_schema, not {kind!r}", param=param)
@@ -102,7 +106,8 @@ def _tag(tool: ToolSpec, fmt: str):
                             content=st.JSONSchemaFormat(json_schema=schema, style="qwen_xml"),
                             end="\n</function>\n</tool_call>")
     return st.TagFormat(begin='<tool_call>\n{"name": ' + json.dumps(tool.name) + ', "arguments": ',
-                        content=st.JSONSchemaFormat(json_schema=schema), end="}\n</tool_call>")
+                        content=st.JSONSchemaFormat(json_schema=schema, max_whitespace_cnt=MAX_WHITESPACE),
+                        end="}\n</tool_call>")
 
 
 class GrammarProcessor:
@@ -121,7 +126,7 @@ class GrammarProcessor:
         if need_rollback and (len(self.pool) < self.pool_size or len(best[1]) - best_lcp > MAX_ROLLBACK):
             if len(self.pool) >= self.pool_size:
                 self.pool.remove(best)
-            best, best_lcp = (xgr.GrammarMatcher(self.compiled, max_rollback_tokens=MAX_ROLLBACK), []), 0
+            best, best_lcp = (xgr.GrammarMatcher(self.compiled), []), 0
             self.pool.append(best)
         matcher, accepted = best
         if len(accepted) > best_lcp:

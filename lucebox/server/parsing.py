@@ -293,6 +293,7 @@ class _CallBody:
     def _as_text(self, out: list[Event]) -> None:
         # Not a call after all: give the text back rather than lose it.
         raw = (TOOL_OPEN + self.body + TOOL_CLOSE) if self.wrapped else self.body
+        self.parser.content_seen = True
         out.append(Event("content", raw))
 
 

@@ -1,0 +1,283 @@
+"""The API-independent core: render a chat into a prompt, submit it, and turn the engine's
+cumulative outputs into per-choice events (parsed reasoning / content / tool calls, logprobs,
+finish), with keep-alive ticks while nothing arrives, a request deadline, and an abort whenever
+the consumer goes away (client disconnect) so the request's KV is freed at once."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+from ..errors import LuceboxError
+from ..sampling import SamplingParams
+from .constrain import BanTokens
+from .errors import APIError, from_lucebox
+from .parsing import Event, OutputParser
+from .tools import ToolSpec, param_schemas, template_tools
+
+log = logging.getLogger("lucebox.server")
+KEEPALIVE = object()  # yielded when nothing arrived for config.keepalive seconds
+_ids = itertools.count()
+
+
+@dataclass
+class ChatJob:
+    """A chat request in API-neutral form."""
+    messages: list[dict]
+    tools: list[ToolSpec] = field(default_factory=list)
+    tool_choice: str = "auto"  # auto | none | required | <tool name>
+    parallel_tool_calls: bool = True
+    response_format: dict | None = None
+    template_kwargs: dict = field(default_factory=dict)
+
+
+@dataclass
+class Prepared:
+    prompt_text: str
+    prompt_ids: list[int]
+    parser: Callable[[], OutputParser] | None  # None: raw text (legacy completions)
+    processors: list = field(default_factory=list)
+
+
+@dataclass
+class ChoiceUpdate:
+    index: int
+    events: list[Event]
+    logprobs: list | None = None  # per new token: (token_id, logprob, [(top_id, top_logprob)...])
+    finish_reason: str | None = None
+    stop_reason: Any = None
+    num_tokens: int = 0
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def openai(self, reasoning_tokens: int | None = None) -> dict:
+        out = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+               "total_tokens": self.prompt_tokens + self.completion_tokens,
+               "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        if reasoning_tokens is not None:
+            out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+        return out
+
+
+def request_id(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex[:24]}"
+
+
+def render_chat(state, job: ChatJob) -> Prepared:
+    tok = state.tokenizer
+    tools_on = bool(job.tools) and job.tool_choice != "none"
+    try:
+        text = tok.apply_chat_template(job.messages, tools=template_tools(job.tools), add_generation_prompt=True,
+                                       **job.template_kwargs)
+    except LuceboxError as e:
+        raise APIError(400, str(e), param="messages") from e
+    ids = tok.encode(text, add_special_tokens=False)
+    # A template that opens <think> itself (thinking models) starts the output inside reasoning.
+    in_reasoning = text.rstrip().endswith("<think>")
+    schemas = param_schemas(job.tools)
+
+    def parser() -> OutputParser:
+        return OutputParser(tools=tools_on, in_reasoning=in_reasoning, param_schemas=schemas)
+    return Prepared(text, ids, parser, [_ToolChoice(job, in_reasoning)] if job.tools or job.response_format else [])
+
+
+@dataclass
+class _ToolChoice:
+    """Placeholder resolved by `build_processors` (needs n and, maybe, a thread for compiling)."""
+    job: ChatJob
+    in_reasoning: bool
+
+
+async def build_processors(state, prepared: Prepared, n: int) -> list:
+    procs = []
+    for p in prepared.processors:
+        if not isinstance(p, _ToolChoice):
+            procs.append(p)
+            continue
+        job = p.job
+        compiled = None
+        if job.tools and job.tool_choice == "none":
+            banned = [i for t in ("<tool_call>",) if (i := state.tokenizer.token_to_id(t)) is not None]
+            if banned:
+                procs.append(BanTokens(banned))
+        elif job.tools and (job.tool_choice != "auto" or state.config.constrain_auto_tools):
+            compiled = await asyncio.to_thread(state.grammars.tool_calls, job.tools, job.tool_choice,
+                                               state.tool_format, job.parallel_tool_calls, p.in_reasoning)
+        if compiled is None and job.response_format and job.tool_choice in ("auto", "none"):
+            compiled = await asyncio.to_thread(state.grammars.response_format, job.response_format)
+        if compiled is not None:
+            procs.append(state.grammars.processor(compiled, n))
+    return procs
+
+
+def sampling_params(state, *, max_tokens, n=1, temperature=None, top_p=None, top_k=None, min_p=None,
+                    presence_penalty=None, frequency_penalty=None, repetition_penalty=None, seed=None, stop=None,
+                    stop_token_ids=None, ignore_eos=False, min_tokens=0, logit_bias=None, logprobs=None,
+                    processors=(), skip_special=True) -> SamplingParams:
+    """SamplingParams from API fields; unset ones are left to the model's generation_config."""
+    given = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, presence_penalty=presence_penalty,
+                 frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty, seed=seed)
+    kwargs = {k: v for k, v in given.items() if v is not None}
+    if logit_bias:
+        try:
+            kwargs["logit_bias"] = {int(k): v for k, v in logit_bias.items()}
+        except ValueError as e:
+            raise APIError(400, "logit_bias keys must be token ids", param="logit_bias") from e
+    try:
+        return SamplingParams(n=n, max_tokens=max_tokens, stop=stop, stop_token_ids=stop_token_ids,
+                              ignore_eos=ignore_eos, min_tokens=min_tokens, logprobs=logprobs,
+                              skip_special_tokens=skip_special, logits_processors=list(processors) or None, **kwargs)
+    except LuceboxError as e:
+        raise APIError(400, str(e), param=_param_of(str(e))) from e
+
+
+def _param_of(message: str) -> str | None:
+    # "sampling parameter top_p=... is invalid" -> top_p
+    if message.startswith("sampling parameter "):
+        return message[len("sampling parameter "):].split("=")[0].split("[")[0]
+    return None
+
+
+def skip_special_tokens(state) -> bool:
+    """Keep special tokens in the text when the tags the parser needs are special tokens."""
+    special = set(state.tokenizer.all_special_ids)
+    for tag in ("<think>", "</think>", "<tool_call>", "</tool_call>"):
+        if state.tokenizer.token_to_id(tag) in special:
+            return False
+    return True
+
+
+def max_tokens_for(state, prompt_len: int, requested: int | None) -> int:
+    """No max_tokens: up to the context window (never truncating the prompt)."""
+    room = state.engine.engine.max_model_len - prompt_len
+    if requested is None:
+        if room < 1:
+            raise APIError(400, f"the prompt has {prompt_len} tokens; the model's maximum context length is "
+                                f"{state.engine.engine.max_model_len} tokens", param="messages",
+                           code="context_length_exceeded")
+        return room
+    return requested
+
+
+async def generate(state, prepared: Prepared, params: SamplingParams, rid: str) -> AsyncIterator:
+    """Yields ChoiceUpdate, KEEPALIVE, and finally the Usage. Raises APIError."""
+    cfg = state.config
+    prompt = {"prompt": prepared.prompt_text, "prompt_token_ids": prepared.prompt_ids}
+    try:
+        stream = await state.engine.add_request(rid, prompt, params)
+    except LuceboxError as e:
+        raise from_lucebox(e) from e
+    parsers = {}
+    seen_text, seen_lp, done = {}, {}, set()
+    last = None
+    deadline = time.monotonic() + cfg.request_timeout if cfg.request_timeout else None
+    agen = stream.__aiter__()
+    pending = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(agen.__anext__())
+            wait = cfg.keepalive if deadline is None else max(0.0, min(cfg.keepalive, deadline - time.monotonic()))
+            finished, _ = await asyncio.wait({pending}, timeout=wait)
+            if not finished:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise APIError(504, f"the request took longer than --request-timeout {cfg.request_timeout:g} s",
+                                   code="timeout")
+                yield KEEPALIVE
+                continue
+            task, pending = pending, None
+            try:
+                out = task.result()
+            except StopAsyncIteration:
+                break
+            except LuceboxError as e:
+                raise from_lucebox(e) from e
+            last = out
+            for o in out.outputs:
+                i = o.index
+                if i in done:
+                    continue
+                piece = o.text[seen_text.get(i, 0):]
+                seen_text[i] = len(o.text)
+                if prepared.parser is None:
+                    events = [Event("content", piece)] if piece else []
+                else:
+                    parser = parsers.get(i) or parsers.setdefault(i, prepared.parser())
+                    events = parser.feed(piece)
+                lps = None
+                if o.logprobs is not None:
+                    new = o.logprobs[seen_lp.get(i, 0):]
+                    seen_lp[i] = len(o.logprobs)
+                    lps = [_logprob_entry(tid, d, params.logprobs) for tid, d in zip(o.token_ids[len(o.token_ids) - len(new):], new)]
+                if o.finish_reason is not None:
+                    done.add(i)
+                    if prepared.parser is not None:
+                        events += parsers.get(i, prepared.parser()).finish()
+                if events or lps or o.finish_reason:
+                    yield ChoiceUpdate(i, events, lps, o.finish_reason, o.stop_reason, len(o.token_ids))
+            if out.finished:
+                break
+        state.metrics.observe_request(last, _reason(last))
+        yield Usage(len(last.prompt_token_ids), sum(len(o.token_ids) for o in last.outputs), last.num_cached_tokens)
+        last = None
+    finally:
+        if pending is not None:
+            pending.cancel()
+        state.engine.abort(rid)  # no-op when finished; frees KV at once when the client went away
+        if last is not None and not last.finished:
+            state.metrics.observe_request(last, "abort")
+
+
+def _reason(out) -> str:
+    reasons = {o.finish_reason for o in out.outputs}
+    return "length" if "length" in reasons else next(iter(reasons), "stop") or "stop"
+
+
+def _logprob_entry(token_id: int, d: dict, k: int) -> tuple:
+    # The engine adds the sampled token to the top k whatever its rank; the APIs list exactly k.
+    chosen = d.get(token_id)
+    tops = sorted(((t, lp.logprob, lp.rank) for t, lp in d.items() if lp.rank is not None), key=lambda x: x[2])
+    return token_id, chosen.logprob if chosen else float("-inf"), [(t, lp) for t, lp, _ in tops[:k]]
+
+
+async def drain(agen, request, on_update: Callable | None = None) -> Usage:
+    """Run a generation to the end for a non-streamed response; abort if the client disconnects."""
+    async def run():
+        usage = None
+        async for item in agen:
+            if isinstance(item, Usage):
+                usage = item
+            elif item is not KEEPALIVE and on_update is not None:
+                on_update(item)
+        return usage
+
+    task = asyncio.ensure_future(run())
+    try:
+        while True:
+            finished, _ = await asyncio.wait({task}, timeout=0.25)
+            if finished:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                raise APIError(499, "the client closed the connection")
+    finally:
+        if not task.done():
+            task.cancel()
+            try:
+                await task
+            except BaseException:
+                pass
+        await agen.aclose()
+
+
+def token_text(state, token_id: int) -> str:
+    return state.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -1,0 +1,124 @@
+"""Prometheus text exposition, named like vLLM's metrics (prefix `vllm:`) so existing dashboards work.
+
+Counters carry prometheus_client's `_total` suffix, as vLLM's do on the wire
+(e.g. `vllm:spec_decode_num_drafts_total`, `vllm:spec_decode_num_accepted_tokens_per_pos_total`).
+"""
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+               240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class Histogram:
+    def __init__(self, buckets):
+        self.buckets = buckets
+        self.counts = [0] * len(buckets)
+        self.sum, self.count = 0.0, 0
+
+    def observe(self, value: float) -> None:
+        self.sum += value
+        self.count += 1
+        for i, b in enumerate(self.buckets):
+            if value <= b:
+                self.counts[i] += 1
+
+    def lines(self, name: str, labels: str) -> list[str]:
+        out = [f'{name}_bucket{{{labels},le="{b}"}} {c}' for b, c in zip(self.buckets, self.counts)]
+        out.append(f'{name}_bucket{{{labels},le="+Inf"}} {self.count}')
+        out.append(f"{name}_sum{{{labels}}} {self.sum}")
+        out.append(f"{name}_count{{{labels}}} {self.count}")
+        return out
+
+
+class Metrics:
+    def __init__(self, model_name: str):
+        self.labels = f'model_name="{model_name}"'
+        self.lock = threading.Lock()
+        self.success = defaultdict(int)  # finished_reason -> count
+        self.prompt_tokens = self.generation_tokens = 0
+        self.ttft, self.tpot, self.e2e = Histogram(TTFT_BUCKETS), Histogram(TPOT_BUCKETS), Histogram(E2E_BUCKETS)
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.accepted_per_pos: list[int] = []
+
+    def observe_request(self, out, finish_reason: str) -> None:
+        """One finished (or aborted) request: a cumulative RequestOutput."""
+        m = out.metrics
+        generated = sum(len(o.token_ids) for o in out.outputs)
+        with self.lock:
+            self.success[finish_reason] += 1
+            self.prompt_tokens += len(out.prompt_token_ids)
+            self.generation_tokens += generated
+            if m is None:
+                return
+            if m.first_token_time is not None:
+                self.ttft.observe(max(m.first_token_time - m.arrival_time, 0.0))
+                if m.finished_time is not None:
+                    self.e2e.observe(max(m.finished_time - m.arrival_time, 0.0))
+                    if generated > 1:
+                        self.tpot.observe(max(m.finished_time - m.first_token_time, 0.0) / (generated - 1))
+            self.num_drafts += m.num_drafts
+            self.num_draft_tokens += m.num_draft_tokens
+            self.num_accepted_tokens += m.num_accepted_tokens
+            for i, n in enumerate(m.accepted_per_position):
+                if i == len(self.accepted_per_pos):
+                    self.accepted_per_pos.append(0)
+                self.accepted_per_pos[i] += n
+
+    def render(self, engine) -> str:
+        """`engine` is the LLMEngine; its scheduler is read without the engine lock (gauges may lag a step)."""
+        sched = engine.scheduler
+        blocks = sched.blocks
+        used = (blocks.num_blocks - blocks.num_free_blocks) / blocks.num_blocks if blocks.num_blocks else 0.0
+        L = self.labels
+        lines: list[str] = []
+
+        def metric(name, kind, help_text, samples):
+            lines.append(f"# HELP {name} {help_text}")
+            lines.append(f"# TYPE {name} {kind}")
+            lines.extend(samples)
+
+        with self.lock:
+            metric("vllm:num_requests_running", "gauge", "Sequences in the running batch.",
+                   [f"vllm:num_requests_running{{{L}}} {len(sched.running)}"])
+            metric("vllm:num_requests_waiting", "gauge", "Sequences waiting for a slot.",
+                   [f"vllm:num_requests_waiting{{{L}}} {len(sched.waiting)}"])
+            metric("vllm:kv_cache_usage_perc", "gauge", "Fraction of KV-cache blocks in use (1 = 100%).",
+                   [f"vllm:kv_cache_usage_perc{{{L}}} {used}"])
+            metric("vllm:kv_cache_capacity_tokens", "gauge", "Tokens the KV pool holds.",
+                   [f"vllm:kv_cache_capacity_tokens{{{L}}} {engine.kv_capacity_tokens}"])
+            metric("vllm:prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache.",
+                   [f"vllm:prefix_cache_queries_total{{{L}}} {blocks.queries}"])
+            metric("vllm:prefix_cache_hits", "counter", "Prompt tokens served from the prefix cache.",
+                   [f"vllm:prefix_cache_hits_total{{{L}}} {blocks.hits}"])
+            metric("vllm:num_preemptions", "counter", "Sequences preempted to free KV blocks.",
+                   [f"vllm:num_preemptions_total{{{L}}} {getattr(sched, 'num_preemptions', 0)}"])
+            metric("vllm:request_success", "counter", "Finished requests by finish reason.",
+                   [f'vllm:request_success_total{{{L},finished_reason="{r}"}} {n}'
+                    for r, n in sorted(self.success.items())])
+            metric("vllm:prompt_tokens", "counter", "Prompt tokens of finished requests.",
+                   [f"vllm:prompt_tokens_total{{{L}}} {self.prompt_tokens}"])
+            metric("vllm:generation_tokens", "counter", "Generated tokens of finished requests.",
+                   [f"vllm:generation_tokens_total{{{L}}} {self.generation_tokens}"])
+            metric("vllm:time_to_first_token_seconds", "histogram", "Time to first token.",
+                   self.ttft.lines("vllm:time_to_first_token_seconds", L))
+            metric("vllm:time_per_output_token_seconds", "histogram", "Mean time per output token after the first.",
+                   self.tpot.lines("vllm:time_per_output_token_seconds", L))
+            metric("vllm:e2e_request_latency_seconds", "histogram", "Arrival to last token.",
+                   self.e2e.lines("vllm:e2e_request_latency_seconds", L))
+            metric("vllm:spec_decode_num_drafts", "counter", "Verify steps that carried draft tokens.",
+                   [f"vllm:spec_decode_num_drafts_total{{{L}}} {self.num_drafts}"])
+            metric("vllm:spec_decode_num_draft_tokens", "counter", "Draft tokens proposed.",
+                   [f"vllm:spec_decode_num_draft_tokens_total{{{L}}} {self.num_draft_tokens}"])
+            metric("vllm:spec_decode_num_accepted_tokens", "counter", "Draft tokens accepted.",
+                   [f"vllm:spec_decode_num_accepted_tokens_total{{{L}}} {self.num_accepted_tokens}"])
+            metric("vllm:spec_decode_num_accepted_tokens_per_pos", "counter", "Draft tokens accepted per position.",
+                   [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{L},position="{i}"}} {n}'
+                    for i, n in enumerate(self.accepted_per_pos)])
+        return "\n".join(lines) + "\n"
