@@ -38,6 +38,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="speculative method (default: dflash with --draft, none without; ngram needs no --draft)")
     p.add_argument("--spec-tokens", type=int, default=None,
                    help="draft tokens per step (default: block size - 1 for dflash, 4 draft_model, 5 ngram)")
+    p.add_argument("--no-spec", action="store_true",
+                   help="plain decoding even for the default model (which otherwise speculates with its drafter)")
     p.add_argument("--no-spec-adaptive", dest="spec_adaptive", action="store_false",
                    help="always draft the full length instead of adapting it to measured acceptance and cost")
 
@@ -163,9 +165,11 @@ def _make_engine(args):
     from .model.loader import load_model
     engine_args = EngineArgs(**{k: getattr(args, k) for k in EngineArgs.field_names() if hasattr(args, k)})
     engine_args.speculative_config = speculative_config(args)
-    if engine_args.model is None:
-        from .default_model import default_model_path
+    if engine_args.model is None:  # the bundled default pair, with speculation on unless flags say otherwise
+        from .default_model import default_model_path, default_speculative_config
         engine_args.model = str(default_model_path())
+        if engine_args.speculative_config is None and not getattr(args, "no_spec", False):
+            engine_args.speculative_config = default_speculative_config()
     loaded = load_model(engine_args.model, dtype=engine_args.dtype, device=engine_args.device)
     engine = LLMEngine(loaded, engine_args)
     print(f"[{loaded.source}: KV cache holds {engine.kv_capacity_tokens:,} tokens "

@@ -1,9 +1,10 @@
-"""The default model used when no --model is given.
+"""The default model pair used when no --model is given.
 
-Until lucebox ships its trained default pair (under models/), the default is a small
-Qwen3-architecture model that this module builds on first use: a byte-level BPE tokenizer
-trained on the Python standard library's source and RANDOM weights. It exercises the whole
-stack offline; its output is not meaningful text.
+lucebox ships a small trained code model and its DFlash drafter under models/ (see
+models/default/README.md); with no --model, lucebox serves that pair with speculation on.
+Where models/ is absent (a copy of the package without the repository's models), a small
+Qwen3-architecture model with a trained tokenizer and RANDOM weights is built on first use, so
+the stack still runs offline; its output is not meaningful text.
 """
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ import torch
 
 log = logging.getLogger("lucebox")
 
-BUNDLED = Path(__file__).resolve().parent.parent / "models" / "default"
+MODELS = Path(__file__).resolve().parent.parent / "models"
+BUNDLED = MODELS / "default"
+BUNDLED_DRAFTER = MODELS / "default-dflash"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>",
                   "<tool_call>", "</tool_call>", "<|mask|>"]
 CHATML = (
@@ -31,6 +34,13 @@ CONFIG = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_siz
               num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
               max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True,
               hidden_act="silu", torch_dtype="float32")
+
+
+def default_speculative_config() -> dict | None:
+    """Speculation for the default model: its DFlash drafter, when the drafter ships too."""
+    if (BUNDLED / "config.json").is_file() and (BUNDLED_DRAFTER / "config.json").is_file():
+        return {"method": "dflash", "model": str(BUNDLED_DRAFTER)}
+    return None
 
 
 def default_model_path() -> Path:

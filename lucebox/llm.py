@@ -20,9 +20,11 @@ class LLM:
         if unknown:
             raise RequestError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
         self.args = EngineArgs(model=model, **engine_kwargs)
-        if self.args.model is None:
-            from .default_model import default_model_path
+        if self.args.model is None:  # the bundled default pair, speculating with its drafter
+            from .default_model import default_model_path, default_speculative_config
             self.args.model = str(default_model_path())
+            if self.args.speculative_config is None:
+                self.args.speculative_config = default_speculative_config()
         loaded = load_model(self.args.model, dtype=self.args.dtype, device=self.args.device)
         self.engine = LLMEngine(loaded, self.args)
         self.tokenizer = loaded.tokenizer

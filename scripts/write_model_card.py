@@ -1,0 +1,89 @@
+"""Write models/default/README.md (the model card) from the training runs' stats.json files."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TARGET, DRAFTER = ROOT / "models" / "default", ROOT / "models" / "default-dflash"
+
+
+def main() -> int:
+    t = json.loads((TARGET / "stats.json").read_text())
+    d = json.loads((DRAFTER / "stats.json").read_text()) if (DRAFTER / "stats.json").is_file() else None
+    cfg = json.loads((TARGET / "config.json").read_text())
+    c, a = t["corpus"], t["args"]
+    pre, chat = t["pretrain"], t["chat"]
+    lines = [
+        "# lucebox default model: a small Python code model and its DFlash drafter",
+        "",
+        "Trained from scratch by lucebox's own scripts so that lucebox works out of the box, offline.",
+        "It writes plausible-looking Python; it is far too small to be correct often. It exists to",
+        "exercise the whole engine (tokenizer, chat template, tool-call tokens, speculative decoding)",
+        "with a real, trained model.",
+        "",
+        "## Architecture",
+        f"Qwen3 architecture: {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, "
+        f"{cfg['num_attention_heads']} query / {cfg['num_key_value_heads']} KV heads of {cfg['head_dim']}, "
+        f"SwiGLU FFN {cfg['intermediate_size']}, per-head q/k RMSNorm, RoPE theta {cfg['rope_theta']:g}, "
+        f"tied embeddings, vocabulary {cfg['vocab_size']:,}, context {cfg['max_position_embeddings']:,}. "
+        f"{t['parameters']:,} parameters, stored in bfloat16.",
+        "",
+        "Tokenizer: byte-level BPE (Qwen2 pre-tokenizer regex) trained on the corpus, with the specials "
+        "`<|endoftext|>`, `<|im_start|>`, `<|im_end|>`, `<think>`, `</think>`, `<tool_call>`, `</tool_call>`, "
+        "`<tool_response>`, `</tool_response>` and the DFlash mask token `<|mask|>`. Chat template: ChatML "
+        "with Hermes-style tool calls (`scripts/chat_template.jinja`).",
+        "",
+        "## Data",
+        f"The Python source files of the packages installed on the training machine: {c['files_seen']:,} files "
+        f"seen, {c['duplicates']:,} exact duplicates and {c['skipped']:,} oversized or minified files dropped, "
+        f"{c['bytes'] / 2**20:.0f} MiB kept. Held out by file (content hash): {c['held_out_files']} files, "
+        f"{t['tokens']['held_out']:,} tokens; training: {c['train_files']:,} files, {t['tokens']['train']:,} tokens.",
+        "",
+        "## Training",
+        f"On {t['device']} (torch {t['torch']}), bf16 autocast, AdamW (betas 0.9/0.95, weight decay 0.1), "
+        "warm-up then cosine decay over a wall-clock budget, gradient clipping 1.0.",
+        f"- Pre-training: sequences of {a['seq_len']} tokens, batch {a['batch']}, peak lr {a['lr']:g}: "
+        f"{pre['steps']:,} steps, {pre['tokens'] / 1e6:.0f}M tokens in {pre['seconds']:.0f} s.",
+        f"- Chat stage: {t['chat_tasks']:,} tasks built from the training files (the user gives a function's "
+        "signature and docstring, the assistant writes the function), loss on the answer only, mixed 3:1 with "
+        f"pre-training windows: {chat['steps']:,} steps in {chat['seconds']:.0f} s.",
+        "",
+        "## Results",
+        f"Held-out loss: {t['held_out_loss_after_pretrain']:.3f} nats/token after pre-training, "
+        f"{t['held_out_loss']:.3f} after the chat stage.",
+        "",
+        "Greedy samples (from the training run):",
+        "",
+    ]
+    for s in t["samples"]:
+        lines += [f"Prompt: `{s['prompt'].strip()}`", "```", s["completion"].rstrip()[:400], "```", ""]
+    if d:
+        lines += ["## DFlash drafter (`models/default-dflash`)", "",
+                  d.get("card", "See stats.json."), ""]
+    lines += [
+        "## Files",
+        "- `models/default/`: the target in HF format (sharded safetensors, config, tokenizer, chat template, "
+        "generation_config), `stats.json` and `training.log` from the run.",
+        "- `models/default-q8_0.gguf`: the target as a Q8_0 GGUF (`lucebox convert models/default "
+        "models/default-q8_0.gguf --outtype q8_0`); its greedy output can drift from the bf16 weights' after a "
+        "few tokens on some prompts (quantisation error), which `tests/test_default_model.py` measures.",
+        "- `models/default-dflash/`: the drafter in the z-lab layout.",
+        "",
+        "## Reproduce",
+        "```bash",
+        "python scripts/train_default_model.py --out models/default      # ~8 min on one H200",
+        "bash scripts/train_default_drafter.sh                             # ~8 min on one H200",
+        "lucebox convert models/default models/default-q8_0.gguf --outtype q8_0",
+        "python scripts/write_model_card.py",
+        "```",
+        "The corpus is whatever Python packages the training machine has installed, so a different machine "
+        "gives a different (similar) model.",
+    ]
+    (TARGET / "README.md").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
