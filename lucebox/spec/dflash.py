@@ -26,6 +26,9 @@ log = logging.getLogger("lucebox")
 
 
 def load_drafter(path: str | Path, dtype: torch.dtype, device) -> tuple[DFlashDrafter, Path]:
+    if str(path).endswith(".gguf"):
+        from .dflash_gguf import load_drafter_gguf
+        return load_drafter_gguf(path, dtype, device)
     path = resolve_path(str(path))
     cfg = read_drafter_config(path)
     with torch.device("meta"):

@@ -1,0 +1,146 @@
+"""What a drafter training run is made of: its flags, the drafter's shape derived from the target,
+and the target's tapped features computed by the engine's own runner."""
+from __future__ import annotations
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from ..engine.block_manager import BlockManager
+from ..engine.runner import ModelRunner
+from ..errors import RequestError
+from ..model.config import ModelConfig, RopeConfig
+from ..spec.dflash_model import DFlashConfig, DFlashDrafter
+from .args import TrainDrafterArgs
+
+MASK_NAMES = ("<|mask|>", "<|MASK|>", "<mask>", "[MASK]", "<|mask_token|>")
+MAX_DEFAULT_TAPS = 5  # the published drafters tap five layers
+
+
+def default_taps(num_layers: int) -> list[int]:
+    """The reference's spread: N = min(5, L-1) taps at 1 + k*floor((L-2)/(N-1)), from layer 1 up
+    to about L-3 (L=36 -> [1, 9, 17, 25, 33]); one tap (L <= 2) sits at L//2. Shallow targets get
+    fewer taps so that they stay distinct."""
+    n = min(MAX_DEFAULT_TAPS, max(1, num_layers - 1))
+    if n == 1:
+        return [min(num_layers // 2, num_layers - 1)]
+    step = (num_layers - 2) // (n - 1)
+    return [1 + k * step for k in range(n)]
+
+
+def parse_taps(spec: str | list[int], num_layers: int) -> list[int]:
+    if isinstance(spec, str) and spec.strip().lower() == "auto":
+        return default_taps(num_layers)
+    try:
+        taps = [int(t) for t in spec.split(",")] if isinstance(spec, str) else [int(t) for t in spec]
+    except ValueError:
+        raise RequestError(f"--taps {spec!r}: give 'auto' or comma-separated layer indices like 1,3,5") from None
+    bad = [t for t in taps if not 0 <= t < num_layers]
+    if bad:
+        raise RequestError(f"--taps: layer(s) {bad} outside the target's {num_layers} layers (0..{num_layers - 1})")
+    if len(set(taps)) != len(taps) or not taps:
+        raise RequestError(f"--taps {spec!r}: give each layer once")
+    return taps
+
+
+def resolve_mask_token(spec: str | int, tokenizer, vocab_size: int) -> int:
+    """A vocabulary token named like <|mask|> when there is one, else the embedding's last row.
+    Either way an existing row: the embedding is never resized (the row's value does not matter,
+    the drafter learns against it as a constant)."""
+    if isinstance(spec, str) and spec.strip().lower() == "auto":
+        for name in MASK_NAMES:
+            i = tokenizer.token_to_id(name)
+            if i is not None and 0 <= i < vocab_size:
+                return i
+        return vocab_size - 1
+    try:
+        value = int(spec)
+    except (TypeError, ValueError):
+        raise RequestError(f"--mask-token-id {spec!r}: give 'auto' or a token id") from None
+    if not 0 <= value < vocab_size:
+        raise RequestError(f"--mask-token-id {value} is outside the target's embedding (0..{vocab_size - 1}); "
+                           "the mask must be an existing row, the embedding is never resized")
+    return value
+
+
+def drafter_config(target: ModelConfig, tokenizer, args: TrainDrafterArgs) -> DFlashConfig:
+    """Width = the target's hidden size (the drafter shares its embedding and LM head); attention and
+    FFN shapes default to the target's. RoPE is plain (the target's theta): the drafter is trained
+    from scratch, so scaling buys nothing, and plain RoPE is what config.json round-trips."""
+    heads = args.heads or target.num_heads
+    kv_heads = args.kv_heads or target.num_kv_heads
+    if args.kv_heads is None and heads % kv_heads:
+        kv_heads = heads  # --heads alone: keep it valid rather than inherit a grouping that does not divide
+    model = ModelConfig(
+        family="qwen3", vocab_size=target.vocab_size, hidden_size=target.hidden_size,
+        intermediate_size=args.intermediate_size or target.intermediate_size, num_layers=args.layers,
+        num_heads=heads, num_kv_heads=kv_heads,
+        head_dim=args.head_dim or target.head_dim, rms_norm_eps=target.rms_norm_eps,
+        max_position_embeddings=target.max_position_embeddings, rope=RopeConfig(theta=target.rope.theta),
+        qk_norm=True, tie_word_embeddings=True)
+    return DFlashConfig(model, parse_taps(args.taps, target.num_layers),
+                        resolve_mask_token(args.mask_token_id, tokenizer, target.vocab_size),
+                        args.block_size, target.num_layers)
+
+
+def init_drafter(cfg: DFlashConfig, device, seed: int) -> DFlashDrafter:
+    """float32 master weights (bf16 compute comes from autocast); HF's initialiser: N(0, 0.02)
+    matrices, unit norms."""
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(cfg)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+    return drafter.to(device)
+
+
+def lm_head(model):
+    """The target's LM head as hidden -> float32 logits, in plain differentiable torch: the loss
+    backpropagates through it into the drafter. A quantised head (GGUF target) is dequantised once;
+    it is frozen, and the engine's quantised matmul may have no backward pass."""
+    head = model.embed_tokens if model.config.tie_word_embeddings else model.lm_head
+    weight = head.weight
+    if not isinstance(weight, torch.Tensor):  # a QuantTensor
+        weight = weight.dequantize(model.dtype)
+    weight = weight.detach()
+    return lambda hidden: torch.nn.functional.linear(hidden, weight).float()
+
+
+class TargetFeatures:
+    """The target's tapped residual streams (and greedy next tokens) for whole sequences: one batched
+    prefill through the engine's ModelRunner, with blocks from a private BlockManager.
+
+    These are the very features the proposer receives at inference (same kernels, same capture)."""
+
+    def __init__(self, model, taps: list[int], max_seqs: int, seq_len: int, block_size: int = 16):
+        num_blocks = max_seqs * -(-seq_len // block_size)
+        self.runner = ModelRunner(model, num_blocks, block_size)
+        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+        self.taps = tuple(taps)
+
+    def __call__(self, ids: torch.Tensor, lengths: torch.Tensor, greedy: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """features [S, T, taps*hidden] (zero past each length); greedy [S, T] or None."""
+        sizes = lengths.tolist()
+        seqs = [row[:n] for row, n in zip(ids.cpu().tolist(), sizes)]
+        tables: list[list[int]] = []
+        try:
+            for s in seqs:
+                table: list[int] = []
+                self.blocks.allocate(table, len(s))
+                tables.append(table)
+            logits, feats = self.runner.run(seqs, [0] * len(seqs), tables, logits_rows=None if greedy else [0],
+                                            all_logits=greedy, capture_layers=self.taps)
+        finally:
+            for table in tables:
+                self.blocks.free_table(table)
+        width = ids.shape[1]
+        features = pad_sequence(list(feats.split(sizes)), batch_first=True)
+        if features.shape[1] < width:
+            features = torch.nn.functional.pad(features, (0, 0, 0, width - features.shape[1]))
+        if not greedy:
+            return features, None
+        nxt = pad_sequence(list(logits.argmax(-1).split(sizes)), batch_first=True)
+        return features, torch.nn.functional.pad(nxt, (0, width - nxt.shape[1]))
