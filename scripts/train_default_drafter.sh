@@ -5,7 +5,7 @@
 # Usage: scripts/train_default_drafter.sh OUT_DIR [SECONDS]   (one H200: ~8 minutes)
 set -euo pipefail
 out=${1:-models/default-dflash}
-seconds=${2:-480}
+seconds=${2:-400}
 data=$(mktemp -d)
 python3 - "$data" <<'PY'
 import sys
@@ -20,5 +20,5 @@ PY
 # (which rewrite the z-lab files) make whatever finished usable.
 timeout --signal=INT "$seconds" python3 -m lucebox.cli train-drafter --target models/default --data "$data" \
   --out "$out" --layers 2 --block-size 16 --steps "${STEPS:-3000}" --batch-size "${BATCH:-32}" --seq-len 1024 \
-  --anchors 256 --lr 6e-4 --regenerate --max-samples "${SAMPLES:-4096}" --regen-batch 512 \
+  --anchors 256 --lr 6e-4 --regenerate --max-samples "${SAMPLES:-2048}" --regen-batch 512 \
   --eval-every "${EVAL_EVERY:-500}" --save-every 250 --seed 0 || echo "trainer stopped (timeout or error): $?"
