@@ -1,4 +1,5 @@
-"""Paged attention: torch reference (CPU and any device).
+"""Paged attention: torch reference (CPU and any device); GPU tensors go to the Triton kernel
+(kernels/triton_paged_attention.py) through kernels/dispatch.py.
 
 K/V live in paged stores (engine/kv_cache.PagedKVCache: [num_blocks, block_size, kv_heads,
 head_dim] in the chosen cache type, gathered back as floats). Each sequence's new
@@ -11,11 +12,16 @@ import torch
 import torch.nn.functional as F
 
 from ..model.forward_batch import ForwardBatch
+from .dispatch import use_triton
 
 
 def paged_attention(q: torch.Tensor, k_cache, v_cache, batch: ForwardBatch, scale: float,
                     sliding_window: int | None = None) -> torch.Tensor:
     """q [T, heads, head_dim] -> [T, heads, head_dim]; the new K/V must already be written."""
+    if use_triton(q, k_cache.values, v_cache.values):
+        from . import triton_paged_attention as tpa
+        if tpa.supports(q, k_cache, v_cache):
+            return tpa.paged_attention(q, k_cache, v_cache, batch, scale, sliding_window)
     out = torch.empty_like(q)
     heads, kv_heads = q.shape[1], k_cache.num_kv_heads
     start = 0

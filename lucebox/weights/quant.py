@@ -19,6 +19,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from lucebox.errors import CheckpointError, UnsupportedError
 from lucebox.kernels import dequant
 from lucebox.kernels.dequant import SUPPORTED_TYPES, qtype_name
+from lucebox.kernels.dispatch import use_triton
 
 __all__ = ["SUPPORTED_TYPES", "QuantEmbedding", "QuantLinear", "QuantTensor", "quant_matmul"]
 
@@ -111,18 +112,40 @@ class QuantTensor:
                 f"nbytes={self.nbytes}, device={self.device})")
 
 
+def _triton_quant(x: torch.Tensor, qweight: torch.Tensor, qtype):
+    """The Triton quantised-weight module when it should handle this call (GPU), else None."""
+    if not use_triton(x, qweight):
+        return None
+    from lucebox.kernels import triton_quant_matmul
+    return triton_quant_matmul if triton_quant_matmul.supports(qweight, qtype) else None
+
+
+def _dequantize_rows(rows: torch.Tensor, qtype, in_features: int, dtype: torch.dtype) -> torch.Tensor:
+    tq = _triton_quant(rows, rows, qtype)
+    if tq is not None:
+        return tq.dequantize(rows, qtype, in_features, dtype)
+    return dequant.dequantize(rows, qtype, dtype)
+
+
 def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantizationType, in_features: int,
                  bias: torch.Tensor | None = None, chunk_bytes: int = 32 << 20) -> torch.Tensor:
     """x @ W.T (+ bias) for raw GGUF rows `qweight` [out_features, bytes_per_row], dequantising
-    `chunk_bytes` (float32-equivalent) worth of output rows at a time."""
+    `chunk_bytes` (float32-equivalent) worth of output rows at a time.
+
+    On the GPU a few rows of x (decode / verify, M <= 64) go through the fused Triton
+    dequantise-and-multiply kernel, which reads each weight byte once; more rows (prefill) are
+    compute-bound, so chunks are dequantised by a Triton kernel and multiplied by torch.matmul."""
     out_features = qweight.shape[0]
+    tq = _triton_quant(x, qweight, qtype)
+    if tq is not None and x.dtype in tq.ACTIVATION_DTYPES and x.numel() // max(1, in_features) <= tq.MAX_FUSED_M:
+        return tq.quant_matmul(x, qweight, qtype, in_features, bias)
     bias = None if bias is None else bias.to(x.dtype)
     rows = max(1, chunk_bytes // (4 * in_features))
     if rows >= out_features:
-        return F.linear(x, dequant.dequantize(qweight, qtype, x.dtype), bias)
+        return F.linear(x, _dequantize_rows(qweight, qtype, in_features, x.dtype), bias)
     out = x.new_empty(*x.shape[:-1], out_features)
     for start in range(0, out_features, rows):
-        w = dequant.dequantize(qweight[start:start + rows], qtype, x.dtype)
+        w = _dequantize_rows(qweight[start:start + rows], qtype, in_features, x.dtype)
         out[..., start:start + rows] = F.linear(x, w)
     if bias is not None:
         out += bias
@@ -190,7 +213,7 @@ class QuantEmbedding(torch.nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.qweight.index_select(0, ids.reshape(-1))
-        values = dequant.dequantize(rows, self.qtype, self.dtype)
+        values = _dequantize_rows(rows, self.qtype, self.embedding_dim, self.dtype)
         return values.reshape(*ids.shape, self.embedding_dim)
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:

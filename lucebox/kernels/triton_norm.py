@@ -1,0 +1,114 @@
+"""RMSNorm, and RMSNorm fused with the residual add that precedes it in every decoder layer.
+
+    h, residual = rms_norm_residual(x, residual, weight, eps)
+    # == (rms_norm(x + residual, weight, eps), x + residual)
+
+The fused form reads x and residual once and writes the sum and the normalised row in the same
+pass (one kernel instead of three memory passes). Arithmetic follows kernels/norm.py: the sum is
+rounded to its dtype, the row is normalised in float32, rounded to that dtype, then multiplied by
+the weight in the promoted dtype. `rms_norm` / `rms_norm_residual` pick the Triton kernel on GPU
+tensors and the torch reference otherwise (kernels/dispatch.py).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .dispatch import next_pow2, use_triton
+from .norm import rms_norm as rms_norm_reference
+
+__all__ = ["rms_norm", "rms_norm_residual", "rms_norm_residual_reference",
+           "rms_norm_triton", "rms_norm_residual_triton"]
+
+
+def rms_norm_residual_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    total = x + residual
+    return rms_norm_reference(total, weight, eps), total
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if use_triton(x, weight):
+        return rms_norm_triton(x, weight, eps)
+    return rms_norm_reference(x, weight, eps)
+
+
+def rms_norm_residual(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual)."""
+    if use_triton(x, residual, weight):
+        return rms_norm_residual_triton(x, residual, weight, eps)
+    return rms_norm_residual_reference(x, residual, weight, eps)
+
+
+@functools.cache
+def _kernel():
+    """The Triton kernel, defined on first use: importing this module (model code does, for the
+    dispatching functions) must not import Triton, whose interpreter mode is fixed at import."""
+    global triton, tl
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, o_ptr, s_ptr, n_rows, n_cols,
+                         stride_x, stride_r, stride_o, stride_s, eps,
+                         BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_RES: tl.constexpr):
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        cols = tl.arange(0, BLOCK_N)
+        c_ok = cols < n_cols
+        mask = (rows < n_rows)[:, None] & c_ok[None, :]
+        rows = rows.to(tl.int64)[:, None]
+        x = tl.load(x_ptr + rows * stride_x + cols[None, :], mask=mask, other=0.0)
+        if HAS_RES:
+            r = tl.load(r_ptr + rows * stride_r + cols[None, :], mask=mask, other=0.0)
+            total = (x.to(tl.float32) + r.to(tl.float32)).to(s_ptr.dtype.element_ty)
+            tl.store(s_ptr + rows * stride_s + cols[None, :], total, mask=mask)
+            h = total.to(tl.float32)
+            row_ty = s_ptr.dtype.element_ty
+        else:
+            h = x.to(tl.float32)
+            row_ty = x_ptr.dtype.element_ty
+        inv = tl.rsqrt(tl.sum(h * h, axis=1) / n_cols + eps)
+        y = (h * inv[:, None]).to(row_ty).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)
+        tl.store(o_ptr + rows * stride_o + cols[None, :], (w[None, :] * y).to(o_ptr.dtype.element_ty),
+                 mask=mask)
+
+    return _rms_norm_kernel
+
+
+def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    t2 = t.reshape(-1, n)
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    n = x.shape[-1]
+    x2 = _rows(x, n)
+    rows = x2.shape[0]
+    row_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    out = torch.empty(rows, n, dtype=torch.promote_types(weight.dtype, row_dtype), device=x.device)
+    total = torch.empty(rows, n, dtype=row_dtype, device=x.device) if residual is not None else None
+    r2 = _rows(residual, n) if residual is not None else x2
+    if rows:
+        block_n = next_pow2(n)
+        per_prog = min(next_pow2(rows), max(1, 4096 // block_n))  # small rows (q/k norm): batch them
+        warps = min(16, max(1, per_prog * block_n // 512))
+        s = total if total is not None else out
+        _kernel()[(-(-rows // per_prog),)](
+            x2, r2, weight, out, s, rows, n, x2.stride(0), r2.stride(0), out.stride(0), s.stride(0), float(eps),
+            BLOCK_N=block_n, ROWS=per_prog, HAS_RES=residual is not None, num_warps=warps)
+    shape = x.shape[:-1] + (n,)
+    return out.reshape(shape), (total.reshape(shape) if total is not None else None)
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _launch(x, None, weight, eps)[0]
+
+
+def rms_norm_residual_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if residual.shape != x.shape:
+        raise ValueError(f"rms_norm_residual: x {tuple(x.shape)} and residual {tuple(residual.shape)} differ")
+    return _launch(x, residual, weight, eps)

@@ -1,0 +1,320 @@
+"""Paged attention over PagedKVCache storage (Triton): decode, verify and prefill chunks alike.
+
+One program owns one (sequence, kv head, tile of BLOCK_Q new tokens, split of the context). GQA
+is folded into the rows of the query tile: row r is query token r // GROUP of head
+kv_head * GROUP + r % GROUP, so every K/V tile read from memory serves all query heads that
+share it, and a decode (1 token x GROUP heads) still fills a tensor-core tile. K/V are gathered
+through the block table one token at a time (any block_size), dequantised in registers for
+fp8 / q8_0 / q4_0 caches, and combined with an online softmax in float32 (base 2).
+
+Split-K (flash-decoding): for long contexts and few programs, the context is cut into NUM_SPLITS
+ranges processed in parallel; each writes its normalised partial output and log-sum-exp, and a
+second kernel merges them. Splits are chosen on the host from host-side lengths (no device sync)
+or passed explicitly (`num_splits`, so a captured CUDA graph can fix them).
+
+Masks: key k is visible to the query at absolute position p when k <= p (causal, which covers
+the new tokens among themselves) and, with a sliding window w, p - k < w.
+
+Rotated caches (PagedKVCache(rotate=True) stores x @ H with H an orthonormal Hadamard matrix):
+q.k = (q @ H).(k @ H), so q is rotated once instead of un-rotating every key, and the output
+(a mix of rotated values) is un-rotated once at the end.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .dispatch import next_pow2, num_sms
+
+_KV_PLAIN, _KV_FP8, _KV_Q8_0, _KV_Q4_0 = range(4)
+_KV_FORMATS = {"f32": _KV_PLAIN, "f16": _KV_PLAIN, "bf16": _KV_PLAIN, "fp8": _KV_FP8,
+               "q8_0": _KV_Q8_0, "q4_0": _KV_Q4_0}
+SUPPORTED_CACHE_TYPES = frozenset(_KV_FORMATS)
+_LOG2E = 1.4426950408889634
+MAX_SPLITS = 64
+
+
+@triton.jit
+def _load_kv(v_ptr, s_ptr, slot, kmask, stride_slot, stride_s_slot, head_off, s_head_off,
+             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_KV: tl.constexpr,
+             FMT: tl.constexpr, TRANS: tl.constexpr):
+    """A K or V tile of BLOCK_KV tokens (slots [BLOCK_KV], int64) in float32: [BLOCK_D, BLOCK_KV]
+    when TRANS (keys, ready for q @ k^T) else [BLOCK_KV, BLOCK_D]. fp8 comes back unscaled (its
+    scale is per token, applied to the scores / probabilities by the caller)."""
+    if FMT == 0 or FMT == 1:
+        d = tl.arange(0, BLOCK_D)
+        if TRANS:
+            ptrs = v_ptr + slot[None, :] * stride_slot + head_off + d[:, None]
+            mask = kmask[None, :] & (d[:, None] < HEAD_DIM)
+        else:
+            ptrs = v_ptr + slot[:, None] * stride_slot + head_off + d[None, :]
+            mask = kmask[:, None] & (d[None, :] < HEAD_DIM)
+        x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        # q8_0 / q4_0: blocks of 32 values along head_dim, one fp16 scale each.
+        NB: tl.constexpr = BLOCK_D // 32
+        b = tl.arange(0, NB)
+        bmask = b < HEAD_DIM // 32
+        if FMT == 2:
+            j = tl.arange(0, 32)
+            if TRANS:  # [NB, 32, BLOCK_KV]
+                ptrs = (v_ptr + slot[None, None, :] * stride_slot + head_off
+                        + (b[:, None, None] * 32 + j[None, :, None]))
+                mask = kmask[None, None, :] & bmask[:, None, None]
+                sc = tl.load(s_ptr + slot[None, None, :] * stride_s_slot + s_head_off + b[:, None, None],
+                             mask=mask, other=0.0).to(tl.float32)
+            else:  # [BLOCK_KV, NB, 32]
+                ptrs = (v_ptr + slot[:, None, None] * stride_slot + head_off
+                        + (b[None, :, None] * 32 + j[None, None, :]))
+                mask = kmask[:, None, None] & bmask[None, :, None]
+                sc = tl.load(s_ptr + slot[:, None, None] * stride_s_slot + s_head_off + b[None, :, None],
+                             mask=mask, other=0.0).to(tl.float32)
+            q = tl.load(ptrs, mask=mask, other=0).to(tl.float32)
+            x = q * sc
+            if TRANS:
+                x = tl.reshape(x, [BLOCK_D, BLOCK_KV])
+            else:
+                x = tl.reshape(x, [BLOCK_KV, BLOCK_D])
+        else:
+            # q4_0: 16 bytes per block; byte j holds value j (low nibble) and j + 16 (high).
+            j = tl.arange(0, 16)
+            if TRANS:  # [NB, 16, BLOCK_KV]
+                ptrs = (v_ptr + slot[None, None, :] * stride_slot + head_off
+                        + (b[:, None, None] * 16 + j[None, :, None]))
+                mask = kmask[None, None, :] & bmask[:, None, None]
+                sc = tl.load(s_ptr + slot[None, None, :] * stride_s_slot + s_head_off + b[:, None, None],
+                             mask=mask, other=0.0).to(tl.float32)
+            else:  # [BLOCK_KV, NB, 16]
+                ptrs = (v_ptr + slot[:, None, None] * stride_slot + head_off
+                        + (b[None, :, None] * 16 + j[None, None, :]))
+                mask = kmask[:, None, None] & bmask[None, :, None]
+                sc = tl.load(s_ptr + slot[:, None, None] * stride_s_slot + s_head_off + b[None, :, None],
+                             mask=mask, other=0.0).to(tl.float32)
+            byte = tl.load(ptrs, mask=mask, other=0).to(tl.int32)
+            lo = ((byte & 15) - 8).to(tl.float32) * sc
+            hi = ((byte >> 4) - 8).to(tl.float32) * sc
+            x = tl.join(lo, hi)  # [..., 16, ..., 2]: move the new axis in front of the 16
+            if TRANS:
+                x = tl.reshape(tl.permute(x, (0, 3, 1, 2)), [BLOCK_D, BLOCK_KV])
+            else:
+                x = tl.reshape(tl.permute(x, (0, 1, 3, 2)), [BLOCK_KV, BLOCK_D])
+    return x
+
+
+@triton.jit
+def _paged_attn_kernel(
+        q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, lse_ptr,
+        qsl_ptr, seq_lens_ptr, bt_ptr,
+        qk_scale, window, num_splits,
+        stride_qt, stride_qh, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
+        stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
+        stride_ks_slot, stride_ks_head, stride_vs_slot, stride_vs_head,
+        stride_bt, block_size,
+        KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KV: tl.constexpr,
+        K_FMT: tl.constexpr, V_FMT: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr,
+        DOT_IEEE: tl.constexpr):
+    pid_bh = tl.program_id(0)
+    pid_q = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    seq = pid_bh // KV_HEADS
+    kvh = pid_bh % KV_HEADS
+    q_start = tl.load(qsl_ptr + seq).to(tl.int32)
+    q_len = tl.load(qsl_ptr + seq + 1).to(tl.int32) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    q0 = pid_q * BLOCK_Q
+    if q0 < q_len:
+        r = tl.arange(0, BLOCK_R)
+        qi = q0 + r // GROUP
+        head = kvh * GROUP + r % GROUP
+        row_ok = (r < BLOCK_Q * GROUP) & (qi < q_len)
+        ctx0 = seq_len - q_len  # cached tokens before this step's new ones
+        q_pos = ctx0 + qi
+        tok = (q_start + qi).to(tl.int64)
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < HEAD_DIM
+        q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        if DOT_IEEE:
+            q = q.to(tl.float32)
+
+        # Keys this query tile can see: [lo, hi).
+        hi = ctx0 + tl.minimum(q0 + BLOCK_Q, q_len)
+        lo = 0
+        if HAS_WINDOW:
+            lo = tl.maximum(ctx0 + q0 - window + 1, 0)
+        per_split = tl.cdiv(tl.cdiv(hi - lo, num_splits), BLOCK_KV) * BLOCK_KV
+        s_lo = lo + pid_s * per_split
+        s_hi = tl.minimum(s_lo + per_split, hi)
+
+        m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_R], tl.float32)
+        acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+        bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+        k_head = kvh * stride_k_head
+        v_head = kvh * stride_v_head
+        ks_head = kvh * stride_ks_head
+        vs_head = kvh * stride_vs_head
+        for start in range(s_lo, s_hi, BLOCK_KV):
+            kpos = start + tl.arange(0, BLOCK_KV)
+            kmask = kpos < s_hi
+            page = tl.load(bt_row + kpos // block_size, mask=kmask, other=0)
+            slot = page.to(tl.int64) * block_size + (kpos % block_size)
+
+            kt = _load_kv(k_ptr, ks_ptr, slot, kmask, stride_k_slot, stride_ks_slot, k_head, ks_head,
+                          HEAD_DIM, BLOCK_D, BLOCK_KV, K_FMT, True)
+            if DOT_IEEE:
+                s = tl.dot(q, kt, input_precision="ieee")
+            else:
+                s = tl.dot(q, kt.to(q.dtype))
+            if K_FMT == 1:
+                s *= tl.load(ks_ptr + slot * stride_ks_slot + ks_head, mask=kmask, other=0.0)[None, :]
+            s *= qk_scale
+            visible = kmask[None, :] & (kpos[None, :] <= q_pos[:, None])
+            if HAS_WINDOW:
+                visible &= (q_pos[:, None] - kpos[None, :]) < window
+            s = tl.where(visible, s, float("-inf"))
+
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc *= alpha[:, None]
+            m_i = m_new
+
+            v = _load_kv(v_ptr, vs_ptr, slot, kmask, stride_v_slot, stride_vs_slot, v_head, vs_head,
+                         HEAD_DIM, BLOCK_D, BLOCK_KV, V_FMT, False)
+            if V_FMT == 1:
+                p *= tl.load(vs_ptr + slot * stride_vs_slot + vs_head, mask=kmask, other=0.0)[None, :]
+            if DOT_IEEE:
+                acc = tl.dot(p, v, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc)
+
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_safe[:, None]
+        o_ptrs = o_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        o_mask = row_ok[:, None] & d_ok[None, :]
+        if SPLIT:
+            tl.store(o_ptrs + pid_s * stride_os, out, mask=o_mask)
+            lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+            tl.store(lse_ptr + tok * stride_lt + head * stride_lh + pid_s, lse, mask=row_ok)
+        else:
+            tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(part_ptr, lse_ptr, o_ptr, num_splits,
+                         stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot, stride_oh,
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_ok = s < num_splits
+    lse = tl.load(lse_ptr + t * stride_lt + h * stride_lh + s, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)  # empty splits have lse = -inf: weight 0
+    part = tl.load(part_ptr + t * stride_pt + h * stride_ph + s[:, None] * stride_ps + d[None, :],
+                   mask=s_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+    total = tl.sum(w, axis=0)
+    out = tl.sum(part * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(o_ptr + t * stride_ot + h * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def supports(q: torch.Tensor, k_cache, v_cache) -> bool:
+    return (k_cache.cache_type in _KV_FORMATS and v_cache.cache_type in _KV_FORMATS
+            and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
+            and q.shape[1] % k_cache.num_kv_heads == 0 and q.shape[-1] == k_cache.head_dim)
+
+
+def _storage(cache):
+    """(values, scales) viewed by slot: [slots, H, X]; scales default to the values (unused)."""
+    vals = cache.values.view(-1, *cache.values.shape[2:])
+    scales = cache.scales.view(-1, *cache.scales.shape[2:]) if cache.scales is not None else vals
+    return vals, scales
+
+
+def paged_attention(q: torch.Tensor, k_cache, v_cache, batch, scale: float,
+                    sliding_window: int | None = None, *, num_splits: int | None = None,
+                    block_kv: int | None = None, num_warps: int | None = None,
+                    num_stages: int | None = None) -> torch.Tensor:
+    """Same contract as kernels.attention.paged_attention: q [T, heads, head_dim] -> same shape;
+    this step's K/V must already be written."""
+    tokens, heads, head_dim = q.shape
+    kv_heads = k_cache.num_kv_heads
+    group = heads // kv_heads
+    num_seqs = int(batch.query_start_loc.shape[0]) - 1
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if tokens == 0 or num_seqs <= 0:
+        return out
+    if k_cache.rotate:
+        q = (q.float() @ k_cache._hadamard).to(q.dtype)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    # Host-side lengths when the batch carries them (no device sync); else safe upper bounds.
+    q_lens = batch.query_lens_host or [tokens]
+    max_q = max(q_lens) if q_lens else tokens
+    max_ctx = max(batch.seq_lens_host) if batch.seq_lens_host else None
+
+    block_d = max(32, next_pow2(head_dim))
+    # Rows per program: a whole verify step (<= 32 tokens x GROUP heads) in one tile up to 128 rows,
+    # so its KV is read once; prefill chunks take 64-row tiles.
+    rows = 128 if max_q <= 32 else 64
+    block_q = max(1, min(next_pow2(max_q), rows // next_pow2(group)))
+    block_r = max(16, next_pow2(block_q * group))
+    if block_kv is None:
+        block_kv = 64 if block_d <= 128 and block_r <= 64 else 32
+    q_tiles = triton.cdiv(max_q, block_q)
+    programs = num_seqs * kv_heads * q_tiles
+    if num_splits is None:
+        num_splits = 1
+        if max_ctx is not None and programs < 2 * num_sms(q.device):
+            want = triton.cdiv(4 * num_sms(q.device), programs)
+            num_splits = max(1, min(want, triton.cdiv(max_ctx, 256), MAX_SPLITS))
+    num_splits = max(1, min(int(num_splits), MAX_SPLITS))
+
+    k_vals, k_scales = _storage(k_cache)
+    v_vals, v_scales = _storage(v_cache)
+    split = num_splits > 1
+    # A rotated V cache gives rotated outputs: written aside, un-rotated into `out` at the end.
+    final = torch.empty(q.shape, dtype=q.dtype, device=q.device) if v_cache.rotate else out
+    if split:
+        part = torch.empty(tokens, heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        lse = torch.empty(tokens, heads, num_splits, dtype=torch.float32, device=q.device)
+        o_arg, stride_ot, stride_oh, stride_os = part, part.stride(0), part.stride(1), part.stride(2)
+        stride_lt, stride_lh = lse.stride(0), lse.stride(1)
+    else:
+        lse = q  # unused
+        o_arg, stride_ot, stride_oh, stride_os = final, final.stride(0), final.stride(1), 0
+        stride_lt = stride_lh = 0
+    # 8 warps for the tall tiles of verify/prefill keeps the q8_0/q4_0 unpacking out of local memory
+    kwargs = {"num_warps": num_warps or (8 if block_r >= 64 else 4)}
+    if num_stages is not None:
+        kwargs["num_stages"] = num_stages
+    window = int(sliding_window) if sliding_window is not None else 0
+    _paged_attn_kernel[(num_seqs * kv_heads, q_tiles, num_splits)](
+        q, k_vals, v_vals, k_scales, v_scales, o_arg, lse,
+        batch.query_start_loc, batch.seq_lens, batch.block_tables,
+        float(scale) * _LOG2E, window, num_splits,
+        q.stride(0), q.stride(1), stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
+        k_vals.stride(0), k_vals.stride(1), v_vals.stride(0), v_vals.stride(1),
+        k_scales.stride(0), k_scales.stride(1), v_scales.stride(0), v_scales.stride(1),
+        batch.block_tables.stride(0), batch.block_size,
+        KV_HEADS=kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_Q=block_q, BLOCK_R=block_r, BLOCK_KV=block_kv,
+        K_FMT=_KV_FORMATS[k_cache.cache_type], V_FMT=_KV_FORMATS[v_cache.cache_type],
+        HAS_WINDOW=sliding_window is not None, SPLIT=split, DOT_IEEE=q.dtype == torch.float32,
+        **kwargs)
+    if split:
+        _merge_splits_kernel[(tokens, heads)](
+            part, lse, final, num_splits,
+            part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+            final.stride(0), final.stride(1),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=max(2, next_pow2(num_splits)), num_warps=4)
+    if v_cache.rotate:
+        out.copy_(final.float() @ v_cache._hadamard.T)
+    return out

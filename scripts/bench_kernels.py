@@ -1,0 +1,422 @@
+#!/usr/bin/env python
+"""Time lucebox's Triton kernels against their torch references on the GPU, in GB/s.
+
+    python scripts/bench_kernels.py                       # everything, qwen3-8b shapes
+    python scripts/bench_kernels.py --only quant --sweep  # also try launch configs per shape
+    python scripts/bench_kernels.py --json out.json
+    python scripts/bench_kernels.py --smoke               # CPU, Triton interpreter, tiny shapes:
+                                                          # checks the script runs, times nothing real
+    python scripts/bench_kernels.py --compile-only        # no GPU needed: compile every kernel
+                                                          # variant the wrappers launch for sm_90
+
+Every kernel here is memory-bound at the sizes decode uses, so each row reports the bytes it must
+move (weights/KV read once, activations in and out), the achieved GB/s, and that as a percentage
+of the device bandwidth measured at the start of the same run (a large bf16 GEMV through cuBLAS,
+which reads like our kernels do, and a device-to-device copy). Each Triton result is also checked
+against its reference before it is timed.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+SMOKE = "--smoke" in sys.argv
+if SMOKE:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from lucebox.engine.kv_cache import PagedKVCache  # noqa: E402
+from lucebox.kernels import dequant, triton_norm  # noqa: E402
+from lucebox.kernels import triton_paged_attention as tpa  # noqa: E402
+from lucebox.kernels import triton_quant_matmul as tqm  # noqa: E402
+from lucebox.kernels.attention import paged_attention as attention_dispatch  # noqa: E402
+from lucebox.model.forward_batch import ForwardBatch  # noqa: E402
+
+# Byte offsets of the fp16 scale fields in one block; random bytes there could be Inf/NaN.
+FP16_FIELDS = {Q.Q8_0: [0], Q.Q4_0: [0], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208], Q.IQ4_XS: [0]}
+SHAPES = {  # (N, K) of each projection, and attention geometry
+    "qwen3-8b": {"linears": {"q/o_proj": (4096, 4096), "k/v_proj": (1024, 4096), "gate/up_proj": (12288, 4096),
+                             "down_proj": (4096, 12288), "lm_head": (151936, 4096)},
+                 "heads": 32, "kv_heads": 8, "head_dim": 128, "hidden": 4096},
+    "qwen3-0.6b": {"linears": {"q_proj": (2048, 1024), "k/v_proj": (1024, 1024), "o_proj": (1024, 2048),
+                               "gate/up_proj": (3072, 1024), "down_proj": (1024, 3072), "lm_head": (151936, 1024)},
+                   "heads": 16, "kv_heads": 8, "head_dim": 128, "hidden": 1024},
+    "smoke": {"linears": {"tiny": (48, 512)}, "heads": 4, "kv_heads": 2, "head_dim": 32, "hidden": 96},
+}
+
+
+def bench(fn, device) -> float:
+    """Milliseconds per call."""
+    if device.type == "cuda":
+        import triton.testing
+        return triton.testing.do_bench(fn, warmup=25, rep=100)
+    fn()
+    t = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t) * 1e3
+
+
+def gbps(nbytes: float, ms: float) -> float:
+    return nbytes / (ms * 1e-3) / 1e9
+
+
+def measure_bandwidth(device) -> dict:
+    n = (1 << 30) if device.type == "cuda" else (1 << 20)
+    a = torch.empty(n, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    copy_ms = bench(lambda: b.copy_(a), device)
+    rows = n // (2 * 8192)
+    w = torch.randn(rows, 8192, device=device, dtype=torch.bfloat16)
+    x = torch.randn(8192, device=device, dtype=torch.bfloat16)
+    gemv_ms = bench(lambda: torch.mv(w, x), device)
+    del a, b, w
+    return {"copy_GBps": gbps(2 * n, copy_ms), "gemv_bf16_GBps": gbps(rows * 8192 * 2, gemv_ms)}
+
+
+def random_quant(qtype, n: int, k: int, device, seed: int = 0) -> torch.Tensor:
+    block, size = GGML_QUANT_SIZES[qtype]
+    g = torch.Generator(device=device).manual_seed(seed)
+    raw = torch.randint(0, 256, (n * (k // block), size), dtype=torch.uint8, device=device, generator=g)
+    for off in FP16_FIELDS[qtype]:
+        scale = (torch.rand(raw.shape[0], 1, device=device, generator=g) * 0.02 - 0.01).half()
+        raw[:, off:off + 2] = scale.view(torch.uint8)
+    return raw.reshape(n, -1)
+
+
+def row(table: list, **kw) -> None:
+    table.append(kw)
+    tqdm.write("  " + "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in kw.items()))
+
+
+# ----------------------------------------------------------------------------- quantised matmul
+
+def bench_quant(args, shape, peak, device) -> list:
+    table = []
+    qtypes = [getattr(Q, q) for q in args.qtypes]
+    ms_list = [1] if SMOKE else [1, 4, 16, 64]
+    jobs = [(q, name, nk, m) for q in qtypes for name, nk in shape["linears"].items() for m in ms_list]
+    for qtype, name, (n, k), m in tqdm(jobs, desc="quant matmul"):
+        raw = random_quant(qtype, n, k, device)
+        x = torch.randn(m, k, device=device, dtype=args.dtype)
+        ref = F.linear(x, dequant.dequantize(raw, qtype, x.dtype))
+        out = tqm.quant_matmul(x, raw, qtype, k)
+        err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+        nbytes = raw.numel() + x.numel() * x.element_size() + m * n * x.element_size()
+        t_tri = bench(lambda: tqm.quant_matmul(x, raw, qtype, k), device)
+        # The reference as it would run on the GPU without Triton: torch dequantise, then matmul.
+        t_ref = bench(lambda: F.linear(x, dequant.dequantize(raw, qtype, x.dtype)), device)
+        w16 = dequant.dequantize(raw, qtype, x.dtype)
+        t_dense = bench(lambda: F.linear(x, w16), device)  # the same layer stored in bf16 (cuBLAS)
+        best = {}
+        if args.sweep and device.type == "cuda":
+            best = sweep_quant(x, raw, qtype, k, m, device)
+        row(table, kernel="quant_matmul", qtype=qtype.name, layer=name, N=n, K=k, M=m, rel_err=err,
+            us=t_tri * 1e3, GBps=gbps(nbytes, t_tri), pct_peak=100 * gbps(nbytes, t_tri) / peak,
+            ref_us=t_ref * 1e3, speedup_vs_ref=t_ref / t_tri, dense_bf16_us=t_dense * 1e3, **best)
+        del raw, w16
+    # Prefill path: Triton dequantise to bf16, then cuBLAS.
+    for qtype in qtypes:
+        name, (n, k) = next(iter(shape["linears"].items()))
+        raw = random_quant(qtype, n, k, device)
+        for m in ([128] if SMOKE else [512, 4096]):
+            x = torch.randn(m, k, device=device, dtype=args.dtype)
+            t_deq = bench(lambda: tqm.dequantize(raw, qtype, k, x.dtype), device)
+            t_all = bench(lambda: F.linear(x, tqm.dequantize(raw, qtype, k, x.dtype)), device)
+            row(table, kernel="dequantize+matmul", qtype=qtype.name, layer=name, N=n, K=k, M=m,
+                dequant_us=t_deq * 1e3, dequant_GBps=gbps(raw.numel() + n * k * 2, t_deq),
+                total_us=t_all * 1e3, TFLOPs=2 * m * n * k / (t_all * 1e-3) / 1e12)
+    return table
+
+
+def sweep_quant(x, raw, qtype, k, m, device) -> dict:
+    best = None
+    block_ns = (16, 32, 64) if m == 1 else (32, 64, 128)
+    for block_n in block_ns:
+        for warps in (2, 4, 8):
+            for split in (None, 1, 2, 4, 8, 16):
+                try:
+                    t = bench(lambda: tqm.quant_matmul(x, raw, qtype, k, block_n=block_n, split_k=split,
+                                                       num_warps=warps), device)
+                except Exception:  # e.g. out of shared memory for a config: skip it
+                    continue
+                if best is None or t < best[0]:
+                    best = (t, block_n, warps, split)
+    return {"best_us": best[0] * 1e3, "best_block_n": best[1], "best_warps": best[2],
+            "best_split": str(best[3])} if best else {}
+
+
+# ----------------------------------------------------------------------------- paged attention
+
+def attention_case(shape, ctx: int, q_len: int, batch: int, cache_type: str, dtype, device, block_size=16):
+    h, kvh, d = shape["heads"], shape["kv_heads"], shape["head_dim"]
+    per_seq = math.ceil((ctx + q_len) / block_size)
+    num_blocks = per_seq * batch
+    k_cache = PagedKVCache(num_blocks, block_size, kvh, d, cache_type, dtype, device)
+    v_cache = PagedKVCache(num_blocks, block_size, kvh, d, cache_type, dtype, device)
+    perm = torch.randperm(num_blocks).tolist()  # scattered pages, as after a while of serving
+    tables = [perm[i * per_seq:(i + 1) * per_seq] for i in range(batch)]
+    for cache in (k_cache, v_cache):  # fill every slot (values only matter for the check)
+        slots = torch.arange(num_blocks * block_size, device=device)
+        for chunk in slots.split(1 << 16):
+            cache.write(torch.randn(chunk.numel(), kvh, d, device=device, dtype=dtype), chunk)
+    fb = ForwardBatch.build([[0] * q_len] * batch, [ctx] * batch, tables, block_size, device)
+    q = torch.randn(batch * q_len, h, d, device=device, dtype=dtype)
+    kv_bytes = 2 * batch * (ctx + q_len) * k_cache.bytes_per_token
+    return q, k_cache, v_cache, fb, kv_bytes + 2 * q.numel() * q.element_size()
+
+
+@contextlib.contextmanager
+def torch_reference():
+    """LUCEBOX_TRITON=0 for the duration: the dispatching functions run their torch reference."""
+    old = os.environ.get("LUCEBOX_TRITON")
+    os.environ["LUCEBOX_TRITON"] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["LUCEBOX_TRITON"]
+        else:
+            os.environ["LUCEBOX_TRITON"] = old
+
+
+def bench_attention(args, shape, peak, device) -> list:
+    table = []
+    ctxs = [40] if SMOKE else [512, 4096, 32768]
+    jobs = [(c, ql, b, ct) for ct in args.cache_types for c in ctxs for ql in (1, 16) for b in (1, 8)]
+    for ctx, q_len, batch, cache_type in tqdm(jobs, desc="paged attention"):
+        q, kc, vc, fb, nbytes = attention_case(shape, ctx, q_len, batch, cache_type, args.dtype, device)
+        scale = shape["head_dim"] ** -0.5
+        with torch_reference():
+            ref = attention_dispatch(q, kc, vc, fb, scale)
+            t_ref = (bench(lambda: attention_dispatch(q, kc, vc, fb, scale), device)
+                     if ctx <= 4096 or args.slow_ref else float("nan"))
+        out = tpa.paged_attention(q, kc, vc, fb, scale)
+        err = (out.float() - ref.float()).abs().max().item()
+        t = bench(lambda: tpa.paged_attention(q, kc, vc, fb, scale), device)
+        extra = {}
+        if args.sweep and device.type == "cuda":
+            extra = sweep_attention(q, kc, vc, fb, scale, device)
+        row(table, kernel="paged_attention", cache=cache_type, ctx=ctx, q_len=q_len, batch=batch, abs_err=err,
+            us=t * 1e3, GBps=gbps(nbytes, t), pct_peak=100 * gbps(nbytes, t) / peak, ref_us=t_ref * 1e3,
+            speedup_vs_ref=t_ref / t, **extra)
+        del q, kc, vc
+    return table
+
+
+def sweep_attention(q, kc, vc, fb, scale, device) -> dict:
+    best = None
+    for splits in (1, 2, 4, 8, 16, 32, 64):
+        for block_kv in (32, 64, 128):
+            for warps in (4, 8):
+                try:
+                    t = bench(lambda: tpa.paged_attention(q, kc, vc, fb, scale, num_splits=splits,
+                                                          block_kv=block_kv, num_warps=warps), device)
+                except Exception:
+                    continue
+                if best is None or t < best[0]:
+                    best = (t, splits, block_kv, warps)
+    return {"best_us": best[0] * 1e3, "best_splits": best[1], "best_block_kv": best[2],
+            "best_warps": best[3]} if best else {}
+
+
+# ----------------------------------------------------------------------------- RMSNorm
+
+def bench_norm(args, shape, peak, device) -> list:
+    table = []
+    hidden = shape["hidden"]
+    for rows in tqdm([1, 16] if SMOKE else [1, 16, 64, 4096], desc="rms norm"):
+        g = torch.Generator(device=device).manual_seed(rows)
+        x, r = (torch.randn(rows, hidden, device=device, dtype=args.dtype, generator=g) for _ in range(2))
+        w = torch.rand(hidden, device=device, dtype=args.dtype, generator=g)
+        out, _ = triton_norm.rms_norm_residual_triton(x, r, w, 1e-6)
+        want, _ = triton_norm.rms_norm_residual_reference(x, r, w, 1e-6)
+        err = ((out.float() - want.float()).abs().max() / want.float().abs().max()).item()
+        nbytes = 4 * x.numel() * x.element_size() + w.numel() * w.element_size()
+        t = bench(lambda: triton_norm.rms_norm_residual_triton(x, r, w, 1e-6), device)
+        t_ref = bench(lambda: triton_norm.rms_norm_residual_reference(x, r, w, 1e-6), device)
+        row(table, kernel="rms_norm_residual", rows=rows, hidden=hidden, rel_err=err, us=t * 1e3,
+            GBps=gbps(nbytes, t), pct_peak=100 * gbps(nbytes, t) / peak, ref_us=t_ref * 1e3,
+            speedup_vs_ref=t_ref / t)
+    return table
+
+
+# ----------------------------------------------------------------------------- compile check
+
+_SIG_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.uint8: "u8",
+              torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64",
+              torch.float8_e4m3fn: "fp8e4nv"}
+
+
+def compile_check(arch: str) -> None:
+    """Compile, for a GPU this machine need not have, every kernel variant that the Python wrappers
+    launch for qwen3-8b-like shapes: the interpreter used by the CPU tests never lowers a kernel,
+    so this is what catches code that only the GPU compiler rejects. Prints registers and spills
+    (from cuobjdump, when Triton ships it) per variant."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    launches = []
+
+    class Capture:  # stands in for a kernel: records the launch instead of running it
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            return lambda *a, **kw: launches.append((self.fn, a, kw))
+
+    real = (tqm._qmm_kernel, tpa._paged_attn_kernel, tpa._merge_splits_kernel, triton_norm._kernel)
+    tqm._qmm_kernel, tpa._paged_attn_kernel = Capture(real[0]), Capture(real[1])
+    tpa._merge_splits_kernel = Capture(real[2])
+    norm_kernel = real[3]()
+    triton_norm._kernel = lambda: Capture(norm_kernel)
+    try:
+        for qtype in (Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS):
+            raw = torch.zeros(64, 4096 // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1], dtype=torch.uint8)
+            for m in (1, 16, 64):
+                for dtype in (torch.bfloat16, torch.float32):
+                    tqm.quant_matmul(torch.zeros(m, 4096, dtype=dtype), raw, qtype, 4096, split_k=1)
+            tqm.dequantize(raw, qtype, 4096, torch.bfloat16)
+        for cache_type in ("bf16", "fp8", "q8_0", "q4_0"):
+            for q_len, window in ((1, None), (16, None), (32, 4096), (512, None)):
+                for dtype in (torch.bfloat16, torch.float32) if q_len == 1 else (torch.bfloat16,):
+                    blocks = math.ceil((100 + q_len) / 16)
+                    kc, vc = (PagedKVCache(blocks, 16, 8, 128, cache_type, dtype, "cpu") for _ in range(2))
+                    fb = ForwardBatch.build([[0] * q_len], [100], [list(range(blocks))], 16, "cpu")
+                    q = torch.zeros(q_len, 32, 128, dtype=dtype)
+                    tpa.paged_attention(q, kc, vc, fb, 0.1, window, num_splits=4 if q_len == 1 else 1)
+        for rows in (1, 64):
+            x = torch.zeros(rows, 4096, dtype=torch.bfloat16)
+            triton_norm.rms_norm_residual_triton(x, x, x[0], 1e-6)
+            triton_norm.rms_norm_triton(torch.zeros(rows, 32, 128, dtype=torch.bfloat16), x[0, :128], 1e-6)
+    finally:
+        tqm._qmm_kernel, tpa._paged_attn_kernel, tpa._merge_splits_kernel, triton_norm._kernel = real
+
+    target = GPUTarget("cuda", int(arch), 32) if arch.isdigit() else GPUTarget("hip", arch, 64)
+    cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+    seen, failures = set(), 0
+    for fn, args, kw in tqdm(launches, desc="compile"):
+        names = fn.arg_names
+        bound = dict(zip(names, args)) | {k: v for k, v in kw.items() if k in names}
+        options = {k: v for k, v in kw.items() if k not in names}
+        constexprs = {n: bound[n] for n, p in zip(names, fn.params) if p.is_constexpr}
+        sig, attrs = {}, {}
+        for i, n in enumerate(names):
+            v = bound[n]
+            if n in constexprs:
+                sig[n] = "constexpr"
+            elif isinstance(v, torch.Tensor):
+                sig[n] = "*" + _SIG_TYPES[v.dtype]
+                attrs[(i,)] = [["tt.divisibility", 16]]  # torch allocations are 256-byte aligned
+            elif isinstance(v, bool):
+                sig[n] = "i1"
+            elif isinstance(v, int):
+                sig[n] = "i32" if -2**31 <= v < 2**31 else "i64"
+                if v % 16 == 0:  # Triton specialises such ints the same way at launch
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+            else:
+                sig[n] = "fp32"
+        key = (fn.__name__, tuple(sorted(sig.items())), tuple(sorted(constexprs.items())),
+               tuple(sorted(options.items())), tuple(sorted(attrs)))
+        if key in seen:
+            continue
+        seen.add(key)
+        label = f"{fn.__name__} " + " ".join(f"{k}={v}" for k, v in constexprs.items()
+                                              if k.isupper()) + f" {sig[names[0]]} {options}"
+        try:
+            compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
+                                      target=target, options=options)
+        except Exception as e:  # report every failing variant, not just the first
+            failures += 1
+            tqdm.write(f"FAIL {label}\n  {type(e).__name__}: {str(e)[-600:]}")
+            continue
+        usage = ""
+        if "cubin" in compiled.asm and cuobjdump.exists():
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(compiled.asm["cubin"])
+                f.flush()
+                out = subprocess.run([str(cuobjdump), "-res-usage", f.name], capture_output=True, text=True).stdout
+            found = re.search(r"REG:(\d+) STACK:(\d+)", out)
+            usage = f"regs={found.group(1)} stack={found.group(2)}B" if found else ""
+        tqdm.write(f"ok   {label} {usage} smem={compiled.metadata.shared}")
+    print(f"\n{len(seen) - failures} variants compiled for {target.backend} {target.arch}, {failures} failed")
+    if failures:
+        sys.exit(1)
+
+
+def markdown(table: list) -> str:
+    if not table:
+        return ""
+    keys = list(dict.fromkeys(k for r in table for k in r))
+    fmt = lambda v: "" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))  # noqa: E731
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(fmt(r.get(k)) for k in keys) + " |" for r in table]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="qwen3-8b", choices=[s for s in SHAPES if s != "smoke"])
+    p.add_argument("--only", choices=["quant", "attention", "norm"], action="append")
+    p.add_argument("--qtypes", nargs="+", default=["Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q4_0"])
+    p.add_argument("--cache-types", nargs="+", default=["bf16", "fp8", "q8_0"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--sweep", action="store_true", help="also time a grid of launch configs per row")
+    p.add_argument("--slow-ref", action="store_true", help="time the torch attention reference at 32K too")
+    p.add_argument("--json", help="write all rows and the measured bandwidth here")
+    p.add_argument("--smoke", action="store_true", help="CPU + Triton interpreter, tiny shapes")
+    p.add_argument("--compile-only", action="store_true",
+                   help="no GPU needed: compile every kernel variant for --arch and report registers")
+    p.add_argument("--arch", default="90", help="for --compile-only: CUDA compute capability (90) or "
+                                                "an AMD target (gfx942)")
+    args = p.parse_args()
+    if args.compile_only:
+        compile_check(args.arch)
+        return
+    args.dtype = getattr(torch, args.dtype)
+    if SMOKE:
+        device, shape, args.dtype = torch.device("cpu"), SHAPES["smoke"], torch.float32
+        os.environ["LUCEBOX_TRITON"] = "1"
+    elif not torch.cuda.is_available():
+        sys.exit("bench_kernels.py needs a CUDA/ROCm GPU (or --smoke to check the script on the CPU)")
+    else:
+        device, shape = torch.device("cuda"), SHAPES[args.shape]
+    torch.manual_seed(0)
+    import triton
+    bw = measure_bandwidth(device)
+    peak = bw["gemv_bf16_GBps"]
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)"
+    print(f"# {name}; torch {torch.__version__}; triton {triton.__version__}; shape {args.shape}")
+    print(f"measured: device copy {bw['copy_GBps']:.0f} GB/s (read+write); bf16 GEMV {peak:.0f} GB/s "
+          f"(the peak used for pct_peak)\n")
+    results = {"device": name, "torch": torch.__version__, "triton": triton.__version__,
+               "shape": args.shape, "bandwidth": bw, "rows": {}}
+    only = args.only or ["quant", "attention", "norm"]
+    for part, fn in (("quant", bench_quant), ("attention", bench_attention), ("norm", bench_norm)):
+        if part in only:
+            table = fn(args, shape, peak, device)
+            results["rows"][part] = table
+            print(f"\n## {part}\n\n{markdown(table)}\n")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,291 @@
+"""Triton kernels compute what their torch references compute.
+
+On a machine without a GPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set
+here before any kernel is defined) on tiny shapes; on a GPU they are compiled and run for real.
+Tolerances: float32 inputs accumulate in float32 (~1e-5 relative); bf16 rounds its inputs (the
+weights, P in attention) to 8 mantissa bits (~1e-2); the Triton dequantiser is bit-exact.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available()
+# The interpreter must be switched on before Triton is first imported (its language functions are
+# set up then), so no lucebox module imports Triton at import time; this checks that still holds.
+TRITON_IMPORTED_TOO_EARLY = (not ON_GPU and "triton" in sys.modules
+                             and os.environ.get("TRITON_INTERPRET") != "1")
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+triton = pytest.importorskip("triton")
+if TRITON_IMPORTED_TOO_EARLY:
+    raise RuntimeError("triton was imported before tests/test_triton_kernels.py could set TRITON_INTERPRET=1: "
+                       "keep Triton imports lazy (inside functions), or export TRITON_INTERPRET=1")
+
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q  # noqa: E402
+from gguf.quants import quantize as gguf_quantize  # noqa: E402
+
+from lucebox.engine.kv_cache import PagedKVCache  # noqa: E402
+from lucebox.kernels import dequant, triton_norm  # noqa: E402
+from lucebox.kernels import triton_paged_attention as tpa  # noqa: E402
+from lucebox.kernels import triton_quant_matmul as tqm  # noqa: E402
+from lucebox.kernels.attention import paged_attention  # noqa: E402
+from lucebox.model.forward_batch import ForwardBatch  # noqa: E402
+from lucebox.weights.quant import QuantLinear, QuantTensor, quant_matmul  # noqa: E402
+
+from .test_quant import random_rows  # noqa: E402
+
+DEVICE = "cuda" if ON_GPU else "cpu"
+QUANT_TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS]
+
+
+def _patch_interpreter_bfloat16() -> None:
+    """Make Triton's interpreter treat bfloat16 as a GPU does. It stores bf16 as raw uint16, so its
+    tl.dot multiplies the bit patterns, and it truncates float32 -> bf16 where GPUs round to
+    nearest even. Neither reaches compiled kernels; patched so the bf16 kernel paths are tested."""
+    from triton.runtime import interpreter as interp
+    import triton.language as tl
+
+    builder = interp.InterpreterBuilder
+    if getattr(builder, "_lucebox_bf16", False):
+        return
+    dot, cast = builder.create_dot, builder.cast_impl
+
+    def widen(h):
+        if h.dtype.scalar == tl.bfloat16:
+            return interp.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+        return h
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            rounded = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32)).to(torch.bfloat16)
+            return interp.TensorHandle(rounded.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
+        return cast(self, src, dst_type)
+
+    builder.create_dot, builder.cast_impl, builder._lucebox_bf16 = create_dot, cast_impl, True
+
+
+if not ON_GPU:
+    _patch_interpreter_bfloat16()
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp(min=1e-30)).item()
+
+
+def quant_rows(qtype, rows: int, cols: int, seed: int) -> torch.Tensor:
+    block, _ = GGML_QUANT_SIZES[qtype]
+    raw = random_rows(qtype, rows, cols // block, np.random.default_rng(seed), small_scales=True)
+    return torch.from_numpy(raw).to(DEVICE)
+
+
+# ----------------------------------------------------------------------------- quantised matmul
+
+@pytest.mark.parametrize("qtype", QUANT_TYPES, ids=lambda t: t.name)
+def test_triton_dequantize_is_bit_exact_with_the_reference(qtype):
+    raw = quant_rows(qtype, 5, 512, seed=qtype.value)
+    want = dequant.dequantize(raw, qtype)
+    assert torch.equal(tqm.dequantize(raw, qtype, 512), want)
+    assert torch.equal(tqm.dequantize(raw, qtype, 512, torch.bfloat16), want.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("m", [1, 5], ids=["gemv", "dot"])
+@pytest.mark.parametrize("qtype", QUANT_TYPES, ids=lambda t: t.name)
+def test_fused_quant_matmul_matches_dequantise_then_matmul_in_float32(qtype, m):
+    k, n = 512, 40  # two super-blocks per row; 40 rows leave a partial tile of output features
+    raw = quant_rows(qtype, n, k, seed=10 + qtype.value)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE)
+    want = x @ dequant.dequantize(raw, qtype).T
+    got = tqm.quant_matmul(x, raw, qtype, k, split_k=2)  # split-K and its reduction included
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    assert rel_err(got, want) <= 1e-5
+
+
+@pytest.mark.parametrize("m", [1, 7, tqm.MAX_FUSED_M // 2])
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+def test_fused_quant_matmul_in_bfloat16_with_bias(qtype, m):
+    k, n = 256, 48
+    raw = quant_rows(qtype, n, k, seed=20 + qtype.value)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, m, k, generator=g).to(DEVICE, torch.bfloat16)  # leading dims are flattened
+    bias = torch.randn(n, generator=g).to(DEVICE, torch.bfloat16)
+    want = x.float() @ dequant.dequantize(raw, qtype).T + bias.float()
+    got = tqm.quant_matmul(x, raw, qtype, k, bias, split_k=1)
+    assert got.dtype == torch.bfloat16 and got.shape == (2, m, n)
+    assert rel_err(got, want) <= 1e-2
+
+
+def test_split_k_changes_nothing_but_the_summation_order():
+    raw = quant_rows(Q.Q4_K, 16, 1024, seed=5)
+    x = torch.randn(1, 1024, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    whole = tqm.quant_matmul(x, raw, Q.Q4_K, 1024, split_k=1)
+    split = tqm.quant_matmul(x, raw, Q.Q4_K, 1024, split_k=4)
+    assert rel_err(split, whole) <= 1e-6
+
+
+def test_quant_linear_uses_the_fused_kernel_for_decode_and_dequantise_plus_matmul_for_prefill(monkeypatch):
+    monkeypatch.setenv("LUCEBOX_TRITON", "1")
+    calls = []
+    for name in ("quant_matmul", "dequantize"):
+        real = getattr(tqm, name)
+        monkeypatch.setattr(tqm, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw))
+    raw = quant_rows(Q.Q8_0, 24, 64, seed=7)
+    layer = QuantLinear(QuantTensor(raw, Q.Q8_0, (24, 64)), bias=torch.randn(24).to(DEVICE))
+    weight = dequant.dequantize(raw, Q.Q8_0)
+    for rows in (1, 3, tqm.MAX_FUSED_M + 1):
+        x = torch.randn(rows, 64).to(DEVICE)
+        assert rel_err(layer(x), x @ weight.T + layer.bias) <= 1e-5
+    assert calls == ["quant_matmul", "quant_matmul", "dequantize"]
+
+
+def test_without_the_switch_cpu_tensors_stay_on_the_torch_reference(monkeypatch):
+    if ON_GPU:
+        pytest.skip("GPU tensors always take the Triton path")
+    monkeypatch.delenv("LUCEBOX_TRITON", raising=False)
+    monkeypatch.setattr(tqm, "quant_matmul", lambda *a, **kw: pytest.fail("Triton path taken on CPU"))
+    raw = quant_rows(Q.Q8_0, 8, 64, seed=8)
+    x = torch.randn(1, 64)
+    assert rel_err(quant_matmul(x, raw, Q.Q8_0, 64), x @ dequant.dequantize(raw, Q.Q8_0).T) <= 1e-6
+
+
+# ----------------------------------------------------------------------------- paged attention
+
+def paged_case(cache_type, dtype, q_lens, cached, heads=4, kv_heads=2, head_dim=32, block_size=4,
+               rotate=False, seed=0):
+    """Caches holding `cached[i]` context tokens plus this step's `q_lens[i]` new ones for each
+    sequence, on shuffled blocks; returns (q, k_cache, v_cache, batch)."""
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-(c + n) // block_size) for c, n in zip(cached, q_lens)) + 3
+    caches = [PagedKVCache(num_blocks, block_size, kv_heads, head_dim, cache_type, dtype, DEVICE, rotate=rotate)
+              for _ in range(2)]
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    tables = []
+    for c, n in zip(cached, q_lens):
+        need = -(-(c + n) // block_size)
+        tables.append(free[:need])
+        free = free[need:]
+        slots = ForwardBatch.build([list(range(c + n))], [0], [tables[-1]], block_size, DEVICE).slot_mapping
+        for cache in caches:
+            cache.write(torch.randn(c + n, kv_heads, head_dim, generator=g).to(DEVICE, dtype), slots)
+    batch = ForwardBatch.build([[0] * n for n in q_lens], list(cached), tables, block_size, DEVICE)
+    q = torch.randn(sum(q_lens), heads, head_dim, generator=g).to(DEVICE, dtype)
+    return q, caches[0], caches[1], batch
+
+
+ATTENTION_CASES = {
+    # name: (cache type, dtype, q_lens, cached, extra paged_case kwargs, kernel kwargs, tolerance)
+    "decode-f32": ("f32", torch.float32, [1, 1], [13, 6], {}, {}, 1e-5),
+    "verify-mixed-f32": ("f32", torch.float32, [1, 3, 5, 0], [10, 0, 17, 4], {}, {}, 1e-5),
+    "split-k-f32": ("f32", torch.float32, [1, 4], [37, 20], {}, {"num_splits": 3, "block_kv": 16}, 1e-5),
+    "sliding-window-f32": ("f32", torch.float32, [2, 4], [30, 20], {},
+                           {"sliding_window": 7, "num_splits": 2, "block_kv": 16}, 1e-5),
+    "verify-32-group3-f32": ("f32", torch.float32, [32], [9], {"heads": 6, "kv_heads": 2}, {}, 1e-5),
+    "head-dim-48-f32": ("f32", torch.float32, [1, 2], [9, 5], {"head_dim": 48, "block_size": 16}, {}, 1e-5),
+    "bf16": ("bf16", torch.bfloat16, [1, 3], [40, 9], {}, {}, 2e-2),
+    "f16-split": ("f16", torch.float16, [1, 3], [40, 9], {}, {"num_splits": 2, "block_kv": 16}, 2e-3),
+    "fp8-bf16": ("fp8", torch.bfloat16, [1, 3], [40, 9], {}, {}, 2e-2),
+    "fp8-f32-split": ("fp8", torch.float32, [2, 3], [40, 9], {}, {"num_splits": 2, "block_kv": 16}, 1e-5),
+    "q8_0-bf16-split": ("q8_0", torch.bfloat16, [1, 3], [40, 9], {}, {"num_splits": 4, "block_kv": 16}, 2e-2),
+    "q8_0-f32-rotated": ("q8_0", torch.float32, [2, 3], [40, 9], {"rotate": True}, {}, 1e-5),
+    "q4_0-f32-window": ("q4_0", torch.float32, [1, 3], [40, 9], {}, {"sliding_window": 16}, 1e-5),
+}
+
+
+@pytest.mark.parametrize("case", list(ATTENTION_CASES))
+def test_paged_attention_matches_the_torch_reference(case):
+    cache_type, dtype, q_lens, cached, make_kw, run_kw, tol = ATTENTION_CASES[case]
+    q, k_cache, v_cache, batch = paged_case(cache_type, dtype, q_lens, cached, **make_kw)
+    window = run_kw.pop("sliding_window", None)
+    head_dim = q.shape[-1]
+    want = paged_attention(q, k_cache, v_cache, batch, head_dim ** -0.5, window)
+    got = tpa.paged_attention(q, k_cache, v_cache, batch, head_dim ** -0.5, window, **run_kw)
+    assert got.dtype == q.dtype and got.shape == q.shape
+    assert (got.float() - want.float()).abs().max().item() <= tol
+
+
+def test_paged_attention_dispatches_to_triton_when_switched_on(monkeypatch):
+    q, k_cache, v_cache, batch = paged_case("bf16", torch.bfloat16, [1, 2], [5, 3])
+    monkeypatch.setenv("LUCEBOX_TRITON", "0")  # the torch reference, on any device
+    want = paged_attention(q, k_cache, v_cache, batch, 0.2)
+    monkeypatch.setenv("LUCEBOX_TRITON", "1")
+    calls = []
+    real = tpa.paged_attention
+    monkeypatch.setattr(tpa, "paged_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    got = paged_attention(q, k_cache, v_cache, batch, 0.2)
+    assert calls == [1] and (got.float() - want.float()).abs().max().item() <= 2e-2
+
+
+def test_a_model_forward_with_triton_kernels_matches_the_reference(monkeypatch):
+    """Prefill, verify and decode steps through the real model: attention (with a sliding-window
+    layer) and quantised MLP weights go through the Triton kernels when switched on."""
+    from lucebox.engine.block_manager import BlockManager
+    from lucebox.engine.runner import ModelRunner
+    from lucebox.model.config import ModelConfig
+    from lucebox.model.transformer import Transformer
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(family="qwen3", vocab_size=96, hidden_size=64, intermediate_size=256, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True, sliding_windows=[None, 6])
+    model = Transformer(cfg).to(DEVICE)
+    mlp = model.layers[0].mlp
+    for name in ("gate_proj", "up_proj"):  # Q8_0, quantised from the layer's own weights
+        w = getattr(mlp, name).weight.detach().cpu().numpy()
+        raw = torch.from_numpy(np.ascontiguousarray(gguf_quantize(w, Q.Q8_0)).view(np.uint8)).to(DEVICE)
+        setattr(mlp, name, QuantLinear(QuantTensor(raw, Q.Q8_0, tuple(w.shape))))
+    mlp.down_proj = QuantLinear(QuantTensor(quant_rows(Q.Q4_K, 64, 256, seed=1), Q.Q4_K, (64, 256)))
+
+    def run_steps():
+        runner, blocks = ModelRunner(model, 16, 4), BlockManager(16, 4)
+        tables = [[], []]
+        for table, n in zip(tables, (9, 13)):
+            blocks.allocate(table, n)
+        prompts = [list(range(1, 10)), list(range(20, 33))]
+        logits = [runner.run(prompts, [0, 0], tables, all_logits=True)]
+        for table, n in zip(tables, (13, 15)):  # room for the verify and decode steps below
+            blocks.allocate(table, n)
+        logits.append(runner.run([[5, 6, 7], [8]], [9, 13], tables, all_logits=True))  # verify + decode
+        logits.append(runner.run([[9], [10]], [12, 14], tables))
+        return torch.cat(logits)
+
+    monkeypatch.setenv("LUCEBOX_TRITON", "0")
+    want = run_steps()
+    monkeypatch.setenv("LUCEBOX_TRITON", "1")
+    got = run_steps()
+    assert rel_err(got, want) <= 1e-4
+
+
+# ----------------------------------------------------------------------------- RMSNorm
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(5, 96), (3, 4, 32)], ids=["rows", "per-head"])
+def test_rms_norm_with_fused_residual_add_matches_the_reference(shape, dtype):
+    g = torch.Generator().manual_seed(len(shape))
+    x, residual = (torch.randn(*shape, generator=g).to(DEVICE, dtype) for _ in range(2))
+    weight = (1 + 0.1 * torch.randn(shape[-1], generator=g)).to(DEVICE, dtype)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    out, total = triton_norm.rms_norm_residual_triton(x, residual, weight, 1e-6)
+    want_out, want_total = triton_norm.rms_norm_residual_reference(x, residual, weight, 1e-6)
+    assert torch.equal(total, want_total)
+    assert out.dtype == want_out.dtype and rel_err(out, want_out) <= tol
+    plain = triton_norm.rms_norm_triton(x, weight, 1e-6)
+    assert rel_err(plain, triton_norm.rms_norm_reference(x, weight, 1e-6)) <= tol
+
+
+def test_rms_norm_dispatch_follows_the_switch(monkeypatch):
+    x = torch.randn(3, 64).to(DEVICE)
+    weight = torch.rand(64).to(DEVICE)
+    monkeypatch.setenv("LUCEBOX_TRITON", "1")
+    calls = []
+    real = triton_norm.rms_norm_residual_triton
+    monkeypatch.setattr(triton_norm, "rms_norm_residual_triton",
+                        lambda *a: calls.append(1) or real(*a))
+    out, _ = triton_norm.rms_norm_residual(x, x, weight, 1e-6)
+    assert calls == [1]
+    assert rel_err(out, triton_norm.rms_norm_reference(2 * x, weight, 1e-6)) <= 1e-5
