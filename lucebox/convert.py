@@ -79,7 +79,7 @@ def convert_hf_to_gguf(hf_dir: str | Path, out_path: str | Path, qtype: str = "f
         _write_tokenizer(writer, hf_dir, cfg)
         extra = _rope_freqs(cfg)
         for gguf_name, shape, ggml_type, _, _ in plan:
-            writer.add_tensor_info(gguf_name, shape, np.dtype(np.float32), _nbytes(shape, ggml_type), ggml_type)
+            writer.add_tensor_info(gguf_name, shape, np.dtype(np.float32), tensor_nbytes(shape, ggml_type), ggml_type)
         if extra is not None:
             writer.add_tensor_info(ROPE_FREQS, extra.shape, extra.dtype, extra.nbytes, Q.F32)
         writer.write_header_to_file()
@@ -110,7 +110,7 @@ def convert_hf_to_gguf(hf_dir: str | Path, out_path: str | Path, qtype: str = "f
     return out_path
 
 
-def _nbytes(shape, ggml_type: Q) -> int:
+def tensor_nbytes(shape, ggml_type: Q) -> int:
     block_size, type_size = GGML_QUANT_SIZES[ggml_type]
     return math.prod(shape) // block_size * type_size
 

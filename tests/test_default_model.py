@@ -4,7 +4,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from lucebox import LLM, SamplingParams
 from lucebox.bench.kv_quality import held_out_texts

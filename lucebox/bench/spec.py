@@ -7,7 +7,6 @@ decoding of the same prompts on the same loaded target.
 from __future__ import annotations
 
 import json
-import time
 
 import torch
 

@@ -1,7 +1,6 @@
 """POST /v1/messages and /v1/messages/count_tokens (Anthropic Messages, as Claude Code uses it)."""
 from __future__ import annotations
 
-import json
 import re
 
 from fastapi import Request

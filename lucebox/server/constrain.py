@@ -14,6 +14,7 @@ import threading
 
 import torch
 
+from ..util import common_prefix
 from .errors import APIError
 from .tools import ToolSpec
 
@@ -119,7 +120,7 @@ class GrammarProcessor:
     def _matcher(self, history: list[int]):
         best, best_lcp = None, -1
         for entry in self.pool:
-            lcp = _common_prefix(entry[1], history)
+            lcp = common_prefix(entry[1], history)
             if lcp > best_lcp:
                 best, best_lcp = entry, lcp
         need_rollback = best is None or best_lcp < len(best[1])
@@ -161,11 +162,3 @@ class BanTokens:
     def __call__(self, history: list[int], logits: torch.Tensor) -> torch.Tensor:
         logits[self.token_ids] = float("-inf")
         return logits
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i

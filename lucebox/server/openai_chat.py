@@ -1,7 +1,6 @@
 """POST /v1/chat/completions."""
 from __future__ import annotations
 
-import json
 import time
 
 from fastapi import Request
@@ -185,7 +184,6 @@ async def _stream(state, agen, first, rid, model, created, n, include_usage, wan
 
     ids: dict[tuple[int, int], str] = {}
     has_calls: set[int] = set()
-    reasoning_chars = {}
     try:
         for i in range(n):
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,

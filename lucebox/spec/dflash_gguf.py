@@ -36,6 +36,7 @@ from gguf.quants import quantize
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from ..convert import tensor_nbytes
 from ..errors import CheckpointError, LuceboxError, RequestError, UnsupportedError
 from ..kernels import dequant
 from ..model.config import ModelConfig, RopeConfig
@@ -81,7 +82,7 @@ def convert_drafter_to_gguf(src: str | Path, out_path: str | Path, outtype: str 
     try:
         _write_metadata(writer, cfg, src, want)
         for name, shape, qtype, _, _ in plan:
-            writer.add_tensor_info(name, shape, np.dtype(np.float32), _nbytes(shape, qtype), qtype)
+            writer.add_tensor_info(name, shape, np.dtype(np.float32), tensor_nbytes(shape, qtype), qtype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
@@ -100,10 +101,6 @@ def convert_drafter_to_gguf(src: str | Path, out_path: str | Path, outtype: str 
         raise
     return out_path
 
-
-def _nbytes(shape, qtype: Q) -> int:
-    block, size = GGML_QUANT_SIZES[qtype]
-    return math.prod(shape) // block * size
 
 
 def _plan(src: Path, cfg: DFlashConfig, want: Q) -> list[tuple[str, tuple[int, ...], Q, Path, str]]:

@@ -14,6 +14,7 @@ from ..engine.runner import ModelRunner, kv_bytes_per_token
 from ..errors import CheckpointError
 from ..model.loader import load_model
 from ..sampling import Sampler
+from ..util import common_prefix
 from .proposer import Draft, Proposer
 from .verify import row_states
 
@@ -56,7 +57,7 @@ class DraftModelProposer(Proposer):
         for i in active:
             seq = seqs[i]
             fed = self.fed.setdefault(id(seq), [])
-            keep = _common_prefix(fed, seq.token_ids)
+            keep = common_prefix(fed, seq.token_ids)
             del fed[keep:]
             feed[i] = seq.token_ids[keep:]
         for step in range(max((ks[i] for i in active), default=0)):
@@ -91,13 +92,6 @@ class DraftModelProposer(Proposer):
             self.blocks.allocate(seq.block_table, seq.num_tokens + k)
         return k
 
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def _fit_vocab(logits: torch.Tensor, vocab: int) -> torch.Tensor:
