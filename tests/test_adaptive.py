@@ -41,6 +41,9 @@ def test_plain_decoding_is_measured_before_speculating_and_probes_come_back():
     slow = policy_with(forward_per_token=0.01, forward_fixed=0.001, draft_cost=0.05, max_k=4)
     choices = [slow.choose([0.1], 0) for _ in range(PROBE_EVERY)]
     assert choices.count(0) == PROBE_EVERY - 1 and choices[-1] > 0
+    # Probes that keep failing back off: the next one comes after twice as many plain steps.
+    later = [slow.choose([0.1], 0) for _ in range(2 * PROBE_EVERY)]
+    assert later.count(0) == 2 * PROBE_EVERY - 1 and later[-1] > 0
 
 
 def test_acceptance_estimate_tracks_recent_steps():
@@ -72,3 +75,12 @@ def test_a_useless_drafter_is_mostly_switched_off(hf_models, tmp_path):
     # A random drafter is almost never right; after the first probes it drafts only now and then.
     assert out.metrics.num_accepted_tokens <= out.metrics.num_drafts
     assert 1 <= out.metrics.num_drafts <= 100 // 6
+
+
+def test_new_sequences_start_from_the_engine_wide_acceptance():
+    overall = SequenceAcceptance(decay=0.99)
+    for _ in range(50):
+        overall.update(4, 0)
+    fresh = overall.prior()
+    assert fresh.alpha == pytest.approx(overall.alpha) and fresh.alpha < 0.1
+    assert fresh.accepted + fresh.rejected == pytest.approx(3.0)  # a light prior the sequence soon outweighs

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 PRIOR_ACCEPTED, PRIOR_REJECTED = 2.0, 1.0  # a mild prior: alpha = 2/3 before any evidence
 DECAY = 0.9  # recent steps weigh more: acceptance drifts as the text changes
-PROBE_EVERY = 16  # steps of plain decoding between two probes with drafts
+PROBE_EVERY = 16  # steps of plain decoding before the first probe with drafts
+MAX_PROBE_INTERVAL = 512  # probes that keep failing back off (doubling) up to this many steps
 
 
 class TimingTable:
@@ -48,12 +49,18 @@ class TimingTable:
 
 
 class SequenceAcceptance:
-    def __init__(self):
-        self.accepted, self.rejected = PRIOR_ACCEPTED, PRIOR_REJECTED
+    def __init__(self, accepted: float = PRIOR_ACCEPTED, rejected: float = PRIOR_REJECTED, decay: float = DECAY):
+        self.accepted, self.rejected, self.decay = accepted, rejected, decay
 
     def update(self, k: int, accepted: int) -> None:
-        self.accepted = DECAY * self.accepted + accepted
-        self.rejected = DECAY * self.rejected + (1 if accepted < k else 0)
+        self.accepted = self.decay * self.accepted + accepted
+        self.rejected = self.decay * self.rejected + (1 if accepted < k else 0)
+
+    def prior(self, weight: float = PRIOR_ACCEPTED + PRIOR_REJECTED) -> "SequenceAcceptance":
+        """A new sequence starts from this (engine-wide) estimate, worth `weight` pseudo-steps: with
+        a drafter that rarely hits, new requests should not each pay to rediscover it."""
+        scale = weight / (self.accepted + self.rejected)
+        return SequenceAcceptance(self.accepted * scale, self.rejected * scale)
 
     @property
     def alpha(self) -> float:
@@ -72,6 +79,7 @@ class DraftLengthPolicy:
         self.forward = TimingTable()  # target forward seconds by tokens in the batch
         self.draft = TimingTable()  # proposer seconds by draft length
         self.plain_steps = 0
+        self.probe_interval = PROBE_EVERY
         self.candidates = sorted({k for k in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32) if k <= max_k} | {max_k})
 
     def choose(self, alphas: list[float], batch_tokens: int) -> int:
@@ -92,7 +100,13 @@ class DraftLengthPolicy:
             if rate > best_rate:
                 best_k, best_rate = k, rate
         if best_k == 0:
+            # A drafter that keeps losing is re-tried ever more rarely, so the probes themselves
+            # cannot make plain decoding measurably slower.
             self.plain_steps += 1
-            if self.plain_steps % PROBE_EVERY == 0:
+            if self.plain_steps >= self.probe_interval:
+                self.plain_steps = 0
+                self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
                 return self.candidates[0]
+            return 0
+        self.plain_steps, self.probe_interval = 0, PROBE_EVERY
         return best_k

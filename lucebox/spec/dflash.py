@@ -66,6 +66,7 @@ class DFlashProposer(Proposer):
         self.block_size, self.mask_token_id = cfg.block_size, cfg.mask_token_id
         self.sampler = Sampler(set(target.tokenizer.eos_token_ids) | set(target.config.eos_token_ids))
         self.caches: list[tuple[PagedKVCache, PagedKVCache]] = []
+        self.pending: dict[int, list[tuple[int, torch.Tensor]]] = {}  # per sequence: (start, features)
         self.block_tokens = 0
 
     @classmethod
@@ -96,8 +97,25 @@ class DFlashProposer(Proposer):
         return (table[pos // self.block_tokens] * self.block_tokens + pos % self.block_tokens).to(
             self.target.model.device)
 
-    @torch.inference_mode()
     def observe(self, seq, start: int, features: torch.Tensor) -> None:
+        """Queue the features of newly committed positions; they are projected into the context
+        K/V in one batch when a draft needs them, when a KV block fills (full blocks can be shared
+        through the prefix cache, so theirs must be complete), or when the sequence ends.
+        Projecting each decoded token on its own would cost every plain step a drafter pass,
+        which adaptive speculation could not switch off."""
+        queue = self.pending.setdefault(id(seq), [])
+        queue.append((start, features.clone() if features.shape[0] == 1 else features))
+        end = start + features.shape[0]
+        if end // self.block_tokens > queue[0][0] // self.block_tokens:
+            self._project(seq)
+
+    @torch.inference_mode()
+    def _project(self, seq) -> None:
+        queue = self.pending.pop(id(seq), [])
+        if not queue:
+            return
+        start = queue[0][0]
+        features = torch.cat([f for _, f in queue]) if len(queue) > 1 else queue[0][1]
         n = features.shape[0]
         positions = torch.arange(start, start + n, device=features.device)
         slots = self._slots(seq, start, start + n)
@@ -105,8 +123,17 @@ class DFlashProposer(Proposer):
             k_cache.write(k, slots)
             v_cache.write(v, slots)
 
+    def release(self, seq, finished: bool = True) -> None:
+        # A finished sequence's blocks may serve later prompts from the prefix cache, and the drafter
+        # K/V in them must be there too; a preempted one recomputes (and re-observes) everything.
+        if finished:
+            self._project(seq)
+        self.pending.pop(id(seq), None)
+
     @torch.inference_mode()
     def propose(self, seqs: list, num_tokens: list[int]) -> list[Draft]:
+        for seq in seqs:
+            self._project(seq)
         return [self._draft_one(seq, min(k, self.block_size - 1)) for seq, k in zip(seqs, num_tokens)]
 
     def _draft_one(self, seq, k: int) -> Draft:

@@ -43,7 +43,7 @@ class DraftModelProposer(Proposer):
         self.runner = ModelRunner(self.draft.model, num_blocks, block_size)
         self.blocks = block_manager
 
-    def release(self, seq) -> None:
+    def release(self, seq, finished: bool = True) -> None:
         self.fed.pop(id(seq), None)
 
     @torch.inference_mode()

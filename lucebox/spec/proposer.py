@@ -33,8 +33,9 @@ class Proposer:
     def observe(self, seq, start: int, features: torch.Tensor) -> None:
         """Target features (captured layers, concatenated) of committed positions start.. of seq."""
 
-    def release(self, seq) -> None:
-        """The sequence finished, was aborted or preempted: drop per-sequence state."""
+    def release(self, seq, finished: bool = True) -> None:
+        """The sequence finished or was aborted (finished=True) or preempted: drop per-sequence state.
+        Called before its blocks are freed."""
 
     def kv_bytes_per_token(self) -> int:
         """KV bytes per token the proposer keeps next to the target's (0 if none)."""

@@ -15,6 +15,7 @@ class Speculator:
         self.max_model_len = max_model_len
         self.policy = DraftLengthPolicy(num_speculative_tokens, adaptive)
         self.acceptance: dict[int, SequenceAcceptance] = {}
+        self.overall = SequenceAcceptance(decay=0.99)  # across sequences: the prior of new ones
         self.last_k = 0
         self._forward_started = None
 
@@ -49,7 +50,7 @@ class Speculator:
     def _acceptance(self, seq) -> SequenceAcceptance:
         key = id(seq)
         if key not in self.acceptance:
-            self.acceptance[key] = SequenceAcceptance()
+            self.acceptance[key] = self.overall.prior()
         return self.acceptance[key]
 
     def observe(self, seq, start: int, features) -> None:
@@ -57,6 +58,7 @@ class Speculator:
 
     def record(self, seq, num_drafts: int, num_accepted: int) -> None:
         self._acceptance(seq).update(num_drafts, num_accepted)
+        self.overall.update(num_drafts, num_accepted)
         m = seq.metrics
         m.num_drafts += 1
         m.num_draft_tokens += num_drafts
@@ -68,6 +70,6 @@ class Speculator:
 
     def release(self, seq, finished: bool) -> None:
         seq.draft = None
-        self.proposer.release(seq)
+        self.proposer.release(seq, finished)
         if finished:
             self.acceptance.pop(id(seq), None)
