@@ -42,12 +42,18 @@ def regenerate(loaded, prompts: list[Sample], seq_len: int, max_num_seqs: int = 
     for i, (p, sp) in enumerate(zip(prompts, params)):
         engine.add_request(str(i), {"prompt_token_ids": p.ids.tolist()}, sp)
     done: dict[int, list[int]] = {}
-    with tqdm(total=len(prompts), desc=desc, unit="sample", disable=None) as bar:
+    produced: dict[int, int] = {}
+    # Counted in tokens, and shown without a terminal too: every sample finishes at about the same
+    # step, so a per-sample bar would sit at 0% for the whole (possibly long) run.
+    with tqdm(total=sum(sp.max_tokens for sp in params), desc=desc, unit="tok", disable=False,
+              mininterval=10) as bar:
         while engine.has_unfinished():
             for out in engine.step():
+                i, n = int(out.request_id), len(out.outputs[0].token_ids)
+                bar.update(n - produced.get(i, 0))
+                produced[i] = n
                 if out.finished:
-                    done[int(out.request_id)] = out.outputs[0].token_ids
-                    bar.update(1)
+                    done[i] = out.outputs[0].token_ids
     del engine
     if model.device.type == "cuda":
         torch.cuda.empty_cache()
