@@ -127,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--prompts", type=int, default=8, help="held-out prompts")
     sp.add_argument("--chars", type=int, default=600, help="characters per prompt")
     sp.add_argument("--max-tokens", type=int, default=128, help="tokens generated per prompt")
+    sp.add_argument("--repeats", type=int, default=3, help="interleaved repetitions; the median is reported")
     sp.add_argument("--dtype", default="auto", help=EngineArgs.HELP["dtype"])
     sp.add_argument("--device", default="auto", help=EngineArgs.HELP["device"])
     sp.add_argument("--json", default=None, help="also write the results to this JSON file")

@@ -2,7 +2,8 @@
 
 Each proposer runs the same fixed prompt set (held-out standard-library source) one request at a
 time (batch 1, the latency case speculation is for), at temperature 0 and 1, next to plain
-decoding of the same prompts on the same loaded target.
+decoding of the same prompts on the same loaded target; configurations are interleaved and
+repeated, and the median run is reported.
 """
 from __future__ import annotations
 
@@ -40,6 +41,18 @@ def _decode(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams)
             "acceptance": accepted / drafts if drafts else 0.0}
 
 
+def _spec_config(config: dict, args) -> dict:
+    spec = dict(config, adaptive=not args.no_adaptive)
+    if args.spec_tokens:
+        spec["num_speculative_tokens"] = args.spec_tokens
+    return spec
+
+
+def _median(results: list[dict]) -> dict:
+    """The run with the median tok/s (tau and counts come from that same run)."""
+    return sorted(results, key=lambda r: r["tok_s"])[len(results) // 2]
+
+
 def run(args) -> dict:
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     texts = held_out_texts(args.prompts, args.chars, seed=1)
@@ -52,20 +65,23 @@ def run(args) -> dict:
     rows = []
     for temperature in args.temperatures:
         params = SamplingParams(temperature=temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
-        base_engine = LLMEngine(loaded, EngineArgs(model=args.model, max_model_len=max_len, max_num_seqs=1))
-        _decode(base_engine, prompts[:1], params)  # warm-up
-        plain = _decode(base_engine, prompts, params)
-        rows.append({"method": "plain", "temperature": temperature, **plain, "speedup": 1.0})
-        for config in methods:
-            spec_config = dict(config, adaptive=not args.no_adaptive)
-            if args.spec_tokens:
-                spec_config["num_speculative_tokens"] = args.spec_tokens
-            engine = LLMEngine(loaded, EngineArgs(model=args.model, max_model_len=max_len, max_num_seqs=1,
-                                                  speculative_config=spec_config))
-            _decode(engine, prompts[:1], params)
-            result = _decode(engine, prompts, params)
-            rows.append({"method": config["method"], "temperature": temperature, **result,
-                         "speedup": result["tok_s"] / plain["tok_s"]})
+        configs = [("plain", None)] + [(c["method"], _spec_config(c, args)) for c in methods]
+        engines = [(name, LLMEngine(loaded, EngineArgs(model=args.model, max_model_len=max_len, max_num_seqs=1,
+                                                       speculative_config=spec)))
+                   for name, spec in configs]
+        for _, engine in engines:
+            _decode(engine, prompts[:1], params)  # warm-up
+        runs: dict[str, list[dict]] = {name: [] for name, _ in engines}
+        # Interleaved and repeated (order rotating each round): this machine's drift hits all alike.
+        for r in range(args.repeats):
+            order = engines[r % len(engines):] + engines[:r % len(engines)]
+            for name, engine in order:
+                runs[name].append(_decode(engine, prompts, params))
+        plain = _median(runs["plain"])
+        for name, _ in engines:
+            result = _median(runs[name])
+            rows.append({"method": name, "temperature": temperature, **result,
+                         "speedup": result["tok_s"] / plain["tok_s"], "repeats": args.repeats})
     return {"model": args.model, "draft": args.draft, "device": str(loaded.model.device),
             "prompts": args.prompts, "max_tokens": args.max_tokens, "rows": rows}
 
