@@ -64,6 +64,11 @@ class AsyncEngine:
             self.engine.abort(request_id)
             self._streams.pop(request_id, None)
 
+    @property
+    def is_running(self) -> bool:
+        """The step loop is alive and accepting work (the server's /health)."""
+        return not self._stopped and self._thread.is_alive()
+
     def shutdown(self) -> None:
         self._stopped = True
         self._wake.set()

@@ -102,7 +102,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None, model_id
 
     @app.get("/health")
     async def _health():
-        if engine._stopped or not engine._thread.is_alive():
+        if not engine.is_running:
             raise APIError(503, "the engine is not running")
         return {"status": "ok"}
 
