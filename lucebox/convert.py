@@ -43,6 +43,7 @@ from .weights.gguf_config import (
     rows_permuted,
     to_gguf_name,
 )
+from .weights.gguf import FLOAT_TYPES
 from .weights.safetensors import safetensors_files
 
 log = logging.getLogger("lucebox")
@@ -53,7 +54,6 @@ FILE_TYPES = {Q.F32: LlamaFileType.ALL_F32, Q.F16: LlamaFileType.MOSTLY_F16, Q.B
               Q.Q8_0: LlamaFileType.MOSTLY_Q8_0, Q.Q4_0: LlamaFileType.MOSTLY_Q4_0,
               Q.Q4_1: LlamaFileType.MOSTLY_Q4_1, Q.Q5_0: LlamaFileType.MOSTLY_Q5_0,
               Q.Q5_1: LlamaFileType.MOSTLY_Q5_1}
-FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
 
 
 def convert_hf_to_gguf(hf_dir: str | Path, out_path: str | Path, qtype: str = "f16") -> Path:
@@ -168,9 +168,10 @@ def _encode(values: np.ndarray, gguf_name: str, arch: str, cfg: ModelConfig, ggm
     return np.ascontiguousarray(quantize(np.ascontiguousarray(values), ggml_type))
 
 
-def _write_metadata(w: GGUFWriter, cfg: ModelConfig, arch: str, hf_dir: Path, want: Q) -> None:
+def write_shape_metadata(w: GGUFWriter, cfg: ModelConfig, name: str, want: Q) -> None:
+    """llama.cpp's general and `{arch}.*` shape keys of a transformer (targets and drafters alike)."""
     w.add_type("model")
-    w.add_name(hf_dir.resolve().name)
+    w.add_name(name)
     w.add_file_type(FILE_TYPES[want])
     if want not in FLOAT_TYPES:
         w.add_quantization_version(GGML_QUANT_VERSION)
@@ -186,6 +187,10 @@ def _write_metadata(w: GGUFWriter, cfg: ModelConfig, arch: str, hf_dir: Path, wa
     w.add_rope_dimension_count(cfg.head_dim)
     w.add_rope_freq_base(cfg.rope.theta)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+
+
+def _write_metadata(w: GGUFWriter, cfg: ModelConfig, arch: str, hf_dir: Path, want: Q) -> None:
+    write_shape_metadata(w, cfg, hf_dir.resolve().name, want)
     rope = cfg.rope
     if rope.type == "linear":
         w.add_rope_scaling_type(RopeScalingType.LINEAR)

@@ -26,7 +26,6 @@ import numpy as np
 import torch
 from gguf import (
     GGML_QUANT_SIZES,
-    GGML_QUANT_VERSION,
     GGUFWriter,
     LlamaFileType,
     RopeScalingType,
@@ -36,7 +35,7 @@ from gguf.quants import quantize
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from ..convert import tensor_nbytes
+from ..convert import tensor_nbytes, write_shape_metadata
 from ..errors import CheckpointError, LuceboxError, RequestError, UnsupportedError
 from ..kernels import dequant
 from ..model.config import ModelConfig, RopeConfig
@@ -135,23 +134,7 @@ def _layer(name: str) -> int:
 
 def _write_metadata(w: GGUFWriter, cfg: DFlashConfig, src: Path, want: Q) -> None:
     m = cfg.model
-    w.add_type("model")
-    w.add_name(src.resolve().name)
-    w.add_file_type(FILE_TYPES[want])
-    if want not in (Q.F32, Q.F16):
-        w.add_quantization_version(GGML_QUANT_VERSION)
-    w.add_vocab_size(m.vocab_size)
-    w.add_context_length(m.max_position_embeddings)
-    w.add_embedding_length(m.hidden_size)
-    w.add_block_count(m.num_layers)
-    w.add_feed_forward_length(m.intermediate_size)
-    w.add_head_count(m.num_heads)
-    w.add_head_count_kv(m.num_kv_heads)
-    w.add_key_length(m.head_dim)
-    w.add_value_length(m.head_dim)
-    w.add_rope_dimension_count(m.head_dim)
-    w.add_rope_freq_base(m.rope.theta)
-    w.add_layer_norm_rms_eps(m.rms_norm_eps)
+    write_shape_metadata(w, m, src.resolve().name, want)
     _write_rope(w, m.rope, src)
     windows = {x for x in m.sliding_windows if x}
     if len(windows) > 1:
