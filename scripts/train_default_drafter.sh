@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Train the default model's DFlash drafter (block 16, 2 layers) with `lucebox train-drafter`, on
 # the same kind of corpus as the target (the training machine's installed Python sources, the
-# target's held-out files excluded), on the target's own regenerated continuations.
-# Usage: scripts/train_default_drafter.sh OUT_DIR [SECONDS]   (one H200: ~8 minutes)
+# target's held-out files excluded), on the target's own regenerated greedy continuations.
+# Usage: scripts/train_default_drafter.sh OUT_DIR [TRAIN_SECONDS]   (one H200: about 8 minutes)
+# Env: SAMPLES (regenerated sequences, default 8192), BATCH (default 32), EVAL_EVERY (default 250).
 set -euo pipefail
 out=${1:-models/default-dflash}
-seconds=${2:-400}
+seconds=${2:-380}
 data=$(mktemp -d)
 python3 - "$data" <<'PY'
 import sys
@@ -16,9 +17,9 @@ for i, text in enumerate(train):
     Path(sys.argv[1], f"{i:05d}.py").write_text(text)
 print(f"drafter corpus: {len(train)} files", flush=True)
 PY
-# The trainer stops at --steps; `timeout` keeps the run inside one GPU command, and checkpoints
-# (which rewrite the z-lab files) make whatever finished usable.
-timeout --signal=INT "$seconds" python3 -m lucebox.cli train-drafter --target models/default --data "$data" \
-  --out "$out" --layers 2 --block-size 16 --steps "${STEPS:-3000}" --batch-size "${BATCH:-32}" --seq-len 1024 \
-  --anchors 256 --lr 6e-4 --regenerate --max-samples "${SAMPLES:-2048}" --regen-batch 512 \
-  --eval-every "${EVAL_EVERY:-500}" --save-every 250 --seed 0 || echo "trainer stopped (timeout or error): $?"
+# --max-seconds fits the cosine schedule to the steps that the budget allows (timed on the first
+# steps); the outer timeout only guards against a stuck run.
+timeout --signal=INT $((seconds + 300)) python3 -m lucebox.cli train-drafter --target models/default --data "$data" \
+  --out "$out" --layers 2 --block-size 16 --batch-size "${BATCH:-32}" --seq-len 1024 --anchors 256 --lr 6e-4 \
+  --regenerate --max-samples "${SAMPLES:-8192}" --regen-batch 1024 --max-seconds "$seconds" \
+  --eval-every "${EVAL_EVERY:-250}" --save-every 1000000 --seed 0

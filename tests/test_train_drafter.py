@@ -195,12 +195,27 @@ def test_resume_continues_exactly_from_the_saved_step(hf_models, corpus, tmp_pat
         torch.testing.assert_close(a[name], b[name], atol=0, rtol=0)
 
 
+def test_max_seconds_fits_the_schedule_to_the_budget_and_stops(hf_models, corpus, tmp_path):
+    args = TrainDrafterArgs(target=str(hf_models["qwen3"]), data=[str(corpus)], out=str(tmp_path / "t"), block_size=4,
+                            seq_len=24, batch_size=4, anchors=8, steps=1_000_000, eval_every=0, max_samples=24,
+                            eval_samples=4, max_seconds=2.0, progress=False)
+    result = train_drafter(args)
+    assert 20 < result.step < 1_000_000  # past the timed probe, far short of --steps
+    assert result.seconds < 30
+
+
+def test_exported_weights_are_bf16_by_default(trained):
+    with safe_open(str(trained / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--taps", "0,5"], "outside the target's 2 layers"),
     (["--taps", "one"], "comma-separated"),
     (["--mask-token-id", "100000"], "outside the target's embedding"),
     (["--block-size", "1"], "--block-size"),
     (["--batch-size", "0"], "--batch-size"),
+    (["--max-seconds", "0"], "--max-seconds"),
     (["--seq-len", "100000"], "exceeds the target's context"),
     (["--resume"], "no training run to continue"),
     (["--data", "/nonexistent/file.txt"], "no such file"),

@@ -172,14 +172,19 @@ def read_drafter_config(path: Path) -> DFlashConfig:
     return DFlashConfig.from_dict(raw, str(file))
 
 
-def save_drafter(drafter: DFlashDrafter, out: Path) -> None:
-    """Write the published z-lab layout: config.json + unprefixed safetensors, no embedding or head.
-    Written beside the destination first, so a failure leaves no half-written drafter."""
+def save_drafter(drafter: DFlashDrafter, out: Path, dtype: torch.dtype | None = None) -> None:
+    """Write the published z-lab layout: config.json + unprefixed safetensors, no embedding or head,
+    floating tensors in `dtype` (default: as they are). Written beside the destination first, so a
+    failure leaves no half-written drafter."""
     from safetensors.torch import save_file
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / "model.safetensors.partial"
-    save_file({k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}, str(tmp))
+    def stored(v: torch.Tensor) -> torch.Tensor:
+        v = v.detach()
+        return (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous().cpu()
+
+    save_file({k: stored(v) for k, v in drafter.state_dict().items()}, str(tmp))
     (out / "config.json").write_text(json.dumps(drafter.config.to_dict(), indent=2))
     tmp.replace(out / "model.safetensors")

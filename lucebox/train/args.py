@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from ..errors import RequestError
 
+SAVE_DTYPES = ("bfloat16", "float16", "float32")
+
 
 @dataclass
 class TrainDrafterArgs:
@@ -37,9 +39,11 @@ class TrainDrafterArgs:
     eval_samples: int = 64
     eval_every: int | None = None  # default: about ten evaluations per run
     save_every: int = 500
+    max_seconds: float | None = None  # a wall-clock budget: the schedule is fitted to the steps it allows
     resume: bool = False
     device: str = "auto"
     dtype: str = "auto"
+    save_dtype: str = "bfloat16"  # the drafter's exported weights (the published checkpoints are bf16)
     seed: int = 0
     progress: bool | None = None  # None: a progress bar when attached to a terminal
 
@@ -60,9 +64,13 @@ class TrainDrafterArgs:
         if self.prompt_len is not None and self.prompt_len >= self.seq_len:
             raise RequestError(f"--prompt-len {self.prompt_len} leaves no room to regenerate within "
                                f"--seq-len {self.seq_len}")
+        if self.max_seconds is not None and not self.max_seconds > 0:
+            raise RequestError(f"--max-seconds must be positive, got {self.max_seconds!r}")
         for name in ("lr", "grad_clip"):
             if not getattr(self, name) > 0:
                 raise RequestError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)!r}")
+        if self.save_dtype not in SAVE_DTYPES:
+            raise RequestError(f"--save-dtype {self.save_dtype!r}: choose one of {', '.join(SAVE_DTYPES)}")
         if self.gamma is not None and not self.gamma > 0:
             raise RequestError(f"--gamma must be positive, got {self.gamma!r}")
         if not 0 <= self.warmup < 1:
@@ -121,11 +129,16 @@ def add_arguments(p) -> None:
     p.add_argument("--eval-every", type=int, default=argparse.SUPPRESS,
                    help="steps between evaluations (default: steps/10; 0: only at the end)")
     p.add_argument("--save-every", type=int, default=d.save_every, help="steps between checkpoints")
+    p.add_argument("--max-seconds", type=float, default=argparse.SUPPRESS,
+                   help="stop after this much training time; the LR schedule is fitted to the steps that "
+                        "fit, measured over the first steps (with --steps: at most that many)")
     p.add_argument("--resume", action="store_true", help="continue the run saved in --out")
     p.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", default=d.dtype,
                    help="target dtype: auto (bfloat16 on GPU with bf16 autocast, float32 on CPU), float32, "
                         "bfloat16 or float16")
+    p.add_argument("--save-dtype", default=d.save_dtype, choices=SAVE_DTYPES,
+                   help="dtype of the exported drafter weights (training keeps float32 master weights)")
     p.add_argument("--seed", type=int, default=d.seed, help="seed for initialisation, data order and anchors")
 
 

@@ -1,6 +1,6 @@
 """`lucebox train-drafter`: train a DFlash drafter for a target with the published recipe.
 
-Per step: a batch of sequences goes through the frozen target once (the engine's runner, tapped
+Per step: a batch of sequences goes through the frozen target once (a dense forward, tapped
 layers captured); anchors are re-drawn; every block of every sequence is drafted in one forward
 (blocks.py); the loss is the slot-weighted cross-entropy through the target's own LM head. Only
 fc, hidden_norm, the draft layers and norm learn. AdamW, cosine schedule with warm-up, gradient
@@ -40,6 +40,7 @@ log = logging.getLogger("lucebox")
 STATE_FILE = "train_state.pt"
 REGEN_FILE = "regenerated.pt"
 LOG_FILE = "training_log.jsonl"
+PROBE_STEPS = 20  # --max-seconds times this many steps before fixing the schedule
 
 
 @dataclass
@@ -92,7 +93,8 @@ def train_drafter(args: TrainDrafterArgs) -> TrainResult:
     train, held = _samples(args, files, loaded, out)
 
     drafter = init_drafter(cfg, device, args.seed)
-    steps = args.steps or max(1, math.ceil(len(train) / args.batch_size))
+    # With --max-seconds alone the step count is set after PROBE_STEPS timed steps.
+    steps = args.steps or (1 << 40 if args.max_seconds else max(1, math.ceil(len(train) / args.batch_size)))
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=args.weight_decay,
                                   betas=(0.9, 0.95), **({"fused": True} if device.type == "cuda" else {}))
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, blocks.cosine_with_warmup(steps, args.warmup))
@@ -109,7 +111,7 @@ def train_drafter(args: TrainDrafterArgs) -> TrainResult:
         log.warning("resuming %s at step %d of %d", out, start, steps)
 
     eval_batch = max(1, min(args.batch_size, (1 << 30) // (4 * args.seq_len * tcfg.vocab_size)))
-    features = TargetFeatures(target, cfg.target_layer_ids, max(args.batch_size, eval_batch), args.seq_len)
+    features = TargetFeatures(target, cfg.target_layer_ids)
     # bf16 autocast for any 16-bit target: bf16's range needs no loss scaling, even under an fp16 target.
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if target.dtype != torch.float32
                 else nullcontext())
@@ -123,7 +125,7 @@ def train_drafter(args: TrainDrafterArgs) -> TrainResult:
 
     def checkpoint(step: int) -> None:
         _save_state(state_file, drafter, optimizer, schedule, step, cfg, history)
-        save_drafter(drafter, out)
+        save_drafter(drafter, out, getattr(torch, args.save_dtype))
 
     started = time.perf_counter()
     bar = tqdm(total=steps, initial=start, desc="Training drafter", unit="step", disable=_disabled(args))
@@ -161,11 +163,22 @@ def train_drafter(args: TrainDrafterArgs) -> TrainResult:
                     bar.write(f"step {done}: {result.summary()}")
             if done % args.save_every == 0 and done < steps:
                 checkpoint(done)
+            if args.max_seconds is not None:
+                elapsed = _elapsed(started, device)
+                if done == start + PROBE_STEPS:
+                    steps = _steps_that_fit(steps, done, elapsed, args)
+                    schedule.lr_lambdas = [blocks.cosine_with_warmup(steps, args.warmup)]
+                    bar.total = steps
+                elif elapsed >= args.max_seconds:
+                    log.warning("--max-seconds %s reached at step %d of %d", args.max_seconds, done, steps)
+                    steps = done
+                if done >= steps:
+                    break
     except KeyboardInterrupt:
         # A stopped run (Ctrl-C, `timeout -s INT`) still leaves its newest weights as a usable
         # drafter; --resume continues from the last full checkpoint.
         bar.close()
-        save_drafter(drafter, out)
+        save_drafter(drafter, out, getattr(torch, args.save_dtype))
         log.warning("interrupted: wrote the current drafter to %s; --resume continues from the last checkpoint", out)
         raise
     bar.close()
@@ -175,6 +188,22 @@ def train_drafter(args: TrainDrafterArgs) -> TrainResult:
         _append_log(out, history[-1])
     checkpoint(steps)
     return TrainResult(out, start, steps, time.perf_counter() - started, final, history)
+
+
+def _elapsed(started: float, device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - started
+
+
+def _steps_that_fit(steps: int, done: int, elapsed: float, args: TrainDrafterArgs) -> int:
+    """--max-seconds: the cosine schedule is laid out over the steps the measured rate of the first
+    PROBE_STEPS allows (5% kept for evaluations and checkpoints), never more than --steps."""
+    rate = elapsed / PROBE_STEPS
+    fit = done + int(0.95 * (args.max_seconds - elapsed) / rate)
+    chosen = max(done, min(steps, fit) if args.steps else fit)
+    log.warning("--max-seconds %s: %.3f s/step, training %d steps", args.max_seconds, rate, chosen)
+    return chosen
 
 
 def _disabled(args: TrainDrafterArgs):

@@ -1,6 +1,7 @@
 """Training a lucebox Transformer as a language model (the default model's pre-training and chat
-stage). Inference runs on the paged engine; training needs a dense causal forward over fixed-size
-batches, written here over the very same modules so trained weights load unchanged."""
+stage), and dense batched work for training drafters (target features, regenerated continuations).
+Inference runs on the paged engine; training needs a dense causal forward over fixed-size batches,
+written here over the very same modules so trained weights load unchanged."""
 from __future__ import annotations
 
 import math
@@ -20,12 +21,43 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-def dense_forward(model: Transformer, ids: torch.Tensor) -> torch.Tensor:
-    """ids [B, T] -> final normed hidden states [B, T, hidden], causal attention, no cache."""
+class DenseCache:
+    """Per-layer K/V [B, max_len, kv_heads, head_dim] for batched greedy generation of equal-length
+    prompts (train data regeneration): no pages, no scheduler, one tensor write per layer and step."""
+
+    def __init__(self, model: Transformer, batch: int, max_len: int):
+        cfg = model.config
+        shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+        self.k = [torch.empty(shape, dtype=model.dtype, device=model.device) for _ in model.layers]
+        self.v = [torch.empty(shape, dtype=model.dtype, device=model.device) for _ in model.layers]
+
+
+def _mask(t: int, start: int, window: int | None, device) -> torch.Tensor | None:
+    """Boolean [t, start+t] keep-mask for queries at start..start+t-1, or None when plain causal
+    attention (is_causal, start 0) or full attention (one query) says it already."""
+    if window is None and (start == 0 or t == 1):
+        return None
+    q_pos = torch.arange(start, start + t, device=device)[:, None]
+    k_pos = torch.arange(start + t, device=device)[None, :]
+    keep = k_pos <= q_pos
+    if window is not None:
+        keep &= (q_pos - k_pos) < window
+    return keep
+
+
+def dense_forward(model: Transformer, ids: torch.Tensor, capture_layers: tuple[int, ...] = (),
+                  cache: DenseCache | None = None, start: int = 0):
+    """ids [B, T] at positions start..start+T-1 -> final normed hidden states [B, T, hidden].
+
+    Causal attention (and each layer's sliding window) over the cache's first `start` positions and
+    the new tokens; without a cache, start must be 0. With capture_layers, also returns the residual
+    stream after those layers (as the paged forward captures it for DFlash), concatenated on the
+    last dimension."""
     b, t = ids.shape
     x = model.embed_tokens(ids)
-    cos, sin = model.rope.lookup(torch.arange(t, device=ids.device), x.dtype)
-    for layer in model.layers:
+    cos, sin = model.rope.lookup(torch.arange(start, start + t, device=ids.device), x.dtype)
+    captured = []
+    for i, layer in enumerate(model.layers):
         attn = layer.self_attn
         h = layer.input_layernorm(x)
         q = attn.q_proj(h).view(b, t, attn.num_heads, attn.head_dim)
@@ -34,11 +66,50 @@ def dense_forward(model: Transformer, ids: torch.Tensor) -> torch.Tensor:
         if attn.qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           is_causal=True, scale=attn.scale, enable_gqa=True)
+        if cache is not None:
+            cache.k[i][:, start:start + t] = k
+            cache.v[i][:, start:start + t] = v
+            k, v = cache.k[i][:, :start + t], cache.v[i][:, :start + t]
+        mask = _mask(t, start, attn.sliding_window, ids.device)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                           is_causal=mask is None and t > 1, scale=attn.scale, enable_gqa=True)
         x = x + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return model.norm(x)
+        if i in capture_layers:
+            captured.append(x)
+    hidden = model.norm(x)
+    if not capture_layers:
+        return hidden
+    return hidden, torch.cat(captured, dim=-1)
+
+
+@torch.inference_mode()
+def greedy_generate(model: Transformer, prompts: torch.Tensor, max_new: int, stop_ids: set[int] | frozenset = frozenset()
+                    ) -> list[list[int]]:
+    """Argmax continuations of equal-length prompts [B, P]: up to max_new tokens each, ending after
+    the first stop token. Stops early once every row has stopped."""
+    b, p = prompts.shape
+    if max_new <= 0:
+        return [[] for _ in range(b)]
+    cache = DenseCache(model, b, p + max_new)
+    stops = torch.tensor(sorted(stop_ids), dtype=torch.int64, device=prompts.device)
+    hidden = dense_forward(model, prompts, cache=cache)
+    out = torch.empty(b, max_new, dtype=torch.int64, device=prompts.device)
+    done = torch.zeros(b, dtype=torch.bool, device=prompts.device)
+    n = 0
+    for n in range(max_new):
+        token = model.compute_logits(hidden[:, -1]).argmax(-1)
+        out[:, n] = token
+        done |= torch.isin(token, stops)
+        if n + 1 == max_new or (n % 32 == 31 and bool(done.all())):  # a host sync every 32 tokens only
+            break
+        hidden = dense_forward(model, token[:, None], cache=cache, start=p + n)
+    rows = out[:, :n + 1].tolist()
+    result = []
+    for row in rows:
+        end = next((j + 1 for j, tok in enumerate(row) if tok in stop_ids), len(row))
+        result.append(row[:end])
+    return result
 
 
 def lm_loss(model: Transformer, ids: torch.Tensor, loss_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,16 +1,14 @@
 """What a drafter training run is made of: its flags, the drafter's shape derived from the target,
-and the target's tapped features computed by the engine's own runner."""
+and the target's tapped features."""
 from __future__ import annotations
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
-from ..engine.block_manager import BlockManager
-from ..engine.runner import ModelRunner
 from ..errors import RequestError
 from ..model.config import ModelConfig, RopeConfig
 from ..spec.dflash_model import DFlashConfig, DFlashDrafter
 from .args import TrainDrafterArgs
+from .lm import dense_forward
 
 MASK_NAMES = ("<|mask|>", "<|MASK|>", "<mask>", "[MASK]", "<|mask_token|>")
 MAX_DEFAULT_TAPS = 5  # the published drafters tap five layers
@@ -109,38 +107,23 @@ def lm_head(model):
 
 
 class TargetFeatures:
-    """The target's tapped residual streams (and greedy next tokens) for whole sequences: one batched
-    prefill through the engine's ModelRunner, with blocks from a private BlockManager.
+    """The target's tapped residual streams (and greedy next tokens) for whole sequences: one dense
+    causal forward over the right-padded batch (train/lm.dense_forward; padding sits after every
+    real token, so causal attention keeps it out of them). The same modules and the same capture
+    point as the paged forward the proposer is fed from at inference."""
 
-    These are the very features the proposer receives at inference (same kernels, same capture)."""
-
-    def __init__(self, model, taps: list[int], max_seqs: int, seq_len: int, block_size: int = 16):
-        num_blocks = max_seqs * -(-seq_len // block_size)
-        self.runner = ModelRunner(model, num_blocks, block_size)
-        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+    def __init__(self, model, taps: list[int]):
+        self.model = model
         self.taps = tuple(taps)
 
+    @torch.no_grad()
     def __call__(self, ids: torch.Tensor, lengths: torch.Tensor, greedy: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """features [S, T, taps*hidden] (zero past each length); greedy [S, T] or None."""
-        sizes = lengths.tolist()
-        seqs = [row[:n] for row, n in zip(ids.cpu().tolist(), sizes)]
-        tables: list[list[int]] = []
-        try:
-            for s in seqs:
-                table: list[int] = []
-                self.blocks.allocate(table, len(s))
-                tables.append(table)
-            logits, feats = self.runner.run(seqs, [0] * len(seqs), tables, logits_rows=None if greedy else [0],
-                                            all_logits=greedy, capture_layers=self.taps)
-        finally:
-            for table in tables:
-                self.blocks.free_table(table)
-        width = ids.shape[1]
-        features = pad_sequence(list(feats.split(sizes)), batch_first=True)
-        if features.shape[1] < width:
-            features = torch.nn.functional.pad(features, (0, 0, 0, width - features.shape[1]))
+        hidden, features = dense_forward(self.model, ids, capture_layers=self.taps)
+        valid = torch.arange(ids.shape[1], device=ids.device)[None, :] < lengths.to(ids.device)[:, None]
+        features = features * valid[..., None].to(features.dtype)
         if not greedy:
             return features, None
-        nxt = pad_sequence(list(logits.argmax(-1).split(sizes)), batch_first=True)
-        return features, torch.nn.functional.pad(nxt, (0, width - nxt.shape[1]))
+        nxt = self.model.compute_logits(hidden).argmax(-1)
+        return features, nxt.masked_fill(~valid, 0)

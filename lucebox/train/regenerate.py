@@ -1,65 +1,56 @@
-"""--regenerate: the target writes the training continuations itself (greedy, batched in lucebox's
-own engine), as the published recipe trains on target-regenerated responses. A drafter learns to
-predict what the target will say, which is what acceptance rewards, rather than what some other
-writer said."""
+"""--regenerate: the target writes the training continuations itself (greedy), as the published
+recipe trains on target-regenerated responses. A drafter learns to predict what the target will
+say, which is what acceptance rewards, rather than what some other writer said.
+
+Generation is dense and batched (train/lm.greedy_generate): prompts of equal length share a
+batch and a plain K/V tensor. The serving engine's paging, scheduling and per-token detokenizing
+buy nothing here and cost most of the time."""
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
 import os
+from collections import defaultdict
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from ..config import EngineArgs
-from ..engine.engine import LLMEngine
-from ..engine.runner import kv_bytes_per_token
-from ..sampling import SamplingParams
 from .data import MIN_TOKENS, Sample
+from .lm import greedy_generate
 
 log = logging.getLogger("lucebox")
 
 
-def regenerate(loaded, prompts: list[Sample], seq_len: int, max_num_seqs: int = 128,
+def regenerate(loaded, prompts: list[Sample], seq_len: int, batch_size: int = 128,
                desc: str = "Regenerating") -> list[Sample]:
     """Each prompt plus the target's greedy continuation up to seq_len tokens (or its end-of-turn).
     Only the generated tokens are trained on."""
     if not prompts:
         return []
     model = loaded.model
-    max_num_seqs = max(1, min(max_num_seqs, len(prompts)))
-    # An explicit pool: the engine would otherwise claim most of the GPU for its KV cache.
-    pool = int(kv_bytes_per_token(model) * (seq_len + 64) * max_num_seqs * 1.25)
-    args = EngineArgs(model=loaded.source, max_model_len=seq_len, max_num_seqs=max_num_seqs,
-                      kv_cache_memory=pool, enable_prefix_caching=False, max_queue=len(prompts) + 1)
-    engine = LLMEngine(loaded, args)
-    # Pure argmax: the model's generation_config must not add penalties or truncation to "greedy".
-    params = [SamplingParams(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
-                             max_tokens=seq_len - p.ids.numel(), skip_special_tokens=False)
-              for p in prompts]
-    for i, (p, sp) in enumerate(zip(prompts, params)):
-        engine.add_request(str(i), {"prompt_token_ids": p.ids.tolist()}, sp)
-    done: dict[int, list[int]] = {}
-    produced: dict[int, int] = {}
-    # Counted in tokens, and shown without a terminal too: every sample finishes at about the same
-    # step, so a per-sample bar would sit at 0% for the whole (possibly long) run.
-    with tqdm(total=sum(sp.max_tokens for sp in params), desc=desc, unit="tok", disable=False,
-              mininterval=10) as bar:
-        while engine.has_unfinished():
-            for out in engine.step():
-                i, n = int(out.request_id), len(out.outputs[0].token_ids)
-                bar.update(n - produced.get(i, 0))
-                produced[i] = n
-                if out.finished:
-                    done[i] = out.outputs[0].token_ids
-    del engine
+    stop_ids = frozenset(loaded.tokenizer.eos_token_ids) | frozenset(loaded.config.eos_token_ids)
+    by_length: dict[int, list[int]] = defaultdict(list)
+    for i, p in enumerate(prompts):
+        if p.ids.numel() < seq_len:
+            by_length[p.ids.numel()].append(i)
+    generated: dict[int, list[int]] = {}
+    # Counted in tokens (the most a batch can write), and shown without a terminal too.
+    total = sum((seq_len - n) * len(rows) for n, rows in by_length.items())
+    with tqdm(total=total, desc=desc, unit="tok", disable=False, mininterval=10) as bar:
+        for n, rows in sorted(by_length.items()):
+            for first in range(0, len(rows), batch_size):
+                chunk = rows[first:first + batch_size]
+                ids = torch.stack([prompts[i].ids for i in chunk]).to(model.device)
+                for i, gen in zip(chunk, greedy_generate(model, ids, seq_len - n, stop_ids)):
+                    generated[i] = gen
+                bar.update((seq_len - n) * len(chunk))
     if model.device.type == "cuda":
         torch.cuda.empty_cache()
     samples = []
     for i, p in enumerate(prompts):
-        gen = torch.tensor(done[i], dtype=torch.int64)
+        gen = torch.tensor(generated.get(i, []), dtype=torch.int64)
         ids = torch.cat([p.ids, gen])
         if gen.numel() == 0 or ids.numel() < MIN_TOKENS:
             continue
