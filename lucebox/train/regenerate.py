@@ -11,7 +11,6 @@ import hashlib
 import json
 import logging
 import os
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -31,30 +30,30 @@ def regenerate(loaded, prompts: list[Sample], seq_len: int, batch_size: int = 12
         return []
     model = loaded.model
     stop_ids = frozenset(loaded.tokenizer.eos_token_ids) | frozenset(loaded.config.eos_token_ids)
-    by_length: dict[int, list[int]] = defaultdict(list)
-    for i, p in enumerate(prompts):
-        if p.ids.numel() < seq_len:
-            by_length[p.ids.numel()].append(i)
+    # A batch shares one prompt length: sorted by length, each batch's prompts keep their last
+    # `shortest` tokens. Text prompts are mostly full windows; the few short tails would otherwise
+    # each cost a whole generation loop of their own.
+    order = sorted((i for i, p in enumerate(prompts) if p.ids.numel() < seq_len), key=lambda i: -prompts[i].ids.numel())
+    kept: dict[int, torch.Tensor] = {}
     generated: dict[int, list[int]] = {}
-    # Counted in tokens (the most a batch can write), and shown without a terminal too.
-    total = sum((seq_len - n) * len(rows) for n, rows in by_length.items())
+    total = sum(seq_len - prompts[i].ids.numel() for i in order)  # an upper bound: rows may stop early
     with tqdm(total=total, desc=desc, unit="tok", disable=False, mininterval=10) as bar:
-        for n, rows in sorted(by_length.items()):
-            for first in range(0, len(rows), batch_size):
-                chunk = rows[first:first + batch_size]
-                ids = torch.stack([prompts[i].ids for i in chunk]).to(model.device)
-                for i, gen in zip(chunk, greedy_generate(model, ids, seq_len - n, stop_ids)):
-                    generated[i] = gen
-                bar.update((seq_len - n) * len(chunk))
+        for first in range(0, len(order), batch_size):
+            chunk = order[first:first + batch_size]
+            n = min(prompts[i].ids.numel() for i in chunk)
+            ids = torch.stack([prompts[i].ids[-n:] for i in chunk])
+            for i, row, gen in zip(chunk, ids, greedy_generate(model, ids.to(model.device), seq_len - n, stop_ids)):
+                kept[i], generated[i] = row, gen
+            bar.update(sum(seq_len - prompts[i].ids.numel() for i in chunk))
     if model.device.type == "cuda":
         torch.cuda.empty_cache()
     samples = []
-    for i, p in enumerate(prompts):
-        gen = torch.tensor(generated.get(i, []), dtype=torch.int64)
-        ids = torch.cat([p.ids, gen])
+    for i in sorted(generated):
+        prompt, gen = kept[i], torch.tensor(generated[i], dtype=torch.int64)
+        ids = torch.cat([prompt, gen])
         if gen.numel() == 0 or ids.numel() < MIN_TOKENS:
             continue
-        mask = torch.cat([torch.zeros(p.ids.numel(), dtype=torch.bool), torch.ones(gen.numel(), dtype=torch.bool)])
+        mask = torch.cat([torch.zeros(prompt.numel(), dtype=torch.bool), torch.ones(gen.numel(), dtype=torch.bool)])
         samples.append(Sample(ids, mask))
     return samples
 
