@@ -1,9 +1,49 @@
-"""RMSNorm, computed in float32 like the reference implementations, cast back to the input dtype."""
+"""RMSNorm, and RMSNorm fused with the residual add that precedes it in every decoder layer.
+
+    h = rms_norm(x, weight, eps)
+    h, residual = rms_norm_residual(x, residual, weight, eps)
+    # == (rms_norm(x + residual, weight, eps), x + residual)
+
+The references compute in float32 like HF's, cast back to the input dtype, then scale. GPU tensors
+go to the Triton kernels in kernels/triton_norm.py (one pass over the row instead of three) through
+kernels/dispatch.py -- except when autograd is recording: the kernels have no backward, and
+train/lm.py trains through these same modules.
+"""
+from __future__ import annotations
+
 import torch
 
+from .dispatch import use_triton
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dtype = x.dtype
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(dtype)
+
+
+def rms_norm_residual_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    total = x + residual
+    return rms_norm_reference(total, weight, eps), total
+
+
+def needs_grad(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if use_triton(x, weight) and not needs_grad(x, weight):
+        from . import triton_norm
+        return triton_norm.rms_norm_triton(x, weight, eps)
+    return rms_norm_reference(x, weight, eps)
+
+
+def rms_norm_residual(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual)."""
+    if use_triton(x, residual, weight) and not needs_grad(x, residual, weight):
+        from . import triton_norm
+        return triton_norm.rms_norm_residual_triton(x, residual, weight, eps)
+    return rms_norm_residual_reference(x, residual, weight, eps)

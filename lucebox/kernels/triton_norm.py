@@ -1,13 +1,10 @@
-"""RMSNorm, and RMSNorm fused with the residual add that precedes it in every decoder layer.
-
-    h, residual = rms_norm_residual(x, residual, weight, eps)
-    # == (rms_norm(x + residual, weight, eps), x + residual)
+"""Triton RMSNorm, alone or fused with the residual add that precedes it (the references and the
+dispatching `rms_norm` / `rms_norm_residual` are in kernels/norm.py, re-exported here).
 
 The fused form reads x and residual once and writes the sum and the normalised row in the same
 pass (one kernel instead of three memory passes). Arithmetic follows kernels/norm.py: the sum is
 rounded to its dtype, the row is normalised in float32, rounded to that dtype, then multiplied by
-the weight in the promoted dtype. `rms_norm` / `rms_norm_residual` pick the Triton kernel on GPU
-tensors and the torch reference otherwise (kernels/dispatch.py).
+the weight in the promoted dtype.
 """
 from __future__ import annotations
 
@@ -15,37 +12,17 @@ import functools
 
 import torch
 
-from .dispatch import next_pow2, use_triton
-from .norm import rms_norm as rms_norm_reference
+from .dispatch import next_pow2
+from .norm import rms_norm, rms_norm_reference, rms_norm_residual, rms_norm_residual_reference
 
-__all__ = ["rms_norm", "rms_norm_residual", "rms_norm_residual_reference",
+__all__ = ["rms_norm", "rms_norm_residual", "rms_norm_reference", "rms_norm_residual_reference",
            "rms_norm_triton", "rms_norm_residual_triton"]
-
-
-def rms_norm_residual_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    total = x + residual
-    return rms_norm_reference(total, weight, eps), total
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if use_triton(x, weight):
-        return rms_norm_triton(x, weight, eps)
-    return rms_norm_reference(x, weight, eps)
-
-
-def rms_norm_residual(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(x + residual), x + residual)."""
-    if use_triton(x, residual, weight):
-        return rms_norm_residual_triton(x, residual, weight, eps)
-    return rms_norm_residual_reference(x, residual, weight, eps)
 
 
 @functools.cache
 def _kernel():
-    """The Triton kernel, defined on first use: importing this module (model code does, for the
-    dispatching functions) must not import Triton, whose interpreter mode is fixed at import."""
+    """The Triton kernel, defined on first use: importing this module must not import Triton,
+    whose interpreter mode is fixed at import (tests set TRITON_INTERPRET=1 first)."""
     global triton, tl
     import triton
     import triton.language as tl

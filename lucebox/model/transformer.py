@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.attention import paged_attention
-from ..kernels.norm import rms_norm
-from ..kernels.rope import apply_rope
+from ..kernels.norm import rms_norm, rms_norm_residual
+from ..kernels.rope import rope_and_write_kv
 from ..weights.quant import QuantEmbedding
 from .config import ModelConfig
 from .forward_batch import ForwardBatch
@@ -24,8 +24,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); or, given the residual stream, (norm(x + residual), x + residual) in one pass."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return rms_norm_residual(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -53,9 +56,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        self.k_cache.write(k, batch.slot_mapping)
-        self.v_cache.write(v, batch.slot_mapping)
+        q = rope_and_write_kv(q, k, v, cos, sin, self.k_cache, self.v_cache, batch.slot_mapping)
         o = paged_attention(q, self.k_cache, self.v_cache, batch, self.scale, self.sliding_window)
         return self.o_proj(o.reshape(tokens, -1))
 
@@ -79,9 +80,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, batch):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos, sin, batch
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) -> (mlp output, residual stream before it): the residual stream after this
+        layer is their sum, which the next norm adds as it normalises (vLLM's layout: one fused
+        add+norm op per residual connection). residual None: x is the embedding."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos, sin, batch)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class Transformer(nn.Module):
@@ -109,11 +119,12 @@ class Transformer(nn.Module):
         Hidden states after the layers in batch.capture_layers are stored in batch.captured."""
         x = self.embed_tokens(batch.input_ids)
         cos, sin = self.rope.lookup(batch.positions, x.dtype)
+        residual = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, batch)
+            x, residual = layer(x, residual, cos, sin, batch)
             if i in batch.capture_layers:
-                batch.captured[i] = x
-        return self.norm(x)
+                batch.captured[i] = x + residual  # the same sum the next norm forms
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.embed_tokens if self.config.tie_word_embeddings else self.lm_head

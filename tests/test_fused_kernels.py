@@ -1,0 +1,204 @@
+"""The fused kernels the model runs compute what their torch references compute.
+
+- RoPE on q and k fused with the paged K/V write (kernels/rope.py, kernels/triton_rope_kv.py):
+  bit-identical to apply_rope + PagedKVCache.write for every cache type (plain types written in
+  place, quantised or rotated ones through the cache's own quantiser).
+- RMSNorm fused with the residual add (kernels/norm.py, kernels/triton_norm.py), as the decoder
+  layers call it.
+- A whole model forward with the fused path matches the reference path.
+
+Without a GPU the kernels run under Triton's interpreter (set up by tests/test_triton_kernels.py,
+imported first), on small shapes.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from .test_triton_kernels import DEVICE, rel_err  # noqa: I001  (sets TRITON_INTERPRET=1 first)
+
+from lucebox.engine.kv_cache import PagedKVCache  # noqa: E402
+from lucebox.kernels import norm, rope, triton_norm, triton_rope_kv  # noqa: E402
+
+BLOCK_SIZE, NUM_BLOCKS = 4, 6
+
+
+def rope_case(dtype, heads, kv_heads, head_dim, tokens, cache_types=("auto", "auto"), rotate_k=False,
+              fused_qkv=False, seed=0):
+    """Inputs of one attention layer's rope+write step, caches pre-filled with noise, and slots
+    scattered over non-contiguous blocks."""
+    g = torch.Generator().manual_seed(seed)
+    if fused_qkv:  # q, k, v as strided views of one projection output, as a fused qkv linear gives
+        qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(DEVICE, dtype)
+        q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        q, k, v = (t.view(tokens, -1, head_dim) for t in (q, k, v))
+    else:
+        q = torch.randn(tokens, heads, head_dim, generator=g).to(DEVICE, dtype)
+        k, v = (torch.randn(tokens, kv_heads, head_dim, generator=g).to(DEVICE, dtype) for _ in range(2))
+    angles = torch.rand(tokens, head_dim // 2, generator=g) * 6.3
+    cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(DEVICE, dtype) for f in (torch.cos, torch.sin))
+    caches = [PagedKVCache(NUM_BLOCKS, BLOCK_SIZE, kv_heads, head_dim, t, dtype, DEVICE, rotate=r)
+              for t, r in zip(cache_types, (rotate_k, False))]
+    every_slot = torch.arange(NUM_BLOCKS * BLOCK_SIZE, device=DEVICE)
+    for cache in caches:
+        cache.write(torch.randn(len(every_slot), kv_heads, head_dim, generator=g).to(DEVICE, dtype), every_slot)
+    slots = torch.randperm(NUM_BLOCKS * BLOCK_SIZE, generator=g)[:tokens].to(DEVICE)
+    return q, k, v, cos, sin, caches[0], caches[1], slots
+
+
+def cache_state(cache: PagedKVCache) -> list[torch.Tensor]:
+    return [cache.values.view(torch.uint8)] + ([cache.scales] if cache.scales is not None else [])
+
+
+def run_both(q, k, v, cos, sin, k_cache, v_cache, slots):
+    """(reference q, reference caches, Triton q, Triton caches), each path on its own cache copies."""
+    ref_caches, tri_caches = copy.deepcopy((k_cache, v_cache)), copy.deepcopy((k_cache, v_cache))
+    want = rope.rope_and_write_kv_reference(q, k, v, cos, sin, *ref_caches, slots)
+    got = triton_rope_kv.rope_and_write_kv(q, k, v, cos, sin, *tri_caches, slots)
+    return want, ref_caches, got, tri_caches
+
+
+ROPE_CASES = {
+    # name: (dtype, heads, kv_heads, head_dim, tokens, extra rope_case kwargs)
+    "f32-gqa": (torch.float32, 4, 2, 16, 5, {}),
+    "bf16-group3-head-dim-48": (torch.bfloat16, 6, 2, 48, 7, {}),
+    "f16-mha-one-token": (torch.float16, 4, 4, 32, 1, {}),
+    "bf16-fused-qkv-views": (torch.bfloat16, 4, 2, 32, 3, {"fused_qkv": True}),
+    "bf16-model-f32-k-f16-v": (torch.bfloat16, 4, 1, 32, 5, {"cache_types": ("f32", "f16")}),
+    "bf16-q8_0-rotated-k-fp8-v": (torch.bfloat16, 4, 2, 32, 5, {"cache_types": ("q8_0", "fp8"), "rotate_k": True}),
+    "f32-q4_0-k-plain-v": (torch.float32, 2, 2, 64, 3, {"cache_types": ("q4_0", "auto")}),
+}
+
+
+@pytest.mark.parametrize("case", list(ROPE_CASES))
+def test_fused_rope_and_kv_write_is_bit_identical_to_rope_then_cache_write(case):
+    dtype, heads, kv_heads, head_dim, tokens, kw = ROPE_CASES[case]
+    inputs = rope_case(dtype, heads, kv_heads, head_dim, tokens, **kw)
+    want, ref_caches, got, tri_caches = run_both(*inputs)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert torch.equal(got, want)
+    for ref, tri in zip(ref_caches, tri_caches):
+        for a, b in zip(cache_state(ref), cache_state(tri)):
+            assert torch.equal(a, b)
+
+
+def test_plain_caches_are_written_in_place_and_quantised_ones_through_their_quantiser():
+    q, k, v, cos, sin, k_cache, v_cache, slots = rope_case(torch.float32, 2, 2, 32, 2, ("q8_0", "f32"))
+    assert not triton_rope_kv.writes_in_place(k_cache) and triton_rope_kv.writes_in_place(v_cache)
+    writes = []
+    k_cache.write = lambda x, s, _real=k_cache.write: writes.append("k") or _real(x, s)
+    v_cache.write = lambda x, s: pytest.fail("a plain V cache went through PagedKVCache.write")
+    triton_rope_kv.rope_and_write_kv(q, k, v, cos, sin, k_cache, v_cache, slots)
+    assert writes == ["k"]
+
+
+def test_padding_tokens_with_a_negative_slot_write_nothing():
+    # A CUDA graph captured for more tokens than a step has pads with slot -1.
+    q, k, v, cos, sin, k_cache, v_cache, slots = rope_case(torch.float16, 4, 2, 16, 3)
+    slots[1] = -1
+    before = [t.clone() for t in cache_state(k_cache) + cache_state(v_cache)]
+    got = triton_rope_kv.rope_and_write_kv(q, k, v, cos, sin, k_cache, v_cache, slots)
+    assert torch.equal(got, rope.apply_rope(q, cos, sin))
+    keep = (torch.arange(NUM_BLOCKS * BLOCK_SIZE, device=DEVICE) != slots[[0, 2], None]).all(0)
+    for old, new in zip(before, cache_state(k_cache) + cache_state(v_cache)):
+        assert torch.equal(old.flatten(0, 1)[keep], new.flatten(0, 1)[keep])
+    want_k = rope.apply_rope(k, cos, sin)
+    assert torch.equal(k_cache.gather(slots[[0, 2]], k.dtype), want_k[[0, 2]])
+    assert torch.equal(v_cache.gather(slots[[0, 2]], v.dtype), v[[0, 2]])
+
+
+def test_rope_dispatch_follows_the_switch(monkeypatch):
+    inputs = rope_case(torch.float32, 2, 1, 16, 2)
+    calls = []
+    real = triton_rope_kv.rope_and_write_kv
+    monkeypatch.setattr(triton_rope_kv, "rope_and_write_kv", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setenv("LUCEBOX_TRITON", "0")
+    rope.rope_and_write_kv(*inputs)
+    assert calls == []
+    monkeypatch.setenv("LUCEBOX_TRITON", "1")
+    rope.rope_and_write_kv(*inputs)
+    assert calls == [1]
+
+
+# ----------------------------------------------------------------------------- RMSNorm + residual
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_norm_module_adds_the_residual_and_normalises_in_one_kernel(monkeypatch, dtype):
+    from lucebox.model.transformer import RMSNorm
+
+    g = torch.Generator().manual_seed(1)
+    module = RMSNorm(48, 1e-6).to(DEVICE, dtype)
+    with torch.no_grad():
+        module.weight.copy_(1 + 0.1 * torch.randn(48, generator=g))
+    x, residual = (torch.randn(5, 48, generator=g).to(DEVICE, dtype) for _ in range(2))
+    monkeypatch.setenv("LUCEBOX_TRITON", "0")
+    with torch.inference_mode():
+        want_h, want_sum = module(x, residual)
+        assert torch.equal(want_h, module(x + residual)) and torch.equal(want_sum, x + residual)
+    monkeypatch.setenv("LUCEBOX_TRITON", "1")
+    calls = []
+    real = triton_norm.rms_norm_residual_triton
+    monkeypatch.setattr(triton_norm, "rms_norm_residual_triton", lambda *a: calls.append(1) or real(*a))
+    with torch.inference_mode():
+        h, total = module(x, residual)
+    assert calls == [1] and torch.equal(total, want_sum)
+    assert rel_err(h, want_h) <= (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_training_keeps_the_differentiable_reference(monkeypatch):
+    # The Triton kernels have no backward; train/lm.py trains through the same modules.
+    monkeypatch.setenv("LUCEBOX_TRITON", "1")
+    monkeypatch.setattr(triton_norm, "rms_norm_triton", lambda *a: pytest.fail("Triton under autograd"))
+    weight = torch.ones(16, device=DEVICE, requires_grad=True)
+    norm.rms_norm(torch.randn(3, 16, device=DEVICE), weight, 1e-6).sum().backward()
+    assert weight.grad is not None
+
+
+# ----------------------------------------------------------------------------- whole model
+
+MODEL_CASES = {
+    # name: (model dtype, K cache type, V cache type, rotate K, tolerance on the logits)
+    "f32": (torch.float32, "auto", "auto", False, 1e-4),
+    "bf16": (torch.bfloat16, "auto", "auto", False, 3e-2),
+    "f32-q8_0-rotated-k": (torch.float32, "q8_0", "auto", True, 1e-4),
+}
+
+
+@pytest.mark.parametrize("case", list(MODEL_CASES))
+def test_a_model_forward_through_the_fused_kernels_matches_the_reference_path(monkeypatch, case):
+    from lucebox.engine.block_manager import BlockManager
+    from lucebox.engine.runner import ModelRunner
+    from lucebox.model.config import ModelConfig
+    from lucebox.model.transformer import Transformer
+
+    dtype, cache_k, cache_v, rotate_k, tol = MODEL_CASES[case]
+    torch.manual_seed(0)
+    cfg = ModelConfig(family="qwen3", vocab_size=64, hidden_size=64, intermediate_size=96, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=32, qk_norm=True, sliding_windows=[None, 5])
+    model = Transformer(cfg).to(DEVICE, dtype)
+    calls = {"rope_kv": 0, "norm_residual": 0}
+    for mod, name, key in ((triton_rope_kv, "rope_and_write_kv", "rope_kv"),
+                           (triton_norm, "rms_norm_residual_triton", "norm_residual")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _real=real, _key=key: calls.__setitem__(_key, calls[_key] + 1)
+                            or _real(*a))
+
+    def run_steps():
+        runner = ModelRunner(model, 12, 4, cache_type_k=cache_k, cache_type_v=cache_v, rotate_k=rotate_k)
+        blocks, tables = BlockManager(12, 4), [[], []]
+        for table, n in zip(tables, (11, 9)):  # room for the prefill and the verify+decode step
+            blocks.allocate(table, n)
+        prompts = [[3, 1, 4, 1, 5, 9, 2], [2, 7, 1, 8, 2]]
+        first, taps = runner.run(prompts, [0, 0], tables, all_logits=True, capture_layers=(0,))
+        second = runner.run([[6, 5, 3], [5]], [7, 5], tables, all_logits=True)
+        return torch.cat([first, second]), taps
+
+    monkeypatch.setenv("LUCEBOX_TRITON", "0")
+    want, want_taps = run_steps()
+    assert calls == {"rope_kv": 0, "norm_residual": 0}
+    monkeypatch.setenv("LUCEBOX_TRITON", "1")
+    got, taps = run_steps()
+    assert calls["rope_kv"] and calls["norm_residual"]  # any count: graph replay skips the Python launchers
+    assert rel_err(got, want) <= tol and rel_err(taps, want_taps) <= tol
