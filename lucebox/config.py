@@ -25,6 +25,10 @@ class EngineArgs:
     # vLLM's shape: {"method": "dflash"|"draft_model"|"ngram", "model": ..., "num_speculative_tokens": k, ...}
     speculative_config: dict | None = None
     max_queue: int = 1024  # waiting requests before new ones are refused
+    # CUDA graphs for decode / verify steps: opt-in until validated on a GPU (written and tested on
+    # CPU with the padded static batches; capture and replay have not run on a GPU yet).
+    cuda_graphs: bool = False
+    cuda_graph_max_batch: int = 32  # largest batch (in sequences) replayed through a CUDA graph
 
     HELP = {
         "model": "HF model directory, .gguf file or hub id (default: the bundled default model)",
@@ -45,10 +49,13 @@ class EngineArgs:
         "speculative_config": "speculative decoding settings",
         "enable_prefix_caching": "reuse the KV of shared prompt prefixes across requests",
         "max_queue": "most requests waiting for a slot; more are refused with an overload error",
+        "cuda_graphs": "replay decode and verify steps through CUDA graphs (experimental: not yet validated on a GPU)",
+        "cuda_graph_max_batch": "largest batch of sequences whose decode / verify steps replay a CUDA graph "
+                                "(larger batches run eagerly)",
     }
 
     def __post_init__(self):
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_queue"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_queue", "cuda_graph_max_batch"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise RequestError(f"{name} must be a positive integer, got {value!r}")

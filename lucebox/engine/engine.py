@@ -17,6 +17,7 @@ from ..spec.verify import accept
 from ..stop import StopChecker
 from ..tokenizer import IncrementalDetokenizer
 from .block_manager import BlockManager
+from .cuda_graphs import GraphSettings
 from .runner import ModelRunner, kv_bytes_per_token
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -37,7 +38,7 @@ class LLMEngine:
         self.speculator = make_speculator(args.speculative_config, loaded, self.max_model_len)
         num_blocks = self._plan_kv_blocks()
         self.runner = ModelRunner(self.model, num_blocks, args.block_size, args.cache_type_k, args.cache_type_v,
-                                  args.cache_rotate_k)
+                                  args.cache_rotate_k, graphs=self._graph_settings())
         self.scheduler = Scheduler(BlockManager(num_blocks, args.block_size, args.enable_prefix_caching),
                                    args.max_num_seqs, args.max_num_batched_tokens,
                                    on_release=self.speculator.release if self.speculator else None)
@@ -53,6 +54,16 @@ class LLMEngine:
     @property
     def kv_capacity_tokens(self) -> int:
         return self.runner.num_blocks * self.runner.block_size
+
+    def _graph_settings(self) -> GraphSettings | None:
+        """CUDA-graph buckets: decodes (1 token), and verifies of every draft length the policy picks."""
+        if not self.args.cuda_graphs:
+            return None
+        query_lens = (1,)
+        if self.speculator is not None:
+            query_lens += tuple(k + 1 for k in self.speculator.policy.candidates)
+        return GraphSettings(self.max_model_len, min(self.args.cuda_graph_max_batch, self.args.max_num_seqs),
+                             query_lens)
 
     def _plan_kv_blocks(self) -> int:
         args = self.args

@@ -5,9 +5,11 @@ import logging
 
 import torch
 
+from ..kernels.attention import uses_triton
 from ..model.forward_batch import ForwardBatch
-from .kv_cache import PagedKVCache, bytes_per_value, parse_cache_type
 from ..model.transformer import Transformer
+from .cuda_graphs import CudaGraphRunner, GraphSettings
+from .kv_cache import PagedKVCache, bytes_per_value, parse_cache_type
 
 log = logging.getLogger("lucebox")
 
@@ -21,18 +23,38 @@ def kv_bytes_per_token(model: Transformer, cache_type_k: str = "auto", cache_typ
 
 
 class ModelRunner:
+    """`run` is the one entry: steps that fit a CUDA-graph bucket replay a graph (engine/cuda_graphs.py),
+    everything else (prefill chunks, ragged mixes, CPU) runs eagerly."""
+
     def __init__(self, model: Transformer, num_blocks: int, block_size: int, cache_type_k: str = "auto",
-                 cache_type_v: str = "auto", rotate_k: bool = False):
+                 cache_type_v: str = "auto", rotate_k: bool = False, graphs: GraphSettings | None = None):
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
         cfg = model.config
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        # One block more than the scheduler hands out: graph padding writes its K/V there.
+        self.scratch_block = num_blocks
+        shape = (num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.cache_types = (parse_cache_type(cache_type_k, model.dtype, "--cache-type-k"),
                             parse_cache_type(cache_type_v, model.dtype, "--cache-type-v"))
         for layer in model.layers:
             layer.self_attn.k_cache = PagedKVCache(*shape, cache_type_k, model.dtype, model.device, rotate=rotate_k)
             layer.self_attn.v_cache = PagedKVCache(*shape, cache_type_v, model.dtype, model.device)
+        self.graphs = self._graph_runner(graphs)
+
+    def _graph_runner(self, settings: GraphSettings | None) -> CudaGraphRunner | None:
+        if settings is None:
+            return None
+        if settings.capture:
+            if self.model.device.type != "cuda":
+                return None
+            attn = self.model.layers[0].self_attn
+            probe = torch.empty(1, attn.num_heads, attn.head_dim, dtype=self.model.dtype, device=self.model.device)
+            if not uses_triton(probe, attn.k_cache, attn.v_cache):
+                # The torch attention of a device-only batch spans max_model_len for every sequence.
+                log.info("CUDA graphs off: attention runs the torch reference (LUCEBOX_TRITON=0 or no Triton)")
+                return None
+        return CudaGraphRunner(self.model, self.block_size, self.scratch_block, settings)
 
     @torch.inference_mode()
     def run(self, token_ids: list[list[int]], start_positions: list[int], block_tables: list[list[int]],
@@ -43,6 +65,18 @@ class ModelRunner:
         Logits rows: `logits_rows` (flat token indices) when given, else the last new token of each
         sequence, or every new token with all_logits=True. With capture_layers, also returns the
         outputs of those layers for every new token, concatenated: [T, len(capture_layers) * hidden]."""
+        if self.graphs is not None:
+            out = self.graphs.run(token_ids, start_positions, block_tables, logits_rows, all_logits,
+                                  tuple(capture_layers))
+            if out is not None:
+                return out if capture_layers else out[0]
+        return self.run_eager(token_ids, start_positions, block_tables, logits_rows, all_logits, capture_layers)
+
+    @torch.inference_mode()
+    def run_eager(self, token_ids: list[list[int]], start_positions: list[int], block_tables: list[list[int]],
+                  logits_rows: list[int] | None = None, all_logits: bool = False,
+                  capture_layers: tuple[int, ...] = ()) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """`run` without graphs: the exact ragged batch, no padding."""
         batch = ForwardBatch.build(token_ids, start_positions, block_tables, self.block_size, self.model.device,
                                    capture_layers)
         hidden = self.model(batch)

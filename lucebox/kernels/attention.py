@@ -5,6 +5,11 @@ K/V live in paged stores (engine/kv_cache.PagedKVCache: [num_blocks, block_size,
 head_dim] in the chosen cache type, gathered back as floats). Each sequence's new
 queries attend causally to its cached context and to themselves; a layer with a sliding window
 sees only keys with q_pos - k_pos < window.
+
+A device-only batch (ForwardBatch.from_device, a CUDA graph's) has no host lengths: its reference
+attends over the whole block-table width with masks, reading lengths only from device tensors. It
+costs memory in proportion to max_seq_len, so it suits tests and small contexts; on a GPU such
+batches go to the Triton kernel (the runner captures graphs only when `uses_triton` says so).
 """
 from __future__ import annotations
 
@@ -18,10 +23,11 @@ from .dispatch import use_triton
 def paged_attention(q: torch.Tensor, k_cache, v_cache, batch: ForwardBatch, scale: float,
                     sliding_window: int | None = None) -> torch.Tensor:
     """q [T, heads, head_dim] -> [T, heads, head_dim]; the new K/V must already be written."""
-    if use_triton(q, k_cache.values, v_cache.values):
+    if uses_triton(q, k_cache, v_cache):
         from . import triton_paged_attention as tpa
-        if tpa.supports(q, k_cache, v_cache):
-            return tpa.paged_attention(q, k_cache, v_cache, batch, scale, sliding_window)
+        return tpa.paged_attention(q, k_cache, v_cache, batch, scale, sliding_window)
+    if batch.device_only:
+        return _device_only_reference(q, k_cache, v_cache, batch, scale, sliding_window)
     out = torch.empty_like(q)
     heads, kv_heads = q.shape[1], k_cache.num_kv_heads
     start = 0
@@ -45,3 +51,35 @@ def paged_attention(q: torch.Tensor, k_cache, v_cache, batch: ForwardBatch, scal
         out[start:start + q_len] = o.transpose(0, 1)
         start += q_len
     return out
+
+
+def uses_triton(q: torch.Tensor, k_cache, v_cache) -> bool:
+    """Whether paged_attention sends these operands to the Triton kernel."""
+    if not use_triton(q, k_cache.values, v_cache.values):
+        return False
+    from . import triton_paged_attention as tpa
+    return tpa.supports(q, k_cache, v_cache)
+
+
+def _device_only_reference(q: torch.Tensor, k_cache, v_cache, batch: ForwardBatch, scale: float,
+                           sliding_window: int | None) -> torch.Tensor:
+    tokens, heads, head_dim = q.shape
+    num_seqs, q_len, bs = batch.num_seqs, batch.max_query_len, batch.block_size
+    kv_heads = k_cache.num_kv_heads
+    width = batch.block_tables.shape[1] * bs
+    k_pos = torch.arange(width, device=q.device)
+    # Past a sequence's end the table may hold anything; clamping keeps the gather in bounds and
+    # the causal mask hides those keys (every key a query may see lies before its own position).
+    slots = batch.block_tables[:, k_pos // bs].long().clamp_min(0) * bs + k_pos % bs  # [B, width]
+
+    def gather(cache):
+        x = cache.gather(slots.reshape(-1), q.dtype).view(num_seqs, width, kv_heads, head_dim).transpose(1, 2)
+        return x.repeat_interleave(heads // kv_heads, dim=1) if heads != kv_heads else x
+
+    q_pos = batch.seq_lens[:, None] - q_len + torch.arange(q_len, device=q.device)  # [B, q_len]
+    mask = k_pos[None, None, :] <= q_pos[:, :, None]
+    if sliding_window is not None:
+        mask &= (q_pos[:, :, None] - k_pos[None, None, :]) < sliding_window
+    qi = q.view(num_seqs, q_len, heads, head_dim).transpose(1, 2)  # [B, heads, q_len, d]
+    o = F.scaled_dot_product_attention(qi, gather(k_cache), gather(v_cache), attn_mask=mask[:, None], scale=scale)
+    return o.transpose(1, 2).reshape(tokens, heads, head_dim)

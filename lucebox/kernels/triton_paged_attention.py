@@ -10,7 +10,13 @@ fp8 / q8_0 / q4_0 caches, and combined with an online softmax in float32 (base 2
 Split-K (flash-decoding): for long contexts and few programs, the context is cut into NUM_SPLITS
 ranges processed in parallel; each writes its normalised partial output and log-sum-exp, and a
 second kernel merges them. Splits are chosen on the host from host-side lengths (no device sync)
-or passed explicitly (`num_splits`, so a captured CUDA graph can fix them).
+or passed explicitly (`num_splits`).
+
+Graph-safe mode (a device-only ForwardBatch, as a CUDA graph replays): the host knows only the
+bucket's bounds (max_query_len, and max_seq_len from the block-table width), so tile sizes, the
+grid and the split count follow those and stay fixed across replays, while the kernels read the
+true lengths from device tensors. Each split's range then comes from the true context length, so
+on a short context the trailing splits are empty: they store lse = -inf and the merge weighs them 0.
 
 Masks: key k is visible to the query at absolute position p when k <= p (causal, which covers
 the new tokens among themselves) and, with a sliding window w, p - k < w.
@@ -255,10 +261,12 @@ def paged_attention(q: torch.Tensor, k_cache, v_cache, batch, scale: float,
         q = (q.float() @ k_cache._hadamard).to(q.dtype)
     if q.stride(-1) != 1:
         q = q.contiguous()
-    # Host-side lengths when the batch carries them (no device sync); else safe upper bounds.
-    q_lens = batch.query_lens_host or [tokens]
-    max_q = max(q_lens) if q_lens else tokens
-    max_ctx = max(batch.seq_lens_host) if batch.seq_lens_host else None
+    if batch.device_only:  # graph-safe: bounds fixed per bucket, never the lengths themselves
+        max_q, max_ctx = batch.max_query_len or tokens, batch.max_seq_len
+    else:  # host-side lengths when the batch carries them (no device sync); else safe upper bounds
+        q_lens = batch.query_lens_host or [tokens]
+        max_q = max(q_lens)
+        max_ctx = max(batch.seq_lens_host) if batch.seq_lens_host else None
 
     block_d = max(32, next_pow2(head_dim))
     # Rows per program: a whole verify step (<= 32 tokens x GROUP heads) in one tile up to 128 rows,

@@ -2,6 +2,11 @@
 
 Each sequence brings `q_len` new tokens that attend causally to themselves and to its cached
 context. Built once per step by the runner; every layer reads it.
+
+Two ways to build one: `build` from host lists (eager steps: host copies of the lengths ride
+along, so the CPU reference attention never syncs), and `from_device` over a CUDA graph's static
+buffers, where lengths exist only on the device (a replay changes the values, never the host side)
+and only static bounds (`max_query_len`, `max_seq_len`) are known to the host.
 """
 from __future__ import annotations
 
@@ -22,13 +27,22 @@ class ForwardBatch:
     # Hidden states after these layer indices are captured (speculative drafters tap them).
     capture_layers: tuple[int, ...] = ()
     captured: dict[int, torch.Tensor] = field(default_factory=dict)
-    # Host-side copies so the CPU reference attention never syncs on device tensors.
-    query_lens_host: list[int] = field(default_factory=list)
-    seq_lens_host: list[int] = field(default_factory=list)
+    # Host-side copies so the CPU reference attention never syncs on device tensors; None in a
+    # device-only batch (from_device), whose kernels must read lengths from the device tensors.
+    query_lens_host: list[int] | None = field(default_factory=list)
+    seq_lens_host: list[int] | None = field(default_factory=list)
+    # Device-only batches: every sequence brings exactly max_query_len tokens, and no sequence is
+    # longer than max_seq_len (the block-table width in tokens) -- what fixes a kernel's grid.
+    max_query_len: int | None = None
+    max_seq_len: int | None = None
 
     @property
     def num_seqs(self) -> int:
-        return len(self.seq_lens_host)
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def device_only(self) -> bool:
+        return self.query_lens_host is None
 
     @property
     def num_tokens(self) -> int:
@@ -71,3 +85,18 @@ class ForwardBatch:
             seq_lens=as_tensor(seq_lens), block_tables=as_tensor(tables, torch.int32).reshape(len(tables), width),
             slot_mapping=as_tensor(slots), block_size=block_size, capture_layers=tuple(capture_layers),
             query_lens_host=[len(t) for t in token_ids], seq_lens_host=seq_lens)
+
+    @classmethod
+    def from_device(cls, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,
+                    block_tables: torch.Tensor, slot_mapping: torch.Tensor, block_size: int, query_len: int,
+                    query_start_loc: torch.Tensor | None = None, capture_layers: tuple[int, ...] = ()
+                    ) -> "ForwardBatch":
+        """A batch over existing device tensors where every sequence brings `query_len` tokens
+        (padding included); nothing here reads a tensor's values, so it can be captured in a graph."""
+        num_seqs = int(seq_lens.shape[0])
+        if query_start_loc is None:
+            query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int64, device=input_ids.device) * query_len
+        return cls(input_ids=input_ids, positions=positions, query_start_loc=query_start_loc, seq_lens=seq_lens,
+                   block_tables=block_tables, slot_mapping=slot_mapping, block_size=block_size,
+                   capture_layers=tuple(capture_layers), query_lens_host=None, seq_lens_host=None,
+                   max_query_len=query_len, max_seq_len=int(block_tables.shape[1]) * block_size)

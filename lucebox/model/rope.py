@@ -80,10 +80,18 @@ class RopeTable:
         self.cos = self.sin = torch.empty(0, head_dim, device="cpu")
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        needed = int(positions.max()) + 1 if positions.numel() else 0
-        if needed > self.cos.shape[0] or self.cos.device != positions.device:
-            self._grow(max(needed, 2 * self.cos.shape[0], 4096), positions.device)
+        # Under CUDA-graph capture max() would sync (and fail); the runner reserves the table first.
+        if not (positions.is_cuda and torch.cuda.is_current_stream_capturing()):
+            needed = int(positions.max()) + 1 if positions.numel() else 0
+            if needed > self.cos.shape[0] or self.cos.device != positions.device:
+                self._grow(max(needed, 2 * self.cos.shape[0], 4096), positions.device)
         return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+
+    def reserve(self, length: int, device) -> None:
+        """Cover positions < length now: a captured graph keeps reading the tables it saw, so they
+        must never be regrown (reallocated) after capture."""
+        if length > self.cos.shape[0] or self.cos.device != torch.device(device):
+            self._grow(max(length, 4096), device)
 
     def _grow(self, length: int, device):
         pos = torch.arange(length, dtype=torch.float32, device=device)

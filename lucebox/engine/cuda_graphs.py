@@ -1,0 +1,235 @@
+"""CUDA graphs for decode and verify steps: one launch per step instead of hundreds.
+
+At small batch a decode step is a few hundred tiny kernels, and Python plus launch overhead, not
+the GPU, sets its time. A captured graph replays the whole target forward (LM head and the
+captured DFlash taps included) as one launch.
+
+A graph is captured per bucket (batch size B, query length Q): B from 1, 2, 4, ... up to
+`max_batch`, Q from the step shapes the engine produces (1 for a decode, 1 + k for a verify with k
+drafts). A step fits a bucket when it has at most B sequences each bringing at most Q tokens (no
+prefill chunks); it is padded up to exactly B x Q tokens:
+  - missing sequences and the tokens a short sequence lacks are padding; their K/V go to a scratch
+    block the scheduler never hands out, and their positions are 0 (only RoPE reads them);
+  - a sequence's context length counts its padding (seq_len = start + Q), so the kernels see a
+    uniform layout; causality keeps padding invisible to real tokens, which all come first;
+  - block tables are `width` = ceil((max_model_len + max Q) / block_size) wide, filled with the
+    scratch block past each sequence's end, so every block a kernel may touch exists.
+Inputs go through static device buffers (one host-to-device copy of a packed int64 buffer plus
+one of the block tables); outputs are static buffers from which the real rows are gathered, so
+a step has no host sync of its own. Graphs are captured lazily, the first time a bucket is used,
+into one shared memory pool, after the KV pool exists.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..model.forward_batch import ForwardBatch
+
+log = logging.getLogger("lucebox")
+
+# A step whose bucket holds more than this many tokens per real token runs eagerly: padding that
+# wide costs more compute than the launch overhead it saves.
+MAX_PADDING = 2
+
+
+@dataclass(frozen=True)
+class GraphSettings:
+    max_model_len: int
+    max_batch: int = 32  # largest batch bucket (vLLM's max capture size, in sequences)
+    query_lens: tuple[int, ...] = (1,)  # query-length buckets: 1 (decode) and 1 + k per draft length k
+    # False: run the padded static batches eagerly instead of replaying graphs. The padding and the
+    # static buffers are then exercised on any device (how CPU tests check them).
+    capture: bool = True
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, ... below max_batch, then max_batch itself."""
+    return [b for b in (1 << i for i in range(max_batch.bit_length())) if b < max_batch] + [max_batch]
+
+
+def smallest_at_least(n: int, sizes) -> int | None:
+    return next((s for s in sorted(sizes) if s >= n), None)
+
+
+class StaticInputs:
+    """The device buffers every graph reads, sized for the largest bucket, and their host staging.
+
+    One int64 buffer holds ids | positions | slots | seq_lens | selected rows | real rows, so a step
+    costs two host-to-device copies (that and the block tables) whatever its size. On CUDA the
+    staging is pinned and the copies are asynchronous; an event keeps the host from rewriting the
+    staging while the previous copy may still be reading it."""
+
+    def __init__(self, max_tokens: int, max_seqs: int, width: int, device: torch.device):
+        t, b = max_tokens, max_seqs
+        self.offsets = {"ids": 0, "positions": t, "slots": 2 * t, "seq_lens": 3 * t, "select": 3 * t + b,
+                        "real": 4 * t + b}
+        pinned = device.type == "cuda"
+        self.host = torch.zeros(5 * t + b, dtype=torch.int64, pin_memory=pinned)
+        self.host_tables = torch.zeros(max_seqs, width, dtype=torch.int32, pin_memory=pinned)
+        self.flat = torch.zeros(5 * t + b, dtype=torch.int64, device=device)
+        self.tables = torch.zeros(max_seqs, width, dtype=torch.int32, device=device)
+        self._copied = torch.cuda.Event() if pinned else None
+
+    def view(self, name: str, n: int) -> torch.Tensor:
+        start = self.offsets[name]
+        return self.flat[start:start + n]
+
+    def _host(self, name: str, n: int) -> np.ndarray:
+        start = self.offsets[name]
+        return self.host.numpy()[start:start + n]
+
+    def fill(self, token_ids: list[list[int]], start_positions: list[int], block_tables: list[list[int]],
+             num_seqs: int, query_len: int, block_size: int, scratch_block: int) -> list[int]:
+        """Write the padded layout of a step into the host staging; returns the padded row of each
+        real token, in input order."""
+        if self._copied is not None and not self._copied.query():
+            self._copied.synchronize()  # the previous step's copy: done by now in practice
+        tokens = num_seqs * query_len
+        ids, positions = self._host("ids", tokens), self._host("positions", tokens)
+        slots, seq_lens = self._host("slots", tokens), self._host("seq_lens", num_seqs)
+        tables = self.host_tables.numpy()[:num_seqs]
+        ids[:] = 0
+        positions[:] = 0
+        slots[:] = scratch_block * block_size + np.arange(tokens) % query_len % block_size
+        seq_lens[:] = query_len
+        tables[:] = scratch_block
+        real: list[int] = []
+        for i, (toks, start, table) in enumerate(zip(token_ids, start_positions, block_tables)):
+            n, base = len(toks), i * query_len
+            pos = np.arange(start, start + n)
+            ids[base:base + n] = toks
+            positions[base:base + n] = pos
+            table = np.asarray(table, dtype=np.int64)
+            slots[base:base + n] = table[pos // block_size] * block_size + pos % block_size
+            seq_lens[i] = start + query_len
+            tables[i, :len(table)] = table
+            real.extend(range(base, base + n))
+        return real
+
+    def set_rows(self, name: str, rows: list[int]) -> torch.Tensor:
+        self._host(name, len(rows))[:] = rows
+        return self.view(name, len(rows))
+
+    def upload(self, num_seqs: int) -> None:
+        pinned = self._copied is not None
+        self.flat.copy_(self.host, non_blocking=pinned)
+        self.tables[:num_seqs].copy_(self.host_tables[:num_seqs], non_blocking=pinned)
+        if pinned:
+            self._copied.record()
+
+
+class CudaGraphRunner:
+    """Runs the steps that fit a bucket through captured graphs (or, with capture=False, through
+    the same padded static batches eagerly); ModelRunner falls back to eager for the rest."""
+
+    def __init__(self, model, block_size: int, scratch_block: int, settings: GraphSettings):
+        self.model, self.block_size, self.scratch_block, self.settings = model, block_size, scratch_block, settings
+        self.query_lens = sorted(set(settings.query_lens))
+        self.batch_sizes = batch_buckets(settings.max_batch)
+        self.width = -(-(settings.max_model_len + self.query_lens[-1]) // block_size)
+        self.inputs = StaticInputs(self.batch_sizes[-1] * self.query_lens[-1], self.batch_sizes[-1], self.width,
+                                   model.device)
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph | None, torch.Tensor]] = {}
+        self.outputs: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.pool = None
+        self.replays: Counter = Counter()  # (B, Q) -> steps run through that bucket
+        model.rope.reserve(self.width * block_size, model.device)
+
+    def bucket(self, token_ids: list[list[int]], start_positions: list[int],
+               block_tables: list[list[int]]) -> tuple[int, int] | None:
+        """(B, Q) of the bucket this step fits, or None to run it eagerly."""
+        q_lens = [len(t) for t in token_ids]
+        if not q_lens or min(q_lens) < 1:
+            return None
+        num_seqs = smallest_at_least(len(q_lens), self.batch_sizes)
+        query_len = smallest_at_least(max(q_lens), self.query_lens)
+        if num_seqs is None or query_len is None or num_seqs * query_len > MAX_PADDING * sum(q_lens):
+            return None
+        limit = self.width * self.block_size
+        if any(s + query_len > limit for s in start_positions) or any(len(t) > self.width for t in block_tables):
+            return None
+        return num_seqs, query_len
+
+    @torch.inference_mode()
+    def run(self, token_ids, start_positions, block_tables, logits_rows=None, all_logits=False,
+            capture_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """ModelRunner.run's contract for a step that fits a bucket: (logits, features or None);
+        None when it fits none."""
+        shape = self.bucket(token_ids, start_positions, block_tables)
+        if shape is None:
+            return None
+        num_seqs, query_len = shape
+        key = (num_seqs, query_len, tuple(capture_layers))
+        if key not in self.graphs:
+            self._prepare(*key)
+        graph, query_start_loc = self.graphs[key]
+        real = self.inputs.fill(token_ids, start_positions, block_tables, num_seqs, query_len, self.block_size,
+                                self.scratch_block)
+        if logits_rows is not None:
+            select = [real[r] for r in logits_rows]
+        elif all_logits:
+            select = real
+        else:
+            select = [i * query_len + len(t) - 1 for i, t in enumerate(token_ids)]
+        select_dev = self.inputs.set_rows("select", select)
+        real_dev = self.inputs.set_rows("real", real) if capture_layers else None
+        self.inputs.upload(num_seqs)
+        if graph is not None:
+            graph.replay()
+        else:
+            self._forward(num_seqs, query_len, key[2], query_start_loc)
+        self.replays[shape] += 1
+        logits, features = self.outputs[key[2]]
+        # index_select copies: the caller may keep the result past the next replay
+        logits = logits.index_select(0, select_dev)
+        return logits, (features.index_select(0, real_dev) if capture_layers else None)
+
+    def _prepare(self, num_seqs: int, query_len: int, capture_layers: tuple[int, ...]) -> None:
+        device = self.model.device
+        query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int64, device=device) * query_len
+        graph = None
+        if self.settings.capture:
+            started = time.perf_counter()
+            # An all-padding batch: warm-up and capture write nothing but the scratch block.
+            self.inputs.fill([], [], [], num_seqs, query_len, self.block_size, self.scratch_block)
+            self.inputs.upload(num_seqs)
+            # Warm-up outside the graph: Triton compiles, cuBLAS picks algorithms, outputs get allocated.
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                self._forward(num_seqs, query_len, capture_layers, query_start_loc)
+            torch.cuda.current_stream(device).wait_stream(stream)
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: a server thread touching CUDA meanwhile must not invalidate the capture
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                self._forward(num_seqs, query_len, capture_layers, query_start_loc)
+            log.info("captured a CUDA graph for %d sequences x %d tokens in %.0f ms", num_seqs, query_len,
+                     1e3 * (time.perf_counter() - started))
+        self.graphs[(num_seqs, query_len, capture_layers)] = (graph, query_start_loc)
+
+    def _forward(self, num_seqs: int, query_len: int, capture_layers: tuple[int, ...],
+                 query_start_loc: torch.Tensor) -> None:
+        """The captured body: static inputs -> logits (and taps) of every padded row, into the static outputs."""
+        tokens, view = num_seqs * query_len, self.inputs.view
+        batch = ForwardBatch.from_device(view("ids", tokens), view("positions", tokens), view("seq_lens", num_seqs),
+                                         self.inputs.tables[:num_seqs], view("slots", tokens), self.block_size,
+                                         query_len, query_start_loc, capture_layers)
+        logits = self.model.compute_logits(self.model(batch))
+        features = torch.cat([batch.captured[i] for i in capture_layers], dim=-1) if capture_layers else None
+        if capture_layers not in self.outputs:  # first use is a warm-up, never inside a capture
+            rows = self.inputs.tables.shape[0] * self.query_lens[-1]
+            self.outputs[capture_layers] = (
+                logits.new_empty(rows, logits.shape[1]),
+                features.new_empty(rows, features.shape[1]) if features is not None else None)
+        out_logits, out_features = self.outputs[capture_layers]
+        out_logits[:tokens].copy_(logits)
+        if features is not None:
+            out_features[:tokens].copy_(features)

@@ -1,0 +1,317 @@
+"""CUDA-graph decode and verify steps compute what eager steps compute.
+
+Everything but the capture itself runs on the CPU: bucket choice, the padded static layout, the
+padded batch through the model (GraphSettings(capture=False) runs the very batches a graph would
+replay, eagerly), and the graph-safe Triton attention under TRITON_INTERPRET=1. Tests marked
+`gpu` capture and replay real graphs and skip without CUDA.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU and "triton" not in sys.modules:  # before any Triton import; see test_triton_kernels.py
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from lucebox import LLM, SamplingParams  # noqa: E402
+from lucebox.engine.block_manager import BlockManager  # noqa: E402
+from lucebox.engine.cuda_graphs import CudaGraphRunner, GraphSettings, StaticInputs, batch_buckets  # noqa: E402
+from lucebox.engine.kv_cache import PagedKVCache  # noqa: E402
+from lucebox.engine.runner import ModelRunner  # noqa: E402
+from lucebox.kernels.attention import paged_attention  # noqa: E402
+from lucebox.model.config import ModelConfig  # noqa: E402
+from lucebox.model.forward_batch import ForwardBatch  # noqa: E402
+from lucebox.model.transformer import Transformer  # noqa: E402
+
+gpu = pytest.mark.skipif(not ON_GPU, reason="captures CUDA graphs")
+BLOCK = 4
+PROMPT_LENS = [9, 13, 3, 6, 11, 2, 7, 5, 10, 4, 8, 12, 3, 9, 6, 14, 5]  # up to 17 sequences
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-6)).item()
+
+
+def tiny_model(device="cpu", dtype=torch.float32) -> Transformer:
+    torch.manual_seed(0)
+    cfg = ModelConfig(family="qwen3", vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=32, qk_norm=True, sliding_windows=[None, 6])
+    model = Transformer(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    return model.to(device, dtype)
+
+
+def prefilled(model, settings: GraphSettings | None, num_seqs: int, room: int = 8, **cache):
+    """A runner over `model` whose sequences have their prompts in the cache; returns
+    (runner, tables, context lengths)."""
+    runner = ModelRunner(model, 128, BLOCK, graphs=settings, **cache)
+    blocks = BlockManager(128, BLOCK)
+    lens = PROMPT_LENS[:num_seqs]
+    tables = [[] for _ in lens]
+    for table, n in zip(tables, lens):
+        blocks.allocate(table, n + room)
+    runner.run_eager([[(7 * i + j) % 90 + 1 for j in range(n)] for i, n in enumerate(lens)], [0] * num_seqs, tables)
+    return runner, tables, lens
+
+
+def step_tokens(q_lens: list[int]) -> list[list[int]]:
+    return [[(11 * i + j) % 90 + 1 for j in range(q)] for i, q in enumerate(q_lens)]
+
+
+# ----------------------------------------------------------------------------- buckets and padding
+
+def test_batch_buckets_double_up_to_the_largest():
+    assert batch_buckets(32) == [1, 2, 4, 8, 16, 32]
+    assert batch_buckets(24) == [1, 2, 4, 8, 16, 24]
+    assert batch_buckets(1) == [1]
+
+
+@pytest.mark.parametrize("q_lens, bucket", [
+    ([1, 1, 1], (4, 1)),  # decode: batch padded to the next bucket
+    ([1] * 8, (8, 1)),
+    ([4, 4], (2, 4)),  # verify with 3 drafts each
+    ([2, 4, 4], (4, 4)),  # a shorter draft is padded within its sequence
+    ([3], (1, 4)),  # no bucket of 3 tokens: the next one up
+    ([4, 1, 1, 1], None),  # 16 padded tokens for 7 real ones: cheaper eagerly
+    ([5], None),  # longer than any query bucket (a prefill chunk)
+    ([1] * 9, None),  # more sequences than the largest bucket
+    ([1, 0], None),  # a sequence without new tokens
+])
+def test_a_step_takes_the_smallest_bucket_that_holds_it(q_lens, bucket):
+    graphs = CudaGraphRunner(tiny_model(), BLOCK, 0, GraphSettings(64, max_batch=8, query_lens=(1, 4), capture=False))
+    tables = [[1, 2, 3]] * len(q_lens)
+    assert graphs.bucket(step_tokens(q_lens), [5] * len(q_lens), tables) == bucket
+
+
+def test_steps_past_the_block_table_width_run_eagerly():
+    graphs = CudaGraphRunner(tiny_model(), BLOCK, 0, GraphSettings(16, max_batch=4, query_lens=(1,), capture=False))
+    assert graphs.width == 5  # ceil((16 + 1) / 4)
+    assert graphs.bucket([[1]], [15], [[1, 2, 3, 4]]) == (1, 1)
+    assert graphs.bucket([[1]], [20], [[1, 2, 3, 4, 5, 6]]) is None
+
+
+def test_static_inputs_pad_missing_rows_and_tokens_into_the_scratch_block():
+    inputs = StaticInputs(max_tokens=12, max_seqs=4, width=3, device=torch.device("cpu"))
+    scratch = 9
+    # sequence 0: 2 new tokens at positions 5, 6 (blocks 3 then 7); sequence 1: 3 new at 0..2 (block 2)
+    real = inputs.fill([[11, 12], [21, 22, 23]], [5, 0], [[1, 3], [2]], 3, 3, BLOCK, scratch)
+    inputs.upload(3)
+    assert real == [0, 1, 3, 4, 5]
+    assert inputs.view("ids", 9).tolist() == [11, 12, 0, 21, 22, 23, 0, 0, 0]
+    assert inputs.view("positions", 9).tolist() == [5, 6, 0, 0, 1, 2, 0, 0, 0]
+    pad = [scratch * BLOCK + j for j in range(3)]
+    assert inputs.view("slots", 9).tolist() == [3 * BLOCK + 1, 3 * BLOCK + 2, pad[2],
+                                                2 * BLOCK, 2 * BLOCK + 1, 2 * BLOCK + 2] + pad
+    assert inputs.view("seq_lens", 3).tolist() == [5 + 3, 0 + 3, 3]  # padding counts: a uniform layout
+    assert inputs.tables[:3].tolist() == [[1, 3, scratch], [2, scratch, scratch], [scratch] * 3]
+
+
+# ----------------------------------------------------------------------------- padded batches on the CPU
+
+STEPS = {  # name: (q_lens, run kwargs)
+    "decode-3": ([1, 1, 1], {}),
+    "decode-5-with-taps": ([1] * 5, {"capture_layers": (0, 1)}),
+    "verify-2": ([4, 4], {"all_logits": True}),
+    "verify-ragged-rows": ([2, 4, 3], {"logits_rows": [0, 1, 4, 5, 6, 8]}),
+    "verify-with-taps": ([4, 2], {"all_logits": True, "capture_layers": (1,)}),
+}
+
+
+@pytest.mark.parametrize("step", list(STEPS))
+def test_a_padded_static_batch_gives_the_eager_logits(step):
+    q_lens, kwargs = STEPS[step]
+    settings = GraphSettings(64, max_batch=8, query_lens=(1, 4), capture=False)
+    runner, tables, lens = prefilled(tiny_model(), settings, len(q_lens))
+    args = (step_tokens(q_lens), lens, tables)
+    got = runner.run(*args, **kwargs)
+    want = runner.run_eager(*args, **kwargs)
+    assert sum(runner.graphs.replays.values()) == 1  # it did take the static path
+    for g, w in zip(*((got, want) if "capture_layers" in kwargs else ((got,), (want,)))):
+        assert g.shape == w.shape and rel_err(g, w) <= 1e-5
+
+
+def test_the_device_only_reference_attention_matches_the_ragged_one():
+    """The torch attention of a device-only batch (masks over the whole table) equals the per-sequence one."""
+    q_lens, cached = [1, 3, 2], [13, 6, 0]
+    q, k_cache, v_cache, batch, static, real = attention_case(q_lens, cached, query_len=3, num_seqs=4)
+    for window in (None, 5):
+        want = paged_attention(q, k_cache, v_cache, batch, 0.25, window)
+        got = paged_attention(padded_queries(q, real, static), k_cache, v_cache, static, 0.25, window)
+        assert rel_err(got[real], want) <= 1e-5
+
+
+def attention_case(q_lens, cached, query_len, num_seqs, cache_type="f32", dtype=torch.float32,
+                   device="cpu", width=8):
+    """Caches with each sequence's context and new tokens written, plus the ragged batch and the
+    padded device-only batch of the same step; returns (q, k, v, ragged, static, real rows)."""
+    g = torch.Generator().manual_seed(0)
+    heads, kv_heads, head_dim, num_blocks = 4, 2, 32, 24
+    caches = [PagedKVCache(num_blocks + 1, BLOCK, kv_heads, head_dim, cache_type, dtype, device) for _ in range(2)]
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    tables = []
+    for c, n in zip(cached, q_lens):
+        need = -(-(c + n) // BLOCK)
+        tables.append(order[:need])
+        order = order[need:]
+        slots = ForwardBatch.build([list(range(c + n))], [0], [tables[-1]], BLOCK, device).slot_mapping
+        for cache in caches:
+            cache.write(torch.randn(c + n, kv_heads, head_dim, generator=g).to(device, dtype), slots)
+    ragged = ForwardBatch.build([[0] * n for n in q_lens], list(cached), tables, BLOCK, device)
+    inputs = StaticInputs(num_seqs * query_len, num_seqs, width, torch.device(device))
+    real = inputs.fill([[0] * n for n in q_lens], list(cached), tables, num_seqs, query_len, BLOCK, num_blocks)
+    inputs.upload(num_seqs)
+    tokens = num_seqs * query_len
+    static = ForwardBatch.from_device(inputs.view("ids", tokens), inputs.view("positions", tokens),
+                                      inputs.view("seq_lens", num_seqs), inputs.tables[:num_seqs],
+                                      inputs.view("slots", tokens), BLOCK, query_len)
+    q = torch.randn(sum(q_lens), heads, head_dim, generator=g).to(device, dtype)
+    return q, caches[0], caches[1], ragged, static, real
+
+
+def padded_queries(q: torch.Tensor, real: list[int], static: ForwardBatch) -> torch.Tensor:
+    out = torch.randn(static.num_tokens, *q.shape[1:], dtype=q.dtype, device=q.device)  # padding: anything
+    out[real] = q
+    return out
+
+
+# ----------------------------------------------------------------------------- graph-safe Triton attention
+
+TRITON_CASES = {  # name: (q_lens, cached, query_len, num_seqs, kernel kwargs)
+    "decode": ([1, 1, 1], [13, 6, 30], 1, 4, {}),
+    "verify-ragged": ([4, 2], [9, 0], 4, 2, {}),
+    "empty-splits": ([1, 2], [2, 5], 2, 2, {"num_splits": 8, "block_kv": 16}),  # most splits see no keys
+    "window-splits": ([3, 1], [25, 17], 3, 2, {"sliding_window": 6, "num_splits": 3, "block_kv": 16}),
+}
+
+
+@pytest.mark.parametrize("case", list(TRITON_CASES))
+def test_graph_safe_triton_attention_matches_the_torch_reference(case, monkeypatch):
+    pytest.importorskip("triton")
+    if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton was imported before TRITON_INTERPRET=1 could be set")
+    from lucebox.kernels import triton_paged_attention as tpa
+    q_lens, cached, query_len, num_seqs, kwargs = TRITON_CASES[case]
+    device = "cuda" if ON_GPU else "cpu"
+    q, k_cache, v_cache, ragged, static, real = attention_case(q_lens, cached, query_len, num_seqs, device=device)
+    window = kwargs.pop("sliding_window", None)
+    monkeypatch.setenv("LUCEBOX_TRITON", "0")  # the ragged torch reference, on any device
+    want = paged_attention(q, k_cache, v_cache, ragged, 0.25, window)
+    got = tpa.paged_attention(padded_queries(q, real, static), k_cache, v_cache, static, 0.25, window, **kwargs)
+    assert rel_err(got[real], want) <= 1e-5
+
+
+def test_a_padded_model_step_through_triton_kernels_matches_the_eager_reference(monkeypatch):
+    """The whole model on a device-only batch with Triton kernels (interpreted on the CPU)."""
+    pytest.importorskip("triton")
+    if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton was imported before TRITON_INTERPRET=1 could be set")
+    device = "cuda" if ON_GPU else "cpu"
+    settings = GraphSettings(64, max_batch=4, query_lens=(1, 4), capture=False)
+    runner, tables, lens = prefilled(tiny_model(device), settings, 3)
+    args = (step_tokens([2, 4, 3]), lens, tables)
+    monkeypatch.setenv("LUCEBOX_TRITON", "0")
+    want = runner.run_eager(*args, all_logits=True)
+    monkeypatch.setenv("LUCEBOX_TRITON", "1")
+    got = runner.run(*args, all_logits=True)
+    assert runner.graphs.replays[(4, 4)] == 1 and rel_err(got, want) <= 1e-4
+
+
+# ----------------------------------------------------------------------------- the engine
+
+def test_greedy_generation_through_padded_static_batches_equals_eager(hf_models, tmp_path):
+    """Decodes and speculative verifies (with DFlash taps) through the static path, end to end."""
+    from .spec_fixtures import write_dflash_drafter
+    target = hf_models["qwen3"]
+    prompts = [{"prompt_token_ids": [(5 * i + j) % 300 + 3 for j in range(n)]} for i, n in enumerate(PROMPT_LENS[:5])]
+    spec = {"method": "dflash", "model": str(write_dflash_drafter(target, tmp_path / "dflash")), "adaptive": False}
+    for config in (None, spec):
+        llm = LLM(str(target), device="cpu", block_size=BLOCK, speculative_config=config, cuda_graphs=True)
+        want = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]  # eager on CPU
+        runner = llm.engine.runner
+        assert runner.graphs is None
+        settings = replace(llm.engine._graph_settings(), capture=False)
+        runner.graphs = CudaGraphRunner(runner.model, BLOCK, runner.scratch_block, settings)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        assert got == want
+        assert sum(runner.graphs.replays.values()) > 0
+
+
+# ----------------------------------------------------------------------------- real graphs (GPU)
+
+@gpu
+@pytest.mark.parametrize("q_lens", [[1], [1] * 3, [1] * 8, [1] * 17, [4], [4, 4], [4] * 5, [2, 4, 3]],
+                         ids=lambda q: f"{len(q)}x{max(q)}" + ("-ragged" if len(set(q)) > 1 else ""))
+def test_graph_replay_matches_eager_logits(q_lens):
+    settings = GraphSettings(64, max_batch=32, query_lens=(1, 4))
+    runner, tables, lens = prefilled(tiny_model("cuda"), settings, len(q_lens))
+    args = (step_tokens(q_lens), lens, tables)
+    padded_eagerly = CudaGraphRunner(runner.model, BLOCK, runner.scratch_block, replace(settings, capture=False))
+    for capture in ((), (0, 1)):
+        got = runner.run(*args, all_logits=True, capture_layers=capture)
+        same_batch = padded_eagerly.run(*args, all_logits=True, capture_layers=capture)
+        want = runner.run_eager(*args, all_logits=True, capture_layers=capture)
+        if not capture:  # logits only: compare them alone
+            got, same_batch, want = (got,), same_batch[:1], (want,)
+        for g, s, w in zip(got, same_batch, want):
+            assert rel_err(g, s) <= 1e-6  # the graph replays exactly the padded batch
+            assert rel_err(g, w) <= 1e-4  # which computes the eager step (other kernel shapes: rounding)
+    graph, _ = runner.graphs.graphs[runner.graphs.bucket(*args) + ((0, 1),)]
+    assert graph is not None
+
+
+@gpu
+def test_a_graph_step_never_syncs_with_the_host():
+    settings = GraphSettings(64, max_batch=8, query_lens=(1,))
+    runner, tables, lens = prefilled(tiny_model("cuda"), settings, 3)
+    runner.run(step_tokens([1, 1, 1]), lens, tables)  # captures
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        runner.run(step_tokens([1, 1, 1]), [n + 1 for n in lens], tables)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert runner.graphs.replays[(4, 1)] == 2
+
+
+@gpu
+@pytest.mark.parametrize("cache_type", ["bf16", "q8_0"])
+def test_graph_replay_in_bfloat16_with_quantised_kv_is_close_to_eager(cache_type):
+    settings = GraphSettings(64, max_batch=8, query_lens=(1, 4))
+    kv = {"cache_type_k": cache_type, "cache_type_v": cache_type}
+    runner, tables, lens = prefilled(tiny_model("cuda", torch.bfloat16), settings, 5, **kv)
+    for q_lens in ([1] * 5, [4, 3, 4, 2, 4]):
+        args = (step_tokens(q_lens), lens, tables)
+        assert rel_err(runner.run(*args, all_logits=True), runner.run_eager(*args, all_logits=True)) <= 3e-2
+
+
+@gpu
+@pytest.mark.parametrize("method", ["plain", "self_draft", "dflash"])
+def test_greedy_generation_is_identical_with_and_without_graphs(method, hf_models, tmp_path):
+    from .spec_fixtures import write_dflash_drafter
+    target = hf_models["qwen3"]
+    config = {"plain": None,
+              "self_draft": {"method": "draft_model", "model": str(target), "num_speculative_tokens": 3},
+              "dflash": {"method": "dflash", "model": str(write_dflash_drafter(target, tmp_path / "d"))}}[method]
+    if config is not None:
+        config["adaptive"] = False
+    prompts = [{"prompt_token_ids": [(5 * i + j) % 300 + 3 for j in range(n)]} for i, n in enumerate(PROMPT_LENS[:6])]
+    outputs = []
+    for eager in (True, False):
+        # A fixed KV budget: by default the pool takes 90% of the GPU, and two engines overlap here.
+        llm = LLM(str(target), device="cuda", dtype="float32", block_size=BLOCK, cuda_graphs=not eager,
+                  speculative_config=config, kv_cache_memory=64 << 20)
+        outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)])
+        graphs = llm.engine.runner.graphs
+        assert (graphs is None) == eager
+        if graphs is not None:
+            assert sum(graphs.replays.values()) > 0 and any(g is not None for g, _ in graphs.graphs.values())
+        del llm, graphs
+    assert outputs[0] == outputs[1]
