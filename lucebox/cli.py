@@ -25,11 +25,12 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     defaults = EngineArgs()
     types = {"model": str, "dtype": str, "device": str, "max_model_len": int, "block_size": int,
              "max_num_seqs": int, "max_num_batched_tokens": int, "max_queue": int, "kv_cache_memory": int,
-             "gpu_memory_utilization": float, "cache_type_k": str, "cache_type_v": str}
+             "gpu_memory_utilization": float, "cache_type_k": str, "cache_type_v": str, "cuda_graph_max_batch": int}
     for name, kind in types.items():
         p.add_argument("--" + name.replace("_", "-"), type=kind, default=getattr(defaults, name),
                        help=EngineArgs.HELP[name])
     p.add_argument("--cache-rotate-k", action="store_true", help=EngineArgs.HELP["cache_rotate_k"])
+    p.add_argument("--cuda-graphs", action="store_true", help=EngineArgs.HELP["cuda_graphs"])
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="turn off " + EngineArgs.HELP["enable_prefix_caching"])
     p.add_argument("--draft", default=None, help="drafter for speculative decoding: a DFlash drafter directory "
@@ -105,8 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
     convert_drafter.add_argument("outfile", help="the .gguf file to write")
     convert_drafter.add_argument("--outtype", default="f16", help="f16 or q8_0 matrices (norms stay f32), or f32")
 
-    bench = sub.add_parser("bench", help="benchmarks", formatter_class=fmt)
-    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    bench = sub.add_parser("bench", help="benchmarks (bare `lucebox bench` runs `bench speed` with its defaults)",
+                           formatter_class=fmt)
+    bench_sub = bench.add_subparsers(dest="bench", required=False)
+    from .bench.speed import add_arguments as speed_arguments
+    speed_arguments(bench_sub.add_parser(
+        "speed", formatter_class=fmt, help="batch-1 prefill / decode / verify speed against the GEMV bandwidth and "
+                                           "matmul rate measured in the same run, a transformers peer; a markdown table"))
     tp = bench_sub.add_parser("throughput", help="batched decode tok/s, KV bytes per token, prefix-cache hits",
                               formatter_class=fmt)
     tp.add_argument("--model", default=None, help="model to measure (default: the default model)")
@@ -269,7 +275,9 @@ def cmd_convert_drafter(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import kv_quality, spec, throughput
+    from .bench import kv_quality, spec, speed, throughput
+    if args.bench in (None, "speed"):  # speed picks its own model: --model, --shape or the default model
+        return speed.main(args if args.bench else build_parser().parse_args(["bench", "speed"]))
     if args.model is None:
         from .default_model import default_model_path
         args.model = str(default_model_path())

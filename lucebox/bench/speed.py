@@ -1,0 +1,398 @@
+"""`lucebox bench speed` (and bare `lucebox bench`): batch-1 speed against limits measured in the same run.
+
+One process, one model (a checkpoint, or random weights of a named real shape: bench/shapes.py):
+  reference   a large GEMV (the bandwidth a decode step can hope for) and a large matmul (TFLOP/s)
+  prefill     TTFT and tok/s per prompt length; its FLOPs over the measured matmul rate
+  decode      tok/s per context through LLMEngine steps; weight + KV bytes read per token, GB/s and
+              % of the GEMV bandwidth; the runner's forward alone too, to show the engine's overhead
+  verify      one 16-token forward against one decode forward (speculation pays only near 1x)
+  spec        tau, tok/s and speedup over plain decoding (with --draft, or --spec-method ngram)
+  peer        transformers `generate` (static cache) over the very same float tensors, as a ratio
+Each point is run once untimed (kernel compilation), then --repeats times; the median is reported.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..config import EngineArgs
+from ..engine.engine import LLMEngine
+from ..engine.runner import kv_bytes_per_token
+from ..errors import RequestError
+from ..model.loader import resolve_device
+from ..sampling import SamplingParams
+from ..util import common_prefix
+from . import shapes
+
+DEFAULT_LENS = (512, 4096, 32768)
+PHASES = ("reference", "prefill", "decode", "verify", "spec", "peer")
+VERIFY_TOKENS = 16
+# Issue 7's targets (H200, batch 1): % of the measured limit, or a ratio, or tok/s.
+GOALS = {"decode_512": 90.0, "decode_32768": 80.0, "q8_0": 80.0, "q4_k_m": 75.0, "prefill_4096": 60.0,
+         "verify_ratio": 1.3, "peer_ratio": 2.5, "qwen3-0.6b_tok_s": 2000.0}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="checkpoint to measure (default: --shape, else the default model)")
+    p.add_argument("--shape", default=None, help=f"random weights of a named shape: {', '.join(shapes.SHAPES)}")
+    p.add_argument("--quant", default=None, help=f"weights of --shape: {', '.join(shapes.QUANTS)} (default bf16)")
+    p.add_argument("--dtype", default="auto", help=EngineArgs.HELP["dtype"])
+    p.add_argument("--device", default="auto", help=EngineArgs.HELP["device"])
+    for flag, what in (("--prompt-lens", "prefill prompt lengths"), ("--contexts", "decode contexts")):
+        p.add_argument(flag, type=int, nargs="+", default=None,
+                       help=f"{what} (default: those of 512 4096 32768 that fit the model and memory)")
+    p.add_argument("--decode-tokens", type=int, default=128, help="tokens decoded per measured run")
+    p.add_argument("--repeats", type=int, default=3, help="measured runs per point; the median is reported")
+    p.add_argument("--skip", nargs="+", default=[], choices=PHASES, help="measurements to leave out")
+    p.add_argument("--no-peer", action="store_true", help="leave out the transformers peer (= --skip peer)")
+    p.add_argument("--draft", default=None, help="drafter for the speculative row (DFlash dir or draft model)")
+    p.add_argument("--spec-method", default=None, choices=["dflash", "draft_model", "ngram"],
+                   help="speculative method (default: dflash with --draft; ngram needs no --draft)")
+    p.add_argument("--spec-tokens", type=int, default=None, help="draft tokens per step (default: the method's)")
+    p.add_argument("--cache-type-k", default="auto", help=EngineArgs.HELP["cache_type_k"])
+    p.add_argument("--cache-type-v", default="auto", help=EngineArgs.HELP["cache_type_v"])
+    p.add_argument("--cuda-graphs", action="store_true", help=EngineArgs.HELP["cuda_graphs"])
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
+    p.add_argument("--json", default=None, help="also write every figure and the run's metadata to this JSON file")
+
+
+def default_args(**overrides) -> argparse.Namespace:
+    """The CLI's defaults as a namespace, for calling `run` from Python."""
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    if set(overrides) - set(vars(p.parse_args([]))):
+        raise RequestError(f"unknown bench speed option(s): {sorted(set(overrides) - set(vars(p.parse_args([]))))}")
+    return argparse.Namespace(**{**vars(p.parse_args([])), **overrides})
+
+
+def _say(text: str) -> None:
+    print(f"[bench speed] {text}", file=sys.stderr, flush=True)
+
+
+class Clock:
+    """Host time stamps taken after torch.cuda.synchronize, so queued GPU work is counted."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def per_call(self, fn, calls: int, rounds: int = 5) -> float:
+        """Median over rounds of the mean time of `calls` back-to-back calls (one sync per round,
+        so a short kernel is not dwarfed by the sync), after one untimed round."""
+        times = []
+        for r in range(rounds + 1):
+            start = self.now()
+            for _ in range(calls):
+                fn()
+            if r:
+                times.append((self.now() - start) / calls)
+        return statistics.median(times)
+
+
+def reference(device: torch.device, clock: Clock) -> dict:
+    """Device limits measured now: bandwidth of a GEMV far larger than any cache, matmul TFLOP/s."""
+    cuda = device.type == "cuda"
+    rows, cols, n = (32768, 16384, 8192) if cuda else (2048, 2048, 512)  # CPU: small, so tests stay fast
+    dtype = torch.bfloat16 if cuda else torch.float32
+    w, x = torch.randn(rows, cols, device=device, dtype=dtype), torch.randn(1, cols, device=device, dtype=dtype)
+    gemv = clock.per_call(lambda: F.linear(x, w), 20 if cuda else 3)
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    w = x = None  # the 1 GiB matrix goes before the timing of the matmul
+    matmul = clock.per_call(lambda: a @ b, 10 if cuda else 2)
+    a = b = None
+    torch.cuda.empty_cache()  # a no-op without CUDA
+    size = torch.empty(0, dtype=dtype).element_size()
+    return {"dtype": str(dtype).removeprefix("torch."), "gemv_shape": [rows, cols], "matmul_shape": [n, n, n],
+            "gemv_gb_s": (rows * cols + rows + cols) * size / gemv / 1e9, "matmul_tflops": 2 * n ** 3 / matmul / 1e12}
+
+
+def _lengths(given, name: str, limit: int, fits, notes: list[str]) -> list[int]:
+    """Requested lengths must fit (an error says which does not); defaults that do not are dropped."""
+    for n in given or ():
+        if n < 1 or not fits(n):
+            raise RequestError(f"--{name} {n} does not fit: lengths are positive and at most the model's {limit} "
+                               f"positions less --decode-tokens and {VERIFY_TOKENS} verify tokens, with memory "
+                               f"for their KV cache")
+    if given:
+        return sorted(set(given))
+    kept = [n for n in DEFAULT_LENS if fits(n)]
+    if len(kept) < len(DEFAULT_LENS):
+        notes.append(f"{name}: skipped {[n for n in DEFAULT_LENS if n not in kept]} (beyond the model's "
+                     f"{limit} positions or the device's free memory)")
+    return kept
+
+
+def _request(engine: LLMEngine, clock: Clock, prompt: list[int], max_tokens: int) -> tuple[float, float, list[int]]:
+    """One greedy request to the end: (time to first token, time of the remaining tokens, output ids)."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    start, out = clock.now(), None
+    engine.add_request("bench", {"prompt_token_ids": prompt}, params)
+    while out is None:
+        out = next(iter(engine.step()), None)
+    first = clock.now()
+    while engine.has_unfinished():
+        out = next(iter(engine.step()), out)
+    return first - start, clock.now() - first, out.outputs[0].token_ids
+
+
+def _graph_replays(engine: LLMEngine) -> int | None:
+    """Steps the runner replayed through CUDA graphs so far (None: it keeps no graphs, e.g. on CPU)."""
+    graphs = getattr(engine.runner, "graphs", None)
+    return sum(graphs.replays.values()) if graphs is not None else None
+
+
+def _bandwidth_row(row: dict, ref: dict | None) -> dict:
+    row["ms_per_token"] = 1e3 / row["tok_s"]
+    row["gb_s"] = row["bytes_per_token"] * row["tok_s"] / 1e9
+    if ref:
+        row["pct_bandwidth"] = 100 * row["gb_s"] / ref["gemv_gb_s"]
+    return row
+
+
+def engine_phase(engine, loaded, args, prompt_lens, contexts, kv: int, ref, clock, rng) -> tuple[list, list, dict]:
+    """Prefill and decode through the engine. Returns the rows and, per length, its last (prompt, output)."""
+    wbytes = shapes.weight_bytes_per_token(loaded.model)
+    prefill, decode, last = [], [], {}
+    for length in sorted(set(prompt_lens) | set(contexts)):
+        runs = []
+        for r in range(args.repeats + 1):  # run 0 warms up the kernels for this length's shapes
+            prompt = [rng.randrange(loaded.config.vocab_size) for _ in range(length)]
+            ttft, rest, ids = _request(engine, clock, prompt, 1 + args.decode_tokens if length in contexts else 1)
+            runs += [(ttft, rest)] if r else []
+        last[length] = (prompt, ids)
+        if length in prompt_lens:
+            ttft, flops = statistics.median(t for t, _ in runs), shapes.prefill_flops(loaded.config, length)
+            row = {"prompt_len": length, "ttft_s": ttft, "tok_s": length / ttft, "flops": flops,
+                   "tflops": flops / ttft / 1e12}
+            prefill.append(dict(row, pct_matmul=100 * row["tflops"] / ref["matmul_tflops"]) if ref else row)
+            _say(f"prefill {length}: {row['tok_s']:,.0f} tok/s, TTFT {1e3 * ttft:.1f} ms")
+        if length in contexts:
+            seconds = statistics.median(s for _, s in runs)
+            # Decode step i (1..n) reads the KV of length + i positions: length + (n + 1)/2 on average.
+            per_token = wbytes + kv * (length + (args.decode_tokens + 1) / 2)
+            decode.append(_bandwidth_row({"context": length, "tokens": args.decode_tokens,
+                                          "tok_s": args.decode_tokens / seconds, "weight_bytes_per_token": wbytes,
+                                          "kv_bytes_per_token": kv, "bytes_per_token": per_token}, ref))
+            _say(f"decode at {length}: {decode[-1]['tok_s']:,.1f} tok/s")
+    return prefill, decode, last
+
+
+def verify_phase(loaded, args, context: int, kv: int, ref, clock) -> dict:
+    """The runner's forward alone at `context`: one token vs VERIFY_TOKENS tokens with all their logits
+    (what a verify step computes). Its engine has an n-gram speculator (never consulted here) so that,
+    like a speculating engine, it keeps CUDA-graph buckets for verify steps too. The K/V read is
+    whatever the pool holds: the timing does not depend on it."""
+    spec = {"method": "ngram", "num_speculative_tokens": VERIFY_TOKENS - 1, "adaptive": False}
+    engine = LLMEngine(loaded, _engine_args(args, context + 2 * VERIFY_TOKENS, loaded, speculative_config=spec))
+    blocks, table = engine.scheduler.blocks, []
+    blocks.allocate(table, context + VERIFY_TOKENS)
+    run, calls = engine.runner.run, 4 * args.repeats
+    try:
+        one = clock.per_call(lambda: run([[1]], [context], [table]), calls)
+        many = clock.per_call(lambda: run([list(range(1, VERIFY_TOKENS + 1))], [context], [table],
+                                          logits_rows=list(range(VERIFY_TOKENS))), calls)
+    finally:
+        blocks.free_table(table)
+    per_token = shapes.weight_bytes_per_token(loaded.model) + kv * (context + 1)
+    forward = _bandwidth_row({"context": context, "tok_s": 1 / one, "bytes_per_token": per_token}, ref)
+    return {"context": context, "q_len": VERIFY_TOKENS, "decode_step_s": one, "verify_step_s": many,
+            "ratio": many / one, "decode_forward": forward, "cuda_graph_replays": _graph_replays(engine)}
+
+
+def spec_phase(loaded, args, rng) -> dict:
+    """tau and speedup on the same prompts, plain then speculative, each engine built for them (the
+    newest engine's runner owns the model's KV caches, so the main engine is not used after this)."""
+    from .kv_quality import held_out_texts
+    from .spec import _decode, _median
+    if loaded.format == "random":  # a random model's text means nothing: random ids (expect a low tau)
+        prompts = [[rng.randrange(loaded.config.vocab_size) for _ in range(256)] for _ in range(4)]
+    else:
+        prompts = [loaded.tokenizer.encode(t, add_special_tokens=False) for t in held_out_texts(4, 600, seed=1)]
+    params = SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
+    config = {"method": args.spec_method or "dflash", **({"model": args.draft} if args.draft else {})}
+    if args.spec_tokens:
+        config["num_speculative_tokens"] = args.spec_tokens
+    max_len = max(map(len, prompts)) + args.decode_tokens + 64
+
+    def measure(**extra) -> dict:
+        engine = LLMEngine(loaded, _engine_args(args, max_len, loaded, **extra))
+        _decode(engine, prompts[:1], params)  # warm-up
+        return _median([_decode(engine, prompts, params) for _ in range(args.repeats)])
+    plain, spec = measure(), measure(kv_factor=4, speculative_config=config)
+    return {"method": config["method"], "draft": args.draft, "prompts": len(prompts), "tau": spec["tau"],
+            "acceptance": spec["acceptance"], "tok_s": spec["tok_s"], "plain_tok_s": plain["tok_s"],
+            "speedup": spec["tok_s"] / plain["tok_s"]}
+
+
+def peer_phase(loaded, quant: str, args, device, last: dict, at: int, decode: list[dict], clock) -> dict:
+    """transformers `generate` with a static cache, over the lucebox model's own tensors, at context `at`."""
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        return {"skipped": "transformers is not installed"}
+    if quant not in shapes.FLOAT_QUANTS or loaded.format == "gguf":
+        return {"skipped": f"transformers runs the float weights of HF checkpoints or shapes only (these are {quant})"}
+    if at not in last:
+        return {"skipped": "the peer runs at a decode context and none was measured"}
+    config = (AutoConfig.for_model(**shapes.SHAPES[args.shape]) if args.shape
+              else AutoConfig.from_pretrained(loaded.source))
+    prompt, lucebox_ids = last[at]
+    tokens, per_token = shapes.transformers_decode(shapes.transformers_twin(loaded, config, device), prompt,
+                                                   1 + args.decode_tokens, args.repeats, clock.now)
+    ours = next(r["tok_s"] for r in decode if r["context"] == at)
+    _say(f"transformers peer: {1 / per_token:,.1f} tok/s")
+    return {"context": at, "tokens": args.decode_tokens, "tok_s": 1 / per_token, "lucebox_tok_s": ours,
+            "ratio": ours * per_token, "greedy_tokens_matching": common_prefix(tokens, lucebox_ids),
+            "transformers": shapes.version("transformers")}
+
+
+def _engine_args(args, max_len: int, loaded, kv_factor: int = 1, **extra) -> EngineArgs:
+    """Batch 1, no prefix caching (every run must prefill), a KV pool of one context so the rest of the
+    memory stays free (the peer needs it); kv_factor > 1 leaves room for a drafter's KV."""
+    per_token = kv_bytes_per_token(loaded.model, args.cache_type_k, args.cache_type_v)
+    tokens = (-(-max_len // EngineArgs.block_size) + 2) * EngineArgs.block_size
+    return EngineArgs(model=loaded.source, max_model_len=max_len, max_num_seqs=1, enable_prefix_caching=False,
+                      cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
+                      cuda_graphs=getattr(args, "cuda_graphs", False), kv_cache_memory=kv_factor * per_token * tokens, **extra)
+
+
+def run(args: argparse.Namespace) -> dict:
+    skip = set(args.skip) | ({"peer"} if args.no_peer else set())
+    if args.decode_tokens < 2 or args.repeats < 1:
+        raise RequestError("--decode-tokens must be at least 2 and --repeats at least 1")
+    device = resolve_device(args.device)
+    clock, rng, notes = Clock(device), random.Random(args.seed), []
+    result = dict(meta=shapes.run_metadata(args, device), model=None, reference=None, prefill=[], decode=[],
+                  verify=None, spec=None, peer=None, peak_memory_bytes=None, notes=notes)
+    # The model first: a bad --model / --shape / --quant fails before anything is measured.
+    loaded, quant = shapes.load_under_test(args.model, args.shape, args.quant, args.dtype, device, args.seed)
+    _say(f"{loaded.source} on {result['meta']['device']}")
+    if "reference" not in skip:
+        ref = result["reference"] = reference(device, clock)
+        _say(f"reference: GEMV {ref['gemv_gb_s']:,.0f} GB/s, matmul {ref['matmul_tflops']:,.1f} TFLOP/s")
+    if device.type == "cuda":  # the peak starts from the weights, without the reference's buffers
+        torch.cuda.reset_peak_memory_stats(device)
+    kv = kv_bytes_per_token(loaded.model, args.cache_type_k, args.cache_type_v)
+    result["model"] = dict(shapes.describe(loaded, quant), shape=args.shape, kv_bytes_per_token=kv,
+                           kv_cache_types=[args.cache_type_k, args.cache_type_v])
+    # Keep 4 GiB for activations and the peer's static cache; the rest may hold the KV of a context.
+    free = torch.cuda.mem_get_info(device)[0] - (4 << 30) if device.type == "cuda" else float("inf")
+    limit = loaded.config.max_position_embeddings
+
+    def fits(n: int) -> bool:  # the context, the decoded tokens and a verify step, their KV in free memory
+        total = n + args.decode_tokens + VERIFY_TOKENS
+        return total <= limit and kv * total < free
+    prompt_lens = [] if "prefill" in skip else _lengths(args.prompt_lens, "prompt-lens", limit, fits, notes)
+    contexts = [] if "decode" in skip else _lengths(args.contexts, "contexts", limit, fits, notes)
+    longest = max([64, *prompt_lens, *contexts]) + args.decode_tokens + VERIFY_TOKENS
+    engine = LLMEngine(loaded, _engine_args(args, longest, loaded))
+    _request(engine, clock, [1] * 32, 4)  # first-call costs (kernel compilation) stay out of every figure
+    result["prefill"], result["decode"], last = engine_phase(engine, loaded, args, prompt_lens, contexts, kv,
+                                                             result["reference"], clock, rng)
+    result["model"]["cuda_graph_replays"] = _graph_replays(engine)  # how many engine steps replayed a graph
+    at = 512 if 512 in contexts else min(contexts or [512])
+    del engine  # each engine's runner installs its own KV caches in the model: this one is done
+    if "verify" not in skip:
+        result["verify"] = verify_phase(loaded, args, at, kv, result["reference"], clock)
+        _say(f"verify {VERIFY_TOKENS} tokens / decode step: {result['verify']['ratio']:.2f}x")
+    if device.type == "cuda":  # lucebox's own peak: weights, the KV of the longest context, activations
+        result["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
+    if "peer" not in skip:
+        result["peer"] = peer_phase(loaded, quant, args, device, last, at, result["decode"], clock)
+    if "spec" not in skip:
+        result["spec"] = (spec_phase(loaded, args, rng) if args.draft or args.spec_method == "ngram"
+                          else {"skipped": "no drafter: pass --draft PATH (or --spec-method ngram)"})
+    notes += [f"{key}: {result[key]['skipped']}" for key in ("peer", "spec") if "skipped" in (result[key] or {})]
+    return result
+
+
+# ---------------------------------------------------------------------------- the report
+def _goal(value: float | None, bound: float, unit: str = "%", higher: bool = True) -> str:
+    met = "" if value is None else " met" if (value >= bound if higher else value <= bound) else " MISSED"
+    return f"{'>=' if higher else '<='} {bound:,g}{unit}{met}"
+
+
+def _pct(row: dict, key: str) -> str:
+    return f"{row[key]:.1f}%" if key in row else "-"
+
+
+def _n(x: float) -> str:
+    """At least 3 significant digits, thousands separated: 4,012 / 81.5 / 0.0123."""
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+
+def report_rows(r: dict) -> list[tuple[str, str, str, str, str]]:
+    """measure | value | limit / reference | % of limit (or ratio) | goal (issue 7's, for an H200)."""
+    m, ref, rows = r["model"], r["reference"] or {}, []
+    bf16 = m["quant"] == "bf16"
+    if ref:
+        g, n = ref["gemv_shape"], ref["matmul_shape"][0]
+        rows.append(("GEMV bandwidth (reference)", f"{_n(ref['gemv_gb_s'])} GB/s",
+                     f"{ref['dtype']} [{g[0]} x {g[1]}] @ vector", "", ""))
+        rows.append(("matmul rate (reference)", f"{_n(ref['matmul_tflops'])} TFLOP/s", f"{ref['dtype']} {n}^3", "", ""))
+    bw = f"{_n(ref['gemv_gb_s'])} GB/s" if ref else "unmeasured"
+    for p in r["prefill"]:
+        goal = _goal(p.get("pct_matmul"), GOALS["prefill_4096"]) if p["prompt_len"] == 4096 and bf16 else ""
+        rows.append((f"prefill {p['prompt_len']:,} tokens", f"{_n(p['tok_s'])} tok/s, TTFT {_n(1e3 * p['ttft_s'])} ms",
+                     f"{_n(p['tflops'])} of {_n(ref.get('matmul_tflops', 0))} TFLOP/s", _pct(p, "pct_matmul"), goal))
+    for d in r["decode"]:
+        bound = GOALS.get(f"decode_{d['context']}" if bf16 else m["quant"])
+        goals = [_goal(d.get("pct_bandwidth"), bound)] if bound and (bf16 or d["context"] == 512) else []
+        if m["shape"] == "qwen3-0.6b" and bf16 and d["context"] == 512:
+            goals.append(_goal(d["tok_s"], GOALS["qwen3-0.6b_tok_s"], " tok/s"))
+        rows.append((f"decode at context {d['context']:,}", f"{_n(d['tok_s'])} tok/s, {_n(d['ms_per_token'])} ms",
+                     f"{_n(d['gb_s'])} of {bw}; {_n(d['bytes_per_token'] / 1e9)} GB/token", _pct(d, "pct_bandwidth"),
+                     "; ".join(goals)))
+    if r["verify"]:
+        v, f = r["verify"], r["verify"]["decode_forward"]
+        graphs = " with CUDA graphs" if v.get("cuda_graph_replays") else ""
+        rows.append((f"decode forward alone (runner{graphs}) at {f['context']:,}", f"{_n(f['tok_s'])} tok/s",
+                     f"{_n(f['gb_s'])} of {bw}", _pct(f, "pct_bandwidth"), ""))
+        rows.append((f"verify forward of {v['q_len']} tokens / decode forward",
+                     f"{_n(1e3 * v['verify_step_s'])} / {_n(1e3 * v['decode_step_s'])} ms", "", f"{v['ratio']:.2f}x",
+                     _goal(v["ratio"], GOALS["verify_ratio"], "x", higher=False)))
+    s, p = r["spec"] or {}, r["peer"] or {}
+    if "tau" in s:
+        rows.append((f"speculative ({s['method']}), tau {s['tau']:.2f}", f"{_n(s['tok_s'])} tok/s",
+                     f"plain {_n(s['plain_tok_s'])} tok/s", f"{s['speedup']:.2f}x", ""))
+    if "tok_s" in p:
+        rows.append((f"transformers generate (static cache) at {p['context']:,}", f"{_n(p['tok_s'])} tok/s",
+                     f"lucebox {_n(p['lucebox_tok_s'])} tok/s", f"{p['ratio']:.2f}x",
+                     _goal(p["ratio"], GOALS["peer_ratio"], "x")))
+    if r["peak_memory_bytes"]:
+        rows.append(("peak GPU memory", f"{r['peak_memory_bytes'] / 2**30:.2f} GiB",
+                     f"weights {m['weight_bytes'] / 2**30:.2f} GiB", "", ""))
+    return rows
+
+
+def print_report(r: dict) -> None:
+    m = r["model"]
+    print(f"{m['source']}: {m['quant']} weights, {m['dtype']} activations, {r['meta']['device']}, batch 1; a step "
+          f"reads {_n(m['weight_bytes_per_token'] / 1e9)} GB of weights + {m['kv_bytes_per_token']:,} B of KV "
+          f"per context token\n")
+    print("| measure | value | limit / reference | % of limit (ratio) | goal |\n|---|---:|---|---:|---|")
+    for row in report_rows(r):
+        print("| " + " | ".join(row) + " |")
+    for note in r["notes"]:
+        print(f"\nnote: {note}")
+
+
+def main(args: argparse.Namespace) -> int:
+    result = run(args)
+    print_report(result)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2, default=str))
+        _say(f"wrote {args.json}")
+    return 0

@@ -1,0 +1,158 @@
+"""`lucebox bench speed`: random models of named shapes, byte accounting, and the bench end to end on CPU."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+
+from lucebox.bench import shapes, speed
+from lucebox.cli import main
+from lucebox.weights.quant import QuantEmbedding, QuantLinear
+
+CPU = torch.device("cpu")
+SMALL = dict(shape="tiny", device="cpu", prompt_lens=[32, 48], contexts=[32], decode_tokens=4, repeats=1)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: these models are tiny, and two threads fight any other process on 2 cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("quant", sorted(shapes.QUANT_MIXES))
+def test_random_quantised_weights_dequantise_to_finite_values_of_the_intended_scale(quant):
+    loaded = shapes.build_random_model("tiny", quant, CPU)
+    modules = [m for m in loaded.model.modules() if isinstance(m, (QuantLinear, QuantEmbedding))]
+    assert len(modules) == 2 * 7 + 2  # seven matrices a layer, the embedding and the untied head
+    for module in modules:
+        values = module.weight.dequantize()
+        assert torch.isfinite(values).all(), module.name
+        assert 0.01 < values.std().item() < 0.04, (module.name, values.std().item())
+        assert abs(values.mean().item()) < 0.01, module.name
+
+
+def test_q4_k_m_gives_q6_k_to_attn_v_ffn_down_and_the_output_head_as_llama_cpp_does():
+    model = shapes.build_random_model("tiny", "q4_k_m", CPU).model
+    types = {name: m.qtype for name, m in model.named_modules() if isinstance(m, (QuantLinear, QuantEmbedding))}
+    assert types["layers.0.self_attn.v_proj"] == types["layers.1.mlp.down_proj"] == types["lm_head"] == Q.Q6_K
+    assert types["layers.0.self_attn.q_proj"] == types["layers.1.mlp.up_proj"] == types["embed_tokens"] == Q.Q4_K
+
+
+def test_named_shapes_are_the_real_qwen3_configs():
+    cfg = shapes.shape_config("qwen3-8b")
+    assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (4096, 36, 32, 8, 128)
+    assert (cfg.intermediate_size, cfg.vocab_size, cfg.tie_word_embeddings) == (12288, 151936, False)
+    assert cfg.qk_norm and cfg.rope.theta == 1e6 and cfg.max_position_embeddings == 40960
+    assert shapes.shape_config("qwen3-0.6b").tie_word_embeddings
+    layers, head = shapes.matmul_params(cfg)
+    assert 7.5e9 < layers + head + cfg.vocab_size * cfg.hidden_size < 8.5e9  # "8B" parameters
+
+
+def _matrix_bytes(qtype, rows: int, cols: int) -> int:
+    block, size = GGML_QUANT_SIZES[qtype]
+    return rows * cols // block * size
+
+
+@pytest.mark.parametrize("quant,tied", [("bf16", False), ("q8_0", False), ("q4_k_m", False), ("q4_k_m", True)])
+def test_bytes_per_token_are_every_weight_once_plus_one_embedding_row(quant, tied, monkeypatch):
+    """Counted here from the shape alone, not from the model's tensors."""
+    monkeypatch.setitem(shapes.SHAPES, "tiny", dict(shapes.SHAPES["tiny"], tie_word_embeddings=tied))
+    loaded = shapes.build_random_model("tiny", quant, CPU)
+    cfg, model = loaded.config, loaded.model
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    float_size = model.dtype.itemsize
+    if quant == "bf16":
+        def size(name, rows, cols):
+            return rows * cols * 2
+    else:
+        main_type, special = shapes.QUANT_MIXES[quant]
+
+        def size(name, rows, cols):
+            return _matrix_bytes(special if name in ("v", "down", "head") else main_type, rows, cols)
+    layer = (size("q", q, h) + size("k", kv, h) + size("v", kv, h) + size("o", h, q) + size("gate", inter, h)
+             + size("up", inter, h) + size("down", h, inter) + float_size * (2 * h + 2 * cfg.head_dim))
+    head = size("head", cfg.vocab_size, h)
+    embed_row = size("head" if tied else "embed", 1, h)
+    expected = cfg.num_layers * layer + float_size * h + head + embed_row
+    assert shapes.weight_bytes_per_token(model) == expected
+    table = head if tied else size("embed", cfg.vocab_size, h)
+    assert shapes.weight_bytes(model) == expected - embed_row + (0 if tied else table)
+
+
+def _positive(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def test_bench_speed_python_api_measures_every_phase_on_a_tiny_model():
+    result = speed.run(speed.default_args(**SMALL, quant="f32", spec_method="ngram"))
+    ref, model = result["reference"], result["model"]
+    assert _positive(ref["gemv_gb_s"]) and _positive(ref["matmul_tflops"])
+    assert [p["prompt_len"] for p in result["prefill"]] == [32, 48]
+    for p in result["prefill"]:
+        assert all(_positive(p[k]) for k in ("ttft_s", "tok_s", "tflops", "pct_matmul"))
+        assert p["flops"] == shapes.prefill_flops(shapes.shape_config("tiny"), p["prompt_len"])
+    (d,) = result["decode"]
+    assert all(_positive(d[k]) for k in ("tok_s", "ms_per_token", "gb_s", "pct_bandwidth"))
+    assert model["kv_bytes_per_token"] == 2 * 2 * 64 * 2 * 4  # layers x kv heads x head_dim x (K, V) x float32
+    assert d["bytes_per_token"] == model["weight_bytes_per_token"] + model["kv_bytes_per_token"] * (32 + 2.5)
+    assert d["gb_s"] == pytest.approx(d["bytes_per_token"] * d["tok_s"] / 1e9)
+    v = result["verify"]
+    assert v["q_len"] == 16 and v["ratio"] == pytest.approx(v["verify_step_s"] / v["decode_step_s"])
+    assert v["cuda_graph_replays"] is None and model["cuda_graph_replays"] is None  # no graphs on the CPU
+    assert result["spec"]["method"] == "ngram" and result["spec"]["tau"] >= 1 and _positive(result["spec"]["speedup"])
+    peer = result["peer"]
+    assert _positive(peer["tok_s"]) and peer["ratio"] == pytest.approx(peer["lucebox_tok_s"] / peer["tok_s"])
+    # float32 on both sides over the very same tensors: transformers decodes the same greedy tokens
+    assert peer["greedy_tokens_matching"] == 1 + SMALL["decode_tokens"]
+    assert result["meta"]["torch"] == torch.__version__ and result["meta"]["date"]
+    measures = [row[0] for row in speed.report_rows(result)]
+    assert "GEMV bandwidth (reference)" in measures and any(m.startswith("transformers") for m in measures)
+
+
+def test_bench_speed_cli_prints_the_table_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "speed.json"
+    code = main(["bench", "speed", "--shape", "tiny", "--quant", "q8_0", "--device", "cpu", "--prompt-lens", "32",
+                 "--contexts", "32", "--decode-tokens", "4", "--repeats", "1", "--skip", "verify", "--json", str(out)])
+    assert code == 0
+    table = capsys.readouterr().out
+    assert "| measure | value | limit / reference |" in table and "| decode at context 32 |" in table
+    result = json.loads(out.read_text())
+    assert result["model"]["quant"] == "q8_0" and result["model"]["quant_types"] == {"Q8_0": 16}
+    assert result["meta"]["args"]["shape"] == "tiny" and result["meta"]["command"]
+    assert _positive(result["decode"][0]["tok_s"]) and result["verify"] is None
+    assert "skipped" in result["peer"] and "q8_0" in result["peer"]["skipped"]
+
+
+@pytest.mark.parametrize("argv,named", [
+    (["--shape", "qwen9-1b"], "qwen9-1b"),
+    (["--shape", "tiny", "--quant", "q3_k"], "q3_k"),
+    (["--shape", "tiny", "--contexts", "5000"], "--contexts 5000"),
+    (["--shape", "tiny", "--prompt-lens", "0"], "--prompt-lens 0"),
+    (["--shape", "tiny", "--model", "x"], "--shape"),
+])
+def test_bench_speed_rejects_bad_flags_naming_what_is_wrong(argv, named, capsys):
+    assert main(["bench", "speed", "--device", "cpu", "--skip", "reference", *argv]) == 1
+    err = capsys.readouterr().err
+    assert "error: " in err and named in err and "Traceback" not in err
+
+
+def test_bare_bench_runs_speed_with_its_defaults(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(speed, "main", lambda args: seen.setdefault("args", args) and 0)
+    assert main(["bench"]) == 0
+    args = seen["args"]
+    assert args.bench == "speed" and args.contexts is None and args.decode_tokens == 128 and args.shape is None
+
+
+def test_default_lengths_that_do_not_fit_the_model_are_skipped_with_a_note():
+    result = speed.run(speed.default_args(shape="tiny", device="cpu", decode_tokens=2, repeats=1,
+                                          skip=["reference", "prefill", "verify", "peer", "spec"]))
+    assert [d["context"] for d in result["decode"]] == [512]  # tiny has 4,096 positions
+    assert any("4096" in note and "32768" in note for note in result["notes"])
