@@ -1,7 +1,8 @@
 """The default model pair used when no --model is given.
 
-lucebox ships a small trained code model and its DFlash drafter under models/ (see
-models/default/README.md); with no --model, lucebox serves that pair with speculation on.
+lucebox ships a small trained code model under models/ (see models/default/README.md) and, once
+one reaches the quality bar, its DFlash drafter; with no --model, lucebox serves it with
+speculation on (the drafter, else n-gram lookup).
 Where models/ is absent (a copy of the package without the repository's models), a small
 Qwen3-architecture model with a trained tokenizer and RANDOM weights is built on first use, so
 the stack still runs offline; its output is not meaningful text.
@@ -37,10 +38,14 @@ CONFIG = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_siz
 
 
 def default_speculative_config() -> dict | None:
-    """Speculation for the default model: its DFlash drafter, when the drafter ships too."""
-    if (BUNDLED / "config.json").is_file() and (BUNDLED_DRAFTER / "config.json").is_file():
+    """Speculation for the default model: its DFlash drafter when the drafter ships too, else n-gram
+    prompt lookup (the small code model repeats itself a lot: 2.09x at temperature 0 on CPU, see
+    BENCHMARKS.md). The random demo model gets none."""
+    if not (BUNDLED / "config.json").is_file():
+        return None
+    if (BUNDLED_DRAFTER / "config.json").is_file():
         return {"method": "dflash", "model": str(BUNDLED_DRAFTER)}
-    return None
+    return {"method": "ngram"}
 
 
 def default_model_path() -> Path:

@@ -3,7 +3,9 @@
 # the same kind of corpus as the target (the training machine's installed Python sources, the
 # target's held-out files excluded), on the target's own regenerated greedy continuations.
 # Usage: scripts/train_default_drafter.sh OUT_DIR [TRAIN_SECONDS]   (one H200: about 8 minutes)
-# Env: SAMPLES (regenerated sequences, default 8192), BATCH (default 32), EVAL_EVERY (default 250).
+# Env: SAMPLES (regenerated sequences, default 16384), BATCH (default 32), EVAL_EVERY (default 250).
+# Measured (H200, 8,192 samples, 330 s): regeneration 83k tok/s, 0.18 s/step, held-out tau 2.2 with
+# eval loss rising after ~6 epochs -- hence more samples by default.
 set -euo pipefail
 out=${1:-models/default-dflash}
 seconds=${2:-380}
@@ -21,5 +23,5 @@ PY
 # steps); the outer timeout only guards against a stuck run.
 timeout --signal=INT $((seconds + 300)) python3 -m lucebox.cli train-drafter --target models/default --data "$data" \
   --out "$out" --layers 2 --block-size 16 --batch-size "${BATCH:-32}" --seq-len 1024 --anchors 256 --lr 6e-4 \
-  --regenerate --max-samples "${SAMPLES:-8192}" --regen-batch 1024 --max-seconds "$seconds" \
+  --regenerate --max-samples "${SAMPLES:-16384}" --regen-batch 2048 --max-seconds "$seconds" \
   --eval-every "${EVAL_EVERY:-250}" --save-every 1000000 --seed 0

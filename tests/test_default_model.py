@@ -78,3 +78,15 @@ def test_cli_default_is_the_bundled_pair(capsys):
     from lucebox.cli import main
     assert main(["generate", "--prompt", "import os\n", "--max-tokens", "8", "--temperature", "0"]) == 0
     assert str(BUNDLED) in capsys.readouterr().err
+
+
+def test_default_llm_speculates_losslessly(hf, snippets):
+    """No model given: the bundled model with speculation on (its drafter, else n-gram lookup), and
+    greedy output identical to plain decoding."""
+    default = LLM()
+    assert default.engine.speculator is not None
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    outs = default.generate(snippets[:3], params, use_tqdm=False)
+    plain = hf.generate(snippets[:3], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert sum(o.metrics.num_drafts for o in outs) > 0
