@@ -106,6 +106,9 @@ def test_bench_speed_python_api_measures_every_phase_on_a_tiny_model():
     v = result["verify"]
     assert v["q_len"] == 16 and v["ratio"] == pytest.approx(v["verify_step_s"] / v["decode_step_s"])
     assert v["cuda_graph_replays"] is None and model["cuda_graph_replays"] is None  # no graphs on the CPU
+    forced = result["forced"]  # float32 on both runs: every recorded token is accepted
+    assert forced["acceptance"] == 1.0 and forced["tau"] > 1 and _positive(forced["speedup"])
+    assert forced["bound"] == pytest.approx(forced["tau"] * v["decode_step_s"] / v["verify_step_s"])
     assert result["spec"]["method"] == "ngram" and result["spec"]["tau"] >= 1 and _positive(result["spec"]["speedup"])
     peer = result["peer"]
     assert _positive(peer["tok_s"]) and peer["ratio"] == pytest.approx(peer["lucebox_tok_s"] / peer["tok_s"])

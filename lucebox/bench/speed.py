@@ -6,6 +6,7 @@ One process, one model (a checkpoint, or random weights of a named real shape: b
   decode      tok/s per context through LLMEngine steps; weight + KV bytes read per token, GB/s and
               % of the GEMV bandwidth; the runner's forward alone too, to show the engine's overhead
   verify      one 16-token forward against one decode forward (speculation pays only near 1x)
+  forced      speculation with drafts forced to be accepted (bench/forced.py), against its bound
   spec        tau, tok/s and speedup over plain decoding (with --draft, or --spec-method ngram)
   peer        transformers `generate` (static cache) over the very same float tensors, as a ratio
 Each point is run once untimed (kernel compilation), then --repeats times; the median is reported.
@@ -31,13 +32,14 @@ from ..model.loader import resolve_device
 from ..sampling import SamplingParams
 from ..util import common_prefix
 from . import shapes
+from .forced import forced_phase
 
 DEFAULT_LENS = (512, 4096, 32768)
-PHASES = ("reference", "prefill", "decode", "verify", "spec", "peer")
+PHASES = ("reference", "prefill", "decode", "verify", "forced", "spec", "peer")
 VERIFY_TOKENS = 16
 # Issue 7's targets (H200, batch 1): % of the measured limit, or a ratio, or tok/s.
 GOALS = {"decode_512": 90.0, "decode_32768": 80.0, "q8_0": 80.0, "q4_k_m": 75.0, "prefill_4096": 60.0,
-         "verify_ratio": 1.3, "peer_ratio": 2.5, "qwen3-0.6b_tok_s": 2000.0}
+         "verify_ratio": 1.3, "peer_ratio": 2.5, "qwen3-0.6b_tok_s": 2000.0, "forced_of_bound": 85.0}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -275,7 +277,7 @@ def run(args: argparse.Namespace) -> dict:
     device = resolve_device(args.device)
     clock, rng, notes = Clock(device), random.Random(args.seed), []
     result = dict(meta=shapes.run_metadata(args, device), model=None, reference=None, prefill=[], decode=[],
-                  verify=None, spec=None, peer=None, peak_memory_bytes=None, notes=notes)
+                  verify=None, forced=None, spec=None, peer=None, peak_memory_bytes=None, notes=notes)
     # The model first: a bad --model / --shape / --quant fails before anything is measured.
     loaded, quant = shapes.load_under_test(args.model, args.shape, args.quant, args.dtype, device, args.seed)
     _say(f"{loaded.source} on {result['meta']['device']}")
@@ -307,6 +309,11 @@ def run(args: argparse.Namespace) -> dict:
     if "verify" not in skip:
         result["verify"] = verify_phase(loaded, args, at, kv, result["reference"], clock)
         _say(f"verify {VERIFY_TOKENS} tokens / decode step: {result['verify']['ratio']:.2f}x")
+        if "forced" not in skip:
+            prompt = [rng.randrange(loaded.config.vocab_size) for _ in range(at)]
+            f = result["forced"] = forced_phase(loaded, args, _engine_args, result["verify"], prompt,
+                                                VERIFY_TOKENS - 1)
+            _say(f"forced acceptance: tau {f['tau']:.2f}, {f['speedup']:.2f}x (bound {f['bound']:.2f}x)")
     if device.type == "cuda":  # lucebox's own peak: weights, the KV of the longest context, activations
         result["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
     if "peer" not in skip:
@@ -363,6 +370,12 @@ def report_rows(r: dict) -> list[tuple[str, str, str, str, str]]:
         rows.append((f"verify forward of {v['q_len']} tokens / decode forward",
                      f"{_n(1e3 * v['verify_step_s'])} / {_n(1e3 * v['decode_step_s'])} ms", "", f"{v['ratio']:.2f}x",
                      _goal(v["ratio"], GOALS["verify_ratio"], "x", higher=False)))
+    if r.get("forced"):
+        f = r["forced"]
+        rows.append((f"speculative, forced acceptance ({f['draft_tokens']} drafts), tau {f['tau']:.2f}",
+                     f"{_n(f['tok_s'])} tok/s, {f['speedup']:.2f}x plain",
+                     f"bound tau x decode / verify = {f['bound']:.2f}x", f"{100 * f['of_bound']:.0f}%",
+                     _goal(100 * f["of_bound"], GOALS["forced_of_bound"])))
     s, p = r["spec"] or {}, r["peer"] or {}
     if "tau" in s:
         rows.append((f"speculative ({s['method']}), tau {s['tau']:.2f}", f"{_n(s['tok_s'])} tok/s",

@@ -1,0 +1,63 @@
+"""Forced acceptance for `lucebox bench speed`: speculation whose drafter proposes the target's own
+greedy continuation (recorded by a plain run of the same prompt first), so that every draft is
+accepted unless numerics flip a near-tie and tau approaches k + 1.
+
+It isolates what the speculative machinery itself delivers (verify forward, acceptance, commit,
+rollback bookkeeping) from drafter quality. The bound it is held to (issue 7):
+    speedup <= tau x decode-step / (verify-step + draft-step)
+with the step times of the runner's forwards measured in the verify phase and a draft step of
+zero (a lookup). Measured speedup / bound >= 0.85 means the engine loses little around the forwards.
+"""
+from __future__ import annotations
+
+from ..engine.engine import LLMEngine
+from ..sampling import SamplingParams
+from ..spec.proposer import Draft, Proposer
+
+
+class RecordedContinuationProposer(Proposer):
+    """Drafts the next tokens of a recorded continuation of the sequence's prompt (benchmarks only)."""
+    method = "recorded"
+
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]]):
+        self.continuations = continuations
+
+    def propose(self, seqs: list, num_tokens: list[int]) -> list[Draft]:
+        drafts = []
+        for seq, k in zip(seqs, num_tokens):
+            recorded = self.continuations.get(tuple(seq.prompt_token_ids), [])
+            done = len(seq.output_token_ids)
+            drafts.append(Draft(list(recorded[done:done + k])))
+        return drafts
+
+
+def forced_phase(loaded, args, engine_args, verify: dict, prompt: list[int], draft_tokens: int) -> dict:
+    """Plain greedy decoding of `prompt`, then the same with forced-acceptance drafts of
+    `draft_tokens`; medians over args.repeats runs after a warm-up each."""
+    from .spec import _decode, _median
+    params = SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
+    max_len = len(prompt) + args.decode_tokens + 2 * (draft_tokens + 1)
+
+    def measure(engine: LLMEngine) -> dict:
+        _decode(engine, [prompt], params)  # warm-up (and, for the plain engine, the recording)
+        return _median([_decode(engine, [prompt], params) for _ in range(args.repeats)])
+
+    plain_engine = LLMEngine(loaded, engine_args(args, max_len, loaded))
+    plain_engine.add_request("record", {"prompt_token_ids": prompt}, params)
+    recorded = None
+    while plain_engine.has_unfinished():
+        for out in plain_engine.step():
+            recorded = out.outputs[0].token_ids
+    plain = measure(plain_engine)
+    del plain_engine  # the next engine installs its own KV caches in the model
+    # An n-gram speculator of the right length, its proposer swapped for the recording: the engine
+    # plans its KV, graph buckets and draft length exactly as for any speculator.
+    spec = {"method": "ngram", "num_speculative_tokens": draft_tokens, "adaptive": False}
+    engine = LLMEngine(loaded, engine_args(args, max_len, loaded, kv_factor=2, speculative_config=spec))
+    engine.speculator.proposer = RecordedContinuationProposer({tuple(prompt): list(recorded)})
+    forced = measure(engine)
+    speedup = forced["tok_s"] / plain["tok_s"]
+    bound = forced["tau"] * verify["decode_step_s"] / verify["verify_step_s"]
+    return {"draft_tokens": draft_tokens, "tau": forced["tau"], "acceptance": forced["acceptance"],
+            "tok_s": forced["tok_s"], "plain_tok_s": plain["tok_s"], "speedup": speedup, "bound": bound,
+            "of_bound": speedup / bound}
