@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# One GPU call's worth of work, for the device machine (H200): every step writes its log (and JSON)
+# under $OUT and is bounded by `timeout`, so one failing step never loses the others' results.
+#   scripts/gpu_session.sh check     GPU tests: CUDA graphs, fused kernels, Triton kernels, model (~3 min)
+#   scripts/gpu_session.sh bench     bench speed: qwen3-8b bf16 eager and with --cuda-graphs, q8_0,
+#                                    q4_k_m, qwen3-0.6b bf16 (~8 min)
+#   scripts/gpu_session.sh kernels   scripts/bench_kernels.py --sweep (Triton kernels vs torch, GB/s)
+#   scripts/gpu_session.sh drafter   the default drafter (scripts/train_default_drafter.sh, ~9 min)
+# The device lacks the gguf package: keep its wheel in .whl/ (git-ignored) and pass carry [".whl"].
+set -uo pipefail
+out=${OUT:-/tmp/out}
+mkdir -p "$out"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:.
+fi
+export PYTHONUNBUFFERED=1
+step() {  # step NAME SECONDS COMMAND...: run, log to $out/NAME.log, report the exit status
+  local name=$1 seconds=$2; shift 2
+  timeout "$seconds" "$@" > "$out/$name.log" 2>&1
+  echo "== $name: exit $? ($(tail -n 1 "$out/$name.log" | cut -c1-160))"
+}
+bench() {  # bench NAME SECONDS ARGS...: lucebox bench speed with --json, its table shown
+  local name=$1 seconds=$2; shift 2
+  step "$name" "$seconds" python3 -m lucebox.cli bench speed --json "$out/$name.json" "$@"
+  sed -n '/^| measure/,$p' "$out/$name.log"
+}
+case "${1:-check}" in
+  check)
+    step gpu-tests 300 python3 -m pytest -q -x -rs tests/test_cuda_graphs.py tests/test_fused_kernels.py \
+      tests/test_triton_kernels.py tests/test_model.py
+    tail -n 30 "$out/gpu-tests.log" ;;
+  bench)
+    bench 8b-bf16-graphs 240 --shape qwen3-8b --quant bf16 --cuda-graphs
+    bench 8b-bf16-eager 150 --shape qwen3-8b --quant bf16 --prompt-lens 4096 --contexts 512 --no-peer --skip forced
+    bench 8b-q8_0 90 --shape qwen3-8b --quant q8_0 --prompt-lens 512 --contexts 512 --no-peer --cuda-graphs
+    bench 8b-q4_k_m 90 --shape qwen3-8b --quant q4_k_m --prompt-lens 512 --contexts 512 --no-peer --cuda-graphs
+    bench 06b-bf16 90 --shape qwen3-0.6b --quant bf16 --prompt-lens 512 --contexts 512 --cuda-graphs ;;
+  kernels)
+    step kernels 500 python3 scripts/bench_kernels.py --sweep --json "$out/kernels.json"
+    tail -n 60 "$out/kernels.log" ;;
+  drafter)
+    step drafter 560 bash scripts/train_default_drafter.sh "$out/default-dflash" "${SECONDS_TRAIN:-330}"
+    rm -f "$out/default-dflash/train_state.pt" "$out/default-dflash/regenerated.pt"
+    tr '\r' '\n' < "$out/drafter.log" | grep -E "tau|steps|wrote|Error|error" | tail -n 20 ;;
+  *) echo "usage: $0 check|bench|kernels|drafter" >&2; exit 2 ;;
+esac
