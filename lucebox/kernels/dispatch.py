@@ -25,27 +25,38 @@ def triton_available() -> bool:
     return True
 
 
-def _mode() -> str:
-    return os.environ.get("LUCEBOX_TRITON", "").strip().lower()
+ON = ("1", "true", "yes", "on")
+OFF = ("0", "false", "no", "off")
+
+
+@functools.cache
+def _choice(mode: str | None, interpret: str | None) -> tuple[bool, bool]:
+    """(Triton for CUDA tensors, Triton for CPU tensors) under these two environment values."""
+    mode = (mode or "").strip().lower()
+    interpreted = (interpret or "").strip().lower() in ON
+    if mode in OFF or not triton_available():
+        return False, False
+    # Interpreted kernels want host tensors: keep GPU runs compiled. (ROCm builds of torch report
+    # their GPUs as "cuda" too.)
+    return not interpreted, mode in ON and interpreted
 
 
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "yes", "on")
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ON
 
 
 def use_triton(*tensors: torch.Tensor | None) -> bool:
-    """True when the op should run its Triton kernel on these tensors (None entries are ignored)."""
-    mode = _mode()
-    if mode in ("0", "false", "no", "off"):
+    """True when the op should run its Triton kernel on these tensors (None entries are ignored).
+
+    Called for every op of every layer in eager steps: the environment is read on each call (tests
+    flip it at run time), its meaning is cached."""
+    cuda, cpu = _choice(os.environ.get("LUCEBOX_TRITON"), os.environ.get("TRITON_INTERPRET"))
+    present = [t for t in tensors if t is not None]
+    if not present:
         return False
-    devices = {t.device.type for t in tensors if t is not None}
-    if not devices or not triton_available():
-        return False
-    if devices == {"cuda"}:  # ROCm builds of torch report their GPUs as "cuda" too
-        return not interpreting()  # interpreted kernels want host tensors; keep GPU runs compiled
-    if devices == {"cpu"}:
-        return mode in ("1", "true", "yes", "on") and interpreting()
-    return False
+    if all(t.is_cuda for t in present):
+        return cuda
+    return cpu and all(t.is_cpu for t in present)
 
 
 @functools.cache
