@@ -98,6 +98,25 @@ def test_max_tokens_is_exact_with_speculation(target, configs, plain):
     assert out.token_ids == plain[0][:7] and out.finish_reason == "length"
 
 
+def test_logprobs_of_a_speculative_batch_match_plain_decoding(target, configs):
+    """Sequences with and without logprobs verify in one batch; each committed token gets the
+    target's logprobs at its own position."""
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=n) for n in (2, None, 0, 3)]
+    reference = LLM(str(target), block_size=4).generate(prompts(4), params, use_tqdm=False)
+    outs = spec_llm(target, configs["self_draft"]).generate(prompts(4), params, use_tqdm=False)
+    assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
+    for ref, out, p in zip(reference, outs, params):
+        ref, out = ref.outputs[0], out.outputs[0]
+        assert out.token_ids == ref.token_ids
+        if p.logprobs is None:
+            assert out.logprobs is None
+            continue
+        assert [list(d) for d in out.logprobs] == [list(d) for d in ref.logprobs]
+        for got, want in zip(out.logprobs, ref.logprobs):
+            assert [v.rank for v in got.values()] == [v.rank for v in want.values()]
+            assert [v.logprob for v in got.values()] == pytest.approx([v.logprob for v in want.values()], abs=1e-4)
+
+
 # ---------------------------------------------------------------------- sampling is lossless
 @pytest.fixture(scope="module")
 def small_pair(tmp_path_factory):
@@ -176,13 +195,20 @@ def test_sampled_tokens_follow_the_target_distribution(method, small_pair, tmp_p
 
 def test_a_wrong_acceptance_rule_fails_the_same_test(small_pair, monkeypatch):
     """Accepting every draft makes the output follow the draft model: the test must notice."""
+    from lucebox.sampling import _exponential_race
     from lucebox.spec import verify
 
-    def always_accept(sampler, logits, seq, draft):
-        return verify.Verdict(draft.tokens + [verify._sample(sampler.processed_probs(
-            logits, verify.row_states(seq, draft.tokens))[-1], seq.generator)], len(draft.tokens))
+    def always_accept(sampler, logits, seqs, drafts):
+        verdicts, row = [], 0
+        for seq, draft in zip(seqs, drafts):
+            k = len(draft.tokens)
+            p = sampler.processed_probs(logits[row:row + k + 1], verify.row_states(seq, draft.tokens))
+            bonus = int(_exponential_race(p[-1:], [seq])[0])
+            verdicts.append(verify.Verdict(draft.tokens + [bonus], k))
+            row += k + 1
+        return verdicts
 
-    monkeypatch.setattr("lucebox.engine.engine.accept", always_accept)
+    monkeypatch.setattr("lucebox.engine.engine.accept_batch", always_accept)
     target, draft = small_pair
     llm = LLM(str(target), speculative_config={"method": "draft_model", "model": str(draft),
                                                 "num_speculative_tokens": 2, "adaptive": False},

@@ -13,7 +13,7 @@ from ..model.loader import LoadedModel
 from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
 from ..sampling import Sampler, SamplerOutput, SamplingParams, _raw_logprobs, make_generator
 from ..spec.factory import make_speculator
-from ..spec.verify import accept
+from ..spec.verify import Verdict, accept_batch
 from ..stop import StopChecker
 from ..tokenizer import IncrementalDetokenizer
 from .block_manager import BlockManager
@@ -159,35 +159,39 @@ class LLMEngine:
             if self.scheduler.has_work():
                 raise RuntimeError("scheduler made no progress (KV pool too small for any waiting sequence)")
             return []
-        token_ids, rows, plain, verifying, chunks = [], [], [], [], []
+        # Logits rows: plain decodes first, then every verifying sequence's k + 1 rows, contiguous.
+        token_ids, plain_rows, verify_rows, plain, verifying, chunks = [], [], [], [], [], []
         offset = 0
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             drafts = seq.draft.tokens if seq.draft is not None else []
             token_ids.append((seq.token_ids + drafts)[seq.num_computed:seq.num_computed + n])
             if seq.num_computed + n < seq.num_tokens:  # a prefill chunk short of the end: nothing to sample
                 chunks.append((seq, n, offset))
+            elif drafts:
+                verifying.append((seq, offset))
+                verify_rows.extend(range(offset + n - 1 - len(drafts), offset + n))
             else:
-                (verifying if drafts else plain).append((seq, len(rows), offset))
-                rows.extend(range(offset + n - 1 - len(drafts), offset + n))
+                plain.append((seq, offset))
+                plain_rows.append(offset + n - 1)
             offset += n
         capture = self.speculator.capture_layers if self.speculator is not None else ()
         started = time.perf_counter()
         out = self.runner.run(token_ids, [s.num_computed for s in batch.seqs], [s.block_table for s in batch.seqs],
-                              logits_rows=rows, capture_layers=capture)
+                              logits_rows=plain_rows + verify_rows, capture_layers=capture)
         logits, features = out if capture else (out, None)
         for seq, n, offset in chunks:
             self._commit(seq, n, features, offset)
         if plain:
-            sampled = self.sampler(logits[[row for _, row, _ in plain]], [seq for seq, _, _ in plain])
+            sampled = self.sampler(logits[:len(plain)], [seq for seq, _ in plain])
             logprobs = sampled.logprob_dicts(self.tokenizer.id_to_token)
-            for (seq, _, offset), token, lp in zip(plain, sampled.sampled_token_ids.tolist(), logprobs):
+            for (seq, offset), token, lp in zip(plain, sampled.sampled_token_ids.tolist(), logprobs):
                 self._commit(seq, seq.num_tokens - seq.num_computed, features, offset)
                 self._append(seq, token, lp)
-        for seq, row, offset in verifying:
-            self._verify(seq, logits[row:row + len(seq.draft.tokens) + 1], features, offset)
+        if verifying:
+            self._verify(verifying, logits[len(plain):], features)
         if self.speculator is not None:  # after the host has the tokens: the step's full cost
             self.speculator.record_forward(batch.total_tokens, time.perf_counter() - started)
-        touched = dict.fromkeys(seq.request_id for seq, _, _ in plain + verifying)
+        touched = dict.fromkeys(seq.request_id for seq, _ in plain + verifying)
         return [self._request_output(rid) for rid in touched if rid in self.requests]
 
     def _commit(self, seq: Sequence, n: int, features, offset: int) -> None:
@@ -198,24 +202,43 @@ class LLMEngine:
         self.scheduler.blocks.register_full_blocks(seq.block_table, seq.block_hashes, seq.token_ids,
                                                    seq.num_computed)
 
-    def _verify(self, seq: Sequence, rows, features, offset: int) -> None:
-        """Accept drafts, keep the K/V of accepted positions, forget the rest, append the new tokens."""
-        draft, seq.draft = seq.draft, None
-        verdict = accept(self.sampler, rows, seq, draft)
-        self.speculator.record(seq, len(draft.tokens), verdict.num_accepted)
-        self._commit(seq, 1 + verdict.num_accepted, features, offset)  # the pending token + accepted drafts
-        self.scheduler.blocks.truncate(seq.block_table, seq.num_computed + 1)
-        logprobs = self._logprobs(seq, rows[:len(verdict.tokens)], verdict.tokens)
-        for token, lp in zip(verdict.tokens, logprobs):
-            self._append(seq, token, lp)
-            if seq.is_finished:
-                break
+    def _verify(self, verifying: list[tuple[Sequence, int]], logits: torch.Tensor, features) -> None:
+        """Accept every verifying sequence's drafts at once (logits: their k + 1 rows each, in order);
+        keep the K/V of accepted positions, forget the rest, append the new tokens."""
+        seqs = [seq for seq, _ in verifying]
+        drafts = [seq.draft for seq in seqs]
+        for seq in seqs:
+            seq.draft = None
+        verdicts = accept_batch(self.sampler, logits, seqs, drafts)
+        starts = list(itertools.accumulate((len(d.tokens) + 1 for d in drafts[:-1]), initial=0))
+        logprobs = self._logprobs(seqs, logits, starts, verdicts)
+        for (seq, offset), draft, verdict, lps in zip(verifying, drafts, verdicts, logprobs):
+            self.speculator.record(seq, len(draft.tokens), verdict.num_accepted)
+            self._commit(seq, 1 + verdict.num_accepted, features, offset)  # the pending token + accepted drafts
+            self.scheduler.blocks.truncate(seq.block_table, seq.num_computed + 1)
+            for token, lp in zip(verdict.tokens, lps):
+                self._append(seq, token, lp)
+                if seq.is_finished:
+                    break
 
-    def _logprobs(self, seq: Sequence, rows, tokens: list[int]) -> list[dict | None]:
-        if seq.params.logprobs is None:
-            return [None] * len(tokens)
-        tensors = _raw_logprobs(rows, torch.tensor(tokens, device=rows.device), [seq.params.logprobs] * len(tokens))
-        return SamplerOutput(torch.tensor(tokens), tensors).logprob_dicts(self.tokenizer.id_to_token)
+    def _logprobs(self, seqs: list[Sequence], logits: torch.Tensor, starts: list[int],
+                  verdicts: list[Verdict]) -> list[list[dict | None]]:
+        """Per sequence, the logprobs of its committed tokens (rows starts[i]..), for all at once."""
+        out: list[list[dict | None]] = [[None] * len(v.tokens) for v in verdicts]
+        want = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
+        if not want:
+            return out
+        rows, tokens, num = [], [], []
+        for i in want:
+            n = len(verdicts[i].tokens)
+            rows += range(starts[i], starts[i] + n)
+            tokens += verdicts[i].tokens
+            num += [seqs[i].params.logprobs] * n
+        tensors = _raw_logprobs(logits[rows], torch.tensor(tokens, device=logits.device), num)
+        dicts = iter(SamplerOutput(torch.tensor(tokens), tensors).logprob_dicts(self.tokenizer.id_to_token))
+        for i in want:
+            out[i] = [next(dicts) for _ in verdicts[i].tokens]
+        return out
 
     def _append(self, seq: Sequence, token: int, logprobs: dict | None) -> None:
         params = seq.params

@@ -1,22 +1,29 @@
-"""Accepting drafts: the longest greedy-matching prefix, or lossless rejection sampling.
+"""Accepting drafts for every verifying sequence of a step at once: the longest greedy-matching
+prefix, or lossless rejection sampling; one host transfer for the whole batch.
 
-For each sequence the target's logits rows 0..k score positions after [t, d1..dk]; row i is the
-target's distribution p_i for the token after d_i (row 0: after t). Both p and the draft's q are
-processed identically (logit_bias, min_tokens, penalties with the row's own history, temperature,
-top-k/p, min-p) by the one Sampler, so acceptance compares the distributions actually sampled from.
+Sequence s brings k_s drafts; its target logits rows 0..k_s score positions after [t, d1..dk];
+row i is the target's distribution p_i for the token after d_i (row 0: after t). Both p and the
+draft's q are processed identically (logit_bias, min_tokens, penalties with the row's own history,
+temperature, top-k/p, min-p) by the one Sampler, so acceptance compares the distributions actually
+sampled from. The rows of all sequences go through the Sampler together.
 
 Sampling (Leviathan et al. / Chen et al.): accept d_i with probability min(1, p(d_i) / q(d_i));
 on the first rejection draw from norm(max(0, p - q)); if all k are accepted draw the bonus from p_k.
 Deterministic drafts are one-hot q: accept with probability p(d_i), residual = p without d_i.
 The committed tokens are then distributed exactly as sampling from the target alone.
+Every uniform is drawn up front (k per sequence, from its own generator when seeded), so the whole
+decision is tensor arithmetic on the device; only [num_accepted, token] per sequence comes back.
+Greedy is the same rule with one-hot p: accept while d_i is the argmax (u = 0 < p(d_i) = 1), then
+the argmax at the first mismatch or the bonus row; no randomness is spent on it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence as Seq
 
 import torch
 
-from ..sampling import Sampler, SamplingState
+from ..sampling import Sampler, SamplingState, _exponential_race
 from .proposer import Draft
 
 
@@ -33,35 +40,111 @@ def row_states(seq, drafts: list[int]) -> list[SamplingState]:
             for i in range(len(drafts) + 1)]
 
 
-def accept(sampler: Sampler, logits: torch.Tensor, seq, draft: Draft) -> Verdict:
-    """logits: [k+1, vocab] target rows for one sequence."""
-    drafts = draft.tokens
-    states = row_states(seq, drafts)
-    if seq.params.is_greedy:
-        choice = sampler.process_logits(logits, states).argmax(-1).tolist()
-        a = 0
-        while a < len(drafts) and drafts[a] == choice[a]:
-            a += 1
-        return Verdict(drafts[:a] + [choice[a]], a)
-    p = sampler.processed_probs(logits, states)
-    gen = seq.generator
-    for i, token in enumerate(drafts):
-        p_x = p[i, token]
-        q_x = draft.probs[i, token] if draft.probs is not None else torch.ones((), device=p.device)
-        u = torch.rand((), generator=gen, device=p.device) if gen is not None else torch.rand((), device=p.device)
-        if (u * q_x < p_x).item():  # u < p/q without dividing by a zero q
-            continue
-        residual = p[i].clone()
-        if draft.probs is not None:
-            residual = (residual - draft.probs[i]).clamp_min_(0)
+def accept_batch(sampler: Sampler, logits: torch.Tensor, seqs: Seq, drafts: Seq[Draft]) -> list[Verdict]:
+    """logits: [sum(k_s + 1), vocab], the k_s + 1 rows of each sequence in order (k_s may be 0:
+    then the one row is sampled like a plain decode)."""
+    lengths = [len(d.tokens) for d in drafts]
+    num_rows = sum(lengths) + len(lengths)
+    if logits.dim() != 2 or logits.shape[0] != num_rows:
+        raise ValueError(f"logits {tuple(logits.shape)} do not match {num_rows} verify rows")
+    states = [st for seq, d in zip(seqs, drafts) for st in row_states(seq, d.tokens)]
+    meta = _Rows.build(seqs, drafts, logits.device)
+    if all(seq.params.is_greedy for seq in seqs):
+        choice = sampler.process_logits(logits, states).argmax(-1)
+        num_accepted = meta.first_rejection(choice == meta.draft)
+        token = choice[meta.start + num_accepted]
+    else:
+        probs = sampler.processed_probs(logits, states)
+        p_draft = probs.gather(1, meta.draft.clamp_min(0).unsqueeze(1)).squeeze(1)
+        q = [d.probs for d in drafts if d.probs is not None]
+        q = torch.cat(q).to(probs.dtype) if q else None  # [rows with a sampled draft, vocab]
+        u = _uniforms(seqs, lengths, meta, logits.device)
+        num_accepted = meta.first_rejection(u * _q_at_drafts(q, meta, p_draft) < p_draft)
+        token = _exponential_race(_residual(probs, q, meta.start + num_accepted, meta), list(seqs))
+    host = torch.stack([num_accepted, token], 1).tolist()  # the step's one device -> host transfer
+    return [Verdict(d.tokens[:a] + [t], a) for d, (a, t) in zip(drafts, host)]
+
+
+@dataclass
+class _Rows:
+    """Per-row / per-sequence indices of a verify batch, sent to the device in one copy."""
+
+    seq: torch.Tensor  # [R] which sequence a row belongs to
+    pos: torch.Tensor  # [R] index of the row within its sequence
+    draft: torch.Tensor  # [R] the draft token the row scores; -1 on bonus rows
+    q_index: torch.Tensor  # [R] the row's q among the concatenated draft probs; -1: deterministic / bonus
+    greedy: torch.Tensor  # [R] bool: the row's sequence decodes greedily
+    start: torch.Tensor  # [S] first row of each sequence
+
+    @classmethod
+    def build(cls, seqs, drafts: Seq[Draft], device) -> _Rows:
+        cols: list[list[int]] = [[], [], [], [], []]
+        starts, row, q_row = [], 0, 0
+        for s, (seq, d) in enumerate(zip(seqs, drafts)):
+            k = len(d.tokens)
+            starts.append(row)
+            cols[0] += [s] * (k + 1)
+            cols[1] += range(k + 1)
+            cols[2] += list(d.tokens) + [-1]
+            if d.probs is not None:
+                cols[3] += list(range(q_row, q_row + k)) + [-1]
+                q_row += k
+            else:
+                cols[3] += [-1] * (k + 1)
+            cols[4] += [int(seq.params.is_greedy)] * (k + 1)
+            row += k + 1
+        flat = torch.tensor([v for c in cols for v in c] + starts, dtype=torch.int64)
+        if torch.device(device).type == "cuda":
+            flat = flat.pin_memory().to(device, non_blocking=True)
         else:
-            residual[token] = 0
-        if residual.sum() <= 0:  # p == q: rejection had probability 0, but keep it well defined
-            residual = p[i]
-        return Verdict(drafts[:i] + [_sample(residual, gen)], i)
-    return Verdict(drafts + [_sample(p[len(drafts)], gen)], len(drafts))
+            flat = flat.to(device)
+        seq_, pos, draft, q_index, greedy, start = flat.split([row] * 5 + [len(starts)])
+        return cls(seq_, pos, draft, q_index, greedy.bool(), start)
+
+    def first_rejection(self, accepted: torch.Tensor) -> torch.Tensor:
+        """[S] the number of leading accepted rows of each sequence (bonus rows never count):
+        the smallest row position that is not accepted, a segment-wise min over the flat rows."""
+        accepted = accepted & (self.draft >= 0)
+        big = torch.iinfo(torch.int64).max
+        fail_at = torch.where(accepted, big, self.pos)
+        out = torch.full((self.start.shape[0],), big, dtype=torch.int64, device=fail_at.device)
+        return out.scatter_reduce_(0, self.seq, fail_at, "amin")
 
 
-def _sample(weights: torch.Tensor, gen: torch.Generator | None) -> int:
-    noise = torch.empty_like(weights).exponential_(generator=gen).clamp_min_(torch.finfo(weights.dtype).tiny)
-    return int((weights / noise).argmax())
+def _uniforms(seqs, lengths: list[int], meta: _Rows, device) -> torch.Tensor:
+    """[R] u ~ U[0, 1) for the draft rows of sampled sequences; 0 for greedy rows, where 0 < p(d)
+    is exactly "d is the argmax". A seeded sequence draws its k from its own generator."""
+    sampled = [not seq.params.is_greedy and k > 0 for seq, k in zip(seqs, lengths)]
+    if any(s and seq.generator is None for s, seq in zip(sampled, seqs)):
+        u = torch.rand(meta.draft.shape[0], device=device).masked_fill_(meta.greedy, 0.0)
+    else:
+        u = torch.zeros(meta.draft.shape[0], device=device)
+    row = 0
+    for seq, k, s in zip(seqs, lengths, sampled):
+        if s and seq.generator is not None:
+            u[row:row + k] = torch.rand(k, generator=seq.generator, device=device)
+        row += k + 1
+    return u
+
+
+def _q_at_drafts(q: torch.Tensor | None, meta: _Rows, p_draft: torch.Tensor) -> torch.Tensor:
+    """[R] q(d) of each row's draft token: from the draft's probs, or 1 for deterministic drafts."""
+    ones = torch.ones_like(p_draft)
+    if q is None:
+        return ones
+    return torch.where(meta.q_index >= 0, q[meta.q_index.clamp_min(0), meta.draft.clamp_min(0)], ones)
+
+
+def _residual(probs: torch.Tensor, q: torch.Tensor | None, chosen: torch.Tensor, meta: _Rows) -> torch.Tensor:
+    """[S, vocab] what each sequence samples its last token from (unnormalised): max(0, p - q) at
+    a rejected row, p at the bonus row (no draft there: q = 0)."""
+    p = probs[chosen]
+    residual = p.clone()
+    q_index = meta.q_index[chosen]
+    if q is not None:
+        residual -= q[q_index.clamp_min(0)] * (q_index >= 0).unsqueeze(1)
+    # Deterministic drafts are one-hot q: subtracting 1 at the draft token zeroes it after the clamp.
+    one_hot = ((meta.draft[chosen] >= 0) & (q_index < 0)).to(p.dtype).unsqueeze(1)
+    residual.scatter_add_(1, meta.draft[chosen].clamp_min(0).unsqueeze(1), -one_hot).clamp_min_(0)
+    # p == q: rejection had probability 0, but keep the draw well defined.
+    return torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
