@@ -234,11 +234,10 @@ class Sampler:
         self.eos_token_ids = sorted(set(eos_token_ids))
 
     def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
-        probs = self.processed_probs(logits, states)
-        if all(s.params.is_greedy for s in states):
-            tokens = probs.argmax(-1)  # one-hot rows: no randomness spent
+        if all(s.params.is_greedy for s in states):  # no softmax, no randomness spent
+            tokens = self.process_logits(logits, states).argmax(-1)
         else:
-            tokens = _exponential_race(probs, states)
+            tokens = _exponential_race(self.processed_probs(logits, states), states)
         logprobs = None
         if any(s.params.logprobs is not None for s in states):
             logprobs = _raw_logprobs(logits.float(), tokens, [s.params.logprobs for s in states])
