@@ -3,6 +3,8 @@
 
     python scripts/bench_kernels.py                       # everything, qwen3-8b shapes
     python scripts/bench_kernels.py --only quant --sweep  # also try launch configs per shape
+    python scripts/bench_kernels.py --only prefill        # prefill attention at 4K / 32K: the SDPA
+                                                          # path vs the Triton kernel vs the old reference
     python scripts/bench_kernels.py --json out.json
     python scripts/bench_kernels.py --smoke               # CPU, Triton interpreter, tiny shapes:
                                                           # checks the script runs, times nothing real
@@ -13,7 +15,8 @@ Every kernel here is memory-bound at the sizes decode uses, so each row reports 
 move (weights/KV read once, activations in and out), the achieved GB/s, and that as a percentage
 of the device bandwidth measured at the start of the same run (a large bf16 GEMV through cuBLAS,
 which reads like our kernels do, and a device-to-device copy). Each Triton result is also checked
-against its reference before it is timed.
+against its reference before it is timed. Prefill attention is compute-bound instead: its rows
+report TFLOP/s and that as a percentage of a bf16 matmul measured in the same run.
 """
 from __future__ import annotations
 
@@ -39,9 +42,11 @@ from tqdm import tqdm  # noqa: E402
 
 from lucebox.engine.kv_cache import PagedKVCache  # noqa: E402
 from lucebox.kernels import dequant, triton_norm  # noqa: E402
+from lucebox.kernels import prefill_attention as pa  # noqa: E402
 from lucebox.kernels import triton_paged_attention as tpa  # noqa: E402
 from lucebox.kernels import triton_quant_matmul as tqm  # noqa: E402
 from lucebox.kernels.attention import paged_attention as attention_dispatch  # noqa: E402
+from lucebox.kernels.attention import paged_attention_reference  # noqa: E402
 from lucebox.model.forward_batch import ForwardBatch  # noqa: E402
 
 # Byte offsets of the fp16 scale fields in one block; random bytes there could be Inf/NaN.
@@ -231,6 +236,67 @@ def sweep_attention(q, kc, vc, fb, scale, device) -> dict:
             "best_warps": best[3]} if best else {}
 
 
+# ----------------------------------------------------------------------------- prefill attention
+
+PREFILL_CASES = [  # (new tokens, cached tokens before them, sliding window)
+    (4096, 0, None), (32768, 0, None),  # a whole prompt in one chunk
+    (4096, 28672, None),  # the last 4K chunk of a chunked 32K prompt
+    (32768, 0, 4096),  # a Mistral-style window layer over a 32K prompt
+    # Around prefill_attention.MIN_QUERY_LEN: where SDPA overtakes the Triton kernel.
+    (32, 4096, None), (64, 4096, None), (128, 4096, None), (256, 4096, None), (512, 4096, None),
+]
+SMOKE_PREFILL_CASES = [(96, 0, None), (80, 40, None), (96, 0, 16), (32, 40, None)]
+
+
+def measure_matmul(device) -> float:
+    """bf16 matmul TFLOP/s (8192^3 on the GPU), the ceiling prefill attention is compared with."""
+    n = 8192 if device.type == "cuda" else 256
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    ms = bench(lambda: a @ b, device)
+    return 2 * n ** 3 / (ms * 1e-3) / 1e12
+
+
+def bench_prefill(args, shape, peak, device) -> list:
+    """One sequence's prefill chunk: the SDPA path (prefill_attention), the Triton paged kernel (what
+    GPU prefill ran before it) and the old torch reference (dense mask, repeated GQA heads). FLOPs
+    count only the visible (causal, in-window) query-key pairs: 4 * heads * head_dim per pair."""
+    table = []
+    tflops_peak = measure_matmul(device)
+    tqdm.write(f"  bf16 matmul: {tflops_peak:.0f} TFLOP/s (the peak used for pct_matmul)")
+    cases = SMOKE_PREFILL_CASES if SMOKE else PREFILL_CASES
+    jobs = [(ct, *case) for ct in args.cache_types for case in cases]
+    scale = shape["head_dim"] ** -0.5
+    for cache_type, q_len, ctx, window in tqdm(jobs, desc="prefill attention"):
+        q, kc, vc, fb, _ = attention_case(shape, ctx, q_len, 1, cache_type, args.dtype, device)
+        pos = torch.arange(ctx, ctx + q_len, dtype=torch.float64)
+        pairs = (pos + 1 if window is None else (pos + 1).clamp(max=window)).sum().item()
+        flops = 4 * shape["heads"] * shape["head_dim"] * pairs
+        out = pa.prefill_attention(q, kc, vc, fb, scale, window)
+        tri = tpa.paged_attention(q, kc, vc, fb, scale, window)
+        try:  # the reference's dense mask (and any math-kernel fallback) may not fit at 32K
+            ref = paged_attention_reference(q, kc, vc, fb, scale, window)
+            err = (out.float() - ref.float()).abs().max().item()
+            t_ref = bench(lambda: paged_attention_reference(q, kc, vc, fb, scale, window), device)
+            del ref
+        except torch.OutOfMemoryError:
+            ref_err = (out.float() - tri.float()).abs().max().item()
+            tqdm.write(f"  reference out of memory; |sdpa - triton| = {ref_err:.3g}")
+            err = t_ref = float("nan")
+        del tri
+        t = bench(lambda: pa.prefill_attention(q, kc, vc, fb, scale, window), device)
+        t_tri = bench(lambda: tpa.paged_attention(q, kc, vc, fb, scale, window), device)
+        tf = flops / (t * 1e-3) / 1e12
+        row(table, kernel="prefill_attention", cache=cache_type, q_len=q_len, ctx=ctx, window=str(window),
+            abs_err=err, ms=t, TFLOPs=tf, pct_matmul=100 * tf / tflops_peak, triton_ms=t_tri,
+            triton_TFLOPs=flops / (t_tri * 1e-3) / 1e12, ref_ms=t_ref, speedup_vs_triton=t_tri / t,
+            speedup_vs_ref=t_ref / t)
+        del q, kc, vc, out
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return table
+
+
 # ----------------------------------------------------------------------------- RMSNorm
 
 def bench_norm(args, shape, peak, device) -> list:
@@ -373,7 +439,7 @@ def markdown(table: list) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="qwen3-8b", choices=[s for s in SHAPES if s != "smoke"])
-    p.add_argument("--only", choices=["quant", "attention", "norm"], action="append")
+    p.add_argument("--only", choices=["quant", "attention", "prefill", "norm"], action="append")
     p.add_argument("--qtypes", nargs="+", default=["Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q4_0"])
     p.add_argument("--cache-types", nargs="+", default=["bf16", "fp8", "q8_0"])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
@@ -407,8 +473,9 @@ def main() -> None:
           f"(the peak used for pct_peak)\n")
     results = {"device": name, "torch": torch.__version__, "triton": triton.__version__,
                "shape": args.shape, "bandwidth": bw, "rows": {}}
-    only = args.only or ["quant", "attention", "norm"]
-    for part, fn in (("quant", bench_quant), ("attention", bench_attention), ("norm", bench_norm)):
+    only = args.only or ["quant", "attention", "prefill", "norm"]
+    for part, fn in (("quant", bench_quant), ("attention", bench_attention), ("prefill", bench_prefill),
+                     ("norm", bench_norm)):
         if part in only:
             table = fn(args, shape, peak, device)
             results["rows"][part] = table

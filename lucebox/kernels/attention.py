@@ -1,15 +1,21 @@
-"""Paged attention: torch reference (CPU and any device); GPU tensors go to the Triton kernel
-(kernels/triton_paged_attention.py) through kernels/dispatch.py.
+"""Paged attention: which implementation runs, and the plain-torch reference they all answer to.
 
 K/V live in paged stores (engine/kv_cache.PagedKVCache: [num_blocks, block_size, kv_heads,
 head_dim] in the chosen cache type, gathered back as floats). Each sequence's new
 queries attend causally to its cached context and to themselves; a layer with a sliding window
 sees only keys with q_pos - k_pos < window.
 
-A device-only batch (ForwardBatch.from_device, a CUDA graph's) has no host lengths: its reference
-attends over the whole block-table width with masks, reading lengths only from device tensors. It
-costs memory in proportion to max_seq_len, so it suits tests and small contexts; on a GPU such
-batches go to the Triton kernel (the runner captures graphs only when `uses_triton` says so).
+`paged_attention` dispatches, per sequence of an eager step (host lengths known):
+  - prefill chunks (q_len >= prefill_attention.MIN_QUERY_LEN): kernels/prefill_attention.py,
+    torch SDPA without a dense mask (FlashAttention on GPUs), on every device;
+  - everything shorter (decode, speculative verify): the Triton kernel
+    (kernels/triton_paged_attention.py) where kernels/dispatch.py allows it, else the reference.
+A step mixing both splits its batch (ForwardBatch.select) and runs each part on its path.
+
+A device-only batch (ForwardBatch.from_device, a CUDA graph's) has no host lengths: it goes to the
+Triton kernel, or to a reference that attends over the whole block-table width with masks, reading
+lengths only from device tensors. That one costs memory in proportion to max_seq_len, so it suits
+tests and small contexts (the runner captures graphs only when `uses_triton` says so).
 """
 from __future__ import annotations
 
@@ -17,21 +23,59 @@ import torch
 import torch.nn.functional as F
 
 from ..model.forward_batch import ForwardBatch
+from . import prefill_attention as pa
 from .dispatch import use_triton
 
 
 def paged_attention(q: torch.Tensor, k_cache, v_cache, batch: ForwardBatch, scale: float,
                     sliding_window: int | None = None) -> torch.Tensor:
     """q [T, heads, head_dim] -> [T, heads, head_dim]; the new K/V must already be written."""
-    if uses_triton(q, k_cache, v_cache):
+    triton = uses_triton(q, k_cache, v_cache)
+    if batch.device_only:
+        if triton:
+            from . import triton_paged_attention as tpa
+            return tpa.paged_attention(q, k_cache, v_cache, batch, scale, sliding_window)
+        return _device_only_reference(q, k_cache, v_cache, batch, scale, sliding_window)
+    prefill = pa.prefill_sequences(batch)
+    if not prefill:
+        return _short_steps(q, k_cache, v_cache, batch, scale, sliding_window, triton)
+    out = pa.prefill_attention(q, k_cache, v_cache, batch, scale, sliding_window, seqs=prefill)
+    rest = [i for i, n in enumerate(batch.query_lens_host) if 0 < n < pa.MIN_QUERY_LEN]
+    if rest:
+        if triton:
+            sub, rows = batch.select(rest)
+            out[rows] = _short_steps(q[rows], k_cache, v_cache, sub, scale, sliding_window, triton)
+        else:
+            _reference_into(out, q, k_cache, v_cache, batch, scale, sliding_window, rest)
+    return out
+
+
+def paged_attention_reference(q: torch.Tensor, k_cache, v_cache, batch: ForwardBatch, scale: float,
+                              sliding_window: int | None = None) -> torch.Tensor:
+    """The specification every path is tested against: per sequence, its whole context gathered
+    (dequantised) from the cache, GQA heads repeated, a dense [q_len, ctx] causal (and window)
+    mask, and SDPA. Host lengths required."""
+    out = torch.empty_like(q)
+    return _reference_into(out, q, k_cache, v_cache, batch, scale, sliding_window,
+                           range(len(batch.query_lens_host)))
+
+
+def _short_steps(q, k_cache, v_cache, batch: ForwardBatch, scale: float, sliding_window, triton: bool):
+    if triton:
         from . import triton_paged_attention as tpa
         return tpa.paged_attention(q, k_cache, v_cache, batch, scale, sliding_window)
-    if batch.device_only:
-        return _device_only_reference(q, k_cache, v_cache, batch, scale, sliding_window)
-    out = torch.empty_like(q)
+    return paged_attention_reference(q, k_cache, v_cache, batch, scale, sliding_window)
+
+
+def _reference_into(out: torch.Tensor, q: torch.Tensor, k_cache, v_cache, batch: ForwardBatch, scale: float,
+                    sliding_window: int | None, seqs) -> torch.Tensor:
+    """Write the reference attention of sequences `seqs` into their rows of `out`."""
     heads, kv_heads = q.shape[1], k_cache.num_kv_heads
-    start = 0
-    for i, q_len in enumerate(batch.query_lens_host):
+    starts = [0]
+    for n in batch.query_lens_host:
+        starts.append(starts[-1] + n)
+    for i in seqs:
+        q_len, start = batch.query_lens_host[i], starts[i]
         if q_len == 0:
             continue
         slots = batch.context_slots(i)
@@ -49,7 +93,6 @@ def paged_attention(q: torch.Tensor, k_cache, v_cache, batch: ForwardBatch, scal
         qi = q[start:start + q_len].transpose(0, 1)  # [heads, q_len, d]
         o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale)
         out[start:start + q_len] = o.transpose(0, 1)
-        start += q_len
     return out
 
 

@@ -1,4 +1,6 @@
 """Paged attention over PagedKVCache storage (Triton): decode, verify and prefill chunks alike.
+(kernels/attention.py sends eager prefill chunks of prefill_attention.MIN_QUERY_LEN tokens or more
+to SDPA instead, kernels/prefill_attention.py; this kernel takes everything else, graphs included.)
 
 One program owns one (sequence, kv head, tile of BLOCK_Q new tokens, split of the context). GQA
 is folded into the rows of the query tile: row r is query token r // GROUP of head

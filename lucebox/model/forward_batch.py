@@ -60,6 +60,35 @@ class ForwardBatch:
             cached[i] = blocks * self.block_size + pos % self.block_size
         return cached[i]
 
+    def select(self, seqs: list[int]) -> tuple["ForwardBatch", torch.Tensor]:
+        """(the batch of sequences `seqs` alone, the rows of their tokens in this batch's [T, ...]
+        tensors), for handing part of an eager step to another kernel (e.g. its decodes to the
+        Triton kernel when its prefill chunks go elsewhere). Host lengths required; cached, since
+        every layer asks for the same split."""
+        cached = getattr(self, "_select_cache", None)
+        if cached is None:
+            cached = self._select_cache = {}
+        key = tuple(seqs)
+        if key not in cached:
+            starts = [0]
+            for n in self.query_lens_host:
+                starts.append(starts[-1] + n)
+            q_lens = [self.query_lens_host[i] for i in seqs]
+            device = self.input_ids.device
+            rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in seqs]).to(device)
+            idx = torch.tensor(seqs, dtype=torch.long, device=device)
+            sub_starts = [0]
+            for n in q_lens:
+                sub_starts.append(sub_starts[-1] + n)
+            sub = ForwardBatch(
+                input_ids=self.input_ids[rows], positions=self.positions[rows],
+                query_start_loc=torch.tensor(sub_starts, dtype=self.query_start_loc.dtype, device=device),
+                seq_lens=self.seq_lens[idx], block_tables=self.block_tables[idx], slot_mapping=self.slot_mapping[rows],
+                block_size=self.block_size, query_lens_host=q_lens,
+                seq_lens_host=[self.seq_lens_host[i] for i in seqs])
+            cached[key] = (sub, rows)
+        return cached[key]
+
     @classmethod
     def build(cls, token_ids: list[list[int]], start_positions: list[int], block_tables: list[list[int]],
               block_size: int, device: torch.device | str = "cpu", capture_layers: tuple[int, ...] = ()
