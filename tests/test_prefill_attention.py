@@ -14,8 +14,9 @@ import sys
 import pytest
 import torch
 
-from lucebox.engine.kv_cache import PagedKVCache
-from lucebox.kernels import prefill_attention as pa
+from .test_triton_kernels import paged_case  # noqa: I001  (sets TRITON_INTERPRET=1 before triton loads)
+
+from lucebox.kernels import prefill_attention as pa  # noqa: E402
 from lucebox.kernels.attention import paged_attention, paged_attention_reference
 from lucebox.model.forward_batch import ForwardBatch
 
@@ -28,28 +29,6 @@ if not ON_GPU and TRITON_INTERPRETABLE:
 
 F32_TOL = 1e-5
 BF16_TOL = 2e-2
-
-
-def paged_case(cache_type, dtype, q_lens, cached, heads=4, kv_heads=2, head_dim=32, block_size=4,
-               rotate=False, seed=0):
-    """Caches holding `cached[i]` context tokens plus this step's `q_lens[i]` new ones for each
-    sequence, on shuffled blocks; returns (q, k_cache, v_cache, batch)."""
-    g = torch.Generator().manual_seed(seed)
-    num_blocks = sum(-(-(c + n) // block_size) for c, n in zip(cached, q_lens)) + 3
-    caches = [PagedKVCache(num_blocks, block_size, kv_heads, head_dim, cache_type, dtype, DEVICE, rotate=rotate)
-              for _ in range(2)]
-    free = torch.randperm(num_blocks, generator=g).tolist()
-    tables = []
-    for c, n in zip(cached, q_lens):
-        need = -(-(c + n) // block_size)
-        tables.append(free[:need])
-        free = free[need:]
-        slots = ForwardBatch.build([list(range(c + n))], [0], [tables[-1]], block_size, DEVICE).slot_mapping
-        for cache in caches:
-            cache.write(torch.randn(c + n, kv_heads, head_dim, generator=g).to(DEVICE, dtype), slots)
-    batch = ForwardBatch.build([[0] * n for n in q_lens], list(cached), tables, block_size, DEVICE)
-    q = torch.randn(sum(q_lens), heads, head_dim, generator=g).to(DEVICE, dtype)
-    return q, caches[0], caches[1], batch
 
 
 def max_err(got: torch.Tensor, want: torch.Tensor) -> float:
