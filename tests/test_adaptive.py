@@ -35,6 +35,18 @@ def test_poor_acceptance_falls_back_to_plain_decoding():
     assert policy.choose([0.05], batch_tokens=0) == 0
 
 
+def test_a_stale_slow_plain_step_does_not_keep_useless_drafts_on():
+    """One plain step measured during a load spike must not make wider verify forwards look cheaper
+    than plain decoding: with acceptance near zero, the policy decodes plainly."""
+    policy = DraftLengthPolicy(4)
+    policy.forward.add(1, 0.050)  # the spike, never re-measured while speculating
+    for tokens in (2, 3, 5):
+        policy.forward.add(tokens, 0.010)
+    for k in (1, 4):
+        policy.draft.add(k, 0.001)
+    assert policy.choose([0.01], 0) == 0
+
+
 def test_plain_decoding_is_measured_before_speculating_and_probes_come_back():
     policy = DraftLengthPolicy(4)
     assert policy.choose([0.9], 0) == 0  # nothing measured: the baseline first

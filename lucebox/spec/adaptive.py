@@ -96,7 +96,10 @@ class DraftLengthPolicy:
             draft = self.draft.estimate(k)
             if forward is None or draft is None:
                 return k  # no measurement of speculating yet: try it once
-            rate = sum(expected_tokens(a, k) for a in alphas) / (forward + draft)
+            # A wider forward never costs less than the plain step: without this floor, one slow
+            # plain step (a load spike), never re-measured while speculation runs, would keep a
+            # useless drafter on.
+            rate = sum(expected_tokens(a, k) for a in alphas) / (max(forward, plain_cost) + draft)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         if best_k == 0:
