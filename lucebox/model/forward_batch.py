@@ -37,6 +37,13 @@ class ForwardBatch:
     max_seq_len: int | None = None
 
     @property
+    def position_bound(self) -> int:
+        """Every position of the batch is below this, known on the host without a device sync."""
+        if self.seq_lens_host:
+            return max(self.seq_lens_host)
+        return self.max_seq_len if self.max_seq_len is not None else 0
+
+    @property
     def num_seqs(self) -> int:
         return int(self.seq_lens.shape[0])
 

@@ -79,12 +79,16 @@ class RopeTable:
         self.inv_freq = inv_freq
         self.cos = self.sin = torch.empty(0, head_dim, device="cpu")
 
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # Under CUDA-graph capture max() would sync (and fail); the runner reserves the table first.
-        if not (positions.is_cuda and torch.cuda.is_current_stream_capturing()):
-            needed = int(positions.max()) + 1 if positions.numel() else 0
-            if needed > self.cos.shape[0] or self.cos.device != positions.device:
-                self._grow(max(needed, 2 * self.cos.shape[0], 4096), positions.device)
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype, bound: int | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows of `positions`. `bound` (every position is below it), when the caller knows
+        it on the host, spares a device sync; a CUDA-graph capture must have reserved the table."""
+        if bound is None:
+            bound = int(positions.max()) + 1 if positions.numel() else 0
+        if bound > self.cos.shape[0] or self.cos.device != positions.device:
+            if positions.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("RoPE table too short inside a CUDA-graph capture: reserve() it first")
+            self._grow(max(bound, 2 * self.cos.shape[0], 4096), positions.device)
         return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
 
     def reserve(self, length: int, device) -> None:

@@ -118,7 +118,7 @@ class Transformer(nn.Module):
 
         Hidden states after the layers in batch.capture_layers are stored in batch.captured."""
         x = self.embed_tokens(batch.input_ids)
-        cos, sin = self.rope.lookup(batch.positions, x.dtype)
+        cos, sin = self.rope.lookup(batch.positions, x.dtype, batch.position_bound)
         residual = None
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, cos, sin, batch)

@@ -55,7 +55,7 @@ def dense_forward(model: Transformer, ids: torch.Tensor, capture_layers: tuple[i
     last dimension."""
     b, t = ids.shape
     x = model.embed_tokens(ids)
-    cos, sin = model.rope.lookup(torch.arange(start, start + t, device=ids.device), x.dtype)
+    cos, sin = model.rope.lookup(torch.arange(start, start + t, device=ids.device), x.dtype, start + t)
     captured = []
     for i, layer in enumerate(model.layers):
         attn = layer.self_attn
