@@ -27,7 +27,7 @@ bench() {  # bench NAME SECONDS ARGS...: lucebox bench speed with --json, its ta
 }
 case "${1:-check}" in
   check)
-    step gpu-tests 300 python3 -m pytest -q -x -rs tests/test_cuda_graphs.py tests/test_fused_kernels.py \
+    step gpu-tests 300 python3 -m pytest -x -rs tests/test_cuda_graphs.py tests/test_fused_kernels.py \
       tests/test_triton_kernels.py tests/test_model.py
     tail -n 30 "$out/gpu-tests.log" ;;
   bench)
