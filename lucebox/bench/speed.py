@@ -350,10 +350,11 @@ def report_rows(r: dict) -> list[tuple[str, str, str, str, str]]:
                      f"{ref['dtype']} [{g[0]} x {g[1]}] @ vector", "", ""))
         rows.append(("matmul rate (reference)", f"{_n(ref['matmul_tflops'])} TFLOP/s", f"{ref['dtype']} {n}^3", "", ""))
     bw = f"{_n(ref['gemv_gb_s'])} GB/s" if ref else "unmeasured"
+    mm = f"{_n(ref['matmul_tflops'])} TFLOP/s" if ref else "unmeasured TFLOP/s"
     for p in r["prefill"]:
         goal = _goal(p.get("pct_matmul"), GOALS["prefill_4096"]) if p["prompt_len"] == 4096 and bf16 else ""
         rows.append((f"prefill {p['prompt_len']:,} tokens", f"{_n(p['tok_s'])} tok/s, TTFT {_n(1e3 * p['ttft_s'])} ms",
-                     f"{_n(p['tflops'])} of {_n(ref.get('matmul_tflops', 0))} TFLOP/s", _pct(p, "pct_matmul"), goal))
+                     f"{_n(p['tflops'])} of {mm}", _pct(p, "pct_matmul"), goal))
     for d in r["decode"]:
         bound = GOALS.get(f"decode_{d['context']}" if bf16 else m["quant"])
         goals = [_goal(d.get("pct_bandwidth"), bound)] if bound and (bf16 or d["context"] == 512) else []
