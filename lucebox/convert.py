@@ -35,6 +35,7 @@ from .model.config import ModelConfig
 from .model.loader import read_generation_config
 from .model.rope import inverse_frequencies
 from .model.transformer import Transformer
+from .util import on_meta
 from .weights.gguf_config import (
     FAMILY_TO_ARCH,
     ROPE_FREQS,
@@ -126,7 +127,7 @@ def _tensor_type(shape: tuple[int, ...], want: Q) -> Q:
 def _plan(hf_dir: Path, cfg: ModelConfig, want: Q) -> list[tuple[str, tuple[int, ...], Q, Path, str]]:
     """(gguf name, shape, GGUF type, file, HF name) for every tensor, checked against the config
     before anything is written."""
-    with torch.device("meta"):
+    with on_meta():
         expected = {name: tuple(p.shape) for name, p in Transformer(cfg).named_parameters()}
     plan = {}
     for file in safetensors_files(hf_dir):

@@ -1,7 +1,10 @@
 """Small helpers shared by unrelated parts of lucebox."""
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
+
+import torch
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -11,3 +14,27 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+_INIT_FUNCTIONS = ("normal_", "uniform_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_",
+                   "xavier_uniform_", "xavier_normal_", "zeros_", "ones_", "constant_")
+
+
+def _keep(tensor, *args, **kwargs):
+    return tensor
+
+
+@contextlib.contextmanager
+def on_meta():
+    """Build modules on the meta device without running their initialisers: the weights come from a
+    checkpoint (or are drawn later), and on meta tensors torch routes `normal_` through its compiler
+    stack, whose first use imports torch._dynamo (about 2 s of every start)."""
+    saved = {name: getattr(torch.nn.init, name) for name in _INIT_FUNCTIONS}
+    for name in _INIT_FUNCTIONS:
+        setattr(torch.nn.init, name, _keep)
+    try:
+        with torch.device("meta"):
+            yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)

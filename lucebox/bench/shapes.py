@@ -33,6 +33,7 @@ from ..kernels.dequant import _IQ4_KVALUES
 from ..model.config import ModelConfig
 from ..model.loader import LoadedModel
 from ..model.transformer import Transformer
+from ..util import on_meta
 from ..weights.load import assign, empty_model
 from ..weights.quant import QuantEmbedding, QuantLinear, QuantTensor
 
@@ -157,7 +158,7 @@ def build_random_model(shape: str, quant: str, device: torch.device, dtype: torc
                 p.normal_(0.0, STD)
     else:
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-        with torch.device("meta"):  # no float copy of the quantised matrices is ever allocated
+        with on_meta():  # no float copy of the quantised matrices is ever allocated
             model = Transformer(cfg).to(dtype)
         assign(model, _random_quant_tensors(model, cfg, quant, device, dtype), f"random {shape} {quant}",
                dtype, device)
@@ -222,7 +223,7 @@ def transformers_twin(loaded: LoadedModel, hf_config, device: torch.device):
     copied: module names are HF's minus `model.`), so a peer costs no second copy of the weights."""
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
+    with on_meta():
         hf = AutoModelForCausalLM.from_config(hf_config, dtype=loaded.model.dtype)
     state = {k if k.startswith("lm_head") else "model." + k: v for k, v in loaded.model.state_dict().items()}
     hf.load_state_dict(state, strict=False, assign=True)

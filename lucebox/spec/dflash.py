@@ -17,6 +17,7 @@ from ..engine.kv_cache import PagedKVCache, bytes_per_value, parse_cache_type
 from ..errors import CheckpointError
 from ..model.loader import resolve_path
 from ..sampling import Sampler, SamplingState
+from ..util import on_meta
 from ..weights.load import assign
 from ..weights.safetensors import iter_safetensors
 from .dflash_model import DFlashConfig, DFlashDrafter, read_drafter_config
@@ -31,7 +32,7 @@ def load_drafter(path: str | Path, dtype: torch.dtype, device) -> tuple[DFlashDr
         return load_drafter_gguf(path, dtype, device)
     path = resolve_path(str(path))
     cfg = read_drafter_config(path)
-    with torch.device("meta"):
+    with on_meta():
         drafter = DFlashDrafter(cfg)
     drafter = drafter.to(dtype=dtype).to_empty(device=device)
     assign(drafter, iter_safetensors(path), str(path), dtype)

@@ -39,6 +39,7 @@ from ..convert import tensor_nbytes, write_shape_metadata
 from ..errors import CheckpointError, LuceboxError, RequestError, UnsupportedError
 from ..kernels import dequant
 from ..model.config import ModelConfig, RopeConfig
+from ..util import on_meta
 from ..weights.gguf import FLOAT_TYPES, check_tensors, logical_shape, open_gguf
 from ..weights.gguf_config import Metadata, to_gguf_name, to_our_name
 from ..weights.load import assign
@@ -104,7 +105,7 @@ def convert_drafter_to_gguf(src: str | Path, out_path: str | Path, outtype: str 
 
 def _plan(src: Path, cfg: DFlashConfig, want: Q) -> list[tuple[str, tuple[int, ...], Q, Path, str]]:
     """(GGUF name, shape, type, file, our name) per tensor, checked against the config first."""
-    with torch.device("meta"):
+    with on_meta():
         expected = {n: tuple(p.shape) for n, p in DFlashDrafter(cfg).named_parameters()}
     plan = {}
     for file in safetensors_files(src):
@@ -233,7 +234,7 @@ def load_drafter_gguf(path: str | Path, dtype: torch.dtype, device) -> tuple[DFl
     meta = Metadata(reader, path)
     cfg = read_gguf_config(meta)
     check_tensors(reader, path)
-    with torch.device("meta"):
+    with on_meta():
         drafter = DFlashDrafter(cfg).to(dtype)
     expected = {n: tuple(p.shape) for n, p in drafter.named_parameters()}
 

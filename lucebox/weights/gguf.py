@@ -23,6 +23,7 @@ from ..model.config import ModelConfig
 from ..model.loader import LoadedModel, resolve_dtype
 from ..model.rope import RopeTable
 from ..model.transformer import Transformer
+from ..util import on_meta
 from .gguf_config import (
     ROPE_FREQS,
     SAMPLING_KEYS,
@@ -52,7 +53,7 @@ def load_gguf(path: Path, dtype, device: torch.device) -> LoadedModel:
     tensors = {t.name: t for t in reader.tensors}
     cfg = model_config(meta, {name: logical_shape(t) for name, t in tensors.items()})
     torch_dtype = resolve_dtype(dtype, None, device)
-    with torch.device("meta"):
+    with on_meta():
         model = Transformer(cfg).to(torch_dtype)
     assign(model, _model_tensors(reader, cfg, meta, model, torch_dtype, path), str(path), torch_dtype, device)
     if ROPE_FREQS in tensors:

@@ -9,12 +9,13 @@ from torch import nn
 
 from ..errors import CheckpointError
 from ..model.transformer import Transformer
+from ..util import on_meta
 
 log = logging.getLogger("lucebox")
 
 
 def empty_model(cfg, dtype: torch.dtype, device: torch.device | str) -> Transformer:
-    with torch.device("meta"):
+    with on_meta():
         model = Transformer(cfg)
     return model.to(dtype=dtype).to_empty(device=device)
 
