@@ -13,7 +13,7 @@ import torch
 from ..engine.runner import ModelRunner, kv_bytes_per_token
 from ..errors import CheckpointError
 from ..model.loader import load_model
-from ..sampling import Sampler
+from ..sampling import Sampler, _exponential_race
 from ..util import common_prefix
 from .proposer import Draft, Proposer
 from .verify import row_states
@@ -68,9 +68,9 @@ class DraftModelProposer(Proposer):
                                      [seqs[i].block_table for i in rows])
             logits = _fit_vocab(logits, self.vocab)
             states = [row_states(seqs[i], drafts[i].tokens)[-1] for i in rows]
-            q = self.sampler.processed_probs(logits, states)
+            q = self.sampler.processed_probs(logits, states)  # processed once: sampled from and kept
             greedy = [seqs[i].params.is_greedy for i in rows]
-            tokens = self.sampler(logits, states).sampled_token_ids.tolist()
+            tokens = _exponential_race(q, states).tolist()  # greedy rows of q are one-hot: their argmax
             for row, i in enumerate(rows):
                 self.fed[id(seqs[i])].extend(feed[i])
                 drafts[i].tokens.append(tokens[row])
