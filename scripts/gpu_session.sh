@@ -28,7 +28,7 @@ bench() {  # bench NAME SECONDS ARGS...: lucebox bench speed with --json, its ta
 case "${1:-check}" in
   check)
     step gpu-tests 300 python3 -m pytest -x -rs tests/test_cuda_graphs.py tests/test_fused_kernels.py \
-      tests/test_triton_kernels.py tests/test_model.py
+      tests/test_triton_kernels.py tests/test_prefill_attention.py tests/test_model.py tests/test_dense_lm.py
     tail -n 30 "$out/gpu-tests.log" ;;
   bench)
     bench 8b-bf16-graphs 240 --shape qwen3-8b --quant bf16 --cuda-graphs
@@ -40,7 +40,7 @@ case "${1:-check}" in
     step kernels 500 python3 scripts/bench_kernels.py --sweep --json "$out/kernels.json"
     tail -n 60 "$out/kernels.log" ;;
   drafter)
-    step drafter 560 bash scripts/train_default_drafter.sh "$out/default-dflash" "${SECONDS_TRAIN:-330}"
+    step drafter 570 bash scripts/train_default_drafter.sh "$out/default-dflash" "${SECONDS_TRAIN:-300}"
     rm -f "$out/default-dflash/train_state.pt" "$out/default-dflash/regenerated.pt"
     tr '\r' '\n' < "$out/drafter.log" | grep -E "tau|steps|wrote|Error|error" | tail -n 20 ;;
   *) echo "usage: $0 check|bench|kernels|drafter" >&2; exit 2 ;;
