@@ -17,7 +17,7 @@ fi
 export PYTHONUNBUFFERED=1
 step() {  # step NAME SECONDS COMMAND...: run, log to $out/NAME.log, report the exit status
   local name=$1 seconds=$2; shift 2
-  timeout "$seconds" "$@" > "$out/$name.log" 2>&1
+  timeout --signal=INT --kill-after=20 "$seconds" "$@" > "$out/$name.log" 2>&1  # INT: the trainer saves its weights
   echo "== $name: exit $? ($(tail -n 1 "$out/$name.log" | cut -c1-160))"
 }
 bench() {  # bench NAME SECONDS ARGS...: lucebox bench speed with --json, its table shown
