@@ -71,9 +71,7 @@ def _reference_into(out: torch.Tensor, q: torch.Tensor, k_cache, v_cache, batch:
                     sliding_window: int | None, seqs) -> torch.Tensor:
     """Write the reference attention of sequences `seqs` into their rows of `out`."""
     heads, kv_heads = q.shape[1], k_cache.num_kv_heads
-    starts = [0]
-    for n in batch.query_lens_host:
-        starts.append(starts[-1] + n)
+    starts = batch.query_starts_host
     for i in seqs:
         q_len, start = batch.query_lens_host[i], starts[i]
         if q_len == 0:

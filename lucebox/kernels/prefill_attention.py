@@ -69,7 +69,7 @@ def prefill_attention(q: torch.Tensor, k_cache, v_cache, batch: ForwardBatch, sc
                          "Triton kernel or the device-only reference")
     if out is None:
         out = torch.empty_like(q)
-    starts = _query_starts(batch)
+    starts = batch.query_starts_host
     for i in range(batch.num_seqs) if seqs is None else seqs:
         q_len = batch.query_lens_host[i]
         if q_len == 0:
@@ -139,10 +139,3 @@ def _windowed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, w
                                                      scale=scale)[0]
     return out
 
-
-def _query_starts(batch: ForwardBatch) -> list[int]:
-    starts, s = [], 0
-    for n in batch.query_lens_host:
-        starts.append(s)
-        s += n
-    return starts

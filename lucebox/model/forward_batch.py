@@ -10,6 +10,7 @@ and only static bounds (`max_query_len`, `max_seq_len`) are known to the host.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +43,14 @@ class ForwardBatch:
         if self.seq_lens_host:
             return max(self.seq_lens_host)
         return self.max_seq_len if self.max_seq_len is not None else 0
+
+    @property
+    def query_starts_host(self) -> list[int]:
+        """Host prefix sums of query_lens_host: sequence i's tokens are rows [starts[i], starts[i+1])."""
+        cached = getattr(self, "_starts_cache", None)
+        if cached is None:
+            cached = self._starts_cache = list(itertools.accumulate(self.query_lens_host, initial=0))
+        return cached
 
     @property
     def num_seqs(self) -> int:
@@ -77,16 +86,12 @@ class ForwardBatch:
             cached = self._select_cache = {}
         key = tuple(seqs)
         if key not in cached:
-            starts = [0]
-            for n in self.query_lens_host:
-                starts.append(starts[-1] + n)
+            starts = self.query_starts_host
             q_lens = [self.query_lens_host[i] for i in seqs]
             device = self.input_ids.device
             rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in seqs]).to(device)
             idx = torch.tensor(seqs, dtype=torch.long, device=device)
-            sub_starts = [0]
-            for n in q_lens:
-                sub_starts.append(sub_starts[-1] + n)
+            sub_starts = list(itertools.accumulate(q_lens, initial=0))
             sub = ForwardBatch(
                 input_ids=self.input_ids[rows], positions=self.positions[rows],
                 query_start_loc=torch.tensor(sub_starts, dtype=self.query_start_loc.dtype, device=device),
