@@ -164,8 +164,10 @@ def train_drafter(args: TrainDrafterArgs) -> TrainResult:
             if done % args.save_every == 0 and done < steps:
                 checkpoint(done)
             if args.max_seconds is not None:
-                elapsed = _elapsed(started, device)
-                if done == start + PROBE_STEPS:
+                probe = done == start + PROBE_STEPS
+                # Synced only to time the probe: the budget check itself may run a step ahead of the GPU.
+                elapsed = _elapsed(started, device) if probe else time.perf_counter() - started
+                if probe:
                     steps = _steps_that_fit(steps, done, elapsed, args)
                     schedule.lr_lambdas = [blocks.cosine_with_warmup(steps, args.warmup)]
                     bar.total = steps
