@@ -17,6 +17,8 @@ from lucebox.model.loader import load_model
 from lucebox.spec.dflash import load_drafter
 from lucebox.train import TrainDrafterArgs, blocks, default_taps, train_drafter
 from lucebox.train.data import render_conversation
+from lucebox.kernels.rope import apply_rope
+from lucebox.train.lm import dense_forward
 from lucebox.train.prepare import drafter_config, init_drafter, resolve_mask_token
 
 from .conftest import TRAINING_TEXT
@@ -111,6 +113,33 @@ def test_training_forward_equals_the_inference_drafter_per_anchor(hf_models):
                 block = torch.tensor([int(ids[s, a])] + [cfg.mask_token_id] * (cfg.block_size - 1))
                 one = drafter.blocks(embed(block), torch.arange(a, a + cfg.block_size), context, torch.arange(a))
                 torch.testing.assert_close(batched[s, n], one, atol=2e-5, rtol=1e-4)
+
+
+def test_init_from_target_gives_the_first_draft_layer_the_targets_own_context_keys(hf_models):
+    """--init-from-target: draft layers copy the target's last layers, and fc + hidden_norm make
+    the first draft layer's cached context K/V exactly the target's K/V at its layer L-n."""
+    loaded = load_model(str(hf_models["qwen3"]))
+    target, tcfg = loaded.model, loaded.config
+    L = tcfg.num_layers
+    args = TrainDrafterArgs(target="", data=["x"], out="", layers=1, block_size=4, taps=f"{L - 2},{L - 1}")
+    cfg = drafter_config(tcfg, loaded.tokenizer, args)
+    drafter = init_drafter(cfg, "cpu", seed=0, target=target)
+    ids = torch.randint(0, tcfg.vocab_size, (1, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        _, features = dense_forward(target, ids, capture_layers=(L - 2, L - 1))
+        (k, v), = drafter.context_kv(features[0], torch.arange(11))
+        layer = target.layers[L - 1]
+        attn = layer.self_attn
+        h = layer.input_layernorm(features[0, :, :tcfg.hidden_size])
+        cos, sin = target.rope.lookup(torch.arange(11), h.dtype)
+        want_k = apply_rope(attn.k_norm(attn.k_proj(h).view(11, attn.num_kv_heads, attn.head_dim)), cos, sin)
+        want_v = attn.v_proj(h).view(11, attn.num_kv_heads, attn.head_dim)
+    torch.testing.assert_close(k, want_k, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(v, want_v, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(drafter.layers[0].mlp.down_proj.weight, layer.mlp.down_proj.weight)
+    with pytest.raises(RequestError, match=f"needs layer {L - 2}"):
+        init_drafter(drafter_config(tcfg, loaded.tokenizer, TrainDrafterArgs(
+            target="", data=["x"], out="", layers=1, taps=f"{L - 1}")), "cpu", seed=0, target=target)
 
 
 def test_anchors_need_context_and_a_trained_token_after_them():

@@ -22,6 +22,7 @@ class TrainDrafterArgs:
     kv_heads: int | None = None
     head_dim: int | None = None
     intermediate_size: int | None = None
+    init_from_target: bool = False  # draft layers start as copies of the target's last layers
     steps: int | None = None  # default: one pass over the training samples
     batch_size: int = 16
     seq_len: int = 1024
@@ -106,6 +107,9 @@ def add_arguments(p) -> None:
                        ("intermediate-size", "FFN width")):
         p.add_argument(f"--{name}", type=int, default=argparse.SUPPRESS,
                        help=f"drafter {text} (default: the target's)")
+    p.add_argument("--init-from-target", action="store_true",
+                   help="start the draft layers as copies of the target's last layers (the tap feeding the "
+                        "first of them must be in --taps) instead of random weights")
     p.add_argument("--steps", type=int, default=argparse.SUPPRESS,
                    help="optimizer steps (default: one pass over the data)")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per step")

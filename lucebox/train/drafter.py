@@ -92,7 +92,7 @@ def train_drafter(args: TrainDrafterArgs) -> TrainResult:
     out.mkdir(parents=True, exist_ok=True)
     train, held = _samples(args, files, loaded, out)
 
-    drafter = init_drafter(cfg, device, args.seed)
+    drafter = init_drafter(cfg, device, args.seed, target if args.init_from_target else None)
     # With --max-seconds alone the step count is set after PROBE_STEPS timed steps.
     steps = args.steps or (1 << 40 if args.max_seconds else max(1, math.ceil(len(train) / args.batch_size)))
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=args.weight_decay,

@@ -80,9 +80,10 @@ def drafter_config(target: ModelConfig, tokenizer, args: TrainDrafterArgs) -> DF
                         args.block_size, target.num_layers)
 
 
-def init_drafter(cfg: DFlashConfig, device, seed: int) -> DFlashDrafter:
+def init_drafter(cfg: DFlashConfig, device, seed: int, target=None) -> DFlashDrafter:
     """float32 master weights (bf16 compute comes from autocast); HF's initialiser: N(0, 0.02)
-    matrices, unit norms."""
+    matrices, unit norms. With `target`, the draft layers start as copies of its last layers
+    instead (init_from_target)."""
     torch.manual_seed(seed)
     drafter = DFlashDrafter(cfg)
     with torch.no_grad():
@@ -91,7 +92,52 @@ def init_drafter(cfg: DFlashConfig, device, seed: int) -> DFlashDrafter:
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02)
+    if target is not None:
+        init_from_target(drafter, target)
     return drafter.to(device)
+
+
+def init_from_target(drafter: DFlashDrafter, target) -> None:
+    """Start the n draft layers as copies of the target's last n layers (L-n .. L-1), and the
+    context path so that the first draft layer sees exactly what the target's layer L-n reads:
+    fc passes the tapped residual stream entering it (the output of layer L-n-1, which must be a
+    tap) and hidden_norm is that layer's input norm. The first draft layer's context keys and
+    values then equal the target's own at layer L-n; the layers start with the target's attention
+    heads (induction heads included) instead of noise. A training aid: the block rows still
+    start from plain embeddings, so the drafter must learn the rest."""
+    cfg, tcfg = drafter.config, target.config
+    n = cfg.model.num_layers
+    first = tcfg.num_layers - n
+    if first < 1:
+        raise RequestError(f"--init-from-target: the drafter's {n} layers need a target deeper than that "
+                           f"(it has {tcfg.num_layers})")
+    fed_by = first - 1
+    if fed_by not in cfg.target_layer_ids:
+        raise RequestError(f"--init-from-target: copying the target's last {n} layers needs layer {fed_by} "
+                           f"(the one feeding layer {first}) among --taps, got {cfg.target_layer_ids}")
+    shapes = ("num_heads", "num_kv_heads", "head_dim", "intermediate_size")
+    if any(getattr(cfg.model, s) != getattr(tcfg, s) for s in shapes) or tcfg.qkv_bias or tcfg.o_bias \
+            or tcfg.mlp_bias:
+        raise RequestError("--init-from-target: the drafter's layers must have the target's shapes "
+                           "(leave --heads/--kv-heads/--head-dim/--intermediate-size unset) and the target no biases")
+
+    def copy(dst: torch.Tensor, src) -> None:
+        src = src.dequantize(torch.float32) if not isinstance(src, torch.Tensor) else src  # a QuantTensor
+        dst.copy_(src.detach().to(dst.dtype).view_as(dst))
+
+    with torch.no_grad():
+        for mine, theirs in zip(drafter.layers, target.layers[first:]):
+            for name, p in mine.named_parameters():
+                if name.endswith(("q_norm.weight", "k_norm.weight")) and not tcfg.qk_norm:
+                    continue  # the target has none: keep them at one
+                module, _, attr = name.rpartition(".")
+                copy(p, getattr(theirs.get_submodule(module), attr))
+        hidden = tcfg.hidden_size
+        drafter.fc.weight.zero_()
+        column = cfg.target_layer_ids.index(fed_by) * hidden
+        drafter.fc.weight[:, column:column + hidden] = torch.eye(hidden)
+        copy(drafter.hidden_norm.weight, target.layers[first].input_layernorm.weight)
+        copy(drafter.norm.weight, target.norm.weight)
 
 
 def lm_head(model):
