@@ -40,7 +40,9 @@ def _blocks(x: torch.Tensor, cache_type: str) -> torch.Tensor:
 def _true_div(a: torch.Tensor, b: float) -> torch.Tensor:
     # On CUDA, tensor / python-scalar is computed as a * (1/b), which is off by an ulp for some a
     # (amax/127 must match ggml's to the bit); dividing by a device tensor is a real IEEE division.
-    return a / torch.tensor(b, dtype=a.dtype, device=a.device)
+    # new_full fills the divisor on the device (torch.tensor would copy it from the host, which a
+    # CUDA graph capture forbids).
+    return a / a.new_full((), b)
 
 
 def _reciprocal_or_zero(d: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,8 @@ log = logging.getLogger("lucebox")
 STATE_FILE = "train_state.pt"
 REGEN_FILE = "regenerated.pt"
 LOG_FILE = "training_log.jsonl"
-PROBE_STEPS = 20  # --max-seconds times this many steps before fixing the schedule
+WARM_STEPS = 3  # --max-seconds: steps run before timing (the first ones compile kernels) ...
+PROBE_STEPS = 20  # ... and the steps timed to fix the schedule
 
 
 @dataclass
@@ -79,6 +80,10 @@ def train_drafter(args: TrainDrafterArgs) -> TrainResult:
     # bf16 on GPU even for float32 checkpoints: the target is frozen, and features in bf16 are
     # what a bf16 deployment feeds the drafter anyway.
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    if args.attention == "flex" and device.type != "cuda":
+        raise RequestError(f"--attention flex trains on a CUDA device only (FlexAttention has no backward pass "
+                           f"on {device.type}); use --attention dense or auto")
+    flex = args.attention == "flex" or (args.attention == "auto" and device.type == "cuda")
     loaded = load_model(args.target, dtype=dtype, device=str(device))
     target = loaded.model
     target.requires_grad_(False)
@@ -93,7 +98,7 @@ def train_drafter(args: TrainDrafterArgs) -> TrainResult:
     train, held = _samples(args, files, loaded, out)
 
     drafter = init_drafter(cfg, device, args.seed, target if args.init_from_target else None)
-    # With --max-seconds alone the step count is set after PROBE_STEPS timed steps.
+    # With --max-seconds alone the step count is set after WARM_STEPS + PROBE_STEPS steps.
     steps = args.steps or (1 << 40 if args.max_seconds else max(1, math.ceil(len(train) / args.batch_size)))
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=args.weight_decay,
                                   betas=(0.9, 0.95), **({"fused": True} if device.type == "cuda" else {}))
@@ -121,13 +126,14 @@ def train_drafter(args: TrainDrafterArgs) -> TrainResult:
     per_epoch = max(1, math.ceil(len(train) / args.batch_size))
 
     def evaluate() -> EvalResult | None:
-        return _evaluate(drafter, target, head, features, held, cfg, weights, args, eval_batch, autocast)
+        return _evaluate(drafter, target, head, features, held, cfg, weights, args, eval_batch, autocast, flex)
 
     def checkpoint(step: int) -> None:
         _save_state(state_file, drafter, optimizer, schedule, step, cfg, history)
         save_drafter(drafter, out, getattr(torch, args.save_dtype))
 
     started = time.perf_counter()
+    warm = 0.0  # --max-seconds: the time of the first WARM_STEPS
     bar = tqdm(total=steps, initial=start, desc="Training drafter", unit="step", disable=_disabled(args))
     smoothed = None
     try:
@@ -139,7 +145,7 @@ def train_drafter(args: TrainDrafterArgs) -> TrainResult:
             anchors, keep = blocks.sample_anchors(blocks.anchor_candidates(lengths, mask), args.anchors, generator)
             labels, valid = blocks.block_targets(ids, lengths, mask, anchors, keep, cfg.block_size)
             with autocast:
-                hidden = blocks.draft_hidden(drafter, target.embed_tokens, feats, ids, anchors, cfg.mask_token_id)
+                hidden = blocks.draft_hidden(drafter, target.embed_tokens, feats, ids, anchors, cfg.mask_token_id, flex)
                 total, weight, correct = blocks.weighted_ce(head, hidden, labels, valid, weights, tcfg.vocab_size)
             optimizer.zero_grad(set_to_none=True)
             if total.requires_grad:  # a batch without any trainable slot leaves the weights alone
@@ -164,11 +170,13 @@ def train_drafter(args: TrainDrafterArgs) -> TrainResult:
             if done % args.save_every == 0 and done < steps:
                 checkpoint(done)
             if args.max_seconds is not None:
-                probe = done == start + PROBE_STEPS
+                if done == start + WARM_STEPS:  # compilation and autotuning stay out of the measured rate
+                    warm = _elapsed(started, device)
+                probe = done == start + WARM_STEPS + PROBE_STEPS
                 # Synced only to time the probe: the budget check itself may run a step ahead of the GPU.
                 elapsed = _elapsed(started, device) if probe else time.perf_counter() - started
                 if probe:
-                    steps = _steps_that_fit(steps, done, elapsed, args)
+                    steps = _steps_that_fit(steps, done, elapsed, (elapsed - warm) / PROBE_STEPS, args)
                     schedule.lr_lambdas = [blocks.cosine_with_warmup(steps, args.warmup)]
                     bar.total = steps
                 elif elapsed >= args.max_seconds:
@@ -198,10 +206,10 @@ def _elapsed(started: float, device) -> float:
     return time.perf_counter() - started
 
 
-def _steps_that_fit(steps: int, done: int, elapsed: float, args: TrainDrafterArgs) -> int:
-    """--max-seconds: the cosine schedule is laid out over the steps the measured rate of the first
-    PROBE_STEPS allows (5% kept for evaluations and checkpoints), never more than --steps."""
-    rate = elapsed / PROBE_STEPS
+def _steps_that_fit(steps: int, done: int, elapsed: float, rate: float, args: TrainDrafterArgs) -> int:
+    """--max-seconds: the cosine schedule is laid out over the steps that the rate measured over
+    PROBE_STEPS (after WARM_STEPS) allows (5% kept for evaluations and checkpoints), never more than
+    --steps."""
     fit = done + int(0.95 * (args.max_seconds - elapsed) / rate)
     chosen = max(done, min(steps, fit) if args.steps else fit)
     log.warning("--max-seconds %s: %.3f s/step, training %d steps", args.max_seconds, rate, chosen)
@@ -223,7 +231,7 @@ def _batch(train: list[Sample], step: int, per_epoch: int, args: TrainDrafterArg
 
 @torch.no_grad()
 def _evaluate(drafter, target, head, features, held: list[Sample], cfg: DFlashConfig, weights, args,
-              eval_batch: int, autocast) -> EvalResult | None:
+              eval_batch: int, autocast, flex: bool) -> EvalResult | None:
     """Blocks anchored at every held-out position (args.anchors per forward), then the engine's
     walk over each trained-on span: tau as `lucebox` would measure it on this text."""
     if not held:
@@ -242,7 +250,7 @@ def _evaluate(drafter, target, head, features, held: list[Sample], cfg: DFlashCo
             keep = candidates.gather(1, anchors)
             labels, valid = blocks.block_targets(ids, lengths, mask, anchors, keep, B)
             with autocast:
-                hidden = blocks.draft_hidden(drafter, target.embed_tokens, feats, ids, anchors, cfg.mask_token_id)
+                hidden = blocks.draft_hidden(drafter, target.embed_tokens, feats, ids, anchors, cfg.mask_token_id, flex)
                 total, w, _ = blocks.weighted_ce(head, hidden, labels, valid, weights, vocab)
                 acc, per_slot = blocks.acceptance(head, hidden, greedy, lengths, anchors, keep, vocab)
             accepted_at[:, first:first + anchors.shape[1]] = acc.cpu()
