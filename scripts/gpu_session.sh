@@ -35,7 +35,7 @@ case "${1:-check}" in
       tests/test_train_drafter.py::test_flex_attention_training_step_matches_the_dense_reference_on_gpu
     tail -n 30 "$out/gpu-tests.log" ;;
   probe)  # drafter training speed, dense block attention vs FlexAttention (text data, no regeneration)
-    for attention in dense flex; do
+    for attention in ${ATTENTIONS:-dense flex}; do
       step "probe-$attention" 150 python3 -m lucebox.cli train-drafter --target models/default --data lucebox tests \
         --out "/tmp/probe-$attention" --layers 2 --block-size 16 --taps 3,4,5,6,7 --batch-size 32 --seq-len 1024 \
         --anchors 256 --max-seconds 60 --eval-every 0 --attention "$attention"

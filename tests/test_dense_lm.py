@@ -21,7 +21,8 @@ def paged_features(model, seqs: list[list[int]], taps: tuple[int, ...]):
         table: list[int] = []
         blocks.allocate(table, len(s))
         tables.append(table)
-    return runner.run(seqs, [0] * len(seqs), tables, all_logits=True, capture_layers=taps)
+    logits, captured = runner.run(seqs, [0] * len(seqs), tables, all_logits=True, capture_layers=taps)
+    return logits.cpu(), captured.cpu()
 
 
 @pytest.mark.parametrize("family", ["qwen3", "mistral"])
@@ -36,7 +37,9 @@ def test_dense_forward_matches_the_paged_forward_with_taps(hf_models, family):
     ids = torch.zeros(len(seqs), max(lengths), dtype=torch.int64)
     for i, s in enumerate(seqs):
         ids[i, :len(s)] = torch.tensor(s)
-    features, greedy = TargetFeatures(model, list(taps))(ids, torch.tensor(lengths), greedy=True)
+    features, greedy = TargetFeatures(model, list(taps))(ids.to(model.device), torch.tensor(lengths, device=model.device),
+                                                         greedy=True)
+    features, greedy = features.cpu(), greedy.cpu()
     rows = torch.cat([features[i, :n] for i, n in enumerate(lengths)])
     torch.testing.assert_close(rows, captured, atol=2e-5, rtol=1e-4)
     assert all(float(features[i, n:].abs().sum()) == 0 for i, n in enumerate(lengths))
@@ -46,7 +49,7 @@ def test_dense_forward_matches_the_paged_forward_with_taps(hf_models, family):
 
 def test_cached_decode_equals_the_full_forward(hf_models):
     model = load_model(str(hf_models["mistral"]), dtype="float32").model
-    ids = torch.randint(0, model.config.vocab_size, (2, 30), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, model.config.vocab_size, (2, 30), generator=torch.Generator().manual_seed(1)).to(model.device)
     full = dense_forward(model, ids)
     cache = DenseCache(model, 2, 30)
     parts = [dense_forward(model, ids[:, :20], cache=cache)]
@@ -61,13 +64,13 @@ def test_greedy_generate_equals_the_engine(hf_models):
     prompts = torch.randint(0, model.config.vocab_size, (3, 11), generator=torch.Generator().manual_seed(2))
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     expected = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p.tolist()} for p in prompts], params)]
-    got = greedy_generate(model, prompts, 24)
+    got = greedy_generate(model, prompts.to(model.device), 24)
     assert got == [list(e) for e in expected]
 
 
 def test_greedy_generate_ends_each_row_after_its_stop_token(hf_models):
     model = load_model(str(hf_models["qwen3"]), dtype="float32").model
-    prompts = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(3))
+    prompts = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(3)).to(model.device)
     free = greedy_generate(model, prompts, 12)
     stop = free[0][4]
     stopped = greedy_generate(model, prompts, 12, {stop})

@@ -42,7 +42,7 @@ def test_batched_prefill_logits_match_transformers(family, hf_models):
     start = 0
     for prompt in prompts:
         expected = reference_logits(hf_models[family], prompt)
-        got = logits[start:start + len(prompt)]
+        got = logits[start:start + len(prompt)].cpu()
         assert (got - expected).abs().max().item() <= 1e-4, family
         start += len(prompt)
 
@@ -61,6 +61,6 @@ def test_incremental_decode_through_paged_cache_matches_full_forward(family, hf_
         chunk = prompt[pos:pos + step]
         rows.append(runner.run([chunk], [pos], [table], all_logits=True))
         pos += len(chunk)
-    got = torch.cat(rows)
+    got = torch.cat(rows).cpu()
     assert got.shape == expected.shape
     assert (got - expected).abs().max().item() <= 1e-4

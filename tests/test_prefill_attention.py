@@ -32,7 +32,7 @@ BF16_TOL = 2e-2
 
 
 def max_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return (got.float() - want.float()).abs().max().item()
+    return (got.float().cpu() - want.float().cpu()).abs().max().item()
 
 
 @pytest.fixture

@@ -22,6 +22,7 @@ one `lucebox` measures when it decodes that text.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -169,28 +170,13 @@ def _block_attention(q, k_c, v_c, k_b, v_b, visible, scale: float) -> torch.Tens
     return o.transpose(1, 2).reshape(S * N * B, H * hd)
 
 
-_compiled_flex = None
-
-
 def _flex_attention(anchors: torch.Tensor, block_size: int, T: int):
     """The same attention as _block_attention through FlexAttention. Keys: the context padded to
-    Tp (a tile multiple, so that few distinct shapes get compiled), then every block's B rows.
-    Query row r belongs to block n = r // B; it sees context key j < anchor n (so never padding),
-    and key Tp + i of its own block (i // B == n)."""
-    global _compiled_flex
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention) if anchors.is_cuda else flex_attention
+    Tp (a tile multiple, so that few distinct shapes get compiled), then every block's B rows."""
     anchors = anchors.contiguous()
     S, N = anchors.shape
     Tp = -(-T // FLEX_TILE) * FLEX_TILE
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        n = q_idx // block_size
-        own = (kv_idx >= Tp) & ((kv_idx - Tp) // block_size == n)
-        return (kv_idx < anchors[b, n]) | own
-
-    mask = create_block_mask(mask_mod, S, None, N * block_size, Tp + N * block_size, device=anchors.device,
-                             _compile=anchors.is_cuda)
+    run = _compiled_flex_blocks() if anchors.is_cuda else _flex_blocks
 
     def attend(q, k_c, v_c, k_b, v_b, scale: float) -> torch.Tensor:
         dtype = _compute_dtype(q)
@@ -201,10 +187,30 @@ def _flex_attention(anchors: torch.Tensor, block_size: int, T: int):
             return torch.cat([ctx, blk.to(dtype).view(S, N * block_size, -1, hd)], dim=1).transpose(1, 2)
 
         qh = q.to(dtype).view(S, N * block_size, -1, hd).transpose(1, 2)
-        o = _compiled_flex(qh, keys(k_c, k_b), keys(v_c, v_b), block_mask=mask, scale=scale, enable_gqa=True)
+        o = run(qh, keys(k_c, k_b), keys(v_c, v_b), anchors, block_size, Tp, scale)
         return o.transpose(1, 2).reshape(S * N * block_size, -1)
 
     return attend
+
+
+def _flex_blocks(q, k, v, anchors: torch.Tensor, block_size: int, Tp: int, scale: float) -> torch.Tensor:
+    """Query row r belongs to block n = r // B; it sees context key j < anchor n (so never the
+    padding) and key Tp + i of its own block (i // B == n). The mask is built inside the compiled
+    function: a mask_mod closure made outside would be a new object each call, and every call
+    would recompile (until Dynamo gives up and falls back to eager FlexAttention, whose backward
+    is wrong)."""
+    def mask_mod(b, h, q_idx, kv_idx):
+        n = q_idx // block_size
+        own = (kv_idx >= Tp) & ((kv_idx - Tp) // block_size == n)
+        return (kv_idx < anchors[b, n]) | own
+
+    mask = create_block_mask(mask_mod, anchors.shape[0], None, q.shape[2], k.shape[2], device=q.device)
+    return flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)
+
+
+@functools.cache
+def _compiled_flex_blocks():
+    return torch.compile(_flex_blocks)
 
 
 def block_targets(ids: torch.Tensor, lengths: torch.Tensor, mask: torch.Tensor, anchors: torch.Tensor,
