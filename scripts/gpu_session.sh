@@ -43,10 +43,10 @@ case "${1:-check}" in
     done ;;
   bench)
     bench 8b-bf16-graphs 240 --shape qwen3-8b --quant bf16 --cuda-graphs
-    bench 8b-bf16-eager 150 --shape qwen3-8b --quant bf16 --prompt-lens 4096 --contexts 512 --no-peer --skip forced
     bench 8b-q8_0 90 --shape qwen3-8b --quant q8_0 --prompt-lens 512 --contexts 512 --no-peer --cuda-graphs
     bench 8b-q4_k_m 90 --shape qwen3-8b --quant q4_k_m --prompt-lens 512 --contexts 512 --no-peer --cuda-graphs
-    bench 06b-bf16 90 --shape qwen3-0.6b --quant bf16 --prompt-lens 512 --contexts 512 --cuda-graphs ;;
+    bench 06b-bf16 90 --shape qwen3-0.6b --quant bf16 --prompt-lens 512 --contexts 512 --cuda-graphs
+    bench 8b-bf16-eager 100 --shape qwen3-8b --quant bf16 --prompt-lens 4096 --contexts 512 --no-peer --skip forced ;;
   kernels)
     step kernels 500 python3 scripts/bench_kernels.py --sweep --json "$out/kernels.json"
     tail -n 60 "$out/kernels.log" ;;
