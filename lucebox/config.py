@@ -25,9 +25,10 @@ class EngineArgs:
     # vLLM's shape: {"method": "dflash"|"draft_model"|"ngram", "model": ..., "num_speculative_tokens": k, ...}
     speculative_config: dict | None = None
     max_queue: int = 1024  # waiting requests before new ones are refused
-    # CUDA graphs for decode / verify steps: opt-in until validated on a GPU (written and tested on
-    # CPU with the padded static batches; capture and replay have not run on a GPU yet).
-    cuda_graphs: bool = False
+    # CUDA graphs for decode / verify steps. None: on for CUDA devices (validated on the H200, where an
+    # eager 8B bf16 step is several times slower), off on CPU; True on CPU runs the padded static
+    # batches without capture (how CPU tests check them); False: vLLM's enforce_eager.
+    cuda_graphs: bool | None = None
     cuda_graph_max_batch: int = 32  # largest batch (in sequences) replayed through a CUDA graph
 
     HELP = {
@@ -49,7 +50,8 @@ class EngineArgs:
         "speculative_config": "speculative decoding settings",
         "enable_prefix_caching": "reuse the KV of shared prompt prefixes across requests",
         "max_queue": "most requests waiting for a slot; more are refused with an overload error",
-        "cuda_graphs": "replay decode and verify steps through CUDA graphs (experimental: not yet validated on a GPU)",
+        "cuda_graphs": "replay decode and verify steps through CUDA graphs (default: on for CUDA devices)",
+        "enforce_eager": "run every step eagerly: no CUDA graphs (slower at small batches; for debugging)",
         "cuda_graph_max_batch": "largest batch of sequences whose decode / verify steps replay a CUDA graph "
                                 "(larger batches run eagerly)",
     }

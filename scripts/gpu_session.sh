@@ -2,9 +2,8 @@
 # One GPU call's worth of work, for the device machine (H200): every step writes its log (and JSON)
 # under $OUT and is bounded by `timeout`, so one failing step never loses the others' results.
 #   scripts/gpu_session.sh check     GPU tests: CUDA graphs, fused kernels, Triton kernels, model (~3 min)
-#   scripts/gpu_session.sh bench     bench speed: qwen3-8b bf16 eager and with --cuda-graphs, q8_0,
+#   scripts/gpu_session.sh bench     bench speed: qwen3-8b bf16 (CUDA graphs, and --enforce-eager), q8_0,
 #                                    q4_k_m, qwen3-0.6b bf16 (~8 min)
-#   scripts/gpu_session.sh probe     drafter training s/step, dense block attention vs FlexAttention (~3 min)
 #   scripts/gpu_session.sh kernels   scripts/bench_kernels.py --sweep (Triton kernels vs torch, GB/s)
 #   scripts/gpu_session.sh drafter   the default drafter (scripts/train_default_drafter.sh, ~9 min)
 #   scripts/gpu_session.sh drafters  two drafters side by side on one regeneration: random init and
@@ -31,22 +30,14 @@ bench() {  # bench NAME SECONDS ARGS...: lucebox bench speed with --json, its ta
 case "${1:-check}" in
   check)
     step gpu-tests 300 python3 -m pytest -rs tests/test_cuda_graphs.py tests/test_fused_kernels.py \
-      tests/test_triton_kernels.py tests/test_prefill_attention.py tests/test_model.py tests/test_dense_lm.py \
-      tests/test_train_drafter.py::test_flex_attention_training_step_matches_the_dense_reference_on_gpu
+      tests/test_triton_kernels.py tests/test_prefill_attention.py tests/test_model.py tests/test_dense_lm.py
     tail -n 30 "$out/gpu-tests.log" ;;
-  probe)  # drafter training speed, dense block attention vs FlexAttention (text data, no regeneration)
-    for attention in ${ATTENTIONS:-dense flex}; do
-      step "probe-$attention" 150 python3 -m lucebox.cli train-drafter --target models/default --data lucebox tests \
-        --out "/tmp/probe-$attention" --layers 2 --block-size 16 --taps 3,4,5,6,7 --batch-size 32 --seq-len 1024 \
-        --anchors 256 --max-seconds 60 --eval-every 0 --attention "$attention"
-      grep -E "s/step|held-out|Error" "$out/probe-$attention.log"
-    done ;;
   bench)
-    bench 8b-bf16-graphs 240 --shape qwen3-8b --quant bf16 --cuda-graphs
-    bench 8b-q8_0 90 --shape qwen3-8b --quant q8_0 --prompt-lens 512 --contexts 512 --no-peer --cuda-graphs
-    bench 8b-q4_k_m 90 --shape qwen3-8b --quant q4_k_m --prompt-lens 512 --contexts 512 --no-peer --cuda-graphs
-    bench 06b-bf16 90 --shape qwen3-0.6b --quant bf16 --prompt-lens 512 --contexts 512 --cuda-graphs
-    bench 8b-bf16-eager 100 --shape qwen3-8b --quant bf16 --prompt-lens 4096 --contexts 512 --no-peer --skip forced ;;
+    bench 8b-bf16 240 --shape qwen3-8b --quant bf16
+    bench 8b-q8_0 90 --shape qwen3-8b --quant q8_0 --prompt-lens 512 --contexts 512 --no-peer
+    bench 8b-q4_k_m 90 --shape qwen3-8b --quant q4_k_m --prompt-lens 512 --contexts 512 --no-peer
+    bench 06b-bf16 90 --shape qwen3-0.6b --quant bf16 --prompt-lens 512 --contexts 512
+    bench 8b-bf16-eager 100 --shape qwen3-8b --quant bf16 --prompt-lens 4096 --contexts 512 --no-peer --skip forced --enforce-eager ;;
   kernels)
     step kernels 500 python3 scripts/bench_kernels.py --sweep --json "$out/kernels.json"
     tail -n 60 "$out/kernels.log" ;;
@@ -68,5 +59,5 @@ case "${1:-check}" in
     rm -f "$out"/{a,b}/{train_state.pt,regenerated.pt}
     for name in a b; do echo "== $name"; tr '\r' '\n' < "$out/drafter-$name.log" | grep -E "tau|steps|wrote|Error|error" | tail -n 8; done
     cat "$out/check.txt" ;;
-  *) echo "usage: $0 check|probe|bench|kernels|drafter|drafters" >&2; exit 2 ;;
+  *) echo "usage: $0 check|bench|kernels|drafter|drafters" >&2; exit 2 ;;
 esac

@@ -315,3 +315,16 @@ def test_greedy_generation_is_identical_with_and_without_graphs(method, hf_model
             assert sum(graphs.replays.values()) > 0 and any(g is not None for g, _ in graphs.graphs.values())
         del llm, graphs
     assert outputs[0] == outputs[1]
+
+
+def test_cuda_graphs_are_on_by_default_for_cuda_only_and_enforce_eager_turns_them_off(hf_models):
+    from lucebox.cli import build_parser
+    target = str(hf_models["qwen3"])
+    assert LLM(target, device="cpu").engine._graph_settings() is None  # CPU default: eager
+    assert LLM(target, device="cpu", cuda_graphs=True).engine._graph_settings() is not None
+    assert LLM(target, device="cpu", cuda_graphs=True, enforce_eager=True).args.cuda_graphs is False
+    parser = build_parser()
+    assert parser.parse_args(["generate", "--enforce-eager"]).cuda_graphs is False
+    assert parser.parse_args(["generate"]).cuda_graphs is None
+    if torch.cuda.is_available():
+        assert LLM(target, device="cuda").engine._graph_settings() is not None

@@ -61,7 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-tokens", type=int, default=None, help="draft tokens per step (default: the method's)")
     p.add_argument("--cache-type-k", default="auto", help=EngineArgs.HELP["cache_type_k"])
     p.add_argument("--cache-type-v", default="auto", help=EngineArgs.HELP["cache_type_v"])
-    p.add_argument("--cuda-graphs", action="store_true", help=EngineArgs.HELP["cuda_graphs"])
+    p.add_argument("--enforce-eager", dest="cuda_graphs", action="store_const", const=False, default=None,
+                   help=EngineArgs.HELP["enforce_eager"])
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
     p.add_argument("--json", default=None, help="also write every figure and the run's metadata to this JSON file")
 
@@ -267,7 +268,7 @@ def _engine_args(args, max_len: int, loaded, kv_factor: int = 1, **extra) -> Eng
     tokens = (-(-max_len // EngineArgs.block_size) + 2) * EngineArgs.block_size
     return EngineArgs(model=loaded.source, max_model_len=max_len, max_num_seqs=1, enable_prefix_caching=False,
                       cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
-                      cuda_graphs=getattr(args, "cuda_graphs", False), kv_cache_memory=kv_factor * per_token * tokens, **extra)
+                      cuda_graphs=getattr(args, "cuda_graphs", None), kv_cache_memory=kv_factor * per_token * tokens, **extra)
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -57,7 +57,8 @@ class LLMEngine:
 
     def _graph_settings(self) -> GraphSettings | None:
         """CUDA-graph buckets: decodes (1 token), and verifies of every draft length the policy picks."""
-        if not self.args.cuda_graphs:
+        enabled = self.args.cuda_graphs
+        if not (self.model.device.type == "cuda" if enabled is None else enabled):
             return None
         query_lens = (1,)
         if self.speculator is not None:

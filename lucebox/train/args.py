@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from ..errors import RequestError
 
 SAVE_DTYPES = ("bfloat16", "float16", "float32")
-ATTENTION = ("auto", "flex", "dense")
 
 
 @dataclass
@@ -44,7 +43,6 @@ class TrainDrafterArgs:
     max_seconds: float | None = None  # a wall-clock budget: the schedule is fitted to the steps it allows
     resume: bool = False
     device: str = "auto"
-    attention: str = "auto"  # the block attention: FlexAttention (auto on CUDA) or the dense reference
     dtype: str = "auto"
     save_dtype: str = "bfloat16"  # the drafter's exported weights (the published checkpoints are bf16)
     seed: int = 0
@@ -72,8 +70,6 @@ class TrainDrafterArgs:
         for name in ("lr", "grad_clip"):
             if not getattr(self, name) > 0:
                 raise RequestError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)!r}")
-        if self.attention not in ATTENTION:
-            raise RequestError(f"--attention {self.attention!r}: choose one of {', '.join(ATTENTION)}")
         if self.save_dtype not in SAVE_DTYPES:
             raise RequestError(f"--save-dtype {self.save_dtype!r}: choose one of {', '.join(SAVE_DTYPES)}")
         if self.gamma is not None and not self.gamma > 0:
@@ -142,9 +138,6 @@ def add_arguments(p) -> None:
                         "fit, measured over the first steps (with --steps: at most that many)")
     p.add_argument("--resume", action="store_true", help="continue the run saved in --out")
     p.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
-    p.add_argument("--attention", default=d.attention, choices=ATTENTION,
-                   help="block attention: flex (FlexAttention's fused block-sparse kernel; GPU only), dense "
-                        "(plain tensor products, any device) or auto (flex on CUDA)")
     p.add_argument("--dtype", default=d.dtype,
                    help="target dtype: auto (bfloat16 on GPU with bf16 autocast, float32 on CPU), float32, "
                         "bfloat16 or float16")

@@ -6,14 +6,9 @@ anchor, as at inference, where the anchor's own features are not known yet) and 
 their own block, bidirectionally; never another block. This is exactly what `DFlashDrafter.blocks`
 computes for one anchor over its cached context, done for all anchors at once.
 
-Two implementations of that attention, the same function of the same inputs:
-- dense (any device, and the reference): two products instead of one [N*B, T + N*B] mask (mostly
-  False): block rows x context [S, H, N*B, T] under the "before the anchor" mask, and block rows x
-  own block [S, H, N, B, B]; one softmax over both parts. T + B keys per query, but the [S, H,
-  N*B, T] scores pass through memory several times per layer, which is what bounds a GPU step.
-- FlexAttention (CUDA, the default there): keys [context | all blocks] with the mask as a
-  mask_mod; its block-sparse fused kernel never writes the scores, and skips the key tiles that
-  no query of a tile can see (later context, other blocks).
+Attention is split in two dense products instead of one [N*B, T + N*B] mask (mostly False):
+block rows x context [S, H, N*B, T] under the "before the anchor" mask, and block rows x own block
+[S, H, N, B, B]; one softmax runs over both parts. The cost is T + B keys per query, not T + N*B.
 Everything is batched tensor code: no Python loop over anchors or sequences.
 
 Evaluation drafts a block at every held-out position, scores each slot against the target's greedy
@@ -22,15 +17,11 @@ one `lucebox` measures when it decodes that text.
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
-
-FLEX_TILE = 128  # FlexAttention's block size; the context keys are padded to a multiple of it
 
 
 def default_gamma(block_size: int) -> float:
@@ -73,12 +64,11 @@ def sample_anchors(candidates: torch.Tensor, num_anchors: int, generator: torch.
 
 
 def draft_hidden(drafter, embed, features: torch.Tensor, ids: torch.Tensor, anchors: torch.Tensor,
-                 mask_token_id: int, flex: bool | None = None) -> torch.Tensor:
+                 mask_token_id: int) -> torch.Tensor:
     """Final (normed) drafter hidden states of every block: [S, N, B, hidden].
 
     features [S, T, taps*hidden] target features of positions 0..T-1; ids [S, T]; anchors [S, N];
-    embed: the target's (frozen) token embedding. flex: attention through FlexAttention (default:
-    on CUDA) or the dense reference.
+    embed: the target's (frozen) token embedding.
 
     Norms, RoPE and the MLP are written out here in plain torch (the reference formulas of
     lucebox.kernels) rather than called through the drafter's modules: kernels/ may route those to
@@ -97,9 +87,7 @@ def draft_hidden(drafter, embed, features: torch.Tensor, ids: torch.Tensor, anch
     block_ids = torch.full((S, N, B), mask_token_id, dtype=torch.int64, device=device)
     block_ids[:, :, 0] = ids.gather(1, anchors)
     x = embed(block_ids).reshape(S * N * B, D)
-    if flex is None:
-        flex = device.type == "cuda"
-    attend = _flex_attention(anchors, B, T) if flex else _dense_attention(ctx_pos[None, None, :] < anchors[..., None])
+    visible = ctx_pos[None, None, :] < anchors[..., None]  # [S, N, T]: context strictly before the anchor
     c_flat = c.reshape(S * T, D)
     for layer in drafter.layers:
         attn = layer.self_attn
@@ -109,7 +97,7 @@ def draft_hidden(drafter, embed, features: torch.Tensor, ids: torch.Tensor, anch
         k_c, v_c = _key_value(attn, c_flat, cos_c, sin_c)
         k_b, v_b = _key_value(attn, h, cos_b, sin_b)
         q = _rope(_rms(attn.q_proj(h).view(-1, attn.num_heads, attn.head_dim), attn.q_norm), cos_b, sin_b)
-        o = attend(q, k_c, v_c, k_b, v_b, attn.scale)
+        o = _block_attention(q, k_c, v_c, k_b, v_b, visible, attn.scale)
         x = x + attn.o_proj(o)
         mlp = layer.mlp
         h = _rms(x, layer.post_attention_layernorm)
@@ -136,15 +124,6 @@ def _key_value(attn, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Ten
     return _rope(k, cos, sin), attn.v_proj(x).view(-1, attn.num_kv_heads, attn.head_dim)
 
 
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-
-
-def _dense_attention(visible: torch.Tensor):
-    """visible [S, N, T]: context position t is visible to block n of sequence s."""
-    return lambda q, k_c, v_c, k_b, v_b, scale: _block_attention(q, k_c, v_c, k_b, v_b, visible, scale)
-
-
 def _block_attention(q, k_c, v_c, k_b, v_b, visible, scale: float) -> torch.Tensor:
     """q, k_b, v_b: rows of all blocks [S*N*B, heads, d]; k_c, v_c: context rows [S*T, kv_heads, d];
     visible [S, N, T]. Returns [S*N*B, heads*d]."""
@@ -152,7 +131,7 @@ def _block_attention(q, k_c, v_c, k_b, v_b, visible, scale: float) -> torch.Tens
     H, hd = q.shape[1], q.shape[2]
     B = q.shape[0] // (S * N)
     g = H // k_c.shape[1]
-    dtype = _compute_dtype(q)
+    dtype = torch.get_autocast_dtype(q.device.type) if torch.is_autocast_enabled(q.device.type) else q.dtype
 
     def heads(t, *lead):  # [rows, kv_heads, d] -> [S, H, *lead, d]
         t = t.to(dtype).view(S, *lead, -1, hd).movedim(-2, 1)
@@ -168,49 +147,6 @@ def _block_attention(q, k_c, v_c, k_b, v_b, visible, scale: float) -> torch.Tens
     p = torch.softmax(torch.cat([s_ctx, s_blk], dim=-1), dim=-1, dtype=torch.float32).to(dtype)
     o = p[..., :T].reshape(S, H, N * B, T) @ vc + (p[..., T:] @ vb).view(S, H, N * B, hd)
     return o.transpose(1, 2).reshape(S * N * B, H * hd)
-
-
-def _flex_attention(anchors: torch.Tensor, block_size: int, T: int):
-    """The same attention as _block_attention through FlexAttention. Keys: the context padded to
-    Tp (a tile multiple, so that few distinct shapes get compiled), then every block's B rows."""
-    anchors = anchors.contiguous()
-    S, N = anchors.shape
-    Tp = -(-T // FLEX_TILE) * FLEX_TILE
-    run = _compiled_flex_blocks() if anchors.is_cuda else _flex_blocks
-
-    def attend(q, k_c, v_c, k_b, v_b, scale: float) -> torch.Tensor:
-        dtype = _compute_dtype(q)
-        hd = q.shape[-1]
-
-        def keys(ctx, blk):  # -> [S, kv_heads, Tp + N*B, d]
-            ctx = F.pad(ctx.to(dtype).view(S, T, -1, hd), (0, 0, 0, 0, 0, Tp - T))
-            return torch.cat([ctx, blk.to(dtype).view(S, N * block_size, -1, hd)], dim=1).transpose(1, 2)
-
-        qh = q.to(dtype).view(S, N * block_size, -1, hd).transpose(1, 2)
-        o = run(qh, keys(k_c, k_b), keys(v_c, v_b), anchors, block_size, Tp, scale)
-        return o.transpose(1, 2).reshape(S * N * block_size, -1)
-
-    return attend
-
-
-def _flex_blocks(q, k, v, anchors: torch.Tensor, block_size: int, Tp: int, scale: float) -> torch.Tensor:
-    """Query row r belongs to block n = r // B; it sees context key j < anchor n (so never the
-    padding) and key Tp + i of its own block (i // B == n). The mask is built inside the compiled
-    function: a mask_mod closure made outside would be a new object each call, and every call
-    would recompile (until Dynamo gives up and falls back to eager FlexAttention, whose backward
-    is wrong)."""
-    def mask_mod(b, h, q_idx, kv_idx):
-        n = q_idx // block_size
-        own = (kv_idx >= Tp) & ((kv_idx - Tp) // block_size == n)
-        return (kv_idx < anchors[b, n]) | own
-
-    mask = create_block_mask(mask_mod, anchors.shape[0], None, q.shape[2], k.shape[2], device=q.device)
-    return flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)
-
-
-@functools.cache
-def _compiled_flex_blocks():
-    return torch.compile(_flex_blocks)
 
 
 def block_targets(ids: torch.Tensor, lengths: torch.Tensor, mask: torch.Tensor, anchors: torch.Tensor,

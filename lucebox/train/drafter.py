@@ -80,10 +80,6 @@ def train_drafter(args: TrainDrafterArgs) -> TrainResult:
     # bf16 on GPU even for float32 checkpoints: the target is frozen, and features in bf16 are
     # what a bf16 deployment feeds the drafter anyway.
     dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
-    if args.attention == "flex" and device.type != "cuda":
-        raise RequestError(f"--attention flex trains on a CUDA device only (FlexAttention has no backward pass "
-                           f"on {device.type}); use --attention dense or auto")
-    flex = args.attention == "flex" or (args.attention == "auto" and device.type == "cuda")
     loaded = load_model(args.target, dtype=dtype, device=str(device))
     target = loaded.model
     target.requires_grad_(False)
@@ -126,7 +122,7 @@ def train_drafter(args: TrainDrafterArgs) -> TrainResult:
     per_epoch = max(1, math.ceil(len(train) / args.batch_size))
 
     def evaluate() -> EvalResult | None:
-        return _evaluate(drafter, target, head, features, held, cfg, weights, args, eval_batch, autocast, flex)
+        return _evaluate(drafter, target, head, features, held, cfg, weights, args, eval_batch, autocast)
 
     def checkpoint(step: int) -> None:
         _save_state(state_file, drafter, optimizer, schedule, step, cfg, history)
@@ -145,7 +141,7 @@ def train_drafter(args: TrainDrafterArgs) -> TrainResult:
             anchors, keep = blocks.sample_anchors(blocks.anchor_candidates(lengths, mask), args.anchors, generator)
             labels, valid = blocks.block_targets(ids, lengths, mask, anchors, keep, cfg.block_size)
             with autocast:
-                hidden = blocks.draft_hidden(drafter, target.embed_tokens, feats, ids, anchors, cfg.mask_token_id, flex)
+                hidden = blocks.draft_hidden(drafter, target.embed_tokens, feats, ids, anchors, cfg.mask_token_id)
                 total, weight, correct = blocks.weighted_ce(head, hidden, labels, valid, weights, tcfg.vocab_size)
             optimizer.zero_grad(set_to_none=True)
             if total.requires_grad:  # a batch without any trainable slot leaves the weights alone
@@ -231,7 +227,7 @@ def _batch(train: list[Sample], step: int, per_epoch: int, args: TrainDrafterArg
 
 @torch.no_grad()
 def _evaluate(drafter, target, head, features, held: list[Sample], cfg: DFlashConfig, weights, args,
-              eval_batch: int, autocast, flex: bool) -> EvalResult | None:
+              eval_batch: int, autocast) -> EvalResult | None:
     """Blocks anchored at every held-out position (args.anchors per forward), then the engine's
     walk over each trained-on span: tau as `lucebox` would measure it on this text."""
     if not held:
@@ -250,7 +246,7 @@ def _evaluate(drafter, target, head, features, held: list[Sample], cfg: DFlashCo
             keep = candidates.gather(1, anchors)
             labels, valid = blocks.block_targets(ids, lengths, mask, anchors, keep, B)
             with autocast:
-                hidden = blocks.draft_hidden(drafter, target.embed_tokens, feats, ids, anchors, cfg.mask_token_id, flex)
+                hidden = blocks.draft_hidden(drafter, target.embed_tokens, feats, ids, anchors, cfg.mask_token_id)
                 total, w, _ = blocks.weighted_ce(head, hidden, labels, valid, weights, vocab)
                 acc, per_slot = blocks.acceptance(head, hidden, greedy, lengths, anchors, keep, vocab)
             accepted_at[:, first:first + anchors.shape[1]] = acc.cpu()
