@@ -74,6 +74,7 @@ class LLMEngine:
         per_block = per_token * args.block_size
         blocks_per_seq = -(-self.max_model_len // args.block_size)
         if self.model.device.type == "cuda":
+            torch.cuda.empty_cache()  # memory the caching allocator holds but no tensor uses counts as free
             free, total = torch.cuda.mem_get_info(self.model.device)
             used = total - free
             budget = args.kv_cache_memory or int(total * args.gpu_memory_utilization) - used
