@@ -70,9 +70,10 @@ def main() -> int:
         "models/default-q8_0.gguf --outtype q8_0`); its greedy output can drift from the bf16 weights' after a "
         "few tokens on some prompts (quantisation error), which `tests/test_default_model.py` measures.",
         ("- `models/default-dflash/`: the drafter in the z-lab layout." if d else
-         "- The DFlash drafter is not shipped yet: the first GPU-trained one (2 layers, 1,748 steps) reached "
-         "held-out tau 2.2 in training and 1.8 in the engine, under the bar (tau >= 3); lucebox speculates "
-         "with n-gram lookup for this model until one ships (BENCHMARKS.md)."),
+         "- The DFlash drafter is not shipped yet: the best GPU-trained one (2 layers, 1,891 steps) reaches "
+         "tau 1.5-2.3 in the engine on standard-library snippets (3.4 in the trainer's replay of "
+         "continuations of the target's training files), under the bar (tau >= 3) and slower than n-gram lookup, with which "
+         "lucebox speculates for this model until a drafter ships (BENCHMARKS.md)."),
         "",
         "## Reproduce",
         "```bash",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from lucebox.errors import RequestError
 from lucebox.model.loader import load_model
 from lucebox.spec.dflash import load_drafter
 from lucebox.train import TrainDrafterArgs, blocks, default_taps, train_drafter
+from lucebox.train import drafter as drafter_module
 from lucebox.train.data import render_conversation
 from lucebox.kernels.rope import apply_rope
 from lucebox.train.lm import dense_forward
@@ -267,6 +269,88 @@ def test_jsonl_text_and_chat_records_train(hf_models, tmp_path):
                                             block_size=4, seq_len=48, batch_size=4, anchors=8, steps=2,
                                             eval_fraction=0.2, progress=False))
     assert result.step == 2 and result.final is not None and result.final.steps > 0
+
+
+def test_eval_data_is_the_held_out_set_and_all_of_data_trains(hf_models, corpus, tmp_path, monkeypatch):
+    """--eval-data: the held-out samples are exactly those files' text, and no --data file is held out
+    (--eval-fraction, which would hold out 2 of the 10 corpus files, is ignored)."""
+    held_dir = tmp_path / "held"
+    held_dir.mkdir()
+    held_texts = ["\n".join(random_lines(100 + i, 20)) for i in range(2)]
+    for i, text in enumerate(held_texts):
+        (held_dir / f"unseen{i}.py").write_text(text)
+    seen = {}
+    original = drafter_module._samples
+
+    def spy(*args, **kwargs):
+        seen["train"], seen["held"] = original(*args, **kwargs)
+        return seen["train"], seen["held"]
+
+    monkeypatch.setattr(drafter_module, "_samples", spy)
+    result = train_drafter(TrainDrafterArgs(
+        target=str(hf_models["qwen3"]), data=[str(corpus)], out=str(tmp_path / "o"), eval_data=[str(held_dir)],
+        eval_fraction=0.2, eval_samples=1000, block_size=4, seq_len=32, batch_size=4, anchors=8, steps=1,
+        progress=False))
+    assert result.final is not None and result.final.steps > 0
+    tokenizer = load_model(str(hf_models["qwen3"])).tokenizer
+
+    def text(samples):  # packed windows in order: together they are the documents back to back
+        return tokenizer.decode(torch.cat([s.ids for s in samples]).tolist(), skip_special_tokens=False)
+
+    trained, held = text(seen["train"]), text(seen["held"])
+    data_texts = [f.read_text() for f in sorted(corpus.iterdir())]
+    assert all(t in held and t not in trained for t in held_texts)
+    assert all(t[:200] in trained and t[:200] not in held for t in data_texts)
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("missing", "no such file or directory"),
+    ("empty", "the directory holds no files"),
+    ("binary", "none of the files holds UTF-8 text"),
+    ("tiny", "gives no held-out sample"),
+])
+def test_bad_eval_data_is_a_clear_error_naming_it(hf_models, corpus, tmp_path, capsys, kind, message):
+    bad = tmp_path / kind
+    if kind == "empty":
+        bad.mkdir()
+    elif kind == "binary":
+        bad.write_bytes(b"\0\1\2" * 100)
+    elif kind == "tiny":
+        bad.write_text("x")
+    argv = ["train-drafter", "--target", str(hf_models["qwen3"]), "--data", str(corpus), "--eval-data", str(bad),
+            "--out", str(tmp_path / "out"), "--steps", "1", "--seq-len", "32"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: --eval-data") and message in err and "Traceback" not in err
+    assert kind == "tiny" or str(bad) in err
+
+
+def test_regenerated_data_is_keyed_by_the_eval_data(hf_models, corpus, tmp_path, monkeypatch):
+    """regenerated.pt is reused by a resumed run with the same --eval-data, never with other eval files."""
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "unseen.py").write_text("\n".join(random_lines(ord(name), 10)))
+    common = dict(target=str(hf_models["qwen3"]), data=[str(corpus)], regenerate=True, seq_len=24, prompt_len=8,
+                  max_samples=8, eval_samples=4, block_size=4, batch_size=4, anchors=8, steps=1, progress=False)
+    train_drafter(TrainDrafterArgs(out=str(tmp_path / "run_a"), eval_data=[str(tmp_path / "a")], **common))
+    calls = []
+    original = drafter_module.regenerate
+    monkeypatch.setattr(drafter_module, "regenerate", lambda *a, **k: calls.append(1) or original(*a, **k))
+    resumed = train_drafter(TrainDrafterArgs(out=str(tmp_path / "run_a"), eval_data=[str(tmp_path / "a")],
+                                             resume=True, **common))
+    assert resumed.start_step == 1 and resumed.final is not None and calls == []
+    (tmp_path / "run_b").mkdir()
+    shutil.copy(tmp_path / "run_a" / "regenerated.pt", tmp_path / "run_b")  # as REGEN_FROM does
+    train_drafter(TrainDrafterArgs(out=str(tmp_path / "run_b"), eval_data=[str(tmp_path / "b")], **common))
+    assert len(calls) == 2  # train and held-out regenerated anew
+
+
+def test_eval_data_may_not_also_be_trained_on(hf_models, corpus, tmp_path, capsys):
+    argv = ["train-drafter", "--target", str(hf_models["qwen3"]), "--data", str(corpus), "--eval-data",
+            str(corpus / "part3.py"), "--out", str(tmp_path / "out"), "--steps", "1", "--seq-len", "32"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "part3.py is also in --data" in err and "Traceback" not in err
 
 
 def test_bad_jsonl_record_names_the_line(hf_models, tmp_path, capsys):

@@ -37,6 +37,7 @@ class TrainDrafterArgs:
     regen_batch: int = 128
     max_samples: int | None = None
     eval_fraction: float = 0.02
+    eval_data: list[str] | None = None  # held-out files; then nothing is split off `data`
     eval_samples: int = 64
     eval_every: int | None = None  # default: about ten evaluations per run
     save_every: int = 500
@@ -128,7 +129,12 @@ def add_arguments(p) -> None:
     p.add_argument("--max-samples", type=int, default=argparse.SUPPRESS,
                    help="use at most this many training samples (default: all)")
     p.add_argument("--eval-fraction", type=float, default=d.eval_fraction,
-                   help="share of files held out for evaluation (0: none)")
+                   help="share of --data files held out for evaluation (0: none; ignored with --eval-data)")
+    p.add_argument("--eval-data", nargs="+", default=argparse.SUPPRESS,
+                   help="evaluate on these files or directories (same formats and processing as --data, "
+                        "--regenerate included) instead of holding out --data files: all of --data is "
+                        "trained on and --eval-fraction is ignored. Text the target never trained on makes "
+                        "the held-out tau predict the engine's")
     p.add_argument("--eval-samples", type=int, default=d.eval_samples, help="held-out sequences evaluated")
     p.add_argument("--eval-every", type=int, default=argparse.SUPPRESS,
                    help="steps between evaluations (default: steps/10; 0: only at the end)")

@@ -9,8 +9,10 @@ Accepted inputs (files or directories, read recursively):
                     tokens are trained on, as the published recipe does).
 
 The held-out split is by file (by record when there is a single file), so evaluation never sees
-text from a file the drafter trained on. With --regenerate the samples become prompts whose
-continuations the target writes itself (regenerate.py); the loss then covers those tokens only.
+text from a file the drafter trained on; with --eval-data the held-out samples come from those
+files instead (processed the same way) and all of --data is trained on. With --regenerate the
+samples become prompts whose continuations the target writes itself (regenerate.py); the loss then
+covers those tokens only.
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ class Document:
     messages: list | None = None
 
 
-def collect_files(paths: list[str]) -> list[Path]:
+def collect_files(paths: list[str], flag: str = "--data") -> list[Path]:
     files: list[Path] = []
     for raw in paths:
         path = Path(raw).expanduser()
@@ -53,14 +55,14 @@ def collect_files(paths: list[str]) -> list[Path]:
                            and not any(part.startswith(".") or part == "__pycache__"
                                        for part in p.relative_to(path).parts))
             if not found:
-                raise RequestError(f"--data {raw}: the directory holds no files")
+                raise RequestError(f"{flag} {raw}: the directory holds no files")
             files.extend(found)
         elif path.is_file():
             files.append(path)
         else:
-            raise RequestError(f"--data {raw}: no such file or directory")
+            raise RequestError(f"{flag} {raw}: no such file or directory")
     if not files:
-        raise RequestError("--data: give at least one text or .jsonl file (or a directory of them)")
+        raise RequestError(f"{flag}: give at least one text or .jsonl file (or a directory of them)")
     return list(dict.fromkeys(files))
 
 
@@ -95,25 +97,32 @@ def read_documents(file: Path) -> list[Document]:
     return docs
 
 
-def split_documents(files: list[Path], eval_fraction: float, seed: int) -> tuple[list[Document], list[Document]]:
+def read_files(files: list[Path], flag: str) -> list[list[Document]]:
+    """The documents of each file that holds any."""
+    per_file = [read_documents(f) for f in tqdm(files, desc=f"Reading {flag[2:]}", unit="file", disable=None)]
+    per_file = [docs for docs in per_file if docs]
+    if not per_file:
+        shown = " ".join(map(str, files[:3])) + (" ..." if len(files) > 3 else "")
+        raise RequestError(f"{flag} {shown}: none of the files holds UTF-8 text or JSONL records")
+    return per_file
+
+
+def split_documents(per_file: list[list[Document]], eval_fraction: float, seed: int
+                    ) -> tuple[list[Document], list[Document]]:
     """Held-out documents: whole files when there are several, else records (or a single
     document's tail, handled after tokenization: then the eval list holds it too)."""
-    per_file = [(f, read_documents(f)) for f in tqdm(files, desc="Reading data", unit="file", disable=None)]
-    per_file = [(f, docs) for f, docs in per_file if docs]
-    if not per_file:
-        raise RequestError("--data: none of the files holds UTF-8 text or JSONL records")
     if eval_fraction <= 0:
-        return [d for _, docs in per_file for d in docs], []
+        return [d for docs in per_file for d in docs], []
     rng = random.Random(seed)
     if len(per_file) >= 2:
         order = list(range(len(per_file)))
         rng.shuffle(order)
         n_eval = min(len(per_file) - 1, max(1, round(eval_fraction * len(per_file))))
         held = set(order[:n_eval])
-        train = [d for i, (_, docs) in enumerate(per_file) if i not in held for d in docs]
-        held_out = [d for i, (_, docs) in enumerate(per_file) if i in held for d in docs]
+        train = [d for i, docs in enumerate(per_file) if i not in held for d in docs]
+        held_out = [d for i, docs in enumerate(per_file) if i in held for d in docs]
         return train, held_out
-    docs = list(per_file[0][1])
+    docs = list(per_file[0])
     if len(docs) == 1:
         return docs, []
     rng.shuffle(docs)
@@ -223,12 +232,19 @@ def subset(samples: list[Sample], limit: int | None, seed: int) -> list[Sample]:
 
 
 def load_samples(files: list[Path], tokenizer, seq_len: int, eval_fraction: float, eval_samples: int,
-                 max_samples: int | None, regenerate: bool, prompt_len: int, seed: int
-                 ) -> tuple[list[Sample], list[Sample]]:
-    """(train, held-out) samples, capped at max_samples / eval_samples (seeded choice)."""
-    train_docs, eval_docs = split_documents(files, eval_fraction, seed)
+                 max_samples: int | None, regenerate: bool, prompt_len: int, seed: int,
+                 eval_files: list[Path] | None = None) -> tuple[list[Sample], list[Sample]]:
+    """(train, held-out) samples, capped at max_samples / eval_samples (seeded choice). With
+    eval_files the held-out samples are theirs and eval_fraction is ignored."""
+    if eval_files is not None:
+        eval_fraction = 0.0
+    train_docs, eval_docs = split_documents(read_files(files, "--data"), eval_fraction, seed)
+    if eval_files is not None:
+        eval_docs = [d for docs in read_files(eval_files, "--eval-data") for d in docs]
     train = build_samples(tokenizer, train_docs, seq_len, regenerate, prompt_len, "Tokenizing train")
     held = build_samples(tokenizer, eval_docs, seq_len, regenerate, prompt_len, "Tokenizing held-out")
+    if eval_files is not None and not held:
+        raise RequestError(f"--eval-data gives no held-out sample of at least {MIN_TOKENS} tokens")
     if not held and len(train) >= 2 and eval_fraction > 0:  # one document: hold out its tail windows
         n_eval = max(1, round(eval_fraction * len(train)))
         train, held = train[:-n_eval], train[-n_eval:]

@@ -76,6 +76,7 @@ def train_drafter(args: TrainDrafterArgs) -> TrainResult:
         raise RequestError(f"{out} already holds a training run ({STATE_FILE}); pass --resume to continue it "
                            "or choose another --out")
     files = collect_files(args.data)
+    eval_files = _eval_files(args, files)
     device = resolve_device(args.device)
     # bf16 on GPU even for float32 checkpoints: the target is frozen, and features in bf16 are
     # what a bf16 deployment feeds the drafter anyway.
@@ -91,7 +92,7 @@ def train_drafter(args: TrainDrafterArgs) -> TrainResult:
     state = _load_state(state_file, cfg) if args.resume else None
     check_fits_target(cfg, loaded, "the drafter to train")
     out.mkdir(parents=True, exist_ok=True)
-    train, held = _samples(args, files, loaded, out)
+    train, held = _samples(args, files, eval_files, loaded, out)
 
     drafter = init_drafter(cfg, device, args.seed, target if args.init_from_target else None)
     # With --max-seconds alone the step count is set after WARM_STEPS + PROBE_STEPS steps.
@@ -285,20 +286,40 @@ def _append_log(out: Path, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-def _samples(args: TrainDrafterArgs, files, loaded, out: Path) -> tuple[list[Sample], list[Sample]]:
+def _eval_files(args: TrainDrafterArgs, files: list[Path]) -> list[Path] | None:
+    """--eval-data's files (None without it); none of them may also be trained on."""
+    if args.eval_data is None:
+        return None
+    eval_files = collect_files(args.eval_data, "--eval-data")
+    trained = {f.resolve() for f in files}
+    both = [f for f in eval_files if f.resolve() in trained]
+    if both:
+        raise RequestError(f"--eval-data {both[0]} is also in --data: the held-out figures would be measured "
+                           "on text the drafter trains on")
+    return eval_files
+
+
+def _samples(args: TrainDrafterArgs, files: list[Path], eval_files: list[Path] | None, loaded,
+             out: Path) -> tuple[list[Sample], list[Sample]]:
     prompt_len = args.prompt_len or max(4, args.seq_len // 4)
-    if not args.regenerate:
+
+    def load(regenerate: bool) -> tuple[list[Sample], list[Sample]]:
         return load_samples(files, loaded.tokenizer, args.seq_len, args.eval_fraction, args.eval_samples,
-                            args.max_samples, False, prompt_len, args.seed)
+                            args.max_samples, regenerate, prompt_len, args.seed, eval_files)
+
+    if not args.regenerate:
+        return load(False)
     # Regenerating is the slow part of a run: keep its result, keyed by everything it depends on.
-    key = fingerprint(args.target, files, {"seq_len": args.seq_len, "prompt_len": prompt_len, "seed": args.seed,
-                                           "max_samples": args.max_samples, "eval_samples": args.eval_samples,
-                                           "eval_fraction": args.eval_fraction, "dtype": str(loaded.model.dtype)})
+    settings = {"seq_len": args.seq_len, "prompt_len": prompt_len, "seed": args.seed,
+                "max_samples": args.max_samples, "eval_samples": args.eval_samples,
+                "eval_fraction": args.eval_fraction, "dtype": str(loaded.model.dtype)}
+    if eval_files is not None:  # only then: caches made without --eval-data keep their keys
+        settings["eval_data"] = fingerprint(args.target, eval_files, {})
+    key = fingerprint(args.target, files, settings)
     cached = load_cached(out / REGEN_FILE, key)
     if cached is not None:
         return cached
-    train, held = load_samples(files, loaded.tokenizer, args.seq_len, args.eval_fraction, args.eval_samples,
-                               args.max_samples, True, prompt_len, args.seed)
+    train, held = load(True)
     train = regenerate(loaded, train, args.seq_len, args.regen_batch, "Regenerating train")
     held = regenerate(loaded, held, args.seq_len, args.regen_batch, "Regenerating held-out")
     if not train:
