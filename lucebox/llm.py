@@ -16,8 +16,8 @@ from .sampling import SamplingParams
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_kwargs):
-        if "enforce_eager" in engine_kwargs:  # vLLM's name for cuda_graphs=False
-            engine_kwargs["cuda_graphs"] = False if engine_kwargs.pop("enforce_eager") else engine_kwargs.get("cuda_graphs")
+        if engine_kwargs.pop("enforce_eager", False):  # vLLM's name for cuda_graphs=False
+            engine_kwargs["cuda_graphs"] = False
         unknown = set(engine_kwargs) - set(EngineArgs.field_names())
         if unknown:
             raise RequestError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
