@@ -6,15 +6,13 @@
 #                                    q4_k_m, qwen3-0.6b bf16 (~8 min)
 #   scripts/gpu_session.sh kernels   scripts/bench_kernels.py --sweep (Triton kernels vs torch, GB/s)
 #   scripts/gpu_session.sh drafter   the default drafter (scripts/train_default_drafter.sh, ~9 min)
-#   scripts/gpu_session.sh drafters  two drafters side by side on one regeneration: random init and
-#                                    --init-from-target, with `check` running meanwhile (~9.5 min)
 # The device lacks the gguf package: keep its wheel in .whl/ (git-ignored) and pass carry [".whl"].
 set -uo pipefail
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 if [ -z "${GPU_SESSION_SITE:-}" ] && compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:. GPU_SESSION_SITE=1  # a nested call (drafters -> check) installs nothing again
+  export PYTHONPATH=/tmp/site:. GPU_SESSION_SITE=1  # a nested call installs nothing again
 fi
 export PYTHONUNBUFFERED=1
 step() {  # step NAME SECONDS COMMAND...: run, log to $out/NAME.log, report the exit status
@@ -45,19 +43,5 @@ case "${1:-check}" in
     step drafter 570 bash scripts/train_default_drafter.sh "$out/default-dflash" "${SECONDS_TRAIN:-300}"
     rm -f "$out/default-dflash/train_state.pt" "$out/default-dflash/regenerated.pt"
     tr '\r' '\n' < "$out/drafter.log" | grep -E "tau|steps|wrote|Error|error" | tail -n 20 ;;
-  drafters)
-    bash "$0" check > "$out/check.txt" 2>&1 &
-    checking=$!
-    export DATA=/tmp/drafter-data
-    step drafter-a 560 bash scripts/train_default_drafter.sh "$out/a" "${SECONDS_TRAIN:-300}" &
-    first=$!
-    while [ ! -f "$out/a/regenerated.pt" ] && kill -0 "$first" 2> /dev/null; do sleep 2; done
-    REGEN_FROM="$out/a/regenerated.pt" INIT_FROM_TARGET=1 \
-      step drafter-b 400 bash scripts/train_default_drafter.sh "$out/b" "${SECONDS_TRAIN:-300}"
-    wait "$first"; wait "$checking"
-    mkdir -p /tmp/drafter-keep && cp "$out/a/regenerated.pt" /tmp/drafter-keep/ 2> /dev/null
-    rm -f "$out"/{a,b}/{train_state.pt,regenerated.pt}
-    for name in a b; do echo "== $name"; tr '\r' '\n' < "$out/drafter-$name.log" | grep -E "tau|steps|wrote|Error|error" | tail -n 8; done
-    cat "$out/check.txt" ;;
-  *) echo "usage: $0 check|bench|kernels|drafter|drafters" >&2; exit 2 ;;
+  *) echo "usage: $0 check|bench|kernels|drafter" >&2; exit 2 ;;
 esac

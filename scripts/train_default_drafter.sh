@@ -6,7 +6,12 @@
 # target never trained on, rather than a split of the drafter's own data (the target's training
 # text: tau 3.4 there against 1.5-2.3 in the engine on standard-library snippets; BENCHMARKS.md).
 # Usage: scripts/train_default_drafter.sh OUT_DIR [TRAIN_SECONDS]   (one H200: about 8 minutes)
-# Env: SAMPLES (regenerated sequences, default 16384), BATCH (default 32), EVAL_EVERY (default 250),
+# Short continuations: 128-token prompts, each continued by the target for 128 tokens. The target's
+# greedy text falls into loops after a hundred tokens or so (distinct 8-grams ~0.3 over 300 tokens),
+# and a drafter trained on 768-token continuations learnt mostly to copy loops: trainer tau 3.4, but
+# 1.6 over the first 48 tokens after a snippet, which is where a request spends its drafts. Every
+# block here anchors within the first 128 tokens the target writes, as in serving.
+# Env: SAMPLES (regenerated sequences, default 65536), BATCH (default 64), EVAL_EVERY (default 250),
 # LAYERS (default 2), INIT_FROM_TARGET=1 (draft layers start as copies of the target's last ones),
 # DATA (corpus directory; it and "$DATA-eval" are each written if empty, reused otherwise: runs
 # sharing them can share REGEN_FROM, another run's regenerated.pt, whose key includes the data and
@@ -41,6 +46,6 @@ PY
 # steps); the outer timeout only guards against a stuck run.
 timeout --signal=INT $((seconds + 300)) python3 -m lucebox.cli train-drafter --target models/default \
   --data "$data" --eval-data "$eval" --out "$out" --layers "${LAYERS:-2}" --block-size 16 \
-  --taps "${TAPS:-3,4,5,6,7}" --batch-size "${BATCH:-32}" --seq-len 1024 --anchors 256 --lr 6e-4 \
-  --regenerate --max-samples "${SAMPLES:-16384}" --regen-batch 2048 --max-seconds "$seconds" \
+  --taps "${TAPS:-3,4,5,6,7}" --batch-size "${BATCH:-64}" --seq-len 256 --prompt-len 128 --anchors 128 \
+  --lr 6e-4 --regenerate --max-samples "${SAMPLES:-65536}" --regen-batch 2048 --max-seconds "$seconds" \
   --eval-every "${EVAL_EVERY:-250}" --save-every 1000000 --seed 0 ${INIT_FROM_TARGET:+--init-from-target}
