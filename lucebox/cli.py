@@ -40,6 +40,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="speculative method (default: dflash with --draft, none without; ngram needs no --draft)")
     p.add_argument("--spec-tokens", type=int, default=None,
                    help="draft tokens per step (default: block size - 1 for dflash, 4 draft_model, 5 ngram)")
+    p.add_argument("--spec-ngram-first", action="store_true",
+                   help="with --draft: n-gram prompt lookup drafts where the text repeats, the drafter elsewhere")
     p.add_argument("--no-spec", action="store_true",
                    help="plain decoding even for the default model (which otherwise speculates with its drafter)")
     p.add_argument("--no-spec-adaptive", dest="spec_adaptive", action="store_false",
@@ -165,6 +167,8 @@ def speculative_config(args) -> dict | None:
         config["model"] = args.draft
     if args.spec_tokens is not None:
         config["num_speculative_tokens"] = args.spec_tokens
+    if args.spec_ngram_first:
+        config["ngram_first"] = True
     return config
 
 

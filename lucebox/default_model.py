@@ -38,13 +38,13 @@ CONFIG = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_siz
 
 
 def default_speculative_config() -> dict | None:
-    """Speculation for the default model: its DFlash drafter when the drafter ships too, else n-gram
-    prompt lookup (the small code model repeats itself a lot: 2.09x at temperature 0 on CPU, see
-    BENCHMARKS.md). The random demo model gets none."""
+    """Speculation for the default model: n-gram lookup first, its DFlash drafter where lookup finds
+    nothing (the small code model repeats itself a lot, which lookup drafts for free; BENCHMARKS.md);
+    n-gram lookup alone when the drafter is not there. The random demo model gets none."""
     if not (BUNDLED / "config.json").is_file():
         return None
     if (BUNDLED_DRAFTER / "config.json").is_file():
-        return {"method": "dflash", "model": str(BUNDLED_DRAFTER)}
+        return {"method": "dflash", "model": str(BUNDLED_DRAFTER), "ngram_first": True}
     return {"method": "ngram"}
 
 

@@ -59,3 +59,5 @@ def test_cli_generate_with_speculation_prints_the_same_greedy_text(hf_models, ca
     plain = capsys.readouterr().out
     assert main(args + ["--draft", str(hf_models["qwen3"]), "--spec-method", "draft_model"]) == 0
     assert capsys.readouterr().out == plain
+    assert main(args + ["--draft", str(hf_models["qwen3"]), "--spec-method", "draft_model", "--spec-ngram-first"]) == 0
+    assert capsys.readouterr().out == plain

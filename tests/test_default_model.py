@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from lucebox import LLM, SamplingParams
-from lucebox.bench.kv_quality import held_out_texts
+from lucebox.bench.prompts import held_out_texts
 from lucebox.default_model import BUNDLED, BUNDLED_DRAFTER, MODELS
 
 GGUF = MODELS / "default-q8_0.gguf"

@@ -33,6 +33,7 @@ def configs(target, tokenizer_dir, tmp_path_factory):
         "draft_model": {"method": "draft_model", "model": str(small_draft), "num_speculative_tokens": 3},
         "self_draft": {"method": "draft_model", "model": str(target), "num_speculative_tokens": 5},
         "dflash": {"method": "dflash", "model": str(drafter)},
+        "dflash+ngram": {"method": "dflash", "model": str(drafter), "ngram_first": True, "prompt_lookup_min": 2},
     }
 
 
@@ -51,17 +52,20 @@ def spec_llm(target, config, **kwargs):
     return LLM(str(target), block_size=4, speculative_config=dict(config, adaptive=False), **kwargs)
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model", "self_draft", "dflash"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "self_draft", "dflash", "dflash+ngram"])
 def test_greedy_batched_output_equals_plain_decoding(method, target, configs, plain):
     llm = spec_llm(target, configs[method])
     outs = llm.generate(prompts(), GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == plain
     assert sum(o.metrics.num_draft_tokens for o in outs) > 0  # speculation actually happened
+    proposer = llm.engine.speculator.proposer
+    if method == "dflash+ngram":  # both proposers drafted: the repeated prompts give lookups, the rest not
+        assert proposer.looked_up > 0 and proposer.drafted > 0
     blocks = llm.engine.scheduler.blocks
     assert blocks.num_free_blocks == blocks.num_blocks
 
 
-@pytest.mark.parametrize("method", ["ngram", "self_draft", "dflash"])
+@pytest.mark.parametrize("method", ["ngram", "self_draft", "dflash", "dflash+ngram"])
 def test_greedy_single_sequence_with_chunked_prefill_and_prefix_hits(method, target, configs, plain):
     llm = spec_llm(target, configs[method], max_num_batched_tokens=5)
     for _ in range(2):  # the second pass is served from the prefix cache
@@ -177,20 +181,26 @@ SAMPLES = 4000
 PROMPT = [0, 3, 1, 5, 2]
 
 
-@pytest.mark.parametrize("method", ["draft_model", "ngram", "dflash"])
+@pytest.mark.parametrize("method", ["draft_model", "ngram", "dflash", "dflash+ngram"])
 def test_sampled_tokens_follow_the_target_distribution(method, small_pair, tmp_path):
     target, draft = small_pair
+    dflash = {"method": "dflash", "model": str(write_dflash_drafter(target, tmp_path / "d", block_size=3)),
+              "num_speculative_tokens": 2}
     config = {
         "draft_model": {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2},
         "ngram": {"method": "ngram", "prompt_lookup_min": 1, "num_speculative_tokens": 2},
-        "dflash": {"method": "dflash", "model": str(write_dflash_drafter(target, tmp_path / "d", block_size=3)),
-                   "num_speculative_tokens": 2},
+        "dflash": dflash,
+        # Sampled drafts (q from the drafter) and deterministic lookups (one-hot q) mixed in one batch.
+        "dflash+ngram": dict(dflash, ngram_first=True, prompt_lookup_min=1),
     }[method] | {"adaptive": False}
     llm = LLM(str(target), speculative_config=config, max_num_seqs=1024, max_num_batched_tokens=8192)
     counts = sample_pairs(llm, PROMPT, SAMPLES)
     rejected, stat, critical = chi_square_rejects(counts, exact_pair_distribution(target, PROMPT), SAMPLES)
     print(f"\n{method}: chi-square {stat:.1f} (reject above {critical:.1f})")
     assert not rejected
+    if method == "dflash+ngram":
+        proposer = llm.engine.speculator.proposer
+        assert proposer.looked_up > 0 and proposer.drafted > 0
 
 
 def test_a_wrong_acceptance_rule_fails_the_same_test(small_pair, monkeypatch):
@@ -223,6 +233,11 @@ def test_a_wrong_acceptance_rule_fails_the_same_test(small_pair, monkeypatch):
 def test_unknown_method_is_named(target):
     with pytest.raises(RequestError, match="eagle9"):
         LLM(str(target), speculative_config={"method": "eagle9"})
+
+
+def test_ngram_first_without_a_drafter_model_is_refused(target):
+    with pytest.raises(RequestError, match="ngram_first"):
+        LLM(str(target), speculative_config={"method": "ngram", "ngram_first": True})
 
 
 def test_drafter_hidden_size_mismatch_is_named(target, tmp_path):

@@ -1,15 +1,12 @@
 """`lucebox bench kv-quality`: what each KV cache type costs in quality, against the model dtype.
 
-Two measures on held-out text (Python standard-library source by default, present everywhere):
+Two measures on held-out text (bench/prompts.py: held-out Python standard-library source):
 greedy agreement (the fraction of each continuation generated before the first token that differs
 from the unquantised cache's) and perplexity with the quantised cache, teacher-forced.
 """
 from __future__ import annotations
 
 import math
-import random
-import sysconfig
-from pathlib import Path
 
 import torch
 
@@ -18,21 +15,9 @@ from ..engine.engine import LLMEngine
 from ..engine.runner import kv_bytes_per_token
 from ..model.loader import load_model
 from ..sampling import SamplingParams
+from .prompts import held_out_texts
 
 VARIANTS = [("bf16", False), ("fp8", False), ("q8_0", False), ("q8_0", True), ("q4_0", False), ("q4_0", True)]
-
-
-def held_out_texts(count: int, chars: int, seed: int = 0) -> list[str]:
-    # Sub-package sources: the demo model's tokenizer was trained on top-level modules only.
-    files = sorted(p for p in Path(sysconfig.get_paths()["stdlib"]).glob("*/*.py") if "test" not in str(p))
-    rng = random.Random(seed)
-    texts = []
-    while len(texts) < count:
-        text = rng.choice(files).read_text(encoding="utf-8", errors="replace")
-        if len(text) > chars:
-            start = rng.randrange(len(text) - chars)
-            texts.append(text[start:start + chars])
-    return texts
 
 
 def perplexity(engine: LLMEngine, sequences: list[list[int]]) -> float:

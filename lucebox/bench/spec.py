@@ -15,7 +15,7 @@ from ..config import EngineArgs
 from ..engine.engine import LLMEngine
 from ..model.loader import load_model
 from ..sampling import SamplingParams
-from .kv_quality import held_out_texts
+from .prompts import held_out_texts
 
 
 def _decode(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> dict:
@@ -61,11 +61,13 @@ def run(args) -> dict:
     methods = []
     if args.draft:
         methods.append({"method": args.spec_method, "model": args.draft})
+        methods.append({"method": args.spec_method, "model": args.draft, "ngram_first": True})
     methods.append({"method": "ngram"})
     rows = []
     for temperature in args.temperatures:
         params = SamplingParams(temperature=temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
-        configs = [("plain", None)] + [(c["method"], _spec_config(c, args)) for c in methods]
+        configs = [("plain", None)] + [(c["method"] + ("+ngram" if c.get("ngram_first") else ""),
+                                        _spec_config(c, args)) for c in methods]
         engines = [(name, LLMEngine(loaded, EngineArgs(model=args.model, max_model_len=max_len, max_num_seqs=1,
                                                        speculative_config=spec)))
                    for name, spec in configs]

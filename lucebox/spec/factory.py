@@ -6,7 +6,7 @@ from .speculator import Speculator
 
 METHODS = ("dflash", "draft_model", "ngram")
 KEYS = {"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "adaptive",
-        "draft_dtype"}
+        "draft_dtype", "ngram_first"}
 
 
 def make_speculator(config: dict | None, target, max_model_len: int):
@@ -22,8 +22,10 @@ def make_speculator(config: dict | None, target, max_model_len: int):
         raise RequestError(f"speculative method {method!r} does not exist; choose one of {', '.join(METHODS)}")
     k = config.get("num_speculative_tokens")
     if method == "ngram":
-        from .ngram import NgramProposer
-        proposer = NgramProposer(int(config.get("prompt_lookup_min", 3)), int(config.get("prompt_lookup_max", 5)))
+        if config.get("ngram_first"):
+            raise RequestError("speculative_config['ngram_first'] puts n-gram lookup before a drafter model "
+                               "(method dflash or draft_model); method 'ngram' has none")
+        proposer = _lookup(config)
         k = 5 if k is None else k
     else:
         if not config.get("model"):
@@ -40,6 +42,14 @@ def make_speculator(config: dict | None, target, max_model_len: int):
             if k > proposer.block_size - 1:
                 raise RequestError(f"num_speculative_tokens {k} exceeds the DFlash block ({proposer.block_size} "
                                    f"slots: the anchor and {proposer.block_size - 1} drafts)")
+        if config.get("ngram_first"):
+            from .lookup_first import LookupFirstProposer
+            proposer = LookupFirstProposer(proposer, _lookup(config))
     if not isinstance(k, int) or k < 1:
         raise RequestError(f"num_speculative_tokens must be a positive integer, got {k!r}")
     return Speculator(proposer, k, max_model_len, adaptive=bool(config.get("adaptive", True)))
+
+
+def _lookup(config: dict):
+    from .ngram import NgramProposer
+    return NgramProposer(int(config.get("prompt_lookup_min", 3)), int(config.get("prompt_lookup_max", 5)))

@@ -8,8 +8,23 @@ import site
 import sysconfig
 from pathlib import Path
 
+MIN_FILE_BYTES = 200
 MAX_FILE_BYTES = 300_000  # larger files are mostly generated tables
 MAX_LINE = 500  # minified or data-heavy files teach little code
+HELD_OUT_EVERY = 50  # one file in 50, by content hash, is held out
+
+
+def is_held_out(data: bytes, every: int = HELD_OUT_EVERY) -> bool:
+    """The split rule: by content, so the same file is held out on every machine and Python."""
+    return int(hashlib.sha1(data).hexdigest()[:8], 16) % every == 0
+
+
+def usable(data: bytes) -> str | None:
+    """The file's text if the corpus keeps files like it (size, no minified lines), else None."""
+    if not MIN_FILE_BYTES <= len(data) <= MAX_FILE_BYTES:
+        return None
+    text = data.decode("utf-8", errors="ignore")
+    return text if max(map(len, text.splitlines()), default=0) <= MAX_LINE else None
 
 
 def python_roots() -> list[Path]:
@@ -19,7 +34,7 @@ def python_roots() -> list[Path]:
     return sorted(r for r in roots if r.is_dir())
 
 
-def collect(max_bytes: int, held_out_every: int = 50) -> tuple[list[str], list[str], dict]:
+def collect(max_bytes: int, held_out_every: int = HELD_OUT_EVERY) -> tuple[list[str], list[str], dict]:
     """(train texts, held-out texts, stats). A file is held out by its content hash, so the split is
     reproducible and copies of one file (deduplicated first) never straddle it."""
     seen, train, held = set(), [], []
@@ -31,7 +46,7 @@ def collect(max_bytes: int, held_out_every: int = 50) -> tuple[list[str], list[s
                 data = path.read_bytes()
             except OSError:
                 continue
-            if not 200 <= len(data) <= MAX_FILE_BYTES:
+            if not MIN_FILE_BYTES <= len(data) <= MAX_FILE_BYTES:  # before deduplication: the stats count it as skipped
                 stats["skipped"] += 1
                 continue
             digest = hashlib.sha1(data).hexdigest()
@@ -39,11 +54,11 @@ def collect(max_bytes: int, held_out_every: int = 50) -> tuple[list[str], list[s
                 stats["duplicates"] += 1
                 continue
             seen.add(digest)
-            text = data.decode("utf-8", errors="ignore")
-            if max(map(len, text.splitlines()), default=0) > MAX_LINE:
+            text = usable(data)
+            if text is None:
                 stats["skipped"] += 1
                 continue
-            (held if int(digest[:8], 16) % held_out_every == 0 else train).append(text)
+            (held if is_held_out(data, held_out_every) else train).append(text)
             stats["bytes"] += len(data)
             if stats["bytes"] >= max_bytes:
                 stats.update(train_files=len(train), held_out_files=len(held))
