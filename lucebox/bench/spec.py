@@ -13,6 +13,7 @@ import torch
 
 from ..config import EngineArgs
 from ..engine.engine import LLMEngine
+from ..engine.runner import kv_bytes_per_token
 from ..model.loader import load_model
 from ..sampling import SamplingParams
 from .prompts import held_out_texts
@@ -68,8 +69,12 @@ def run(args) -> dict:
         params = SamplingParams(temperature=temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
         configs = [("plain", None)] + [(c["method"] + ("+ngram" if c.get("ngram_first") else ""),
                                         _spec_config(c, args)) for c in methods]
+        # All engines live at once, each with the KV of one sequence (and room for a drafter's):
+        # a share of the whole GPU each would leave the later ones nothing.
+        tokens = (-(-max_len // EngineArgs.block_size) + 2) * EngineArgs.block_size
+        kv_memory = 4 * kv_bytes_per_token(loaded.model, "auto", "auto") * tokens
         engines = [(name, LLMEngine(loaded, EngineArgs(model=args.model, max_model_len=max_len, max_num_seqs=1,
-                                                       speculative_config=spec)))
+                                                       kv_cache_memory=kv_memory, speculative_config=spec)))
                    for name, spec in configs]
         for _, engine in engines:
             _decode(engine, prompts[:1], params)  # warm-up
