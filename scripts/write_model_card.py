@@ -69,7 +69,7 @@ def main() -> int:
         "- `models/default-q8_0.gguf`: the target as a Q8_0 GGUF (`lucebox convert models/default "
         "models/default-q8_0.gguf --outtype q8_0`); its greedy output can drift from the bf16 weights' after a "
         "few tokens on some prompts (quantisation error), which `tests/test_default_model.py` measures.",
-        ("- `models/default-dflash/`: the drafter in the z-lab layout." if d else
+        ("- `models/default-dflash/`: the drafter in the z-lab layout, its `stats.json` and training logs." if d else
          "- The DFlash drafter is not shipped yet: the best GPU-trained one (2 layers, 1,891 steps) reaches "
          "tau 1.5-2.3 in the engine on standard-library snippets (3.4 in the trainer's replay of "
          "continuations of the target's training files), under the bar (tau >= 3) and slower than n-gram lookup, with which "

@@ -96,3 +96,20 @@ def test_new_sequences_start_from_the_engine_wide_acceptance():
     fresh = overall.prior()
     assert fresh.alpha == pytest.approx(overall.alpha) and fresh.alpha < 0.1
     assert fresh.accepted + fresh.rejected == pytest.approx(3.0)  # a light prior the sequence soon outweighs
+
+
+def test_with_lookup_first_a_useless_drafter_is_switched_off_on_its_own_record(hf_models, tmp_path):
+    """n-gram lookups and the drafter keep separate acceptance: the random drafter stops drafting
+    while the (free) lookups of the repeated prompt go on, and the output stays plain greedy."""
+    target = hf_models["qwen3"]
+    drafter = write_dflash_drafter(target, tmp_path / "d")
+    prompt = {"prompt_token_ids": list(range(40, 60)) * 3}
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    plain = LLM(str(target)).generate(prompt, params, use_tqdm=False)[0]
+    llm = LLM(str(target), speculative_config={"method": "dflash", "model": str(drafter), "ngram_first": True})
+    out = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == plain.outputs[0].token_ids
+    steps = llm.engine.speculator.steps_by_source
+    print(f"\nsequence-steps drafted: {steps}")
+    assert steps["lookup"] >= 1
+    assert 1 <= steps["model"] <= 100 // 6

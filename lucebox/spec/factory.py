@@ -42,12 +42,10 @@ def make_speculator(config: dict | None, target, max_model_len: int):
             if k > proposer.block_size - 1:
                 raise RequestError(f"num_speculative_tokens {k} exceeds the DFlash block ({proposer.block_size} "
                                    f"slots: the anchor and {proposer.block_size - 1} drafts)")
-        if config.get("ngram_first"):
-            from .lookup_first import LookupFirstProposer
-            proposer = LookupFirstProposer(proposer, _lookup(config))
     if not isinstance(k, int) or k < 1:
         raise RequestError(f"num_speculative_tokens must be a positive integer, got {k!r}")
-    return Speculator(proposer, k, max_model_len, adaptive=bool(config.get("adaptive", True)))
+    lookup = _lookup(config) if config.get("ngram_first") else None
+    return Speculator(proposer, k, max_model_len, adaptive=bool(config.get("adaptive", True)), lookup=lookup)
 
 
 def _lookup(config: dict):

@@ -1,4 +1,11 @@
-"""Speculator: what the engine talks to — proposes per step, records acceptance, keeps metrics."""
+"""Speculator: what the engine talks to — proposes per step, records acceptance, keeps metrics.
+
+With a `lookup` (speculative_config["ngram_first"]), n-gram prompt lookup drafts for the sequences
+whose recent tokens occurred before, and the proposer (a drafter model) for the others. Each
+source has its own acceptance statistics and draft-cost table, so the adaptive policy judges
+each on its own record: a drafter that does not pay at some temperature is switched off without
+taking the nearly free lookups with it, and the other way round.
+"""
 from __future__ import annotations
 
 import time
@@ -6,36 +13,72 @@ import time
 from .adaptive import DraftLengthPolicy, SequenceAcceptance
 from .proposer import Draft, Proposer
 
+LOOKUP, MODEL = "lookup", "model"
+MIN_LOOKUP_MATCH = 4  # tokens a lookup must find to be used (fewer: the drafter proposes instead)
+
 
 class Speculator:
     def __init__(self, proposer: Proposer, num_speculative_tokens: int, max_model_len: int,
-                 adaptive: bool = True):
+                 adaptive: bool = True, lookup=None):
         self.proposer = proposer
+        self.lookup = lookup  # an NgramProposer tried first, or None
         self.capture_layers = proposer.capture_layers
         self.max_model_len = max_model_len
         self.policy = DraftLengthPolicy(num_speculative_tokens, adaptive)
-        self.acceptance: dict[int, SequenceAcceptance] = {}
-        self.overall = SequenceAcceptance(decay=0.99)  # across sequences: the prior of new ones
+        self.policies = {MODEL: self.policy}
+        if lookup is not None:
+            self.policies[LOOKUP] = DraftLengthPolicy(num_speculative_tokens, adaptive)
+            self.policies[LOOKUP].forward = self.policy.forward  # one target: one forward-cost table
+        self.acceptance: dict[tuple[int, str], SequenceAcceptance] = {}
+        # Across sequences, per source: the prior of new sequences.
+        self.overall = {source: SequenceAcceptance(decay=0.99) for source in self.policies}
+        self.source: dict[int, str] = {}  # the source of each sequence's pending draft
+        self.steps_by_source = {source: 0 for source in self.policies}  # sequence-steps drafted by each
         self.last_k = 0
-        self._forward_started = None
 
     def propose(self, running: list) -> None:
         """Give each running sequence that is decoding (its last token not yet computed) a draft."""
         decoding = [s for s in running if s.num_computed == s.num_tokens - 1]
-        prefill_tokens = sum(s.num_tokens - s.num_computed for s in running if s.num_computed < s.num_tokens - 1)
-        k = self.policy.choose([self._acceptance(s).alpha for s in decoding], prefill_tokens)
-        self.last_k = k
-        limits = [min(k, self._room(s)) for s in decoding]
-        chosen = [(s, n) for s, n in zip(decoding, limits) if n > 0]
+        other_tokens = sum(s.num_tokens - s.num_computed for s in running if s.num_computed < s.num_tokens - 1)
+        found: dict[int, list[int]] = {}
+        if self.lookup is not None:
+            for s in decoding:
+                tokens = self.lookup.lookup(s.token_ids, self.policy.max_k)
+                if len(tokens) >= min(MIN_LOOKUP_MATCH, self.policy.max_k):
+                    found[id(s)] = tokens
+        looked = [s for s in decoding if id(s) in found]
+        rest = [s for s in decoding if id(s) not in found]
+        self.last_k = 0
+        k_lookup = 0
+        if looked:  # each group's k is chosen with the other group's tokens in the batch
+            k_lookup = self._choose(LOOKUP, looked, other_tokens + len(rest))
+            started = time.perf_counter()
+            self._assign(LOOKUP, looked, k_lookup, lambda seqs, ks: [Draft(found[id(s)][:k]) for s, k in zip(seqs, ks)])
+            self.policies[LOOKUP].draft.add(k_lookup, time.perf_counter() - started)
+        if rest:
+            k = self._choose(MODEL, rest, other_tokens + len(looked) * (1 + k_lookup))
+            started = time.perf_counter()
+            if self._assign(MODEL, rest, k, self.proposer.propose):
+                self.policy.draft.add(k, time.perf_counter() - started)
+
+    def _choose(self, source: str, seqs: list, other_tokens: int) -> int:
+        k = self.policies[source].choose([self._acceptance(s, source).alpha for s in seqs], other_tokens)
+        self.last_k = max(self.last_k, k)
+        return k
+
+    def _assign(self, source: str, seqs: list, k: int, propose) -> bool:
+        """Draft up to k tokens for each of seqs with `propose`; False when none could draft."""
+        chosen = [(s, n) for s in seqs if (n := min(k, self._room(s))) > 0]
         if not chosen:
-            return
-        start = time.perf_counter()
-        drafts = self.proposer.propose([s for s, _ in chosen], [n for _, n in chosen])
-        self.policy.draft.add(k, time.perf_counter() - start)
+            return False
+        drafts = propose([s for s, _ in chosen], [n for _, n in chosen])
+        self.steps_by_source[source] += len(chosen)
         for (seq, n), draft in zip(chosen, drafts):
             if draft.tokens:
                 probs = draft.probs[:n] if draft.probs is not None else None
                 seq.draft = Draft(draft.tokens[:n], probs)
+                self.source[id(seq)] = source
+        return True
 
     def record_forward(self, num_tokens: int, seconds: float) -> None:
         self.policy.forward.add(num_tokens, seconds)
@@ -47,18 +90,19 @@ class Speculator:
             room = min(room, seq.params.max_tokens - len(seq.output_token_ids) - 1)
         return room
 
-    def _acceptance(self, seq) -> SequenceAcceptance:
-        key = id(seq)
+    def _acceptance(self, seq, source: str = MODEL) -> SequenceAcceptance:
+        key = (id(seq), source)
         if key not in self.acceptance:
-            self.acceptance[key] = self.overall.prior()
+            self.acceptance[key] = self.overall[source].prior()
         return self.acceptance[key]
 
     def observe(self, seq, start: int, features) -> None:
         self.proposer.observe(seq, start, features)
 
     def record(self, seq, num_drafts: int, num_accepted: int) -> None:
-        self._acceptance(seq).update(num_drafts, num_accepted)
-        self.overall.update(num_drafts, num_accepted)
+        source = self.source.pop(id(seq), MODEL)
+        self._acceptance(seq, source).update(num_drafts, num_accepted)
+        self.overall[source].update(num_drafts, num_accepted)
         m = seq.metrics
         m.num_drafts += 1
         m.num_draft_tokens += num_drafts
@@ -70,6 +114,8 @@ class Speculator:
 
     def release(self, seq, finished: bool) -> None:
         seq.draft = None
+        self.source.pop(id(seq), None)
         self.proposer.release(seq, finished)
         if finished:
-            self.acceptance.pop(id(seq), None)
+            for source in self.policies:
+                self.acceptance.pop((id(seq), source), None)
