@@ -154,6 +154,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
+        step_started = time.perf_counter()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
@@ -177,7 +178,6 @@ class LLMEngine:
                 plain_rows.append(offset + n - 1)
             offset += n
         capture = self.speculator.capture_layers if self.speculator is not None else ()
-        started = time.perf_counter()
         out = self.runner.run(token_ids, [s.num_computed for s in batch.seqs], [s.block_table for s in batch.seqs],
                               logits_rows=plain_rows + verify_rows, capture_layers=capture)
         logits, features = out if capture else (out, None)
@@ -191,10 +191,11 @@ class LLMEngine:
                 self._append(seq, token, lp)
         if verifying:
             self._verify(verifying, logits[len(plain):], features)
-        if self.speculator is not None:  # after the host has the tokens: the step's full cost
-            self.speculator.record_forward(batch.total_tokens, time.perf_counter() - started)
         touched = dict.fromkeys(seq.request_id for seq, _ in plain + verifying)
-        return [self._request_output(rid) for rid in touched if rid in self.requests]
+        outputs = [self._request_output(rid) for rid in touched if rid in self.requests]
+        if self.speculator is not None:  # after the host has the tokens and outputs: the step's full cost
+            self.speculator.record_step(batch.total_tokens, time.perf_counter() - step_started)
+        return outputs
 
     def _commit(self, seq: Sequence, n: int, features, offset: int) -> None:
         """The next n positions of seq (their K/V written this step) are now committed."""

@@ -2,7 +2,9 @@
 
 Each sequence's drafts are modelled as accepted independently with probability alpha until the
 first rejection, so k drafts commit E(k) = (1 - alpha^(k+1)) / (1 - alpha) tokens per step. A step
-costs the measured draft time plus the measured target forward time for the batch's token count.
+costs the measured draft time plus the measured rest of an engine step for the batch's token count
+(scheduling, the target forward, sampling or verification, building the outputs: all of it, since
+on a fast GPU the host's share of a step can outweigh the forward itself).
 The step's k maximises committed tokens per second over the batch; k = 0 is plain decoding. When
 plain decoding wins, drafts are re-tried now and then, so a sequence whose text turns
 predictable (a quoted file, a repeated block) gets speculation back.
@@ -76,7 +78,7 @@ def expected_tokens(alpha: float, k: int) -> float:
 class DraftLengthPolicy:
     def __init__(self, max_k: int, adaptive: bool = True):
         self.max_k, self.adaptive = max_k, adaptive
-        self.forward = TimingTable()  # target forward seconds by tokens in the batch
+        self.forward = TimingTable()  # engine-step seconds besides drafting, by tokens in the batch
         self.draft = TimingTable()  # proposer seconds by draft length
         self.plain_steps = 0
         self.probe_interval = PROBE_EVERY

@@ -34,7 +34,7 @@ class Speculator:
         self.overall = {source: SequenceAcceptance(decay=0.99) for source in self.policies}
         self.source: dict[int, str] = {}  # the source of each sequence's pending draft
         self.steps_by_source = {source: 0 for source in self.policies}  # sequence-steps drafted by each
-        self.last_k = 0
+        self.draft_seconds = 0.0  # the last propose()'s drafting time: the rest of the step is the step's
 
     def propose(self, running: list) -> None:
         """Give each running sequence that is decoding (its last token not yet computed) a draft."""
@@ -48,40 +48,40 @@ class Speculator:
                     found[id(s)] = tokens
         looked = [s for s in decoding if id(s) in found]
         rest = [s for s in decoding if id(s) not in found]
-        self.last_k = 0
+        self.draft_seconds = 0.0
         k_lookup = 0
         if looked:  # each group's k is chosen with the other group's tokens in the batch
             k_lookup = self._choose(LOOKUP, looked, other_tokens + len(rest))
-            started = time.perf_counter()
             self._assign(LOOKUP, looked, k_lookup, lambda seqs, ks: [Draft(found[id(s)][:k]) for s, k in zip(seqs, ks)])
-            self.policies[LOOKUP].draft.add(k_lookup, time.perf_counter() - started)
         if rest:
             k = self._choose(MODEL, rest, other_tokens + len(looked) * (1 + k_lookup))
-            started = time.perf_counter()
-            if self._assign(MODEL, rest, k, self.proposer.propose):
-                self.policy.draft.add(k, time.perf_counter() - started)
+            self._assign(MODEL, rest, k, self.proposer.propose)
 
     def _choose(self, source: str, seqs: list, other_tokens: int) -> int:
-        k = self.policies[source].choose([self._acceptance(s, source).alpha for s in seqs], other_tokens)
-        self.last_k = max(self.last_k, k)
-        return k
+        return self.policies[source].choose([self._acceptance(s, source).alpha for s in seqs], other_tokens)
 
-    def _assign(self, source: str, seqs: list, k: int, propose) -> bool:
-        """Draft up to k tokens for each of seqs with `propose`; False when none could draft."""
+    def _assign(self, source: str, seqs: list, k: int, propose) -> None:
+        """Draft up to k tokens for each of seqs with `propose`, timed into the source's draft costs."""
         chosen = [(s, n) for s in seqs if (n := min(k, self._room(s))) > 0]
         if not chosen:
-            return False
+            return
+        started = time.perf_counter()
         drafts = propose([s for s, _ in chosen], [n for _, n in chosen])
+        seconds = time.perf_counter() - started
+        self.policies[source].draft.add(k, seconds)
+        self.draft_seconds += seconds
         self.steps_by_source[source] += len(chosen)
         for (seq, n), draft in zip(chosen, drafts):
             if draft.tokens:
                 probs = draft.probs[:n] if draft.probs is not None else None
                 seq.draft = Draft(draft.tokens[:n], probs)
                 self.source[id(seq)] = source
-        return True
 
-    def record_forward(self, num_tokens: int, seconds: float) -> None:
-        self.policy.forward.add(num_tokens, seconds)
+    def record_step(self, num_tokens: int, seconds: float) -> None:
+        """A whole engine step over num_tokens new tokens took `seconds`, drafting included: its cost
+        beside the drafting (scheduling, the forward, sampling or verification, outputs) is what the
+        policy weighs against the tokens a draft length commits."""
+        self.policy.forward.add(num_tokens, max(0.0, seconds - self.draft_seconds))
 
     def _room(self, seq) -> int:
         """Drafts beyond max_tokens or the context window could never be committed."""
