@@ -60,3 +60,32 @@ def test_smaller_cache_types_fit_more_tokens_in_the_same_memory(model_path):
 def test_unknown_cache_type_names_the_flag(model_path):
     with pytest.raises(RequestError, match="--cache-type-v.*q5_k"):
         LLM(model_path, cache_type_v="q5_k")
+
+
+def test_engines_sharing_one_loaded_model_keep_their_own_kv(model_path):
+    """Benchmarks build several engines on one loaded model; each installs its K/V caches in the
+    model's layers. An engine built earlier must still run on its own caches after another was
+    built and ran: its next step attends to the K/V it wrote itself."""
+    import torch
+
+    from lucebox.config import EngineArgs
+    from lucebox.engine.engine import LLMEngine
+    from lucebox.engine.runner import kv_bytes_per_token
+    from lucebox.model.loader import load_model
+    loaded = load_model(str(model_path), dtype="float32", device="cpu")
+    rng = random.Random(3)
+    prompt, other = ([rng.randrange(300) for _ in range(100)] for _ in range(2))
+
+    def engine(blocks: int):
+        memory = blocks * 4 * kv_bytes_per_token(loaded.model, "auto", "auto")
+        e = LLMEngine(loaded, EngineArgs(model=str(model_path), block_size=4, max_model_len=116,
+                                         kv_cache_memory=memory))
+        table: list[int] = []
+        e.scheduler.blocks.allocate(table, 101)
+        return e.runner, table
+    first, table = engine(64)
+    whole = first.run([prompt + [7]], [0], [table])  # the logits after the prompt and one more token
+    first.run([prompt], [0], [table])  # the prompt's K/V, in first's caches
+    second, other_table = engine(32)
+    second.run([other], [0], [other_table])  # other K/V, in second's caches (the same block ids)
+    assert torch.allclose(first.run([[7]], [100], [table]), whole, atol=1e-4)

@@ -37,10 +37,17 @@ class ModelRunner:
         shape = (num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.cache_types = (parse_cache_type(cache_type_k, model.dtype, "--cache-type-k"),
                             parse_cache_type(cache_type_v, model.dtype, "--cache-type-v"))
-        for layer in model.layers:
-            layer.self_attn.k_cache = PagedKVCache(*shape, cache_type_k, model.dtype, model.device, rotate=rotate_k)
-            layer.self_attn.v_cache = PagedKVCache(*shape, cache_type_v, model.dtype, model.device)
+        self.caches = [(PagedKVCache(*shape, cache_type_k, model.dtype, model.device, rotate=rotate_k),
+                        PagedKVCache(*shape, cache_type_v, model.dtype, model.device)) for _ in model.layers]
+        self._install()
         self.graphs = self._graph_runner(graphs)
+
+    def _install(self) -> None:
+        """Point the model's attention layers at this runner's KV caches. Engines can share one loaded
+        model (benchmarks compare configurations side by side): each run reinstalls its own caches,
+        so one engine never reads or writes another's K/V."""
+        for layer, (k_cache, v_cache) in zip(self.model.layers, self.caches):
+            layer.self_attn.k_cache, layer.self_attn.v_cache = k_cache, v_cache
 
     def _graph_runner(self, settings: GraphSettings | None) -> CudaGraphRunner | None:
         if settings is None:
@@ -65,6 +72,8 @@ class ModelRunner:
         Logits rows: `logits_rows` (flat token indices) when given, else the last new token of each
         sequence, or every new token with all_logits=True. With capture_layers, also returns the
         outputs of those layers for every new token, concatenated: [T, len(capture_layers) * hidden]."""
+        if self.model.layers[0].self_attn.k_cache is not self.caches[0][0]:
+            self._install()
         if self.graphs is not None:
             out = self.graphs.run(token_ids, start_positions, block_tables, logits_rows, all_logits,
                                   tuple(capture_layers))
