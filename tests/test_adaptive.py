@@ -11,10 +11,11 @@ from .spec_fixtures import write_dflash_drafter
 
 def policy_with(forward_per_token: float, forward_fixed: float, draft_cost: float, max_k: int = 8):
     policy = DraftLengthPolicy(max_k)
-    for tokens in (1, 4, 9):
-        policy.forward.add(tokens, forward_fixed + forward_per_token * tokens)
-    for k in (1, 8):
-        policy.draft.add(k, draft_cost)
+    for _ in range(2):  # a size's first sample is provisional (a warm-up's); two settle it
+        for tokens in (1, 4, 9):
+            policy.forward.add(tokens, forward_fixed + forward_per_token * tokens)
+        for k in (1, 8):
+            policy.draft.add(k, draft_cost)
     return policy
 
 
@@ -56,6 +57,20 @@ def test_plain_decoding_is_measured_before_speculating_and_probes_come_back():
     # Probes that keep failing back off: the next one comes after twice as many plain steps.
     later = [slow.choose([0.1], 0) for _ in range(2 * PROBE_EVERY)]
     assert later.count(0) == 2 * PROBE_EVERY - 1 and later[-1] > 0
+
+
+def test_a_warm_up_step_does_not_stand_for_the_plain_cost():
+    """The first plain step pays a CUDA graph capture: 100x its cost. Taken at face value, any
+    drafter would look worth it; the policy measures plain decoding again first."""
+    policy = DraftLengthPolicy(4)
+    policy.forward.add(1, 0.1)  # capture + step
+    assert policy.choose([0.3], batch_tokens=0) == 0  # measure plain again
+    policy.forward.add(1, 0.001)
+    assert policy.forward.estimate(1) == 0.001  # the warm-up sample is gone, not averaged in
+    for _ in range(2):
+        policy.forward.add(2, 0.0011)
+        policy.draft.add(1, 0.002)  # a drafter slower than the target step
+    assert policy.choose([0.3], batch_tokens=0) == 0
 
 
 def test_acceptance_estimate_tracks_recent_steps():

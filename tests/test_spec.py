@@ -73,6 +73,17 @@ def test_greedy_single_sequence_with_chunked_prefill_and_prefix_hits(method, tar
     assert sum(o.num_cached_tokens for o in outs) > 0
 
 
+@pytest.mark.parametrize("history", [{"repetition_penalty": 1.3}, {"min_tokens": 20}])
+def test_dflash_drafts_that_read_their_own_history_stay_lossless(history, target, configs):
+    """Penalties and an unmet min_tokens make each draft slot depend on the drafts before it: the
+    drafter then processes slot by slot, and greedy output still equals plain decoding."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, **history)
+    plain = LLM(str(target), block_size=4).generate(prompts(), params, use_tqdm=False)
+    outs = spec_llm(target, configs["dflash"]).generate(prompts(), params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert sum(o.metrics.num_draft_tokens for o in outs) > 0
+
+
 def test_self_draft_accepts_everything(target, configs):
     out = spec_llm(target, configs["self_draft"]).generate(prompts(1), GREEDY, use_tqdm=False)[0]
     m = out.metrics

@@ -19,15 +19,24 @@ MAX_PROBE_INTERVAL = 512  # probes that keep failing back off (doubling) up to t
 
 class TimingTable:
     """EMA of a duration keyed by an integer size; unseen sizes interpolate linearly between
-    the nearest seen ones (or extrapolate from the two nearest)."""
+    the nearest seen ones (or extrapolate from the two nearest). The first sample of a size is
+    provisional and the second replaces it: a size's first step pays one-off costs (a CUDA graph
+    capture, kernel compilation) that can be a hundred times the step's real cost."""
 
     def __init__(self, smoothing: float = 0.3):
         self.smoothing = smoothing
         self.values: dict[int, float] = {}
+        self.counts: dict[int, int] = {}
 
     def add(self, size: int, seconds: float) -> None:
+        n = self.counts.get(size, 0)
+        self.counts[size] = n + 1
         old = self.values.get(size)
-        self.values[size] = seconds if old is None else old + self.smoothing * (seconds - old)
+        self.values[size] = seconds if n < 2 else old + self.smoothing * (seconds - old)
+
+    def provisional(self, size: int) -> bool:
+        """Measured once only: the value may be a warm-up's."""
+        return self.counts.get(size, 0) == 1
 
     def estimate(self, size: int) -> float | None:
         if size in self.values:
@@ -90,14 +99,14 @@ class DraftLengthPolicy:
             return self.max_k
         n = len(alphas)
         plain_cost = self.forward.estimate(batch_tokens + n)
-        if plain_cost is None:
-            return 0  # measure plain decoding first: it is the baseline speculation must beat
+        if plain_cost is None or self.forward.provisional(batch_tokens + n):
+            return 0  # measure plain decoding first (twice): it is the baseline speculation must beat
         best_k, best_rate = 0, n / plain_cost
         for k in self.candidates:
-            forward = self.forward.estimate(batch_tokens + n * (1 + k))
-            draft = self.draft.estimate(k)
-            if forward is None or draft is None:
-                return k  # no measurement of speculating yet: try it once
+            size = batch_tokens + n * (1 + k)
+            forward, draft = self.forward.estimate(size), self.draft.estimate(k)
+            if forward is None or draft is None or self.forward.provisional(size) or self.draft.provisional(k):
+                return k  # no (settled) measurement of speculating this far yet: try it
             # A wider forward never costs less than the plain step: without this floor, one slow
             # plain step (a load spike), never re-measured while speculation runs, would keep a
             # useless drafter on.

@@ -16,7 +16,7 @@ import torch
 from ..engine.kv_cache import PagedKVCache, bytes_per_value, parse_cache_type
 from ..errors import CheckpointError
 from ..model.loader import resolve_path
-from ..sampling import Sampler, SamplingState
+from ..sampling import Sampler, SamplingState, _exponential_race
 from ..util import on_meta
 from ..weights.load import assign
 from ..weights.safetensors import iter_safetensors
@@ -148,9 +148,15 @@ class DFlashProposer(Proposer):
         positions = torch.arange(anchor, anchor + self.block_size, device=device)
         hidden = self.drafter.blocks(x, positions, context, torch.arange(anchor, device=device))
         logits = self.target.model.compute_logits(hidden[1:1 + k])  # slot i predicts the token at anchor + i
+        out = list(seq.output_token_ids)
+        if not _reads_draft_history(seq.params, len(out)):  # every slot processed alike: all k rows at once
+            states = [SamplingState(seq.params, seq.prompt_token_ids, out, seq.generator)] * k
+            if seq.params.is_greedy:
+                return Draft(self.sampler.process_logits(logits, states).argmax(-1).tolist())
+            q = self.sampler.processed_probs(logits, states)
+            return Draft(_exponential_race(q, states).tolist(), q)
         tokens: list[int] = []
         probs = []
-        out = list(seq.output_token_ids)
         for i in range(k):
             state = SamplingState(seq.params, seq.prompt_token_ids, out + tokens, seq.generator)
             if seq.params.is_greedy:
@@ -160,3 +166,11 @@ class DFlashProposer(Proposer):
             tokens.append(int(self.sampler(logits[i:i + 1], [state]).sampled_token_ids[0]))
             probs.append(q[0])
         return Draft(tokens, torch.stack(probs) if probs else None)
+
+
+def _reads_draft_history(params, num_output: int) -> bool:
+    """Whether processing a draft slot depends on the drafts before it (penalties, logits
+    processors, min_tokens not yet reached); then slots are processed one by one, each with its
+    own history, so draft and target distributions are processed identically."""
+    return bool(params.logits_processors or params.repetition_penalty != 1 or params.presence_penalty
+                or params.frequency_penalty or params.min_tokens > num_output)
