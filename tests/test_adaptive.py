@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from lucebox import LLM, SamplingParams
-from lucebox.spec.adaptive import PROBE_EVERY, DraftLengthPolicy, SequenceAcceptance, TimingTable, expected_tokens
+from lucebox.spec.adaptive import PROBE_EVERY, REMEASURE_PLAIN_EVERY, DraftLengthPolicy, SequenceAcceptance, TimingTable, expected_tokens
 
 from .spec_fixtures import write_dflash_drafter
 
@@ -71,6 +71,13 @@ def test_a_warm_up_step_does_not_stand_for_the_plain_cost():
         policy.forward.add(2, 0.0011)
         policy.draft.add(1, 0.002)  # a drafter slower than the target step
     assert policy.choose([0.3], batch_tokens=0) == 0
+
+
+def test_plain_decoding_is_remeasured_while_speculating():
+    """The baseline must not go stale: one plain step in every REMEASURE_PLAIN_EVERY."""
+    policy = policy_with(forward_per_token=0.0001, forward_fixed=0.01, draft_cost=0.001)
+    chosen = [policy.choose([0.9], batch_tokens=0) for _ in range(3 * REMEASURE_PLAIN_EVERY)]
+    assert chosen.count(0) == 2 and chosen[REMEASURE_PLAIN_EVERY] == 0 and set(chosen) == {0, 8}
 
 
 def test_acceptance_estimate_tracks_recent_steps():

@@ -15,6 +15,7 @@ PRIOR_ACCEPTED, PRIOR_REJECTED = 2.0, 1.0  # a mild prior: alpha = 2/3 before an
 DECAY = 0.9  # recent steps weigh more: acceptance drifts as the text changes
 PROBE_EVERY = 16  # steps of plain decoding before the first probe with drafts
 MAX_PROBE_INTERVAL = 512  # probes that keep failing back off (doubling) up to this many steps
+REMEASURE_PLAIN_EVERY = 64  # while speculating, one plain step in this many keeps the baseline fresh
 
 
 class TimingTable:
@@ -90,6 +91,7 @@ class DraftLengthPolicy:
         self.forward = TimingTable()  # engine-step seconds besides drafting, by tokens in the batch
         self.draft = TimingTable()  # proposer seconds by draft length
         self.plain_steps = 0
+        self.speculated_steps = 0  # since the last plain step
         self.probe_interval = PROBE_EVERY
         self.candidates = sorted({k for k in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32) if k <= max_k} | {max_k})
 
@@ -99,8 +101,12 @@ class DraftLengthPolicy:
             return self.max_k
         n = len(alphas)
         plain_cost = self.forward.estimate(batch_tokens + n)
-        if plain_cost is None or self.forward.provisional(batch_tokens + n):
-            return 0  # measure plain decoding first (twice): it is the baseline speculation must beat
+        if (plain_cost is None or self.forward.provisional(batch_tokens + n)
+                or self.speculated_steps >= REMEASURE_PLAIN_EVERY):
+            # Plain decoding is the baseline speculation must beat: measured first (twice), and again
+            # now and then, since a stale baseline (a slow early step) would keep a losing drafter on.
+            self.speculated_steps = 0
+            return 0
         best_k, best_rate = 0, n / plain_cost
         for k in self.candidates:
             size = batch_tokens + n * (1 + k)
@@ -123,4 +129,5 @@ class DraftLengthPolicy:
                 return self.candidates[0]
             return 0
         self.plain_steps, self.probe_interval = 0, PROBE_EVERY
+        self.speculated_steps += 1
         return best_k
