@@ -5,7 +5,8 @@
 # held-out figures (tau, loss) are measured on the target's held-out files ("$DATA-eval"): code the
 # target never trained on, rather than a split of the drafter's own data (the target's training
 # text: tau 3.4 there against 1.5-2.3 in the engine on standard-library snippets; BENCHMARKS.md).
-# Usage: scripts/train_default_drafter.sh OUT_DIR [TRAIN_SECONDS]   (one H200: about 8 minutes)
+# Usage: scripts/train_default_drafter.sh OUT_DIR [TRAIN_SECONDS]   (one H200: about 7 minutes)
+# Then: python scripts/write_model_card.py (models/default/README.md, from OUT_DIR/stats.json).
 # Short continuations: 128-token prompts, each continued by the target for 128 tokens. The target's
 # greedy text falls into loops after a hundred tokens or so (distinct 8-grams ~0.3 over 300 tokens),
 # and a drafter trained on 768-token continuations learnt mostly to copy loops: trainer tau 3.4, but
@@ -48,4 +49,7 @@ timeout --signal=INT $((seconds + 300)) python3 -m lucebox.cli train-drafter --t
   --data "$data" --eval-data "$eval" --out "$out" --layers "${LAYERS:-2}" --block-size 16 \
   --taps "${TAPS:-3,4,5,6,7}" --batch-size "${BATCH:-64}" --seq-len 256 --prompt-len 128 --anchors 128 \
   --lr 6e-4 --regenerate --max-samples "${SAMPLES:-65536}" --regen-batch 2048 --max-seconds "$seconds" \
-  --eval-every "${EVAL_EVERY:-250}" --save-every 1000000 --seed 0 ${INIT_FROM_TARGET:+--init-from-target}
+  --eval-every "${EVAL_EVERY:-250}" --save-every 1000000 --seed 0 ${INIT_FROM_TARGET:+--init-from-target} \
+  2>&1 | tee "$out/training.log"
+# stats.json for the model card: the trainer's figures and tau in the engine on the test's snippets.
+python3 scripts/drafter_stats.py "$out" --target models/default

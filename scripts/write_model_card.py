@@ -60,8 +60,7 @@ def main() -> int:
     for s in t["samples"]:
         lines += [f"Prompt: `{s['prompt'].strip()}`", "```", s["completion"].rstrip()[:400], "```", ""]
     if d:
-        lines += ["## DFlash drafter (`models/default-dflash`)", "",
-                  d.get("card", "See stats.json."), ""]
+        lines += drafter_section(d)
     lines += [
         "## Files",
         "- `models/default/`: the target in HF format (sharded safetensors, config, tokenizer, chat template, "
@@ -78,7 +77,7 @@ def main() -> int:
         "## Reproduce",
         "```bash",
         "python scripts/train_default_model.py --out models/default      # ~8 min on one H200",
-        "bash scripts/train_default_drafter.sh models/default-dflash 330   # the drafter (one H200, ~8 min)",
+        "bash scripts/train_default_drafter.sh models/default-dflash 330   # the drafter (one H200, ~7 min)",
         "lucebox convert models/default models/default-q8_0.gguf --outtype q8_0",
         "python scripts/write_model_card.py",
         "```",
@@ -87,6 +86,34 @@ def main() -> int:
     ]
     (TARGET / "README.md").write_text("\n".join(lines) + "\n")
     return 0
+
+
+def drafter_section(d: dict) -> list[str]:
+    steps = list(d["trainer_tau"].items())
+    shown = [steps[round(i * (len(steps) - 1) / 7)] for i in range(8)] if len(steps) > 8 else steps
+    e = d["engine_tau"]
+    speed = (f", {d['steps']:,} steps in {d['train_seconds']} s ({d['seconds_per_step']} s/step)"
+             if d.get("train_seconds") else f", {d['steps']:,} steps")
+    return [
+        "## DFlash drafter (`models/default-dflash`)", "",
+        f"{d['layers']} DFlash layers (hidden {d['hidden_size']}), block {d['block_size']}, mask token `<|mask|>`, "
+        f"reading the target's layers {', '.join(map(str, d['taps']))}; no embedding or LM head of its own (the "
+        "target's are shared); bfloat16, in the published z-lab layout. Trained by "
+        "`scripts/train_default_drafter.sh` (`lucebox train-drafter`) on the target's own greedy 128-token "
+        "continuations of 128-token prompts cut from its training files, every continuation position an "
+        f"anchor, slot-weighted cross-entropy{speed}. Short continuations matter: the target's greedy text "
+        "falls into loops after about a hundred tokens, and a drafter trained on long continuations learns "
+        "to copy loops rather than to draft where requests spend their drafts.", "",
+        "Held-out tau in the trainer's replay (continuations of the target's held-out files):", "",
+        "| step | " + " | ".join(f"{int(s):,}" for s, _ in shown) + " |",
+        "|---|" + "---:|" * len(shown),
+        "| tau | " + " | ".join(f"{t:.2f}" for _, t in shown) + " |", "",
+        "Slot accuracy at the end: " + " ".join(f"{a:.2f}" for a in d["slot_accuracy"][:8]) + " ...", "",
+        f"In the engine (float32, CPU, greedy): tau {e['tau']:.2f} over {e['tokens']} tokens after each of "
+        f"{e['snippets']} held-out standard-library snippets of {e['chars']} characters "
+        "(`lucebox/bench/prompts.py`; `tests/test_default_model.py` asserts > 2). With no `--model`, lucebox "
+        "drafts with n-gram lookup where the text repeats and with this drafter elsewhere (`ngram_first`); "
+        "speed figures in BENCHMARKS.md.", ""]
 
 
 if __name__ == "__main__":
