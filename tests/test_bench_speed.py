@@ -159,3 +159,22 @@ def test_default_lengths_that_do_not_fit_the_model_are_skipped_with_a_note():
                                           skip=["reference", "prefill", "verify", "peer", "spec"]))
     assert [d["context"] for d in result["decode"]] == [512]  # tiny has 4,096 positions
     assert any("4096" in note and "32768" in note for note in result["notes"])
+
+
+def test_bench_spec_compares_each_proposer_with_plain_decoding_in_one_run(hf_models, tmp_path):
+    """`lucebox bench spec` end to end on a tiny model: every configuration decodes every prompt in
+    every round (interleaved prompt by prompt), and the figures add up."""
+    out = tmp_path / "spec.json"
+    target = str(hf_models["qwen3"])
+    assert main(["bench", "spec", "--model", target, "--draft", target, "--spec-method", "draft_model",
+                 "--prompts", "2", "--chars", "200", "--max-tokens", "6", "--repeats", "2",
+                 "--temperatures", "0", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["method"], r["temperature"]) for r in rows] == [
+        (m, t) for t in (0.0, 1.0) for m in ("plain", "draft_model", "draft_model+ngram", "ngram")]
+    for r in rows:
+        assert r["tokens"] == 2 * 5 and r["seconds"] > 0 and r["speedup"] > 0
+        assert r["accepted_tokens"] <= r["draft_tokens"]
+    # The target drafting for itself at temperature 0: every draft is accepted.
+    self_draft = next(r for r in rows if r["method"] == "draft_model" and r["temperature"] == 0)
+    assert self_draft["draft_tokens"] > 0 and self_draft["accepted_tokens"] == self_draft["draft_tokens"]

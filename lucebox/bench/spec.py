@@ -2,8 +2,8 @@
 
 Each proposer runs the same fixed prompt set (held-out standard-library source) one request at a
 time (batch 1, the latency case speculation is for), at temperature 0 and 1, next to plain
-decoding of the same prompts on the same loaded target; configurations are interleaved and
-repeated, and the median run is reported.
+decoding of the same prompts on the same loaded target; configurations are interleaved prompt by
+prompt and repeated, and the median run is reported.
 """
 from __future__ import annotations
 
@@ -19,27 +19,29 @@ from ..sampling import SamplingParams
 from .prompts import held_out_texts
 
 
+def _decode_one(engine: LLMEngine, prompt: list[int], params: SamplingParams, rid: str) -> dict:
+    engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+    out = None
+    while engine.has_unfinished():
+        for o in engine.step():
+            out = o
+    # Time from the first token on: prefill is the same with and without speculation.
+    m = out.metrics
+    if engine.model.device.type == "cuda":
+        torch.cuda.synchronize()
+    return {"tokens": len(out.outputs[0].token_ids) - 1, "seconds": m.finished_time - m.first_token_time,
+            "draft_tokens": m.num_draft_tokens, "accepted_tokens": m.num_accepted_tokens, "steps": m.num_drafts}
+
+
+def _totals(parts: list[dict]) -> dict:
+    t = {key: sum(p[key] for p in parts) for key in ("tokens", "seconds", "draft_tokens", "accepted_tokens", "steps")}
+    steps, drafts = t.pop("steps"), t["draft_tokens"]
+    return dict(t, tok_s=t["tokens"] / t["seconds"], tau=(t["accepted_tokens"] + steps) / steps if steps else 1.0,
+                acceptance=t["accepted_tokens"] / drafts if drafts else 0.0)
+
+
 def _decode(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> dict:
-    tokens = drafts = accepted = steps = 0
-    seconds = 0.0
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"s{i}", {"prompt_token_ids": prompt}, params)
-        out = None
-        while engine.has_unfinished():
-            for o in engine.step():
-                out = o
-        # Time from the first token on: prefill is the same with and without speculation.
-        m = out.metrics
-        if engine.model.device.type == "cuda":
-            torch.cuda.synchronize()
-        seconds += m.finished_time - m.first_token_time
-        tokens += len(out.outputs[0].token_ids) - 1
-        drafts += m.num_draft_tokens
-        accepted += m.num_accepted_tokens
-        steps += m.num_drafts
-    return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds, "draft_tokens": drafts,
-            "accepted_tokens": accepted, "tau": (accepted + steps) / steps if steps else 1.0,
-            "acceptance": accepted / drafts if drafts else 0.0}
+    return _totals([_decode_one(engine, p, params, f"s{i}") for i, p in enumerate(prompts)])
 
 
 def _spec_config(config: dict, args) -> dict:
@@ -79,11 +81,16 @@ def run(args) -> dict:
         for _, engine in engines:
             _decode(engine, prompts[:1], params)  # warm-up
         runs: dict[str, list[dict]] = {name: [] for name, _ in engines}
-        # Interleaved and repeated (order rotating each round): this machine's drift hits all alike.
+        # Interleaved prompt by prompt (the order rotating), repeated: the machine's drift hits all
+        # configurations alike, even when it changes within one pass over the prompts.
         for r in range(args.repeats):
-            order = engines[r % len(engines):] + engines[:r % len(engines)]
-            for name, engine in order:
-                runs[name].append(_decode(engine, prompts, params))
+            parts: dict[str, list[dict]] = {name: [] for name, _ in engines}
+            for i, prompt in enumerate(prompts):
+                turn = (r + i) % len(engines)
+                for name, engine in engines[turn:] + engines[:turn]:
+                    parts[name].append(_decode_one(engine, prompt, params, f"r{r}p{i}"))
+            for name in runs:
+                runs[name].append(_totals(parts[name]))
         plain = _median(runs["plain"])
         for name, _ in engines:
             result = _median(runs[name])
