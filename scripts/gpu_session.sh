@@ -5,7 +5,7 @@
 #   scripts/gpu_session.sh bench     bench speed: qwen3-8b bf16 (CUDA graphs, and --enforce-eager), q8_0,
 #                                    q4_k_m, qwen3-0.6b bf16 (~8 min)
 #   scripts/gpu_session.sh kernels   scripts/bench_kernels.py --sweep (Triton kernels vs torch, GB/s)
-#   scripts/gpu_session.sh drafter   the default drafter (scripts/train_default_drafter.sh, ~9 min)
+#   scripts/gpu_session.sh drafter   the default drafter (scripts/train_default_drafter.sh, ~7 min)
 # The device lacks the gguf package: keep its wheel in .whl/ (git-ignored) and pass carry [".whl"].
 set -uo pipefail
 out=${OUT:-/tmp/out}
