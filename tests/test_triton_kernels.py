@@ -108,16 +108,17 @@ def test_fused_quant_matmul_matches_dequantise_then_matmul_in_float32(qtype, m):
     assert rel_err(got, want) <= 1e-5
 
 
+@pytest.mark.parametrize("split_k", [1, 3])
 @pytest.mark.parametrize("m", [1, 7, tqm.MAX_FUSED_M // 2])
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
-def test_fused_quant_matmul_in_bfloat16_with_bias(qtype, m):
+def test_fused_quant_matmul_in_bfloat16_with_bias(qtype, m, split_k):
     k, n = 256, 48
     raw = quant_rows(qtype, n, k, seed=20 + qtype.value)
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, m, k, generator=g).to(DEVICE, torch.bfloat16)  # leading dims are flattened
     bias = torch.randn(n, generator=g).to(DEVICE, torch.bfloat16)
     want = x.float() @ dequant.dequantize(raw, qtype).T + bias.float()
-    got = tqm.quant_matmul(x, raw, qtype, k, bias, split_k=1)
+    got = tqm.quant_matmul(x, raw, qtype, k, bias, split_k=split_k)  # 3: the split reduction adds the bias
     assert got.dtype == torch.bfloat16 and got.shape == (2, m, n)
     assert rel_err(got, want) <= 1e-2
 
