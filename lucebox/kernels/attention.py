@@ -53,8 +53,8 @@ def paged_attention(q: torch.Tensor, k_cache, v_cache, batch: ForwardBatch, scal
 def paged_attention_reference(q: torch.Tensor, k_cache, v_cache, batch: ForwardBatch, scale: float,
                               sliding_window: int | None = None) -> torch.Tensor:
     """The specification every path is tested against: per sequence, its whole context gathered
-    (dequantised) from the cache, GQA heads repeated, a dense [q_len, ctx] causal (and window)
-    mask, and SDPA. Host lengths required."""
+    (dequantised) from the cache, a dense [q_len, ctx] causal (and window) mask, and SDPA with
+    grouped KV heads. Host lengths required."""
     out = torch.empty_like(q)
     return _reference_into(out, q, k_cache, v_cache, batch, scale, sliding_window,
                            range(len(batch.query_lens_host)))
@@ -79,17 +79,17 @@ def _reference_into(out: torch.Tensor, q: torch.Tensor, k_cache, v_cache, batch:
         slots = batch.context_slots(i)
         k = k_cache.gather(slots, q.dtype).transpose(0, 1)  # [kv_heads, ctx, d]
         v = v_cache.gather(slots, q.dtype).transpose(0, 1)
-        if heads != kv_heads:
-            k = k.repeat_interleave(heads // kv_heads, dim=0)
-            v = v.repeat_interleave(heads // kv_heads, dim=0)
         ctx = slots.shape[0]
-        q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
-        k_pos = torch.arange(ctx, device=q.device)[None, :]
-        mask = k_pos <= q_pos
-        if sliding_window is not None:
-            mask &= (q_pos - k_pos) < sliding_window
+        mask = None  # a decode step's one query sees its whole context
+        if q_len > 1 or (sliding_window is not None and ctx > sliding_window):
+            q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
+            k_pos = torch.arange(ctx, device=q.device)[None, :]
+            mask = k_pos <= q_pos
+            if sliding_window is not None:
+                mask &= (q_pos - k_pos) < sliding_window
         qi = q[start:start + q_len].transpose(0, 1)  # [heads, q_len, d]
-        o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale)
+        # enable_gqa: query head h reads KV head h // (heads // kv_heads), without copying K and V.
+        o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=heads != kv_heads)
         out[start:start + q_len] = o.transpose(0, 1)
     return out
 
