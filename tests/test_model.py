@@ -30,9 +30,24 @@ def make_runner(loaded, num_blocks=64):
     return ModelRunner(loaded.model, num_blocks, BLOCK_SIZE), BlockManager(num_blocks, BLOCK_SIZE)
 
 
+def load(path, fused: bool):
+    """The model as loaded, or with q/k/v and gate/up fused into one GEMV each (as engines run it)."""
+    loaded = load_model(str(path), dtype="float32")
+    if fused:
+        params = sum(p.numel() for p in loaded.model.parameters())
+        loaded.model.fuse_projections()
+        attn, mlp = loaded.model.layers[0].self_attn, loaded.model.layers[0].mlp
+        assert attn.qkv is not None and mlp.gate_up is not None
+        # The modules' weights are slices of the fused tensors: nothing is stored twice.
+        assert attn.k_proj.weight.data_ptr() == attn.qkv[0][attn.q_proj.out_features:].data_ptr()
+        assert sum(p.numel() for p in loaded.model.parameters()) == params
+    return loaded
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_batched_prefill_logits_match_transformers(family, hf_models):
-    loaded = load_model(str(hf_models[family]), dtype="float32")
+def test_batched_prefill_logits_match_transformers(family, fused, hf_models):
+    loaded = load(hf_models[family], fused)
     prompts = random_prompts(loaded.config.vocab_size)
     runner, blocks = make_runner(loaded)
     tables = [[] for _ in prompts]
@@ -47,10 +62,11 @@ def test_batched_prefill_logits_match_transformers(family, hf_models):
         start += len(prompt)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_incremental_decode_through_paged_cache_matches_full_forward(family, hf_models):
+def test_incremental_decode_through_paged_cache_matches_full_forward(family, fused, hf_models):
     """Prefill a prefix, then feed tokens one (and three) at a time: logits equal one full forward."""
-    loaded = load_model(str(hf_models[family]), dtype="float32")
+    loaded = load(hf_models[family], fused)
     prompt = random_prompts(loaded.config.vocab_size, seed=2)[1]
     expected = reference_logits(hf_models[family], prompt)
     runner, blocks = make_runner(loaded)

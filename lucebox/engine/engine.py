@@ -36,6 +36,7 @@ class LLMEngine:
             log.warning("max_model_len %d exceeds the model's %d positions", self.max_model_len,
                         cfg.max_position_embeddings)
         self.speculator = make_speculator(args.speculative_config, loaded, self.max_model_len)
+        self.model.fuse_projections()  # q/k/v and gate/up as one GEMV each (idempotent)
         num_blocks = self._plan_kv_blocks()
         self.runner = ModelRunner(self.model, num_blocks, args.block_size, args.cache_type_k, args.cache_type_v,
                                   args.cache_rotate_k, graphs=self._graph_settings())

@@ -31,6 +31,31 @@ class RMSNorm(nn.Module):
         return rms_norm_residual(x, residual, self.weight, self.eps)
 
 
+def fuse_linears(layers: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """One weight (and bias) for several float linears that read the same input, so one GEMV
+    replaces several (decode reads the same bytes in fewer, larger kernels). Each linear's weight
+    becomes a row slice of the fused tensor: no memory is added and every other reader of the
+    modules keeps working. For inference (the slices are detached). None when they cannot be
+    fused (quantised or mixed weights)."""
+    if not all(type(m) is nn.Linear for m in layers):
+        return None
+    weights = [m.weight for m in layers]
+    if len({(w.dtype, w.device) for w in weights}) != 1:
+        return None
+    if len({m.bias is None for m in layers}) != 1:
+        return None
+    fused = torch.cat([w.detach() for w in weights])
+    bias = torch.cat([m.bias.detach() for m in layers]) if layers[0].bias is not None else None
+    row = 0
+    for m in layers:
+        n = m.out_features
+        m.weight = nn.Parameter(fused[row:row + n], requires_grad=False)
+        if bias is not None:
+            m.bias = nn.Parameter(bias[row:row + n], requires_grad=False)
+        row += n
+    return fused, bias
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -48,12 +73,21 @@ class Attention(nn.Module):
         # Paged K and V stores of this layer (engine/kv_cache.PagedKVCache), set by the runner.
         self.k_cache = None
         self.v_cache = None
+        self.qkv = None  # (weight, bias) of q, k and v in one, after fuse(); plain attributes: no parameter twice
+
+    def fuse(self) -> None:
+        self.qkv = self.qkv or fuse_linears([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        if self.qkv is not None:
+            q, k, v = F.linear(x, *self.qkv).split(
+                [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q = rope_and_write_kv(q, k, v, cos, sin, self.k_cache, self.v_cache, batch.slot_mapping)
@@ -67,9 +101,17 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up = None  # (weight, bias) of gate and up in one, after fuse()
+
+    def fuse(self) -> None:
+        self.gate_up = self.gate_up or fuse_linears([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is not None:
+            gate, up = F.linear(x, *self.gate_up).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -104,6 +146,13 @@ class Transformer(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RopeTable(cfg.rope, cfg.head_dim)
+
+    def fuse_projections(self) -> None:
+        """q/k/v and gate/up as one GEMV each, where their weights allow it (float, one dtype):
+        fewer, larger kernels per decode step. For inference: the fused tensors are not parameters."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     @property
     def dtype(self) -> torch.dtype:
