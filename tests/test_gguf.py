@@ -230,12 +230,18 @@ def assert_stays_quantised(loaded, gguf_path):
     assert held == in_file
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
 @pytest.mark.parametrize("qtype,family", [("q8_0", "llama-linear-bias"), ("q4_0", "llama"), ("q4_0", "qwen3"),
                                           ("q5_1", "qwen2")])
-def test_quantised_gguf_computes_what_its_dequantised_weights_compute(qtype, family, hf_models, tmp_path):
+def test_quantised_gguf_computes_what_its_dequantised_weights_compute(qtype, family, fused, hf_models, tmp_path):
     path = convert_hf_to_gguf(hf_models[family], tmp_path / f"{family}-{qtype}.gguf", qtype)
     quantised = load_model(str(path), dtype="float32")
     assert_stays_quantised(quantised, path)
+    if fused:  # as engines run it: q/k/v and gate/up as one quantised GEMV each, the same bytes held
+        quantised.model.fuse_projections()
+        layer = quantised.model.layers[0]
+        assert layer.self_attn.qkv is not None and layer.mlp.gate_up is not None
+        assert_stays_quantised(quantised, path)
     reference = dequantised_reference(path, hf_models[family])
     prompts = random_prompts(quantised.config.vocab_size)
     for got, expected in zip(prefill_logits(quantised, prompts), prefill_logits(reference, prompts)):

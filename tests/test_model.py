@@ -38,8 +38,9 @@ def load(path, fused: bool):
         loaded.model.fuse_projections()
         attn, mlp = loaded.model.layers[0].self_attn, loaded.model.layers[0].mlp
         assert attn.qkv is not None and mlp.gate_up is not None
-        # The modules' weights are slices of the fused tensors: nothing is stored twice.
-        assert attn.k_proj.weight.data_ptr() == attn.qkv[0][attn.q_proj.out_features:].data_ptr()
+        # The modules' weights are slices of the fused tensors, k's rows right after q's: nothing is stored twice.
+        q = attn.q_proj.weight
+        assert attn.k_proj.weight.data_ptr() == q.data_ptr() + q.numel() * q.element_size()
         assert sum(p.numel() for p in loaded.model.parameters()) == params
     return loaded
 

@@ -12,7 +12,7 @@ from torch import nn
 from ..kernels.attention import paged_attention
 from ..kernels.norm import rms_norm, rms_norm_residual
 from ..kernels.rope import rope_and_write_kv
-from ..weights.quant import QuantEmbedding
+from ..weights.quant import QuantEmbedding, QuantLinear, QuantTensor
 from .config import ModelConfig
 from .forward_batch import ForwardBatch
 from .rope import RopeTable
@@ -31,29 +31,44 @@ class RMSNorm(nn.Module):
         return rms_norm_residual(x, residual, self.weight, self.eps)
 
 
-def fuse_linears(layers: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """One weight (and bias) for several float linears that read the same input, so one GEMV
-    replaces several (decode reads the same bytes in fewer, larger kernels). Each linear's weight
-    becomes a row slice of the fused tensor: no memory is added and every other reader of the
-    modules keeps working. For inference (the slices are detached). None when they cannot be
-    fused (quantised or mixed weights)."""
-    if not all(type(m) is nn.Linear for m in layers):
-        return None
-    weights = [m.weight for m in layers]
-    if len({(w.dtype, w.device) for w in weights}) != 1:
-        return None
+def fuse_linears(layers: list[nn.Module]):
+    """One projection for several linears that read the same input, so one GEMV replaces several
+    (decode reads the same bytes in fewer, larger kernels): float nn.Linear weights of one dtype,
+    or quantised ones of one GGUF type. Each linear's weight (or raw rows) becomes a row slice of
+    the fused tensor: no memory is added and every other reader of the modules keeps working.
+    Returns the fused projection x -> [.., sum of out_features] (a plain function, so its tensors
+    are not counted as parameters twice), or None when the weights cannot be fused. For inference:
+    the slices are detached."""
     if len({m.bias is None for m in layers}) != 1:
         return None
-    fused = torch.cat([w.detach() for w in weights])
     bias = torch.cat([m.bias.detach() for m in layers]) if layers[0].bias is not None else None
+    if all(type(m) is nn.Linear for m in layers):
+        if len({(m.weight.dtype, m.weight.device) for m in layers}) != 1:
+            return None
+        fused = torch.cat([m.weight.detach() for m in layers])
+        for m, rows, b in _slices(layers, fused, bias):
+            m.weight = nn.Parameter(rows, requires_grad=False)
+            if b is not None:
+                m.bias = nn.Parameter(b, requires_grad=False)
+        return lambda x: F.linear(x, fused, bias)
+    if all(isinstance(m, QuantLinear) for m in layers):
+        if len({(m.qtype, m.in_features, m.qweight.device) for m in layers}) != 1:
+            return None
+        shape = (sum(m.out_features for m in layers), layers[0].in_features)
+        projection = QuantLinear(QuantTensor(torch.cat([m.qweight for m in layers]), layers[0].qtype, shape,
+                                             "+".join(m.name for m in layers)), bias)
+        for m, rows, b in _slices(layers, projection.qweight, bias):
+            m.qweight, m.bias = rows, b
+        return projection.forward
+    return None
+
+
+def _slices(layers, fused: torch.Tensor, bias: torch.Tensor | None):
     row = 0
     for m in layers:
         n = m.out_features
-        m.weight = nn.Parameter(fused[row:row + n], requires_grad=False)
-        if bias is not None:
-            m.bias = nn.Parameter(bias[row:row + n], requires_grad=False)
+        yield m, fused[row:row + n], (bias[row:row + n] if bias is not None else None)
         row += n
-    return fused, bias
 
 
 class Attention(nn.Module):
@@ -73,7 +88,7 @@ class Attention(nn.Module):
         # Paged K and V stores of this layer (engine/kv_cache.PagedKVCache), set by the runner.
         self.k_cache = None
         self.v_cache = None
-        self.qkv = None  # (weight, bias) of q, k and v in one, after fuse(); plain attributes: no parameter twice
+        self.qkv = None  # q, k and v as one projection, after fuse()
 
     def fuse(self) -> None:
         self.qkv = self.qkv or fuse_linears([self.q_proj, self.k_proj, self.v_proj])
@@ -81,7 +96,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         tokens = x.shape[0]
         if self.qkv is not None:
-            q, k, v = F.linear(x, *self.qkv).split(
+            q, k, v = self.qkv(x).split(
                 [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -101,14 +116,14 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-        self.gate_up = None  # (weight, bias) of gate and up in one, after fuse()
+        self.gate_up = None  # gate and up as one projection, after fuse()
 
     def fuse(self) -> None:
         self.gate_up = self.gate_up or fuse_linears([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
-            gate, up = F.linear(x, *self.gate_up).chunk(2, dim=-1)
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(F.silu(gate) * up)
@@ -148,8 +163,8 @@ class Transformer(nn.Module):
         self.rope = RopeTable(cfg.rope, cfg.head_dim)
 
     def fuse_projections(self) -> None:
-        """q/k/v and gate/up as one GEMV each, where their weights allow it (float, one dtype):
-        fewer, larger kernels per decode step. For inference: the fused tensors are not parameters."""
+        """q/k/v and gate/up as one GEMV each, where their weights allow it (float of one dtype, or
+        quantised of one type): fewer, larger kernels per decode step. For inference."""
         for layer in self.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
