@@ -85,6 +85,15 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
 
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1 or bool(self.presence_penalty) or bool(self.frequency_penalty)
+
+    def reads_history(self, num_output: int) -> bool:
+        """Whether processing the next token's logits depends on the tokens generated before it
+        (penalties, logits processors, min_tokens not yet reached after num_output tokens)."""
+        return bool(self.logits_processors) or self.has_penalties or self.min_tokens > num_output
+
     def with_defaults(self, defaults: dict) -> SamplingParams:
         """A copy where fields the user did not set take the model's generation_config.json values."""
         user_set = self._set_fields
@@ -319,8 +328,7 @@ def _token_counts(token_lists: Sequence[Sequence[int]], vocab: int, device) -> t
 
 
 def _apply_penalties(logits: torch.Tensor, states: Sequence[SamplingState]) -> None:
-    rows = [i for i, s in enumerate(states)
-            if s.params.repetition_penalty != 1 or s.params.presence_penalty or s.params.frequency_penalty]
+    rows = [i for i, s in enumerate(states) if s.params.has_penalties]
     if not rows:
         return
     dev, vocab = logits.device, logits.shape[1]

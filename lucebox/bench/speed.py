@@ -215,8 +215,7 @@ def verify_phase(loaded, args, context: int, kv: int, ref, clock) -> dict:
 
 
 def spec_phase(loaded, args, rng) -> dict:
-    """tau and speedup on the same prompts, plain then speculative, each engine built for them (the
-    newest engine's runner owns the model's KV caches, so the main engine is not used after this)."""
+    """tau and speedup on the same prompts, plain then speculative, each engine built for them."""
     from .prompts import held_out_texts
     from .spec import _decode, _median
     if loaded.format == "random":  # a random model's text means nothing: random ids (expect a low tau)

@@ -149,7 +149,9 @@ class DFlashProposer(Proposer):
         hidden = self.drafter.blocks(x, positions, context, torch.arange(anchor, device=device))
         logits = self.target.model.compute_logits(hidden[1:1 + k])  # slot i predicts the token at anchor + i
         out = list(seq.output_token_ids)
-        if not _reads_draft_history(seq.params, len(out)):  # every slot processed alike: all k rows at once
+        # Unless processing reads the drafts before a slot, every slot is processed alike: all k rows at
+        # once. Otherwise slot by slot, each with its own history, as the target's rows are verified.
+        if not seq.params.reads_history(len(out)):
             states = [SamplingState(seq.params, seq.prompt_token_ids, out, seq.generator)] * k
             if seq.params.is_greedy:
                 return Draft(self.sampler.process_logits(logits, states).argmax(-1).tolist())
@@ -166,11 +168,3 @@ class DFlashProposer(Proposer):
             tokens.append(int(self.sampler(logits[i:i + 1], [state]).sampled_token_ids[0]))
             probs.append(q[0])
         return Draft(tokens, torch.stack(probs) if probs else None)
-
-
-def _reads_draft_history(params, num_output: int) -> bool:
-    """Whether processing a draft slot depends on the drafts before it (penalties, logits
-    processors, min_tokens not yet reached); then slots are processed one by one, each with its
-    own history, so draft and target distributions are processed identically."""
-    return bool(params.logits_processors or params.repetition_penalty != 1 or params.presence_penalty
-                or params.frequency_penalty or params.min_tokens > num_output)
