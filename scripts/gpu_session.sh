@@ -4,6 +4,7 @@
 #   scripts/gpu_session.sh check     GPU tests: CUDA graphs, fused kernels, Triton kernels, model (~3 min)
 #   scripts/gpu_session.sh bench     bench speed: qwen3-8b bf16 (CUDA graphs, and --enforce-eager), q8_0,
 #                                    q4_k_m, qwen3-0.6b bf16 (~8 min)
+#   scripts/gpu_session.sh spec      bench spec on the bundled pair (models/default + default-dflash)
 #   scripts/gpu_session.sh kernels   scripts/bench_kernels.py --sweep (Triton kernels vs torch, GB/s)
 #   scripts/gpu_session.sh drafter   the default drafter (scripts/train_default_drafter.sh, ~7 min)
 # The device lacks the gguf package: keep its wheel in .whl/ (git-ignored) and pass carry [".whl"].
@@ -36,6 +37,9 @@ case "${1:-check}" in
     bench 8b-q4_k_m 90 --shape qwen3-8b --quant q4_k_m --prompt-lens 512 --contexts 512 --no-peer
     bench 06b-bf16 90 --shape qwen3-0.6b --quant bf16 --prompt-lens 512 --contexts 512
     bench 8b-bf16-eager 100 --shape qwen3-8b --quant bf16 --prompt-lens 4096 --contexts 512 --no-peer --skip forced --enforce-eager ;;
+  spec)
+    step spec "${SECONDS_SPEC:-400}" python3 -m lucebox.cli bench spec --draft models/default-dflash --repeats 3 --json "$out/spec.json"
+    sed -n '/^| /,$p' "$out/spec.log" ;;
   kernels)
     step kernels 500 python3 scripts/bench_kernels.py --sweep --json "$out/kernels.json"
     tail -n 60 "$out/kernels.log" ;;
@@ -43,5 +47,5 @@ case "${1:-check}" in
     step drafter 570 bash scripts/train_default_drafter.sh "$out/default-dflash" "${SECONDS_TRAIN:-300}"
     rm -f "$out/default-dflash/train_state.pt" "$out/default-dflash/regenerated.pt"
     tr '\r' '\n' < "$out/drafter.log" | grep -E "tau|steps|wrote|Error|error" | tail -n 20 ;;
-  *) echo "usage: $0 check|bench|kernels|drafter" >&2; exit 2 ;;
+  *) echo "usage: $0 check|bench|spec|kernels|drafter" >&2; exit 2 ;;
 esac

@@ -4,7 +4,8 @@
   bit-identical to apply_rope + PagedKVCache.write for every cache type (plain types written in
   place, quantised or rotated ones through the cache's own quantiser).
 - RMSNorm fused with the residual add (kernels/norm.py, kernels/triton_norm.py), as the decoder
-  layers call it.
+  layers call it; Qwen3's per-head q/k norm folded into the RoPE kernel.
+- silu(gate) * up in one pass (kernels/activation.py, kernels/triton_activation.py).
 - A whole model forward with the fused path matches the reference path.
 
 Without a GPU the kernels run under Triton's interpreter (set up by tests/test_triton_kernels.py,
@@ -20,7 +21,7 @@ import torch
 from .test_triton_kernels import DEVICE, rel_err  # noqa: I001  (sets TRITON_INTERPRET=1 first)
 
 from lucebox.engine.kv_cache import PagedKVCache  # noqa: E402
-from lucebox.kernels import norm, rope, triton_norm, triton_rope_kv  # noqa: E402
+from lucebox.kernels import activation, norm, rope, triton_activation, triton_norm, triton_rope_kv  # noqa: E402
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 6
 
@@ -82,6 +83,38 @@ def test_fused_rope_and_kv_write_is_bit_identical_to_rope_then_cache_write(case)
     for ref, tri in zip(ref_caches, tri_caches):
         for a, b in zip(cache_state(ref), cache_state(tri)):
             assert torch.equal(a, b)
+
+
+QK_NORM_CASES = {
+    # name: (dtype, heads, kv_heads, head_dim, tokens, norm weight dtype, extra rope_case kwargs)
+    "f32": (torch.float32, 4, 2, 16, 5, torch.float32, {}),
+    "bf16-fused-qkv-views": (torch.bfloat16, 4, 2, 32, 3, torch.bfloat16, {"fused_qkv": True}),
+    "bf16-head-dim-48": (torch.bfloat16, 6, 2, 48, 4, torch.bfloat16, {}),
+    "bf16-q8_0-k": (torch.bfloat16, 4, 2, 32, 4, torch.bfloat16, {"cache_types": ("q8_0", "auto")}),
+    "f16-f32-weights-promote": (torch.float16, 4, 2, 32, 3, torch.float32, {}),
+}
+
+
+@pytest.mark.parametrize("case", list(QK_NORM_CASES))
+def test_fused_qk_norm_matches_norm_then_rope_then_cache_write(case):
+    # Qwen3 normalises each head of q and k before RoPE; the kernel does it in the same program.
+    dtype, heads, kv_heads, head_dim, tokens, w_dtype, kw = QK_NORM_CASES[case]
+    q, k, v, cos, sin, k_cache, v_cache, slots = rope_case(dtype, heads, kv_heads, head_dim, tokens, **kw)
+    g = torch.Generator().manual_seed(1)
+    q_w, k_w = ((1 + 0.2 * torch.randn(head_dim, generator=g)).to(DEVICE, w_dtype) for _ in range(2))
+    qk_norm = (q_w, k_w, 1e-6)
+    ref_caches, tri_caches = copy.deepcopy((k_cache, v_cache)), copy.deepcopy((k_cache, v_cache))
+    want = rope.rope_and_write_kv_reference(q, k, v, cos, sin, *ref_caches, slots, qk_norm)
+    got = triton_rope_kv.rope_and_write_kv(q, k, v, cos, sin, *tri_caches, slots, qk_norm)
+    # The references, spelled out: the per-head norm, then the rotation.
+    assert torch.equal(want, rope.apply_rope(norm.rms_norm_reference(q, q_w, 1e-6), cos, sin))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert got.dtype == want.dtype and got.shape == want.shape and rel_err(got, want) <= tol
+    # Not a plain rotation: the norm changed the values.
+    assert rel_err(want, rope.apply_rope(q, cos, sin)) > 0.05
+    want_k = ref_caches[0].gather(slots, want.dtype)
+    assert rel_err(tri_caches[0].gather(slots, want.dtype), want_k) <= (tol if kw.get("cache_types") is None else 5e-2)
+    assert torch.equal(tri_caches[1].gather(slots, v.dtype), v)
 
 
 def test_plain_caches_are_written_in_place_and_quantised_ones_through_their_quantiser():
@@ -202,3 +235,33 @@ def test_a_model_forward_through_the_fused_kernels_matches_the_reference_path(mo
     got, taps = run_steps()
     assert calls["rope_kv"] and calls["norm_residual"]  # any count: graph replay skips the Python launchers
     assert rel_err(got, want) <= tol and rel_err(taps, want_taps) <= tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("layout", ["fused-gate-up-views", "separate", "3d"])
+def test_silu_and_mul_matches_the_reference(dtype, layout):
+    g = torch.Generator().manual_seed(3)
+    n = 1500  # more than one column block, not a power of two
+    if layout == "fused-gate-up-views":  # column halves of one gate/up projection output
+        gate, up = (4 * torch.randn(3, 2 * n, generator=g)).to(DEVICE, dtype).chunk(2, dim=-1)
+    else:
+        shape = (3, n) if layout == "separate" else (2, 2, n)
+        gate, up = ((4 * torch.randn(*shape, generator=g)).to(DEVICE, dtype) for _ in range(2))
+    got = triton_activation.silu_and_mul_triton(gate, up)
+    want = activation.silu_and_mul_reference(gate, up)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert rel_err(got, want) <= (1e-6 if dtype == torch.float32 else 1e-2)
+    assert rel_err(got, gate * up) > 0.1  # the activation is applied
+
+
+def test_silu_and_mul_dispatch_follows_the_switch(monkeypatch):
+    gate, up = torch.randn(2, 64).to(DEVICE), torch.randn(2, 64).to(DEVICE)
+    calls = []
+    real = triton_activation.silu_and_mul_triton
+    monkeypatch.setattr(triton_activation, "silu_and_mul_triton", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setenv("LUCEBOX_TRITON", "0")
+    activation.silu_and_mul(gate, up)
+    assert calls == []
+    monkeypatch.setenv("LUCEBOX_TRITON", "1")
+    activation.silu_and_mul(gate, up)
+    assert calls == [1]

@@ -1,16 +1,19 @@
 """Rotary position embedding (the rotate-half / NeoX layout HF checkpoints use), and RoPE fused
 with the paged K/V cache write that follows it in every attention layer.
 
-    q = rope_and_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
-    # == apply_rope(q, ...), after k_cache.write(apply_rope(k, ...)) and v_cache.write(v)
+    q = rope_and_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, qk_norm=None)
+    # == apply_rope(q, ...), after k_cache.write(apply_rope(k, ...)) and v_cache.write(v);
+    # qk_norm (q weight, k weight, eps): q and k are RMS-normalised per head first (Qwen3)
 
 GPU tensors go to the Triton kernel in kernels/triton_rope_kv.py through kernels/dispatch.py
-(bit-identical to the reference); CPU tensors, and anything autograd records, take the reference.
+(bit-identical to the reference; with qk_norm, within the norm's last-bit rounding); CPU tensors, and anything autograd records, take the reference.
 """
 import torch
 
 from .dispatch import use_triton
-from .norm import needs_grad
+from .norm import needs_grad, rms_norm_reference
+
+QKNorm = tuple[torch.Tensor, torch.Tensor, float]  # (q weight, k weight, eps) of a per-head RMSNorm
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -22,19 +25,25 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def rope_and_write_kv_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                                sin: torch.Tensor, k_cache, v_cache, slot_mapping: torch.Tensor) -> torch.Tensor:
+                                sin: torch.Tensor, k_cache, v_cache, slot_mapping: torch.Tensor,
+                                qk_norm: QKNorm | None = None) -> torch.Tensor:
     """q [T, Hq, D], k and v [T, Hkv, D]; cos/sin [T, D] in q's dtype; k_cache / v_cache are
-    engine/kv_cache.PagedKVCache; slot_mapping [T]. Writes rotated k and v into their slots and
-    returns rotated q."""
+    engine/kv_cache.PagedKVCache; slot_mapping [T]; qk_norm: (q weight, k weight, eps) of an
+    RMSNorm over each head applied to q and k first (Qwen3). Writes rotated k and v into their
+    slots and returns rotated q."""
+    if qk_norm is not None:
+        q_w, k_w, eps = qk_norm
+        q, k = rms_norm_reference(q, q_w, eps), rms_norm_reference(k, k_w, eps)
     k_cache.write(apply_rope(k, cos, sin), slot_mapping)
     v_cache.write(v, slot_mapping)
     return apply_rope(q, cos, sin)
 
 
 def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      k_cache, v_cache, slot_mapping: torch.Tensor) -> torch.Tensor:
-    if (use_triton(q, k, v, cos, sin, k_cache.values, v_cache.values, slot_mapping)
-            and not needs_grad(q, k, v)):
+                      k_cache, v_cache, slot_mapping: torch.Tensor, qk_norm: QKNorm | None = None) -> torch.Tensor:
+    norm_w = qk_norm[:2] if qk_norm is not None else ()
+    if (use_triton(q, k, v, cos, sin, k_cache.values, v_cache.values, slot_mapping, *norm_w)
+            and not needs_grad(q, k, v, *norm_w)):
         from . import triton_rope_kv
-        return triton_rope_kv.rope_and_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
-    return rope_and_write_kv_reference(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+        return triton_rope_kv.rope_and_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, qk_norm)
+    return rope_and_write_kv_reference(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, qk_norm)

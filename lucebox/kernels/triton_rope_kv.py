@@ -13,6 +13,11 @@ Only plain storage (f32 / f16 / bf16, no Hadamard rotation) is written in place.
 or rotated cache the kernel writes rotated k to a scratch tensor and `PagedKVCache.write`
 quantises it (K and V are decided separately: their cache types may differ).
 
+Given `qk_norm` (Qwen3's RMSNorm over each head of q and k before RoPE), each head is normalised
+in the same program before it is rotated: no separate norm launches, and no copy of the q/k
+column slices of a fused qkv projection. Rounding follows kernels/norm.py's arithmetic (the
+rsqrt and the sum order may differ from torch's in the last bit, as in triton_norm).
+
 CUDA-graph safe: the grid is the token count, slots are read on the device, nothing syncs.
 A negative slot (a padding token of a captured graph) is skipped rather than written.
 """
@@ -23,6 +28,7 @@ import functools
 import torch
 
 from .dispatch import next_pow2
+from .triton_norm import rms_norm_triton
 
 
 def writes_in_place(cache) -> bool:
@@ -40,7 +46,7 @@ def _kernel():
 
     @triton.jit
     def _rotate_heads(src, dst, heads, half, src_head_stride, dst_head_stride, cos_lo, cos_hi, sin_lo, sin_hi,
-                      row, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                      row, norm_w, eps, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, NORM: tl.constexpr):
         h = tl.arange(0, BLOCK_H)
         d = tl.arange(0, BLOCK_HALF)
         # row < 0: a padding slot, store nothing. Broadcast arithmetically: Triton's interpreter
@@ -50,6 +56,12 @@ def _kernel():
         lo = tl.load(src_at, mask=mask, other=0.0).to(tl.float32)
         hi = tl.load(src_at + half, mask=mask, other=0.0).to(tl.float32)
         ty = src.dtype.element_ty
+        if NORM:  # RMSNorm over each head first (kernels/norm.py's arithmetic; masked lanes are 0)
+            inv = tl.rsqrt((tl.sum(lo * lo, axis=1) + tl.sum(hi * hi, axis=1)) / (2 * half) + eps)[:, None]
+            w_lo = tl.load(norm_w + d, mask=d < half, other=0.0).to(tl.float32)[None, :]
+            w_hi = tl.load(norm_w + half + d, mask=d < half, other=0.0).to(tl.float32)[None, :]
+            lo = (w_lo * (lo * inv).to(ty).to(tl.float32)).to(ty).to(tl.float32)
+            hi = (w_hi * (hi * inv).to(ty).to(tl.float32)).to(ty).to(tl.float32)
         # Reference: x * cos + cat(-x_hi, x_lo) * sin, every op rounded to the input dtype.
         out_lo = ((lo * cos_lo[None, :]).to(ty).to(tl.float32) - (hi * sin_lo[None, :]).to(ty).to(tl.float32)).to(ty)
         out_hi = ((hi * cos_hi[None, :]).to(ty).to(tl.float32) + (lo * sin_hi[None, :]).to(ty).to(tl.float32)).to(ty)
@@ -59,11 +71,12 @@ def _kernel():
         tl.store(dst_at + half, out_hi.to(dst_ty), mask=mask)
 
     @triton.jit
-    def _rope_kv_kernel(q, k, v, cos, sin, slots, q_out, k_dst, v_dst,
+    def _rope_kv_kernel(q, k, v, cos, sin, slots, q_out, k_dst, v_dst, q_norm_w, k_norm_w, eps,
                         sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, scos_t, ssin_t,
                         sqo_t, sqo_h, skd_t, skd_h, svd_t, svd_h, num_q_heads, num_kv_heads, half,
                         BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                        BLOCK_D: tl.constexpr, K_TO_CACHE: tl.constexpr, V_TO_CACHE: tl.constexpr):
+                        BLOCK_D: tl.constexpr, K_TO_CACHE: tl.constexpr, V_TO_CACHE: tl.constexpr,
+                        NORM: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, BLOCK_HALF)
         d_ok = d < half
@@ -73,13 +86,13 @@ def _kernel():
         sin_hi = tl.load(sin + t * ssin_t + half + d, mask=d_ok, other=0.0).to(tl.float32)
         slot = tl.load(slots + t).to(tl.int64)
         _rotate_heads(q + t * sq_t, q_out + t * sqo_t, num_q_heads, half, sq_h, sqo_h,
-                      cos_lo, cos_hi, sin_lo, sin_hi, t, BLOCK_HQ, BLOCK_HALF)
+                      cos_lo, cos_hi, sin_lo, sin_hi, t, q_norm_w, eps, BLOCK_HQ, BLOCK_HALF, NORM)
         if K_TO_CACHE:
             _rotate_heads(k + t * sk_t, k_dst + slot * skd_t, num_kv_heads, half, sk_h, skd_h,
-                          cos_lo, cos_hi, sin_lo, sin_hi, slot, BLOCK_HK, BLOCK_HALF)
+                          cos_lo, cos_hi, sin_lo, sin_hi, slot, k_norm_w, eps, BLOCK_HK, BLOCK_HALF, NORM)
         else:
             _rotate_heads(k + t * sk_t, k_dst + t * skd_t, num_kv_heads, half, sk_h, skd_h,
-                          cos_lo, cos_hi, sin_lo, sin_hi, t, BLOCK_HK, BLOCK_HALF)
+                          cos_lo, cos_hi, sin_lo, sin_hi, t, k_norm_w, eps, BLOCK_HK, BLOCK_HALF, NORM)
         if V_TO_CACHE:
             h = tl.arange(0, BLOCK_HK)
             dd = tl.arange(0, BLOCK_D)
@@ -96,13 +109,22 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
 
 
 def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      k_cache, v_cache, slot_mapping: torch.Tensor) -> torch.Tensor:
+                      k_cache, v_cache, slot_mapping: torch.Tensor, qk_norm=None) -> torch.Tensor:
     """Same contract as kernels/rope.rope_and_write_kv_reference: returns rotated q [T, Hq, D]."""
     tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     if head_dim % 2 or k.shape != (tokens, num_kv_heads, head_dim) or v.shape != k.shape:
         raise ValueError(f"rope_and_write_kv: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} "
                          "do not describe the same tokens and an even head_dim")
+    norm_w = (q, k)  # placeholders: not read without NORM
+    eps = 0.0
+    if qk_norm is not None:
+        q_w, k_w, eps = qk_norm
+        if q_w.dtype == k_w.dtype == q.dtype == k.dtype:  # the norm keeps the dtype: fold it in
+            norm_w = (_unit_last(q_w), _unit_last(k_w))
+        else:  # the norm promotes (reference semantics): normalise first, rotate in the new dtype
+            q, k = rms_norm_triton(q, q_w, eps), rms_norm_triton(k, k_w, eps)
+            qk_norm = None
     q, k, v, cos, sin = (_unit_last(t) for t in (q, k, v, cos, sin))
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_to_cache, v_to_cache = writes_in_place(k_cache), writes_in_place(v_cache)
@@ -113,12 +135,13 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
         block_hq, block_hk, block_half = next_pow2(num_q_heads), next_pow2(num_kv_heads), next_pow2(head_dim // 2)
         warps = min(8, max(1, block_hq * block_half // 256))
         _kernel()[(tokens,)](
-            q, k, v, cos, sin, slot_mapping, q_out, k_dst, v_dst,
+            q, k, v, cos, sin, slot_mapping, q_out, k_dst, v_dst, *norm_w, float(eps),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
             sin.stride(0), q_out.stride(0), q_out.stride(1), k_dst.stride(0), k_dst.stride(1),
             v_dst.stride(0), v_dst.stride(1), num_q_heads, num_kv_heads, head_dim // 2,
             BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half, BLOCK_D=next_pow2(head_dim),
-            K_TO_CACHE=k_to_cache, V_TO_CACHE=v_to_cache, num_warps=warps, enable_fp_fusion=False)
+            K_TO_CACHE=k_to_cache, V_TO_CACHE=v_to_cache, NORM=qk_norm is not None, num_warps=warps,
+            enable_fp_fusion=False)
     if not k_to_cache:
         k_cache.write(k_dst, slot_mapping)
     if not v_to_cache:

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.activation import silu_and_mul
 from ..kernels.attention import paged_attention
 from ..kernels.norm import rms_norm, rms_norm_residual
 from ..kernels.rope import rope_and_write_kv
@@ -103,9 +104,8 @@ class Attention(nn.Module):
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = rope_and_write_kv(q, k, v, cos, sin, self.k_cache, self.v_cache, batch.slot_mapping)
+        qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
+        q = rope_and_write_kv(q, k, v, cos, sin, self.k_cache, self.v_cache, batch.slot_mapping, qk_norm)
         o = paged_attention(q, self.k_cache, self.v_cache, batch, self.scale, self.sliding_window)
         return self.o_proj(o.reshape(tokens, -1))
 
@@ -126,7 +126,7 @@ class MLP(nn.Module):
             gate, up = self.gate_up(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(gate, up))
 
 
 class DecoderLayer(nn.Module):

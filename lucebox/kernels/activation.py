@@ -1,0 +1,28 @@
+"""The gated activation of the MLP: silu(gate) * up.
+
+    h = silu_and_mul(gate, up)   # == F.silu(gate) * up
+
+GPU tensors go to the Triton kernel in kernels/triton_activation.py (one pass, where torch runs
+two kernels and writes silu(gate) in between) through kernels/dispatch.py; CPU tensors, and
+anything autograd records, take the reference.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .dispatch import use_triton
+from .norm import needs_grad
+
+
+def silu_and_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gate and up [..., n] of one dtype, each with unit stride along n (column slices of one fused
+    gate/up projection are fine)."""
+    if use_triton(gate, up) and not needs_grad(gate, up) and gate.dtype == up.dtype:
+        from . import triton_activation
+        return triton_activation.silu_and_mul_triton(gate, up)
+    return silu_and_mul_reference(gate, up)

@@ -1,0 +1,57 @@
+"""Triton silu(gate) * up (reference and dispatch: kernels/activation.py).
+
+One pass over the row: gate and up are read once, silu(gate) stays in registers. Rounding follows
+torch's two elementwise kernels: silu is computed in float32 and rounded to the input dtype, then
+the product is computed in float32 and rounded. The exponential may differ from torch's in the
+last bit.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .dispatch import next_pow2
+
+BLOCK = 1024
+
+
+@functools.cache
+def _kernel():
+    """Defined on first use: importing this module must not import Triton (see triton_norm)."""
+    global triton, tl
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _silu_mul_kernel(gate, up, out, n, stride_g, stride_u, stride_o, BLOCK_N: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ok = cols < n
+        g = tl.load(gate + row * stride_g + cols, mask=ok, other=0.0)
+        u = tl.load(up + row * stride_u + cols, mask=ok, other=0.0).to(tl.float32)
+        ty = g.dtype
+        g = g.to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(ty).to(tl.float32)
+        tl.store(out + row * stride_o + cols, (s * u).to(ty), mask=ok)
+
+    return _silu_mul_kernel
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def silu_and_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"silu_and_mul: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} "
+                         f"{up.dtype} differ")
+    n = gate.shape[-1]
+    g2, u2 = _rows(gate), _rows(up)
+    out = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
+    if out.numel():
+        block = min(BLOCK, next_pow2(n))
+        _kernel()[(g2.shape[0], -(-n // block))](g2, u2, out, n, g2.stride(0), u2.stride(0), out.stride(0),
+                                                 BLOCK_N=block, num_warps=4, enable_fp_fusion=False)
+    return out.reshape(gate.shape)
