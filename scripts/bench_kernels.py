@@ -3,6 +3,7 @@
 
     python scripts/bench_kernels.py                       # everything, qwen3-8b shapes
     python scripts/bench_kernels.py --only quant --sweep  # also try launch configs per shape
+    python scripts/bench_kernels.py --only quant --qtypes Q8_0 --ms 1   # decode rows of one format
     python scripts/bench_kernels.py --only prefill        # prefill attention at 4K / 32K: the SDPA
                                                           # path vs the Triton kernel vs the old reference
     python scripts/bench_kernels.py --json out.json
@@ -110,7 +111,7 @@ def row(table: list, **kw) -> None:
 def bench_quant(args, shape, peak, device) -> list:
     table = []
     qtypes = [getattr(Q, q) for q in args.qtypes]
-    ms_list = [1] if SMOKE else [1, 4, 16, 64]
+    ms_list = [1] if SMOKE else args.ms
     jobs = [(q, name, nk, m) for q in qtypes for name, nk in shape["linears"].items() for m in ms_list]
     for qtype, name, (n, k), m in tqdm(jobs, desc="quant matmul"):
         raw = random_quant(qtype, n, k, device)
@@ -441,6 +442,7 @@ def main() -> None:
     p.add_argument("--shape", default="qwen3-8b", choices=[s for s in SHAPES if s != "smoke"])
     p.add_argument("--only", choices=["quant", "attention", "prefill", "norm"], action="append")
     p.add_argument("--qtypes", nargs="+", default=["Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q4_0"])
+    p.add_argument("--ms", nargs="+", type=int, default=[1, 4, 16, 64], help="activation rows of the quant rows")
     p.add_argument("--cache-types", nargs="+", default=["bf16", "fp8", "q8_0"])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--sweep", action="store_true", help="also time a grid of launch configs per row")
