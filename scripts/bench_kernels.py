@@ -42,7 +42,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from lucebox.engine.kv_cache import PagedKVCache  # noqa: E402
-from lucebox.kernels import dequant, triton_norm  # noqa: E402
+from lucebox.kernels import dequant, triton_activation, triton_norm, triton_rope_kv  # noqa: E402
 from lucebox.kernels import prefill_attention as pa  # noqa: E402
 from lucebox.kernels import triton_paged_attention as tpa  # noqa: E402
 from lucebox.kernels import triton_quant_matmul as tqm  # noqa: E402
@@ -348,11 +348,13 @@ def compile_check(arch: str) -> None:
         def __getitem__(self, grid):
             return lambda *a, **kw: launches.append((self.fn, a, kw))
 
-    real = (tqm._qmm_kernel, tpa._paged_attn_kernel, tpa._merge_splits_kernel, triton_norm._kernel)
-    tqm._qmm_kernel, tpa._paged_attn_kernel = Capture(real[0]), Capture(real[1])
-    tpa._merge_splits_kernel = Capture(real[2])
-    norm_kernel = real[3]()
-    triton_norm._kernel = lambda: Capture(norm_kernel)
+    real = (tqm._qmm_kernel, tqm._sum_splits_kernel, tpa._paged_attn_kernel, tpa._merge_splits_kernel)
+    tqm._qmm_kernel, tqm._sum_splits_kernel = Capture(real[0]), Capture(real[1])
+    tpa._paged_attn_kernel, tpa._merge_splits_kernel = Capture(real[2]), Capture(real[3])
+    lazy = (triton_norm, triton_rope_kv, triton_activation)  # modules defining their kernel on first use
+    lazy_real = [m._kernel for m in lazy]
+    for module, make in zip(lazy, lazy_real):
+        module._kernel = lambda kernel=make(): Capture(kernel)
     try:
         for qtype in (Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS):
             raw = torch.zeros(64, 4096 // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1], dtype=torch.uint8)
@@ -372,8 +374,18 @@ def compile_check(arch: str) -> None:
             x = torch.zeros(rows, 4096, dtype=torch.bfloat16)
             triton_norm.rms_norm_residual_triton(x, x, x[0], 1e-6)
             triton_norm.rms_norm_triton(torch.zeros(rows, 32, 128, dtype=torch.bfloat16), x[0, :128], 1e-6)
+        tqm.quant_matmul(torch.zeros(1, 4096, dtype=torch.bfloat16), raw, qtype, 4096, split_k=4)
+        for qk_norm in (None, (torch.ones(128, dtype=torch.bfloat16),) * 2 + (1e-6,)):
+            kc, vc = (PagedKVCache(8, 16, 8, 128, "bf16", torch.bfloat16, "cpu") for _ in range(2))
+            q, k = torch.zeros(1, 32, 128, dtype=torch.bfloat16), torch.zeros(1, 8, 128, dtype=torch.bfloat16)
+            cos = torch.zeros(1, 128, dtype=torch.bfloat16)
+            triton_rope_kv.rope_and_write_kv(q, k, k, cos, cos, kc, vc, torch.zeros(1, dtype=torch.long), qk_norm)
+        gate_up = torch.zeros(1, 2 * 12288, dtype=torch.bfloat16)
+        triton_activation.silu_and_mul_triton(*gate_up.chunk(2, dim=-1))
     finally:
-        tqm._qmm_kernel, tpa._paged_attn_kernel, tpa._merge_splits_kernel, triton_norm._kernel = real
+        tqm._qmm_kernel, tqm._sum_splits_kernel, tpa._paged_attn_kernel, tpa._merge_splits_kernel = real
+        for module, make in zip(lazy, lazy_real):
+            module._kernel = make
 
     target = GPUTarget("cuda", int(arch), 32) if arch.isdigit() else GPUTarget("hip", arch, 64)
     cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
