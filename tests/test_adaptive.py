@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from lucebox import LLM, SamplingParams
-from lucebox.spec.adaptive import PROBE_EVERY, REMEASURE_PLAIN_EVERY, DraftLengthPolicy, SequenceAcceptance, TimingTable, expected_tokens
+from lucebox.spec.adaptive import (PROBE_EVERY, REEVALUATE_PLAIN_EVERY, REMEASURE_PLAIN_EVERY, DraftLengthPolicy,
+                                   SequenceAcceptance, TimingTable, expected_tokens)
 
 from .spec_fixtures import write_dflash_drafter
 
@@ -57,6 +58,22 @@ def test_plain_decoding_is_measured_before_speculating_and_probes_come_back():
     # Probes that keep failing back off: the next one comes after twice as many plain steps.
     later = [slow.choose([0.1], 0) for _ in range(2 * PROBE_EVERY)]
     assert later.count(0) == 2 * PROBE_EVERY - 1 and later[-1] > 0
+
+
+def test_plain_decoding_of_an_unchanged_batch_is_not_re_evaluated_every_step():
+    """Each evaluation is Python arithmetic over the cost tables; on a fast GPU with a small model
+    it would cost plain decoding a few percent. A changed batch is evaluated at once."""
+    slow = policy_with(forward_per_token=0.01, forward_fixed=0.001, draft_cost=0.05, max_k=4)
+    calls = []
+    estimate = slow.forward.estimate
+    slow.forward.estimate = lambda size: calls.append(size) or estimate(size)
+    steps = PROBE_EVERY - 2
+    assert [slow.choose([0.1], 0) for _ in range(steps)] == [0] * steps
+    assert len(calls) == -(-steps // REEVALUATE_PLAIN_EVERY) * (1 + len(slow.candidates))
+    calls.clear()
+    assert slow.choose([0.1], 4) == 0 and calls  # a prefill chunk joined the batch: evaluated
+    fast = policy_with(forward_per_token=0.0001, forward_fixed=0.01, draft_cost=0.001)
+    assert fast.choose([0.1], 0) == 0 and fast.choose([0.95], 0) == 8  # acceptance changed: evaluated
 
 
 def test_a_warm_up_step_does_not_stand_for_the_plain_cost():

@@ -11,11 +11,17 @@ predictable (a quoted file, a repeated block) gets speculation back.
 """
 from __future__ import annotations
 
+from bisect import bisect_left, insort
+
 PRIOR_ACCEPTED, PRIOR_REJECTED = 2.0, 1.0  # a mild prior: alpha = 2/3 before any evidence
 DECAY = 0.9  # recent steps weigh more: acceptance drifts as the text changes
 PROBE_EVERY = 16  # steps of plain decoding before the first probe with drafts
 MAX_PROBE_INTERVAL = 512  # probes that keep failing back off (doubling) up to this many steps
 REMEASURE_PLAIN_EVERY = 64  # while speculating, one plain step in this many keeps the baseline fresh
+# While decoding plainly with unchanged acceptance and batch, the choice is re-evaluated only every
+# this many steps (and at each probe): the evaluation is Python arithmetic that costs a small
+# model's fast GPU step a few percent.
+REEVALUATE_PLAIN_EVERY = 8
 
 
 class TimingTable:
@@ -28,9 +34,12 @@ class TimingTable:
         self.smoothing = smoothing
         self.values: dict[int, float] = {}
         self.counts: dict[int, int] = {}
+        self.sizes: list[int] = []  # the keys of values, sorted
 
     def add(self, size: int, seconds: float) -> None:
         n = self.counts.get(size, 0)
+        if n == 0:
+            insort(self.sizes, size)
         self.counts[size] = n + 1
         old = self.values.get(size)
         self.values[size] = seconds if n < 2 else old + self.smoothing * (seconds - old)
@@ -40,14 +49,16 @@ class TimingTable:
         return self.counts.get(size, 0) == 1
 
     def estimate(self, size: int) -> float | None:
-        if size in self.values:
-            return self.values[size]
-        if not self.values:
+        value = self.values.get(size)
+        if value is not None:
+            return value
+        keys = self.sizes
+        if not keys:
             return None
-        keys = sorted(self.values)
-        if size < keys[0]:
+        i = bisect_left(keys, size)
+        if i == 0:
             return self.values[keys[0]]  # no extrapolation downwards: smaller is not cheaper than measured
-        if size > keys[-1]:
+        if i == len(keys):
             # Upwards, grow with the slope of the two largest sizes, never shrink: noise must not
             # make a wider forward look cheaper than a measured narrower one.
             if len(keys) == 1:
@@ -55,8 +66,7 @@ class TimingTable:
             a, b = keys[-2], keys[-1]
             slope = max(0.0, (self.values[b] - self.values[a]) / (b - a))
             return self.values[b] + slope * (size - b)
-        a = max(k for k in keys if k < size)
-        b = min(k for k in keys if k > size)
+        a, b = keys[i - 1], keys[i]
         return self.values[a] + (self.values[b] - self.values[a]) * (size - a) / (b - a)
 
 
@@ -93,12 +103,17 @@ class DraftLengthPolicy:
         self.plain_steps = 0
         self.speculated_steps = 0  # since the last plain step
         self.probe_interval = PROBE_EVERY
+        self.plain_query = None  # (alphas, batch_tokens) of the last evaluation that chose plain decoding
         self.candidates = sorted({k for k in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32) if k <= max_k} | {max_k})
 
     def choose(self, alphas: list[float], batch_tokens: int) -> int:
         """One k for this step: `alphas` of the decoding sequences, `batch_tokens` other new tokens."""
         if not self.adaptive or not alphas:
             return self.max_k
+        if (self.plain_steps + 1 < self.probe_interval and self.plain_steps % REEVALUATE_PLAIN_EVERY
+                and self.plain_query == (alphas, batch_tokens)):
+            self.plain_steps += 1  # plain decoding, as evaluated a few steps ago for this same batch
+            return 0
         n = len(alphas)
         plain_cost = self.forward.estimate(batch_tokens + n)
         if (plain_cost is None or self.forward.provisional(batch_tokens + n)
@@ -122,6 +137,7 @@ class DraftLengthPolicy:
         if best_k == 0:
             # A drafter that keeps losing is re-tried ever more rarely, so the probes themselves
             # cannot make plain decoding measurably slower.
+            self.plain_query = (alphas, batch_tokens)
             self.plain_steps += 1
             if self.plain_steps >= self.probe_interval:
                 self.plain_steps = 0

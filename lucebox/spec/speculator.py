@@ -43,7 +43,7 @@ class Speculator:
         found: dict[int, list[int]] = {}
         if self.lookup is not None:
             for s in decoding:
-                tokens = self.lookup.lookup(s.token_ids, self.policy.max_k)
+                tokens = self.lookup.lookup(s, self.policy.max_k)
                 if len(tokens) >= min(MIN_LOOKUP_MATCH, self.policy.max_k):
                     found[id(s)] = tokens
         looked = [s for s in decoding if id(s) in found]
@@ -116,6 +116,8 @@ class Speculator:
         seq.draft = None
         self.source.pop(id(seq), None)
         self.proposer.release(seq, finished)
+        if self.lookup is not None:
+            self.lookup.release(seq, finished)
         if finished:
             for source in self.policies:
                 self.acceptance.pop((id(seq), source), None)
