@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from lucebox import LLM, SamplingParams
-from lucebox.spec.adaptive import (PROBE_EVERY, REEVALUATE_PLAIN_EVERY, REMEASURE_PLAIN_EVERY, DraftLengthPolicy,
+from lucebox.spec.adaptive import (PROBE_BUDGET, PROBE_EVERY, REEVALUATE_PLAIN_EVERY, REMEASURE_PLAIN_EVERY, DraftLengthPolicy,
                                    SequenceAcceptance, TimingTable, expected_tokens)
 
 from .spec_fixtures import write_dflash_drafter
@@ -52,12 +52,26 @@ def test_a_stale_slow_plain_step_does_not_keep_useless_drafts_on():
 def test_plain_decoding_is_measured_before_speculating_and_probes_come_back():
     policy = DraftLengthPolicy(4)
     assert policy.choose([0.9], 0) == 0  # nothing measured: the baseline first
-    slow = policy_with(forward_per_token=0.01, forward_fixed=0.001, draft_cost=0.05, max_k=4)
-    choices = [slow.choose([0.1], 0) for _ in range(PROBE_EVERY)]
+    # A cheap drafter with poor acceptance: plain decoding, with probes now and then.
+    poor = policy_with(forward_per_token=0.001, forward_fixed=0.01, draft_cost=0.0001, max_k=4)
+    choices = [poor.choose([0.05], 0) for _ in range(PROBE_EVERY)]
     assert choices.count(0) == PROBE_EVERY - 1 and choices[-1] > 0
     # Probes that keep failing back off: the next one comes after twice as many plain steps.
-    later = [slow.choose([0.1], 0) for _ in range(2 * PROBE_EVERY)]
+    later = [poor.choose([0.05], 0) for _ in range(2 * PROBE_EVERY)]
     assert later.count(0) == 2 * PROBE_EVERY - 1 and later[-1] > 0
+
+
+def test_an_expensive_drafter_is_probed_within_the_probe_budget():
+    """A draft costing as much as several plain steps is probed so rarely that the probes take at
+    most PROBE_BUDGET of the plain decoding time."""
+    plain_cost, draft_cost = 0.011, 0.05
+    slow = policy_with(forward_per_token=0.01, forward_fixed=0.001, draft_cost=draft_cost, max_k=4)
+    choices = [slow.choose([0.1], 0) for _ in range(2000)]
+    probes = [i for i, k in enumerate(choices) if k]
+    assert probes, "never probed"
+    extra_per_probe = draft_cost + (0.021 - plain_cost)  # the draft and the 2-token forward's extra
+    assert len(probes) * extra_per_probe <= PROBE_BUDGET * plain_cost * len(choices) * 1.01
+    assert probes[0] >= extra_per_probe / (PROBE_BUDGET * plain_cost) - 1
 
 
 def test_plain_decoding_of_an_unchanged_batch_is_not_re_evaluated_every_step():

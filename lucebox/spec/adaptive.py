@@ -11,12 +11,17 @@ predictable (a quoted file, a repeated block) gets speculation back.
 """
 from __future__ import annotations
 
+import math
 from bisect import bisect_left, insort
 
 PRIOR_ACCEPTED, PRIOR_REJECTED = 2.0, 1.0  # a mild prior: alpha = 2/3 before any evidence
 DECAY = 0.9  # recent steps weigh more: acceptance drifts as the text changes
 PROBE_EVERY = 16  # steps of plain decoding before the first probe with drafts
 MAX_PROBE_INTERVAL = 512  # probes that keep failing back off (doubling) up to this many steps
+# ... and, whatever the interval, a probe's extra cost (its draft, its wider forward) may take at
+# most this share of the plain decoding time between probes: a drafter pass that costs as much as
+# ten plain steps (a small target on a fast GPU) is probed ten times more rarely.
+PROBE_BUDGET = 0.02
 REMEASURE_PLAIN_EVERY = 64  # while speculating, one plain step in this many keeps the baseline fresh
 # While decoding plainly with unchanged acceptance and batch, the choice is re-evaluated only every
 # this many steps (and at each probe): the evaluation is Python arithmetic that costs a small
@@ -104,13 +109,14 @@ class DraftLengthPolicy:
         self.speculated_steps = 0  # since the last plain step
         self.probe_interval = PROBE_EVERY
         self.plain_query = None  # (alphas, batch_tokens) of the last evaluation that chose plain decoding
+        self.next_probe = PROBE_EVERY  # plain steps before the next probe: interval and budget allowing
         self.candidates = sorted({k for k in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32) if k <= max_k} | {max_k})
 
     def choose(self, alphas: list[float], batch_tokens: int) -> int:
         """One k for this step: `alphas` of the decoding sequences, `batch_tokens` other new tokens."""
         if not self.adaptive or not alphas:
             return self.max_k
-        if (self.plain_steps + 1 < self.probe_interval and self.plain_steps % REEVALUATE_PLAIN_EVERY
+        if (self.plain_steps + 1 < self.next_probe and self.plain_steps % REEVALUATE_PLAIN_EVERY
                 and self.plain_query == (alphas, batch_tokens)):
             self.plain_steps += 1  # plain decoding, as evaluated a few steps ago for this same batch
             return 0
@@ -122,7 +128,7 @@ class DraftLengthPolicy:
             # now and then, since a stale baseline (a slow early step) would keep a losing drafter on.
             self.speculated_steps = 0
             return 0
-        best_k, best_rate = 0, n / plain_cost
+        best_k, best_rate, probe_cost = 0, n / plain_cost, 0.0
         for k in self.candidates:
             size = batch_tokens + n * (1 + k)
             forward, draft = self.forward.estimate(size), self.draft.estimate(k)
@@ -132,18 +138,21 @@ class DraftLengthPolicy:
             # plain step (a load spike), never re-measured while speculation runs, would keep a
             # useless drafter on.
             rate = sum(expected_tokens(a, k) for a in alphas) / (max(forward, plain_cost) + draft)
+            if k == self.candidates[0]:
+                probe_cost = draft + max(0.0, forward - plain_cost)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         if best_k == 0:
             # A drafter that keeps losing is re-tried ever more rarely, so the probes themselves
             # cannot make plain decoding measurably slower.
             self.plain_query = (alphas, batch_tokens)
+            self.next_probe = max(self.probe_interval, math.ceil(probe_cost / (PROBE_BUDGET * plain_cost)))
             self.plain_steps += 1
-            if self.plain_steps >= self.probe_interval:
+            if self.plain_steps >= self.next_probe:
                 self.plain_steps = 0
                 self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
                 return self.candidates[0]
             return 0
-        self.plain_steps, self.probe_interval = 0, PROBE_EVERY
+        self.plain_steps, self.probe_interval, self.next_probe = 0, PROBE_EVERY, PROBE_EVERY
         self.speculated_steps += 1
         return best_k
