@@ -62,6 +62,8 @@ class Speculator:
 
     def _assign(self, source: str, seqs: list, k: int, propose) -> None:
         """Draft up to k tokens for each of seqs with `propose`, timed into the source's draft costs."""
+        if k <= 0:
+            return
         chosen = [(s, n) for s in seqs if (n := min(k, self._room(s))) > 0]
         if not chosen:
             return
