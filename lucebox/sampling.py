@@ -15,6 +15,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from lucebox.errors import RequestError
+from lucebox.util import host_to_device
 
 GREEDY_TEMPERATURE = 1e-5  # below this a temperature means argmax (vLLM's _SAMPLING_EPS)
 MAX_LOGPROBS = 20  # the OpenAI API's limit for top_logprobs
@@ -258,7 +259,7 @@ class Sampler:
         probs = logits.softmax(-1)
         greedy = [i for i, s in enumerate(states) if s.params.is_greedy]
         if greedy:
-            rows = torch.tensor(greedy, device=logits.device)
+            rows = host_to_device(greedy, logits.device)
             probs[rows] = torch.nn.functional.one_hot(logits[rows].argmax(-1), logits.shape[1]).float()
         return probs
 
@@ -276,14 +277,17 @@ class Sampler:
         dev, vocab = logits.device, logits.shape[1]
         if any(sampled):
             temps = [p.temperature if s else 1.0 for p, s in zip(params, sampled)]
-            logits.div_(torch.tensor(temps, device=dev).unsqueeze(1))
+            if len(set(temps)) == 1:
+                logits.div_(temps[0])
+            else:
+                logits.div_(host_to_device(temps, dev).unsqueeze(1))
         top_k = [p.top_k if s and 0 < p.top_k < vocab else vocab for p, s in zip(params, sampled)]
         top_p = [p.top_p if s and p.top_p < 1 else 2.0 for p, s in zip(params, sampled)]  # 2.0: never reached
         if any(k < vocab for k in top_k) or any(p < 1 for p in top_p):
-            logits = _apply_top_k_top_p(logits, torch.tensor(top_k, device=dev), torch.tensor(top_p, device=dev))
+            logits = _apply_top_k_top_p(logits, host_to_device(top_k, dev), host_to_device(top_p, dev))
         min_p = [p.min_p if s else 0.0 for p, s in zip(params, sampled)]
         if any(min_p):
-            _apply_min_p(logits, torch.tensor(min_p, device=dev))
+            _apply_min_p(logits, host_to_device(min_p, dev))
         return logits
 
 
@@ -300,8 +304,8 @@ def _apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) ->
         for tok, bias in (p.logit_bias or {}).items():
             rows.append(i), cols.append(tok), vals.append(float(bias))
     if rows:
-        idx = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
-        logits.index_put_(idx, torch.tensor(vals, device=logits.device), accumulate=True)
+        idx = (host_to_device(rows, logits.device), host_to_device(cols, logits.device))
+        logits.index_put_(idx, host_to_device(vals, logits.device), accumulate=True)
 
 
 def _apply_min_tokens(logits: torch.Tensor, states: Sequence[SamplingState], eos_token_ids: list[int]) -> None:
@@ -314,7 +318,7 @@ def _apply_min_tokens(logits: torch.Tensor, states: Sequence[SamplingState], eos
             rows += [i] * len(ids)
             cols += sorted(ids)
     if rows:
-        logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
+        logits[host_to_device(rows, logits.device), host_to_device(cols, logits.device)] = float("-inf")
 
 
 def _token_counts(token_lists: Sequence[Sequence[int]], vocab: int, device) -> torch.Tensor:
@@ -322,7 +326,7 @@ def _token_counts(token_lists: Sequence[Sequence[int]], vocab: int, device) -> t
     lengths = torch.tensor([len(t) for t in token_lists])
     rows = torch.repeat_interleave(torch.arange(len(token_lists)), lengths)
     ids = torch.tensor([t for toks in token_lists for t in toks], dtype=torch.long)
-    flat = (rows * vocab + ids).to(device)
+    flat = host_to_device(rows * vocab + ids, device)
     counts = torch.zeros(len(token_lists) * vocab, device=device)
     return counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=counts.dtype)).view(len(token_lists), vocab)
 
@@ -334,11 +338,11 @@ def _apply_penalties(logits: torch.Tensor, states: Sequence[SamplingState]) -> N
     dev, vocab = logits.device, logits.shape[1]
 
     def col(name: str) -> torch.Tensor:
-        return torch.tensor([float(getattr(states[i].params, name)) for i in rows], device=dev).unsqueeze(1)
+        return host_to_device([float(getattr(states[i].params, name)) for i in rows], dev).unsqueeze(1)
 
     out_counts = _token_counts([states[i].output_token_ids for i in rows], vocab, dev)
     in_prompt = _token_counts([states[i].prompt_token_ids for i in rows], vocab, dev) > 0
-    idx = torch.tensor(rows, device=dev)
+    idx = host_to_device(rows, dev)
     sub = logits[idx]
     # HF/vLLM repetition penalty: over prompt + output, always pushing the logit towards "less likely".
     penalty = torch.where(in_prompt | (out_counts > 0), col("repetition_penalty"), 1.0)

@@ -38,3 +38,14 @@ def on_meta():
     finally:
         for name, fn in saved.items():
             setattr(torch.nn.init, name, fn)
+
+
+def host_to_device(values, device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A host list (or CPU tensor) as a tensor on `device` without stalling the host: on CUDA it is
+    staged in pinned memory and copied asynchronously, where `torch.tensor(values, device=cuda)`
+    copies from pageable memory and so waits for all queued GPU work (the step's forward) first,
+    serialising the host's next launches behind it."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)

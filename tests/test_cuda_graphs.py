@@ -328,3 +328,23 @@ def test_cuda_graphs_are_on_by_default_for_cuda_only_and_enforce_eager_turns_the
     assert parser.parse_args(["generate"]).cuda_graphs is None
     if torch.cuda.is_available():
         assert LLM(target, device="cuda").engine._graph_settings() is not None
+
+
+@gpu
+def test_sampling_with_every_processor_never_syncs_with_the_host():
+    """Per-request parameters reach the device through pinned, asynchronous copies: a plain
+    torch.tensor(..., device="cuda") would wait for the queued forward before the sampling
+    kernels could even be launched (the host and GPU would take turns at temperature > 0)."""
+    from lucebox.sampling import Sampler, SamplingState
+    logits = torch.randn(3, 50, device="cuda")
+    params = [SamplingParams(temperature=0.7, top_k=10, top_p=0.9, min_p=0.05, seed=1),
+              SamplingParams(temperature=1.3, repetition_penalty=1.2, presence_penalty=0.5, logit_bias={3: 2.0}),
+              SamplingParams(temperature=0)]
+    states = [SamplingState.create(p, [1, 2, 3], "cuda", i) for i, p in enumerate(params)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        tokens = Sampler([0])(logits, states).sampled_token_ids
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert tokens.shape == (3,) and int(tokens[2]) == int(logits[2].argmax())

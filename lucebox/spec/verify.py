@@ -24,6 +24,7 @@ from typing import Sequence as Seq
 import torch
 
 from ..sampling import Sampler, SamplingState, _exponential_race
+from ..util import host_to_device
 from .proposer import Draft
 
 
@@ -93,11 +94,7 @@ class _Rows:
                 cols[3] += [-1] * (k + 1)
             cols[4] += [int(seq.params.is_greedy)] * (k + 1)
             row += k + 1
-        flat = torch.tensor([v for c in cols for v in c] + starts, dtype=torch.int64)
-        if torch.device(device).type == "cuda":
-            flat = flat.pin_memory().to(device, non_blocking=True)
-        else:
-            flat = flat.to(device)
+        flat = host_to_device([v for c in cols for v in c] + starts, device, torch.int64)
         seq_, pos, draft, q_index, greedy, start = flat.split([row] * 5 + [len(starts)])
         return cls(seq_, pos, draft, q_index, greedy.bool(), start)
 
