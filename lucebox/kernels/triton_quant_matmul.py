@@ -48,6 +48,10 @@ _FORMATS = {
     Q.IQ4_XS: (_F_IQ4_XS, 136, 256, 32),
 }
 SUPPORTED_TYPES = frozenset(_FORMATS)
+# Decode (M = 1) launch: (BLOCK_N, warps) per format, from the H200 sweep of the qwen3-8b shapes
+# timed inside CUDA graphs (BENCHMARKS.md, 2026-12-03: 5-25% faster than (32, 4) on most
+# matrices); formats not swept keep (32, 4).
+_DECODE_LAUNCH = {_F_Q8_0: (32, 8), _F_Q6_K: (32, 8), _F_Q4_K: (64, 4)}
 
 # IQ4_NL/IQ4_XS codebook packed four int8 entries per int32 (little-endian), so a lookup is two
 # selects and a shift instead of a gather.
@@ -334,8 +338,9 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype, in_features: int
         return out.reshape(*lead, n)
     mode = 0 if m == 1 else 1
     block_m = 1 if mode == 0 else max(16, next_pow2(m))
+    decode_block_n, decode_warps = _DECODE_LAUNCH.get(fmt, (32, 4))
     if block_n is None:
-        block_n = 32 if mode == 0 else 64
+        block_n = decode_block_n if mode == 0 else 64
     programs_n = triton.cdiv(n, block_n)
     if split_k is None:
         # Loads are not software-pipelined across loop iterations here, so latency is hidden by
@@ -352,7 +357,7 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype, in_features: int
         target, stride_os = out, 0
     has_bias = bias is not None and split_k == 1
     # 8 warps for the widest tiles keep the unrolled planes in registers (no local-memory spills)
-    kwargs = {"num_warps": num_warps or (8 if block_m >= 64 else 4)}
+    kwargs = {"num_warps": num_warps or (decode_warps if mode == 0 else 8 if block_m >= 64 else 4)}
     if num_stages is not None:
         kwargs["num_stages"] = num_stages
     _qmm_kernel[(programs_n, split_k)](
