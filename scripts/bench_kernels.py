@@ -191,18 +191,21 @@ def bench_quant(args, shape, peak, device) -> list:
 def sweep_quant(x, raws, qtype, k, m, device) -> dict:
     best = None
     block_ns = (16, 32, 64) if m == 1 else (32, 64, 128)
-    for block_n in block_ns:
-        for warps in (4, 8):
-            for split in (None, 1, 4, 16):
-                try:
-                    t = bench_in_graph(lambda w: tqm.quant_matmul(x, w, qtype, k, block_n=block_n, split_k=split,
-                                                                  num_warps=warps), raws, device)
-                except Exception:  # e.g. out of shared memory for a config: skip it
-                    continue
-                if best is None or t < best[0]:
-                    best = (t, block_n, warps, split)
+    # At M = 1 also the tensor-core path (dequantised tiles through tl.dot, x padded to 16 rows).
+    for tensor_cores in ((False, True) if m == 1 else (True,)):
+        for block_n in block_ns:
+            for warps in (4, 8):
+                for split in (None, 1, 4, 16):
+                    try:
+                        t = bench_in_graph(lambda w: tqm.quant_matmul(
+                            x, w, qtype, k, block_n=block_n, split_k=split, num_warps=warps,
+                            tensor_cores=tensor_cores), raws, device)
+                    except Exception:  # e.g. out of shared memory for a config: skip it
+                        continue
+                    if best is None or t < best[0]:
+                        best = (t, block_n, warps, split, tensor_cores)
     return {"best_us": best[0] * 1e3, "best_block_n": best[1], "best_warps": best[2],
-            "best_split": str(best[3])} if best else {}
+            "best_split": str(best[3]), "best_tensor_cores": best[4]} if best else {}
 
 
 # ----------------------------------------------------------------------------- paged attention

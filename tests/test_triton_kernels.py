@@ -108,6 +108,18 @@ def test_fused_quant_matmul_matches_dequantise_then_matmul_in_float32(qtype, m):
     assert rel_err(got, want) <= 1e-5
 
 
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+def test_one_row_through_the_tensor_core_path_matches_the_elementwise_path(qtype):
+    k, n = 512, 40
+    raw = quant_rows(qtype, n, k, seed=3)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    want = x @ dequant.dequantize(raw, qtype).T
+    for tensor_cores in (False, True):
+        assert rel_err(tqm.quant_matmul(x, raw, qtype, k, tensor_cores=tensor_cores), want) <= 1e-5
+    with pytest.raises(ValueError, match="one row"):
+        tqm.quant_matmul(x.repeat(2, 1), raw, qtype, k, tensor_cores=False)
+
+
 @pytest.mark.parametrize("split_k", [1, 3])
 @pytest.mark.parametrize("m", [1, 7, tqm.MAX_FUSED_M // 2])
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)

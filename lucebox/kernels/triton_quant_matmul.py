@@ -319,9 +319,12 @@ def _is_fp32(dtype: torch.dtype) -> bool:
 def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype, in_features: int,
                  bias: torch.Tensor | None = None, *, block_n: int | None = None,
                  split_k: int | None = None, num_warps: int | None = None,
-                 num_stages: int | None = None) -> torch.Tensor:
+                 num_stages: int | None = None, tensor_cores: bool | None = None) -> torch.Tensor:
     """x [..., K] @ W.T (+ bias) for raw GGUF rows `qweight` [N, bytes_per_row]; fused for
-    M = prod(x.shape[:-1]) <= MAX_FUSED_M. Output in x.dtype, accumulated in float32."""
+    M = prod(x.shape[:-1]) <= MAX_FUSED_M. Output in x.dtype, accumulated in float32.
+    tensor_cores: multiply dequantised tiles with tl.dot (mode 1, x padded to 16 rows) rather
+    than elementwise (mode 0); default: only for M > 1. At M = 1 the kernel is bound by the
+    instructions per weight, which the tensor-core path changes: a launch option to measure."""
     if x.dtype not in ACTIVATION_DTYPES:
         raise TypeError(f"quant_matmul: unsupported activation dtype {x.dtype}")
     fmt, unit_bytes, unit_values, bpu, plane, n_units = _layout(qtype, in_features)
@@ -336,7 +339,9 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype, in_features: int
     out = x2.new_empty(m, n)
     if m == 0 or n == 0:
         return out.reshape(*lead, n)
-    mode = 0 if m == 1 else 1
+    mode = 1 if (tensor_cores if tensor_cores is not None else m > 1) else 0
+    if mode == 0 and m != 1:
+        raise ValueError(f"quant_matmul: the elementwise path multiplies one row, got {m}")
     block_m = 1 if mode == 0 else max(16, next_pow2(m))
     decode_block_n, decode_warps = _DECODE_LAUNCH.get(fmt, (32, 4))
     if block_n is None:
