@@ -374,13 +374,25 @@ def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
 def _exponential_race(probs: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
     """argmax(p / E), E ~ Exp(1) i.i.d., picks token i with probability p_i. A seeded row draws its
     E from its own generator, so its token depends on nothing else in the batch."""
-    noise = torch.empty_like(probs).exponential_()
-    for i, s in enumerate(states):
-        if s.generator is not None and not s.params.is_greedy:
-            noise[i].exponential_(generator=s.generator)
+    noise = torch.empty_like(probs)
+    seeded = [i for i, s in enumerate(states) if s.generator is not None and not s.params.is_greedy]
+    if len(seeded) < len(states):  # the global RNG fills the rest (drawing only for them would cost a gather)
+        _fill_exponential(noise)
+    for i in seeded:
+        _fill_exponential(noise[i], states[i].generator)
     # An exact 0 would turn a zero-probability token into 0/0 = NaN, which argmax would pick.
     noise.clamp_min_(torch.finfo(noise.dtype).tiny)
     return (probs / noise).argmax(-1)
+
+
+def _fill_exponential(t: torch.Tensor, generator: torch.Generator | None = None) -> None:
+    """Exp(1) draws in place. On the CPU as -log(1 - U): torch's CPU exponential_ takes ~40 ns a
+    value (0.3 ms for an 8K vocabulary, 6 ms for 150K), uniform_ and log1p a quarter of that.
+    On a GPU exponential_ is one kernel, fewer launches than the composition."""
+    if t.is_cuda:
+        t.exponential_(generator=generator)
+    else:
+        t.uniform_(generator=generator).neg_().log1p_().neg_()
 
 
 def _raw_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_logprobs: list[int | None]) -> LogprobsTensors:

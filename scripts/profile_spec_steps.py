@@ -1,0 +1,83 @@
+#!/usr/bin/env python
+"""Host time per section of an engine step, plain vs speculative engines on the bundled pair.
+
+    python scripts/profile_spec_steps.py [--draft models/default-dflash] [--prompts 8]
+
+Each engine (plain, dflash, ngram) decodes the held-out prompts on its own, twice per temperature
+(the second pass is the steady state: graphs captured, policy tables settled); the sections are
+timed with perf_counter wrappers (no profiler overhead) and printed in microseconds per generated
+token. For the question `lucebox bench spec` cannot answer: where a speculative engine's plain
+steps spend the time that the plain engine does not.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from lucebox.bench.prompts import held_out_texts  # noqa: E402
+from lucebox.bench.spec import _decode_one  # noqa: E402
+from lucebox.config import EngineArgs  # noqa: E402
+from lucebox.engine.engine import LLMEngine  # noqa: E402
+from lucebox.engine.runner import ModelRunner, kv_bytes_per_token  # noqa: E402
+from lucebox.model.loader import load_model  # noqa: E402
+from lucebox.sampling import Sampler, SamplingParams  # noqa: E402
+from lucebox.spec.dflash import DFlashProposer  # noqa: E402
+from lucebox.spec.speculator import Speculator  # noqa: E402
+
+SECTIONS = [(LLMEngine, "step"), (ModelRunner, "run"), (Sampler, "__call__"), (LLMEngine, "_commit"),
+            (LLMEngine, "_verify"), (LLMEngine, "_append"), (Speculator, "propose"), (Speculator, "record_step"),
+            (DFlashProposer, "propose"), (DFlashProposer, "_project")]
+
+
+def instrument(totals: collections.Counter) -> None:
+    for owner, name in SECTIONS:
+        real = getattr(owner, name)
+
+        def timed(*args, _real=real, _label=f"{owner.__name__}.{name}", **kwargs):
+            started = time.perf_counter()
+            try:
+                return _real(*args, **kwargs)
+            finally:
+                totals[_label] += time.perf_counter() - started
+        setattr(owner, name, timed)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="models/default")
+    p.add_argument("--draft", default="models/default-dflash")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=128)
+    args = p.parse_args()
+    totals: collections.Counter = collections.Counter()
+    instrument(totals)
+    loaded = load_model(args.model, dtype="auto", device="auto")
+    prompts = [loaded.tokenizer.encode(t, add_special_tokens=False) for t in held_out_texts(args.prompts, 600, seed=1)]
+    max_len = max(map(len, prompts)) + args.max_tokens + 32
+    kv = 4 * kv_bytes_per_token(loaded.model, "auto", "auto") * ((-(-max_len // 16) + 2) * 16)
+    configs = {"plain": None, "dflash": {"method": "dflash", "model": args.draft}, "ngram": {"method": "ngram"}}
+    engines = {name: LLMEngine(loaded, EngineArgs(model=args.model, max_model_len=max_len, max_num_seqs=1,
+                                                  kv_cache_memory=kv, speculative_config=config))
+               for name, config in configs.items()}
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(temperature=temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
+        for engine in engines.values():
+            _decode_one(engine, prompts[0], params, "warm-up")
+        for rep in range(2):
+            for name, engine in engines.items():
+                totals.clear()
+                runs = [_decode_one(engine, prompt, params, f"p{i}") for i, prompt in enumerate(prompts)]
+                tokens = sum(r["tokens"] for r in runs)
+                per_token = sum(r["seconds"] for r in runs) / tokens
+                parts = "  ".join(f"{label}={seconds / tokens * 1e6:.0f}" for label, seconds in sorted(totals.items()))
+                print(f"T={temperature:g} pass {rep} {name:6s} {per_token * 1e3:.3f} ms/token, "
+                      f"{sum(r['draft_tokens'] for r in runs)} draft tokens | us/token: {parts}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
