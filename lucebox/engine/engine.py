@@ -16,6 +16,7 @@ from ..spec.factory import make_speculator
 from ..spec.verify import Verdict, accept_batch
 from ..stop import StopChecker
 from ..tokenizer import IncrementalDetokenizer
+from ..util import host_to_device
 from .block_manager import BlockManager
 from .cuda_graphs import GraphSettings
 from .runner import ModelRunner, kv_bytes_per_token
@@ -238,7 +239,7 @@ class LLMEngine:
             rows += range(starts[i], starts[i] + n)
             tokens += verdicts[i].tokens
             num += [seqs[i].params.logprobs] * n
-        tensors = _raw_logprobs(logits[rows], torch.tensor(tokens, device=logits.device), num)
+        tensors = _raw_logprobs(logits[rows], host_to_device(tokens, logits.device), num)
         dicts = iter(SamplerOutput(torch.tensor(tokens), tensors).logprob_dicts(self.tokenizer.id_to_token))
         for i in want:
             out[i] = [next(dicts) for _ in verdicts[i].tokens]

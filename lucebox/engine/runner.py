@@ -8,6 +8,7 @@ import torch
 from ..kernels.attention import uses_triton
 from ..model.forward_batch import ForwardBatch
 from ..model.transformer import Transformer
+from ..util import host_to_device
 from .cuda_graphs import CudaGraphRunner, GraphSettings
 from .kv_cache import PagedKVCache, bytes_per_value, parse_cache_type
 
@@ -90,7 +91,7 @@ class ModelRunner:
                                    capture_layers)
         hidden = self.model(batch)
         if logits_rows is not None:
-            hidden = hidden[torch.tensor(logits_rows, dtype=torch.long, device=hidden.device)]
+            hidden = hidden[host_to_device(logits_rows, hidden.device, torch.long)]
         elif not all_logits:
             hidden = hidden[batch.query_start_loc[1:] - 1]
         logits = self.model.compute_logits(hidden)

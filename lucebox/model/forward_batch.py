@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..util import host_to_device
+
 
 @dataclass
 class ForwardBatch:
@@ -119,7 +121,7 @@ class ForwardBatch:
         seq_lens = [s + len(t) for s, t in zip(start_positions, token_ids)]
 
         def as_tensor(values, dtype=torch.int64):
-            return torch.tensor(values, dtype=dtype, device=device)
+            return host_to_device(values, device, dtype)
 
         return cls(
             input_ids=as_tensor(ids), positions=as_tensor(positions), query_start_loc=as_tensor(starts),

@@ -17,7 +17,7 @@ from ..engine.kv_cache import PagedKVCache, bytes_per_value, parse_cache_type
 from ..errors import CheckpointError
 from ..model.loader import resolve_path
 from ..sampling import Sampler, SamplingState, _exponential_race
-from ..util import on_meta
+from ..util import host_to_device, on_meta
 from ..weights.load import assign
 from ..weights.safetensors import iter_safetensors
 from .dflash_model import DFlashConfig, DFlashDrafter, read_drafter_config
@@ -100,8 +100,8 @@ class DFlashProposer(Proposer):
     def _slots(self, seq, start: int, end: int) -> torch.Tensor:
         pos = torch.arange(start, end)
         table = torch.tensor(seq.block_table, dtype=torch.long)
-        return (table[pos // self.block_tokens] * self.block_tokens + pos % self.block_tokens).to(
-            self.target.model.device)
+        return host_to_device(table[pos // self.block_tokens] * self.block_tokens + pos % self.block_tokens,
+                              self.target.model.device)
 
     def observe(self, seq, start: int, features: torch.Tensor) -> None:
         """Queue the features of newly committed positions; they are projected into the context
@@ -128,7 +128,7 @@ class DFlashProposer(Proposer):
         n = features.shape[0]
         positions = torch.arange(start, start + n, device=features.device)
         slots = self._slots(seq, start, start + n)
-        for (k_cache, v_cache), (k, v) in zip(self.caches, self.drafter.context_kv(features, positions)):
+        for (k_cache, v_cache), (k, v) in zip(self.caches, self.drafter.context_kv(features, positions, start + n)):
             k_cache.write(k, slots)
             v_cache.write(v, slots)
 
@@ -151,10 +151,11 @@ class DFlashProposer(Proposer):
         slots = self._slots(seq, 0, anchor)
         dtype = self.target.model.dtype
         context = [(kc.gather(slots, dtype), vc.gather(slots, dtype)) for kc, vc in self.caches]
-        ids = torch.tensor([seq.token_ids[-1]] + [self.mask_token_id] * (self.block_size - 1), device=device)
+        ids = host_to_device([seq.token_ids[-1]] + [self.mask_token_id] * (self.block_size - 1), device)
         x = self.target.model.embed_tokens(ids)
         positions = torch.arange(anchor, anchor + self.block_size, device=device)
-        hidden = self.drafter.blocks(x, positions, context, torch.arange(anchor, device=device))
+        hidden = self.drafter.blocks(x, positions, context, torch.arange(anchor, device=device),
+                                     position_bound=anchor + self.block_size)
         logits = self.target.model.compute_logits(hidden[1:1 + k])  # slot i predicts the token at anchor + i
         out = list(seq.output_token_ids)
         # Unless processing reads the drafts before a slot, every slot is processed alike: all k rows at

@@ -133,19 +133,22 @@ class DFlashDrafter(nn.Module):
         """Target features [n, taps * hidden] -> fused context c [n, hidden]."""
         return self.hidden_norm(self.fc(features))
 
-    def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer (K, V) of the context rows: what the drafter caches per committed position."""
+    def context_kv(self, features: torch.Tensor, positions: torch.Tensor, position_bound: int | None = None
+                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (K, V) of the context rows: what the drafter caches per committed position.
+        position_bound (all positions are below it), when known on the host, spares a device sync."""
         c = self.context(features.to(self.fc.weight.dtype))
-        cos, sin = self.rope.lookup(positions, c.dtype)
+        cos, sin = self.rope.lookup(positions, c.dtype, position_bound)
         return [layer.self_attn.key_value(c, cos, sin) for layer in self.layers]
 
     def blocks(self, x: torch.Tensor, positions: torch.Tensor, context: list[tuple[torch.Tensor, torch.Tensor]],
-               context_positions: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+               context_positions: torch.Tensor, mask: torch.Tensor | None = None,
+               position_bound: int | None = None) -> torch.Tensor:
         """Run the block rows x [n, hidden] (target embeddings) at `positions` over cached context
         K/V (per layer, [m, kv_heads, d], at context_positions [m]); mask [n, m + n] (True = may
         attend) or None (everything). Sliding-window layers also drop keys a window or more behind
-        the query. Returns the normed hidden states [n, hidden]."""
-        cos, sin = self.rope.lookup(positions, x.dtype)
+        the query. Returns the normed hidden states [n, hidden]. position_bound: as in context_kv."""
+        cos, sin = self.rope.lookup(positions, x.dtype, position_bound)
         key_positions = torch.cat([context_positions, positions])
         for layer, (ctx_k, ctx_v) in zip(self.layers, context):
             h = layer.input_layernorm(x)
