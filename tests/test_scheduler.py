@@ -152,3 +152,14 @@ def test_full_waiting_queue_refuses_new_work(path):
     with pytest.raises(OverloadError, match="max-queue"):
         engine.add_request("c", "z", GREEDY)
     engine.abort("a"), engine.abort("b")
+
+
+def test_token_slice_reads_prompt_and_output_as_one_list():
+    from lucebox.engine.sequence import Sequence
+    seq = Sequence("r", 0, [1, 2, 3, 4], SamplingParams(max_tokens=8))
+    seq.output_token_ids += [5, 6, 7]
+    whole = seq.token_ids
+    for start in range(8):
+        for end in range(start, 8):
+            assert seq.token_slice(start, end) == whole[start:end]
+    assert seq.last_token == 7 and Sequence("s", 0, [9], SamplingParams()).last_token == 9

@@ -8,6 +8,7 @@ reused, least recently freed first (lazy LRU eviction).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -69,13 +70,14 @@ class BlockManager:
             block.ref_count += 1
             block_table.append(block_id)
 
-    def register_full_blocks(self, block_table: list[int], block_hashes: list[int], token_ids: list[int],
-                             num_computed: int) -> None:
-        """Hash the blocks completed by computed tokens, so later requests can share them."""
+    def register_full_blocks(self, block_table: list[int], block_hashes: list[int],
+                             token_slice: Callable[[int, int], list[int]], num_computed: int) -> None:
+        """Hash the blocks completed by computed tokens, so later requests can share them.
+        token_slice(start, end): the sequence's tokens start..end (read only for the new blocks)."""
         if not self.enable_prefix_caching:
             return
         for index in range(len(block_hashes), num_computed // self.block_size):
-            chunk = tuple(token_ids[index * self.block_size:(index + 1) * self.block_size])
+            chunk = tuple(token_slice(index * self.block_size, (index + 1) * self.block_size))
             h = chain_hash(block_hashes[-1] if block_hashes else None, chunk)
             block_hashes.append(h)
             block = self.blocks[block_table[index]]

@@ -169,7 +169,11 @@ class LLMEngine:
         offset = 0
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             drafts = seq.draft.tokens if seq.draft is not None else []
-            token_ids.append((seq.token_ids + drafts)[seq.num_computed:seq.num_computed + n])
+            start, end, committed = seq.num_computed, seq.num_computed + n, seq.num_tokens
+            tokens = seq.token_slice(start, min(end, committed))
+            if end > committed:  # the drafts being verified follow the committed tokens
+                tokens += drafts[max(0, start - committed):end - committed]
+            token_ids.append(tokens)
             if seq.num_computed + n < seq.num_tokens:  # a prefill chunk short of the end: nothing to sample
                 chunks.append((seq, n, offset))
             elif drafts:
@@ -204,7 +208,7 @@ class LLMEngine:
         if features is not None:
             self.speculator.observe(seq, seq.num_computed, features[offset:offset + n])
         seq.num_computed += n
-        self.scheduler.blocks.register_full_blocks(seq.block_table, seq.block_hashes, seq.token_ids,
+        self.scheduler.blocks.register_full_blocks(seq.block_table, seq.block_hashes, seq.token_slice,
                                                    seq.num_computed)
 
     def _verify(self, verifying: list[tuple[Sequence, int]], logits: torch.Tensor, features) -> None:

@@ -151,7 +151,7 @@ class DFlashProposer(Proposer):
         slots = self._slots(seq, 0, anchor)
         dtype = self.target.model.dtype
         context = [(kc.gather(slots, dtype), vc.gather(slots, dtype)) for kc, vc in self.caches]
-        ids = host_to_device([seq.token_ids[-1]] + [self.mask_token_id] * (self.block_size - 1), device)
+        ids = host_to_device([seq.last_token] + [self.mask_token_id] * (self.block_size - 1), device)
         x = self.target.model.embed_tokens(ids)
         positions = torch.arange(anchor, anchor + self.block_size, device=device)
         hidden = self.drafter.blocks(x, positions, context, torch.arange(anchor, device=device),

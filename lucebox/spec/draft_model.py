@@ -29,6 +29,9 @@ class DraftModelProposer(Proposer):
         self.runner: ModelRunner | None = None
         self.blocks = None
         self.fed: dict[int, list[int]] = {}  # per sequence: the tokens whose draft K/V are cached
+        # per sequence: how many leading tokens of fed are known to be committed ones (those never
+        # change), so each step compares only the tail: a full comparison is O(context) of Python
+        self.synced: dict[int, int] = {}
 
     @classmethod
     def load(cls, path: str, target, dtype=None) -> "DraftModelProposer":
@@ -45,6 +48,7 @@ class DraftModelProposer(Proposer):
 
     def release(self, seq, finished: bool = True) -> None:
         self.fed.pop(id(seq), None)
+        self.synced.pop(id(seq), None)
 
     @torch.inference_mode()
     def propose(self, seqs: list, num_tokens: list[int]) -> list[Draft]:
@@ -57,9 +61,12 @@ class DraftModelProposer(Proposer):
         for i in active:
             seq = seqs[i]
             fed = self.fed.setdefault(id(seq), [])
-            keep = common_prefix(fed, seq.token_ids)
+            start = min(self.synced.get(id(seq), 0), len(fed))
+            end = min(len(fed), seq.num_tokens)
+            keep = start + common_prefix(fed[start:end], seq.token_slice(start, end))
             del fed[keep:]
-            feed[i] = seq.token_ids[keep:]
+            feed[i] = seq.token_slice(keep, seq.num_tokens)
+            self.synced[id(seq)] = seq.num_tokens  # fed will hold all of them after this step
         for step in range(max((ks[i] for i in active), default=0)):
             rows = [i for i in active if len(drafts[i].tokens) < ks[i]]
             if not rows:

@@ -17,24 +17,27 @@ from .proposer import Draft, Proposer
 
 
 class NgramIndex:
-    """Start positions (ascending) of every n-gram, n_min <= n <= n_max, of one growing token list."""
+    """One sequence's tokens and the start positions (ascending) of every n-gram in them,
+    n_min <= n <= n_max; extended as the sequence grows, so nothing is rescanned."""
 
     def __init__(self, n_min: int, n_max: int):
         self.n_min, self.n_max = n_min, n_max
+        self.tokens: list[int] = []
         self.starts: dict[tuple[int, ...], list[int]] = {}
-        self.length = 0  # tokens indexed: every n-gram lying inside tokens[:length] is in
 
-    def extend(self, tokens: list[int]) -> None:
-        end = len(tokens)
+    def extend(self, new_tokens: list[int]) -> None:
+        """Append tokens and index the n-grams they complete."""
+        old = len(self.tokens)
+        self.tokens += new_tokens
+        end = len(self.tokens)
         for n in range(self.n_min, self.n_max + 1):
-            for start in range(max(0, self.length - n + 1), end - n + 1):
-                self.starts.setdefault(tuple(tokens[start:start + n]), []).append(start)
-        self.length = end
+            for start in range(max(0, old - n + 1), end - n + 1):
+                self.starts.setdefault(tuple(self.tokens[start:start + n]), []).append(start)
 
-    def lookup(self, tokens: list[int], k: int) -> list[int]:
+    def lookup(self, k: int) -> list[int]:
         """What followed the latest earlier occurrence of the longest matching tail, up to k tokens:
         the latest occurrence that has k tokens after it, else the one with the most."""
-        end = len(tokens)
+        tokens, end = self.tokens, len(self.tokens)
         for n in range(min(self.n_max, end - 1), self.n_min - 1, -1):
             starts = self.starts.get(tuple(tokens[end - n:]), ())
             i = bisect_right(starts, end - n - k) - 1  # latest start with k tokens after the n-gram
@@ -60,13 +63,12 @@ class NgramProposer(Proposer):
     def lookup(self, seq, k: int) -> list[int]:
         if k <= 0:
             return []
-        tokens = seq.token_ids
         prompt, index = self.indexes.get(id(seq), (None, None))
-        if prompt is not seq.prompt_token_ids or index.length > len(tokens):  # not this sequence's index
+        if prompt is not seq.prompt_token_ids or len(index.tokens) > seq.num_tokens:  # not this sequence's
             index = NgramIndex(self.n_min, self.n_max)
             self.indexes[id(seq)] = (seq.prompt_token_ids, index)
-        index.extend(tokens)
-        return index.lookup(tokens, k)
+        index.extend(seq.token_slice(len(index.tokens), seq.num_tokens))
+        return index.lookup(k)
 
     def release(self, seq, finished: bool = True) -> None:
         self.indexes.pop(id(seq), None)
