@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 from lucebox import LLM, SamplingParams
-from lucebox.spec.adaptive import (PROBE_BUDGET, PROBE_EVERY, REEVALUATE_PLAIN_EVERY, REMEASURE_PLAIN_EVERY, DraftLengthPolicy,
-                                   SequenceAcceptance, TimingTable, expected_tokens)
+from lucebox.spec.adaptive import (PROBE_BUDGET, PROBE_EVERY, REEVALUATE_PLAIN_EVERY, REMEASURE_PLAIN_EVERY,
+                                   DraftLengthPolicy, SequenceAcceptance, TimingTable, expected_tokens)
 
 from .spec_fixtures import write_dflash_drafter
 

@@ -6,7 +6,8 @@ with the paged K/V cache write that follows it in every attention layer.
     # qk_norm (q weight, k weight, eps): q and k are RMS-normalised per head first (Qwen3)
 
 GPU tensors go to the Triton kernel in kernels/triton_rope_kv.py through kernels/dispatch.py
-(bit-identical to the reference; with qk_norm, within the norm's last-bit rounding); CPU tensors, and anything autograd records, take the reference.
+(bit-identical to the reference; with qk_norm, within the norm's last-bit rounding); CPU tensors,
+and anything autograd records, take the reference.
 """
 import torch
 
