@@ -5,8 +5,8 @@
 #   scripts/gpu_session.sh bench     bench speed: qwen3-8b bf16, q8_0, q4_k_m, qwen3-0.6b bf16 (~6 min;
 #                                    within one device call's 600 s)
 #   scripts/gpu_session.sh spec      bench spec on the bundled pair (models/default + default-dflash)
-#   scripts/gpu_session.sh kernels   scripts/bench_kernels.py: decode rows of the quantised GEMV, launch
-#                                    configs swept (GB/s, % of the measured bandwidth)
+#   scripts/gpu_session.sh kernels   scripts/bench_kernels.py: quantised GEMV rows at M = 1 and 16 (decode,
+#                                    verify), launch configs swept, timed in CUDA graphs (~9 min)
 #   scripts/gpu_session.sh drafter   the default drafter (scripts/train_default_drafter.sh, ~7 min)
 # The device lacks the gguf package: keep its wheel in .whl/ (git-ignored) and pass carry [".whl"].
 set -uo pipefail
@@ -40,10 +40,12 @@ case "${1:-check}" in
   spec)
     step spec "${SECONDS_SPEC:-400}" python3 -m lucebox.cli bench spec --draft models/default-dflash --repeats 3 --json "$out/spec.json"
     sed -n '/^| /,$p' "$out/spec.log" ;;
-  kernels)  # decode (M = 1) rows of the quantised GEMV, each with a launch-config sweep
-    step kernels-quant "${SECONDS_KERNELS:-300}" python3 scripts/bench_kernels.py --only quant --ms 1 --sweep \
-      --qtypes Q8_0 Q4_K Q6_K --json "$out/kernels-quant.json"
-    grep -E "^\| " "$out/kernels-quant.log" | cut -c1-400 | head -n 40 ;;
+  kernels)  # quantised GEMV rows for decode (M = 1) and a 15-draft verify (M = 16), launch configs swept
+    for m in 1 16; do
+      step "kernels-quant-m$m" "${SECONDS_KERNELS:-270}" python3 scripts/bench_kernels.py --only quant --ms $m \
+        --sweep --qtypes Q8_0 Q4_K Q6_K --json "$out/kernels-quant-m$m.json"
+      grep -E "^\| quant_matmul" "$out/kernels-quant-m$m.log" | cut -c1-400
+    done ;;
   drafter)
     step drafter 570 bash scripts/train_default_drafter.sh "$out/default-dflash" "${SECONDS_TRAIN:-300}"
     rm -f "$out/default-dflash/train_state.pt" "$out/default-dflash/regenerated.pt"
