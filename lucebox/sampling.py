@@ -260,7 +260,8 @@ class Sampler:
         greedy = [i for i, s in enumerate(states) if s.params.is_greedy]
         if greedy:
             rows = host_to_device(greedy, logits.device)
-            probs[rows] = torch.nn.functional.one_hot(logits[rows].argmax(-1), logits.shape[1]).float()
+            # scatter, not F.one_hot: one_hot checks its input's range on the host (a device sync)
+            probs[rows] = torch.zeros_like(probs[rows]).scatter_(1, logits[rows].argmax(-1, keepdim=True), 1.0)
         return probs
 
     def process_logits(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
