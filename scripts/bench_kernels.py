@@ -47,6 +47,7 @@ from lucebox.engine.kv_cache import PagedKVCache  # noqa: E402
 from lucebox.kernels import dequant, triton_activation, triton_norm, triton_rope_kv  # noqa: E402
 from lucebox.kernels import prefill_attention as pa  # noqa: E402
 from lucebox.kernels import triton_paged_attention as tpa  # noqa: E402
+from lucebox.kernels import triton_quant_int8 as tqi  # noqa: E402
 from lucebox.kernels import triton_quant_matmul as tqm  # noqa: E402
 from lucebox.kernels.attention import paged_attention as attention_dispatch  # noqa: E402
 from lucebox.kernels.attention import paged_attention_reference  # noqa: E402
@@ -191,21 +192,26 @@ def bench_quant(args, shape, peak, device) -> list:
 def sweep_quant(x, raws, qtype, k, m, device) -> dict:
     best = None
     block_ns = (16, 32, 64) if m == 1 else (32, 64, 128)
-    # At M = 1 also the tensor-core path (dequantised tiles through tl.dot, x padded to 16 rows).
-    for tensor_cores in ((False, True) if m == 1 else (True,)):
+    # Paths: at M = 1 the elementwise one and the tensor-core one (dequantised tiles through tl.dot,
+    # x padded to 16 rows); for Q8_0 also int8 activations on integer tensor cores.
+    paths = {"elementwise": {"tensor_cores": False}} if m == 1 else {}
+    paths["tensor cores"] = {"tensor_cores": True}
+    if qtype == Q.Q8_0:
+        paths["int8"] = {"int8_activations": True}
+    for path, options in paths.items():
         for block_n in block_ns:
             for warps in (4, 8):
                 for split in (None, 1, 4, 16):
                     try:
                         t = bench_in_graph(lambda w: tqm.quant_matmul(
-                            x, w, qtype, k, block_n=block_n, split_k=split, num_warps=warps,
-                            tensor_cores=tensor_cores), raws, device)
+                            x, w, qtype, k, block_n=block_n, split_k=split, num_warps=warps, **options),
+                            raws, device)
                     except Exception:  # e.g. out of shared memory for a config: skip it
                         continue
                     if best is None or t < best[0]:
-                        best = (t, block_n, warps, split, tensor_cores)
+                        best = (t, block_n, warps, split, path)
     return {"best_us": best[0] * 1e3, "best_block_n": best[1], "best_warps": best[2],
-            "best_split": str(best[3]), "best_tensor_cores": best[4]} if best else {}
+            "best_split": str(best[3]), "best_path": best[4]} if best else {}
 
 
 # ----------------------------------------------------------------------------- paged attention
@@ -393,8 +399,10 @@ def compile_check(arch: str) -> None:
         def __getitem__(self, grid):
             return lambda *a, **kw: launches.append((self.fn, a, kw))
 
-    real = (tqm._qmm_kernel, tqm._sum_splits_kernel, tpa._paged_attn_kernel, tpa._merge_splits_kernel)
+    real = (tqm._qmm_kernel, tqm._sum_splits_kernel, tpa._paged_attn_kernel, tpa._merge_splits_kernel,
+            tqi._q8_0_int8_kernel)
     tqm._qmm_kernel, tqm._sum_splits_kernel = Capture(real[0]), Capture(real[1])
+    tqi._q8_0_int8_kernel = Capture(real[4])
     tpa._paged_attn_kernel, tpa._merge_splits_kernel = Capture(real[2]), Capture(real[3])
     lazy = (triton_norm, triton_rope_kv, triton_activation)  # modules defining their kernel on first use
     lazy_real = [m._kernel for m in lazy]
@@ -420,6 +428,9 @@ def compile_check(arch: str) -> None:
             triton_norm.rms_norm_residual_triton(x, x, x[0], 1e-6)
             triton_norm.rms_norm_triton(torch.zeros(rows, 32, 128, dtype=torch.bfloat16), x[0, :128], 1e-6)
         tqm.quant_matmul(torch.zeros(1, 4096, dtype=torch.bfloat16), raw, qtype, 4096, split_k=4)
+        raw = torch.zeros(64, 4096 // 32 * 34, dtype=torch.uint8)
+        for m in (1, 16):
+            tqm.quant_matmul(torch.zeros(m, 4096, dtype=torch.bfloat16), raw, Q.Q8_0, 4096, int8_activations=True)
         for qk_norm in (None, (torch.ones(128, dtype=torch.bfloat16),) * 2 + (1e-6,)):
             kc, vc = (PagedKVCache(8, 16, 8, 128, "bf16", torch.bfloat16, "cpu") for _ in range(2))
             q, k = torch.zeros(1, 32, 128, dtype=torch.bfloat16), torch.zeros(1, 8, 128, dtype=torch.bfloat16)
@@ -428,7 +439,8 @@ def compile_check(arch: str) -> None:
         gate_up = torch.zeros(1, 2 * 12288, dtype=torch.bfloat16)
         triton_activation.silu_and_mul_triton(*gate_up.chunk(2, dim=-1))
     finally:
-        tqm._qmm_kernel, tqm._sum_splits_kernel, tpa._paged_attn_kernel, tpa._merge_splits_kernel = real
+        tqm._qmm_kernel, tqm._sum_splits_kernel, tpa._paged_attn_kernel, tpa._merge_splits_kernel = real[:4]
+        tqi._q8_0_int8_kernel = real[4]
         for module, make in zip(lazy, lazy_real):
             module._kernel = make
 

@@ -302,3 +302,30 @@ def test_rms_norm_dispatch_follows_the_switch(monkeypatch):
     out, _ = triton_norm.rms_norm_residual(x, x, weight, 1e-6)
     assert calls == [1]
     assert rel_err(out, triton_norm.rms_norm_reference(2 * x, weight, 1e-6)) <= 1e-5
+
+
+@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_q8_0_with_int8_activations_computes_the_int8_product_exactly(m, split_k):
+    """The int8 path's arithmetic, spelled out: x rounded to int8 per 32 values with one scale
+    each, the integer dot of each Q8_0 block with its 32 activations, scaled by both scales."""
+    from lucebox.kernels.triton_quant_int8 import quantize_activations
+    k, n = 512, 40
+    raw = quant_rows(Q.Q8_0, n, k, seed=5)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    got = tqm.quant_matmul(x, raw, Q.Q8_0, k, bias, int8_activations=True, split_k=split_k)
+    qx, sx = quantize_activations(x)
+    blocks = raw.view(n, k // 32, 34)
+    d = blocks[..., :2].contiguous().view(torch.float16).double().squeeze(-1)  # [n, blocks]
+    qw = blocks[..., 2:].contiguous().view(torch.int8).double()  # [n, blocks, 32]
+    dots = torch.einsum("nbi,mbi->mnb", qw, qx.double().view(m, k // 32, 32))
+    want = (dots * d[None] * sx.double()[:, None, :]).sum(-1) + bias.double()
+    assert rel_err(got.double(), want) <= 1e-5
+    assert rel_err(got, x @ dequant.dequantize(raw, Q.Q8_0).T + bias) <= 2e-2  # close to the float product
+
+
+def test_int8_activations_are_refused_for_other_formats():
+    raw = quant_rows(Q.Q4_K, 8, 256, seed=1)
+    with pytest.raises(ValueError, match="Q8_0"):
+        tqm.quant_matmul(torch.randn(1, 256).to(DEVICE), raw, Q.Q4_K, 256, int8_activations=True)

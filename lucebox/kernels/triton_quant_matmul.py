@@ -319,12 +319,15 @@ def _is_fp32(dtype: torch.dtype) -> bool:
 def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype, in_features: int,
                  bias: torch.Tensor | None = None, *, block_n: int | None = None,
                  split_k: int | None = None, num_warps: int | None = None,
-                 num_stages: int | None = None, tensor_cores: bool | None = None) -> torch.Tensor:
+                 num_stages: int | None = None, tensor_cores: bool | None = None,
+                 int8_activations: bool = False) -> torch.Tensor:
     """x [..., K] @ W.T (+ bias) for raw GGUF rows `qweight` [N, bytes_per_row]; fused for
     M = prod(x.shape[:-1]) <= MAX_FUSED_M. Output in x.dtype, accumulated in float32.
     tensor_cores: multiply dequantised tiles with tl.dot (mode 1, x padded to 16 rows) rather
     than elementwise (mode 0); default: only for M > 1. At M = 1 the kernel is bound by the
-    instructions per weight, which the tensor-core path changes: a launch option to measure."""
+    instructions per weight, which the tensor-core path changes: a launch option to measure.
+    int8_activations (Q8_0 only): x rounded to int8 per 32 values and multiplied on integer tensor
+    cores (kernels/triton_quant_int8.py), also an option to measure."""
     if x.dtype not in ACTIVATION_DTYPES:
         raise TypeError(f"quant_matmul: unsupported activation dtype {x.dtype}")
     fmt, unit_bytes, unit_values, bpu, plane, n_units = _layout(qtype, in_features)
@@ -338,6 +341,15 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype, in_features: int
         raise ValueError(f"quant_matmul (fused) handles at most {MAX_FUSED_M} rows, got {m}")
     out = x2.new_empty(m, n)
     if m == 0 or n == 0:
+        return out.reshape(*lead, n)
+    if int8_activations:
+        if fmt != _F_Q8_0:
+            raise ValueError(f"quant_matmul: int8 activations are implemented for Q8_0 weights, not {qtype.name}")
+        from .triton_quant_int8 import q8_0_int8_matmul
+        partials = q8_0_int8_matmul(x2, qweight, in_features, bias, out, block_n=block_n or 64, split_k=split_k,
+                                    num_warps=num_warps or 4, sms=num_sms(x.device))
+        if partials is not None:
+            _reduce_splits(partials, bias, out)
         return out.reshape(*lead, n)
     mode = 1 if (tensor_cores if tensor_cores is not None else m > 1) else 0
     if mode == 0 and m != 1:
@@ -372,11 +384,16 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype, in_features: int
         BLOCK_N=block_n, BLOCK_M=block_m, MODE=mode, HAS_BIAS=has_bias,
         DOT_IEEE=_is_fp32(x.dtype), **kwargs)
     if split_k > 1:
-        block = 256
-        _sum_splits_kernel[(triton.cdiv(m * n, block),)](
-            target, bias if bias is not None else target, out, m * n, n, SPLITS=split_k,
-            HAS_BIAS=bias is not None, BLOCK=block)
+        _reduce_splits(target, bias, out)
     return out.reshape(*lead, n)
+
+
+def _reduce_splits(partials: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    """out [M, N] = the float32 split-K partials [splits, M, N] summed (+ bias), cast."""
+    total, block = out.numel(), 256
+    _sum_splits_kernel[(triton.cdiv(total, block),)](
+        partials, bias if bias is not None else partials, out, total, out.shape[1], SPLITS=partials.shape[0],
+        HAS_BIAS=bias is not None, BLOCK=block)
 
 
 def dequantize(qweight: torch.Tensor, qtype, in_features: int,
