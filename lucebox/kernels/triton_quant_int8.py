@@ -18,8 +18,7 @@ import triton.language as tl
 
 from .dispatch import next_pow2
 
-QK = 32  # values per Q8_0 block, and per activation scale
-_QK = tl.constexpr(QK)  # the same, readable inside kernels
+QK = 32  # values per Q8_0 block, and per activation scale (the kernel spells it as a literal)
 
 
 def quantize_activations(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,14 +42,14 @@ def _q8_0_int8_kernel(xq_ptr, xs_ptr, w_ptr, b_ptr, o_ptr, M, N, row_bytes, n_bl
     w_row = w_ptr + rows[:, None] * row_bytes
     rm = tl.arange(0, BLOCK_M)
     m_ok = rm < M
-    i = tl.arange(0, _QK)
+    i = tl.arange(0, 32)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     b0 = pid_s * blocks_per_prog
     for b in range(b0, tl.minimum(b0 + blocks_per_prog, n_blocks)):
         bp = w_row + b * 34
         d = tl.load(bp.to(tl.pointer_type(tl.float16))).to(tl.float32)  # [BLOCK_N, 1]
         qw = tl.load((bp + 2 + i[None, :]).to(tl.pointer_type(tl.int8)))  # [BLOCK_N, 32]
-        qx = tl.load(xq_ptr + rm[None, :] * stride_xm + (b * _QK + i)[:, None], mask=m_ok[None, :], other=0)
+        qx = tl.load(xq_ptr + rm[None, :] * stride_xm + (b * 32 + i)[:, None], mask=m_ok[None, :], other=0)
         sx = tl.load(xs_ptr + rm * stride_sm + b, mask=m_ok, other=0.0)
         dots = tl.dot(qw, qx, out_dtype=tl.int32)  # [BLOCK_N, BLOCK_M]
         acc += dots.to(tl.float32) * d * sx[None, :]
