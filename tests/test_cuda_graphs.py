@@ -348,3 +348,16 @@ def test_sampling_with_every_processor_never_syncs_with_the_host():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert tokens.shape == (3,) and int(tokens[2]) == int(logits[2].argmax())
+
+
+@gpu
+def test_an_eager_batch_reaches_the_device_without_a_sync():
+    """Pinned, asynchronous copies: a pageable torch.tensor(..., device="cuda") would wait for every
+    queued kernel first (the previous step's forward)."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        batch = ForwardBatch.build([[1, 2, 3], [4]], [0, 7], [[0], [1]], 16, "cuda")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert batch.slot_mapping.tolist() == [0, 1, 2, 23]
