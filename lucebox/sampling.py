@@ -261,7 +261,8 @@ class Sampler:
         if greedy:
             rows = host_to_device(greedy, logits.device)
             # scatter, not F.one_hot: one_hot checks its input's range on the host (a device sync)
-            probs[rows] = torch.zeros_like(probs[rows]).scatter_(1, logits[rows].argmax(-1, keepdim=True), 1.0)
+            one_hot = probs.new_zeros(len(greedy), probs.shape[1])
+            probs[rows] = one_hot.scatter_(1, logits[rows].argmax(-1, keepdim=True), 1.0)
         return probs
 
     def process_logits(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import next_pow2
+from .triton_quant_matmul import _f16
 
 QK = 32  # values per Q8_0 block, and per activation scale (the kernel spells it as a literal)
 
@@ -47,7 +48,7 @@ def _q8_0_int8_kernel(xq_ptr, xs_ptr, w_ptr, b_ptr, o_ptr, M, N, row_bytes, n_bl
     b0 = pid_s * blocks_per_prog
     for b in range(b0, tl.minimum(b0 + blocks_per_prog, n_blocks)):
         bp = w_row + b * 34
-        d = tl.load(bp.to(tl.pointer_type(tl.float16))).to(tl.float32)  # [BLOCK_N, 1]
+        d = _f16(bp)  # [BLOCK_N, 1]
         qw = tl.load((bp + 2 + i[None, :]).to(tl.pointer_type(tl.int8)))  # [BLOCK_N, 32]
         qx = tl.load(xq_ptr + rm[None, :] * stride_xm + (b * 32 + i)[:, None], mask=m_ok[None, :], other=0)
         sx = tl.load(xs_ptr + rm * stride_sm + b, mask=m_ok, other=0.0)
