@@ -57,24 +57,44 @@ def smallest_at_least(n: int, sizes) -> int | None:
     return next((s for s in sorted(sizes) if s >= n), None)
 
 
+class StagedBuffer:
+    """A device buffer a graph reads, written through host staging: on CUDA the staging is pinned
+    and each upload is one asynchronous copy; an event keeps the host from rewriting the staging
+    while the previous copy may still be reading it."""
+
+    def __init__(self, shape, dtype: torch.dtype, device: torch.device):
+        pinned = torch.device(device).type == "cuda"
+        self.host = torch.zeros(shape, dtype=dtype, pin_memory=pinned)
+        self.device = torch.zeros(shape, dtype=dtype, device=device)
+        self._copied = torch.cuda.Event() if pinned else None
+
+    def staging(self) -> np.ndarray:
+        """The host staging, free to write (the previous upload has read it: done by now in practice)."""
+        if self._copied is not None and not self._copied.query():
+            self._copied.synchronize()
+        return self.host.numpy()
+
+    def upload(self, rows: int | None = None) -> None:
+        """Copy the staging (its first `rows` rows) to the device buffer, in stream order."""
+        src, dst = (self.host, self.device) if rows is None else (self.host[:rows], self.device[:rows])
+        dst.copy_(src, non_blocking=self._copied is not None)
+        if self._copied is not None:
+            self._copied.record()
+
+
 class StaticInputs:
     """The device buffers every graph reads, sized for the largest bucket, and their host staging.
 
     One int64 buffer holds ids | positions | slots | seq_lens | selected rows | real rows, so a step
-    costs two host-to-device copies (that and the block tables) whatever its size. On CUDA the
-    staging is pinned and the copies are asynchronous; an event keeps the host from rewriting the
-    staging while the previous copy may still be reading it."""
+    costs two host-to-device copies (that and the block tables) whatever its size."""
 
     def __init__(self, max_tokens: int, max_seqs: int, width: int, device: torch.device):
         t, b = max_tokens, max_seqs
         self.offsets = {"ids": 0, "positions": t, "slots": 2 * t, "seq_lens": 3 * t, "select": 3 * t + b,
                         "real": 4 * t + b}
-        pinned = device.type == "cuda"
-        self.host = torch.zeros(5 * t + b, dtype=torch.int64, pin_memory=pinned)
-        self.host_tables = torch.zeros(max_seqs, width, dtype=torch.int32, pin_memory=pinned)
-        self.flat = torch.zeros(5 * t + b, dtype=torch.int64, device=device)
-        self.tables = torch.zeros(max_seqs, width, dtype=torch.int32, device=device)
-        self._copied = torch.cuda.Event() if pinned else None
+        self._flat = StagedBuffer(5 * t + b, torch.int64, device)
+        self._tables = StagedBuffer((max_seqs, width), torch.int32, device)
+        self.flat, self.tables = self._flat.device, self._tables.device
 
     def view(self, name: str, n: int) -> torch.Tensor:
         start = self.offsets[name]
@@ -82,18 +102,17 @@ class StaticInputs:
 
     def _host(self, name: str, n: int) -> np.ndarray:
         start = self.offsets[name]
-        return self.host.numpy()[start:start + n]
+        return self._flat.host.numpy()[start:start + n]
 
     def fill(self, token_ids: list[list[int]], start_positions: list[int], block_tables: list[list[int]],
              num_seqs: int, query_len: int, block_size: int, scratch_block: int) -> list[int]:
         """Write the padded layout of a step into the host staging; returns the padded row of each
         real token, in input order."""
-        if self._copied is not None and not self._copied.query():
-            self._copied.synchronize()  # the previous step's copy: done by now in practice
+        self._flat.staging()
         tokens = num_seqs * query_len
         ids, positions = self._host("ids", tokens), self._host("positions", tokens)
         slots, seq_lens = self._host("slots", tokens), self._host("seq_lens", num_seqs)
-        tables = self.host_tables.numpy()[:num_seqs]
+        tables = self._tables.staging()[:num_seqs]
         ids[:] = 0
         positions[:] = 0
         slots[:] = scratch_block * block_size + np.arange(tokens) % query_len % block_size
@@ -117,11 +136,8 @@ class StaticInputs:
         return self.view(name, len(rows))
 
     def upload(self, num_seqs: int) -> None:
-        pinned = self._copied is not None
-        self.flat.copy_(self.host, non_blocking=pinned)
-        self.tables[:num_seqs].copy_(self.host_tables[:num_seqs], non_blocking=pinned)
-        if pinned:
-            self._copied.record()
+        self._flat.upload()
+        self._tables.upload(num_seqs)
 
 
 class CudaGraphRunner:

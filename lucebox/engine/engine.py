@@ -39,13 +39,14 @@ class LLMEngine:
         self.speculator = make_speculator(args.speculative_config, loaded, self.max_model_len)
         self.model.fuse_projections()  # q/k/v and gate/up as one GEMV each (idempotent)
         num_blocks = self._plan_kv_blocks()
+        graphs = self._graph_settings()
         self.runner = ModelRunner(self.model, num_blocks, args.block_size, args.cache_type_k, args.cache_type_v,
-                                  args.cache_rotate_k, graphs=self._graph_settings())
+                                  args.cache_rotate_k, graphs=graphs)
         self.scheduler = Scheduler(BlockManager(num_blocks, args.block_size, args.enable_prefix_caching),
                                    args.max_num_seqs, args.max_num_batched_tokens,
                                    on_release=self.speculator.release if self.speculator else None)
         if self.speculator is not None:
-            self.speculator.proposer.allocate(num_blocks, args.block_size, self.scheduler.blocks)
+            self.speculator.proposer.allocate(num_blocks, args.block_size, self.scheduler.blocks, graphs)
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(cfg.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids)
         self.requests: dict[str, tuple[str | None, list[Sequence]]] = {}

@@ -20,6 +20,7 @@ from ..sampling import Sampler, SamplingState, _exponential_race
 from ..util import host_to_device, on_meta
 from ..weights.load import assign
 from ..weights.safetensors import iter_safetensors
+from .dflash_graphs import DrafterGraphs
 from .dflash_model import DFlashConfig, DFlashDrafter, read_drafter_config
 from .proposer import Draft, Proposer
 
@@ -74,6 +75,7 @@ class DFlashProposer(Proposer):
         self.caches: list[tuple[PagedKVCache, PagedKVCache]] = []
         self.pending: dict[int, list[tuple[int, torch.Tensor]]] = {}  # per sequence: (start, features)
         self.block_tokens = 0
+        self.graphs: DrafterGraphs | None = None
 
     @classmethod
     def load(cls, path: str, target) -> "DFlashProposer":
@@ -90,12 +92,16 @@ class DFlashProposer(Proposer):
         dtype = parse_cache_type("auto", self.target.model.dtype)
         return round(2 * m.num_layers * m.num_kv_heads * m.head_dim * bytes_per_value(dtype, m.head_dim))
 
-    def allocate(self, num_blocks: int, block_size: int, block_manager=None) -> None:
+    def allocate(self, num_blocks: int, block_size: int, block_manager=None, graphs=None) -> None:
         m, model = self.drafter.config.model, self.target.model
-        shape = (num_blocks, block_size, m.num_kv_heads, m.head_dim)
+        # One block more than the scheduler hands out: graph padding writes its K/V there.
+        shape = (num_blocks + 1, block_size, m.num_kv_heads, m.head_dim)
         self.caches = [(PagedKVCache(*shape, "auto", model.dtype, model.device),
                         PagedKVCache(*shape, "auto", model.dtype, model.device)) for _ in range(m.num_layers)]
         self.block_tokens = block_size
+        if graphs is not None and (model.device.type == "cuda" or not graphs.capture):
+            self.graphs = DrafterGraphs(self.drafter, model, self.caches, block_size, num_blocks,
+                                        graphs.max_model_len, self.mask_token_id, graphs.capture)
 
     def _slots(self, seq, start: int, end: int) -> torch.Tensor:
         pos = torch.arange(start, end)
@@ -125,6 +131,9 @@ class DFlashProposer(Proposer):
             return
         start = queue[0][0]
         features = torch.cat([f for _, f in queue]) if len(queue) > 1 else queue[0][1]
+        if self.graphs is not None:
+            self.graphs.project(seq.block_table, start, features)
+            return
         n = features.shape[0]
         positions = torch.arange(start, start + n, device=features.device)
         slots = self._slots(seq, start, start + n)
@@ -145,9 +154,12 @@ class DFlashProposer(Proposer):
             self._project(seq)
         return [self._draft_one(seq, min(k, self.block_size - 1)) for seq, k in zip(seqs, num_tokens)]
 
-    def _draft_one(self, seq, k: int) -> Draft:
-        device = self.target.model.device
+    def _draft_logits(self, seq, k: int) -> torch.Tensor:
+        """[k, vocab]: draft slot i predicts the token at anchor + i."""
         anchor = seq.num_tokens - 1  # the last committed token: its K/V and features are not known yet
+        if self.graphs is not None:
+            return self.graphs.draft(seq.block_table, anchor, seq.last_token)[:k]
+        device = self.target.model.device
         slots = self._slots(seq, 0, anchor)
         dtype = self.target.model.dtype
         context = [(kc.gather(slots, dtype), vc.gather(slots, dtype)) for kc, vc in self.caches]
@@ -156,7 +168,10 @@ class DFlashProposer(Proposer):
         positions = torch.arange(anchor, anchor + self.block_size, device=device)
         hidden = self.drafter.blocks(x, positions, context, torch.arange(anchor, device=device),
                                      position_bound=anchor + self.block_size)
-        logits = self.target.model.compute_logits(hidden[1:1 + k])  # slot i predicts the token at anchor + i
+        return self.target.model.compute_logits(hidden[1:1 + k])
+
+    def _draft_one(self, seq, k: int) -> Draft:
+        logits = self._draft_logits(seq, k)
         out = list(seq.output_token_ids)
         # Unless processing reads the drafts before a slot, every slot is processed alike: all k rows at
         # once. Otherwise slot by slot, each with its own history, as the target's rows are verified.

@@ -42,8 +42,9 @@ class DraftModelProposer(Proposer):
     def kv_bytes_per_token(self) -> int:
         return kv_bytes_per_token(self.draft.model)
 
-    def allocate(self, num_blocks: int, block_size: int, block_manager=None) -> None:
-        self.runner = ModelRunner(self.draft.model, num_blocks, block_size)
+    def allocate(self, num_blocks: int, block_size: int, block_manager=None, graphs=None) -> None:
+        # The target's graph buckets fit: a catch-up feed is at most 1 + k tokens, then 1 a step.
+        self.runner = ModelRunner(self.draft.model, num_blocks, block_size, graphs=graphs)
         self.blocks = block_manager
 
     def release(self, seq, finished: bool = True) -> None:

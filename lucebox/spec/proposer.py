@@ -23,8 +23,9 @@ class Proposer:
     # Target layers whose outputs the proposer needs, for every committed position.
     capture_layers: tuple[int, ...] = ()
 
-    def allocate(self, num_blocks: int, block_size: int, block_manager=None) -> None:
-        """Make the proposer's KV pool; it is indexed by the target's block tables."""
+    def allocate(self, num_blocks: int, block_size: int, block_manager=None, graphs=None) -> None:
+        """Make the proposer's KV pool; it is indexed by the target's block tables. graphs: the
+        target's GraphSettings (None: eager), for proposers that run a model."""
 
     def propose(self, seqs: list, num_tokens: list[int]) -> list[Draft]:
         """Drafts for each sequence (at most num_tokens[i] tokens; fewer or none is fine)."""

@@ -1,0 +1,156 @@
+"""CUDA graphs for the DFlash drafter: a draft pass and a context projection are one replay each.
+
+Eagerly, a drafter pass is ~60 small launches plus their Python: milliseconds of host time on a
+fast GPU, more than ten decode steps of a small target, which no acceptance rate can repay. As
+graphs, the pass costs the GPU time of its kernels plus one launch.
+
+Draft (one sequence; the engine drafts its sequences one after another): the block
+[anchor token, MASK x (B-1)] at positions anchor.. attends to the context positions 0..anchor-1,
+read from the drafter's paged cache. A graph is captured per context bucket L (a power of two, at
+least MIN_CONTEXT): the sequence's block table is padded with the scratch block to L / block_size
+entries and context columns at or past the anchor are masked out. Its input is one int64 buffer
+[anchor token, anchor, block table]; its output the logits of the B - 1 draft slots.
+
+Projection: queued target features -> the drafter's context K/V, written into its cache, in
+chunks of a bucketed size (PROJECT_CHUNKS); padding rows write to the scratch block.
+
+With capture=False the same static, padded bodies run eagerly: that is how CPU tests check the
+padding and masking against the ragged eager drafter.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from ..engine.cuda_graphs import StagedBuffer, smallest_at_least
+
+log = logging.getLogger("lucebox")
+
+MIN_CONTEXT = 256  # smallest context bucket of a draft graph (positions)
+PROJECT_CHUNKS = (16, 64, 256, 1024)  # projection graph sizes (positions)
+
+
+def context_bucket(anchor: int) -> int:
+    """Context positions a draft graph spans for a block anchored at `anchor` (>= anchor)."""
+    return max(MIN_CONTEXT, 1 << max(0, anchor - 1).bit_length())
+
+
+class DrafterGraphs:
+    def __init__(self, drafter, target_model, caches, block_size: int, scratch_block: int, max_model_len: int,
+                 mask_token_id: int, capture: bool = True):
+        self.drafter, self.target, self.caches = drafter, target_model, caches
+        self.block_size, self.scratch_block, self.capture = block_size, scratch_block, capture
+        device = target_model.device
+        self.block = drafter.config.block_size
+        self.max_context = context_bucket(max_model_len)
+        # RoPE tables are read in place by captured graphs: sized once, before any capture.
+        self.position_bound = self.max_context + self.block
+        drafter.rope.reserve(self.position_bound, device)
+        self.draft_in = StagedBuffer(2 + self.max_context // block_size, torch.int64, device)
+        self.project_in = StagedBuffer((2, PROJECT_CHUNKS[-1]), torch.int64, device)  # positions, slots
+        taps = len(drafter.config.target_layer_ids) * drafter.config.model.hidden_size
+        self.features = torch.zeros(PROJECT_CHUNKS[-1], taps, dtype=target_model.dtype, device=device)
+        self.mask_ids = torch.full((self.block - 1,), mask_token_id, dtype=torch.int64, device=device)
+        self.offsets = torch.arange(self.block, device=device)
+        self.context_positions = torch.arange(self.max_context, device=device)
+        self.block_visible = torch.ones(self.block, self.block, dtype=torch.bool, device=device)
+        self.logits: torch.Tensor | None = None  # [B - 1, vocab], written by every draft
+        self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph | None] = {}
+        self.pool = None
+        self.replays = 0
+
+    # ------------------------------------------------------------------ host side
+    def draft(self, block_table: list[int], anchor: int, anchor_token: int) -> torch.Tensor:
+        """Logits [B - 1, vocab] of the draft slots after `anchor` (valid until the next draft)."""
+        context = context_bucket(anchor)
+        width = context // self.block_size
+        staging = self.draft_in.staging()
+        table = block_table[:width]
+        staging[0], staging[1] = anchor_token, anchor
+        staging[2:2 + len(table)] = table
+        staging[2 + len(table):2 + width] = self.scratch_block
+        self.draft_in.upload(2 + width)
+        self._replay(("draft", context))
+        return self.logits
+
+    def project(self, block_table: list[int], start: int, features: torch.Tensor) -> None:
+        """Write the drafter's context K/V of positions start.. (features [n, taps * hidden])."""
+        table = np.asarray(block_table, dtype=np.int64)
+        done, n = 0, features.shape[0]
+        while done < n:
+            chunk = smallest_at_least(n - done, PROJECT_CHUNKS) or PROJECT_CHUNKS[-1]
+            rows = min(chunk, n - done)
+            pos = np.arange(start + done, start + done + rows)
+            staging = self.project_in.staging()
+            staging[0, :rows] = pos
+            staging[1, :rows] = table[pos // self.block_size] * self.block_size + pos % self.block_size
+            staging[0, rows:chunk] = 0
+            staging[1, rows:chunk] = self.scratch_block * self.block_size + np.arange(chunk - rows) % self.block_size
+            self.project_in.upload()
+            self.features[:rows].copy_(features[done:done + rows])
+            self._replay(("project", chunk))
+            done += rows
+
+    def _replay(self, key: tuple[str, int]) -> None:
+        if key not in self.graphs:
+            self._prepare(key)
+        graph = self.graphs[key]
+        if graph is None:
+            self._body(key)
+        else:
+            graph.replay()
+        self.replays += 1
+
+    def _prepare(self, key: tuple[str, int]) -> None:
+        graph = None
+        if self.capture:
+            started = time.perf_counter()
+            device = self.target.device
+            stream = torch.cuda.Stream(device)  # warm-up outside the graph: allocations, kernel choices
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                self._body(key)
+            torch.cuda.current_stream(device).wait_stream(stream)
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                self._body(key)
+            log.info("captured a drafter CUDA graph (%s, %d positions) in %.0f ms", *key,
+                     1e3 * (time.perf_counter() - started))
+        self.graphs[key] = graph
+
+    # ------------------------------------------------------------------ captured bodies
+    @torch.inference_mode()
+    def _body(self, key: tuple[str, int]) -> None:
+        kind, size = key
+        if kind == "draft":
+            self._draft_body(size)
+        else:
+            self._project_body(size)
+
+    def _draft_body(self, context: int) -> None:
+        inputs, bs = self.draft_in.device, self.block_size
+        anchor = inputs[1]
+        table = inputs[2:2 + context // bs]
+        ctx_pos = self.context_positions[:context]
+        slots = table[ctx_pos // bs] * bs + ctx_pos % bs
+        dtype = self.target.dtype
+        kv = [(k.gather(slots, dtype), v.gather(slots, dtype)) for k, v in self.caches]
+        x = self.target.embed_tokens(torch.cat([inputs[:1], self.mask_ids]))
+        mask = torch.cat([(ctx_pos < anchor).expand(self.block, context), self.block_visible], dim=1)
+        hidden = self.drafter.blocks(x, anchor + self.offsets, kv, ctx_pos, mask, self.position_bound)
+        logits = self.target.compute_logits(hidden[1:])
+        if self.logits is None:  # first use is a warm-up, never inside a capture
+            self.logits = torch.empty_like(logits)
+        self.logits.copy_(logits)
+
+    def _project_body(self, chunk: int) -> None:
+        positions, slots = self.project_in.device[0, :chunk], self.project_in.device[1, :chunk]
+        for (k_cache, v_cache), (k, v) in zip(self.caches, self.drafter.context_kv(self.features[:chunk], positions,
+                                                                                   self.position_bound)):
+            k_cache.write(k, slots)
+            v_cache.write(v, slots)

@@ -1,0 +1,118 @@
+"""The DFlash drafter's CUDA-graph bodies (lucebox/spec/dflash_graphs.py) compute what the eager,
+ragged drafter computes: draft logits over a padded, masked context bucket, and context K/V
+projected in padded chunks. On the CPU the static bodies run eagerly (capture=False); on a GPU
+the captured graphs are also compared, and greedy generation through them equals plain decoding."""
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lucebox import LLM, SamplingParams
+from lucebox.spec import dflash_graphs
+from lucebox.spec.dflash_graphs import DrafterGraphs, context_bucket
+
+from .spec_fixtures import write_dflash_drafter
+
+BLOCK = 4
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+
+
+@pytest.fixture(params=["full", "sliding"])
+def proposer(request, hf_models, tmp_path):
+    """A DFlash proposer on the qwen3 test target, its drafter cache filled with random K/V."""
+    overrides = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6} \
+        if request.param == "sliding" else {}
+    drafter = write_dflash_drafter(hf_models["qwen3"], tmp_path / "dflash", **overrides)
+    llm = LLM(str(hf_models["qwen3"]), device="cpu", block_size=BLOCK,
+              speculative_config={"method": "dflash", "model": str(drafter), "adaptive": False})
+    prop = llm.engine.speculator.proposer
+    assert (prop.drafter.layers[0].self_attn.sliding_window is not None) == (request.param == "sliding")
+    torch.manual_seed(1)
+    for k, v in prop.caches:
+        k.values.normal_()
+        v.values.normal_()
+    return prop, llm.engine.runner.num_blocks
+
+
+def static_graphs(prop, num_blocks: int, max_model_len: int = 200) -> DrafterGraphs:
+    return DrafterGraphs(prop.drafter, prop.target.model, prop.caches, BLOCK, num_blocks, max_model_len,
+                         prop.mask_token_id, capture=False)
+
+
+def a_sequence(num_blocks: int, num_tokens: int, seed: int):
+    rng = random.Random(seed)
+    table = rng.sample(range(num_blocks), -(-num_tokens // BLOCK))
+    return SimpleNamespace(block_table=table, num_tokens=num_tokens, last_token=rng.randrange(300),
+                           output_token_ids=[], prompt_token_ids=[])
+
+
+def test_context_buckets_are_powers_of_two_covering_the_anchor():
+    assert [context_bucket(a) for a in (0, 1, 256, 257, 1000, 1024, 1025)] == [256, 256, 256, 512, 1024, 1024, 2048]
+
+
+@pytest.mark.parametrize("anchor", [1, 5, 16, 17, 40, 63])
+def test_padded_draft_logits_equal_the_eager_drafter(proposer, anchor, monkeypatch):
+    monkeypatch.setattr(dflash_graphs, "MIN_CONTEXT", 16)  # several buckets at test sizes
+    prop, num_blocks = proposer
+    seq = a_sequence(num_blocks, anchor + 1, seed=anchor)
+    k = prop.block_size - 1
+    with torch.inference_mode():
+        want = prop._draft_logits(seq, k)
+        prop.graphs = static_graphs(prop, num_blocks)
+        got = prop._draft_logits(seq, k)
+    assert got.shape == want.shape
+    assert rel_err(got, want) <= 1e-5
+
+
+def test_chunked_projection_writes_what_the_eager_projection_writes(proposer):
+    prop, num_blocks = proposer
+    seq = a_sequence(num_blocks, 1100, seed=3)
+    taps = prop.drafter.fc.in_features
+    torch.manual_seed(2)
+    features = torch.randn(1100 - 7, taps)  # positions 7..1099: a chunk of 1024, then 69 padded to 256
+    caches_before = [(k.values.clone(), v.values.clone()) for k, v in prop.caches]
+    prop.pending[id(seq)] = [(7, features)]
+    prop._project(seq)
+    want = [(k.values.clone(), v.values.clone()) for k, v in prop.caches]
+    for (k, v), (k0, v0) in zip(prop.caches, caches_before):
+        k.values.copy_(k0)
+        v.values.copy_(v0)
+    prop.graphs = static_graphs(prop, num_blocks, max_model_len=1100)
+    prop.pending[id(seq)] = [(7, features)]
+    prop._project(seq)
+    scratch = slice(num_blocks, num_blocks + 1)  # padding rows land in the scratch block only
+    for (k, v), (wk, wv) in zip(prop.caches, want):
+        for got, expected in ((k.values, wk), (v.values, wv)):
+            assert rel_err(got[:num_blocks], expected[:num_blocks]) <= 1e-6
+            assert not torch.equal(got[scratch], expected[scratch])
+    assert sorted(key for key in prop.graphs.graphs) == [("project", 256), ("project", 1024)]
+
+
+@pytest.mark.parametrize("graphs", ["static", pytest.param("captured", marks=gpu)])
+def test_greedy_generation_with_drafter_graphs_equals_plain_decoding(graphs, hf_models, tmp_path):
+    target = hf_models["qwen3"]
+    drafter = write_dflash_drafter(target, tmp_path / "dflash")
+    device = "cuda" if graphs == "captured" else "cpu"
+    prompts = [{"prompt_token_ids": [(7 * i + j) % 300 + 3 for j in range(n)]} for i, n in enumerate((5, 19, 33))]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    outputs = []
+    for config in (None, {"method": "dflash", "model": str(drafter), "adaptive": False}):
+        llm = LLM(str(target), device=device, dtype="float32", block_size=BLOCK, speculative_config=config,
+                  cuda_graphs=True, kv_cache_memory=16 << 20)
+        if config is not None and graphs == "static":
+            prop = llm.engine.speculator.proposer
+            assert prop.graphs is None  # CPU: no captured graphs by default
+            prop.graphs = static_graphs(prop, llm.engine.runner.num_blocks, llm.engine.max_model_len)
+        outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        if config is not None:
+            prop = llm.engine.speculator.proposer
+            assert prop.graphs.replays > 0
+            assert any(g is not None for g in prop.graphs.graphs.values()) == (graphs == "captured")
+    assert outputs[0] == outputs[1]
