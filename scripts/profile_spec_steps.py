@@ -7,7 +7,8 @@ Each engine (plain, dflash, ngram) decodes the held-out prompts on its own, twic
 (the second pass is the steady state: graphs captured, policy tables settled); the sections are
 timed with perf_counter wrappers (no profiler overhead) and printed in microseconds per generated
 token. For the question `lucebox bench spec` cannot answer: where a speculative engine's plain
-steps spend the time that the plain engine does not.
+steps spend the time that the plain engine does not. `--trace plain:1` (engine:temperature) then
+decodes two prompts under torch.profiler and prints the top operators by host and device time.
 """
 from __future__ import annotations
 
@@ -53,6 +54,9 @@ def main() -> None:
     p.add_argument("--draft", default="models/default-dflash")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--trace", action="append", default=[], metavar="ENGINE:T",
+                   help="profile that engine at that temperature with torch.profiler (repeatable)")
+    p.add_argument("--rows", type=int, default=20)
     args = p.parse_args()
     totals: collections.Counter = collections.Counter()
     instrument(totals)
@@ -77,6 +81,24 @@ def main() -> None:
                 parts = "  ".join(f"{label}={seconds / tokens * 1e6:.0f}" for label, seconds in sorted(totals.items()))
                 print(f"T={temperature:g} pass {rep} {name:6s} {per_token * 1e3:.3f} ms/token, "
                       f"{sum(r['draft_tokens'] for r in runs)} draft tokens | us/token: {parts}", flush=True)
+    for spec in args.trace:
+        name, temperature = spec.split(":")
+        trace(engines[name], prompts[:2], SamplingParams(temperature=float(temperature), max_tokens=args.max_tokens,
+                                                         ignore_eos=True, seed=0), args.rows, spec)
+
+
+def trace(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, rows: int, label: str) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.model.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        tokens = sum(_decode_one(engine, p, params, f"trace{i}")["tokens"] for i, p in enumerate(prompts))
+    events = prof.key_averages()
+    print(f"\n{label}: {tokens} tokens under torch.profiler; top operators by host time:")
+    print(events.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=50))
+    if engine.model.device.type == "cuda":
+        print(f"{label}: top by device time:")
+        print(events.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=50))
 
 
 if __name__ == "__main__":

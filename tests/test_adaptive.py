@@ -15,7 +15,7 @@ def policy_with(forward_per_token: float, forward_fixed: float, draft_cost: floa
     for _ in range(2):  # a size's first sample is provisional (a warm-up's); two settle it
         for tokens in (1, 4, 9):
             policy.forward.add(tokens, forward_fixed + forward_per_token * tokens)
-        for k in (1, 8):
+        for k in (1, max_k):  # the lengths a policy measures before judging any
             policy.draft.add(k, draft_cost)
     return policy
 
@@ -69,9 +69,9 @@ def test_an_expensive_drafter_is_probed_within_the_probe_budget():
     choices = [slow.choose([0.1], 0) for _ in range(2000)]
     probes = [i for i, k in enumerate(choices) if k]
     assert probes, "never probed"
-    extra_per_probe = draft_cost + (0.021 - plain_cost)  # the draft and the 2-token forward's extra
-    assert len(probes) * extra_per_probe <= PROBE_BUDGET * plain_cost * len(choices) * 1.01
-    assert probes[0] >= extra_per_probe / (PROBE_BUDGET * plain_cost) - 1
+    extra = [draft_cost + 0.01 * choices[i] for i in probes]  # the draft and the wider forward's extra
+    assert sum(extra) <= PROBE_BUDGET * plain_cost * len(choices) * 1.01
+    assert probes[0] >= extra[0] / (PROBE_BUDGET * plain_cost) - 1
 
 
 def test_plain_decoding_of_an_unchanged_batch_is_not_re_evaluated_every_step():
@@ -83,11 +83,43 @@ def test_plain_decoding_of_an_unchanged_batch_is_not_re_evaluated_every_step():
     slow.forward.estimate = lambda size: calls.append(size) or estimate(size)
     steps = PROBE_EVERY - 2
     assert [slow.choose([0.1], 0) for _ in range(steps)] == [0] * steps
-    assert len(calls) == -(-steps // REEVALUATE_PLAIN_EVERY) * (1 + len(slow.candidates))
+    # An evaluation estimates the plain step, every candidate and the probe's forward.
+    assert len(calls) == -(-steps // REEVALUATE_PLAIN_EVERY) * (2 + len(slow.candidates))
     calls.clear()
     assert slow.choose([0.1], 4) == 0 and calls  # a prefill chunk joined the batch: evaluated
     fast = policy_with(forward_per_token=0.0001, forward_fixed=0.01, draft_cost=0.001)
     assert fast.choose([0.1], 0) == 0 and fast.choose([0.95], 0) == 8  # acceptance changed: evaluated
+
+
+def simulate(policy: DraftLengthPolicy, steps: int, alpha: float, forward, draft) -> list[int]:
+    """The engine's loop around a policy: choose, then record the step's measured costs."""
+    chosen = []
+    for _ in range(steps):
+        k = policy.choose([alpha], 0)
+        policy.forward.add(1 + k, forward(1 + k))
+        if k:
+            policy.draft.add(k, draft(k))
+        chosen.append(k)
+    return chosen
+
+
+def test_long_drafts_that_pay_are_found_when_a_verify_costs_a_step_more_than_plain():
+    """On a fast GPU a verify costs about one step more than a plain step (sampling and acceptance
+    of its rows), whatever its width. A line through the two narrowest forwards would price 9
+    tokens at 9 steps and keep this drafter (one pass for any length, 80% acceptance) off; measured
+    at the longest draft first, it runs at full length."""
+    policy = DraftLengthPolicy(8)
+    chosen = simulate(policy, 200, 0.8, forward=lambda t: 0.010 if t == 1 else 0.018 + 0.0001 * t,
+                      draft=lambda k: 0.002)
+    assert chosen[:6] == [0, 0, 8, 8, 1, 1]  # plain, the longest, the shortest: each measured twice
+    assert chosen[-100:].count(8) >= 98
+
+
+def test_a_draft_model_whose_cost_grows_with_k_settles_between_the_ends():
+    policy = DraftLengthPolicy(8)
+    chosen = simulate(policy, 200, 0.7, forward=lambda t: 0.010 + 0.0002 * t, draft=lambda k: 0.003 * k)
+    rates = {k: expected_tokens(0.7, k) / (0.010 + 0.0002 * (1 + k) + 0.003 * k) for k in policy.candidates}
+    assert max(set(chosen[-50:]), key=chosen[-50:].count) == max(rates, key=rates.get)
 
 
 def test_a_warm_up_step_does_not_stand_for_the_plain_cost():
@@ -99,8 +131,9 @@ def test_a_warm_up_step_does_not_stand_for_the_plain_cost():
     policy.forward.add(1, 0.001)
     assert policy.forward.estimate(1) == 0.001  # the warm-up sample is gone, not averaged in
     for _ in range(2):
-        policy.forward.add(2, 0.0011)
-        policy.draft.add(1, 0.002)  # a drafter slower than the target step
+        for k in (1, 4):
+            policy.forward.add(1 + k, 0.0011)
+            policy.draft.add(k, 0.002)  # a drafter slower than the target step
     assert policy.choose([0.3], batch_tokens=0) == 0
 
 

@@ -5,9 +5,10 @@ first rejection, so k drafts commit E(k) = (1 - alpha^(k+1)) / (1 - alpha) token
 costs the measured draft time plus the measured rest of an engine step for the batch's token count
 (scheduling, the target forward, sampling or verification, building the outputs: all of it, since
 on a fast GPU the host's share of a step can outweigh the forward itself).
-The step's k maximises committed tokens per second over the batch; k = 0 is plain decoding. When
-plain decoding wins, drafts are re-tried now and then, so a sequence whose text turns
-predictable (a quoted file, a repeated block) gets speculation back.
+The step's k maximises committed tokens per second over the batch; k = 0 is plain decoding. Costs
+are measured at the longest and the shortest draft first and interpolated between. When plain
+decoding wins, the most promising length is re-tried now and then, so a sequence whose text
+turns predictable (a quoted file, a repeated block) gets speculation back.
 """
 from __future__ import annotations
 
@@ -52,6 +53,13 @@ class TimingTable:
     def provisional(self, size: int) -> bool:
         """Measured once only: the value may be a warm-up's."""
         return self.counts.get(size, 0) == 1
+
+    def settled(self, size: int) -> bool:
+        return self.counts.get(size, 0) >= 2
+
+    def settled_at_or_above(self, size: int) -> bool:
+        """Some size >= `size` is settled: estimates up to it interpolate, never extrapolate."""
+        return any(self.counts[key] >= 2 for key in self.sizes[bisect_left(self.sizes, size):])
 
     def estimate(self, size: int) -> float | None:
         value = self.values.get(size)
@@ -128,31 +136,50 @@ class DraftLengthPolicy:
             # now and then, since a stale baseline (a slow early step) would keep a losing drafter on.
             self.speculated_steps = 0
             return 0
-        best_k, best_rate, probe_cost = 0, n / plain_cost, 0.0
+        unexplored = self._unexplored(batch_tokens, n)
+        if unexplored:
+            return unexplored
+        best_k, best_rate, probe_k, probe_rate = 0, n / plain_cost, 0, 0.0
         for k in self.candidates:
             size = batch_tokens + n * (1 + k)
-            forward, draft = self.forward.estimate(size), self.draft.estimate(k)
-            if forward is None or draft is None or self.forward.provisional(size) or self.draft.provisional(k):
-                return k  # no (settled) measurement of speculating this far yet: try it
+            if self.forward.provisional(size) or self.draft.provisional(k):
+                return k  # measured once, maybe with a one-off cost (a graph capture): measure again
             # A wider forward never costs less than the plain step: without this floor, one slow
             # plain step (a load spike), never re-measured while speculation runs, would keep a
             # useless drafter on.
-            rate = sum(expected_tokens(a, k) for a in alphas) / (max(forward, plain_cost) + draft)
-            if k == self.candidates[0]:
-                probe_cost = draft + max(0.0, forward - plain_cost)
+            rate = sum(expected_tokens(a, k) for a in alphas) / (max(self.forward.estimate(size), plain_cost)
+                                                                 + self.draft.estimate(k))
             if rate > best_rate:
                 best_k, best_rate = k, rate
+            if rate > probe_rate:
+                probe_k, probe_rate = k, rate
         if best_k == 0:
-            # A drafter that keeps losing is re-tried ever more rarely, so the probes themselves
-            # cannot make plain decoding measurably slower.
+            # Probes re-try the most promising length now and then, so a text that turns predictable
+            # gets speculation back. A drafter that keeps losing is re-tried ever more rarely, so the
+            # probes themselves cannot make plain decoding measurably slower.
+            probe_cost = (self.draft.estimate(probe_k)
+                          + max(0.0, self.forward.estimate(batch_tokens + n * (1 + probe_k)) - plain_cost))
             self.plain_query = (alphas, batch_tokens)
             self.next_probe = max(self.probe_interval, math.ceil(probe_cost / (PROBE_BUDGET * plain_cost)))
             self.plain_steps += 1
             if self.plain_steps >= self.next_probe:
                 self.plain_steps = 0
                 self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
-                return self.candidates[0]
+                return probe_k
             return 0
         self.plain_steps, self.probe_interval, self.next_probe = 0, PROBE_EVERY, PROBE_EVERY
         self.speculated_steps += 1
         return best_k
+
+    def _unexplored(self, batch_tokens: int, n: int) -> int:
+        """A draft length to measure before any is judged (0: none). The longest first, then the
+        shortest, each until settled: the lengths between are interpolated from them. (Extrapolating
+        from short drafts upwards would not do: a verify's extra cost over a plain step is mostly
+        per step, not per token, so a line through the two narrowest forwards overprices wide ones,
+        and a drafter whose long drafts pay would never be tried at length.)"""
+        longest, shortest = self.candidates[-1], self.candidates[0]
+        if not (self.forward.settled_at_or_above(batch_tokens + n * (1 + longest)) and self.draft.settled(longest)):
+            return longest
+        if not self.draft.settled(shortest):
+            return shortest
+        return 0
