@@ -32,7 +32,8 @@ from lucebox.spec.speculator import Speculator  # noqa: E402
 
 SECTIONS = [(LLMEngine, "step"), (ModelRunner, "run"), (Sampler, "__call__"), (LLMEngine, "_commit"),
             (LLMEngine, "_verify"), (LLMEngine, "_append"), (Speculator, "propose"), (Speculator, "record_step"),
-            (DFlashProposer, "propose"), (DFlashProposer, "_project")]
+            (DFlashProposer, "propose"), (DFlashProposer, "_project"), (DFlashProposer, "_draft_logits"),
+            (LLMEngine, "_request_output")]
 
 
 def instrument(totals: collections.Counter) -> None:
@@ -80,11 +81,21 @@ def main() -> None:
                 per_token = sum(r["seconds"] for r in runs) / tokens
                 parts = "  ".join(f"{label}={seconds / tokens * 1e6:.0f}" for label, seconds in sorted(totals.items()))
                 print(f"T={temperature:g} pass {rep} {name:6s} {per_token * 1e3:.3f} ms/token, "
-                      f"{sum(r['draft_tokens'] for r in runs)} draft tokens | us/token: {parts}", flush=True)
+                      f"{sum(r['draft_tokens'] for r in runs)} draft tokens, {graphs(engine)} graphs | "
+                      f"us/token: {parts}", flush=True)
     for spec in args.trace:
         name, temperature = spec.split(":")
         trace(engines[name], prompts[:2], SamplingParams(temperature=float(temperature), max_tokens=args.max_tokens,
                                                          ignore_eos=True, seed=0), args.rows, spec)
+
+
+def graphs(engine: LLMEngine) -> int:
+    """CUDA graphs captured so far (target and drafter): a count that grows between passes means
+    captures inside the timed decoding."""
+    proposer = engine.speculator.proposer if engine.speculator else None
+    drafter = getattr(proposer, "graphs", None)
+    runner = engine.runner.graphs
+    return (len(runner.graphs) if runner else 0) + (len(drafter.graphs) if drafter else 0)
 
 
 def trace(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, rows: int, label: str) -> None:

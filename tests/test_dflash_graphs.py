@@ -57,18 +57,28 @@ def test_context_buckets_are_powers_of_two_covering_the_anchor():
     assert [context_bucket(a) for a in (0, 1, 256, 257, 1000, 1024, 1025)] == [256, 256, 256, 512, 1024, 1024, 2048]
 
 
-@pytest.mark.parametrize("anchor", [1, 5, 16, 17, 40, 63])
-def test_padded_draft_logits_equal_the_eager_drafter(proposer, anchor, monkeypatch):
+@pytest.mark.parametrize("anchor, queued", [(1, 0), (5, 3), (16, 1), (17, 0), (40, 12), (63, 8)])
+def test_padded_draft_logits_equal_the_eager_drafter(proposer, anchor, queued, monkeypatch):
+    """`queued` positions before the anchor still wait for projection: the draft graph projects up
+    to a block of them itself (more go through the projection graphs first)."""
     monkeypatch.setattr(dflash_graphs, "MIN_CONTEXT", 16)  # several buckets at test sizes
     prop, num_blocks = proposer
     seq = a_sequence(num_blocks, anchor + 1, seed=anchor)
+    features = torch.randn(queued, prop.drafter.fc.in_features)
+    caches = [(k.values.clone(), v.values.clone()) for k, v in prop.caches]
     k = prop.block_size - 1
     with torch.inference_mode():
+        prop.pending[id(seq)] = [(anchor - queued, features)] if queued else []
         want = prop._draft_logits(seq, k)
+        for (kc, vc), (k0, v0) in zip(prop.caches, caches):
+            kc.values.copy_(k0)
+            vc.values.copy_(v0)
         prop.graphs = static_graphs(prop, num_blocks)
+        prop.pending[id(seq)] = [(anchor - queued, features)] if queued else []
         got = prop._draft_logits(seq, k)
     assert got.shape == want.shape
     assert rel_err(got, want) <= 1e-5
+    assert id(seq) not in prop.pending
 
 
 def test_chunked_projection_writes_what_the_eager_projection_writes(proposer):

@@ -16,8 +16,9 @@ prefill chunks); it is padded up to exactly B x Q tokens:
     scratch block past each sequence's end, so every block a kernel may touch exists.
 Inputs go through static device buffers (one host-to-device copy of a packed int64 buffer plus
 one of the block tables); outputs are static buffers from which the real rows are gathered, so
-a step has no host sync of its own. Graphs are captured lazily, the first time a bucket is used,
-into one shared memory pool, after the KV pool exists.
+a step has no host sync of its own. The engine captures every bucket when it starts (capture_all),
+into one shared memory pool, after the KV pool exists; a bucket not captured yet is captured the
+first time it is used.
 """
 from __future__ import annotations
 
@@ -206,6 +207,18 @@ class CudaGraphRunner:
         logits = logits.index_select(0, select_dev)
         return logits, (features.index_select(0, real_dev) if capture_layers else None)
 
+    def capture_all(self, capture_layers: tuple[int, ...] = ()) -> None:
+        """Capture every bucket now (the engine does at start): a bucket first used mid-stream
+        would stall that step by its capture, tens to hundreds of milliseconds."""
+        if not self.settings.capture:
+            return
+        started = time.perf_counter()
+        for num_seqs in self.batch_sizes:
+            for query_len in self.query_lens:
+                if (num_seqs, query_len, capture_layers) not in self.graphs:
+                    self._prepare(num_seqs, query_len, capture_layers)
+        log.info("captured %d CUDA graphs in %.1f s", len(self.graphs), time.perf_counter() - started)
+
     def _prepare(self, num_seqs: int, query_len: int, capture_layers: tuple[int, ...]) -> None:
         device = self.model.device
         query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int64, device=device) * query_len
@@ -227,7 +240,7 @@ class CudaGraphRunner:
             # thread_local: a server thread touching CUDA meanwhile must not invalidate the capture
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 self._forward(num_seqs, query_len, capture_layers, query_start_loc)
-            log.info("captured a CUDA graph for %d sequences x %d tokens in %.0f ms", num_seqs, query_len,
+            log.debug("captured a CUDA graph for %d sequences x %d tokens in %.0f ms", num_seqs, query_len,
                      1e3 * (time.perf_counter() - started))
         self.graphs[(num_seqs, query_len, capture_layers)] = (graph, query_start_loc)
 

@@ -47,6 +47,9 @@ class LLMEngine:
                                    on_release=self.speculator.release if self.speculator else None)
         if self.speculator is not None:
             self.speculator.proposer.allocate(num_blocks, args.block_size, self.scheduler.blocks, graphs)
+            self.speculator.proposer.capture_graphs()
+        # Every bucket now: one first used mid-stream would stall its step by the capture.
+        self.runner.capture_graphs(self.speculator.capture_layers if self.speculator is not None else ())
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(cfg.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids)
         self.requests: dict[str, tuple[str | None, list[Sequence]]] = {}

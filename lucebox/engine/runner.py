@@ -64,6 +64,12 @@ class ModelRunner:
                 return None
         return CudaGraphRunner(self.model, self.block_size, self.scratch_block, settings)
 
+    def capture_graphs(self, capture_layers: tuple[int, ...] = ()) -> None:
+        """Capture every CUDA-graph bucket now (a no-op without graphs)."""
+        if self.graphs is not None:
+            self._install()  # a graph keeps reading the caches installed when it was captured
+            self.graphs.capture_all(tuple(capture_layers))
+
     @torch.inference_mode()
     def run(self, token_ids: list[list[int]], start_positions: list[int], block_tables: list[list[int]],
             logits_rows: list[int] | None = None, all_logits: bool = False,

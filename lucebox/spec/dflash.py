@@ -103,6 +103,10 @@ class DFlashProposer(Proposer):
             self.graphs = DrafterGraphs(self.drafter, model, self.caches, block_size, num_blocks,
                                         graphs.max_model_len, self.mask_token_id, graphs.capture)
 
+    def capture_graphs(self) -> None:
+        if self.graphs is not None:
+            self.graphs.capture_all()
+
     def _slots(self, seq, start: int, end: int) -> torch.Tensor:
         pos = torch.arange(start, end)
         table = torch.tensor(seq.block_table, dtype=torch.long)
@@ -124,13 +128,18 @@ class DFlashProposer(Proposer):
         if queued * features.shape[1] * features.element_size() >= PROJECT_BYTES:
             self._project(seq)
 
-    @torch.inference_mode()
-    def _project(self, seq) -> None:
+    def _take_pending(self, seq) -> tuple[int, torch.Tensor | None]:
+        """The sequence's queued features, concatenated, and the position of their first row."""
         queue = self.pending.pop(id(seq), [])
         if not queue:
+            return 0, None
+        return queue[0][0], torch.cat([f for _, f in queue]) if len(queue) > 1 else queue[0][1]
+
+    @torch.inference_mode()
+    def _project(self, seq) -> None:
+        start, features = self._take_pending(seq)
+        if features is None:
             return
-        start = queue[0][0]
-        features = torch.cat([f for _, f in queue]) if len(queue) > 1 else queue[0][1]
         if self.graphs is not None:
             self.graphs.project(seq.block_table, start, features)
             return
@@ -150,15 +159,14 @@ class DFlashProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, seqs: list, num_tokens: list[int]) -> list[Draft]:
-        for seq in seqs:
-            self._project(seq)
         return [self._draft_one(seq, min(k, self.block_size - 1)) for seq, k in zip(seqs, num_tokens)]
 
     def _draft_logits(self, seq, k: int) -> torch.Tensor:
         """[k, vocab]: draft slot i predicts the token at anchor + i."""
         anchor = seq.num_tokens - 1  # the last committed token: its K/V and features are not known yet
-        if self.graphs is not None:
-            return self.graphs.draft(seq.block_table, anchor, seq.last_token)[:k]
+        if self.graphs is not None:  # the queued features are projected inside the draft graph
+            return self.graphs.draft(seq.block_table, anchor, seq.last_token, *self._take_pending(seq))[:k]
+        self._project(seq)
         device = self.target.model.device
         slots = self._slots(seq, 0, anchor)
         dtype = self.target.model.dtype

@@ -4,15 +4,17 @@ Eagerly, a drafter pass is ~60 small launches plus their Python: milliseconds of
 fast GPU, more than ten decode steps of a small target, which no acceptance rate can repay. As
 graphs, the pass costs the GPU time of its kernels plus one launch.
 
-Draft (one sequence; the engine drafts its sequences one after another): the block
-[anchor token, MASK x (B-1)] at positions anchor.. attends to the context positions 0..anchor-1,
-read from the drafter's paged cache. A graph is captured per context bucket L (a power of two, at
-least MIN_CONTEXT): the sequence's block table is padded with the scratch block to L / block_size
-entries and context columns at or past the anchor are masked out. Its input is one int64 buffer
-[anchor token, anchor, block table]; its output the logits of the B - 1 draft slots.
+Draft (one sequence; the engine drafts its sequences one after another): first the features
+still queued for the sequence (up to B positions: what the last verify committed) are projected
+into the drafter's cache, then the block [anchor token, MASK x (B-1)] at positions anchor..
+attends to the context positions 0..anchor-1, read from that paged cache. A graph is captured per
+context bucket L (a power of two, at least MIN_CONTEXT): the sequence's block table is padded with
+the scratch block to L / block_size entries and context columns at or past the anchor are masked
+out. Its input is one int64 buffer [anchor token, anchor, B projected positions, their B slots,
+block table]; its output the logits of the B - 1 draft slots.
 
-Projection: queued target features -> the drafter's context K/V, written into its cache, in
-chunks of a bucketed size (PROJECT_CHUNKS); padding rows write to the scratch block.
+Projection alone (a longer queue, a finishing sequence): queued target features -> the drafter's
+context K/V, in chunks of a bucketed size (PROJECT_CHUNKS). Padding rows write to the scratch block.
 
 With capture=False the same static, padded bodies run eagerly: that is how CPU tests check the
 padding and masking against the ragged eager drafter.
@@ -49,7 +51,7 @@ class DrafterGraphs:
         # RoPE tables are read in place by captured graphs: sized once, before any capture.
         self.position_bound = self.max_context + self.block
         drafter.rope.reserve(self.position_bound, device)
-        self.draft_in = StagedBuffer(2 + self.max_context // block_size, torch.int64, device)
+        self.draft_in = StagedBuffer(2 + 2 * self.block + self.max_context // block_size, torch.int64, device)
         self.project_in = StagedBuffer((2, PROJECT_CHUNKS[-1]), torch.int64, device)  # positions, slots
         taps = len(drafter.config.target_layer_ids) * drafter.config.model.hidden_size
         self.features = torch.zeros(PROJECT_CHUNKS[-1], taps, dtype=target_model.dtype, device=device)
@@ -63,36 +65,66 @@ class DrafterGraphs:
         self.replays = 0
 
     # ------------------------------------------------------------------ host side
-    def draft(self, block_table: list[int], anchor: int, anchor_token: int) -> torch.Tensor:
-        """Logits [B - 1, vocab] of the draft slots after `anchor` (valid until the next draft)."""
+    def draft(self, block_table: list[int], anchor: int, anchor_token: int, start: int,
+              features: torch.Tensor | None) -> torch.Tensor:
+        """Logits [B - 1, vocab] of the draft slots after `anchor` (valid until the next draft), after
+        projecting the queued features of positions start..anchor-1 (None: nothing queued)."""
+        rows = 0 if features is None else features.shape[0]
+        if rows > self.block:  # all but the last B positions through the projection graphs
+            self.project(block_table, start, features[:rows - self.block])
+            start, features, rows = start + rows - self.block, features[rows - self.block:], self.block
         context = context_bucket(anchor)
-        width = context // self.block_size
+        width, b = context // self.block_size, self.block
         staging = self.draft_in.staging()
-        table = block_table[:width]
         staging[0], staging[1] = anchor_token, anchor
-        staging[2:2 + len(table)] = table
-        staging[2 + len(table):2 + width] = self.scratch_block
-        self.draft_in.upload(2 + width)
+        self._stage_slots(staging[2:2 + b], staging[2 + b:2 + 2 * b], block_table, start, rows)
+        table = block_table[:width]
+        staging[2 + 2 * b:2 + 2 * b + len(table)] = table
+        staging[2 + 2 * b + len(table):2 + 2 * b + width] = self.scratch_block
+        self.draft_in.upload(2 + 2 * b + width)
+        if rows:
+            self.features[:rows].copy_(features)
         self._replay(("draft", context))
         return self.logits
 
+    def _stage_slots(self, positions: np.ndarray, slots: np.ndarray, block_table: list[int], start: int,
+                     rows: int) -> None:
+        """Positions and cache slots of `rows` positions from `start`, then padding (the scratch block)."""
+        pos = np.arange(start, start + rows)
+        positions[:rows] = pos
+        slots[:rows] = np.asarray(block_table, dtype=np.int64)[pos // self.block_size] * self.block_size \
+            + pos % self.block_size
+        positions[rows:] = 0
+        slots[rows:] = self.scratch_block * self.block_size + np.arange(len(slots) - rows) % self.block_size
+
     def project(self, block_table: list[int], start: int, features: torch.Tensor) -> None:
         """Write the drafter's context K/V of positions start.. (features [n, taps * hidden])."""
-        table = np.asarray(block_table, dtype=np.int64)
         done, n = 0, features.shape[0]
         while done < n:
             chunk = smallest_at_least(n - done, PROJECT_CHUNKS) or PROJECT_CHUNKS[-1]
             rows = min(chunk, n - done)
-            pos = np.arange(start + done, start + done + rows)
             staging = self.project_in.staging()
-            staging[0, :rows] = pos
-            staging[1, :rows] = table[pos // self.block_size] * self.block_size + pos % self.block_size
-            staging[0, rows:chunk] = 0
-            staging[1, rows:chunk] = self.scratch_block * self.block_size + np.arange(chunk - rows) % self.block_size
+            self._stage_slots(staging[0, :chunk], staging[1, :chunk], block_table, start + done, rows)
             self.project_in.upload()
             self.features[:rows].copy_(features[done:done + rows])
             self._replay(("project", chunk))
             done += rows
+
+    def capture_all(self, up_to_context: int = 4096) -> None:
+        """Capture the projections and the drafts of contexts up to `up_to_context` now (the engine
+        does at start); longer contexts are captured when first drafted at."""
+        if not self.capture:
+            return
+        for staged in (self.draft_in, self.project_in):  # captures may run their bodies: at the scratch block
+            staging = staged.staging().reshape(-1)
+            staging[:] = self.scratch_block
+            staged.upload()
+        for chunk in PROJECT_CHUNKS:
+            self._prepare(("project", chunk))
+        context = MIN_CONTEXT
+        while context <= min(up_to_context, self.max_context):
+            self._prepare(("draft", context))
+            context *= 2
 
     def _replay(self, key: tuple[str, int]) -> None:
         if key not in self.graphs:
@@ -133,9 +165,10 @@ class DrafterGraphs:
             self._project_body(size)
 
     def _draft_body(self, context: int) -> None:
-        inputs, bs = self.draft_in.device, self.block_size
+        inputs, bs, b = self.draft_in.device, self.block_size, self.block
+        self._write_context(self.features[:b], inputs[2:2 + b], inputs[2 + b:2 + 2 * b])
         anchor = inputs[1]
-        table = inputs[2:2 + context // bs]
+        table = inputs[2 + 2 * b:2 + 2 * b + context // bs]
         ctx_pos = self.context_positions[:context]
         slots = table[ctx_pos // bs] * bs + ctx_pos % bs
         dtype = self.target.dtype
@@ -149,8 +182,10 @@ class DrafterGraphs:
         self.logits.copy_(logits)
 
     def _project_body(self, chunk: int) -> None:
-        positions, slots = self.project_in.device[0, :chunk], self.project_in.device[1, :chunk]
-        for (k_cache, v_cache), (k, v) in zip(self.caches, self.drafter.context_kv(self.features[:chunk], positions,
+        self._write_context(self.features[:chunk], self.project_in.device[0, :chunk], self.project_in.device[1, :chunk])
+
+    def _write_context(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        for (k_cache, v_cache), (k, v) in zip(self.caches, self.drafter.context_kv(features, positions,
                                                                                    self.position_bound)):
             k_cache.write(k, slots)
             v_cache.write(v, slots)

@@ -47,6 +47,9 @@ class DraftModelProposer(Proposer):
         self.runner = ModelRunner(self.draft.model, num_blocks, block_size, graphs=graphs)
         self.blocks = block_manager
 
+    def capture_graphs(self) -> None:
+        self.runner.capture_graphs()
+
     def release(self, seq, finished: bool = True) -> None:
         self.fed.pop(id(seq), None)
         self.synced.pop(id(seq), None)

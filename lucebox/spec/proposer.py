@@ -27,6 +27,9 @@ class Proposer:
         """Make the proposer's KV pool; it is indexed by the target's block tables. graphs: the
         target's GraphSettings (None: eager), for proposers that run a model."""
 
+    def capture_graphs(self) -> None:
+        """Capture the proposer's CUDA graphs now, if it has any (the engine calls this at start)."""
+
     def propose(self, seqs: list, num_tokens: list[int]) -> list[Draft]:
         """Drafts for each sequence (at most num_tokens[i] tokens; fewer or none is fine)."""
         raise NotImplementedError
