@@ -19,6 +19,7 @@ from lucebox.util import host_to_device
 
 GREEDY_TEMPERATURE = 1e-5  # below this a temperature means argmax (vLLM's _SAMPLING_EPS)
 MAX_LOGPROBS = 20  # the OpenAI API's limit for top_logprobs
+MAX_CONSTANTS = 256  # per-row parameter vectors a Sampler keeps on the device for reuse
 
 # HF generation_config.json key -> SamplingParams field it provides a default for.
 _GENERATION_CONFIG_FIELDS = {
@@ -242,6 +243,7 @@ class Sampler:
 
     def __init__(self, eos_token_ids: Iterable[int] = ()):
         self.eos_token_ids = sorted(set(eos_token_ids))
+        self._constants: dict[tuple, torch.Tensor] = {}
 
     def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
         if all(s.params.is_greedy for s in states):  # no softmax, no randomness spent
@@ -279,18 +281,32 @@ class Sampler:
         dev, vocab = logits.device, logits.shape[1]
         if any(sampled):
             temps = [p.temperature if s else 1.0 for p, s in zip(params, sampled)]
-            if len(set(temps)) == 1:
+            if len(set(temps)) > 1:
+                logits.div_(self._constant(temps, dev).unsqueeze(1))
+            elif temps[0] != 1.0:
                 logits.div_(temps[0])
-            else:
-                logits.div_(host_to_device(temps, dev).unsqueeze(1))
         top_k = [p.top_k if s and 0 < p.top_k < vocab else vocab for p, s in zip(params, sampled)]
         top_p = [p.top_p if s and p.top_p < 1 else 2.0 for p, s in zip(params, sampled)]  # 2.0: never reached
-        if any(k < vocab for k in top_k) or any(p < 1 for p in top_p):
-            logits = _apply_top_k_top_p(logits, host_to_device(top_k, dev), host_to_device(top_p, dev))
+        use_k, use_p = any(k < vocab for k in top_k), any(p < 1 for p in top_p)
+        if use_k or use_p:
+            logits = _apply_top_k_top_p(logits, self._constant(top_k, dev) if use_k else None,
+                                        self._constant(top_p, dev) if use_p else None)
         min_p = [p.min_p if s else 0.0 for p, s in zip(params, sampled)]
         if any(min_p):
-            _apply_min_p(logits, host_to_device(min_p, dev))
+            _apply_min_p(logits, self._constant(min_p, dev))
         return logits
+
+    def _constant(self, values: list, device) -> torch.Tensor:
+        """A per-row parameter vector on the device, kept for reuse: a batch whose rows keep their
+        parameters step after step (the usual case) costs no host-to-device copy (each one a few
+        CUDA calls, and sampling at small batch is bound by their count, not by the GPU)."""
+        key = (tuple(values), str(device))
+        tensor = self._constants.get(key)
+        if tensor is None:
+            if len(self._constants) >= MAX_CONSTANTS:
+                self._constants.clear()
+            tensor = self._constants[key] = host_to_device(values, device)
+        return tensor
 
 
 def _apply_logits_processors(logits: torch.Tensor, states: Sequence[SamplingState]) -> None:
@@ -355,15 +371,18 @@ def _apply_penalties(logits: torch.Tensor, states: Sequence[SamplingState]) -> N
     logits[idx] = sub
 
 
-def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """top_k: [num_seqs] (vocab = off); top_p: [num_seqs] (> 1 = off). Ties with the k-th logit are kept."""
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """top_k: [num_seqs] (vocab = off) or None (off for all); top_p: [num_seqs] (> 1 = off) or None.
+    Ties with the k-th logit are kept."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    kth = sorted_logits.gather(1, (top_k - 1).unsqueeze(1))
-    sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
-    probs = sorted_logits.softmax(-1)
-    mass_before = probs.cumsum(-1) - probs
-    # Keep the smallest prefix whose mass reaches top_p: a token goes once the ones above it reach it.
-    sorted_logits.masked_fill_(mass_before >= top_p.unsqueeze(1), float("-inf"))
+    if top_k is not None:
+        kth = sorted_logits.gather(1, (top_k - 1).unsqueeze(1))
+        sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
+    if top_p is not None:
+        probs = sorted_logits.softmax(-1)
+        mass_before = probs.cumsum(-1) - probs
+        # Keep the smallest prefix whose mass reaches top_p: a token goes once the ones above it reach it.
+        sorted_logits.masked_fill_(mass_before >= top_p.unsqueeze(1), float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
