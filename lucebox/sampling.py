@@ -96,6 +96,13 @@ class SamplingParams:
         (penalties, logits processors, min_tokens not yet reached after num_output tokens)."""
         return bool(self.logits_processors) or self.has_penalties or self.min_tokens > num_output
 
+    def argmax_only(self, num_output: int) -> bool:
+        """Whether the next token (and, speculating, every draft position after it) is the plain
+        argmax of the model's logits: greedy, nothing processing the logits, no logprobs wanted.
+        The engine then takes argmax tokens computed inside the CUDA graph, not the logits."""
+        return self.is_greedy and not self.reads_history(num_output) and not self.logit_bias \
+            and self.logprobs is None
+
     def with_defaults(self, defaults: dict) -> SamplingParams:
         """A copy where fields the user did not set take the model's generation_config.json values."""
         user_set = self._set_fields

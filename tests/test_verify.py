@@ -70,6 +70,25 @@ def test_greedy_batch_equals_per_sequence_reference():
         assert len({v.num_accepted for v in verdicts}) > 3  # prefixes of many lengths were exercised
 
 
+def test_host_argmax_rule_equals_the_batch_rule_for_unprocessed_greedy_rows():
+    """accept_argmax (the engine's path when the graph returns argmax tokens) against accept_batch."""
+    rng, sampler = random.Random(2), Sampler()
+    seqs, drafts, rows = greedy_batch(rng, 30, num_seqs=40)
+    seqs = [Seq(SamplingParams(temperature=0)) for _ in seqs]  # nothing processes the logits
+    logits = torch.cat(rows)
+    assert all(s.params.argmax_only(0) for s in seqs)
+    verdicts = verify.accept_argmax(logits.argmax(-1).tolist(), drafts)
+    assert verdicts == accept_batch(sampler, logits, seqs, drafts)
+    assert len({v.num_accepted for v in verdicts}) > 3
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0.5), dict(temperature=0, repetition_penalty=1.2),
+                                    dict(temperature=0, logit_bias={1: 5.0}), dict(temperature=0, logprobs=2),
+                                    dict(temperature=0, min_tokens=3)])
+def test_rows_whose_logits_are_processed_or_reported_are_not_argmax_only(params):
+    assert not SamplingParams(**params).argmax_only(num_output=0)
+
+
 def test_greedy_verdicts_do_not_change_in_a_mixed_batch():
     rng, sampler = random.Random(1), Sampler()
     seqs, drafts, rows = greedy_batch(rng, 20, num_seqs=12)

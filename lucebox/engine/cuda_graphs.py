@@ -153,7 +153,8 @@ class CudaGraphRunner:
         self.inputs = StaticInputs(self.batch_sizes[-1] * self.query_lens[-1], self.batch_sizes[-1], self.width,
                                    model.device)
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph | None, torch.Tensor]] = {}
-        self.outputs: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        # per capture_layers: logits, features (or None) and argmax token of every padded row
+        self.outputs: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = {}
         self.pool = None
         self.replays: Counter = Counter()  # (B, Q) -> steps run through that bucket
         model.rope.reserve(self.width * block_size, model.device)
@@ -175,9 +176,10 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def run(self, token_ids, start_positions, block_tables, logits_rows=None, all_logits=False,
-            capture_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """ModelRunner.run's contract for a step that fits a bucket: (logits, features or None);
-        None when it fits none."""
+            capture_layers: tuple[int, ...] = (), argmax: bool = False
+            ) -> tuple[torch.Tensor | list[int], torch.Tensor | None] | None:
+        """ModelRunner.run's contract for a step that fits a bucket: (logits, or with argmax=True
+        the argmax token of each row as a host list; features or None); None when it fits none."""
         shape = self.bucket(token_ids, start_positions, block_tables)
         if shape is None:
             return None
@@ -202,10 +204,13 @@ class CudaGraphRunner:
         else:
             self._forward(num_seqs, query_len, key[2], query_start_loc)
         self.replays[shape] += 1
-        logits, features = self.outputs[key[2]]
+        logits, features, tokens = self.outputs[key[2]]
+        features = features.index_select(0, real_dev) if capture_layers else None
+        if argmax:  # the step's one device-to-host copy: every padded row's argmax, a few bytes
+            padded = tokens[:num_seqs * query_len].tolist()
+            return [padded[r] for r in select], features
         # index_select copies: the caller may keep the result past the next replay
-        logits = logits.index_select(0, select_dev)
-        return logits, (features.index_select(0, real_dev) if capture_layers else None)
+        return logits.index_select(0, select_dev), features
 
     def capture_all(self, capture_layers: tuple[int, ...] = ()) -> None:
         """Capture every bucket now (the engine does at start): a bucket first used mid-stream
@@ -257,8 +262,11 @@ class CudaGraphRunner:
             rows = self.inputs.tables.shape[0] * self.query_lens[-1]
             self.outputs[capture_layers] = (
                 logits.new_empty(rows, logits.shape[1]),
-                features.new_empty(rows, features.shape[1]) if features is not None else None)
-        out_logits, out_features = self.outputs[capture_layers]
+                features.new_empty(rows, features.shape[1]) if features is not None else None,
+                torch.empty(rows, dtype=torch.int64, device=logits.device))
+        out_logits, out_features, out_tokens = self.outputs[capture_layers]
         out_logits[:tokens].copy_(logits)
+        # Greedy steps whose logits nothing processes take these tokens and never touch the logits.
+        torch.argmax(logits, dim=-1, out=out_tokens[:tokens])
         if features is not None:
             out_features[:tokens].copy_(features)

@@ -13,7 +13,7 @@ from ..model.loader import LoadedModel
 from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
 from ..sampling import Sampler, SamplerOutput, SamplingParams, _raw_logprobs, make_generator
 from ..spec.factory import make_speculator
-from ..spec.verify import Verdict, accept_batch
+from ..spec.verify import Verdict, accept_argmax, accept_batch
 from ..stop import StopChecker
 from ..tokenizer import IncrementalDetokenizer
 from ..util import host_to_device
@@ -188,15 +188,20 @@ class LLMEngine:
                 plain_rows.append(offset + n - 1)
             offset += n
         capture = self.speculator.capture_layers if self.speculator is not None else ()
+        # All greedy with nothing processing the logits: argmax tokens come back, not logits.
+        argmax = all(seq.params.argmax_only(len(seq.output_token_ids)) for seq, _ in plain + verifying)
         out = self.runner.run(token_ids, [s.num_computed for s in batch.seqs], [s.block_table for s in batch.seqs],
-                              logits_rows=plain_rows + verify_rows, capture_layers=capture)
+                              logits_rows=plain_rows + verify_rows, capture_layers=capture, argmax=argmax)
         logits, features = out if capture else (out, None)
         for seq, n, offset in chunks:
             self._commit(seq, n, features, offset)
         if plain:
-            sampled = self.sampler(logits[:len(plain)], [seq for seq, _ in plain])
-            logprobs = sampled.logprob_dicts(self.tokenizer.id_to_token)
-            for (seq, offset), token, lp in zip(plain, sampled.sampled_token_ids.tolist(), logprobs):
+            if argmax:
+                tokens, logprobs = logits[:len(plain)], [None] * len(plain)
+            else:
+                sampled = self.sampler(logits[:len(plain)], [seq for seq, _ in plain])
+                tokens, logprobs = sampled.sampled_token_ids.tolist(), sampled.logprob_dicts(self.tokenizer.id_to_token)
+            for (seq, offset), token, lp in zip(plain, tokens, logprobs):
                 self._commit(seq, seq.num_tokens - seq.num_computed, features, offset)
                 self._append(seq, token, lp)
         if verifying:
@@ -215,16 +220,21 @@ class LLMEngine:
         self.scheduler.blocks.register_full_blocks(seq.block_table, seq.block_hashes, seq.token_slice,
                                                    seq.num_computed)
 
-    def _verify(self, verifying: list[tuple[Sequence, int]], logits: torch.Tensor, features) -> None:
-        """Accept every verifying sequence's drafts at once (logits: their k + 1 rows each, in order);
-        keep the K/V of accepted positions, forget the rest, append the new tokens."""
+    def _verify(self, verifying: list[tuple[Sequence, int]], logits: torch.Tensor | list[int], features) -> None:
+        """Accept every verifying sequence's drafts at once (logits: their k + 1 rows each, in order,
+        or those rows' argmax tokens); keep the K/V of accepted positions, forget the rest, append
+        the new tokens."""
         seqs = [seq for seq, _ in verifying]
         drafts = [seq.draft for seq in seqs]
         for seq in seqs:
             seq.draft = None
-        verdicts = accept_batch(self.sampler, logits, seqs, drafts)
-        starts = list(itertools.accumulate((len(d.tokens) + 1 for d in drafts[:-1]), initial=0))
-        logprobs = self._logprobs(seqs, logits, starts, verdicts)
+        if isinstance(logits, list):
+            verdicts = accept_argmax(logits, drafts)
+            logprobs = [[None] * len(v.tokens) for v in verdicts]
+        else:
+            verdicts = accept_batch(self.sampler, logits, seqs, drafts)
+            starts = list(itertools.accumulate((len(d.tokens) + 1 for d in drafts[:-1]), initial=0))
+            logprobs = self._logprobs(seqs, logits, starts, verdicts)
         for (seq, offset), draft, verdict, lps in zip(verifying, drafts, verdicts, logprobs):
             self.speculator.record(seq, len(draft.tokens), verdict.num_accepted)
             self._commit(seq, 1 + verdict.num_accepted, features, offset)  # the pending token + accepted drafts

@@ -73,8 +73,9 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, token_ids: list[list[int]], start_positions: list[int], block_tables: list[list[int]],
             logits_rows: list[int] | None = None, all_logits: bool = False,
-            capture_layers: tuple[int, ...] = ()) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Forward the new tokens of each sequence; returns float32 logits.
+            capture_layers: tuple[int, ...] = (), argmax: bool = False):
+        """Forward the new tokens of each sequence; returns float32 logits, or with argmax=True the
+        argmax token of each of those rows as a host list (one small device-to-host copy).
 
         Logits rows: `logits_rows` (flat token indices) when given, else the last new token of each
         sequence, or every new token with all_logits=True. With capture_layers, also returns the
@@ -83,15 +84,16 @@ class ModelRunner:
             self._install()
         if self.graphs is not None:
             out = self.graphs.run(token_ids, start_positions, block_tables, logits_rows, all_logits,
-                                  tuple(capture_layers))
+                                  tuple(capture_layers), argmax)
             if out is not None:
                 return out if capture_layers else out[0]
-        return self.run_eager(token_ids, start_positions, block_tables, logits_rows, all_logits, capture_layers)
+        return self.run_eager(token_ids, start_positions, block_tables, logits_rows, all_logits, capture_layers,
+                              argmax)
 
     @torch.inference_mode()
     def run_eager(self, token_ids: list[list[int]], start_positions: list[int], block_tables: list[list[int]],
                   logits_rows: list[int] | None = None, all_logits: bool = False,
-                  capture_layers: tuple[int, ...] = ()) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                  capture_layers: tuple[int, ...] = (), argmax: bool = False):
         """`run` without graphs: the exact ragged batch, no padding."""
         batch = ForwardBatch.build(token_ids, start_positions, block_tables, self.block_size, self.model.device,
                                    capture_layers)
@@ -101,6 +103,7 @@ class ModelRunner:
         elif not all_logits:
             hidden = hidden[batch.query_start_loc[1:] - 1]
         logits = self.model.compute_logits(hidden)
+        out = logits.argmax(-1).tolist() if argmax else logits
         if not capture_layers:
-            return logits
-        return logits, torch.cat([batch.captured[i] for i in capture_layers], dim=-1)
+            return out
+        return out, torch.cat([batch.captured[i] for i in capture_layers], dim=-1)

@@ -180,6 +180,8 @@ class DFlashProposer(Proposer):
 
     def _draft_one(self, seq, k: int) -> Draft:
         logits = self._draft_logits(seq, k)
+        if self.graphs is not None and seq.params.argmax_only(len(seq.output_token_ids)):
+            return Draft(self.graphs.tokens[:k].tolist())  # the argmax the graph took
         out = list(seq.output_token_ids)
         # Unless processing reads the drafts before a slot, every slot is processed alike: all k rows at
         # once. Otherwise slot by slot, each with its own history, as the target's rows are verified.

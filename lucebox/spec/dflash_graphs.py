@@ -11,7 +11,7 @@ attends to the context positions 0..anchor-1, read from that paged cache. A grap
 context bucket L (a power of two, at least MIN_CONTEXT): the sequence's block table is padded with
 the scratch block to L / block_size entries and context columns at or past the anchor are masked
 out. Its input is one int64 buffer [anchor token, anchor, B projected positions, their B slots,
-block table]; its output the logits of the B - 1 draft slots.
+block table]; its outputs the logits of the B - 1 draft slots and their argmax.
 
 Projection alone (a longer queue, a finishing sequence): queued target features -> the drafter's
 context K/V, in chunks of a bucketed size (PROJECT_CHUNKS). Padding rows write to the scratch block.
@@ -60,6 +60,7 @@ class DrafterGraphs:
         self.context_positions = torch.arange(self.max_context, device=device)
         self.block_visible = torch.ones(self.block, self.block, dtype=torch.bool, device=device)
         self.logits: torch.Tensor | None = None  # [B - 1, vocab], written by every draft
+        self.tokens: torch.Tensor | None = None  # [B - 1] their argmax
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph | None] = {}
         self.pool = None
         self.replays = 0
@@ -179,7 +180,9 @@ class DrafterGraphs:
         logits = self.target.compute_logits(hidden[1:])
         if self.logits is None:  # first use is a warm-up, never inside a capture
             self.logits = torch.empty_like(logits)
+            self.tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
         self.logits.copy_(logits)
+        torch.argmax(logits, dim=-1, out=self.tokens)  # greedy drafts whose logits nothing processes
 
     def _project_body(self, chunk: int) -> None:
         self._write_context(self.features[:chunk], self.project_in.device[0, :chunk], self.project_in.device[1, :chunk])

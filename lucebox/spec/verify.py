@@ -66,6 +66,21 @@ def accept_batch(sampler: Sampler, logits: torch.Tensor, seqs: Seq, drafts: Seq[
     return [Verdict(d.tokens[:a] + [t], a) for d, (a, t) in zip(drafts, host)]
 
 
+def accept_argmax(argmax: list[int], drafts: Seq[Draft]) -> list[Verdict]:
+    """The greedy rule on host lists, for steps whose logits nothing processes: `argmax` holds the
+    target's argmax of every verify row (the k_s + 1 rows of each sequence, in order)."""
+    verdicts, row = [], 0
+    for d in drafts:
+        k = len(d.tokens)
+        choice = argmax[row:row + k + 1]
+        n = 0
+        while n < k and choice[n] == d.tokens[n]:
+            n += 1
+        verdicts.append(Verdict(d.tokens[:n] + [choice[n]], n))
+        row += k + 1
+    return verdicts
+
+
 @dataclass
 class _Rows:
     """Per-row / per-sequence indices of a verify batch, sent to the device in one copy."""
