@@ -13,6 +13,7 @@ import torch
 from lucebox import LLM, SamplingParams
 from lucebox.spec import dflash_graphs
 from lucebox.spec.dflash_graphs import DrafterGraphs, context_bucket
+from lucebox.spec.feature_ring import FeatureRing, RingRows
 
 from .spec_fixtures import write_dflash_drafter
 
@@ -126,3 +127,64 @@ def test_greedy_generation_with_drafter_graphs_equals_plain_decoding(graphs, hf_
             assert prop.graphs.replays > 0
             assert any(g is not None for g in prop.graphs.graphs.values()) == (graphs == "captured")
     assert outputs[0] == outputs[1]
+
+
+def test_queued_ring_rows_are_projected_before_the_cursor_comes_round(proposer):
+    prop, num_blocks = proposer
+    width = prop.drafter.fc.in_features
+    seq = a_sequence(num_blocks, 40, seed=5)
+    features = torch.randn(20, width)
+    caches = [(k.values.clone(), v.values.clone()) for k, v in prop.caches]
+    prop.pending[id(seq)] = [(10, features)]
+    prop._project(seq)  # eager, from the tensor: what the ring path must write
+    want = [(k.values.clone(), v.values.clone()) for k, v in prop.caches]
+    for (kc, vc), (k0, v0) in zip(prop.caches, caches):
+        kc.values.copy_(k0)
+        vc.values.copy_(v0)
+    prop.graphs = static_graphs(prop, num_blocks)
+    prop.feature_ring = FeatureRing(64, width, torch.float32, "cpu")
+    first = prop.feature_rows(20)
+    prop.feature_ring.rows[first:first + 20] = features  # what a graph step writes
+    prop.observe(seq, 10, RingRows(first, 20))  # positions 10..29 queued, by their rows
+    assert prop.feature_rows(32) == 20 and id(seq) in prop.pending  # rows 20..51: still queued
+    assert prop.feature_rows(20) == 0 and id(seq) not in prop.pending  # wraps onto them: projected first
+    for (k, v), (wk, wv) in zip(prop.caches, want):
+        assert rel_err(k.values[:num_blocks], wk[:num_blocks]) <= 1e-6
+        assert rel_err(v.values[:num_blocks], wv[:num_blocks]) <= 1e-6
+
+
+@pytest.mark.parametrize("ring_bytes", [64 << 20, 1], ids=["roomy", "wrapping"])
+def test_features_through_the_ring_keep_greedy_output_identical(ring_bytes, hf_models, tmp_path, monkeypatch):
+    """Graph steps write captured features into the device ring and hand the drafter row ranges.
+    A tiny ring wraps every few steps: rows still queued are projected before they are overwritten."""
+    from dataclasses import replace
+
+    from lucebox.engine.cuda_graphs import CudaGraphRunner
+    from lucebox.spec import dflash
+
+    monkeypatch.setattr(dflash, "RING_BYTES", ring_bytes)
+    target = hf_models["qwen3"]
+    drafter = write_dflash_drafter(target, tmp_path / "dflash")
+    prompts = [{"prompt_token_ids": [(7 * i + j) % 300 + 3 for j in range(n)]} for i, n in enumerate((5, 19, 33))]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    plain = LLM(str(target), device="cpu", dtype="float32", block_size=BLOCK, kv_cache_memory=16 << 20)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(str(target), device="cpu", dtype="float32", block_size=BLOCK, cuda_graphs=True, max_num_seqs=4,
+              kv_cache_memory=16 << 20, speculative_config={"method": "dflash", "model": str(drafter),
+                                                            "adaptive": False})  # a ring of 4 x 4 x 8 rows
+    engine = llm.engine
+    settings = replace(engine._graph_settings(), capture=False)  # the static batches, run eagerly
+    runner, prop = engine.runner, engine.speculator.proposer
+    runner.graphs = CudaGraphRunner(runner.model, BLOCK, runner.scratch_block, settings)
+    prop.allocate(runner.num_blocks, BLOCK, engine.scheduler.blocks, settings)
+    runner.set_feature_ring(prop.feature_ring)
+    observed, firsts = [], []
+    observe, reserve = prop.observe, prop.feature_ring.reserve
+    monkeypatch.setattr(prop, "observe", lambda seq, start, f: observed.append(type(f).__name__) or observe(seq, start, f))
+    monkeypatch.setattr(prop.feature_ring, "reserve", lambda n: firsts.append(reserve(n)) or firsts[-1])
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert "RingRows" in observed and "Tensor" in observed  # graph steps by rows, eager prefill by tensor
+    wraps = sum(b < a for a, b in zip(firsts, firsts[1:]))
+    assert (wraps > 2) == (ring_bytes == 1)
+    assert not prop.pending

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from ..model.forward_batch import ForwardBatch
+from ..spec.feature_ring import RingRows
 
 log = logging.getLogger("lucebox")
 
@@ -86,14 +87,14 @@ class StagedBuffer:
 class StaticInputs:
     """The device buffers every graph reads, sized for the largest bucket, and their host staging.
 
-    One int64 buffer holds ids | positions | slots | seq_lens | selected rows | real rows, so a step
-    costs two host-to-device copies (that and the block tables) whatever its size."""
+    One int64 buffer holds ids | positions | slots | seq_lens | selected rows | real rows | feature
+    ring rows, so a step costs two host-to-device copies (that and the block tables) whatever its size."""
 
     def __init__(self, max_tokens: int, max_seqs: int, width: int, device: torch.device):
         t, b = max_tokens, max_seqs
         self.offsets = {"ids": 0, "positions": t, "slots": 2 * t, "seq_lens": 3 * t, "select": 3 * t + b,
-                        "real": 4 * t + b}
-        self._flat = StagedBuffer(5 * t + b, torch.int64, device)
+                        "real": 4 * t + b, "ring": 5 * t + b}
+        self._flat = StagedBuffer(6 * t + b, torch.int64, device)
         self._tables = StagedBuffer((max_seqs, width), torch.int32, device)
         self.flat, self.tables = self._flat.device, self._tables.device
 
@@ -101,7 +102,7 @@ class StaticInputs:
         start = self.offsets[name]
         return self.flat[start:start + n]
 
-    def _host(self, name: str, n: int) -> np.ndarray:
+    def host(self, name: str, n: int) -> np.ndarray:
         start = self.offsets[name]
         return self._flat.host.numpy()[start:start + n]
 
@@ -111,8 +112,8 @@ class StaticInputs:
         real token, in input order."""
         self._flat.staging()
         tokens = num_seqs * query_len
-        ids, positions = self._host("ids", tokens), self._host("positions", tokens)
-        slots, seq_lens = self._host("slots", tokens), self._host("seq_lens", num_seqs)
+        ids, positions = self.host("ids", tokens), self.host("positions", tokens)
+        slots, seq_lens = self.host("slots", tokens), self.host("seq_lens", num_seqs)
         tables = self._tables.staging()[:num_seqs]
         ids[:] = 0
         positions[:] = 0
@@ -133,7 +134,7 @@ class StaticInputs:
         return real
 
     def set_rows(self, name: str, rows: list[int]) -> torch.Tensor:
-        self._host(name, len(rows))[:] = rows
+        self.host(name, len(rows))[:] = rows
         return self.view(name, len(rows))
 
     def upload(self, num_seqs: int) -> None:
@@ -157,6 +158,7 @@ class CudaGraphRunner:
         self.outputs: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = {}
         self.pool = None
         self.replays: Counter = Counter()  # (B, Q) -> steps run through that bucket
+        self.feature_ring = None  # a FeatureRing: captured features are written there (set before capture)
         model.rope.reserve(self.width * block_size, model.device)
 
     def bucket(self, token_ids: list[list[int]], start_positions: list[int],
@@ -176,10 +178,10 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def run(self, token_ids, start_positions, block_tables, logits_rows=None, all_logits=False,
-            capture_layers: tuple[int, ...] = (), argmax: bool = False
-            ) -> tuple[torch.Tensor | list[int], torch.Tensor | None] | None:
+            capture_layers: tuple[int, ...] = (), argmax: bool = False, feature_rows: int | None = None):
         """ModelRunner.run's contract for a step that fits a bucket: (logits, or with argmax=True
-        the argmax token of each row as a host list; features or None); None when it fits none."""
+        the argmax token of each row as a host list; features, their RingRows or None); None when
+        it fits none."""
         shape = self.bucket(token_ids, start_positions, block_tables)
         if shape is None:
             return None
@@ -197,7 +199,12 @@ class CudaGraphRunner:
         else:
             select = [i * query_len + len(t) - 1 for i, t in enumerate(token_ids)]
         select_dev = self.inputs.set_rows("select", select)
-        real_dev = self.inputs.set_rows("real", real) if capture_layers else None
+        ring = self.feature_ring is not None and bool(capture_layers)
+        if ring:  # each real token's features go to its ring row, padding's to the trash row
+            rows = self.inputs.host("ring", num_seqs * query_len)
+            rows[:] = self.feature_ring.trash
+            rows[real] = np.arange(feature_rows, feature_rows + len(real))
+        real_dev = self.inputs.set_rows("real", real) if capture_layers and not ring else None
         self.inputs.upload(num_seqs)
         if graph is not None:
             graph.replay()
@@ -205,7 +212,10 @@ class CudaGraphRunner:
             self._forward(num_seqs, query_len, key[2], query_start_loc)
         self.replays[shape] += 1
         logits, features, tokens = self.outputs[key[2]]
-        features = features.index_select(0, real_dev) if capture_layers else None
+        if ring:
+            features = RingRows(feature_rows, len(real))
+        elif capture_layers:
+            features = features.index_select(0, real_dev)
         if argmax:  # the step's one device-to-host copy: every padded row's argmax, a few bytes
             padded = tokens[:num_seqs * query_len].tolist()
             return [padded[r] for r in select], features
@@ -268,5 +278,7 @@ class CudaGraphRunner:
         out_logits[:tokens].copy_(logits)
         # Greedy steps whose logits nothing processes take these tokens and never touch the logits.
         torch.argmax(logits, dim=-1, out=out_tokens[:tokens])
-        if features is not None:
+        if features is not None and self.feature_ring is not None:
+            self.feature_ring.rows.index_copy_(0, view("ring", tokens), features)
+        elif features is not None:
             out_features[:tokens].copy_(features)

@@ -46,8 +46,11 @@ class LLMEngine:
                                    args.max_num_seqs, args.max_num_batched_tokens,
                                    on_release=self.speculator.release if self.speculator else None)
         if self.speculator is not None:
-            self.speculator.proposer.allocate(num_blocks, args.block_size, self.scheduler.blocks, graphs)
-            self.speculator.proposer.capture_graphs()
+            proposer = self.speculator.proposer
+            proposer.allocate(num_blocks, args.block_size, self.scheduler.blocks, graphs)
+            if proposer.feature_ring is not None:
+                self.runner.set_feature_ring(proposer.feature_ring)
+            proposer.capture_graphs()
         # Every bucket now: one first used mid-stream would stall its step by the capture.
         self.runner.capture_graphs(self.speculator.capture_layers if self.speculator is not None else ())
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(cfg.eos_token_ids)
@@ -190,8 +193,10 @@ class LLMEngine:
         capture = self.speculator.capture_layers if self.speculator is not None else ()
         # All greedy with nothing processing the logits: argmax tokens come back, not logits.
         argmax = all(seq.params.argmax_only(len(seq.output_token_ids)) for seq, _ in plain + verifying)
+        rows = self.speculator.proposer.feature_rows(batch.total_tokens) if capture else None
         out = self.runner.run(token_ids, [s.num_computed for s in batch.seqs], [s.block_table for s in batch.seqs],
-                              logits_rows=plain_rows + verify_rows, capture_layers=capture, argmax=argmax)
+                              logits_rows=plain_rows + verify_rows, capture_layers=capture, argmax=argmax,
+                              feature_rows=rows)
         logits, features = out if capture else (out, None)
         for seq, n, offset in chunks:
             self._commit(seq, n, features, offset)

@@ -73,22 +73,29 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, token_ids: list[list[int]], start_positions: list[int], block_tables: list[list[int]],
             logits_rows: list[int] | None = None, all_logits: bool = False,
-            capture_layers: tuple[int, ...] = (), argmax: bool = False):
+            capture_layers: tuple[int, ...] = (), argmax: bool = False, feature_rows: int | None = None):
         """Forward the new tokens of each sequence; returns float32 logits, or with argmax=True the
         argmax token of each of those rows as a host list (one small device-to-host copy).
 
         Logits rows: `logits_rows` (flat token indices) when given, else the last new token of each
         sequence, or every new token with all_logits=True. With capture_layers, also returns the
-        outputs of those layers for every new token, concatenated: [T, len(capture_layers) * hidden]."""
+        outputs of those layers for every new token, concatenated: [T, len(capture_layers) * hidden];
+        a graph step with a feature ring (`set_feature_ring`) writes them to the T ring rows from
+        feature_rows instead and returns their RingRows (eager steps return the tensor)."""
         if self.model.layers[0].self_attn.k_cache is not self.caches[0][0]:
             self._install()
         if self.graphs is not None:
             out = self.graphs.run(token_ids, start_positions, block_tables, logits_rows, all_logits,
-                                  tuple(capture_layers), argmax)
+                                  tuple(capture_layers), argmax, feature_rows)
             if out is not None:
                 return out if capture_layers else out[0]
         return self.run_eager(token_ids, start_positions, block_tables, logits_rows, all_logits, capture_layers,
                               argmax)
+
+    def set_feature_ring(self, ring) -> None:
+        """Graph steps write captured features into this FeatureRing (before any capture)."""
+        if self.graphs is not None:
+            self.graphs.feature_ring = ring
 
     @torch.inference_mode()
     def run_eager(self, token_ids: list[list[int]], start_positions: list[int], block_tables: list[list[int]],

@@ -8,7 +8,9 @@ re-drafted next step), which is the reference's "crop after drafting".
 """
 from __future__ import annotations
 
+import itertools
 import logging
+from collections import deque
 from pathlib import Path
 
 import torch
@@ -21,6 +23,7 @@ from ..util import host_to_device, on_meta
 from ..weights.load import assign
 from ..weights.safetensors import iter_safetensors
 from .dflash_graphs import DrafterGraphs
+from .feature_ring import FeatureRing, RingRows
 from .dflash_model import DFlashConfig, DFlashDrafter, read_drafter_config
 from .proposer import Draft, Proposer
 
@@ -30,6 +33,9 @@ log = logging.getLogger("lucebox")
 # projection is a few dozen eager launches (~2.4 ms on the H200 machine's host), so it is amortised
 # over ~500 positions of the bundled pair and ~50 of an 8B target, at 2 MB held per sequence.
 PROJECT_BYTES = 2 << 20
+# The device ring graph steps write captured features into (spec/feature_ring.py): 64 MB holds
+# ~17K positions of the bundled pair's taps, ~1.6K of an 8B target's five.
+RING_BYTES = 64 << 20
 
 
 def load_drafter(path: str | Path, dtype: torch.dtype, device) -> tuple[DFlashDrafter, Path]:
@@ -73,9 +79,14 @@ class DFlashProposer(Proposer):
         self.block_size, self.mask_token_id = cfg.block_size, cfg.mask_token_id
         self.sampler = Sampler(set(target.tokenizer.eos_token_ids) | set(target.config.eos_token_ids))
         self.caches: list[tuple[PagedKVCache, PagedKVCache]] = []
-        self.pending: dict[int, list[tuple[int, torch.Tensor]]] = {}  # per sequence: (start, features)
+        # per sequence: (start, features or their RingRows), and the queue's unique token
+        self.pending: dict[int, list[tuple[int, torch.Tensor | RingRows]]] = {}
+        self.queue_token: dict[int, int] = {}
         self.block_tokens = 0
         self.graphs: DrafterGraphs | None = None
+        self.feature_ring: FeatureRing | None = None
+        self.ring_queue: deque = deque()  # (first row, rows, seq, queue token) in reservation order
+        self._tokens = itertools.count()
 
     @classmethod
     def load(cls, path: str, target) -> "DFlashProposer":
@@ -102,6 +113,26 @@ class DFlashProposer(Proposer):
         if graphs is not None and (model.device.type == "cuda" or not graphs.capture):
             self.graphs = DrafterGraphs(self.drafter, model, self.caches, block_size, num_blocks,
                                         graphs.max_model_len, self.mask_token_id, graphs.capture)
+            width = len(self.capture_layers) * self.target.config.hidden_size
+            step_tokens = graphs.max_batch * max(graphs.query_lens)
+            rows = max(RING_BYTES // (width * model.dtype.itemsize), 4 * step_tokens)
+            self.feature_ring = FeatureRing(rows, width, model.dtype, model.device)
+
+    def feature_rows(self, n: int) -> int | None:
+        """Reserve ring rows for a step's n tokens; rows still queued there are projected first."""
+        first = self.feature_ring.reserve(n) if self.feature_ring is not None else None
+        if first is None:
+            return None
+        end, queue = first + n, self.ring_queue
+        while queue:
+            row, count, seq, token = queue[0]
+            if self.queue_token.get(id(seq)) != token:
+                queue.popleft()  # projected (or dropped) since
+            elif row < end and first < row + count:
+                self._project(seq)
+            else:
+                break
+        return first
 
     def capture_graphs(self) -> None:
         if self.graphs is not None:
@@ -121,19 +152,41 @@ class DFlashProposer(Proposer):
         passes still cost the bundled pair's plain steps ~40 us a token, 4-7%, on the H200). Full
         blocks shared through the prefix cache while their projection is pending lack drafter K/V
         for a while: only the acceptance of drafts made from them in that window suffers."""
-        queue = self.pending.setdefault(id(seq), [])
-        covers_storage = features.untyped_storage().nbytes() == features.numel() * features.element_size()
-        queue.append((start, features if covers_storage else features.clone()))  # not a view pinning a batch
-        queued = start + features.shape[0] - queue[0][0]
-        if queued * features.shape[1] * features.element_size() >= PROJECT_BYTES:
+        queue = self.pending.get(id(seq))
+        if queue is None:
+            queue = self.pending[id(seq)] = []
+            self.queue_token[id(seq)] = next(self._tokens)
+        if isinstance(features, RingRows):
+            queue.append((start, features))
+            self.ring_queue.append((features.first, features.count, seq, self.queue_token[id(seq)]))
+            row_bytes = self.feature_ring.rows[0].nbytes
+        else:
+            covers_storage = features.untyped_storage().nbytes() == features.numel() * features.element_size()
+            queue.append((start, features if covers_storage else features.clone()))  # not a view pinning a batch
+            row_bytes = features.shape[1] * features.element_size()
+        if (start + features.shape[0] - queue[0][0]) * row_bytes >= PROJECT_BYTES:
             self._project(seq)
 
     def _take_pending(self, seq) -> tuple[int, torch.Tensor | None]:
-        """The sequence's queued features, concatenated, and the position of their first row."""
+        """The sequence's queued features, concatenated (ring rows: a view when consecutive; read
+        before the ring's cursor comes round), and the position of their first row."""
         queue = self.pending.pop(id(seq), [])
+        self.queue_token.pop(id(seq), None)
         if not queue:
             return 0, None
-        return queue[0][0], torch.cat([f for _, f in queue]) if len(queue) > 1 else queue[0][1]
+        parts: list[torch.Tensor] = []
+        rows: list[RingRows] = []
+        for _, f in queue:  # runs of ring rows gathered at once
+            if isinstance(f, RingRows):
+                rows.append(f)
+                continue
+            if rows:
+                parts.append(self.feature_ring.gather(rows))
+                rows = []
+            parts.append(f)
+        if rows:
+            parts.append(self.feature_ring.gather(rows))
+        return queue[0][0], torch.cat(parts) if len(parts) > 1 else parts[0]
 
     @torch.inference_mode()
     def _project(self, seq) -> None:
@@ -156,6 +209,7 @@ class DFlashProposer(Proposer):
         if finished:
             self._project(seq)
         self.pending.pop(id(seq), None)
+        self.queue_token.pop(id(seq), None)
 
     @torch.inference_mode()
     def propose(self, seqs: list, num_tokens: list[int]) -> list[Draft]:

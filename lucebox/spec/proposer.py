@@ -27,6 +27,13 @@ class Proposer:
         """Make the proposer's KV pool; it is indexed by the target's block tables. graphs: the
         target's GraphSettings (None: eager), for proposers that run a model."""
 
+    # A FeatureRing graph steps write the captured layers into (None: features come as tensors).
+    feature_ring = None
+
+    def feature_rows(self, n: int) -> int | None:
+        """The first of n ring rows reserved for a step's tokens, or None (no ring)."""
+        return None
+
     def capture_graphs(self) -> None:
         """Capture the proposer's CUDA graphs now, if it has any (the engine calls this at start)."""
 
