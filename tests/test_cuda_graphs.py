@@ -268,6 +268,21 @@ def test_graph_replay_matches_eager_logits(q_lens):
 
 
 @gpu
+def test_graphs_captured_at_engine_start_record_inference_kernels(hf_models, tmp_path, monkeypatch):
+    """Captured outside inference mode, the model's ops would take their autograd-safe torch
+    references (and record autograd state) into every graph: 2.5x slower replays, other numerics."""
+    from .spec_fixtures import write_dflash_drafter
+    seen = []
+    forward = CudaGraphRunner._forward
+    monkeypatch.setattr(CudaGraphRunner, "_forward",
+                        lambda self, *args: seen.append(torch.is_inference_mode_enabled()) or forward(self, *args))
+    spec = {"method": "dflash", "model": str(write_dflash_drafter(hf_models["qwen3"], tmp_path / "d"))}
+    llm = LLM(str(hf_models["qwen3"]), device="cuda", kv_cache_memory=16 << 20, speculative_config=spec)
+    assert len(seen) >= 2 * len(llm.engine.runner.graphs.graphs) and all(seen)  # warm-up and capture of each
+    assert llm.engine.speculator.proposer.graphs.graphs  # the drafter's too, without a device assert
+
+
+@gpu
 def test_a_graph_step_never_syncs_with_the_host():
     settings = GraphSettings(64, max_batch=8, query_lens=(1,))
     runner, tables, lens = prefilled(tiny_model("cuda"), settings, 3)

@@ -222,6 +222,7 @@ class CudaGraphRunner:
         # index_select copies: the caller may keep the result past the next replay
         return logits.index_select(0, select_dev), features
 
+    @torch.inference_mode()  # as run(): outside it the model's ops take their autograd-safe references
     def capture_all(self, capture_layers: tuple[int, ...] = ()) -> None:
         """Capture every bucket now (the engine does at start): a bucket first used mid-stream
         would stall that step by its capture, tens to hundreds of milliseconds."""

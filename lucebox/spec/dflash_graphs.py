@@ -111,15 +111,21 @@ class DrafterGraphs:
             self._replay(("project", chunk))
             done += rows
 
+    @torch.inference_mode()
     def capture_all(self, up_to_context: int = 4096) -> None:
         """Capture the projections and the drafts of contexts up to `up_to_context` now (the engine
         does at start); longer contexts are captured when first drafted at."""
         if not self.capture:
             return
-        for staged in (self.draft_in, self.project_in):  # captures may run their bodies: at the scratch block
-            staging = staged.staging().reshape(-1)
-            staging[:] = self.scratch_block
-            staged.upload()
+        # Captures run their bodies once: token 0 at position 0, every write to the scratch block.
+        staging, b = self.draft_in.staging(), self.block
+        staging[:2] = 0
+        self._stage_slots(staging[2:2 + b], staging[2 + b:2 + 2 * b], [], 0, 0)
+        staging[2 + 2 * b:] = self.scratch_block
+        self.draft_in.upload()
+        staging = self.project_in.staging()
+        self._stage_slots(staging[0], staging[1], [], 0, 0)
+        self.project_in.upload()
         for chunk in PROJECT_CHUNKS:
             self._prepare(("project", chunk))
         context = MIN_CONTEXT
