@@ -105,6 +105,22 @@ def test_stop_token_and_stop_string_inside_an_accepted_block(target, configs, pl
     assert out.text == text[:text.index(stop)] and out.stop_reason == stop
 
 
+@pytest.mark.parametrize("method", ["self_draft", "ngram"])
+def test_text_and_finish_reasons_equal_plain_decoding(method, target, configs, plain):
+    """Accepted blocks are appended as runs (one detokenizer call): the text, the token ids and why
+    each sequence ended must be what plain decoding gives, stop tokens and length limits inside a
+    block included."""
+    stop_ids = [plain[1][9], plain[3][4]]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, stop_token_ids=stop_ids)
+              for n in (24, 11, 5, 17, 24, 13)]
+    want = LLM(str(target), block_size=4).generate(prompts(), params, use_tqdm=False)
+    got = spec_llm(target, configs[method]).generate(prompts(), params, use_tqdm=False)
+    fields = lambda o: (o.text, o.token_ids, o.finish_reason, o.stop_reason)  # noqa: E731
+    assert [fields(o.outputs[0]) for o in got] == [fields(o.outputs[0]) for o in want]
+    assert {o.outputs[0].finish_reason for o in want} == {"stop", "length"}
+    assert sum(o.metrics.num_accepted_tokens for o in got) > len(prompts())  # blocks were accepted
+
+
 def test_max_tokens_is_exact_with_speculation(target, configs, plain):
     llm = spec_llm(target, configs["self_draft"])
     out = llm.generate(prompts(1), SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),

@@ -244,10 +244,13 @@ class LLMEngine:
             self.speculator.record(seq, len(draft.tokens), verdict.num_accepted)
             self._commit(seq, 1 + verdict.num_accepted, features, offset)  # the pending token + accepted drafts
             self.scheduler.blocks.truncate(seq.block_table, seq.num_computed + 1)
-            for token, lp in zip(verdict.tokens, lps):
-                self._append(seq, token, lp)
-                if seq.is_finished:
-                    break
+            if seq.params.stop or seq.logprobs is not None:
+                for token, lp in zip(verdict.tokens, lps):  # a stop string may end it at any token
+                    self._append(seq, token, lp)
+                    if seq.is_finished:
+                        break
+            else:
+                self._append_run(seq, verdict.tokens)
 
     def _logprobs(self, seqs: list[Sequence], logits: torch.Tensor, starts: list[int],
                   verdicts: list[Verdict]) -> list[list[dict | None]]:
@@ -288,6 +291,30 @@ class LLMEngine:
                 or seq.num_tokens >= self.max_model_len:
             if not self._emit(seq, seq.detokenizer.flush(), final=True):
                 self._finish(seq, "length", None)
+
+    def _append_run(self, seq: Sequence, tokens: list[int]) -> None:
+        """`_append` of several tokens for a sequence without stop strings or logprobs: the same
+        outputs, with one detokenizer call for the run instead of one per token (two tokenizer
+        decodes each: the host cost of a long accepted block)."""
+        params, stop_ids = seq.params, seq.params.stop_token_ids or ()
+        if seq.metrics.first_token_time is None:
+            seq.metrics.first_token_time = time.monotonic()
+        text_ids, reason, stop_token = [], None, None
+        for token in tokens:
+            seq.output_token_ids.append(token)
+            if token in stop_ids or (token in self.eos_token_ids and not params.ignore_eos):
+                reason, stop_token = "stop", token if token in stop_ids else None  # not part of the text
+                break
+            text_ids.append(token)
+            if (params.max_tokens is not None and len(seq.output_token_ids) >= params.max_tokens) \
+                    or seq.num_tokens >= self.max_model_len:
+                reason = "length"
+                break
+        if text_ids:
+            self._emit(seq, seq.detokenizer.push(text_ids))
+        if reason is not None:
+            self._emit(seq, seq.detokenizer.flush(), final=True)
+            self._finish(seq, reason, stop_token)
 
     def _emit(self, seq: Sequence, piece: str, final: bool = False) -> bool:
         """Pass new text through the stop-string check; True when a stop string ended the sequence."""
