@@ -7,6 +7,8 @@
 #   scripts/gpu_session.sh spec      bench spec on the bundled pair (models/default + default-dflash)
 #   scripts/gpu_session.sh kernels   scripts/bench_kernels.py: quantised GEMV rows at M = 1 and 16 (decode,
 #                                    verify), launch configs swept, timed in CUDA graphs (~9 min)
+#   scripts/gpu_session.sh profile   host time per engine-step section, plain vs speculative engines, and
+#                                    torch.profiler tables of a DFlash T=0 pass (scripts/profile_spec_steps.py)
 #   scripts/gpu_session.sh drafter   the default drafter (scripts/train_default_drafter.sh, ~7 min)
 # The device lacks the gguf package: keep its wheel in .whl/ (git-ignored) and pass carry [".whl"].
 set -uo pipefail
@@ -46,9 +48,12 @@ case "${1:-check}" in
         --sweep --qtypes Q8_0 Q4_K Q6_K --json "$out/kernels-quant-m$m.json"
       grep -E "^\| quant_matmul" "$out/kernels-quant-m$m.log" | cut -c1-400
     done ;;
+  profile)
+    step profile "${SECONDS_PROFILE:-240}" python3 scripts/profile_spec_steps.py --trace dflash:0 --trace plain:1
+    grep "pass 1" "$out/profile.log" ;;
   drafter)
     step drafter 570 bash scripts/train_default_drafter.sh "$out/default-dflash" "${SECONDS_TRAIN:-300}"
     rm -f "$out/default-dflash/train_state.pt" "$out/default-dflash/regenerated.pt"
     tr '\r' '\n' < "$out/drafter.log" | grep -E "tau|steps|wrote|Error|error" | tail -n 20 ;;
-  *) echo "usage: $0 check|bench|spec|kernels|drafter" >&2; exit 2 ;;
+  *) echo "usage: $0 check|bench|spec|kernels|profile|drafter" >&2; exit 2 ;;
 esac

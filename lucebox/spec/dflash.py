@@ -159,7 +159,7 @@ class DFlashProposer(Proposer):
         if isinstance(features, RingRows):
             queue.append((start, features))
             self.ring_queue.append((features.first, features.count, seq, self.queue_token[id(seq)]))
-            row_bytes = self.feature_ring.rows[0].nbytes
+            row_bytes = self.feature_ring.row_bytes
         else:
             covers_storage = features.untyped_storage().nbytes() == features.numel() * features.element_size()
             queue.append((start, features if covers_storage else features.clone()))  # not a view pinning a batch

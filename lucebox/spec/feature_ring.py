@@ -40,6 +40,7 @@ class FeatureRing:
         self.capacity = rows
         self.rows = torch.zeros(rows + 1, width, dtype=dtype, device=device)  # the last: padding's trash row
         self.trash = rows
+        self.row_bytes = width * self.rows.element_size()
         self.cursor = 0
 
     def reserve(self, n: int) -> int | None:
