@@ -263,7 +263,7 @@ def test_graph_replay_matches_eager_logits(q_lens):
         for g, s, w in zip(got, same_batch, want):
             assert rel_err(g, s) <= 1e-6  # the graph replays exactly the padded batch
             assert rel_err(g, w) <= 1e-4  # which computes the eager step (other kernel shapes: rounding)
-    graph, _ = runner.graphs.graphs[runner.graphs.bucket(*args) + ((0, 1),)]
+    graph, _ = runner.graphs.graphs[runner.graphs.bucket(*args) + ((0, 1), False)]
     assert graph is not None
 
 
@@ -376,3 +376,66 @@ def test_an_eager_batch_reaches_the_device_without_a_sync():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert batch.slot_mapping.tolist() == [0, 1, 2, 23]
+
+
+# ----------------------------------------------------------------------------- sampling inside the graph
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+def test_decode_graphs_that_sample_draw_from_the_samplers_distribution(device):
+    """sampling.sample_in_graph through the padded static decode batch: each row's tokens follow
+    the distribution `Sampler.processed_probs` gives for its parameters (Pearson, p = 1e-3), and a
+    greedy row in the same batch takes the argmax."""
+    from collections import Counter
+
+    from lucebox.sampling import Sampler, SamplingState
+
+    from .test_spec import chi_square_rejects
+    settings = GraphSettings(64, max_batch=4, query_lens=(1,), capture=device == "cuda", sample=True)
+    runner, tables, lens = prefilled(tiny_model(device), settings, 3)
+    # Low temperatures: this model's logits span only 1-2.4, so at T = 1 every row is nearly uniform.
+    params = [SamplingParams(temperature=0.3, top_k=12, top_p=0.9, min_p=0.02), SamplingParams(temperature=0.2),
+              SamplingParams(temperature=0)]
+    args = (step_tokens([1, 1, 1]), lens, tables)
+    vocab = runner.model.config.vocab_size
+    want = Sampler().processed_probs(runner.run_eager(*args), [SamplingState(p, []) for p in params])
+    n, counts = 3000, [Counter() for _ in params]
+    for _ in range(n):
+        for row, token in enumerate(runner.run(*args, sample=[p.graph_row(vocab) for p in params])):
+            counts[row][token] += 1
+    assert sum(runner.graphs.replays.values()) == n
+    assert all((graph is not None) == (device == "cuda") for graph, _ in runner.graphs.graphs.values())
+    for row in range(2):
+        probs = {t: p for t, p in enumerate(want[row].tolist()) if p > 0}
+        assert set(counts[row]) <= set(probs)  # filtered tokens never drawn
+        rejects, stat, critical = chi_square_rejects(counts[row], probs, n)
+        assert not rejects, (row, stat, critical)
+    assert set(counts[2]) == {int(want[2].argmax())}
+    assert len(counts[0]) < len(counts[1])  # the filters of row 0 bite
+
+
+def test_graph_sampling_is_used_only_for_decode_steps_of_simple_parameters():
+    assert SamplingParams(temperature=0.8, top_p=0.9, top_k=20, min_p=0.1).graph_samplable(0)
+    assert SamplingParams(temperature=0).graph_samplable(0)
+    for special in (dict(seed=3), dict(logprobs=1), dict(repetition_penalty=1.2), dict(logit_bias={1: 1.0}),
+                    dict(min_tokens=2)):
+        assert not SamplingParams(temperature=0.8, **special).graph_samplable(0)
+    assert SamplingParams(temperature=0.8, top_k=0, top_p=1.0).graph_row(96) == (0.8, 96, 2.0, 0.0, False)
+
+
+def test_the_engine_samples_plain_decode_steps_in_the_graph_when_asked(hf_models):
+    """graph_sampling=True: unseeded sampled decodes take the sampling graphs; a seeded request keeps
+    its own generator (reproducible whatever the batch), so its steps sample on the host."""
+    llm = LLM(str(hf_models["qwen3"]), device="cpu", block_size=BLOCK, cuda_graphs=True, graph_sampling=True)
+    runner = llm.engine.runner
+    settings = replace(llm.engine._graph_settings(), capture=False)
+    assert settings.sample
+    runner.graphs = CudaGraphRunner(runner.model, BLOCK, runner.scratch_block, settings)
+    prompt = {"prompt_token_ids": [5, 6, 7, 8]}
+    out = llm.generate(prompt, SamplingParams(temperature=0.8, top_p=0.9, max_tokens=8, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 8
+    sampled = [key for key in runner.graphs.graphs if key[3]]
+    assert sampled
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=8, ignore_eos=True, seed=7)
+    runs = [llm.generate(prompt, seeded, use_tqdm=False)[0].outputs[0].token_ids for _ in range(2)]
+    assert runs[0] == runs[1]

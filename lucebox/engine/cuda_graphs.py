@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from ..model.forward_batch import ForwardBatch
+from ..sampling import sample_in_graph
 from ..spec.feature_ring import RingRows
 
 log = logging.getLogger("lucebox")
@@ -48,6 +49,9 @@ class GraphSettings:
     # False: run the padded static batches eagerly instead of replaying graphs. The padding and the
     # static buffers are then exercised on any device (how CPU tests check them).
     capture: bool = True
+    # Decode graphs that also sample (sampling.sample_in_graph): a plain step of graph-samplable rows
+    # copies back token ids, not logits to process on the host's launches.
+    sample: bool = False
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -93,10 +97,22 @@ class StaticInputs:
     def __init__(self, max_tokens: int, max_seqs: int, width: int, device: torch.device):
         t, b = max_tokens, max_seqs
         self.offsets = {"ids": 0, "positions": t, "slots": 2 * t, "seq_lens": 3 * t, "select": 3 * t + b,
-                        "real": 4 * t + b, "ring": 5 * t + b}
-        self._flat = StagedBuffer(6 * t + b, torch.int64, device)
+                        "real": 4 * t + b, "ring": 5 * t + b, "top_k": 6 * t + b, "greedy": 6 * t + 2 * b}
+        self._flat = StagedBuffer(6 * t + 3 * b, torch.int64, device)
         self._tables = StagedBuffer((max_seqs, width), torch.int32, device)
+        self.sampling = StagedBuffer((3, max_seqs), torch.float32, device)  # temperature, top_p, min_p
         self.flat, self.tables = self._flat.device, self._tables.device
+
+    def set_sampling(self, rows: list[tuple[float, int, float, float, bool]], num_seqs: int) -> None:
+        """Per-sequence sampling parameters (`SamplingParams.graph_row`); padding rows are greedy."""
+        floats = self.sampling.staging()
+        top_k, greedy = self.host("top_k", num_seqs), self.host("greedy", num_seqs)
+        floats[:, :num_seqs] = [[1.0], [2.0], [0.0]]
+        top_k[:], greedy[:] = 1, 1
+        for i, (temperature, k, p, min_p, is_greedy) in enumerate(rows):
+            floats[:, i] = temperature, p, min_p
+            top_k[i], greedy[i] = k, is_greedy
+        self.sampling.upload()
 
     def view(self, name: str, n: int) -> torch.Tensor:
         start = self.offsets[name]
@@ -178,15 +194,18 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def run(self, token_ids, start_positions, block_tables, logits_rows=None, all_logits=False,
-            capture_layers: tuple[int, ...] = (), argmax: bool = False, feature_rows: int | None = None):
+            capture_layers: tuple[int, ...] = (), argmax: bool = False, feature_rows: int | None = None,
+            sample: list[tuple] | None = None):
         """ModelRunner.run's contract for a step that fits a bucket: (logits, or with argmax=True
-        the argmax token of each row as a host list; features, their RingRows or None); None when
-        it fits none."""
+        the argmax token of each row as a host list, or with `sample` (a `SamplingParams.graph_row`
+        per sequence, one logits row each) the sampled tokens; features, their RingRows or None);
+        None when it fits none."""
         shape = self.bucket(token_ids, start_positions, block_tables)
         if shape is None:
             return None
         num_seqs, query_len = shape
-        key = (num_seqs, query_len, tuple(capture_layers))
+        sampled = sample is not None and self.settings.sample and query_len == 1  # else: logits come back
+        key = (num_seqs, query_len, tuple(capture_layers), sampled)
         if key not in self.graphs:
             self._prepare(*key)
         graph, query_start_loc = self.graphs[key]
@@ -205,13 +224,17 @@ class CudaGraphRunner:
             rows[:] = self.feature_ring.trash
             rows[real] = np.arange(feature_rows, feature_rows + len(real))
         real_dev = self.inputs.set_rows("real", real) if capture_layers and not ring else None
+        if sampled:
+            self.inputs.set_sampling(sample, num_seqs)
         self.inputs.upload(num_seqs)
         if graph is not None:
             graph.replay()
         else:
-            self._forward(num_seqs, query_len, key[2], query_start_loc)
+            self._forward(*key, query_start_loc)
         self.replays[shape] += 1
-        logits, features, tokens = self.outputs[key[2]]
+        logits, features, tokens, drawn = self.outputs[key[2]]
+        if sampled:
+            argmax, tokens = True, drawn
         if ring:
             features = RingRows(feature_rows, len(real))
         elif capture_layers:
@@ -229,13 +252,15 @@ class CudaGraphRunner:
         if not self.settings.capture:
             return
         started = time.perf_counter()
-        for num_seqs in self.batch_sizes:
-            for query_len in self.query_lens:
-                if (num_seqs, query_len, capture_layers) not in self.graphs:
-                    self._prepare(num_seqs, query_len, capture_layers)
+        keys = [(b, q, capture_layers, False) for b in self.batch_sizes for q in self.query_lens]
+        if self.settings.sample:
+            keys += [(b, 1, capture_layers, True) for b in self.batch_sizes]
+        for key in keys:
+            if key not in self.graphs:
+                self._prepare(*key)
         log.info("captured %d CUDA graphs in %.1f s", len(self.graphs), time.perf_counter() - started)
 
-    def _prepare(self, num_seqs: int, query_len: int, capture_layers: tuple[int, ...]) -> None:
+    def _prepare(self, num_seqs: int, query_len: int, capture_layers: tuple[int, ...], sampled: bool) -> None:
         device = self.model.device
         query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int64, device=device) * query_len
         graph = None
@@ -243,24 +268,25 @@ class CudaGraphRunner:
             started = time.perf_counter()
             # An all-padding batch: warm-up and capture write nothing but the scratch block.
             self.inputs.fill([], [], [], num_seqs, query_len, self.block_size, self.scratch_block)
+            self.inputs.set_sampling([], num_seqs)
             self.inputs.upload(num_seqs)
             # Warm-up outside the graph: Triton compiles, cuBLAS picks algorithms, outputs get allocated.
             stream = torch.cuda.Stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
-                self._forward(num_seqs, query_len, capture_layers, query_start_loc)
+                self._forward(num_seqs, query_len, capture_layers, sampled, query_start_loc)
             torch.cuda.current_stream(device).wait_stream(stream)
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             # thread_local: a server thread touching CUDA meanwhile must not invalidate the capture
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                self._forward(num_seqs, query_len, capture_layers, query_start_loc)
+                self._forward(num_seqs, query_len, capture_layers, sampled, query_start_loc)
             log.debug("captured a CUDA graph for %d sequences x %d tokens in %.0f ms", num_seqs, query_len,
                      1e3 * (time.perf_counter() - started))
-        self.graphs[(num_seqs, query_len, capture_layers)] = (graph, query_start_loc)
+        self.graphs[(num_seqs, query_len, capture_layers, sampled)] = (graph, query_start_loc)
 
-    def _forward(self, num_seqs: int, query_len: int, capture_layers: tuple[int, ...],
+    def _forward(self, num_seqs: int, query_len: int, capture_layers: tuple[int, ...], sampled: bool,
                  query_start_loc: torch.Tensor) -> None:
         """The captured body: static inputs -> logits (and taps) of every padded row, into the static outputs."""
         tokens, view = num_seqs * query_len, self.inputs.view
@@ -274,11 +300,16 @@ class CudaGraphRunner:
             self.outputs[capture_layers] = (
                 logits.new_empty(rows, logits.shape[1]),
                 features.new_empty(rows, features.shape[1]) if features is not None else None,
+                torch.empty(rows, dtype=torch.int64, device=logits.device),
                 torch.empty(rows, dtype=torch.int64, device=logits.device))
-        out_logits, out_features, out_tokens = self.outputs[capture_layers]
+        out_logits, out_features, out_tokens, out_drawn = self.outputs[capture_layers]
         out_logits[:tokens].copy_(logits)
         # Greedy steps whose logits nothing processes take these tokens and never touch the logits.
         torch.argmax(logits, dim=-1, out=out_tokens[:tokens])
+        if sampled:  # a decode (one row a sequence): sampled with each sequence's parameters
+            floats = self.inputs.sampling.device[:, :num_seqs]
+            out_drawn[:tokens].copy_(sample_in_graph(logits, floats[0], view("top_k", num_seqs), floats[1], floats[2],
+                                                     view("greedy", num_seqs).bool(), out_tokens[:tokens]))
         if features is not None and self.feature_ring is not None:
             self.feature_ring.rows.index_copy_(0, view("ring", tokens), features)
         elif features is not None:

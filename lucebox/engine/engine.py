@@ -73,7 +73,7 @@ class LLMEngine:
         if self.speculator is not None:
             query_lens += tuple(k + 1 for k in self.speculator.policy.candidates)
         return GraphSettings(self.max_model_len, min(self.args.cuda_graph_max_batch, self.args.max_num_seqs),
-                             query_lens)
+                             query_lens, sample=self.args.graph_sampling)
 
     def _plan_kv_blocks(self) -> int:
         args = self.args
@@ -193,15 +193,20 @@ class LLMEngine:
         capture = self.speculator.capture_layers if self.speculator is not None else ()
         # All greedy with nothing processing the logits: argmax tokens come back, not logits.
         argmax = all(seq.params.argmax_only(len(seq.output_token_ids)) for seq, _ in plain + verifying)
+        # A plain decode step of simply sampled rows may be sampled inside its graph.
+        sample = None
+        if (not argmax and self.args.graph_sampling and plain and not verifying and not chunks
+                and all(seq.params.graph_samplable(len(seq.output_token_ids)) for seq, _ in plain)):
+            sample = [seq.params.graph_row(self.model.config.vocab_size) for seq, _ in plain]
         rows = self.speculator.proposer.feature_rows(batch.total_tokens) if capture else None
         out = self.runner.run(token_ids, [s.num_computed for s in batch.seqs], [s.block_table for s in batch.seqs],
                               logits_rows=plain_rows + verify_rows, capture_layers=capture, argmax=argmax,
-                              feature_rows=rows)
+                              feature_rows=rows, sample=sample)
         logits, features = out if capture else (out, None)
         for seq, n, offset in chunks:
             self._commit(seq, n, features, offset)
         if plain:
-            if argmax:
+            if isinstance(logits, list):  # argmax or sampled inside the graph
                 tokens, logprobs = logits[:len(plain)], [None] * len(plain)
             else:
                 sampled = self.sampler(logits[:len(plain)], [seq for seq, _ in plain])

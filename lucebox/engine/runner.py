@@ -73,9 +73,12 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, token_ids: list[list[int]], start_positions: list[int], block_tables: list[list[int]],
             logits_rows: list[int] | None = None, all_logits: bool = False,
-            capture_layers: tuple[int, ...] = (), argmax: bool = False, feature_rows: int | None = None):
+            capture_layers: tuple[int, ...] = (), argmax: bool = False, feature_rows: int | None = None,
+            sample: list[tuple] | None = None):
         """Forward the new tokens of each sequence; returns float32 logits, or with argmax=True the
-        argmax token of each of those rows as a host list (one small device-to-host copy).
+        argmax token of each of those rows as a host list (one small device-to-host copy). With
+        `sample` (a `SamplingParams.graph_row` per sequence, a decode step), a graph that samples
+        returns the tokens as a host list; other steps return the logits for the caller to sample.
 
         Logits rows: `logits_rows` (flat token indices) when given, else the last new token of each
         sequence, or every new token with all_logits=True. With capture_layers, also returns the
@@ -86,7 +89,7 @@ class ModelRunner:
             self._install()
         if self.graphs is not None:
             out = self.graphs.run(token_ids, start_positions, block_tables, logits_rows, all_logits,
-                                  tuple(capture_layers), argmax, feature_rows)
+                                  tuple(capture_layers), argmax, feature_rows, sample)
             if out is not None:
                 return out if capture_layers else out[0]
         return self.run_eager(token_ids, start_positions, block_tables, logits_rows, all_logits, capture_layers,
