@@ -104,16 +104,17 @@ class SamplingParams:
             and self.logprobs is None
 
     def graph_samplable(self, num_output: int) -> bool:
-        """Whether the next token can be sampled inside a decode CUDA graph (`sample_in_graph`):
-        argmax-only, or sampled with temperature / top-k / top-p / min-p alone from the global RNG
-        (a seeded request keeps its own generator, so it samples outside)."""
+        """Whether the next token (a decode) or the verdict on drafts (a verify) can be drawn inside
+        a CUDA graph (`spec.verify.accept_in_graph`): argmax-only, or sampled with temperature /
+        top-k / top-p / min-p alone from the global RNG (a seeded request keeps its own generator,
+        so it samples outside)."""
         if self.argmax_only(num_output):
             return True
         return self.seed is None and not self.reads_history(num_output) and not self.logit_bias \
             and self.logprobs is None
 
     def graph_row(self, vocab: int) -> tuple[float, int, float, float, bool]:
-        """(temperature, top_k, top_p, min_p, greedy) as `sample_in_graph` reads them: filters that
+        """(temperature, top_k, top_p, min_p, greedy) as `accept_in_graph` reads them: filters that
         are off take values that keep every token (top_k = vocab, top_p = 2)."""
         if self.is_greedy:
             return 1.0, vocab, 2.0, 0.0, True
@@ -331,19 +332,6 @@ class Sampler:
                 self._constants.clear()
             tensor = self._constants[key] = host_to_device(values, device)
         return tensor
-
-
-def sample_in_graph(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                    min_p: torch.Tensor, greedy: torch.Tensor, argmax: torch.Tensor) -> torch.Tensor:
-    """One token per row with no host work or sync (capturable in a CUDA graph): the processing and
-    draw of `Sampler` for rows whose params are `graph_samplable`, every filter applied to every row
-    (off = values that keep all tokens). Per-row device tensors; greedy rows take `argmax`."""
-    logits = logits / temperature.unsqueeze(1)
-    logits = _apply_top_k_top_p(logits, top_k, top_p)
-    _apply_min_p(logits, min_p)
-    probs = logits.softmax(-1)
-    noise = torch.empty_like(probs).exponential_().clamp_min_(torch.finfo(probs.dtype).tiny)
-    return torch.where(greedy, argmax, (probs / noise).argmax(-1))
 
 
 def _apply_logits_processors(logits: torch.Tensor, states: Sequence[SamplingState]) -> None:

@@ -70,7 +70,7 @@ def main() -> None:
                                                   kv_cache_memory=kv, speculative_config=config))
                for name, config in configs.items()}
     for temperature in (0.0, 1.0):
-        params = SamplingParams(temperature=temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=0)
+        params = SamplingParams(temperature=temperature, max_tokens=args.max_tokens, ignore_eos=True)
         for engine in engines.values():
             _decode_one(engine, prompts[0], params, "warm-up")
         for rep in range(2):
@@ -86,7 +86,7 @@ def main() -> None:
     for spec in args.trace:
         name, temperature = spec.split(":")
         trace(engines[name], prompts[:2], SamplingParams(temperature=float(temperature), max_tokens=args.max_tokens,
-                                                         ignore_eos=True, seed=0), args.rows, spec)
+                                                         ignore_eos=True), args.rows, spec)
 
 
 def graphs(engine: LLMEngine) -> int:

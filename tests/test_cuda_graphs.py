@@ -382,7 +382,7 @@ def test_an_eager_batch_reaches_the_device_without_a_sync():
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
 def test_decode_graphs_that_sample_draw_from_the_samplers_distribution(device):
-    """sampling.sample_in_graph through the padded static decode batch: each row's tokens follow
+    """spec.verify.accept_in_graph through the padded static decode batch: each row's tokens follow
     the distribution `Sampler.processed_probs` gives for its parameters (Pearson, p = 1e-3), and a
     greedy row in the same batch takes the argmax."""
     from collections import Counter
@@ -400,7 +400,8 @@ def test_decode_graphs_that_sample_draw_from_the_samplers_distribution(device):
     want = Sampler().processed_probs(runner.run_eager(*args), [SamplingState(p, []) for p in params])
     n, counts = 3000, [Counter() for _ in params]
     for _ in range(n):
-        for row, token in enumerate(runner.run(*args, sample=[p.graph_row(vocab) for p in params])):
+        for row, (accepted, token) in enumerate(runner.run(*args, sample=[p.graph_row(vocab) for p in params])):
+            assert accepted == 0  # a decode has no drafts
             counts[row][token] += 1
     assert sum(runner.graphs.replays.values()) == n
     assert all((graph is not None) == (device == "cuda") for graph, _ in runner.graphs.graphs.values())
@@ -439,3 +440,24 @@ def test_the_engine_samples_plain_decode_steps_in_the_graph_when_asked(hf_models
     seeded = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=8, ignore_eos=True, seed=7)
     runs = [llm.generate(prompt, seeded, use_tqdm=False)[0].outputs[0].token_ids for _ in range(2)]
     assert runs[0] == runs[1]
+
+
+def test_the_engine_accepts_n_gram_drafts_in_the_graph(hf_models):
+    """graph_sampling with n-gram speculation: verify steps of sampled and greedy rows take the
+    sampling graphs of their draft width (accept_in_graph), and the greedy request's output is
+    token-identical to plain greedy decoding while its drafts are accepted."""
+    path = str(hf_models["qwen3"])
+    prompt = {"prompt_token_ids": [5, 6, 7, 8, 9] * 4}
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    reference = LLM(path, device="cpu", block_size=BLOCK).generate(prompt, greedy, use_tqdm=False)[0]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "adaptive": False}
+    llm = LLM(path, device="cpu", block_size=BLOCK, cuda_graphs=True, graph_sampling=True, speculative_config=spec)
+    runner = llm.engine.runner
+    runner.graphs = CudaGraphRunner(runner.model, BLOCK, runner.scratch_block,
+                                    replace(llm.engine._graph_settings(), capture=False))
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, ignore_eos=True)
+    out = llm.generate([prompt, prompt], [greedy, sampled], use_tqdm=False)
+    assert out[0].outputs[0].token_ids == reference.outputs[0].token_ids
+    assert out[0].metrics.num_accepted_tokens > 0
+    assert len(out[1].outputs[0].token_ids) == 12
+    assert any(q > 1 and in_graph for _, q, _, in_graph in runner.graphs.graphs)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from lucebox.sampling import Sampler, SamplingParams
+from lucebox.sampling import Sampler, SamplingParams, SamplingState
 from lucebox.spec import verify
 from lucebox.spec.proposer import Draft
 from lucebox.spec.verify import Verdict, accept_batch, row_states
@@ -226,3 +226,61 @@ def test_one_device_to_host_transfer_per_batch(monkeypatch):
     calls.clear()  # building the batch drew drafts on the host
     verdicts = accept_batch(Sampler(), logits, seqs, drafts)
     assert len(verdicts) == 12 and calls == Counter(tolist=1)
+
+
+# ---------------------------------------------------------------------- acceptance inside a CUDA graph
+GRAPH_KINDS = 4  # per trial: fixed drafts at T = 1; fixed drafts filtered; greedy; a plain decode (no drafts)
+FILTERED = SamplingParams(temperature=0.7, top_k=3, top_p=0.9)
+
+
+def in_graph_verdicts(n: int, device: str = "cpu") -> list[Verdict]:
+    """accept_in_graph over n trials of GRAPH_KINDS sequences, each Q = 3 rows scoring P."""
+    torch.manual_seed(0)
+    kinds = [SamplingParams(temperature=1.0), FILTERED, SamplingParams(temperature=0), SamplingParams(temperature=1.0)]
+    drafts = [FIXED_DRAFTS, FIXED_DRAFTS, [3, 1], []]  # argmax of P: 3, then 0
+    params = [kinds[i % GRAPH_KINDS] for i in range(n * GRAPH_KINDS)]
+    rows = [p.graph_row(VOCAB) for p in params]
+    temperature, top_k, top_p, min_p, greedy = (torch.tensor(col, device=device) for col in zip(*rows))
+    logits = P.float().log().repeat(len(params), 1).to(device)
+    draft = torch.tensor([(drafts[i % GRAPH_KINDS] + [-1] * 3)[:3] for i in range(len(params))], device=device)
+    out = verify.accept_in_graph(logits, draft.view(-1), logits.argmax(-1), temperature.float(), top_k,
+                                 top_p.float(), min_p.float(), greedy)
+    return [Verdict(drafts[i % GRAPH_KINDS][:a] + [t], a) for i, (a, t) in enumerate(out.tolist())]
+
+
+def committed_every(verdicts: list[Verdict], kind: int) -> Counter:
+    return Counter(tuple(v.tokens) for v in verdicts[kind::GRAPH_KINDS])
+
+
+def correction_from_p(p: torch.Tensor, drafts: list[int]) -> dict[tuple[int, ...], float]:
+    """The outcomes of a wrong rule for fixed drafts: d_i accepted with probability p_i(d_i), but the
+    correction at a rejection drawn from p_a itself (the rejected draft not removed)."""
+    out: Counter = Counter()
+    reach = 1.0
+    for a in range(len(drafts) + 1):
+        stop = 1.0 if a == len(drafts) else 1 - float(p[a, drafts[a]])
+        for x in range(VOCAB):
+            out[tuple(drafts[:a]) + (x,)] += reach * stop * float(p[a, x])
+        if a < len(drafts):
+            reach *= float(p[a, drafts[a]])
+    return dict(out)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_acceptance_in_the_graph_follows_the_exact_distribution(device):
+    """Every committed tuple of accept_in_graph (fixed drafts: one-hot q), at T = 1 and with the
+    filters on (p = what the Sampler samples from), Pearson at 1e-3; greedy rows take the argmax
+    rule; a decode row draws from p. The same counts reject the distribution of a wrong rule (the
+    correction drawn from p, not from p without the rejected draft): the test has the power."""
+    verdicts = in_graph_verdicts(SAMPLES, device)
+    filtered = Sampler().processed_probs(P.float().log(), [SamplingState(FILTERED, [])] * 3).double()
+    for kind, p in ((0, P), (1, filtered)):
+        counts = committed_every(verdicts, kind)
+        rejected, stat, critical = chi_square_rejects(counts, exact_outcomes(p, one_hot(FIXED_DRAFTS)), SAMPLES)
+        assert not rejected, (kind, stat, critical)
+        assert chi_square_rejects(counts, correction_from_p(p, FIXED_DRAFTS), SAMPLES)[0], kind
+    assert all(v == Verdict([3, 0], 1) for v in verdicts[2::GRAPH_KINDS])
+    plain = Counter(v.tokens[0] for v in verdicts[3::GRAPH_KINDS])
+    assert all(v.num_accepted == 0 for v in verdicts[3::GRAPH_KINDS])
+    assert not chi_square_rejects(plain, dict(enumerate(P[0].tolist())), SAMPLES)[0]

@@ -31,8 +31,8 @@ import numpy as np
 import torch
 
 from ..model.forward_batch import ForwardBatch
-from ..sampling import sample_in_graph
 from ..spec.feature_ring import RingRows
+from ..spec.verify import accept_in_graph
 
 log = logging.getLogger("lucebox")
 
@@ -49,8 +49,9 @@ class GraphSettings:
     # False: run the padded static batches eagerly instead of replaying graphs. The padding and the
     # static buffers are then exercised on any device (how CPU tests check them).
     capture: bool = True
-    # Decode graphs that also sample (sampling.sample_in_graph): a plain step of graph-samplable rows
-    # copies back token ids, not logits to process on the host's launches.
+    # Graphs that also sample and accept (spec.verify.accept_in_graph): a decode or verify step of
+    # graph-samplable rows with deterministic drafts copies back (accepted, token) per sequence, not
+    # logits to process with the host's launches.
     sample: bool = False
 
 
@@ -92,13 +93,15 @@ class StaticInputs:
     """The device buffers every graph reads, sized for the largest bucket, and their host staging.
 
     One int64 buffer holds ids | positions | slots | seq_lens | selected rows | real rows | feature
-    ring rows, so a step costs two host-to-device copies (that and the block tables) whatever its size."""
+    ring rows | top_k | greedy | drafts, so a step costs two host-to-device copies (that and the block
+    tables) whatever its size (three when it samples in the graph: the float sampling parameters)."""
 
     def __init__(self, max_tokens: int, max_seqs: int, width: int, device: torch.device):
         t, b = max_tokens, max_seqs
         self.offsets = {"ids": 0, "positions": t, "slots": 2 * t, "seq_lens": 3 * t, "select": 3 * t + b,
-                        "real": 4 * t + b, "ring": 5 * t + b, "top_k": 6 * t + b, "greedy": 6 * t + 2 * b}
-        self._flat = StagedBuffer(6 * t + 3 * b, torch.int64, device)
+                        "real": 4 * t + b, "ring": 5 * t + b, "top_k": 6 * t + b, "greedy": 6 * t + 2 * b,
+                        "draft": 6 * t + 3 * b}
+        self._flat = StagedBuffer(7 * t + 3 * b, torch.int64, device)
         self._tables = StagedBuffer((max_seqs, width), torch.int32, device)
         self.sampling = StagedBuffer((3, max_seqs), torch.float32, device)  # temperature, top_p, min_p
         self.flat, self.tables = self._flat.device, self._tables.device
@@ -113,6 +116,14 @@ class StaticInputs:
             floats[:, i] = temperature, p, min_p
             top_k[i], greedy[i] = k, is_greedy
         self.sampling.upload()
+
+    def set_drafts(self, token_ids: list[list[int]], num_seqs: int, query_len: int) -> None:
+        """The draft each padded row checks (`accept_in_graph`): a verifying sequence's tokens are
+        [pending, d1..dk], so row j checks token j + 1; -1 on bonus and padding rows."""
+        draft = self.host("draft", num_seqs * query_len)
+        draft[:] = -1
+        for i, toks in enumerate(token_ids):
+            draft[i * query_len:i * query_len + len(toks) - 1] = toks[1:]
 
     def view(self, name: str, n: int) -> torch.Tensor:
         start = self.offsets[name]
@@ -170,7 +181,8 @@ class CudaGraphRunner:
         self.inputs = StaticInputs(self.batch_sizes[-1] * self.query_lens[-1], self.batch_sizes[-1], self.width,
                                    model.device)
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph | None, torch.Tensor]] = {}
-        # per capture_layers: logits, features (or None) and argmax token of every padded row
+        # per capture_layers: logits, features (or None) and argmax token of every padded row, and
+        # the verdict of every sequence of a sampling graph
         self.outputs: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = {}
         self.pool = None
         self.replays: Counter = Counter()  # (B, Q) -> steps run through that bucket
@@ -198,13 +210,14 @@ class CudaGraphRunner:
             sample: list[tuple] | None = None):
         """ModelRunner.run's contract for a step that fits a bucket: (logits, or with argmax=True
         the argmax token of each row as a host list, or with `sample` (a `SamplingParams.graph_row`
-        per sequence, one logits row each) the sampled tokens; features, their RingRows or None);
-        None when it fits none."""
+        per sequence; each sequence's tokens are its pending token and deterministic drafts, every
+        one a logits row) [drafts accepted, next token] per sequence; features, their RingRows or
+        None); None when it fits none."""
         shape = self.bucket(token_ids, start_positions, block_tables)
         if shape is None:
             return None
         num_seqs, query_len = shape
-        sampled = sample is not None and self.settings.sample and query_len == 1  # else: logits come back
+        sampled = sample is not None and self.settings.sample  # else: logits come back
         key = (num_seqs, query_len, tuple(capture_layers), sampled)
         if key not in self.graphs:
             self._prepare(*key)
@@ -226,19 +239,20 @@ class CudaGraphRunner:
         real_dev = self.inputs.set_rows("real", real) if capture_layers and not ring else None
         if sampled:
             self.inputs.set_sampling(sample, num_seqs)
+            self.inputs.set_drafts(token_ids, num_seqs, query_len)
         self.inputs.upload(num_seqs)
         if graph is not None:
             graph.replay()
         else:
             self._forward(*key, query_start_loc)
         self.replays[shape] += 1
-        logits, features, tokens, drawn = self.outputs[key[2]]
-        if sampled:
-            argmax, tokens = True, drawn
+        logits, features, tokens, verdicts = self.outputs[key[2]]
         if ring:
             features = RingRows(feature_rows, len(real))
         elif capture_layers:
             features = features.index_select(0, real_dev)
+        if sampled:  # the step's one device-to-host copy: two numbers a sequence
+            return verdicts[:len(token_ids)].tolist(), features
         if argmax:  # the step's one device-to-host copy: every padded row's argmax, a few bytes
             padded = tokens[:num_seqs * query_len].tolist()
             return [padded[r] for r in select], features
@@ -254,7 +268,7 @@ class CudaGraphRunner:
         started = time.perf_counter()
         keys = [(b, q, capture_layers, False) for b in self.batch_sizes for q in self.query_lens]
         if self.settings.sample:
-            keys += [(b, 1, capture_layers, True) for b in self.batch_sizes]
+            keys += [(b, q, capture_layers, True) for b in self.batch_sizes for q in self.query_lens]
         for key in keys:
             if key not in self.graphs:
                 self._prepare(*key)
@@ -269,6 +283,7 @@ class CudaGraphRunner:
             # An all-padding batch: warm-up and capture write nothing but the scratch block.
             self.inputs.fill([], [], [], num_seqs, query_len, self.block_size, self.scratch_block)
             self.inputs.set_sampling([], num_seqs)
+            self.inputs.set_drafts([], num_seqs, query_len)
             self.inputs.upload(num_seqs)
             # Warm-up outside the graph: Triton compiles, cuBLAS picks algorithms, outputs get allocated.
             stream = torch.cuda.Stream(device)
@@ -301,15 +316,16 @@ class CudaGraphRunner:
                 logits.new_empty(rows, logits.shape[1]),
                 features.new_empty(rows, features.shape[1]) if features is not None else None,
                 torch.empty(rows, dtype=torch.int64, device=logits.device),
-                torch.empty(rows, dtype=torch.int64, device=logits.device))
-        out_logits, out_features, out_tokens, out_drawn = self.outputs[capture_layers]
+                torch.empty(self.inputs.tables.shape[0], 2, dtype=torch.int64, device=logits.device))
+        out_logits, out_features, out_tokens, out_verdicts = self.outputs[capture_layers]
         out_logits[:tokens].copy_(logits)
         # Greedy steps whose logits nothing processes take these tokens and never touch the logits.
         torch.argmax(logits, dim=-1, out=out_tokens[:tokens])
-        if sampled:  # a decode (one row a sequence): sampled with each sequence's parameters
+        if sampled:  # each sequence's drafts checked and its next token drawn with its own parameters
             floats = self.inputs.sampling.device[:, :num_seqs]
-            out_drawn[:tokens].copy_(sample_in_graph(logits, floats[0], view("top_k", num_seqs), floats[1], floats[2],
-                                                     view("greedy", num_seqs).bool(), out_tokens[:tokens]))
+            out_verdicts[:num_seqs].copy_(accept_in_graph(
+                logits, view("draft", tokens), out_tokens[:tokens], floats[0], view("top_k", num_seqs), floats[1],
+                floats[2], view("greedy", num_seqs).bool()))
         if features is not None and self.feature_ring is not None:
             self.feature_ring.rows.index_copy_(0, view("ring", tokens), features)
         elif features is not None:

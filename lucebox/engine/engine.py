@@ -193,20 +193,25 @@ class LLMEngine:
         capture = self.speculator.capture_layers if self.speculator is not None else ()
         # All greedy with nothing processing the logits: argmax tokens come back, not logits.
         argmax = all(seq.params.argmax_only(len(seq.output_token_ids)) for seq, _ in plain + verifying)
-        # A plain decode step of simply sampled rows may be sampled inside its graph.
+        # Simply sampled rows with deterministic drafts (or none): sampled and accepted in the graph.
         sample = None
-        if (not argmax and self.args.graph_sampling and plain and not verifying and not chunks
-                and all(seq.params.graph_samplable(len(seq.output_token_ids)) for seq, _ in plain)):
-            sample = [seq.params.graph_row(self.model.config.vocab_size) for seq, _ in plain]
+        if (not argmax and self.args.graph_sampling and not chunks
+                and all(seq.params.graph_samplable(len(seq.output_token_ids)) for seq in batch.seqs)
+                and all(seq.draft.probs is None for seq, _ in verifying)):
+            sample = [seq.params.graph_row(self.model.config.vocab_size) for seq in batch.seqs]
         rows = self.speculator.proposer.feature_rows(batch.total_tokens) if capture else None
         out = self.runner.run(token_ids, [s.num_computed for s in batch.seqs], [s.block_table for s in batch.seqs],
                               logits_rows=plain_rows + verify_rows, capture_layers=capture, argmax=argmax,
                               feature_rows=rows, sample=sample)
         logits, features = out if capture else (out, None)
+        # [drafts accepted, next token] per sequence when the graph sampled and accepted
+        in_graph = dict(zip(map(id, batch.seqs), logits)) if sample is not None and isinstance(logits, list) else None
         for seq, n, offset in chunks:
             self._commit(seq, n, features, offset)
         if plain:
-            if isinstance(logits, list):  # argmax or sampled inside the graph
+            if in_graph is not None:
+                tokens, logprobs = [in_graph[id(seq)][1] for seq, _ in plain], [None] * len(plain)
+            elif isinstance(logits, list):  # argmax inside the graph
                 tokens, logprobs = logits[:len(plain)], [None] * len(plain)
             else:
                 sampled = self.sampler(logits[:len(plain)], [seq for seq, _ in plain])
@@ -215,7 +220,11 @@ class LLMEngine:
                 self._commit(seq, seq.num_tokens - seq.num_computed, features, offset)
                 self._append(seq, token, lp)
         if verifying:
-            self._verify(verifying, logits[len(plain):], features)
+            verdicts = None
+            if in_graph is not None:
+                verdicts = [Verdict(seq.draft.tokens[:a] + [t], a) for seq, _ in verifying
+                            for a, t in [in_graph[id(seq)]]]
+            self._verify(verifying, features, logits[len(plain):], verdicts)
         touched = dict.fromkeys(seq.request_id for seq, _ in plain + verifying)
         outputs = [self._request_output(rid) for rid in touched if rid in self.requests]
         if self.speculator is not None:  # after the host has the tokens and outputs: the step's full cost
@@ -230,15 +239,18 @@ class LLMEngine:
         self.scheduler.blocks.register_full_blocks(seq.block_table, seq.block_hashes, seq.token_slice,
                                                    seq.num_computed)
 
-    def _verify(self, verifying: list[tuple[Sequence, int]], logits: torch.Tensor | list[int], features) -> None:
+    def _verify(self, verifying: list[tuple[Sequence, int]], features, logits: torch.Tensor | list[int],
+                verdicts: list[Verdict] | None = None) -> None:
         """Accept every verifying sequence's drafts at once (logits: their k + 1 rows each, in order,
-        or those rows' argmax tokens); keep the K/V of accepted positions, forget the rest, append
-        the new tokens."""
+        or those rows' argmax tokens; or the verdicts the graph reached); keep the K/V of accepted
+        positions, forget the rest, append the new tokens."""
         seqs = [seq for seq, _ in verifying]
         drafts = [seq.draft for seq in seqs]
         for seq in seqs:
             seq.draft = None
-        if isinstance(logits, list):
+        if verdicts is not None:
+            logprobs = [[None] * len(v.tokens) for v in verdicts]
+        elif isinstance(logits, list):
             verdicts = accept_argmax(logits, drafts)
             logprobs = [[None] * len(v.tokens) for v in verdicts]
         else:

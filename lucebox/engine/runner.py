@@ -77,8 +77,9 @@ class ModelRunner:
             sample: list[tuple] | None = None):
         """Forward the new tokens of each sequence; returns float32 logits, or with argmax=True the
         argmax token of each of those rows as a host list (one small device-to-host copy). With
-        `sample` (a `SamplingParams.graph_row` per sequence, a decode step), a graph that samples
-        returns the tokens as a host list; other steps return the logits for the caller to sample.
+        `sample` (a `SamplingParams.graph_row` per sequence; a decode or verify step of deterministic
+        drafts), a graph that samples returns [drafts accepted, next token] per sequence as a host
+        list (`accept_in_graph`); other steps return the logits for the caller to sample.
 
         Logits rows: `logits_rows` (flat token indices) when given, else the last new token of each
         sequence, or every new token with all_logits=True. With capture_layers, also returns the

@@ -23,7 +23,8 @@ from typing import Sequence as Seq
 
 import torch
 
-from ..sampling import Sampler, SamplingState, _exponential_race
+from ..sampling import (Sampler, SamplingState, _apply_min_p, _apply_top_k_top_p, _exponential_race,
+                        _fill_exponential)
 from ..util import host_to_device
 from .proposer import Draft
 
@@ -79,6 +80,46 @@ def accept_argmax(argmax: list[int], drafts: Seq[Draft]) -> list[Verdict]:
         verdicts.append(Verdict(d.tokens[:n] + [choice[n]], n))
         row += k + 1
     return verdicts
+
+
+def accept_in_graph(logits: torch.Tensor, draft: torch.Tensor, argmax: torch.Tensor, temperature: torch.Tensor,
+                    top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+    """`accept_batch` for deterministic drafts (n-gram lookups, argmax drafts) in the uniform layout
+    of a CUDA-graph bucket, with no host work or sync (capturable): B sequences of Q rows each,
+    row j of sequence b scoring the token after its j-th draft; `draft` [B*Q] holds the draft each
+    row checks (the next input token) or -1 past a sequence's drafts (its bonus row and padding).
+    A decode is Q = 1: no drafts, the token sampled from p. Per-sequence parameters are [B]
+    tensors in `SamplingParams.graph_row`'s form (filters that are off keep every token); greedy
+    sequences accept while the draft is the row's argmax (`argmax` [B*Q]) and end on the argmax.
+
+    Returns [B, 2] int64: (drafts accepted, the token after them) per sequence. The randomness
+    comes from the global generator, which a CUDA graph replays with fresh offsets each time."""
+    num_seqs = temperature.shape[0]
+    query_len = logits.shape[0] // num_seqs
+
+    def per_row(values: torch.Tensor) -> torch.Tensor:
+        return values.unsqueeze(1).expand(num_seqs, query_len).reshape(-1)
+
+    logits = logits / per_row(temperature).unsqueeze(1)
+    logits = _apply_top_k_top_p(logits, per_row(top_k), per_row(top_p))
+    _apply_min_p(logits, per_row(min_p))
+    probs = logits.softmax(-1)
+    has_draft, at_draft = draft >= 0, draft.clamp_min(0).unsqueeze(1)
+    p_draft = probs.gather(1, at_draft).squeeze(1)
+    # A deterministic draft is one-hot q: accepted with probability min(1, p(d) / 1) = p(d).
+    accepted = has_draft & torch.where(per_row(greedy), draft == argmax, torch.rand_like(p_draft) < p_draft)
+    num_accepted = accepted.view(num_seqs, query_len).long().cumprod(1).sum(1)
+    chosen = torch.arange(num_seqs, device=logits.device) * query_len + num_accepted
+    # The residual max(0, p - onehot(d)) at a rejected draft (p without d), p itself at the bonus row.
+    p = probs[chosen]
+    drop = has_draft[chosen].unsqueeze(1)
+    residual = p.scatter(1, at_draft[chosen], torch.where(drop, 0.0, p.gather(1, at_draft[chosen])))
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
+    noise = torch.empty_like(residual)
+    _fill_exponential(noise)
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    token = torch.where(greedy, argmax[chosen], (residual / noise).argmax(-1))
+    return torch.stack([num_accepted, token], 1)
 
 
 @dataclass
