@@ -100,8 +100,12 @@ class SamplingParams:
         """Whether the next token (and, speculating, every draft position after it) is the plain
         argmax of the model's logits: greedy, nothing processing the logits, no logprobs wanted.
         The engine then takes argmax tokens computed inside the CUDA graph, not the logits."""
-        return self.is_greedy and not self.reads_history(num_output) and not self.logit_bias \
-            and self.logprobs is None
+        return self.is_greedy and self.keeps_argmax(num_output) and self.logprobs is None
+
+    def keeps_argmax(self, num_output: int) -> bool:
+        """Whether processing leaves the argmax of the logits where it is: temperature, top-k,
+        top-p and min-p never move it; logit_bias, penalties and the like may."""
+        return not self.reads_history(num_output) and not self.logit_bias
 
     def graph_samplable(self, num_output: int) -> bool:
         """Whether the next token (a decode) or the verdict on drafts (a verify) can be drawn inside
@@ -110,8 +114,7 @@ class SamplingParams:
         so it samples outside)."""
         if self.argmax_only(num_output):
             return True
-        return self.seed is None and not self.reads_history(num_output) and not self.logit_bias \
-            and self.logprobs is None
+        return self.seed is None and self.keeps_argmax(num_output) and self.logprobs is None
 
     def graph_row(self, vocab: int) -> tuple[float, int, float, float, bool]:
         """(temperature, top_k, top_p, min_p, greedy) as `accept_in_graph` reads them: filters that

@@ -18,7 +18,7 @@ import torch
 from ..engine.kv_cache import PagedKVCache, bytes_per_value, parse_cache_type
 from ..errors import CheckpointError
 from ..model.loader import resolve_path
-from ..sampling import Sampler, SamplingState, _exponential_race
+from ..sampling import Sampler, SamplingState
 from ..util import host_to_device, on_meta
 from ..weights.load import assign
 from ..weights.safetensors import iter_safetensors
@@ -233,26 +233,21 @@ class DFlashProposer(Proposer):
         return self.target.model.compute_logits(hidden[1:1 + k])
 
     def _draft_one(self, seq, k: int) -> Draft:
+        """The argmax of the drafter's processed logits in every slot, at every temperature: a
+        deterministic draft (one-hot q) keeps verification lossless and lets sampled sequences be
+        verified inside the target's graph; sampling the drafts from q measured the same acceptance
+        (bundled pair, T = 1)."""
         logits = self._draft_logits(seq, k)
-        if self.graphs is not None and seq.params.argmax_only(len(seq.output_token_ids)):
-            return Draft(self.graphs.tokens[:k].tolist())  # the argmax the graph took
         out = list(seq.output_token_ids)
+        if self.graphs is not None and seq.params.keeps_argmax(len(out)):
+            return Draft(self.graphs.tokens[:k].tolist())  # the argmax the graph took
         # Unless processing reads the drafts before a slot, every slot is processed alike: all k rows at
         # once. Otherwise slot by slot, each with its own history, as the target's rows are verified.
         if not seq.params.reads_history(len(out)):
             states = [SamplingState(seq.params, seq.prompt_token_ids, out, seq.generator)] * k
-            if seq.params.is_greedy:
-                return Draft(self.sampler.process_logits(logits, states).argmax(-1).tolist())
-            q = self.sampler.processed_probs(logits, states)
-            return Draft(_exponential_race(q, states).tolist(), q)
+            return Draft(self.sampler.process_logits(logits, states).argmax(-1).tolist())
         tokens: list[int] = []
-        probs = []
         for i in range(k):
             state = SamplingState(seq.params, seq.prompt_token_ids, out + tokens, seq.generator)
-            if seq.params.is_greedy:
-                tokens.append(int(self.sampler.process_logits(logits[i:i + 1], [state]).argmax()))
-                continue
-            q = self.sampler.processed_probs(logits[i:i + 1], [state])
-            tokens.append(int(self.sampler(logits[i:i + 1], [state]).sampled_token_ids[0]))
-            probs.append(q[0])
-        return Draft(tokens, torch.stack(probs) if probs else None)
+            tokens.append(int(self.sampler.process_logits(logits[i:i + 1], [state]).argmax()))
+        return Draft(tokens)
