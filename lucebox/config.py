@@ -30,9 +30,6 @@ class EngineArgs:
     # batches without capture (how CPU tests check them); False: vLLM's enforce_eager.
     cuda_graphs: bool | None = None
     cuda_graph_max_batch: int = 32  # largest batch (in sequences) replayed through a CUDA graph
-    # Sample plain decode steps inside their CUDA graphs (temperature / top-k / top-p / min-p rows
-    # without a seed). Off until measured and validated on a GPU.
-    graph_sampling: bool = False
 
     HELP = {
         "model": "HF model directory, .gguf file or hub id (default: the bundled default model)",
@@ -57,8 +54,6 @@ class EngineArgs:
         "enforce_eager": "run every step eagerly: no CUDA graphs (slower at small batches; for debugging)",
         "cuda_graph_max_batch": "largest batch of sequences whose decode / verify steps replay a CUDA graph "
                                 "(larger batches run eagerly)",
-        "graph_sampling": "sample decode steps inside their CUDA graphs (rows with temperature, top-k, top-p "
-                          "and min-p only, no seed; experimental)",
     }
 
     def __post_init__(self):

@@ -40,7 +40,7 @@ case "${1:-check}" in
     bench 8b-q4_k_m 90 --shape qwen3-8b --quant q4_k_m --prompt-lens 512 --contexts 512 --no-peer
     bench 06b-bf16 90 --shape qwen3-0.6b --quant bf16 --prompt-lens 512 --contexts 512 ;;
   spec)
-    # SPEC_ARGS adds flags, e.g. SPEC_ARGS=--graph-sampling
+    # SPEC_ARGS adds flags, e.g. SPEC_ARGS=--no-adaptive
     step spec "${SECONDS_SPEC:-400}" python3 -m lucebox.cli bench spec --draft models/default-dflash --repeats 3 \
       --json "$out/spec.json" ${SPEC_ARGS:-}
     sed -n '/^| /,$p' "$out/spec.log" ;;

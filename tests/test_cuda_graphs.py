@@ -414,7 +414,7 @@ def test_decode_graphs_that_sample_draw_from_the_samplers_distribution(device):
     assert len(counts[0]) < len(counts[1])  # the filters of row 0 bite
 
 
-def test_graph_sampling_is_used_only_for_decode_steps_of_simple_parameters():
+def test_graph_sampling_takes_only_rows_of_simple_parameters():
     assert SamplingParams(temperature=0.8, top_p=0.9, top_k=20, min_p=0.1).graph_samplable(0)
     assert SamplingParams(temperature=0).graph_samplable(0)
     for special in (dict(seed=3), dict(logprobs=1), dict(repetition_penalty=1.2), dict(logit_bias={1: 1.0}),
@@ -423,10 +423,10 @@ def test_graph_sampling_is_used_only_for_decode_steps_of_simple_parameters():
     assert SamplingParams(temperature=0.8, top_k=0, top_p=1.0).graph_row(96) == (0.8, 96, 2.0, 0.0, False)
 
 
-def test_the_engine_samples_plain_decode_steps_in_the_graph_when_asked(hf_models):
-    """graph_sampling=True: unseeded sampled decodes take the sampling graphs; a seeded request keeps
-    its own generator (reproducible whatever the batch), so its steps sample on the host."""
-    llm = LLM(str(hf_models["qwen3"]), device="cpu", block_size=BLOCK, cuda_graphs=True, graph_sampling=True)
+def test_the_engine_samples_plain_decode_steps_in_the_graph(hf_models):
+    """Unseeded sampled decodes take the sampling graphs; a seeded request keeps its own generator
+    (reproducible whatever the batch), so its steps sample on the host."""
+    llm = LLM(str(hf_models["qwen3"]), device="cpu", block_size=BLOCK, cuda_graphs=True)
     runner = llm.engine.runner
     settings = replace(llm.engine._graph_settings(), capture=False)
     assert settings.sample
@@ -443,7 +443,7 @@ def test_the_engine_samples_plain_decode_steps_in_the_graph_when_asked(hf_models
 
 
 def test_the_engine_accepts_n_gram_drafts_in_the_graph(hf_models):
-    """graph_sampling with n-gram speculation: verify steps of sampled and greedy rows take the
+    """With n-gram speculation, verify steps of sampled and greedy rows take the
     sampling graphs of their draft width (accept_in_graph), and the greedy request's output is
     token-identical to plain greedy decoding while its drafts are accepted."""
     path = str(hf_models["qwen3"])
@@ -451,7 +451,7 @@ def test_the_engine_accepts_n_gram_drafts_in_the_graph(hf_models):
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     reference = LLM(path, device="cpu", block_size=BLOCK).generate(prompt, greedy, use_tqdm=False)[0]
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "adaptive": False}
-    llm = LLM(path, device="cpu", block_size=BLOCK, cuda_graphs=True, graph_sampling=True, speculative_config=spec)
+    llm = LLM(path, device="cpu", block_size=BLOCK, cuda_graphs=True, speculative_config=spec)
     runner = llm.engine.runner
     runner.graphs = CudaGraphRunner(runner.model, BLOCK, runner.scratch_block,
                                     replace(llm.engine._graph_settings(), capture=False))

@@ -52,7 +52,7 @@ class GraphSettings:
     # Graphs that also sample and accept (spec.verify.accept_in_graph): a decode or verify step of
     # graph-samplable rows with deterministic drafts copies back (accepted, token) per sequence, not
     # logits to process with the host's launches.
-    sample: bool = False
+    sample: bool = True
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -105,9 +105,13 @@ class StaticInputs:
         self._tables = StagedBuffer((max_seqs, width), torch.int32, device)
         self.sampling = StagedBuffer((3, max_seqs), torch.float32, device)  # temperature, top_p, min_p
         self.flat, self.tables = self._flat.device, self._tables.device
+        self._sampling_rows = None  # what the sampling buffers hold: a batch keeping its rows uploads nothing
 
     def set_sampling(self, rows: list[tuple[float, int, float, float, bool]], num_seqs: int) -> None:
         """Per-sequence sampling parameters (`SamplingParams.graph_row`); padding rows are greedy."""
+        if (rows, num_seqs) == self._sampling_rows:
+            return
+        self._sampling_rows = (rows, num_seqs)
         floats = self.sampling.staging()
         top_k, greedy = self.host("top_k", num_seqs), self.host("greedy", num_seqs)
         floats[:, :num_seqs] = [[1.0], [2.0], [0.0]]

@@ -73,7 +73,7 @@ class LLMEngine:
         if self.speculator is not None:
             query_lens += tuple(k + 1 for k in self.speculator.policy.candidates)
         return GraphSettings(self.max_model_len, min(self.args.cuda_graph_max_batch, self.args.max_num_seqs),
-                             query_lens, sample=self.args.graph_sampling)
+                             query_lens)
 
     def _plan_kv_blocks(self) -> int:
         args = self.args
@@ -195,7 +195,7 @@ class LLMEngine:
         argmax = all(seq.params.argmax_only(len(seq.output_token_ids)) for seq, _ in plain + verifying)
         # Simply sampled rows with deterministic drafts (or none): sampled and accepted in the graph.
         sample = None
-        if (not argmax and self.args.graph_sampling and not chunks
+        if (not argmax and self.runner.graphs is not None and not chunks
                 and all(seq.params.graph_samplable(len(seq.output_token_ids)) for seq in batch.seqs)
                 and all(seq.draft.probs is None for seq, _ in verifying)):
             sample = [seq.params.graph_row(self.model.config.vocab_size) for seq in batch.seqs]

@@ -8,6 +8,8 @@ processing as the target's), which verification needs for lossless acceptance.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ..engine.runner import ModelRunner, kv_bytes_per_token
@@ -44,6 +46,8 @@ class DraftModelProposer(Proposer):
 
     def allocate(self, num_blocks: int, block_size: int, block_manager=None, graphs=None) -> None:
         # The target's graph buckets fit: a catch-up feed is at most 1 + k tokens, then 1 a step.
+        # Drafts are sampled on the host (their q is kept for verification): no sampling graphs.
+        graphs = replace(graphs, sample=False) if graphs is not None else None
         self.runner = ModelRunner(self.draft.model, num_blocks, block_size, graphs=graphs)
         self.blocks = block_manager
 
