@@ -415,9 +415,10 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: 
 
 
 def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
-    probs = logits.softmax(-1)
-    threshold = min_p.unsqueeze(1) * probs.amax(-1, keepdim=True)
-    logits.masked_fill_(probs < threshold, float("-inf"))
+    """Keep p >= min_p * max(p), in logit space (no softmax): x >= max(x) + log(min_p); min_p = 0
+    gives a threshold of -inf, which keeps every token."""
+    threshold = logits.amax(-1, keepdim=True) + min_p.log().unsqueeze(1)
+    logits.masked_fill_(logits < threshold, float("-inf"))
 
 
 def _exponential_race(probs: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:

@@ -103,6 +103,9 @@ def accept_in_graph(logits: torch.Tensor, draft: torch.Tensor, argmax: torch.Ten
     logits = logits / per_row(temperature).unsqueeze(1)
     logits = _apply_top_k_top_p(logits, per_row(top_k), per_row(top_p))
     _apply_min_p(logits, per_row(min_p))
+    if query_len == 1:  # a decode: no drafts to judge, the token drawn straight from the logits
+        token = torch.where(greedy, argmax, _gumbel_argmax(logits))
+        return torch.stack([torch.zeros_like(token), token], 1)
     probs = logits.softmax(-1)
     has_draft, at_draft = draft >= 0, draft.clamp_min(0).unsqueeze(1)
     p_draft = probs.gather(1, at_draft).squeeze(1)
@@ -120,6 +123,13 @@ def accept_in_graph(logits: torch.Tensor, draft: torch.Tensor, argmax: torch.Ten
     noise.clamp_min_(torch.finfo(noise.dtype).tiny)
     token = torch.where(greedy, argmax[chosen], (residual / noise).argmax(-1))
     return torch.stack([num_accepted, token], 1)
+
+
+def _gumbel_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """The exponential race on logits: argmax(p / E) = argmax(x - log E), no softmax needed."""
+    noise = torch.empty_like(logits)
+    _fill_exponential(noise)
+    return (logits - noise.clamp_min_(torch.finfo(noise.dtype).tiny).log_()).argmax(-1)
 
 
 @dataclass
