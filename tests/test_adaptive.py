@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from lucebox import LLM, SamplingParams
-from lucebox.spec.adaptive import (PROBE_BUDGET, PROBE_EVERY, REEVALUATE_PLAIN_EVERY, REMEASURE_PLAIN_EVERY,
+from lucebox.spec.adaptive import (MIN_REALIZED, PROBE_BUDGET, PROBE_EVERY, REEVALUATE_PLAIN_EVERY,
+                                   REMEASURE_PLAIN_EVERY,
                                    DraftLengthPolicy, SequenceAcceptance, TimingTable, expected_tokens)
 
 from .spec_fixtures import write_dflash_drafter
@@ -199,3 +200,38 @@ def test_with_lookup_first_a_useless_drafter_is_switched_off_on_its_own_record(h
     print(f"\nsequence-steps drafted: {steps}")
     assert steps["lookup"] >= 1
     assert 1 <= steps["model"] <= 100 // 6
+
+
+def test_drafting_that_delivered_slower_than_plain_decoding_is_vetoed_to_probes():
+    """The model says drafting pays (cheap verify, high alpha) but drafted steps have measured more
+    seconds per committed token than plain steps: only probes draft. Probes that deliver fast tokens
+    lift the veto."""
+    policy = policy_with(forward_per_token=0.0001, forward_fixed=0.01, draft_cost=0.001)
+    assert policy.choose([0.9], 0) == 8
+    for _ in range(MIN_REALIZED):
+        policy.record_delivered(1, 1, 0.010, drafted=False)
+        policy.record_delivered(1, 2, 0.030, drafted=True)  # 15 ms a token against 10
+    choices = [policy.choose([0.9], 0) for _ in range(4 * PROBE_EVERY)]
+    assert 1 <= sum(k > 0 for k in choices) <= 3  # probes only
+    for _ in range(8):  # probes that committed 9 tokens in 12 ms
+        policy.record_delivered(1, 9, 0.012, drafted=True)
+    assert policy.choose([0.9], 0) == 8
+    # A different batch size has its own record: one sequence's losses do not veto two.
+    assert not policy.drafting_loses(2)
+
+
+def test_the_speculator_records_what_drafted_and_plain_steps_delivered(hf_models, monkeypatch):
+    """Every decode-only step feeds the delivered tables: plain steps one token a sequence, drafted
+    steps their accepted drafts too; the record adds up to the request's own metrics."""
+    llm = LLM(str(hf_models["qwen3"]), speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                            "prompt_lookup_min": 2})
+    calls = []
+    monkeypatch.setattr(DraftLengthPolicy, "record_delivered",
+                        lambda self, n, committed, seconds, drafted: calls.append((n, committed, drafted)))
+    out = llm.generate({"prompt_token_ids": list(range(40, 50)) * 3},
+                       SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)[0]
+    drafted = [(n, c) for n, c, d in calls if d]
+    assert len(drafted) == out.metrics.num_drafts >= 1
+    assert sum(c - n for n, c in drafted) == out.metrics.num_accepted_tokens >= 1
+    assert all(n == 1 and c == 1 for n, c, d in calls if not d)
+    assert sum(c for _, c, _ in calls) == 40 - 1  # every token but the prefill's

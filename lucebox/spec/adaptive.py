@@ -9,6 +9,12 @@ The step's k maximises committed tokens per second over the batch; k = 0 is plai
 are measured at the longest and the shortest draft first and interpolated between. When plain
 decoding wins, the most promising length is re-tried now and then, so a sequence whose text
 turns predictable (a quoted file, a repeated block) gets speculation back.
+
+The model can be wrong where its inputs are (bursty acceptance at high temperature makes alpha
+swing; a cost table holds few samples of a width), so what drafting delivered is measured too:
+seconds per committed token of the steps a source drafted, against plain decoding steps of the
+same number of sequences. While drafting has measured slower, only probes draft (and their
+outcomes can lift the veto): speculation must not make a request slower than plain decoding.
 """
 from __future__ import annotations
 
@@ -28,6 +34,8 @@ REMEASURE_PLAIN_EVERY = 64  # while speculating, one plain step in this many kee
 # this many steps (and at each probe): the evaluation is Python arithmetic that costs a small
 # model's fast GPU step a few percent.
 REEVALUATE_PLAIN_EVERY = 8
+REALIZED_SMOOTHING = 0.2  # EMA weight of a step's seconds per committed token
+MIN_REALIZED = 4  # drafted steps measured before what they delivered can veto the model's choice
 
 
 class TimingTable:
@@ -119,6 +127,20 @@ class DraftLengthPolicy:
         self.plain_query = None  # (alphas, batch_tokens) of the last evaluation that chose plain decoding
         self.next_probe = PROBE_EVERY  # plain steps before the next probe: interval and budget allowing
         self.candidates = sorted({k for k in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32) if k <= max_k} | {max_k})
+        # Seconds per committed token as delivered, by decoding sequences in the step: of the steps
+        # this source drafted, and of plain steps (one table shared by every source of an engine).
+        self.delivered = TimingTable(REALIZED_SMOOTHING)
+        self.delivered_plain = TimingTable(REALIZED_SMOOTHING)
+
+    def record_delivered(self, num_seqs: int, committed: int, seconds: float, drafted: bool) -> None:
+        """A whole step (drafting included) of num_seqs decoding sequences committed `committed` tokens."""
+        (self.delivered if drafted else self.delivered_plain).add(num_seqs, seconds / committed)
+
+    def drafting_loses(self, num_seqs: int) -> bool:
+        """Drafted steps of this many sequences have delivered tokens slower than plain steps."""
+        spec, plain = self.delivered.values.get(num_seqs), self.delivered_plain.values.get(num_seqs)
+        return (spec is not None and plain is not None and self.delivered.counts[num_seqs] >= MIN_REALIZED
+                and spec > plain)
 
     def choose(self, alphas: list[float], batch_tokens: int) -> int:
         """One k for this step: `alphas` of the decoding sequences, `batch_tokens` other new tokens."""
@@ -153,6 +175,8 @@ class DraftLengthPolicy:
                 best_k, best_rate = k, rate
             if rate > probe_rate:
                 probe_k, probe_rate = k, rate
+        if best_k and self.drafting_loses(n):
+            best_k = 0  # the model says it pays, the measurements say it has not: probes only
         if best_k == 0:
             # Probes re-try the most promising length now and then, so a text that turns predictable
             # gets speculation back. A drafter that keeps losing is re-tried ever more rarely, so the

@@ -28,13 +28,20 @@ class Speculator:
         self.policies = {MODEL: self.policy}
         if lookup is not None:
             self.policies[LOOKUP] = DraftLengthPolicy(num_speculative_tokens, adaptive)
-            self.policies[LOOKUP].forward = self.policy.forward  # one target: one forward-cost table
+            # One target: one forward-cost table, one record of what plain steps deliver.
+            self.policies[LOOKUP].forward = self.policy.forward
+            self.policies[LOOKUP].delivered_plain = self.policy.delivered_plain
         self.acceptance: dict[tuple[int, str], SequenceAcceptance] = {}
         # Across sequences, per source: the prior of new sequences.
         self.overall = {source: SequenceAcceptance(decay=0.99) for source in self.policies}
         self.source: dict[int, str] = {}  # the source of each sequence's pending draft
         self.steps_by_source = {source: 0 for source in self.policies}  # sequence-steps drafted by each
         self.draft_seconds = 0.0  # the last propose()'s drafting time: the rest of the step is the step's
+        # This step, for what drafting delivered: decoding sequences, the sources that drafted, draft
+        # tokens proposed and accepted.
+        self.step_decoding = 0
+        self.step_sources: set[str] = set()
+        self.step_drafted = self.step_accepted = 0
 
     def propose(self, running: list) -> None:
         """Give each running sequence that is decoding (its last token not yet computed) a draft."""
@@ -49,6 +56,7 @@ class Speculator:
         looked = [s for s in decoding if id(s) in found]
         rest = [s for s in decoding if id(s) not in found]
         self.draft_seconds = 0.0
+        self.step_decoding, self.step_sources, self.step_drafted, self.step_accepted = len(decoding), set(), 0, 0
         k_lookup = 0
         if looked:  # each group's k is chosen with the other group's tokens in the batch
             k_lookup = self._choose(LOOKUP, looked, other_tokens + len(rest))
@@ -75,6 +83,8 @@ class Speculator:
         self.steps_by_source[source] += len(chosen)
         for (seq, n), draft in zip(chosen, drafts):
             if draft.tokens:
+                self.step_sources.add(source)
+                self.step_drafted += min(n, len(draft.tokens))
                 probs = draft.probs[:n] if draft.probs is not None else None
                 seq.draft = Draft(draft.tokens[:n], probs)
                 self.source[id(seq)] = source
@@ -84,6 +94,12 @@ class Speculator:
         beside the drafting (scheduling, the forward, sampling or verification, outputs) is what the
         policy weighs against the tokens a draft length commits."""
         self.policy.forward.add(num_tokens, max(0.0, seconds - self.draft_seconds))
+        n = self.step_decoding
+        # Only steps that decoded and verified alone (no prefill beside), with one source's drafts or none.
+        if n and num_tokens == n + self.step_drafted and len(self.step_sources) <= 1:
+            drafted = bool(self.step_sources)
+            policy = self.policies[next(iter(self.step_sources))] if drafted else self.policy
+            policy.record_delivered(n, n + self.step_accepted, seconds, drafted)
 
     def _room(self, seq) -> int:
         """Drafts beyond max_tokens or the context window could never be committed."""
@@ -103,6 +119,7 @@ class Speculator:
 
     def record(self, seq, num_drafts: int, num_accepted: int) -> None:
         source = self.source.pop(id(seq), MODEL)
+        self.step_accepted += num_accepted
         self._acceptance(seq, source).update(num_drafts, num_accepted)
         self.overall[source].update(num_drafts, num_accepted)
         m = seq.metrics
