@@ -1,6 +1,7 @@
 """LLM: the offline API (vLLM's names): LLM(model=...).generate(prompts, SamplingParams(...))."""
 from __future__ import annotations
 
+import copy
 import itertools
 from collections.abc import Sequence as Seq
 
@@ -44,6 +45,7 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, Seq) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise RequestError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        params = [_final_only(p) for p in params]
         request_ids = []
         try:
             for prompt, p in zip(prompts, params):
@@ -76,3 +78,11 @@ class LLM:
                         finished[out.request_id] = out
                         bar.update(1)
         return [finished[r] for r in request_ids]
+
+
+def _final_only(params: SamplingParams) -> SamplingParams:
+    """generate() returns finished outputs only: the engine need not build one every step (a copy
+    of the whole output so far each time). A copy keeps which fields the caller set."""
+    params = copy.copy(params)
+    params.output_kind = "final_only"
+    return params

@@ -20,6 +20,7 @@ from lucebox.util import host_to_device
 GREEDY_TEMPERATURE = 1e-5  # below this a temperature means argmax (vLLM's _SAMPLING_EPS)
 MAX_LOGPROBS = 20  # the OpenAI API's limit for top_logprobs
 MAX_CONSTANTS = 256  # per-row parameter vectors a Sampler keeps on the device for reuse
+OUTPUT_KINDS = ("cumulative", "final_only")
 
 # HF generation_config.json key -> SamplingParams field it provides a default for.
 _GENERATION_CONFIG_FIELDS = {
@@ -72,6 +73,10 @@ class SamplingParams:
     # Per-request hooks (constrained decoding): each gets the row's generated ids so far and its
     # [vocab] logits, and returns new logits. Applied first, before every other processing step.
     logits_processors: list[Callable[[list[int], torch.Tensor], torch.Tensor]] | None = None
+    # What LLMEngine.step reports for the request (vLLM's RequestOutputKind): "cumulative", an output
+    # with everything so far after every step that touched it (streaming); "final_only", one output
+    # when it finishes (LLM.generate: no per-step copies of a long output).
+    output_kind: str = "cumulative"
 
     def __post_init__(self):
         # Normalised once so the engine never re-checks every shape the API accepts.
@@ -170,6 +175,8 @@ class SamplingParams:
             _fail("stop_token_ids", self.stop_token_ids, "a list of token ids or None")
         for tok in self.stop_token_ids:
             _check("stop_token_ids", tok, lambda v: v >= 0, "a list of token ids (integers >= 0)", integer=True)
+        if self.output_kind not in OUTPUT_KINDS:
+            _fail("output_kind", self.output_kind, " or ".join(map(repr, OUTPUT_KINDS)))
         if self.logits_processors is not None and (
                 not isinstance(self.logits_processors, (list, tuple)) or not all(map(callable, self.logits_processors))):
             _fail("logits_processors", self.logits_processors, "a list of callables (token_ids, logits) -> logits")

@@ -152,3 +152,30 @@ def test_preemption_under_a_tiny_kv_pool_keeps_greedy_outputs_identical(hf_model
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in roomy]
     assert tight.engine.scheduler.num_preemptions > 0
     assert tight.engine.scheduler.blocks.num_free_blocks == tight.engine.runner.num_blocks
+
+
+def test_final_only_requests_are_reported_once_and_streaming_ones_every_step(qwen3):
+    """output_kind "final_only" (what LLM.generate asks): the engine builds the request's output once,
+    when it finishes, with the same content a cumulative request ends with; "cumulative" reports
+    after every step. The caller's params object is left as it was."""
+    engine = qwen3.engine
+    prompt = {"prompt_token_ids": [3, 4, 5, 6]}
+    reports = {}
+    for kind in ("cumulative", "final_only"):
+        engine.add_request(kind, prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                        output_kind=kind))
+    while engine.has_unfinished():
+        for out in engine.step():
+            reports.setdefault(out.request_id, []).append(out)
+    assert len(reports["cumulative"]) == 6 and [len(o.outputs[0].token_ids) for o in reports["cumulative"]] == \
+        list(range(1, 7))
+    (final,) = reports["final_only"]
+    assert final.finished and final.outputs[0].token_ids == reports["cumulative"][-1].outputs[0].token_ids
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    assert qwen3.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == final.outputs[0].token_ids
+    assert params.output_kind == "cumulative"
+
+
+def test_an_unknown_output_kind_is_refused_by_name():
+    with pytest.raises(RequestError, match="output_kind"):
+        SamplingParams(output_kind="delta")

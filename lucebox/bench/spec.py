@@ -71,7 +71,8 @@ def run(args) -> dict:
     for temperature in args.temperatures:
         # Unseeded, as most requests come: a seeded one keeps its own generator and samples outside
         # the CUDA graphs. The global generator is seeded once per run instead.
-        params = SamplingParams(temperature=temperature, max_tokens=args.max_tokens, ignore_eos=True)
+        params = SamplingParams(temperature=temperature, max_tokens=args.max_tokens, ignore_eos=True,
+                                output_kind="final_only")  # as LLM.generate asks
         configs = [("plain", None)] + [(c["method"] + ("+ngram" if c.get("ngram_first") else ""),
                                         _spec_config(c, args)) for c in methods]
         # All engines live at once, each with the KV of one sequence (and room for a drafter's):

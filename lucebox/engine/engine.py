@@ -226,7 +226,7 @@ class LLMEngine:
                             for a, t in [in_graph[id(seq)]]]
             self._verify(verifying, features, logits[len(plain):], verdicts)
         touched = dict.fromkeys(seq.request_id for seq, _ in plain + verifying)
-        outputs = [self._request_output(rid) for rid in touched if rid in self.requests]
+        outputs = [self._request_output(rid) for rid in touched if rid in self.requests and self._reports(rid)]
         if self.speculator is not None:  # after the host has the tokens and outputs: the step's full cost
             self.speculator.record_step(batch.total_tokens, time.perf_counter() - step_started)
         return outputs
@@ -348,6 +348,11 @@ class LLMEngine:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         seq.metrics.finished_time = time.monotonic()
         self.scheduler.finish(seq)
+
+    def _reports(self, request_id: str) -> bool:
+        """Whether this step reports the request: every step (cumulative) or once it finishes."""
+        seqs = self.requests[request_id][1]
+        return seqs[0].params.output_kind == "cumulative" or all(s.is_finished for s in seqs)
 
     def _request_output(self, request_id: str) -> RequestOutput:
         text, seqs = self.requests[request_id]
