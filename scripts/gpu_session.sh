@@ -7,8 +7,9 @@
 #   scripts/gpu_session.sh spec      bench spec on the bundled pair (models/default + default-dflash)
 #   scripts/gpu_session.sh kernels   scripts/bench_kernels.py: quantised GEMV rows at M = 1 and 16 (decode,
 #                                    verify), launch configs swept, timed in CUDA graphs (~9 min)
-#   scripts/gpu_session.sh profile   host time per engine-step section, plain vs speculative engines, and
-#                                    torch.profiler tables of a DFlash T=0 pass (scripts/profile_spec_steps.py)
+#   scripts/gpu_session.sh profile   host time per engine-step section, plain vs speculative engines,
+#                                    torch.profiler tables of DFlash passes at T=0 and T=1, and one graph
+#                                    step's time by verify width and output (scripts/profile_spec_steps.py)
 #   scripts/gpu_session.sh drafter   the default drafter (scripts/train_default_drafter.sh, ~7 min)
 # The device lacks the gguf package: keep its wheel in .whl/ (git-ignored) and pass carry [".whl"].
 set -uo pipefail
@@ -51,8 +52,10 @@ case "${1:-check}" in
       grep -E "^\| quant_matmul" "$out/kernels-quant-m$m.log" | cut -c1-400
     done ;;
   profile)
-    step profile "${SECONDS_PROFILE:-240}" python3 scripts/profile_spec_steps.py --trace dflash:0 --trace plain:1
-    grep "pass 1" "$out/profile.log" ;;
+    step profile "${SECONDS_PROFILE:-240}" python3 scripts/profile_spec_steps.py --trace dflash:0 --trace dflash:1
+    grep "pass 1" "$out/profile.log"
+    step step-costs 120 python3 scripts/profile_spec_steps.py --step-costs
+    grep "^|" "$out/step-costs.log" ;;
   drafter)
     step drafter 570 bash scripts/train_default_drafter.sh "$out/default-dflash" "${SECONDS_TRAIN:-300}"
     rm -f "$out/default-dflash/train_state.pt" "$out/default-dflash/regenerated.pt"

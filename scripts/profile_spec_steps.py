@@ -9,6 +9,8 @@ timed with perf_counter wrappers (no profiler overhead) and printed in microseco
 token. For the question `lucebox bench spec` cannot answer: where a speculative engine's plain
 steps spend the time that the plain engine does not. `--trace plain:1` (engine:temperature) then
 decodes two prompts under torch.profiler and prints the top operators by host and device time.
+`--step-costs` instead times one graph step of each verify width (the buckets of a 15-draft
+speculator): returning argmax tokens, sampling and accepting in the graph, or returning logits.
 """
 from __future__ import annotations
 
@@ -58,7 +60,10 @@ def main() -> None:
     p.add_argument("--trace", action="append", default=[], metavar="ENGINE:T",
                    help="profile that engine at that temperature with torch.profiler (repeatable)")
     p.add_argument("--rows", type=int, default=20)
+    p.add_argument("--step-costs", action="store_true", help="only time graph steps by width and output")
     args = p.parse_args()
+    if args.step_costs:
+        return step_costs(load_model(args.model, dtype="auto", device="auto"))
     totals: collections.Counter = collections.Counter()
     instrument(totals)
     loaded = load_model(args.model, dtype="auto", device="auto")
@@ -87,6 +92,39 @@ def main() -> None:
         name, temperature = spec.split(":")
         trace(engines[name], prompts[:2], SamplingParams(temperature=float(temperature), max_tokens=args.max_tokens,
                                                          ignore_eos=True), args.rows, spec)
+
+
+def step_costs(loaded, steps: int = 200) -> None:
+    """Microseconds per ModelRunner.run of one sequence at context 256, by query length (every
+    verify bucket of a 15-draft speculator) and by what comes back: argmax tokens, the verdict of
+    sampling and acceptance in the graph (temperature 1, top-p 0.95), or the logits (copied to the
+    host, as a sampler would wait for them)."""
+    import torch
+    engine = LLMEngine(loaded, EngineArgs(model="step-costs", max_model_len=1024, max_num_seqs=1,
+                                          speculative_config={"method": "ngram", "num_speculative_tokens": 15}))
+    runner = engine.runner
+    if runner.graphs is None:
+        print("no CUDA graphs on this device: nothing to time")
+        return
+    table = list(range(1024 // engine.args.block_size))  # no sequence lives in this engine: any blocks do
+    row = SamplingParams(temperature=1.0, top_p=0.95).graph_row(loaded.config.vocab_size)
+    outputs = {"argmax": dict(argmax=True), "sampled": dict(sample=[row]), "logits": {}}
+    print("| query length | " + " | ".join(f"{name} us" for name in outputs) + " |\n|---:|" + "---:|" * len(outputs))
+    for q in runner.graphs.query_lens:
+        tokens, cells = [[5] * q], []
+        for kwargs in outputs.values():
+            def one():
+                out = runner.run(tokens, [256], [table], logits_rows=list(range(q)), **kwargs)
+                return out if isinstance(out, list) else out.tolist()
+            for _ in range(10):
+                one()
+            if loaded.model.device.type == "cuda":
+                torch.cuda.synchronize()
+            started = time.perf_counter()
+            for _ in range(steps):
+                one()
+            cells.append(f"{1e6 * (time.perf_counter() - started) / steps:.0f}")
+        print(f"| {q} | " + " | ".join(cells) + " |", flush=True)
 
 
 def graphs(engine: LLMEngine) -> int:
