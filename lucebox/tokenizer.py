@@ -249,6 +249,10 @@ class IncrementalDetokenizer:
     """
 
     _CONTEXT = 5  # tokens of context kept left of the window, as vLLM does
+    # Tokens held back at most: a character is at most 4 bytes, so a longer run that still ends in an
+    # incomplete one is not text (random or hostile output). It is emitted as decoded, replacement
+    # characters included; waiting on would make every step decode an ever longer window.
+    _MAX_PENDING = 16
 
     def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True, context_ids: Sequence[int] = ()):
         self.tokenizer = tokenizer
@@ -268,7 +272,8 @@ class IncrementalDetokenizer:
             self.ids.extend(int(i) for i in token_ids)
         prefix_text = self._decode(self.ids[self._prefix : self._read])
         text = self._decode(self.ids[self._prefix :])
-        if len(text) <= len(prefix_text) or text.endswith("\ufffd"):
+        held = len(text) <= len(prefix_text) or text.endswith("\ufffd")
+        if held and len(self.ids) - self._read <= self._MAX_PENDING:
             return ""
         self._prefix, self._read = self._read, len(self.ids)
         return text[len(prefix_text) :]

@@ -611,3 +611,19 @@ def test_incremental_detokenizer_context_ids_keep_the_first_tokens_leading_space
     prompt, output = tok.encode("hello"), tok.encode("world", add_special_tokens=False)
     assert stream(tok, output) == ["world", ""]  # on its own, SentencePiece drops the dummy-prefix space
     assert stream(tok, output, context_ids=prompt) == [" world", ""]  # after "hello" it is a real space
+
+
+def test_a_run_that_never_completes_a_character_keeps_the_window_short(tmp_path):
+    """200 lone continuation bytes: no character ever completes. The detokenizer emits them as
+    replacement characters once the run is longer than any character could be, so each step decodes
+    a bounded window (not everything since the last character), and the text still adds up."""
+    tokens, types, scores = hand_spm_vocab()
+    tok = Tokenizer.from_gguf(write_gguf(tmp_path / "t.gguf", "llama", tokens, types, scores=scores))
+    ids = [tokens.index("<0x80>")] * 200
+    windows = []
+    decode = tok.decode
+    tok.decode = lambda window, **kw: windows.append(len(window)) or decode(window, **kw)
+    pieces = stream(tok, ids)
+    # the window: the run emitted last (left context) and the pending one, each at most _MAX_PENDING + 1
+    assert max(windows) <= 2 * (IncrementalDetokenizer._MAX_PENDING + 1) < len(ids)
+    assert "".join(pieces) == decode(ids) and set("".join(pieces)) == {"\ufffd"}

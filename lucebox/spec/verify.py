@@ -83,7 +83,8 @@ def accept_argmax(argmax: list[int], drafts: Seq[Draft]) -> list[Verdict]:
 
 
 def accept_in_graph(logits: torch.Tensor, draft: torch.Tensor, argmax: torch.Tensor, temperature: torch.Tensor,
-                    top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
+                    top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                    greedy: torch.Tensor) -> torch.Tensor:
     """`accept_batch` for deterministic drafts (n-gram lookups, argmax drafts) in the uniform layout
     of a CUDA-graph bucket, with no host work or sync (capturable): B sequences of Q rows each,
     row j of sequence b scoring the token after its j-th draft; `draft` [B*Q] holds the draft each
