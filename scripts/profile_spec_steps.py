@@ -38,7 +38,9 @@ SECTIONS = [(LLMEngine, "step"), (ModelRunner, "run"), (Sampler, "__call__"), (L
             (LLMEngine, "_request_output")]
 
 
-def instrument(totals: collections.Counter) -> None:
+def instrument(totals: collections.Counter, widths: collections.defaultdict) -> None:
+    """Time each section into totals; ModelRunner.run also by step width (tokens forwarded) into
+    widths[width] = [calls, seconds], which splits a speculative engine's plain and verify steps."""
     for owner, name in SECTIONS:
         real = getattr(owner, name)
 
@@ -47,7 +49,12 @@ def instrument(totals: collections.Counter) -> None:
             try:
                 return _real(*args, **kwargs)
             finally:
-                totals[_label] += time.perf_counter() - started
+                seconds = time.perf_counter() - started
+                totals[_label] += seconds
+                if _label == "ModelRunner.run":
+                    entry = widths[sum(map(len, args[1]))]
+                    entry[0] += 1
+                    entry[1] += seconds
         setattr(owner, name, timed)
 
 
@@ -65,7 +72,8 @@ def main() -> None:
     if args.step_costs:
         return step_costs(load_model(args.model, dtype="auto", device="auto"))
     totals: collections.Counter = collections.Counter()
-    instrument(totals)
+    widths: collections.defaultdict = collections.defaultdict(lambda: [0, 0.0])
+    instrument(totals, widths)
     loaded = load_model(args.model, dtype="auto", device="auto")
     prompts = [loaded.tokenizer.encode(t, add_special_tokens=False) for t in held_out_texts(args.prompts, 600, seed=1)]
     max_len = max(map(len, prompts)) + args.max_tokens + 32
@@ -81,6 +89,7 @@ def main() -> None:
         for rep in range(2):
             for name, engine in engines.items():
                 totals.clear()
+                widths.clear()
                 runs = [_decode_one(engine, prompt, params, f"p{i}") for i, prompt in enumerate(prompts)]
                 tokens = sum(r["tokens"] for r in runs)
                 per_token = sum(r["seconds"] for r in runs) / tokens
@@ -88,6 +97,9 @@ def main() -> None:
                 print(f"T={temperature:g} pass {rep} {name:6s} {per_token * 1e3:.3f} ms/token, "
                       f"{sum(r['draft_tokens'] for r in runs)} draft tokens, {graphs(engine)} graphs | "
                       f"us/token: {parts}", flush=True)
+                steps = "  ".join(f"{w}: {n} x {seconds / n * 1e6:.0f}" for w, (n, seconds) in sorted(widths.items())
+                                  if w <= 64)  # decode and verify widths, not prefills
+                print(f"T={temperature:g} pass {rep} {name:6s} runner steps by width (calls x us): {steps}", flush=True)
     for spec in args.trace:
         name, temperature = spec.split(":")
         trace(engines[name], prompts[:2], SamplingParams(temperature=float(temperature), max_tokens=args.max_tokens,
