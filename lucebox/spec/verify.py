@@ -119,15 +119,13 @@ def accept_in_graph(logits: torch.Tensor, draft: torch.Tensor, argmax: torch.Ten
     drop = has_draft[chosen].unsqueeze(1)
     residual = p.scatter(1, at_draft[chosen], torch.where(drop, 0.0, p.gather(1, at_draft[chosen])))
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
-    noise = torch.empty_like(residual)
-    _fill_exponential(noise)
-    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-    token = torch.where(greedy, argmax[chosen], (residual / noise).argmax(-1))
+    token = torch.where(greedy, argmax[chosen], _gumbel_argmax(residual.log()))
     return torch.stack([num_accepted, token], 1)
 
 
 def _gumbel_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """The exponential race on logits: argmax(p / E) = argmax(x - log E), no softmax needed."""
+    """The exponential race on logits (or log-weights): argmax(p / E) = argmax(x - log E), no
+    softmax needed; -inf never wins."""
     noise = torch.empty_like(logits)
     _fill_exponential(noise)
     return (logits - noise.clamp_min_(torch.finfo(noise.dtype).tiny).log_()).argmax(-1)
