@@ -117,9 +117,7 @@ class SamplingParams:
         a CUDA graph (`spec.verify.accept_in_graph`): argmax-only, or sampled with temperature /
         top-k / top-p / min-p alone from the global RNG (a seeded request keeps its own generator,
         so it samples outside)."""
-        if self.argmax_only(num_output):
-            return True
-        return self.seed is None and self.keeps_argmax(num_output) and self.logprobs is None
+        return (self.is_greedy or self.seed is None) and self.keeps_argmax(num_output) and self.logprobs is None
 
     def graph_row(self, vocab: int) -> tuple[float, int, float, float, bool]:
         """(temperature, top_k, top_p, min_p, greedy) as `accept_in_graph` reads them: filters that

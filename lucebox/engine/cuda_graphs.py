@@ -187,7 +187,7 @@ class CudaGraphRunner:
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph | None, torch.Tensor]] = {}
         # per capture_layers: logits, features (or None) and argmax token of every padded row, and
         # the verdict of every sequence of a sampling graph
-        self.outputs: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = {}
+        self.outputs: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]] = {}
         self.pool = None
         self.replays: Counter = Counter()  # (B, Q) -> steps run through that bucket
         self.feature_ring = None  # a FeatureRing: captured features are written there (set before capture)
@@ -322,7 +322,8 @@ class CudaGraphRunner:
                 torch.empty(rows, dtype=torch.int64, device=logits.device),
                 torch.empty(self.inputs.tables.shape[0], 2, dtype=torch.int64, device=logits.device))
         out_logits, out_features, out_tokens, out_verdicts = self.outputs[capture_layers]
-        out_logits[:tokens].copy_(logits)
+        if not sampled:  # a sampling graph hands back verdicts only: its logits are never read
+            out_logits[:tokens].copy_(logits)
         # Greedy steps whose logits nothing processes take these tokens and never touch the logits.
         torch.argmax(logits, dim=-1, out=out_tokens[:tokens])
         if sampled:  # each sequence's drafts checked and its next token drawn with its own parameters

@@ -13,7 +13,7 @@ from ..model.loader import LoadedModel
 from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
 from ..sampling import Sampler, SamplerOutput, SamplingParams, _raw_logprobs, make_generator
 from ..spec.factory import make_speculator
-from ..spec.verify import Verdict, accept_argmax, accept_batch
+from ..spec.verify import Verdict, accept_argmax, accept_batch, verdicts_of
 from ..stop import StopChecker
 from ..tokenizer import IncrementalDetokenizer
 from ..util import host_to_device
@@ -220,11 +220,8 @@ class LLMEngine:
                 self._commit(seq, seq.num_tokens - seq.num_computed, features, offset)
                 self._append(seq, token, lp)
         if verifying:
-            verdicts = None
-            if in_graph is not None:
-                verdicts = [Verdict(seq.draft.tokens[:a] + [t], a) for seq, _ in verifying
-                            for a, t in [in_graph[id(seq)]]]
-            self._verify(verifying, features, logits[len(plain):], verdicts)
+            pairs = [in_graph[id(seq)] for seq, _ in verifying] if in_graph is not None else None
+            self._verify(verifying, features, logits[len(plain):], pairs)
         touched = dict.fromkeys(seq.request_id for seq, _ in plain + verifying)
         outputs = [self._request_output(rid) for rid in touched if rid in self.requests and self._reports(rid)]
         if self.speculator is not None:  # after the host has the tokens and outputs: the step's full cost
@@ -240,15 +237,16 @@ class LLMEngine:
                                                    seq.num_computed)
 
     def _verify(self, verifying: list[tuple[Sequence, int]], features, logits: torch.Tensor | list[int],
-                verdicts: list[Verdict] | None = None) -> None:
+                in_graph: list[list[int]] | None = None) -> None:
         """Accept every verifying sequence's drafts at once (logits: their k + 1 rows each, in order,
-        or those rows' argmax tokens; or the verdicts the graph reached); keep the K/V of accepted
-        positions, forget the rest, append the new tokens."""
+        or those rows' argmax tokens; or the graph's [drafts accepted, token] per sequence); keep the
+        K/V of accepted positions, forget the rest, append the new tokens."""
         seqs = [seq for seq, _ in verifying]
         drafts = [seq.draft for seq in seqs]
         for seq in seqs:
             seq.draft = None
-        if verdicts is not None:
+        if in_graph is not None:
+            verdicts = verdicts_of(drafts, in_graph)
             logprobs = [[None] * len(v.tokens) for v in verdicts]
         elif isinstance(logits, list):
             verdicts = accept_argmax(logits, drafts)
@@ -288,24 +286,33 @@ class LLMEngine:
             out[i] = [next(dicts) for _ in verdicts[i].tokens]
         return out
 
+    def _is_stop_token(self, seq: Sequence, token: int) -> bool:
+        return token in (seq.params.stop_token_ids or ()) or (token in self.eos_token_ids and not seq.params.ignore_eos)
+
+    def _at_length(self, seq: Sequence) -> bool:
+        max_tokens = seq.params.max_tokens
+        return ((max_tokens is not None and len(seq.output_token_ids) >= max_tokens)
+                or seq.num_tokens >= self.max_model_len)
+
+    def _stop_reason(self, seq: Sequence, token: int) -> int | None:
+        """The stop reason of a stop token: its id when the request named it, None for EOS."""
+        return token if token in (seq.params.stop_token_ids or ()) else None
+
     def _append(self, seq: Sequence, token: int, logprobs: dict | None) -> None:
-        params = seq.params
         seq.output_token_ids.append(token)
         if seq.metrics.first_token_time is None:
             seq.metrics.first_token_time = time.monotonic()
         if logprobs is not None:
             seq.logprobs.append(logprobs)
             seq.cumulative_logprob += logprobs[token].logprob
-        stop_ids = params.stop_token_ids or ()
-        if token in stop_ids or (token in self.eos_token_ids and not params.ignore_eos):
+        if self._is_stop_token(seq, token):
             # The stop token itself is not part of the text (vLLM's behaviour).
             if self._emit(seq, seq.detokenizer.flush(), final=True):
                 return
-            return self._finish(seq, "stop", token if token in stop_ids else None)
+            return self._finish(seq, "stop", self._stop_reason(seq, token))
         if self._emit(seq, seq.detokenizer.push(token)):
             return
-        if (params.max_tokens is not None and len(seq.output_token_ids) >= params.max_tokens) \
-                or seq.num_tokens >= self.max_model_len:
+        if self._at_length(seq):
             if not self._emit(seq, seq.detokenizer.flush(), final=True):
                 self._finish(seq, "length", None)
 
@@ -313,18 +320,16 @@ class LLMEngine:
         """`_append` of several tokens for a sequence without stop strings or logprobs: the same
         outputs, with one detokenizer call for the run instead of one per token (two tokenizer
         decodes each: the host cost of a long accepted block)."""
-        params, stop_ids = seq.params, seq.params.stop_token_ids or ()
         if seq.metrics.first_token_time is None:
             seq.metrics.first_token_time = time.monotonic()
         text_ids, reason, stop_token = [], None, None
         for token in tokens:
             seq.output_token_ids.append(token)
-            if token in stop_ids or (token in self.eos_token_ids and not params.ignore_eos):
-                reason, stop_token = "stop", token if token in stop_ids else None  # not part of the text
+            if self._is_stop_token(seq, token):
+                reason, stop_token = "stop", self._stop_reason(seq, token)  # not part of the text
                 break
             text_ids.append(token)
-            if (params.max_tokens is not None and len(seq.output_token_ids) >= params.max_tokens) \
-                    or seq.num_tokens >= self.max_model_len:
+            if self._at_length(seq):
                 reason = "length"
                 break
         if text_ids:

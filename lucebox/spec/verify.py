@@ -64,7 +64,12 @@ def accept_batch(sampler: Sampler, logits: torch.Tensor, seqs: Seq, drafts: Seq[
         num_accepted = meta.first_rejection(u * _q_at_drafts(q, meta, p_draft) < p_draft)
         token = _exponential_race(_residual(probs, q, meta.start + num_accepted, meta), list(seqs))
     host = torch.stack([num_accepted, token], 1).tolist()  # the step's one device -> host transfer
-    return [Verdict(d.tokens[:a] + [t], a) for d, (a, t) in zip(drafts, host)]
+    return verdicts_of(drafts, host)
+
+
+def verdicts_of(drafts: Seq[Draft], accepted_and_token: Seq[Seq[int]]) -> list[Verdict]:
+    """Each sequence's verdict from its [drafts accepted, next token]."""
+    return [Verdict(d.tokens[:a] + [t], a) for d, (a, t) in zip(drafts, accepted_and_token)]
 
 
 def accept_argmax(argmax: list[int], drafts: Seq[Draft]) -> list[Verdict]:
