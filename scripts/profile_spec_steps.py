@@ -10,7 +10,8 @@ token. For the question `lucebox bench spec` cannot answer: where a speculative 
 steps spend the time that the plain engine does not. `--trace plain:1` (engine:temperature) then
 decodes two prompts under torch.profiler and prints the top operators by host and device time.
 `--step-costs` instead times one graph step of each verify width (the buckets of a 15-draft
-speculator): returning argmax tokens, sampling and accepting in the graph, or returning logits.
+speculator): returning argmax tokens or logits, or sampling and accepting in the graph (the
+Triton sampler against the torch reference).
 """
 from __future__ import annotations
 
@@ -108,35 +109,49 @@ def main() -> None:
 
 def step_costs(loaded, steps: int = 200) -> None:
     """Microseconds per ModelRunner.run of one sequence at context 256, by query length (every
-    verify bucket of a 15-draft speculator) and by what comes back: argmax tokens, the verdict of
-    sampling and acceptance in the graph (temperature 1, top-p 0.95), or the logits (copied to the
-    host, as a sampler would wait for them)."""
+    verify bucket of a 15-draft speculator) and by what comes back: argmax tokens, the logits
+    (copied to the host, as a sampler would wait for them), or the verdict of sampling and
+    accepting in the graph (temperature 1 alone, and with top-p 0.95) -- by the Triton sampler and
+    by the torch reference (a second engine, captured with the reference)."""
     import torch
-    engine = LLMEngine(loaded, EngineArgs(model="step-costs", max_model_len=1024, max_num_seqs=1,
-                                          speculative_config={"method": "ngram", "num_speculative_tokens": 15}))
-    runner = engine.runner
-    if runner.graphs is None:
-        print("no CUDA graphs on this device: nothing to time")
-        return
-    table = list(range(1024 // engine.args.block_size))  # no sequence lives in this engine: any blocks do
-    row = SamplingParams(temperature=1.0, top_p=0.95).graph_row(loaded.config.vocab_size)
-    outputs = {"argmax": dict(argmax=True), "sampled": dict(sample=[row]), "logits": {}}
-    print("| query length | " + " | ".join(f"{name} us" for name in outputs) + " |\n|---:|" + "---:|" * len(outputs))
-    for q in runner.graphs.query_lens:
-        tokens, cells = [[5] * q], []
-        for kwargs in outputs.values():
-            def one():
-                out = runner.run(tokens, [256], [table], logits_rows=list(range(q)), **kwargs)
-                return out if isinstance(out, list) else out.tolist()
-            for _ in range(10):
-                one()
-            if loaded.model.device.type == "cuda":
-                torch.cuda.synchronize()
-            started = time.perf_counter()
-            for _ in range(steps):
-                one()
-            cells.append(f"{1e6 * (time.perf_counter() - started) / steps:.0f}")
-        print(f"| {q} | " + " | ".join(cells) + " |", flush=True)
+
+    from lucebox.spec import verify
+
+    vocab = loaded.config.vocab_size
+    plain, top_p = (SamplingParams(temperature=1.0, **f).graph_row(vocab) for f in ({}, {"top_p": 0.95}))
+    columns = {"argmax": dict(argmax=True), "logits": {},
+               "T=1": dict(sample=[plain]), "top-p": dict(sample=[top_p])}
+    tables = {}
+    for sampler in ("triton", "torch"):
+        if sampler == "torch":
+            verify.use_triton = lambda *tensors: False  # captures from here on take the reference
+            columns = {k: v for k, v in columns.items() if "sample" in v}
+        engine = LLMEngine(loaded, EngineArgs(model="step-costs", max_model_len=1024, max_num_seqs=1,
+                                              speculative_config={"method": "ngram", "num_speculative_tokens": 15}))
+        runner = engine.runner
+        if runner.graphs is None:
+            print("no CUDA graphs on this device: nothing to time")
+            return
+        table = list(range(1024 // engine.args.block_size))  # no sequence lives in this engine: any blocks do
+        for q in runner.graphs.query_lens:
+            tokens = [[5] * q]
+            for name, kwargs in columns.items():
+                def one():
+                    out = runner.run(tokens, [256], [table], logits_rows=list(range(q)), **kwargs)
+                    return out if isinstance(out, list) else out.tolist()
+                for _ in range(10):
+                    one()
+                if loaded.model.device.type == "cuda":
+                    torch.cuda.synchronize()
+                started = time.perf_counter()
+                for _ in range(steps):
+                    one()
+                label = name if "sample" not in kwargs else f"{name} {sampler}"
+                tables.setdefault(q, {})[label] = f"{1e6 * (time.perf_counter() - started) / steps:.0f}"
+    labels = list(next(iter(tables.values())))
+    print("| query length | " + " | ".join(f"{label} us" for label in labels) + " |\n|---:|" + "---:|" * len(labels))
+    for q, cells in tables.items():
+        print(f"| {q} | " + " | ".join(cells[label] for label in labels) + " |", flush=True)
 
 
 def graphs(engine: LLMEngine) -> int:

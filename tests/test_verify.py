@@ -246,7 +246,7 @@ def in_graph_verdicts(n: int, device: str = "cpu") -> list[Verdict]:
     logits = P.float().log().repeat(len(params), 1).to(device)
     draft = torch.tensor([(drafts[i % GRAPH_KINDS] + [-1] * 3)[:3] for i in range(len(params))], device=device)
     out = verify.accept_in_graph(logits, draft.view(-1), logits.argmax(-1), temperature.float(), top_k,
-                                 top_p.float(), min_p.float(), greedy)
+                                 top_p.float(), min_p.float(), greedy, torch.tensor([12345], device=device))
     return [Verdict(drafts[i % GRAPH_KINDS][:a] + [t], a) for i, (a, t) in enumerate(out.tolist())]
 
 

@@ -93,15 +93,15 @@ class StaticInputs:
     """The device buffers every graph reads, sized for the largest bucket, and their host staging.
 
     One int64 buffer holds ids | positions | slots | seq_lens | selected rows | real rows | feature
-    ring rows | top_k | greedy | drafts, so a step costs two host-to-device copies (that and the block
+    ring rows | top_k | greedy | drafts | noise seed, so a step costs two host-to-device copies (that and the block
     tables) whatever its size (three when it samples in the graph: the float sampling parameters)."""
 
     def __init__(self, max_tokens: int, max_seqs: int, width: int, device: torch.device):
         t, b = max_tokens, max_seqs
         self.offsets = {"ids": 0, "positions": t, "slots": 2 * t, "seq_lens": 3 * t, "select": 3 * t + b,
                         "real": 4 * t + b, "ring": 5 * t + b, "top_k": 6 * t + b, "greedy": 6 * t + 2 * b,
-                        "draft": 6 * t + 3 * b}
-        self._flat = StagedBuffer(7 * t + 3 * b, torch.int64, device)
+                        "draft": 6 * t + 3 * b, "seed": 7 * t + 3 * b}
+        self._flat = StagedBuffer(7 * t + 3 * b + 1, torch.int64, device)
         self._tables = StagedBuffer((max_seqs, width), torch.int32, device)
         self.sampling = StagedBuffer((3, max_seqs), torch.float32, device)  # temperature, top_p, min_p
         self.flat, self.tables = self._flat.device, self._tables.device
@@ -128,6 +128,11 @@ class StaticInputs:
         draft[:] = -1
         for i, toks in enumerate(token_ids):
             draft[i * query_len:i * query_len + len(toks) - 1] = toks[1:]
+
+    def new_seed(self) -> None:
+        """A fresh seed for the Triton sampler's counter-based noise, from torch's global generator
+        (torch.manual_seed makes in-graph sampling reproducible)."""
+        self.host("seed", 1)[0] = int(torch.randint(1 << 62, (1,)))
 
     def view(self, name: str, n: int) -> torch.Tensor:
         start = self.offsets[name]
@@ -244,6 +249,7 @@ class CudaGraphRunner:
         if sampled:
             self.inputs.set_sampling(sample, num_seqs)
             self.inputs.set_drafts(token_ids, num_seqs, query_len)
+            self.inputs.new_seed()
         self.inputs.upload(num_seqs)
         if graph is not None:
             graph.replay()
@@ -330,7 +336,7 @@ class CudaGraphRunner:
             floats = self.inputs.sampling.device[:, :num_seqs]
             out_verdicts[:num_seqs].copy_(accept_in_graph(
                 logits, view("draft", tokens), out_tokens[:tokens], floats[0], view("top_k", num_seqs), floats[1],
-                floats[2], view("greedy", num_seqs).bool()))
+                floats[2], view("greedy", num_seqs).bool(), view("seed", 1)))
         if features is not None and self.feature_ring is not None:
             self.feature_ring.rows.index_copy_(0, view("ring", tokens), features)
         elif features is not None:

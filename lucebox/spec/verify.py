@@ -25,6 +25,7 @@ import torch
 
 from ..sampling import (Sampler, SamplingState, _apply_min_p, _apply_top_k_top_p, _exponential_race,
                         _fill_exponential)
+from ..kernels.dispatch import use_triton
 from ..util import host_to_device
 from .proposer import Draft
 
@@ -89,7 +90,7 @@ def accept_argmax(argmax: list[int], drafts: Seq[Draft]) -> list[Verdict]:
 
 def accept_in_graph(logits: torch.Tensor, draft: torch.Tensor, argmax: torch.Tensor, temperature: torch.Tensor,
                     top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
-                    greedy: torch.Tensor) -> torch.Tensor:
+                    greedy: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
     """`accept_batch` for deterministic drafts (n-gram lookups, argmax drafts) in the uniform layout
     of a CUDA-graph bucket, with no host work or sync (capturable): B sequences of Q rows each,
     row j of sequence b scoring the token after its j-th draft; `draft` [B*Q] holds the draft each
@@ -98,8 +99,13 @@ def accept_in_graph(logits: torch.Tensor, draft: torch.Tensor, argmax: torch.Ten
     tensors in `SamplingParams.graph_row`'s form (filters that are off keep every token); greedy
     sequences accept while the draft is the row's argmax (`argmax` [B*Q]) and end on the argmax.
 
-    Returns [B, 2] int64: (drafts accepted, the token after them) per sequence. The randomness
-    comes from the global generator, which a CUDA graph replays with fresh offsets each time."""
+    Returns [B, 2] int64: (drafts accepted, the token after them) per sequence. On a GPU this is
+    two Triton launches (kernels/triton_sampling.py), whose noise is counter-based from `seed`
+    (a one-element int64 device tensor the caller changes every step); the torch reference below
+    draws from the global generator instead, which a CUDA graph replays with fresh offsets."""
+    if use_triton(logits):
+        from ..kernels.triton_sampling import accept_rows_triton
+        return accept_rows_triton(logits, draft, argmax, temperature, top_k, top_p, min_p, greedy, seed)[0]
     num_seqs = temperature.shape[0]
     query_len = logits.shape[0] // num_seqs
 

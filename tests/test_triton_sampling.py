@@ -1,0 +1,90 @@
+"""The Triton sampler of CUDA-graph steps (kernels/triton_sampling.py) keeps the tokens the Sampler
+keeps and commits what lossless acceptance commits.
+
+Without a GPU the kernel runs under Triton's interpreter, which takes tens of milliseconds a row:
+the distribution test here is small (rows without filters), the filters are checked exactly
+through the threshold each row reports. On a GPU, tests/test_verify.py's in-graph distribution
+test (3000 trials, filters on) runs this kernel too, through accept_in_graph's dispatch.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from .test_triton_kernels import DEVICE  # noqa: I001  (sets TRITON_INTERPRET=1 before triton loads)
+from lucebox.kernels.triton_sampling import accept_rows_triton
+from lucebox.sampling import Sampler, SamplingParams, SamplingState
+
+from .test_spec import chi_square_rejects
+from .test_verify import FIXED_DRAFTS, P, correction_from_p, exact_outcomes, one_hot
+
+FILTERS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=5),
+           SamplingParams(temperature=1.3, top_p=0.7), SamplingParams(temperature=0.6, min_p=0.05),
+           SamplingParams(temperature=0.9, top_k=12, top_p=0.8, min_p=0.02), SamplingParams(temperature=1.0, top_k=1)]
+
+
+def launch(logits: torch.Tensor, draft: list[int], params: list[SamplingParams], seed: int = 7):
+    """accept_rows_triton over len(params) sequences of equal rows; returns (verdicts, thresholds)."""
+    vocab = logits.shape[1]
+    temperature, top_k, top_p, min_p, greedy = (torch.tensor(col, device=DEVICE)
+                                                for col in zip(*(p.graph_row(vocab) for p in params)))
+    logits = logits.to(DEVICE)
+    out, kept_from = accept_rows_triton(logits, torch.tensor(draft, device=DEVICE), logits.argmax(-1),
+                                        temperature.float(), top_k, top_p.float(), min_p.float(), greedy,
+                                        torch.tensor([seed], device=DEVICE))
+    return out.cpu(), kept_from.cpu()
+
+
+def test_each_row_keeps_the_tokens_the_sampler_keeps():
+    """Thresholds found by bisection (no sort) keep exactly the Sampler's tokens: temperature,
+    top-k, top-p over the top-k set, min-p, each alone and together; top_k = 1 keeps the argmax."""
+    torch.manual_seed(3)
+    logits = torch.randn(len(FILTERS), 40) * 3
+    _, kept_from = launch(logits, [-1] * len(FILTERS), FILTERS)
+    for row, params in enumerate(FILTERS):
+        reference = Sampler().process_logits(logits[row:row + 1], [SamplingState(params, [])])[0] > float("-inf")
+        kept = logits[row] / params.temperature >= kept_from[row]
+        assert torch.equal(kept, reference), (row, params, kept.nonzero().flatten(), reference.nonzero().flatten())
+    assert int((logits[-1] >= kept_from[-1]).sum()) == 1
+
+
+def test_greedy_rows_accept_while_the_draft_is_the_argmax():
+    logits = P.float().log()  # argmax 3, 0, 2
+    out, kept_from = launch(logits, [3, 1, -1], [SamplingParams(temperature=0)])
+    assert out.tolist() == [[1, 0]]
+    assert torch.isinf(kept_from).all()
+
+
+SAMPLES = 250
+
+
+def test_committed_tokens_follow_the_exact_distribution():
+    """Fixed drafts [3, 2] checked against P's rows at T = 1: the committed tuples follow lossless
+    acceptance (Pearson at 1e-3) and reject a wrong rule (correction drawn from p itself)."""
+    logits = P.float().log().repeat(SAMPLES, 1)
+    out, _ = launch(logits, (FIXED_DRAFTS + [-1]) * SAMPLES, [SamplingParams(temperature=1.0)] * SAMPLES)
+    counts = Counter(tuple(FIXED_DRAFTS[:a] + [t]) for a, t in out.tolist())
+    rejected, stat, critical = chi_square_rejects(counts, exact_outcomes(P, one_hot(FIXED_DRAFTS)), SAMPLES)
+    assert not rejected, (stat, critical)
+    assert chi_square_rejects(counts, correction_from_p(P, FIXED_DRAFTS), SAMPLES)[0]
+
+
+def test_the_seed_decides_the_draw():
+    logits = P.float().log()[:1].repeat(12, 1)
+    draft, params = [-1] * 12, [SamplingParams(temperature=1.0)] * 12
+    first, again, other = (launch(logits, draft, params, seed)[0] for seed in (5, 5, 6))
+    assert torch.equal(first, again)
+    assert not torch.equal(first, other)
+
+
+@pytest.mark.parametrize("vocab", [3, 1500])
+def test_a_row_keeping_only_its_draft_offers_the_draft(vocab):
+    """top_k = 1 and the draft is the argmax: accepted with probability 1, and the correction (never
+    used) falls back to the draft rather than to a token outside the kept set. Vocabularies below
+    and above one block."""
+    logits = torch.zeros(2, vocab)
+    logits[:, 1] = 5.0
+    out, _ = launch(logits, [1, -1], [SamplingParams(temperature=1.0, top_k=1)])
+    assert out.tolist() == [[1, 1]]
