@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import sys
 import time
 from pathlib import Path
@@ -124,6 +125,9 @@ def step_costs(loaded, steps: int = 200) -> None:
     tables = {}
     for sampler in ("triton", "torch"):
         if sampler == "torch":
+            engine = runner = None  # the first engine's memory back before the second plans its KV cache
+            gc.collect()
+            torch.cuda.empty_cache()
             verify.use_triton = lambda *tensors: False  # captures from here on take the reference
             columns = {k: v for k, v in columns.items() if "sample" in v}
         engine = LLMEngine(loaded, EngineArgs(model="step-costs", max_model_len=1024, max_num_seqs=1,

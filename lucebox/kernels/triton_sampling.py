@@ -52,7 +52,8 @@ def _kernels():
 
     @triton.jit
     def _scaled(base, cols, vocab, temperature):
-        return tl.load(base + cols, mask=cols < vocab, other=float("-inf")) / temperature
+        # IEEE division (a plain / may compile to an approximate one): the same x as torch's logits / T
+        return tl.div_rn(tl.load(base + cols, mask=cols < vocab, other=float("-inf")), temperature)
 
     @triton.jit
     def _row_kernel(logits, stride, draft, argmax, temperature, top_k, top_p, min_p, greedy, seed_ptr,
@@ -136,7 +137,7 @@ def _kernels():
             # the lowest column among equal best scores: a deterministic pick
             pick = tl.min(tl.where(best == top_score, best_col, vocab), 0)
             has_draft = d >= 0
-            x_d = tl.load(base + tl.maximum(d, 0)) / temp
+            x_d = tl.div_rn(tl.load(base + tl.maximum(d, 0)), temp)
             p_d = tl.where(has_draft & (x_d >= threshold), tl.exp(x_d - m) / tl.sum(mass, 0), 0.0)
             u_d = tl.rand(seed + 1, row)
             tl.store(accepted + row, (has_draft & (u_d < p_d)).to(tl.int8))
