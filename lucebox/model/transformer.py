@@ -132,6 +132,7 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
+        self.layer = layer
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -146,6 +147,8 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm(x, residual)
+        if self.layer - 1 in batch.capture_layers:  # the stream after the previous layer, summed by this norm
+            batch.captured[self.layer - 1] = residual
         h = self.self_attn(h, cos, sin, batch)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
@@ -180,15 +183,17 @@ class Transformer(nn.Module):
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """New tokens of a ragged batch -> final hidden states [T, hidden] (before the LM head).
 
-        Hidden states after the layers in batch.capture_layers are stored in batch.captured."""
+        Hidden states after the layers in batch.capture_layers are stored in batch.captured: the
+        residual stream as the next norm sums it (no separate add)."""
         x = self.embed_tokens(batch.input_ids)
         cos, sin = self.rope.lookup(batch.positions, x.dtype, batch.position_bound)
         residual = None
-        for i, layer in enumerate(self.layers):
+        for layer in self.layers:
             x, residual = layer(x, residual, cos, sin, batch)
-            if i in batch.capture_layers:
-                batch.captured[i] = x + residual  # the same sum the next norm forms
-        return self.norm(x, residual)[0]
+        h, stream = self.norm(x, residual)
+        if len(self.layers) - 1 in batch.capture_layers:
+            batch.captured[len(self.layers) - 1] = stream
+        return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.embed_tokens if self.config.tie_word_embeddings else self.lm_head
