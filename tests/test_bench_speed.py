@@ -174,6 +174,8 @@ def test_bench_spec_compares_each_proposer_with_plain_decoding_in_one_run(hf_mod
         (m, t) for t in (0.0, 1.0) for m in ("plain", "draft_model", "draft_model+ngram", "ngram")]
     for r in rows:
         assert r["tokens"] == 2 * 5 and r["seconds"] > 0 and r["speedup"] > 0
+        low, high = r["speedup_range"]  # paired by repeat: plain against itself is exactly 1
+        assert low <= r["speedup"] <= high and (r["method"] != "plain" or low == high == 1.0)
         assert r["accepted_tokens"] <= r["draft_tokens"]
     # The target drafting for itself at temperature 0 (every step drafts: --no-adaptive; adaptive
     # speculation would rightly keep a drafter as slow as the target off): every draft is accepted.
