@@ -322,13 +322,11 @@ class CudaGraphRunner:
         features = torch.cat([batch.captured[i] for i in capture_layers], dim=-1) if capture_layers else None
         if capture_layers not in self.outputs:  # first use is a warm-up, never inside a capture
             rows = self.inputs.tables.shape[0] * self.query_lens[-1]
-            shared = next(iter(self.outputs.values()), None)  # a step's results are read before the next replay
-            logits_out, tokens_out, verdicts_out = (shared[0], shared[2], shared[3]) if shared else (
-                logits.new_empty(rows, logits.shape[1]), torch.empty(rows, dtype=torch.int64, device=logits.device),
-                torch.empty(self.inputs.tables.shape[0], 2, dtype=torch.int64, device=logits.device))
             self.outputs[capture_layers] = (
-                logits_out, features.new_empty(rows, features.shape[1]) if features is not None else None,
-                tokens_out, verdicts_out)
+                logits.new_empty(rows, logits.shape[1]),
+                features.new_empty(rows, features.shape[1]) if features is not None else None,
+                torch.empty(rows, dtype=torch.int64, device=logits.device),
+                torch.empty(self.inputs.tables.shape[0], 2, dtype=torch.int64, device=logits.device))
         out_logits, out_features, out_tokens, out_verdicts = self.outputs[capture_layers]
         if not sampled:  # a sampling graph hands back verdicts only: its logits are never read
             out_logits[:tokens].copy_(logits)

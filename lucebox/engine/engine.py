@@ -52,12 +52,8 @@ class LLMEngine:
                 self.runner.set_feature_ring(proposer.feature_ring)
             proposer.capture_graphs()
             self.speculator.recompute_taps = self._recompute_taps
-        # Every bucket now: one first used mid-stream would stall its step by the capture. With taps,
-        # also without them: a dormant drafter's decode steps take those.
-        taps = self.speculator.capture_layers if self.speculator is not None else ()
-        self.runner.capture_graphs(taps)
-        if taps:
-            self.runner.capture_graphs(())
+        # Every bucket now: one first used mid-stream would stall its step by the capture.
+        self.runner.capture_graphs(self.speculator.capture_layers if self.speculator is not None else ())
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(cfg.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids)
         self.requests: dict[str, tuple[str | None, list[Sequence]]] = {}
