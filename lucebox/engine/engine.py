@@ -51,7 +51,6 @@ class LLMEngine:
             if proposer.feature_ring is not None:
                 self.runner.set_feature_ring(proposer.feature_ring)
             proposer.capture_graphs()
-            self.speculator.recompute_taps = self._recompute_taps
         # Every bucket now: one first used mid-stream would stall its step by the capture.
         self.runner.capture_graphs(self.speculator.capture_layers if self.speculator is not None else ())
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(cfg.eos_token_ids)
@@ -191,10 +190,7 @@ class LLMEngine:
                 plain.append((seq, offset))
                 plain_rows.append(offset + n - 1)
             offset += n
-        # The drafter's taps: always for prompts (a dormant drafter recomputes only decoded positions).
-        prefilling = any(seq.num_computed < seq.num_tokens - 1 for seq in batch.seqs)
-        capture = (self.speculator.capture_layers if self.speculator is not None
-                   and (prefilling or self.speculator.taps_needed()) else ())
+        capture = self.speculator.capture_layers if self.speculator is not None else ()
         # All greedy with nothing processing the logits: argmax tokens come back, not logits.
         argmax = all(seq.params.argmax_only(len(seq.output_token_ids)) for seq, _ in plain + verifying)
         # Simply sampled rows with deterministic drafts (or none): sampled and accepted in the graph.
@@ -236,20 +232,9 @@ class LLMEngine:
         """The next n positions of seq (their K/V written this step) are now committed."""
         if features is not None:
             self.speculator.observe(seq, seq.num_computed, features[offset:offset + n])
-        elif self.speculator is not None:
-            self.speculator.missed(seq, seq.num_computed)
         seq.num_computed += n
         self.scheduler.blocks.register_full_blocks(seq.block_table, seq.block_hashes, seq.token_slice,
                                                    seq.num_computed)
-
-    def _recompute_taps(self, late: list[tuple[Sequence, int]]) -> list[torch.Tensor]:
-        """The drafter's taps of positions start..num_computed of each (seq, start): one eager target
-        pass over those tokens that reads their K/V from the cache and writes none."""
-        token_ids = [seq.token_slice(start, seq.num_computed) for seq, start in late]
-        _, features = self.runner.run_eager(token_ids, [start for _, start in late], [seq.block_table for seq, _ in late],
-                                            logits_rows=[], capture_layers=self.speculator.capture_layers,
-                                            write_kv=False)
-        return list(features.split([len(t) for t in token_ids]))
 
     def _verify(self, verifying: list[tuple[Sequence, int]], features, logits: torch.Tensor | list[int],
                 in_graph: list[list[int]] | None = None) -> None:

@@ -104,16 +104,10 @@ class ModelRunner:
     @torch.inference_mode()
     def run_eager(self, token_ids: list[list[int]], start_positions: list[int], block_tables: list[list[int]],
                   logits_rows: list[int] | None = None, all_logits: bool = False,
-                  capture_layers: tuple[int, ...] = (), argmax: bool = False, write_kv: bool = True):
-        """`run` without graphs: the exact ragged batch, no padding. write_kv=False recomputes
-        positions whose K/V the cache already holds (for their taps) without touching it: the new
-        K/V go to the scratch block, and attention, which reads the cache, sees the cached K/V."""
+                  capture_layers: tuple[int, ...] = (), argmax: bool = False):
+        """`run` without graphs: the exact ragged batch, no padding."""
         batch = ForwardBatch.build(token_ids, start_positions, block_tables, self.block_size, self.model.device,
                                    capture_layers)
-        if not write_kv:
-            rows = batch.slot_mapping.shape[0]
-            batch.slot_mapping = (self.scratch_block * self.block_size
-                                  + torch.arange(rows, device=batch.slot_mapping.device) % self.block_size)
         hidden = self.model(batch)
         if logits_rows is not None:
             hidden = hidden[host_to_device(logits_rows, hidden.device, torch.long)]
