@@ -1,0 +1,62 @@
+"""Time the in-graph sampler (spec/verify.py: accept_in_graph) by vocabulary size: the Triton kernel
+(kernels/triton_sampling.py) against the torch reference, in the same run, on random logits.
+
+    python scripts/bench_sampler.py            # on a CUDA device
+
+Rows: a decode (1 sequence x 1 row) and a 16-row verify of one sequence, at temperature 1 alone and
+with Qwen3's defaults (temperature 0.6, top-k 20, top-p 0.95, which the Triton kernel finds by
+bisection: 64 passes over the vocabulary). Times are eager launches with a sync per batch of 50,
+so they include launch overhead that a CUDA graph removes; compare the two columns of a row.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from lucebox.kernels.triton_sampling import accept_rows_triton  # noqa: E402
+from lucebox.sampling import SamplingParams  # noqa: E402
+from lucebox.spec import verify  # noqa: E402
+
+PARAMS = {"T=1": SamplingParams(temperature=1.0),
+          "top-k 20, top-p 0.95": SamplingParams(temperature=0.6, top_k=20, top_p=0.95)}
+
+
+def microseconds(fn, n: int = 50) -> float:
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - started) / n * 1e6
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("needs a CUDA device")
+        return 1
+    verify.use_triton = lambda *tensors: False  # accept_in_graph below is the torch reference
+    print("| vocab | rows | sampling | Triton us | torch us | Triton / torch |\n|---:|---:|---|---:|---:|---:|")
+    for vocab in (8192, 32768, 151936):
+        for rows in (1, 16):
+            logits = torch.randn(rows, vocab, device="cuda") * 3
+            draft = torch.randint(0, vocab, (rows,), device="cuda")
+            draft[-1] = -1  # the bonus row
+            argmax, seed = logits.argmax(-1), torch.tensor([1], device="cuda")
+            for name, params in PARAMS.items():
+                t, k, p, min_p, greedy = (torch.tensor([c], device="cuda") for c in params.graph_row(vocab))
+                args = (logits, draft, argmax, t.float(), k, p.float(), min_p.float(), greedy, seed)
+                fast = microseconds(lambda: accept_rows_triton(*args))
+                reference = microseconds(lambda: verify.accept_in_graph(*args))
+                print(f"| {vocab} | {rows} | {name} | {fast:.0f} | {reference:.0f} | {fast / reference:.2f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
