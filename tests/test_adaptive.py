@@ -231,6 +231,21 @@ def test_bursty_acceptance_is_judged_by_the_tokens_it_delivered():
     assert not policy.drafting_loses(1)
 
 
+def test_a_one_off_stall_does_not_veto_drafting_but_a_lasting_slowdown_does():
+    """Drafted steps deliver 0.2 ms a token against plain's 0.5 ms; one drafted step stalls 200 ms
+    (a host hiccup, a compile): clipped to a few mean steps, it does not veto drafting. Drafted
+    steps that stay slow (2 ms a token) still do, within a few dozen steps."""
+    policy = policy_with(forward_per_token=0.0001, forward_fixed=0.01, draft_cost=0.001)
+    for _ in range(4 * MIN_REALIZED):
+        policy.record_delivered(1, 1, 0.0005, drafted=False)
+        policy.record_delivered(1, 5, 0.001, drafted=True)
+    policy.record_delivered(1, 5, 0.200, drafted=True)
+    assert not policy.drafting_loses(1)
+    for _ in range(30):
+        policy.record_delivered(1, 5, 0.010, drafted=True)
+    assert policy.drafting_loses(1)
+
+
 def test_the_speculator_records_what_drafted_and_plain_steps_delivered(hf_models, monkeypatch):
     """Every decode-only step feeds the delivered tables: plain steps one token a sequence, drafted
     steps their accepted drafts too; the record adds up to the request's own metrics."""

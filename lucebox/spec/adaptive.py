@@ -36,6 +36,7 @@ REMEASURE_PLAIN_EVERY = 64  # while speculating, one plain step in this many kee
 REEVALUATE_PLAIN_EVERY = 8
 DELIVERED_DECAY = 0.9  # per step, of the sums behind seconds per committed token
 MIN_REALIZED = 4  # drafted steps measured before what they delivered can veto the model's choice
+STALL_CLIP = 3.0  # a step counts for at most this many mean steps in what was delivered
 
 
 class TimingTable:
@@ -95,17 +96,25 @@ class DeliveredRate:
     """Seconds per committed token by batch size (sequences decoding in the step), from decayed sums
     of seconds and of tokens: a ratio of sums, so a step weighs as many tokens as it committed. (An
     average of per-step ratios would punish bursty acceptance: a 1-token and a 9-token step of 1 ms
-    each deliver 0.2 ms a token, not the 0.56 ms their ratios average to.)"""
+    each deliver 0.2 ms a token, not the 0.56 ms their ratios average to.)
+
+    Once MIN_REALIZED steps are in, a step counts for at most STALL_CLIP times the mean step: a
+    one-off stall (a host hiccup, a compile) would otherwise sit in the sums of drafted steps for as
+    long as few drafted steps follow -- under a veto, only probes, so thousands of steps. A lasting
+    slowdown still shows: each slow step raises the mean it is clipped against."""
 
     def __init__(self, decay: float = DELIVERED_DECAY):
         self.decay = decay
-        self.sums: dict[int, list[float]] = {}  # batch size -> [seconds, tokens, steps]
+        self.sums: dict[int, list[float]] = {}  # batch size -> [seconds, tokens, steps, decayed steps]
 
     def add(self, num_seqs: int, committed: int, seconds: float) -> None:
-        s = self.sums.setdefault(num_seqs, [0.0, 0.0, 0])
+        s = self.sums.setdefault(num_seqs, [0.0, 0.0, 0, 0.0])
+        if s[2] >= MIN_REALIZED:
+            seconds = min(seconds, STALL_CLIP * s[0] / s[3])
         s[0] = self.decay * s[0] + seconds
         s[1] = self.decay * s[1] + committed
         s[2] += 1
+        s[3] = self.decay * s[3] + 1
 
     def seconds_per_token(self, num_seqs: int) -> float | None:
         s = self.sums.get(num_seqs)
