@@ -30,6 +30,12 @@ from ..util import host_to_device
 from .proposer import Draft
 
 
+# The Triton sampler's top-k / top-p searches make 66 passes over a row (one program per row): timed
+# faster than the torch reference on an 8K vocabulary, estimated slower on Qwen3's 152K, where the
+# reference (a sort) stays until scripts/bench_sampler.py says otherwise.
+TRITON_MAX_VOCAB = 1 << 16
+
+
 @dataclass
 class Verdict:
     tokens: list[int]  # committed: accepted drafts then the bonus / correction token
@@ -99,11 +105,12 @@ def accept_in_graph(logits: torch.Tensor, draft: torch.Tensor, argmax: torch.Ten
     tensors in `SamplingParams.graph_row`'s form (filters that are off keep every token); greedy
     sequences accept while the draft is the row's argmax (`argmax` [B*Q]) and end on the argmax.
 
-    Returns [B, 2] int64: (drafts accepted, the token after them) per sequence. On a GPU this is
-    two Triton launches (kernels/triton_sampling.py), whose noise is counter-based from `seed`
-    (a one-element int64 device tensor the caller changes every step); the torch reference below
-    draws from the global generator instead, which a CUDA graph replays with fresh offsets."""
-    if use_triton(logits):
+    Returns [B, 2] int64: (drafts accepted, the token after them) per sequence. On a GPU (vocabulary
+    up to TRITON_MAX_VOCAB) this is two Triton launches (kernels/triton_sampling.py), whose noise
+    is counter-based from `seed` (a one-element int64 device tensor the caller changes every
+    step); the torch reference below draws from the global generator instead, which a CUDA graph
+    replays with fresh offsets."""
+    if use_triton(logits) and logits.shape[1] <= TRITON_MAX_VOCAB:
         from ..kernels.triton_sampling import accept_rows_triton
         return accept_rows_triton(logits, draft, argmax, temperature, top_k, top_p, min_p, greedy, seed)[0]
     num_seqs = temperature.shape[0]
