@@ -10,6 +10,10 @@
 #   scripts/gpu_session.sh profile   host time per engine-step section, plain vs speculative engines,
 #                                    torch.profiler tables of DFlash passes at T=0 and T=1, and one graph
 #                                    step's time by verify width and output (scripts/profile_spec_steps.py)
+#   scripts/gpu_session.sh idle      a DFlash engine that never drafts against plain decoding, with and
+#                                    without its taps (profile_spec_steps.py --idle-overhead, ~2 min)
+#   scripts/gpu_session.sh sampler   the in-graph sampler by vocabulary size, Triton against torch
+#                                    (scripts/bench_sampler.py), after its tests
 #   scripts/gpu_session.sh drafter   the default drafter (scripts/train_default_drafter.sh, ~7 min)
 # The device lacks the gguf package: keep its wheel in .whl/ (git-ignored) and pass carry [".whl"].
 set -uo pipefail
@@ -57,9 +61,17 @@ case "${1:-check}" in
     grep "pass 1" "$out/profile.log"
     step step-costs 120 python3 scripts/profile_spec_steps.py --step-costs
     grep "^|" "$out/step-costs.log" ;;
+  idle)
+    step idle "${SECONDS_IDLE:-240}" python3 scripts/profile_spec_steps.py --idle-overhead
+    grep "plain (" "$out/idle.log" ;;
+  sampler)
+    step sampler-tests 120 python3 -m pytest -q tests/test_triton_sampling.py tests/test_verify.py
+    tail -n 2 "$out/sampler-tests.log"
+    step sampler 120 python3 scripts/bench_sampler.py
+    grep "^|" "$out/sampler.log" ;;
   drafter)
     step drafter 570 bash scripts/train_default_drafter.sh "$out/default-dflash" "${SECONDS_TRAIN:-300}"
     rm -f "$out/default-dflash/train_state.pt" "$out/default-dflash/regenerated.pt"
     tr '\r' '\n' < "$out/drafter.log" | grep -E "tau|steps|wrote|Error|error" | tail -n 20 ;;
-  *) echo "usage: $0 check|bench|spec|kernels|profile|drafter" >&2; exit 2 ;;
+  *) echo "usage: $0 check|bench|spec|kernels|profile|idle|sampler|drafter" >&2; exit 2 ;;
 esac

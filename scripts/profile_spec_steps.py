@@ -9,7 +9,8 @@ timed with perf_counter wrappers (no profiler overhead) and printed in microseco
 token. For the question `lucebox bench spec` cannot answer: where a speculative engine's plain
 steps spend the time that the plain engine does not. `--trace plain:1` (engine:temperature) then
 decodes two prompts under torch.profiler and prints the top operators by host and device time.
-`--step-costs` instead times one graph step of each verify width (the buckets of a 15-draft
+`--idle-overhead` instead measures a DFlash engine that never drafts against plain decoding, with
+and without its taps. `--step-costs` instead times one graph step of each verify width (the buckets of a 15-draft
 speculator): returning argmax tokens or logits, or sampling and accepting in the graph (the
 Triton sampler against the torch reference).
 """
@@ -69,9 +70,13 @@ def main() -> None:
                    help="profile that engine at that temperature with torch.profiler (repeatable)")
     p.add_argument("--rows", type=int, default=20)
     p.add_argument("--step-costs", action="store_true", help="only time graph steps by width and output")
+    p.add_argument("--idle-overhead", action="store_true",
+                   help="only the cost of a DFlash engine that never drafts, against plain decoding")
     args = p.parse_args()
     if args.step_costs:
         return step_costs(load_model(args.model, dtype="auto", device="auto"))
+    if args.idle_overhead:
+        return idle_overhead(load_model(args.model, dtype="auto", device="auto"), args)
     totals: collections.Counter = collections.Counter()
     widths: collections.defaultdict = collections.defaultdict(lambda: [0, 0.0])
     instrument(totals, widths)
@@ -105,6 +110,45 @@ def main() -> None:
         name, temperature = spec.split(":")
         trace(engines[name], prompts[:2], SamplingParams(temperature=float(temperature), max_tokens=args.max_tokens,
                                                          ignore_eos=True), args.rows, spec)
+
+
+def idle_overhead(loaded, args, repeats: int = 5) -> None:
+    """What a DFlash engine costs when it never drafts (its policy forced to k = 0), against plain
+    decoding, interleaved prompt by prompt: with its taps, and with the taps off too (what is left
+    is the speculator's and the feature bookkeeping's host time). Per temperature, the median over
+    repeats of each repeat's ratio of seconds per token to plain's."""
+    from lucebox.spec.speculator import Speculator
+    prompts = [loaded.tokenizer.encode(t, add_special_tokens=False) for t in held_out_texts(args.prompts, 600, seed=1)]
+    max_len = max(map(len, prompts)) + args.max_tokens + 32
+    kv = 4 * kv_bytes_per_token(loaded.model, "auto", "auto") * ((-(-max_len // 16) + 2) * 16)
+    Speculator._choose = lambda self, *a: 0  # never drafts
+    engines = {}
+    for name, config in (("plain", None), ("idle dflash", {"method": "dflash", "model": args.draft}),
+                         ("idle dflash, no taps", {"method": "dflash", "model": args.draft})):
+        engines[name] = LLMEngine(loaded, EngineArgs(model=args.model, max_model_len=max_len, max_num_seqs=1,
+                                                     kv_cache_memory=kv, speculative_config=config))
+    engines["idle dflash, no taps"].speculator.capture_layers = ()
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(temperature=temperature, max_tokens=args.max_tokens, ignore_eos=True,
+                                output_kind="final_only")
+        for engine in engines.values():  # warm-up (the tap-less engine captures its graphs here)
+            for prompt in prompts[:2]:
+                _decode_one(engine, prompt, params, "warm-up")
+        ratios = collections.defaultdict(list)
+        for rep in range(repeats):
+            per_token = collections.defaultdict(float)
+            for i, prompt in enumerate(prompts):
+                names = list(engines)
+                turn = (rep + i) % len(names)
+                for name in names[turn:] + names[:turn]:
+                    run = _decode_one(engines[name], prompt, params, f"r{rep}p{i}")
+                    per_token[name] += run["seconds"] / run["tokens"] / len(prompts)
+            for name in engines:
+                ratios[name].append(per_token["plain"] / per_token[name])
+        for name, values in ratios.items():
+            values.sort()
+            print(f"T={temperature:g} {name}: {values[len(values) // 2]:.3f}x plain "
+                  f"({values[0]:.3f}-{values[-1]:.3f})", flush=True)
 
 
 def step_costs(loaded, steps: int = 200) -> None:
