@@ -44,7 +44,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from lucebox.engine.kv_cache import PagedKVCache  # noqa: E402
-from lucebox.kernels import dequant, triton_activation, triton_norm, triton_rope_kv  # noqa: E402
+from lucebox.kernels import dequant, triton_activation, triton_norm, triton_rope_kv, triton_sampling  # noqa: E402
 from lucebox.kernels import prefill_attention as pa  # noqa: E402
 from lucebox.kernels import triton_paged_attention as tpa  # noqa: E402
 from lucebox.kernels import triton_quant_int8 as tqi  # noqa: E402
@@ -408,6 +408,8 @@ def compile_check(arch: str) -> None:
     lazy_real = [m._kernel for m in lazy]
     for module, make in zip(lazy, lazy_real):
         module._kernel = lambda kernel=make(): Capture(kernel)
+    sampling_real = triton_sampling._kernels
+    triton_sampling._kernels = lambda kernels=sampling_real(): tuple(Capture(k) for k in kernels)
     try:
         for qtype in (Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS):
             raw = torch.zeros(64, 4096 // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1], dtype=torch.uint8)
@@ -438,11 +440,17 @@ def compile_check(arch: str) -> None:
             triton_rope_kv.rope_and_write_kv(q, k, k, cos, cos, kc, vc, torch.zeros(1, dtype=torch.long), qk_norm)
         gate_up = torch.zeros(1, 2 * 12288, dtype=torch.bfloat16)
         triton_activation.silu_and_mul_triton(*gate_up.chunk(2, dim=-1))
+        for vocab, rows in ((8192, 1), (8192, 16), (151936, 16)):  # in-graph sampling: decode, verify
+            row = torch.zeros(1)
+            triton_sampling.accept_rows_triton(torch.zeros(rows, vocab), torch.zeros(rows, dtype=torch.long),
+                                               torch.zeros(rows, dtype=torch.long), row, row.long(), row, row,
+                                               row.bool(), torch.zeros(1, dtype=torch.long))
     finally:
         tqm._qmm_kernel, tqm._sum_splits_kernel, tpa._paged_attn_kernel, tpa._merge_splits_kernel = real[:4]
         tqi._q8_0_int8_kernel = real[4]
         for module, make in zip(lazy, lazy_real):
             module._kernel = make
+        triton_sampling._kernels = sampling_real
 
     target = GPUTarget("cuda", int(arch), 32) if arch.isdigit() else GPUTarget("hip", arch, 64)
     cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
