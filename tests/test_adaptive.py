@@ -231,6 +231,22 @@ def test_bursty_acceptance_is_judged_by_the_tokens_it_delivered():
     assert not policy.drafting_loses(1)
 
 
+def test_steps_that_only_measured_a_length_do_not_count_for_the_veto():
+    """Measuring the shortest length (a fixed drafting cost for one or two tokens) delivers slower
+    than plain decoding; that is no evidence against the lengths the model picks, so no veto."""
+    policy = DraftLengthPolicy(8)
+    for _ in range(2):
+        for tokens in (1, 4, 9):
+            policy.forward.add(tokens, 0.01 + 0.0001 * tokens)
+        policy.draft.add(8, 0.001)  # the longest measured, the shortest not yet
+    for _ in range(MIN_REALIZED):
+        policy.record_delivered(1, 1, 0.010, drafted=False)
+    assert policy.choose([0.9], 0) == 1 and policy.exploring
+    for _ in range(2 * MIN_REALIZED):
+        policy.record_delivered(1, 2, 0.050, drafted=True)  # 25 ms a token against plain's 10
+    assert not policy.drafting_loses(1)
+
+
 def test_a_one_off_stall_does_not_veto_drafting_but_a_lasting_slowdown_does():
     """Drafted steps deliver 0.2 ms a token against plain's 0.5 ms; one drafted step stalls 200 ms
     (a host hiccup, a compile): clipped to a few mean steps, it does not veto drafting. Drafted

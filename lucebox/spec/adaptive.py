@@ -164,9 +164,14 @@ class DraftLengthPolicy:
         # this source drafted, and of plain steps (one table shared by every source of an engine).
         self.delivered = DeliveredRate()
         self.delivered_plain = DeliveredRate()
+        self.exploring = False  # the last choice measured a length rather than chose it
 
     def record_delivered(self, num_seqs: int, committed: int, seconds: float, drafted: bool) -> None:
-        """A whole step (drafting included) of num_seqs decoding sequences committed `committed` tokens."""
+        """A whole step (drafting included) of num_seqs decoding sequences committed `committed` tokens.
+        Drafted steps that only measured a length (the shortest, whose fixed drafting cost buys one
+        or two tokens) say nothing about the lengths the model picks, and are left out."""
+        if drafted and self.exploring:
+            return
         (self.delivered if drafted else self.delivered_plain).add(num_seqs, committed, seconds)
 
     def drafting_loses(self, num_seqs: int) -> bool:
@@ -178,6 +183,7 @@ class DraftLengthPolicy:
 
     def choose(self, alphas: list[float], batch_tokens: int) -> int:
         """One k for this step: `alphas` of the decoding sequences, `batch_tokens` other new tokens."""
+        self.exploring = False
         if not self.adaptive or not alphas:
             return self.max_k
         if (self.plain_steps + 1 < self.next_probe and self.plain_steps % REEVALUATE_PLAIN_EVERY
@@ -194,11 +200,13 @@ class DraftLengthPolicy:
             return 0
         unexplored = self._unexplored(batch_tokens, n)
         if unexplored:
+            self.exploring = True
             return unexplored
         best_k, best_rate, probe_k, probe_rate = 0, n / plain_cost, 0, 0.0
         for k in self.candidates:
             size = batch_tokens + n * (1 + k)
             if self.forward.provisional(size) or self.draft.provisional(k):
+                self.exploring = True
                 return k  # measured once, maybe with a one-off cost (a graph capture): measure again
             # A wider forward never costs less than the plain step: without this floor, one slow
             # plain step (a load spike), never re-measured while speculation runs, would keep a
