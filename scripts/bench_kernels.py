@@ -444,7 +444,7 @@ def compile_check(arch: str) -> None:
             row = torch.zeros(1)
             triton_sampling.accept_rows_triton(torch.zeros(rows, vocab), torch.zeros(rows, dtype=torch.long),
                                                torch.zeros(rows, dtype=torch.long), row, row.long(), row, row,
-                                               row.bool(), torch.zeros(1, dtype=torch.long))
+                                               row.long(), torch.zeros(1, dtype=torch.long))  # as a graph calls it
     finally:
         tqm._qmm_kernel, tqm._sum_splits_kernel, tpa._paged_attn_kernel, tpa._merge_splits_kernel = real[:4]
         tqi._q8_0_int8_kernel = real[4]

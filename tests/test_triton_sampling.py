@@ -57,6 +57,19 @@ def test_greedy_rows_accept_while_the_draft_is_the_argmax():
     assert torch.isinf(kept_from).all()
 
 
+def test_a_graph_passes_int64_flags_and_its_own_output():
+    """As CudaGraphRunner calls it: greedy flags straight from the int64 static inputs, the verdicts
+    written into the graph's output buffer (no conversion or copy nodes)."""
+    logits = P.float().log().repeat(2, 1).to(DEVICE)  # two sequences of three rows: greedy, sampled
+    one = torch.ones(2, device=DEVICE)
+    out = torch.full((2, 2), -7, dtype=torch.int64, device=DEVICE)
+    returned, _ = accept_rows_triton(logits, torch.tensor([3, 1, -1, 3, 2, -1], device=DEVICE), logits.argmax(-1),
+                                     one, torch.tensor([4, 4], device=DEVICE), 2 * one, 0 * one,
+                                     torch.tensor([1, 0], device=DEVICE), torch.tensor([3], device=DEVICE), out)
+    assert returned is out and out[0].tolist() == [1, 0]
+    assert 0 <= out[1, 0] <= 2 and 0 <= out[1, 1] < 4
+
+
 SAMPLES = 250
 
 

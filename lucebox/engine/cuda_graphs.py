@@ -334,9 +334,8 @@ class CudaGraphRunner:
         torch.argmax(logits, dim=-1, out=out_tokens[:tokens])
         if sampled:  # each sequence's drafts checked and its next token drawn with its own parameters
             floats = self.inputs.sampling.device[:, :num_seqs]
-            out_verdicts[:num_seqs].copy_(accept_in_graph(
-                logits, view("draft", tokens), out_tokens[:tokens], floats[0], view("top_k", num_seqs), floats[1],
-                floats[2], view("greedy", num_seqs).bool(), view("seed", 1)))
+            accept_in_graph(logits, view("draft", tokens), out_tokens[:tokens], floats[0], view("top_k", num_seqs),
+                            floats[1], floats[2], view("greedy", num_seqs), view("seed", 1), out=out_verdicts[:num_seqs])
         if features is not None and self.feature_ring is not None:
             self.feature_ring.rows.index_copy_(0, view("ring", tokens), features)
         elif features is not None:

@@ -158,10 +158,11 @@ def _kernels():
 
 def accept_rows_triton(logits: torch.Tensor, draft: torch.Tensor, argmax: torch.Tensor, temperature: torch.Tensor,
                        top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, greedy: torch.Tensor,
-                       seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                       seed: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """accept_in_graph's contract (see spec/verify.py), and each row's threshold: the scaled logits
     x = logits / temperature it drew from are those with x >= threshold (+inf on greedy rows).
-    `seed` is a one-element int64 device tensor."""
+    `seed` is a one-element int64 device tensor; `greedy` nonzero marks greedy sequences (bool or
+    any integer dtype); the verdicts go into `out` ([B, 2] int64, contiguous) when given."""
     num_rows, vocab = logits.shape
     num_seqs = temperature.shape[0]
     if num_rows % num_seqs or logits.stride(1) != 1:
@@ -174,7 +175,10 @@ def accept_rows_triton(logits: torch.Tensor, draft: torch.Tensor, argmax: torch.
     accepted = torch.empty(num_rows, dtype=torch.int8, device=logits.device)
     candidate = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     kept_from = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
-    out = torch.empty(num_seqs, 2, dtype=torch.int64, device=logits.device)
+    if out is None:
+        out = torch.empty(num_seqs, 2, dtype=torch.int64, device=logits.device)
+    elif out.shape != (num_seqs, 2) or out.dtype != torch.int64 or not out.is_contiguous():
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} is not a contiguous [{num_seqs}, 2] int64 tensor")
     row_kernel[(num_rows,)](logits, logits.stride(0), draft, argmax, temperature, top_k, top_p, min_p,
                             greedy, seed, accepted, candidate, kept_from, vocab, query_len,
                             BLOCK=min(BLOCK, next_pow2(vocab)), num_warps=8)

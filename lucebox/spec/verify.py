@@ -96,23 +96,27 @@ def accept_argmax(argmax: list[int], drafts: Seq[Draft]) -> list[Verdict]:
 
 def accept_in_graph(logits: torch.Tensor, draft: torch.Tensor, argmax: torch.Tensor, temperature: torch.Tensor,
                     top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
-                    greedy: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+                    greedy: torch.Tensor, seed: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """`accept_batch` for deterministic drafts (n-gram lookups, argmax drafts) in the uniform layout
     of a CUDA-graph bucket, with no host work or sync (capturable): B sequences of Q rows each,
     row j of sequence b scoring the token after its j-th draft; `draft` [B*Q] holds the draft each
     row checks (the next input token) or -1 past a sequence's drafts (its bonus row and padding).
     A decode is Q = 1: no drafts, the token sampled from p. Per-sequence parameters are [B]
     tensors in `SamplingParams.graph_row`'s form (filters that are off keep every token); greedy
-    sequences accept while the draft is the row's argmax (`argmax` [B*Q]) and end on the argmax.
+    sequences (`greedy` nonzero, any integer or bool dtype: a graph passes its int64 input as is,
+    saving a conversion node) accept while the draft is the row's argmax (`argmax` [B*Q]) and end
+    on the argmax.
 
-    Returns [B, 2] int64: (drafts accepted, the token after them) per sequence. On a GPU (vocabulary
+    Returns [B, 2] int64: (drafts accepted, the token after them) per sequence, written into `out`
+    when given (a graph's static output: no copy node). On a GPU (vocabulary
     up to TRITON_MAX_VOCAB) this is two Triton launches (kernels/triton_sampling.py), whose noise
     is counter-based from `seed` (a one-element int64 device tensor the caller changes every
     step); the torch reference below draws from the global generator instead, which a CUDA graph
     replays with fresh offsets."""
     if use_triton(logits) and logits.shape[1] <= TRITON_MAX_VOCAB:
         from ..kernels.triton_sampling import accept_rows_triton
-        return accept_rows_triton(logits, draft, argmax, temperature, top_k, top_p, min_p, greedy, seed)[0]
+        return accept_rows_triton(logits, draft, argmax, temperature, top_k, top_p, min_p, greedy, seed, out)[0]
+    greedy = greedy.bool()
     num_seqs = temperature.shape[0]
     query_len = logits.shape[0] // num_seqs
 
@@ -124,7 +128,7 @@ def accept_in_graph(logits: torch.Tensor, draft: torch.Tensor, argmax: torch.Ten
     _apply_min_p(logits, per_row(min_p))
     if query_len == 1:  # a decode: no drafts to judge, the token drawn straight from the logits
         token = torch.where(greedy, argmax, _gumbel_argmax(logits))
-        return torch.stack([torch.zeros_like(token), token], 1)
+        return _into(out, torch.stack([torch.zeros_like(token), token], 1))
     probs = logits.softmax(-1)
     has_draft, at_draft = draft >= 0, draft.clamp_min(0).unsqueeze(1)
     p_draft = probs.gather(1, at_draft).squeeze(1)
@@ -138,7 +142,11 @@ def accept_in_graph(logits: torch.Tensor, draft: torch.Tensor, argmax: torch.Ten
     residual = p.scatter(1, at_draft[chosen], torch.where(drop, 0.0, p.gather(1, at_draft[chosen])))
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
     token = torch.where(greedy, argmax[chosen], _gumbel_argmax(residual.log()))
-    return torch.stack([num_accepted, token], 1)
+    return _into(out, torch.stack([num_accepted, token], 1))
+
+
+def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
+    return result if out is None else out.copy_(result)
 
 
 def _gumbel_argmax(logits: torch.Tensor) -> torch.Tensor:
