@@ -93,8 +93,9 @@ class StaticInputs:
     """The device buffers every graph reads, sized for the largest bucket, and their host staging.
 
     One int64 buffer holds ids | positions | slots | seq_lens | selected rows | real rows | feature
-    ring rows | top_k | greedy | drafts | noise seed, so a step costs two host-to-device copies (that and the block
-    tables) whatever its size (three when it samples in the graph: the float sampling parameters)."""
+    ring rows | top_k | greedy | drafts | noise seed, so a step costs two host-to-device copies
+    (that and the block tables) whatever its size (three when it samples in the graph: the float
+    sampling parameters)."""
 
     def __init__(self, max_tokens: int, max_seqs: int, width: int, device: torch.device):
         t, b = max_tokens, max_seqs

@@ -108,11 +108,11 @@ def accept_in_graph(logits: torch.Tensor, draft: torch.Tensor, argmax: torch.Ten
     on the argmax.
 
     Returns [B, 2] int64: (drafts accepted, the token after them) per sequence, written into `out`
-    when given (a graph's static output: no copy node). On a GPU (vocabulary
-    up to TRITON_MAX_VOCAB) this is two Triton launches (kernels/triton_sampling.py), whose noise
-    is counter-based from `seed` (a one-element int64 device tensor the caller changes every
-    step); the torch reference below draws from the global generator instead, which a CUDA graph
-    replays with fresh offsets."""
+    when given (a graph's static output: no copy node). On a GPU (vocabulary up to
+    TRITON_MAX_VOCAB) this is two Triton launches (kernels/triton_sampling.py), whose noise is
+    counter-based from `seed` (a one-element int64 device tensor the caller changes every step);
+    the torch reference below draws from the global generator instead, which a CUDA graph replays
+    with fresh offsets."""
     if use_triton(logits) and logits.shape[1] <= TRITON_MAX_VOCAB:
         from ..kernels.triton_sampling import accept_rows_triton
         return accept_rows_triton(logits, draft, argmax, temperature, top_k, top_p, min_p, greedy, seed, out)[0]
