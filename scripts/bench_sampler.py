@@ -5,36 +5,26 @@
 
 Rows: a decode (1 sequence x 1 row) and a 16-row verify of one sequence, at temperature 1 alone and
 with Qwen3's defaults (temperature 0.6, top-k 20, top-p 0.95, which the Triton kernel finds by
-bisection: 64 passes over the vocabulary). Times are eager launches with a sync per batch of 50,
-so they include launch overhead that a CUDA graph removes; compare the two columns of a row.
+bisection: 64 passes over the vocabulary). Each is timed replayed from one CUDA graph, as the
+engine runs it (bench_kernels.bench_in_graph): device time, without Python's launch overhead.
 """
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench_kernels import bench_in_graph  # noqa: E402
 from lucebox.kernels.triton_sampling import accept_rows_triton  # noqa: E402
 from lucebox.sampling import SamplingParams  # noqa: E402
 from lucebox.spec import verify  # noqa: E402
 
 PARAMS = {"T=1": SamplingParams(temperature=1.0),
           "top-k 20, top-p 0.95": SamplingParams(temperature=0.6, top_k=20, top_p=0.95)}
-
-
-def microseconds(fn, n: int = 50) -> float:
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    started = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - started) / n * 1e6
 
 
 def main() -> int:
@@ -52,8 +42,9 @@ def main() -> int:
             for name, params in PARAMS.items():
                 t, k, p, min_p, greedy = (torch.tensor([c], device="cuda") for c in params.graph_row(vocab))
                 args = (logits, draft, argmax, t.float(), k, p.float(), min_p.float(), greedy, seed)
-                fast = microseconds(lambda: accept_rows_triton(*args))
-                reference = microseconds(lambda: verify.accept_in_graph(*args))
+                calls = [args] * 16  # one graph of 16 calls; the time is per call
+                fast = 1e3 * bench_in_graph(lambda a: accept_rows_triton(*a), calls, torch.device("cuda"))
+                reference = 1e3 * bench_in_graph(lambda a: verify.accept_in_graph(*a), calls, torch.device("cuda"))
                 print(f"| {vocab} | {rows} | {name} | {fast:.0f} | {reference:.0f} | {fast / reference:.2f} |", flush=True)
     return 0
 
