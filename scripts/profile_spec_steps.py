@@ -114,19 +114,25 @@ def main() -> None:
 
 def idle_overhead(loaded, args, repeats: int = 5) -> None:
     """What a DFlash engine costs when it never drafts (its policy forced to k = 0), against plain
-    decoding, interleaved prompt by prompt: with its taps, and with the taps off too (what is left
-    is the speculator's and the feature bookkeeping's host time). Per temperature, the median over
-    repeats of each repeat's ratio of seconds per token to plain's."""
+    decoding, interleaved prompt by prompt: with its taps; with the taps in the graph but nothing
+    observed (no feature bookkeeping, no projections: the graph's share); and with the taps off
+    too (what is left is the speculator's host time). Per temperature, the median over repeats of
+    each repeat's ratio of seconds per token to plain's, and per engine the host sections' time
+    per generated token (perf_counter wrappers, the same on every engine)."""
     from lucebox.spec.speculator import Speculator
     prompts = [loaded.tokenizer.encode(t, add_special_tokens=False) for t in held_out_texts(args.prompts, 600, seed=1)]
     max_len = max(map(len, prompts)) + args.max_tokens + 32
     kv = 4 * kv_bytes_per_token(loaded.model, "auto", "auto") * ((-(-max_len // 16) + 2) * 16)
     Speculator._choose = lambda self, *a: 0  # never drafts
-    engines = {}
-    for name, config in (("plain", None), ("idle dflash", {"method": "dflash", "model": args.draft}),
-                         ("idle dflash, no taps", {"method": "dflash", "model": args.draft})):
-        engines[name] = LLMEngine(loaded, EngineArgs(model=args.model, max_model_len=max_len, max_num_seqs=1,
-                                                     kv_cache_memory=kv, speculative_config=config))
+    totals: collections.Counter = collections.Counter()
+    instrument(totals, collections.defaultdict(lambda: [0, 0.0]))
+    dflash = {"method": "dflash", "model": args.draft}
+    names = ("plain", "idle dflash", "idle dflash, taps unused", "idle dflash, no taps")
+    engines = {name: LLMEngine(loaded, EngineArgs(model=args.model, max_model_len=max_len, max_num_seqs=1,
+                                                  kv_cache_memory=kv,
+                                                  speculative_config=None if name == "plain" else dflash))
+               for name in names}
+    engines["idle dflash, taps unused"].speculator.observe = lambda *a: None
     engines["idle dflash, no taps"].speculator.capture_layers = ()
     for temperature in (0.0, 1.0):
         params = SamplingParams(temperature=temperature, max_tokens=args.max_tokens, ignore_eos=True,
@@ -135,20 +141,26 @@ def idle_overhead(loaded, args, repeats: int = 5) -> None:
             for prompt in prompts[:2]:
                 _decode_one(engine, prompt, params, "warm-up")
         ratios = collections.defaultdict(list)
+        sections = {name: collections.Counter() for name in engines}
+        tokens = collections.Counter()
         for rep in range(repeats):
             per_token = collections.defaultdict(float)
             for i, prompt in enumerate(prompts):
-                names = list(engines)
                 turn = (rep + i) % len(names)
                 for name in names[turn:] + names[:turn]:
+                    totals.clear()
                     run = _decode_one(engines[name], prompt, params, f"r{rep}p{i}")
                     per_token[name] += run["seconds"] / run["tokens"] / len(prompts)
+                    sections[name].update(totals)
+                    tokens[name] += run["tokens"]
             for name in engines:
                 ratios[name].append(per_token["plain"] / per_token[name])
         for name, values in ratios.items():
             values.sort()
+            parts = "  ".join(f"{label}={seconds / tokens[name] * 1e6:.1f}"
+                              for label, seconds in sorted(sections[name].items()))
             print(f"T={temperature:g} {name}: {values[len(values) // 2]:.3f}x plain "
-                  f"({values[0]:.3f}-{values[-1]:.3f})", flush=True)
+                  f"({values[0]:.3f}-{values[-1]:.3f}) | us/token: {parts}", flush=True)
 
 
 def step_costs(loaded, steps: int = 200) -> None:
