@@ -4,6 +4,8 @@
     python scripts/bench_kernels.py                       # everything, qwen3-8b shapes
     python scripts/bench_kernels.py --only quant --sweep  # also try launch configs per shape
     python scripts/bench_kernels.py --only quant --qtypes Q8_0 --ms 1   # decode rows of one format
+    python scripts/bench_kernels.py --only gemv --shape qwen3-0.6b --sweep   # decode GEMVs with their
+                                                          # prologues vs the unfused kernels
     python scripts/bench_kernels.py --only prefill        # prefill attention at 4K / 32K: the SDPA
                                                           # path vs the Triton kernel vs the old reference
     python scripts/bench_kernels.py --json out.json
@@ -12,7 +14,7 @@
     python scripts/bench_kernels.py --compile-only        # no GPU needed: compile every kernel
                                                           # variant the wrappers launch for sm_90
 
-Quantised GEMV rows are timed inside a CUDA graph over copies of the weights (no launch overhead,
+Quantised and fused float GEMV rows are timed inside a CUDA graph over copies of the weights (no launch overhead,
 no L2 reuse: as decode runs them); the other rows time each launch from Python (triton's do_bench).
 Every kernel here is memory-bound at the sizes decode uses, so each row reports the bytes it must
 move (weights/KV read once, activations in and out), the achieved GB/s, and that as a percentage
@@ -44,7 +46,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from lucebox.engine.kv_cache import PagedKVCache  # noqa: E402
-from lucebox.kernels import dequant, triton_activation, triton_norm, triton_rope_kv, triton_sampling  # noqa: E402
+from lucebox.kernels import dequant, triton_activation, triton_gemv, triton_norm, triton_rope_kv  # noqa: E402
+from lucebox.kernels import triton_sampling  # noqa: E402
 from lucebox.kernels import prefill_attention as pa  # noqa: E402
 from lucebox.kernels import triton_paged_attention as tpa  # noqa: E402
 from lucebox.kernels import triton_quant_int8 as tqi  # noqa: E402
@@ -370,6 +373,67 @@ def bench_norm(args, shape, peak, device) -> list:
     return table
 
 
+# ----------------------------------------------------------------------------- decode GEMV with a prologue
+
+def decode_matrices(shape) -> list:
+    """(name, N, K, prologue) of a decoder layer's projections once q/k/v and gate/up are fused."""
+    lin, hidden = shape["linears"], shape["hidden"]
+    if "k/v_proj" not in lin:  # the smoke shape
+        return [("norm+qkv", 40, hidden, triton_gemv.NORM), ("silu*up+down", hidden, 72, triton_gemv.SILU_MUL)]
+    q = lin.get("q_proj", lin.get("q/o_proj"))[0]
+    kv = lin["k/v_proj"][0]
+    o_n, o_k = lin.get("o_proj", lin.get("q/o_proj"))
+    gate = lin["gate/up_proj"][0]
+    return [("norm+qkv", q + 2 * kv, hidden, triton_gemv.NORM), ("o", o_n, o_k, triton_gemv.IDENTITY),
+            ("norm+gate_up", 2 * gate, hidden, triton_gemv.NORM), ("silu*up+down", hidden, gate, triton_gemv.SILU_MUL)]
+
+
+def bench_gemv(args, shape, peak, device) -> list:
+    """Per projection of a decode step: the Triton GEMV with its prologue against what the model
+    ran before it (the Triton norm or SiLU-mul kernel, then cuBLAS), both replayed from a graph."""
+    table = []
+    for name, n, k, prologue in tqdm(decode_matrices(shape), desc="decode gemv"):
+        g = torch.Generator(device=device).manual_seed(n + k)
+        weight = (torch.randn(n, k, device=device, generator=g) / k ** 0.5).to(args.dtype)
+        x = torch.randn(1, 2 * k if prologue == triton_gemv.SILU_MUL else k, device=device, generator=g).to(args.dtype)
+        residual = torch.randn(1, k, device=device, generator=g).to(args.dtype)
+        norm_w = torch.rand(k, device=device, generator=g).to(args.dtype)
+        res = residual if prologue == triton_gemv.NORM else None
+
+        def unfused(w):
+            if prologue == triton_gemv.NORM:
+                h, _ = triton_norm.rms_norm_residual_triton(x, residual, norm_w, 1e-6)
+            elif prologue == triton_gemv.SILU_MUL:
+                h = triton_activation.silu_and_mul_triton(*x.chunk(2, dim=-1))
+            else:
+                h = x
+            return F.linear(h, w)
+
+        def fused(w, config=None):
+            return triton_gemv.gemv(x, w, None, prologue, res, norm_w, 1e-6, config=config)[0]
+
+        err = ((fused(weight).float() - unfused(weight).float()).abs().max() / unfused(weight).float().abs().max()).item()
+        operands = copies(weight)
+        nbytes = n * k * weight.element_size()
+        t_ref = bench_in_graph(unfused, operands, device)
+        t = bench_in_graph(fused, operands, device)
+        best = None
+        if args.sweep and not SMOKE:
+            configs = [(bn, min(triton_gemv.next_pow2(k), max(64, tile // bn)), warps)
+                       for bn in (1, 2, 4, 8, 16, 32) for tile in (2048, 4096, 8192) for warps in (4, 8)]
+            timed = []
+            for config in dict.fromkeys(configs):
+                try:
+                    timed.append((bench_in_graph(lambda w, c=config: fused(w, c), operands, device), config))
+                except Exception as e:  # a config the compiler rejects (registers) is skipped
+                    tqdm.write(f"  {name} {config}: {type(e).__name__}")
+            best = min(timed)
+        row(table, matrix=name, N=n, K=k, MB=nbytes / 1e6, rel_err=err, unfused_us=t_ref * 1e3, fused_us=t * 1e3,
+            pct_peak=100 * gbps(nbytes, t) / peak, speedup=t_ref / t, config=str(triton_gemv.launch_config(n, k, device)),
+            best_us=best[0] * 1e3 if best else None, best_config=str(best[1]) if best else None)
+    return table
+
+
 # ----------------------------------------------------------------------------- compile check
 
 _SIG_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.uint8: "u8",
@@ -404,7 +468,7 @@ def compile_check(arch: str) -> None:
     tqm._qmm_kernel, tqm._sum_splits_kernel = Capture(real[0]), Capture(real[1])
     tqi._q8_0_int8_kernel = Capture(real[4])
     tpa._paged_attn_kernel, tpa._merge_splits_kernel = Capture(real[2]), Capture(real[3])
-    lazy = (triton_norm, triton_rope_kv, triton_activation)  # modules defining their kernel on first use
+    lazy = (triton_norm, triton_rope_kv, triton_activation, triton_gemv)  # modules defining their kernel on first use
     lazy_real = [m._kernel for m in lazy]
     for module, make in zip(lazy, lazy_real):
         module._kernel = lambda kernel=make(): Capture(kernel)
@@ -440,6 +504,14 @@ def compile_check(arch: str) -> None:
             triton_rope_kv.rope_and_write_kv(q, k, k, cos, cos, kc, vc, torch.zeros(1, dtype=torch.long), qk_norm)
         gate_up = torch.zeros(1, 2 * 12288, dtype=torch.bfloat16)
         triton_activation.silu_and_mul_triton(*gate_up.chunk(2, dim=-1))
+        for shape in (SHAPES["qwen3-8b"], SHAPES["qwen3-0.6b"]):  # decode GEMVs, each prologue
+            for _, n, k, prologue in decode_matrices(shape):
+                for dtype in (torch.bfloat16, torch.float32):
+                    w, x = torch.zeros(n, k, dtype=dtype), torch.zeros(1, 2 * k, dtype=dtype)
+                    norm_w = torch.zeros(k, dtype=dtype)
+                    x = x if prologue == triton_gemv.SILU_MUL else x[:, :k]
+                    triton_gemv.gemv(x, w, None, prologue,
+                                     x if prologue == triton_gemv.NORM else None, norm_w, 1e-6)
         for vocab, rows in ((8192, 1), (8192, 16), (151936, 16)):  # in-graph sampling: decode, verify
             row = torch.zeros(1)
             triton_sampling.accept_rows_triton(torch.zeros(rows, vocab), torch.zeros(rows, dtype=torch.long),
@@ -517,7 +589,7 @@ def markdown(table: list) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="qwen3-8b", choices=[s for s in SHAPES if s != "smoke"])
-    p.add_argument("--only", choices=["quant", "attention", "prefill", "norm"], action="append")
+    p.add_argument("--only", choices=["quant", "attention", "prefill", "norm", "gemv"], action="append")
     p.add_argument("--qtypes", nargs="+", default=["Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q4_0"])
     p.add_argument("--ms", nargs="+", type=int, default=[1, 4, 16, 64], help="activation rows of the quant rows")
     p.add_argument("--cache-types", nargs="+", default=["bf16", "fp8", "q8_0"])
@@ -552,9 +624,9 @@ def main() -> None:
           f"(the peak used for pct_peak)\n")
     results = {"device": name, "torch": torch.__version__, "triton": triton.__version__,
                "shape": args.shape, "bandwidth": bw, "rows": {}}
-    only = args.only or ["quant", "attention", "prefill", "norm"]
+    only = args.only or ["quant", "attention", "prefill", "norm", "gemv"]
     for part, fn in (("quant", bench_quant), ("attention", bench_attention), ("prefill", bench_prefill),
-                     ("norm", bench_norm)):
+                     ("norm", bench_norm), ("gemv", bench_gemv)):
         if part in only:
             table = fn(args, shape, peak, device)
             results["rows"][part] = table

@@ -7,6 +7,8 @@
 #   scripts/gpu_session.sh spec      bench spec on the bundled pair (models/default + default-dflash)
 #   scripts/gpu_session.sh kernels   scripts/bench_kernels.py: quantised GEMV rows at M = 1 and 16 (decode,
 #                                    verify), launch configs swept, timed in CUDA graphs (~9 min)
+#   scripts/gpu_session.sh gemv      decode GEMVs with their fused prologues vs the unfused kernels (0.6b and
+#                                    8b matrices, launch configs swept), then bench speed 0.6b and 8b at 512
 #   scripts/gpu_session.sh profile   host time per engine-step section, plain vs speculative engines,
 #                                    torch.profiler tables of DFlash passes at T=0 and T=1, and one graph
 #                                    step's time by verify width and output (scripts/profile_spec_steps.py)
@@ -56,6 +58,13 @@ case "${1:-check}" in
         --sweep --qtypes Q8_0 Q4_K Q6_K --json "$out/kernels-quant-m$m.json"
       grep -E "^\| quant_matmul" "$out/kernels-quant-m$m.log" | cut -c1-400
     done ;;
+  gemv)
+    for shape in qwen3-0.6b qwen3-8b; do
+      step "gemv-$shape" 150 python3 scripts/bench_kernels.py --only gemv --sweep --shape $shape --json "$out/gemv-$shape.json"
+      grep -E "^\| (norm|o |silu|matrix)" "$out/gemv-$shape.log"
+    done
+    bench 06b-bf16 90 --shape qwen3-0.6b --quant bf16 --prompt-lens 512 --contexts 512 --no-peer
+    bench 8b-bf16 120 --shape qwen3-8b --quant bf16 --prompt-lens 512 --contexts 512 --no-peer ;;
   profile)
     step profile "${SECONDS_PROFILE:-240}" python3 scripts/profile_spec_steps.py --trace dflash:0 --trace dflash:1
     grep "pass 1" "$out/profile.log"
@@ -73,5 +82,5 @@ case "${1:-check}" in
     step drafter 570 bash scripts/train_default_drafter.sh "$out/default-dflash" "${SECONDS_TRAIN:-300}"
     rm -f "$out/default-dflash/train_state.pt" "$out/default-dflash/regenerated.pt"
     tr '\r' '\n' < "$out/drafter.log" | grep -E "tau|steps|wrote|Error|error" | tail -n 20 ;;
-  *) echo "usage: $0 check|bench|spec|kernels|profile|idle|sampler|drafter" >&2; exit 2 ;;
+  *) echo "usage: $0 check|bench|spec|kernels|gemv|profile|idle|sampler|drafter" >&2; exit 2 ;;
 esac

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import fused_linear
 from ..kernels.activation import silu_and_mul
 from ..kernels.attention import paged_attention
 from ..kernels.norm import rms_norm, rms_norm_residual
@@ -32,14 +33,43 @@ class RMSNorm(nn.Module):
         return rms_norm_residual(x, residual, self.weight, self.eps)
 
 
+class FusedProjection:
+    """x -> F.linear(x, weight, bias) over float weights fused by fuse_linears: a plain object, so
+    its tensors are not counted as parameters twice."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.weight, self.bias = weight, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def float_weights(projection) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(weight, bias) of a float projection (nn.Linear, FusedProjection); None for quantised ones."""
+    if type(projection) is nn.Linear or isinstance(projection, FusedProjection):
+        return projection.weight, projection.bias
+    return None
+
+
+def norm_project(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, projection
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(projection(norm(x + residual)), x + residual) -- residual None: the stream is x -- with
+    the norm fused into a float projection's GEMV for one decode token (kernels/fused_linear.py)."""
+    weights = float_weights(projection)
+    if weights is not None:
+        return fused_linear.norm_linear(x, residual, norm.weight, norm.eps, *weights)
+    h, residual = (norm(x), x) if residual is None else norm(x, residual)
+    return projection(h), residual
+
+
 def fuse_linears(layers: list[nn.Module]):
     """One projection for several linears that read the same input, so one GEMV replaces several
     (decode reads the same bytes in fewer, larger kernels): float nn.Linear weights of one dtype,
     or quantised ones of one GGUF type. Each linear's weight (or raw rows) becomes a row slice of
     the fused tensor: no memory is added and every other reader of the modules keeps working.
-    Returns the fused projection x -> [.., sum of out_features] (a plain function, so its tensors
-    are not counted as parameters twice), or None when the weights cannot be fused. For inference:
-    the slices are detached."""
+    Returns the fused projection x -> [.., sum of out_features] (a FusedProjection, or a quantised
+    projection's forward), or None when the weights cannot be fused. For inference: the slices
+    are detached."""
     if len({m.bias is None for m in layers}) != 1:
         return None
     bias = torch.cat([m.bias.detach() for m in layers]) if layers[0].bias is not None else None
@@ -51,7 +81,7 @@ def fuse_linears(layers: list[nn.Module]):
             m.weight = nn.Parameter(rows, requires_grad=False)
             if b is not None:
                 m.bias = nn.Parameter(b, requires_grad=False)
-        return lambda x: F.linear(x, fused, bias)
+        return FusedProjection(fused, bias)
     if all(isinstance(m, QuantLinear) for m in layers):
         if len({(m.qtype, m.in_features, m.qweight.device) for m in layers}) != 1:
             return None
@@ -95,19 +125,34 @@ class Attention(nn.Module):
         self.qkv = self.qkv or fuse_linears([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        tokens = x.shape[0]
+        """Attention over the normalised input x."""
         if self.qkv is not None:
-            q, k, v = self.qkv(x).split(
-                [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            return self.attend(*self._split(self.qkv(x)), cos, sin, batch)
+        return self.attend(self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin, batch)
+
+    def project(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None):
+        """(q, k, v, stream) of norm(x + residual): the norm fused into the q/k/v GEMV where it can be."""
+        if self.qkv is not None:
+            qkv, residual = norm_project(norm, x, residual, self.qkv)
+            return (*self._split(qkv), residual)
+        h, residual = (norm(x), x) if residual is None else norm(x, residual)
+        return self.q_proj(h), self.k_proj(h), self.v_proj(h), residual
+
+    def _split(self, qkv: torch.Tensor):
+        return qkv.split([self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], dim=-1)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               batch: ForwardBatch) -> torch.Tensor:
+        tokens = q.shape[0]
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
         q = rope_and_write_kv(q, k, v, cos, sin, self.k_cache, self.v_cache, batch.slot_mapping, qk_norm)
         o = paged_attention(q, self.k_cache, self.v_cache, batch, self.scale, self.sliding_window)
-        return self.o_proj(o.reshape(tokens, -1))
+        o = o.reshape(tokens, -1)
+        weights = float_weights(self.o_proj)
+        return fused_linear.linear(o, *weights) if weights is not None else self.o_proj(o)
 
 
 class MLP(nn.Module):
@@ -123,10 +168,23 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
-            gate, up = self.gate_up(x).chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(silu_and_mul(gate, up))
+            return self.down(self.gate_up(x))
+        return self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))
+
+    def after_norm(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mlp(norm(x + residual)), x + residual): the norm fused into the gate/up GEMV where it can be."""
+        if self.gate_up is not None:
+            gate_up, residual = norm_project(norm, x, residual, self.gate_up)
+            return self.down(gate_up), residual
+        h, residual = norm(x, residual)
+        return self(h), residual
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """down(silu(gate) * up) of the fused projection's [gate | up], fused into one GEMV where it can be."""
+        weights = float_weights(self.down_proj)
+        if weights is not None:
+            return fused_linear.silu_mul_linear(gate_up, *weights)
+        return self.down_proj(silu_and_mul(*gate_up.chunk(2, dim=-1)))
 
 
 class DecoderLayer(nn.Module):
@@ -143,15 +201,11 @@ class DecoderLayer(nn.Module):
         """(x, residual) -> (mlp output, residual stream before it): the residual stream after this
         layer is their sum, which the next norm adds as it normalises (vLLM's layout: one fused
         add+norm op per residual connection). residual None: x is the embedding."""
-        if residual is None:
-            h, residual = self.input_layernorm(x), x
-        else:
-            h, residual = self.input_layernorm(x, residual)
+        q, k, v, residual = self.self_attn.project(self.input_layernorm, x, residual)
         if self.layer - 1 in batch.capture_layers:  # the stream after the previous layer, summed by this norm
             batch.captured[self.layer - 1] = residual
-        h = self.self_attn(h, cos, sin, batch)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        h = self.self_attn.attend(q, k, v, cos, sin, batch)
+        return self.mlp.after_norm(self.post_attention_layernorm, h, residual)
 
 
 class Transformer(nn.Module):
