@@ -420,11 +420,12 @@ def bench_gemv(args, shape, peak, device) -> list:
         best = None
         if args.sweep and not SMOKE:
             configs = [(bn, min(triton_gemv.next_pow2(k), max(64, tile // bn)), warps)
-                       for bn in (1, 2, 4, 8, 16, 32) for tile in (2048, 4096, 8192) for warps in (4, 8)]
+                       for bn in (1, 2, 4, 8, 16) for tile in (4096, 8192, 16384) for warps in (4, 8)]
             timed = []
             for config in dict.fromkeys(configs):
                 try:
                     timed.append((bench_in_graph(lambda w, c=config: fused(w, c), operands, device), config))
+                    tqdm.write(f"  {name} {config}: {timed[-1][0] * 1e3:.2f} us")
                 except Exception as e:  # a config the compiler rejects (registers) is skipped
                     tqdm.write(f"  {name} {config}: {type(e).__name__}")
             best = min(timed)
