@@ -419,8 +419,12 @@ def bench_gemv(args, shape, peak, device) -> list:
         t = bench_in_graph(fused, operands, device)
         best = None
         if args.sweep and not SMOKE:
-            configs = [(bn, min(triton_gemv.next_pow2(k), max(64, tile // bn)), warps)
+            configs = [(bn, min(triton_gemv.next_pow2(k), max(64, tile // bn)), warps, 0)
                        for bn in (1, 2, 4, 8, 16) for tile in (4096, 8192, 16384) for warps in (4, 8)]
+            if triton_gemv.next_pow2(k) <= 4096:  # the input kept in registers, programs walking the rows
+                sms = torch.cuda.get_device_properties(device).multi_processor_count
+                configs += [(bn, triton_gemv.next_pow2(k), warps, per_sm * sms)
+                            for bn in (1, 2, 4) for warps in (4, 8) for per_sm in (1, 2, 4)]
             timed = []
             for config in dict.fromkeys(configs):
                 try:
@@ -513,6 +517,9 @@ def compile_check(arch: str) -> None:
                     x = x if prologue == triton_gemv.SILU_MUL else x[:, :k]
                     triton_gemv.gemv(x, w, None, prologue,
                                      x if prologue == triton_gemv.NORM else None, norm_w, 1e-6)
+                    if k <= 4096:
+                        triton_gemv.gemv(x, w, None, prologue, x if prologue == triton_gemv.NORM else None,
+                                         norm_w, 1e-6, config=(2, triton_gemv.next_pow2(k), 4, 264))
         for vocab, rows in ((8192, 1), (8192, 16), (151936, 16)):  # in-graph sampling: decode, verify
             row = torch.zeros(1)
             triton_sampling.accept_rows_triton(torch.zeros(rows, vocab), torch.zeros(rows, dtype=torch.long),

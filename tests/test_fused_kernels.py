@@ -301,9 +301,10 @@ def gemv_reference(prologue, x, residual, norm_weight, weight, bias):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", list(GEMV_CASES))
-@pytest.mark.parametrize("config", [None, (4, 64, 4)], ids=["default-launch", "k-loop"])
+@pytest.mark.parametrize("config", [None, (4, 64, 4, 0), (4, 256, 4, 3)], ids=["default-launch", "k-loop", "resident"])
 def test_decode_gemv_with_its_prologue_matches_the_unfused_ops(case, dtype, config):
-    """N and K not multiples of the blocks; (4, 64, 4) makes every program loop over K."""
+    """N and K not multiples of the blocks; (4, 64, 4, 0) makes every program loop over K, (4, 256,
+    4, 3) has three programs walk the ten row blocks with the input kept in registers."""
     prologue, with_residual = GEMV_CASES[case]
     x, residual, norm_weight, weight, bias = gemv_case(prologue, with_residual, dtype, 37, 200, bias=True)
     got, total = triton_gemv.gemv(x, weight, bias, prologue, residual, norm_weight, 1e-6, config=config)

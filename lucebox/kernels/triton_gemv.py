@@ -31,20 +31,37 @@ TILE = 8192  # weights a program holds per iteration (BLOCK_N x BLOCK_K), 64 per
 
 @functools.cache
 def _kernel():
-    """Defined on first use: importing this module must not import Triton (see triton_norm)."""
-    global triton, tl
+    """Defined on first use: importing this module must not import Triton (see triton_norm). The
+    helper is a module global: kernels resolve the functions they call there."""
+    global triton, tl, _input
     import triton
     import triton.language as tl
 
     @triton.jit
+    def _input(x_ptr, r_ptr, nw_ptr, cols, ok, K, inv, dt, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr):
+        """The GEMV's input at `cols`, after the prologue, in float32."""
+        if PROLOGUE == 1:
+            t = tl.load(x_ptr + cols, mask=ok, other=0.0)
+            if HAS_RES:
+                t = (t.to(tl.float32) + tl.load(r_ptr + cols, mask=ok, other=0.0).to(tl.float32)).to(dt)
+            h = (t.to(tl.float32) * inv).to(dt).to(tl.float32)
+            xv = (tl.load(nw_ptr + cols, mask=ok, other=0.0).to(tl.float32) * h).to(dt).to(tl.float32)
+        elif PROLOGUE == 2:  # x is [gate | up], K each
+            g = tl.load(x_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+            u = tl.load(x_ptr + K + cols, mask=ok, other=0.0).to(tl.float32)
+            s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+            xv = (s * u).to(dt).to(tl.float32)
+        else:
+            xv = tl.load(x_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        return xv
+
+    @triton.jit
     def _gemv_kernel(x_ptr, r_ptr, nw_ptr, total_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w, eps,
                      PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RESIDENT: tl.constexpr):
         pid = tl.program_id(0)
-        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        r_ok = rows < N
-        w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
         dt = x_ptr.dtype.element_ty
+        inv = 1.0
         if PROLOGUE == 1:  # the row's RMS first (and the summed stream, by program 0)
             squares = tl.zeros([BLOCK_K], tl.float32)
             for k0 in range(0, K, BLOCK_K):
@@ -58,47 +75,53 @@ def _kernel():
                 t = t.to(tl.float32)
                 squares += t * t
             inv = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
-        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
+        if RESIDENT:  # BLOCK_K >= K: the input stays in registers while the program walks row blocks
+            cols = tl.arange(0, BLOCK_K)
             ok = cols < K
-            if PROLOGUE == 1:
-                t = tl.load(x_ptr + cols, mask=ok, other=0.0)
-                if HAS_RES:
-                    t = (t.to(tl.float32) + tl.load(r_ptr + cols, mask=ok, other=0.0).to(tl.float32)).to(dt)
-                h = (t.to(tl.float32) * inv).to(dt).to(tl.float32)
-                xv = (tl.load(nw_ptr + cols, mask=ok, other=0.0).to(tl.float32) * h).to(dt).to(tl.float32)
-            elif PROLOGUE == 2:  # x is [gate | up], K each
-                g = tl.load(x_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-                u = tl.load(x_ptr + K + cols, mask=ok, other=0.0).to(tl.float32)
-                s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-                xv = (s * u).to(dt).to(tl.float32)
-            else:
-                xv = tl.load(x_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-            w = tl.load(w_rows + cols[None, :], mask=r_ok[:, None] & ok[None, :], other=0.0)
-            acc += w.to(tl.float32) * xv[None, :]
-        out = tl.sum(acc, axis=1)
-        if HAS_BIAS:
-            out += tl.load(b_ptr + rows, mask=r_ok, other=0.0).to(tl.float32)
-        tl.store(y_ptr + rows, out.to(y_ptr.dtype.element_ty), mask=r_ok)
+            xv = _input(x_ptr, r_ptr, nw_ptr, cols, ok, K, inv, dt, PROLOGUE, HAS_RES)
+            for block in range(pid, tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
+                rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
+                r_ok = rows < N
+                w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_w + cols[None, :],
+                            mask=r_ok[:, None] & ok[None, :], other=0.0)
+                out = tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
+                if HAS_BIAS:
+                    out += tl.load(b_ptr + rows, mask=r_ok, other=0.0).to(tl.float32)
+                tl.store(y_ptr + rows, out.to(y_ptr.dtype.element_ty), mask=r_ok)
+        else:  # one block of rows, over K in steps
+            rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+            r_ok = rows < N
+            w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
+            acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                cols = k0 + tl.arange(0, BLOCK_K)
+                ok = cols < K
+                xv = _input(x_ptr, r_ptr, nw_ptr, cols, ok, K, inv, dt, PROLOGUE, HAS_RES)
+                w = tl.load(w_rows + cols[None, :], mask=r_ok[:, None] & ok[None, :], other=0.0)
+                acc += w.to(tl.float32) * xv[None, :]
+            out = tl.sum(acc, axis=1)
+            if HAS_BIAS:
+                out += tl.load(b_ptr + rows, mask=r_ok, other=0.0).to(tl.float32)
+            tl.store(y_ptr + rows, out.to(y_ptr.dtype.element_ty), mask=r_ok)
 
     return _gemv_kernel
 
 
-def launch_config(n: int, k: int, device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps): tiles of TILE weights, up to 2048 along K (whole rows of a
+def launch_config(n: int, k: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, programs): programs 0 is one per block of rows; more is RESIDENT
+    (BLOCK_K >= K; that many programs walk the row blocks with the input kept). Tiles of TILE weights, up to 2048 along K (whole rows of a
     0.6B model in one step), rows halved until there are two programs per SM: the pattern of the
     fastest configs of a sweep on the H200 (BENCHMARKS.md)."""
     block_k = min(next_pow2(k), 2048)
     block_n = max(1, TILE // block_k)
     while block_n > 1 and -(-n // block_n) < 2 * num_sms(device):
         block_n //= 2
-    return block_n, block_k, 4
+    return block_n, block_k, 4, 0
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, prologue: int = IDENTITY,
          residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-         config: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+         config: tuple[int, int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """y [1, N] = weight [N, K] @ prologue(x) for one row x ([1, K], or [1, 2K] = [gate | up] for
     SILU_MUL); with NORM and a residual, also the summed stream x + residual [1, K] (else None)."""
     n, k = weight.shape
@@ -108,10 +131,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     total = torch.empty_like(x) if residual is not None else None
     r = residual.contiguous() if residual is not None else x
-    block_n, block_k, warps = config or launch_config(n, k, x.device)
-    _kernel()[(-(-n // block_n),)](
+    block_n, block_k, warps, programs = config or launch_config(n, k, x.device)
+    if programs and block_k < k:
+        raise ValueError(f"gemv: a resident input needs BLOCK_K >= K, got {block_k} < {k}")
+    row_blocks = -(-n // block_n)
+    _kernel()[(min(programs, row_blocks) if programs else row_blocks,)](
         x, r, norm_weight if norm_weight is not None else x, total if total is not None else x, weight,
         bias if bias is not None else weight, y, n, k, weight.stride(0), float(eps),
         PROLOGUE=prologue, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+        BLOCK_N=block_n, BLOCK_K=block_k, RESIDENT=programs > 0, num_warps=warps)
     return y, total
