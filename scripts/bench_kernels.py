@@ -434,7 +434,7 @@ def bench_gemv(args, shape, peak, device) -> list:
                     tqdm.write(f"  {name} {config}: {type(e).__name__}")
             best = min(timed)
         row(table, matrix=name, N=n, K=k, MB=nbytes / 1e6, rel_err=err, unfused_us=t_ref * 1e3, fused_us=t * 1e3,
-            pct_peak=100 * gbps(nbytes, t) / peak, speedup=t_ref / t, config=str(triton_gemv.launch_config(n, k, device)),
+            pct_peak=100 * gbps(nbytes, t) / peak, speedup=t_ref / t, config=str(triton_gemv.launch_config(n, k, prologue, device)),
             best_us=best[0] * 1e3 if best else None, best_config=str(best[1]) if best else None)
     return table
 

@@ -26,7 +26,8 @@ import torch
 from .dispatch import next_pow2, num_sms
 
 IDENTITY, NORM, SILU_MUL = 0, 1, 2
-TILE = 8192  # weights a program holds per iteration (BLOCK_N x BLOCK_K), 64 per thread at 4 warps
+TILE = 16384  # weights a program holds per iteration (BLOCK_N x BLOCK_K): 64 a thread at 8 warps
+RESIDENT_MAX_K = 4096  # the longest input a program keeps in registers (32 floats a thread at 4 warps)
 
 
 @functools.cache
@@ -107,16 +108,22 @@ def _kernel():
     return _gemv_kernel
 
 
-def launch_config(n: int, k: int, device: torch.device) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps, programs): programs 0 is one per block of rows; more is RESIDENT
-    (BLOCK_K >= K; that many programs walk the row blocks with the input kept). Tiles of TILE weights, up to 2048 along K (whole rows of a
-    0.6B model in one step), rows halved until there are two programs per SM: the pattern of the
-    fastest configs of a sweep on the H200 (BENCHMARKS.md)."""
-    block_k = min(next_pow2(k), 2048)
+def launch_config(n: int, k: int, prologue: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, programs): programs 0 is one program per block of rows; more is
+    RESIDENT (BLOCK_K >= K: that many programs walk the row blocks with the input kept in
+    registers). The patterns of the fastest configs of a sweep on the H200 over the 0.6B and 8B
+    projections (BENCHMARKS.md): an RMSNorm prologue over rows of up to 4096 keeps its input (it
+    is worked out once a program instead of once a row block: 8-26% faster there), four programs
+    an SM; otherwise tiles of 16384 weights, up to 4096 along K, with at least a program per SM."""
+    sms = num_sms(device)
+    if prologue == NORM and next_pow2(k) <= RESIDENT_MAX_K:
+        block_k = next_pow2(k)
+        return 4, block_k, 4 if 4 * block_k >= TILE else 8, 4 * sms
+    block_k = min(next_pow2(k), RESIDENT_MAX_K)
     block_n = max(1, TILE // block_k)
-    while block_n > 1 and -(-n // block_n) < 2 * num_sms(device):
+    while block_n > 1 and -(-n // block_n) < sms:
         block_n //= 2
-    return block_n, block_k, 4, 0
+    return block_n, block_k, 8, 0
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, prologue: int = IDENTITY,
@@ -131,7 +138,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     total = torch.empty_like(x) if residual is not None else None
     r = residual.contiguous() if residual is not None else x
-    block_n, block_k, warps, programs = config or launch_config(n, k, x.device)
+    block_n, block_k, warps, programs = config or launch_config(n, k, prologue, x.device)
     if programs and block_k < k:
         raise ValueError(f"gemv: a resident input needs BLOCK_K >= K, got {block_k} < {k}")
     row_blocks = -(-n // block_n)
