@@ -2,15 +2,19 @@
 proposer, and sampled output has exactly the target's distribution."""
 from __future__ import annotations
 
+import itertools
 import math
 import random
+from dataclasses import replace
 from collections import Counter
 
 import pytest
 import torch
 
 from lucebox import LLM, SamplingParams
+from lucebox.engine.cuda_graphs import CudaGraphRunner
 from lucebox.errors import CheckpointError, RequestError
+from lucebox.spec.speculator import MODEL
 
 from .conftest import build_hf_model
 from .spec_fixtures import peaked_model, small_vocab_tokenizer, write_dflash_drafter
@@ -288,3 +292,42 @@ def test_draft_model_with_another_vocabulary_is_refused(target, tmp_path):
     other = peaked_model(tmp_path / "other", tok, layers=1, seed=0)
     with pytest.raises(CheckpointError, match="tokenizer differs"):
         LLM(str(target), speculative_config={"method": "draft_model", "model": str(other)})
+
+
+@pytest.mark.parametrize("path", ["eager", "static graphs"])
+def test_a_dormant_drafter_recomputes_its_taps_before_drafting_again(target, configs, plain, monkeypatch, path):
+    """Decode steps skip the taps while the drafter is dormant; before it drafts again the missed
+    positions' taps come from target passes that write no K/V. Greedy output still equals plain
+    decoding (the cache was not touched) and every draft equals the draft of a drafter that never
+    slept (its context K/V are the same), with the drafter drafting every fourth step in both.
+    "static graphs": the padded batches CUDA graphs replay (catch-up lengths included), on the CPU."""
+    def run(dormant: bool):
+        llm = spec_llm(target, configs["dflash"], cuda_graphs=path != "eager")
+        engine, spec = llm.engine, llm.engine.speculator
+        if path != "eager":
+            runner = engine.runner
+            runner.graphs = CudaGraphRunner(runner.model, runner.block_size, runner.scratch_block,
+                                            replace(engine._graph_settings(), capture=False))
+            bucket, graph_catch_ups = runner.graphs.bucket, []
+            monkeypatch.setattr(runner.graphs, "bucket", lambda *a, catch_up=False: (
+                shape := bucket(*a, catch_up=catch_up), graph_catch_ups.append(catch_up and shape is not None))[0])
+        steps, drafts, catch_ups = itertools.count(), [], []
+        choose, propose, recompute = spec._choose, spec.proposer.propose, spec.recompute_taps
+        monkeypatch.setattr(spec, "_choose", lambda *a: choose(*a) if next(steps) % 4 == 0 else 0)
+        monkeypatch.setattr(spec.proposer, "propose",
+                            lambda seqs, ks: [drafts.append(d.tokens) or d for d in propose(seqs, ks)])
+        monkeypatch.setattr(spec, "recompute_taps",
+                            lambda seq, start: catch_ups.append(seq.num_computed - start) or recompute(seq, start))
+        if dormant:
+            monkeypatch.setattr(spec, "taps_needed", lambda: MODEL in spec.step_sources)
+        outs = llm.generate(prompts(), GREEDY, use_tqdm=False)
+        assert not spec.missing
+        if path != "eager":  # every catch-up pass took a graph bucket
+            assert graph_catch_ups.count(True) == len(catch_ups)
+        return [o.outputs[0].token_ids for o in outs], drafts, catch_ups
+
+    awake, awake_drafts, none = run(dormant=False)
+    asleep, drafts, catch_ups = run(dormant=True)
+    assert asleep == awake == plain
+    assert drafts == awake_drafts and len(drafts) > 10
+    assert not none and len(catch_ups) > 3 and min(catch_ups) > 0

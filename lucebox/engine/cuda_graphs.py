@@ -46,6 +46,9 @@ class GraphSettings:
     max_model_len: int
     max_batch: int = 32  # largest batch bucket (vLLM's max capture size, in sequences)
     query_lens: tuple[int, ...] = (1,)  # query-length buckets: 1 (decode) and 1 + k per draft length k
+    # Query lengths of one sequence whose taps a dormant drafter has missed, recomputed without
+    # writing K/V (ModelRunner.run(write_kv=False)); captured with taps only, besides query_lens.
+    catch_up_lens: tuple[int, ...] = ()
     # False: run the padded static batches eagerly instead of replaying graphs. The padding and the
     # static buffers are then exercised on any device (how CPU tests check them).
     capture: bool = True
@@ -186,10 +189,11 @@ class CudaGraphRunner:
     def __init__(self, model, block_size: int, scratch_block: int, settings: GraphSettings):
         self.model, self.block_size, self.scratch_block, self.settings = model, block_size, scratch_block, settings
         self.query_lens = sorted(set(settings.query_lens))
+        self.catch_up_lens = sorted(set(settings.catch_up_lens) | set(self.query_lens))
         self.batch_sizes = batch_buckets(settings.max_batch)
         self.width = -(-(settings.max_model_len + self.query_lens[-1]) // block_size)
-        self.inputs = StaticInputs(self.batch_sizes[-1] * self.query_lens[-1], self.batch_sizes[-1], self.width,
-                                   model.device)
+        self.max_tokens = max(self.batch_sizes[-1] * self.query_lens[-1], self.catch_up_lens[-1])
+        self.inputs = StaticInputs(self.max_tokens, self.batch_sizes[-1], self.width, model.device)
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph | None, torch.Tensor]] = {}
         # per capture_layers: logits, features (or None) and argmax token of every padded row, and
         # the verdict of every sequence of a sampling graph
@@ -200,13 +204,14 @@ class CudaGraphRunner:
         model.rope.reserve(self.width * block_size, model.device)
 
     def bucket(self, token_ids: list[list[int]], start_positions: list[int],
-               block_tables: list[list[int]]) -> tuple[int, int] | None:
-        """(B, Q) of the bucket this step fits, or None to run it eagerly."""
+               block_tables: list[list[int]], catch_up: bool = False) -> tuple[int, int] | None:
+        """(B, Q) of the bucket this step fits, or None to run it eagerly; catch_up: one sequence
+        recomputing taps, which also fits the catch-up lengths."""
         q_lens = [len(t) for t in token_ids]
-        if not q_lens or min(q_lens) < 1:
+        if not q_lens or min(q_lens) < 1 or (catch_up and len(q_lens) > 1):
             return None
         num_seqs = smallest_at_least(len(q_lens), self.batch_sizes)
-        query_len = smallest_at_least(max(q_lens), self.query_lens)
+        query_len = smallest_at_least(max(q_lens), self.catch_up_lens if catch_up else self.query_lens)
         if num_seqs is None or query_len is None or num_seqs * query_len > MAX_PADDING * sum(q_lens):
             return None
         limit = self.width * self.block_size
@@ -217,14 +222,15 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def run(self, token_ids, start_positions, block_tables, logits_rows=None, all_logits=False,
             capture_layers: tuple[int, ...] = (), argmax: bool = False, feature_rows: int | None = None,
-            sample: list[tuple] | None = None):
+            sample: list[tuple] | None = None, write_kv: bool = True):
         """ModelRunner.run's contract for a step that fits a bucket: (logits, or with argmax=True
         the argmax token of each row as a host list, or with `sample` (a `SamplingParams.graph_row`
         per sequence; each sequence's tokens are its pending token and deterministic drafts, every
         one a logits row) [drafts accepted, next token] per sequence; features, their RingRows or
-        None); None when it fits none."""
-        shape = self.bucket(token_ids, start_positions, block_tables)
-        if shape is None:
+        None); None when it fits none. write_kv=False: every K/V write goes to the scratch block."""
+        shape = self.bucket(token_ids, start_positions, block_tables, catch_up=not write_kv)
+        ring = self.feature_ring is not None and bool(capture_layers)
+        if shape is None or (ring and feature_rows is None):
             return None
         num_seqs, query_len = shape
         sampled = sample is not None and self.settings.sample  # else: logits come back
@@ -234,6 +240,9 @@ class CudaGraphRunner:
         graph, query_start_loc = self.graphs[key]
         real = self.inputs.fill(token_ids, start_positions, block_tables, num_seqs, query_len, self.block_size,
                                 self.scratch_block)
+        if not write_kv:  # attention still reads the cached K/V of these positions
+            tokens = num_seqs * query_len
+            self.inputs.host("slots", tokens)[:] = self.scratch_block * self.block_size + np.arange(tokens) % self.block_size
         if logits_rows is not None:
             select = [real[r] for r in logits_rows]
         elif all_logits:
@@ -241,7 +250,6 @@ class CudaGraphRunner:
         else:
             select = [i * query_len + len(t) - 1 for i, t in enumerate(token_ids)]
         select_dev = self.inputs.set_rows("select", select)
-        ring = self.feature_ring is not None and bool(capture_layers)
         if ring:  # each real token's features go to its ring row, padding's to the trash row
             rows = self.inputs.host("ring", num_seqs * query_len)
             rows[:] = self.feature_ring.trash
@@ -280,6 +288,8 @@ class CudaGraphRunner:
         keys = [(b, q, capture_layers, False) for b in self.batch_sizes for q in self.query_lens]
         if self.settings.sample:
             keys += [(b, q, capture_layers, True) for b in self.batch_sizes for q in self.query_lens]
+        if capture_layers:
+            keys += [(1, q, capture_layers, False) for q in self.catch_up_lens]
         for key in keys:
             if key not in self.graphs:
                 self._prepare(*key)
@@ -322,12 +332,16 @@ class CudaGraphRunner:
         logits = self.model.compute_logits(self.model(batch))
         features = torch.cat([batch.captured[i] for i in capture_layers], dim=-1) if capture_layers else None
         if capture_layers not in self.outputs:  # first use is a warm-up, never inside a capture
-            rows = self.inputs.tables.shape[0] * self.query_lens[-1]
-            self.outputs[capture_layers] = (
-                logits.new_empty(rows, logits.shape[1]),
-                features.new_empty(rows, features.shape[1]) if features is not None else None,
-                torch.empty(rows, dtype=torch.int64, device=logits.device),
+            rows = self.max_tokens
+            # One logits / tokens / verdicts buffer for graphs of every tap set: a step's results
+            # are read before the next replay.
+            shared = next(iter(self.outputs.values()), None)
+            logits_out, tokens_out, verdicts_out = (shared[0], shared[2], shared[3]) if shared else (
+                logits.new_empty(rows, logits.shape[1]), torch.empty(rows, dtype=torch.int64, device=logits.device),
                 torch.empty(self.inputs.tables.shape[0], 2, dtype=torch.int64, device=logits.device))
+            self.outputs[capture_layers] = (
+                logits_out, features.new_empty(rows, features.shape[1]) if features is not None else None,
+                tokens_out, verdicts_out)
         out_logits, out_features, out_tokens, out_verdicts = self.outputs[capture_layers]
         if not sampled:  # a sampling graph hands back verdicts only: its logits are never read
             out_logits[:tokens].copy_(logits)

@@ -25,6 +25,9 @@ from .sequence import Sequence
 
 log = logging.getLogger("lucebox")
 CPU_KV_CAP = 2 << 30
+# Catch-up graph lengths of a dormant drafter's missed taps (speculator.DORMANT_PROBE_INTERVAL),
+# beside the verify lengths; longer stretches go in chunks of the last.
+CATCH_UP_LENS = (32, 64, 128, 256)
 
 
 class LLMEngine:
@@ -51,8 +54,13 @@ class LLMEngine:
             if proposer.feature_ring is not None:
                 self.runner.set_feature_ring(proposer.feature_ring)
             proposer.capture_graphs()
-        # Every bucket now: one first used mid-stream would stall its step by the capture.
-        self.runner.capture_graphs(self.speculator.capture_layers if self.speculator is not None else ())
+            self.speculator.recompute_taps = self._recompute_taps
+        # Every bucket now: one first used mid-stream would stall its step by the capture. With taps,
+        # also without them: a dormant drafter's decode steps take those.
+        taps = self.speculator.capture_layers if self.speculator is not None else ()
+        self.runner.capture_graphs(taps)
+        if taps:
+            self.runner.capture_graphs(())
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(cfg.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids)
         self.requests: dict[str, tuple[str | None, list[Sequence]]] = {}
@@ -72,8 +80,9 @@ class LLMEngine:
         query_lens = (1,)
         if self.speculator is not None:
             query_lens += tuple(k + 1 for k in self.speculator.policy.candidates)
+        catch_up = CATCH_UP_LENS if self.speculator is not None and self.speculator.capture_layers else ()
         return GraphSettings(self.max_model_len, min(self.args.cuda_graph_max_batch, self.args.max_num_seqs),
-                             query_lens)
+                             query_lens, catch_up_lens=catch_up)
 
     def _plan_kv_blocks(self) -> int:
         args = self.args
@@ -190,7 +199,10 @@ class LLMEngine:
                 plain.append((seq, offset))
                 plain_rows.append(offset + n - 1)
             offset += n
-        capture = self.speculator.capture_layers if self.speculator is not None else ()
+        # The drafter's taps: always for prompts (a dormant drafter recomputes only decoded positions).
+        prefilling = any(seq.num_computed < seq.num_tokens - 1 for seq in batch.seqs)
+        capture = (self.speculator.capture_layers if self.speculator is not None
+                   and (prefilling or self.speculator.taps_needed()) else ())
         # All greedy with nothing processing the logits: argmax tokens come back, not logits.
         argmax = all(seq.params.argmax_only(len(seq.output_token_ids)) for seq, _ in plain + verifying)
         # Simply sampled rows with deterministic drafts (or none): sampled and accepted in the graph.
@@ -232,9 +244,23 @@ class LLMEngine:
         """The next n positions of seq (their K/V written this step) are now committed."""
         if features is not None:
             self.speculator.observe(seq, seq.num_computed, features[offset:offset + n])
+        elif self.speculator is not None:
+            self.speculator.missed(seq, seq.num_computed)
         seq.num_computed += n
         self.scheduler.blocks.register_full_blocks(seq.block_table, seq.block_hashes, seq.token_slice,
                                                    seq.num_computed)
+
+    def _recompute_taps(self, seq: Sequence, start: int):
+        """The drafter's taps of seq's positions start..num_computed-1, whose K/V the cache holds, in
+        (start, features) chunks: target passes of up to CATCH_UP_LENS[-1] tokens that write no
+        K/V, through the catch-up CUDA graphs when they fit."""
+        taps, proposer = self.speculator.capture_layers, self.speculator.proposer
+        for begin in range(start, seq.num_computed, CATCH_UP_LENS[-1]):
+            end = min(begin + CATCH_UP_LENS[-1], seq.num_computed)
+            _, features = self.runner.run([seq.token_slice(begin, end)], [begin], [seq.block_table], logits_rows=[],
+                                          capture_layers=taps, feature_rows=proposer.feature_rows(end - begin),
+                                          write_kv=False)
+            yield begin, features
 
     def _verify(self, verifying: list[tuple[Sequence, int]], features, logits: torch.Tensor | list[int],
                 in_graph: list[list[int]] | None = None) -> None:

@@ -74,7 +74,7 @@ class ModelRunner:
     def run(self, token_ids: list[list[int]], start_positions: list[int], block_tables: list[list[int]],
             logits_rows: list[int] | None = None, all_logits: bool = False,
             capture_layers: tuple[int, ...] = (), argmax: bool = False, feature_rows: int | None = None,
-            sample: list[tuple] | None = None):
+            sample: list[tuple] | None = None, write_kv: bool = True):
         """Forward the new tokens of each sequence; returns float32 logits, or with argmax=True the
         argmax token of each of those rows as a host list (one small device-to-host copy). With
         `sample` (a `SamplingParams.graph_row` per sequence; a decode or verify step of deterministic
@@ -85,16 +85,20 @@ class ModelRunner:
         sequence, or every new token with all_logits=True. With capture_layers, also returns the
         outputs of those layers for every new token, concatenated: [T, len(capture_layers) * hidden];
         a graph step with a feature ring (`set_feature_ring`) writes them to the T ring rows from
-        feature_rows instead and returns their RingRows (eager steps return the tensor)."""
+        feature_rows instead and returns their RingRows (eager steps return the tensor).
+
+        write_kv=False recomputes positions whose K/V the cache already holds (a dormant drafter's
+        missed taps) without touching it: the new K/V go to the scratch block, and attention, which
+        reads the cache, sees the cached K/V. One sequence; through a catch-up graph when one fits."""
         if self.model.layers[0].self_attn.k_cache is not self.caches[0][0]:
             self._install()
         if self.graphs is not None:
             out = self.graphs.run(token_ids, start_positions, block_tables, logits_rows, all_logits,
-                                  tuple(capture_layers), argmax, feature_rows, sample)
+                                  tuple(capture_layers), argmax, feature_rows, sample, write_kv)
             if out is not None:
                 return out if capture_layers else out[0]
         return self.run_eager(token_ids, start_positions, block_tables, logits_rows, all_logits, capture_layers,
-                              argmax)
+                              argmax, write_kv)
 
     def set_feature_ring(self, ring) -> None:
         """Graph steps write captured features into this FeatureRing (before any capture)."""
@@ -104,10 +108,14 @@ class ModelRunner:
     @torch.inference_mode()
     def run_eager(self, token_ids: list[list[int]], start_positions: list[int], block_tables: list[list[int]],
                   logits_rows: list[int] | None = None, all_logits: bool = False,
-                  capture_layers: tuple[int, ...] = (), argmax: bool = False):
+                  capture_layers: tuple[int, ...] = (), argmax: bool = False, write_kv: bool = True):
         """`run` without graphs: the exact ragged batch, no padding."""
         batch = ForwardBatch.build(token_ids, start_positions, block_tables, self.block_size, self.model.device,
                                    capture_layers)
+        if not write_kv:
+            rows = batch.slot_mapping.shape[0]
+            batch.slot_mapping = (self.scratch_block * self.block_size
+                                  + torch.arange(rows, device=batch.slot_mapping.device) % self.block_size)
         hidden = self.model(batch)
         if logits_rows is not None:
             hidden = hidden[host_to_device(logits_rows, hidden.device, torch.long)]

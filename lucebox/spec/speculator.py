@@ -15,6 +15,11 @@ from .proposer import Draft, Proposer
 
 LOOKUP, MODEL = "lookup", "model"
 MIN_LOOKUP_MATCH = 4  # tokens a lookup must find to be used (fewer: the drafter proposes instead)
+# Probes this far apart (drafting has kept losing) make the drafter dormant: decode steps stop
+# capturing its taps (on a small target the taps and their bookkeeping cost ~5% of a step), and the
+# positions decoded meanwhile get theirs recomputed before it drafts again, by target passes that
+# write no K/V (through CUDA graphs of up to 256 positions: a fraction of a millisecond).
+DORMANT_PROBE_INTERVAL = 128
 
 
 class Speculator:
@@ -42,6 +47,11 @@ class Speculator:
         self.step_decoding = 0
         self.step_sources: set[str] = set()
         self.step_drafted = self.step_accepted = 0
+        # Dormancy: the first position of each sequence whose taps were not captured, and the engine's
+        # hook that recomputes taps ((seq, start) -> (start, features) chunks up to num_computed).
+        self.missing: dict[int, int] = {}
+        self.recompute_taps = None
+        self.catch_up_seconds = 0.0  # this step's recomputation: a cost of dormancy, not of drafting
 
     def propose(self, running: list) -> None:
         """Give each running sequence that is decoding (its last token not yet computed) a draft."""
@@ -55,7 +65,7 @@ class Speculator:
                     found[id(s)] = tokens
         looked = [s for s in decoding if id(s) in found]
         rest = [s for s in decoding if id(s) not in found]
-        self.draft_seconds = 0.0
+        self.draft_seconds = self.catch_up_seconds = 0.0
         self.step_decoding, self.step_sources, self.step_drafted, self.step_accepted = len(decoding), set(), 0, 0
         k_lookup = 0
         if looked:  # each group's k is chosen with the other group's tokens in the batch
@@ -75,6 +85,8 @@ class Speculator:
         chosen = [(s, n) for s in seqs if (n := min(k, self._room(s))) > 0]
         if not chosen:
             return
+        if source == MODEL:
+            self._catch_up([s for s, _ in chosen])
         started = time.perf_counter()
         drafts = propose([s for s, _ in chosen], [n for _, n in chosen])
         seconds = time.perf_counter() - started
@@ -89,10 +101,34 @@ class Speculator:
                 seq.draft = Draft(draft.tokens[:n], probs)
                 self.source[id(seq)] = source
 
+    def _catch_up(self, seqs: list) -> None:
+        """Before the drafter drafts for seqs: the taps of positions decoded while it was dormant."""
+        late = [(s, self.missing.pop(id(s))) for s in seqs if id(s) in self.missing]
+        if not late:
+            return
+        started = time.perf_counter()
+        for seq, start in late:
+            for begin, features in self.recompute_taps(seq, start):
+                self.proposer.observe(seq, begin, features)
+        self.catch_up_seconds += time.perf_counter() - started
+
+    def taps_needed(self) -> bool:
+        """Whether this step's decodes capture the drafter's taps: not while it is dormant (probes
+        DORMANT_PROBE_INTERVAL or more steps apart) unless it drafted in this step."""
+        return bool(self.capture_layers) and (self.policy.probe_interval < DORMANT_PROBE_INTERVAL
+                                              or MODEL in self.step_sources)
+
+    def missed(self, seq, start: int) -> None:
+        """Positions from `start` of seq were computed without their taps (a dormant step)."""
+        if self.capture_layers:
+            self.missing.setdefault(id(seq), start)
+
     def record_step(self, num_tokens: int, seconds: float) -> None:
         """A whole engine step over num_tokens new tokens took `seconds`, drafting included: its cost
         beside the drafting (scheduling, the forward, sampling or verification, outputs) is what the
-        policy weighs against the tokens a draft length commits."""
+        policy weighs against the tokens a draft length commits. Recomputing taps after dormancy
+        counts for neither: it pays for the dormant steps, not for this one's drafts."""
+        seconds -= self.catch_up_seconds
         self.policy.forward.add(num_tokens, max(0.0, seconds - self.draft_seconds))
         n = self.step_decoding
         # Only steps that decoded and verified alone (no prefill beside), with one source's drafts or none.
@@ -115,6 +151,8 @@ class Speculator:
         return self.acceptance[key]
 
     def observe(self, seq, start: int, features) -> None:
+        if id(seq) in self.missing:
+            return  # its queue must stay contiguous: the catch-up recomputes these positions too
         self.proposer.observe(seq, start, features)
 
     def record(self, seq, num_drafts: int, num_accepted: int) -> None:
@@ -134,6 +172,9 @@ class Speculator:
     def release(self, seq, finished: bool) -> None:
         seq.draft = None
         self.source.pop(id(seq), None)
+        # Positions never captured stay without drafter K/V: a later prompt sharing these blocks
+        # through the prefix cache drafts from a context with holes (acceptance only).
+        self.missing.pop(id(seq), None)
         self.proposer.release(seq, finished)
         if self.lookup is not None:
             self.lookup.release(seq, finished)
