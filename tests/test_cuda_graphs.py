@@ -224,14 +224,16 @@ def test_a_padded_model_step_through_triton_kernels_matches_the_eager_reference(
     assert runner.graphs.replays[(4, 4)] == 1 and rel_err(got, want) <= 1e-4
 
 
-@pytest.mark.parametrize("path", ["eager", "catch-up graph"])
+@pytest.mark.parametrize("path", ["eager", "catch-up graph", "catch-up graph, shared inputs"])
 def test_recomputing_taps_reads_the_cache_and_writes_none(path):
     """ModelRunner.run(write_kv=False), how a dormant drafter's missed taps are recomputed:
     positions already in the cache, forwarded again, give the taps the first pass captured, and
     every cache block but the scratch one is left bit for bit as it was -- eagerly, and through
-    the padded catch-up bucket a graph replays. The last layer's K/V are changed after the first
+    the padded catch-up bucket a graph replays (its own static inputs when it is longer than any
+    step of the batch buckets, else the steps' ones). The last layer's K/V are changed after the first
     pass (the tap of layer 0 does not read them), so a pass that wrote its recomputed K/V would show."""
-    settings = GraphSettings(64, max_batch=2, query_lens=(1, 4), catch_up_lens=(8, 16), capture=False)
+    settings = GraphSettings(64, max_batch=8 if "shared" in path else 2, query_lens=(1, 4), catch_up_lens=(8, 16),
+                             capture=False)
     runner = ModelRunner(tiny_model(), 16, BLOCK, graphs=settings if path != "eager" else None)
     seq = [(5 * j) % 90 + 1 for j in range(30)]
     table: list[int] = []
@@ -242,6 +244,7 @@ def test_recomputing_taps_reads_the_cache_and_writes_none(path):
     _, again = runner.run([seq[18:]], [18], [table], logits_rows=[], capture_layers=(0,), write_kv=False)
     if path != "eager":
         assert dict(runner.graphs.replays) == {(1, 16): 1}  # 12 positions, padded to the catch-up length 16
+        assert (runner.graphs.catch_up_inputs is None) == ("shared" in path)
     torch.testing.assert_close(again, first[18:], atol=2e-5, rtol=1e-4)
     for (k, v), (k0, v0) in zip(runner.caches, before):
         assert torch.equal(k.values[:16], k0[:16]) and torch.equal(v.values[:16], v0[:16])

@@ -192,8 +192,13 @@ class CudaGraphRunner:
         self.catch_up_lens = sorted(set(settings.catch_up_lens) | set(self.query_lens))
         self.batch_sizes = batch_buckets(settings.max_batch)
         self.width = -(-(settings.max_model_len + self.query_lens[-1]) // block_size)
-        self.max_tokens = max(self.batch_sizes[-1] * self.query_lens[-1], self.catch_up_lens[-1])
-        self.inputs = StaticInputs(self.max_tokens, self.batch_sizes[-1], self.width, model.device)
+        step_tokens = self.batch_sizes[-1] * self.query_lens[-1]
+        self.max_tokens = max(step_tokens, self.catch_up_lens[-1])
+        self.inputs = StaticInputs(step_tokens, self.batch_sizes[-1], self.width, model.device)
+        # Catch-ups longer than any step get their own buffers: decode steps keep uploading the
+        # few hundred bytes their buffers span.
+        self.catch_up_inputs = (StaticInputs(self.catch_up_lens[-1], 1, self.width, model.device)
+                                if self.catch_up_lens[-1] > step_tokens else None)
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph | None, torch.Tensor]] = {}
         # per capture_layers: logits, features (or None) and argmax token of every padded row, and
         # the verdict of every sequence of a sampling graph
@@ -202,6 +207,9 @@ class CudaGraphRunner:
         self.replays: Counter = Counter()  # (B, Q) -> steps run through that bucket
         self.feature_ring = None  # a FeatureRing: captured features are written there (set before capture)
         model.rope.reserve(self.width * block_size, model.device)
+
+    def _inputs(self, query_len: int) -> "StaticInputs":
+        return self.catch_up_inputs if self.catch_up_inputs and query_len > self.query_lens[-1] else self.inputs
 
     def bucket(self, token_ids: list[list[int]], start_positions: list[int],
                block_tables: list[list[int]], catch_up: bool = False) -> tuple[int, int] | None:
@@ -238,28 +246,29 @@ class CudaGraphRunner:
         if key not in self.graphs:
             self._prepare(*key)
         graph, query_start_loc = self.graphs[key]
-        real = self.inputs.fill(token_ids, start_positions, block_tables, num_seqs, query_len, self.block_size,
-                                self.scratch_block)
+        inputs = self._inputs(query_len)
+        real = inputs.fill(token_ids, start_positions, block_tables, num_seqs, query_len, self.block_size,
+                           self.scratch_block)
         if not write_kv:  # attention still reads the cached K/V of these positions
             tokens = num_seqs * query_len
-            self.inputs.host("slots", tokens)[:] = self.scratch_block * self.block_size + np.arange(tokens) % self.block_size
+            inputs.host("slots", tokens)[:] = self.scratch_block * self.block_size + np.arange(tokens) % self.block_size
         if logits_rows is not None:
             select = [real[r] for r in logits_rows]
         elif all_logits:
             select = real
         else:
             select = [i * query_len + len(t) - 1 for i, t in enumerate(token_ids)]
-        select_dev = self.inputs.set_rows("select", select)
+        select_dev = inputs.set_rows("select", select)
         if ring:  # each real token's features go to its ring row, padding's to the trash row
-            rows = self.inputs.host("ring", num_seqs * query_len)
+            rows = inputs.host("ring", num_seqs * query_len)
             rows[:] = self.feature_ring.trash
             rows[real] = np.arange(feature_rows, feature_rows + len(real))
-        real_dev = self.inputs.set_rows("real", real) if capture_layers and not ring else None
+        real_dev = inputs.set_rows("real", real) if capture_layers and not ring else None
         if sampled:
-            self.inputs.set_sampling(sample, num_seqs)
-            self.inputs.set_drafts(token_ids, num_seqs, query_len)
-            self.inputs.new_seed()
-        self.inputs.upload(num_seqs)
+            inputs.set_sampling(sample, num_seqs)
+            inputs.set_drafts(token_ids, num_seqs, query_len)
+            inputs.new_seed()
+        inputs.upload(num_seqs)
         if graph is not None:
             graph.replay()
         else:
@@ -302,10 +311,11 @@ class CudaGraphRunner:
         if self.settings.capture:
             started = time.perf_counter()
             # An all-padding batch: warm-up and capture write nothing but the scratch block.
-            self.inputs.fill([], [], [], num_seqs, query_len, self.block_size, self.scratch_block)
-            self.inputs.set_sampling([], num_seqs)
-            self.inputs.set_drafts([], num_seqs, query_len)
-            self.inputs.upload(num_seqs)
+            inputs = self._inputs(query_len)
+            inputs.fill([], [], [], num_seqs, query_len, self.block_size, self.scratch_block)
+            inputs.set_sampling([], num_seqs)
+            inputs.set_drafts([], num_seqs, query_len)
+            inputs.upload(num_seqs)
             # Warm-up outside the graph: Triton compiles, cuBLAS picks algorithms, outputs get allocated.
             stream = torch.cuda.Stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))
@@ -325,9 +335,10 @@ class CudaGraphRunner:
     def _forward(self, num_seqs: int, query_len: int, capture_layers: tuple[int, ...], sampled: bool,
                  query_start_loc: torch.Tensor) -> None:
         """The captured body: static inputs -> logits (and taps) of every padded row, into the static outputs."""
-        tokens, view = num_seqs * query_len, self.inputs.view
+        inputs = self._inputs(query_len)
+        tokens, view = num_seqs * query_len, inputs.view
         batch = ForwardBatch.from_device(view("ids", tokens), view("positions", tokens), view("seq_lens", num_seqs),
-                                         self.inputs.tables[:num_seqs], view("slots", tokens), self.block_size,
+                                         inputs.tables[:num_seqs], view("slots", tokens), self.block_size,
                                          query_len, query_start_loc, capture_layers)
         logits = self.model.compute_logits(self.model(batch))
         features = torch.cat([batch.captured[i] for i in capture_layers], dim=-1) if capture_layers else None
@@ -348,7 +359,7 @@ class CudaGraphRunner:
         # Greedy steps whose logits nothing processes take these tokens and never touch the logits.
         torch.argmax(logits, dim=-1, out=out_tokens[:tokens])
         if sampled:  # each sequence's drafts checked and its next token drawn with its own parameters
-            floats = self.inputs.sampling.device[:, :num_seqs]
+            floats = inputs.sampling.device[:, :num_seqs]
             accept_in_graph(logits, view("draft", tokens), out_tokens[:tokens], floats[0], view("top_k", num_seqs),
                             floats[1], floats[2], view("greedy", num_seqs), view("seed", 1), out=out_verdicts[:num_seqs])
         if features is not None and self.feature_ring is not None:
