@@ -58,13 +58,14 @@ class Speculator:
         decoding = [s for s in running if s.num_computed == s.num_tokens - 1]
         other_tokens = sum(s.num_tokens - s.num_computed for s in running if s.num_computed < s.num_tokens - 1)
         found: dict[int, list[int]] = {}
+        looked, rest = [], decoding
         if self.lookup is not None:
             for s in decoding:
                 tokens = self.lookup.lookup(s, self.policy.max_k)
                 if len(tokens) >= min(MIN_LOOKUP_MATCH, self.policy.max_k):
                     found[id(s)] = tokens
-        looked = [s for s in decoding if id(s) in found]
-        rest = [s for s in decoding if id(s) not in found]
+            looked = [s for s in decoding if id(s) in found]
+            rest = [s for s in decoding if id(s) not in found]
         self.draft_seconds = self.catch_up_seconds = 0.0
         self.step_decoding, self.step_sources, self.step_drafted, self.step_accepted = len(decoding), set(), 0, 0
         k_lookup = 0
