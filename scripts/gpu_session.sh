@@ -8,7 +8,8 @@
 #   scripts/gpu_session.sh kernels   scripts/bench_kernels.py: quantised GEMV rows at M = 1 and 16 (decode,
 #                                    verify), launch configs swept, timed in CUDA graphs (~9 min)
 #   scripts/gpu_session.sh gemv      decode GEMVs with their fused prologues vs the unfused kernels (0.6b and
-#                                    8b matrices, launch configs swept), then bench speed 0.6b and 8b at 512
+#                                    8b matrices, launch configs swept), decode-vs-verify logit agreement
+#                                    (scripts/check_decode_numerics.py), then bench speed 0.6b and 8b at 512
 #   scripts/gpu_session.sh profile   host time per engine-step section, plain vs speculative engines,
 #                                    torch.profiler tables of DFlash passes at T=0 and T=1, and one graph
 #                                    step's time by verify width and output (scripts/profile_spec_steps.py)
@@ -63,6 +64,8 @@ case "${1:-check}" in
       step "gemv-$shape" 150 python3 scripts/bench_kernels.py --only gemv --sweep --shape $shape --json "$out/gemv-$shape.json"
       grep -E "^\| (norm|o |silu|matrix)" "$out/gemv-$shape.log"
     done
+    step numerics 150 python3 scripts/check_decode_numerics.py --shape qwen3-0.6b
+    grep "^|" "$out/numerics.log"
     bench 06b-bf16 90 --shape qwen3-0.6b --quant bf16 --prompt-lens 512 --contexts 512 --no-peer
     bench 8b-bf16 120 --shape qwen3-8b --quant bf16 --prompt-lens 512 --contexts 512 --no-peer ;;
   profile)

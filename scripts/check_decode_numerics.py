@@ -1,0 +1,102 @@
+#!/usr/bin/env python
+"""Do decode (one token: the Triton GEMVs with their prologues) and verify (16 rows: cuBLAS and the
+unfused kernels) compute the same logits? Forced-acceptance speculation (`bench speed`) and
+greedy equality with plain decoding rest on their argmaxes agreeing.
+
+    python scripts/check_decode_numerics.py --shape qwen3-0.6b [--tokens 64]
+    python scripts/check_decode_numerics.py --model models/default --device cpu   # the script's logic
+
+A random model of the shape (as `lucebox bench speed` builds it) or a model path; a prompt is
+prefilled, then `tokens` greedy decode steps run one token at a time (each step's logits kept);
+then the same positions run again as verify chunks of 16 rows that read the K/V the decode wrote
+and write none (ModelRunner.run_eager(write_kv=False)). Per variant of the decode GEMVs: the
+largest logit difference relative to the logits' range, and the share of positions whose argmax
+agrees. Variants: the launch rule in use; one program per row block for RMSNorm prologues too (no
+resident input); no decode GEMVs at all (the unfused kernels, as verify runs them).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from lucebox.bench import shapes  # noqa: E402
+from lucebox.engine.block_manager import BlockManager  # noqa: E402
+from lucebox.engine.runner import ModelRunner  # noqa: E402
+from lucebox.kernels import fused_linear, triton_gemv  # noqa: E402
+from lucebox.model.loader import load_model  # noqa: E402
+
+CHUNK = 16
+BLOCK = 16
+
+
+def row_blocks_only(n, k, prologue, device):
+    """The launch rule without the resident input: one program per block of rows."""
+    block_n, block_k, warps, programs = RULE(n, k, prologue, device)
+    if not programs:
+        return block_n, block_k, warps, programs
+    block_k = min(block_k, triton_gemv.RESIDENT_MAX_K // 2)
+    return max(1, triton_gemv.TILE // 2 // block_k), block_k, 4, 0
+
+
+RULE = triton_gemv.launch_config
+FUSES = fused_linear.fuses
+VARIANTS = {"launch rule": lambda: None,
+            "row blocks only": lambda: setattr(triton_gemv, "launch_config", row_blocks_only),
+            "no decode GEMVs": lambda: setattr(fused_linear, "fuses", lambda *a: False)}
+
+
+@torch.inference_mode()
+def compare(model, prompt: list[int], tokens: int) -> tuple[float, float]:
+    blocks = -(-(len(prompt) + tokens + CHUNK) // BLOCK)
+    runner = ModelRunner(model, blocks, BLOCK)
+    table: list[int] = []
+    BlockManager(blocks, BLOCK).allocate(table, len(prompt) + tokens + 1)
+    logits = runner.run_eager([prompt], [0], [table])
+    fed, decoded = [], []
+    for i in range(tokens):
+        token = int(logits[-1].argmax())
+        fed.append(token)
+        logits = runner.run_eager([[token]], [len(prompt) + i], [table])
+        decoded.append(logits[-1].float())
+    decoded = torch.stack(decoded)
+    verified = torch.cat([runner.run_eager([fed[i:i + CHUNK]], [len(prompt) + i], [table], all_logits=True,
+                                           write_kv=False).float() for i in range(0, tokens, CHUNK)])
+    spread = (decoded.max() - decoded.min()).item()
+    diff = (decoded - verified).abs().max().item() / spread
+    agree = (decoded.argmax(-1) == verified.argmax(-1)).float().mean().item()
+    return diff, agree
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="qwen3-0.6b")
+    p.add_argument("--model", help="a model path instead of random weights of --shape")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--tokens", type=int, default=64)
+    args = p.parse_args()
+    device = torch.device(args.device)
+    loaded = (load_model(args.model, dtype="auto", device=args.device) if args.model
+              else shapes.build_random_model(args.shape, "bf16", device))
+    loaded.model.fuse_projections()
+    vocab = loaded.config.vocab_size
+    prompt = torch.randint(0, vocab, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+    print(f"{args.model or args.shape} on {device}: {args.tokens} greedy decode steps after a "
+          f"{args.prompt_len}-token prompt, verified in chunks of {CHUNK}\n")
+    print("| decode GEMVs | max logit difference / logit range | argmax agreement |\n|---|---:|---:|")
+    for name, install in VARIANTS.items():
+        install()
+        try:
+            diff, agree = compare(loaded.model, prompt, args.tokens)
+        finally:
+            triton_gemv.launch_config, fused_linear.fuses = RULE, FUSES
+        print(f"| {name} | {diff:.2e} | {100 * agree:.1f}% |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
