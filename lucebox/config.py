@@ -30,6 +30,10 @@ class EngineArgs:
     # batches without capture (how CPU tests check them); False: vLLM's enforce_eager.
     cuda_graphs: bool | None = None
     cuda_graph_max_batch: int = 32  # largest batch (in sequences) replayed through a CUDA graph
+    # Overlapped decoding: the next decode step is launched (its input tokens fed on the device)
+    # before the current one's tokens are read, so the host's work hides behind the GPU's. Off
+    # until measured on a GPU; decodes without a speculator, through CUDA graphs.
+    async_decode: bool = False
 
     HELP = {
         "model": "HF model directory, .gguf file or hub id (default: the bundled default model)",
@@ -52,6 +56,8 @@ class EngineArgs:
         "max_queue": "most requests waiting for a slot; more are refused with an overload error",
         "cuda_graphs": "replay decode and verify steps through CUDA graphs (default: on for CUDA devices)",
         "enforce_eager": "run every step eagerly: no CUDA graphs (slower at small batches; for debugging)",
+        "async_decode": "launch each decode step before the previous one's tokens are read (experimental; "
+                        "plain decoding through CUDA graphs)",
         "cuda_graph_max_batch": "largest batch of sequences whose decode / verify steps replay a CUDA graph "
                                 "(larger batches run eagerly)",
     }

@@ -10,6 +10,7 @@
 #   scripts/gpu_session.sh gemv      decode GEMVs with their fused prologues vs the unfused kernels (0.6b and
 #                                    8b matrices, launch configs swept), decode-vs-verify logit agreement
 #                                    (scripts/check_decode_numerics.py), then bench speed 0.6b and 8b at 512
+#   scripts/gpu_session.sh overlap   bench speed decode with and without --async-decode, 0.6b and 8b at 512 (~4 min)
 #   scripts/gpu_session.sh profile   host time per engine-step section, plain vs speculative engines,
 #                                    torch.profiler tables of DFlash passes at T=0 and T=1, and one graph
 #                                    step's time by verify width and output (scripts/profile_spec_steps.py)
@@ -68,6 +69,16 @@ case "${1:-check}" in
     grep "^|" "$out/numerics.log"
     bench 06b-bf16 90 --shape qwen3-0.6b --quant bf16 --prompt-lens 512 --contexts 512 --no-peer
     bench 8b-bf16 120 --shape qwen3-8b --quant bf16 --prompt-lens 512 --contexts 512 --no-peer ;;
+  overlap)  # the GPU tests of overlapped decoding first, then the same decode with and without it
+    step overlap-tests 120 python3 -m pytest -q tests/test_cuda_graphs.py -k overlapped
+    tail -n 2 "$out/overlap-tests.log"
+    for shape in qwen3-0.6b qwen3-8b; do
+      for mode in sync async; do
+        flag=$([ $mode = async ] && echo --async-decode)
+        bench "$shape-$mode" 100 --shape $shape --quant bf16 --prompt-lens 512 --contexts 512 \
+          --skip prefill forced spec peer $flag
+      done
+    done ;;
   profile)
     step profile "${SECONDS_PROFILE:-240}" python3 scripts/profile_spec_steps.py --trace dflash:0 --trace dflash:1
     grep "pass 1" "$out/profile.log"
@@ -85,5 +96,5 @@ case "${1:-check}" in
     step drafter 570 bash scripts/train_default_drafter.sh "$out/default-dflash" "${SECONDS_TRAIN:-300}"
     rm -f "$out/default-dflash/train_state.pt" "$out/default-dflash/regenerated.pt"
     tr '\r' '\n' < "$out/drafter.log" | grep -E "tau|steps|wrote|Error|error" | tail -n 20 ;;
-  *) echo "usage: $0 check|bench|spec|kernels|gemv|profile|idle|sampler|drafter" >&2; exit 2 ;;
+  *) echo "usage: $0 check|bench|spec|kernels|gemv|overlap|profile|idle|sampler|drafter" >&2; exit 2 ;;
 esac

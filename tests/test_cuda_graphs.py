@@ -21,6 +21,7 @@ if not ON_GPU and "triton" not in sys.modules:  # before any Triton import; see 
 from lucebox import LLM, SamplingParams  # noqa: E402
 from lucebox.engine.block_manager import BlockManager  # noqa: E402
 from lucebox.engine.cuda_graphs import CudaGraphRunner, GraphSettings, StaticInputs, batch_buckets  # noqa: E402
+from lucebox.engine.engine import _AheadStep  # noqa: E402
 from lucebox.engine.kv_cache import PagedKVCache  # noqa: E402
 from lucebox.engine.runner import ModelRunner  # noqa: E402
 from lucebox.kernels.attention import paged_attention  # noqa: E402
@@ -270,6 +271,83 @@ def test_greedy_generation_through_padded_static_batches_equals_eager(hf_models,
         assert sum(runner.graphs.replays.values()) > 0
 
 
+def static_graph_llm(target, **kwargs) -> LLM:
+    """An LLM on the CPU whose decode steps go through the padded static batches a graph replays."""
+    llm = LLM(str(target), device="cpu", block_size=BLOCK, cuda_graphs=True, **kwargs)
+    runner = llm.engine.runner
+    runner.graphs = CudaGraphRunner(runner.model, BLOCK, runner.scratch_block,
+                                    replace(llm.engine._graph_settings(), capture=False))
+    return llm
+
+
+def count_ahead(engine, monkeypatch) -> dict:
+    """Counts of decode steps launched ahead, and of those the next step used."""
+    counts = {"launched": 0, "used": 0}
+    launch = engine._launch_ahead
+    monkeypatch.setattr(engine, "_launch_ahead", lambda *a: (
+        ahead := launch(*a), counts.__setitem__("launched", counts["launched"] + (ahead is not None)))[0])
+    covers = _AheadStep.covers
+    monkeypatch.setattr(_AheadStep, "covers", lambda self, *a: (
+        hit := covers(self, *a), counts.__setitem__("used", counts["used"] + hit))[0])
+    return counts
+
+
+def test_overlapped_decoding_generates_what_step_by_step_decoding_does(hf_models, monkeypatch):
+    """async_decode: each decode step is launched before the previous one's tokens are read, its
+    input ids fed on the device. Greedy output equals step-by-step decoding for sequences that end
+    at different lengths, on a stop string and on EOS; a sequence ending leaves the step launched
+    for it unused, and the batch goes on."""
+    target = hf_models["qwen3"]
+    prompts = [{"prompt_token_ids": [(5 * i + j) % 300 + 3 for j in range(n)]} for i, n in enumerate(PROMPT_LENS[:4])]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (3, 9, 14, 20)]
+    want = [o.outputs[0].token_ids for o in static_graph_llm(target).generate(prompts, params, use_tqdm=False)]
+    llm = static_graph_llm(target, async_decode=True)
+    counts = count_ahead(llm.engine, monkeypatch)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert counts["used"] > 10 and counts["launched"] > counts["used"]  # endings left launched steps unused
+    stop = llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)  # EOS allowed
+    plain = static_graph_llm(target).generate(prompts[:1], SamplingParams(temperature=0, max_tokens=20),
+                                               use_tqdm=False)
+    assert stop[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+
+
+def test_overlapped_decoding_lets_new_requests_join(hf_models, monkeypatch):
+    """A request arriving mid-stream: the step launched ahead for the old batch goes unused (nothing
+    is launched ahead while one waits), the prompt is prefilled and both decode on, as step by step."""
+    target = hf_models["qwen3"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def run(async_decode: bool):
+        engine = static_graph_llm(target, async_decode=async_decode).engine
+        counts = count_ahead(engine, monkeypatch) if async_decode else None
+        engine.add_request("a", {"prompt_token_ids": list(range(3, 14))}, params)
+        outs, step = {}, 0
+        while engine.has_unfinished():
+            if step == 5:
+                engine.add_request("b", {"prompt_token_ids": list(range(40, 47))}, params)
+            for o in engine.step():
+                if o.finished:
+                    outs[o.request_id] = o.outputs[0].token_ids
+            step += 1
+        return outs, counts
+
+    want, _ = run(False)
+    got, counts = run(True)
+    assert got == want and counts["used"] > 5
+
+
+def test_overlapped_sampling_in_the_graph_keeps_its_lengths(hf_models, monkeypatch):
+    target = hf_models["qwen3"]
+    llm = static_graph_llm(target, async_decode=True)
+    counts = count_ahead(llm.engine, monkeypatch)
+    outs = llm.generate([{"prompt_token_ids": list(range(5, 15))}] * 3,
+                        SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [10] * 3 and counts["used"] > 5
+    vocab = llm.engine.model.config.vocab_size
+    assert all(0 <= t < vocab for o in outs for t in o.outputs[0].token_ids)
+
+
 # ----------------------------------------------------------------------------- real graphs (GPU)
 
 @gpu
@@ -356,6 +434,27 @@ def test_greedy_generation_is_identical_with_and_without_graphs(method, hf_model
             assert sum(graphs.replays.values()) > 0 and any(g is not None for g, _ in graphs.graphs.values())
         del llm, graphs
     assert outputs[0] == outputs[1]
+
+
+@gpu
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_overlapped_decoding_through_real_graphs(hf_models, monkeypatch, temperature):
+    """async_decode with captured graphs, pinned copies and events: greedy output equals step-by-step
+    decoding (sequences ending at different lengths); sampled output keeps its lengths; most steps
+    were launched ahead and used."""
+    target = hf_models["qwen3"]
+    prompts = [{"prompt_token_ids": [(5 * i + j) % 300 + 3 for j in range(n)]} for i, n in enumerate(PROMPT_LENS[:4])]
+    params = [SamplingParams(temperature=temperature, max_tokens=m, ignore_eos=True) for m in (3, 9, 14, 20)]
+    outputs = []
+    for overlap in (False, True):
+        llm = LLM(str(target), device="cuda", dtype="float32", block_size=BLOCK, kv_cache_memory=64 << 20,
+                  async_decode=overlap)
+        counts = count_ahead(llm.engine, monkeypatch) if overlap else None
+        outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        del llm
+    assert [len(t) for t in outputs[1]] == [3, 9, 14, 20] and counts["used"] > 10
+    if temperature == 0:
+        assert outputs[1] == outputs[0]
 
 
 def test_cuda_graphs_are_on_by_default_for_cuda_only_and_enforce_eager_turns_them_off(hf_models):

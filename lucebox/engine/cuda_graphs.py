@@ -182,6 +182,54 @@ class StaticInputs:
         self._tables.upload(num_seqs)
 
 
+class HostBuffers:
+    """Two host buffers that deferred steps' results are copied into, in turn (at most one step is
+    launched ahead of the one being read): pinned on CUDA, so each copy is asynchronous."""
+
+    def __init__(self, size: int, device: torch.device):
+        pinned = torch.device(device).type == "cuda"
+        self.buffers = [torch.empty(size * 2, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
+        self.pinned = pinned
+        self.turn = 0
+
+    def next(self) -> torch.Tensor:
+        self.turn ^= 1
+        return self.buffers[self.turn]
+
+
+class DeferredStep:
+    """A launched argmax or sampling step whose results are not read yet. Its results are copied
+    to the host in stream order at launch (before any later step overwrites the graph's outputs);
+    `device_tokens` (each sequence's next token, on the device) is valid until the next replay."""
+
+    def __init__(self, out: torch.Tensor, select: list[int] | None, features, host: HostBuffers):
+        self.out, self.select, self.features, self.shape = out, select, features, out.shape
+        buffer = host.next()[:out.numel()]
+        buffer.copy_(out.reshape(-1), non_blocking=host.pinned)
+        self.host = buffer
+        self.done = torch.cuda.Event() if host.pinned else None
+        if self.done is not None:
+            self.done.record()
+
+    @property
+    def device_tokens(self) -> torch.Tensor:
+        """Each sequence's next token on the device (a view while the rows are the leading ones)."""
+        if self.select is None:
+            return self.out[:, 1]
+        n = len(self.select)
+        return self.out[:n] if self.select == list(range(n)) else self.out[self.select]
+
+    def result(self):
+        """What CudaGraphRunner.run returns for the step: [accepted, token] per sequence, or the
+        argmax of each selected row; and the features."""
+        if self.done is not None:
+            self.done.synchronize()
+        values = self.host.tolist()
+        if self.select is None:
+            return [values[2 * i:2 * i + 2] for i in range(self.shape[0])], self.features
+        return [values[r] for r in self.select], self.features
+
+
 class CudaGraphRunner:
     """Runs the steps that fit a bucket through captured graphs (or, with capture=False, through
     the same padded static batches eagerly); ModelRunner falls back to eager for the rest."""
@@ -206,6 +254,7 @@ class CudaGraphRunner:
         self.pool = None
         self.replays: Counter = Counter()  # (B, Q) -> steps run through that bucket
         self.feature_ring = None  # a FeatureRing: captured features are written there (set before capture)
+        self._host_buffers = HostBuffers(self.max_tokens, model.device)  # deferred steps' results
         model.rope.reserve(self.width * block_size, model.device)
 
     def _inputs(self, query_len: int) -> "StaticInputs":
@@ -230,12 +279,18 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def run(self, token_ids, start_positions, block_tables, logits_rows=None, all_logits=False,
             capture_layers: tuple[int, ...] = (), argmax: bool = False, feature_rows: int | None = None,
-            sample: list[tuple] | None = None, write_kv: bool = True):
+            sample: list[tuple] | None = None, write_kv: bool = True, ids_from: torch.Tensor | None = None,
+            defer: bool = False):
         """ModelRunner.run's contract for a step that fits a bucket: (logits, or with argmax=True
         the argmax token of each row as a host list, or with `sample` (a `SamplingParams.graph_row`
         per sequence; each sequence's tokens are its pending token and deterministic drafts, every
         one a logits row) [drafts accepted, next token] per sequence; features, their RingRows or
-        None); None when it fits none. write_kv=False: every K/V write goes to the scratch block."""
+        None); None when it fits none. write_kv=False: every K/V write goes to the scratch block.
+
+        Overlapped decoding (EngineArgs.async_decode): defer=True returns a DeferredStep at once
+        for argmax and sampling steps (its `result()` waits for the step; its `device_tokens`
+        feed the next step), and ids_from (a decode step's: one token a sequence) takes the input
+        tokens from such a step's device_tokens instead of token_ids."""
         shape = self.bucket(token_ids, start_positions, block_tables, catch_up=not write_kv)
         ring = self.feature_ring is not None and bool(capture_layers)
         if shape is None or (ring and feature_rows is None):
@@ -269,6 +324,10 @@ class CudaGraphRunner:
             inputs.set_drafts(token_ids, num_seqs, query_len)
             inputs.new_seed()
         inputs.upload(num_seqs)
+        if ids_from is not None:
+            if query_len != 1:
+                raise ValueError("ids_from feeds decode steps only (one token a sequence)")
+            inputs.view("ids", len(token_ids)).copy_(ids_from, non_blocking=True)
         if graph is not None:
             graph.replay()
         else:
@@ -279,6 +338,9 @@ class CudaGraphRunner:
             features = RingRows(feature_rows, len(real))
         elif capture_layers:
             features = features.index_select(0, real_dev)
+        if defer and (sampled or argmax):
+            return DeferredStep(verdicts[:len(token_ids)] if sampled else tokens[:num_seqs * query_len],
+                                None if sampled else select, features, self._host_buffers)
         if sampled:  # the step's one device-to-host copy: two numbers a sequence
             return verdicts[:len(token_ids)].tolist(), features
         if argmax:  # the step's one device-to-host copy: every padded row's argmax, a few bytes

@@ -18,7 +18,7 @@ from ..stop import StopChecker
 from ..tokenizer import IncrementalDetokenizer
 from ..util import host_to_device
 from .block_manager import BlockManager
-from .cuda_graphs import GraphSettings
+from .cuda_graphs import DeferredStep, GraphSettings
 from .runner import ModelRunner, kv_bytes_per_token
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -64,6 +64,7 @@ class LLMEngine:
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(cfg.eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids)
         self.requests: dict[str, tuple[str | None, list[Sequence]]] = {}
+        self._ahead: _AheadStep | None = None  # a decode step launched before its turn (async_decode)
         self._arrivals = itertools.count()
         log.info("KV pool: %d blocks of %d tokens = %d tokens", num_blocks, args.block_size,
                  num_blocks * args.block_size)
@@ -212,9 +213,17 @@ class LLMEngine:
                 and all(seq.draft.probs is None for seq, _ in verifying)):
             sample = [seq.params.graph_row(self.model.config.vocab_size) for seq in batch.seqs]
         rows = self.speculator.proposer.feature_rows(batch.total_tokens) if capture else None
-        out = self.runner.run(token_ids, [s.num_computed for s in batch.seqs], [s.block_table for s in batch.seqs],
-                              logits_rows=plain_rows + verify_rows, capture_layers=capture, argmax=argmax,
-                              feature_rows=rows, sample=sample)
+        ahead, self._ahead = self._ahead, None
+        overlap = self.args.async_decode and self.speculator is None and not chunks and not verifying
+        if ahead is not None and overlap and ahead.covers(batch, argmax, sample):
+            out = ahead.step  # launched by the previous step, fed its tokens on the device
+        else:
+            out = self.runner.run(token_ids, [s.num_computed for s in batch.seqs], [s.block_table for s in batch.seqs],
+                                  logits_rows=plain_rows + verify_rows, capture_layers=capture, argmax=argmax,
+                                  feature_rows=rows, sample=sample, defer=overlap)
+        if isinstance(out, DeferredStep):
+            self._ahead = self._launch_ahead(batch, out, sample)
+            out = out.result()[0]
         logits, features = out if capture else (out, None)
         # [drafts accepted, next token] per sequence when the graph sampled and accepted
         in_graph = dict(zip(map(id, batch.seqs), logits)) if sample is not None and isinstance(logits, list) else None
@@ -239,6 +248,35 @@ class LLMEngine:
         if self.speculator is not None:  # after the host has the tokens and outputs: the step's full cost
             self.speculator.record_step(batch.total_tokens, time.perf_counter() - step_started)
         return outputs
+
+    def _launch_ahead(self, batch, step: DeferredStep, sample: list | None) -> _AheadStep | None:
+        """Launch the next decode step of the same sequences before this one's tokens are read, its
+        input ids copied on the device from this step's (EngineArgs.async_decode): the host's
+        launch, upload and bookkeeping then overlap the GPU's work instead of following it. Only
+        when the next step is predictable: nobody waiting to join, every sequence with room for
+        one more token and the same kind of step (argmax or sampled in the graph) after this one's
+        token. A sequence that this step's token finishes makes the launched step go unused."""
+        seqs = batch.seqs
+        if self.scheduler.waiting or any(n != 1 for n in batch.num_new_tokens):
+            return None
+        blocks = self.scheduler.blocks
+        if any(s.num_tokens + 1 >= self.max_model_len or not blocks.can_allocate(s.block_table, s.num_computed + 2)
+               for s in seqs):
+            return None
+        argmax = all(s.params.argmax_only(len(s.output_token_ids) + 1) for s in seqs)
+        if not argmax and (sample is None or not all(s.params.graph_samplable(len(s.output_token_ids) + 1)
+                                                     for s in seqs)):
+            return None
+        next_sample = None if argmax else sample
+        starts = [s.num_computed + 1 for s in seqs]
+        tables = [s.block_table for s in seqs]
+        if self.runner.graphs.bucket([[0]] * len(seqs), starts, tables) is None:
+            return None
+        for s in seqs:
+            blocks.allocate(s.block_table, s.num_computed + 2)
+        launched = self.runner.run([[0]] * len(seqs), starts, tables, logits_rows=list(range(len(seqs))),
+                                   argmax=argmax, sample=next_sample, ids_from=step.device_tokens, defer=True)
+        return _AheadStep(seqs, starts, argmax, next_sample, launched)
 
     def _commit(self, seq: Sequence, n: int, features, offset: int) -> None:
         """The next n positions of seq (their K/V written this step) are now committed."""
@@ -412,3 +450,18 @@ def _merge_metrics(per_seq: list[RequestMetrics]) -> RequestMetrics:
                 merged.accepted_per_position.append(0)
             merged.accepted_per_position[i] += n
     return merged
+
+
+class _AheadStep:
+    """A decode step launched before its turn (LLMEngine._launch_ahead), and what it assumed."""
+
+    def __init__(self, seqs: list[Sequence], starts: list[int], argmax: bool, sample: list | None,
+                 step: DeferredStep):
+        self.seqs, self.starts, self.argmax, self.sample, self.step = list(seqs), starts, argmax, sample, step
+
+    def covers(self, batch, argmax: bool, sample: list | None) -> bool:
+        """This step is exactly the one the scheduler now asks for."""
+        return (len(batch.seqs) == len(self.seqs) and all(a is b for a, b in zip(batch.seqs, self.seqs))
+                and all(n == 1 for n in batch.num_new_tokens)
+                and [s.num_computed for s in batch.seqs] == self.starts
+                and argmax == self.argmax and (argmax or sample == self.sample))

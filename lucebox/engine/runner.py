@@ -9,7 +9,7 @@ from ..kernels.attention import uses_triton
 from ..model.forward_batch import ForwardBatch
 from ..model.transformer import Transformer
 from ..util import host_to_device
-from .cuda_graphs import CudaGraphRunner, GraphSettings
+from .cuda_graphs import CudaGraphRunner, DeferredStep, GraphSettings
 from .kv_cache import PagedKVCache, bytes_per_value, parse_cache_type
 
 log = logging.getLogger("lucebox")
@@ -74,7 +74,8 @@ class ModelRunner:
     def run(self, token_ids: list[list[int]], start_positions: list[int], block_tables: list[list[int]],
             logits_rows: list[int] | None = None, all_logits: bool = False,
             capture_layers: tuple[int, ...] = (), argmax: bool = False, feature_rows: int | None = None,
-            sample: list[tuple] | None = None, write_kv: bool = True):
+            sample: list[tuple] | None = None, write_kv: bool = True, ids_from: torch.Tensor | None = None,
+            defer: bool = False):
         """Forward the new tokens of each sequence; returns float32 logits, or with argmax=True the
         argmax token of each of those rows as a host list (one small device-to-host copy). With
         `sample` (a `SamplingParams.graph_row` per sequence; a decode or verify step of deterministic
@@ -89,14 +90,19 @@ class ModelRunner:
 
         write_kv=False recomputes positions whose K/V the cache already holds (a dormant drafter's
         missed taps) without touching it: the new K/V go to the scratch block, and attention, which
-        reads the cache, sees the cached K/V. One sequence; through a catch-up graph when one fits."""
+        reads the cache, sees the cached K/V. One sequence; through a catch-up graph when one fits.
+
+        defer / ids_from: overlapped decode steps through the graphs (CudaGraphRunner.run); a step
+        that fits no bucket runs eagerly and is returned as its result, never deferred."""
         if self.model.layers[0].self_attn.k_cache is not self.caches[0][0]:
             self._install()
         if self.graphs is not None:
             out = self.graphs.run(token_ids, start_positions, block_tables, logits_rows, all_logits,
-                                  tuple(capture_layers), argmax, feature_rows, sample, write_kv)
+                                  tuple(capture_layers), argmax, feature_rows, sample, write_kv, ids_from, defer)
             if out is not None:
-                return out if capture_layers else out[0]
+                return out if capture_layers or isinstance(out, DeferredStep) else out[0]
+        if ids_from is not None:
+            raise RuntimeError("a step fed from a previous step's device tokens must fit a CUDA-graph bucket")
         return self.run_eager(token_ids, start_positions, block_tables, logits_rows, all_logits, capture_layers,
                               argmax, write_kv)
 
