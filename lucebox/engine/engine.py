@@ -276,6 +276,8 @@ class LLMEngine:
             blocks.allocate(s.block_table, s.num_computed + 2)
         launched = self.runner.run([[0]] * len(seqs), starts, tables, logits_rows=list(range(len(seqs))),
                                    argmax=argmax, sample=next_sample, ids_from=step.device_tokens, defer=True)
+        if not isinstance(launched, DeferredStep):  # graphs without in-graph sampling: logits, already read
+            return None
         return _AheadStep(seqs, starts, argmax, next_sample, launched)
 
     def _commit(self, seq: Sequence, n: int, features, offset: int) -> None:
