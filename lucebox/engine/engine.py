@@ -201,9 +201,10 @@ class LLMEngine:
                 plain_rows.append(offset + n - 1)
             offset += n
         # The drafter's taps: always for prompts (a dormant drafter recomputes only decoded positions).
-        prefilling = any(seq.num_computed < seq.num_tokens - 1 for seq in batch.seqs)
-        capture = (self.speculator.capture_layers if self.speculator is not None
-                   and (prefilling or self.speculator.taps_needed()) else ())
+        capture = ()
+        if self.speculator is not None and (self.speculator.taps_needed() or any(
+                seq.num_computed < seq.num_tokens - 1 for seq in batch.seqs)):
+            capture = self.speculator.capture_layers
         # All greedy with nothing processing the logits: argmax tokens come back, not logits.
         argmax = all(seq.params.argmax_only(len(seq.output_token_ids)) for seq, _ in plain + verifying)
         # Simply sampled rows with deterministic drafts (or none): sampled and accepted in the graph.
