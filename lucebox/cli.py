@@ -30,7 +30,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         p.add_argument("--" + name.replace("_", "-"), type=kind, default=getattr(defaults, name),
                        help=EngineArgs.HELP[name])
     p.add_argument("--cache-rotate-k", action="store_true", help=EngineArgs.HELP["cache_rotate_k"])
-    p.add_argument("--async-decode", action="store_true", help=EngineArgs.HELP["async_decode"])
+    p.add_argument("--async-decode", action=argparse.BooleanOptionalAction, default=EngineArgs.async_decode,
+                   help=EngineArgs.HELP["async_decode"])
     p.add_argument("--enforce-eager", dest="cuda_graphs", action="store_const", const=False, default=None,
                    help=EngineArgs.HELP["enforce_eager"])
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",

@@ -31,9 +31,10 @@ class EngineArgs:
     cuda_graphs: bool | None = None
     cuda_graph_max_batch: int = 32  # largest batch (in sequences) replayed through a CUDA graph
     # Overlapped decoding: the next decode step is launched (its input tokens fed on the device)
-    # before the current one's tokens are read, so the host's work hides behind the GPU's. Off
-    # until measured on a GPU; decodes without a speculator, through CUDA graphs.
-    async_decode: bool = False
+    # before the current one's tokens are read, so the host's work hides behind the GPU's (H200:
+    # 0.6b shape 683 -> 891 tok/s, 8b 204 -> 212). Plain decode steps through CUDA graphs, including
+    # a speculator's while it decodes plainly (vetoed, or a dormant drafter).
+    async_decode: bool = True
 
     HELP = {
         "model": "HF model directory, .gguf file or hub id (default: the bundled default model)",
@@ -56,8 +57,8 @@ class EngineArgs:
         "max_queue": "most requests waiting for a slot; more are refused with an overload error",
         "cuda_graphs": "replay decode and verify steps through CUDA graphs (default: on for CUDA devices)",
         "enforce_eager": "run every step eagerly: no CUDA graphs (slower at small batches; for debugging)",
-        "async_decode": "launch each decode step before the previous one's tokens are read (experimental; "
-                        "plain decoding through CUDA graphs)",
+        "async_decode": "launch each plain decode step before the previous one's tokens are read (through "
+                        "CUDA graphs; --no-async-decode waits for each step's tokens first)",
         "cuda_graph_max_batch": "largest batch of sequences whose decode / verify steps replay a CUDA graph "
                                 "(larger batches run eagerly)",
     }

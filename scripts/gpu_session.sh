@@ -74,7 +74,7 @@ case "${1:-check}" in
     tail -n 2 "$out/overlap-tests.log"
     for shape in qwen3-0.6b qwen3-8b; do
       for mode in sync async; do
-        flag=$([ $mode = async ] && echo --async-decode)
+        flag=$([ $mode = async ] && echo --async-decode || echo --no-async-decode)
         bench "$shape-$mode" 100 --shape $shape --quant bf16 --prompt-lens 512 --contexts 512 \
           --skip prefill forced spec peer $flag
       done

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from lucebox import LLM, SamplingParams
-from lucebox.spec.adaptive import (MIN_REALIZED, PROBE_BUDGET, PROBE_EVERY, REEVALUATE_PLAIN_EVERY,
+from lucebox.spec.adaptive import (MAX_PROBE_INTERVAL, MIN_REALIZED, PROBE_BUDGET, PROBE_EVERY, REEVALUATE_PLAIN_EVERY,
                                    REMEASURE_PLAIN_EVERY,
                                    DraftLengthPolicy, SequenceAcceptance, TimingTable, expected_tokens)
 
@@ -91,6 +91,22 @@ def test_plain_decoding_of_an_unchanged_batch_is_not_re_evaluated_every_step():
     fast = policy_with(forward_per_token=0.0001, forward_fixed=0.01, draft_cost=0.001)
     assert fast.choose([0.1], 0) == 0 and fast.choose([0.95], 0) == 8  # acceptance changed: evaluated
 
+
+def test_a_plain_stretch_is_predicted_before_the_tokens_are_known():
+    """stays_plain(): what overlapped decoding asks before launching the next step. Over a vetoed
+    drafter's steps it says plain exactly where choose() then returns 0 without evaluating, never
+    before a probe or a re-evaluation, and it covers most steps."""
+    slow = policy_with(forward_per_token=0.01, forward_fixed=0.001, draft_cost=0.05, max_k=4)
+    predicted = []
+    for _ in range(4 * MAX_PROBE_INTERVAL):
+        said = slow.stays_plain()
+        k = slow.choose([0.1], 0)
+        predicted.append(said)
+        assert not said or k == 0
+        if k:  # a probe's outcome: re-evaluated afresh next step
+            slow.record_delivered(1, 1, 0.06, drafted=True)
+    assert sum(predicted) > 0.9 * len(predicted)
+    assert not DraftLengthPolicy(4, adaptive=False).stays_plain()
 
 def simulate(policy: DraftLengthPolicy, steps: int, alpha: float, forward, draft) -> list[int]:
     """The engine's loop around a policy: choose, then record the step's measured costs."""

@@ -300,15 +300,16 @@ def test_overlapped_decoding_generates_what_step_by_step_decoding_does(hf_models
     target = hf_models["qwen3"]
     prompts = [{"prompt_token_ids": [(5 * i + j) % 300 + 3 for j in range(n)]} for i, n in enumerate(PROMPT_LENS[:4])]
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (3, 9, 14, 20)]
-    want = [o.outputs[0].token_ids for o in static_graph_llm(target).generate(prompts, params, use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in
+            static_graph_llm(target, async_decode=False).generate(prompts, params, use_tqdm=False)]
     llm = static_graph_llm(target, async_decode=True)
     counts = count_ahead(llm.engine, monkeypatch)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
     assert counts["used"] > 10 and counts["launched"] > counts["used"]  # endings left launched steps unused
     stop = llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)  # EOS allowed
-    plain = static_graph_llm(target).generate(prompts[:1], SamplingParams(temperature=0, max_tokens=20),
-                                               use_tqdm=False)
+    plain = static_graph_llm(target, async_decode=False).generate(
+        prompts[:1], SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)
     assert stop[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
 
 
@@ -347,6 +348,51 @@ def test_overlapped_sampling_in_the_graph_keeps_its_lengths(hf_models, monkeypat
     vocab = llm.engine.model.config.vocab_size
     assert all(0 <= t < vocab for o in outs for t in o.outputs[0].token_ids)
 
+
+
+def test_a_dormant_drafters_plain_steps_are_launched_ahead(hf_models, tmp_path, monkeypatch):
+    """Overlapped decoding with a speculator: while the drafter is dormant (its decode steps capture
+    no taps) and its policy in a stretch of plain steps, each plain step is launched before the
+    previous one's tokens are read; never the step before a draft, which needs the new tokens.
+    Greedy output equals plain decoding and the drafts equal those of an engine that waits."""
+    import itertools
+
+    from lucebox.spec.speculator import DORMANT_PROBE_INTERVAL
+
+    from .spec_fixtures import write_dflash_drafter
+    target, every = hf_models["qwen3"], 6
+    prompts = [{"prompt_token_ids": [(5 * i + j) % 300 + 3 for j in range(n)]} for i, n in enumerate(PROMPT_LENS[:4])]
+    plain = [o.outputs[0].token_ids for o in
+             static_graph_llm(target, async_decode=False).generate(prompts, GREEDY, use_tqdm=False)]
+    spec = {"method": "dflash", "model": str(write_dflash_drafter(target, tmp_path / "dflash")), "adaptive": False}
+
+    def run(async_decode: bool):
+        llm = static_graph_llm(target, speculative_config=spec, async_decode=async_decode)
+        engine, speculator = llm.engine, llm.engine.speculator
+        speculator.policy.probe_interval = DORMANT_PROBE_INTERVAL  # dormant: plain steps capture no taps
+        calls, drafts, pending = itertools.count(), [], []
+        choose, propose = speculator._choose, speculator.proposer.propose
+        made = [0]  # choices made so far
+
+        def choose_every(*args):  # a draft every `every` decode steps, plain decoding between
+            made[0] = next(calls) + 1
+            return choose(*args) if (made[0] - 1) % every == 0 else 0
+
+        def record(seqs, ks):
+            pending.append(engine._ahead is not None)  # a step launched ahead of this drafted one
+            return [drafts.append(d.tokens) or d for d in propose(seqs, ks)]
+        monkeypatch.setattr(speculator, "_choose", choose_every)
+        monkeypatch.setattr(speculator.policy, "stays_plain", lambda: made[0] % every != 0)
+        monkeypatch.setattr(speculator.proposer, "propose", record)
+        counts = count_ahead(engine, monkeypatch)
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], drafts, pending, counts
+
+    waited, waited_drafts, _, _ = run(False)
+    got, drafts, pending, counts = run(True)
+    assert got == waited == plain
+    assert drafts == waited_drafts and len(drafts) > 4 and not any(pending)
+    assert counts["used"] > 10
 
 # ----------------------------------------------------------------------------- real graphs (GPU)
 
@@ -466,6 +512,8 @@ def test_cuda_graphs_are_on_by_default_for_cuda_only_and_enforce_eager_turns_the
     parser = build_parser()
     assert parser.parse_args(["generate", "--enforce-eager"]).cuda_graphs is False
     assert parser.parse_args(["generate"]).cuda_graphs is None
+    assert parser.parse_args(["generate"]).async_decode is True  # overlapped decoding: on by default
+    assert parser.parse_args(["serve", "--no-async-decode"]).async_decode is False
     if torch.cuda.is_available():
         assert LLM(target, device="cuda").engine._graph_settings() is not None
 

@@ -52,7 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         p.add_argument(flag, type=int, nargs="+", default=None,
                        help=f"{what} (default: those of 512 4096 32768 that fit the model and memory)")
     p.add_argument("--decode-tokens", type=int, default=128, help="tokens decoded per measured run")
-    p.add_argument("--async-decode", action="store_true", help=EngineArgs.HELP["async_decode"])
+    p.add_argument("--async-decode", action=argparse.BooleanOptionalAction, default=EngineArgs.async_decode,
+                   help=EngineArgs.HELP["async_decode"])
     p.add_argument("--repeats", type=int, default=3, help="measured runs per point; the median is reported")
     p.add_argument("--skip", nargs="+", default=[], choices=PHASES, help="measurements to leave out")
     p.add_argument("--no-peer", action="store_true", help="leave out the transformers peer (= --skip peer)")
@@ -268,7 +269,7 @@ def _engine_args(args, max_len: int, loaded, kv_factor: int = 1, **extra) -> Eng
     tokens = (-(-max_len // EngineArgs.block_size) + 2) * EngineArgs.block_size
     return EngineArgs(model=loaded.source, max_model_len=max_len, max_num_seqs=1, enable_prefix_caching=False,
                       cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
-                      cuda_graphs=getattr(args, "cuda_graphs", None), async_decode=getattr(args, "async_decode", False),
+                      cuda_graphs=getattr(args, "cuda_graphs", None), async_decode=getattr(args, "async_decode", EngineArgs.async_decode),
                       kv_cache_memory=kv_factor * per_token * tokens, **extra)
 
 

@@ -215,7 +215,7 @@ class LLMEngine:
             sample = [seq.params.graph_row(self.model.config.vocab_size) for seq in batch.seqs]
         rows = self.speculator.proposer.feature_rows(batch.total_tokens) if capture else None
         ahead, self._ahead = self._ahead, None
-        overlap = self.args.async_decode and self.speculator is None and not chunks and not verifying
+        overlap = self.args.async_decode and not chunks and not verifying and not capture
         if ahead is not None and overlap and ahead.covers(batch, argmax, sample):
             out = ahead.step  # launched by the previous step, fed its tokens on the device
         else:
@@ -255,10 +255,13 @@ class LLMEngine:
         input ids copied on the device from this step's (EngineArgs.async_decode): the host's
         launch, upload and bookkeeping then overlap the GPU's work instead of following it. Only
         when the next step is predictable: nobody waiting to join, every sequence with room for
-        one more token and the same kind of step (argmax or sampled in the graph) after this one's
-        token. A sequence that this step's token finishes makes the launched step go unused."""
+        one more token, the same kind of step (argmax or sampled in the graph) after this one's
+        token, and a speculator that will neither draft nor capture taps. A sequence that this
+        step's token finishes (or a draft after all) makes the launched step go unused."""
         seqs = batch.seqs
         if self.scheduler.waiting or any(n != 1 for n in batch.num_new_tokens):
+            return None
+        if self.speculator is not None and not self.speculator.decodes_plainly_next():
             return None
         blocks = self.scheduler.blocks
         if any(s.num_tokens + 1 >= self.max_model_len or not blocks.can_allocate(s.block_table, s.num_computed + 2)

@@ -184,6 +184,12 @@ class DraftLengthPolicy:
         return (spec is not None and plain is not None and self.delivered.steps(num_seqs) >= MIN_REALIZED
                 and spec > plain)
 
+    def stays_plain(self) -> bool:
+        """The next choice returns plain decoding without evaluating, if the batch and its acceptance
+        stay as they are: in a stretch of plain steps, short of a probe and of a re-evaluation."""
+        return (self.adaptive and self.plain_query is not None and self.plain_steps + 1 < self.next_probe
+                and self.plain_steps % REEVALUATE_PLAIN_EVERY != 0)
+
     def choose(self, alphas: list[float], batch_tokens: int) -> int:
         """One k for this step: `alphas` of the decoding sequences, `batch_tokens` other new tokens."""
         self.exploring = False

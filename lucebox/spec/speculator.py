@@ -119,6 +119,14 @@ class Speculator:
         return bool(self.capture_layers) and (self.policy.probe_interval < DORMANT_PROBE_INTERVAL
                                               or MODEL in self.step_sources)
 
+    def decodes_plainly_next(self) -> bool:
+        """The next step, for the same batch, is a plain decode without taps (so the engine may launch
+        it before this step's tokens are read): no lookup (it reads the new tokens), the drafter
+        tap-less or dormant, its policy in a stretch of plain steps. A wrong guess costs only the
+        step launched ahead on it, which then goes unused."""
+        return (self.lookup is None and self.policy.stays_plain()
+                and (not self.capture_layers or self.policy.probe_interval >= DORMANT_PROBE_INTERVAL))
+
     def missed(self, seq, start: int) -> None:
         """Positions from `start` of seq were computed without their taps (a dormant step)."""
         if self.capture_layers:
