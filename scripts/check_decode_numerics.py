@@ -13,6 +13,11 @@ and write none (ModelRunner.run_eager(write_kv=False)). Per variant of the decod
 largest logit difference relative to the logits' range, and the share of positions whose argmax
 agrees. Variants: the launch rule in use; one program per row block for RMSNorm prologues too (no
 resident input); no decode GEMVs at all (the unfused kernels, as verify runs them).
+
+Then the same through the engine, as `bench speed`'s forced-acceptance row runs it: plain greedy
+decoding, then speculation whose drafts are that recorded continuation (15 a step), with CUDA graphs
+and eagerly; greedy speculation is lossless only if its output equals the recording. Reported: the
+tokens equal before the first difference, and tau.
 """
 from __future__ import annotations
 
@@ -25,10 +30,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from lucebox.bench import shapes  # noqa: E402
+from lucebox.bench.forced import RecordedContinuationProposer  # noqa: E402
+from lucebox.config import EngineArgs  # noqa: E402
 from lucebox.engine.block_manager import BlockManager  # noqa: E402
+from lucebox.engine.engine import LLMEngine  # noqa: E402
 from lucebox.engine.runner import ModelRunner  # noqa: E402
 from lucebox.kernels import fused_linear, triton_gemv  # noqa: E402
 from lucebox.model.loader import load_model  # noqa: E402
+from lucebox.sampling import SamplingParams  # noqa: E402
 
 CHUNK = 16
 BLOCK = 16
@@ -72,6 +81,32 @@ def compare(model, prompt: list[int], tokens: int) -> tuple[float, float]:
     return diff, agree
 
 
+def greedy(engine: LLMEngine, prompt: list[int], tokens: int) -> tuple[list[int], float]:
+    """Output tokens and tau (committed tokens per verify step; 1.0 without speculation)."""
+    engine.add_request("r", {"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
+    out = None
+    while engine.has_unfinished():
+        for o in engine.step():
+            out = o
+    m = out.metrics
+    return out.outputs[0].token_ids, (m.num_accepted_tokens + m.num_drafts) / max(1, m.num_drafts)
+
+
+def compare_engines(loaded, prompt: list[int], tokens: int, cuda_graphs: bool) -> tuple[int, float]:
+    """Plain greedy decoding, then forced-acceptance speculation of its own output: tokens equal
+    before the first difference, and tau."""
+    common = dict(model=loaded.source, max_model_len=len(prompt) + tokens + 2 * CHUNK, max_num_seqs=1,
+                  enable_prefix_caching=False, cuda_graphs=cuda_graphs, kv_cache_memory=1 << 30)
+    recorded, _ = greedy(LLMEngine(loaded, EngineArgs(**common)), prompt, tokens)
+    spec = {"method": "ngram", "num_speculative_tokens": CHUNK - 1, "adaptive": False}
+    engine = LLMEngine(loaded, EngineArgs(**common, speculative_config=spec))
+    engine.speculator.proposer = RecordedContinuationProposer({tuple(prompt): list(recorded)})
+    got, tau = greedy(engine, prompt, tokens)
+    same = next((i for i, (a, b) in enumerate(zip(got, recorded)) if a != b), min(len(got), len(recorded)))
+    return same, tau
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="qwen3-0.6b")
@@ -96,6 +131,11 @@ def main() -> None:
         finally:
             triton_gemv.launch_config, fused_linear.fuses = RULE, FUSES
         print(f"| {name} | {diff:.2e} | {100 * agree:.1f}% |", flush=True)
+    print(f"\n| engine, {args.tokens} greedy tokens | equal to plain decoding before the first difference "
+          f"| forced tau |\n|---|---:|---:|")
+    for graphs in ((True, False) if device.type == "cuda" else (False,)):
+        same, tau = compare_engines(loaded, prompt, args.tokens, graphs)
+        print(f"| {'CUDA graphs' if graphs else 'eager'} | {same} | {tau:.2f} |", flush=True)
 
 
 if __name__ == "__main__":
