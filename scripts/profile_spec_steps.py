@@ -10,7 +10,7 @@ token. For the question `lucebox bench spec` cannot answer: where a speculative 
 steps spend the time that the plain engine does not. `--trace plain:1` (engine:temperature) then
 decodes two prompts under torch.profiler and prints the top operators by host and device time.
 `--idle-overhead` instead measures a DFlash engine that never drafts against plain decoding, with
-and without its taps. `--step-costs` instead times one graph step of each verify width (the buckets of a 15-draft
+its taps and dormant. `--step-costs` instead times one graph step of each verify width (the buckets of a 15-draft
 speculator): returning argmax tokens or logits, or sampling and accepting in the graph (the
 Triton sampler against the torch reference).
 """
@@ -113,27 +113,29 @@ def main() -> None:
 
 
 def idle_overhead(loaded, args, repeats: int = 5) -> None:
-    """What a DFlash engine costs when it never drafts (its policy forced to k = 0), against plain
-    decoding, interleaved prompt by prompt: with its taps; with the taps in the graph but nothing
-    observed (no feature bookkeeping, no projections: the graph's share); and with the taps off
-    too (what is left is the speculator's host time). Per temperature, the median over repeats of
-    each repeat's ratio of seconds per token to plain's, and per engine the host sections' time
-    per generated token (perf_counter wrappers, the same on every engine)."""
-    from lucebox.spec.speculator import Speculator
+    """What a DFlash engine costs when it never drafts (its policy forced to k = 0, and to say so
+    ahead, as between probes), against plain decoding, interleaved prompt by prompt: with its taps
+    (a drafter probing 16-64 steps apart: no overlapped steps), and dormant (probes 128+ steps
+    apart: no taps, steps overlapped like plain ones; what is left is the speculator's host time).
+    Per temperature, the median over repeats of each repeat's ratio of seconds per token to
+    plain's, and per engine the host sections' time per generated token (perf_counter wrappers,
+    the same on every engine)."""
+    from lucebox.spec.adaptive import DraftLengthPolicy
+    from lucebox.spec.speculator import DORMANT_PROBE_INTERVAL, Speculator
     prompts = [loaded.tokenizer.encode(t, add_special_tokens=False) for t in held_out_texts(args.prompts, 600, seed=1)]
     max_len = max(map(len, prompts)) + args.max_tokens + 32
     kv = 4 * kv_bytes_per_token(loaded.model, "auto", "auto") * ((-(-max_len // 16) + 2) * 16)
     Speculator._choose = lambda self, *a: 0  # never drafts
+    DraftLengthPolicy.stays_plain = lambda self: True  # and knows it a step ahead
     totals: collections.Counter = collections.Counter()
     instrument(totals, collections.defaultdict(lambda: [0, 0.0]))
     dflash = {"method": "dflash", "model": args.draft}
-    names = ("plain", "idle dflash", "idle dflash, taps unused", "idle dflash, no taps")
+    names = ("plain", "idle dflash, taps", "idle dflash, dormant")
     engines = {name: LLMEngine(loaded, EngineArgs(model=args.model, max_model_len=max_len, max_num_seqs=1,
                                                   kv_cache_memory=kv,
                                                   speculative_config=None if name == "plain" else dflash))
                for name in names}
-    engines["idle dflash, taps unused"].speculator.observe = lambda *a: None
-    engines["idle dflash, no taps"].speculator.capture_layers = ()
+    engines["idle dflash, dormant"].speculator.policy.probe_interval = DORMANT_PROBE_INTERVAL
     for temperature in (0.0, 1.0):
         params = SamplingParams(temperature=temperature, max_tokens=args.max_tokens, ignore_eos=True,
                                 output_kind="final_only")
