@@ -115,13 +115,13 @@ def main() -> None:
 def idle_overhead(loaded, args, repeats: int = 5) -> None:
     """What a DFlash engine costs when it never drafts (its policy forced to k = 0, and to say so
     ahead, as between probes), against plain decoding, interleaved prompt by prompt: with its taps
-    (a drafter probing 16-64 steps apart: no overlapped steps), and dormant (probes 128+ steps
-    apart: no taps, steps overlapped like plain ones; what is left is the speculator's host time).
+    (every step capturing them, as before dormancy: no overlapped steps), and dormant (no taps, steps
+    overlapped like plain ones; what is left is the speculator's host time).
     Per temperature, the median over repeats of each repeat's ratio of seconds per token to
     plain's, and per engine the host sections' time per generated token (perf_counter wrappers,
     the same on every engine)."""
     from lucebox.spec.adaptive import DraftLengthPolicy
-    from lucebox.spec.speculator import DORMANT_PROBE_INTERVAL, Speculator
+    from lucebox.spec.speculator import Speculator
     prompts = [loaded.tokenizer.encode(t, add_special_tokens=False) for t in held_out_texts(args.prompts, 600, seed=1)]
     max_len = max(map(len, prompts)) + args.max_tokens + 32
     kv = 4 * kv_bytes_per_token(loaded.model, "auto", "auto") * ((-(-max_len // 16) + 2) * 16)
@@ -135,7 +135,7 @@ def idle_overhead(loaded, args, repeats: int = 5) -> None:
                                                   kv_cache_memory=kv,
                                                   speculative_config=None if name == "plain" else dflash))
                for name in names}
-    engines["idle dflash, dormant"].speculator.policy.probe_interval = DORMANT_PROBE_INTERVAL
+    engines["idle dflash, taps"].speculator.taps_needed = lambda: True
     for temperature in (0.0, 1.0):
         params = SamplingParams(temperature=temperature, max_tokens=args.max_tokens, ignore_eos=True,
                                 output_kind="final_only")

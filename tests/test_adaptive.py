@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from lucebox import LLM, SamplingParams
-from lucebox.spec.adaptive import (MAX_PROBE_INTERVAL, MIN_REALIZED, PROBE_BUDGET, PROBE_EVERY, REEVALUATE_PLAIN_EVERY,
+from lucebox.spec.adaptive import (MAX_PROBE_INTERVAL, MIN_REALIZED, PLAIN_STRETCH, PROBE_BUDGET, PROBE_EVERY, REEVALUATE_PLAIN_EVERY,
                                    REMEASURE_PLAIN_EVERY,
                                    DraftLengthPolicy, SequenceAcceptance, TimingTable, expected_tokens)
 
@@ -128,8 +128,9 @@ def test_long_drafts_that_pay_are_found_when_a_verify_costs_a_step_more_than_pla
     policy = DraftLengthPolicy(8)
     chosen = simulate(policy, 200, 0.8, forward=lambda t: 0.010 if t == 1 else 0.018 + 0.0001 * t,
                       draft=lambda k: 0.002)
-    assert chosen[:6] == [0, 0, 8, 8, 1, 1]  # plain, the longest, the shortest: each measured twice
-    assert chosen[-100:].count(8) >= 98
+    # plain (a stretch), then the longest and the shortest draft, each measured twice
+    assert chosen[:PLAIN_STRETCH + 4] == [0] * PLAIN_STRETCH + [8, 8, 1, 1]
+    assert set(chosen[-100:]) == {0, 8} and chosen[-100:].count(8) >= 100 - 2 * PLAIN_STRETCH  # and remeasures
 
 
 def test_a_draft_model_whose_cost_grows_with_k_settles_between_the_ends():
@@ -155,10 +156,41 @@ def test_a_warm_up_step_does_not_stand_for_the_plain_cost():
 
 
 def test_plain_decoding_is_remeasured_while_speculating():
-    """The baseline must not go stale: one plain step in every REMEASURE_PLAIN_EVERY."""
+    """The baseline must not go stale: a stretch of PLAIN_STRETCH plain steps after every
+    REMEASURE_PLAIN_EVERY speculated ones, the engine told ahead (stays_plain) so they overlap."""
     policy = policy_with(forward_per_token=0.0001, forward_fixed=0.01, draft_cost=0.001)
-    chosen = [policy.choose([0.9], batch_tokens=0) for _ in range(3 * REMEASURE_PLAIN_EVERY)]
-    assert chosen.count(0) == 2 and chosen[REMEASURE_PLAIN_EVERY] == 0 and set(chosen) == {0, 8}
+    chosen, ahead = [], []
+    for _ in range(3 * REMEASURE_PLAIN_EVERY):
+        ahead.append(policy.stays_plain())
+        chosen.append(policy.choose([0.9], batch_tokens=0))
+    stretch = slice(REMEASURE_PLAIN_EVERY, REMEASURE_PLAIN_EVERY + PLAIN_STRETCH)
+    assert chosen.count(0) == 2 * PLAIN_STRETCH and chosen[stretch] == [0] * PLAIN_STRETCH
+    assert set(chosen) == {0, 8} and ahead[stretch] == [False] + [True] * (PLAIN_STRETCH - 1)
+    assert sum(ahead) == 2 * (PLAIN_STRETCH - 1)
+
+
+def test_overlapped_plain_steps_are_the_baseline(hf_models):
+    """Plain decoding costs what a run of overlapped steps costs: once plain steps of a size have
+    overlapped, they replace what lone plain steps measured, and lone ones are no longer recorded;
+    drafted steps are recorded as before."""
+    from lucebox.spec.ngram import NgramProposer
+    from lucebox.spec.speculator import Speculator
+    spec = Speculator(NgramProposer(3), 4, 1000)
+    policy = spec.policy
+
+    def step(seconds, drafted=0, overlapped=False):
+        spec.step_decoding, spec.step_drafted, spec.step_accepted = 1, drafted, drafted
+        spec.step_sources = {"model"} if drafted else set()
+        spec.record_step(1 + drafted, seconds, overlapped)
+    for _ in range(3):
+        step(0.010)
+    assert policy.forward.estimate(1) == 0.010
+    step(0.006, overlapped=True)
+    step(0.010)  # a lone plain step: not what plain decoding costs any more
+    step(0.006, overlapped=True)
+    assert policy.forward.estimate(1) == 0.006 and policy.delivered_plain.seconds_per_token(1) == 0.006
+    step(0.012, drafted=3)
+    assert policy.forward.estimate(4) == 0.012 and policy.delivered.steps(1) == 1
 
 
 def test_acceptance_estimate_tracks_recent_steps():
@@ -293,3 +325,21 @@ def test_the_speculator_records_what_drafted_and_plain_steps_delivered(hf_models
     assert sum(c - n for n, c in drafted) == out.metrics.num_accepted_tokens >= 1
     assert all(n == 1 and c == 1 for n, c, d in calls if not d)
     assert sum(c for _, c, _ in calls) == 40 - 1  # every token but the prefill's
+
+
+def test_overlap_is_guessed_with_a_lookup_only_when_it_found_nothing_or_its_policy_decodes_plainly():
+    """Speculator.decodes_plainly_next, asked before the new tokens are known: a lookup reads them,
+    so a step after one that found a match is guessed plain only while the lookup's policy is in a
+    run of plain steps itself; the drafter's policy must be in one in any case."""
+    from lucebox.spec.ngram import NgramProposer
+    from lucebox.spec.speculator import LOOKUP, Speculator
+    spec = Speculator(NgramProposer(3), 4, 1000, lookup=NgramProposer(3))
+    spec.policy.stretch = 2  # the drafter's policy measuring plain decoding
+    spec.step_found = False
+    assert spec.decodes_plainly_next()
+    spec.step_found = True
+    assert not spec.decodes_plainly_next()
+    spec.policies[LOOKUP].stretch = 2
+    assert spec.decodes_plainly_next()
+    spec.policy.stretch = 0
+    assert not spec.decodes_plainly_next()

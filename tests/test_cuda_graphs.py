@@ -351,13 +351,11 @@ def test_overlapped_sampling_in_the_graph_keeps_its_lengths(hf_models, monkeypat
 
 
 def test_a_dormant_drafters_plain_steps_are_launched_ahead(hf_models, tmp_path, monkeypatch):
-    """Overlapped decoding with a speculator: while the drafter is dormant (its decode steps capture
-    no taps) and its policy in a stretch of plain steps, each plain step is launched before the
-    previous one's tokens are read; never the step before a draft, which needs the new tokens.
+    """Overlapped decoding with a speculator: while its policy is in a run of plain steps (the
+    drafter dormant: plain steps capture no taps), each plain step is launched before the previous
+    one's tokens are read; never the step before a draft, which needs the new tokens.
     Greedy output equals plain decoding and the drafts equal those of an engine that waits."""
     import itertools
-
-    from lucebox.spec.speculator import DORMANT_PROBE_INTERVAL
 
     from .spec_fixtures import write_dflash_drafter
     target, every = hf_models["qwen3"], 6
@@ -369,7 +367,6 @@ def test_a_dormant_drafters_plain_steps_are_launched_ahead(hf_models, tmp_path, 
     def run(async_decode: bool):
         llm = static_graph_llm(target, speculative_config=spec, async_decode=async_decode)
         engine, speculator = llm.engine, llm.engine.speculator
-        speculator.policy.probe_interval = DORMANT_PROBE_INTERVAL  # dormant: plain steps capture no taps
         calls, drafts, pending = itertools.count(), [], []
         choose, propose = speculator._choose, speculator.proposer.propose
         made = [0]  # choices made so far

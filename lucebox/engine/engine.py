@@ -25,8 +25,8 @@ from .sequence import Sequence
 
 log = logging.getLogger("lucebox")
 CPU_KV_CAP = 2 << 30
-# Catch-up graph lengths of a dormant drafter's missed taps (speculator.DORMANT_PROBE_INTERVAL),
-# beside the verify lengths; longer stretches go in chunks of the last.
+# Catch-up graph lengths of the taps a dormant drafter missed while the target decoded plainly
+# (speculator.py), beside the verify lengths; longer runs go in chunks of the last.
 CATCH_UP_LENS = (32, 64, 128, 256)
 
 
@@ -216,7 +216,8 @@ class LLMEngine:
         rows = self.speculator.proposer.feature_rows(batch.total_tokens) if capture else None
         ahead, self._ahead = self._ahead, None
         overlap = self.args.async_decode and not chunks and not verifying and not capture
-        if ahead is not None and overlap and ahead.covers(batch, argmax, sample):
+        overlapped = ahead is not None and overlap and ahead.covers(batch, argmax, sample)
+        if overlapped:
             out = ahead.step  # launched by the previous step, fed its tokens on the device
         else:
             out = self.runner.run(token_ids, [s.num_computed for s in batch.seqs], [s.block_table for s in batch.seqs],
@@ -247,7 +248,7 @@ class LLMEngine:
         touched = dict.fromkeys(seq.request_id for seq, _ in plain + verifying)
         outputs = [self._request_output(rid) for rid in touched if rid in self.requests and self._reports(rid)]
         if self.speculator is not None:  # after the host has the tokens and outputs: the step's full cost
-            self.speculator.record_step(batch.total_tokens, time.perf_counter() - step_started)
+            self.speculator.record_step(batch.total_tokens, time.perf_counter() - step_started, overlapped)
         return outputs
 
     def _launch_ahead(self, batch, step: DeferredStep, sample: list | None) -> _AheadStep | None:

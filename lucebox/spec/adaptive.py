@@ -29,7 +29,12 @@ MAX_PROBE_INTERVAL = 512  # probes that keep failing back off (doubling) up to t
 # most this share of the plain decoding time between probes: a drafter pass that costs as much as
 # ten plain steps (a small target on a fast GPU) is probed ten times more rarely.
 PROBE_BUDGET = 0.02
-REMEASURE_PLAIN_EVERY = 64  # while speculating, one plain step in this many keeps the baseline fresh
+REMEASURE_PLAIN_EVERY = 64  # while speculating, a plain stretch after this many steps keeps the baseline fresh
+# Plain decoding is measured over this many consecutive steps (the baseline first, then each
+# remeasure): with overlapped decoding (EngineArgs.async_decode) a lone plain step pays the host's
+# whole turn, while a run of them hides it behind the GPU -- 30-60% faster on a small target. What a
+# run's overlapped steps cost is the baseline; a lone plain step's cost is not (Speculator.record_step).
+PLAIN_STRETCH = 4
 # While decoding plainly with unchanged acceptance and batch, the choice is re-evaluated only every
 # this many steps (and at each probe): an evaluation is ~12 us of Python on a fast CPU, ~3x that on
 # the H200 machine's host, against a small model's 300 us step. (What it re-reads between probes
@@ -59,6 +64,12 @@ class TimingTable:
         self.counts[size] = n + 1
         old = self.values.get(size)
         self.values[size] = seconds if n < 2 else old + self.smoothing * (seconds - old)
+
+    def forget(self, size: int) -> None:
+        """Drop what was measured for `size` (its samples no longer stand for what it costs)."""
+        if self.counts.pop(size, 0):
+            del self.values[size]
+            self.sizes.remove(size)
 
     def provisional(self, size: int) -> bool:
         """Measured once only: the value may be a warm-up's."""
@@ -117,6 +128,9 @@ class DeliveredRate:
         s[2] += 1
         s[3] = self.decay * s[3] + 1
 
+    def forget(self, num_seqs: int) -> None:
+        self.sums.pop(num_seqs, None)
+
     def seconds_per_token(self, num_seqs: int) -> float | None:
         s = self.sums.get(num_seqs)
         return s[0] / s[1] if s else None
@@ -166,6 +180,7 @@ class DraftLengthPolicy:
         self.delivered = DeliveredRate()
         self.delivered_plain = DeliveredRate()
         self.exploring = False  # the last choice measured a length rather than chose it
+        self.stretch = 0  # plain steps still to come of a stretch measuring plain decoding
 
     def record_delivered(self, num_seqs: int, committed: int, seconds: float, drafted: bool) -> None:
         """A whole step (drafting included) of num_seqs decoding sequences committed `committed` tokens.
@@ -186,15 +201,20 @@ class DraftLengthPolicy:
 
     def stays_plain(self) -> bool:
         """The next choice returns plain decoding without evaluating, if the batch and its acceptance
-        stay as they are: in a stretch of plain steps, short of a probe and of a re-evaluation."""
-        return (self.adaptive and self.plain_query is not None and self.plain_steps + 1 < self.next_probe
-                and self.plain_steps % REEVALUATE_PLAIN_EVERY != 0)
+        stay as they are: within a stretch measuring plain decoding, or in a run of plain steps short
+        of a probe and of a re-evaluation."""
+        return self.adaptive and (self.stretch > 0 or (
+            self.plain_query is not None and self.plain_steps + 1 < self.next_probe
+            and self.plain_steps % REEVALUATE_PLAIN_EVERY != 0))
 
     def choose(self, alphas: list[float], batch_tokens: int) -> int:
         """One k for this step: `alphas` of the decoding sequences, `batch_tokens` other new tokens."""
         self.exploring = False
         if not self.adaptive or not alphas:
             return self.max_k
+        if self.stretch:
+            self.stretch -= 1
+            return 0
         if (self.plain_steps + 1 < self.next_probe and self.plain_steps % REEVALUATE_PLAIN_EVERY
                 and self.plain_query == (alphas, batch_tokens)):
             self.plain_steps += 1  # plain decoding, as evaluated a few steps ago for this same batch
@@ -203,9 +223,9 @@ class DraftLengthPolicy:
         plain_cost = self.forward.estimate(batch_tokens + n)
         if (plain_cost is None or self.forward.provisional(batch_tokens + n)
                 or self.speculated_steps >= REMEASURE_PLAIN_EVERY):
-            # Plain decoding is the baseline speculation must beat: measured first (twice), and again
-            # now and then, since a stale baseline (a slow early step) would keep a losing drafter on.
-            self.speculated_steps = 0
+            # Plain decoding is the baseline speculation must beat: measured first, and again now and
+            # then, since a stale baseline (a slow early step) would keep a losing drafter on.
+            self.speculated_steps, self.stretch = 0, PLAIN_STRETCH - 1
             return 0
         unexplored = self._unexplored(batch_tokens, n)
         if unexplored:

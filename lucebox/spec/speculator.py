@@ -15,11 +15,12 @@ from .proposer import Draft, Proposer
 
 LOOKUP, MODEL = "lookup", "model"
 MIN_LOOKUP_MATCH = 4  # tokens a lookup must find to be used (fewer: the drafter proposes instead)
-# Probes this far apart (drafting has kept losing) make the drafter dormant: decode steps stop
-# capturing its taps (on a small target the taps and their bookkeeping cost ~5% of a step), and the
-# positions decoded meanwhile get theirs recomputed before it drafts again, by target passes that
-# write no K/V (through CUDA graphs of up to 256 positions: a fraction of a millisecond).
-DORMANT_PROBE_INTERVAL = 128
+# The drafter is dormant while the target decodes plainly: only drafted steps (and prompts) capture
+# its taps, so plain steps run the tap-less graphs and overlap (EngineArgs.async_decode)
+# like a plain engine's -- on the bundled pair, a plain step with taps cannot overlap and delivers
+# 0.57-0.60x an overlapped one. Before it drafts again, the positions decoded meanwhile get their
+# taps recomputed by target passes that write no K/V (CUDA graphs of up to 256 positions: about
+# one verify step's time, once per run of plain steps).
 
 
 class Speculator:
@@ -47,11 +48,13 @@ class Speculator:
         self.step_decoding = 0
         self.step_sources: set[str] = set()
         self.step_drafted = self.step_accepted = 0
+        self.step_found = False  # the lookup found a match for some sequence
         # Dormancy: the first position of each sequence whose taps were not captured, and the engine's
         # hook that recomputes taps ((seq, start) -> (start, features) chunks up to num_computed).
         self.missing: dict[int, int] = {}
         self.recompute_taps = None
         self.catch_up_seconds = 0.0  # this step's recomputation: a cost of dormancy, not of drafting
+        self.overlapped_sizes: set[int] = set()  # step sizes (new tokens) whose plain steps have overlapped
 
     def propose(self, running: list) -> None:
         """Give each running sequence that is decoding (its last token not yet computed) a draft."""
@@ -68,6 +71,7 @@ class Speculator:
             rest = [s for s in decoding if id(s) not in found]
         self.draft_seconds = self.catch_up_seconds = 0.0
         self.step_decoding, self.step_sources, self.step_drafted, self.step_accepted = len(decoding), set(), 0, 0
+        self.step_found = bool(found)
         k_lookup = 0
         if looked:  # each group's k is chosen with the other group's tokens in the batch
             k_lookup = self._choose(LOOKUP, looked, other_tokens + len(rest))
@@ -114,37 +118,45 @@ class Speculator:
         self.catch_up_seconds += time.perf_counter() - started
 
     def taps_needed(self) -> bool:
-        """Whether this step's decodes capture the drafter's taps: not while it is dormant (probes
-        DORMANT_PROBE_INTERVAL or more steps apart) unless it drafted in this step."""
-        return bool(self.capture_layers) and (self.policy.probe_interval < DORMANT_PROBE_INTERVAL
-                                              or MODEL in self.step_sources)
+        """Whether this step's decodes capture the drafter's taps: only when this step verifies drafts
+        (a verify step never overlaps, and the taps cost it little)."""
+        return bool(self.capture_layers) and bool(self.step_sources)
 
     def decodes_plainly_next(self) -> bool:
-        """The next step, for the same batch, is a plain decode without taps (so the engine may launch
-        it before this step's tokens are read): no lookup (it reads the new tokens), the drafter
-        tap-less or dormant, its policy in a stretch of plain steps. A wrong guess costs only the
-        step launched ahead on it, which then goes unused."""
-        return (self.lookup is None and self.policy.stays_plain()
-                and (not self.capture_layers or self.policy.probe_interval >= DORMANT_PROBE_INTERVAL))
+        """A guess that the next step, for the same batch, is a plain decode (so the engine may launch
+        it before this step's tokens are read): the drafter's policy in a run of plain steps, and a
+        lookup (which reads the new tokens) that found nothing this step or whose policy is in such
+        a run too. A wrong guess costs only the step launched ahead on it, which goes unused."""
+        return self.policy.stays_plain() and (self.lookup is None or not self.step_found
+                                              or self.policies[LOOKUP].stays_plain())
 
     def missed(self, seq, start: int) -> None:
         """Positions from `start` of seq were computed without their taps (a dormant step)."""
         if self.capture_layers:
             self.missing.setdefault(id(seq), start)
 
-    def record_step(self, num_tokens: int, seconds: float) -> None:
+    def record_step(self, num_tokens: int, seconds: float, overlapped: bool = False) -> None:
         """A whole engine step over num_tokens new tokens took `seconds`, drafting included: its cost
         beside the drafting (scheduling, the forward, sampling or verification, outputs) is what the
         policy weighs against the tokens a draft length commits. Recomputing taps after dormancy
-        counts for neither: it pays for the dormant steps, not for this one's drafts."""
+        counts for neither: it pays for the dormant steps, not for this one's drafts.
+        `overlapped`: the step was launched before the previous one's tokens were read. Once plain
+        steps of a size have overlapped, they are what plain decoding costs at that size, and lone
+        plain steps (which pay the host's whole turn) are no longer recorded."""
         seconds -= self.catch_up_seconds
-        self.policy.forward.add(num_tokens, max(0.0, seconds - self.draft_seconds))
         n = self.step_decoding
+        plain = not self.step_sources
+        if overlapped and num_tokens not in self.overlapped_sizes:
+            self.overlapped_sizes.add(num_tokens)
+            self.policy.forward.forget(num_tokens)
+            self.policy.delivered_plain.forget(n)
+        elif plain and not overlapped and num_tokens in self.overlapped_sizes:
+            return
+        self.policy.forward.add(num_tokens, max(0.0, seconds - self.draft_seconds))
         # Only steps that decoded and verified alone (no prefill beside), with one source's drafts or none.
         if n and num_tokens == n + self.step_drafted and len(self.step_sources) <= 1:
-            drafted = bool(self.step_sources)
-            policy = self.policies[next(iter(self.step_sources))] if drafted else self.policy
-            policy.record_delivered(n, n + self.step_accepted, seconds, drafted)
+            policy = self.policies[next(iter(self.step_sources))] if not plain else self.policy
+            policy.record_delivered(n, n + self.step_accepted, seconds, not plain)
 
     def _room(self, seq) -> int:
         """Drafts beyond max_tokens or the context window could never be committed."""
