@@ -180,7 +180,7 @@ def test_overlapped_plain_steps_are_the_baseline(hf_models):
 
     def step(seconds, drafted=0, overlapped=False):
         spec.step_decoding, spec.step_drafted, spec.step_accepted = 1, drafted, drafted
-        spec.step_sources = {"model"} if drafted else set()
+        spec.step_sources = spec.step_chose = {"model"} if drafted else set()
         spec.record_step(1 + drafted, seconds, overlapped)
     for _ in range(3):
         step(0.010)
@@ -312,16 +312,21 @@ def test_a_one_off_stall_does_not_veto_drafting_but_a_lasting_slowdown_does():
 
 def test_the_speculator_records_what_drafted_and_plain_steps_delivered(hf_models, monkeypatch):
     """Every decode-only step feeds the delivered tables: plain steps one token a sequence, drafted
-    steps their accepted drafts too; the record adds up to the request's own metrics."""
+    steps their accepted drafts too, and a step whose policy chose to draft counts as drafting's
+    even when the n-gram proposer found nothing; the record adds up to the request's own metrics."""
     llm = LLM(str(hf_models["qwen3"]), speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                                             "prompt_lookup_min": 2})
-    calls = []
+    calls, empty = [], []
     monkeypatch.setattr(DraftLengthPolicy, "record_delivered",
                         lambda self, n, committed, seconds, drafted: calls.append((n, committed, drafted)))
-    out = llm.generate({"prompt_token_ids": list(range(40, 50)) * 3},
+    proposer = llm.engine.speculator.proposer
+    propose = proposer.propose
+    monkeypatch.setattr(proposer, "propose", lambda seqs, ks: (
+        drafts := propose(seqs, ks), empty.append(not any(d.tokens for d in drafts)))[0])
+    out = llm.generate({"prompt_token_ids": list(range(40, 50)) * 3 + [7, 8, 9, 10]},
                        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)[0]
     drafted = [(n, c) for n, c, d in calls if d]
-    assert len(drafted) == out.metrics.num_drafts >= 1
+    assert len(drafted) == out.metrics.num_drafts + sum(empty) and out.metrics.num_drafts >= 1 and any(empty)
     assert sum(c - n for n, c in drafted) == out.metrics.num_accepted_tokens >= 1
     assert all(n == 1 and c == 1 for n, c, d in calls if not d)
     assert sum(c for _, c, _ in calls) == 40 - 1  # every token but the prefill's

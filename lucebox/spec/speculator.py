@@ -49,6 +49,9 @@ class Speculator:
         self.step_sources: set[str] = set()
         self.step_drafted = self.step_accepted = 0
         self.step_found = False  # the lookup found a match for some sequence
+        # The sources whose policy chose to draft this step, whether or not their proposals came back
+        # empty (an n-gram proposer often finds nothing): such a step is the price of drafting.
+        self.step_chose: set[str] = set()
         # Dormancy: the first position of each sequence whose taps were not captured, and the engine's
         # hook that recomputes taps ((seq, start) -> (start, features) chunks up to num_computed).
         self.missing: dict[int, int] = {}
@@ -71,7 +74,7 @@ class Speculator:
             rest = [s for s in decoding if id(s) not in found]
         self.draft_seconds = self.catch_up_seconds = 0.0
         self.step_decoding, self.step_sources, self.step_drafted, self.step_accepted = len(decoding), set(), 0, 0
-        self.step_found = bool(found)
+        self.step_found, self.step_chose = bool(found), set()
         k_lookup = 0
         if looked:  # each group's k is chosen with the other group's tokens in the batch
             k_lookup = self._choose(LOOKUP, looked, other_tokens + len(rest))
@@ -92,6 +95,7 @@ class Speculator:
             return
         if source == MODEL:
             self._catch_up([s for s, _ in chosen])
+        self.step_chose.add(source)
         started = time.perf_counter()
         drafts = propose([s for s, _ in chosen], [n for _, n in chosen])
         seconds = time.perf_counter() - started
@@ -142,21 +146,24 @@ class Speculator:
         counts for neither: it pays for the dormant steps, not for this one's drafts.
         `overlapped`: the step was launched before the previous one's tokens were read. Once plain
         steps of a size have overlapped, they are what plain decoding costs at that size, and lone
-        plain steps (which pay the host's whole turn) are no longer recorded."""
+        plain forwards (which pay the host's whole turn) no longer count as plain decoding's cost.
+        A step whose policy chose to draft counts as drafting's, even if no draft came back."""
         seconds -= self.catch_up_seconds
         n = self.step_decoding
-        plain = not self.step_sources
+        lone = not self.step_sources and not overlapped
         if overlapped and num_tokens not in self.overlapped_sizes:
             self.overlapped_sizes.add(num_tokens)
             self.policy.forward.forget(num_tokens)
             self.policy.delivered_plain.forget(n)
-        elif plain and not overlapped and num_tokens in self.overlapped_sizes:
-            return
-        self.policy.forward.add(num_tokens, max(0.0, seconds - self.draft_seconds))
-        # Only steps that decoded and verified alone (no prefill beside), with one source's drafts or none.
-        if n and num_tokens == n + self.step_drafted and len(self.step_sources) <= 1:
-            policy = self.policies[next(iter(self.step_sources))] if not plain else self.policy
-            policy.record_delivered(n, n + self.step_accepted, seconds, not plain)
+        stale = lone and num_tokens in self.overlapped_sizes
+        if not stale:
+            self.policy.forward.add(num_tokens, max(0.0, seconds - self.draft_seconds))
+        # Only steps that decoded and verified alone (no prefill beside), chosen by one source or none.
+        if n and num_tokens == n + self.step_drafted and len(self.step_chose) <= 1:
+            if self.step_chose:
+                self.policies[next(iter(self.step_chose))].record_delivered(n, n + self.step_accepted, seconds, True)
+            elif not stale:
+                self.policy.record_delivered(n, n, seconds, False)
 
     def _room(self, seq) -> int:
         """Drafts beyond max_tokens or the context window could never be committed."""
