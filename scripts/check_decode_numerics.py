@@ -31,6 +31,7 @@ import torch  # noqa: E402
 
 from lucebox.bench import shapes  # noqa: E402
 from lucebox.bench.forced import RecordedContinuationProposer  # noqa: E402
+from lucebox.bench.speed import _engine_args as bench_engine_args  # noqa: E402
 from lucebox.config import EngineArgs  # noqa: E402
 from lucebox.engine.block_manager import BlockManager  # noqa: E402
 from lucebox.engine.engine import LLMEngine  # noqa: E402
@@ -93,18 +94,29 @@ def greedy(engine: LLMEngine, prompt: list[int], tokens: int) -> tuple[list[int]
     return out.outputs[0].token_ids, (m.num_accepted_tokens + m.num_drafts) / max(1, m.num_drafts)
 
 
-def compare_engines(loaded, prompt: list[int], tokens: int, cuda_graphs: bool) -> tuple[int, float]:
+def compare_engines(loaded, prompt: list[int], tokens: int, cuda_graphs: bool,
+                    bench_sizing: bool = False) -> tuple[int, float, list[int]]:
     """Plain greedy decoding, then forced-acceptance speculation of its own output: tokens equal
-    before the first difference, and tau."""
-    common = dict(model=loaded.source, max_model_len=len(prompt) + tokens + 2 * CHUNK, max_num_seqs=1,
-                  enable_prefix_caching=False, cuda_graphs=cuda_graphs, kv_cache_memory=1 << 30)
-    recorded, _ = greedy(LLMEngine(loaded, EngineArgs(**common)), prompt, tokens)
+    before the first difference, tau and the drafts accepted per verify step. bench_sizing: the
+    engines sized as `bench speed`'s forced phase sizes them (a KV pool of one context, twice that
+    for the speculating engine), else a roomy pool."""
+    max_len = len(prompt) + tokens + 2 * CHUNK
+
+    def engine_args(kv_factor: int, **extra) -> EngineArgs:
+        if bench_sizing:
+            flags = argparse.Namespace(cache_type_k="auto", cache_type_v="auto", cuda_graphs=cuda_graphs)
+            return bench_engine_args(flags, max_len, loaded, kv_factor=kv_factor, **extra)
+        return EngineArgs(model=loaded.source, max_model_len=max_len, max_num_seqs=1, enable_prefix_caching=False,
+                          cuda_graphs=cuda_graphs, kv_cache_memory=1 << 30, **extra)
+    recorded, _ = greedy(LLMEngine(loaded, engine_args(1)), prompt, tokens)
     spec = {"method": "ngram", "num_speculative_tokens": CHUNK - 1, "adaptive": False}
-    engine = LLMEngine(loaded, EngineArgs(**common, speculative_config=spec))
+    engine = LLMEngine(loaded, engine_args(2, speculative_config=spec))
     engine.speculator.proposer = RecordedContinuationProposer({tuple(prompt): list(recorded)})
+    accepted, record = [], engine.speculator.record
+    engine.speculator.record = lambda seq, drafts, n: accepted.append(n) or record(seq, drafts, n)
     got, tau = greedy(engine, prompt, tokens)
     same = next((i for i, (a, b) in enumerate(zip(got, recorded)) if a != b), min(len(got), len(recorded)))
-    return same, tau
+    return same, tau, accepted
 
 
 def main() -> None:
@@ -133,9 +145,12 @@ def main() -> None:
         print(f"| {name} | {diff:.2e} | {100 * agree:.1f}% |", flush=True)
     print(f"\n| engine, {args.tokens} greedy tokens | equal to plain decoding before the first difference "
           f"| forced tau |\n|---|---:|---:|")
-    for graphs in ((True, False) if device.type == "cuda" else (False,)):
-        same, tau = compare_engines(loaded, prompt, args.tokens, graphs)
-        print(f"| {'CUDA graphs' if graphs else 'eager'} | {same} | {tau:.2f} |", flush=True)
+    for graphs, sizing in ((True, False), (True, True), (False, False), (False, True)):
+        if graphs and device.type != "cuda":
+            continue
+        same, tau, accepted = compare_engines(loaded, prompt, args.tokens, graphs, sizing)
+        name = ("CUDA graphs" if graphs else "eager") + (", bench speed's KV sizing" if sizing else "")
+        print(f"| {name} | {same} | {tau:.2f} (accepted per step: {accepted}) |", flush=True)
 
 
 if __name__ == "__main__":
