@@ -108,6 +108,7 @@ def test_bench_speed_python_api_measures_every_phase_on_a_tiny_model():
     assert v["cuda_graph_replays"] is None and model["cuda_graph_replays"] is None  # no graphs on the CPU
     forced = result["forced"]  # float32 on both runs: every recorded token is accepted
     assert forced["acceptance"] == 1.0 and forced["tau"] > 1 and _positive(forced["speedup"])
+    assert forced["rerecorded"] == 0 and forced["equal_to_plain_before"] == SMALL["decode_tokens"]
     assert forced["bound"] == pytest.approx(forced["tau"] * v["decode_step_s"] / v["verify_step_s"])
     assert result["spec"]["method"] == "ngram" and result["spec"]["tau"] >= 1 and _positive(result["spec"]["speedup"])
     peer = result["peer"]
@@ -181,3 +182,24 @@ def test_bench_spec_compares_each_proposer_with_plain_decoding_in_one_run(hf_mod
     # speculation would rightly keep a drafter as slow as the target off): every draft is accepted.
     self_draft = next(r for r in rows if r["method"] == "draft_model" and r["temperature"] == 0)
     assert self_draft["draft_tokens"] > 0 and self_draft["accepted_tokens"] == self_draft["draft_tokens"]
+
+
+def test_forced_acceptance_re_records_drafts_the_verifier_would_not_accept(monkeypatch):
+    """Where a verify's argmax differs from the plain recording's (bf16 near-ties on a GPU; here the
+    recording is corrupted at token 5), the drafts are re-recorded from the speculating engine's own
+    output: then every draft is accepted, and the result says it was re-recorded and where."""
+    from lucebox.bench import forced as forced_module
+    record = forced_module.greedy_output
+    calls = []
+
+    def corrupted_first(engine, prompt, params):
+        output = record(engine, prompt, params)
+        calls.append(engine.speculator is not None)
+        if len(calls) == 1:
+            output[5] = (output[5] + 1) % engine.model.config.vocab_size
+        return output
+    monkeypatch.setattr(forced_module, "greedy_output", corrupted_first)
+    result = speed.run(speed.default_args(**dict(SMALL, decode_tokens=12), quant="f32", skip=["prefill", "peer", "spec"]))
+    forced = result["forced"]
+    assert calls == [False, True, True]  # the plain recording, then the speculating engine twice
+    assert forced["rerecorded"] == 1 and forced["equal_to_plain_before"] == 5 and forced["acceptance"] == 1.0
