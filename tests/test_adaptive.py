@@ -94,8 +94,8 @@ def test_plain_decoding_of_an_unchanged_batch_is_not_re_evaluated_every_step():
 
 def test_a_plain_stretch_is_predicted_before_the_tokens_are_known():
     """stays_plain(): what overlapped decoding asks before launching the next step. Over a vetoed
-    drafter's steps it says plain exactly where choose() then returns 0 without evaluating, never
-    before a probe or a re-evaluation, and it covers most steps."""
+    drafter's steps it says plain only where choose() then returns 0, never before a probe, and it
+    covers most steps."""
     slow = policy_with(forward_per_token=0.01, forward_fixed=0.001, draft_cost=0.05, max_k=4)
     predicted = []
     for _ in range(4 * MAX_PROBE_INTERVAL):
@@ -105,7 +105,7 @@ def test_a_plain_stretch_is_predicted_before_the_tokens_are_known():
         assert not said or k == 0
         if k:  # a probe's outcome: re-evaluated afresh next step
             slow.record_delivered(1, 1, 0.06, drafted=True)
-    assert sum(predicted) > 0.9 * len(predicted)
+    assert sum(predicted) > 0.97 * len(predicted)
     assert not DraftLengthPolicy(4, adaptive=False).stays_plain()
 
 def simulate(policy: DraftLengthPolicy, steps: int, alpha: float, forward, draft) -> list[int]:

@@ -200,12 +200,12 @@ class DraftLengthPolicy:
                 and spec > plain)
 
     def stays_plain(self) -> bool:
-        """The next choice returns plain decoding without evaluating, if the batch and its acceptance
-        stay as they are: within a stretch measuring plain decoding, or in a run of plain steps short
-        of a probe and of a re-evaluation."""
+        """The next choice is plain decoding, if the batch and its acceptance stay as they are: within
+        a stretch measuring plain decoding, or in a run of plain steps short of a probe. (A periodic
+        re-evaluation within the run almost always chooses plain again; when it does not, the step
+        the engine launched ahead on this answer goes unused.)"""
         return self.adaptive and (self.stretch > 0 or (
-            self.plain_query is not None and self.plain_steps + 1 < self.next_probe
-            and self.plain_steps % REEVALUATE_PLAIN_EVERY != 0))
+            self.plain_query is not None and self.plain_steps + 1 < self.next_probe))
 
     def choose(self, alphas: list[float], batch_tokens: int) -> int:
         """One k for this step: `alphas` of the decoding sequences, `batch_tokens` other new tokens."""
