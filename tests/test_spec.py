@@ -325,6 +325,7 @@ def test_a_dormant_drafter_recomputes_its_taps_before_drafting_again(target, con
             monkeypatch.setattr(spec, "taps_needed", lambda: True)
         outs = llm.generate(prompts(), GREEDY, use_tqdm=False)
         assert not spec.missing
+        assert (spec.policy.catch_up > 0) == dormant  # what catching up took, for the probe budget
         if path != "eager" and dormant:  # every catch-up pass took a graph bucket; long ones a catch-up length
             assert None not in graph_catch_ups and len(graph_catch_ups) == len(catch_ups)
             longest = max(q for _, q in graph_catch_ups)

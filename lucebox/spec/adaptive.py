@@ -25,8 +25,8 @@ PRIOR_ACCEPTED, PRIOR_REJECTED = 2.0, 1.0  # a mild prior: alpha = 2/3 before an
 DECAY = 0.9  # recent steps weigh more: acceptance drifts as the text changes
 PROBE_EVERY = 16  # steps of plain decoding before the first probe with drafts
 MAX_PROBE_INTERVAL = 512  # probes that keep failing back off (doubling) up to this many steps
-# ... and, whatever the interval, a probe's extra cost (its draft, its wider forward) may take at
-# most this share of the plain decoding time between probes: a drafter pass that costs as much as
+# ... and, whatever the interval, a probe's extra cost (its draft, its wider forward, recomputing the
+# taps a dormant drafter missed) may take at most this share of the plain decoding time between probes: a drafter pass that costs as much as
 # ten plain steps (a small target on a fast GPU) is probed ten times more rarely.
 PROBE_BUDGET = 0.02
 REMEASURE_PLAIN_EVERY = 64  # while speculating, a plain stretch after this many steps keeps the baseline fresh
@@ -181,6 +181,7 @@ class DraftLengthPolicy:
         self.delivered_plain = DeliveredRate()
         self.exploring = False  # the last choice measured a length rather than chose it
         self.stretch = 0  # plain steps still to come of a stretch measuring plain decoding
+        self.catch_up = 0.0  # seconds a dormant drafter's catch-up took before its recent drafts (EMA)
 
     def record_delivered(self, num_seqs: int, committed: int, seconds: float, drafted: bool) -> None:
         """A whole step (drafting included) of num_seqs decoding sequences committed `committed` tokens.
@@ -198,6 +199,10 @@ class DraftLengthPolicy:
         plain = self.delivered_plain.seconds_per_token(num_seqs)
         return (spec is not None and plain is not None and self.delivered.steps(num_seqs) >= MIN_REALIZED
                 and spec > plain)
+
+    def record_catch_up(self, seconds: float) -> None:
+        """Before a draft, the drafter's missed taps took `seconds` to recompute: part of a probe's cost."""
+        self.catch_up += 0.3 * (seconds - self.catch_up) if self.catch_up else seconds
 
     def stays_plain(self) -> bool:
         """The next choice is plain decoding, if the batch and its acceptance stay as they are: within
@@ -252,7 +257,7 @@ class DraftLengthPolicy:
             # Probes re-try the most promising length now and then, so a text that turns predictable
             # gets speculation back. A drafter that keeps losing is re-tried ever more rarely, so the
             # probes themselves cannot make plain decoding measurably slower.
-            probe_cost = (self.draft.estimate(probe_k)
+            probe_cost = (self.draft.estimate(probe_k) + self.catch_up
                           + max(0.0, self.forward.estimate(batch_tokens + n * (1 + probe_k)) - plain_cost))
             self.plain_query = (alphas, batch_tokens)
             self.next_probe = max(self.probe_interval, math.ceil(probe_cost / (PROBE_BUDGET * plain_cost)))

@@ -120,6 +120,7 @@ class Speculator:
             for begin, features in self.recompute_taps(seq, start):
                 self.proposer.observe(seq, begin, features)
         self.catch_up_seconds += time.perf_counter() - started
+        self.policy.record_catch_up(self.catch_up_seconds)
 
     def taps_needed(self) -> bool:
         """Whether this step's decodes capture the drafter's taps: only when this step verifies drafts
