@@ -178,10 +178,14 @@ def test_bench_spec_compares_each_proposer_with_plain_decoding_in_one_run(hf_mod
         low, high = r["speedup_range"]  # paired by repeat: plain against itself is exactly 1
         assert low <= r["speedup"] <= high and (r["method"] != "plain" or low == high == 1.0)
         assert r["accepted_tokens"] <= r["draft_tokens"]
+        assert r["steps"]["prefill"] == 2 * 2 and "overlapped" not in r["steps"]  # no CUDA graphs on the CPU
+    plain = rows[0]["steps"]
+    assert plain == {"prefill": 4, "plain": 2 * 2 * 5}  # 5 decode steps a request after its prefill
     # The target drafting for itself at temperature 0 (every step drafts: --no-adaptive; adaptive
     # speculation would rightly keep a drafter as slow as the target off): every draft is accepted.
     self_draft = next(r for r in rows if r["method"] == "draft_model" and r["temperature"] == 0)
     assert self_draft["draft_tokens"] > 0 and self_draft["accepted_tokens"] == self_draft["draft_tokens"]
+    assert self_draft["steps"]["verify"] > 0
 
 
 def test_forced_acceptance_re_records_drafts_the_verifier_would_not_accept(monkeypatch):

@@ -307,6 +307,7 @@ def test_overlapped_decoding_generates_what_step_by_step_decoding_does(hf_models
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
     assert counts["used"] > 10 and counts["launched"] > counts["used"]  # endings left launched steps unused
+    assert llm.engine.step_counts["overlapped"] == counts["used"] and llm.engine.step_counts["unused ahead"] > 0
     stop = llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)  # EOS allowed
     plain = static_graph_llm(target, async_decode=False).generate(
         prompts[:1], SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)

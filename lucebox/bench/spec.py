@@ -86,6 +86,7 @@ def run(args) -> dict:
                    for name, spec in configs]
         for _, engine in engines:
             _decode(engine, prompts[:1], params)  # warm-up
+            engine.step_counts.clear()
         runs: dict[str, list[dict]] = {name: [] for name, _ in engines}
         # Interleaved prompt by prompt (the order rotating), repeated: the machine's drift hits all
         # configurations alike, even when it changes within one pass over the prompts.
@@ -103,7 +104,7 @@ def run(args) -> dict:
             ratios = sorted(r["tok_s"] / p["tok_s"] for r, p in zip(runs[name], runs["plain"]))
             rows.append({"method": name, "temperature": temperature, **_median(runs[name]),
                          "speedup": ratios[len(ratios) // 2], "speedup_range": [ratios[0], ratios[-1]],
-                         "repeats": args.repeats})
+                         "repeats": args.repeats, "steps": dict(dict(engines)[name].step_counts)})
     return {"model": args.model, "draft": args.draft, "device": str(loaded.model.device),
             "prompts": args.prompts, "max_tokens": args.max_tokens, "rows": rows}
 
@@ -112,13 +113,18 @@ def main(args) -> int:
     result = run(args)
     print(f"target {result['model']} on {result['device']}; drafter {result['draft'] or '-'}; "
           f"{result['prompts']} held-out code prompts, {result['max_tokens']} tokens each, batch 1\n")
-    print("| method | T | tau | acceptance | tok/s | speedup vs plain (range over repeats) |\n|---|---:|---:|---:|---:|---:|")
+    print("| method | T | tau | acceptance | tok/s | speedup vs plain (range over repeats) | decode steps: verify / "
+          "overlapped / in turn |\n|---|---:|---:|---:|---:|---:|---:|")
     for r in result["rows"]:
         tau = f"{r['tau']:.2f}" if r["method"] != "plain" else "-"
         acc = f"{100 * r['acceptance']:.0f}%" if r["method"] != "plain" else "-"
         low, high = r["speedup_range"]
         spread = f" ({low:.2f}-{high:.2f})" if r["method"] != "plain" and r["repeats"] > 1 else ""
-        print(f"| {r['method']} | {r['temperature']:g} | {tau} | {acc} | {r['tok_s']:.1f} | {r['speedup']:.2f}x{spread} |")
+        steps = r["steps"]
+        decode = sum(steps.get(k, 0) for k in ("verify", "overlapped", "plain")) or 1
+        mix = " / ".join(f"{100 * steps.get(k, 0) / decode:.0f}%" for k in ("verify", "overlapped", "plain"))
+        print(f"| {r['method']} | {r['temperature']:g} | {tau} | {acc} | {r['tok_s']:.1f} | {r['speedup']:.2f}x{spread} "
+              f"| {mix} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -1,6 +1,7 @@
 """LLMEngine: requests in, one batched forward per step, incremental outputs out."""
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import time
@@ -65,6 +66,10 @@ class LLMEngine:
         self.sampler = Sampler(self.eos_token_ids)
         self.requests: dict[str, tuple[str | None, list[Sequence]]] = {}
         self._ahead: _AheadStep | None = None  # a decode step launched before its turn (async_decode)
+        # Steps by kind, for benchmarks: "verify" (some sequence verified drafts), "plain" (decodes only,
+        # launched in turn), "overlapped" (decodes only, launched ahead), "prefill" (a prompt chunk in
+        # it), and "unused ahead" (launched ahead, then not what the scheduler asked for).
+        self.step_counts: collections.Counter = collections.Counter()
         self._arrivals = itertools.count()
         log.info("KV pool: %d blocks of %d tokens = %d tokens", num_blocks, args.block_size,
                  num_blocks * args.block_size)
@@ -217,6 +222,11 @@ class LLMEngine:
         ahead, self._ahead = self._ahead, None
         overlap = self.args.async_decode and not chunks and not verifying and not capture
         overlapped = ahead is not None and overlap and ahead.covers(batch, argmax, sample)
+        if ahead is not None and not overlapped:
+            self.step_counts["unused ahead"] += 1
+        self.step_counts["prefill" if chunks or any(n > 1 for seq, n in zip(batch.seqs, batch.num_new_tokens)
+                                                    if seq.draft is None)
+                         else "verify" if verifying else "overlapped" if overlapped else "plain"] += 1
         if overlapped:
             out = ahead.step  # launched by the previous step, fed its tokens on the device
         else:
