@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 from lucebox import LLM, SamplingParams
-from lucebox.spec.adaptive import (MAX_PROBE_INTERVAL, MIN_REALIZED, PLAIN_STRETCH, PROBE_BUDGET, PROBE_EVERY, REEVALUATE_PLAIN_EVERY,
-                                   REMEASURE_PLAIN_EVERY,
+from lucebox.spec.adaptive import (MAX_PROBE_INTERVAL, MIN_REALIZED, PLAIN_STRETCH, PROBE_BUDGET, PROBE_EVERY,
+                                   REEVALUATE_PLAIN_EVERY, REMEASURE_PLAIN_EVERY,
                                    DraftLengthPolicy, SequenceAcceptance, TimingTable, expected_tokens)
 
 from .spec_fixtures import write_dflash_drafter

@@ -203,7 +203,8 @@ def test_forced_acceptance_re_records_drafts_the_verifier_would_not_accept(monke
             output[5] = (output[5] + 1) % engine.model.config.vocab_size
         return output
     monkeypatch.setattr(forced_module, "greedy_output", corrupted_first)
-    result = speed.run(speed.default_args(**dict(SMALL, decode_tokens=12), quant="f32", skip=["prefill", "peer", "spec"]))
+    args = speed.default_args(**dict(SMALL, decode_tokens=12), quant="f32", skip=["prefill", "peer", "spec"])
+    result = speed.run(args)
     forced = result["forced"]
     assert calls == [False, True, True]  # the plain recording, then the speculating engine twice
     assert forced["rerecorded"] == 1 and forced["equal_to_plain_before"] == 5 and forced["acceptance"] == 1.0

@@ -62,8 +62,9 @@ def forced_phase(loaded, args, engine_args, verify: dict, prompt: list[int], dra
     recorded = {tuple(prompt): plain_output}
     engine.speculator.proposer = RecordedContinuationProposer(recorded)
     rerecorded = 0
-    while (output := greedy_output(engine, prompt, params)) != recorded[tuple(prompt)] and rerecorded < MAX_RERECORDINGS:
-        recorded[tuple(prompt)], rerecorded = output, rerecorded + 1
+    key = tuple(prompt)
+    while (output := greedy_output(engine, prompt, params)) != recorded[key] and rerecorded < MAX_RERECORDINGS:
+        recorded[key], rerecorded = output, rerecorded + 1
     forced = measure(engine)
     speedup = forced["tok_s"] / plain["tok_s"]
     bound = forced["tau"] * verify["decode_step_s"] / verify["verify_step_s"]

@@ -123,8 +123,8 @@ def main(args) -> int:
         steps = r["steps"]
         decode = sum(steps.get(k, 0) for k in ("verify", "overlapped", "plain")) or 1
         mix = " / ".join(f"{100 * steps.get(k, 0) / decode:.0f}%" for k in ("verify", "overlapped", "plain"))
-        print(f"| {r['method']} | {r['temperature']:g} | {tau} | {acc} | {r['tok_s']:.1f} | {r['speedup']:.2f}x{spread} "
-              f"| {mix} |")
+        print(f"| {r['method']} | {r['temperature']:g} | {tau} | {acc} | {r['tok_s']:.1f} "
+              f"| {r['speedup']:.2f}x{spread} | {mix} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -269,7 +269,8 @@ def _engine_args(args, max_len: int, loaded, kv_factor: int = 1, **extra) -> Eng
     tokens = (-(-max_len // EngineArgs.block_size) + 2) * EngineArgs.block_size
     return EngineArgs(model=loaded.source, max_model_len=max_len, max_num_seqs=1, enable_prefix_caching=False,
                       cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
-                      cuda_graphs=getattr(args, "cuda_graphs", None), async_decode=getattr(args, "async_decode", EngineArgs.async_decode),
+                      cuda_graphs=getattr(args, "cuda_graphs", None),
+                      async_decode=getattr(args, "async_decode", EngineArgs.async_decode),
                       kv_cache_memory=kv_factor * per_token * tokens, **extra)
 
 

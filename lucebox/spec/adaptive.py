@@ -26,8 +26,9 @@ DECAY = 0.9  # recent steps weigh more: acceptance drifts as the text changes
 PROBE_EVERY = 16  # steps of plain decoding before the first probe with drafts
 MAX_PROBE_INTERVAL = 512  # probes that keep failing back off (doubling) up to this many steps
 # ... and, whatever the interval, a probe's extra cost (its draft, its wider forward, recomputing the
-# taps a dormant drafter missed) may take at most this share of the plain decoding time between probes: a drafter pass that costs as much as
-# ten plain steps (a small target on a fast GPU) is probed ten times more rarely.
+# taps a dormant drafter missed) may take at most this share of the plain decoding time between
+# probes: a drafter pass that costs as much as ten plain steps (a small target on a fast GPU) is
+# probed ten times more rarely.
 PROBE_BUDGET = 0.02
 REMEASURE_PLAIN_EVERY = 64  # while speculating, a plain stretch after this many steps keeps the baseline fresh
 # Plain decoding is measured over this many consecutive steps (the baseline first, then each
