@@ -188,7 +188,7 @@ class LLMEngine:
             return []
         # Logits rows: plain decodes first, then every verifying sequence's k + 1 rows, contiguous.
         token_ids, plain_rows, verify_rows, plain, verifying, chunks = [], [], [], [], [], []
-        offset = 0
+        offset, prefilling = 0, False  # prefilling: some prompt tokens are in this step
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             drafts = seq.draft.tokens if seq.draft is not None else []
             start, end, committed = seq.num_computed, seq.num_computed + n, seq.num_tokens
@@ -204,11 +204,11 @@ class LLMEngine:
             else:
                 plain.append((seq, offset))
                 plain_rows.append(offset + n - 1)
+            prefilling = prefilling or (not drafts and (n > 1 or seq.num_computed + n < seq.num_tokens))
             offset += n
         # The drafter's taps: always for prompts (a dormant drafter recomputes only decoded positions).
         capture = ()
-        if self.speculator is not None and (self.speculator.taps_needed() or any(
-                seq.num_computed < seq.num_tokens - 1 for seq in batch.seqs)):
+        if self.speculator is not None and (self.speculator.taps_needed() or prefilling):
             capture = self.speculator.capture_layers
         # All greedy with nothing processing the logits: argmax tokens come back, not logits.
         argmax = all(seq.params.argmax_only(len(seq.output_token_ids)) for seq, _ in plain + verifying)
@@ -224,9 +224,8 @@ class LLMEngine:
         overlapped = ahead is not None and overlap and ahead.covers(batch, argmax, sample)
         if ahead is not None and not overlapped:
             self.step_counts["unused ahead"] += 1
-        self.step_counts["prefill" if chunks or any(n > 1 for seq, n in zip(batch.seqs, batch.num_new_tokens)
-                                                    if seq.draft is None)
-                         else "verify" if verifying else "overlapped" if overlapped else "plain"] += 1
+        self.step_counts["prefill" if prefilling else "verify" if verifying else "overlapped" if overlapped
+                         else "plain"] += 1
         if overlapped:
             out = ahead.step  # launched by the previous step, fed its tokens on the device
         else:
