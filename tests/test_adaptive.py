@@ -344,19 +344,61 @@ def test_the_speculator_records_what_drafted_and_plain_steps_delivered(hf_models
     assert sum(c for _, c, _ in calls) == 40 - 1  # every token but the prefill's
 
 
+def _decoding_sequences(count: int) -> list:
+    from lucebox.engine.sequence import Sequence
+    seqs = [Sequence("r", i, [3, 4, 5, 6, 7, 8], SamplingParams(max_tokens=100)) for i in range(count)]
+    for seq in seqs:
+        seq.num_computed = seq.num_tokens - 1
+    return seqs
+
+
 def test_overlap_is_guessed_with_a_lookup_only_when_it_found_nothing_or_its_policy_decodes_plainly():
-    """Speculator.decodes_plainly_next, asked before the new tokens are known: a lookup reads them,
-    so a step after one that found a match is guessed plain only while the lookup's policy is in a
-    run of plain steps itself; the drafter's policy must be in one in any case."""
+    """Speculator.promise_plain, asked before the new tokens are known: a lookup reads them, so a
+    step after one that found a match is promised plain only while the lookup's policy is in a run
+    of plain steps itself; the drafter's policy must be in one in any case, and the batch must be
+    the one last evaluated."""
     from lucebox.spec.ngram import NgramProposer
     from lucebox.spec.speculator import LOOKUP, Speculator
     spec = Speculator(NgramProposer(3), 4, 1000, lookup=NgramProposer(3))
+    seqs = _decoding_sequences(2)
+    spec.evaluated = tuple(map(id, seqs))
     spec.policy.stretch = 2  # the drafter's policy measuring plain decoding
     spec.step_found = False
-    assert spec.decodes_plainly_next()
+    assert spec.promise_plain(seqs)
+    assert not spec.promise_plain(seqs[:1])  # not the batch its policies evaluated
     spec.step_found = True
-    assert not spec.decodes_plainly_next()
+    assert not spec.promise_plain(seqs)
     spec.policies[LOOKUP].stretch = 2
-    assert spec.decodes_plainly_next()
+    assert spec.promise_plain(seqs)
     spec.policy.stretch = 0
-    assert not spec.decodes_plainly_next()
+    assert not spec.promise_plain(seqs)
+
+
+def test_a_promised_plain_step_advances_the_policies_without_evaluating_them(monkeypatch):
+    """The step promise_plain() foretold costs the host almost nothing: no policy evaluation and no
+    lookup (its policy decoding plainly too), yet every policy counts it as the plain step that
+    choose() would have returned, so probes come when they would have. A changed batch is
+    evaluated as usual."""
+    from lucebox.spec.ngram import NgramProposer
+    from lucebox.spec.speculator import Speculator
+    spec = Speculator(NgramProposer(3), 4, 1000, lookup=NgramProposer(3))
+    seqs = _decoding_sequences(1)
+    spec.propose(seqs)  # evaluated
+    assert spec.evaluated == (id(seqs[0]),)
+    for policy in spec.policies.values():  # in a run of plain steps, a probe 7 steps away
+        policy.plain_query, policy.plain_steps, policy.next_probe, policy.stretch = ([0.1], 0), 3, 10, 0
+    evaluations, lookups = [], []
+    monkeypatch.setattr(spec, "_choose", lambda *a: evaluations.append(a) or 0)
+    monkeypatch.setattr(spec.lookup, "lookup", lambda *a: lookups.append(a) or [])
+    before = [p.plain_steps for p in spec.policies.values()]
+    assert spec.promise_plain(seqs)
+    spec.propose(seqs)
+    assert not evaluations and not lookups and seqs[0].draft is None
+    assert [p.plain_steps for p in spec.policies.values()] == [n + 1 for n in before]
+    spec.policy.stretch = 2
+    assert spec.promise_plain(seqs)
+    spec.propose(seqs)
+    assert spec.policy.stretch == 1 and not evaluations  # a measuring stretch advances instead
+    assert spec.promise_plain(seqs)
+    spec.propose(seqs + _decoding_sequences(1))  # a sequence joined: not what was promised
+    assert evaluations and lookups

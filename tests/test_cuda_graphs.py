@@ -370,17 +370,23 @@ def test_a_dormant_drafters_plain_steps_are_launched_ahead(hf_models, tmp_path, 
         engine, speculator = llm.engine, llm.engine.speculator
         calls, drafts, pending = itertools.count(), [], []
         choose, propose = speculator._choose, speculator.proposer.propose
+        advance_plain = speculator.policy.advance_plain
         made = [0]  # choices made so far
 
         def choose_every(*args):  # a draft every `every` decode steps, plain decoding between
             made[0] = next(calls) + 1
             return choose(*args) if (made[0] - 1) % every == 0 else 0
 
+        def advance():  # a promised plain step: a choice of plain decoding made without evaluating
+            made[0] = next(calls) + 1
+            advance_plain()
+
         def record(seqs, ks):
             pending.append(engine._ahead is not None)  # a step launched ahead of this drafted one
             return [drafts.append(d.tokens) or d for d in propose(seqs, ks)]
         monkeypatch.setattr(speculator, "_choose", choose_every)
         monkeypatch.setattr(speculator.policy, "stays_plain", lambda: made[0] % every != 0)
+        monkeypatch.setattr(speculator.policy, "advance_plain", advance)
         monkeypatch.setattr(speculator.proposer, "propose", record)
         counts = count_ahead(engine, monkeypatch)
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)

@@ -266,12 +266,10 @@ class LLMEngine:
         launch, upload and bookkeeping then overlap the GPU's work instead of following it. Only
         when the next step is predictable: nobody waiting to join, every sequence with room for
         one more token, the same kind of step (argmax or sampled in the graph) after this one's
-        token, and a speculator that will neither draft nor capture taps. A sequence that this
+        token, and a speculator that promises to neither draft nor capture taps. A sequence that this
         step's token finishes (or a draft after all) makes the launched step go unused."""
         seqs = batch.seqs
         if self.scheduler.waiting or any(n != 1 for n in batch.num_new_tokens):
-            return None
-        if self.speculator is not None and not self.speculator.decodes_plainly_next():
             return None
         blocks = self.scheduler.blocks
         if any(s.num_tokens + 1 >= self.max_model_len or not blocks.can_allocate(s.block_table, s.num_computed + 2)
@@ -285,6 +283,8 @@ class LLMEngine:
         starts = [s.num_computed + 1 for s in seqs]
         tables = [s.block_table for s in seqs]
         if self.runner.graphs.bucket([[0]] * len(seqs), starts, tables) is None:
+            return None
+        if self.speculator is not None and not self.speculator.promise_plain(seqs):  # last: it binds
             return None
         for s in seqs:
             blocks.allocate(s.block_table, s.num_computed + 2)

@@ -169,6 +169,9 @@ class DraftLengthPolicy:
     def __init__(self, max_k: int, adaptive: bool = True):
         self.max_k, self.adaptive = max_k, adaptive
         self.forward = TimingTable()  # engine-step seconds besides drafting, by tokens in the batch
+        # Plain steps run in turn where plain steps of their size also overlap (Speculator.record_step):
+        # what a step costs that cannot overlap, the one after a verify.
+        self.in_turn = TimingTable()
         self.draft = TimingTable()  # proposer seconds by draft length
         self.plain_steps = 0
         self.speculated_steps = 0  # since the last plain step
@@ -212,6 +215,15 @@ class DraftLengthPolicy:
         the engine launched ahead on this answer goes unused.)"""
         return self.adaptive and (self.stretch > 0 or (
             self.plain_query is not None and self.plain_steps + 1 < self.next_probe))
+
+    def advance_plain(self) -> None:
+        """A plain step that stays_plain() promised: choose()'s outcome without its evaluation (the
+        batch and its acceptance are those the promise was made for)."""
+        self.exploring = False
+        if self.stretch:
+            self.stretch -= 1
+        else:
+            self.plain_steps += 1
 
     def choose(self, alphas: list[float], batch_tokens: int) -> int:
         """One k for this step: `alphas` of the decoding sequences, `batch_tokens` other new tokens."""
@@ -258,8 +270,11 @@ class DraftLengthPolicy:
             # Probes re-try the most promising length now and then, so a text that turns predictable
             # gets speculation back. A drafter that keeps losing is re-tried ever more rarely, so the
             # probes themselves cannot make plain decoding measurably slower.
+            # With overlapped decoding the step after a verify runs in turn: its extra counts too.
+            in_turn = self.in_turn.estimate(batch_tokens + n)
             probe_cost = (self.draft.estimate(probe_k) + self.catch_up
-                          + max(0.0, self.forward.estimate(batch_tokens + n * (1 + probe_k)) - plain_cost))
+                          + max(0.0, self.forward.estimate(batch_tokens + n * (1 + probe_k)) - plain_cost)
+                          + max(0.0, (in_turn or plain_cost) - plain_cost))
             self.plain_query = (alphas, batch_tokens)
             self.next_probe = max(self.probe_interval, math.ceil(probe_cost / (PROBE_BUDGET * plain_cost)))
             self.plain_steps += 1

@@ -37,6 +37,7 @@ class Speculator:
             # One target: one forward-cost table, one record of what plain steps deliver.
             self.policies[LOOKUP].forward = self.policy.forward
             self.policies[LOOKUP].delivered_plain = self.policy.delivered_plain
+            self.policies[LOOKUP].in_turn = self.policy.in_turn
         self.acceptance: dict[tuple[int, str], SequenceAcceptance] = {}
         # Across sequences, per source: the prior of new sequences.
         self.overall = {source: SequenceAcceptance(decay=0.99) for source in self.policies}
@@ -58,10 +59,20 @@ class Speculator:
         self.recompute_taps = None
         self.catch_up_seconds = 0.0  # this step's recomputation: a cost of dormancy, not of drafting
         self.overlapped_sizes: set[int] = set()  # step sizes (new tokens) whose plain steps have overlapped
+        # The batch (sequence ids) promised a plain next step by promise_plain, and the decoding
+        # batch of the last propose() that evaluated the policies.
+        self.promised: tuple[int, ...] | None = None
+        self.evaluated: tuple[int, ...] = ()
 
     def propose(self, running: list) -> None:
         """Give each running sequence that is decoding (its last token not yet computed) a draft."""
         decoding = [s for s in running if s.num_computed == s.num_tokens - 1]
+        promised, self.promised = self.promised, None
+        promised = promised is not None and len(decoding) == len(running) and promised == tuple(map(id, decoding))
+        if promised and (self.lookup is None or self.policies[LOOKUP].stays_plain()):
+            return self._promised_plain_step(len(decoding))
+        if not promised:
+            self.evaluated = tuple(map(id, decoding))
         other_tokens = sum(s.num_tokens - s.num_computed for s in running if s.num_computed < s.num_tokens - 1)
         found: dict[int, list[int]] = {}
         looked, rest = [], decoding
@@ -79,9 +90,22 @@ class Speculator:
         if looked:  # each group's k is chosen with the other group's tokens in the batch
             k_lookup = self._choose(LOOKUP, looked, other_tokens + len(rest))
             self._assign(LOOKUP, looked, k_lookup, lambda seqs, ks: [Draft(found[id(s)][:k]) for s, k in zip(seqs, ks)])
-        if rest:
+        if rest and promised and not looked:  # the batch promised a plain step: the lookup found nothing
+            self.policy.advance_plain()
+        elif rest:
             k = self._choose(MODEL, rest, other_tokens + len(looked) * (1 + k_lookup))
             self._assign(MODEL, rest, k, self.proposer.propose)
+
+    def _promised_plain_step(self, num_decoding: int) -> None:
+        """A plain step that promise_plain() foretold: every policy advances its run of plain steps
+        without evaluating (nothing it weighs has changed), and a lookup whose policy decodes plainly
+        too is not consulted: a few microseconds less of host time in each overlapped step, which
+        on a small target is what a speculator costs plain decoding."""
+        self.draft_seconds = self.catch_up_seconds = 0.0
+        self.step_decoding, self.step_drafted, self.step_accepted = num_decoding, 0, 0
+        self.step_sources, self.step_chose, self.step_found = set(), set(), False
+        for policy in self.policies.values():
+            policy.advance_plain()
 
     def _choose(self, source: str, seqs: list, other_tokens: int) -> int:
         return self.policies[source].choose([self._acceptance(s, source).alpha for s in seqs], other_tokens)
@@ -127,13 +151,19 @@ class Speculator:
         (a verify step never overlaps, and the taps cost it little)."""
         return bool(self.capture_layers) and bool(self.step_sources)
 
-    def decodes_plainly_next(self) -> bool:
-        """A guess that the next step, for the same batch, is a plain decode (so the engine may launch
-        it before this step's tokens are read): the drafter's policy in a run of plain steps, and a
-        lookup (which reads the new tokens) that found nothing this step or whose policy is in such
-        a run too. A wrong guess costs only the step launched ahead on it, which goes unused."""
-        return self.policy.stays_plain() and (self.lookup is None or not self.step_found
-                                              or self.policies[LOOKUP].stays_plain())
+    def promise_plain(self, seqs: list) -> bool:
+        """Whether the next step of these sequences (this step's decoding batch) is a plain decode, so
+        that the engine may launch it before this step's tokens are read: the drafter's policy in
+        a run of plain steps. A promise binds that policy, whose next step then skips its evaluation;
+        a lookup reads the new tokens, so with one it is a guess: made when the lookup found nothing
+        this step or its policy is in a run of plain steps too. A wrong guess costs only the step
+        launched ahead on it, which goes unused."""
+        ids = tuple(map(id, seqs))
+        if not (ids == self.evaluated and self.policy.stays_plain()
+                and (self.lookup is None or not self.step_found or self.policies[LOOKUP].stays_plain())):
+            return False
+        self.promised = ids
+        return True
 
     def missed(self, seq, start: int) -> None:
         """Positions from `start` of seq were computed without their taps (a dormant step)."""
@@ -157,7 +187,9 @@ class Speculator:
             self.policy.forward.forget(num_tokens)
             self.policy.delivered_plain.forget(n)
         stale = lone and num_tokens in self.overlapped_sizes
-        if not stale:
+        if stale:
+            self.policy.in_turn.add(num_tokens, seconds)
+        else:
             self.policy.forward.add(num_tokens, max(0.0, seconds - self.draft_seconds))
         # Only steps that decoded and verified alone (no prefill beside), chosen by one source or none.
         if n and num_tokens == n + self.step_drafted and len(self.step_chose) <= 1:
