@@ -189,6 +189,7 @@ class _Guard:
 
 def serve(args) -> int:
     """`lucebox serve`: load the model, start the engine, run uvicorn until SIGINT / SIGTERM."""
+    import gc
     import sys
     from pathlib import Path
 
@@ -200,6 +201,10 @@ def serve(args) -> int:
     config = ServerConfig(**{k: getattr(args, k) for k in ServerConfig.__dataclass_fields__ if hasattr(args, k)})
     model_id = config.served_model_name or Path(str(llm_engine.args.model)).name or "lucebox"
     app = create_app(AsyncEngine(llm_engine), config, model_id)
+    # What startup made (the model, its graphs, torch's and the server's modules: ~230K objects) lives
+    # as long as the server: out of the garbage collector's sight, a full collection, which stalls
+    # every running request, takes microseconds instead of ~80 ms.
+    gc.freeze()
     print(f"[lucebox serving {model_id} on http://{config.host}:{config.port} "
           f"(OpenAI /v1/chat/completions /v1/completions /v1/responses, Anthropic /v1/messages)]", file=sys.stderr)
     uvicorn.run(app, host=config.host, port=config.port, timeout_keep_alive=int(config.idle_timeout),
