@@ -8,6 +8,7 @@ each repeat's ratio to plain decoding in the same pass, with its range over the 
 """
 from __future__ import annotations
 
+import gc
 import json
 
 import torch
@@ -87,6 +88,8 @@ def run(args) -> dict:
         for _, engine in engines:
             _decode(engine, prompts[:1], params)  # warm-up
             engine.step_counts.clear()
+        gc.collect()
+        gc.freeze()  # as `lucebox serve` does: no full collection stalls one configuration's steps
         runs: dict[str, list[dict]] = {name: [] for name, _ in engines}
         # Interleaved prompt by prompt (the order rotating), repeated: the machine's drift hits all
         # configurations alike, even when it changes within one pass over the prompts.
@@ -105,6 +108,7 @@ def run(args) -> dict:
             rows.append({"method": name, "temperature": temperature, **_median(runs[name]),
                          "speedup": ratios[len(ratios) // 2], "speedup_range": [ratios[0], ratios[-1]],
                          "repeats": args.repeats, "steps": dict(dict(engines)[name].step_counts)})
+        gc.unfreeze()  # these engines can go
     return {"model": args.model, "draft": args.draft, "device": str(loaded.model.device),
             "prompts": args.prompts, "max_tokens": args.max_tokens, "rows": rows}
 
