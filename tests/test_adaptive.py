@@ -361,7 +361,7 @@ def test_overlap_is_guessed_with_a_lookup_only_when_it_found_nothing_or_its_poli
     from lucebox.spec.speculator import LOOKUP, Speculator
     spec = Speculator(NgramProposer(3), 4, 1000, lookup=NgramProposer(3))
     seqs = _decoding_sequences(2)
-    spec.evaluated = tuple(map(id, seqs))
+    spec.evaluated = list(seqs)
     spec.policy.stretch = 2  # the drafter's policy measuring plain decoding
     spec.step_found = False
     assert spec.promise_plain(seqs)
@@ -380,11 +380,11 @@ def test_a_promised_plain_step_advances_the_policies_without_evaluating_them(mon
     choose() would have returned, so probes come when they would have. A changed batch is
     evaluated as usual."""
     from lucebox.spec.ngram import NgramProposer
-    from lucebox.spec.speculator import Speculator
+    from lucebox.spec.speculator import RECORD_PROMISED_EVERY, Speculator
     spec = Speculator(NgramProposer(3), 4, 1000, lookup=NgramProposer(3))
     seqs = _decoding_sequences(1)
     spec.propose(seqs)  # evaluated
-    assert spec.evaluated == (id(seqs[0]),)
+    assert spec.evaluated == seqs
     for policy in spec.policies.values():  # in a run of plain steps, a probe 7 steps away
         policy.plain_query, policy.plain_steps, policy.next_probe, policy.stretch = ([0.1], 0), 3, 10, 0
     evaluations, lookups = [], []
@@ -399,6 +399,15 @@ def test_a_promised_plain_step_advances_the_policies_without_evaluating_them(mon
     assert spec.promise_plain(seqs)
     spec.propose(seqs)
     assert spec.policy.stretch == 1 and not evaluations  # a measuring stretch advances instead
+    recorded = []
+    monkeypatch.setattr(spec.policy.forward, "add", lambda *a: recorded.append(a))
+    for policy in spec.policies.values():
+        policy.next_probe = 100
+    for _ in range(2 * RECORD_PROMISED_EVERY):  # promised steps alike: a sample of them is timed
+        assert spec.promise_plain(seqs)
+        spec.propose(seqs)
+        spec.record_step(1, 0.001, overlapped=True)
+    assert len(recorded) == 2
     assert spec.promise_plain(seqs)
     spec.propose(seqs + _decoding_sequences(1))  # a sequence joined: not what was promised
     assert evaluations and lookups

@@ -15,6 +15,10 @@ from .proposer import Draft, Proposer
 
 LOOKUP, MODEL = "lookup", "model"
 MIN_LOOKUP_MATCH = 4  # tokens a lookup must find to be used (fewer: the drafter proposes instead)
+# Promised plain steps (promise_plain) recorded into the cost tables: a sample of them, their host
+# time being what a speculator adds to plain decoding on a small target (a few us of a ~200 us step).
+RECORD_PROMISED_EVERY = 4
+NOTHING: frozenset = frozenset()  # no sources drafted or chose to (a promised step: no sets made)
 # The drafter is dormant while the target decodes plainly: only drafted steps (and prompts) capture
 # its taps, so plain steps run the tap-less graphs and overlap (EngineArgs.async_decode)
 # like a plain engine's -- on the bundled pair, a plain step with taps cannot overlap and delivers
@@ -59,20 +63,24 @@ class Speculator:
         self.recompute_taps = None
         self.catch_up_seconds = 0.0  # this step's recomputation: a cost of dormancy, not of drafting
         self.overlapped_sizes: set[int] = set()  # step sizes (new tokens) whose plain steps have overlapped
-        # The batch (sequence ids) promised a plain next step by promise_plain, and the decoding
-        # batch of the last propose() that evaluated the policies.
-        self.promised: tuple[int, ...] | None = None
-        self.evaluated: tuple[int, ...] = ()
+        # The sequences promised a plain next step by promise_plain, and the decoding batch of the
+        # last propose() that evaluated the policies.
+        self.promised: list | None = None
+        self.evaluated: list = []
+        self.in_promised_step = False
+        self.promised_steps = 0  # promised steps so far: one in RECORD_PROMISED_EVERY is timed
 
     def propose(self, running: list) -> None:
         """Give each running sequence that is decoding (its last token not yet computed) a draft."""
-        decoding = [s for s in running if s.num_computed == s.num_tokens - 1]
         promised, self.promised = self.promised, None
-        promised = promised is not None and len(decoding) == len(running) and promised == tuple(map(id, decoding))
-        if promised and (self.lookup is None or self.policies[LOOKUP].stays_plain()):
-            return self._promised_plain_step(len(decoding))
+        # Promised for exactly these sequences (each then decodes its one new token): nothing to weigh.
+        promised = promised == running
+        self.in_promised_step = promised and (self.lookup is None or self.policies[LOOKUP].stays_plain())
+        if self.in_promised_step:
+            return self._promised_plain_step(len(running))
+        decoding = [s for s in running if s.num_computed == s.num_tokens - 1]
         if not promised:
-            self.evaluated = tuple(map(id, decoding))
+            self.evaluated = decoding
         other_tokens = sum(s.num_tokens - s.num_computed for s in running if s.num_computed < s.num_tokens - 1)
         found: dict[int, list[int]] = {}
         looked, rest = [], decoding
@@ -103,7 +111,8 @@ class Speculator:
         on a small target is what a speculator costs plain decoding."""
         self.draft_seconds = self.catch_up_seconds = 0.0
         self.step_decoding, self.step_drafted, self.step_accepted = num_decoding, 0, 0
-        self.step_sources, self.step_chose, self.step_found = set(), set(), False
+        self.step_sources = self.step_chose = NOTHING
+        self.step_found = False
         for policy in self.policies.values():
             policy.advance_plain()
 
@@ -158,11 +167,10 @@ class Speculator:
         a lookup reads the new tokens, so with one it is a guess: made when the lookup found nothing
         this step or its policy is in a run of plain steps too. A wrong guess costs only the step
         launched ahead on it, which goes unused."""
-        ids = tuple(map(id, seqs))
-        if not (ids == self.evaluated and self.policy.stays_plain()
+        if not (seqs == self.evaluated and self.policy.stays_plain()
                 and (self.lookup is None or not self.step_found or self.policies[LOOKUP].stays_plain())):
             return False
-        self.promised = ids
+        self.promised = list(seqs)
         return True
 
     def missed(self, seq, start: int) -> None:
@@ -178,7 +186,12 @@ class Speculator:
         `overlapped`: the step was launched before the previous one's tokens were read. Once plain
         steps of a size have overlapped, they are what plain decoding costs at that size, and lone
         plain forwards (which pay the host's whole turn) no longer count as plain decoding's cost.
-        A step whose policy chose to draft counts as drafting's, even if no draft came back."""
+        A step whose policy chose to draft counts as drafting's, even if no draft came back.
+        Of promised plain steps (all alike), one in RECORD_PROMISED_EVERY is recorded."""
+        if self.in_promised_step:
+            self.promised_steps += 1
+            if self.promised_steps % RECORD_PROMISED_EVERY:
+                return
         seconds -= self.catch_up_seconds
         n = self.step_decoding
         lone = not self.step_sources and not overlapped
