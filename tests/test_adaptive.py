@@ -411,3 +411,18 @@ def test_a_promised_plain_step_advances_the_policies_without_evaluating_them(mon
     assert spec.promise_plain(seqs)
     spec.propose(seqs + _decoding_sequences(1))  # a sequence joined: not what was promised
     assert evaluations and lookups
+
+
+def test_a_lookup_with_nothing_to_probe_starts_its_plain_run_over():
+    """A vetoed lookup's probe waits for a match; instead of looking up every step until one comes
+    (most of what a lookup costs), a due probe that finds nothing starts the run of plain steps over."""
+    slow = policy_with(forward_per_token=0.01, forward_fixed=0.001, draft_cost=0.05, max_k=4)
+    while slow.stays_plain() or slow.plain_query is None:
+        assert slow.choose([0.1], 0) == 0
+    due = slow.plain_steps
+    assert due + 1 >= slow.next_probe
+    slow.nothing_to_probe()
+    assert slow.plain_steps == 0 and slow.stays_plain()
+    slow.plain_steps = 3
+    slow.nothing_to_probe()  # not due: nothing changes
+    assert slow.plain_steps == 3

@@ -225,6 +225,14 @@ class DraftLengthPolicy:
         else:
             self.plain_steps += 1
 
+    def nothing_to_probe(self) -> None:
+        """This source's probe was due but it had nothing to propose (a lookup found no match): the
+        run of plain steps starts over, rather than the source being consulted every step until it
+        has something (what a lookup costs the host is most of a vetoed lookup's cost)."""
+        due = self.plain_query is not None and self.plain_steps + 1 >= self.next_probe
+        if self.adaptive and not self.stretch and due:
+            self.plain_steps = 0
+
     def choose(self, alphas: list[float], batch_tokens: int) -> int:
         """One k for this step: `alphas` of the decoding sequences, `batch_tokens` other new tokens."""
         self.exploring = False

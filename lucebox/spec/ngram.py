@@ -49,6 +49,8 @@ class NgramIndex:
         """What followed the latest earlier occurrence of the longest matching tail, up to k tokens:
         the latest occurrence that has k tokens after it, else the one with the most (the first)."""
         tokens, end = self.tokens, len(self.tokens)
+        if end <= self.n_min or self.previous[0][end - self.n_min] < 0:
+            return []  # the shortest tail never occurred before, so no longer one did (most steps)
         for n in range(min(self.n_max, end - 1), self.n_min - 1, -1):
             i = n - self.n_min
             key = hash(tuple(tokens[end - n:]))

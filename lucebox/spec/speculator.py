@@ -91,6 +91,8 @@ class Speculator:
                     found[id(s)] = tokens
             looked = [s for s in decoding if id(s) in found]
             rest = [s for s in decoding if id(s) not in found]
+            if not looked:
+                self.policies[LOOKUP].nothing_to_probe()
         self.draft_seconds = self.catch_up_seconds = 0.0
         self.step_decoding, self.step_sources, self.step_drafted, self.step_accepted = len(decoding), set(), 0, 0
         self.step_found, self.step_chose = bool(found), set()
