@@ -172,7 +172,7 @@ def test_bench_spec_compares_each_proposer_with_plain_decoding_in_one_run(hf_mod
                  "--temperatures", "0", "1", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["method"], r["temperature"]) for r in rows] == [
-        (m, t) for t in (0.0, 1.0) for m in ("plain", "draft_model", "draft_model+ngram", "ngram")]
+        (m, t) for t in (0.0, 1.0) for m in ("plain", "plain again", "draft_model", "draft_model+ngram", "ngram")]
     for r in rows:
         assert r["tokens"] == 2 * 5 and r["seconds"] > 0 and r["speedup"] > 0
         low, high = r["speedup_range"]  # paired by repeat: plain against itself is exactly 1
@@ -181,6 +181,7 @@ def test_bench_spec_compares_each_proposer_with_plain_decoding_in_one_run(hf_mod
         assert r["steps"]["prefill"] == 2 * 2 and "overlapped" not in r["steps"]  # no CUDA graphs on the CPU
     plain = rows[0]["steps"]
     assert plain == {"prefill": 4, "plain": 2 * 2 * 5}  # 5 decode steps a request after its prefill
+    assert rows[1]["steps"] == plain and rows[1]["draft_tokens"] == 0  # the control: plain decoding again
     # The target drafting for itself at temperature 0 (every step drafts: --no-adaptive; adaptive
     # speculation would rightly keep a drafter as slow as the target off): every draft is accepted.
     self_draft = next(r for r in rows if r["method"] == "draft_model" and r["temperature"] == 0)
