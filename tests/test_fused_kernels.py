@@ -158,6 +158,24 @@ def test_rope_dispatch_follows_the_switch(monkeypatch):
     assert calls == [1]
 
 
+def test_a_forward_decides_the_dispatch_once(monkeypatch):
+    """Inside decided_once (a model forward) the switch is read once: a change of the environment
+    takes effect at the next forward, not within one (reading it at every op cost ~3% of an eager
+    decode step); outside, every call reads it."""
+    from lucebox.kernels import dispatch
+    inputs = rope_case(torch.float32, 2, 1, 16, 2)
+    calls = []
+    real = triton_rope_kv.rope_and_write_kv
+    monkeypatch.setattr(triton_rope_kv, "rope_and_write_kv", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setenv("LUCEBOX_TRITON", "0")
+    with dispatch.decided_once():
+        monkeypatch.setenv("LUCEBOX_TRITON", "1")
+        rope.rope_and_write_kv(*inputs)
+        assert calls == []
+    rope.rope_and_write_kv(*inputs)
+    assert calls == [1]
+
+
 # ----------------------------------------------------------------------------- RMSNorm + residual
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -12,6 +12,7 @@ from torch import nn
 from ..kernels import fused_linear
 from ..kernels.activation import silu_and_mul
 from ..kernels.attention import paged_attention
+from ..kernels.dispatch import decided_once
 from ..kernels.norm import rms_norm, rms_norm_residual
 from ..kernels.rope import rope_and_write_kv
 from ..weights.quant import QuantEmbedding, QuantLinear, QuantTensor
@@ -239,12 +240,13 @@ class Transformer(nn.Module):
 
         Hidden states after the layers in batch.capture_layers are stored in batch.captured: the
         residual stream as the next norm sums it (no separate add)."""
-        x = self.embed_tokens(batch.input_ids)
-        cos, sin = self.rope.lookup(batch.positions, x.dtype, batch.position_bound)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, cos, sin, batch)
-        h, stream = self.norm(x, residual)
+        with decided_once():  # the kernels' Triton-or-torch choice: the environment read once
+            x = self.embed_tokens(batch.input_ids)
+            cos, sin = self.rope.lookup(batch.positions, x.dtype, batch.position_bound)
+            residual = None
+            for layer in self.layers:
+                x, residual = layer(x, residual, cos, sin, batch)
+            h, stream = self.norm(x, residual)
         if len(self.layers) - 1 in batch.capture_layers:
             batch.captured[len(self.layers) - 1] = stream
         return h
