@@ -10,9 +10,9 @@ token. For the question `lucebox bench spec` cannot answer: where a speculative 
 steps spend the time that the plain engine does not. `--trace plain:1` (engine:temperature) then
 decodes two prompts under torch.profiler and prints the top operators by host and device time.
 `--idle-overhead` instead measures a DFlash engine that never drafts against plain decoding, with
-its taps and dormant. `--step-costs` instead times one graph step of each verify width (the buckets of a 15-draft
-speculator): returning argmax tokens or logits, or sampling and accepting in the graph (the
-Triton sampler against the torch reference).
+its taps and dormant, beside a second plain engine (the control). `--step-costs` instead times one
+graph step of each verify width (the buckets of a 15-draft speculator): returning argmax tokens or
+logits, or sampling and accepting in the graph (the Triton sampler against the torch reference).
 """
 from __future__ import annotations
 
@@ -130,10 +130,11 @@ def idle_overhead(loaded, args, repeats: int = 5) -> None:
     totals: collections.Counter = collections.Counter()
     instrument(totals, collections.defaultdict(lambda: [0, 0.0]))
     dflash = {"method": "dflash", "model": args.draft}
-    names = ("plain", "idle dflash, taps", "idle dflash, dormant")
+    # "plain again": the control, a second plain engine (what a ratio shows when nothing differs).
+    names = ("plain", "plain again", "idle dflash, taps", "idle dflash, dormant")
     engines = {name: LLMEngine(loaded, EngineArgs(model=args.model, max_model_len=max_len, max_num_seqs=1,
                                                   kv_cache_memory=kv,
-                                                  speculative_config=None if name == "plain" else dflash))
+                                                  speculative_config=None if name.startswith("plain") else dflash))
                for name in names}
     engines["idle dflash, taps"].speculator.taps_needed = lambda: True
     for temperature in (0.0, 1.0):
