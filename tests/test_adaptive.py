@@ -374,6 +374,25 @@ def test_overlap_is_guessed_with_a_lookup_only_when_it_found_nothing_or_its_poli
     assert not spec.promise_plain(seqs)
 
 
+def test_a_drafter_that_had_nothing_is_guessed_plain_and_asked_again(monkeypatch):
+    """A drafter asked to draft that came back empty (n-gram lookup without a match) gets the next
+    step launched ahead on a guess: unlike a promise of its policy, the guess binds nothing, and
+    the next step asks the drafter again (a match then drafts, and the launched step goes unused)."""
+    from lucebox.spec.ngram import NgramProposer
+    from lucebox.spec.speculator import MODEL, Speculator
+    spec = Speculator(NgramProposer(3), 4, 1000)
+    seqs = _decoding_sequences(1)
+    spec.evaluated = list(seqs)
+    spec.step_chose, spec.step_sources = {MODEL}, set()  # asked, nothing came back
+    assert not spec.policy.stays_plain() and spec.promise_plain(seqs) and not spec.promise_binds
+    asked = []
+    monkeypatch.setattr(spec, "_choose", lambda *a: asked.append(a) or 0)
+    spec.propose(seqs)
+    assert asked and not spec.in_promised_step
+    spec.step_chose = set()  # plain by choice, not in a run of plain steps: no promise
+    assert not spec.promise_plain(seqs)
+
+
 def test_a_promised_plain_step_advances_the_policies_without_evaluating_them(monkeypatch):
     """The step promise_plain() foretold costs the host almost nothing: no policy evaluation and no
     lookup (its policy decoding plainly too), yet every policy counts it as the plain step that

@@ -398,6 +398,24 @@ def test_a_dormant_drafters_plain_steps_are_launched_ahead(hf_models, tmp_path, 
     assert drafts == waited_drafts and len(drafts) > 4 and not any(pending)
     assert counts["used"] > 10
 
+def test_steps_after_an_empty_lookup_are_launched_ahead(hf_models, monkeypatch):
+    """An n-gram speculator whose lookup finds nothing guesses the next step plain and launches it
+    ahead, though its policy wants to draft (here: always); the next step asks again, and a match
+    then drafts, the launched step going unused. Greedy output equals plain decoding."""
+    import itertools
+    target = hf_models["qwen3"]
+    prompt = {"prompt_token_ids": [(7 * j) % 290 + 3 for j in range(40)]}
+    want = static_graph_llm(target, async_decode=False).generate(prompt, GREEDY, use_tqdm=False)[0]
+    llm = static_graph_llm(target, speculative_config={"method": "ngram", "adaptive": False})
+    proposer, calls = llm.engine.speculator.proposer, itertools.count()
+    lookup = proposer.lookup
+    monkeypatch.setattr(proposer, "lookup", lambda seq, k: lookup(seq, k) if next(calls) % 4 == 3 else [])
+    counts = count_ahead(llm.engine, monkeypatch)
+    got = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert got.metrics.num_drafts > 0 and counts["used"] > 5 and counts["launched"] > counts["used"]
+
+
 # ----------------------------------------------------------------------------- real graphs (GPU)
 
 @gpu

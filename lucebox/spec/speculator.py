@@ -66,6 +66,7 @@ class Speculator:
         # The sequences promised a plain next step by promise_plain, and the decoding batch of the
         # last propose() that evaluated the policies.
         self.promised: list | None = None
+        self.promise_binds = False  # the drafter's policy was in a run of plain steps (not a guess)
         self.evaluated: list = []
         self.in_promised_step = False
         self.promised_steps = 0  # promised steps so far: one in RECORD_PROMISED_EVERY is timed
@@ -74,7 +75,7 @@ class Speculator:
         """Give each running sequence that is decoding (its last token not yet computed) a draft."""
         promised, self.promised = self.promised, None
         # Promised for exactly these sequences (each then decodes its one new token): nothing to weigh.
-        promised = promised == running
+        promised = promised == running and self.promise_binds
         self.in_promised_step = promised and (self.lookup is None or self.policies[LOOKUP].stays_plain())
         if self.in_promised_step:
             return self._promised_plain_step(len(running))
@@ -165,14 +166,18 @@ class Speculator:
     def promise_plain(self, seqs: list) -> bool:
         """Whether the next step of these sequences (this step's decoding batch) is a plain decode, so
         that the engine may launch it before this step's tokens are read: the drafter's policy in
-        a run of plain steps. A promise binds that policy, whose next step then skips its evaluation;
-        a lookup reads the new tokens, so with one it is a guess: made when the lookup found nothing
-        this step or its policy is in a run of plain steps too. A wrong guess costs only the step
-        launched ahead on it, which goes unused."""
-        if not (seqs == self.evaluated and self.policy.stays_plain()
+        a run of plain steps. Such a promise binds that policy, whose next step then skips its
+        evaluation. A lookup reads the new tokens, so with one the promise is a guess: made when it
+        found nothing this step or its policy is in a run of plain steps too. So is the promise of
+        a drafter that was asked to draft and had nothing (the n-gram proposer, mostly): it is
+        asked again next step. A wrong guess costs only the step launched ahead on it, which goes
+        unused; a plain step launched in turn costs about as much."""
+        binds = self.policy.stays_plain()
+        empty_handed = MODEL in self.step_chose and MODEL not in self.step_sources
+        if not (seqs == self.evaluated and (binds or empty_handed)
                 and (self.lookup is None or not self.step_found or self.policies[LOOKUP].stays_plain())):
             return False
-        self.promised = list(seqs)
+        self.promised, self.promise_binds = list(seqs), binds
         return True
 
     def missed(self, seq, start: int) -> None:
