@@ -75,17 +75,21 @@ def test_an_expensive_drafter_is_probed_within_the_probe_budget():
     assert probes[0] >= extra[0] / (PROBE_BUDGET * plain_cost) - 1
 
 
-def test_a_dormant_drafters_catch_up_counts_in_the_probe_budget():
-    """Before a dormant drafter's probe drafts, its missed taps are recomputed: that time is part
-    of what a probe costs, so probes come further apart when it is large."""
-    def first_probe(catch_up: float) -> int:
+def test_a_dormant_drafters_catch_up_and_the_step_after_count_in_the_probe_budget():
+    """Before a dormant drafter's probe drafts, its missed taps are recomputed, and after its verify
+    the next step runs in turn (overlapped decoding cannot launch it ahead): both are part of what
+    a probe costs, so probes come further apart when they are large."""
+    def first_probe(catch_up: float, in_turn: float = 0.0) -> int:
         policy = policy_with(forward_per_token=0.01, forward_fixed=0.001, draft_cost=0.002, max_k=4)
         if catch_up:
             policy.record_catch_up(catch_up)
+        for _ in range(2 if in_turn else 0):
+            policy.in_turn.add(1, in_turn)
         return next(i for i in range(5000) if policy.choose([0.1], 0))
     plain_cost, extra = 0.011, 0.002 + 0.01  # the draft and the wider forward's extra (k = 1 is the probe)
     assert first_probe(0.0) == pytest.approx(extra / (PROBE_BUDGET * plain_cost), abs=1)
     assert first_probe(0.05) == pytest.approx((extra + 0.05) / (PROBE_BUDGET * plain_cost), abs=1)
+    assert first_probe(0.0, plain_cost + 0.02) == pytest.approx((extra + 0.02) / (PROBE_BUDGET * plain_cost), abs=1)
 
 def test_plain_decoding_of_an_unchanged_batch_is_not_re_evaluated_every_step():
     """Each evaluation is Python arithmetic over the cost tables; on a fast GPU with a small model
