@@ -182,6 +182,9 @@ def test_bench_spec_compares_each_proposer_with_plain_decoding_in_one_run(hf_mod
     plain = rows[0]["steps"]
     assert plain == {"prefill": 4, "plain": 2 * 2 * 5}  # 5 decode steps a request after its prefill
     assert rows[1]["steps"] == plain and rows[1]["draft_tokens"] == 0  # the control: plain decoding again
+    for r in rows:
+        control = next(c for c in rows if c["method"] == "plain again" and c["temperature"] == r["temperature"])
+        assert r["vs_control"] == pytest.approx(r["speedup"] / control["speedup"])
     # The target drafting for itself at temperature 0 (every step drafts: --no-adaptive; adaptive
     # speculation would rightly keep a drafter as slow as the target off): every draft is accepted.
     self_draft = next(r for r in rows if r["method"] == "draft_model" and r["temperature"] == 0)
