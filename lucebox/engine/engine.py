@@ -256,7 +256,7 @@ class LLMEngine:
             self._verify(verifying, features, logits[len(plain):], pairs)
         touched = dict.fromkeys(seq.request_id for seq, _ in plain + verifying)
         outputs = [self._request_output(rid) for rid in touched if rid in self.requests and self._reports(rid)]
-        if self.speculator is not None:  # after the host has the tokens and outputs: the step's full cost
+        if self.speculator is not None and self.speculator.times_step:  # the step's full cost, outputs too
             self.speculator.record_step(batch.total_tokens, time.perf_counter() - step_started, overlapped)
         return outputs
 
@@ -298,7 +298,7 @@ class LLMEngine:
         """The next n positions of seq (their K/V written this step) are now committed."""
         if features is not None:
             self.speculator.observe(seq, seq.num_computed, features[offset:offset + n])
-        elif self.speculator is not None:
+        elif self.speculator is not None and self.speculator.capture_layers:  # a dormant drafter's step
             self.speculator.missed(seq, seq.num_computed)
         seq.num_computed += n
         self.scheduler.blocks.register_full_blocks(seq.block_table, seq.block_hashes, seq.token_slice,

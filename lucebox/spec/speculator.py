@@ -68,17 +68,17 @@ class Speculator:
         self.promised: list | None = None
         self.promise_binds = False  # the drafter's policy was in a run of plain steps (not a guess)
         self.evaluated: list = []
-        self.in_promised_step = False
         self.promised_steps = 0  # promised steps so far: one in RECORD_PROMISED_EVERY is timed
+        self.times_step = True  # whether the engine records this step's time (record_step)
 
     def propose(self, running: list) -> None:
         """Give each running sequence that is decoding (its last token not yet computed) a draft."""
         promised, self.promised = self.promised, None
         # Promised for exactly these sequences (each then decodes its one new token): nothing to weigh.
         promised = promised == running and self.promise_binds
-        self.in_promised_step = promised and (self.lookup is None or self.policies[LOOKUP].stays_plain())
-        if self.in_promised_step:
+        if promised and (self.lookup is None or self.policies[LOOKUP].stays_plain()):
             return self._promised_plain_step(len(running))
+        self.times_step = True
         decoding = [s for s in running if s.num_computed == s.num_tokens - 1]
         if not promised:
             self.evaluated = decoding
@@ -118,6 +118,8 @@ class Speculator:
         self.step_found = False
         for policy in self.policies.values():
             policy.advance_plain()
+        self.promised_steps += 1  # promised steps are alike: a sample of them is timed
+        self.times_step = self.promised_steps % RECORD_PROMISED_EVERY == 0
 
     def _choose(self, source: str, seqs: list, other_tokens: int) -> int:
         return self.policies[source].choose([self._acceptance(s, source).alpha for s in seqs], other_tokens)
@@ -194,11 +196,8 @@ class Speculator:
         steps of a size have overlapped, they are what plain decoding costs at that size, and lone
         plain forwards (which pay the host's whole turn) no longer count as plain decoding's cost.
         A step whose policy chose to draft counts as drafting's, even if no draft came back.
-        Of promised plain steps (all alike), one in RECORD_PROMISED_EVERY is recorded."""
-        if self.in_promised_step:
-            self.promised_steps += 1
-            if self.promised_steps % RECORD_PROMISED_EVERY:
-                return
+        The engine calls it when `times_step` (of promised plain steps, one in RECORD_PROMISED_EVERY:
+        not even a call for the others)."""
         seconds -= self.catch_up_seconds
         n = self.step_decoding
         lone = not self.step_sources and not overlapped
