@@ -210,9 +210,8 @@ class DraftLengthPolicy:
 
     def stays_plain(self) -> bool:
         """The next choice is plain decoding, if the batch and its acceptance stay as they are: within
-        a stretch measuring plain decoding, or in a run of plain steps short of a probe. (A periodic
-        re-evaluation within the run almost always chooses plain again; when it does not, the step
-        the engine launched ahead on this answer goes unused.)"""
+        a stretch measuring plain decoding, or in a run of plain steps short of a probe. The step it
+        answers for then advances the run (advance_plain) without re-evaluating it."""
         return self.adaptive and (self.stretch > 0 or (
             self.plain_query is not None and self.plain_steps + 1 < self.next_probe))
 

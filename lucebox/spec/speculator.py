@@ -73,14 +73,15 @@ class Speculator:
 
     def propose(self, running: list) -> None:
         """Give each running sequence that is decoding (its last token not yet computed) a draft."""
-        promised, self.promised = self.promised, None
-        # Promised for exactly these sequences (each then decodes its one new token): nothing to weigh.
-        promised = promised == running and self.promise_binds
-        if promised and (self.lookup is None or self.policies[LOOKUP].stays_plain()):
+        # A binding promise for exactly these sequences (each then decodes its one new token): the
+        # drafter's policy has nothing to weigh.
+        bound = self.promised == running and self.promise_binds
+        self.promised = None
+        if bound and (self.lookup is None or self.policies[LOOKUP].stays_plain()):
             return self._promised_plain_step(len(running))
         self.times_step = True
         decoding = [s for s in running if s.num_computed == s.num_tokens - 1]
-        if not promised:
+        if not bound:
             self.evaluated = decoding
         other_tokens = sum(s.num_tokens - s.num_computed for s in running if s.num_computed < s.num_tokens - 1)
         found: dict[int, list[int]] = {}
@@ -101,7 +102,7 @@ class Speculator:
         if looked:  # each group's k is chosen with the other group's tokens in the batch
             k_lookup = self._choose(LOOKUP, looked, other_tokens + len(rest))
             self._assign(LOOKUP, looked, k_lookup, lambda seqs, ks: [Draft(found[id(s)][:k]) for s, k in zip(seqs, ks)])
-        if rest and promised and not looked:  # the batch promised a plain step: the lookup found nothing
+        if rest and bound and not looked:  # the batch promised a plain step: the lookup found nothing
             self.policy.advance_plain()
         elif rest:
             k = self._choose(MODEL, rest, other_tokens + len(looked) * (1 + k_lookup))
@@ -183,9 +184,9 @@ class Speculator:
         return True
 
     def missed(self, seq, start: int) -> None:
-        """Positions from `start` of seq were computed without their taps (a dormant step)."""
-        if self.capture_layers:
-            self.missing.setdefault(id(seq), start)
+        """Positions from `start` of seq were computed without the drafter's taps (a dormant step;
+        the engine tells only a speculator that has taps)."""
+        self.missing.setdefault(id(seq), start)
 
     def record_step(self, num_tokens: int, seconds: float, overlapped: bool = False) -> None:
         """A whole engine step over num_tokens new tokens took `seconds`, drafting included: its cost
