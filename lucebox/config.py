@@ -33,7 +33,7 @@ class EngineArgs:
     # Overlapped decoding: the next decode step is launched (its input tokens fed on the device)
     # before the current one's tokens are read, so the host's work hides behind the GPU's (H200:
     # 0.6b shape 683 -> 891 tok/s, 8b 204 -> 212). Plain decode steps through CUDA graphs, including
-    # a speculator's while its policy decodes plainly (Speculator.promise_plain).
+    # a speculator's while its policy decodes plainly (Speculator.plain_run).
     async_decode: bool = True
 
     HELP = {

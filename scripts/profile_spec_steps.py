@@ -126,7 +126,7 @@ def idle_overhead(loaded, args, repeats: int = 5) -> None:
     max_len = max(map(len, prompts)) + args.max_tokens + 32
     kv = 4 * kv_bytes_per_token(loaded.model, "auto", "auto") * ((-(-max_len // 16) + 2) * 16)
     Speculator._choose = lambda self, *a: 0  # never drafts
-    DraftLengthPolicy.stays_plain = lambda self: True  # and knows it a step ahead
+    DraftLengthPolicy.plain_run = lambda self: 1 << 20  # and promises so ahead
     totals: collections.Counter = collections.Counter()
     instrument(totals, collections.defaultdict(lambda: [0, 0.0]))
     dflash = {"method": "dflash", "model": args.draft}

@@ -108,21 +108,31 @@ def test_plain_decoding_of_an_unchanged_batch_is_not_re_evaluated_every_step():
     assert fast.choose([0.1], 0) == 0 and fast.choose([0.95], 0) == 8  # acceptance changed: evaluated
 
 
-def test_a_plain_stretch_is_predicted_before_the_tokens_are_known():
-    """stays_plain(): what overlapped decoding asks before launching the next step. Over a vetoed
-    drafter's steps it says plain only where choose() then returns 0, never before a probe, and it
-    covers most steps."""
+def test_a_run_of_plain_steps_is_predicted_before_the_tokens_are_known():
+    """plain_run(): what overlapped decoding asks before launching the next steps. Over a vetoed
+    drafter's steps, a run of k means the next k choices are plain (never past a probe), and
+    advance_plain(k) leaves the policy as those k choices would; runs cover most steps."""
+    import copy
     slow = policy_with(forward_per_token=0.01, forward_fixed=0.001, draft_cost=0.05, max_k=4)
-    predicted = []
-    for _ in range(4 * MAX_PROBE_INTERVAL):
-        said = slow.stays_plain()
-        k = slow.choose([0.1], 0)
-        predicted.append(said)
-        assert not said or k == 0
-        if k:  # a probe's outcome: re-evaluated afresh next step
+    covered = steps = 0
+    while steps < 4 * MAX_PROBE_INTERVAL:
+        run = slow.plain_run()
+        if run:
+            promised = copy.deepcopy(slow)
+            promised.advance_plain(run)
+            assert [slow.choose([0.1], 0) for _ in range(run)] == [0] * run
+            assert vars(promised).keys() == vars(slow).keys()
+            for name in ("plain_steps", "stretch", "next_probe", "probe_interval", "exploring", "plain_query"):
+                assert getattr(promised, name) == getattr(slow, name), name
+            covered, steps = covered + run, steps + run
+        elif slow.choose([0.1], 0):  # a probe's outcome: re-evaluated afresh next step
             slow.record_delivered(1, 1, 0.06, drafted=True)
-    assert sum(predicted) > 0.97 * len(predicted)
-    assert not DraftLengthPolicy(4, adaptive=False).stays_plain()
+            steps += 1
+        else:
+            steps += 1
+    assert covered > 0.97 * steps
+    assert DraftLengthPolicy(4, adaptive=False).plain_run() == 0
+
 
 def simulate(policy: DraftLengthPolicy, steps: int, alpha: float, forward, draft) -> list[int]:
     """The engine's loop around a policy: choose, then record the step's measured costs."""
@@ -173,11 +183,11 @@ def test_a_warm_up_step_does_not_stand_for_the_plain_cost():
 
 def test_plain_decoding_is_remeasured_while_speculating():
     """The baseline must not go stale: a stretch of PLAIN_STRETCH plain steps after every
-    REMEASURE_PLAIN_EVERY speculated ones, the engine told ahead (stays_plain) so they overlap."""
+    REMEASURE_PLAIN_EVERY speculated ones, the engine told ahead (plain_run) so they overlap."""
     policy = policy_with(forward_per_token=0.0001, forward_fixed=0.01, draft_cost=0.001)
     chosen, ahead = [], []
     for _ in range(3 * REMEASURE_PLAIN_EVERY):
-        ahead.append(policy.stays_plain())
+        ahead.append(policy.plain_run() > 0)
         chosen.append(policy.choose([0.9], batch_tokens=0))
     stretch = slice(REMEASURE_PLAIN_EVERY, REMEASURE_PLAIN_EVERY + PLAIN_STRETCH)
     assert chosen.count(0) == 2 * PLAIN_STRETCH and chosen[stretch] == [0] * PLAIN_STRETCH
@@ -356,11 +366,11 @@ def _decoding_sequences(count: int) -> list:
     return seqs
 
 
-def test_overlap_is_guessed_with_a_lookup_only_when_it_found_nothing_or_its_policy_decodes_plainly():
-    """Speculator.promise_plain, asked before the new tokens are known: a lookup reads them, so a
-    step after one that found a match is promised plain only while the lookup's policy is in a run
-    of plain steps itself; the drafter's policy must be in one in any case, and the batch must be
-    the one last evaluated."""
+def test_a_lookup_binds_a_run_of_plain_steps_only_in_one_itself_and_is_guessed_plain_when_it_found_nothing():
+    """Speculator.plain_run and guesses_plain, asked before the new tokens are known: a run binds
+    only as long as every policy (the lookup's too) is in a run of plain steps, and only for the
+    batch last evaluated; the lookup reads the new tokens, so otherwise a step is guessed plain
+    while the drafter's policy decodes plainly and the lookup found nothing this step."""
     from lucebox.spec.ngram import NgramProposer
     from lucebox.spec.speculator import LOOKUP, Speculator
     spec = Speculator(NgramProposer(3), 4, 1000, lookup=NgramProposer(3))
@@ -368,19 +378,20 @@ def test_overlap_is_guessed_with_a_lookup_only_when_it_found_nothing_or_its_poli
     spec.evaluated = list(seqs)
     spec.policy.stretch = 2  # the drafter's policy measuring plain decoding
     spec.step_found = False
-    assert spec.promise_plain(seqs)
-    assert not spec.promise_plain(seqs[:1])  # not the batch its policies evaluated
+    assert spec.plain_run(seqs) == 0 and spec.guesses_plain(seqs)
+    assert not spec.guesses_plain(seqs[:1])  # not the batch its policies evaluated
     spec.step_found = True
-    assert not spec.promise_plain(seqs)
-    spec.policies[LOOKUP].stretch = 2
-    assert spec.promise_plain(seqs)
-    spec.policy.stretch = 0
-    assert not spec.promise_plain(seqs)
+    assert not spec.guesses_plain(seqs)
+    spec.policies[LOOKUP].stretch = 3
+    assert spec.plain_run(seqs[:1]) == 0
+    assert spec.plain_run(seqs) == 2  # the shorter run, counted by both policies at once
+    assert spec.policy.stretch == 0 and spec.policies[LOOKUP].stretch == 1
+    assert spec.plain_run(seqs) == 0 and not spec.guesses_plain(seqs)
 
 
 def test_a_drafter_that_had_nothing_is_guessed_plain_and_asked_again(monkeypatch):
     """A drafter asked to draft that came back empty (n-gram lookup without a match) gets the next
-    step launched ahead on a guess: unlike a promise of its policy, the guess binds nothing, and
+    step launched ahead on a guess: unlike a run its policy promises, the guess binds nothing, and
     the next step asks the drafter again (a match then drafts, and the launched step goes unused)."""
     from lucebox.spec.ngram import NgramProposer
     from lucebox.spec.speculator import MODEL, Speculator
@@ -388,63 +399,47 @@ def test_a_drafter_that_had_nothing_is_guessed_plain_and_asked_again(monkeypatch
     seqs = _decoding_sequences(1)
     spec.evaluated = list(seqs)
     spec.step_chose, spec.step_sources = {MODEL}, set()  # asked, nothing came back
-    assert not spec.policy.stays_plain() and spec.promise_plain(seqs) and not spec.promise_binds
+    assert spec.plain_run(seqs) == 0 and spec.guesses_plain(seqs)
     asked = []
     monkeypatch.setattr(spec, "_choose", lambda *a: asked.append(a) or 0)
     spec.propose(seqs)
-    assert asked and spec.times_step  # evaluated, and timed like any such step
-    spec.step_chose = set()  # plain by choice, not in a run of plain steps: no promise
-    assert not spec.promise_plain(seqs)
+    assert asked  # evaluated
+    spec.step_chose = set()  # plain by choice, not in a run of plain steps: no guess
+    assert not spec.guesses_plain(seqs)
 
 
-def test_a_promised_plain_step_advances_the_policies_without_evaluating_them(monkeypatch):
-    """The step promise_plain() foretold costs the host almost nothing: no policy evaluation and no
-    lookup (its policy decoding plainly too), yet every policy counts it as the plain step that
-    choose() would have returned, so probes come when they would have. A changed batch is
-    evaluated as usual."""
+def test_a_promised_run_is_counted_by_every_policy_and_timed_as_plain_decoding():
+    """The steps of a run plain_run() promised cost the host nothing (the engine does not call the
+    speculator for them), yet every policy counts them as the plain steps choose() would have
+    returned, so probes come when they would have; their mean time, reported once, is plain
+    decoding's cost at that size, as an overlapped plain step's would be."""
     from lucebox.spec.ngram import NgramProposer
-    from lucebox.spec.speculator import RECORD_PROMISED_EVERY, Speculator
+    from lucebox.spec.speculator import Speculator
     spec = Speculator(NgramProposer(3), 4, 1000, lookup=NgramProposer(3))
     seqs = _decoding_sequences(1)
     spec.propose(seqs)  # evaluated
     assert spec.evaluated == seqs
-    for policy in spec.policies.values():  # in a run of plain steps, a probe 7 steps away
-        policy.plain_query, policy.plain_steps, policy.next_probe, policy.stretch = ([0.1], 0), 3, 10, 0
-    evaluations, lookups = [], []
-    monkeypatch.setattr(spec, "_choose", lambda *a: evaluations.append(a) or 0)
-    monkeypatch.setattr(spec.lookup, "lookup", lambda *a: lookups.append(a) or [])
-    before = [p.plain_steps for p in spec.policies.values()]
-    assert spec.promise_plain(seqs)
-    spec.propose(seqs)
-    assert not evaluations and not lookups and seqs[0].draft is None
-    assert [p.plain_steps for p in spec.policies.values()] == [n + 1 for n in before]
-    spec.policy.stretch = 2
-    assert spec.promise_plain(seqs)
-    spec.propose(seqs)
-    assert spec.policy.stretch == 1 and not evaluations  # a measuring stretch advances instead
-    timed = []
-    for policy in spec.policies.values():
-        policy.next_probe = 100
-    for _ in range(2 * RECORD_PROMISED_EVERY):  # promised steps alike: a sample of them is timed
-        assert spec.promise_plain(seqs)
-        spec.propose(seqs)
-        timed.append(spec.times_step)
-    assert sum(timed) == 2
-    assert spec.promise_plain(seqs)
-    spec.propose(seqs + _decoding_sequences(1))  # a sequence joined: not what was promised
-    assert evaluations and lookups
+    for policy, probe in zip(spec.policies.values(), (10, 20)):  # in runs of plain steps
+        policy.plain_query, policy.plain_steps, policy.next_probe, policy.stretch = ([0.1], 0), 3, probe, 0
+    assert spec.plain_run(seqs) == 6  # the drafter's probe is 7 steps away: 6 plain steps before it
+    assert [p.plain_steps for p in spec.policies.values()] == [9, 9]
+    assert spec.plain_run(seqs) == 0 and spec.policy.plain_run() == 0  # the drafter's probe is next
+    spec.policy.forward.add(1, 0.004)  # a lone plain step, before any overlapped
+    spec.record_plain_steps(1, 0.001)
+    assert spec.policy.forward.estimate(1) == 0.001 and 1 in spec.overlapped_sizes
+    assert spec.policy.delivered_plain.seconds_per_token(1) == 0.001
 
 
 def test_a_lookup_with_nothing_to_probe_starts_its_plain_run_over():
     """A vetoed lookup's probe waits for a match; instead of looking up every step until one comes
     (most of what a lookup costs), a due probe that finds nothing starts the run of plain steps over."""
     slow = policy_with(forward_per_token=0.01, forward_fixed=0.001, draft_cost=0.05, max_k=4)
-    while slow.stays_plain() or slow.plain_query is None:
+    while slow.plain_run() or slow.plain_query is None:
         assert slow.choose([0.1], 0) == 0
     due = slow.plain_steps
     assert due + 1 >= slow.next_probe
     slow.nothing_to_probe()
-    assert slow.plain_steps == 0 and slow.stays_plain()
+    assert slow.plain_steps == 0 and slow.plain_run()
     slow.plain_steps = 3
     slow.nothing_to_probe()  # not due: nothing changes
     assert slow.plain_steps == 3

@@ -354,10 +354,9 @@ def test_overlapped_sampling_in_the_graph_keeps_its_lengths(hf_models, monkeypat
 def test_a_dormant_drafters_plain_steps_are_launched_ahead(hf_models, tmp_path, monkeypatch):
     """Overlapped decoding with a speculator: while its policy is in a run of plain steps (the
     drafter dormant: plain steps capture no taps), each plain step is launched before the previous
-    one's tokens are read; never the step before a draft, which needs the new tokens.
-    Greedy output equals plain decoding and the drafts equal those of an engine that waits."""
-    import itertools
-
+    one's tokens are read, and the speculator is not even consulted for the run's steps; never the
+    step before a draft, which needs the new tokens. Greedy output equals plain decoding and the
+    drafts equal those of an engine that waits (and consults the speculator every step)."""
     from .spec_fixtures import write_dflash_drafter
     target, every = hf_models["qwen3"], 6
     prompts = [{"prompt_token_ids": [(5 * i + j) % 300 + 3 for j in range(n)]} for i, n in enumerate(PROMPT_LENS[:4])]
@@ -368,35 +367,37 @@ def test_a_dormant_drafters_plain_steps_are_launched_ahead(hf_models, tmp_path, 
     def run(async_decode: bool):
         llm = static_graph_llm(target, speculative_config=spec, async_decode=async_decode)
         engine, speculator = llm.engine, llm.engine.speculator
-        calls, drafts, pending = itertools.count(), [], []
-        choose, propose = speculator._choose, speculator.proposer.propose
-        advance_plain = speculator.policy.advance_plain
-        made = [0]  # choices made so far
+        drafts, pending, proposes = [], [], []
+        choose, propose, advance_plain = speculator._choose, speculator.proposer.propose, speculator.policy.advance_plain
+        made = [0]  # choices made so far, evaluated or counted in a promised run
 
         def choose_every(*args):  # a draft every `every` decode steps, plain decoding between
-            made[0] = next(calls) + 1
+            made[0] += 1
             return choose(*args) if (made[0] - 1) % every == 0 else 0
 
-        def advance():  # a promised plain step: a choice of plain decoding made without evaluating
-            made[0] = next(calls) + 1
-            advance_plain()
+        def advance(steps=1):  # a promised run: choices of plain decoding made without evaluating
+            made[0] += steps
+            advance_plain(steps)
 
         def record(seqs, ks):
             pending.append(engine._ahead is not None)  # a step launched ahead of this drafted one
             return [drafts.append(d.tokens) or d for d in propose(seqs, ks)]
         monkeypatch.setattr(speculator, "_choose", choose_every)
-        monkeypatch.setattr(speculator.policy, "stays_plain", lambda: made[0] % every != 0)
+        monkeypatch.setattr(speculator.policy, "plain_run", lambda: (every - made[0] % every) % every)
         monkeypatch.setattr(speculator.policy, "advance_plain", advance)
         monkeypatch.setattr(speculator.proposer, "propose", record)
+        monkeypatch.setattr(speculator, "propose", lambda running, f=speculator.propose: proposes.append(1) or f(running))
         counts = count_ahead(engine, monkeypatch)
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-        return [o.outputs[0].token_ids for o in outs], drafts, pending, counts
+        return [o.outputs[0].token_ids for o in outs], drafts, pending, counts, len(proposes)
 
-    waited, waited_drafts, _, _ = run(False)
-    got, drafts, pending, counts = run(True)
+    waited, waited_drafts, _, _, waited_proposes = run(False)
+    got, drafts, pending, counts, proposes = run(True)
     assert got == waited == plain
     assert drafts == waited_drafts and len(drafts) > 4 and not any(pending)
     assert counts["used"] > 10
+    assert proposes == waited_proposes - counts["used"]  # no overlapped step consulted the speculator
+
 
 def test_steps_after_an_empty_lookup_are_launched_ahead(hf_models, monkeypatch):
     """An n-gram speculator whose lookup finds nothing guesses the next step plain and launches it

@@ -29,6 +29,9 @@ CPU_KV_CAP = 2 << 30
 # Catch-up graph lengths of the taps a dormant drafter missed while the target decoded plainly
 # (speculator.py), beside the verify lengths; longer runs go in chunks of the last.
 CATCH_UP_LENS = (32, 64, 128, 256)
+# The steps of a run the speculator promised plain (Speculator.plain_run) are reported to it as the
+# mean time of this many (or of fewer, when the run ends first).
+RUN_TIMED_STEPS = 8
 
 
 class LLMEngine:
@@ -66,6 +69,10 @@ class LLMEngine:
         self.sampler = Sampler(self.eos_token_ids)
         self.requests: dict[str, tuple[str | None, list[Sequence]]] = {}
         self._ahead: _AheadStep | None = None  # a decode step launched before its turn (async_decode)
+        # Steps launched ahead that the speculator promised plain (Speculator.plain_run), not consulted
+        # for them; whether this step is one; and the run's steps not yet reported: count, seconds, size.
+        self._run_left, self._in_run = 0, False
+        self._run_steps, self._run_seconds, self._run_tokens = 0, 0.0, 0
         # Steps by kind, for benchmarks: "verify" (some sequence verified drafts), "plain" (decodes only,
         # launched in turn), "overlapped" (decodes only, launched ahead), "prefill" (a prompt chunk in
         # it), and "unused ahead" (launched ahead, then not what the scheduler asked for).
@@ -179,8 +186,11 @@ class LLMEngine:
     # ------------------------------------------------------------------ one step
     def step(self) -> list[RequestOutput]:
         step_started = time.perf_counter()
-        if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running)
+        spec = self.speculator
+        if spec is not None:
+            self._in_run = self._continues_run()
+            if not self._in_run:
+                spec.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if not batch.seqs:
             if self.scheduler.has_work():
@@ -208,8 +218,8 @@ class LLMEngine:
             offset += n
         # The drafter's taps: always for prompts (a dormant drafter recomputes only decoded positions).
         capture = ()
-        if self.speculator is not None and (self.speculator.taps_needed() or prefilling):
-            capture = self.speculator.capture_layers
+        if spec is not None and (prefilling or (not self._in_run and spec.taps_needed())):
+            capture = spec.capture_layers
         # All greedy with nothing processing the logits: argmax tokens come back, not logits.
         argmax = all(seq.params.argmax_only(len(seq.output_token_ids)) for seq, _ in plain + verifying)
         # Simply sampled rows with deterministic drafts (or none): sampled and accepted in the graph.
@@ -256,9 +266,36 @@ class LLMEngine:
             self._verify(verifying, features, logits[len(plain):], pairs)
         touched = dict.fromkeys(seq.request_id for seq, _ in plain + verifying)
         outputs = [self._request_output(rid) for rid in touched if rid in self.requests and self._reports(rid)]
-        if self.speculator is not None and self.speculator.times_step:  # the step's full cost, outputs too
-            self.speculator.record_step(batch.total_tokens, time.perf_counter() - step_started, overlapped)
+        if spec is not None:  # the step's full cost, outputs too
+            seconds = time.perf_counter() - step_started
+            if self._in_run:
+                self._time_run_step(batch.total_tokens, seconds)
+            else:
+                spec.record_step(batch.total_tokens, seconds, overlapped)
         return outputs
+
+    def _continues_run(self) -> bool:
+        """Whether this step is the next of a run the speculator promised plain, launched ahead for an
+        unchanged batch with nobody waiting. Anything else ends the run and reports its time."""
+        ahead = self._ahead
+        if self._run_left and ahead is not None and ahead.seqs == self.scheduler.running and not self.scheduler.waiting:
+            self._run_left -= 1
+            return True
+        self._run_left = 0
+        self._report_run()
+        return False
+
+    def _time_run_step(self, num_tokens: int, seconds: float) -> None:
+        self._run_steps += 1
+        self._run_seconds += seconds
+        self._run_tokens = num_tokens
+        if self._run_steps == RUN_TIMED_STEPS:
+            self._report_run()
+
+    def _report_run(self) -> None:
+        if self._run_steps:
+            self.speculator.record_plain_steps(self._run_tokens, self._run_seconds / self._run_steps)
+            self._run_steps, self._run_seconds = 0, 0.0
 
     def _launch_ahead(self, batch, step: DeferredStep, sample: list | None) -> _AheadStep | None:
         """Launch the next decode step of the same sequences before this one's tokens are read, its
@@ -266,8 +303,9 @@ class LLMEngine:
         launch, upload and bookkeeping then overlap the GPU's work instead of following it. Only
         when the next step is predictable: nobody waiting to join, every sequence with room for
         one more token, the same kind of step (argmax or sampled in the graph) after this one's
-        token, and a speculator that promises to neither draft nor capture taps. A sequence that this
-        step's token finishes (or a draft after all) makes the launched step go unused."""
+        token, and a speculator that promises (Speculator.plain_run: binding, a run of steps) or guesses
+        (guesses_plain) that the step neither drafts nor captures taps. A sequence that this step's
+        token finishes (or a draft after all, on a guess) makes the launched step go unused."""
         seqs = batch.seqs
         if self.scheduler.waiting or any(n != 1 for n in batch.num_new_tokens):
             return None
@@ -284,8 +322,10 @@ class LLMEngine:
         tables = [s.block_table for s in seqs]
         if self.runner.graphs.bucket([[0]] * len(seqs), starts, tables) is None:
             return None
-        if self.speculator is not None and not self.speculator.promise_plain(seqs):  # last: it binds
-            return None
+        if self.speculator is not None and not self._run_left:  # last: a promise binds
+            self._run_left = self.speculator.plain_run(seqs)
+            if not self._run_left and not self.speculator.guesses_plain(seqs):
+                return None
         for s in seqs:
             blocks.allocate(s.block_table, s.num_computed + 2)
         launched = self.runner.run([[0]] * len(seqs), starts, tables, logits_rows=list(range(len(seqs))),
@@ -298,8 +338,8 @@ class LLMEngine:
         """The next n positions of seq (their K/V written this step) are now committed."""
         if features is not None:
             self.speculator.observe(seq, seq.num_computed, features[offset:offset + n])
-        elif self.speculator is not None and self.speculator.capture_layers:  # a dormant drafter's step
-            self.speculator.missed(seq, seq.num_computed)
+        elif self.speculator is not None and self.speculator.capture_layers and not self._in_run:
+            self.speculator.missed(seq, seq.num_computed)  # a dormant drafter's step (a run's: told already)
         seq.num_computed += n
         self.scheduler.blocks.register_full_blocks(seq.block_table, seq.block_hashes, seq.token_slice,
                                                    seq.num_computed)

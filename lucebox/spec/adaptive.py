@@ -208,21 +208,24 @@ class DraftLengthPolicy:
         """Before a draft, the drafter's missed taps took `seconds` to recompute: part of a probe's cost."""
         self.catch_up += 0.3 * (seconds - self.catch_up) if self.catch_up else seconds
 
-    def stays_plain(self) -> bool:
-        """The next choice is plain decoding, if the batch and its acceptance stay as they are: within
-        a stretch measuring plain decoding, or in a run of plain steps short of a probe. The step it
-        answers for then advances the run (advance_plain) without re-evaluating it."""
-        return self.adaptive and (self.stretch > 0 or (
-            self.plain_query is not None and self.plain_steps + 1 < self.next_probe))
-
-    def advance_plain(self) -> None:
-        """A plain step that stays_plain() promised: choose()'s outcome without its evaluation (the
-        batch and its acceptance are those the promise was made for)."""
-        self.exploring = False
+    def plain_run(self) -> int:
+        """How many next choices are plain decoding, if the batch and its acceptance stay as they are:
+        the rest of a stretch measuring plain decoding, or the plain steps short of the next probe
+        (0: the next step may draft). The steps it answers for are then counted (advance_plain)
+        without evaluating them."""
+        if not self.adaptive:
+            return 0
         if self.stretch:
-            self.stretch -= 1
-        else:
-            self.plain_steps += 1
+            return self.stretch
+        return max(0, self.next_probe - self.plain_steps - 1) if self.plain_query is not None else 0
+
+    def advance_plain(self, steps: int = 1) -> None:
+        """Plain steps that plain_run() foretold: choose()'s outcome without its evaluation (the
+        batch and its acceptance are those the run was promised for)."""
+        self.exploring = False
+        measuring = min(steps, self.stretch)
+        self.stretch -= measuring
+        self.plain_steps += steps - measuring
 
     def nothing_to_probe(self) -> None:
         """This source's probe was due but it had nothing to propose (a lookup found no match): the

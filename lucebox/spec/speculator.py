@@ -15,10 +15,6 @@ from .proposer import Draft, Proposer
 
 LOOKUP, MODEL = "lookup", "model"
 MIN_LOOKUP_MATCH = 4  # tokens a lookup must find to be used (fewer: the drafter proposes instead)
-# Promised plain steps (promise_plain) recorded into the cost tables: a sample of them, their host
-# time being what a speculator adds to plain decoding on a small target (a few us of a ~200 us step).
-RECORD_PROMISED_EVERY = 4
-NOTHING: frozenset = frozenset()  # no sources drafted or chose to (a promised step: no sets made)
 # The drafter is dormant while the target decodes plainly: only drafted steps (and prompts) capture
 # its taps, so plain steps run the tap-less graphs and overlap (EngineArgs.async_decode)
 # like a plain engine's -- on the bundled pair, a plain step with taps cannot overlap and delivers
@@ -63,26 +59,12 @@ class Speculator:
         self.recompute_taps = None
         self.catch_up_seconds = 0.0  # this step's recomputation: a cost of dormancy, not of drafting
         self.overlapped_sizes: set[int] = set()  # step sizes (new tokens) whose plain steps have overlapped
-        # The sequences promised a plain next step by promise_plain, and the decoding batch of the
-        # last propose() that evaluated the policies.
-        self.promised: list | None = None
-        self.promise_binds = False  # the drafter's policy was in a run of plain steps (not a guess)
-        self.evaluated: list = []
-        self.promised_steps = 0  # promised steps so far: one in RECORD_PROMISED_EVERY is timed
-        self.times_step = True  # whether the engine records this step's time (record_step)
+        self.evaluated: list = []  # the decoding batch of the last propose(): what a promise is made for
 
     def propose(self, running: list) -> None:
         """Give each running sequence that is decoding (its last token not yet computed) a draft."""
-        # A binding promise for exactly these sequences (each then decodes its one new token): the
-        # drafter's policy has nothing to weigh.
-        bound = self.promised == running and self.promise_binds
-        self.promised = None
-        if bound and (self.lookup is None or self.policies[LOOKUP].stays_plain()):
-            return self._promised_plain_step(len(running))
-        self.times_step = True
         decoding = [s for s in running if s.num_computed == s.num_tokens - 1]
-        if not bound:
-            self.evaluated = decoding
+        self.evaluated = decoding
         other_tokens = sum(s.num_tokens - s.num_computed for s in running if s.num_computed < s.num_tokens - 1)
         found: dict[int, list[int]] = {}
         looked, rest = [], decoding
@@ -102,25 +84,9 @@ class Speculator:
         if looked:  # each group's k is chosen with the other group's tokens in the batch
             k_lookup = self._choose(LOOKUP, looked, other_tokens + len(rest))
             self._assign(LOOKUP, looked, k_lookup, lambda seqs, ks: [Draft(found[id(s)][:k]) for s, k in zip(seqs, ks)])
-        if rest and bound and not looked:  # the batch promised a plain step: the lookup found nothing
-            self.policy.advance_plain()
-        elif rest:
+        if rest:
             k = self._choose(MODEL, rest, other_tokens + len(looked) * (1 + k_lookup))
             self._assign(MODEL, rest, k, self.proposer.propose)
-
-    def _promised_plain_step(self, num_decoding: int) -> None:
-        """A plain step that promise_plain() foretold: every policy advances its run of plain steps
-        without evaluating (nothing it weighs has changed), and a lookup whose policy decodes plainly
-        too is not consulted: a few microseconds less of host time in each overlapped step, which
-        on a small target is what a speculator costs plain decoding."""
-        self.draft_seconds = self.catch_up_seconds = 0.0
-        self.step_decoding, self.step_drafted, self.step_accepted = num_decoding, 0, 0
-        self.step_sources = self.step_chose = NOTHING
-        self.step_found = False
-        for policy in self.policies.values():
-            policy.advance_plain()
-        self.promised_steps += 1  # promised steps are alike: a sample of them is timed
-        self.times_step = self.promised_steps % RECORD_PROMISED_EVERY == 0
 
     def _choose(self, source: str, seqs: list, other_tokens: int) -> int:
         return self.policies[source].choose([self._acceptance(s, source).alpha for s in seqs], other_tokens)
@@ -166,22 +132,33 @@ class Speculator:
         (a verify step never overlaps, and the taps cost it little)."""
         return bool(self.capture_layers) and bool(self.step_sources)
 
-    def promise_plain(self, seqs: list) -> bool:
-        """Whether the next step of these sequences (this step's decoding batch) is a plain decode, so
-        that the engine may launch it before this step's tokens are read: the drafter's policy in
-        a run of plain steps. Such a promise binds that policy, whose next step then skips its
-        evaluation. A lookup reads the new tokens, so with one the promise is a guess: made when it
-        found nothing this step or its policy is in a run of plain steps too. So is the promise of
-        a drafter that was asked to draft and had nothing (the n-gram proposer, mostly): it is
-        asked again next step. A wrong guess costs only the step launched ahead on it, which goes
-        unused; a plain step launched in turn costs about as much."""
-        binds = self.policy.stays_plain()
+    def plain_run(self, seqs: list) -> int:
+        """How many next steps of these sequences (this step's decoding batch) are promised plain
+        decodes: the steps every policy is in a run of plain steps for (0: none). The promise binds:
+        the policies count those steps now, and the engine launches each ahead of its turn without
+        consulting the speculator at all (no call: a few microseconds of Python a step is what a
+        speculator would cost plain decoding on a small target), reporting their time through
+        record_plain_steps. A batch that changes ends the run early, and the policies have then
+        counted a few plain steps that never ran: their next probe comes that much earlier."""
+        if seqs != self.evaluated:
+            return 0
+        run = min(policy.plain_run() for policy in self.policies.values())
+        if run:
+            for policy in self.policies.values():
+                policy.advance_plain(run)
+        return run
+
+    def guesses_plain(self, seqs: list) -> bool:
+        """Whether the next step of these sequences is guessed plain, so that the engine may launch it
+        before this step's tokens are read, though nothing is promised: the step asks the speculator
+        as usual, and a draft after all leaves the launched step unused (a plain step launched in
+        turn costs about as much). Guessed when the drafter was asked to draft and had nothing (the
+        n-gram proposer, mostly), or its policy is in a run of plain steps while a lookup, which
+        reads the new tokens, found nothing this step or decodes plainly too."""
+        binds = self.policy.plain_run() > 0
         empty_handed = MODEL in self.step_chose and MODEL not in self.step_sources
-        if not (seqs == self.evaluated and (binds or empty_handed)
-                and (self.lookup is None or not self.step_found or self.policies[LOOKUP].stays_plain())):
-            return False
-        self.promised, self.promise_binds = list(seqs), binds
-        return True
+        return (seqs == self.evaluated and (binds or empty_handed)
+                and (self.lookup is None or not self.step_found or self.policies[LOOKUP].plain_run() > 0))
 
     def missed(self, seq, start: int) -> None:
         """Positions from `start` of seq were computed without the drafter's taps (a dormant step;
@@ -196,16 +173,12 @@ class Speculator:
         `overlapped`: the step was launched before the previous one's tokens were read. Once plain
         steps of a size have overlapped, they are what plain decoding costs at that size, and lone
         plain forwards (which pay the host's whole turn) no longer count as plain decoding's cost.
-        A step whose policy chose to draft counts as drafting's, even if no draft came back.
-        The engine calls it when `times_step` (of promised plain steps, one in RECORD_PROMISED_EVERY:
-        not even a call for the others)."""
+        A step whose policy chose to draft counts as drafting's, even if no draft came back."""
         seconds -= self.catch_up_seconds
         n = self.step_decoding
         lone = not self.step_sources and not overlapped
-        if overlapped and num_tokens not in self.overlapped_sizes:
-            self.overlapped_sizes.add(num_tokens)
-            self.policy.forward.forget(num_tokens)
-            self.policy.delivered_plain.forget(n)
+        if overlapped:
+            self._overlapped(num_tokens, n)
         stale = lone and num_tokens in self.overlapped_sizes
         if stale:
             self.policy.in_turn.add(num_tokens, seconds)
@@ -217,6 +190,20 @@ class Speculator:
                 self.policies[next(iter(self.step_chose))].record_delivered(n, n + self.step_accepted, seconds, True)
             elif not stale:
                 self.policy.record_delivered(n, n, seconds, False)
+
+    def record_plain_steps(self, num_decoding: int, seconds: float) -> None:
+        """Steps of a promised run (plain_run), each decoding num_decoding sequences one token and
+        launched ahead, took `seconds` each on average: what plain decoding costs at that size."""
+        self._overlapped(num_decoding, num_decoding)
+        self.policy.forward.add(num_decoding, seconds)
+        self.policy.record_delivered(num_decoding, num_decoding, seconds, False)
+
+    def _overlapped(self, num_tokens: int, num_decoding: int) -> None:
+        """Plain steps of this size overlap: what lone plain steps measured no longer stands for them."""
+        if num_tokens not in self.overlapped_sizes:
+            self.overlapped_sizes.add(num_tokens)
+            self.policy.forward.forget(num_tokens)
+            self.policy.delivered_plain.forget(num_decoding)
 
     def _room(self, seq) -> int:
         """Drafts beyond max_tokens or the context window could never be committed."""
