@@ -50,6 +50,7 @@ from lucebox.kernels import dequant, triton_activation, triton_gemv, triton_norm
 from lucebox.kernels import triton_sampling  # noqa: E402
 from lucebox.kernels import prefill_attention as pa  # noqa: E402
 from lucebox.kernels import triton_paged_attention as tpa  # noqa: E402
+from lucebox.kernels import triton_q8_0_split as tqs  # noqa: E402
 from lucebox.kernels import triton_quant_int8 as tqi  # noqa: E402
 from lucebox.kernels import triton_quant_matmul as tqm  # noqa: E402
 from lucebox.kernels.attention import paged_attention as attention_dispatch  # noqa: E402
@@ -174,6 +175,8 @@ def bench_quant(args, shape, peak, device) -> list:
         best = {}
         if args.sweep and device.type == "cuda":
             best = sweep_quant(x, raws, qtype, k, m, device)
+            if qtype == Q.Q8_0 and m == 1:
+                best |= sweep_split_q8_0(x, raws, k, ref, device)
         row(table, kernel="quant_matmul", qtype=qtype.name, layer=name, N=n, K=k, M=m, rel_err=err,
             us=t_tri * 1e3, GBps=gbps(nbytes, t_tri), pct_peak=100 * gbps(nbytes, t_tri) / peak,
             ref_us=t_ref * 1e3, speedup_vs_ref=t_ref / t_tri, dense_bf16_us=t_dense * 1e3, **best)
@@ -215,6 +218,33 @@ def sweep_quant(x, raws, qtype, k, m, device) -> dict:
                         best = (t, block_n, warps, split, path)
     return {"best_us": best[0] * 1e3, "best_block_n": best[1], "best_warps": best[2],
             "best_split": str(best[3]), "best_path": best[4]} if best else {}
+
+
+def sweep_split_q8_0(x, raws, k, ref, device) -> dict:
+    """The same Q8_0 decode GEMV over split rows (kernels/triton_q8_0_split.py: values 16-byte
+    aligned, scales after them), int8 converted by I2F or by the OR-and-subtract trick; checked
+    against the reference first, then timed like the rest."""
+    splits = [tqs.split_rows(w) for w in raws]
+    err = rel_err(tqs.gemv(x, splits[0], k), ref)
+    default = bench_in_graph(lambda w: tqs.gemv(x, w, k), splits, device)
+    best = None
+    for block_n in (16, 32, 64):
+        for warps in (4, 8):
+            for split in (None, 1, 4, 16):
+                for magic in (False, True):
+                    try:
+                        t = bench_in_graph(lambda w: tqs.gemv(x, w, k, block_n=block_n, split_k=split,
+                                                              num_warps=warps, magic=magic), splits, device)
+                    except Exception:
+                        continue
+                    if best is None or t < best[0]:
+                        best = (t, f"{block_n}x{warps}w split {split} magic {magic}")
+    return {"split_rel_err": err, "split_default_us": default * 1e3, "split_best_us": best[0] * 1e3,
+            "split_best": best[1]}
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
 
 
 # ----------------------------------------------------------------------------- paged attention
@@ -469,9 +499,9 @@ def compile_check(arch: str) -> None:
             return lambda *a, **kw: launches.append((self.fn, a, kw))
 
     real = (tqm._qmm_kernel, tqm._sum_splits_kernel, tpa._paged_attn_kernel, tpa._merge_splits_kernel,
-            tqi._q8_0_int8_kernel)
+            tqi._q8_0_int8_kernel, tqs._q8_0_split_kernel)
     tqm._qmm_kernel, tqm._sum_splits_kernel = Capture(real[0]), Capture(real[1])
-    tqi._q8_0_int8_kernel = Capture(real[4])
+    tqi._q8_0_int8_kernel, tqs._q8_0_split_kernel = Capture(real[4]), Capture(real[5])
     tpa._paged_attn_kernel, tpa._merge_splits_kernel = Capture(real[2]), Capture(real[3])
     lazy = (triton_norm, triton_rope_kv, triton_activation, triton_gemv)  # modules defining their kernel on first use
     lazy_real = [m._kernel for m in lazy]
@@ -502,6 +532,8 @@ def compile_check(arch: str) -> None:
         raw = torch.zeros(64, 4096 // 32 * 34, dtype=torch.uint8)
         for m in (1, 16):
             tqm.quant_matmul(torch.zeros(m, 4096, dtype=torch.bfloat16), raw, Q.Q8_0, 4096, int8_activations=True)
+        for magic in (False, True):
+            tqs.gemv(torch.zeros(1, 4096, dtype=torch.bfloat16), raw, 4096, split_k=1, magic=magic)
         for qk_norm in (None, (torch.ones(128, dtype=torch.bfloat16),) * 2 + (1e-6,)):
             kc, vc = (PagedKVCache(8, 16, 8, 128, "bf16", torch.bfloat16, "cpu") for _ in range(2))
             q, k = torch.zeros(1, 32, 128, dtype=torch.bfloat16), torch.zeros(1, 8, 128, dtype=torch.bfloat16)
@@ -527,7 +559,7 @@ def compile_check(arch: str) -> None:
                                                row.long(), torch.zeros(1, dtype=torch.long))  # as a graph calls it
     finally:
         tqm._qmm_kernel, tqm._sum_splits_kernel, tpa._paged_attn_kernel, tpa._merge_splits_kernel = real[:4]
-        tqi._q8_0_int8_kernel = real[4]
+        tqi._q8_0_int8_kernel, tqs._q8_0_split_kernel = real[4], real[5]
         for module, make in zip(lazy, lazy_real):
             module._kernel = make
         triton_sampling._kernels = sampling_real
