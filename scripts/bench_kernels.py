@@ -534,6 +534,9 @@ def compile_check(arch: str) -> None:
             tqm.quant_matmul(torch.zeros(m, 4096, dtype=torch.bfloat16), raw, Q.Q8_0, 4096, int8_activations=True)
         for magic in (False, True):
             tqs.gemv(torch.zeros(1, 4096, dtype=torch.bfloat16), raw, 4096, split_k=1, magic=magic)
+        for m in (1, 16):  # split Q8_0 rows through the fused kernel (verify) and the dequantiser (prefill)
+            tqm.quant_matmul(torch.zeros(m, 4096, dtype=torch.bfloat16), raw, Q.Q8_0, 4096, split_k=1, split_rows=True)
+        tqm.dequantize(raw, Q.Q8_0, 4096, torch.bfloat16, split_rows=True)
         for qk_norm in (None, (torch.ones(128, dtype=torch.bfloat16),) * 2 + (1e-6,)):
             kc, vc = (PagedKVCache(8, 16, 8, 128, "bf16", torch.bfloat16, "cpu") for _ in range(2))
             q, k = torch.zeros(1, 32, 128, dtype=torch.bfloat16), torch.zeros(1, 8, 128, dtype=torch.bfloat16)

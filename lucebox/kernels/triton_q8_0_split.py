@@ -1,5 +1,4 @@
-"""Q8_0 decode GEMV over "split rows" (Triton): an experiment for the decode kernel's layout, not
-yet the path a model takes.
+"""Q8_0 decode GEMV over "split rows" (Triton): the layout Q8_0 linears take on the GPU.
 
 ggml's Q8_0 block is 34 bytes (an fp16 scale, then 32 int8 values), so a block's values sit at
 2-byte alignment: the fused kernel (triton_quant_matmul) loads them 2 bytes at a time and shuffles
@@ -10,7 +9,9 @@ aligned (K a multiple of 256, as every real model's), a program loads 16 values 
 instruction, multiplies a whole unit of 8 blocks as one [BLOCK_N, 8, 32] tile and applies each
 block's scale once to the block's sum. `magic` turns int8 into float32 with an OR and a subtract
 (byte | 0x4B000000 is 2**23 + byte as a float) instead of the int-to-float conversion, which runs
-at a quarter of the FMA rate.
+at a quarter of the FMA rate: an option, slower on the H200 (eleventh round), where 16 rows and 4
+warps a program and the conversion instruction did best on every qwen3-8b matrix.
+Verify and prefill read split rows through triton_quant_matmul (split_rows=True).
 """
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ def _q8_0_split_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, K, row_bytes, n_units, uni
 
 
 def gemv(x: torch.Tensor, split: torch.Tensor, in_features: int, bias: torch.Tensor | None = None, *,
-         block_n: int = 32, split_k: int | None = None, num_warps: int = 4, magic: bool = True) -> torch.Tensor:
+         block_n: int = 16, split_k: int | None = None, num_warps: int = 4, magic: bool = False) -> torch.Tensor:
     """x [1, K] @ W.T (+ bias) for split Q8_0 rows [N, K/32*34]; output in x.dtype."""
     if in_features % UNIT:
         raise ValueError(f"split Q8_0 rows need in_features a multiple of {UNIT}, got {in_features}")

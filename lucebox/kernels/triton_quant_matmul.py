@@ -114,13 +114,18 @@ def _iq4_value(q):
 
 
 @triton.jit
-def _unit_q8_0(acc, ub, xk, stride_xm, M, ok, n_mask,
-               BPU: tl.constexpr, MODE: tl.constexpr, BLOCK_M: tl.constexpr, DOT_IEEE: tl.constexpr):
+def _unit_q8_0(acc, ub, sb, xk, stride_xm, M, ok, n_mask, BPU: tl.constexpr, SPLIT: tl.constexpr,
+               MODE: tl.constexpr, BLOCK_M: tl.constexpr, DOT_IEEE: tl.constexpr):
+    """ggml's 34-byte blocks, or split rows (triton_q8_0_split.py): values at ub, scales at sb."""
     i = tl.arange(0, 32)
     for b in tl.static_range(BPU):
-        bp = ub + b * 34
-        d = _f16(bp)
-        q = tl.load((bp + 2 + i[None, :]).to(tl.pointer_type(tl.int8))).to(tl.float32)
+        if SPLIT:
+            d = _f16(sb + 2 * b)
+            q = tl.load((ub + b * 32 + i[None, :]).to(tl.pointer_type(tl.int8))).to(tl.float32)
+        else:
+            bp = ub + b * 34
+            d = _f16(bp)
+            q = tl.load((bp + 2 + i[None, :]).to(tl.pointer_type(tl.int8))).to(tl.float32)
         acc = _use(acc, q * d, b * 32 + i, xk, stride_xm, M, ok, n_mask, MODE, BLOCK_M, DOT_IEEE)
     return acc
 
@@ -225,7 +230,7 @@ def _qmm_kernel(x_ptr, w_ptr, b_ptr, o_ptr, M, N, row_bytes, n_units, units_per_
                 stride_xm, stride_om, stride_os,
                 FMT: tl.constexpr, UNIT_BYTES: tl.constexpr, UNIT_VALUES: tl.constexpr, BPU: tl.constexpr,
                 P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, MODE: tl.constexpr,
-                HAS_BIAS: tl.constexpr, DOT_IEEE: tl.constexpr):
+                HAS_BIAS: tl.constexpr, DOT_IEEE: tl.constexpr, SPLIT: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -247,8 +252,9 @@ def _qmm_kernel(x_ptr, w_ptr, b_ptr, o_ptr, M, N, row_bytes, n_units, units_per_
         ub = w_row + u * UNIT_BYTES
         xk = x_ptr + u * UNIT_VALUES
         ok = o_row + u * UNIT_VALUES
-        if FMT == 0:
-            acc = _unit_q8_0(acc, ub, xk, stride_xm, M, ok, n_mask, BPU, MODE, BLOCK_M, DOT_IEEE)
+        if FMT == 0:  # split rows: a unit's values are UNIT_BYTES = UNIT_VALUES bytes, its scales after all values
+            sb = w_row + n_units * UNIT_VALUES + u * (2 * BPU)
+            acc = _unit_q8_0(acc, ub, sb, xk, stride_xm, M, ok, n_mask, BPU, SPLIT, MODE, BLOCK_M, DOT_IEEE)
         elif FMT == 1:
             acc = _unit_q4_0(acc, ub, xk, stride_xm, M, ok, n_mask, BPU, MODE, BLOCK_M, DOT_IEEE)
         elif FMT == 2:
@@ -299,7 +305,9 @@ def supports(qweight: torch.Tensor, qtype) -> bool:
     return qweight.is_contiguous() and qweight.data_ptr() % align == 0
 
 
-def _layout(qtype, in_features: int) -> tuple[int, int, int, int, int, int]:
+def _layout(qtype, in_features: int, split_rows: bool = False) -> tuple[int, int, int, int, int, int]:
+    if split_rows and qtype != Q.Q8_0:
+        raise ValueError(f"split rows are a Q8_0 layout, not {qtype.name}'s")
     fmt, unit_bytes, unit_values, plane = _FORMATS[qtype]
     block_values, block_bytes = GGML_QUANT_SIZES[qtype]
     if in_features % block_values:
@@ -309,6 +317,8 @@ def _layout(qtype, in_features: int) -> tuple[int, int, int, int, int, int]:
         blocks = in_features // block_values
         bpu = next(b for b in (8, 4, 2, 1) if blocks % b == 0)
         unit_bytes, unit_values = block_bytes * bpu, block_values * bpu
+        if split_rows:
+            unit_bytes = unit_values
     return fmt, unit_bytes, unit_values, bpu, plane, in_features // unit_values
 
 
@@ -320,17 +330,18 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype, in_features: int
                  bias: torch.Tensor | None = None, *, block_n: int | None = None,
                  split_k: int | None = None, num_warps: int | None = None,
                  num_stages: int | None = None, tensor_cores: bool | None = None,
-                 int8_activations: bool = False) -> torch.Tensor:
+                 int8_activations: bool = False, split_rows: bool = False) -> torch.Tensor:
     """x [..., K] @ W.T (+ bias) for raw GGUF rows `qweight` [N, bytes_per_row]; fused for
     M = prod(x.shape[:-1]) <= MAX_FUSED_M. Output in x.dtype, accumulated in float32.
     tensor_cores: multiply dequantised tiles with tl.dot (mode 1, x padded to 16 rows) rather
     than elementwise (mode 0); default: only for M > 1. At M = 1 the kernel is bound by the
     instructions per weight, which the tensor-core path changes: a launch option to measure.
     int8_activations (Q8_0 only): x rounded to int8 per 32 values and multiplied on integer tensor
-    cores (kernels/triton_quant_int8.py), also an option to measure."""
+    cores (kernels/triton_quant_int8.py), also an option to measure.
+    split_rows: Q8_0 rows in the split layout (kernels/triton_q8_0_split.py)."""
     if x.dtype not in ACTIVATION_DTYPES:
         raise TypeError(f"quant_matmul: unsupported activation dtype {x.dtype}")
-    fmt, unit_bytes, unit_values, bpu, plane, n_units = _layout(qtype, in_features)
+    fmt, unit_bytes, unit_values, bpu, plane, n_units = _layout(qtype, in_features, split_rows)
     n = qweight.shape[0]
     lead = x.shape[:-1]
     x2 = x.reshape(-1, in_features)
@@ -343,7 +354,7 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype, in_features: int
     if m == 0 or n == 0:
         return out.reshape(*lead, n)
     if int8_activations:
-        if fmt != _F_Q8_0:
+        if fmt != _F_Q8_0 or split_rows:
             raise ValueError(f"quant_matmul: int8 activations are implemented for Q8_0 weights, not {qtype.name}")
         from .triton_quant_int8 import q8_0_int8_matmul
         partials = q8_0_int8_matmul(x2, qweight, in_features, bias, out, block_n=block_n or 64, split_k=split_k,
@@ -382,7 +393,7 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype, in_features: int
         x2.stride(0), n, stride_os,
         FMT=fmt, UNIT_BYTES=unit_bytes, UNIT_VALUES=unit_values, BPU=bpu, P=plane,
         BLOCK_N=block_n, BLOCK_M=block_m, MODE=mode, HAS_BIAS=has_bias,
-        DOT_IEEE=_is_fp32(x.dtype), **kwargs)
+        DOT_IEEE=_is_fp32(x.dtype), SPLIT=split_rows, **kwargs)
     if split_k > 1:
         _reduce_splits(target, bias, out)
     return out.reshape(*lead, n)
@@ -398,10 +409,10 @@ def _reduce_splits(partials: torch.Tensor, bias: torch.Tensor | None, out: torch
 
 def dequantize(qweight: torch.Tensor, qtype, in_features: int,
                out_dtype: torch.dtype = torch.float32, *, block_n: int = 16,
-               num_warps: int = 4) -> torch.Tensor:
-    """Raw GGUF rows [N, bytes_per_row] -> [N, in_features] in out_dtype; bit-exact with
-    `lucebox.kernels.dequant.dequantize` (float32 arithmetic, no FMA contraction, then a cast)."""
-    fmt, unit_bytes, unit_values, bpu, plane, n_units = _layout(qtype, in_features)
+               num_warps: int = 4, split_rows: bool = False) -> torch.Tensor:
+    """Raw GGUF rows [N, bytes_per_row] (or split Q8_0 rows) -> [N, in_features] in out_dtype; bit-exact
+    with `lucebox.kernels.dequant.dequantize` (float32 arithmetic, no FMA contraction, then a cast)."""
+    fmt, unit_bytes, unit_values, bpu, plane, n_units = _layout(qtype, in_features, split_rows)
     n = qweight.shape[0]
     out = torch.empty(n, in_features, dtype=out_dtype, device=qweight.device)
     if n == 0:
@@ -413,6 +424,6 @@ def dequantize(qweight: torch.Tensor, qtype, in_features: int,
         qweight, qweight, qweight, out, 1, n, qweight.shape[1], n_units, per,
         0, in_features, 0,
         FMT=fmt, UNIT_BYTES=unit_bytes, UNIT_VALUES=unit_values, BPU=bpu, P=plane,
-        BLOCK_N=block_n, BLOCK_M=1, MODE=2, HAS_BIAS=False, DOT_IEEE=False,
+        BLOCK_N=block_n, BLOCK_M=1, MODE=2, HAS_BIAS=False, DOT_IEEE=False, SPLIT=split_rows,
         num_warps=num_warps, enable_fp_fusion=False)
     return out

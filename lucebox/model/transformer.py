@@ -227,6 +227,26 @@ class Transformer(nn.Module):
             layer.self_attn.fuse()
             layer.mlp.fuse()
 
+    def split_q8_0_rows(self) -> None:
+        """Q8_0 linears in the GPU decode kernel's layout (QuantLinear.use_split_rows), after
+        fuse_projections: each tensor reordered once (the fused projection first, its layers' row
+        slices then only told). Idempotent. For inference."""
+        linears = [m for m in self.modules() if isinstance(m, QuantLinear)]
+        for module in self.modules():  # fused projections are bound methods of unregistered QuantLinears
+            for fused in (getattr(module, "qkv", None), getattr(module, "gate_up", None)):
+                if isinstance(getattr(fused, "__self__", None), QuantLinear):
+                    linears.append(fused.__self__)
+        done: list[tuple[int, int]] = []  # byte ranges reordered
+        for m in sorted(linears, key=lambda m: -m.qweight.numel()):
+            if m.split_rows or not m.splits_rows():
+                continue
+            start = m.qweight.data_ptr()
+            end = start + m.qweight.numel()
+            inside = any(a <= start and end <= b for a, b in done)
+            m.use_split_rows(reorder=not inside)
+            if not inside:
+                done.append((start, end))
+
     @property
     def dtype(self) -> torch.dtype:
         return self.norm.weight.dtype
