@@ -185,6 +185,9 @@ def test_bench_spec_compares_each_proposer_with_plain_decoding_in_one_run(hf_mod
     for r in rows:
         control = next(c for c in rows if c["method"] == "plain again" and c["temperature"] == r["temperature"])
         assert r["vs_control"] == pytest.approx(r["speedup"] / control["speedup"])
+        low, high = r["per_request_interval"]  # every request against the control's on its prompt, its pass
+        assert low <= r["per_request_vs_control"] <= high
+        assert r["method"] != "plain again" or low == high == r["per_request_vs_control"] == 1.0
     # The target drafting for itself at temperature 0 (every step drafts: --no-adaptive; adaptive
     # speculation would rightly keep a drafter as slow as the target off): every draft is accepted.
     self_draft = next(r for r in rows if r["method"] == "draft_model" and r["temperature"] == 0)
@@ -212,3 +215,18 @@ def test_forced_acceptance_re_records_drafts_the_verifier_would_not_accept(monke
     forced = result["forced"]
     assert calls == [False, True, True]  # the plain recording, then the speculating engine twice
     assert forced["rerecorded"] == 1 and forced["equal_to_plain_before"] == 5 and forced["acceptance"] == 1.0
+
+
+def test_the_per_request_median_comes_with_an_interval_that_narrows_with_more_requests():
+    """bench spec's per-request figure: the median of paired ratios and its bootstrap 95% interval,
+    which covers the true median and narrows as requests are added (seeded: deterministic)."""
+    import random
+
+    from lucebox.bench.spec import _median_interval
+    rng = random.Random(1)
+    few, many = ([rng.gauss(1.0, 0.1) for _ in range(n)] for n in (12, 480))
+    median, low, high = _median_interval(many)
+    assert low <= median <= high and low < 1.0 < high and high - low < 0.04
+    _, low_few, high_few = _median_interval(few)
+    assert high_few - low_few > 2 * (high - low)
+    assert _median_interval([1.0] * 5) == (1.0, 1.0, 1.0)
