@@ -222,8 +222,8 @@ def sweep_quant(x, raws, qtype, k, m, device) -> dict:
 
 def sweep_split_q8_0(x, raws, k, ref, device) -> dict:
     """The same Q8_0 decode GEMV over split rows (kernels/triton_q8_0_split.py: values 16-byte
-    aligned, scales after them), int8 converted by I2F or by the OR-and-subtract trick; checked
-    against the reference first, then timed like the rest."""
+    aligned, scales after them, the layout models take on the GPU); checked against the reference
+    first, then timed like the rest."""
     splits = [tqs.split_rows(w) for w in raws]
     err = rel_err(tqs.gemv(x, splits[0], k), ref)
     default = bench_in_graph(lambda w: tqs.gemv(x, w, k), splits, device)
@@ -231,14 +231,13 @@ def sweep_split_q8_0(x, raws, k, ref, device) -> dict:
     for block_n in (16, 32, 64):
         for warps in (4, 8):
             for split in (None, 1, 4, 16):
-                for magic in (False, True):
-                    try:
-                        t = bench_in_graph(lambda w: tqs.gemv(x, w, k, block_n=block_n, split_k=split,
-                                                              num_warps=warps, magic=magic), splits, device)
-                    except Exception:
-                        continue
-                    if best is None or t < best[0]:
-                        best = (t, f"{block_n}x{warps}w split {split} magic {magic}")
+                try:
+                    t = bench_in_graph(lambda w: tqs.gemv(x, w, k, block_n=block_n, split_k=split, num_warps=warps),
+                                       splits, device)
+                except Exception:
+                    continue
+                if best is None or t < best[0]:
+                    best = (t, f"{block_n}x{warps}w split {split}")
     return {"split_rel_err": err, "split_default_us": default * 1e3, "split_best_us": best[0] * 1e3,
             "split_best": best[1]}
 
@@ -532,8 +531,7 @@ def compile_check(arch: str) -> None:
         raw = torch.zeros(64, 4096 // 32 * 34, dtype=torch.uint8)
         for m in (1, 16):
             tqm.quant_matmul(torch.zeros(m, 4096, dtype=torch.bfloat16), raw, Q.Q8_0, 4096, int8_activations=True)
-        for magic in (False, True):
-            tqs.gemv(torch.zeros(1, 4096, dtype=torch.bfloat16), raw, 4096, split_k=1, magic=magic)
+        tqs.gemv(torch.zeros(1, 4096, dtype=torch.bfloat16), raw, 4096, split_k=1)
         for m in (1, 16):  # split Q8_0 rows through the fused kernel (verify) and the dequantiser (prefill)
             tqm.quant_matmul(torch.zeros(m, 4096, dtype=torch.bfloat16), raw, Q.Q8_0, 4096, split_k=1, split_rows=True)
         tqm.dequantize(raw, Q.Q8_0, 4096, torch.bfloat16, split_rows=True)

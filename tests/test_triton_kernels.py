@@ -135,8 +135,7 @@ def test_fused_quant_matmul_in_bfloat16_with_bias(qtype, m, split_k):
     assert rel_err(got, want) <= 1e-2
 
 
-@pytest.mark.parametrize("magic", [False, True], ids=["i2f", "magic"])
-def test_q8_0_split_rows_hold_the_same_weights_and_multiply_like_the_reference(magic):
+def test_q8_0_split_rows_hold_the_same_weights_and_multiply_like_the_reference():
     """kernels/triton_q8_0_split.py: split rows are a reordering of the ggml bytes (join_rows undoes
     it), and their GEMV equals the dequantised matmul, split-K and bias included."""
     from lucebox.kernels import triton_q8_0_split as tqs
@@ -148,8 +147,8 @@ def test_q8_0_split_rows_hold_the_same_weights_and_multiply_like_the_reference(m
     bias = torch.randn(n, generator=torch.Generator().manual_seed(9)).to(DEVICE)
     want = x @ dequant.dequantize(raw, Q.Q8_0).T
     for split_k in (1, 2):
-        assert rel_err(tqs.gemv(x, split, k, split_k=split_k, magic=magic), want) <= 1e-5
-        assert rel_err(tqs.gemv(x, split, k, bias, split_k=split_k, magic=magic), want + bias) <= 1e-5
+        assert rel_err(tqs.gemv(x, split, k, split_k=split_k), want) <= 1e-5
+        assert rel_err(tqs.gemv(x, split, k, bias, split_k=split_k), want + bias) <= 1e-5
     with pytest.raises(ValueError, match="multiple of 256"):
         tqs.gemv(x[:, :96], tqs.split_rows(quant_rows(Q.Q8_0, 4, 96, seed=1)), 96)
 

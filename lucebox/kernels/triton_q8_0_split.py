@@ -7,11 +7,10 @@ H200's bandwidth; BENCHMARKS, eleventh round). A split row holds the same bytes 
 in another order: the row's K int8 values first, then its K/32 fp16 scales. With rows 16-byte
 aligned (K a multiple of 256, as every real model's), a program loads 16 values with one
 instruction, multiplies a whole unit of 8 blocks as one [BLOCK_N, 8, 32] tile and applies each
-block's scale once to the block's sum. `magic` turns int8 into float32 with an OR and a subtract
-(byte | 0x4B000000 is 2**23 + byte as a float) instead of the int-to-float conversion, which runs
-at a quarter of the FMA rate: an option, slower on the H200 (eleventh round), where 16 rows and 4
-warps a program and the conversion instruction did best on every qwen3-8b matrix.
-Verify and prefill read split rows through triton_quant_matmul (split_rows=True).
+block's scale once to the block's sum. (Turning int8 into float32 with an OR and a subtract
+instead of the int-to-float instruction, which runs at a quarter of the FMA rate, was slower on
+every qwen3-8b matrix on the H200: eleventh round.) Verify and prefill read split rows through
+triton_quant_matmul (split_rows=True).
 """
 from __future__ import annotations
 
@@ -42,7 +41,7 @@ def join_rows(split: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _q8_0_split_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, K, row_bytes, n_units, units_per_prog, stride_os,
-                       BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, MAGIC: tl.constexpr):
+                       BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -55,11 +54,7 @@ def _q8_0_split_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, K, row_bytes, n_units, uni
     acc = tl.zeros([BLOCK_N, 8], dtype=tl.float32)
     u0 = pid_s * units_per_prog
     for u in range(u0, tl.minimum(u0 + units_per_prog, n_units)):
-        q = tl.load(values + u * 256)
-        if MAGIC:
-            q = (((q.to(tl.int32) & 0xFF) ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
-        else:
-            q = q.to(tl.float32)
+        q = tl.load(values + u * 256).to(tl.float32)
         xv = tl.load(x_ptr + u * 256 + col).to(tl.float32)  # [8, 32]
         d = tl.load(scales + u * 8).to(tl.float32)  # [BLOCK_N, 8]: 8 fp16 scales a unit
         acc += tl.sum(q * xv[None, :, :], axis=2) * d
@@ -70,7 +65,7 @@ def _q8_0_split_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, K, row_bytes, n_units, uni
 
 
 def gemv(x: torch.Tensor, split: torch.Tensor, in_features: int, bias: torch.Tensor | None = None, *,
-         block_n: int = 16, split_k: int | None = None, num_warps: int = 4, magic: bool = False) -> torch.Tensor:
+         block_n: int = 16, split_k: int | None = None, num_warps: int = 4) -> torch.Tensor:
     """x [1, K] @ W.T (+ bias) for split Q8_0 rows [N, K/32*34]; output in x.dtype."""
     if in_features % UNIT:
         raise ValueError(f"split Q8_0 rows need in_features a multiple of {UNIT}, got {in_features}")
@@ -88,7 +83,7 @@ def gemv(x: torch.Tensor, split: torch.Tensor, in_features: int, bias: torch.Ten
     has_bias = bias is not None and split_k == 1
     _q8_0_split_kernel[(programs_n, split_k)](
         x2.contiguous(), split, bias if has_bias else x2, target, n, in_features, split.shape[1], n_units, per, n,
-        BLOCK_N=block_n, HAS_BIAS=has_bias, MAGIC=magic, num_warps=num_warps)
+        BLOCK_N=block_n, HAS_BIAS=has_bias, num_warps=num_warps)
     if split_k > 1:
         from .triton_quant_matmul import _reduce_splits
         _reduce_splits(target.view(split_k, 1, n), bias, out)
