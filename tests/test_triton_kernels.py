@@ -177,14 +177,16 @@ def test_quant_linear_uses_the_fused_kernel_for_decode_and_dequantise_plus_matmu
 
 
 def test_q8_0_linears_in_split_rows_compute_what_they_did_for_decode_verify_and_prefill(monkeypatch):
-    """Transformer.split_q8_0_rows: every Q8_0 linear whose rows are whole 256-value units takes the
-    GPU decode kernel's layout, a fused projection's tensor reordered once (its layers' slices only
-    told), and every path computes what it did: the split GEMV (one row), the fused kernel (verify
-    rows), dequantise + matmul (prefill). The raw weights read back unchanged."""
+    """Transformer.split_q8_0_rows: every Q8_0 linear and embedding table whose rows are whole
+    256-value units takes the GPU decode kernel's layout, a fused projection's tensor reordered once
+    (its layers' slices only told), and every path computes what it did: the split GEMV (one row),
+    the fused kernel (verify rows), dequantise + matmul (prefill), the table's lookups and tied
+    head. The raw weights read back unchanged."""
     from torch import nn
 
     from lucebox.kernels import triton_q8_0_split as tqs
     from lucebox.model.transformer import Transformer, fuse_linears
+    from lucebox.weights.quant import QuantEmbedding
     monkeypatch.setenv("LUCEBOX_TRITON", "1")
     k = 256
     parts = [QuantLinear(QuantTensor(quant_rows(Q.Q8_0, n, k, seed=n), Q.Q8_0, (n, k), f"p{n}")) for n in (24, 8, 8)]
@@ -192,7 +194,11 @@ def test_q8_0_linears_in_split_rows_compute_what_they_did_for_decode_verify_and_
     holder = nn.Module()
     holder.parts, holder.odd = nn.ModuleList(parts), odd
     holder.qkv = fuse_linears(parts)
+    holder.embed = QuantEmbedding(QuantTensor(quant_rows(Q.Q8_0, 12, k, seed=3), Q.Q8_0, (12, k), "embed"))
     raws = [m.weight.data.clone() for m in parts]
+    table = holder.embed.weight.data.clone()
+    ids = torch.tensor([[3, 0, 11]], device=DEVICE)
+    looked_up, projected = holder.embed(ids), holder.embed.project(xs_head := torch.randn(1, k).to(DEVICE))
     xs = [torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(DEVICE)
           for rows in (1, 3, tqm.MAX_FUSED_M + 1)]
     before = [[m(x) for x in xs] for m in parts] + [[holder.qkv(x) for x in xs]]
@@ -202,11 +208,15 @@ def test_q8_0_linears_in_split_rows_compute_what_they_did_for_decode_verify_and_
     Transformer.split_q8_0_rows(holder)  # idempotent
     assert all(m.split_rows for m in parts) and holder.qkv.__self__.split_rows and not odd.split_rows
     assert all(torch.equal(m.weight.data, raw) for m, raw in zip(parts, raws))
+    assert holder.embed.split_rows and torch.equal(holder.embed.weight.data, table)
+    assert torch.equal(holder.embed(ids), looked_up)  # the dequantiser reads split rows bit for bit
+    assert rel_err(holder.embed.project(xs_head), projected) <= 1e-5
     after = [[m(x) for x in xs] for m in parts] + [[holder.qkv(x) for x in xs]]
     for got_rows, want_rows in zip(after, before):
         for got, want in zip(got_rows, want_rows):
             assert rel_err(got, want) <= 1e-5
-    assert len(gemvs) == len(after)  # each module's one-row product took the split GEMV
+    assert len(gemvs) == len(after) + 1  # each one-row product took the split GEMV (the head's too)
+    assert fuse_linears(parts).__self__.split_rows  # fused after splitting: the projection knows
 
 
 def test_without_the_switch_cpu_tensors_stay_on_the_torch_reference(monkeypatch):

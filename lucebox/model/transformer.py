@@ -84,11 +84,13 @@ def fuse_linears(layers: list[nn.Module]):
                 m.bias = nn.Parameter(b, requires_grad=False)
         return FusedProjection(fused, bias)
     if all(isinstance(m, QuantLinear) for m in layers):
-        if len({(m.qtype, m.in_features, m.qweight.device) for m in layers}) != 1:
+        if len({(m.qtype, m.in_features, m.qweight.device, m.split_rows) for m in layers}) != 1:
             return None
         shape = (sum(m.out_features for m in layers), layers[0].in_features)
         projection = QuantLinear(QuantTensor(torch.cat([m.qweight for m in layers]), layers[0].qtype, shape,
                                              "+".join(m.name for m in layers)), bias)
+        if layers[0].split_rows:  # rows in the GPU's Q8_0 layout already (split_q8_0_rows came first)
+            projection.use_split_rows(reorder=False)
         for m, rows, b in _slices(layers, projection.qweight, bias):
             m.qweight, m.bias = rows, b
         return projection.forward
@@ -228,10 +230,10 @@ class Transformer(nn.Module):
             layer.mlp.fuse()
 
     def split_q8_0_rows(self) -> None:
-        """Q8_0 linears in the GPU decode kernel's layout (QuantLinear.use_split_rows), after
-        fuse_projections: each tensor reordered once (the fused projection first, its layers' row
-        slices then only told). Idempotent. For inference."""
-        linears = [m for m in self.modules() if isinstance(m, QuantLinear)]
+        """Q8_0 linears and embedding tables (a tied LM head) in the GPU decode kernel's layout
+        (use_split_rows), after fuse_projections: each tensor reordered once (the fused projection
+        first, its layers' row slices then only told). Idempotent. For inference."""
+        linears = [m for m in self.modules() if isinstance(m, (QuantLinear, QuantEmbedding))]
         for module in self.modules():  # fused projections are bound methods of unregistered QuantLinears
             for fused in (getattr(module, "qkv", None), getattr(module, "gate_up", None)):
                 if isinstance(getattr(fused, "__self__", None), QuantLinear):

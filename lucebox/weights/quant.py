@@ -162,7 +162,35 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantization
     return out
 
 
-class QuantLinear(torch.nn.Module):
+class _SplitRows:
+    """Q8_0 rows reordered for the GPU's decode kernel (kernels/triton_q8_0_split.py): `qweight` then
+    holds each row's values, then its scales. For modules with `qweight`, `qtype` and `row_length`."""
+
+    split_rows = False
+
+    def _raw_rows(self) -> torch.Tensor:
+        """qweight in ggml's layout."""
+        if not self.split_rows:
+            return self.qweight
+        from lucebox.kernels.triton_q8_0_split import join_rows
+        return join_rows(self.qweight)
+
+    def splits_rows(self) -> bool:
+        """Whether use_split_rows applies: Q8_0 weights that the Triton kernels read (the GPU), rows of
+        whole 256-value units."""
+        return self.qtype == GGMLQuantizationType.Q8_0 and self.row_length % 256 == 0 and use_triton(self.qweight)
+
+    def use_split_rows(self, reorder: bool = True) -> None:
+        """Q8_0 rows in the GPU's layout from now on: decode reads them with 16-byte loads, about 20%
+        faster per matrix on the H200 (BENCHMARKS, eleventh round). reorder=False: the bytes are
+        split already (a row slice of a fused projection that was)."""
+        if reorder:
+            from lucebox.kernels.triton_q8_0_split import split_rows
+            self.qweight.copy_(split_rows(self.qweight))
+        self.split_rows = True
+
+
+class QuantLinear(_SplitRows, torch.nn.Module):
     """y = x @ W.T (+ bias) with W kept quantised; dequantised `chunk_bytes` (float32-equivalent)
     worth of output rows at a time."""
 
@@ -179,33 +207,16 @@ class QuantLinear(torch.nn.Module):
         self.qtype = weight.qtype
         self.name = weight.name
         self.chunk_bytes = chunk_bytes
-        # Q8_0 rows reordered for the GPU's decode kernel (kernels/triton_q8_0_split.py): qweight then
-        # holds each row's values, then its scales (use_split_rows).
-        self.split_rows = False
         self.register_buffer("qweight", weight.data)
         self.register_buffer("bias", bias)
 
     @property
+    def row_length(self) -> int:
+        return self.in_features
+
+    @property
     def weight(self) -> QuantTensor:
-        data = self.qweight
-        if self.split_rows:
-            from lucebox.kernels.triton_q8_0_split import join_rows
-            data = join_rows(data)
-        return QuantTensor(data, self.qtype, (self.out_features, self.in_features), self.name)
-
-    def splits_rows(self) -> bool:
-        """Whether use_split_rows applies: Q8_0 weights that the Triton kernels read (the GPU), rows of
-        whole 256-value units."""
-        return self.qtype == GGMLQuantizationType.Q8_0 and self.in_features % 256 == 0 and use_triton(self.qweight)
-
-    def use_split_rows(self, reorder: bool = True) -> None:
-        """Q8_0 rows in the GPU's layout from now on: decode reads them with 16-byte loads, about 20%
-        faster per matrix on the H200 (BENCHMARKS, eleventh round). reorder=False: the bytes are
-        split already (a row slice of a fused projection that was)."""
-        if reorder:
-            from lucebox.kernels.triton_q8_0_split import split_rows
-            self.qweight.copy_(split_rows(self.qweight))
-        self.split_rows = True
+        return QuantTensor(self._raw_rows(), self.qtype, (self.out_features, self.in_features), self.name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return quant_matmul(x, self.qweight, self.qtype, self.in_features, self.bias, self.chunk_bytes,
@@ -216,7 +227,7 @@ class QuantLinear(torch.nn.Module):
                 f"qtype={self.qtype.name}, bias={self.bias is not None}, split_rows={self.split_rows}")
 
 
-class QuantEmbedding(torch.nn.Module):
+class QuantEmbedding(_SplitRows, torch.nn.Module):
     """Token embedding with the table kept quantised: a lookup dequantises only the rows it reads.
 
     With tied embeddings the same bytes are the LM head (`project`), so they are stored once."""
@@ -236,8 +247,12 @@ class QuantEmbedding(torch.nn.Module):
         self.register_buffer("_dtype_anchor", torch.empty(0, dtype=dtype, device=weight.device))
 
     @property
+    def row_length(self) -> int:
+        return self.embedding_dim
+
+    @property
     def weight(self) -> QuantTensor:
-        return QuantTensor(self.qweight, self.qtype, (self.num_embeddings, self.embedding_dim), self.name)
+        return QuantTensor(self._raw_rows(), self.qtype, (self.num_embeddings, self.embedding_dim), self.name)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -245,13 +260,14 @@ class QuantEmbedding(torch.nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.qweight.index_select(0, ids.reshape(-1))
-        values = _dequantize_rows(rows, self.qtype, self.embedding_dim, self.dtype)
+        values = _dequantize_rows(rows, self.qtype, self.embedding_dim, self.dtype, self.split_rows)
         return values.reshape(*ids.shape, self.embedding_dim)
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden @ table.T: the tied LM head."""
-        return quant_matmul(hidden, self.qweight, self.qtype, self.embedding_dim, None, self.chunk_bytes)
+        return quant_matmul(hidden, self.qweight, self.qtype, self.embedding_dim, None, self.chunk_bytes,
+                            self.split_rows)
 
     def extra_repr(self) -> str:
         return (f"{self.name!r}, num_embeddings={self.num_embeddings}, "
-                f"embedding_dim={self.embedding_dim}, qtype={self.qtype.name}")
+                f"embedding_dim={self.embedding_dim}, qtype={self.qtype.name}, split_rows={self.split_rows}")
