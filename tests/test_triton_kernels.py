@@ -153,6 +153,23 @@ def test_q8_0_split_rows_hold_the_same_weights_and_multiply_like_the_reference()
         tqs.gemv(x[:, :96], tqs.split_rows(quant_rows(Q.Q8_0, 4, 96, seed=1)), 96)
 
 
+def test_q6_k_split_rows_hold_the_same_weights_and_multiply_like_the_reference():
+    """kernels/triton_q6_k_split.py (an experiment): split rows reorder the ggml bytes field by
+    field (join_rows undoes it), and their GEMV equals the dequantised matmul, every value's 6 bits
+    and scale decoded, split-K and bias included."""
+    from lucebox.kernels import triton_q6_k_split as tq6
+    k, n = 512, 40
+    raw = quant_rows(Q.Q6_K, n, k, seed=17)
+    split = tq6.split_rows(raw)
+    assert split.shape == raw.shape and torch.equal(tq6.join_rows(split), raw)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(18)).to(DEVICE)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(19)).to(DEVICE)
+    want = x @ dequant.dequantize(raw, Q.Q6_K).T
+    for split_k in (1, 2):
+        assert rel_err(tq6.gemv(x, split, k, split_k=split_k), want) <= 1e-5
+        assert rel_err(tq6.gemv(x, split, k, bias, split_k=split_k), want + bias) <= 1e-5
+
+
 def test_split_k_changes_nothing_but_the_summation_order():
     raw = quant_rows(Q.Q4_K, 16, 1024, seed=5)
     x = torch.randn(1, 1024, generator=torch.Generator().manual_seed(5)).to(DEVICE)
