@@ -135,39 +135,29 @@ def test_fused_quant_matmul_in_bfloat16_with_bias(qtype, m, split_k):
     assert rel_err(got, want) <= 1e-2
 
 
-def test_q8_0_split_rows_hold_the_same_weights_and_multiply_like_the_reference():
-    """kernels/triton_q8_0_split.py: split rows are a reordering of the ggml bytes (join_rows undoes
-    it), and their GEMV equals the dequantised matmul, split-K and bias included."""
-    from lucebox.kernels import triton_q8_0_split as tqs
+@pytest.mark.parametrize("qtype,module", [(Q.Q8_0, "triton_q8_0_split"), (Q.Q6_K, "triton_q6_k_split")],
+                         ids=["Q8_0", "Q6_K"])
+def test_split_rows_hold_the_same_weights_and_multiply_like_the_reference(qtype, module):
+    """kernels/triton_q8_0_split.py (the GPU's Q8_0 layout) and triton_q6_k_split.py (an experiment):
+    split rows reorder the ggml bytes field by field (join_rows undoes it), and their GEMV equals the
+    dequantised matmul, every value and scale decoded, split-K and bias included."""
+    import importlib
+    split_module = importlib.import_module(f"lucebox.kernels.{module}")
     k, n = 512, 40
-    raw = quant_rows(Q.Q8_0, n, k, seed=7)
-    split = tqs.split_rows(raw)
-    assert split.shape == raw.shape and torch.equal(tqs.join_rows(split), raw)
+    raw = quant_rows(qtype, n, k, seed=7 + qtype.value)
+    split = split_module.split_rows(raw)
+    assert split.shape == raw.shape and torch.equal(split_module.join_rows(split), raw)
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(8)).to(DEVICE)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(9)).to(DEVICE)
-    want = x @ dequant.dequantize(raw, Q.Q8_0).T
+    want = x @ dequant.dequantize(raw, qtype).T
     for split_k in (1, 2):
-        assert rel_err(tqs.gemv(x, split, k, split_k=split_k), want) <= 1e-5
-        assert rel_err(tqs.gemv(x, split, k, bias, split_k=split_k), want + bias) <= 1e-5
-    with pytest.raises(ValueError, match="multiple of 256"):
-        tqs.gemv(x[:, :96], tqs.split_rows(quant_rows(Q.Q8_0, 4, 96, seed=1)), 96)
-
-
-def test_q6_k_split_rows_hold_the_same_weights_and_multiply_like_the_reference():
-    """kernels/triton_q6_k_split.py (an experiment): split rows reorder the ggml bytes field by
-    field (join_rows undoes it), and their GEMV equals the dequantised matmul, every value's 6 bits
-    and scale decoded, split-K and bias included."""
-    from lucebox.kernels import triton_q6_k_split as tq6
-    k, n = 512, 40
-    raw = quant_rows(Q.Q6_K, n, k, seed=17)
-    split = tq6.split_rows(raw)
-    assert split.shape == raw.shape and torch.equal(tq6.join_rows(split), raw)
-    x = torch.randn(1, k, generator=torch.Generator().manual_seed(18)).to(DEVICE)
-    bias = torch.randn(n, generator=torch.Generator().manual_seed(19)).to(DEVICE)
-    want = x @ dequant.dequantize(raw, Q.Q6_K).T
-    for split_k in (1, 2):
-        assert rel_err(tq6.gemv(x, split, k, split_k=split_k), want) <= 1e-5
-        assert rel_err(tq6.gemv(x, split, k, bias, split_k=split_k), want + bias) <= 1e-5
+        assert rel_err(split_module.gemv(x, split, k, split_k=split_k), want) <= 1e-5
+        assert rel_err(split_module.gemv(x, split, k, bias, split_k=split_k), want + bias) <= 1e-5
+    with pytest.raises(ValueError, match="one row"):
+        split_module.gemv(x.repeat(2, 1), split, k)
+    if qtype == Q.Q8_0:
+        with pytest.raises(ValueError, match="multiple of 256"):
+            split_module.gemv(x[:, :96], split_module.split_rows(quant_rows(Q.Q8_0, 4, 96, seed=1)), 96)
 
 
 def test_split_k_changes_nothing_but_the_summation_order():

@@ -20,8 +20,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .dispatch import num_sms
-
 QK_K = 256  # values per super-block
 BLOCK_BYTES = 210
 FIELDS = ((0, 128), (128, 192), (192, 208), (208, 210))  # ql, qh, scales, d: byte ranges in a super-block
@@ -91,24 +89,6 @@ def gemv(x: torch.Tensor, split: torch.Tensor, in_features: int, bias: torch.Ten
     """x [1, K] @ W.T (+ bias) for split Q6_K rows [N, K/256*210]; output in x.dtype. 32 rows and 4
     warps a program: the fewest SASS instructions a weight for sm_90 (9.7 in the loop, against
     13.5-14.7 at 16 rows or 8 warps and 12.8 for the fused kernel on ggml rows), not yet timed."""
-    if in_features % QK_K:
-        raise ValueError(f"Q6_K rows need in_features a multiple of {QK_K}, got {in_features}")
-    x2 = x.reshape(-1, in_features)
-    if x2.shape[0] != 1:
-        raise ValueError(f"the split Q6_K GEMV multiplies one row, got {x2.shape[0]}")
-    n, n_units = split.shape[0], in_features // QK_K
-    programs_n = triton.cdiv(n, block_n)
-    if split_k is None:
-        split_k = max(1, min(8 * num_sms(x.device) // programs_n, n_units // 2))
-    per = triton.cdiv(n_units, max(1, min(split_k, n_units)))
-    split_k = triton.cdiv(n_units, per)
-    out = x2.new_empty(1, n)
-    target = torch.empty(split_k, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
-    has_bias = bias is not None and split_k == 1
-    _q6_k_split_kernel[(programs_n, split_k)](
-        x2.contiguous(), split, bias if has_bias else x2, target, n, split.shape[1], n_units, per, n,
-        BLOCK_N=block_n, HAS_BIAS=has_bias, num_warps=num_warps)
-    if split_k > 1:
-        from .triton_quant_matmul import _reduce_splits
-        _reduce_splits(target.view(split_k, 1, n), bias, out)
-    return out.reshape(*x.shape[:-1], n)
+    from .triton_quant_matmul import one_row_gemv
+    return one_row_gemv(_q6_k_split_kernel, x, split, in_features, QK_K, bias, "split Q6_K",
+                        block_n=block_n, split_k=split_k, num_warps=num_warps)

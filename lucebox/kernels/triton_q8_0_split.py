@@ -18,8 +18,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .dispatch import num_sms
-
 QK = 32  # values per Q8_0 block
 UNIT = 256  # values per loop iteration: 8 blocks (the kernel spells both as literals)
 
@@ -40,7 +38,7 @@ def join_rows(split: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _q8_0_split_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, K, row_bytes, n_units, units_per_prog, stride_os,
+def _q8_0_split_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_per_prog, stride_os,
                        BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -50,7 +48,7 @@ def _q8_0_split_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, K, row_bytes, n_units, uni
     blk = tl.arange(0, 8)
     col = blk[:, None] * 32 + tl.arange(0, 32)[None, :]  # [8, 32]: a unit's columns
     values = (row[:, None, None] + col[None, :, :]).to(tl.pointer_type(tl.int8))  # [BLOCK_N, 8, 32]
-    scales = (row[:, None] + K + blk[None, :] * 2).to(tl.pointer_type(tl.float16))  # [BLOCK_N, 8]
+    scales = (row[:, None] + n_units * 256 + blk[None, :] * 2).to(tl.pointer_type(tl.float16))  # [BLOCK_N, 8]
     acc = tl.zeros([BLOCK_N, 8], dtype=tl.float32)
     u0 = pid_s * units_per_prog
     for u in range(u0, tl.minimum(u0 + units_per_prog, n_units)):
@@ -67,24 +65,6 @@ def _q8_0_split_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, K, row_bytes, n_units, uni
 def gemv(x: torch.Tensor, split: torch.Tensor, in_features: int, bias: torch.Tensor | None = None, *,
          block_n: int = 16, split_k: int | None = None, num_warps: int = 4) -> torch.Tensor:
     """x [1, K] @ W.T (+ bias) for split Q8_0 rows [N, K/32*34]; output in x.dtype."""
-    if in_features % UNIT:
-        raise ValueError(f"split Q8_0 rows need in_features a multiple of {UNIT}, got {in_features}")
-    x2 = x.reshape(-1, in_features)
-    if x2.shape[0] != 1:
-        raise ValueError(f"the split Q8_0 GEMV multiplies one row, got {x2.shape[0]}")
-    n, n_units = split.shape[0], in_features // UNIT
-    programs_n = triton.cdiv(n, block_n)
-    if split_k is None:
-        split_k = max(1, min(8 * num_sms(x.device) // programs_n, n_units // 2))
-    per = triton.cdiv(n_units, max(1, min(split_k, n_units)))
-    split_k = triton.cdiv(n_units, per)
-    out = x2.new_empty(1, n)
-    target = torch.empty(split_k, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
-    has_bias = bias is not None and split_k == 1
-    _q8_0_split_kernel[(programs_n, split_k)](
-        x2.contiguous(), split, bias if has_bias else x2, target, n, in_features, split.shape[1], n_units, per, n,
-        BLOCK_N=block_n, HAS_BIAS=has_bias, num_warps=num_warps)
-    if split_k > 1:
-        from .triton_quant_matmul import _reduce_splits
-        _reduce_splits(target.view(split_k, 1, n), bias, out)
-    return out.reshape(*x.shape[:-1], n)
+    from .triton_quant_matmul import one_row_gemv
+    return one_row_gemv(_q8_0_split_kernel, x, split, in_features, UNIT, bias, "split Q8_0",
+                        block_n=block_n, split_k=split_k, num_warps=num_warps)

@@ -407,6 +407,35 @@ def _reduce_splits(partials: torch.Tensor, bias: torch.Tensor | None, out: torch
         HAS_BIAS=bias is not None, BLOCK=block)
 
 
+def one_row_gemv(kernel, x: torch.Tensor, weights: torch.Tensor, in_features: int, unit: int,
+                 bias: torch.Tensor | None, what: str, *, block_n: int, split_k: int | None,
+                 num_warps: int) -> torch.Tensor:
+    """x [1, K] @ W.T (+ bias) through a one-row GEMV `kernel` over rows of `unit`-value units, whose
+    arguments are (x, w, bias, out, N, row_bytes, n_units, units_per_prog, stride_os, BLOCK_N,
+    HAS_BIAS): the K range split over programs when there are too few of them to fill the GPU, the
+    float32 partials summed by _reduce_splits. `what` names the layout in errors."""
+    if in_features % unit:
+        raise ValueError(f"{what} rows need in_features a multiple of {unit}, got {in_features}")
+    x2 = x.reshape(-1, in_features)
+    if x2.shape[0] != 1:
+        raise ValueError(f"the {what} GEMV multiplies one row, got {x2.shape[0]}")
+    n, n_units = weights.shape[0], in_features // unit
+    programs_n = triton.cdiv(n, block_n)
+    if split_k is None:
+        split_k = max(1, min(8 * num_sms(x.device) // programs_n, n_units // 2))
+    per = triton.cdiv(n_units, max(1, min(split_k, n_units)))
+    split_k = triton.cdiv(n_units, per)
+    out = x2.new_empty(1, n)
+    target = torch.empty(split_k, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
+    has_bias = bias is not None and split_k == 1
+    kernel[(programs_n, split_k)](
+        x2.contiguous(), weights, bias if has_bias else x2, target, n, weights.shape[1], n_units, per, n,
+        BLOCK_N=block_n, HAS_BIAS=has_bias, num_warps=num_warps)
+    if split_k > 1:
+        _reduce_splits(target.view(split_k, 1, n), bias, out)
+    return out.reshape(*x.shape[:-1], n)
+
+
 def dequantize(qweight: torch.Tensor, qtype, in_features: int,
                out_dtype: torch.dtype = torch.float32, *, block_n: int = 16,
                num_warps: int = 4, split_rows: bool = False) -> torch.Tensor:
