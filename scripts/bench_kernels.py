@@ -50,8 +50,7 @@ from lucebox.kernels import dequant, triton_activation, triton_gemv, triton_norm
 from lucebox.kernels import triton_sampling  # noqa: E402
 from lucebox.kernels import prefill_attention as pa  # noqa: E402
 from lucebox.kernels import triton_paged_attention as tpa  # noqa: E402
-from lucebox.kernels import triton_q6_k_split as tq6  # noqa: E402
-from lucebox.kernels import triton_q8_0_split as tqs  # noqa: E402
+from lucebox.kernels import triton_split_rows as tsr  # noqa: E402
 from lucebox.kernels import triton_quant_int8 as tqi  # noqa: E402
 from lucebox.kernels import triton_quant_matmul as tqm  # noqa: E402
 from lucebox.kernels.attention import paged_attention as attention_dispatch  # noqa: E402
@@ -176,9 +175,8 @@ def bench_quant(args, shape, peak, device) -> list:
         best = {}
         if args.sweep and device.type == "cuda":
             best = sweep_quant(x, raws, qtype, k, m, device)
-            split_module = {Q.Q8_0: tqs, Q.Q6_K: tq6}.get(qtype)
-            if split_module is not None and m == 1:
-                best |= sweep_split_rows(split_module, x, raws, k, ref, device)
+            if qtype in tsr.SPLIT_TYPES:
+                best |= sweep_split_rows(x, raws, qtype, k, m, ref, device)
         row(table, kernel="quant_matmul", qtype=qtype.name, layer=name, N=n, K=k, M=m, rel_err=err,
             us=t_tri * 1e3, GBps=gbps(nbytes, t_tri), pct_peak=100 * gbps(nbytes, t_tri) / peak,
             ref_us=t_ref * 1e3, speedup_vs_ref=t_ref / t_tri, dense_bf16_us=t_dense * 1e3, **best)
@@ -222,20 +220,26 @@ def sweep_quant(x, raws, qtype, k, m, device) -> dict:
             "best_split": str(best[3]), "best_path": best[4]} if best else {}
 
 
-def sweep_split_rows(module, x, raws, k, ref, device) -> dict:
-    """The same decode GEMV over split rows (kernels/triton_q8_0_split.py, the Q8_0 layout models
-    take on the GPU; kernels/triton_q6_k_split.py, an experiment): each field 16-byte aligned;
-    checked against the reference first, then timed like the rest."""
-    splits = [module.split_rows(w) for w in raws]
-    err = rel_err(module.gemv(x, splits[0], k), ref)
-    default = bench_in_graph(lambda w: module.gemv(x, w, k), splits, device)
+def sweep_split_rows(x, raws, qtype, k, m, ref, device) -> dict:
+    """The same product over split rows (kernels/triton_split_rows.py, the Q8_0 / Q6_K layout models
+    take on the GPU): the one-row GEMV at M = 1, the fused kernel (verify) above; checked against
+    the reference first, then timed like the rest, at the default launch and over a grid."""
+    splits = [tsr.split_rows(w, qtype) for w in raws]
+    if m == 1:
+        def product(w, **launch):
+            return tsr.gemv(x, w, qtype, k, **launch)
+    else:
+        def product(w, **launch):
+            return tqm.quant_matmul(x, w, qtype, k, split_rows=True, **launch)
+    err = rel_err(product(splits[0]), ref)
+    default = bench_in_graph(product, splits, device)
     best = None
-    for block_n in (16, 32, 64):
+    for block_n in (16, 32, 64) if m == 1 else (32, 64, 128):
         for warps in (4, 8):
-            for split in (None, 1, 4, 16):
+            for split in (None, 1, 4, 8, 16):
                 try:
-                    t = bench_in_graph(lambda w: module.gemv(x, w, k, block_n=block_n, split_k=split,
-                                                             num_warps=warps), splits, device)
+                    t = bench_in_graph(lambda w: product(w, block_n=block_n, split_k=split, num_warps=warps),
+                                       splits, device)
                 except Exception:
                     continue
                 if best is None or t < best[0]:
@@ -500,10 +504,11 @@ def compile_check(arch: str) -> None:
             return lambda *a, **kw: launches.append((self.fn, a, kw))
 
     real = (tqm._qmm_kernel, tqm._sum_splits_kernel, tpa._paged_attn_kernel, tpa._merge_splits_kernel,
-            tqi._q8_0_int8_kernel, tqs._q8_0_split_kernel, tq6._q6_k_split_kernel)
+            tqi._q8_0_int8_kernel)
     tqm._qmm_kernel, tqm._sum_splits_kernel = Capture(real[0]), Capture(real[1])
-    tqi._q8_0_int8_kernel, tqs._q8_0_split_kernel = Capture(real[4]), Capture(real[5])
-    tq6._q6_k_split_kernel = Capture(real[6])
+    tqi._q8_0_int8_kernel = Capture(real[4])
+    split_gemvs = dict(tsr._GEMV)
+    tsr._GEMV = {qtype: (Capture(kernel), *rest) for qtype, (kernel, *rest) in split_gemvs.items()}
     tpa._paged_attn_kernel, tpa._merge_splits_kernel = Capture(real[2]), Capture(real[3])
     lazy = (triton_norm, triton_rope_kv, triton_activation, triton_gemv)  # modules defining their kernel on first use
     lazy_real = [m._kernel for m in lazy]
@@ -534,12 +539,13 @@ def compile_check(arch: str) -> None:
         raw = torch.zeros(64, 4096 // 32 * 34, dtype=torch.uint8)
         for m in (1, 16):
             tqm.quant_matmul(torch.zeros(m, 4096, dtype=torch.bfloat16), raw, Q.Q8_0, 4096, int8_activations=True)
-        tqs.gemv(torch.zeros(1, 4096, dtype=torch.bfloat16), raw, 4096, split_k=1)
-        tq6.gemv(torch.zeros(1, 4096, dtype=torch.bfloat16), torch.zeros(64, 16 * 210, dtype=torch.uint8), 4096,
-                 split_k=1)
-        for m in (1, 16):  # split Q8_0 rows through the fused kernel (verify) and the dequantiser (prefill)
-            tqm.quant_matmul(torch.zeros(m, 4096, dtype=torch.bfloat16), raw, Q.Q8_0, 4096, split_k=1, split_rows=True)
-        tqm.dequantize(raw, Q.Q8_0, 4096, torch.bfloat16, split_rows=True)
+        for qtype in tsr.SPLIT_TYPES:  # split rows: the GEMV, the fused kernel (verify), the dequantiser (prefill)
+            raw = torch.zeros(64, 4096 // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1], dtype=torch.uint8)
+            tsr.gemv(torch.zeros(1, 4096, dtype=torch.bfloat16), raw, qtype, 4096, split_k=1)
+            for m in (1, 16):
+                tqm.quant_matmul(torch.zeros(m, 4096, dtype=torch.bfloat16), raw, qtype, 4096, split_k=1,
+                                 split_rows=True)
+            tqm.dequantize(raw, qtype, 4096, torch.bfloat16, split_rows=True)
         for qk_norm in (None, (torch.ones(128, dtype=torch.bfloat16),) * 2 + (1e-6,)):
             kc, vc = (PagedKVCache(8, 16, 8, 128, "bf16", torch.bfloat16, "cpu") for _ in range(2))
             q, k = torch.zeros(1, 32, 128, dtype=torch.bfloat16), torch.zeros(1, 8, 128, dtype=torch.bfloat16)
@@ -565,7 +571,7 @@ def compile_check(arch: str) -> None:
                                                row.long(), torch.zeros(1, dtype=torch.long))  # as a graph calls it
     finally:
         tqm._qmm_kernel, tqm._sum_splits_kernel, tpa._paged_attn_kernel, tpa._merge_splits_kernel = real[:4]
-        tqi._q8_0_int8_kernel, tqs._q8_0_split_kernel, tq6._q6_k_split_kernel = real[4], real[5], real[6]
+        tqi._q8_0_int8_kernel, tsr._GEMV = real[4], split_gemvs
         for module, make in zip(lazy, lazy_real):
             module._kernel = make
         triton_sampling._kernels = sampling_real

@@ -135,29 +135,34 @@ def test_fused_quant_matmul_in_bfloat16_with_bias(qtype, m, split_k):
     assert rel_err(got, want) <= 1e-2
 
 
-@pytest.mark.parametrize("qtype,module", [(Q.Q8_0, "triton_q8_0_split"), (Q.Q6_K, "triton_q6_k_split")],
-                         ids=["Q8_0", "Q6_K"])
-def test_split_rows_hold_the_same_weights_and_multiply_like_the_reference(qtype, module):
-    """kernels/triton_q8_0_split.py (the GPU's Q8_0 layout) and triton_q6_k_split.py (an experiment):
-    split rows reorder the ggml bytes field by field (join_rows undoes it), and their GEMV equals the
-    dequantised matmul, every value and scale decoded, split-K and bias included."""
-    import importlib
-    split_module = importlib.import_module(f"lucebox.kernels.{module}")
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q6_K], ids=["Q8_0", "Q6_K"])
+def test_split_rows_hold_the_same_weights_and_multiply_like_the_reference(qtype):
+    """kernels/triton_split_rows.py (the GPU's Q8_0 and Q6_K layout): split rows reorder the ggml
+    bytes field by field (join_rows undoes it); their GEMV (decode) and the fused kernel (verify)
+    equal the dequantised matmul, every value and scale decoded, split-K and bias included; the
+    dequantiser (prefill) reads them bit for bit."""
+    from lucebox.kernels import triton_split_rows as tsr
     k, n = 512, 40
     raw = quant_rows(qtype, n, k, seed=7 + qtype.value)
-    split = split_module.split_rows(raw)
-    assert split.shape == raw.shape and torch.equal(split_module.join_rows(split), raw)
-    x = torch.randn(1, k, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    split = tsr.split_rows(raw, qtype)
+    assert split.shape == raw.shape and not torch.equal(split, raw) and torch.equal(tsr.join_rows(split, qtype), raw)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(8)).to(DEVICE)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(9)).to(DEVICE)
-    want = x @ dequant.dequantize(raw, qtype).T
+    weight = dequant.dequantize(raw, qtype)
+    want = x @ weight.T
     for split_k in (1, 2):
-        assert rel_err(split_module.gemv(x, split, k, split_k=split_k), want) <= 1e-5
-        assert rel_err(split_module.gemv(x, split, k, bias, split_k=split_k), want + bias) <= 1e-5
+        assert rel_err(tsr.gemv(x[:1], split, qtype, k, split_k=split_k), want[:1]) <= 1e-5
+        assert rel_err(tsr.gemv(x[:1], split, qtype, k, bias, split_k=split_k), want[:1] + bias) <= 1e-5
+        got = tqm.quant_matmul(x, split, qtype, k, bias, split_k=split_k, split_rows=True)
+        assert rel_err(got, want + bias) <= 1e-5
+    assert torch.equal(tqm.dequantize(split, qtype, k, split_rows=True), weight)
     with pytest.raises(ValueError, match="one row"):
-        split_module.gemv(x.repeat(2, 1), split, k)
-    if qtype == Q.Q8_0:
-        with pytest.raises(ValueError, match="multiple of 256"):
-            split_module.gemv(x[:, :96], split_module.split_rows(quant_rows(Q.Q8_0, 4, 96, seed=1)), 96)
+        tsr.gemv(x, split, qtype, k)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        tsr.gemv(x[:1, :96], split[:, :1], qtype, 96)
+    with pytest.raises(ValueError, match="not Q4_K"):
+        tsr.gemv(x[:1], split, Q.Q4_K, k)
+    assert tsr.applies(qtype, 4096) and not tsr.applies(qtype, 96) and not tsr.applies(Q.Q4_K, 4096)
 
 
 def test_split_k_changes_nothing_but_the_summation_order():
@@ -183,47 +188,50 @@ def test_quant_linear_uses_the_fused_kernel_for_decode_and_dequantise_plus_matmu
     assert calls == ["quant_matmul", "quant_matmul", "dequantize"]
 
 
-def test_q8_0_linears_in_split_rows_compute_what_they_did_for_decode_verify_and_prefill(monkeypatch):
-    """Transformer.split_q8_0_rows: every Q8_0 linear and embedding table whose rows are whole
-    256-value units takes the GPU decode kernel's layout, a fused projection's tensor reordered once
-    (its layers' slices only told), and every path computes what it did: the split GEMV (one row),
-    the fused kernel (verify rows), dequantise + matmul (prefill), the table's lookups and tied
-    head. The raw weights read back unchanged."""
+def test_linears_in_split_rows_compute_what_they_did_for_decode_verify_and_prefill(monkeypatch):
+    """Transformer.split_quant_rows: every Q8_0 / Q6_K linear and embedding table whose rows leave
+    the split fields aligned takes the GPU decode kernels' layout, a fused projection's tensor
+    reordered once (its layers' slices only told), and every path computes what it did: the split
+    GEMV (one row), the fused kernel (verify rows), dequantise + matmul (prefill), the table's
+    lookups and tied head. The raw weights read back unchanged."""
     from torch import nn
 
-    from lucebox.kernels import triton_q8_0_split as tqs
+    from lucebox.kernels import triton_split_rows as tsr
     from lucebox.model.transformer import Transformer, fuse_linears
     from lucebox.weights.quant import QuantEmbedding
     monkeypatch.setenv("LUCEBOX_TRITON", "1")
     k = 256
     parts = [QuantLinear(QuantTensor(quant_rows(Q.Q8_0, n, k, seed=n), Q.Q8_0, (n, k), f"p{n}")) for n in (24, 8, 8)]
+    parts.append(QuantLinear(QuantTensor(quant_rows(Q.Q6_K, 8, 2048, seed=4), Q.Q6_K, (8, 2048), "q6")))
     odd = QuantLinear(QuantTensor(quant_rows(Q.Q8_0, 8, 96, seed=2), Q.Q8_0, (8, 96), "odd"))  # 96: not split
+    short = QuantLinear(QuantTensor(quant_rows(Q.Q6_K, 8, 512, seed=5), Q.Q6_K, (8, 512), "short"))  # Q6_K < 2048
     holder = nn.Module()
-    holder.parts, holder.odd = nn.ModuleList(parts), odd
-    holder.qkv = fuse_linears(parts)
+    holder.parts, holder.odd, holder.short = nn.ModuleList(parts), odd, short
+    holder.qkv = fuse_linears(parts[:3])
     holder.embed = QuantEmbedding(QuantTensor(quant_rows(Q.Q8_0, 12, k, seed=3), Q.Q8_0, (12, k), "embed"))
     raws = [m.weight.data.clone() for m in parts]
     table = holder.embed.weight.data.clone()
     ids = torch.tensor([[3, 0, 11]], device=DEVICE)
     looked_up, projected = holder.embed(ids), holder.embed.project(xs_head := torch.randn(1, k).to(DEVICE))
-    xs = [torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(DEVICE)
-          for rows in (1, 3, tqm.MAX_FUSED_M + 1)]
-    before = [[m(x) for x in xs] for m in parts] + [[holder.qkv(x) for x in xs]]
+    xs = {width: [torch.randn(rows, width, generator=torch.Generator().manual_seed(rows)).to(DEVICE)
+                  for rows in (1, 3, tqm.MAX_FUSED_M + 1)] for width in (k, 2048)}
+    before = [[m(x) for x in xs[m.in_features]] for m in parts] + [[holder.qkv(x) for x in xs[k]]]
     gemvs = []
-    monkeypatch.setattr(tqs, "gemv", lambda *a, _real=tqs.gemv, **kw: gemvs.append(1) or _real(*a, **kw))
-    Transformer.split_q8_0_rows(holder)
-    Transformer.split_q8_0_rows(holder)  # idempotent
-    assert all(m.split_rows for m in parts) and holder.qkv.__self__.split_rows and not odd.split_rows
+    monkeypatch.setattr(tsr, "gemv", lambda *a, _real=tsr.gemv, **kw: gemvs.append(1) or _real(*a, **kw))
+    Transformer.split_quant_rows(holder)
+    Transformer.split_quant_rows(holder)  # idempotent
+    assert all(m.split_rows for m in parts) and holder.qkv.__self__.split_rows
+    assert not odd.split_rows and not short.split_rows
     assert all(torch.equal(m.weight.data, raw) for m, raw in zip(parts, raws))
     assert holder.embed.split_rows and torch.equal(holder.embed.weight.data, table)
     assert torch.equal(holder.embed(ids), looked_up)  # the dequantiser reads split rows bit for bit
     assert rel_err(holder.embed.project(xs_head), projected) <= 1e-5
-    after = [[m(x) for x in xs] for m in parts] + [[holder.qkv(x) for x in xs]]
+    after = [[m(x) for x in xs[m.in_features]] for m in parts] + [[holder.qkv(x) for x in xs[k]]]
     for got_rows, want_rows in zip(after, before):
         for got, want in zip(got_rows, want_rows):
             assert rel_err(got, want) <= 1e-5
     assert len(gemvs) == len(after) + 1  # each one-row product took the split GEMV (the head's too)
-    assert fuse_linears(parts).__self__.split_rows  # fused after splitting: the projection knows
+    assert fuse_linears(parts[:3]).__self__.split_rows  # fused after splitting: the projection knows
 
 
 def test_without_the_switch_cpu_tensors_stay_on_the_torch_reference(monkeypatch):

@@ -45,7 +45,7 @@ class LLMEngine:
                         cfg.max_position_embeddings)
         self.speculator = make_speculator(args.speculative_config, loaded, self.max_model_len)
         self.model.fuse_projections()  # q/k/v and gate/up as one GEMV each (idempotent)
-        self.model.split_q8_0_rows()  # the GPU decode kernel's Q8_0 layout (idempotent)
+        self.model.split_quant_rows()  # the GPU decode kernels' Q8_0 / Q6_K layout (idempotent)
         num_blocks = self._plan_kv_blocks()
         graphs = self._graph_settings()
         self.runner = ModelRunner(self.model, num_blocks, args.block_size, args.cache_type_k, args.cache_type_v,

@@ -116,7 +116,7 @@ def _iq4_value(q):
 @triton.jit
 def _unit_q8_0(acc, ub, sb, xk, stride_xm, M, ok, n_mask, BPU: tl.constexpr, SPLIT: tl.constexpr,
                MODE: tl.constexpr, BLOCK_M: tl.constexpr, DOT_IEEE: tl.constexpr):
-    """ggml's 34-byte blocks, or split rows (triton_q8_0_split.py): values at ub, scales at sb."""
+    """ggml's 34-byte blocks, or split rows (triton_split_rows.py): values at ub, scales at sb."""
     i = tl.arange(0, 32)
     for b in tl.static_range(BPU):
         if SPLIT:
@@ -176,24 +176,25 @@ def _unit_q45_k(acc, ub, xk, stride_xm, M, ok, n_mask, FIVE: tl.constexpr,
 
 
 @triton.jit
-def _unit_q6_k(acc, ub, xk, stride_xm, M, ok, n_mask,
+def _unit_q6_k(acc, qlb, qhb, scb, db, xk, stride_xm, M, ok, n_mask,
                MODE: tl.constexpr, BLOCK_M: tl.constexpr, DOT_IEEE: tl.constexpr):
-    """Q6_K (210 bytes: 128 low-nibble bytes, 64 bytes of 2-bit pairs, 16 int8 scales, fp16 d).
+    """Q6_K (210 bytes: 128 low-nibble bytes at qlb, 64 bytes of 2-bit pairs at qhb, 16 int8 scales
+    at scb, fp16 d at db: one block in ggml's layout, or a unit of split rows).
     Per half n of 128 values: ql byte 64n + l (l < 64) holds values 128n + l (low nibble) and
     128n + 64 + l (high); qh byte 32n + l' holds the top bits of the four values 128n + l' + 32k
     as bit pairs k = 0..3; each run of 16 values has its own scale."""
     i = tl.arange(0, 32)
     first = i[None, :] < 16
-    d = _f16(ub + 208)
+    d = _f16(db)
     for n in tl.static_range(2):
-        qh = tl.load(ub + 128 + 32 * n + i[None, :]).to(tl.int32)
+        qh = tl.load(qhb + 32 * n + i[None, :]).to(tl.int32)
         for a in tl.static_range(2):
-            ql = tl.load(ub + 64 * n + 32 * a + i[None, :]).to(tl.int32)
+            ql = tl.load(qlb + 64 * n + 32 * a + i[None, :]).to(tl.int32)
             for nib in tl.static_range(2):
                 q = ((ql >> (4 * nib)) & 15) | (((qh >> (2 * a + 4 * nib)) & 3) << 4)
                 v0 = 128 * n + 64 * nib + 32 * a
                 # The plane's two int8 scales are adjacent (v0 // 16 is even): one 2-byte load.
-                pair = tl.load((ub + 192 + v0 // 16).to(tl.pointer_type(tl.int16))).to(tl.int32)
+                pair = tl.load((scb + v0 // 16).to(tl.pointer_type(tl.int16))).to(tl.int32)
                 s_lo = d * (((pair & 0xFF) ^ 0x80) - 0x80).to(tl.float32)
                 s_hi = d * (pair >> 8).to(tl.float32)
                 w = tl.where(first, s_lo, s_hi) * (q.to(tl.float32) - 32.0)
@@ -262,7 +263,13 @@ def _qmm_kernel(x_ptr, w_ptr, b_ptr, o_ptr, M, N, row_bytes, n_units, units_per_
         elif FMT == 3:
             acc = _unit_q45_k(acc, ub, xk, stride_xm, M, ok, n_mask, True, MODE, BLOCK_M, DOT_IEEE)
         elif FMT == 4:
-            acc = _unit_q6_k(acc, ub, xk, stride_xm, M, ok, n_mask, MODE, BLOCK_M, DOT_IEEE)
+            if SPLIT:  # split rows: every unit's ql, then every qh, every scale run, every d
+                acc = _unit_q6_k(acc, w_row + u * 128, w_row + n_units * 128 + u * 64,
+                                 w_row + n_units * 192 + u * 16, w_row + n_units * 208 + u * 2,
+                                 xk, stride_xm, M, ok, n_mask, MODE, BLOCK_M, DOT_IEEE)
+            else:
+                acc = _unit_q6_k(acc, ub, ub + 128, ub + 192, ub + 208, xk, stride_xm, M, ok, n_mask,
+                                 MODE, BLOCK_M, DOT_IEEE)
         else:
             acc = _unit_iq4_xs(acc, ub, xk, stride_xm, M, ok, n_mask, MODE, BLOCK_M, DOT_IEEE)
     if MODE == 0:
@@ -306,8 +313,8 @@ def supports(qweight: torch.Tensor, qtype) -> bool:
 
 
 def _layout(qtype, in_features: int, split_rows: bool = False) -> tuple[int, int, int, int, int, int]:
-    if split_rows and qtype != Q.Q8_0:
-        raise ValueError(f"split rows are a Q8_0 layout, not {qtype.name}'s")
+    if split_rows and qtype not in (Q.Q8_0, Q.Q6_K):
+        raise ValueError(f"split rows are a layout of Q8_0 and Q6_K, not {qtype.name}")
     fmt, unit_bytes, unit_values, plane = _FORMATS[qtype]
     block_values, block_bytes = GGML_QUANT_SIZES[qtype]
     if in_features % block_values:
@@ -338,7 +345,7 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype, in_features: int
     instructions per weight, which the tensor-core path changes: a launch option to measure.
     int8_activations (Q8_0 only): x rounded to int8 per 32 values and multiplied on integer tensor
     cores (kernels/triton_quant_int8.py), also an option to measure.
-    split_rows: Q8_0 rows in the split layout (kernels/triton_q8_0_split.py)."""
+    split_rows: Q8_0 or Q6_K rows in the split layout (kernels/triton_split_rows.py)."""
     if x.dtype not in ACTIVATION_DTYPES:
         raise TypeError(f"quant_matmul: unsupported activation dtype {x.dtype}")
     fmt, unit_bytes, unit_values, bpu, plane, n_units = _layout(qtype, in_features, split_rows)
@@ -409,11 +416,12 @@ def _reduce_splits(partials: torch.Tensor, bias: torch.Tensor | None, out: torch
 
 def one_row_gemv(kernel, x: torch.Tensor, weights: torch.Tensor, in_features: int, unit: int,
                  bias: torch.Tensor | None, what: str, *, block_n: int, split_k: int | None,
-                 num_warps: int) -> torch.Tensor:
+                 num_warps: int, waves: int = 8) -> torch.Tensor:
     """x [1, K] @ W.T (+ bias) through a one-row GEMV `kernel` over rows of `unit`-value units, whose
     arguments are (x, w, bias, out, N, row_bytes, n_units, units_per_prog, stride_os, BLOCK_N,
-    HAS_BIAS): the K range split over programs when there are too few of them to fill the GPU, the
-    float32 partials summed by _reduce_splits. `what` names the layout in errors."""
+    HAS_BIAS): the K range split over programs when there are fewer than `waves` programs an SM,
+    each keeping at least two units, the float32 partials summed by _reduce_splits. `what` names
+    the layout in errors."""
     if in_features % unit:
         raise ValueError(f"{what} rows need in_features a multiple of {unit}, got {in_features}")
     x2 = x.reshape(-1, in_features)
@@ -422,7 +430,7 @@ def one_row_gemv(kernel, x: torch.Tensor, weights: torch.Tensor, in_features: in
     n, n_units = weights.shape[0], in_features // unit
     programs_n = triton.cdiv(n, block_n)
     if split_k is None:
-        split_k = max(1, min(8 * num_sms(x.device) // programs_n, n_units // 2))
+        split_k = max(1, min(waves * num_sms(x.device) // programs_n, n_units // 2))
     per = triton.cdiv(n_units, max(1, min(split_k, n_units)))
     split_k = triton.cdiv(n_units, per)
     out = x2.new_empty(1, n)
@@ -439,7 +447,7 @@ def one_row_gemv(kernel, x: torch.Tensor, weights: torch.Tensor, in_features: in
 def dequantize(qweight: torch.Tensor, qtype, in_features: int,
                out_dtype: torch.dtype = torch.float32, *, block_n: int = 16,
                num_warps: int = 4, split_rows: bool = False) -> torch.Tensor:
-    """Raw GGUF rows [N, bytes_per_row] (or split Q8_0 rows) -> [N, in_features] in out_dtype; bit-exact
+    """Raw GGUF rows [N, bytes_per_row] (or split rows) -> [N, in_features] in out_dtype; bit-exact
     with `lucebox.kernels.dequant.dequantize` (float32 arithmetic, no FMA contraction, then a cast)."""
     fmt, unit_bytes, unit_values, bpu, plane, n_units = _layout(qtype, in_features, split_rows)
     n = qweight.shape[0]

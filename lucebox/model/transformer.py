@@ -89,7 +89,7 @@ def fuse_linears(layers: list[nn.Module]):
         shape = (sum(m.out_features for m in layers), layers[0].in_features)
         projection = QuantLinear(QuantTensor(torch.cat([m.qweight for m in layers]), layers[0].qtype, shape,
                                              "+".join(m.name for m in layers)), bias)
-        if layers[0].split_rows:  # rows in the GPU's Q8_0 layout already (split_q8_0_rows came first)
+        if layers[0].split_rows:  # rows in the GPU's split layout already (split_quant_rows came first)
             projection.use_split_rows(reorder=False)
         for m, rows, b in _slices(layers, projection.qweight, bias):
             m.qweight, m.bias = rows, b
@@ -229,9 +229,9 @@ class Transformer(nn.Module):
             layer.self_attn.fuse()
             layer.mlp.fuse()
 
-    def split_q8_0_rows(self) -> None:
-        """Q8_0 linears and embedding tables (a tied LM head) in the GPU decode kernel's layout
-        (use_split_rows), after fuse_projections: each tensor reordered once (the fused projection
+    def split_quant_rows(self) -> None:
+        """Q8_0 and Q6_K linears and embedding tables (a tied LM head) in the GPU decode kernels'
+        split layout (use_split_rows), after fuse_projections: each tensor reordered once (the fused projection
         first, its layers' row slices then only told). Idempotent. For inference."""
         linears = [m for m in self.modules() if isinstance(m, (QuantLinear, QuantEmbedding))]
         for module in self.modules():  # fused projections are bound methods of unregistered QuantLinears

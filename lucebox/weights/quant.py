@@ -126,8 +126,8 @@ def _dequantize_rows(rows: torch.Tensor, qtype, in_features: int, dtype: torch.d
     if tq is not None:
         return tq.dequantize(rows, qtype, in_features, dtype, split_rows=split_rows)
     if split_rows:
-        from lucebox.kernels.triton_q8_0_split import join_rows
-        rows = join_rows(rows)
+        from lucebox.kernels.triton_split_rows import join_rows
+        rows = join_rows(rows, qtype)
     return dequant.dequantize(rows, qtype, dtype)
 
 
@@ -135,8 +135,8 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantization
                  bias: torch.Tensor | None = None, chunk_bytes: int = 32 << 20,
                  split_rows: bool = False) -> torch.Tensor:
     """x @ W.T (+ bias) for raw GGUF rows `qweight` [out_features, bytes_per_row], dequantising
-    `chunk_bytes` (float32-equivalent) worth of output rows at a time. split_rows: Q8_0 rows in the
-    GPU's layout (QuantLinear.split_rows).
+    `chunk_bytes` (float32-equivalent) worth of output rows at a time. split_rows: rows in the GPU's
+    split layout (QuantLinear.split_rows).
 
     On the GPU a few rows of x (decode / verify, M <= 64) go through the fused Triton
     dequantise-and-multiply kernel, which reads each weight byte once; more rows (prefill) are
@@ -146,8 +146,8 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantization
     m = x.numel() // max(1, in_features)
     if tq is not None and x.dtype in tq.ACTIVATION_DTYPES and m <= tq.MAX_FUSED_M:
         if split_rows and m == 1:
-            from lucebox.kernels import triton_q8_0_split
-            return triton_q8_0_split.gemv(x, qweight, in_features, bias)
+            from lucebox.kernels import triton_split_rows
+            return triton_split_rows.gemv(x, qweight, qtype, in_features, bias)
         return tq.quant_matmul(x, qweight, qtype, in_features, bias, split_rows=split_rows)
     bias = None if bias is None else bias.to(x.dtype)
     rows = max(1, chunk_bytes // (4 * in_features))
@@ -163,8 +163,9 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantization
 
 
 class _SplitRows:
-    """Q8_0 rows reordered for the GPU's decode kernel (kernels/triton_q8_0_split.py): `qweight` then
-    holds each row's values, then its scales. For modules with `qweight`, `qtype` and `row_length`."""
+    """Q8_0 / Q6_K rows reordered for the GPU's decode kernels (kernels/triton_split_rows.py):
+    `qweight` then holds each row's fields one after the other (Q8_0: values, then scales). For
+    modules with `qweight`, `qtype` and `row_length`."""
 
     split_rows = False
 
@@ -172,21 +173,22 @@ class _SplitRows:
         """qweight in ggml's layout."""
         if not self.split_rows:
             return self.qweight
-        from lucebox.kernels.triton_q8_0_split import join_rows
-        return join_rows(self.qweight)
+        from lucebox.kernels.triton_split_rows import join_rows
+        return join_rows(self.qweight, self.qtype)
 
     def splits_rows(self) -> bool:
-        """Whether use_split_rows applies: Q8_0 weights that the Triton kernels read (the GPU), rows of
-        whole 256-value units."""
-        return self.qtype == GGMLQuantizationType.Q8_0 and self.row_length % 256 == 0 and use_triton(self.qweight)
+        """Whether use_split_rows applies: weights that the Triton kernels read (the GPU), of a type and
+        row length the split layout serves (triton_split_rows.applies)."""
+        from lucebox.kernels.triton_split_rows import applies
+        return applies(self.qtype, self.row_length) and use_triton(self.qweight)
 
     def use_split_rows(self, reorder: bool = True) -> None:
-        """Q8_0 rows in the GPU's layout from now on: decode reads them with 16-byte loads, about 20%
-        faster per matrix on the H200 (BENCHMARKS, eleventh round). reorder=False: the bytes are
-        split already (a row slice of a fused projection that was)."""
+        """Rows in the GPU's split layout from now on: decode reads them with 16-byte loads (Q8_0 ~20%,
+        Q6_K ~10% faster per 8B matrix on the H200; BENCHMARKS, eleventh and twelfth rounds).
+        reorder=False: the bytes are split already (a row slice of a fused projection that was)."""
         if reorder:
-            from lucebox.kernels.triton_q8_0_split import split_rows
-            self.qweight.copy_(split_rows(self.qweight))
+            from lucebox.kernels.triton_split_rows import split_rows
+            self.qweight.copy_(split_rows(self.qweight, self.qtype))
         self.split_rows = True
 
 

@@ -1,0 +1,147 @@
+"""Split rows (Triton): the layout Q8_0 and Q6_K weights take on the GPU, and their decode GEMVs.
+
+ggml's blocks interleave each block's scales with its values: a Q8_0 block is 34 bytes (an fp16
+scale, then 32 int8 values), a Q6_K super-block 210 bytes (128 bytes of low nibbles, 64 of 2-bit
+high pairs, 16 int8 scales, an fp16 d). Their fields sit at 2-byte alignment, so the fused kernel
+(triton_quant_matmul) loads them a byte or two at a time and shuffles bytes into place: ~10 (Q8_0)
+and ~13 (Q6_K) SASS instructions a weight on sm_90, 19-55% of the H200's bandwidth (BENCHMARKS,
+fourth and eleventh rounds). A split row holds the same bytes per output feature, field by field:
+every block's first field, then every block's second, ... (Q8_0: the K values, then the K/32
+scales; Q6_K: all low nibbles | all high pairs | all scales | all d). Each field's run is then
+16-byte aligned when the row is (Q8_0: K a multiple of 256; Q6_K: of 2048, 8 super-blocks, as the
+8B shape's 4096 and 12288), and a program loads 16 values with one instruction.
+
+Decode (one row) runs the GEMVs here: Q8_0 multiplies a unit of 8 blocks as one [rows, 8, 32] tile
+and applies each block's scale to the block's sum; Q6_K takes a super-block as [rows, 2, 2, 2, 16]
+tiles per field (halves n, 32-value runs a, 16-value scale groups g, values i; value
+v = 128n + 64h + 32a + 16g + i with h the low or high nibble, scale index 8n + 4h + 2a + g) and per
+scale group computes d * sc * (sum(q*x) - 32 * sum(x)), sum(x) shared by every row of the program.
+Verify and prefill read split rows through triton_quant_matmul (split_rows=True). Turning int8
+into float32 with an OR and a subtract instead of the int-to-float instruction was slower on every
+qwen3-8b matrix on the H200 (eleventh round).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from gguf import GGMLQuantizationType as Q
+
+# ggml type -> (bytes per block, byte ranges of its fields in ggml's block, the field order in a split row)
+_FIELDS = {
+    Q.Q8_0: (34, ((2, 34), (0, 2))),  # values, scale
+    Q.Q6_K: (210, ((0, 128), (128, 192), (192, 208), (208, 210))),  # ql, qh, scales, d
+}
+SPLIT_TYPES = frozenset(_FIELDS)
+# Row lengths (values) that leave every field 16-byte aligned: what the GEMVs were timed on.
+_ALIGNED_K = {Q.Q8_0: 256, Q.Q6_K: 2048}
+
+
+def applies(qtype, row_length: int) -> bool:
+    """Whether rows of this type and length take the split layout."""
+    return qtype in _ALIGNED_K and row_length % _ALIGNED_K[qtype] == 0
+
+
+def split_rows(raw: torch.Tensor, qtype) -> torch.Tensor:
+    """ggml rows [N, bytes] -> split rows of the same size: each field's bytes for every block of
+    the row, field after field."""
+    block, fields = _FIELDS[qtype]
+    n, row_bytes = raw.shape
+    blocks = raw.view(n, row_bytes // block, block)
+    return torch.cat([blocks[:, :, a:b].reshape(n, -1) for a, b in fields], dim=1)
+
+
+def join_rows(split: torch.Tensor, qtype) -> torch.Tensor:
+    """split_rows' inverse: ggml rows."""
+    block, fields = _FIELDS[qtype]
+    n, row_bytes = split.shape
+    nb = row_bytes // block
+    parts, start = [None] * len(fields), 0
+    for a, b in fields:
+        parts[sorted(fields).index((a, b))] = split[:, start:start + nb * (b - a)].reshape(n, nb, b - a)
+        start += nb * (b - a)
+    return torch.cat(parts, dim=2).reshape(n, row_bytes)
+
+
+@triton.jit
+def _q8_0_split_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_per_prog, stride_os,
+                       BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(rn, N - 1).to(tl.int64)  # rows past N re-read row N-1; dropped at the store
+    row = w_ptr + rows * row_bytes  # [BLOCK_N] byte pointers
+    blk = tl.arange(0, 8)
+    col = blk[:, None] * 32 + tl.arange(0, 32)[None, :]  # [8, 32]: a unit's columns
+    values = (row[:, None, None] + col[None, :, :]).to(tl.pointer_type(tl.int8))  # [BLOCK_N, 8, 32]
+    scales = (row[:, None] + n_units * 256 + blk[None, :] * 2).to(tl.pointer_type(tl.float16))  # [BLOCK_N, 8]
+    acc = tl.zeros([BLOCK_N, 8], dtype=tl.float32)
+    u0 = pid_s * units_per_prog
+    for u in range(u0, tl.minimum(u0 + units_per_prog, n_units)):
+        q = tl.load(values + u * 256).to(tl.float32)
+        xv = tl.load(x_ptr + u * 256 + col).to(tl.float32)  # [8, 32]
+        d = tl.load(scales + u * 8).to(tl.float32)  # [BLOCK_N, 8]: 8 fp16 scales a unit
+        acc += tl.sum(q * xv[None, :, :], axis=2) * d
+    res = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        res += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+    tl.store(o_ptr + pid_s * stride_os + rn, res.to(o_ptr.dtype.element_ty), mask=rn < N)
+
+
+@triton.jit
+def _q6_k_split_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_per_prog, stride_os,
+                       BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(rn, N - 1).to(tl.int64)  # rows past N re-read row N-1; dropped at the store
+    row = w_ptr + rows * row_bytes
+    n = tl.arange(0, 2)[:, None, None, None]
+    a = tl.arange(0, 2)[None, :, None, None]
+    g = tl.arange(0, 2)[None, None, :, None]
+    i = tl.arange(0, 16)[None, None, None, :]
+    ql_at = 64 * n + 32 * a + 16 * g + i  # [2, 2, 2, 16]: a super-block's low-nibble bytes, in order
+    qh_at = 32 * n + 16 * g + i + 0 * a  # its high-pair bytes (the same byte for both runs a)
+    x_at = 128 * n + 32 * a + 16 * g + i  # the low nibbles' columns (+64: the high nibbles')
+    two = tl.arange(0, 2)
+    sc_at = 8 * two[:, None, None] + 2 * two[None, :, None] + two[None, None, :]  # [2, 2, 2]: the low
+    # nibbles' scale indices (+4: the high nibbles')
+    qh_base = row + n_units * 128
+    sc_base = row + n_units * 192
+    d_base = row + n_units * 208
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    u0 = pid_s * units_per_prog
+    for u in range(u0, tl.minimum(u0 + units_per_prog, n_units)):
+        ql = tl.load(row[:, None, None, None, None] + u * 128 + ql_at[None]).to(tl.int32)  # [BN, 2, 2, 2, 16]
+        qh = tl.load(qh_base[:, None, None, None, None] + u * 64 + qh_at[None]).to(tl.int32)
+        d = tl.load((d_base + u * 2).to(tl.pointer_type(tl.float16))).to(tl.float32)  # [BN]
+        total = tl.zeros([BLOCK_N, 2, 2, 2], dtype=tl.float32)
+        for h in tl.static_range(2):
+            q = ((ql >> (4 * h)) & 15) | (((qh >> (4 * h + 2 * a[None])) & 3) << 4)
+            x = tl.load(x_ptr + u * 256 + 64 * h + x_at).to(tl.float32)  # [2, 2, 2, 16]
+            s = tl.sum(q.to(tl.float32) * x[None], axis=4) - 32.0 * tl.sum(x, axis=3)[None]
+            sc = tl.load((sc_base[:, None, None, None] + u * 16 + 4 * h + sc_at[None]).to(tl.pointer_type(tl.int8)))
+            total += sc.to(tl.float32) * s
+        acc += d * tl.sum(tl.sum(tl.sum(total, axis=3), axis=2), axis=1)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+    tl.store(o_ptr + pid_s * stride_os + rn, acc.to(o_ptr.dtype.element_ty), mask=rn < N)
+
+
+# ggml type -> (kernel, values a loop iteration consumes, default (BLOCK_N, warps, programs per SM
+# the split-K aims at)): the H200 sweeps' best (BENCHMARKS: eleventh and twelfth rounds). Q8_0: 16
+# rows x 4 warps on every 8B matrix; Q6_K: 64 rows x 4 warps, split-K towards 16 programs an SM
+# (split-K 16 won on gate/up, down and k/v; the head, 2,374 programs, takes none).
+_GEMV = {Q.Q8_0: (_q8_0_split_kernel, 256, (16, 4, 8)), Q.Q6_K: (_q6_k_split_kernel, 256, (64, 4, 16))}
+
+
+def gemv(x: torch.Tensor, split: torch.Tensor, qtype, in_features: int, bias: torch.Tensor | None = None, *,
+         block_n: int | None = None, split_k: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """x [1, K] @ W.T (+ bias) for split rows [N, bytes] of a SPLIT_TYPES type; output in x.dtype."""
+    from .triton_quant_matmul import one_row_gemv
+    if qtype not in _GEMV:
+        raise ValueError(f"split rows are a layout of {', '.join(t.name for t in _GEMV)}, not {Q(qtype).name}")
+    kernel, unit, (default_block_n, default_warps, waves) = _GEMV[qtype]
+    return one_row_gemv(kernel, x, split, in_features, unit, bias, f"split {Q(qtype).name}",
+                        block_n=block_n or default_block_n, split_k=split_k,
+                        num_warps=num_warps or default_warps, waves=waves)
