@@ -583,6 +583,8 @@ def compile_check(arch: str) -> None:
         names = fn.arg_names
         bound = dict(zip(names, args)) | {k: v for k, v in kw.items() if k in names}
         options = {k: v for k, v in kw.items() if k not in names}
+        if "PDL" in names and target.backend == "cuda":  # as launched on Hopper (dispatch.pdl_launch)
+            bound["PDL"], options["launch_pdl"] = True, True
         constexprs = {n: bound[n] for n, p in zip(names, fn.params) if p.is_constexpr}
         sig, attrs = {}, {}
         for i, n in enumerate(names):

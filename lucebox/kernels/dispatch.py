@@ -94,5 +94,32 @@ def num_sms(device: torch.device) -> int:
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
+@functools.cache
+def _pdl_supported(index: int) -> bool:
+    if torch.version.hip is not None or torch.cuda.get_device_capability(index)[0] < 9:
+        return False
+    try:  # the Triton launch option (3.4 and later)
+        from dataclasses import fields
+
+        from triton.backends.nvidia.compiler import CUDAOptions
+        return any(f.name == "launch_pdl" for f in fields(CUDAOptions))
+    except Exception:
+        return False
+
+
+def pdl_launch(device: torch.device) -> dict:
+    """Launch options for programmatic dependent launch: on NVIDIA Hopper and later, a kernel is
+    launched (and captured into CUDA graphs) so that it starts while the kernel before it drains,
+    its programs waiting at their first instruction (triton_pdl.wait_for_previous_kernel) until that
+    kernel's writes are visible: the launch and ramp-up of each of a decode step's ~170-250 kernels
+    overlap the previous one's tail. {} elsewhere, or when LUCEBOX_PDL=0. Every kernel launched with
+    these options calls wait_for_previous_kernel(PDL) before touching memory."""
+    if device.type != "cuda" or os.environ.get("LUCEBOX_PDL", "").strip().lower() in OFF:
+        return {}
+    if not _pdl_supported(device.index if device.index is not None else torch.cuda.current_device()):
+        return {}
+    return {"PDL": True, "launch_pdl": True}
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()

@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from .dispatch import next_pow2
+from .dispatch import next_pow2, pdl_launch
 
 BLOCK = 1024
 
@@ -19,12 +19,16 @@ BLOCK = 1024
 @functools.cache
 def _kernel():
     """Defined on first use: importing this module must not import Triton (see triton_norm)."""
-    global triton, tl
+    global triton, tl, wait_for_previous_kernel
     import triton
     import triton.language as tl
 
+    from .triton_pdl import wait_for_previous_kernel
+
     @triton.jit
-    def _silu_mul_kernel(gate, up, out, n, stride_g, stride_u, stride_o, BLOCK_N: tl.constexpr):
+    def _silu_mul_kernel(gate, up, out, n, stride_g, stride_u, stride_o, BLOCK_N: tl.constexpr,
+                         PDL: tl.constexpr = False):
+        wait_for_previous_kernel(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         ok = cols < n
@@ -53,5 +57,6 @@ def silu_and_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if out.numel():
         block = min(BLOCK, next_pow2(n))
         _kernel()[(g2.shape[0], -(-n // block))](g2, u2, out, n, g2.stride(0), u2.stride(0), out.stride(0),
-                                                 BLOCK_N=block, num_warps=4, enable_fp_fusion=False)
+                                                 BLOCK_N=block, num_warps=4, enable_fp_fusion=False,
+                                                 **pdl_launch(out.device))
     return out.reshape(gate.shape)

@@ -23,7 +23,7 @@ import functools
 
 import torch
 
-from .dispatch import next_pow2, num_sms
+from .dispatch import next_pow2, num_sms, pdl_launch
 
 IDENTITY, NORM, SILU_MUL = 0, 1, 2
 TILE = 16384  # weights a program holds per iteration (BLOCK_N x BLOCK_K): 64 a thread at 8 warps
@@ -34,9 +34,11 @@ RESIDENT_MAX_K = 4096  # the longest input a program keeps in registers (32 floa
 def _kernel():
     """Defined on first use: importing this module must not import Triton (see triton_norm). The
     helper is a module global: kernels resolve the functions they call there."""
-    global triton, tl, _input
+    global triton, tl, _input, wait_for_previous_kernel
     import triton
     import triton.language as tl
+
+    from .triton_pdl import wait_for_previous_kernel
 
     @triton.jit
     def _input(x_ptr, r_ptr, nw_ptr, cols, ok, K, inv, dt, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr):
@@ -59,7 +61,8 @@ def _kernel():
     @triton.jit
     def _gemv_kernel(x_ptr, r_ptr, nw_ptr, total_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w, eps,
                      PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RESIDENT: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RESIDENT: tl.constexpr, PDL: tl.constexpr = False):
+        wait_for_previous_kernel(PDL)
         pid = tl.program_id(0)
         dt = x_ptr.dtype.element_ty
         inv = 1.0
@@ -146,5 +149,5 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         x, r, norm_weight if norm_weight is not None else x, total if total is not None else x, weight,
         bias if bias is not None else weight, y, n, k, weight.stride(0), float(eps),
         PROLOGUE=prologue, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
-        BLOCK_N=block_n, BLOCK_K=block_k, RESIDENT=programs > 0, num_warps=warps)
+        BLOCK_N=block_n, BLOCK_K=block_k, RESIDENT=programs > 0, num_warps=warps, **pdl_launch(y.device))
     return y, total

@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from .dispatch import next_pow2
+from .dispatch import next_pow2, pdl_launch
 from .norm import rms_norm, rms_norm_reference, rms_norm_residual, rms_norm_residual_reference
 
 __all__ = ["rms_norm", "rms_norm_residual", "rms_norm_reference", "rms_norm_residual_reference",
@@ -23,14 +23,17 @@ __all__ = ["rms_norm", "rms_norm_residual", "rms_norm_reference", "rms_norm_resi
 def _kernel():
     """The Triton kernel, defined on first use: importing this module must not import Triton,
     whose interpreter mode is fixed at import (tests set TRITON_INTERPRET=1 first)."""
-    global triton, tl
+    global triton, tl, wait_for_previous_kernel
     import triton
     import triton.language as tl
+
+    from .triton_pdl import wait_for_previous_kernel
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, o_ptr, s_ptr, n_rows, n_cols,
                          stride_x, stride_r, stride_o, stride_s, eps,
-                         BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_RES: tl.constexpr):
+                         BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr = False):
+        wait_for_previous_kernel(PDL)
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK_N)
         c_ok = cols < n_cols
@@ -75,7 +78,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         s = total if total is not None else out
         _kernel()[(-(-rows // per_prog),)](
             x2, r2, weight, out, s, rows, n, x2.stride(0), r2.stride(0), out.stride(0), s.stride(0), float(eps),
-            BLOCK_N=block_n, ROWS=per_prog, HAS_RES=residual is not None, num_warps=warps)
+            BLOCK_N=block_n, ROWS=per_prog, HAS_RES=residual is not None, num_warps=warps, **pdl_launch(out.device))
     shape = x.shape[:-1] + (n,)
     return out.reshape(shape), (total.reshape(shape) if total is not None else None)
 

@@ -33,7 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .dispatch import next_pow2, num_sms
+from .dispatch import next_pow2, num_sms, pdl_launch
+from .triton_pdl import wait_for_previous_kernel
 
 _KV_PLAIN, _KV_FP8, _KV_Q8_0, _KV_Q4_0 = range(4)
 _KV_FORMATS = {"f32": _KV_PLAIN, "f16": _KV_PLAIN, "bf16": _KV_PLAIN, "fp8": _KV_FP8,
@@ -122,7 +123,8 @@ def _paged_attn_kernel(
         KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KV: tl.constexpr,
         K_FMT: tl.constexpr, V_FMT: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr,
-        DOT_IEEE: tl.constexpr):
+        DOT_IEEE: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_previous_kernel(PDL)
     pid_bh = tl.program_id(0)
     pid_q = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -216,7 +218,9 @@ def _paged_attn_kernel(
 @triton.jit
 def _merge_splits_kernel(part_ptr, lse_ptr, o_ptr, num_splits,
                          stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot, stride_oh,
-                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    wait_for_previous_kernel(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -318,13 +322,14 @@ def paged_attention(q: torch.Tensor, k_cache, v_cache, batch, scale: float,
         BLOCK_Q=block_q, BLOCK_R=block_r, BLOCK_KV=block_kv,
         K_FMT=_KV_FORMATS[k_cache.cache_type], V_FMT=_KV_FORMATS[v_cache.cache_type],
         HAS_WINDOW=sliding_window is not None, SPLIT=split, DOT_IEEE=q.dtype == torch.float32,
-        **kwargs)
+        **kwargs, **pdl_launch(q.device))
     if split:
         _merge_splits_kernel[(tokens, heads)](
             part, lse, final, num_splits,
             part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
             final.stride(0), final.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=max(2, next_pow2(num_splits)), num_warps=4)
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=max(2, next_pow2(num_splits)), num_warps=4,
+            **pdl_launch(q.device))
     if v_cache.rotate:
         out.copy_(final.float() @ v_cache._hadamard.T)
     return out

@@ -16,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .dispatch import next_pow2
+from .dispatch import next_pow2, pdl_launch
+from .triton_pdl import wait_for_previous_kernel
 from .triton_quant_matmul import _f16
 
 QK = 32  # values per Q8_0 block, and per activation scale (the kernel spells it as a literal)
@@ -34,7 +35,8 @@ def quantize_activations(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @triton.jit
 def _q8_0_int8_kernel(xq_ptr, xs_ptr, w_ptr, b_ptr, o_ptr, M, N, row_bytes, n_blocks, blocks_per_prog,
                       stride_xm, stride_sm, stride_om, stride_os,
-                      BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_previous_kernel(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -80,5 +82,6 @@ def q8_0_int8_matmul(x2: torch.Tensor, qweight: torch.Tensor, in_features: int, 
     _q8_0_int8_kernel[(programs_n, split_k)](
         xq, xs, qweight, bias if has_bias else xs, target, m, n, qweight.shape[1], n_blocks, per,
         xq.stride(0), xs.stride(0), n, stride_os,
-        BLOCK_N=block_n, BLOCK_M=max(16, next_pow2(m)), HAS_BIAS=has_bias, num_warps=num_warps)
+        BLOCK_N=block_n, BLOCK_M=max(16, next_pow2(m)), HAS_BIAS=has_bias, num_warps=num_warps,
+        **pdl_launch(xq.device))
     return target if split_k > 1 else None

@@ -31,7 +31,8 @@ import triton
 import triton.language as tl
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
-from .dispatch import next_pow2, num_sms
+from .dispatch import next_pow2, num_sms, pdl_launch
+from .triton_pdl import wait_for_previous_kernel
 
 MAX_FUSED_M = 64  # above this, dequantise + torch.matmul (compute-bound; tensor cores win)
 ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -231,7 +232,8 @@ def _qmm_kernel(x_ptr, w_ptr, b_ptr, o_ptr, M, N, row_bytes, n_units, units_per_
                 stride_xm, stride_om, stride_os,
                 FMT: tl.constexpr, UNIT_BYTES: tl.constexpr, UNIT_VALUES: tl.constexpr, BPU: tl.constexpr,
                 P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, MODE: tl.constexpr,
-                HAS_BIAS: tl.constexpr, DOT_IEEE: tl.constexpr, SPLIT: tl.constexpr = False):
+                HAS_BIAS: tl.constexpr, DOT_IEEE: tl.constexpr, SPLIT: tl.constexpr = False, PDL: tl.constexpr = False):
+    wait_for_previous_kernel(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -289,10 +291,11 @@ def _qmm_kernel(x_ptr, w_ptr, b_ptr, o_ptr, M, N, row_bytes, n_units, units_per_
 
 @triton.jit
 def _sum_splits_kernel(part_ptr, b_ptr, o_ptr, total, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       BLOCK: tl.constexpr):
+                       BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """out = sum over the SPLITS float32 partials [SPLITS, total] (+ bias per column), cast: one
     launch where torch needs a reduction, a bias add and a copy (each a few microseconds at decode
     sizes, for every quantised GEMV)."""
+    wait_for_previous_kernel(PDL)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = i < total
     acc = tl.load(part_ptr + i, mask=mask, other=0.0)
@@ -400,7 +403,7 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype, in_features: int
         x2.stride(0), n, stride_os,
         FMT=fmt, UNIT_BYTES=unit_bytes, UNIT_VALUES=unit_values, BPU=bpu, P=plane,
         BLOCK_N=block_n, BLOCK_M=block_m, MODE=mode, HAS_BIAS=has_bias,
-        DOT_IEEE=_is_fp32(x.dtype), SPLIT=split_rows, **kwargs)
+        DOT_IEEE=_is_fp32(x.dtype), SPLIT=split_rows, **kwargs, **pdl_launch(x.device))
     if split_k > 1:
         _reduce_splits(target, bias, out)
     return out.reshape(*lead, n)
@@ -411,7 +414,7 @@ def _reduce_splits(partials: torch.Tensor, bias: torch.Tensor | None, out: torch
     total, block = out.numel(), 256
     _sum_splits_kernel[(triton.cdiv(total, block),)](
         partials, bias if bias is not None else partials, out, total, out.shape[1], SPLITS=partials.shape[0],
-        HAS_BIAS=bias is not None, BLOCK=block)
+        HAS_BIAS=bias is not None, BLOCK=block, **pdl_launch(out.device))
 
 
 def one_row_gemv(kernel, x: torch.Tensor, weights: torch.Tensor, in_features: int, unit: int,
@@ -438,7 +441,7 @@ def one_row_gemv(kernel, x: torch.Tensor, weights: torch.Tensor, in_features: in
     has_bias = bias is not None and split_k == 1
     kernel[(programs_n, split_k)](
         x2.contiguous(), weights, bias if has_bias else x2, target, n, weights.shape[1], n_units, per, n,
-        BLOCK_N=block_n, HAS_BIAS=has_bias, num_warps=num_warps)
+        BLOCK_N=block_n, HAS_BIAS=has_bias, num_warps=num_warps, **pdl_launch(x.device))
     if split_k > 1:
         _reduce_splits(target.view(split_k, 1, n), bias, out)
     return out.reshape(*x.shape[:-1], n)
@@ -462,5 +465,5 @@ def dequantize(qweight: torch.Tensor, qtype, in_features: int,
         0, in_features, 0,
         FMT=fmt, UNIT_BYTES=unit_bytes, UNIT_VALUES=unit_values, BPU=bpu, P=plane,
         BLOCK_N=block_n, BLOCK_M=1, MODE=2, HAS_BIAS=False, DOT_IEEE=False, SPLIT=split_rows,
-        num_warps=num_warps, enable_fp_fusion=False)
+        num_warps=num_warps, enable_fp_fusion=False, **pdl_launch(out.device))
     return out

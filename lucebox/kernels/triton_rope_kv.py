@@ -27,7 +27,7 @@ import functools
 
 import torch
 
-from .dispatch import next_pow2
+from .dispatch import next_pow2, pdl_launch
 from .triton_norm import rms_norm_triton
 
 
@@ -40,9 +40,11 @@ def writes_in_place(cache) -> bool:
 def _kernel():
     """Defined on first use: importing this module must not import Triton (see triton_norm).
     Module globals, not closure variables: jit functions resolve the names they call there."""
-    global triton, tl, _rotate_heads
+    global triton, tl, _rotate_heads, wait_for_previous_kernel
     import triton
     import triton.language as tl
+
+    from .triton_pdl import wait_for_previous_kernel
 
     @triton.jit
     def _rotate_heads(src, dst, heads, half, src_head_stride, dst_head_stride, cos_lo, cos_hi, sin_lo, sin_hi,
@@ -76,7 +78,8 @@ def _kernel():
                         sqo_t, sqo_h, skd_t, skd_h, svd_t, svd_h, num_q_heads, num_kv_heads, half,
                         BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
                         BLOCK_D: tl.constexpr, K_TO_CACHE: tl.constexpr, V_TO_CACHE: tl.constexpr,
-                        NORM: tl.constexpr):
+                        NORM: tl.constexpr, PDL: tl.constexpr = False):
+        wait_for_previous_kernel(PDL)
         t = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, BLOCK_HALF)
         d_ok = d < half
@@ -141,7 +144,7 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
             v_dst.stride(0), v_dst.stride(1), num_q_heads, num_kv_heads, head_dim // 2,
             BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half, BLOCK_D=next_pow2(head_dim),
             K_TO_CACHE=k_to_cache, V_TO_CACHE=v_to_cache, NORM=qk_norm is not None, num_warps=warps,
-            enable_fp_fusion=False)
+            enable_fp_fusion=False, **pdl_launch(q.device))
     if not k_to_cache:
         k_cache.write(k_dst, slot_mapping)
     if not v_to_cache:

@@ -26,7 +26,7 @@ import functools
 
 import torch
 
-from .dispatch import next_pow2
+from .dispatch import next_pow2, pdl_launch
 
 BLOCK = 1024
 
@@ -34,9 +34,12 @@ BLOCK = 1024
 @functools.cache
 def _kernels():
     """Defined on first use: importing this module must not import Triton (see triton_norm)."""
-    global triton, tl, _key, _value, _scaled  # the kernels look their helpers up among the module globals
+    # the kernels look their helpers up among the module globals
+    global triton, tl, _key, _value, _scaled, wait_for_previous_kernel
     import triton
     import triton.language as tl
+
+    from .triton_pdl import wait_for_previous_kernel
 
     @triton.jit
     def _key(x):
@@ -57,7 +60,8 @@ def _kernels():
 
     @triton.jit
     def _row_kernel(logits, stride, draft, argmax, temperature, top_k, top_p, min_p, greedy, seed_ptr,
-                    accepted, candidate, kept_from, vocab, query_len, BLOCK: tl.constexpr):
+                    accepted, candidate, kept_from, vocab, query_len, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        wait_for_previous_kernel(PDL)
         row = tl.program_id(0)
         seq = row // query_len
         d = tl.load(draft + row)
@@ -145,7 +149,8 @@ def _kernels():
             tl.store(candidate + row, tl.where(top_score > float("-inf"), pick, tl.maximum(d, 0)))
 
     @triton.jit
-    def _first_rejection_kernel(accepted, candidate, out, query_len, QUERY: tl.constexpr):
+    def _first_rejection_kernel(accepted, candidate, out, query_len, QUERY: tl.constexpr, PDL: tl.constexpr = False):
+        wait_for_previous_kernel(PDL)
         seq = tl.program_id(0)
         j = tl.arange(0, QUERY)
         ok = tl.load(accepted + seq * query_len + j, mask=j < query_len, other=0)
@@ -181,6 +186,7 @@ def accept_rows_triton(logits: torch.Tensor, draft: torch.Tensor, argmax: torch.
         raise ValueError(f"out {tuple(out.shape)} {out.dtype} is not a contiguous [{num_seqs}, 2] int64 tensor")
     row_kernel[(num_rows,)](logits, logits.stride(0), draft, argmax, temperature, top_k, top_p, min_p,
                             greedy, seed, accepted, candidate, kept_from, vocab, query_len,
-                            BLOCK=min(BLOCK, next_pow2(vocab)), num_warps=8)
-    first_rejection[(num_seqs,)](accepted, candidate, out, query_len, QUERY=next_pow2(query_len))
+                            BLOCK=min(BLOCK, next_pow2(vocab)), num_warps=8, **pdl_launch(logits.device))
+    first_rejection[(num_seqs,)](accepted, candidate, out, query_len, QUERY=next_pow2(query_len),
+                                 **pdl_launch(logits.device))
     return out, kept_from

@@ -27,6 +27,8 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType as Q
 
+from .triton_pdl import wait_for_previous_kernel
+
 # ggml type -> (bytes per block, byte ranges of its fields in ggml's block, the field order in a split row)
 _FIELDS = {
     Q.Q8_0: (34, ((2, 34), (0, 2))),  # values, scale
@@ -65,7 +67,8 @@ def join_rows(split: torch.Tensor, qtype) -> torch.Tensor:
 
 @triton.jit
 def _q8_0_split_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_per_prog, stride_os,
-                       BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr):
+                       BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_previous_kernel(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -90,7 +93,8 @@ def _q8_0_split_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_
 
 @triton.jit
 def _q6_k_split_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_per_prog, stride_os,
-                       BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr):
+                       BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_previous_kernel(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
