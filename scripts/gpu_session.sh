@@ -13,6 +13,8 @@
 #                                    8b matrices, launch configs swept), decode-vs-verify logit agreement
 #                                    (scripts/check_decode_numerics.py), then bench speed 0.6b and 8b at 512
 #   scripts/gpu_session.sh overlap   bench speed decode with and without --async-decode, 0.6b and 8b at 512 (~4 min)
+#   scripts/gpu_session.sh pdl       decode with programmatic dependent launch on and off (LUCEBOX_PDL), 0.6b and
+#                                    8b bf16 and 8b Q4_K_M at 512, alternating (~4 min)
 #   scripts/gpu_session.sh profile   host time per engine-step section, plain vs speculative engines,
 #                                    torch.profiler tables of DFlash passes at T=0 and T=1, and one graph
 #                                    step's time by verify width and output (scripts/profile_spec_steps.py)
@@ -81,6 +83,16 @@ case "${1:-check}" in
           --skip prefill forced spec peer $flag
       done
     done ;;
+  pdl)  # the same decode with and without programmatic dependent launch, alternating
+    for shape_quant in "qwen3-0.6b bf16" "qwen3-8b bf16" "qwen3-8b q4_k_m"; do
+      set -- $shape_quant
+      for run in 1 2; do
+        for pdl in 1 0; do
+          LUCEBOX_PDL=$pdl bench "$1-$2-pdl$pdl-$run" 90 --shape $1 --quant $2 --prompt-lens 512 --contexts 512 \
+            --skip prefill forced spec peer
+        done
+      done
+    done ;;
   profile)
     step profile "${SECONDS_PROFILE:-240}" python3 scripts/profile_spec_steps.py --trace dflash:0 --trace dflash:1
     grep "pass 1" "$out/profile.log"
@@ -98,5 +110,5 @@ case "${1:-check}" in
     step drafter 570 bash scripts/train_default_drafter.sh "$out/default-dflash" "${SECONDS_TRAIN:-300}"
     rm -f "$out/default-dflash/train_state.pt" "$out/default-dflash/regenerated.pt"
     tr '\r' '\n' < "$out/drafter.log" | grep -E "tau|steps|wrote|Error|error" | tail -n 20 ;;
-  *) echo "usage: $0 check|bench|spec|kernels|gemv|overlap|profile|idle|sampler|drafter" >&2; exit 2 ;;
+  *) echo "usage: $0 check|bench|spec|kernels|gemv|overlap|pdl|profile|idle|sampler|drafter" >&2; exit 2 ;;
 esac
