@@ -419,12 +419,12 @@ def _reduce_splits(partials: torch.Tensor, bias: torch.Tensor | None, out: torch
 
 def one_row_gemv(kernel, x: torch.Tensor, weights: torch.Tensor, in_features: int, unit: int,
                  bias: torch.Tensor | None, what: str, *, block_n: int, split_k: int | None,
-                 num_warps: int, waves: int = 8) -> torch.Tensor:
+                 num_warps: int, waves: int = 8, min_units: int = 2) -> torch.Tensor:
     """x [1, K] @ W.T (+ bias) through a one-row GEMV `kernel` over rows of `unit`-value units, whose
     arguments are (x, w, bias, out, N, row_bytes, n_units, units_per_prog, stride_os, BLOCK_N,
     HAS_BIAS): the K range split over programs when there are fewer than `waves` programs an SM,
-    each keeping at least two units, the float32 partials summed by _reduce_splits. `what` names
-    the layout in errors."""
+    each keeping at least `min_units` units, the float32 partials summed by _reduce_splits. `what`
+    names the layout in errors."""
     if in_features % unit:
         raise ValueError(f"{what} rows need in_features a multiple of {unit}, got {in_features}")
     x2 = x.reshape(-1, in_features)
@@ -433,7 +433,7 @@ def one_row_gemv(kernel, x: torch.Tensor, weights: torch.Tensor, in_features: in
     n, n_units = weights.shape[0], in_features // unit
     programs_n = triton.cdiv(n, block_n)
     if split_k is None:
-        split_k = max(1, min(waves * num_sms(x.device) // programs_n, n_units // 2))
+        split_k = max(1, min(waves * num_sms(x.device) // programs_n, n_units // min_units))
     per = triton.cdiv(n_units, max(1, min(split_k, n_units)))
     split_k = triton.cdiv(n_units, per)
     out = x2.new_empty(1, n)

@@ -133,10 +133,11 @@ def _q6_k_split_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_
 
 
 # ggml type -> (kernel, values a loop iteration consumes, default (BLOCK_N, warps, programs per SM
-# the split-K aims at)): the H200 sweeps' best (BENCHMARKS: eleventh and twelfth rounds). Q8_0: 16
-# rows x 4 warps on every 8B matrix; Q6_K: 64 rows x 4 warps, split-K towards 16 programs an SM
-# (split-K 16 won on gate/up, down and k/v; the head, 2,374 programs, takes none).
-_GEMV = {Q.Q8_0: (_q8_0_split_kernel, 256, (16, 4, 8)), Q.Q6_K: (_q6_k_split_kernel, 256, (64, 4, 16))}
+# the split-K aims at, fewest units a program)): the H200 sweeps' best (BENCHMARKS: eleventh and
+# twelfth rounds). Q8_0: 16 rows x 4 warps on every 8B matrix; Q6_K: 64 rows x 4 warps, split-K
+# towards 16 programs an SM down to one unit a program (split-K 16 won on gate/up, down and k/v:
+# k/v 5.6 us against 6.3 at two units a program; the head, 2,374 programs, takes none).
+_GEMV = {Q.Q8_0: (_q8_0_split_kernel, 256, (16, 4, 8, 2)), Q.Q6_K: (_q6_k_split_kernel, 256, (64, 4, 16, 1))}
 
 
 def gemv(x: torch.Tensor, split: torch.Tensor, qtype, in_features: int, bias: torch.Tensor | None = None, *,
@@ -145,7 +146,7 @@ def gemv(x: torch.Tensor, split: torch.Tensor, qtype, in_features: int, bias: to
     from .triton_quant_matmul import one_row_gemv
     if qtype not in _GEMV:
         raise ValueError(f"split rows are a layout of {', '.join(t.name for t in _GEMV)}, not {Q(qtype).name}")
-    kernel, unit, (default_block_n, default_warps, waves) = _GEMV[qtype]
+    kernel, unit, (default_block_n, default_warps, waves, min_units) = _GEMV[qtype]
     return one_row_gemv(kernel, x, split, in_features, unit, bias, f"split {Q(qtype).name}",
                         block_n=block_n or default_block_n, split_k=split_k,
-                        num_warps=num_warps or default_warps, waves=waves)
+                        num_warps=num_warps or default_warps, waves=waves, min_units=min_units)
