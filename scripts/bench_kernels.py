@@ -216,8 +216,17 @@ def sweep_quant(x, raws, qtype, k, m, device) -> dict:
                         continue
                     if best is None or t < best[0]:
                         best = (t, block_n, warps, split, path)
-    return {"best_us": best[0] * 1e3, "best_block_n": best[1], "best_warps": best[2],
-            "best_split": str(best[3]), "best_path": best[4]} if best else {}
+    if not best:
+        return {}
+    found = {"best_us": best[0] * 1e3, "best_block_n": best[1], "best_warps": best[2],
+             "best_split": str(best[3]), "best_path": best[4]}
+    if m == 1:  # the default launch and the best one again, split-K partials reduced inside the GEMV
+        found["default_reduced_us"] = 1e3 * bench_in_graph(
+            lambda w: tqm.quant_matmul(x, w, qtype, k, reduce_in_kernel=True), raws, device)
+        found["best_reduced_us"] = 1e3 * bench_in_graph(lambda w: tqm.quant_matmul(
+            x, w, qtype, k, block_n=best[1], split_k=best[3], num_warps=best[2], reduce_in_kernel=True,
+            **paths[best[4]]), raws, device)
+    return found
 
 
 def sweep_split_rows(x, raws, qtype, k, m, ref, device) -> dict:
@@ -243,9 +252,16 @@ def sweep_split_rows(x, raws, qtype, k, m, ref, device) -> dict:
                 except Exception:
                     continue
                 if best is None or t < best[0]:
-                    best = (t, f"{block_n}x{warps}w split {split}")
-    return {"split_rel_err": err, "split_default_us": default * 1e3, "split_best_us": best[0] * 1e3,
-            "split_best": best[1]}
+                    best = (t, (f"{block_n}x{warps}w split {split}",
+                                {"block_n": block_n, "split_k": split, "num_warps": warps}))
+    found = {"split_rel_err": err, "split_default_us": default * 1e3, "split_best_us": best[0] * 1e3,
+             "split_best": best[1][0]}
+    if m == 1:  # the same two launches, split-K partials reduced inside the GEMV
+        found["split_default_reduced_us"] = 1e3 * bench_in_graph(
+            lambda w: product(w, reduce_in_kernel=True), splits, device)
+        found["split_best_reduced_us"] = 1e3 * bench_in_graph(
+            lambda w: product(w, reduce_in_kernel=True, **best[1][1]), splits, device)
+    return found
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -536,12 +552,14 @@ def compile_check(arch: str) -> None:
             triton_norm.rms_norm_residual_triton(x, x, x[0], 1e-6)
             triton_norm.rms_norm_triton(torch.zeros(rows, 32, 128, dtype=torch.bfloat16), x[0, :128], 1e-6)
         tqm.quant_matmul(torch.zeros(1, 4096, dtype=torch.bfloat16), raw, qtype, 4096, split_k=4)
+        tqm.quant_matmul(torch.zeros(1, 4096, dtype=torch.bfloat16), raw, qtype, 4096, split_k=4, reduce_in_kernel=True)
         raw = torch.zeros(64, 4096 // 32 * 34, dtype=torch.uint8)
         for m in (1, 16):
             tqm.quant_matmul(torch.zeros(m, 4096, dtype=torch.bfloat16), raw, Q.Q8_0, 4096, int8_activations=True)
         for qtype in tsr.SPLIT_TYPES:  # split rows: the GEMV, the fused kernel (verify), the dequantiser (prefill)
             raw = torch.zeros(64, 4096 // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1], dtype=torch.uint8)
             tsr.gemv(torch.zeros(1, 4096, dtype=torch.bfloat16), raw, qtype, 4096, split_k=1)
+            tsr.gemv(torch.zeros(1, 4096, dtype=torch.bfloat16), raw, qtype, 4096, split_k=4, reduce_in_kernel=True)
             for m in (1, 16):
                 tqm.quant_matmul(torch.zeros(m, 4096, dtype=torch.bfloat16), raw, qtype, 4096, split_k=1,
                                  split_rows=True)
@@ -582,6 +600,7 @@ def compile_check(arch: str) -> None:
     for fn, args, kw in tqdm(launches, desc="compile"):
         names = fn.arg_names
         bound = dict(zip(names, args)) | {k: v for k, v in kw.items() if k in names}
+        bound |= {n: p.default for n, p in zip(names, fn.params) if n not in bound}  # defaulted constexprs
         options = {k: v for k, v in kw.items() if k not in names}
         if "PDL" in names and target.backend == "cuda":  # as launched on Hopper (dispatch.pdl_launch)
             bound["PDL"], options["launch_pdl"] = True, True

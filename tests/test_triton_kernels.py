@@ -155,6 +155,8 @@ def test_split_rows_hold_the_same_weights_and_multiply_like_the_reference(qtype)
         assert rel_err(tsr.gemv(x[:1], split, qtype, k, bias, split_k=split_k), want[:1] + bias) <= 1e-5
         got = tqm.quant_matmul(x, split, qtype, k, bias, split_k=split_k, split_rows=True)
         assert rel_err(got, want + bias) <= 1e-5
+        reduced = tsr.gemv(x[:1], split, qtype, k, bias, split_k=split_k, reduce_in_kernel=True)
+        assert torch.equal(reduced, tsr.gemv(x[:1], split, qtype, k, bias, split_k=split_k))
     assert torch.equal(tqm.dequantize(split, qtype, k, split_rows=True), weight)
     with pytest.raises(ValueError, match="one row"):
         tsr.gemv(x, split, qtype, k)
@@ -171,6 +173,22 @@ def test_split_k_changes_nothing_but_the_summation_order():
     whole = tqm.quant_matmul(x, raw, Q.Q4_K, 1024, split_k=1)
     split = tqm.quant_matmul(x, raw, Q.Q4_K, 1024, split_k=4)
     assert rel_err(split, whole) <= 1e-6
+
+
+def test_split_k_partials_reduced_in_the_kernel_equal_the_reducing_kernels_bit_for_bit():
+    """reduce_in_kernel: the last program of each row block to finish sums the partials in split
+    order and adds the bias (as _sum_splits_kernel does), then leaves its arrival counter at zero,
+    so the next launch (of any shape) starts from zero again."""
+    raw = quant_rows(Q.Q4_K, 40, 1024, seed=6)
+    x = torch.randn(1, 1024, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    bias = torch.randn(40, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    for split_k in (2, 4):
+        for b in (None, bias):
+            want = tqm.quant_matmul(x, raw, Q.Q4_K, 1024, b, block_n=16, split_k=split_k)
+            for _ in range(2):  # again: the counters were reset
+                got = tqm.quant_matmul(x, raw, Q.Q4_K, 1024, b, block_n=16, split_k=split_k, reduce_in_kernel=True)
+                assert torch.equal(got, want)
+    assert not tqm._arrival_counters(x.device, 3).any()
 
 
 def test_quant_linear_uses_the_fused_kernel_for_decode_and_dequantise_plus_matmul_for_prefill(monkeypatch):

@@ -76,6 +76,31 @@ def _f16(p):
 
 
 @triton.jit
+def _store_one_row(res, rn, N, o_ptr, stride_os, b_ptr, y_ptr, cnt_ptr, HAS_BIAS: tl.constexpr,
+                   REDUCE: tl.constexpr):
+    """Store a one-row program's sums res [BLOCK_N] (float32) for rows rn: the output (+ bias) when
+    K is whole; otherwise this split's partial at o_ptr, and with REDUCE the last program of the
+    row block to finish sums every split's partial in split order (as _sum_splits_kernel does, so
+    bit for bit), adds the bias and stores the output at y_ptr, then resets the row block's
+    arrival counter at cnt_ptr for the next launch: no reducing kernel after the GEMV."""
+    n_mask = rn < N
+    if HAS_BIAS and not REDUCE:
+        res += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(o_ptr + tl.program_id(1) * stride_os + rn, res.to(o_ptr.dtype.element_ty), mask=n_mask)
+    if REDUCE:
+        tl.debug_barrier()  # every thread's partial stored before the (releasing) arrival
+        arrived = tl.atomic_add(cnt_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
+        if arrived == tl.num_programs(1) - 1:
+            total = tl.load(o_ptr + rn, mask=n_mask, other=0.0, cache_modifier=".cg")  # past L1: other SMs wrote
+            for s in range(1, tl.num_programs(1)):
+                total += tl.load(o_ptr + s * stride_os + rn, mask=n_mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
+            tl.store(y_ptr + rn, total.to(y_ptr.dtype.element_ty), mask=n_mask)
+            tl.atomic_xchg(cnt_ptr + tl.program_id(0), 0)
+
+
+@triton.jit
 def _use(acc, w, cols, xk, stride_xm, M, ok, n_mask,
          MODE: tl.constexpr, BLOCK_M: tl.constexpr, DOT_IEEE: tl.constexpr):
     """Consume one dequantised plane w [BLOCK_N, P] (float32) whose columns are `cols` [P]."""
@@ -228,11 +253,12 @@ def _unit_iq4_xs(acc, ub, xk, stride_xm, M, ok, n_mask,
 
 
 @triton.jit
-def _qmm_kernel(x_ptr, w_ptr, b_ptr, o_ptr, M, N, row_bytes, n_units, units_per_prog,
+def _qmm_kernel(x_ptr, w_ptr, b_ptr, o_ptr, y_ptr, cnt_ptr, M, N, row_bytes, n_units, units_per_prog,
                 stride_xm, stride_om, stride_os,
                 FMT: tl.constexpr, UNIT_BYTES: tl.constexpr, UNIT_VALUES: tl.constexpr, BPU: tl.constexpr,
                 P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, MODE: tl.constexpr,
-                HAS_BIAS: tl.constexpr, DOT_IEEE: tl.constexpr, SPLIT: tl.constexpr = False, PDL: tl.constexpr = False):
+                HAS_BIAS: tl.constexpr, DOT_IEEE: tl.constexpr, SPLIT: tl.constexpr = False,
+                REDUCE: tl.constexpr = False, PDL: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -275,10 +301,7 @@ def _qmm_kernel(x_ptr, w_ptr, b_ptr, o_ptr, M, N, row_bytes, n_units, units_per_
         else:
             acc = _unit_iq4_xs(acc, ub, xk, stride_xm, M, ok, n_mask, MODE, BLOCK_M, DOT_IEEE)
     if MODE == 0:
-        res = tl.sum(acc, axis=1)
-        if HAS_BIAS:
-            res += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
-        tl.store(o_ptr + pid_s * stride_os + rn, res.to(o_ptr.dtype.element_ty), mask=n_mask)
+        _store_one_row(tl.sum(acc, axis=1), rn, N, o_ptr, stride_os, b_ptr, y_ptr, cnt_ptr, HAS_BIAS, REDUCE)
     elif MODE == 1:
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
@@ -340,7 +363,8 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype, in_features: int
                  bias: torch.Tensor | None = None, *, block_n: int | None = None,
                  split_k: int | None = None, num_warps: int | None = None,
                  num_stages: int | None = None, tensor_cores: bool | None = None,
-                 int8_activations: bool = False, split_rows: bool = False) -> torch.Tensor:
+                 int8_activations: bool = False, split_rows: bool = False,
+                 reduce_in_kernel: bool = False) -> torch.Tensor:
     """x [..., K] @ W.T (+ bias) for raw GGUF rows `qweight` [N, bytes_per_row]; fused for
     M = prod(x.shape[:-1]) <= MAX_FUSED_M. Output in x.dtype, accumulated in float32.
     tensor_cores: multiply dequantised tiles with tl.dot (mode 1, x padded to 16 rows) rather
@@ -348,7 +372,9 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype, in_features: int
     instructions per weight, which the tensor-core path changes: a launch option to measure.
     int8_activations (Q8_0 only): x rounded to int8 per 32 values and multiplied on integer tensor
     cores (kernels/triton_quant_int8.py), also an option to measure.
-    split_rows: Q8_0 or Q6_K rows in the split layout (kernels/triton_split_rows.py)."""
+    split_rows: Q8_0 or Q6_K rows in the split layout (kernels/triton_split_rows.py).
+    reduce_in_kernel (one row, K split): the GEMV's last program per row block sums the split-K
+    partials itself (_store_one_row) instead of a second kernel; an option to measure."""
     if x.dtype not in ACTIVATION_DTYPES:
         raise TypeError(f"quant_matmul: unsupported activation dtype {x.dtype}")
     fmt, unit_bytes, unit_values, bpu, plane, n_units = _layout(qtype, in_features, split_rows)
@@ -393,20 +419,36 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype, in_features: int
         stride_os = m * n
     else:
         target, stride_os = out, 0
-    has_bias = bias is not None and split_k == 1
+    reduce = reduce_in_kernel and mode == 0 and split_k > 1
+    has_bias = bias is not None and (split_k == 1 or reduce)
     # 8 warps for the widest tiles keep the unrolled planes in registers (no local-memory spills)
     kwargs = {"num_warps": num_warps or (decode_warps if mode == 0 else 8 if block_m >= 64 else 4)}
     if num_stages is not None:
         kwargs["num_stages"] = num_stages
     _qmm_kernel[(programs_n, split_k)](
-        x2, qweight, bias if has_bias else x2, target, m, n, qweight.shape[1], n_units, per,
-        x2.stride(0), n, stride_os,
+        x2, qweight, bias if has_bias else x2, target, out, _arrival_counters(x.device, programs_n) if reduce else out,
+        m, n, qweight.shape[1], n_units, per, x2.stride(0), n, stride_os,
         FMT=fmt, UNIT_BYTES=unit_bytes, UNIT_VALUES=unit_values, BPU=bpu, P=plane,
         BLOCK_N=block_n, BLOCK_M=block_m, MODE=mode, HAS_BIAS=has_bias,
-        DOT_IEEE=_is_fp32(x.dtype), SPLIT=split_rows, **kwargs, **pdl_launch(x.device))
-    if split_k > 1:
+        DOT_IEEE=_is_fp32(x.dtype), SPLIT=split_rows, REDUCE=reduce, **kwargs, **pdl_launch(x.device))
+    if split_k > 1 and not reduce:
         _reduce_splits(target, bias, out)
     return out.reshape(*lead, n)
+
+
+_ARRIVALS: dict = {}  # (device, stream) -> int32 arrival counters of in-kernel split-K reductions
+
+
+def _arrival_counters(device: torch.device, row_blocks: int) -> torch.Tensor:
+    """Zeroed counters, one a row block, for GEMVs that reduce their split-K partials in the kernel
+    (_store_one_row). Shared by every such launch on the current stream: each leaves the counters it
+    used at zero, and kernels on one stream never overlap (with PDL each waits for the previous one
+    first). Allocate them before capturing a CUDA graph (a warm-up call does)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    counters = _ARRIVALS.get((device, stream))
+    if counters is None or counters.numel() < row_blocks:
+        counters = _ARRIVALS[(device, stream)] = torch.zeros(max(row_blocks, 4096), dtype=torch.int32, device=device)
+    return counters
 
 
 def _reduce_splits(partials: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
@@ -419,12 +461,13 @@ def _reduce_splits(partials: torch.Tensor, bias: torch.Tensor | None, out: torch
 
 def one_row_gemv(kernel, x: torch.Tensor, weights: torch.Tensor, in_features: int, unit: int,
                  bias: torch.Tensor | None, what: str, *, block_n: int, split_k: int | None,
-                 num_warps: int, waves: int = 8, min_units: int = 2) -> torch.Tensor:
+                 num_warps: int, waves: int = 8, min_units: int = 2, reduce_in_kernel: bool = False) -> torch.Tensor:
     """x [1, K] @ W.T (+ bias) through a one-row GEMV `kernel` over rows of `unit`-value units, whose
-    arguments are (x, w, bias, out, N, row_bytes, n_units, units_per_prog, stride_os, BLOCK_N,
-    HAS_BIAS): the K range split over programs when there are fewer than `waves` programs an SM,
-    each keeping at least `min_units` units, the float32 partials summed by _reduce_splits. `what`
-    names the layout in errors."""
+    arguments are (x, w, bias, partials or out, out, arrival counters, N, row_bytes, n_units,
+    units_per_prog, stride_os, BLOCK_N, HAS_BIAS, REDUCE): the K range split over programs when there
+    are fewer than `waves` programs an SM, each keeping at least `min_units` units, the float32
+    partials summed by _reduce_splits, or by the kernel itself with reduce_in_kernel (an option to
+    measure). `what` names the layout in errors."""
     if in_features % unit:
         raise ValueError(f"{what} rows need in_features a multiple of {unit}, got {in_features}")
     x2 = x.reshape(-1, in_features)
@@ -438,11 +481,13 @@ def one_row_gemv(kernel, x: torch.Tensor, weights: torch.Tensor, in_features: in
     split_k = triton.cdiv(n_units, per)
     out = x2.new_empty(1, n)
     target = torch.empty(split_k, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
-    has_bias = bias is not None and split_k == 1
+    reduce = reduce_in_kernel and split_k > 1
+    has_bias = bias is not None and (split_k == 1 or reduce)
     kernel[(programs_n, split_k)](
-        x2.contiguous(), weights, bias if has_bias else x2, target, n, weights.shape[1], n_units, per, n,
-        BLOCK_N=block_n, HAS_BIAS=has_bias, num_warps=num_warps, **pdl_launch(x.device))
-    if split_k > 1:
+        x2.contiguous(), weights, bias if has_bias else x2, target, out,
+        _arrival_counters(x.device, programs_n) if reduce else out, n, weights.shape[1], n_units, per, n,
+        BLOCK_N=block_n, HAS_BIAS=has_bias, REDUCE=reduce, num_warps=num_warps, **pdl_launch(x.device))
+    if split_k > 1 and not reduce:
         _reduce_splits(target.view(split_k, 1, n), bias, out)
     return out.reshape(*x.shape[:-1], n)
 
@@ -461,7 +506,7 @@ def dequantize(qweight: torch.Tensor, qtype, in_features: int,
     per = max(1, min(n_units, triton.cdiv(n_units * programs_n, 8 * num_sms(qweight.device))))
     split = triton.cdiv(n_units, per)
     _qmm_kernel[(programs_n, split)](
-        qweight, qweight, qweight, out, 1, n, qweight.shape[1], n_units, per,
+        qweight, qweight, qweight, out, out, out, 1, n, qweight.shape[1], n_units, per,
         0, in_features, 0,
         FMT=fmt, UNIT_BYTES=unit_bytes, UNIT_VALUES=unit_values, BPU=bpu, P=plane,
         BLOCK_N=block_n, BLOCK_M=1, MODE=2, HAS_BIAS=False, DOT_IEEE=False, SPLIT=split_rows,
