@@ -47,6 +47,7 @@ from tqdm import tqdm  # noqa: E402
 
 from lucebox.engine.kv_cache import PagedKVCache  # noqa: E402
 from lucebox.kernels import dequant, triton_activation, triton_gemv, triton_norm, triton_rope_kv  # noqa: E402
+from lucebox.kernels import triton_dp4a as tdp  # noqa: E402
 from lucebox.kernels import triton_sampling  # noqa: E402
 from lucebox.kernels import prefill_attention as pa  # noqa: E402
 from lucebox.kernels import triton_paged_attention as tpa  # noqa: E402
@@ -177,6 +178,8 @@ def bench_quant(args, shape, peak, device) -> list:
             best = sweep_quant(x, raws, qtype, k, m, device)
             if qtype in tsr.SPLIT_TYPES:
                 best |= sweep_split_rows(x, raws, qtype, k, m, ref, device)
+            if m == 1 and qtype in (Q.Q4_K, Q.Q8_0):
+                best |= sweep_dp4a(x, raws, qtype, k, ref, device)
         row(table, kernel="quant_matmul", qtype=qtype.name, layer=name, N=n, K=k, M=m, rel_err=err,
             us=t_tri * 1e3, GBps=gbps(nbytes, t_tri), pct_peak=100 * gbps(nbytes, t_tri) / peak,
             ref_us=t_ref * 1e3, speedup_vs_ref=t_ref / t_tri, dense_bf16_us=t_dense * 1e3, **best)
@@ -262,6 +265,31 @@ def sweep_split_rows(x, raws, qtype, k, m, ref, device) -> dict:
         found["split_best_reduced_us"] = 1e3 * bench_in_graph(
             lambda w: product(w, reduce_in_kernel=True, **best[1][1]), splits, device)
     return found
+
+
+def sweep_dp4a(x, raws, qtype, k, ref, device) -> dict:
+    """The one-row product on integer dot products (kernels/triton_dp4a.py, an experiment: x rounded
+    to int8 per 32 values, the quantising launch inside the time): Q4_K on ggml rows, Q8_0 on split
+    rows. Its error against the float product, the default launch and the best of a grid."""
+    if qtype == Q.Q4_K:
+        gemv, weights = tdp.gemv_q4_k, raws
+    else:
+        gemv, weights = tdp.gemv_q8_0_split, [tsr.split_rows(w, qtype) for w in raws]
+    err = rel_err(gemv(x, weights[0], k), ref)
+    default = bench_in_graph(lambda w: gemv(x, w, k), weights, device)
+    best = None
+    for block_n in (16, 32, 64):
+        for warps in (4, 8):
+            for split in (None, 1, 4, 8, 16):
+                try:
+                    t = bench_in_graph(lambda w: gemv(x, w, k, block_n=block_n, split_k=split, num_warps=warps),
+                                       weights, device)
+                except Exception:
+                    continue
+                if best is None or t < best[0]:
+                    best = (t, f"{block_n}x{warps}w split {split}")
+    return {"dp4a_rel_err": err, "dp4a_default_us": default * 1e3, "dp4a_best_us": best[0] * 1e3,
+            "dp4a_best": best[1]}
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -520,9 +548,10 @@ def compile_check(arch: str) -> None:
             return lambda *a, **kw: launches.append((self.fn, a, kw))
 
     real = (tqm._qmm_kernel, tqm._sum_splits_kernel, tpa._paged_attn_kernel, tpa._merge_splits_kernel,
-            tqi._q8_0_int8_kernel)
+            tqi._q8_0_int8_kernel, tdp._quantize_row_kernel, tdp._q4_k_dp4a_kernel, tdp._q8_0_split_dp4a_kernel)
     tqm._qmm_kernel, tqm._sum_splits_kernel = Capture(real[0]), Capture(real[1])
     tqi._q8_0_int8_kernel = Capture(real[4])
+    tdp._quantize_row_kernel, tdp._q4_k_dp4a_kernel, tdp._q8_0_split_dp4a_kernel = (Capture(k) for k in real[5:8])
     split_gemvs = dict(tsr._GEMV)
     tsr._GEMV = {qtype: (Capture(kernel), *rest) for qtype, (kernel, *rest) in split_gemvs.items()}
     tpa._paged_attn_kernel, tpa._merge_splits_kernel = Capture(real[2]), Capture(real[3])
@@ -556,6 +585,9 @@ def compile_check(arch: str) -> None:
         raw = torch.zeros(64, 4096 // 32 * 34, dtype=torch.uint8)
         for m in (1, 16):
             tqm.quant_matmul(torch.zeros(m, 4096, dtype=torch.bfloat16), raw, Q.Q8_0, 4096, int8_activations=True)
+        row = torch.zeros(1, 4096, dtype=torch.bfloat16)  # integer dot products (an experiment)
+        tdp.gemv_q4_k(row, torch.zeros(64, 16 * 144, dtype=torch.uint8), 4096, split_k=1)
+        tdp.gemv_q8_0_split(row, torch.zeros(64, 128 * 34, dtype=torch.uint8), 4096, split_k=4, reduce_in_kernel=True)
         for qtype in tsr.SPLIT_TYPES:  # split rows: the GEMV, the fused kernel (verify), the dequantiser (prefill)
             raw = torch.zeros(64, 4096 // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1], dtype=torch.uint8)
             tsr.gemv(torch.zeros(1, 4096, dtype=torch.bfloat16), raw, qtype, 4096, split_k=1)
@@ -590,6 +622,7 @@ def compile_check(arch: str) -> None:
     finally:
         tqm._qmm_kernel, tqm._sum_splits_kernel, tpa._paged_attn_kernel, tpa._merge_splits_kernel = real[:4]
         tqi._q8_0_int8_kernel, tsr._GEMV = real[4], split_gemvs
+        tdp._quantize_row_kernel, tdp._q4_k_dp4a_kernel, tdp._q8_0_split_dp4a_kernel = real[5:8]
         for module, make in zip(lazy, lazy_real):
             module._kernel = make
         triton_sampling._kernels = sampling_real

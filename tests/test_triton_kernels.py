@@ -175,6 +175,38 @@ def test_split_k_changes_nothing_but_the_summation_order():
     assert rel_err(split, whole) <= 1e-6
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0], ids=["Q4_K", "Q8_0-split"])
+def test_dp4a_gemvs_compute_the_float_product_of_the_int8_rounded_activations(qtype):
+    """kernels/triton_dp4a.py (an experiment): the activation row rounded to int8 per 32 values
+    (each value within half a step, d = max|x| / 127, of itself; d * sum(q) kept per block), then
+    integer dot products: the result is the float product of the rounded row with the weights, to
+    float rounding, split-K, bias and in-kernel reduction included."""
+    from lucebox.kernels import triton_dp4a as tdp
+    from lucebox.kernels import triton_split_rows as tsr
+    k, n = 512, 40
+    raw = quant_rows(qtype, n, k, seed=11)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(12)).to(DEVICE)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(13)).to(DEVICE)
+    packed = tdp.quantize_row(x)
+    q = packed[:k].view(torch.int8).float().view(-1, 32)
+    d, sums = packed[k:k + k // 8].view(torch.float32), packed[k + k // 8:].view(torch.float32)
+    assert ((q * d[:, None]).view(1, k) - x).abs().max() <= 0.5 * d.max() * (1 + 1e-5)
+    assert torch.allclose(sums, d * q.sum(1)) and q.abs().max() <= 127
+    rounded = (q * d[:, None]).view(1, k)
+    want = rounded @ dequant.dequantize(raw, qtype).T
+    if qtype == Q.Q4_K:
+        gemv, weights = tdp.gemv_q4_k, raw
+    else:
+        gemv, weights = tdp.gemv_q8_0_split, tsr.split_rows(raw, qtype)
+    for split_k in (1, 2):
+        assert rel_err(gemv(x, weights, k, split_k=split_k), want) <= 1e-5
+        assert rel_err(gemv(x, weights, k, bias, split_k=split_k, reduce_in_kernel=True), want + bias) <= 1e-5
+    with pytest.raises(ValueError, match="one row"):
+        gemv(x.repeat(2, 1), weights, k)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        gemv(x[:, :96], weights[:, :1], 96)
+
+
 def test_split_k_partials_reduced_in_the_kernel_equal_the_reducing_kernels_bit_for_bit():
     """reduce_in_kernel: the last program of each row block to finish sums the partials in split
     order and adds the bias (as _sum_splits_kernel does), then leaves its arrival counter at zero,

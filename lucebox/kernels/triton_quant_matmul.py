@@ -461,13 +461,15 @@ def _reduce_splits(partials: torch.Tensor, bias: torch.Tensor | None, out: torch
 
 def one_row_gemv(kernel, x: torch.Tensor, weights: torch.Tensor, in_features: int, unit: int,
                  bias: torch.Tensor | None, what: str, *, block_n: int, split_k: int | None,
-                 num_warps: int, waves: int = 8, min_units: int = 2, reduce_in_kernel: bool = False) -> torch.Tensor:
+                 num_warps: int, waves: int = 8, min_units: int = 2, reduce_in_kernel: bool = False,
+                 operand: torch.Tensor | None = None) -> torch.Tensor:
     """x [1, K] @ W.T (+ bias) through a one-row GEMV `kernel` over rows of `unit`-value units, whose
     arguments are (x, w, bias, partials or out, out, arrival counters, N, row_bytes, n_units,
     units_per_prog, stride_os, BLOCK_N, HAS_BIAS, REDUCE): the K range split over programs when there
     are fewer than `waves` programs an SM, each keeping at least `min_units` units, the float32
     partials summed by _reduce_splits, or by the kernel itself with reduce_in_kernel (an option to
-    measure). `what` names the layout in errors."""
+    measure). `operand`: what the kernel reads as x, when not x itself (e.g. x quantised); x still
+    sets the output's dtype. `what` names the layout in errors."""
     if in_features % unit:
         raise ValueError(f"{what} rows need in_features a multiple of {unit}, got {in_features}")
     x2 = x.reshape(-1, in_features)
@@ -484,7 +486,7 @@ def one_row_gemv(kernel, x: torch.Tensor, weights: torch.Tensor, in_features: in
     reduce = reduce_in_kernel and split_k > 1
     has_bias = bias is not None and (split_k == 1 or reduce)
     kernel[(programs_n, split_k)](
-        x2.contiguous(), weights, bias if has_bias else x2, target, out,
+        x2.contiguous() if operand is None else operand, weights, bias if has_bias else x2, target, out,
         _arrival_counters(x.device, programs_n) if reduce else out, n, weights.shape[1], n_units, per, n,
         BLOCK_N=block_n, HAS_BIAS=has_bias, REDUCE=reduce, num_warps=num_warps, **pdl_launch(x.device))
     if split_k > 1 and not reduce:

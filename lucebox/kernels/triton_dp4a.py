@@ -1,0 +1,179 @@
+"""Q4_K and split-row Q8_0 decode GEMVs on integer dot products (Triton, NVIDIA): an experiment,
+timed by scripts/bench_kernels.py against the float kernels before any model takes them.
+
+The float kernels spend ~7.4 SASS instructions a Q4_K weight (sm_90: unpack, convert, scale,
+multiply-add), which holds Q4_K at ~27% of the H200's bandwidth (BENCHMARKS, twelfth round). As in
+llama.cpp's MMVQ, the activation row is rounded to int8 per 32 values first (x ~ xd * qx; one
+launch, `quantize_row`), and a weight word of four nibbles meets four activation bytes in one
+`dp4a` (PTX through `tl.inline_asm_elementwise`): a Q4_K super-block is 32 words of nibble pairs,
+`word & 0x0F0F0F0F` the low nibbles of four consecutive values and `(word >> 4) & 0x0F0F0F0F` the
+high ones, the matching activations one aligned int32 word each. Per 32-value sub-block j
+    x' . w = d * sc_j * xd_j * sum(q * qx) - dmin * m_j * xd_j * sum(qx),
+exactly the float product of the rounded activations x' = xd * qx with the weights. Q8_0 in split
+rows (triton_split_rows) is simpler still: a word of four int8 weights meets four activation bytes,
+and each 32-value block's integer sum is scaled once, d * xd. The price is
+that rounding (~0.4% of a value), which the float kernels do not have: not a model's path until
+measured for speed and for its effect on outputs. Under Triton's interpreter (the CPU tests) dp4a
+is spelt out in byte arithmetic, with the same integer result.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .dispatch import interpreting, pdl_launch
+from .triton_pdl import wait_for_previous_kernel
+from .triton_quant_matmul import _f16, _store_one_row, one_row_gemv
+
+QK = 32  # values per activation scale (and per Q4_K sub-block)
+SUPER = 256  # values per Q4_K super-block; the kernel spells both as literals
+_ASM = not interpreting()  # PTX dp4a when compiled; byte arithmetic under the interpreter
+
+
+@triton.jit
+def _dp4a(a, b, c, ASM: tl.constexpr):
+    """c + the dot product of the four signed bytes of a and of b (int32 tensors)."""
+    if ASM:
+        out = tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                        dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        out = c
+        for k in tl.static_range(4):
+            out += ((a << (24 - 8 * k)) >> 24) * ((b << (24 - 8 * k)) >> 24)
+    return out
+
+
+@triton.jit
+def _scales_mins(w1, w2, w3, j):
+    """6-bit (scale, min) of sub-blocks j (an int32 tile) of the super-blocks whose 12 scale bytes
+    are the words w1..w3 ([BLOCK_N]): tiles [BLOCK_N, len(j)] in float32."""
+    w1, w2, w3 = w1[:, None], w2[:, None], w3[:, None]
+    s = 8 * (j % 4)[None, :]
+    low = (j < 4)[None, :]
+    sc = tl.where(low, (w1 >> s) & 63, ((w3 >> s) & 15) | (((w1 >> (s + 6)) & 3) << 4))
+    mn = tl.where(low, (w2 >> s) & 63, ((w3 >> (s + 4)) & 15) | (((w2 >> (s + 6)) & 3) << 4))
+    return sc.to(tl.float32), mn.to(tl.float32)
+
+
+@triton.jit
+def _quantize_row_kernel(x_ptr, q_ptr, d_ptr, s_ptr, n_blocks, BLOCKS: tl.constexpr, PDL: tl.constexpr = False):
+    """x [K] -> int8 q [K], float32 scales d [K/32] and d * sum(q) [K/32], per 32 values, rounding
+    half away from zero."""
+    wait_for_previous_kernel(PDL)
+    b = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
+    ok = b < n_blocks
+    cols = b[:, None] * 32 + tl.arange(0, 32)[None, :]
+    x = tl.load(x_ptr + cols, mask=ok[:, None], other=0.0).to(tl.float32)
+    d = tl.max(tl.abs(x), axis=1) / 127.0
+    scaled = x * tl.where(d > 0, 1.0 / d, 0.0)[:, None]
+    q = tl.minimum(tl.maximum(tl.floor(tl.abs(scaled) + 0.5), 0.0), 127.0)
+    q = tl.where(scaled < 0, -q, q).to(tl.int32)
+    tl.store(q_ptr + cols, q.to(tl.int8), mask=ok[:, None])
+    tl.store(d_ptr + b, d, mask=ok)
+    tl.store(s_ptr + b, d * tl.sum(q, axis=1).to(tl.float32), mask=ok)
+
+
+def quantize_row(x: torch.Tensor) -> torch.Tensor:
+    """One activation row [1, K] (K a multiple of 256) -> one uint8 buffer: the K int8 values, then
+    K/32 float32 scales xd, then K/32 float32 xd * sum(qx)."""
+    k = x.shape[-1]
+    n_blocks = k // QK
+    packed = torch.empty(k + 8 * n_blocks, dtype=torch.uint8, device=x.device)
+    blocks = 8
+    _quantize_row_kernel[(triton.cdiv(n_blocks, blocks),)](
+        x.reshape(-1), packed[:k].view(torch.int8), packed[k:k + 4 * n_blocks].view(torch.float32),
+        packed[k + 4 * n_blocks:].view(torch.float32), n_blocks, BLOCKS=blocks, num_warps=1, **pdl_launch(x.device))
+    return packed
+
+
+@triton.jit
+def _q4_k_dp4a_kernel(x_ptr, w_ptr, b_ptr, o_ptr, y_ptr, cnt_ptr, N, row_bytes, n_units, units_per_prog,
+                      stride_os, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, REDUCE: tl.constexpr = False,
+                      ASM: tl.constexpr = _ASM, PDL: tl.constexpr = False):
+    wait_for_previous_kernel(PDL)
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(rn, N - 1).to(tl.int64)  # rows past N re-read row N-1; dropped at the store
+    row = w_ptr + rows * row_bytes  # [BLOCK_N] byte pointers
+    xq = x_ptr.to(tl.pointer_type(tl.int32))  # quantize_row's buffer: int8 values as words,
+    xd = (x_ptr + n_units * 256).to(tl.pointer_type(tl.float32))  # then the scales,
+    xs = xd + n_units * 8  # then the scaled sums
+    g = tl.arange(0, 4)
+    word = 8 * g[:, None] + tl.arange(0, 8)[None, :]  # [4, 8]: nibble words of value pairs g
+    x_word = word + 8 * g[:, None]  # their low nibbles' activation words (values 64g + 4w); +8: high
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    u0 = pid_s * units_per_prog
+    for u in range(u0, tl.minimum(u0 + units_per_prog, n_units)):
+        base = row + u * 144  # d, dmin, 12 scale bytes, 128 nibble bytes
+        d = _f16(base)
+        dmin = _f16(base + 2)
+        sw = (base + 4).to(tl.pointer_type(tl.int32))
+        w1, w2, w3 = tl.load(sw), tl.load(sw + 1), tl.load(sw + 2)
+        q = tl.load((base + 16).to(tl.pointer_type(tl.int32))[:, None, None] + word[None])  # [BLOCK_N, 4, 8]
+        zero = tl.zeros_like(q)
+        lo = tl.sum(_dp4a(q & 0x0F0F0F0F, tl.load(xq + u * 64 + x_word)[None], zero, ASM), axis=2)
+        hi = tl.sum(_dp4a((q >> 4) & 0x0F0F0F0F, tl.load(xq + u * 64 + 8 + x_word)[None], zero, ASM), axis=2)
+        sc_lo, m_lo = _scales_mins(w1, w2, w3, 2 * g)  # sub-blocks 2g (low nibbles) and 2g + 1
+        sc_hi, m_hi = _scales_mins(w1, w2, w3, 2 * g + 1)
+        xd_lo, xd_hi = tl.load(xd + u * 8 + 2 * g)[None, :], tl.load(xd + u * 8 + 2 * g + 1)[None, :]
+        xs_lo, xs_hi = tl.load(xs + u * 8 + 2 * g)[None, :], tl.load(xs + u * 8 + 2 * g + 1)[None, :]
+        dots = sc_lo * xd_lo * lo.to(tl.float32) + sc_hi * xd_hi * hi.to(tl.float32)  # [BLOCK_N, 4]
+        mins = m_lo * xs_lo + m_hi * xs_hi
+        acc += d * tl.sum(dots, axis=1) - dmin * tl.sum(mins, axis=1)
+    _store_one_row(acc, rn, N, o_ptr, stride_os, b_ptr, y_ptr, cnt_ptr, HAS_BIAS, REDUCE)
+
+
+def gemv_q4_k(x: torch.Tensor, qweight: torch.Tensor, in_features: int, bias: torch.Tensor | None = None, *,
+              block_n: int = 32, split_k: int | None = None, num_warps: int = 4,
+              reduce_in_kernel: bool = False) -> torch.Tensor:
+    """x [1, K] @ W.T (+ bias) for ggml Q4_K rows [N, K/256*144], x rounded to int8 per 32 values
+    (two launches: quantize_row, then the GEMV); output in x.dtype."""
+    if in_features % SUPER:
+        raise ValueError(f"the Q4_K dp4a GEMV needs in_features a multiple of {SUPER}, got {in_features}")
+    if x.numel() != in_features:
+        raise ValueError(f"the Q4_K dp4a GEMV multiplies one row of {in_features}, got {tuple(x.shape)}")
+    return one_row_gemv(_q4_k_dp4a_kernel, x, qweight, in_features, SUPER, bias, "Q4_K dp4a",
+                        block_n=block_n, split_k=split_k, num_warps=num_warps, reduce_in_kernel=reduce_in_kernel,
+                        operand=quantize_row(x))
+
+
+@triton.jit
+def _q8_0_split_dp4a_kernel(x_ptr, w_ptr, b_ptr, o_ptr, y_ptr, cnt_ptr, N, row_bytes, n_units, units_per_prog,
+                            stride_os, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, REDUCE: tl.constexpr = False,
+                            ASM: tl.constexpr = _ASM, PDL: tl.constexpr = False):
+    wait_for_previous_kernel(PDL)
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(rn, N - 1).to(tl.int64)  # rows past N re-read row N-1; dropped at the store
+    row = w_ptr + rows * row_bytes  # split rows: the K int8 values, then K/32 fp16 scales
+    values = row.to(tl.pointer_type(tl.int32))
+    scales = (row + n_units * 256).to(tl.pointer_type(tl.float16))
+    xq = x_ptr.to(tl.pointer_type(tl.int32))
+    xd = (x_ptr + n_units * 256).to(tl.pointer_type(tl.float32))
+    blk = tl.arange(0, 8)
+    word = 8 * blk[:, None] + tl.arange(0, 8)[None, :]  # [8, 8]: a unit's words, block by block
+    acc = tl.zeros([BLOCK_N, 8], dtype=tl.float32)
+    u0 = pid_s * units_per_prog
+    for u in range(u0, tl.minimum(u0 + units_per_prog, n_units)):
+        q = tl.load(values[:, None, None] + u * 64 + word[None])  # [BLOCK_N, 8, 8]
+        dots = tl.sum(_dp4a(q, tl.load(xq + u * 64 + word)[None], tl.zeros_like(q), ASM), axis=2)  # [BLOCK_N, 8]
+        d = tl.load(scales[:, None] + u * 8 + blk[None, :]).to(tl.float32)
+        acc += dots.to(tl.float32) * d * tl.load(xd + u * 8 + blk)[None, :]
+    _store_one_row(tl.sum(acc, axis=1), rn, N, o_ptr, stride_os, b_ptr, y_ptr, cnt_ptr, HAS_BIAS, REDUCE)
+
+
+def gemv_q8_0_split(x: torch.Tensor, split: torch.Tensor, in_features: int, bias: torch.Tensor | None = None, *,
+                    block_n: int = 16, split_k: int | None = None, num_warps: int = 4,
+                    reduce_in_kernel: bool = False) -> torch.Tensor:
+    """x [1, K] @ W.T (+ bias) for Q8_0 split rows [N, K/32*34] (triton_split_rows), x rounded to
+    int8 per 32 values (two launches: quantize_row, then the GEMV); output in x.dtype."""
+    if in_features % SUPER:
+        raise ValueError(f"the Q8_0 dp4a GEMV needs in_features a multiple of {SUPER}, got {in_features}")
+    if x.numel() != in_features:
+        raise ValueError(f"the Q8_0 dp4a GEMV multiplies one row of {in_features}, got {tuple(x.shape)}")
+    return one_row_gemv(_q8_0_split_dp4a_kernel, x, split, in_features, SUPER, bias, "Q8_0 dp4a",
+                        block_n=block_n, split_k=split_k, num_warps=num_warps, reduce_in_kernel=reduce_in_kernel,
+                        operand=quantize_row(x))
