@@ -24,7 +24,7 @@ import triton.language as tl
 
 from .dispatch import interpreting, pdl_launch
 from .triton_pdl import wait_for_previous_kernel
-from .triton_quant_matmul import _f16, _store_one_row, one_row_gemv
+from .triton_quant_matmul import _f16, _one_row_program, _store_one_row, one_row_gemv
 
 QK = 32  # values per activation scale (and per Q4_K sub-block)
 SUPER = 256  # values per Q4_K super-block; the kernel spells both as literals
@@ -92,11 +92,7 @@ def _q4_k_dp4a_kernel(x_ptr, w_ptr, b_ptr, o_ptr, y_ptr, cnt_ptr, N, row_bytes, 
                       stride_os, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, REDUCE: tl.constexpr = False,
                       ASM: tl.constexpr = _ASM, PDL: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.minimum(rn, N - 1).to(tl.int64)  # rows past N re-read row N-1; dropped at the store
-    row = w_ptr + rows * row_bytes  # [BLOCK_N] byte pointers
+    rn, row, u0, u1 = _one_row_program(w_ptr, N, row_bytes, n_units, units_per_prog, BLOCK_N)
     xq = x_ptr.to(tl.pointer_type(tl.int32))  # quantize_row's buffer: int8 values as words,
     xd = (x_ptr + n_units * 256).to(tl.pointer_type(tl.float32))  # then the scales,
     xs = xd + n_units * 8  # then the scaled sums
@@ -104,8 +100,7 @@ def _q4_k_dp4a_kernel(x_ptr, w_ptr, b_ptr, o_ptr, y_ptr, cnt_ptr, N, row_bytes, 
     word = 8 * g[:, None] + tl.arange(0, 8)[None, :]  # [4, 8]: nibble words of value pairs g
     x_word = word + 8 * g[:, None]  # their low nibbles' activation words (values 64g + 4w); +8: high
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    u0 = pid_s * units_per_prog
-    for u in range(u0, tl.minimum(u0 + units_per_prog, n_units)):
+    for u in range(u0, u1):
         base = row + u * 144  # d, dmin, 12 scale bytes, 128 nibble bytes
         d = _f16(base)
         dmin = _f16(base + 2)
@@ -125,18 +120,23 @@ def _q4_k_dp4a_kernel(x_ptr, w_ptr, b_ptr, o_ptr, y_ptr, cnt_ptr, N, row_bytes, 
     _store_one_row(acc, rn, N, o_ptr, stride_os, b_ptr, y_ptr, cnt_ptr, HAS_BIAS, REDUCE)
 
 
+def _gemv(kernel, what: str, x: torch.Tensor, weights: torch.Tensor, in_features: int,
+          bias: torch.Tensor | None, **launch) -> torch.Tensor:
+    """Both launches of a dp4a GEMV: quantize_row, then `kernel` through one_row_gemv."""
+    if in_features % SUPER:
+        raise ValueError(f"the {what} GEMV needs in_features a multiple of {SUPER}, got {in_features}")
+    if x.numel() != in_features:
+        raise ValueError(f"the {what} GEMV multiplies one row of {in_features}, got {tuple(x.shape)}")
+    return one_row_gemv(kernel, x, weights, in_features, SUPER, bias, what, operand=quantize_row(x), **launch)
+
+
 def gemv_q4_k(x: torch.Tensor, qweight: torch.Tensor, in_features: int, bias: torch.Tensor | None = None, *,
               block_n: int = 32, split_k: int | None = None, num_warps: int = 4,
               reduce_in_kernel: bool = False) -> torch.Tensor:
     """x [1, K] @ W.T (+ bias) for ggml Q4_K rows [N, K/256*144], x rounded to int8 per 32 values
     (two launches: quantize_row, then the GEMV); output in x.dtype."""
-    if in_features % SUPER:
-        raise ValueError(f"the Q4_K dp4a GEMV needs in_features a multiple of {SUPER}, got {in_features}")
-    if x.numel() != in_features:
-        raise ValueError(f"the Q4_K dp4a GEMV multiplies one row of {in_features}, got {tuple(x.shape)}")
-    return one_row_gemv(_q4_k_dp4a_kernel, x, qweight, in_features, SUPER, bias, "Q4_K dp4a",
-                        block_n=block_n, split_k=split_k, num_warps=num_warps, reduce_in_kernel=reduce_in_kernel,
-                        operand=quantize_row(x))
+    return _gemv(_q4_k_dp4a_kernel, "Q4_K dp4a", x, qweight, in_features, bias, block_n=block_n, split_k=split_k,
+                 num_warps=num_warps, reduce_in_kernel=reduce_in_kernel)
 
 
 @triton.jit
@@ -144,11 +144,8 @@ def _q8_0_split_dp4a_kernel(x_ptr, w_ptr, b_ptr, o_ptr, y_ptr, cnt_ptr, N, row_b
                             stride_os, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, REDUCE: tl.constexpr = False,
                             ASM: tl.constexpr = _ASM, PDL: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.minimum(rn, N - 1).to(tl.int64)  # rows past N re-read row N-1; dropped at the store
-    row = w_ptr + rows * row_bytes  # split rows: the K int8 values, then K/32 fp16 scales
+    rn, row, u0, u1 = _one_row_program(w_ptr, N, row_bytes, n_units, units_per_prog, BLOCK_N)
+    # split rows: the K int8 values, then K/32 fp16 scales
     values = row.to(tl.pointer_type(tl.int32))
     scales = (row + n_units * 256).to(tl.pointer_type(tl.float16))
     xq = x_ptr.to(tl.pointer_type(tl.int32))
@@ -156,8 +153,7 @@ def _q8_0_split_dp4a_kernel(x_ptr, w_ptr, b_ptr, o_ptr, y_ptr, cnt_ptr, N, row_b
     blk = tl.arange(0, 8)
     word = 8 * blk[:, None] + tl.arange(0, 8)[None, :]  # [8, 8]: a unit's words, block by block
     acc = tl.zeros([BLOCK_N, 8], dtype=tl.float32)
-    u0 = pid_s * units_per_prog
-    for u in range(u0, tl.minimum(u0 + units_per_prog, n_units)):
+    for u in range(u0, u1):
         q = tl.load(values[:, None, None] + u * 64 + word[None])  # [BLOCK_N, 8, 8]
         dots = tl.sum(_dp4a(q, tl.load(xq + u * 64 + word)[None], tl.zeros_like(q), ASM), axis=2)  # [BLOCK_N, 8]
         d = tl.load(scales[:, None] + u * 8 + blk[None, :]).to(tl.float32)
@@ -170,10 +166,5 @@ def gemv_q8_0_split(x: torch.Tensor, split: torch.Tensor, in_features: int, bias
                     reduce_in_kernel: bool = False) -> torch.Tensor:
     """x [1, K] @ W.T (+ bias) for Q8_0 split rows [N, K/32*34] (triton_split_rows), x rounded to
     int8 per 32 values (two launches: quantize_row, then the GEMV); output in x.dtype."""
-    if in_features % SUPER:
-        raise ValueError(f"the Q8_0 dp4a GEMV needs in_features a multiple of {SUPER}, got {in_features}")
-    if x.numel() != in_features:
-        raise ValueError(f"the Q8_0 dp4a GEMV multiplies one row of {in_features}, got {tuple(x.shape)}")
-    return one_row_gemv(_q8_0_split_dp4a_kernel, x, split, in_features, SUPER, bias, "Q8_0 dp4a",
-                        block_n=block_n, split_k=split_k, num_warps=num_warps, reduce_in_kernel=reduce_in_kernel,
-                        operand=quantize_row(x))
+    return _gemv(_q8_0_split_dp4a_kernel, "Q8_0 dp4a", x, split, in_features, bias, block_n=block_n,
+                 split_k=split_k, num_warps=num_warps, reduce_in_kernel=reduce_in_kernel)

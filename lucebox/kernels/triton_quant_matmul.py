@@ -76,6 +76,16 @@ def _f16(p):
 
 
 @triton.jit
+def _one_row_program(w_ptr, N, row_bytes, n_units, units_per_prog, BLOCK_N: tl.constexpr):
+    """A one-row GEMV program's rows rn [BLOCK_N], their byte pointers (rows past N re-read row
+    N-1, so weight loads need no mask; dropped at the store) and its units of K, [u0, u1)."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row = w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * row_bytes
+    u0 = tl.program_id(1) * units_per_prog
+    return rn, row, u0, tl.minimum(u0 + units_per_prog, n_units)
+
+
+@triton.jit
 def _store_one_row(res, rn, N, o_ptr, stride_os, b_ptr, y_ptr, cnt_ptr, HAS_BIAS: tl.constexpr,
                    REDUCE: tl.constexpr):
     """Store a one-row program's sums res [BLOCK_N] (float32) for rows rn: the output (+ bias) when

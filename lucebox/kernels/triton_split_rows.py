@@ -28,7 +28,7 @@ import triton.language as tl
 from gguf import GGMLQuantizationType as Q
 
 from .triton_pdl import wait_for_previous_kernel
-from .triton_quant_matmul import _store_one_row, one_row_gemv
+from .triton_quant_matmul import _one_row_program, _store_one_row, one_row_gemv
 
 # ggml type -> (bytes per block, byte ranges of its fields in ggml's block, the field order in a split row)
 _FIELDS = {
@@ -71,18 +71,13 @@ def _q8_0_split_kernel(x_ptr, w_ptr, b_ptr, o_ptr, y_ptr, cnt_ptr, N, row_bytes,
                        stride_os, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, REDUCE: tl.constexpr = False,
                        PDL: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.minimum(rn, N - 1).to(tl.int64)  # rows past N re-read row N-1; dropped at the store
-    row = w_ptr + rows * row_bytes  # [BLOCK_N] byte pointers
+    rn, row, u0, u1 = _one_row_program(w_ptr, N, row_bytes, n_units, units_per_prog, BLOCK_N)
     blk = tl.arange(0, 8)
     col = blk[:, None] * 32 + tl.arange(0, 32)[None, :]  # [8, 32]: a unit's columns
     values = (row[:, None, None] + col[None, :, :]).to(tl.pointer_type(tl.int8))  # [BLOCK_N, 8, 32]
     scales = (row[:, None] + n_units * 256 + blk[None, :] * 2).to(tl.pointer_type(tl.float16))  # [BLOCK_N, 8]
     acc = tl.zeros([BLOCK_N, 8], dtype=tl.float32)
-    u0 = pid_s * units_per_prog
-    for u in range(u0, tl.minimum(u0 + units_per_prog, n_units)):
+    for u in range(u0, u1):
         q = tl.load(values + u * 256).to(tl.float32)
         xv = tl.load(x_ptr + u * 256 + col).to(tl.float32)  # [8, 32]
         d = tl.load(scales + u * 8).to(tl.float32)  # [BLOCK_N, 8]: 8 fp16 scales a unit
@@ -95,11 +90,7 @@ def _q6_k_split_kernel(x_ptr, w_ptr, b_ptr, o_ptr, y_ptr, cnt_ptr, N, row_bytes,
                        stride_os, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, REDUCE: tl.constexpr = False,
                        PDL: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.minimum(rn, N - 1).to(tl.int64)  # rows past N re-read row N-1; dropped at the store
-    row = w_ptr + rows * row_bytes
+    rn, row, u0, u1 = _one_row_program(w_ptr, N, row_bytes, n_units, units_per_prog, BLOCK_N)
     n = tl.arange(0, 2)[:, None, None, None]
     a = tl.arange(0, 2)[None, :, None, None]
     g = tl.arange(0, 2)[None, None, :, None]
@@ -114,8 +105,7 @@ def _q6_k_split_kernel(x_ptr, w_ptr, b_ptr, o_ptr, y_ptr, cnt_ptr, N, row_bytes,
     sc_base = row + n_units * 192
     d_base = row + n_units * 208
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    u0 = pid_s * units_per_prog
-    for u in range(u0, tl.minimum(u0 + units_per_prog, n_units)):
+    for u in range(u0, u1):
         ql = tl.load(row[:, None, None, None, None] + u * 128 + ql_at[None]).to(tl.int32)  # [BN, 2, 2, 2, 16]
         qh = tl.load(qh_base[:, None, None, None, None] + u * 64 + qh_at[None]).to(tl.int32)
         d = tl.load((d_base + u * 2).to(tl.pointer_type(tl.float16))).to(tl.float32)  # [BN]
