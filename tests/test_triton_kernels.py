@@ -175,7 +175,7 @@ def test_split_k_changes_nothing_but_the_summation_order():
     assert rel_err(split, whole) <= 1e-6
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0], ids=["Q4_K", "Q8_0-split"])
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0, Q.Q6_K], ids=["Q4_K", "Q8_0-split", "Q6_K-split"])
 def test_dp4a_gemvs_compute_the_float_product_of_the_int8_rounded_activations(qtype):
     """kernels/triton_dp4a.py (an experiment): the activation row rounded to int8 per 32 values
     (each value within half a step, d = max|x| / 127, of itself; d * sum(q) kept per block), then
@@ -197,7 +197,8 @@ def test_dp4a_gemvs_compute_the_float_product_of_the_int8_rounded_activations(qt
     if qtype == Q.Q4_K:
         gemv, weights = tdp.gemv_q4_k, raw
     else:
-        gemv, weights = tdp.gemv_q8_0_split, tsr.split_rows(raw, qtype)
+        gemv = tdp.gemv_q8_0_split if qtype == Q.Q8_0 else tdp.gemv_q6_k_split
+        weights = tsr.split_rows(raw, qtype)
     for split_k in (1, 2):
         assert rel_err(gemv(x, weights, k, split_k=split_k), want) <= 1e-5
         assert rel_err(gemv(x, weights, k, bias, split_k=split_k, reduce_in_kernel=True), want + bias) <= 1e-5

@@ -1,5 +1,5 @@
-"""Q4_K and split-row Q8_0 decode GEMVs on integer dot products (Triton, NVIDIA): an experiment,
-timed by scripts/bench_kernels.py against the float kernels before any model takes them.
+"""Q4_K, and split-row Q8_0 and Q6_K, decode GEMVs on integer dot products (Triton, NVIDIA): an
+experiment, timed by scripts/bench_kernels.py against the float kernels before any model takes them.
 
 The float kernels spend ~7.4 SASS instructions a Q4_K weight (sm_90: unpack, convert, scale,
 multiply-add), which holds Q4_K at ~27% of the H200's bandwidth (BENCHMARKS, twelfth round). As in
@@ -11,7 +11,11 @@ high ones, the matching activations one aligned int32 word each. Per 32-value su
     x' . w = d * sc_j * xd_j * sum(q * qx) - dmin * m_j * xd_j * sum(qx),
 exactly the float product of the rounded activations x' = xd * qx with the weights. Q8_0 in split
 rows (triton_split_rows) is simpler still: a word of four int8 weights meets four activation bytes,
-and each 32-value block's integer sum is scaled once, d * xd. The price is
+and each 32-value block's integer sum is scaled once, d * xd. Q6_K in split rows assembles four
+6-bit values in a word from a word of low nibbles and the matching bit pairs of a qh word (the
+pairs of four consecutive values sit at one bit position of four consecutive bytes), and takes the
+-32 offset per 16-value group from the activations alone: d * sc * xd * (sum(q*qx) - 32 sum(qx)).
+The price is
 that rounding (~0.4% of a value), which the float kernels do not have: not a model's path until
 measured for speed and for its effect on outputs. Under Triton's interpreter (the CPU tests) dp4a
 is spelt out in byte arithmetic, with the same integer result.
@@ -167,4 +171,55 @@ def gemv_q8_0_split(x: torch.Tensor, split: torch.Tensor, in_features: int, bias
     """x [1, K] @ W.T (+ bias) for Q8_0 split rows [N, K/32*34] (triton_split_rows), x rounded to
     int8 per 32 values (two launches: quantize_row, then the GEMV); output in x.dtype."""
     return _gemv(_q8_0_split_dp4a_kernel, "Q8_0 dp4a", x, split, in_features, bias, block_n=block_n,
+                 split_k=split_k, num_warps=num_warps, reduce_in_kernel=reduce_in_kernel)
+
+
+@triton.jit
+def _q6_k_split_dp4a_kernel(x_ptr, w_ptr, b_ptr, o_ptr, y_ptr, cnt_ptr, N, row_bytes, n_units, units_per_prog,
+                            stride_os, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, REDUCE: tl.constexpr = False,
+                            ASM: tl.constexpr = _ASM, PDL: tl.constexpr = False):
+    wait_for_previous_kernel(PDL)
+    rn, row, u0, u1 = _one_row_program(w_ptr, N, row_bytes, n_units, units_per_prog, BLOCK_N)
+    # split rows (triton_split_rows): every unit's 128 ql bytes, then 64 qh bytes, 16 scales, d
+    ql_words = row.to(tl.pointer_type(tl.int32))
+    qh_words = (row + n_units * 128).to(tl.pointer_type(tl.int32))
+    scales = (row + n_units * 192).to(tl.pointer_type(tl.int8))
+    d_base = (row + n_units * 208).to(tl.pointer_type(tl.float16))
+    xq = x_ptr.to(tl.pointer_type(tl.int32))
+    xd = (x_ptr + n_units * 256).to(tl.pointer_type(tl.float32))
+    n = tl.arange(0, 2)[:, None, None, None]  # [2, 2, 2, 4] tiles: halves n, 32-value runs a,
+    a = tl.arange(0, 2)[None, :, None, None]  # 16-value scale groups g, words w; value
+    g = tl.arange(0, 2)[None, None, :, None]  # 128n + 64h + 32a + 16g + 4w + byte
+    w = tl.arange(0, 4)[None, None, None, :]
+    ql_at = 16 * n + 8 * a + 4 * g + w  # the low-nibble word (nibble h) of those four values
+    qh_at = 8 * n + 4 * g + w + 0 * a  # their bit pairs' word (pair 2h + a of each byte)
+    x_at = 32 * n + 8 * a + 4 * g + w  # their activation word (+16h)
+    group = tl.arange(0, 2)
+    sc_at = 8 * group[:, None, None] + 2 * group[None, :, None] + group[None, None, :]  # [2, 2, 2]: (n, a, g)'s
+    xd_at = 4 * group[:, None, None] + group[None, :, None] + 0 * group[None, None, :]  # scale (+4h); x block (+2h)
+    ones = tl.full([2, 2, 2, 4], 0x01010101, tl.int32)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for u in range(u0, u1):
+        ql = tl.load(ql_words[:, None, None, None, None] + u * 32 + ql_at[None])  # [BLOCK_N, 2, 2, 2, 4]
+        qh = tl.load(qh_words[:, None, None, None, None] + u * 16 + qh_at[None])
+        total = tl.zeros([BLOCK_N, 2, 2, 2], dtype=tl.float32)
+        for h in tl.static_range(2):
+            q = ((ql >> (4 * h)) & 0x0F0F0F0F) | (((qh >> (4 * h + 2 * a[None])) & 0x03030303) << 4)
+            xw = tl.load(xq + u * 64 + 16 * h + x_at)  # [2, 2, 2, 4]
+            dots = tl.sum(_dp4a(q, xw[None], tl.zeros_like(q), ASM), axis=4)  # [BLOCK_N, 2, 2, 2]
+            sums = tl.sum(_dp4a(ones, xw, tl.zeros_like(xw), ASM), axis=3)  # [2, 2, 2]: sum(qx) a group
+            sc = tl.load(scales[:, None, None, None] + u * 16 + 4 * h + sc_at[None]).to(tl.float32)
+            xds = tl.load(xd + u * 8 + 2 * h + xd_at)  # [2, 2, 2]
+            total += sc * (xds[None] * (dots - 32 * sums[None]).to(tl.float32))
+        d = tl.load(d_base + u).to(tl.float32)
+        acc += d * tl.sum(tl.sum(tl.sum(total, axis=3), axis=2), axis=1)
+    _store_one_row(acc, rn, N, o_ptr, stride_os, b_ptr, y_ptr, cnt_ptr, HAS_BIAS, REDUCE)
+
+
+def gemv_q6_k_split(x: torch.Tensor, split: torch.Tensor, in_features: int, bias: torch.Tensor | None = None, *,
+                    block_n: int = 32, split_k: int | None = None, num_warps: int = 4,
+                    reduce_in_kernel: bool = False) -> torch.Tensor:
+    """x [1, K] @ W.T (+ bias) for Q6_K split rows [N, K/256*210] (triton_split_rows), x rounded to
+    int8 per 32 values (two launches: quantize_row, then the GEMV); output in x.dtype."""
+    return _gemv(_q6_k_split_dp4a_kernel, "Q6_K dp4a", x, split, in_features, bias, block_n=block_n,
                  split_k=split_k, num_warps=num_warps, reduce_in_kernel=reduce_in_kernel)
