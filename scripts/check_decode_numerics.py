@@ -3,7 +3,7 @@
 unfused kernels) compute the same logits? Forced-acceptance speculation (`bench speed`) and
 greedy equality with plain decoding rest on their argmaxes agreeing.
 
-    python scripts/check_decode_numerics.py --shape qwen3-0.6b [--tokens 64]
+    python scripts/check_decode_numerics.py --shape qwen3-0.6b [--quant bf16] [--tokens 64]
     python scripts/check_decode_numerics.py --model models/default --device cpu   # the script's logic
 
 A random model of the shape (as `lucebox bench speed` builds it) or a model path; a prompt is
@@ -122,6 +122,8 @@ def compare_engines(loaded, prompt: list[int], tokens: int, cuda_graphs: bool,
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="qwen3-0.6b")
+    p.add_argument("--quant", default="bf16", help="weights of --shape: bf16, q8_0, q4_k_m, ... (with "
+                   "LUCEBOX_INT8_DECODE=1: decode on int8 activations against float verify)")
     p.add_argument("--model", help="a model path instead of random weights of --shape")
     p.add_argument("--device", default="cuda")
     p.add_argument("--prompt-len", type=int, default=512)
@@ -129,11 +131,12 @@ def main() -> None:
     args = p.parse_args()
     device = torch.device(args.device)
     loaded = (load_model(args.model, dtype="auto", device=args.device) if args.model
-              else shapes.build_random_model(args.shape, "bf16", device))
+              else shapes.build_random_model(args.shape, args.quant, device))
     loaded.model.fuse_projections()
+    loaded.model.split_quant_rows()  # as the engine lays quantised rows out
     vocab = loaded.config.vocab_size
     prompt = torch.randint(0, vocab, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
-    print(f"{args.model or args.shape} on {device}: {args.tokens} greedy decode steps after a "
+    print(f"{args.model or f'{args.shape} ({args.quant})'} on {device}: {args.tokens} greedy decode steps after a "
           f"{args.prompt_len}-token prompt, verified in chunks of {CHUNK}\n")
     print("| decode GEMVs | max logit difference / logit range | argmax agreement |\n|---|---:|---:|")
     for name, install in VARIANTS.items():

@@ -208,6 +208,30 @@ def test_dp4a_gemvs_compute_the_float_product_of_the_int8_rounded_activations(qt
         gemv(x[:, :96], weights[:, :1], 96)
 
 
+def test_int8_decode_switch_sends_one_row_products_to_the_dp4a_gemvs_and_nothing_else(monkeypatch):
+    """LUCEBOX_INT8_DECODE=1 (an experiment): a Q4_K linear's one-row product runs on the dp4a GEMV
+    (the rounded row's product), its verify rows stay on the float kernel; formats without a dp4a
+    GEMV (Q5_K) stay where they were; unset, nothing changes."""
+    from lucebox.kernels import triton_dp4a as tdp
+    monkeypatch.setenv("LUCEBOX_TRITON", "1")
+    calls = []
+    monkeypatch.setattr(tdp, "gemv", lambda *a, _real=tdp.gemv, **kw: calls.append(a[2]) or _real(*a, **kw))
+    k = 256
+    q4 = QuantLinear(QuantTensor(quant_rows(Q.Q4_K, 24, k, seed=21), Q.Q4_K, (24, k)))
+    q5 = QuantLinear(QuantTensor(quant_rows(Q.Q5_K, 8, k, seed=22), Q.Q5_K, (8, k)))
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(23)).to(DEVICE)
+    float_q4 = x @ dequant.dequantize(q4.qweight, Q.Q4_K).T
+    assert rel_err(q4(x[:1]), float_q4[:1]) <= 1e-5 and not calls  # unset: the float kernel
+    monkeypatch.setenv("LUCEBOX_INT8_DECODE", "1")
+    packed = tdp.quantize_row(x[:1])
+    rounded = (packed[:k].view(torch.int8).float().view(-1, 32) * packed[k:k + k // 8].view(torch.float32)[:, None])
+    assert rel_err(q4(x[:1]), rounded.view(1, k) @ dequant.dequantize(q4.qweight, Q.Q4_K).T) <= 1e-5
+    assert calls == [Q.Q4_K]
+    assert rel_err(q4(x), float_q4) <= 1e-5  # verify rows: float
+    assert rel_err(q5(x[:1]), x[:1] @ dequant.dequantize(q5.qweight, Q.Q5_K).T) <= 1e-5
+    assert calls == [Q.Q4_K]
+
+
 def test_split_k_partials_reduced_in_the_kernel_equal_the_reducing_kernels_bit_for_bit():
     """reduce_in_kernel: the last program of each row block to finish sums the partials in split
     order and adds the bias (as _sum_splits_kernel does), then leaves its arrival counter at zero,

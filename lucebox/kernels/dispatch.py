@@ -121,5 +121,13 @@ def pdl_launch(device: torch.device) -> dict:
     return {"PDL": True, "launch_pdl": True}
 
 
+def int8_decode() -> bool:
+    """LUCEBOX_INT8_DECODE=1: one-row products with Q4_K weights, or Q8_0 / Q6_K weights in split
+    rows, run on integer dot products (kernels/triton_dp4a.py: the activation row rounded to int8
+    per 32 values). An experiment, off by default until measured for speed and for its effect on
+    outputs; verify and prefill stay on the float kernels."""
+    return os.environ.get("LUCEBOX_INT8_DECODE", "").strip().lower() in ON
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from gguf import GGMLQuantizationType as Q
 
 from .dispatch import interpreting, pdl_launch
 from .triton_pdl import wait_for_previous_kernel
@@ -223,3 +224,20 @@ def gemv_q6_k_split(x: torch.Tensor, split: torch.Tensor, in_features: int, bias
     int8 per 32 values (two launches: quantize_row, then the GEMV); output in x.dtype."""
     return _gemv(_q6_k_split_dp4a_kernel, "Q6_K dp4a", x, split, in_features, bias, block_n=block_n,
                  split_k=split_k, num_warps=num_warps, reduce_in_kernel=reduce_in_kernel)
+
+
+def serves(qtype, split_rows: bool) -> bool:
+    """Whether a dp4a GEMV reads these rows: Q4_K in ggml's layout, Q8_0 / Q6_K in split rows (NVIDIA:
+    the PTX instruction; the interpreter spells it out)."""
+    if torch.version.hip is not None:
+        return False
+    return (qtype, split_rows) in ((Q.Q4_K, False), (Q.Q8_0, True), (Q.Q6_K, True))
+
+
+def gemv(x: torch.Tensor, weights: torch.Tensor, qtype, split_rows: bool, in_features: int,
+         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The dp4a GEMV for these rows (see serves), at its default launch."""
+    if not serves(qtype, split_rows):
+        raise ValueError(f"no dp4a GEMV reads {Q(qtype).name} rows{' (split)' if split_rows else ''}")
+    kernel = {Q.Q4_K: gemv_q4_k, Q.Q8_0: gemv_q8_0_split, Q.Q6_K: gemv_q6_k_split}[qtype]
+    return kernel(x, weights, in_features, bias)

@@ -19,7 +19,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from lucebox.errors import CheckpointError, UnsupportedError
 from lucebox.kernels import dequant
 from lucebox.kernels.dequant import SUPPORTED_TYPES, qtype_name
-from lucebox.kernels.dispatch import use_triton
+from lucebox.kernels.dispatch import int8_decode, use_triton
 
 __all__ = ["SUPPORTED_TYPES", "QuantEmbedding", "QuantLinear", "QuantTensor", "quant_matmul"]
 
@@ -145,6 +145,10 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantization
     tq = _triton_quant(x, qweight, qtype)
     m = x.numel() // max(1, in_features)
     if tq is not None and x.dtype in tq.ACTIVATION_DTYPES and m <= tq.MAX_FUSED_M:
+        if m == 1 and int8_decode():
+            from lucebox.kernels import triton_dp4a
+            if triton_dp4a.serves(qtype, split_rows):
+                return triton_dp4a.gemv(x, qweight, qtype, split_rows, in_features, bias)
         if split_rows and m == 1:
             from lucebox.kernels import triton_split_rows
             return triton_split_rows.gemv(x, qweight, qtype, in_features, bias)
