@@ -50,7 +50,7 @@ case "${1:-check}" in
   check)
     step gpu-tests 300 python3 -m pytest -rs tests/test_cuda_graphs.py tests/test_fused_kernels.py \
       tests/test_triton_kernels.py tests/test_prefill_attention.py tests/test_model.py tests/test_dense_lm.py \
-      tests/test_verify.py
+      tests/test_verify.py tests/test_triton_sampling.py
     tail -n 30 "$out/gpu-tests.log" ;;
   bench)
     bench 8b-bf16 240 --shape qwen3-8b --quant bf16
