@@ -271,11 +271,11 @@ def sweep_dp4a(x, raws, qtype, k, ref, device) -> dict:
     """The one-row product on integer dot products (kernels/triton_dp4a.py, an experiment: x rounded
     to int8 per 32 values, the quantising launch inside the time): Q4_K on ggml rows, Q8_0 and Q6_K on
     split rows. Its error against the float product, the default launch and the best of a grid."""
-    if qtype == Q.Q4_K:
-        gemv, weights = tdp.gemv_q4_k, raws
-    else:
-        gemv = tdp.gemv_q8_0_split if qtype == Q.Q8_0 else tdp.gemv_q6_k_split
-        weights = [tsr.split_rows(w, qtype) for w in raws]
+    split = qtype != Q.Q4_K
+    weights = [tsr.split_rows(w, qtype) for w in raws] if split else raws
+
+    def gemv(x, w, k, **launch):
+        return tdp.gemv(x, w, qtype, split, k, **launch)
     err = rel_err(gemv(x, weights[0], k), ref)
     default = bench_in_graph(lambda w: gemv(x, w, k), weights, device)
     best = None
@@ -549,12 +549,12 @@ def compile_check(arch: str) -> None:
             return lambda *a, **kw: launches.append((self.fn, a, kw))
 
     real = (tqm._qmm_kernel, tqm._sum_splits_kernel, tpa._paged_attn_kernel, tpa._merge_splits_kernel,
-            tqi._q8_0_int8_kernel, tdp._quantize_row_kernel, tdp._q4_k_dp4a_kernel, tdp._q8_0_split_dp4a_kernel,
-            tdp._q6_k_split_dp4a_kernel)
+            tqi._q8_0_int8_kernel, tdp._quantize_row_kernel)
     tqm._qmm_kernel, tqm._sum_splits_kernel = Capture(real[0]), Capture(real[1])
     tqi._q8_0_int8_kernel = Capture(real[4])
-    (tdp._quantize_row_kernel, tdp._q4_k_dp4a_kernel, tdp._q8_0_split_dp4a_kernel,
-     tdp._q6_k_split_dp4a_kernel) = (Capture(k) for k in real[5:9])
+    tdp._quantize_row_kernel = Capture(real[5])
+    dp4a_kernels = dict(tdp._KERNELS)
+    tdp._KERNELS = {key: (Capture(kernel), rows) for key, (kernel, rows) in dp4a_kernels.items()}
     split_gemvs = dict(tsr._GEMV)
     tsr._GEMV = {qtype: (Capture(kernel), *rest) for qtype, (kernel, *rest) in split_gemvs.items()}
     tpa._paged_attn_kernel, tpa._merge_splits_kernel = Capture(real[2]), Capture(real[3])
@@ -589,9 +589,9 @@ def compile_check(arch: str) -> None:
         for m in (1, 16):
             tqm.quant_matmul(torch.zeros(m, 4096, dtype=torch.bfloat16), raw, Q.Q8_0, 4096, int8_activations=True)
         row = torch.zeros(1, 4096, dtype=torch.bfloat16)  # integer dot products (an experiment)
-        tdp.gemv_q4_k(row, torch.zeros(64, 16 * 144, dtype=torch.uint8), 4096, split_k=1)
-        tdp.gemv_q8_0_split(row, torch.zeros(64, 128 * 34, dtype=torch.uint8), 4096, split_k=4, reduce_in_kernel=True)
-        tdp.gemv_q6_k_split(row, torch.zeros(64, 16 * 210, dtype=torch.uint8), 4096, split_k=1)
+        tdp.gemv(row, torch.zeros(64, 16 * 144, dtype=torch.uint8), Q.Q4_K, False, 4096, split_k=1)
+        tdp.gemv(row, torch.zeros(64, 128 * 34, dtype=torch.uint8), Q.Q8_0, True, 4096, split_k=4, reduce_in_kernel=True)
+        tdp.gemv(row, torch.zeros(64, 16 * 210, dtype=torch.uint8), Q.Q6_K, True, 4096, split_k=1)
         for qtype in tsr.SPLIT_TYPES:  # split rows: the GEMV, the fused kernel (verify), the dequantiser (prefill)
             raw = torch.zeros(64, 4096 // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1], dtype=torch.uint8)
             tsr.gemv(torch.zeros(1, 4096, dtype=torch.bfloat16), raw, qtype, 4096, split_k=1)
@@ -626,8 +626,7 @@ def compile_check(arch: str) -> None:
     finally:
         tqm._qmm_kernel, tqm._sum_splits_kernel, tpa._paged_attn_kernel, tpa._merge_splits_kernel = real[:4]
         tqi._q8_0_int8_kernel, tsr._GEMV = real[4], split_gemvs
-        (tdp._quantize_row_kernel, tdp._q4_k_dp4a_kernel, tdp._q8_0_split_dp4a_kernel,
-         tdp._q6_k_split_dp4a_kernel) = real[5:9]
+        tdp._quantize_row_kernel, tdp._KERNELS = real[5], dp4a_kernels
         for module, make in zip(lazy, lazy_real):
             module._kernel = make
         triton_sampling._kernels = sampling_real

@@ -194,11 +194,11 @@ def test_dp4a_gemvs_compute_the_float_product_of_the_int8_rounded_activations(qt
     assert torch.allclose(sums, d * q.sum(1)) and q.abs().max() <= 127
     rounded = (q * d[:, None]).view(1, k)
     want = rounded @ dequant.dequantize(raw, qtype).T
-    if qtype == Q.Q4_K:
-        gemv, weights = tdp.gemv_q4_k, raw
-    else:
-        gemv = tdp.gemv_q8_0_split if qtype == Q.Q8_0 else tdp.gemv_q6_k_split
-        weights = tsr.split_rows(raw, qtype)
+    split = qtype != Q.Q4_K
+    weights = tsr.split_rows(raw, qtype) if split else raw
+
+    def gemv(x, w, k, bias=None, **launch):
+        return tdp.gemv(x, w, qtype, split, k, bias, **launch)
     for split_k in (1, 2):
         assert rel_err(gemv(x, weights, k, split_k=split_k), want) <= 1e-5
         assert rel_err(gemv(x, weights, k, bias, split_k=split_k, reduce_in_kernel=True), want + bias) <= 1e-5

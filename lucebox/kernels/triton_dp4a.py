@@ -125,25 +125,6 @@ def _q4_k_dp4a_kernel(x_ptr, w_ptr, b_ptr, o_ptr, y_ptr, cnt_ptr, N, row_bytes, 
     _store_one_row(acc, rn, N, o_ptr, stride_os, b_ptr, y_ptr, cnt_ptr, HAS_BIAS, REDUCE)
 
 
-def _gemv(kernel, what: str, x: torch.Tensor, weights: torch.Tensor, in_features: int,
-          bias: torch.Tensor | None, **launch) -> torch.Tensor:
-    """Both launches of a dp4a GEMV: quantize_row, then `kernel` through one_row_gemv."""
-    if in_features % SUPER:
-        raise ValueError(f"the {what} GEMV needs in_features a multiple of {SUPER}, got {in_features}")
-    if x.numel() != in_features:
-        raise ValueError(f"the {what} GEMV multiplies one row of {in_features}, got {tuple(x.shape)}")
-    return one_row_gemv(kernel, x, weights, in_features, SUPER, bias, what, operand=quantize_row(x), **launch)
-
-
-def gemv_q4_k(x: torch.Tensor, qweight: torch.Tensor, in_features: int, bias: torch.Tensor | None = None, *,
-              block_n: int = 32, split_k: int | None = None, num_warps: int = 4,
-              reduce_in_kernel: bool = False) -> torch.Tensor:
-    """x [1, K] @ W.T (+ bias) for ggml Q4_K rows [N, K/256*144], x rounded to int8 per 32 values
-    (two launches: quantize_row, then the GEMV); output in x.dtype."""
-    return _gemv(_q4_k_dp4a_kernel, "Q4_K dp4a", x, qweight, in_features, bias, block_n=block_n, split_k=split_k,
-                 num_warps=num_warps, reduce_in_kernel=reduce_in_kernel)
-
-
 @triton.jit
 def _q8_0_split_dp4a_kernel(x_ptr, w_ptr, b_ptr, o_ptr, y_ptr, cnt_ptr, N, row_bytes, n_units, units_per_prog,
                             stride_os, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, REDUCE: tl.constexpr = False,
@@ -164,15 +145,6 @@ def _q8_0_split_dp4a_kernel(x_ptr, w_ptr, b_ptr, o_ptr, y_ptr, cnt_ptr, N, row_b
         d = tl.load(scales[:, None] + u * 8 + blk[None, :]).to(tl.float32)
         acc += dots.to(tl.float32) * d * tl.load(xd + u * 8 + blk)[None, :]
     _store_one_row(tl.sum(acc, axis=1), rn, N, o_ptr, stride_os, b_ptr, y_ptr, cnt_ptr, HAS_BIAS, REDUCE)
-
-
-def gemv_q8_0_split(x: torch.Tensor, split: torch.Tensor, in_features: int, bias: torch.Tensor | None = None, *,
-                    block_n: int = 16, split_k: int | None = None, num_warps: int = 4,
-                    reduce_in_kernel: bool = False) -> torch.Tensor:
-    """x [1, K] @ W.T (+ bias) for Q8_0 split rows [N, K/32*34] (triton_split_rows), x rounded to
-    int8 per 32 values (two launches: quantize_row, then the GEMV); output in x.dtype."""
-    return _gemv(_q8_0_split_dp4a_kernel, "Q8_0 dp4a", x, split, in_features, bias, block_n=block_n,
-                 split_k=split_k, num_warps=num_warps, reduce_in_kernel=reduce_in_kernel)
 
 
 @triton.jit
@@ -217,27 +189,30 @@ def _q6_k_split_dp4a_kernel(x_ptr, w_ptr, b_ptr, o_ptr, y_ptr, cnt_ptr, N, row_b
     _store_one_row(acc, rn, N, o_ptr, stride_os, b_ptr, y_ptr, cnt_ptr, HAS_BIAS, REDUCE)
 
 
-def gemv_q6_k_split(x: torch.Tensor, split: torch.Tensor, in_features: int, bias: torch.Tensor | None = None, *,
-                    block_n: int = 32, split_k: int | None = None, num_warps: int = 4,
-                    reduce_in_kernel: bool = False) -> torch.Tensor:
-    """x [1, K] @ W.T (+ bias) for Q6_K split rows [N, K/256*210] (triton_split_rows), x rounded to
-    int8 per 32 values (two launches: quantize_row, then the GEMV); output in x.dtype."""
-    return _gemv(_q6_k_split_dp4a_kernel, "Q6_K dp4a", x, split, in_features, bias, block_n=block_n,
-                 split_k=split_k, num_warps=num_warps, reduce_in_kernel=reduce_in_kernel)
+# (ggml type, split rows) -> (kernel, default rows a program)
+_KERNELS = {(Q.Q4_K, False): (_q4_k_dp4a_kernel, 32), (Q.Q8_0, True): (_q8_0_split_dp4a_kernel, 16),
+            (Q.Q6_K, True): (_q6_k_split_dp4a_kernel, 32)}
 
 
 def serves(qtype, split_rows: bool) -> bool:
     """Whether a dp4a GEMV reads these rows: Q4_K in ggml's layout, Q8_0 / Q6_K in split rows (NVIDIA:
     the PTX instruction; the interpreter spells it out)."""
-    if torch.version.hip is not None:
-        return False
-    return (qtype, split_rows) in ((Q.Q4_K, False), (Q.Q8_0, True), (Q.Q6_K, True))
+    return torch.version.hip is None and (qtype, split_rows) in _KERNELS
 
 
 def gemv(x: torch.Tensor, weights: torch.Tensor, qtype, split_rows: bool, in_features: int,
-         bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The dp4a GEMV for these rows (see serves), at its default launch."""
+         bias: torch.Tensor | None = None, *, block_n: int | None = None, split_k: int | None = None,
+         num_warps: int = 4, reduce_in_kernel: bool = False) -> torch.Tensor:
+    """x [1, K] @ W.T (+ bias) for rows that serves() accepts, x rounded to int8 per 32 values (two
+    launches: quantize_row, then the GEMV through one_row_gemv); output in x.dtype."""
     if not serves(qtype, split_rows):
         raise ValueError(f"no dp4a GEMV reads {Q(qtype).name} rows{' (split)' if split_rows else ''}")
-    kernel = {Q.Q4_K: gemv_q4_k, Q.Q8_0: gemv_q8_0_split, Q.Q6_K: gemv_q6_k_split}[qtype]
-    return kernel(x, weights, in_features, bias)
+    what = f"{Q(qtype).name} dp4a"
+    if in_features % SUPER:
+        raise ValueError(f"the {what} GEMV needs in_features a multiple of {SUPER}, got {in_features}")
+    if x.numel() != in_features:
+        raise ValueError(f"the {what} GEMV multiplies one row of {in_features}, got {tuple(x.shape)}")
+    kernel, default_block_n = _KERNELS[(qtype, split_rows)]
+    return one_row_gemv(kernel, x, weights, in_features, SUPER, bias, what, block_n=block_n or default_block_n,
+                        split_k=split_k, num_warps=num_warps, reduce_in_kernel=reduce_in_kernel,
+                        operand=quantize_row(x))
