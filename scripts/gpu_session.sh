@@ -18,7 +18,8 @@
 #   scripts/gpu_session.sh int8      decode on integer dot products (kernels/triton_dp4a.py, an experiment): its
 #                                    GPU tests, the M = 1 kernels (dp4a_* and *_reduced_us columns: Q4_K, Q6_K,
 #                                    Q8_0), decode-vs-verify agreement with LUCEBOX_INT8_DECODE=1 (q4_k_m), and
-#                                    bench speed q4_k_m / q8_0 at 512 with and without it (~8 min)
+#                                    (~6 min)
+#   scripts/gpu_session.sh int8-speed bench speed q4_k_m / q8_0 at 512 with and without LUCEBOX_INT8_DECODE (~5 min)
 #   scripts/gpu_session.sh profile   host time per engine-step section, plain vs speculative engines,
 #                                    torch.profiler tables of DFlash passes at T=0 and T=1, and one graph
 #                                    step's time by verify width and output (scripts/profile_spec_steps.py)
@@ -105,7 +106,8 @@ case "${1:-check}" in
     grep -E "^\| (kernel|quant_matmul)" "$out/int8-kernels.log" | cut -c1-600
     LUCEBOX_INT8_DECODE=1 step int8-numerics 150 python3 scripts/check_decode_numerics.py --shape qwen3-8b \
       --quant q4_k_m --prompt-len 256 --tokens 32
-    grep "^|" "$out/int8-numerics.log"
+    grep "^|" "$out/int8-numerics.log" ;;
+  int8-speed)
     for quant in q4_k_m q8_0; do
       for int8 in 1 0; do
         LUCEBOX_INT8_DECODE=$int8 bench "8b-$quant-int8-$int8" 90 --shape qwen3-8b --quant $quant \
@@ -129,5 +131,5 @@ case "${1:-check}" in
     step drafter 570 bash scripts/train_default_drafter.sh "$out/default-dflash" "${SECONDS_TRAIN:-300}"
     rm -f "$out/default-dflash/train_state.pt" "$out/default-dflash/regenerated.pt"
     tr '\r' '\n' < "$out/drafter.log" | grep -E "tau|steps|wrote|Error|error" | tail -n 20 ;;
-  *) echo "usage: $0 check|bench|spec|kernels|gemv|overlap|pdl|int8|profile|idle|sampler|drafter" >&2; exit 2 ;;
+  *) echo "usage: $0 check|bench|spec|kernels|gemv|overlap|pdl|int8|int8-speed|profile|idle|sampler|drafter" >&2; exit 2 ;;
 esac
