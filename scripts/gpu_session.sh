@@ -17,7 +17,7 @@
 #                                    8b bf16 and 8b Q4_K_M at 512, alternating (~4 min)
 #   scripts/gpu_session.sh int8      decode on integer dot products (kernels/triton_dp4a.py, an experiment): its
 #                                    GPU tests, the M = 1 kernels (dp4a_* and *_reduced_us columns: Q4_K, Q6_K,
-#                                    Q8_0), decode-vs-verify agreement with LUCEBOX_INT8_DECODE=1 (q4_k_m), and
+#                                    Q8_0), decode-vs-verify agreement with LUCEBOX_INT8_DECODE=1 (q4_k_m)
 #                                    (~6 min)
 #   scripts/gpu_session.sh int8-speed bench speed q4_k_m / q8_0 at 512 with and without LUCEBOX_INT8_DECODE (~5 min)
 #   scripts/gpu_session.sh profile   host time per engine-step section, plain vs speculative engines,
