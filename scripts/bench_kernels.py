@@ -271,11 +271,11 @@ def sweep_dp4a(x, raws, qtype, k, ref, device) -> dict:
     """The one-row product on integer dot products (kernels/triton_dp4a.py, an experiment: x rounded
     to int8 per 32 values, the quantising launch inside the time): Q4_K on ggml rows, Q8_0 and Q6_K on
     split rows. Its error against the float product, the default launch and the best of a grid."""
-    split = qtype != Q.Q4_K
-    weights = [tsr.split_rows(w, qtype) for w in raws] if split else raws
+    split_rows = qtype != Q.Q4_K
+    weights = [tsr.split_rows(w, qtype) for w in raws] if split_rows else raws
 
     def gemv(x, w, k, **launch):
-        return tdp.gemv(x, w, qtype, split, k, **launch)
+        return tdp.gemv(x, w, qtype, split_rows, k, **launch)
     err = rel_err(gemv(x, weights[0], k), ref)
     default = bench_in_graph(lambda w: gemv(x, w, k), weights, device)
     best = None
