@@ -19,7 +19,8 @@
 #                                    GPU tests, the M = 1 kernels (dp4a_* and *_reduced_us columns: Q4_K, Q6_K,
 #                                    Q8_0), decode-vs-verify agreement with LUCEBOX_INT8_DECODE=1 (q4_k_m)
 #                                    (~6 min)
-#   scripts/gpu_session.sh int8-speed bench speed q4_k_m / q8_0 at 512 with and without LUCEBOX_INT8_DECODE (~5 min)
+#   scripts/gpu_session.sh int8-speed bench speed q4_k_m / q8_0 at 512 with and without LUCEBOX_INT8_DECODE,
+#                                    then q4_k_m verify with and without LUCEBOX_PDL_TILES (~6 min)
 #   scripts/gpu_session.sh profile   host time per engine-step section, plain vs speculative engines,
 #                                    torch.profiler tables of DFlash passes at T=0 and T=1, and one graph
 #                                    step's time by verify width and output (scripts/profile_spec_steps.py)
@@ -113,6 +114,10 @@ case "${1:-check}" in
         LUCEBOX_INT8_DECODE=$int8 bench "8b-$quant-int8-$int8" 90 --shape qwen3-8b --quant $quant \
           --prompt-lens 512 --contexts 512 --skip prefill forced spec peer
       done
+    done
+    for tiles in 0 1; do  # verify (tensor-core quant products) launched with and without PDL
+      LUCEBOX_PDL_TILES=$tiles bench "8b-q4_k_m-pdl-tiles-$tiles" 60 --shape qwen3-8b --quant q4_k_m \
+        --prompt-lens 512 --contexts 512 --skip prefill decode forced spec peer
     done ;;
   profile)
     step profile "${SECONDS_PROFILE:-240}" python3 scripts/profile_spec_steps.py --trace dflash:0 --trace dflash:1
