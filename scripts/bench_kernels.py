@@ -178,8 +178,8 @@ def bench_quant(args, shape, peak, device) -> list:
             best = sweep_quant(x, raws, qtype, k, m, device)
             if qtype in tsr.SPLIT_TYPES:
                 best |= sweep_split_rows(x, raws, qtype, k, m, ref, device)
-            if m == 1 and qtype in (Q.Q4_K, Q.Q8_0, Q.Q6_K):
-                best |= sweep_dp4a(x, raws, qtype, k, ref, device)
+            if qtype in (Q.Q4_K, Q.Q8_0, Q.Q6_K):
+                best |= sweep_int8(x, raws, qtype, k, m, ref, device)
         row(table, kernel="quant_matmul", qtype=qtype.name, layer=name, N=n, K=k, M=m, rel_err=err,
             us=t_tri * 1e3, GBps=gbps(nbytes, t_tri), pct_peak=100 * gbps(nbytes, t_tri) / peak,
             ref_us=t_ref * 1e3, speedup_vs_ref=t_ref / t_tri, dense_bf16_us=t_dense * 1e3, **best)
@@ -202,11 +202,9 @@ def sweep_quant(x, raws, qtype, k, m, device) -> dict:
     best = None
     block_ns = (16, 32, 64) if m == 1 else (32, 64, 128)
     # Paths: at M = 1 the elementwise one and the tensor-core one (dequantised tiles through tl.dot,
-    # x padded to 16 rows); for Q8_0 also int8 activations on integer tensor cores.
+    # x padded to 16 rows).
     paths = {"elementwise": {"tensor_cores": False}} if m == 1 else {}
     paths["tensor cores"] = {"tensor_cores": True}
-    if qtype == Q.Q8_0:
-        paths["int8"] = {"int8_activations": True}
     for path, options in paths.items():
         for block_n in block_ns:
             for warps in (4, 8):
@@ -221,15 +219,8 @@ def sweep_quant(x, raws, qtype, k, m, device) -> dict:
                         best = (t, block_n, warps, split, path)
     if not best:
         return {}
-    found = {"best_us": best[0] * 1e3, "best_block_n": best[1], "best_warps": best[2],
-             "best_split": str(best[3]), "best_path": best[4]}
-    if m == 1:  # the default launch and the best one again, split-K partials reduced inside the GEMV
-        found["default_reduced_us"] = 1e3 * bench_in_graph(
-            lambda w: tqm.quant_matmul(x, w, qtype, k, reduce_in_kernel=True), raws, device)
-        found["best_reduced_us"] = 1e3 * bench_in_graph(lambda w: tqm.quant_matmul(
-            x, w, qtype, k, block_n=best[1], split_k=best[3], num_warps=best[2], reduce_in_kernel=True,
-            **paths[best[4]]), raws, device)
-    return found
+    return {"best_us": best[0] * 1e3, "best_block_n": best[1], "best_warps": best[2],
+            "best_split": str(best[3]), "best_path": best[4]}
 
 
 def sweep_split_rows(x, raws, qtype, k, m, ref, device) -> dict:
@@ -257,40 +248,34 @@ def sweep_split_rows(x, raws, qtype, k, m, ref, device) -> dict:
                 if best is None or t < best[0]:
                     best = (t, (f"{block_n}x{warps}w split {split}",
                                 {"block_n": block_n, "split_k": split, "num_warps": warps}))
-    found = {"split_rel_err": err, "split_default_us": default * 1e3, "split_best_us": best[0] * 1e3,
-             "split_best": best[1][0]}
-    if m == 1:  # the same two launches, split-K partials reduced inside the GEMV
-        found["split_default_reduced_us"] = 1e3 * bench_in_graph(
-            lambda w: product(w, reduce_in_kernel=True), splits, device)
-        found["split_best_reduced_us"] = 1e3 * bench_in_graph(
-            lambda w: product(w, reduce_in_kernel=True, **best[1][1]), splits, device)
-    return found
+    return {"split_rel_err": err, "split_default_us": default * 1e3, "split_best_us": best[0] * 1e3,
+            "split_best": best[1][0]}
 
 
-def sweep_dp4a(x, raws, qtype, k, ref, device) -> dict:
-    """The one-row product on integer dot products (kernels/triton_dp4a.py, an experiment: x rounded
-    to int8 per 32 values, the quantising launch inside the time): Q4_K on ggml rows, Q8_0 and Q6_K on
+def sweep_int8(x, raws, qtype, k, m, ref, device) -> dict:
+    """The product on int8 activations (kernels/triton_quant_int8.py; the rounding launch inside the
+    time): the dp4a GEMV at M = 1, integer tensor cores above; Q4_K on ggml rows, Q8_0 and Q6_K on
     split rows. Its error against the float product, the default launch and the best of a grid."""
     split_rows = qtype != Q.Q4_K
     weights = [tsr.split_rows(w, qtype) for w in raws] if split_rows else raws
 
-    def gemv(x, w, k, **launch):
-        return tdp.gemv(x, w, qtype, split_rows, k, **launch)
-    err = rel_err(gemv(x, weights[0], k), ref)
-    default = bench_in_graph(lambda w: gemv(x, w, k), weights, device)
+    def product(w, **launch):
+        return tqi.matmul(x, w, qtype, split_rows, k, **launch)
+    err = rel_err(product(weights[0]), ref)
+    default = bench_in_graph(product, weights, device)
     best = None
-    for block_n in (16, 32, 64):
+    for block_n in (32, 64, 128):
         for warps in (4, 8):
-            for split in (None, 1, 4, 8, 16):
+            for split_k in (None, 1, 4, 8, 16):
                 try:
-                    t = bench_in_graph(lambda w: gemv(x, w, k, block_n=block_n, split_k=split, num_warps=warps),
+                    t = bench_in_graph(lambda w: product(w, block_n=block_n, split_k=split_k, num_warps=warps),
                                        weights, device)
                 except Exception:
                     continue
                 if best is None or t < best[0]:
-                    best = (t, f"{block_n}x{warps}w split {split}")
-    return {"dp4a_rel_err": err, "dp4a_default_us": default * 1e3, "dp4a_best_us": best[0] * 1e3,
-            "dp4a_best": best[1]}
+                    best = (t, f"{block_n}x{warps}w split {split_k}")
+    return {"int8_rel_err": err, "int8_default_us": default * 1e3, "int8_best_us": best[0] * 1e3,
+            "int8_best": best[1]}
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -549,12 +534,12 @@ def compile_check(arch: str) -> None:
             return lambda *a, **kw: launches.append((self.fn, a, kw))
 
     real = (tqm._qmm_kernel, tqm._sum_splits_kernel, tpa._paged_attn_kernel, tpa._merge_splits_kernel,
-            tqi._q8_0_int8_kernel, tdp._quantize_row_kernel)
+            tdp._quantize_rows_kernel)
     tqm._qmm_kernel, tqm._sum_splits_kernel = Capture(real[0]), Capture(real[1])
-    tqi._q8_0_int8_kernel = Capture(real[4])
-    tdp._quantize_row_kernel = Capture(real[5])
-    dp4a_kernels = dict(tdp._KERNELS)
-    tdp._KERNELS = {key: (Capture(kernel), rows) for key, (kernel, rows) in dp4a_kernels.items()}
+    tdp._quantize_rows_kernel = Capture(real[4])
+    dp4a_kernels, int8_kernels = dict(tdp._KERNELS), dict(tqi._KERNELS)
+    tdp._KERNELS = {key: Capture(kernel) for key, kernel in dp4a_kernels.items()}
+    tqi._KERNELS = {key: Capture(kernel) for key, kernel in int8_kernels.items()}
     split_gemvs = dict(tsr._GEMV)
     tsr._GEMV = {qtype: (Capture(kernel), *rest) for qtype, (kernel, *rest) in split_gemvs.items()}
     tpa._paged_attn_kernel, tpa._merge_splits_kernel = Capture(real[2]), Capture(real[3])
@@ -584,18 +569,13 @@ def compile_check(arch: str) -> None:
             triton_norm.rms_norm_residual_triton(x, x, x[0], 1e-6)
             triton_norm.rms_norm_triton(torch.zeros(rows, 32, 128, dtype=torch.bfloat16), x[0, :128], 1e-6)
         tqm.quant_matmul(torch.zeros(1, 4096, dtype=torch.bfloat16), raw, qtype, 4096, split_k=4)
-        tqm.quant_matmul(torch.zeros(1, 4096, dtype=torch.bfloat16), raw, qtype, 4096, split_k=4, reduce_in_kernel=True)
-        raw = torch.zeros(64, 4096 // 32 * 34, dtype=torch.uint8)
-        for m in (1, 16):
-            tqm.quant_matmul(torch.zeros(m, 4096, dtype=torch.bfloat16), raw, Q.Q8_0, 4096, int8_activations=True)
-        row = torch.zeros(1, 4096, dtype=torch.bfloat16)  # integer dot products (an experiment)
-        tdp.gemv(row, torch.zeros(64, 16 * 144, dtype=torch.uint8), Q.Q4_K, False, 4096, split_k=1)
-        tdp.gemv(row, torch.zeros(64, 128 * 34, dtype=torch.uint8), Q.Q8_0, True, 4096, split_k=4, reduce_in_kernel=True)
-        tdp.gemv(row, torch.zeros(64, 16 * 210, dtype=torch.uint8), Q.Q6_K, True, 4096, split_k=1)
+        for qtype, split in tqi._KERNELS:  # int8 activations: decode (dp4a) and verify (tensor cores)
+            raw = torch.zeros(64, 4096 // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1], dtype=torch.uint8)
+            for m in (1, 16, 64):
+                tqi.matmul(torch.zeros(m, 4096, dtype=torch.bfloat16), raw, qtype, split, 4096, split_k=1)
         for qtype in tsr.SPLIT_TYPES:  # split rows: the GEMV, the fused kernel (verify), the dequantiser (prefill)
             raw = torch.zeros(64, 4096 // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1], dtype=torch.uint8)
             tsr.gemv(torch.zeros(1, 4096, dtype=torch.bfloat16), raw, qtype, 4096, split_k=1)
-            tsr.gemv(torch.zeros(1, 4096, dtype=torch.bfloat16), raw, qtype, 4096, split_k=4, reduce_in_kernel=True)
             for m in (1, 16):
                 tqm.quant_matmul(torch.zeros(m, 4096, dtype=torch.bfloat16), raw, qtype, 4096, split_k=1,
                                  split_rows=True)
@@ -625,8 +605,8 @@ def compile_check(arch: str) -> None:
                                                row.long(), torch.zeros(1, dtype=torch.long))  # as a graph calls it
     finally:
         tqm._qmm_kernel, tqm._sum_splits_kernel, tpa._paged_attn_kernel, tpa._merge_splits_kernel = real[:4]
-        tqi._q8_0_int8_kernel, tsr._GEMV = real[4], split_gemvs
-        tdp._quantize_row_kernel, tdp._KERNELS = real[5], dp4a_kernels
+        tsr._GEMV, tdp._quantize_rows_kernel = split_gemvs, real[4]
+        tdp._KERNELS, tqi._KERNELS = dp4a_kernels, int8_kernels
         for module, make in zip(lazy, lazy_real):
             module._kernel = make
         triton_sampling._kernels = sampling_real

@@ -122,8 +122,8 @@ def compare_engines(loaded, prompt: list[int], tokens: int, cuda_graphs: bool,
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="qwen3-0.6b")
-    p.add_argument("--quant", default="bf16", help="weights of --shape: bf16, q8_0, q4_k_m, ... (with "
-                   "LUCEBOX_INT8_DECODE=1: decode on int8 activations against float verify)")
+    p.add_argument("--quant", default="bf16", help="weights of --shape: bf16, q8_0, q4_k_m, ... (Q4_K and split "
+                   "Q8_0 / Q6_K on int8 activations unless LUCEBOX_INT8_ACTIVATIONS=0)")
     p.add_argument("--model", help="a model path instead of random weights of --shape")
     p.add_argument("--device", default="cuda")
     p.add_argument("--prompt-len", type=int, default=512)

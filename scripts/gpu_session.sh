@@ -15,12 +15,10 @@
 #   scripts/gpu_session.sh overlap   bench speed decode with and without --async-decode, 0.6b and 8b at 512 (~4 min)
 #   scripts/gpu_session.sh pdl       decode with programmatic dependent launch on and off (LUCEBOX_PDL), 0.6b and
 #                                    8b bf16 and 8b Q4_K_M at 512, alternating (~4 min)
-#   scripts/gpu_session.sh int8      decode on integer dot products (kernels/triton_dp4a.py, an experiment): its
-#                                    GPU tests, the M = 1 kernels (dp4a_* and *_reduced_us columns: Q4_K, Q6_K,
-#                                    Q8_0), decode-vs-verify agreement with LUCEBOX_INT8_DECODE=1 (q4_k_m)
-#                                    (~6 min)
-#   scripts/gpu_session.sh int8-speed bench speed q4_k_m / q8_0 at 512 with and without LUCEBOX_INT8_DECODE,
-#                                    then q4_k_m verify with and without LUCEBOX_PDL_TILES (~6 min)
+#   scripts/gpu_session.sh int8      int8 activations (kernels/triton_quant_int8.py): their GPU tests, decode-vs-verify
+#                                    agreement (q4_k_m), bench speed q4_k_m / q8_0 with and without
+#                                    LUCEBOX_INT8_ACTIVATIONS, then the M = 16 kernels swept (~8 min)
+#   scripts/gpu_session.sh pdl-tiles q4_k_m verify with and without LUCEBOX_PDL_TILES (~2 min)
 #   scripts/gpu_session.sh profile   host time per engine-step section, plain vs speculative engines,
 #                                    torch.profiler tables of DFlash passes at T=0 and T=1, and one graph
 #                                    step's time by verify width and output (scripts/profile_spec_steps.py)
@@ -99,23 +97,22 @@ case "${1:-check}" in
         done
       done
     done ;;
-  int8)
-    step int8-tests 120 python3 -m pytest -q tests/test_triton_kernels.py -k "dp4a or int8_decode or reduced or split_rows_hold"
+  int8)  # int8 activations (kernels/triton_quant_int8.py): tests, agreement, decode and verify on and off, M = 16 kernels
+    step int8-tests 150 python3 -m pytest -rs tests/test_triton_kernels.py -k "int8 or rounded or split_rows or model_forward"
     tail -n 2 "$out/int8-tests.log"
-    step int8-kernels "${SECONDS_KERNELS:-200}" python3 scripts/bench_kernels.py --only quant --ms 1 --sweep \
-      --qtypes Q4_K Q6_K Q8_0 --json "$out/int8-kernels.json"
-    grep -E "^\| (kernel|quant_matmul)" "$out/int8-kernels.log" | cut -c1-600
-    LUCEBOX_INT8_DECODE=1 step int8-numerics 150 python3 scripts/check_decode_numerics.py --shape qwen3-8b \
-      --quant q4_k_m --prompt-len 256 --tokens 32
-    grep "^|" "$out/int8-numerics.log" ;;
-  int8-speed)
+    step int8-numerics 120 python3 scripts/check_decode_numerics.py --shape qwen3-8b --quant q4_k_m --prompt-len 256 --tokens 32
+    grep "^|" "$out/int8-numerics.log"
     for quant in q4_k_m q8_0; do
       for int8 in 1 0; do
-        LUCEBOX_INT8_DECODE=$int8 bench "8b-$quant-int8-$int8" 90 --shape qwen3-8b --quant $quant \
+        LUCEBOX_INT8_ACTIVATIONS=$int8 bench "8b-$quant-int8-$int8" 90 --shape qwen3-8b --quant $quant \
           --prompt-lens 512 --contexts 512 --skip prefill forced spec peer
       done
     done
-    for tiles in 0 1; do  # verify (tensor-core quant products) launched with and without PDL
+    step int8-kernels "${SECONDS_KERNELS:-150}" python3 scripts/bench_kernels.py --only quant --ms 16 --sweep \
+      --qtypes Q4_K Q6_K Q8_0 --json "$out/int8-kernels.json"
+    grep -E "^\| (kernel|quant_matmul)" "$out/int8-kernels.log" | cut -c1-600 ;;
+  pdl-tiles)  # verify (tensor-core quant products) launched with and without PDL
+    for tiles in 0 1; do
       LUCEBOX_PDL_TILES=$tiles bench "8b-q4_k_m-pdl-tiles-$tiles" 60 --shape qwen3-8b --quant q4_k_m \
         --prompt-lens 512 --contexts 512 --skip prefill decode forced spec peer
     done ;;
@@ -136,5 +133,5 @@ case "${1:-check}" in
     step drafter 570 bash scripts/train_default_drafter.sh "$out/default-dflash" "${SECONDS_TRAIN:-300}"
     rm -f "$out/default-dflash/train_state.pt" "$out/default-dflash/regenerated.pt"
     tr '\r' '\n' < "$out/drafter.log" | grep -E "tau|steps|wrote|Error|error" | tail -n 20 ;;
-  *) echo "usage: $0 check|bench|spec|kernels|gemv|overlap|pdl|int8|int8-speed|profile|idle|sampler|drafter" >&2; exit 2 ;;
+  *) echo "usage: $0 check|bench|spec|kernels|gemv|overlap|pdl|int8|pdl-tiles|profile|idle|sampler|drafter" >&2; exit 2 ;;
 esac

@@ -155,8 +155,6 @@ def test_split_rows_hold_the_same_weights_and_multiply_like_the_reference(qtype)
         assert rel_err(tsr.gemv(x[:1], split, qtype, k, bias, split_k=split_k), want[:1] + bias) <= 1e-5
         got = tqm.quant_matmul(x, split, qtype, k, bias, split_k=split_k, split_rows=True)
         assert rel_err(got, want + bias) <= 1e-5
-        reduced = tsr.gemv(x[:1], split, qtype, k, bias, split_k=split_k, reduce_in_kernel=True)
-        assert torch.equal(reduced, tsr.gemv(x[:1], split, qtype, k, bias, split_k=split_k))
     assert torch.equal(tqm.dequantize(split, qtype, k, split_rows=True), weight)
     with pytest.raises(ValueError, match="one row"):
         tsr.gemv(x, split, qtype, k)
@@ -175,77 +173,84 @@ def test_split_k_changes_nothing_but_the_summation_order():
     assert rel_err(split, whole) <= 1e-6
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0, Q.Q6_K], ids=["Q4_K", "Q8_0-split", "Q6_K-split"])
-def test_dp4a_gemvs_compute_the_float_product_of_the_int8_rounded_activations(qtype):
-    """kernels/triton_dp4a.py (an experiment): the activation row rounded to int8 per 32 values
-    (each value within half a step, d = max|x| / 127, of itself; d * sum(q) kept per block), then
-    integer dot products: the result is the float product of the rounded row with the weights, to
-    float rounding, split-K, bias and in-kernel reduction included."""
+def rounded_rows(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """The activations that triton_dp4a.quantize_rows' packed rows stand for: qx * xd, [M, K]."""
+    q = packed[:, :k].contiguous().view(torch.int8).float().view(packed.shape[0], -1, 32)
+    d = packed[:, k:k + k // 8].contiguous().view(torch.float32)
+    return (q * d[..., None]).view(packed.shape[0], k)
+
+
+def test_activation_rows_are_rounded_to_int8_per_32_values_alike_whatever_their_number():
     from lucebox.kernels import triton_dp4a as tdp
+    k = 512
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(12)).to(DEVICE)
+    x[2, :32] = 0  # an all-zero block: scale 0, values 0
+    packed = tdp.quantize_rows(x)
+    assert packed.shape == (5, k + k // 4) and packed.dtype == torch.uint8
+    q = packed[:, :k].contiguous().view(torch.int8).float().view(5, -1, 32)
+    d = packed[:, k:k + k // 8].contiguous().view(torch.float32)
+    sums = packed[:, k + k // 8:].contiguous().view(torch.float32)
+    assert torch.allclose(d, x.view(5, -1, 32).abs().amax(-1) / 127)
+    assert (rounded_rows(packed, k) - x).abs().max() <= 0.5 * d.max() * (1 + 1e-5)
+    assert torch.allclose(sums, d * q.sum(-1)) and q.abs().max() <= 127 and not q[2, 0].any()
+    for r in range(5):  # a row alone packs as it does among others
+        assert torch.equal(tdp.quantize_rows(x[r:r + 1])[0], packed[r])
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0, Q.Q6_K], ids=["Q4_K", "Q8_0-split", "Q6_K-split"])
+def test_int8_products_are_the_float_products_of_the_rounded_activations_alone_or_batched(qtype):
+    """kernels/triton_quant_int8.py: one row on the dp4a GEMV, 2..64 on integer tensor cores; both are
+    the float product of the int8-rounded rows with the exact weights (to float rounding), split-K and
+    bias included, and a row's result is the same decoded alone or verified among others."""
+    from lucebox.kernels import triton_dp4a as tdp
+    from lucebox.kernels import triton_quant_int8 as tqi
     from lucebox.kernels import triton_split_rows as tsr
     k, n = 512, 40
     raw = quant_rows(qtype, n, k, seed=11)
-    x = torch.randn(1, k, generator=torch.Generator().manual_seed(12)).to(DEVICE)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(12)).to(DEVICE)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(13)).to(DEVICE)
-    packed = tdp.quantize_row(x)
-    q = packed[:k].view(torch.int8).float().view(-1, 32)
-    d, sums = packed[k:k + k // 8].view(torch.float32), packed[k + k // 8:].view(torch.float32)
-    assert ((q * d[:, None]).view(1, k) - x).abs().max() <= 0.5 * d.max() * (1 + 1e-5)
-    assert torch.allclose(sums, d * q.sum(1)) and q.abs().max() <= 127
-    rounded = (q * d[:, None]).view(1, k)
-    want = rounded @ dequant.dequantize(raw, qtype).T
+    want = rounded_rows(tdp.quantize_rows(x), k) @ dequant.dequantize(raw, qtype).T
     split = qtype != Q.Q4_K
     weights = tsr.split_rows(raw, qtype) if split else raw
-
-    def gemv(x, w, k, bias=None, **launch):
-        return tdp.gemv(x, w, qtype, split, k, bias, **launch)
     for split_k in (1, 2):
-        assert rel_err(gemv(x, weights, k, split_k=split_k), want) <= 1e-5
-        assert rel_err(gemv(x, weights, k, bias, split_k=split_k, reduce_in_kernel=True), want + bias) <= 1e-5
+        one = tqi.matmul(x[:1], weights, qtype, split, k, split_k=split_k)
+        assert rel_err(one, want[:1]) <= 1e-5
+        assert rel_err(tqi.matmul(x[:1], weights, qtype, split, k, bias, split_k=split_k), want[:1] + bias) <= 1e-5
+        rows = tqi.matmul(x, weights, qtype, split, k, bias, split_k=split_k)
+        assert rows.shape == (5, n) and rel_err(rows, want + bias) <= 1e-5
+        assert rel_err(tqi.matmul(x, weights, qtype, split, k, split_k=split_k)[:1], one) <= 1e-6
+    assert rel_err(want, x @ dequant.dequantize(raw, qtype).T) <= 3e-2  # near the unrounded product
     with pytest.raises(ValueError, match="one row"):
-        gemv(x.repeat(2, 1), weights, k)
+        tdp.gemv(x[:2], weights, qtype, split, k)
     with pytest.raises(ValueError, match="multiple of 256"):
-        gemv(x[:, :96], weights[:, :1], 96)
+        tqi.matmul(x[:, :96], weights[:, :1], qtype, split, 96)
+    with pytest.raises(ValueError, match="at most 64 rows"):
+        tqi.matmul(x.repeat(13, 1), weights, qtype, split, k)
+    with pytest.raises(ValueError, match="Q5_K"):
+        tqi.matmul(x, quant_rows(Q.Q5_K, n, k, seed=1), Q.Q5_K, False, k)
 
 
-def test_int8_decode_switch_sends_one_row_products_to_the_dp4a_gemvs_and_nothing_else(monkeypatch):
-    """LUCEBOX_INT8_DECODE=1 (an experiment): a Q4_K linear's one-row product runs on the dp4a GEMV
-    (the rounded row's product), its verify rows stay on the float kernel; formats without a dp4a
-    GEMV (Q5_K) stay where they were; unset, nothing changes."""
+def test_int8_activations_take_decode_and_verify_of_their_formats_unless_turned_off(monkeypatch):
+    """On by default: a Q4_K linear's one-row and verify products run on int8 activations; formats
+    without int8 kernels (Q5_K) stay on the float kernel; LUCEBOX_INT8_ACTIVATIONS=0 turns it off."""
     from lucebox.kernels import triton_dp4a as tdp
+    from lucebox.kernels import triton_quant_int8 as tqi
     monkeypatch.setenv("LUCEBOX_TRITON", "1")
+    monkeypatch.delenv("LUCEBOX_INT8_ACTIVATIONS", raising=False)
     calls = []
-    monkeypatch.setattr(tdp, "gemv", lambda *a, _real=tdp.gemv, **kw: calls.append(a[2]) or _real(*a, **kw))
+    monkeypatch.setattr(tqi, "matmul", lambda *a, _real=tqi.matmul, **kw: calls.append(a[2]) or _real(*a, **kw))
     k = 256
     q4 = QuantLinear(QuantTensor(quant_rows(Q.Q4_K, 24, k, seed=21), Q.Q4_K, (24, k)))
     q5 = QuantLinear(QuantTensor(quant_rows(Q.Q5_K, 8, k, seed=22), Q.Q5_K, (8, k)))
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(23)).to(DEVICE)
     float_q4 = x @ dequant.dequantize(q4.qweight, Q.Q4_K).T
-    assert rel_err(q4(x[:1]), float_q4[:1]) <= 1e-5 and not calls  # unset: the float kernel
-    monkeypatch.setenv("LUCEBOX_INT8_DECODE", "1")
-    packed = tdp.quantize_row(x[:1])
-    rounded = (packed[:k].view(torch.int8).float().view(-1, 32) * packed[k:k + k // 8].view(torch.float32)[:, None])
-    assert rel_err(q4(x[:1]), rounded.view(1, k) @ dequant.dequantize(q4.qweight, Q.Q4_K).T) <= 1e-5
-    assert calls == [Q.Q4_K]
-    assert rel_err(q4(x), float_q4) <= 1e-5  # verify rows: float
+    rounded_q4 = rounded_rows(tdp.quantize_rows(x), k) @ dequant.dequantize(q4.qweight, Q.Q4_K).T
+    assert rel_err(q4(x[:1]), rounded_q4[:1]) <= 1e-5 and rel_err(q4(x), rounded_q4) <= 1e-5
+    assert calls == [Q.Q4_K, Q.Q4_K]
     assert rel_err(q5(x[:1]), x[:1] @ dequant.dequantize(q5.qweight, Q.Q5_K).T) <= 1e-5
-    assert calls == [Q.Q4_K]
-
-
-def test_split_k_partials_reduced_in_the_kernel_equal_the_reducing_kernels_bit_for_bit():
-    """reduce_in_kernel: the last program of each row block to finish sums the partials in split
-    order and adds the bias (as _sum_splits_kernel does), then leaves its arrival counter at zero,
-    so the next launch (of any shape) starts from zero again."""
-    raw = quant_rows(Q.Q4_K, 40, 1024, seed=6)
-    x = torch.randn(1, 1024, generator=torch.Generator().manual_seed(6)).to(DEVICE)
-    bias = torch.randn(40, generator=torch.Generator().manual_seed(7)).to(DEVICE)
-    for split_k in (2, 4):
-        for b in (None, bias):
-            want = tqm.quant_matmul(x, raw, Q.Q4_K, 1024, b, block_n=16, split_k=split_k)
-            for _ in range(2):  # again: the counters were reset
-                got = tqm.quant_matmul(x, raw, Q.Q4_K, 1024, b, block_n=16, split_k=split_k, reduce_in_kernel=True)
-                assert torch.equal(got, want)
-    assert not tqm._arrival_counters(x.device, 3).any()
+    monkeypatch.setenv("LUCEBOX_INT8_ACTIVATIONS", "0")
+    assert rel_err(q4(x[:1]), float_q4[:1]) <= 1e-5 and rel_err(q4(x), float_q4) <= 1e-5
+    assert calls == [Q.Q4_K, Q.Q4_K]
 
 
 def test_quant_linear_uses_the_fused_kernel_for_decode_and_dequantise_plus_matmul_for_prefill(monkeypatch):
@@ -268,10 +273,12 @@ def test_linears_in_split_rows_compute_what_they_did_for_decode_verify_and_prefi
     the split fields aligned takes the GPU decode kernels' layout, a fused projection's tensor
     reordered once (its layers' slices only told), and every path computes what it did: the split
     GEMV (one row), the fused kernel (verify rows), dequantise + matmul (prefill), the table's
-    lookups and tied head. The raw weights read back unchanged."""
+    lookups and tied head. The raw weights read back unchanged. (On the float kernels: int8
+    activations round the rows, see test_int8_activations_take_decode_and_verify...)"""
     from torch import nn
 
     from lucebox.kernels import triton_split_rows as tsr
+    monkeypatch.setenv("LUCEBOX_INT8_ACTIVATIONS", "0")
     from lucebox.model.transformer import Transformer, fuse_linears
     from lucebox.weights.quant import QuantEmbedding
     monkeypatch.setenv("LUCEBOX_TRITON", "1")
@@ -421,8 +428,10 @@ def test_a_model_forward_with_triton_kernels_matches_the_reference(monkeypatch):
     monkeypatch.setenv("LUCEBOX_TRITON", "0")
     want = run_steps()
     monkeypatch.setenv("LUCEBOX_TRITON", "1")
-    got = run_steps()
-    assert rel_err(got, want) <= 1e-4
+    monkeypatch.setenv("LUCEBOX_INT8_ACTIVATIONS", "0")  # the float kernels: the reference's arithmetic
+    assert rel_err(run_steps(), want) <= 1e-4
+    monkeypatch.setenv("LUCEBOX_INT8_ACTIVATIONS", "1")  # Q4_K on int8 activations: their rounding only
+    assert rel_err(run_steps(), want) <= 3e-2
 
 
 # ----------------------------------------------------------------------------- RMSNorm
@@ -453,30 +462,3 @@ def test_rms_norm_dispatch_follows_the_switch(monkeypatch):
     out, _ = triton_norm.rms_norm_residual(x, x, weight, 1e-6)
     assert calls == [1]
     assert rel_err(out, triton_norm.rms_norm_reference(2 * x, weight, 1e-6)) <= 1e-5
-
-
-@pytest.mark.parametrize("m", [1, 5])
-@pytest.mark.parametrize("split_k", [1, 3])
-def test_q8_0_with_int8_activations_computes_the_int8_product_exactly(m, split_k):
-    """The int8 path's arithmetic, spelled out: x rounded to int8 per 32 values with one scale
-    each, the integer dot of each Q8_0 block with its 32 activations, scaled by both scales."""
-    from lucebox.kernels.triton_quant_int8 import quantize_activations
-    k, n = 512, 40
-    raw = quant_rows(Q.Q8_0, n, k, seed=5)
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(6)).to(DEVICE)
-    bias = torch.randn(n, generator=torch.Generator().manual_seed(7)).to(DEVICE)
-    got = tqm.quant_matmul(x, raw, Q.Q8_0, k, bias, int8_activations=True, split_k=split_k)
-    qx, sx = quantize_activations(x)
-    blocks = raw.view(n, k // 32, 34)
-    d = blocks[..., :2].contiguous().view(torch.float16).double().squeeze(-1)  # [n, blocks]
-    qw = blocks[..., 2:].contiguous().view(torch.int8).double()  # [n, blocks, 32]
-    dots = torch.einsum("nbi,mbi->mnb", qw, qx.double().view(m, k // 32, 32))
-    want = (dots * d[None] * sx.double()[:, None, :]).sum(-1) + bias.double()
-    assert rel_err(got.double(), want) <= 1e-5
-    assert rel_err(got, x @ dequant.dequantize(raw, Q.Q8_0).T + bias) <= 2e-2  # close to the float product
-
-
-def test_int8_activations_are_refused_for_other_formats():
-    raw = quant_rows(Q.Q4_K, 8, 256, seed=1)
-    with pytest.raises(ValueError, match="Q8_0"):
-        tqm.quant_matmul(torch.randn(1, 256).to(DEVICE), raw, Q.Q4_K, 256, int8_activations=True)

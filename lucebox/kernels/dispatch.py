@@ -121,12 +121,11 @@ def pdl_launch(device: torch.device) -> dict:
     return {"PDL": True, "launch_pdl": True}
 
 
-def int8_decode() -> bool:
-    """LUCEBOX_INT8_DECODE=1: one-row products with Q4_K weights, or Q8_0 / Q6_K weights in split
-    rows, run on integer dot products (kernels/triton_dp4a.py: the activation row rounded to int8
-    per 32 values). An experiment, off by default until measured for speed and for its effect on
-    outputs; verify and prefill stay on the float kernels."""
-    return os.environ.get("LUCEBOX_INT8_DECODE", "").strip().lower() in ON
+def int8_activations() -> bool:
+    """Whether decode and verify products with Q4_K weights, or Q8_0 / Q6_K weights in split rows, run
+    on int8 activations (kernels/triton_quant_int8.py: each activation row rounded to int8 per 32
+    values, as llama.cpp does): yes unless LUCEBOX_INT8_ACTIVATIONS=0. Prefill stays on bf16."""
+    return os.environ.get("LUCEBOX_INT8_ACTIVATIONS", "").strip().lower() not in OFF
 
 
 def next_pow2(n: int) -> int:

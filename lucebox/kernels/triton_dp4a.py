@@ -62,39 +62,46 @@ def _scales_mins(w1, w2, w3, j):
 
 
 @triton.jit
-def _quantize_row_kernel(x_ptr, q_ptr, d_ptr, s_ptr, n_blocks, BLOCKS: tl.constexpr, PDL: tl.constexpr = False):
-    """x [K] -> int8 q [K], float32 scales d [K/32] and d * sum(q) [K/32], per 32 values, rounding
-    half away from zero."""
+def _quantize_rows_kernel(x_ptr, q_ptr, n_blocks, stride_xm, stride_qm, BLOCKS: tl.constexpr,
+                          PDL: tl.constexpr = False):
+    """Row pid(1) of x [M, K] -> its packed row at q_ptr (see quantize_rows): int8 values, float32
+    scales d and d * sum(q) per 32 values, rounding half away from zero."""
     wait_for_previous_kernel(PDL)
     b = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
     ok = b < n_blocks
     cols = b[:, None] * 32 + tl.arange(0, 32)[None, :]
-    x = tl.load(x_ptr + cols, mask=ok[:, None], other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + tl.program_id(1) * stride_xm + cols, mask=ok[:, None], other=0.0).to(tl.float32)
     d = tl.max(tl.abs(x), axis=1) / 127.0
-    scaled = x * tl.where(d > 0, 1.0 / d, 0.0)[:, None]
+    scaled = x * (1.0 / tl.where(d > 0, d, 1.0))[:, None]  # an all-zero block stays zero
     q = tl.minimum(tl.maximum(tl.floor(tl.abs(scaled) + 0.5), 0.0), 127.0)
     q = tl.where(scaled < 0, -q, q).to(tl.int32)
-    tl.store(q_ptr + cols, q.to(tl.int8), mask=ok[:, None])
-    tl.store(d_ptr + b, d, mask=ok)
-    tl.store(s_ptr + b, d * tl.sum(q, axis=1).to(tl.float32), mask=ok)
+    row = q_ptr + tl.program_id(1) * stride_qm
+    tl.store(row.to(tl.pointer_type(tl.int8)) + cols, q.to(tl.int8), mask=ok[:, None])
+    scales = (row + n_blocks * 32).to(tl.pointer_type(tl.float32))
+    tl.store(scales + b, d, mask=ok)
+    tl.store(scales + n_blocks + b, d * tl.sum(q, axis=1).to(tl.float32), mask=ok)
 
 
-def quantize_row(x: torch.Tensor) -> torch.Tensor:
-    """One activation row [1, K] (K a multiple of 256) -> one uint8 buffer: the K int8 values, then
-    K/32 float32 scales xd, then K/32 float32 xd * sum(qx)."""
-    k = x.shape[-1]
+def quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """Activation rows [M, K] (K a multiple of 256) -> uint8 [M, 1.25 K], each row packed as its K
+    int8 values, then K/32 float32 scales xd, then K/32 float32 xd * sum(qx), with x ~ xd * qx per
+    32 values. One launch; every row is rounded alike whatever M is, so a row's integer products are
+    the same in a decode GEMV and in a verify product."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m, k = x2.shape
     n_blocks = k // QK
-    packed = torch.empty(k + 8 * n_blocks, dtype=torch.uint8, device=x.device)
+    packed = torch.empty(m, k + 8 * n_blocks, dtype=torch.uint8, device=x.device)
     blocks = 8
-    _quantize_row_kernel[(triton.cdiv(n_blocks, blocks),)](
-        x.reshape(-1), packed[:k].view(torch.int8), packed[k:k + 4 * n_blocks].view(torch.float32),
-        packed[k + 4 * n_blocks:].view(torch.float32), n_blocks, BLOCKS=blocks, num_warps=1, **pdl_launch(x.device))
+    _quantize_rows_kernel[(triton.cdiv(n_blocks, blocks), m)](
+        x2, packed, n_blocks, x2.stride(0), packed.stride(0), BLOCKS=blocks, num_warps=1, **pdl_launch(x.device))
     return packed
 
 
 @triton.jit
-def _q4_k_dp4a_kernel(x_ptr, w_ptr, b_ptr, o_ptr, y_ptr, cnt_ptr, N, row_bytes, n_units, units_per_prog,
-                      stride_os, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, REDUCE: tl.constexpr = False,
+def _q4_k_dp4a_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_per_prog,
+                      stride_os, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
                       ASM: tl.constexpr = _ASM, PDL: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
     rn, row, u0, u1 = _one_row_program(w_ptr, N, row_bytes, n_units, units_per_prog, BLOCK_N)
@@ -122,12 +129,12 @@ def _q4_k_dp4a_kernel(x_ptr, w_ptr, b_ptr, o_ptr, y_ptr, cnt_ptr, N, row_bytes, 
         dots = sc_lo * xd_lo * lo.to(tl.float32) + sc_hi * xd_hi * hi.to(tl.float32)  # [BLOCK_N, 4]
         mins = m_lo * xs_lo + m_hi * xs_hi
         acc += d * tl.sum(dots, axis=1) - dmin * tl.sum(mins, axis=1)
-    _store_one_row(acc, rn, N, o_ptr, stride_os, b_ptr, y_ptr, cnt_ptr, HAS_BIAS, REDUCE)
+    _store_one_row(acc, rn, N, o_ptr, stride_os, b_ptr, HAS_BIAS)
 
 
 @triton.jit
-def _q8_0_split_dp4a_kernel(x_ptr, w_ptr, b_ptr, o_ptr, y_ptr, cnt_ptr, N, row_bytes, n_units, units_per_prog,
-                            stride_os, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, REDUCE: tl.constexpr = False,
+def _q8_0_split_dp4a_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_per_prog,
+                            stride_os, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
                             ASM: tl.constexpr = _ASM, PDL: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
     rn, row, u0, u1 = _one_row_program(w_ptr, N, row_bytes, n_units, units_per_prog, BLOCK_N)
@@ -144,12 +151,12 @@ def _q8_0_split_dp4a_kernel(x_ptr, w_ptr, b_ptr, o_ptr, y_ptr, cnt_ptr, N, row_b
         dots = tl.sum(_dp4a(q, tl.load(xq + u * 64 + word)[None], tl.zeros_like(q), ASM), axis=2)  # [BLOCK_N, 8]
         d = tl.load(scales[:, None] + u * 8 + blk[None, :]).to(tl.float32)
         acc += dots.to(tl.float32) * d * tl.load(xd + u * 8 + blk)[None, :]
-    _store_one_row(tl.sum(acc, axis=1), rn, N, o_ptr, stride_os, b_ptr, y_ptr, cnt_ptr, HAS_BIAS, REDUCE)
+    _store_one_row(tl.sum(acc, axis=1), rn, N, o_ptr, stride_os, b_ptr, HAS_BIAS)
 
 
 @triton.jit
-def _q6_k_split_dp4a_kernel(x_ptr, w_ptr, b_ptr, o_ptr, y_ptr, cnt_ptr, N, row_bytes, n_units, units_per_prog,
-                            stride_os, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, REDUCE: tl.constexpr = False,
+def _q6_k_split_dp4a_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_per_prog,
+                            stride_os, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
                             ASM: tl.constexpr = _ASM, PDL: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
     rn, row, u0, u1 = _one_row_program(w_ptr, N, row_bytes, n_units, units_per_prog, BLOCK_N)
@@ -186,12 +193,15 @@ def _q6_k_split_dp4a_kernel(x_ptr, w_ptr, b_ptr, o_ptr, y_ptr, cnt_ptr, N, row_b
             total += sc * (xds[None] * (dots - 32 * sums[None]).to(tl.float32))
         d = tl.load(d_base + u).to(tl.float32)
         acc += d * tl.sum(tl.sum(tl.sum(total, axis=3), axis=2), axis=1)
-    _store_one_row(acc, rn, N, o_ptr, stride_os, b_ptr, y_ptr, cnt_ptr, HAS_BIAS, REDUCE)
+    _store_one_row(acc, rn, N, o_ptr, stride_os, b_ptr, HAS_BIAS)
 
 
-# (ggml type, split rows) -> (kernel, default rows a program)
-_KERNELS = {(Q.Q4_K, False): (_q4_k_dp4a_kernel, 32), (Q.Q8_0, True): (_q8_0_split_dp4a_kernel, 16),
-            (Q.Q6_K, True): (_q6_k_split_dp4a_kernel, 32)}
+# (ggml type, split rows) -> kernel. Launch: 64 rows x 4 warps, at most 4 units of K a program: the
+# best of the H200 sweep (BENCHMARKS, thirteenth round) on most qwen3-8b matrices of all three
+# (the head, 2,374 row blocks: 130 us at split-K 4 against 187 unsplit, Q4_K).
+_KERNELS = {(Q.Q4_K, False): _q4_k_dp4a_kernel, (Q.Q8_0, True): _q8_0_split_dp4a_kernel,
+            (Q.Q6_K, True): _q6_k_split_dp4a_kernel}
+BLOCK_N, MAX_UNITS = 64, 4
 
 
 def serves(qtype, split_rows: bool) -> bool:
@@ -201,10 +211,11 @@ def serves(qtype, split_rows: bool) -> bool:
 
 
 def gemv(x: torch.Tensor, weights: torch.Tensor, qtype, split_rows: bool, in_features: int,
-         bias: torch.Tensor | None = None, *, block_n: int | None = None, split_k: int | None = None,
-         num_warps: int = 4, reduce_in_kernel: bool = False) -> torch.Tensor:
-    """x [1, K] @ W.T (+ bias) for rows that serves() accepts, x rounded to int8 per 32 values (two
-    launches: quantize_row, then the GEMV through one_row_gemv); output in x.dtype."""
+         bias: torch.Tensor | None = None, *, quantized: torch.Tensor | None = None, block_n: int = BLOCK_N,
+         split_k: int | None = None, num_warps: int = 4) -> torch.Tensor:
+    """x [1, K] @ W.T (+ bias) for rows that serves() accepts, x rounded to int8 per 32 values
+    (quantize_rows, unless given as `quantized`), then the GEMV through one_row_gemv; output in
+    x.dtype."""
     if not serves(qtype, split_rows):
         raise ValueError(f"no dp4a GEMV reads {Q(qtype).name} rows{' (split)' if split_rows else ''}")
     what = f"{Q(qtype).name} dp4a"
@@ -212,7 +223,6 @@ def gemv(x: torch.Tensor, weights: torch.Tensor, qtype, split_rows: bool, in_fea
         raise ValueError(f"the {what} GEMV needs in_features a multiple of {SUPER}, got {in_features}")
     if x.numel() != in_features:
         raise ValueError(f"the {what} GEMV multiplies one row of {in_features}, got {tuple(x.shape)}")
-    kernel, default_block_n = _KERNELS[(qtype, split_rows)]
-    return one_row_gemv(kernel, x, weights, in_features, SUPER, bias, what, block_n=block_n or default_block_n,
-                        split_k=split_k, num_warps=num_warps, reduce_in_kernel=reduce_in_kernel,
-                        operand=quantize_row(x))
+    return one_row_gemv(_KERNELS[(qtype, split_rows)], x, weights, in_features, SUPER, bias, what,
+                        block_n=block_n, split_k=split_k, num_warps=num_warps, max_units=MAX_UNITS,
+                        operand=quantize_rows(x) if quantized is None else quantized)

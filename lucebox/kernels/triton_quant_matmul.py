@@ -88,28 +88,13 @@ def _one_row_program(w_ptr, N, row_bytes, n_units, units_per_prog, BLOCK_N: tl.c
 
 
 @triton.jit
-def _store_one_row(res, rn, N, o_ptr, stride_os, b_ptr, y_ptr, cnt_ptr, HAS_BIAS: tl.constexpr,
-                   REDUCE: tl.constexpr):
+def _store_one_row(res, rn, N, o_ptr, stride_os, b_ptr, HAS_BIAS: tl.constexpr):
     """Store a one-row program's sums res [BLOCK_N] (float32) for rows rn: the output (+ bias) when
-    K is whole; otherwise this split's partial at o_ptr, and with REDUCE the last program of the
-    row block to finish sums every split's partial in split order (as _sum_splits_kernel does, so
-    bit for bit), adds the bias and stores the output at y_ptr, then resets the row block's
-    arrival counter at cnt_ptr for the next launch: no reducing kernel after the GEMV."""
+    K is whole, otherwise this split's partial (summed by _reduce_splits)."""
     n_mask = rn < N
-    if HAS_BIAS and not REDUCE:
+    if HAS_BIAS:
         res += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
     tl.store(o_ptr + tl.program_id(1) * stride_os + rn, res.to(o_ptr.dtype.element_ty), mask=n_mask)
-    if REDUCE:
-        tl.debug_barrier()  # every thread's partial stored before the (releasing) arrival
-        arrived = tl.atomic_add(cnt_ptr + tl.program_id(0), 1, sem="acq_rel", scope="gpu")
-        if arrived == tl.num_programs(1) - 1:
-            total = tl.load(o_ptr + rn, mask=n_mask, other=0.0, cache_modifier=".cg")  # past L1: other SMs wrote
-            for s in range(1, tl.num_programs(1)):
-                total += tl.load(o_ptr + s * stride_os + rn, mask=n_mask, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                total += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
-            tl.store(y_ptr + rn, total.to(y_ptr.dtype.element_ty), mask=n_mask)
-            tl.atomic_xchg(cnt_ptr + tl.program_id(0), 0)
 
 
 @triton.jit
@@ -265,12 +250,12 @@ def _unit_iq4_xs(acc, ub, xk, stride_xm, M, ok, n_mask,
 
 
 @triton.jit
-def _qmm_kernel(x_ptr, w_ptr, b_ptr, o_ptr, y_ptr, cnt_ptr, M, N, row_bytes, n_units, units_per_prog,
+def _qmm_kernel(x_ptr, w_ptr, b_ptr, o_ptr, M, N, row_bytes, n_units, units_per_prog,
                 stride_xm, stride_om, stride_os,
                 FMT: tl.constexpr, UNIT_BYTES: tl.constexpr, UNIT_VALUES: tl.constexpr, BPU: tl.constexpr,
                 P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, MODE: tl.constexpr,
                 HAS_BIAS: tl.constexpr, DOT_IEEE: tl.constexpr, SPLIT: tl.constexpr = False,
-                REDUCE: tl.constexpr = False, PDL: tl.constexpr = False):
+                PDL: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -313,7 +298,7 @@ def _qmm_kernel(x_ptr, w_ptr, b_ptr, o_ptr, y_ptr, cnt_ptr, M, N, row_bytes, n_u
         else:
             acc = _unit_iq4_xs(acc, ub, xk, stride_xm, M, ok, n_mask, MODE, BLOCK_M, DOT_IEEE)
     if MODE == 0:
-        _store_one_row(tl.sum(acc, axis=1), rn, N, o_ptr, stride_os, b_ptr, y_ptr, cnt_ptr, HAS_BIAS, REDUCE)
+        _store_one_row(tl.sum(acc, axis=1), rn, N, o_ptr, stride_os, b_ptr, HAS_BIAS)
     elif MODE == 1:
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
@@ -375,18 +360,13 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype, in_features: int
                  bias: torch.Tensor | None = None, *, block_n: int | None = None,
                  split_k: int | None = None, num_warps: int | None = None,
                  num_stages: int | None = None, tensor_cores: bool | None = None,
-                 int8_activations: bool = False, split_rows: bool = False,
-                 reduce_in_kernel: bool = False) -> torch.Tensor:
+                 split_rows: bool = False) -> torch.Tensor:
     """x [..., K] @ W.T (+ bias) for raw GGUF rows `qweight` [N, bytes_per_row]; fused for
     M = prod(x.shape[:-1]) <= MAX_FUSED_M. Output in x.dtype, accumulated in float32.
     tensor_cores: multiply dequantised tiles with tl.dot (mode 1, x padded to 16 rows) rather
     than elementwise (mode 0); default: only for M > 1. At M = 1 the kernel is bound by the
     instructions per weight, which the tensor-core path changes: a launch option to measure.
-    int8_activations (Q8_0 only): x rounded to int8 per 32 values and multiplied on integer tensor
-    cores (kernels/triton_quant_int8.py), also an option to measure.
-    split_rows: Q8_0 or Q6_K rows in the split layout (kernels/triton_split_rows.py).
-    reduce_in_kernel (one row, K split): the GEMV's last program per row block sums the split-K
-    partials itself (_store_one_row) instead of a second kernel; an option to measure."""
+    split_rows: Q8_0 or Q6_K rows in the split layout (kernels/triton_split_rows.py)."""
     if x.dtype not in ACTIVATION_DTYPES:
         raise TypeError(f"quant_matmul: unsupported activation dtype {x.dtype}")
     fmt, unit_bytes, unit_values, bpu, plane, n_units = _layout(qtype, in_features, split_rows)
@@ -400,15 +380,6 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype, in_features: int
         raise ValueError(f"quant_matmul (fused) handles at most {MAX_FUSED_M} rows, got {m}")
     out = x2.new_empty(m, n)
     if m == 0 or n == 0:
-        return out.reshape(*lead, n)
-    if int8_activations:
-        if fmt != _F_Q8_0 or split_rows:
-            raise ValueError(f"quant_matmul: int8 activations are implemented for Q8_0 weights, not {qtype.name}")
-        from .triton_quant_int8 import q8_0_int8_matmul
-        partials = q8_0_int8_matmul(x2, qweight, in_features, bias, out, block_n=block_n or 64, split_k=split_k,
-                                    num_warps=num_warps or 4, sms=num_sms(x.device))
-        if partials is not None:
-            _reduce_splits(partials, bias, out)
         return out.reshape(*lead, n)
     mode = 1 if (tensor_cores if tensor_cores is not None else m > 1) else 0
     if mode == 0 and m != 1:
@@ -431,19 +402,18 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype, in_features: int
         stride_os = m * n
     else:
         target, stride_os = out, 0
-    reduce = reduce_in_kernel and mode == 0 and split_k > 1
-    has_bias = bias is not None and (split_k == 1 or reduce)
+    has_bias = bias is not None and split_k == 1
     # 8 warps for the widest tiles keep the unrolled planes in registers (no local-memory spills)
     kwargs = {"num_warps": num_warps or (decode_warps if mode == 0 else 8 if block_m >= 64 else 4)}
     if num_stages is not None:
         kwargs["num_stages"] = num_stages
     _qmm_kernel[(programs_n, split_k)](
-        x2, qweight, bias if has_bias else x2, target, out, _arrival_counters(x.device, programs_n) if reduce else out,
+        x2, qweight, bias if has_bias else x2, target,
         m, n, qweight.shape[1], n_units, per, x2.stride(0), n, stride_os,
         FMT=fmt, UNIT_BYTES=unit_bytes, UNIT_VALUES=unit_values, BPU=bpu, P=plane,
         BLOCK_N=block_n, BLOCK_M=block_m, MODE=mode, HAS_BIAS=has_bias,
-        DOT_IEEE=_is_fp32(x.dtype), SPLIT=split_rows, REDUCE=reduce, **kwargs, **_pdl_for_mode(mode, x.device))
-    if split_k > 1 and not reduce:
+        DOT_IEEE=_is_fp32(x.dtype), SPLIT=split_rows, **kwargs, **_pdl_for_mode(mode, x.device))
+    if split_k > 1:
         _reduce_splits(target, bias, out)
     return out.reshape(*lead, n)
 
@@ -456,21 +426,6 @@ def _pdl_for_mode(mode: int, device: torch.device) -> dict:
     return pdl_launch(device)
 
 
-_ARRIVALS: dict = {}  # (device, stream) -> int32 arrival counters of in-kernel split-K reductions
-
-
-def _arrival_counters(device: torch.device, row_blocks: int) -> torch.Tensor:
-    """Zeroed counters, one a row block, for GEMVs that reduce their split-K partials in the kernel
-    (_store_one_row). Shared by every such launch on the current stream: each leaves the counters it
-    used at zero, and kernels on one stream never overlap (with PDL each waits for the previous one
-    first). Allocate them before capturing a CUDA graph (a warm-up call does)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    counters = _ARRIVALS.get((device, stream))
-    if counters is None or counters.numel() < row_blocks:
-        counters = _ARRIVALS[(device, stream)] = torch.zeros(max(row_blocks, 4096), dtype=torch.int32, device=device)
-    return counters
-
-
 def _reduce_splits(partials: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
     """out [M, N] = the float32 split-K partials [splits, M, N] summed (+ bias), cast."""
     total, block = out.numel(), 256
@@ -481,15 +436,14 @@ def _reduce_splits(partials: torch.Tensor, bias: torch.Tensor | None, out: torch
 
 def one_row_gemv(kernel, x: torch.Tensor, weights: torch.Tensor, in_features: int, unit: int,
                  bias: torch.Tensor | None, what: str, *, block_n: int, split_k: int | None,
-                 num_warps: int, waves: int = 8, min_units: int = 2, reduce_in_kernel: bool = False,
+                 num_warps: int, waves: int = 8, min_units: int = 2, max_units: int | None = None,
                  operand: torch.Tensor | None = None) -> torch.Tensor:
     """x [1, K] @ W.T (+ bias) through a one-row GEMV `kernel` over rows of `unit`-value units, whose
-    arguments are (x, w, bias, partials or out, out, arrival counters, N, row_bytes, n_units,
-    units_per_prog, stride_os, BLOCK_N, HAS_BIAS, REDUCE): the K range split over programs when there
-    are fewer than `waves` programs an SM, each keeping at least `min_units` units, the float32
-    partials summed by _reduce_splits, or by the kernel itself with reduce_in_kernel (an option to
-    measure). `operand`: what the kernel reads as x, when not x itself (e.g. x quantised); x still
-    sets the output's dtype. `what` names the layout in errors."""
+    arguments are (x, w, bias, partials or out, N, row_bytes, n_units, units_per_prog, stride_os,
+    BLOCK_N, HAS_BIAS): the K range split over programs when there are fewer than `waves` programs
+    an SM, each keeping at least `min_units` units (and, given max_units, at most that many), the
+    float32 partials summed by _reduce_splits. `operand`: what the kernel reads as x, when not x
+    itself (e.g. x quantised); x still sets the output's dtype. `what` names the layout in errors."""
     if in_features % unit:
         raise ValueError(f"{what} rows need in_features a multiple of {unit}, got {in_features}")
     x2 = x.reshape(-1, in_features)
@@ -499,17 +453,18 @@ def one_row_gemv(kernel, x: torch.Tensor, weights: torch.Tensor, in_features: in
     programs_n = triton.cdiv(n, block_n)
     if split_k is None:
         split_k = max(1, min(waves * num_sms(x.device) // programs_n, n_units // min_units))
+        if max_units:
+            split_k = max(split_k, triton.cdiv(n_units, max_units))
     per = triton.cdiv(n_units, max(1, min(split_k, n_units)))
     split_k = triton.cdiv(n_units, per)
     out = x2.new_empty(1, n)
     target = torch.empty(split_k, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
-    reduce = reduce_in_kernel and split_k > 1
-    has_bias = bias is not None and (split_k == 1 or reduce)
+    has_bias = bias is not None and split_k == 1
     kernel[(programs_n, split_k)](
-        x2.contiguous() if operand is None else operand, weights, bias if has_bias else x2, target, out,
-        _arrival_counters(x.device, programs_n) if reduce else out, n, weights.shape[1], n_units, per, n,
-        BLOCK_N=block_n, HAS_BIAS=has_bias, REDUCE=reduce, num_warps=num_warps, **pdl_launch(x.device))
-    if split_k > 1 and not reduce:
+        x2.contiguous() if operand is None else operand, weights, bias if has_bias else x2, target,
+        n, weights.shape[1], n_units, per, n,
+        BLOCK_N=block_n, HAS_BIAS=has_bias, num_warps=num_warps, **pdl_launch(x.device))
+    if split_k > 1:
         _reduce_splits(target.view(split_k, 1, n), bias, out)
     return out.reshape(*x.shape[:-1], n)
 
@@ -528,7 +483,7 @@ def dequantize(qweight: torch.Tensor, qtype, in_features: int,
     per = max(1, min(n_units, triton.cdiv(n_units * programs_n, 8 * num_sms(qweight.device))))
     split = triton.cdiv(n_units, per)
     _qmm_kernel[(programs_n, split)](
-        qweight, qweight, qweight, out, out, out, 1, n, qweight.shape[1], n_units, per,
+        qweight, qweight, qweight, out, 1, n, qweight.shape[1], n_units, per,
         0, in_features, 0,
         FMT=fmt, UNIT_BYTES=unit_bytes, UNIT_VALUES=unit_values, BPU=bpu, P=plane,
         BLOCK_N=block_n, BLOCK_M=1, MODE=2, HAS_BIAS=False, DOT_IEEE=False, SPLIT=split_rows,

@@ -67,8 +67,8 @@ def join_rows(split: torch.Tensor, qtype) -> torch.Tensor:
 
 
 @triton.jit
-def _q8_0_split_kernel(x_ptr, w_ptr, b_ptr, o_ptr, y_ptr, cnt_ptr, N, row_bytes, n_units, units_per_prog,
-                       stride_os, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, REDUCE: tl.constexpr = False,
+def _q8_0_split_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_per_prog,
+                       stride_os, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
                        PDL: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
     rn, row, u0, u1 = _one_row_program(w_ptr, N, row_bytes, n_units, units_per_prog, BLOCK_N)
@@ -82,12 +82,12 @@ def _q8_0_split_kernel(x_ptr, w_ptr, b_ptr, o_ptr, y_ptr, cnt_ptr, N, row_bytes,
         xv = tl.load(x_ptr + u * 256 + col).to(tl.float32)  # [8, 32]
         d = tl.load(scales + u * 8).to(tl.float32)  # [BLOCK_N, 8]: 8 fp16 scales a unit
         acc += tl.sum(q * xv[None, :, :], axis=2) * d
-    _store_one_row(tl.sum(acc, axis=1), rn, N, o_ptr, stride_os, b_ptr, y_ptr, cnt_ptr, HAS_BIAS, REDUCE)
+    _store_one_row(tl.sum(acc, axis=1), rn, N, o_ptr, stride_os, b_ptr, HAS_BIAS)
 
 
 @triton.jit
-def _q6_k_split_kernel(x_ptr, w_ptr, b_ptr, o_ptr, y_ptr, cnt_ptr, N, row_bytes, n_units, units_per_prog,
-                       stride_os, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, REDUCE: tl.constexpr = False,
+def _q6_k_split_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_per_prog,
+                       stride_os, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
                        PDL: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
     rn, row, u0, u1 = _one_row_program(w_ptr, N, row_bytes, n_units, units_per_prog, BLOCK_N)
@@ -117,7 +117,7 @@ def _q6_k_split_kernel(x_ptr, w_ptr, b_ptr, o_ptr, y_ptr, cnt_ptr, N, row_bytes,
             sc = tl.load((sc_base[:, None, None, None] + u * 16 + 4 * h + sc_at[None]).to(tl.pointer_type(tl.int8)))
             total += sc.to(tl.float32) * s
         acc += d * tl.sum(tl.sum(tl.sum(total, axis=3), axis=2), axis=1)
-    _store_one_row(acc, rn, N, o_ptr, stride_os, b_ptr, y_ptr, cnt_ptr, HAS_BIAS, REDUCE)
+    _store_one_row(acc, rn, N, o_ptr, stride_os, b_ptr, HAS_BIAS)
 
 
 # ggml type -> (kernel, values a loop iteration consumes, default (BLOCK_N, warps, programs per SM
@@ -129,14 +129,11 @@ _GEMV = {Q.Q8_0: (_q8_0_split_kernel, 256, (16, 4, 8, 2)), Q.Q6_K: (_q6_k_split_
 
 
 def gemv(x: torch.Tensor, split: torch.Tensor, qtype, in_features: int, bias: torch.Tensor | None = None, *,
-         block_n: int | None = None, split_k: int | None = None, num_warps: int | None = None,
-         reduce_in_kernel: bool = False) -> torch.Tensor:
-    """x [1, K] @ W.T (+ bias) for split rows [N, bytes] of a SPLIT_TYPES type; output in x.dtype.
-    reduce_in_kernel: see triton_quant_matmul.one_row_gemv."""
+         block_n: int | None = None, split_k: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """x [1, K] @ W.T (+ bias) for split rows [N, bytes] of a SPLIT_TYPES type; output in x.dtype."""
     if qtype not in _GEMV:
         raise ValueError(f"split rows are a layout of {', '.join(t.name for t in _GEMV)}, not {Q(qtype).name}")
     kernel, unit, (default_block_n, default_warps, waves, min_units) = _GEMV[qtype]
     return one_row_gemv(kernel, x, split, in_features, unit, bias, f"split {Q(qtype).name}",
                         block_n=block_n or default_block_n, split_k=split_k,
-                        num_warps=num_warps or default_warps, waves=waves, min_units=min_units,
-                        reduce_in_kernel=reduce_in_kernel)
+                        num_warps=num_warps or default_warps, waves=waves, min_units=min_units)

@@ -19,7 +19,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from lucebox.errors import CheckpointError, UnsupportedError
 from lucebox.kernels import dequant
 from lucebox.kernels.dequant import SUPPORTED_TYPES, qtype_name
-from lucebox.kernels.dispatch import int8_decode, use_triton
+from lucebox.kernels.dispatch import int8_activations, use_triton
 
 __all__ = ["SUPPORTED_TYPES", "QuantEmbedding", "QuantLinear", "QuantTensor", "quant_matmul"]
 
@@ -138,17 +138,19 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantization
     `chunk_bytes` (float32-equivalent) worth of output rows at a time. split_rows: rows in the GPU's
     split layout (QuantLinear.split_rows).
 
-    On the GPU a few rows of x (decode / verify, M <= 64) go through the fused Triton
-    dequantise-and-multiply kernel, which reads each weight byte once; more rows (prefill) are
-    compute-bound, so chunks are dequantised by a Triton kernel and multiplied by torch.matmul."""
+    On the GPU a few rows of x (decode / verify, M <= 64) go through a fused Triton kernel that reads
+    each weight byte once: on int8 activations for Q4_K and split Q8_0 / Q6_K rows
+    (kernels/triton_quant_int8.py; LUCEBOX_INT8_ACTIVATIONS=0 turns that off), else dequantising in
+    registers; more rows (prefill) are compute-bound, so chunks are dequantised by a Triton kernel and
+    multiplied by torch.matmul."""
     out_features = qweight.shape[0]
     tq = _triton_quant(x, qweight, qtype)
     m = x.numel() // max(1, in_features)
     if tq is not None and x.dtype in tq.ACTIVATION_DTYPES and m <= tq.MAX_FUSED_M:
-        if m == 1 and int8_decode():
-            from lucebox.kernels import triton_dp4a
-            if triton_dp4a.serves(qtype, split_rows):
-                return triton_dp4a.gemv(x, qweight, qtype, split_rows, in_features, bias)
+        if int8_activations():
+            from lucebox.kernels import triton_quant_int8
+            if triton_quant_int8.serves(qtype, split_rows):
+                return triton_quant_int8.matmul(x, qweight, qtype, split_rows, in_features, bias)
         if split_rows and m == 1:
             from lucebox.kernels import triton_split_rows
             return triton_split_rows.gemv(x, qweight, qtype, in_features, bias)
