@@ -230,9 +230,10 @@ def test_int8_products_are_the_float_products_of_the_rounded_activations_alone_o
         tqi.matmul(x, quant_rows(Q.Q5_K, n, k, seed=1), Q.Q5_K, False, k)
 
 
-def test_int8_activations_take_decode_and_verify_of_their_formats_unless_turned_off(monkeypatch):
-    """On by default: a Q4_K linear's one-row and verify products run on int8 activations; formats
-    without int8 kernels (Q5_K) stay on the float kernel; LUCEBOX_INT8_ACTIVATIONS=0 turns it off."""
+def test_int8_activations_take_the_products_they_are_faster_for_unless_turned_off(monkeypatch):
+    """By default (triton_quant_int8.faster): a Q4_K linear's one-row product runs on int8 activations
+    and its verify rows on the float kernel; a split Q8_0 linear the other way round; formats without
+    int8 kernels (Q5_K) stay on the float kernel; LUCEBOX_INT8_ACTIVATIONS=0 turns it all off."""
     from lucebox.kernels import triton_dp4a as tdp
     from lucebox.kernels import triton_quant_int8 as tqi
     monkeypatch.setenv("LUCEBOX_TRITON", "1")
@@ -240,17 +241,20 @@ def test_int8_activations_take_decode_and_verify_of_their_formats_unless_turned_
     calls = []
     monkeypatch.setattr(tqi, "matmul", lambda *a, _real=tqi.matmul, **kw: calls.append(a[2]) or _real(*a, **kw))
     k = 256
-    q4 = QuantLinear(QuantTensor(quant_rows(Q.Q4_K, 24, k, seed=21), Q.Q4_K, (24, k)))
-    q5 = QuantLinear(QuantTensor(quant_rows(Q.Q5_K, 8, k, seed=22), Q.Q5_K, (8, k)))
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(23)).to(DEVICE)
-    float_q4 = x @ dequant.dequantize(q4.qweight, Q.Q4_K).T
-    rounded_q4 = rounded_rows(tdp.quantize_rows(x), k) @ dequant.dequantize(q4.qweight, Q.Q4_K).T
-    assert rel_err(q4(x[:1]), rounded_q4[:1]) <= 1e-5 and rel_err(q4(x), rounded_q4) <= 1e-5
-    assert calls == [Q.Q4_K, Q.Q4_K]
+    rounded = rounded_rows(tdp.quantize_rows(x), k)
+    q4 = QuantLinear(QuantTensor(quant_rows(Q.Q4_K, 24, k, seed=21), Q.Q4_K, (24, k)))
+    q8 = QuantLinear(QuantTensor(quant_rows(Q.Q8_0, 16, k, seed=24), Q.Q8_0, (16, k)))
+    q5 = QuantLinear(QuantTensor(quant_rows(Q.Q5_K, 8, k, seed=22), Q.Q5_K, (8, k)))
+    w4, w8 = dequant.dequantize(q4.qweight, Q.Q4_K), dequant.dequantize(q8.qweight, Q.Q8_0)
+    q8.use_split_rows()
+    assert rel_err(q4(x[:1]), rounded[:1] @ w4.T) <= 1e-5 and rel_err(q4(x), x @ w4.T) <= 1e-5
+    assert rel_err(q8(x[:1]), x[:1] @ w8.T) <= 1e-5 and rel_err(q8(x), rounded @ w8.T) <= 1e-5
+    assert calls == [Q.Q4_K, Q.Q8_0]
     assert rel_err(q5(x[:1]), x[:1] @ dequant.dequantize(q5.qweight, Q.Q5_K).T) <= 1e-5
     monkeypatch.setenv("LUCEBOX_INT8_ACTIVATIONS", "0")
-    assert rel_err(q4(x[:1]), float_q4[:1]) <= 1e-5 and rel_err(q4(x), float_q4) <= 1e-5
-    assert calls == [Q.Q4_K, Q.Q4_K]
+    assert rel_err(q4(x[:1]), x[:1] @ w4.T) <= 1e-5 and rel_err(q8(x), x @ w8.T) <= 1e-5
+    assert calls == [Q.Q4_K, Q.Q8_0]
 
 
 def test_quant_linear_uses_the_fused_kernel_for_decode_and_dequantise_plus_matmul_for_prefill(monkeypatch):

@@ -122,9 +122,9 @@ def pdl_launch(device: torch.device) -> dict:
 
 
 def int8_activations() -> bool:
-    """Whether decode and verify products with Q4_K weights, or Q8_0 / Q6_K weights in split rows, run
-    on int8 activations (kernels/triton_quant_int8.py: each activation row rounded to int8 per 32
-    values, as llama.cpp does): yes unless LUCEBOX_INT8_ACTIVATIONS=0. Prefill stays on bf16."""
+    """Whether quantised decode and verify products may run on int8 activations where that is faster
+    (kernels/triton_quant_int8.faster: each activation row rounded to int8 per 32 values, as
+    llama.cpp does): yes unless LUCEBOX_INT8_ACTIVATIONS=0. Prefill stays on bf16."""
     return os.environ.get("LUCEBOX_INT8_ACTIVATIONS", "").strip().lower() not in OFF
 
 

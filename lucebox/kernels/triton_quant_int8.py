@@ -148,6 +148,19 @@ _KERNELS = {(Q.Q4_K, False): _q4_k_int8_kernel, (Q.Q8_0, True): _q8_0_split_int8
 assert _KERNELS.keys() == triton_dp4a._KERNELS.keys()
 serves = triton_dp4a.serves
 
+# Where a model's products take int8 activations, by (format, split rows): "decode" (one row) and/or
+# "verify" (2..64 rows), wherever that beat the float kernels on the H200 (BENCHMARKS, thirteenth
+# round; qwen3-8b shapes, CUDA graphs). Decode: Q4_K 8.3-16.8 us against 10.1-23.7 (the head 130
+# against 205), split Q6_K 11-25 against 12-29; split Q8_0 no faster than its float GEMV. Verify
+# (16 rows): split Q8_0 17-44 us against 20-50 (the head 347 against 504); Q4_K and split Q6_K
+# slower than their float tiles (Q6_K takes two integer dots a block for its 16-value scales).
+_FASTER = {(Q.Q4_K, False): ("decode",), (Q.Q6_K, True): ("decode",), (Q.Q8_0, True): ("verify",)}
+
+
+def faster(qtype, split_rows: bool, rows: int) -> bool:
+    """Whether `rows` activation rows times these weights are faster on int8 activations."""
+    return serves(qtype, split_rows) and ("decode" if rows == 1 else "verify") in _FASTER.get((qtype, split_rows), ())
+
 
 def matmul(x: torch.Tensor, weights: torch.Tensor, qtype, split_rows: bool, in_features: int,
            bias: torch.Tensor | None = None, *, block_n: int = 64, split_k: int | None = None,

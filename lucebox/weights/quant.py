@@ -139,9 +139,9 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantization
     split layout (QuantLinear.split_rows).
 
     On the GPU a few rows of x (decode / verify, M <= 64) go through a fused Triton kernel that reads
-    each weight byte once: on int8 activations for Q4_K and split Q8_0 / Q6_K rows
-    (kernels/triton_quant_int8.py; LUCEBOX_INT8_ACTIVATIONS=0 turns that off), else dequantising in
-    registers; more rows (prefill) are compute-bound, so chunks are dequantised by a Triton kernel and
+    each weight byte once: on int8 activations where that is faster (kernels/triton_quant_int8.py:
+    decode of Q4_K and split Q6_K, verify of split Q8_0; LUCEBOX_INT8_ACTIVATIONS=0 turns it off),
+    else dequantising in registers; more rows (prefill) are compute-bound, so chunks are dequantised by a Triton kernel and
     multiplied by torch.matmul."""
     out_features = qweight.shape[0]
     tq = _triton_quant(x, qweight, qtype)
@@ -149,7 +149,7 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantization
     if tq is not None and x.dtype in tq.ACTIVATION_DTYPES and m <= tq.MAX_FUSED_M:
         if int8_activations():
             from lucebox.kernels import triton_quant_int8
-            if triton_quant_int8.serves(qtype, split_rows):
+            if triton_quant_int8.faster(qtype, split_rows, m):
                 return triton_quant_int8.matmul(x, qweight, qtype, split_rows, in_features, bias)
         if split_rows and m == 1:
             from lucebox.kernels import triton_split_rows
