@@ -18,7 +18,7 @@
 #   scripts/gpu_session.sh int8      int8 activations (kernels/triton_quant_int8.py): their GPU tests, decode-vs-verify
 #                                    agreement (q4_k_m), bench speed q4_k_m / q8_0 with and without
 #                                    LUCEBOX_INT8_ACTIVATIONS, then the M = 16 kernels swept (~8 min)
-#   scripts/gpu_session.sh pdl-tiles q4_k_m verify with and without LUCEBOX_PDL_TILES (~2 min)
+#   scripts/gpu_session.sh pdl-tiles q4_k_m and q8_0 verify with and without LUCEBOX_PDL_TILES (~3 min)
 #   scripts/gpu_session.sh profile   host time per engine-step section, plain vs speculative engines,
 #                                    torch.profiler tables of DFlash passes at T=0 and T=1, and one graph
 #                                    step's time by verify width and output (scripts/profile_spec_steps.py)
@@ -112,9 +112,11 @@ case "${1:-check}" in
       --qtypes Q4_K Q6_K Q8_0 --json "$out/int8-kernels.json"
     grep -E "^\| (kernel|quant_matmul)" "$out/int8-kernels.log" | cut -c1-600 ;;
   pdl-tiles)  # verify (tensor-core quant products) launched with and without PDL
-    for tiles in 0 1; do
-      LUCEBOX_PDL_TILES=$tiles bench "8b-q4_k_m-pdl-tiles-$tiles" 60 --shape qwen3-8b --quant q4_k_m \
-        --prompt-lens 512 --contexts 512 --skip prefill decode forced spec peer
+    for quant in q4_k_m q8_0; do
+      for tiles in 0 1; do
+        LUCEBOX_PDL_TILES=$tiles bench "8b-$quant-pdl-tiles-$tiles" 60 --shape qwen3-8b --quant $quant \
+          --prompt-lens 512 --contexts 512 --skip prefill decode forced spec peer
+      done
     done ;;
   profile)
     step profile "${SECONDS_PROFILE:-240}" python3 scripts/profile_spec_steps.py --trace dflash:0 --trace dflash:1

@@ -681,7 +681,7 @@ def test_every_kernel_that_may_start_early_waits_for_the_previous_one_first():
                     assert ast.unparse(body[0]) == "wait_for_previous_kernel(PDL)", f"{path.name}:{fn.name}"
                     with_pdl.add(fn.name)
             spread = [ast.unparse(k.value) for k in getattr(fn, "keywords", ()) if k.arg is None]
-            if isinstance(fn, ast.Call) and any(s.startswith(("pdl_launch(", "_pdl_for_mode(")) for s in spread):
+            if isinstance(fn, ast.Call) and any(s.startswith("pdl_launch(") for s in spread):
                 launches += 1
                 launched = ast.unparse(fn.func.value if isinstance(fn.func, ast.Subscript) else fn.func)
                 known = {"_kernel()", "row_kernel", "first_rejection", "kernel"} | with_pdl
@@ -689,9 +689,11 @@ def test_every_kernel_that_may_start_early_waits_for_the_previous_one_first():
     assert len(with_pdl) >= 13 and launches >= 13
 
 
-def test_pdl_is_off_for_the_cpu_and_when_the_environment_says_so(monkeypatch):
+def test_pdl_is_off_for_the_cpu_for_verify_tiles_and_when_the_environment_says_so(monkeypatch):
     from lucebox.kernels.dispatch import pdl_launch
     assert pdl_launch(torch.device("cpu")) == {}
+    monkeypatch.delenv("LUCEBOX_PDL_TILES", raising=False)
+    assert pdl_launch(torch.device("cuda"), tiles=True) == {}  # quantised verify tiles: slower with it
     monkeypatch.setenv("LUCEBOX_PDL", "0")
     assert pdl_launch(torch.device("cuda")) == {}
 

@@ -107,14 +107,19 @@ def _pdl_supported(index: int) -> bool:
         return False
 
 
-def pdl_launch(device: torch.device) -> dict:
+def pdl_launch(device: torch.device, tiles: bool = False) -> dict:
     """Launch options for programmatic dependent launch: on NVIDIA Hopper and later, a kernel is
     launched (and captured into CUDA graphs) so that it starts while the kernel before it drains,
     its programs waiting at their first instruction (triton_pdl.wait_for_previous_kernel) until that
     kernel's writes are visible: the launch and ramp-up of each of a decode step's ~170-250 kernels
     overlap the previous one's tail. {} elsewhere, or when LUCEBOX_PDL=0. Every kernel launched with
-    these options calls wait_for_previous_kernel(PDL) before touching memory."""
+    these options calls wait_for_previous_kernel(PDL) before touching memory.
+    tiles: a quantised product of several rows (verify's tensor-core tiles), which launches without
+    PDL unless LUCEBOX_PDL_TILES=1: qwen3-8b Q4_K_M verify took 8.14 ms with it, 7.55 without
+    (BENCHMARKS, thirteenth round)."""
     if device.type != "cuda" or os.environ.get("LUCEBOX_PDL", "").strip().lower() in OFF:
+        return {}
+    if tiles and os.environ.get("LUCEBOX_PDL_TILES", "").strip().lower() not in ON:
         return {}
     if not _pdl_supported(device.index if device.index is not None else torch.cuda.current_device()):
         return {}

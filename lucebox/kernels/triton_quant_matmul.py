@@ -26,14 +26,12 @@ chunks with `dequantize` here and multiplies with torch.matmul (cuBLAS) when M >
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
-from .dispatch import OFF, next_pow2, num_sms, pdl_launch
+from .dispatch import next_pow2, num_sms, pdl_launch
 from .triton_pdl import wait_for_previous_kernel
 
 MAX_FUSED_M = 64  # above this, dequantise + torch.matmul (compute-bound; tensor cores win)
@@ -412,18 +410,10 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype, in_features: int
         m, n, qweight.shape[1], n_units, per, x2.stride(0), n, stride_os,
         FMT=fmt, UNIT_BYTES=unit_bytes, UNIT_VALUES=unit_values, BPU=bpu, P=plane,
         BLOCK_N=block_n, BLOCK_M=block_m, MODE=mode, HAS_BIAS=has_bias,
-        DOT_IEEE=_is_fp32(x.dtype), SPLIT=split_rows, **kwargs, **_pdl_for_mode(mode, x.device))
+        DOT_IEEE=_is_fp32(x.dtype), SPLIT=split_rows, **kwargs, **pdl_launch(x.device, tiles=mode == 1))
     if split_k > 1:
         _reduce_splits(target, bias, out)
     return out.reshape(*lead, n)
-
-
-def _pdl_for_mode(mode: int, device: torch.device) -> dict:
-    """PDL launch options; LUCEBOX_PDL_TILES=0 (an experiment) launches the tensor-core path (mode 1,
-    verify) without them: Q4_K_M verify measured 7% slower with PDL (BENCHMARKS, twelfth round)."""
-    if mode == 1 and os.environ.get("LUCEBOX_PDL_TILES", "").strip().lower() in OFF:
-        return {}
-    return pdl_launch(device)
 
 
 def _reduce_splits(partials: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
