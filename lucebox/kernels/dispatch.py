@@ -114,9 +114,9 @@ def pdl_launch(device: torch.device, tiles: bool = False) -> dict:
     kernel's writes are visible: the launch and ramp-up of each of a decode step's ~170-250 kernels
     overlap the previous one's tail. {} elsewhere, or when LUCEBOX_PDL=0. Every kernel launched with
     these options calls wait_for_previous_kernel(PDL) before touching memory.
-    tiles: a quantised product of several rows (verify's tensor-core tiles), which launches without
-    PDL unless LUCEBOX_PDL_TILES=1: qwen3-8b Q4_K_M verify took 8.14 ms with it, 7.55 without
-    (BENCHMARKS, thirteenth round)."""
+    tiles: the float kernel's quantised verify tiles (triton_quant_matmul, mode 1), which launch
+    without PDL unless LUCEBOX_PDL_TILES=1: qwen3-8b Q4_K_M verify took 8.14 ms with it, 7.55
+    without (BENCHMARKS, thirteenth round; the int8 verify tiles were not slower with it)."""
     if device.type != "cuda" or os.environ.get("LUCEBOX_PDL", "").strip().lower() in OFF:
         return {}
     if tiles and os.environ.get("LUCEBOX_PDL_TILES", "").strip().lower() not in ON:

@@ -151,12 +151,10 @@ serves = triton_dp4a.serves
 # Where a model's products take int8 activations, by (format, split rows): "decode" (one row) and/or
 # "verify" (2..64 rows), wherever that beat the float kernels on the H200 (BENCHMARKS, thirteenth
 # round; qwen3-8b shapes, CUDA graphs). Decode: Q4_K 8.3-16.8 us against 10.1-23.7 (the head 130
-# against 205), split Q6_K 11-25 against 12-29. Verify (16 rows): split Q8_0 17-44 us against 20-50
-# (the head 347 against 504); Q4_K and split Q6_K slower than their float tiles (Q6_K takes two
-# integer dots a block for its 16-value scales). Split Q8_0 decodes on int8 too, though no faster
-# (3.90 against 3.84 ms a step): with verify on int8 and decode on floats, forced-acceptance
-# speculation reached tau 2.1 of 16, the two disagreeing on near-ties.
-_FASTER = {(Q.Q4_K, False): ("decode",), (Q.Q6_K, True): ("decode",), (Q.Q8_0, True): ("decode", "verify")}
+# against 205), split Q6_K 11-25 against 12-29; split Q8_0 no faster (a step 3.90 ms against 3.84).
+# Verify (16 rows): split Q8_0 17-44 us against 20-50 (the head 347 against 504); Q4_K and split Q6_K
+# slower than their float tiles (Q6_K takes two integer dots a block for its 16-value scales).
+_FASTER = {(Q.Q4_K, False): ("decode",), (Q.Q6_K, True): ("decode",), (Q.Q8_0, True): ("verify",)}
 
 
 def faster(qtype, split_rows: bool, rows: int) -> bool:
@@ -198,7 +196,7 @@ def matmul(x: torch.Tensor, weights: torch.Tensor, qtype, split_rows: bool, in_f
         quantized, weights, bias if has_bias else out, target, m, n, weights.shape[1], n_units, per,
         quantized.stride(0), n, m * n if split_k > 1 else 0,
         BLOCK_N=block_n, BLOCK_M=max(16, next_pow2(m)), HAS_BIAS=has_bias, num_warps=num_warps,
-        **pdl_launch(x.device, tiles=True))
+        **pdl_launch(x.device))
     if split_k > 1:
         _reduce_splits(target, bias, out)
     return out.reshape(*lead, n)
