@@ -257,6 +257,58 @@ def test_int8_activations_take_the_products_they_are_faster_for_unless_turned_of
     assert calls == [Q.Q4_K, Q.Q8_0]
 
 
+def test_products_of_one_input_share_its_rounding_within_one_rounding(monkeypatch):
+    """weights.quant.one_rounding: products of the same tensor on int8 activations quantise it once
+    (another tensor, even equal, its own), and compute what they compute alone."""
+    from lucebox.kernels import triton_dp4a as tdp
+    from lucebox.kernels import triton_quant_int8 as tqi
+    from lucebox.weights.quant import one_rounding
+    monkeypatch.setenv("LUCEBOX_TRITON", "1")
+    monkeypatch.delenv("LUCEBOX_INT8_ACTIVATIONS", raising=False)
+    rounds, real = [], tdp.quantize_rows
+    for module in (tdp, tqi):
+        monkeypatch.setattr(module, "quantize_rows", lambda x: rounds.append(1) or real(x))
+    a = QuantLinear(QuantTensor(quant_rows(Q.Q4_K, 24, 256, seed=31), Q.Q4_K, (24, 256)))
+    b = QuantLinear(QuantTensor(quant_rows(Q.Q4_K, 8, 256, seed=32), Q.Q4_K, (8, 256)))
+    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(33)).to(DEVICE)
+    alone = a(x), b(x)
+    assert len(rounds) == 2
+    with one_rounding(x):
+        shared = a(x), b(x), a(x.clone())
+    assert len(rounds) == 2 + 2  # x once, its clone once
+    for got, want in zip(shared, alone + alone[:1]):
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="do not match"):
+        tqi.matmul(x, a.qweight, Q.Q4_K, False, 256, quantized=tdp.quantize_rows(x.repeat(2, 1)))
+
+
+def test_attention_fuses_q_and_k_when_v_differs_and_rounds_their_input_once(monkeypatch):
+    """Q4_K_M's layers (q and k in Q4_K, v in Q6_K): no q/k/v projection, but one for q and k; a
+    decode step's q, k and v equal the unfused layer's."""
+    from lucebox.kernels import triton_dp4a as tdp
+    from lucebox.model.config import ModelConfig
+    from lucebox.model.transformer import Attention
+    monkeypatch.setenv("LUCEBOX_TRITON", "1")
+    monkeypatch.delenv("LUCEBOX_INT8_ACTIVATIONS", raising=False)
+    cfg = ModelConfig(family="qwen3", vocab_size=96, hidden_size=256, intermediate_size=512, num_layers=1,
+                      num_heads=4, num_kv_heads=2, head_dim=64, qk_norm=True)
+    attn = Attention(cfg, 0).to(DEVICE)
+    for name, qtype, seed in (("q_proj", Q.Q4_K, 41), ("k_proj", Q.Q4_K, 42), ("v_proj", Q.Q6_K, 43)):
+        n = getattr(attn, name).out_features
+        setattr(attn, name, QuantLinear(QuantTensor(quant_rows(qtype, n, 256, seed=seed), qtype, (n, 256))))
+    h = torch.randn(1, 256, generator=torch.Generator().manual_seed(44)).to(DEVICE)
+    want = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+    attn.fuse()
+    attn.fuse()  # idempotent
+    assert attn.qkv is None and attn.qk is not None
+    rounds = []
+    monkeypatch.setattr(tdp, "quantize_rows", lambda x, _real=tdp.quantize_rows: rounds.append(1) or _real(x))
+    got = attn._project(h)
+    assert len(rounds) == 1  # q and k in one product; v (unsplit Q6_K here) on the float kernel
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and rel_err(g, w) <= 1e-5
+
+
 def test_quant_linear_uses_the_fused_kernel_for_decode_and_dequantise_plus_matmul_for_prefill(monkeypatch):
     monkeypatch.setenv("LUCEBOX_TRITON", "1")
     calls = []

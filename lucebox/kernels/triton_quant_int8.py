@@ -163,10 +163,12 @@ def faster(qtype, split_rows: bool, rows: int) -> bool:
 
 
 def matmul(x: torch.Tensor, weights: torch.Tensor, qtype, split_rows: bool, in_features: int,
-           bias: torch.Tensor | None = None, *, block_n: int = 64, split_k: int | None = None,
-           num_warps: int = 4) -> torch.Tensor:
+           bias: torch.Tensor | None = None, *, quantized: torch.Tensor | None = None, block_n: int = 64,
+           split_k: int | None = None, num_warps: int = 4) -> torch.Tensor:
     """x [..., K] @ W.T (+ bias) on int8 activations for rows that serves() accepts, M = prod(x.shape[:-1])
-    up to MAX_FUSED_M: one row on the dp4a GEMV, more on integer tensor cores. Output in x.dtype."""
+    up to MAX_FUSED_M: one row on the dp4a GEMV, more on integer tensor cores. Output in x.dtype.
+    quantized: x's rows as quantize_rows gives them, when already rounded (shared by products of one
+    input); else rounded here."""
     if not serves(qtype, split_rows):
         raise ValueError(f"no int8 product reads {Q(qtype).name} rows{' (split)' if split_rows else ''}")
     if in_features % SUPER:
@@ -178,7 +180,10 @@ def matmul(x: torch.Tensor, weights: torch.Tensor, qtype, split_rows: bool, in_f
         raise ValueError(f"int8 products handle at most {MAX_FUSED_M} rows, got {m}")
     if m == 0 or n == 0:
         return x2.new_empty(m, n).reshape(*lead, n)
-    quantized = quantize_rows(x2)
+    if quantized is None:
+        quantized = quantize_rows(x2)
+    elif quantized.shape != (m, in_features + in_features // 4):
+        raise ValueError(f"rounded rows {tuple(quantized.shape)} do not match x {tuple(x2.shape)}")
     if m == 1:
         return triton_dp4a.gemv(x2, weights, qtype, split_rows, in_features, bias,
                                 quantized=quantized).reshape(*lead, n)

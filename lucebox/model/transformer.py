@@ -15,7 +15,7 @@ from ..kernels.attention import paged_attention
 from ..kernels.dispatch import decided_once
 from ..kernels.norm import rms_norm, rms_norm_residual
 from ..kernels.rope import rope_and_write_kv
-from ..weights.quant import QuantEmbedding, QuantLinear, QuantTensor
+from ..weights.quant import QuantEmbedding, QuantLinear, QuantTensor, one_rounding
 from .config import ModelConfig
 from .forward_batch import ForwardBatch
 from .rope import RopeTable
@@ -123,15 +123,17 @@ class Attention(nn.Module):
         self.k_cache = None
         self.v_cache = None
         self.qkv = None  # q, k and v as one projection, after fuse()
+        self.qk = None  # or q and k alone, when v's weights differ (e.g. Q4_K_M: v in Q6_K)
 
     def fuse(self) -> None:
-        self.qkv = self.qkv or fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        if self.qkv is None and self.qk is None:
+            self.qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+            if self.qkv is None:
+                self.qk = fuse_linears([self.q_proj, self.k_proj])
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Attention over the normalised input x."""
-        if self.qkv is not None:
-            return self.attend(*self._split(self.qkv(x)), cos, sin, batch)
-        return self.attend(self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin, batch)
+        return self.attend(*self._project(x), cos, sin, batch)
 
     def project(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None):
         """(q, k, v, stream) of norm(x + residual): the norm fused into the q/k/v GEMV where it can be."""
@@ -139,7 +141,19 @@ class Attention(nn.Module):
             qkv, residual = norm_project(norm, x, residual, self.qkv)
             return (*self._split(qkv), residual)
         h, residual = (norm(x), x) if residual is None else norm(x, residual)
-        return self.q_proj(h), self.k_proj(h), self.v_proj(h), residual
+        return *self._project(h), residual
+
+    def _project(self, h: torch.Tensor):
+        """(q, k, v) of the normalised input h; h is rounded to int8 once for all of them (quantised
+        weights on int8 activations)."""
+        if self.qkv is not None:
+            return self._split(self.qkv(h))
+        with one_rounding(h):
+            if self.qk is not None:
+                q, k = self.qk(h).split([self.q_proj.out_features, self.k_proj.out_features], dim=-1)
+            else:
+                q, k = self.q_proj(h), self.k_proj(h)
+            return q, k, self.v_proj(h)
 
     def _split(self, qkv: torch.Tensor):
         return qkv.split([self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], dim=-1)
@@ -235,7 +249,7 @@ class Transformer(nn.Module):
         first, its layers' row slices then only told). Idempotent. For inference."""
         linears = [m for m in self.modules() if isinstance(m, (QuantLinear, QuantEmbedding))]
         for module in self.modules():  # fused projections are bound methods of unregistered QuantLinears
-            for fused in (getattr(module, "qkv", None), getattr(module, "gate_up", None)):
+            for fused in (getattr(module, name, None) for name in ("qkv", "qk", "gate_up")):
                 if isinstance(getattr(fused, "__self__", None), QuantLinear):
                     linears.append(fused.__self__)
         done: list[tuple[int, int]] = []  # byte ranges reordered

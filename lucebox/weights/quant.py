@@ -7,7 +7,9 @@ goes through `lucebox.kernels.dequant` so a faster kernel can be dispatched ther
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 import warnings
 from dataclasses import dataclass
 
@@ -21,7 +23,7 @@ from lucebox.kernels import dequant
 from lucebox.kernels.dequant import SUPPORTED_TYPES, qtype_name
 from lucebox.kernels.dispatch import int8_activations, use_triton
 
-__all__ = ["SUPPORTED_TYPES", "QuantEmbedding", "QuantLinear", "QuantTensor", "quant_matmul"]
+__all__ = ["SUPPORTED_TYPES", "QuantEmbedding", "QuantLinear", "QuantTensor", "one_rounding", "quant_matmul"]
 
 
 def _check_type(qtype, name: str) -> GGMLQuantizationType:
@@ -131,6 +133,33 @@ def _dequantize_rows(rows: torch.Tensor, qtype, in_features: int, dtype: torch.d
     return dequant.dequantize(rows, qtype, dtype)
 
 
+_rounding = threading.local()  # .shared: [input tensor, its int8 rows or None] within one_rounding
+
+
+@contextlib.contextmanager
+def one_rounding(x: torch.Tensor):
+    """Within it, the products of `x` itself (the same tensor object) that run on int8 activations
+    round it once and share the rows (e.g. q, k and v of one input when their weights differ in
+    type): one quantising launch instead of one a product. x must not change inside."""
+    previous = getattr(_rounding, "shared", None)
+    _rounding.shared = [x, None]
+    try:
+        yield
+    finally:
+        _rounding.shared = previous
+
+
+def _rounded_once(x: torch.Tensor) -> torch.Tensor | None:
+    """x's int8 rows when a one_rounding block shares them (quantised on first use), else None."""
+    shared = getattr(_rounding, "shared", None)
+    if shared is None or shared[0] is not x:
+        return None
+    if shared[1] is None:
+        from lucebox.kernels.triton_dp4a import quantize_rows
+        shared[1] = quantize_rows(x)
+    return shared[1]
+
+
 def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantizationType, in_features: int,
                  bias: torch.Tensor | None = None, chunk_bytes: int = 32 << 20,
                  split_rows: bool = False) -> torch.Tensor:
@@ -150,7 +179,8 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantization
         if int8_activations():
             from lucebox.kernels import triton_quant_int8
             if triton_quant_int8.faster(qtype, split_rows, m):
-                return triton_quant_int8.matmul(x, qweight, qtype, split_rows, in_features, bias)
+                return triton_quant_int8.matmul(x, qweight, qtype, split_rows, in_features, bias,
+                                                quantized=_rounded_once(x))
         if split_rows and m == 1:
             from lucebox.kernels import triton_split_rows
             return triton_split_rows.gemv(x, qweight, qtype, in_features, bias)
