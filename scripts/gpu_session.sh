@@ -18,6 +18,8 @@
 #   scripts/gpu_session.sh int8      int8 activations (kernels/triton_quant_int8.py): their GPU tests, decode-vs-verify
 #                                    agreement (q4_k_m), bench speed q4_k_m / q8_0 with and without
 #                                    LUCEBOX_INT8_ACTIVATIONS, then the M = 16 kernels swept (~8 min)
+#   scripts/gpu_session.sh quant     qwen3-8b q4_k_m and q8_0: bench speed (decode, verify, forced acceptance), then
+#                                    scripts/profile_decode.py of each step (~6 min)
 #   scripts/gpu_session.sh pdl-tiles q4_k_m and q8_0 verify with and without LUCEBOX_PDL_TILES (~3 min)
 #   scripts/gpu_session.sh profile   host time per engine-step section, plain vs speculative engines,
 #                                    torch.profiler tables of DFlash passes at T=0 and T=1, and one graph
@@ -111,6 +113,14 @@ case "${1:-check}" in
     step int8-kernels "${SECONDS_KERNELS:-150}" python3 scripts/bench_kernels.py --only quant --ms 16 --sweep \
       --qtypes Q4_K Q6_K Q8_0 --json "$out/int8-kernels.json"
     grep -E "^\| (kernel|quant_matmul)" "$out/int8-kernels.log" | cut -c1-600 ;;
+  quant)  # where quantised decode stands: bench speed q4_k_m / q8_0 (decode, verify, forced), then a profile of each step
+    for quant in q4_k_m q8_0; do
+      bench "8b-$quant" 100 --shape qwen3-8b --quant $quant --prompt-lens 512 --contexts 512 --skip prefill spec peer
+    done
+    for quant in q4_k_m q8_0; do
+      step "profile-$quant" 120 python3 scripts/profile_decode.py --shape qwen3-8b --quant $quant --context 512
+      grep -E "graph|Self CUDA|^ +[a-z_]+.*kernel" "$out/profile-$quant.log" | head -n 30
+    done ;;
   pdl-tiles)  # verify (tensor-core quant products) launched with and without PDL
     for quant in q4_k_m q8_0; do
       for tiles in 0 1; do
@@ -135,5 +145,5 @@ case "${1:-check}" in
     step drafter 570 bash scripts/train_default_drafter.sh "$out/default-dflash" "${SECONDS_TRAIN:-300}"
     rm -f "$out/default-dflash/train_state.pt" "$out/default-dflash/regenerated.pt"
     tr '\r' '\n' < "$out/drafter.log" | grep -E "tau|steps|wrote|Error|error" | tail -n 20 ;;
-  *) echo "usage: $0 check|bench|spec|kernels|gemv|overlap|pdl|int8|pdl-tiles|profile|idle|sampler|drafter" >&2; exit 2 ;;
+  *) echo "usage: $0 check|bench|spec|kernels|gemv|overlap|pdl|int8|quant|pdl-tiles|profile|idle|sampler|drafter" >&2; exit 2 ;;
 esac
