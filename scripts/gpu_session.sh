@@ -119,7 +119,8 @@ case "${1:-check}" in
     done
     for quant in q4_k_m q8_0; do
       step "profile-$quant" 120 python3 scripts/profile_decode.py --shape qwen3-8b --quant $quant --context 512
-      grep -E "graph|Self CUDA|^ +[a-z_]+.*kernel" "$out/profile-$quant.log" | head -n 30
+      grep -E "^forward|device kernels per forward" "$out/profile-$quant.log"
+      sed -n '/one graph replay/,$p' "$out/profile-$quant.log" | head -n 24 | cut -c1-160
     done ;;
   pdl-tiles)  # verify (tensor-core quant products) launched with and without PDL
     for quant in q4_k_m q8_0; do
