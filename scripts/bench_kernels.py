@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -237,19 +238,19 @@ def sweep_split_rows(x, raws, qtype, k, m, ref, device) -> dict:
     err = rel_err(product(splits[0]), ref)
     default = bench_in_graph(product, splits, device)
     best = None
-    for block_n in (16, 32, 64) if m == 1 else (32, 64, 128):
-        for warps in (4, 8):
-            for split in (None, 1, 4, 8, 16):
-                try:
-                    t = bench_in_graph(lambda w: product(w, block_n=block_n, split_k=split, num_warps=warps),
-                                       splits, device)
-                except Exception:
-                    continue
-                if best is None or t < best[0]:
-                    best = (t, (f"{block_n}x{warps}w split {split}",
-                                {"block_n": block_n, "split_k": split, "num_warps": warps}))
+    # one row: also the loop over units software-pipelined (stages 2, 3: weights through shared memory)
+    grid = (itertools.product((16, 32, 64), (4, 8), (None, 4, 16), (1, 2, 3)) if m == 1 else
+            itertools.product((32, 64, 128), (4, 8), (None, 1, 4, 8, 16), (1,)))
+    for block_n, warps, split_k, stages in grid:
+        launch = {"block_n": block_n, "split_k": split_k, "num_warps": warps} | ({"stages": stages} if m == 1 else {})
+        try:
+            t = bench_in_graph(lambda w: product(w, **launch), splits, device)
+        except Exception:
+            continue
+        if best is None or t < best[0]:
+            best = (t, f"{block_n}x{warps}w split {split_k}" + (f" stages {stages}" if m == 1 else ""))
     return {"split_rel_err": err, "split_default_us": default * 1e3, "split_best_us": best[0] * 1e3,
-            "split_best": best[1][0]}
+            "split_best": best[1]}
 
 
 def sweep_int8(x, raws, qtype, k, m, ref, device) -> dict:
@@ -264,16 +265,17 @@ def sweep_int8(x, raws, qtype, k, m, ref, device) -> dict:
     err = rel_err(product(weights[0]), ref)
     default = bench_in_graph(product, weights, device)
     best = None
-    for block_n in (32, 64, 128):
-        for warps in (4, 8):
-            for split_k in (None, 1, 4, 8, 16):
-                try:
-                    t = bench_in_graph(lambda w: product(w, block_n=block_n, split_k=split_k, num_warps=warps),
-                                       weights, device)
-                except Exception:
-                    continue
-                if best is None or t < best[0]:
-                    best = (t, f"{block_n}x{warps}w split {split_k}")
+    # one row: also the loop over units software-pipelined (stages 2, 3: weights through shared memory)
+    grid = (itertools.product((32, 64), (4, 8), (None, 4, 16), (1, 2, 3)) if m == 1 else
+            itertools.product((32, 64, 128), (4, 8), (None, 1, 4, 8, 16), (1,)))
+    for block_n, warps, split_k, stages in grid:
+        launch = {"block_n": block_n, "split_k": split_k, "num_warps": warps} | ({"stages": stages} if m == 1 else {})
+        try:
+            t = bench_in_graph(lambda w: product(w, **launch), weights, device)
+        except Exception:
+            continue
+        if best is None or t < best[0]:
+            best = (t, f"{block_n}x{warps}w split {split_k}" + (f" stages {stages}" if m == 1 else ""))
     return {"int8_rel_err": err, "int8_default_us": default * 1e3, "int8_best_us": best[0] * 1e3,
             "int8_best": best[1]}
 
@@ -573,9 +575,13 @@ def compile_check(arch: str) -> None:
             raw = torch.zeros(64, 4096 // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1], dtype=torch.uint8)
             for m in (1, 16, 64):
                 tqi.matmul(torch.zeros(m, 4096, dtype=torch.bfloat16), raw, qtype, split, 4096, split_k=1)
+            for stages in (2, 3):  # the one-row GEMV's loop software-pipelined (an option of the sweep)
+                tqi.matmul(torch.zeros(1, 4096, dtype=torch.bfloat16), raw, qtype, split, 4096, split_k=1,
+                           stages=stages)
         for qtype in tsr.SPLIT_TYPES:  # split rows: the GEMV, the fused kernel (verify), the dequantiser (prefill)
             raw = torch.zeros(64, 4096 // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1], dtype=torch.uint8)
-            tsr.gemv(torch.zeros(1, 4096, dtype=torch.bfloat16), raw, qtype, 4096, split_k=1)
+            for stages in (1, 2, 3):
+                tsr.gemv(torch.zeros(1, 4096, dtype=torch.bfloat16), raw, qtype, 4096, split_k=1, stages=stages)
             for m in (1, 16):
                 tqm.quant_matmul(torch.zeros(m, 4096, dtype=torch.bfloat16), raw, qtype, 4096, split_k=1,
                                  split_rows=True)

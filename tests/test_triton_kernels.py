@@ -153,6 +153,8 @@ def test_split_rows_hold_the_same_weights_and_multiply_like_the_reference(qtype)
     for split_k in (1, 2):
         assert rel_err(tsr.gemv(x[:1], split, qtype, k, split_k=split_k), want[:1]) <= 1e-5
         assert rel_err(tsr.gemv(x[:1], split, qtype, k, bias, split_k=split_k), want[:1] + bias) <= 1e-5
+        assert torch.equal(tsr.gemv(x[:1], split, qtype, k, split_k=split_k, stages=3),
+                           tsr.gemv(x[:1], split, qtype, k, split_k=split_k))  # the loop software-pipelined
         got = tqm.quant_matmul(x, split, qtype, k, bias, split_k=split_k, split_rows=True)
         assert rel_err(got, want + bias) <= 1e-5
     assert torch.equal(tqm.dequantize(split, qtype, k, split_rows=True), weight)
@@ -215,6 +217,7 @@ def test_int8_products_are_the_float_products_of_the_rounded_activations_alone_o
     for split_k in (1, 2):
         one = tqi.matmul(x[:1], weights, qtype, split, k, split_k=split_k)
         assert rel_err(one, want[:1]) <= 1e-5
+        assert torch.equal(tqi.matmul(x[:1], weights, qtype, split, k, split_k=split_k, stages=2), one)  # pipelined
         assert rel_err(tqi.matmul(x[:1], weights, qtype, split, k, bias, split_k=split_k), want[:1] + bias) <= 1e-5
         rows = tqi.matmul(x, weights, qtype, split, k, bias, split_k=split_k)
         assert rows.shape == (5, n) and rel_err(rows, want + bias) <= 1e-5

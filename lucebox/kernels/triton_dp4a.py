@@ -102,7 +102,7 @@ def quantize_rows(x: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _q4_k_dp4a_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_per_prog,
                       stride_os, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      ASM: tl.constexpr = _ASM, PDL: tl.constexpr = False):
+                      ASM: tl.constexpr = _ASM, STAGES: tl.constexpr = 1, PDL: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
     rn, row, u0, u1 = _one_row_program(w_ptr, N, row_bytes, n_units, units_per_prog, BLOCK_N)
     xq = x_ptr.to(tl.pointer_type(tl.int32))  # quantize_row's buffer: int8 values as words,
@@ -112,7 +112,7 @@ def _q4_k_dp4a_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_p
     word = 8 * g[:, None] + tl.arange(0, 8)[None, :]  # [4, 8]: nibble words of value pairs g
     x_word = word + 8 * g[:, None]  # their low nibbles' activation words (values 64g + 4w); +8: high
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for u in range(u0, u1):
+    for u in tl.range(u0, u1, num_stages=STAGES):
         base = row + u * 144  # d, dmin, 12 scale bytes, 128 nibble bytes
         d = _f16(base)
         dmin = _f16(base + 2)
@@ -135,7 +135,7 @@ def _q4_k_dp4a_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_p
 @triton.jit
 def _q8_0_split_dp4a_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_per_prog,
                             stride_os, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
-                            ASM: tl.constexpr = _ASM, PDL: tl.constexpr = False):
+                            ASM: tl.constexpr = _ASM, STAGES: tl.constexpr = 1, PDL: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
     rn, row, u0, u1 = _one_row_program(w_ptr, N, row_bytes, n_units, units_per_prog, BLOCK_N)
     # split rows: the K int8 values, then K/32 fp16 scales
@@ -146,7 +146,7 @@ def _q8_0_split_dp4a_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, u
     blk = tl.arange(0, 8)
     word = 8 * blk[:, None] + tl.arange(0, 8)[None, :]  # [8, 8]: a unit's words, block by block
     acc = tl.zeros([BLOCK_N, 8], dtype=tl.float32)
-    for u in range(u0, u1):
+    for u in tl.range(u0, u1, num_stages=STAGES):
         q = tl.load(values[:, None, None] + u * 64 + word[None])  # [BLOCK_N, 8, 8]
         dots = tl.sum(_dp4a(q, tl.load(xq + u * 64 + word)[None], tl.zeros_like(q), ASM), axis=2)  # [BLOCK_N, 8]
         d = tl.load(scales[:, None] + u * 8 + blk[None, :]).to(tl.float32)
@@ -157,7 +157,7 @@ def _q8_0_split_dp4a_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, u
 @triton.jit
 def _q6_k_split_dp4a_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_per_prog,
                             stride_os, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
-                            ASM: tl.constexpr = _ASM, PDL: tl.constexpr = False):
+                            ASM: tl.constexpr = _ASM, STAGES: tl.constexpr = 1, PDL: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
     rn, row, u0, u1 = _one_row_program(w_ptr, N, row_bytes, n_units, units_per_prog, BLOCK_N)
     # split rows (triton_split_rows): every unit's 128 ql bytes, then 64 qh bytes, 16 scales, d
@@ -179,7 +179,7 @@ def _q6_k_split_dp4a_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, u
     xd_at = 4 * group[:, None, None] + group[None, :, None] + 0 * group[None, None, :]  # scale (+4h); x block (+2h)
     ones = tl.full([2, 2, 2, 4], 0x01010101, tl.int32)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for u in range(u0, u1):
+    for u in tl.range(u0, u1, num_stages=STAGES):
         ql = tl.load(ql_words[:, None, None, None, None] + u * 32 + ql_at[None])  # [BLOCK_N, 2, 2, 2, 4]
         qh = tl.load(qh_words[:, None, None, None, None] + u * 16 + qh_at[None])
         total = tl.zeros([BLOCK_N, 2, 2, 2], dtype=tl.float32)
@@ -212,10 +212,10 @@ def serves(qtype, split_rows: bool) -> bool:
 
 def gemv(x: torch.Tensor, weights: torch.Tensor, qtype, split_rows: bool, in_features: int,
          bias: torch.Tensor | None = None, *, quantized: torch.Tensor | None = None, block_n: int = BLOCK_N,
-         split_k: int | None = None, num_warps: int = 4) -> torch.Tensor:
+         split_k: int | None = None, num_warps: int = 4, stages: int = 1) -> torch.Tensor:
     """x [1, K] @ W.T (+ bias) for rows that serves() accepts, x rounded to int8 per 32 values
     (quantize_rows, unless given as `quantized`), then the GEMV through one_row_gemv; output in
-    x.dtype."""
+    x.dtype. stages: see triton_quant_matmul.one_row_gemv."""
     if not serves(qtype, split_rows):
         raise ValueError(f"no dp4a GEMV reads {Q(qtype).name} rows{' (split)' if split_rows else ''}")
     what = f"{Q(qtype).name} dp4a"
@@ -224,5 +224,5 @@ def gemv(x: torch.Tensor, weights: torch.Tensor, qtype, split_rows: bool, in_fea
     if x.numel() != in_features:
         raise ValueError(f"the {what} GEMV multiplies one row of {in_features}, got {tuple(x.shape)}")
     return one_row_gemv(_KERNELS[(qtype, split_rows)], x, weights, in_features, SUPER, bias, what,
-                        block_n=block_n, split_k=split_k, num_warps=num_warps, max_units=MAX_UNITS,
+                        block_n=block_n, split_k=split_k, num_warps=num_warps, max_units=MAX_UNITS, stages=stages,
                         operand=quantize_rows(x) if quantized is None else quantized)

@@ -68,7 +68,7 @@ def join_rows(split: torch.Tensor, qtype) -> torch.Tensor:
 
 @triton.jit
 def _q8_0_split_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_per_prog,
-                       stride_os, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       stride_os, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, STAGES: tl.constexpr = 1,
                        PDL: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
     rn, row, u0, u1 = _one_row_program(w_ptr, N, row_bytes, n_units, units_per_prog, BLOCK_N)
@@ -77,7 +77,7 @@ def _q8_0_split_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_
     values = (row[:, None, None] + col[None, :, :]).to(tl.pointer_type(tl.int8))  # [BLOCK_N, 8, 32]
     scales = (row[:, None] + n_units * 256 + blk[None, :] * 2).to(tl.pointer_type(tl.float16))  # [BLOCK_N, 8]
     acc = tl.zeros([BLOCK_N, 8], dtype=tl.float32)
-    for u in range(u0, u1):
+    for u in tl.range(u0, u1, num_stages=STAGES):
         q = tl.load(values + u * 256).to(tl.float32)
         xv = tl.load(x_ptr + u * 256 + col).to(tl.float32)  # [8, 32]
         d = tl.load(scales + u * 8).to(tl.float32)  # [BLOCK_N, 8]: 8 fp16 scales a unit
@@ -87,7 +87,7 @@ def _q8_0_split_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_
 
 @triton.jit
 def _q6_k_split_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_per_prog,
-                       stride_os, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       stride_os, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, STAGES: tl.constexpr = 1,
                        PDL: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
     rn, row, u0, u1 = _one_row_program(w_ptr, N, row_bytes, n_units, units_per_prog, BLOCK_N)
@@ -105,7 +105,7 @@ def _q6_k_split_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_
     sc_base = row + n_units * 192
     d_base = row + n_units * 208
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for u in range(u0, u1):
+    for u in tl.range(u0, u1, num_stages=STAGES):
         ql = tl.load(row[:, None, None, None, None] + u * 128 + ql_at[None]).to(tl.int32)  # [BN, 2, 2, 2, 16]
         qh = tl.load(qh_base[:, None, None, None, None] + u * 64 + qh_at[None]).to(tl.int32)
         d = tl.load((d_base + u * 2).to(tl.pointer_type(tl.float16))).to(tl.float32)  # [BN]
@@ -129,11 +129,13 @@ _GEMV = {Q.Q8_0: (_q8_0_split_kernel, 256, (16, 4, 8, 2)), Q.Q6_K: (_q6_k_split_
 
 
 def gemv(x: torch.Tensor, split: torch.Tensor, qtype, in_features: int, bias: torch.Tensor | None = None, *,
-         block_n: int | None = None, split_k: int | None = None, num_warps: int | None = None) -> torch.Tensor:
-    """x [1, K] @ W.T (+ bias) for split rows [N, bytes] of a SPLIT_TYPES type; output in x.dtype."""
+         block_n: int | None = None, split_k: int | None = None, num_warps: int | None = None,
+         stages: int = 1) -> torch.Tensor:
+    """x [1, K] @ W.T (+ bias) for split rows [N, bytes] of a SPLIT_TYPES type; output in x.dtype.
+    stages: see triton_quant_matmul.one_row_gemv."""
     if qtype not in _GEMV:
         raise ValueError(f"split rows are a layout of {', '.join(t.name for t in _GEMV)}, not {Q(qtype).name}")
     kernel, unit, (default_block_n, default_warps, waves, min_units) = _GEMV[qtype]
     return one_row_gemv(kernel, x, split, in_features, unit, bias, f"split {Q(qtype).name}",
                         block_n=block_n or default_block_n, split_k=split_k,
-                        num_warps=num_warps or default_warps, waves=waves, min_units=min_units)
+                        num_warps=num_warps or default_warps, waves=waves, min_units=min_units, stages=stages)
