@@ -237,20 +237,8 @@ def sweep_split_rows(x, raws, qtype, k, m, ref, device) -> dict:
             return tqm.quant_matmul(x, w, qtype, k, split_rows=True, **launch)
     err = rel_err(product(splits[0]), ref)
     default = bench_in_graph(product, splits, device)
-    best = None
-    # one row: also the loop over units software-pipelined (stages 2, 3: weights through shared memory)
-    grid = (itertools.product((16, 32, 64), (4, 8), (None, 4, 16), (1, 2, 3)) if m == 1 else
-            itertools.product((32, 64, 128), (4, 8), (None, 1, 4, 8, 16), (1,)))
-    for block_n, warps, split_k, stages in grid:
-        launch = {"block_n": block_n, "split_k": split_k, "num_warps": warps} | ({"stages": stages} if m == 1 else {})
-        try:
-            t = bench_in_graph(lambda w: product(w, **launch), splits, device)
-        except Exception:
-            continue
-        if best is None or t < best[0]:
-            best = (t, f"{block_n}x{warps}w split {split_k}" + (f" stages {stages}" if m == 1 else ""))
-    return {"split_rel_err": err, "split_default_us": default * 1e3, "split_best_us": best[0] * 1e3,
-            "split_best": best[1]}
+    best_t, best = best_launch(product, splits, m, (16, 32, 64), device)
+    return {"split_rel_err": err, "split_default_us": default * 1e3, "split_best_us": best_t * 1e3, "split_best": best}
 
 
 def sweep_int8(x, raws, qtype, k, m, ref, device) -> dict:
@@ -264,20 +252,25 @@ def sweep_int8(x, raws, qtype, k, m, ref, device) -> dict:
         return tqi.matmul(x, w, qtype, split_rows, k, **launch)
     err = rel_err(product(weights[0]), ref)
     default = bench_in_graph(product, weights, device)
-    best = None
-    # one row: also the loop over units software-pipelined (stages 2, 3: weights through shared memory)
-    grid = (itertools.product((32, 64), (4, 8), (None, 4, 16), (1, 2, 3)) if m == 1 else
+    best_t, best = best_launch(product, weights, m, (32, 64), device)
+    return {"int8_rel_err": err, "int8_default_us": default * 1e3, "int8_best_us": best_t * 1e3, "int8_best": best}
+
+
+def best_launch(product, weights, m, one_row_block_ns, device) -> tuple[float, str]:
+    """The fastest launch of product(w, **launch) over a grid (rows a program, warps, split-K; for one
+    row also the loop's software-pipelining stages 1-3): (its time in ms, its description)."""
+    grid = (itertools.product(one_row_block_ns, (4, 8), (None, 4, 16), (1, 2, 3)) if m == 1 else
             itertools.product((32, 64, 128), (4, 8), (None, 1, 4, 8, 16), (1,)))
+    best = (math.inf, "none ran")
     for block_n, warps, split_k, stages in grid:
         launch = {"block_n": block_n, "split_k": split_k, "num_warps": warps} | ({"stages": stages} if m == 1 else {})
         try:
             t = bench_in_graph(lambda w: product(w, **launch), weights, device)
-        except Exception:
+        except Exception:  # e.g. out of shared memory for a config: skip it
             continue
-        if best is None or t < best[0]:
+        if t < best[0]:
             best = (t, f"{block_n}x{warps}w split {split_k}" + (f" stages {stages}" if m == 1 else ""))
-    return {"int8_rel_err": err, "int8_default_us": default * 1e3, "int8_best_us": best[0] * 1e3,
-            "int8_best": best[1]}
+    return best
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:

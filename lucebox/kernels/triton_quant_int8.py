@@ -34,6 +34,18 @@ from .triton_quant_matmul import MAX_FUSED_M, _f16, _one_row_program, _reduce_sp
 
 
 @triton.jit
+def _rows_program(x_ptr, w_ptr, M, N, row_bytes, n_units, units_per_prog, stride_xm,
+                  BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """A verify program's weight rows (as _one_row_program: rn, their byte pointers, units [u0, u1)),
+    its activation rows rm (m_ok: < M), their quantize_rows rows x_row (int8 values, then the
+    float32 scales xd, then xd * sum(qx)) and the scales' pointers xd."""
+    rn, row, u0, u1 = _one_row_program(w_ptr, N, row_bytes, n_units, units_per_prog, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    x_row = x_ptr + rm * stride_xm
+    return rn, row, u0, u1, rm, rm < M, x_row, (x_row + n_units * 256).to(tl.pointer_type(tl.float32))
+
+
+@triton.jit
 def _x_block(x_row, m_ok, v0):
     """The rows' int8 activations v0 .. v0 + 31: [32, BLOCK_M] (rows past M read as 0)."""
     i = tl.arange(0, 32)
@@ -55,11 +67,8 @@ def _q4_k_int8_kernel(x_ptr, w_ptr, b_ptr, o_ptr, M, N, row_bytes, n_units, unit
                       stride_om, stride_os, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                       HAS_BIAS: tl.constexpr, PDL: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
-    rn, row, u0, u1 = _one_row_program(w_ptr, N, row_bytes, n_units, units_per_prog, BLOCK_N)
-    rm = tl.arange(0, BLOCK_M)
-    m_ok = rm < M
-    x_row = x_ptr + rm * stride_xm  # quantize_rows' rows: int8 values, scales xd, xd * sum(qx)
-    xd = (x_row + n_units * 256).to(tl.pointer_type(tl.float32))
+    rn, row, u0, u1, rm, m_ok, x_row, xd = _rows_program(x_ptr, w_ptr, M, N, row_bytes, n_units, units_per_prog,
+                                                         stride_xm, BLOCK_N, BLOCK_M)
     xs = xd + n_units * 8
     i = tl.arange(0, 32)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -87,11 +96,8 @@ def _q8_0_split_int8_kernel(x_ptr, w_ptr, b_ptr, o_ptr, M, N, row_bytes, n_units
                             stride_om, stride_os, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                             HAS_BIAS: tl.constexpr, PDL: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
-    rn, row, u0, u1 = _one_row_program(w_ptr, N, row_bytes, n_units, units_per_prog, BLOCK_N)
-    rm = tl.arange(0, BLOCK_M)
-    m_ok = rm < M
-    x_row = x_ptr + rm * stride_xm
-    xd = (x_row + n_units * 256).to(tl.pointer_type(tl.float32))
+    rn, row, u0, u1, rm, m_ok, x_row, xd = _rows_program(x_ptr, w_ptr, M, N, row_bytes, n_units, units_per_prog,
+                                                         stride_xm, BLOCK_N, BLOCK_M)
     values = row.to(tl.pointer_type(tl.int8))  # split rows: the K int8 values, then K/32 fp16 scales
     scales = (row + n_units * 256).to(tl.pointer_type(tl.float16))
     i = tl.arange(0, 32)
@@ -110,11 +116,8 @@ def _q6_k_split_int8_kernel(x_ptr, w_ptr, b_ptr, o_ptr, M, N, row_bytes, n_units
                             stride_om, stride_os, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
                             HAS_BIAS: tl.constexpr, PDL: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
-    rn, row, u0, u1 = _one_row_program(w_ptr, N, row_bytes, n_units, units_per_prog, BLOCK_N)
-    rm = tl.arange(0, BLOCK_M)
-    m_ok = rm < M
-    x_row = x_ptr + rm * stride_xm
-    xd = (x_row + n_units * 256).to(tl.pointer_type(tl.float32))
+    rn, row, u0, u1, rm, m_ok, x_row, xd = _rows_program(x_ptr, w_ptr, M, N, row_bytes, n_units, units_per_prog,
+                                                         stride_xm, BLOCK_N, BLOCK_M)
     # split rows: every unit's 128 ql bytes, then 64 qh bytes, 16 int8 scales, fp16 d
     qh_base = row + n_units * 128
     scales = (row + n_units * 192).to(tl.pointer_type(tl.int8))
