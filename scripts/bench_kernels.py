@@ -562,6 +562,7 @@ def compile_check(arch: str) -> None:
         for rows in (1, 64):
             x = torch.zeros(rows, 4096, dtype=torch.bfloat16)
             triton_norm.rms_norm_residual_triton(x, x, x[0], 1e-6)
+            triton_norm.rms_norm_rounded_triton(x, x, x[0], 1e-6)  # also rows rounded to int8
             triton_norm.rms_norm_triton(torch.zeros(rows, 32, 128, dtype=torch.bfloat16), x[0, :128], 1e-6)
         tqm.quant_matmul(torch.zeros(1, 4096, dtype=torch.bfloat16), raw, qtype, 4096, split_k=4)
         for qtype, split in tqi._KERNELS:  # int8 activations: decode (dp4a) and verify (tensor cores)
@@ -586,6 +587,7 @@ def compile_check(arch: str) -> None:
             triton_rope_kv.rope_and_write_kv(q, k, k, cos, cos, kc, vc, torch.zeros(1, dtype=torch.long), qk_norm)
         gate_up = torch.zeros(1, 2 * 12288, dtype=torch.bfloat16)
         triton_activation.silu_and_mul_triton(*gate_up.chunk(2, dim=-1))
+        triton_activation.silu_and_mul_rounded_triton(*gate_up.chunk(2, dim=-1))
         for shape in (SHAPES["qwen3-8b"], SHAPES["qwen3-0.6b"]):  # decode GEMVs, each prologue
             for _, n, k, prologue in decode_matrices(shape):
                 for dtype in (torch.bfloat16, torch.float32):

@@ -312,6 +312,67 @@ def test_attention_fuses_q_and_k_when_v_differs_and_rounds_their_input_once(monk
         assert g.shape == w.shape and rel_err(g, w) <= 1e-5
 
 
+@pytest.mark.parametrize("residual", [False, True], ids=["alone", "with-residual"])
+def test_norm_and_activation_round_their_output_rows_as_quantize_rows_does(residual):
+    """kernels.norm.rms_norm_rounded / activation.silu_and_mul_rounded: the same output as without,
+    and its rows rounded to int8 in the same launch, byte for byte what triton_dp4a.quantize_rows
+    makes of that output."""
+    from lucebox.kernels import triton_dp4a as tdp
+    from lucebox.kernels.activation import silu_and_mul, silu_and_mul_rounded
+    from lucebox.kernels.norm import rms_norm, rms_norm_residual, rms_norm_rounded
+    g = torch.Generator().manual_seed(51)
+    x, r = (torch.randn(3, 512, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
+    weight = torch.rand(512, generator=g).to(DEVICE, torch.bfloat16)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LUCEBOX_TRITON", "1")
+        h, total, rows = rms_norm_rounded(x, r if residual else None, weight, 1e-6)
+        want_h, want_total = rms_norm_residual(x, r, weight, 1e-6) if residual else (rms_norm(x, weight, 1e-6), None)
+        assert torch.equal(h, want_h) and (total is None) == (not residual)
+        assert total is None or torch.equal(total, want_total)
+        assert torch.equal(rows, tdp.quantize_rows(h))
+        gate, up = (torch.randn(2, 1280, generator=g).to(DEVICE, torch.bfloat16) for _ in range(2))
+        act, act_rows = silu_and_mul_rounded(gate, up)  # 1280: blocks over two programs of 1024
+        assert torch.equal(act, silu_and_mul(gate, up)) and torch.equal(act_rows, tdp.quantize_rows(act))
+        with pytest.raises(ValueError, match="multiple of 256"):
+            silu_and_mul_rounded(gate[:, :96], up[:, :96])
+        mp.setenv("LUCEBOX_TRITON", "0")  # the references: no rounded rows (their products take floats)
+        assert rms_norm_rounded(x, None, weight, 1e-6)[2] is None and silu_and_mul_rounded(gate, up)[1] is None
+
+
+def test_a_quantised_layer_rounds_its_inputs_where_they_are_made(monkeypatch):
+    """With q/k in Q4_K, v in Q6_K and down in Q4_K: the norm before q/k/v and silu * up before down
+    write the int8 rows their products take (no quantising launch of their own), and the results
+    equal the unfused computation's."""
+    from lucebox.kernels import triton_dp4a as tdp
+    from lucebox.kernels import triton_quant_int8 as tqi
+    from lucebox.kernels.activation import silu_and_mul
+    from lucebox.model.config import ModelConfig
+    from lucebox.model.transformer import MLP, Attention, RMSNorm
+    monkeypatch.setenv("LUCEBOX_TRITON", "1")
+    monkeypatch.delenv("LUCEBOX_INT8_ACTIVATIONS", raising=False)
+    cfg = ModelConfig(family="qwen3", vocab_size=96, hidden_size=256, intermediate_size=512, num_layers=1,
+                      num_heads=4, num_kv_heads=2, head_dim=64, qk_norm=True)
+    attn, mlp, norm = Attention(cfg, 0).to(DEVICE), MLP(cfg).to(DEVICE), RMSNorm(256, 1e-6).to(DEVICE)
+    for module, name, qtype, seed in ((attn, "q_proj", Q.Q4_K, 61), (attn, "k_proj", Q.Q4_K, 62),
+                                      (attn, "v_proj", Q.Q6_K, 63), (mlp, "down_proj", Q.Q4_K, 64)):
+        n, k = getattr(module, name).out_features, getattr(module, name).in_features
+        setattr(module, name, QuantLinear(QuantTensor(quant_rows(qtype, n, k, seed=seed), qtype, (n, k))))
+    attn.fuse()
+    g = torch.Generator().manual_seed(65)
+    x, residual = (torch.randn(1, 256, generator=g).to(DEVICE) for _ in range(2))
+    gate_up = torch.randn(1, 1024, generator=g).to(DEVICE)
+    h, total = norm(x, residual)
+    want = (*attn._project(h), total), mlp.down_proj(silu_and_mul(*gate_up.chunk(2, dim=-1)))
+    rounds, real = [], tdp.quantize_rows
+    for module in (tdp, tqi):
+        monkeypatch.setattr(module, "quantize_rows", lambda x: rounds.append(1) or real(x))
+    with torch.no_grad():  # as the engine runs (the kernels have no backward)
+        got = attn.project(norm, x, residual), mlp.down(gate_up)
+    assert not rounds
+    for g_, w in zip((*got[0], got[1]), (*want[0], want[1])):
+        assert rel_err(g_, w) <= 1e-5
+
+
 def test_quant_linear_uses_the_fused_kernel_for_decode_and_dequantise_plus_matmul_for_prefill(monkeypatch):
     monkeypatch.setenv("LUCEBOX_TRITON", "1")
     calls = []

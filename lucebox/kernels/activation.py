@@ -1,6 +1,7 @@
 """The gated activation of the MLP: silu(gate) * up.
 
     h = silu_and_mul(gate, up)   # == F.silu(gate) * up
+    h, rows = silu_and_mul_rounded(gate, up)   # also h's rows rounded to int8, from the same launch
 
 GPU tensors go to the Triton kernel in kernels/triton_activation.py (one pass, where torch runs
 two kernels and writes silu(gate) in between) through kernels/dispatch.py; CPU tensors, and
@@ -26,3 +27,12 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         from . import triton_activation
         return triton_activation.silu_and_mul_triton(gate, up)
     return silu_and_mul_reference(gate, up)
+
+
+def silu_and_mul_rounded(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(silu(gate) * up, its rows rounded to int8 as triton_dp4a.quantize_rows packs them, from the
+    Triton kernel's same pass; None from the reference, whose products take float rows)."""
+    if use_triton(gate, up) and not needs_grad(gate, up) and gate.dtype == up.dtype:
+        from . import triton_activation
+        return triton_activation.silu_and_mul_rounded_triton(gate, up)
+    return silu_and_mul_reference(gate, up), None

@@ -3,6 +3,8 @@
     h = rms_norm(x, weight, eps)
     h, residual = rms_norm_residual(x, residual, weight, eps)
     # == (rms_norm(x + residual, weight, eps), x + residual)
+    h, residual, rows = rms_norm_rounded(x, residual_or_None, weight, eps)
+    # also h's rows rounded to int8 (triton_dp4a.quantize_rows' bytes), from the same launch
 
 The references compute in float32 like HF's, cast back to the input dtype, then scale. GPU tensors
 go to the Triton kernels in kernels/triton_norm.py (one pass over the row instead of three) through
@@ -47,3 +49,16 @@ def rms_norm_residual(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
         from . import triton_norm
         return triton_norm.rms_norm_residual_triton(x, residual, weight, eps)
     return rms_norm_residual_reference(x, residual, weight, eps)
+
+
+def rms_norm_rounded(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(h, x + residual or None, h's rows rounded to int8) with h = rms_norm(x [+ residual]): the
+    rounded rows (triton_dp4a.quantize_rows' bytes) written by the Triton kernel in the same pass,
+    for products on int8 activations; None from the reference, whose products take float rows."""
+    if use_triton(x, residual, weight) and not needs_grad(x, residual, weight):
+        from . import triton_norm
+        return triton_norm.rms_norm_rounded_triton(x, residual, weight, eps)
+    if residual is None:
+        return rms_norm_reference(x, weight, eps), None, None
+    return *rms_norm_residual_reference(x, residual, weight, eps), None

@@ -19,15 +19,16 @@ BLOCK = 1024
 @functools.cache
 def _kernel():
     """Defined on first use: importing this module must not import Triton (see triton_norm)."""
-    global triton, tl, wait_for_previous_kernel
+    global triton, tl, wait_for_previous_kernel, _store_rounded
     import triton
     import triton.language as tl
 
+    from .triton_dp4a import _store_rounded
     from .triton_pdl import wait_for_previous_kernel
 
     @triton.jit
-    def _silu_mul_kernel(gate, up, out, n, stride_g, stride_u, stride_o, BLOCK_N: tl.constexpr,
-                         PDL: tl.constexpr = False):
+    def _silu_mul_kernel(gate, up, out, q_ptr, n, stride_g, stride_u, stride_o, stride_q, BLOCK_N: tl.constexpr,
+                         ROUND: tl.constexpr = False, PDL: tl.constexpr = False):
         wait_for_previous_kernel(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -37,7 +38,12 @@ def _kernel():
         ty = g.dtype
         g = g.to(tl.float32)
         s = (g / (1.0 + tl.exp(-g))).to(ty).to(tl.float32)
-        tl.store(out + row * stride_o + cols, (s * u).to(ty), mask=ok)
+        h = (s * u).to(ty)
+        tl.store(out + row * stride_o + cols, h, mask=ok)
+        if ROUND:  # the output rounded to int8 too, for products on int8 activations
+            b = tl.program_id(1) * (BLOCK_N // 32) + tl.arange(0, BLOCK_N // 32)
+            _store_rounded(q_ptr + row * stride_q, tl.reshape(h.to(tl.float32), [BLOCK_N // 32, 32]), b,
+                           b < n // 32, n // 32)
 
     return _silu_mul_kernel
 
@@ -48,15 +54,31 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def silu_and_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return _launch(gate, up, rounded=False)[0]
+
+
+def silu_and_mul_rounded_triton(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(silu(gate) * up, its rows rounded to int8 as triton_dp4a.quantize_rows packs them) in one launch."""
+    return _launch(gate, up, rounded=True)
+
+
+def _launch(gate: torch.Tensor, up: torch.Tensor, rounded: bool):
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError(f"silu_and_mul: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} "
                          f"{up.dtype} differ")
     n = gate.shape[-1]
+    if rounded and n % 256:
+        raise ValueError(f"silu_and_mul: rows rounded to int8 need a multiple of 256 values, got {n}")
     g2, u2 = _rows(gate), _rows(up)
     out = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
+    packed = None
+    if rounded:
+        from .triton_dp4a import rounded_rows_like
+        packed = rounded_rows_like(out)
     if out.numel():
         block = min(BLOCK, next_pow2(n))
-        _kernel()[(g2.shape[0], -(-n // block))](g2, u2, out, n, g2.stride(0), u2.stride(0), out.stride(0),
-                                                 BLOCK_N=block, num_warps=4, enable_fp_fusion=False,
-                                                 **pdl_launch(out.device))
-    return out.reshape(gate.shape)
+        q = packed if packed is not None else out
+        _kernel()[(g2.shape[0], -(-n // block))](g2, u2, out, q, n, g2.stride(0), u2.stride(0), out.stride(0),
+                                                 q.stride(0), BLOCK_N=block, ROUND=rounded, num_warps=4,
+                                                 enable_fp_fusion=False, **pdl_launch(out.device))
+    return out.reshape(gate.shape), packed

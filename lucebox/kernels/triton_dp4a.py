@@ -62,24 +62,39 @@ def _scales_mins(w1, w2, w3, j):
 
 
 @triton.jit
+def _store_rounded(row, x, b, ok, n_blocks):
+    """Round x [BLOCKS, 32] (float32: the values of 32-value blocks b of one row, ok where b exists)
+    to int8 per block and store them into the row's packed form at byte pointer `row` (see
+    quantize_rows): int8 values, float32 scales d and d * sum(q), rounding half away from zero.
+    The one rounding of every producer (quantize_rows, and RMSNorm / silu * up emitting their
+    output's rows), so all give the same bytes for the same values."""
+    d = tl.max(tl.abs(x), axis=1) / 127.0
+    scaled = x * (1.0 / tl.where(d > 0, d, 1.0))[:, None]  # an all-zero block stays zero
+    q = tl.minimum(tl.maximum(tl.floor(tl.abs(scaled) + 0.5), 0.0), 127.0)
+    q = tl.where(scaled < 0, -q, q).to(tl.int32)
+    cols = b[:, None] * 32 + tl.arange(0, 32)[None, :]
+    tl.store(row.to(tl.pointer_type(tl.int8)) + cols, q.to(tl.int8), mask=ok[:, None])
+    scales = (row + n_blocks * 32).to(tl.pointer_type(tl.float32))
+    tl.store(scales + b, d, mask=ok)
+    tl.store(scales + n_blocks + b, d * tl.sum(q, axis=1).to(tl.float32), mask=ok)
+
+
+@triton.jit
 def _quantize_rows_kernel(x_ptr, q_ptr, n_blocks, stride_xm, stride_qm, BLOCKS: tl.constexpr,
                           PDL: tl.constexpr = False):
-    """Row pid(1) of x [M, K] -> its packed row at q_ptr (see quantize_rows): int8 values, float32
-    scales d and d * sum(q) per 32 values, rounding half away from zero."""
+    """Row pid(1) of x [M, K] -> its packed row at q_ptr (see quantize_rows)."""
     wait_for_previous_kernel(PDL)
     b = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
     ok = b < n_blocks
     cols = b[:, None] * 32 + tl.arange(0, 32)[None, :]
     x = tl.load(x_ptr + tl.program_id(1) * stride_xm + cols, mask=ok[:, None], other=0.0).to(tl.float32)
-    d = tl.max(tl.abs(x), axis=1) / 127.0
-    scaled = x * (1.0 / tl.where(d > 0, d, 1.0))[:, None]  # an all-zero block stays zero
-    q = tl.minimum(tl.maximum(tl.floor(tl.abs(scaled) + 0.5), 0.0), 127.0)
-    q = tl.where(scaled < 0, -q, q).to(tl.int32)
-    row = q_ptr + tl.program_id(1) * stride_qm
-    tl.store(row.to(tl.pointer_type(tl.int8)) + cols, q.to(tl.int8), mask=ok[:, None])
-    scales = (row + n_blocks * 32).to(tl.pointer_type(tl.float32))
-    tl.store(scales + b, d, mask=ok)
-    tl.store(scales + n_blocks + b, d * tl.sum(q, axis=1).to(tl.float32), mask=ok)
+    _store_rounded(q_ptr + tl.program_id(1) * stride_qm, x, b, ok, n_blocks)
+
+
+def rounded_rows_like(x2: torch.Tensor) -> torch.Tensor:
+    """An empty packed buffer for the rows of x2 [M, K] (see quantize_rows)."""
+    m, k = x2.shape
+    return torch.empty(m, k + k // 4, dtype=torch.uint8, device=x2.device)
 
 
 def quantize_rows(x: torch.Tensor) -> torch.Tensor:
@@ -92,7 +107,7 @@ def quantize_rows(x: torch.Tensor) -> torch.Tensor:
         x2 = x2.contiguous()
     m, k = x2.shape
     n_blocks = k // QK
-    packed = torch.empty(m, k + 8 * n_blocks, dtype=torch.uint8, device=x.device)
+    packed = rounded_rows_like(x2)
     blocks = 8
     _quantize_rows_kernel[(triton.cdiv(n_blocks, blocks), m)](
         x2, packed, n_blocks, x2.stride(0), packed.stride(0), BLOCKS=blocks, num_warps=1, **pdl_launch(x.device))
@@ -105,7 +120,7 @@ def _q4_k_dp4a_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_p
                       ASM: tl.constexpr = _ASM, STAGES: tl.constexpr = 1, PDL: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
     rn, row, u0, u1 = _one_row_program(w_ptr, N, row_bytes, n_units, units_per_prog, BLOCK_N)
-    xq = x_ptr.to(tl.pointer_type(tl.int32))  # quantize_row's buffer: int8 values as words,
+    xq = x_ptr.to(tl.pointer_type(tl.int32))  # quantize_rows' row: int8 values as words,
     xd = (x_ptr + n_units * 256).to(tl.pointer_type(tl.float32))  # then the scales,
     xs = xd + n_units * 8  # then the scaled sums
     g = tl.arange(0, 4)

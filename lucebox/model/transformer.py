@@ -10,12 +10,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import fused_linear
-from ..kernels.activation import silu_and_mul
+from ..kernels.activation import silu_and_mul, silu_and_mul_rounded
 from ..kernels.attention import paged_attention
 from ..kernels.dispatch import decided_once
-from ..kernels.norm import rms_norm, rms_norm_residual
+from ..kernels.norm import rms_norm, rms_norm_residual, rms_norm_rounded
 from ..kernels.rope import rope_and_write_kv
-from ..weights.quant import QuantEmbedding, QuantLinear, QuantTensor, one_rounding
+from ..weights.quant import QuantEmbedding, QuantLinear, QuantTensor, one_rounding, takes_int8
 from .config import ModelConfig
 from .forward_batch import ForwardBatch
 from .rope import RopeTable
@@ -59,8 +59,20 @@ def norm_project(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, 
     weights = float_weights(projection)
     if weights is not None:
         return fused_linear.norm_linear(x, residual, norm.weight, norm.eps, *weights)
+    h, residual, rows = norm_for(norm, x, residual, (projection,))
+    with one_rounding(h, rows):
+        return projection(h), residual
+
+
+def norm_for(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, projections
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(norm(x + residual), x + residual, its rows rounded to int8 or None): rounded in the norm's
+    own launch when one of `projections` multiplies on int8 activations (weights.quant.takes_int8)."""
+    if takes_int8(projections, x):
+        h, total, rows = rms_norm_rounded(x, residual, norm.weight, norm.eps)
+        return h, (x if residual is None else total), rows
     h, residual = (norm(x), x) if residual is None else norm(x, residual)
-    return projection(h), residual
+    return h, residual, None
 
 
 def fuse_linears(layers: list[nn.Module]):
@@ -140,15 +152,15 @@ class Attention(nn.Module):
         if self.qkv is not None:
             qkv, residual = norm_project(norm, x, residual, self.qkv)
             return (*self._split(qkv), residual)
-        h, residual = (norm(x), x) if residual is None else norm(x, residual)
-        return *self._project(h), residual
+        h, residual, rows = norm_for(norm, x, residual, (self.qk or self.q_proj, self.k_proj, self.v_proj))
+        return *self._project(h, rows), residual
 
-    def _project(self, h: torch.Tensor):
+    def _project(self, h: torch.Tensor, rows: torch.Tensor | None = None):
         """(q, k, v) of the normalised input h; h is rounded to int8 once for all of them (quantised
-        weights on int8 activations)."""
+        weights on int8 activations), or given as `rows` by its producer."""
         if self.qkv is not None:
             return self._split(self.qkv(h))
-        with one_rounding(h):
+        with one_rounding(h, rows):
             if self.qk is not None:
                 q, k = self.qk(h).split([self.q_proj.out_features, self.k_proj.out_features], dim=-1)
             else:
@@ -201,7 +213,12 @@ class MLP(nn.Module):
         weights = float_weights(self.down_proj)
         if weights is not None:
             return fused_linear.silu_mul_linear(gate_up, *weights)
-        return self.down_proj(silu_and_mul(*gate_up.chunk(2, dim=-1)))
+        gate, up = gate_up.chunk(2, dim=-1)
+        if takes_int8((self.down_proj,), gate):  # the activation rounded to int8 in its own launch
+            h, rows = silu_and_mul_rounded(gate, up)
+            with one_rounding(h, rows):
+                return self.down_proj(h)
+        return self.down_proj(silu_and_mul(gate, up))
 
 
 class DecoderLayer(nn.Module):

@@ -23,7 +23,8 @@ from lucebox.kernels import dequant
 from lucebox.kernels.dequant import SUPPORTED_TYPES, qtype_name
 from lucebox.kernels.dispatch import int8_activations, use_triton
 
-__all__ = ["SUPPORTED_TYPES", "QuantEmbedding", "QuantLinear", "QuantTensor", "one_rounding", "quant_matmul"]
+__all__ = ["SUPPORTED_TYPES", "QuantEmbedding", "QuantLinear", "QuantTensor", "one_rounding", "quant_matmul",
+           "takes_int8"]
 
 
 def _check_type(qtype, name: str) -> GGMLQuantizationType:
@@ -137,12 +138,14 @@ _rounding = threading.local()  # .shared: [input tensor, its int8 rows or None] 
 
 
 @contextlib.contextmanager
-def one_rounding(x: torch.Tensor):
+def one_rounding(x: torch.Tensor, rows: torch.Tensor | None = None):
     """Within it, the products of `x` itself (the same tensor object) that run on int8 activations
-    round it once and share the rows (e.g. q, k and v of one input when their weights differ in
-    type): one quantising launch instead of one a product. x must not change inside."""
+    share one rounding of it (e.g. q, k and v of one input when their weights differ in type): `rows`
+    when its producer wrote them (kernels.norm.rms_norm_rounded, activation.silu_and_mul_rounded),
+    else one quantising launch at the first product instead of one a product. x must not change
+    inside."""
     previous = getattr(_rounding, "shared", None)
-    _rounding.shared = [x, None]
+    _rounding.shared = [x, rows]
     try:
         yield
     finally:
@@ -158,6 +161,26 @@ def _rounded_once(x: torch.Tensor) -> torch.Tensor | None:
         from lucebox.kernels.triton_dp4a import quantize_rows
         shared[1] = quantize_rows(x)
     return shared[1]
+
+
+def _on_int8(x: torch.Tensor, qweight: torch.Tensor, qtype, in_features: int, split_rows: bool) -> bool:
+    """Whether quant_matmul multiplies x by these rows on int8 activations."""
+    tq = _triton_quant(x, qweight, qtype)
+    m = x.numel() // max(1, in_features)
+    if tq is None or x.dtype not in tq.ACTIVATION_DTYPES or m > tq.MAX_FUSED_M or not int8_activations():
+        return False
+    from lucebox.kernels import triton_quant_int8
+    return triton_quant_int8.faster(qtype, split_rows, m)
+
+
+def takes_int8(projections, x: torch.Tensor) -> bool:
+    """Whether any of these projections (QuantLinears, or the forward of a fused one) multiplies rows
+    like x on int8 activations: then x's producer may round it in the same launch (one_rounding)."""
+    for projection in projections:
+        m = getattr(projection, "__self__", projection)
+        if isinstance(m, QuantLinear) and _on_int8(x, m.qweight, m.qtype, m.in_features, m.split_rows):
+            return True
+    return False
 
 
 def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantizationType, in_features: int,
@@ -176,11 +199,10 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantization
     tq = _triton_quant(x, qweight, qtype)
     m = x.numel() // max(1, in_features)
     if tq is not None and x.dtype in tq.ACTIVATION_DTYPES and m <= tq.MAX_FUSED_M:
-        if int8_activations():
+        if _on_int8(x, qweight, qtype, in_features, split_rows):
             from lucebox.kernels import triton_quant_int8
-            if triton_quant_int8.faster(qtype, split_rows, m):
-                return triton_quant_int8.matmul(x, qweight, qtype, split_rows, in_features, bias,
-                                                quantized=_rounded_once(x))
+            return triton_quant_int8.matmul(x, qweight, qtype, split_rows, in_features, bias,
+                                            quantized=_rounded_once(x))
         if split_rows and m == 1:
             from lucebox.kernels import triton_split_rows
             return triton_split_rows.gemv(x, qweight, qtype, in_features, bias)
