@@ -193,8 +193,8 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantization
     On the GPU a few rows of x (decode / verify, M <= 64) go through a fused Triton kernel that reads
     each weight byte once: on int8 activations where that is faster (kernels/triton_quant_int8.py:
     decode of Q4_K and split Q6_K, verify of split Q8_0; LUCEBOX_INT8_ACTIVATIONS=0 turns it off),
-    else dequantising in registers; more rows (prefill) are compute-bound, so chunks are dequantised by a Triton kernel and
-    multiplied by torch.matmul."""
+    else dequantising in registers; more rows (prefill) are compute-bound, so chunks are dequantised
+    by a Triton kernel and multiplied by torch.matmul."""
     out_features = qweight.shape[0]
     tq = _triton_quant(x, qweight, qtype)
     m = x.numel() // max(1, in_features)
