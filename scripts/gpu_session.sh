@@ -8,7 +8,8 @@
 #                                    (~100 s: 120 requests a row, what the per-request interval needs to
 #                                    resolve the 5% bound)
 #   scripts/gpu_session.sh kernels   scripts/bench_kernels.py: quantised GEMV rows at M = 1 and 16 (decode,
-#                                    verify), launch configs swept, timed in CUDA graphs (~9 min)
+#                                    verify), launch configs (one row: also stages) swept, timed in CUDA
+#                                    graphs (~9 min; MS=1 for the one-row sweep alone)
 #   scripts/gpu_session.sh gemv      decode GEMVs with their fused prologues vs the unfused kernels (0.6b and
 #                                    8b matrices, launch configs swept), decode-vs-verify logit agreement
 #                                    (scripts/check_decode_numerics.py), then bench speed 0.6b and 8b at 512
@@ -65,7 +66,7 @@ case "${1:-check}" in
       --json "$out/spec.json" ${SPEC_ARGS:-}
     sed -n '/^| /,$p' "$out/spec.log" ;;
   kernels)  # quantised GEMV rows for decode (M = 1) and a 15-draft verify (M = 16), launch configs swept
-    for m in 1 16; do
+    for m in ${MS:-1 16}; do  # MS=1: the one-row sweep alone
       step "kernels-quant-m$m" "${SECONDS_KERNELS:-270}" python3 scripts/bench_kernels.py --only quant --ms $m \
         --sweep --qtypes Q8_0 Q4_K Q6_K --json "$out/kernels-quant-m$m.json"
       grep -E "^\| quant_matmul" "$out/kernels-quant-m$m.log" | cut -c1-400
