@@ -69,7 +69,7 @@ case "${1:-check}" in
     for m in ${MS:-1 16}; do  # MS=1: the one-row sweep alone
       step "kernels-quant-m$m" "${SECONDS_KERNELS:-270}" python3 scripts/bench_kernels.py --only quant --ms $m \
         --sweep --qtypes Q8_0 Q4_K Q6_K --json "$out/kernels-quant-m$m.json"
-      grep -E "^\| quant_matmul" "$out/kernels-quant-m$m.log" | cut -c1-400
+      grep -E "^\| (kernel|quant_matmul)" "$out/kernels-quant-m$m.log" | cut -c1-900
     done ;;
   gemv)
     for shape in qwen3-0.6b qwen3-8b; do
