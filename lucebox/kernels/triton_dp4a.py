@@ -1,13 +1,15 @@
-"""Q4_K, and split-row Q8_0 and Q6_K, decode GEMVs on integer dot products (Triton, NVIDIA): an
-experiment, timed by scripts/bench_kernels.py against the float kernels before any model takes them.
+"""Activation rows rounded to int8, and the one-row (decode) GEMVs on integer dot products for Q4_K
+rows and split-row Q8_0 and Q6_K (Triton, NVIDIA); triton_quant_int8 holds verify's kernels and
+decides where a model takes them (`faster`).
 
 The float kernels spend ~7.4 SASS instructions a Q4_K weight (sm_90: unpack, convert, scale,
-multiply-add), which holds Q4_K at ~27% of the H200's bandwidth (BENCHMARKS, twelfth round). As in
-llama.cpp's MMVQ, the activation row is rounded to int8 per 32 values first (x ~ xd * qx; one
-launch, `quantize_row`), and a weight word of four nibbles meets four activation bytes in one
-`dp4a` (PTX through `tl.inline_asm_elementwise`): a Q4_K super-block is 32 words of nibble pairs,
-`word & 0x0F0F0F0F` the low nibbles of four consecutive values and `(word >> 4) & 0x0F0F0F0F` the
-high ones, the matching activations one aligned int32 word each. Per 32-value sub-block j
+multiply-add), which held Q4_K at ~27-31% of the H200's bandwidth (BENCHMARKS, twelfth round). As
+in llama.cpp's MMVQ, the activation row is rounded to int8 per 32 values first (x ~ xd * qx; one
+launch, `quantize_rows`, or by the kernel that makes x: `_store_rounded`), and a weight word of
+four nibbles meets four activation bytes in one `dp4a` (PTX through `tl.inline_asm_elementwise`):
+a Q4_K super-block is 32 words of nibble pairs, `word & 0x0F0F0F0F` the low nibbles of four
+consecutive values and `(word >> 4) & 0x0F0F0F0F` the high ones, the matching activations one
+aligned int32 word each. Per 32-value sub-block j
     x' . w = d * sc_j * xd_j * sum(q * qx) - dmin * m_j * xd_j * sum(qx),
 exactly the float product of the rounded activations x' = xd * qx with the weights. Q8_0 in split
 rows (triton_split_rows) is simpler still: a word of four int8 weights meets four activation bytes,
@@ -15,10 +17,10 @@ and each 32-value block's integer sum is scaled once, d * xd. Q6_K in split rows
 6-bit values in a word from a word of low nibbles and the matching bit pairs of a qh word (the
 pairs of four consecutive values sit at one bit position of four consecutive bytes), and takes the
 -32 offset per 16-value group from the activations alone: d * sc * xd * (sum(q*qx) - 32 sum(qx)).
-The price is
-that rounding (~0.4% of a value), which the float kernels do not have: not a model's path until
-measured for speed and for its effect on outputs. Under Triton's interpreter (the CPU tests) dp4a
-is spelt out in byte arithmetic, with the same integer result.
+The price is that rounding (~0.4% of a value; ~0.3-1% of the largest output on random weights),
+which the float kernels do not have. Measured (thirteenth round): Q4_K GEMVs 20-35% faster than
+the float ones, Q6_K 10-20%, Q8_0 no faster. Under Triton's interpreter (the CPU tests) dp4a is
+spelt out in byte arithmetic, with the same integer result.
 """
 from __future__ import annotations
 
