@@ -481,6 +481,30 @@ def test_graph_replay_in_bfloat16_with_quantised_kv_is_close_to_eager(cache_type
 
 
 @gpu
+@pytest.mark.parametrize("quant", ["q4_k_m", "q8_0"])
+def test_graph_replay_of_quantised_weights_on_int8_activations_equals_eager(quant):
+    """Quantised weights as the engine lays them out (q and k fused when v differs, split rows): the
+    int8 paths inside graphs (rows rounded by RMSNorm / silu * up or a quantising launch, dp4a GEMVs,
+    int8 verify tiles) compute what they compute eagerly, decode and verify."""
+    from lucebox.bench.shapes import build_random_model
+    from lucebox.weights.quant import takes_int8
+    model = build_random_model("tiny", quant, "cuda").model
+    model.fuse_projections()
+    model.split_quant_rows()
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    row = torch.zeros(1, model.config.hidden_size, device="cuda", dtype=torch.bfloat16)
+    if quant == "q4_k_m":  # decode on int8: q and k fused (v in Q6_K), their input rounded by the norm
+        assert attn.qk is not None and takes_int8((attn.qk,), row)
+    else:  # verify on int8 (split Q8_0 rows), decode on the float GEMV
+        assert attn.qkv is not None and takes_int8((attn.qkv,), row.repeat(4, 1)) and not takes_int8((attn.qkv,), row)
+    settings = GraphSettings(64, max_batch=4, query_lens=(1, 4))
+    runner, tables, lens = prefilled(model, settings, 3)
+    for q_lens in ([1] * 3, [4, 3, 4]):
+        args = (step_tokens(q_lens), lens, tables)
+        assert rel_err(runner.run(*args, all_logits=True), runner.run_eager(*args, all_logits=True)) <= 1e-5
+
+
+@gpu
 @pytest.mark.parametrize("method", ["plain", "self_draft", "dflash"])
 def test_greedy_generation_is_identical_with_and_without_graphs(method, hf_models, tmp_path):
     from .spec_fixtures import write_dflash_drafter
