@@ -7,11 +7,12 @@ triton_dp4a.quantize_rows), and each weight block's integer values meet the int8
 integer dot products, scaled once per block and row: for a Q4_K sub-block j of 32 values
     x' . w = d * sc_j * xd_j * sum(q * qx) - dmin * m_j * xd_j * sum(qx),
 for a Q8_0 block d * xd * sum(q * qx), for a Q6_K 16-value group d * sc * xd * sum((q - 32) * qx).
-The result is the float product of the rounded activations with the exact weights; the float
-kernels instead round the dequantised weights to bf16 for tensor cores in verify and not in
-decode. Here a row's integer sums are the same whether it is decoded alone or verified with 15
-others (every row is rounded alike), so decode and verify differ only in the float order of the
-per-block scaling: what forced-acceptance speculation and greedy equality with plain decoding need.
+The result is the float product of the rounded activations with the exact weights (the float
+kernels' verify tiles round the dequantised weights to bf16 instead). A row's integer sums are the
+same whether it is decoded alone or verified with others (every row is rounded alike). Which
+products take this path is `faster`'s table, from the H200 measurements: sharing integer sums
+between decode and verify did not by itself make their argmaxes agree on random weights
+(BENCHMARKS, thirteenth round), so the choice is by speed.
 
 Verify's kernel: a program owns BLOCK_N weight rows and a range of 256-value units of K; per
 32-value block one tl.dot of the block's int8 weights [BLOCK_N, 32] (Q4_K nibbles and Q6_K 6-bit
