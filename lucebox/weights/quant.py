@@ -163,14 +163,20 @@ def _rounded_once(x: torch.Tensor) -> torch.Tensor | None:
     return shared[1]
 
 
+def _int8_faster(qtype, split_rows: bool, rows: int) -> bool:
+    """Whether a fused product of `rows` rows (on the GPU) takes int8 activations."""
+    if not int8_activations():
+        return False
+    from lucebox.kernels import triton_quant_int8
+    return triton_quant_int8.faster(qtype, split_rows, rows)
+
+
 def _on_int8(x: torch.Tensor, qweight: torch.Tensor, qtype, in_features: int, split_rows: bool) -> bool:
     """Whether quant_matmul multiplies x by these rows on int8 activations."""
     tq = _triton_quant(x, qweight, qtype)
     m = x.numel() // max(1, in_features)
-    if tq is None or x.dtype not in tq.ACTIVATION_DTYPES or m > tq.MAX_FUSED_M or not int8_activations():
-        return False
-    from lucebox.kernels import triton_quant_int8
-    return triton_quant_int8.faster(qtype, split_rows, m)
+    return (tq is not None and x.dtype in tq.ACTIVATION_DTYPES and m <= tq.MAX_FUSED_M
+            and _int8_faster(qtype, split_rows, m))
 
 
 def takes_int8(projections, x: torch.Tensor) -> bool:
@@ -199,7 +205,7 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantization
     tq = _triton_quant(x, qweight, qtype)
     m = x.numel() // max(1, in_features)
     if tq is not None and x.dtype in tq.ACTIVATION_DTYPES and m <= tq.MAX_FUSED_M:
-        if _on_int8(x, qweight, qtype, in_features, split_rows):
+        if _int8_faster(qtype, split_rows, m):  # the conditions above are _on_int8's other half
             from lucebox.kernels import triton_quant_int8
             return triton_quant_int8.matmul(x, qweight, qtype, split_rows, in_features, bias,
                                             quantized=_rounded_once(x))
