@@ -215,6 +215,28 @@ def test_forced_acceptance_re_records_drafts_the_verifier_would_not_accept(monke
     forced = result["forced"]
     assert calls == [False, True, True]  # the plain recording, then the speculating engine twice
     assert forced["rerecorded"] == 1 and forced["equal_to_plain_before"] == 5 and forced["acceptance"] == 1.0
+    assert forced["reproduced"] == [5] and forced["converged"]
+
+
+def test_forced_acceptance_says_when_re_recording_did_not_converge(monkeypatch):
+    """A speculating engine that never reproduces its drafts (every run's token 3 changed) stops
+    after MAX_RERECORDINGS re-recordings and says it did not converge."""
+    from lucebox.bench import forced as forced_module
+    record, runs = forced_module.greedy_output, []
+
+    def never_the_same(engine, prompt, params):
+        output = record(engine, prompt, params)
+        runs.append(engine.speculator is not None)
+        output[3] = (output[3] + len(runs)) % engine.model.config.vocab_size
+        return output
+    monkeypatch.setattr(forced_module, "greedy_output", never_the_same)
+    monkeypatch.setattr(forced_module, "MAX_RERECORDINGS", 2)
+    args = speed.default_args(**dict(SMALL, decode_tokens=8), quant="f32", skip=["prefill", "peer", "spec"])
+    result = speed.run(args)
+    forced = result["forced"]
+    assert runs == [False, True, True, True]
+    assert forced["rerecorded"] == 2 and forced["reproduced"] == [3, 3] and not forced["converged"]
+    assert any("re-recorded 2x NOT CONVERGED" in row[0] for row in speed.report_rows(result))
 
 
 def test_the_per_request_median_comes_with_an_interval_that_narrows_with_more_requests():
