@@ -441,6 +441,39 @@ def test_graph_replay_matches_eager_logits(q_lens):
 
 
 @gpu
+def test_a_capture_survives_the_collector_freeing_old_graphs(monkeypatch):
+    """Graphs of a dropped runner, kept alive only by a reference cycle, must not be destroyed by a
+    collection during the next capture (that invalidates it): the collector waits until it is done."""
+    import gc
+    settings = GraphSettings(64, max_batch=2, query_lens=(1,))
+    model = tiny_model("cuda")
+    old, _, _ = prefilled(model, settings, 2)
+    old.capture_graphs()
+    assert any(graph is not None for graph, _ in old.graphs.graphs.values())
+    forward, thresholds = CudaGraphRunner._forward, gc.get_threshold()
+
+    def collecting_often(self, *args):  # inside a capture, a full collection at nearly every allocation
+        if torch.cuda.is_current_stream_capturing():
+            gc.set_threshold(1, 1, 1)
+        try:
+            return forward(self, *args)
+        finally:
+            gc.set_threshold(*thresholds)
+    monkeypatch.setattr(CudaGraphRunner, "_forward", collecting_often)
+    gc.disable()  # until the capture: the cycle stays uncollected
+    try:
+        old.cycle = old
+        del old
+        runner, tables, lens = prefilled(model, settings, 2)
+    finally:
+        gc.enable()
+    runner.capture_graphs()
+    args = (step_tokens([1, 1]), lens, tables)
+    assert rel_err(runner.run(*args), runner.run_eager(*args)) <= 1e-4
+    assert gc.isenabled()
+
+
+@gpu
 def test_graphs_captured_at_engine_start_record_inference_kernels(hf_models, tmp_path, monkeypatch):
     """Captured outside inference mode, the model's ops would take their autograd-safe torch
     references (and record autograd state) into every graph: 2.5x slower replays, other numerics."""

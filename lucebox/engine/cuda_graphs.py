@@ -22,6 +22,8 @@ first time it is used.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import time
 from collections import Counter
@@ -388,7 +390,7 @@ class CudaGraphRunner:
                 self.pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             # thread_local: a server thread touching CUDA meanwhile must not invalidate the capture
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            with _collector_paused(), torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 self._forward(num_seqs, query_len, capture_layers, sampled, query_start_loc)
             log.debug("captured a CUDA graph for %d sequences x %d tokens in %.0f ms", num_seqs, query_len,
                      1e3 * (time.perf_counter() - started))
@@ -428,3 +430,18 @@ class CudaGraphRunner:
             self.feature_ring.rows.index_copy_(0, view("ring", tokens), features)
         elif features is not None:
             out_features[:tokens].copy_(features)
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """Python's cycle collector paused: run inside a capture, it may free an engine dropped earlier
+    (engines hold reference cycles), and destroying that engine's CUDA graphs while a stream captures
+    invalidates the capture ("operation failed due to a previous error during capture"; seen with
+    `bench speed` building one engine after another). The garbage waits for the next collection."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
