@@ -30,10 +30,11 @@ from ..util import host_to_device
 from .proposer import Draft
 
 
-# The Triton sampler's top-k / top-p searches make 66 passes over a row (one program per row): timed
-# faster than the torch reference on an 8K vocabulary, estimated slower on Qwen3's 152K, where the
-# reference (a sort) stays until scripts/bench_sampler.py says otherwise.
-TRITON_MAX_VOCAB = 1 << 16
+# The Triton sampler's top-k / top-p searches make 66 passes over a row (one program per row).
+# scripts/bench_sampler.py (H200, 2026-12-04, us a call, Triton / torch, 1 and 16 rows): at 8K
+# T=1 13/97, 13/181, Qwen3's filters 129/99, 130/184; at 32K T=1 43/111, 42/264, filters 466/116,
+# 464/282 (152K: filters 18x slower). Above 8K the filters' loss outweighs T=1's gain: torch there.
+TRITON_MAX_VOCAB = 1 << 13
 
 
 @dataclass
