@@ -25,7 +25,7 @@ FILTERS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_
            SamplingParams(temperature=0.9, top_k=12, top_p=0.8, min_p=0.02), SamplingParams(temperature=1.0, top_k=1)]
 
 
-def launch(logits: torch.Tensor, draft: list[int], params: list[SamplingParams], seed: int = 7):
+def launch(logits: torch.Tensor, draft: list[int], params: list[SamplingParams], seed: int = 7, listing: bool = True):
     """accept_rows_triton over len(params) sequences of equal rows; returns (verdicts, thresholds)."""
     vocab = logits.shape[1]
     temperature, top_k, top_p, min_p, greedy = (torch.tensor(col, device=DEVICE)
@@ -33,7 +33,7 @@ def launch(logits: torch.Tensor, draft: list[int], params: list[SamplingParams],
     logits = logits.to(DEVICE)
     out, kept_from = accept_rows_triton(logits, torch.tensor(draft, device=DEVICE), logits.argmax(-1),
                                         temperature.float(), top_k, top_p.float(), min_p.float(), greedy,
-                                        torch.tensor([seed], device=DEVICE))
+                                        torch.tensor([seed], device=DEVICE), listing=listing)
     return out.cpu(), kept_from.cpu()
 
 
@@ -48,6 +48,42 @@ def test_each_row_keeps_the_tokens_the_sampler_keeps():
         kept = logits[row] / params.temperature >= kept_from[row]
         assert torch.equal(kept, reference), (row, params, kept.nonzero().flatten(), reference.nonzero().flatten())
     assert int((logits[-1] >= kept_from[-1]).sum()) == 1
+
+
+def test_top_k_rows_search_a_list_of_candidates_and_decide_as_searching_the_whole_row():
+    """A top-k row lists, in one pass, the tokens at or above its k-th largest lane maximum (a lower
+    bound of the k-th largest) and searches only them: over a vocabulary of three blocks, the same
+    thresholds, acceptances and draws as searching the whole row in every pass, and the Sampler's
+    kept sets."""
+    torch.manual_seed(5)
+    vocab, drafts = 2500, [17, -1]
+    logits = torch.randn(6, vocab) * 3
+    logits[0, 17] = logits[0].max() + 0.5  # a draft the first sequence keeps (accepted with its p)
+    params = [SamplingParams(temperature=0.8, top_k=5),
+              SamplingParams(temperature=0.9, top_k=12, top_p=0.8, min_p=0.02),
+              SamplingParams(temperature=1.3, top_k=40, top_p=0.7)]
+    listed, listed_from = launch(logits, drafts * 3, params)
+    searched, searched_from = launch(logits, drafts * 3, params, listing=False)
+    assert torch.equal(listed, searched) and torch.equal(listed_from, searched_from)
+    for row in range(6):
+        state = SamplingState(params[row // 2], [])
+        reference = Sampler().process_logits(logits[row:row + 1], [state])[0] > float("-inf")
+        assert torch.equal(logits[row] / params[row // 2].temperature >= listed_from[row], reference), row
+
+
+def test_top_k_ties_that_overflow_the_list_are_all_kept_and_drawn():
+    """1,500 tokens tied at the top of a 2,500-token row, top-k 3: all of them are kept (as the
+    Sampler keeps ties), more than a list holds (1,024), so the row is searched whole and its draws
+    range over every tied token, not only the first 1,024."""
+    torch.manual_seed(6)
+    logits = torch.randn(16, 2500) - 10
+    logits[:, :1500] = 4.0
+    params = [SamplingParams(temperature=1.0, top_k=3)] * 16
+    out, kept_from = launch(logits, [-1] * 16, params)
+    assert torch.equal(out, launch(logits, [-1] * 16, params, listing=False)[0])
+    assert ((logits >= kept_from[:, None]).sum(1) == 1500).all()
+    drawn = out[:, 1]
+    assert (drawn < 1500).all() and (drawn >= 1024).any()
 
 
 def test_greedy_rows_accept_while_the_draft_is_the_argmax():
