@@ -624,6 +624,8 @@ def compile_check(arch: str) -> None:
         options = {k: v for k, v in kw.items() if k not in names}
         if "PDL" in names and target.backend == "cuda":  # as launched on Hopper (dispatch.pdl_launch)
             bound["PDL"], options["launch_pdl"] = True, True
+        if "ASM" in names and target.backend == "hip":  # as an AMD GPU launches the dp4a GEMVs (no PTX)
+            bound["ASM"] = False
         constexprs = {n: bound[n] for n, p in zip(names, fn.params) if p.is_constexpr}
         sig, attrs = {}, {}
         for i, n in enumerate(names):

@@ -260,6 +260,20 @@ def test_int8_activations_take_the_products_they_are_faster_for_unless_turned_of
     assert calls == [Q.Q4_K, Q.Q8_0]
 
 
+def test_int8_activations_are_opt_in_on_rocm(monkeypatch):
+    """Where int8 activations are faster was measured on an H200, and AMD GPUs run the one-row
+    kernels without PTX dp4a: on a ROCm build they are off unless LUCEBOX_INT8_ACTIVATIONS=1."""
+    from lucebox.kernels.dispatch import int8_activations
+    for hip, setting, want in ((None, None, True), (None, "0", False), ("6.2", None, False),
+                               ("6.2", "0", False), ("6.2", "1", True)):
+        monkeypatch.setattr(torch.version, "hip", hip)
+        if setting is None:
+            monkeypatch.delenv("LUCEBOX_INT8_ACTIVATIONS", raising=False)
+        else:
+            monkeypatch.setenv("LUCEBOX_INT8_ACTIVATIONS", setting)
+        assert int8_activations() is want, (hip, setting)
+
+
 def test_products_of_one_input_share_its_rounding_within_one_rounding(monkeypatch):
     """weights.quant.one_rounding: products of the same tensor on int8 activations quantise it once
     (another tensor, even equal, its own), and compute what they compute alone."""

@@ -129,8 +129,13 @@ def pdl_launch(device: torch.device, tiles: bool = False) -> dict:
 def int8_activations() -> bool:
     """Whether quantised decode and verify products may run on int8 activations where that is faster
     (kernels/triton_quant_int8.faster: each activation row rounded to int8 per 32 values, as
-    llama.cpp does): yes unless LUCEBOX_INT8_ACTIVATIONS=0. Prefill stays on bf16."""
-    return os.environ.get("LUCEBOX_INT8_ACTIVATIONS", "").strip().lower() not in OFF
+    llama.cpp does): yes unless LUCEBOX_INT8_ACTIVATIONS=0; on ROCm only with
+    LUCEBOX_INT8_ACTIVATIONS=1 (where it is faster was measured on an H200, and AMD GPUs run the
+    one-row kernels without PTX dp4a). Prefill stays on bf16."""
+    setting = os.environ.get("LUCEBOX_INT8_ACTIVATIONS", "").strip().lower()
+    if torch.version.hip is not None:
+        return setting in ON
+    return setting not in OFF
 
 
 def next_pow2(n: int) -> int:

@@ -35,7 +35,8 @@ from .triton_quant_matmul import _f16, _one_row_program, _store_one_row, one_row
 
 QK = 32  # values per activation scale (and per Q4_K sub-block)
 SUPER = 256  # values per Q4_K super-block; the kernel spells both as literals
-_ASM = not interpreting()  # PTX dp4a when compiled; byte arithmetic under the interpreter
+# PTX dp4a when compiled for NVIDIA; byte arithmetic under the interpreter and on AMD (no PTX there)
+_ASM = not interpreting() and torch.version.hip is None
 
 
 @triton.jit
