@@ -11,7 +11,8 @@ import json
 import logging
 import math
 import os
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -73,9 +74,7 @@ def convert_hf_to_gguf(hf_dir: str | Path, out_path: str | Path, qtype: str = "f
     arch = FAMILY_TO_ARCH[cfg.family]
     plan = _plan(hf_dir, cfg, want)
 
-    tmp = out_path.with_name(f".{out_path.name}.{os.getpid()}.partial")
-    writer = GGUFWriter(tmp, arch)
-    try:
+    with gguf_written(out_path, arch) as writer:
         _write_metadata(writer, cfg, arch, hf_dir, want)
         _write_tokenizer(writer, hf_dir, cfg)
         extra = _rope_freqs(cfg)
@@ -100,6 +99,18 @@ def convert_hf_to_gguf(hf_dir: str | Path, out_path: str | Path, qtype: str = "f
                 writer.write_tensor_data(_encode(values, gguf_name, arch, cfg, ggml_type))
         if extra is not None:
             writer.write_tensor_data(extra)
+    return out_path
+
+
+@contextmanager
+def gguf_written(out_path: Path, arch: str) -> Iterator[GGUFWriter]:
+    """A GGUFWriter onto a hidden partial file beside `out_path`, renamed over it when the block ends
+    without error: on any error the partial file is removed (nothing half-written is left, an
+    existing out_path untouched) and an OSError becomes a LuceboxError naming out_path."""
+    tmp = out_path.with_name(f".{out_path.name}.{os.getpid()}.partial")
+    writer = GGUFWriter(tmp, arch)
+    try:
+        yield writer
         writer.close()
         os.replace(tmp, out_path)
     except BaseException as e:
@@ -108,7 +119,6 @@ def convert_hf_to_gguf(hf_dir: str | Path, out_path: str | Path, qtype: str = "f
         if isinstance(e, OSError):
             raise LuceboxError(f"{out_path}: cannot write the GGUF file ({e})") from None
         raise
-    return out_path
 
 
 def tensor_nbytes(shape, ggml_type: Q) -> int:

@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
 from lucebox.convert import convert_hf_to_gguf
-from lucebox.errors import CheckpointError, RequestError, UnsupportedError
+from lucebox.errors import CheckpointError, LuceboxError, RequestError, UnsupportedError
 from lucebox.model.loader import load_model
 from lucebox.weights.gguf_config import to_our_name
 from lucebox.weights.quant import QuantEmbedding, QuantLinear
@@ -339,6 +339,14 @@ def test_failed_conversion_leaves_no_file_behind(hf_models, tmp_path, monkeypatc
     with pytest.raises(RuntimeError, match="disk full"):
         convert_hf_to_gguf(hf_models["qwen3"], tmp_path / "out.gguf", "q8_0")
     assert list(tmp_path.iterdir()) == []
+    # An OS error names the file; a file already there is left as it was.
+    (tmp_path / "out.gguf").write_bytes(b"earlier")
+    calls.clear()
+    monkeypatch.setattr(lucebox.convert, "quantize", lambda values, qtype: (_ for _ in ()).throw(
+        OSError(28, "No space left on device")))
+    with pytest.raises(LuceboxError, match=r"out\.gguf: cannot write the GGUF file .*No space left"):
+        convert_hf_to_gguf(hf_models["qwen3"], tmp_path / "out.gguf", "q8_0")
+    assert [p.name for p in tmp_path.iterdir()] == ["out.gguf"] and (tmp_path / "out.gguf").read_bytes() == b"earlier"
 
 
 # ------------------------------------------------------------------------------------ bad files

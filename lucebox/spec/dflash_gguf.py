@@ -19,7 +19,6 @@ the proposer reads its dtype.
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import numpy as np
@@ -35,8 +34,8 @@ from gguf.quants import quantize
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from ..convert import tensor_nbytes, write_shape_metadata
-from ..errors import CheckpointError, LuceboxError, RequestError, UnsupportedError
+from ..convert import gguf_written, tensor_nbytes, write_shape_metadata
+from ..errors import CheckpointError, RequestError, UnsupportedError
 from ..kernels import dequant
 from ..model.config import ModelConfig, RopeConfig
 from ..util import on_meta
@@ -77,9 +76,7 @@ def convert_drafter_to_gguf(src: str | Path, out_path: str | Path, outtype: str 
     cfg = read_drafter_config(src)
     want = OUTTYPES[outtype]
     plan = _plan(src, cfg, want)
-    tmp = out_path.with_name(f".{out_path.name}.{os.getpid()}.partial")
-    writer = GGUFWriter(tmp, ARCH)
-    try:
+    with gguf_written(out_path, ARCH) as writer:
         _write_metadata(writer, cfg, src, want)
         for name, shape, qtype, _, _ in plan:
             writer.add_tensor_info(name, shape, np.dtype(np.float32), tensor_nbytes(shape, qtype), qtype)
@@ -91,14 +88,6 @@ def convert_drafter_to_gguf(src: str | Path, out_path: str | Path, outtype: str 
             with safe_open(str(file), framework="pt") as f:
                 values = f.get_tensor(ours).to(torch.float32).numpy()
             writer.write_tensor_data(np.ascontiguousarray(quantize(np.ascontiguousarray(values), qtype)))
-        writer.close()
-        os.replace(tmp, out_path)
-    except BaseException as e:
-        writer.close()
-        tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError):
-            raise LuceboxError(f"{out_path}: cannot write the GGUF file ({e})") from None
-        raise
     return out_path
 
 
