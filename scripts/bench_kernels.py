@@ -601,11 +601,11 @@ def compile_check(arch: str) -> None:
                                          norm_w, 1e-6, config=(2, triton_gemv.next_pow2(k), 4, 264))
         for vocab, rows in ((8192, 1), (8192, 16), (151936, 16)):  # in-graph sampling: decode, verify
             row = torch.zeros(1)
-            for listing in (True, False):  # top-k candidates listed first, or every search over the row
+            for search in triton_sampling.SEARCHES:
                 triton_sampling.accept_rows_triton(torch.zeros(rows, vocab), torch.zeros(rows, dtype=torch.long),
                                                    torch.zeros(rows, dtype=torch.long), row, row.long(), row, row,
                                                    row.long(), torch.zeros(1, dtype=torch.long),  # as a graph calls it
-                                                   listing=listing)
+                                                   search=search)
     finally:
         tqm._qmm_kernel, tqm._sum_splits_kernel, tpa._paged_attn_kernel, tpa._merge_splits_kernel = real[:4]
         tsr._GEMV, tdp._quantize_rows_kernel = split_gemvs, real[4]

@@ -5,7 +5,8 @@
 
 Rows: a decode (1 sequence x 1 row) and a 16-row verify of one sequence, at temperature 1 alone and
 with Qwen3's defaults (temperature 0.6, top-k 20, top-p 0.95, which the Triton kernel finds by
-bisection: over a list of the top-k candidates made in one pass, or, `whole row`, 64 passes over
+bisection), for each way the kernel searches (triton_sampling.SEARCHES: `chunks`, the default, many
+programs a row; `list`, one program a row over a list of top-k candidates; `row`, 64 passes over
 the vocabulary). Each is timed replayed from one CUDA graph, as the engine runs it
 (bench_kernels.bench_in_graph): device time, without Python's launch overhead.
 """
@@ -20,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_kernels import bench_in_graph  # noqa: E402
-from lucebox.kernels.triton_sampling import accept_rows_triton  # noqa: E402
+from lucebox.kernels.triton_sampling import SEARCHES, accept_rows_triton  # noqa: E402
 from lucebox.sampling import SamplingParams  # noqa: E402
 from lucebox.spec import verify  # noqa: E402
 
@@ -33,8 +34,8 @@ def main() -> int:
         print("needs a CUDA device")
         return 1
     verify.use_triton = lambda *tensors: False  # accept_in_graph below is the torch reference
-    print("| vocab | rows | sampling | Triton us | whole row us | torch us | Triton / torch |\n"
-          "|---:|---:|---|---:|---:|---:|---:|")
+    print("| vocab | rows | sampling | " + " | ".join(f"Triton, {s} us" for s in SEARCHES)
+          + " | torch us | Triton / torch |\n|---:|---:|---|" + "---:|" * (len(SEARCHES) + 2))
     for vocab in (8192, 32768, 151936):
         for rows in (1, 16):
             logits = torch.randn(rows, vocab, device="cuda") * 3
@@ -45,12 +46,11 @@ def main() -> int:
                 t, k, p, min_p, greedy = (torch.tensor([c], device="cuda") for c in params.graph_row(vocab))
                 args = (logits, draft, argmax, t.float(), k, p.float(), min_p.float(), greedy, seed)
                 calls = [args] * 16  # one graph of 16 calls; the time is per call
-                fast = 1e3 * bench_in_graph(lambda a: accept_rows_triton(*a), calls, torch.device("cuda"))
-                whole = 1e3 * bench_in_graph(lambda a: accept_rows_triton(*a, listing=False), calls,
-                                             torch.device("cuda"))
+                searches = [1e3 * bench_in_graph(lambda a, s=search: accept_rows_triton(*a, search=s), calls,
+                                                 torch.device("cuda")) for search in SEARCHES]
                 reference = 1e3 * bench_in_graph(lambda a: verify.accept_in_graph(*a), calls, torch.device("cuda"))
-                print(f"| {vocab} | {rows} | {name} | {fast:.0f} | {whole:.0f} | {reference:.0f} | "
-                      f"{fast / reference:.2f} |", flush=True)
+                print(f"| {vocab} | {rows} | {name} | " + " | ".join(f"{t:.0f}" for t in searches)
+                      + f" | {reference:.0f} | {searches[0] / reference:.2f} |", flush=True)
     return 0
 
 

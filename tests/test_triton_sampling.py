@@ -25,7 +25,7 @@ FILTERS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_
            SamplingParams(temperature=0.9, top_k=12, top_p=0.8, min_p=0.02), SamplingParams(temperature=1.0, top_k=1)]
 
 
-def launch(logits: torch.Tensor, draft: list[int], params: list[SamplingParams], seed: int = 7, listing: bool = True):
+def launch(logits: torch.Tensor, draft: list[int], params: list[SamplingParams], seed: int = 7, search: str = "chunks"):
     """accept_rows_triton over len(params) sequences of equal rows; returns (verdicts, thresholds)."""
     vocab = logits.shape[1]
     temperature, top_k, top_p, min_p, greedy = (torch.tensor(col, device=DEVICE)
@@ -33,7 +33,7 @@ def launch(logits: torch.Tensor, draft: list[int], params: list[SamplingParams],
     logits = logits.to(DEVICE)
     out, kept_from = accept_rows_triton(logits, torch.tensor(draft, device=DEVICE), logits.argmax(-1),
                                         temperature.float(), top_k, top_p.float(), min_p.float(), greedy,
-                                        torch.tensor([seed], device=DEVICE), listing=listing)
+                                        torch.tensor([seed], device=DEVICE), search=search)
     return out.cpu(), kept_from.cpu()
 
 
@@ -50,40 +50,53 @@ def test_each_row_keeps_the_tokens_the_sampler_keeps():
     assert int((logits[-1] >= kept_from[-1]).sum()) == 1
 
 
-def test_top_k_rows_search_a_list_of_candidates_and_decide_as_searching_the_whole_row():
-    """A top-k row lists, in one pass, the tokens at or above its k-th largest lane maximum (a lower
-    bound of the k-th largest) and searches only them: over a vocabulary of three blocks, the same
-    thresholds, acceptances and draws as searching the whole row in every pass, and the Sampler's
-    kept sets."""
+@pytest.mark.parametrize("vocab", [2500, 9000])
+def test_every_search_decides_as_searching_the_whole_row(vocab):
+    """Chunked (many programs a row: 1 or 3 chunks of 4,096 here), listed (top-k candidates listed
+    in one pass) and whole-row searches keep the same tokens, draw the same ones and accept the
+    same drafts, for top-k rows (with top-p and min-p too), temperature-only rows, and rows whose
+    filters the chunks do not cover (top-p or min-p alone, k above the chunks' list); the kept
+    sets are the Sampler's."""
     torch.manual_seed(5)
-    vocab, drafts = 2500, [17, -1]
-    logits = torch.randn(6, vocab) * 3
-    logits[0, 17] = logits[0].max() + 0.5  # a draft the first sequence keeps (accepted with its p)
     params = [SamplingParams(temperature=0.8, top_k=5),
               SamplingParams(temperature=0.9, top_k=12, top_p=0.8, min_p=0.02),
-              SamplingParams(temperature=1.3, top_k=40, top_p=0.7)]
-    listed, listed_from = launch(logits, drafts * 3, params)
-    searched, searched_from = launch(logits, drafts * 3, params, listing=False)
-    assert torch.equal(listed, searched) and torch.equal(listed_from, searched_from)
-    for row in range(6):
+              SamplingParams(temperature=1.3, top_k=40, top_p=0.7), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=1.1, min_p=0.05),
+              SamplingParams(temperature=1.0, top_k=100)]
+    drafts = [17, -1] * len(params)
+    logits = torch.randn(len(drafts), vocab) * 3
+    logits[0, 17] = logits[0].max() + 0.5  # a draft the first sequence keeps (accepted with its p)
+    logits[6, 17] = logits[6].max() + 2.0  # and the temperature-only one
+    results = {search: launch(logits, drafts, params, search=search) for search in ("chunks", "list", "row")}
+    for search in ("chunks", "list"):
+        assert torch.equal(results[search][0], results["row"][0]), search
+        assert torch.equal(results[search][1], results["row"][1]), search
+    kept_from = results["chunks"][1]
+    for row in range(len(drafts)):
         state = SamplingState(params[row // 2], [])
         reference = Sampler().process_logits(logits[row:row + 1], [state])[0] > float("-inf")
-        assert torch.equal(logits[row] / params[row // 2].temperature >= listed_from[row], reference), row
+        assert torch.equal(logits[row] / params[row // 2].temperature >= kept_from[row], reference), row
 
 
-def test_top_k_ties_that_overflow_the_list_are_all_kept_and_drawn():
+def test_top_k_ties_that_overflow_the_lists_are_all_kept_and_drawn():
     """1,500 tokens tied at the top of a 2,500-token row, top-k 3: all of them are kept (as the
-    Sampler keeps ties), more than a list holds (1,024), so the row is searched whole and its draws
-    range over every tied token, not only the first 1,024."""
+    Sampler keeps ties), more than a chunk's list (64) or a row's list (1,024) holds, so the row
+    is searched whole and its draws range over every tied token."""
     torch.manual_seed(6)
     logits = torch.randn(16, 2500) - 10
     logits[:, :1500] = 4.0
     params = [SamplingParams(temperature=1.0, top_k=3)] * 16
     out, kept_from = launch(logits, [-1] * 16, params)
-    assert torch.equal(out, launch(logits, [-1] * 16, params, listing=False)[0])
+    for search in ("list", "row"):
+        assert torch.equal(out, launch(logits, [-1] * 16, params, search=search)[0]), search
     assert ((logits >= kept_from[:, None]).sum(1) == 1500).all()
     drawn = out[:, 1]
     assert (drawn < 1500).all() and (drawn >= 1024).any()
+
+
+def test_an_unknown_search_is_refused():
+    with pytest.raises(ValueError, match="search 'sort'"):
+        launch(torch.zeros(1, 8), [-1], [SamplingParams(temperature=1.0)], search="sort")
 
 
 def test_greedy_rows_accept_while_the_draft_is_the_argmax():

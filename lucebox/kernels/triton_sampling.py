@@ -1,23 +1,33 @@
-"""Triton sampling and acceptance for a CUDA-graph step: spec.verify.accept_in_graph in two launches
+"""Triton sampling and acceptance for a CUDA-graph step: spec.verify.accept_in_graph in three launches
 (the reference there is ~30 torch kernels, a full-vocabulary sort among them).
 
-One program per logits row computes everything its row can decide alone:
+One program per logits row (the row kernel) computes everything its row can decide alone:
   - the row's kept set: temperature, then top-k, top-p over the top-k set, min-p, as the Sampler
     does, but without sorting: each filter is a threshold on the scaled logit x, found by bisection
     over the float's bits (32 counting passes for top-k, 32 mass passes for top-p; only rows with
-    the filter on pay them), so "kept" is x >= threshold. A top-k row (k <= BLOCK) first lists its
-    candidates in one pass over the row: the tokens at or above the k-th largest of its lanes'
-    maxima (each of BLOCK lanes has seen every BLOCK-th token), a lower bound of the k-th largest
-    x; the searches and the draw then pass over that list (usually a few times k tokens), not the
-    vocabulary. Ties at the bound that overflow the list (BLOCK entries) fall back to the row;
+    the filter on pay them), so "kept" is x >= threshold;
   - whether the row's draft d is accepted (u < p(d): a deterministic draft is one-hot q);
   - a candidate token: drawn from p without d (the residual after rejecting d), from p on a row
     without a draft, by Gumbel-max (argmax of x - log E over the kept tokens, E = -log U).
-Greedy rows accept while d is the argmax and offer the argmax. A second launch, one program per
+Greedy rows accept while d is the argmax and offer the argmax. A last launch, one program per
 sequence, takes the first row not accepted: (drafts accepted, that row's candidate). Drawing a
 candidate on every row, not only the chosen one, keeps the rows independent; each candidate uses
 its own noise, so the committed token is still distributed as the residual of the row that
 rejected (or p at the bonus row) -- sampling from the target alone.
+
+One program reading a 152K vocabulary 66 times is slow (3.3 ms on an H200), so the passes avoid the
+vocabulary where they can (`search`, default "chunks"):
+  - chunks: a first launch, (row, CHUNK tokens) a program, finds what slices of a row can decide
+    alone: a top-k row's (k <= LIST) per-chunk k-th largest x and the tokens at or above it (the
+    row's top k are among them: no chunk's k-th largest exceeds the row's), and a temperature-only
+    row's Gumbel race and mass per chunk. The row kernel then searches the candidates at or above
+    the largest chunk k-th (about k of them), or merges the races, without reading the row;
+  - list (and rows the chunks do not cover: top-p or min-p without top-k, larger k): a top-k row
+    (k <= BLOCK) lists its candidates in one pass, the tokens at or above the k-th largest of its
+    lanes' maxima (each of BLOCK lanes has seen every BLOCK-th token);
+  - row: every pass over the whole row.
+Ties at a bound that overflow a list fall back to the whole row. All three decide alike (the same
+thresholds and draws; the kept mass summed in another order).
 
 The noise is counter-based (Philox, tl.rand): a seed read from device memory, which the host
 changes every step, and the token's (row, column) as the counter; the draft's uniform uses the
@@ -32,7 +42,10 @@ import torch
 
 from .dispatch import next_pow2, pdl_launch
 
-BLOCK = 1024
+BLOCK = 1024  # values a program of the row kernel holds at once
+CHUNK = 4096  # tokens a program of the chunk launch reads
+LIST = 64  # candidates a chunk lists for a top-k row: chunked search for k <= LIST
+SEARCHES = ("chunks", "list", "row")
 
 
 @functools.cache
@@ -63,9 +76,70 @@ def _kernels():
         return tl.div_rn(tl.load(base + cols, mask=cols < vocab, other=float("-inf")), temperature)
 
     @triton.jit
+    def _chunk_kernel(logits, stride, draft, temperature, top_k, top_p, min_p, greedy, seed_ptr, stats,
+                      counts, chunk_logits, chunk_cols, vocab, query_len, n_chunks,
+                      CHUNK: tl.constexpr, LIST: tl.constexpr, PDL: tl.constexpr = False):
+        """Program (row, c) over CHUNK tokens of a sampled row: their max and min x; for a top-k row
+        (k <= LIST) its chunk's k-th largest x and the tokens at or above it (a superset of its share
+        of the row's top k), listed; for a row of temperature alone, the chunk's Gumbel race (best
+        score, its column) and its mass relative to its max. stats[row, c] = (max, min, k-th, mass,
+        best score), counts[row, c] = (tokens listed, best column)."""
+        wait_for_previous_kernel(PDL)
+        row = tl.program_id(0)
+        c = tl.program_id(1)
+        seq = row // query_len
+        if tl.load(greedy + seq) == 0:
+            temp = tl.load(temperature + seq)
+            k = tl.load(top_k + seq)
+            cols = c * CHUNK + tl.arange(0, CHUNK)
+            ok = cols < vocab
+            base = logits + row.to(tl.int64) * stride
+            raw = tl.load(base + cols, mask=ok, other=float("-inf"))
+            x = tl.div_rn(raw, temp)
+            m_c = tl.max(x, 0)
+            lo_c = tl.min(tl.where(ok, x, float("inf")), 0)
+            at = row.to(tl.int64) * n_chunks + c
+            kth = lo_c
+            mass = 0.0
+            best = float("-inf")
+            best_col = vocab
+            listed = 0
+            if (k < vocab) & (k <= LIST):
+                if tl.sum(ok.to(tl.int32), 0) > k:  # the k-th largest x of the chunk
+                    lo = _key(lo_c).to(tl.int64)
+                    hi = _key(m_c).to(tl.int64) + 1
+                    for _ in range(32):
+                        mid = lo + (hi - lo) // 2
+                        enough = tl.sum((x >= _value(mid)).to(tl.int32), 0) >= k
+                        lo = tl.where(enough, mid, lo)
+                        hi = tl.where(enough, hi, mid)
+                    kth = _value(lo)
+                keep = ok & (x >= kth)
+                listed = tl.sum(keep.to(tl.int32), 0)
+                slot = tl.cumsum(keep.to(tl.int32), 0) - 1
+                tl.store(chunk_logits + at * LIST + slot, raw, mask=keep & (slot < LIST))
+                tl.store(chunk_cols + at * LIST + slot, cols, mask=keep & (slot < LIST))
+            elif (k >= vocab) & (tl.load(top_p + seq) >= 1.0) & (tl.load(min_p + seq) <= 0.0):
+                d = tl.load(draft + row)
+                mass = tl.sum(tl.where(ok, tl.exp(x - m_c), 0.0), 0)
+                u = tl.rand(tl.load(seed_ptr), row * vocab + cols)
+                score = tl.where(ok & (cols != d), x - tl.log(-tl.log(u)), float("-inf"))
+                best = tl.max(score, 0)
+                best_col = tl.min(tl.where(score == best, cols, vocab), 0)
+            tl.store(stats + at * 5, m_c)
+            tl.store(stats + at * 5 + 1, lo_c)
+            tl.store(stats + at * 5 + 2, kth)
+            tl.store(stats + at * 5 + 3, mass)
+            tl.store(stats + at * 5 + 4, best)
+            tl.store(counts + at * 2, listed)
+            tl.store(counts + at * 2 + 1, best_col)
+
+    @triton.jit
     def _row_kernel(logits, stride, draft, argmax, temperature, top_k, top_p, min_p, greedy, seed_ptr,
-                    accepted, candidate, kept_from, listed_logits, listed_cols, vocab, query_len,
-                    BLOCK: tl.constexpr, LISTING: tl.constexpr = True, PDL: tl.constexpr = False):
+                    accepted, candidate, kept_from, listed_logits, listed_cols, stats, counts, chunk_logits,
+                    chunk_cols, vocab, query_len, n_chunks, BLOCK: tl.constexpr, LISTING: tl.constexpr = True,
+                    CHUNKED: tl.constexpr = False, CHUNKS: tl.constexpr = 1, LIST: tl.constexpr = 1,
+                    PDL: tl.constexpr = False):
         wait_for_previous_kernel(PDL)
         row = tl.program_id(0)
         seq = row // query_len
@@ -83,41 +157,85 @@ def _kernels():
             seed = tl.load(seed_ptr)
             base = logits + row.to(tl.int64) * stride
             offs = tl.arange(0, BLOCK)
-            hi_acc = tl.full([BLOCK], float("-inf"), tl.float32)
-            lo_acc = tl.full([BLOCK], float("inf"), tl.float32)
-            for start in range(0, vocab, BLOCK):
-                cols = start + offs
-                x = _scaled(base, cols, vocab, temp)
-                hi_acc = tl.maximum(hi_acc, x)
-                lo_acc = tl.minimum(lo_acc, tl.where(cols < vocab, x, float("inf")))
-            m = tl.max(hi_acc, 0)
-            threshold = tl.min(lo_acc, 0)  # every token kept so far
-            # The passes below run over `length` logits at `src`: the row, or the top-k candidates
-            # listed in one pass (then every search is a pass over at most BLOCK values, not the row).
-            src, length, listed = base, vocab, False
-            if LISTING:  # (nested: `and` would mix the constexpr with a runtime value)
-                if (k < vocab) & (k <= BLOCK):
-                    # The k-th largest lane maximum bounds the k-th largest x from below.
-                    lo = _key(threshold).to(tl.int64)
-                    hi = _key(m).to(tl.int64) + 1
-                    for _ in range(32):
-                        mid = lo + (hi - lo) // 2
-                        enough = tl.sum((hi_acc >= _value(mid)).to(tl.int32), 0) >= k
-                        lo = tl.where(enough, mid, lo)
-                        hi = tl.where(enough, hi, mid)
-                    bound = _value(lo)
-                    listed_row = listed_logits + row.to(tl.int64) * BLOCK
-                    n = 0
-                    for start in range(0, vocab, BLOCK):
-                        cols = start + offs
-                        raw = tl.load(base + cols, mask=cols < vocab, other=float("-inf"))
-                        keep = (cols < vocab) & (tl.div_rn(raw, temp) >= bound)
-                        at = n + tl.cumsum(keep.to(tl.int32), 0) - 1
-                        tl.store(listed_row + at, raw, mask=keep & (at < BLOCK))
-                        tl.store(listed_cols + row.to(tl.int64) * BLOCK + at, cols, mask=keep & (at < BLOCK))
-                        n += tl.sum(keep.to(tl.int32), 0)
-                    if n <= BLOCK:  # else (ties at the bound) the passes read the whole row
-                        src, length, listed = listed_row, n, True
+            listed_row = listed_logits + row.to(tl.int64) * BLOCK
+            # The searches below pass over `length` logits at `src`: the row, or a list of the top-k
+            # candidates (then each pass reads at most BLOCK values, not the vocabulary).
+            no, yes = tl.zeros([], tl.int1), tl.full([], 1, tl.int1)  # typed flags for the branches below
+            src, length, listed, raced, whole = base, vocab, no, no, yes
+            m = tl.zeros([], tl.float32)
+            threshold = tl.zeros([], tl.float32)
+            mass_sum = tl.zeros([], tl.float32)
+            top_score = tl.full([], float("-inf"), tl.float32)
+            pick = tl.zeros([], tl.int64) + vocab
+            if CHUNKED:  # the first launch's chunk results
+                ci = tl.arange(0, CHUNKS)
+                at = row.to(tl.int64) * n_chunks + ci
+                cok = ci < n_chunks
+                chunk_max = tl.load(stats + at * 5, mask=cok, other=float("-inf"))
+                m = tl.max(chunk_max, 0)
+                threshold = tl.min(tl.load(stats + at * 5 + 1, mask=cok, other=float("inf")), 0)
+                listed_per_chunk = tl.load(counts + at * 2, mask=cok, other=0)
+                if (k < vocab) & (k <= LIST):
+                    if tl.max(listed_per_chunk, 0) <= LIST:
+                        # Every chunk's k-th largest is at most the row's: keep what is at or above
+                        # the largest of them, and the row's top k are all in the list.
+                        bound = tl.max(tl.load(stats + at * 5 + 2, mask=cok, other=float("-inf")), 0)
+                        n = 0
+                        for start in range(0, n_chunks * LIST, BLOCK):
+                            e = start + offs
+                            inside = e < n_chunks * LIST
+                            there = inside & (e % LIST < tl.load(counts + (row.to(tl.int64) * n_chunks + e // LIST)
+                                                                 * 2, mask=inside, other=0))
+                            raw = tl.load(chunk_logits + row.to(tl.int64) * n_chunks * LIST + e, mask=there,
+                                          other=float("-inf"))
+                            keep = there & (tl.div_rn(raw, temp) >= bound)
+                            slot = n + tl.cumsum(keep.to(tl.int32), 0) - 1
+                            col = tl.load(chunk_cols + row.to(tl.int64) * n_chunks * LIST + e, mask=keep, other=0)
+                            tl.store(listed_row + slot, raw, mask=keep & (slot < BLOCK))
+                            tl.store(listed_cols + row.to(tl.int64) * BLOCK + slot, col, mask=keep & (slot < BLOCK))
+                            n += tl.sum(keep.to(tl.int32), 0)
+                        if n <= BLOCK:
+                            src, length, listed, whole = listed_row, n, yes, no
+                elif (k >= vocab) & (p >= 1.0) & (mp <= 0.0):  # temperature alone: the chunks' races
+                    chunk_best = tl.load(stats + at * 5 + 4, mask=cok, other=float("-inf"))
+                    top_score = tl.max(chunk_best, 0)
+                    pick = tl.min(tl.where(cok & (chunk_best == top_score),
+                                           tl.load(counts + at * 2 + 1, mask=cok, other=vocab), vocab), 0).to(tl.int64)
+                    chunk_mass = tl.load(stats + at * 5 + 3, mask=cok, other=0.0)
+                    mass_sum = tl.sum(tl.where(cok, chunk_mass * tl.exp(chunk_max - m), 0.0), 0)
+                    raced, whole = yes, no
+            if whole:
+                hi_acc = tl.full([BLOCK], float("-inf"), tl.float32)
+                lo_acc = tl.full([BLOCK], float("inf"), tl.float32)
+                for start in range(0, vocab, BLOCK):
+                    cols = start + offs
+                    x = _scaled(base, cols, vocab, temp)
+                    hi_acc = tl.maximum(hi_acc, x)
+                    lo_acc = tl.minimum(lo_acc, tl.where(cols < vocab, x, float("inf")))
+                m = tl.max(hi_acc, 0)
+                threshold = tl.min(lo_acc, 0)  # every token kept so far
+                if LISTING:  # (nested: `and` would mix the constexpr with a runtime value)
+                    if (k < vocab) & (k <= BLOCK):
+                        # The k-th largest lane maximum bounds the k-th largest x from below.
+                        lo = _key(threshold).to(tl.int64)
+                        hi = _key(m).to(tl.int64) + 1
+                        for _ in range(32):
+                            mid = lo + (hi - lo) // 2
+                            enough = tl.sum((hi_acc >= _value(mid)).to(tl.int32), 0) >= k
+                            lo = tl.where(enough, mid, lo)
+                            hi = tl.where(enough, hi, mid)
+                        bound = _value(lo)
+                        n = 0
+                        for start in range(0, vocab, BLOCK):
+                            cols = start + offs
+                            raw = tl.load(base + cols, mask=cols < vocab, other=float("-inf"))
+                            keep = (cols < vocab) & (tl.div_rn(raw, temp) >= bound)
+                            slot = n + tl.cumsum(keep.to(tl.int32), 0) - 1
+                            tl.store(listed_row + slot, raw, mask=keep & (slot < BLOCK))
+                            tl.store(listed_cols + row.to(tl.int64) * BLOCK + slot, cols, mask=keep & (slot < BLOCK))
+                            n += tl.sum(keep.to(tl.int32), 0)
+                        if n <= BLOCK:  # else (ties at the bound) the passes read the whole row
+                            src, length, listed = listed_row, n, yes
             if k < vocab:  # the k-th largest x: the largest t with count(x >= t) >= k
                 lo = _key(threshold).to(tl.int64)  # count = length >= k
                 hi = _key(m).to(tl.int64) + 1  # count = 0 < k
@@ -154,28 +272,29 @@ def _kernels():
             if mp > 0.0:
                 threshold = tl.maximum(threshold, m + tl.log(mp))
             tl.store(kept_from + row, threshold)
-            # The kept mass, and the Gumbel-max draw over the kept tokens other than the draft.
-            mass = tl.zeros([BLOCK], tl.float32)
-            best = tl.full([BLOCK], float("-inf"), tl.float32)
-            best_col = tl.zeros([BLOCK], tl.int64)
-            for start in range(0, length, BLOCK):
-                i = start + offs
-                x = _scaled(src, i, length, temp)
-                cols = tl.where(listed, tl.load(listed_cols + row.to(tl.int64) * BLOCK + i,
-                                                mask=listed & (i < length), other=0), i)
-                keep = (i < length) & (x >= threshold)
-                mass += tl.where(keep, tl.exp(x - m), 0.0)
-                u = tl.rand(seed, row * vocab + cols)
-                score = tl.where(keep & (cols != d), x - tl.log(-tl.log(u)), float("-inf"))
-                better = score > best
-                best = tl.where(better, score, best)
-                best_col = tl.where(better, cols.to(tl.int64), best_col)
-            top_score = tl.max(best, 0)
-            # the lowest column among equal best scores: a deterministic pick
-            pick = tl.min(tl.where(best == top_score, best_col, vocab), 0)
+            if not raced:  # the kept mass, and the Gumbel-max draw over the kept tokens but the draft
+                mass = tl.zeros([BLOCK], tl.float32)
+                best = tl.full([BLOCK], float("-inf"), tl.float32)
+                best_col = tl.zeros([BLOCK], tl.int64)
+                for start in range(0, length, BLOCK):
+                    i = start + offs
+                    x = _scaled(src, i, length, temp)
+                    cols = tl.where(listed, tl.load(listed_cols + row.to(tl.int64) * BLOCK + i,
+                                                    mask=listed & (i < length), other=0), i)
+                    keep = (i < length) & (x >= threshold)
+                    mass += tl.where(keep, tl.exp(x - m), 0.0)
+                    u = tl.rand(seed, row * vocab + cols)
+                    score = tl.where(keep & (cols != d), x - tl.log(-tl.log(u)), float("-inf"))
+                    better = score > best
+                    best = tl.where(better, score, best)
+                    best_col = tl.where(better, cols.to(tl.int64), best_col)
+                mass_sum = tl.sum(mass, 0)
+                top_score = tl.max(best, 0)
+                # the lowest column among equal best scores: a deterministic pick
+                pick = tl.min(tl.where(best == top_score, best_col, vocab), 0)
             has_draft = d >= 0
             x_d = tl.div_rn(tl.load(base + tl.maximum(d, 0)), temp)
-            p_d = tl.where(has_draft & (x_d >= threshold), tl.exp(x_d - m) / tl.sum(mass, 0), 0.0)
+            p_d = tl.where(has_draft & (x_d >= threshold), tl.exp(x_d - m) / mass_sum, 0.0)
             u_d = tl.rand(seed + 1, row)
             tl.store(accepted + row, (has_draft & (u_d < p_d)).to(tl.int8))
             # Only the draft kept: rejecting it has probability 0; the draw falls back to p (= d).
@@ -191,19 +310,23 @@ def _kernels():
         tl.store(out + seq * 2, first.to(tl.int64))
         tl.store(out + seq * 2 + 1, tl.load(candidate + seq * query_len + first))
 
-    return _row_kernel, _first_rejection_kernel
+    return _chunk_kernel, _row_kernel, _first_rejection_kernel
 
 
 def accept_rows_triton(logits: torch.Tensor, draft: torch.Tensor, argmax: torch.Tensor, temperature: torch.Tensor,
                        top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, greedy: torch.Tensor,
                        seed: torch.Tensor, out: torch.Tensor | None = None,
-                       listing: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                       search: str = "chunks") -> tuple[torch.Tensor, torch.Tensor]:
     """accept_in_graph's contract (see spec/verify.py), and each row's threshold: the scaled logits
     x = logits / temperature it drew from are those with x >= threshold (+inf on greedy rows).
     `seed` is a one-element int64 device tensor; `greedy` nonzero marks greedy sequences (bool or
     any integer dtype); the verdicts go into `out` ([B, 2] int64, contiguous) when given.
-    listing=False: top-k rows search the whole row in every pass instead of listing their
-    candidates first (the same results; to compare and time the two)."""
+    search: "chunks" (a first launch over CHUNK-token slices of every row: top-k rows' candidates
+    and temperature-only rows' draws found by many programs a row), "list" (one program a row,
+    top-k rows listing their candidates in one pass) or "row" (every search over the whole row):
+    the same decisions, to compare and time them."""
+    if search not in SEARCHES:
+        raise ValueError(f"search {search!r}: one of {', '.join(SEARCHES)}")
     num_rows, vocab = logits.shape
     num_seqs = temperature.shape[0]
     if num_rows % num_seqs or logits.stride(1) != 1:
@@ -212,20 +335,34 @@ def accept_rows_triton(logits: torch.Tensor, draft: torch.Tensor, argmax: torch.
     query_len = num_rows // num_seqs
     if greedy.dtype == torch.bool:
         greedy = greedy.view(torch.uint8)
-    row_kernel, first_rejection = _kernels()
-    accepted = torch.empty(num_rows, dtype=torch.int8, device=logits.device)
-    candidate = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
-    kept_from = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
+    chunk_kernel, row_kernel, first_rejection = _kernels()
+    device = logits.device
+    accepted = torch.empty(num_rows, dtype=torch.int8, device=device)
+    candidate = torch.empty(num_rows, dtype=torch.int64, device=device)
+    kept_from = torch.empty(num_rows, dtype=torch.float32, device=device)
     block = min(BLOCK, next_pow2(vocab))
-    listed_logits = torch.empty(num_rows, block, dtype=logits.dtype, device=logits.device)
-    listed_cols = torch.empty(num_rows, block, dtype=torch.int32, device=logits.device)
+    listed_logits = torch.empty(num_rows, block, dtype=logits.dtype, device=device)
+    listed_cols = torch.empty(num_rows, block, dtype=torch.int32, device=device)
     if out is None:
-        out = torch.empty(num_seqs, 2, dtype=torch.int64, device=logits.device)
+        out = torch.empty(num_seqs, 2, dtype=torch.int64, device=device)
     elif out.shape != (num_seqs, 2) or out.dtype != torch.int64 or not out.is_contiguous():
         raise ValueError(f"out {tuple(out.shape)} {out.dtype} is not a contiguous [{num_seqs}, 2] int64 tensor")
+    chunk = min(CHUNK, next_pow2(vocab))
+    n_chunks = -(-vocab // chunk) if search == "chunks" else 1
+    stats = torch.empty(num_rows, n_chunks, 5, dtype=torch.float32, device=device)
+    counts = torch.empty(num_rows, n_chunks, 2, dtype=torch.int32, device=device)
+    chunk_logits = torch.empty(num_rows, n_chunks, LIST, dtype=logits.dtype, device=device)
+    chunk_cols = torch.empty(num_rows, n_chunks, LIST, dtype=torch.int32, device=device)
+    if search == "chunks":
+        chunk_kernel[(num_rows, n_chunks)](
+            logits, logits.stride(0), draft, temperature, top_k, top_p, min_p, greedy, seed, stats, counts,
+            chunk_logits, chunk_cols, vocab, query_len, n_chunks, CHUNK=chunk, LIST=LIST,
+            num_warps=8, **pdl_launch(device))
     row_kernel[(num_rows,)](logits, logits.stride(0), draft, argmax, temperature, top_k, top_p, min_p,
-                            greedy, seed, accepted, candidate, kept_from, listed_logits, listed_cols, vocab,
-                            query_len, BLOCK=block, LISTING=listing, num_warps=8, **pdl_launch(logits.device))
+                            greedy, seed, accepted, candidate, kept_from, listed_logits, listed_cols, stats,
+                            counts, chunk_logits, chunk_cols, vocab, query_len, n_chunks, BLOCK=block,
+                            LISTING=search != "row", CHUNKED=search == "chunks", CHUNKS=next_pow2(n_chunks),
+                            LIST=LIST, num_warps=8, **pdl_launch(device))
     first_rejection[(num_seqs,)](accepted, candidate, out, query_len, QUERY=next_pow2(query_len),
-                                 **pdl_launch(logits.device))
+                                 **pdl_launch(device))
     return out, kept_from
