@@ -30,10 +30,11 @@ from ..util import host_to_device
 from .proposer import Draft
 
 
-# The Triton sampler's top-k / top-p searches make 66 passes over a row (one program per row).
-# scripts/bench_sampler.py (H200, 2026-12-04, us a call, Triton / torch, 1 and 16 rows): at 8K
-# T=1 13/97, 13/181, Qwen3's filters 129/99, 130/184; at 32K T=1 43/111, 42/264, filters 466/116,
-# 464/282 (152K: filters 18x slower). Above 8K the filters' loss outweighs T=1's gain: torch there.
+# Measured (scripts/bench_sampler.py, H200, 2026-12-04, us a call, Triton / torch, 1 and 16 rows)
+# when the Triton sampler searched the whole row 66 times for top-k / top-p: at 8K T=1 13/97,
+# 13/181, Qwen3's filters 129/99, 130/184; at 32K T=1 43/111, 42/264, filters 466/116, 464/282
+# (152K: filters 18x slower). It now searches listed candidates (triton_sampling `search`), not
+# yet timed: until then, torch above 8K.
 TRITON_MAX_VOCAB = 1 << 13
 
 
@@ -110,7 +111,7 @@ def accept_in_graph(logits: torch.Tensor, draft: torch.Tensor, argmax: torch.Ten
 
     Returns [B, 2] int64: (drafts accepted, the token after them) per sequence, written into `out`
     when given (a graph's static output: no copy node). On a GPU (vocabulary up to
-    TRITON_MAX_VOCAB) this is two Triton launches (kernels/triton_sampling.py), whose noise is
+    TRITON_MAX_VOCAB) this is three Triton launches (kernels/triton_sampling.py), whose noise is
     counter-based from `seed` (a one-element int64 device tensor the caller changes every step);
     the torch reference below draws from the global generator instead, which a CUDA graph replays
     with fresh offsets."""
