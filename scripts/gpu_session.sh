@@ -27,8 +27,10 @@
 #                                    step's time by verify width and output (scripts/profile_spec_steps.py)
 #   scripts/gpu_session.sh idle      a DFlash engine that never drafts against plain decoding, with and
 #                                    without its taps (profile_spec_steps.py --idle-overhead, ~2 min)
-#   scripts/gpu_session.sh sampler   the in-graph sampler by vocabulary size, Triton against torch
-#                                    (scripts/bench_sampler.py), after its tests
+#   scripts/gpu_session.sh sampler   the in-graph sampler by vocabulary size, each Triton search against
+#                                    torch (scripts/bench_sampler.py), after its tests
+#   scripts/gpu_session.sh attention paged attention (bf16 KV) at 512 / 4K / 32K with its launch swept:
+#                                    is the split heuristic (>= 256 tokens a split) right at short contexts?
 #   scripts/gpu_session.sh drafter   the default drafter (scripts/train_default_drafter.sh, ~7 min)
 # The device lacks the gguf package: keep its wheel in .whl/ (git-ignored) and pass carry [".whl"].
 set -uo pipefail
@@ -143,9 +145,13 @@ case "${1:-check}" in
     tail -n 2 "$out/sampler-tests.log"
     step sampler 120 python3 scripts/bench_sampler.py
     grep "^|" "$out/sampler.log" ;;
+  attention)  # decode / verify attention (bf16 KV) at 512 / 4K / 32K, split counts and tiles swept
+    step attention "${SECONDS_ATTENTION:-240}" python3 scripts/bench_kernels.py --only attention --sweep \
+      --cache-types bf16 --json "$out/attention.json"
+    grep -E "^\| (kernel|paged_attention)" "$out/attention.log" ;;
   drafter)
     step drafter 570 bash scripts/train_default_drafter.sh "$out/default-dflash" "${SECONDS_TRAIN:-300}"
     rm -f "$out/default-dflash/train_state.pt" "$out/default-dflash/regenerated.pt"
     tr '\r' '\n' < "$out/drafter.log" | grep -E "tau|steps|wrote|Error|error" | tail -n 20 ;;
-  *) echo "usage: $0 check|bench|spec|kernels|gemv|overlap|pdl|int8|quant|pdl-tiles|profile|idle|sampler|drafter" >&2; exit 2 ;;
+  *) echo "usage: $0 check|bench|spec|kernels|gemv|overlap|pdl|int8|quant|pdl-tiles|profile|idle|sampler|attention|drafter" >&2; exit 2 ;;
 esac
