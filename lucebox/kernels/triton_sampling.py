@@ -52,7 +52,7 @@ SEARCHES = ("chunks", "list", "row")
 def _kernels():
     """Defined on first use: importing this module must not import Triton (see triton_norm)."""
     # the kernels look their helpers up among the module globals
-    global triton, tl, _key, _value, _scaled, wait_for_previous_kernel
+    global triton, tl, _key, _value, _kth_largest, _scaled, wait_for_previous_kernel
     import triton
     import triton.language as tl
 
@@ -69,6 +69,19 @@ def _kernels():
         """The inverse of _key, for an int64 key in int32 range."""
         b = key.to(tl.int32)
         return tl.where(b >= 0, b, b ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _kth_largest(v, k, lowest, highest):
+        """The k-th largest value of the register tensor v (at least k of them >= lowest, the
+        largest being highest), by bisection over the float's bits."""
+        lo = _key(lowest).to(tl.int64)  # count(v >= lo) >= k
+        hi = _key(highest).to(tl.int64) + 1  # count(v >= hi) = 0 < k
+        for _ in range(32):
+            mid = lo + (hi - lo) // 2
+            enough = tl.sum((v >= _value(mid)).to(tl.int32), 0) >= k
+            lo = tl.where(enough, mid, lo)
+            hi = tl.where(enough, hi, mid)
+        return _value(lo)
 
     @triton.jit
     def _scaled(base, cols, vocab, temperature):
@@ -106,14 +119,7 @@ def _kernels():
             listed = 0
             if (k < vocab) & (k <= LIST):
                 if tl.sum(ok.to(tl.int32), 0) > k:  # the k-th largest x of the chunk
-                    lo = _key(lo_c).to(tl.int64)
-                    hi = _key(m_c).to(tl.int64) + 1
-                    for _ in range(32):
-                        mid = lo + (hi - lo) // 2
-                        enough = tl.sum((x >= _value(mid)).to(tl.int32), 0) >= k
-                        lo = tl.where(enough, mid, lo)
-                        hi = tl.where(enough, hi, mid)
-                    kth = _value(lo)
+                    kth = _kth_largest(x, k, lo_c, m_c)
                 keep = ok & (x >= kth)
                 listed = tl.sum(keep.to(tl.int32), 0)
                 slot = tl.cumsum(keep.to(tl.int32), 0) - 1
@@ -217,14 +223,7 @@ def _kernels():
                 if LISTING:  # (nested: `and` would mix the constexpr with a runtime value)
                     if (k < vocab) & (k <= BLOCK):
                         # The k-th largest lane maximum bounds the k-th largest x from below.
-                        lo = _key(threshold).to(tl.int64)
-                        hi = _key(m).to(tl.int64) + 1
-                        for _ in range(32):
-                            mid = lo + (hi - lo) // 2
-                            enough = tl.sum((hi_acc >= _value(mid)).to(tl.int32), 0) >= k
-                            lo = tl.where(enough, mid, lo)
-                            hi = tl.where(enough, hi, mid)
-                        bound = _value(lo)
+                        bound = _kth_largest(hi_acc, k, threshold, m)
                         n = 0
                         for start in range(0, vocab, BLOCK):
                             cols = start + offs
