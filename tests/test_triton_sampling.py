@@ -26,15 +26,16 @@ FILTERS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_
 
 
 def launch(logits: torch.Tensor, draft: list[int], params: list[SamplingParams], seed: int = 7, search: str = "chunks"):
-    """accept_rows_triton over len(params) sequences of equal rows; returns (verdicts, thresholds)."""
+    """accept_rows_triton over len(params) sequences of equal rows; returns (verdicts, thresholds,
+    what decided each row)."""
     vocab = logits.shape[1]
     temperature, top_k, top_p, min_p, greedy = (torch.tensor(col, device=DEVICE)
                                                 for col in zip(*(p.graph_row(vocab) for p in params)))
     logits = logits.to(DEVICE)
-    out, kept_from = accept_rows_triton(logits, torch.tensor(draft, device=DEVICE), logits.argmax(-1),
+    out, kept_from, searched = accept_rows_triton(logits, torch.tensor(draft, device=DEVICE), logits.argmax(-1),
                                         temperature.float(), top_k, top_p.float(), min_p.float(), greedy,
                                         torch.tensor([seed], device=DEVICE), search=search)
-    return out.cpu(), kept_from.cpu()
+    return out.cpu(), kept_from.cpu(), searched.cpu().tolist()
 
 
 def test_each_row_keeps_the_tokens_the_sampler_keeps():
@@ -42,7 +43,7 @@ def test_each_row_keeps_the_tokens_the_sampler_keeps():
     top-k, top-p over the top-k set, min-p, each alone and together; top_k = 1 keeps the argmax."""
     torch.manual_seed(3)
     logits = torch.randn(len(FILTERS), 40) * 3
-    _, kept_from = launch(logits, [-1] * len(FILTERS), FILTERS)
+    _, kept_from, _ = launch(logits, [-1] * len(FILTERS), FILTERS)
     for row, params in enumerate(FILTERS):
         reference = Sampler().process_logits(logits[row:row + 1], [SamplingState(params, [])])[0] > float("-inf")
         kept = logits[row] / params.temperature >= kept_from[row]
@@ -71,11 +72,36 @@ def test_every_search_decides_as_searching_the_whole_row(vocab):
     for search in ("chunks", "list"):
         assert torch.equal(results[search][0], results["row"][0]), search
         assert torch.equal(results[search][1], results["row"][1]), search
+    assert results["chunks"][2][:8] == [2] * 6 + [1] * 2  # top-k rows from the chunks' lists, T alone raced
+    assert results["list"][2] == [3] * 6 + [4] * 6 + [3] * 2 and results["row"][2] == [4] * 14
     kept_from = results["chunks"][1]
     for row in range(len(drafts)):
         state = SamplingState(params[row // 2], [])
         reference = Sampler().process_logits(logits[row:row + 1], [state])[0] > float("-inf")
         assert torch.equal(logits[row] / params[row // 2].temperature >= kept_from[row], reference), row
+
+
+@pytest.mark.parametrize("spread", [8.0, 0.05], ids=["peaked", "flat"])
+def test_top_p_and_min_p_rows_use_the_chunk_lists_only_when_their_kept_sets_lie_in_them(spread):
+    """Top-p or min-p without top-k: the chunks list their 64 largest tokens each, which holds a
+    peaked row's kept set (searched there) but not a flat row's (searched over the whole row).
+    Either way the chunked search decides as the whole-row one, with the Sampler's kept sets."""
+    torch.manual_seed(7)
+    params = [SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=1.0, min_p=0.1),
+              SamplingParams(temperature=1.0, top_k=200, top_p=0.5)]
+    logits = torch.randn(2 * len(params), 9000) * spread
+    drafts = [int(logits[0].argmax()), -1] + [5, -1] * (len(params) - 1)
+    chunks, chunks_from, searched = launch(logits, drafts, params)
+    whole, whole_from, _ = launch(logits, drafts, params, search="row")
+    assert torch.equal(chunks, whole) and torch.equal(chunks_from, whole_from)
+    kept = [int((logits[r] / params[r // 2].temperature >= chunks_from[r]).sum()) for r in range(len(drafts))]
+    for row in range(len(drafts)):
+        state = SamplingState(params[row // 2], [])
+        reference = Sampler().process_logits(logits[row:row + 1], [state])[0] > float("-inf")
+        assert torch.equal(logits[row] / params[row // 2].temperature >= chunks_from[row], reference), row
+    assert (max(kept) < 64) if spread > 1 else (min(kept[:4]) > 1000), kept  # in the lists / far beyond
+    # the chunks' lists (top-k 200 exceeds what 3 chunks list: a row's list) / the row
+    assert searched == ([2] * 4 + [3] * 2 if spread > 1 else [4] * 4 + [3] * 2)
 
 
 def test_top_k_ties_that_overflow_the_lists_are_all_kept_and_drawn():
@@ -86,9 +112,10 @@ def test_top_k_ties_that_overflow_the_lists_are_all_kept_and_drawn():
     logits = torch.randn(16, 2500) - 10
     logits[:, :1500] = 4.0
     params = [SamplingParams(temperature=1.0, top_k=3)] * 16
-    out, kept_from = launch(logits, [-1] * 16, params)
+    out, kept_from, searched = launch(logits, [-1] * 16, params)
     for search in ("list", "row"):
         assert torch.equal(out, launch(logits, [-1] * 16, params, search=search)[0]), search
+    assert searched == [4] * 16  # neither list holds the ties
     assert ((logits >= kept_from[:, None]).sum(1) == 1500).all()
     drawn = out[:, 1]
     assert (drawn < 1500).all() and (drawn >= 1024).any()
@@ -101,9 +128,9 @@ def test_an_unknown_search_is_refused():
 
 def test_greedy_rows_accept_while_the_draft_is_the_argmax():
     logits = P.float().log()  # argmax 3, 0, 2
-    out, kept_from = launch(logits, [3, 1, -1], [SamplingParams(temperature=0)])
+    out, kept_from, searched = launch(logits, [3, 1, -1], [SamplingParams(temperature=0)])
     assert out.tolist() == [[1, 0]]
-    assert torch.isinf(kept_from).all()
+    assert torch.isinf(kept_from).all() and searched == [0, 0, 0]
 
 
 def test_a_graph_passes_int64_flags_and_its_own_output():
@@ -112,7 +139,7 @@ def test_a_graph_passes_int64_flags_and_its_own_output():
     logits = P.float().log().repeat(2, 1).to(DEVICE)  # two sequences of three rows: greedy, sampled
     one = torch.ones(2, device=DEVICE)
     out = torch.full((2, 2), -7, dtype=torch.int64, device=DEVICE)
-    returned, _ = accept_rows_triton(logits, torch.tensor([3, 1, -1, 3, 2, -1], device=DEVICE), logits.argmax(-1),
+    returned, _, _ = accept_rows_triton(logits, torch.tensor([3, 1, -1, 3, 2, -1], device=DEVICE), logits.argmax(-1),
                                      one, torch.tensor([4, 4], device=DEVICE), 2 * one, 0 * one,
                                      torch.tensor([1, 0], device=DEVICE), torch.tensor([3], device=DEVICE), out)
     assert returned is out and out[0].tolist() == [1, 0]
@@ -126,7 +153,7 @@ def test_committed_tokens_follow_the_exact_distribution():
     """Fixed drafts [3, 2] checked against P's rows at T = 1: the committed tuples follow lossless
     acceptance (Pearson at 1e-3) and reject a wrong rule (correction drawn from p itself)."""
     logits = P.float().log().repeat(SAMPLES, 1)
-    out, _ = launch(logits, (FIXED_DRAFTS + [-1]) * SAMPLES, [SamplingParams(temperature=1.0)] * SAMPLES)
+    out, _, _ = launch(logits, (FIXED_DRAFTS + [-1]) * SAMPLES, [SamplingParams(temperature=1.0)] * SAMPLES)
     counts = Counter(tuple(FIXED_DRAFTS[:a] + [t]) for a, t in out.tolist())
     rejected, stat, critical = chi_square_rejects(counts, exact_outcomes(P, one_hot(FIXED_DRAFTS)), SAMPLES)
     assert not rejected, (stat, critical)
@@ -148,5 +175,5 @@ def test_a_row_keeping_only_its_draft_offers_the_draft(vocab):
     and above one block."""
     logits = torch.zeros(2, vocab)
     logits[:, 1] = 5.0
-    out, _ = launch(logits, [1, -1], [SamplingParams(temperature=1.0, top_k=1)])
+    out, _, _ = launch(logits, [1, -1], [SamplingParams(temperature=1.0, top_k=1)])
     assert out.tolist() == [[1, 1]]

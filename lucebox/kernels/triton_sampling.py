@@ -18,13 +18,16 @@ rejected (or p at the bonus row) -- sampling from the target alone.
 One program reading a 152K vocabulary 66 times is slow (3.3 ms on an H200), so the passes avoid the
 vocabulary where they can (`search`, default "chunks"):
   - chunks: a first launch, (row, CHUNK tokens) a program, finds what slices of a row can decide
-    alone: a top-k row's (k <= LIST) per-chunk k-th largest x and the tokens at or above it (the
-    row's top k are among them: no chunk's k-th largest exceeds the row's), and a temperature-only
-    row's Gumbel race and mass per chunk. The row kernel then searches the candidates at or above
-    the largest chunk k-th (about k of them), or merges the races, without reading the row;
-  - list (and rows the chunks do not cover: top-p or min-p without top-k, larger k): a top-k row
-    (k <= BLOCK) lists its candidates in one pass, the tokens at or above the k-th largest of its
-    lanes' maxima (each of BLOCK lanes has seen every BLOCK-th token);
+    alone: each chunk's mass and max, a temperature-only row's Gumbel race per chunk, and for a
+    filtered row the chunk's L-th largest x (L = k for top-k up to LIST, else LIST) and its
+    tokens at or above it, listed. Every list then holds all of its chunk's tokens at or above
+    the largest of those bounds; the row kernel merges the races, or searches those candidates
+    (about L of them) and uses them when the kept set provably lies among them (k candidates at
+    least, the top-p cut's mass among them, the final threshold at or above the bound: so for
+    top-k up to LIST always, for top-p / min-p on a peaked row), else decides over the row;
+  - list: a top-k row (k <= BLOCK) lists its candidates in one pass, the tokens at or above the
+    k-th largest of its lanes' maxima (each of BLOCK lanes has seen every BLOCK-th token); the
+    chunks fall back to this;
   - row: every pass over the whole row.
 Ties at a bound that overflow a list fall back to the whole row. All three decide alike (the same
 thresholds and draws; the kept mass summed in another order).
@@ -52,7 +55,7 @@ SEARCHES = ("chunks", "list", "row")
 def _kernels():
     """Defined on first use: importing this module must not import Triton (see triton_norm)."""
     # the kernels look their helpers up among the module globals
-    global triton, tl, _key, _value, _kth_largest, _scaled, wait_for_previous_kernel
+    global triton, tl, _key, _value, _kth_largest, _scaled, _threshold, wait_for_previous_kernel
     import triton
     import triton.language as tl
 
@@ -89,14 +92,63 @@ def _kernels():
         return tl.div_rn(tl.load(base + cols, mask=cols < vocab, other=float("-inf")), temperature)
 
     @triton.jit
+    def _threshold(src, length, temp, k, p, mp, m, lowest, row_mass, bound, vocab, BLOCK: tl.constexpr):
+        """The kept set's threshold on x (temperature, top-k, top-p over the top-k set, min-p) found
+        over the `length` logits at src, and whether it is the row's: src holds every token of the
+        row at or above `bound` (the whole row: bound -inf), lowest is the row's smallest x,
+        row_mass its mass relative to m (or < 0: the mass of what src keeps)."""
+        offs = tl.arange(0, BLOCK)
+        threshold = lowest
+        exact = (k >= vocab) | (length >= k)  # the k-th largest is among them
+        if k < vocab:  # the k-th largest x: the largest t with count(x >= t) >= k
+            lo = _key(threshold).to(tl.int64)  # count = length >= k
+            hi = _key(m).to(tl.int64) + 1  # count = 0 < k
+            for _ in range(32):
+                mid = lo + (hi - lo) // 2
+                t = _value(mid)
+                count = tl.zeros([BLOCK], tl.int32)
+                for start in range(0, length, BLOCK):
+                    count += (_scaled(src, start + offs, length, temp) >= t).to(tl.int32)
+                enough = tl.sum(count, 0) >= k
+                lo = tl.where(enough, mid, lo)
+                hi = tl.where(enough, hi, mid)
+            threshold = _value(lo)
+        if p < 1.0:  # keep x iff the top-k mass strictly above x is below top_p of the top-k mass
+            mass = tl.zeros([BLOCK], tl.float32)
+            for start in range(0, length, BLOCK):
+                x = _scaled(src, start + offs, length, temp)
+                mass += tl.where(x >= threshold, tl.exp(x - m), 0.0)
+            kept = tl.sum(mass, 0)
+            target = p * tl.where((k < vocab) | (row_mass < 0), kept, row_mass)
+            exact = exact & (kept >= target)  # the cut is among them
+            lo = _key(threshold).to(tl.int64) - 1  # mass above = all of it >= target
+            hi = _key(m).to(tl.int64)  # mass above the max = 0 < target
+            for _ in range(32):
+                mid = lo + (hi - lo) // 2
+                t = _value(mid)
+                above = tl.zeros([BLOCK], tl.float32)
+                for start in range(0, length, BLOCK):
+                    x = _scaled(src, start + offs, length, temp)
+                    above += tl.where((x > t) & (x >= threshold), tl.exp(x - m), 0.0)
+                below = tl.sum(above, 0) < target
+                lo = tl.where(below, lo, mid)
+                hi = tl.where(below, mid, hi)
+            threshold = tl.maximum(threshold, _value(hi))
+        if mp > 0.0:
+            threshold = tl.maximum(threshold, m + tl.log(mp))
+        return threshold, exact & (threshold >= bound)
+
+    @triton.jit
     def _chunk_kernel(logits, stride, draft, temperature, top_k, top_p, min_p, greedy, seed_ptr, stats,
                       counts, chunk_logits, chunk_cols, vocab, query_len, n_chunks,
                       CHUNK: tl.constexpr, LIST: tl.constexpr, PDL: tl.constexpr = False):
-        """Program (row, c) over CHUNK tokens of a sampled row: their max and min x; for a top-k row
-        (k <= LIST) its chunk's k-th largest x and the tokens at or above it (a superset of its share
-        of the row's top k), listed; for a row of temperature alone, the chunk's Gumbel race (best
-        score, its column) and its mass relative to its max. stats[row, c] = (max, min, k-th, mass,
-        best score), counts[row, c] = (tokens listed, best column)."""
+        """Program (row, c) over CHUNK tokens of a sampled row: their max, min and mass (relative to
+        their max); for a row of temperature alone, the chunk's Gumbel race (best score, its
+        column); for a filtered row, the chunk's L-th largest x (L = k for top-k up to LIST, else
+        LIST) and the tokens at or above it, listed: every chunk's list holds all of its tokens at
+        or above the largest of those bounds, so the row's top k, or its top-p / min-p set when
+        that lies above the bound, are in the lists. stats[row, c] = (max, min, L-th, mass, best
+        score), counts[row, c] = (tokens listed, best column)."""
         wait_for_previous_kernel(PDL)
         row = tl.program_id(0)
         c = tl.program_id(1)
@@ -106,35 +158,34 @@ def _kernels():
             k = tl.load(top_k + seq)
             cols = c * CHUNK + tl.arange(0, CHUNK)
             ok = cols < vocab
-            base = logits + row.to(tl.int64) * stride
-            raw = tl.load(base + cols, mask=ok, other=float("-inf"))
+            raw = tl.load(logits + row.to(tl.int64) * stride + cols, mask=ok, other=float("-inf"))
             x = tl.div_rn(raw, temp)
             m_c = tl.max(x, 0)
             lo_c = tl.min(tl.where(ok, x, float("inf")), 0)
+            mass = tl.sum(tl.where(ok, tl.exp(x - m_c), 0.0), 0)
             at = row.to(tl.int64) * n_chunks + c
-            kth = lo_c
-            mass = 0.0
+            bound = lo_c
             best = float("-inf")
             best_col = vocab
             listed = 0
-            if (k < vocab) & (k <= LIST):
-                if tl.sum(ok.to(tl.int32), 0) > k:  # the k-th largest x of the chunk
-                    kth = _kth_largest(x, k, lo_c, m_c)
-                keep = ok & (x >= kth)
-                listed = tl.sum(keep.to(tl.int32), 0)
-                slot = tl.cumsum(keep.to(tl.int32), 0) - 1
-                tl.store(chunk_logits + at * LIST + slot, raw, mask=keep & (slot < LIST))
-                tl.store(chunk_cols + at * LIST + slot, cols, mask=keep & (slot < LIST))
-            elif (k >= vocab) & (tl.load(top_p + seq) >= 1.0) & (tl.load(min_p + seq) <= 0.0):
+            if (k >= vocab) & (tl.load(top_p + seq) >= 1.0) & (tl.load(min_p + seq) <= 0.0):
                 d = tl.load(draft + row)
-                mass = tl.sum(tl.where(ok, tl.exp(x - m_c), 0.0), 0)
                 u = tl.rand(tl.load(seed_ptr), row * vocab + cols)
                 score = tl.where(ok & (cols != d), x - tl.log(-tl.log(u)), float("-inf"))
                 best = tl.max(score, 0)
                 best_col = tl.min(tl.where(score == best, cols, vocab), 0)
+            else:
+                size = tl.minimum(k, LIST)
+                if tl.sum(ok.to(tl.int32), 0) > size:
+                    bound = _kth_largest(x, size, lo_c, m_c)
+                keep = ok & (x >= bound)
+                listed = tl.sum(keep.to(tl.int32), 0)
+                slot = tl.cumsum(keep.to(tl.int32), 0) - 1
+                tl.store(chunk_logits + at * LIST + slot, raw, mask=keep & (slot < LIST))
+                tl.store(chunk_cols + at * LIST + slot, cols, mask=keep & (slot < LIST))
             tl.store(stats + at * 5, m_c)
             tl.store(stats + at * 5 + 1, lo_c)
-            tl.store(stats + at * 5 + 2, kth)
+            tl.store(stats + at * 5 + 2, bound)
             tl.store(stats + at * 5 + 3, mass)
             tl.store(stats + at * 5 + 4, best)
             tl.store(counts + at * 2, listed)
@@ -142,8 +193,9 @@ def _kernels():
 
     @triton.jit
     def _row_kernel(logits, stride, draft, argmax, temperature, top_k, top_p, min_p, greedy, seed_ptr,
-                    accepted, candidate, kept_from, listed_logits, listed_cols, stats, counts, chunk_logits,
-                    chunk_cols, vocab, query_len, n_chunks, BLOCK: tl.constexpr, LISTING: tl.constexpr = True,
+                    accepted, candidate, kept_from, searched, listed_logits, listed_cols, stats, counts,
+                    chunk_logits, chunk_cols, vocab, query_len, n_chunks, BLOCK: tl.constexpr,
+                    LISTING: tl.constexpr = True,
                     CHUNKED: tl.constexpr = False, CHUNKS: tl.constexpr = 1, LIST: tl.constexpr = 1,
                     PDL: tl.constexpr = False):
         wait_for_previous_kernel(PDL)
@@ -155,6 +207,7 @@ def _kernels():
             tl.store(accepted + row, ((d >= 0) & (d == top)).to(tl.int8))
             tl.store(candidate + row, top)
             tl.store(kept_from + row, float("inf"))  # nothing is drawn
+            tl.store(searched + row, 0)
         else:
             temp = tl.load(temperature + seq)
             k = tl.load(top_k + seq)
@@ -164,8 +217,8 @@ def _kernels():
             base = logits + row.to(tl.int64) * stride
             offs = tl.arange(0, BLOCK)
             listed_row = listed_logits + row.to(tl.int64) * BLOCK
-            # The searches below pass over `length` logits at `src`: the row, or a list of the top-k
-            # candidates (then each pass reads at most BLOCK values, not the vocabulary).
+            # The draw passes over `length` logits at `src`: the row, or a list of candidates that
+            # holds the kept set (then it reads a few hundred values, not the vocabulary).
             no, yes = tl.zeros([], tl.int1), tl.full([], 1, tl.int1)  # typed flags for the branches below
             src, length, listed, raced, whole = base, vocab, no, no, yes
             m = tl.zeros([], tl.float32)
@@ -180,36 +233,37 @@ def _kernels():
                 chunk_max = tl.load(stats + at * 5, mask=cok, other=float("-inf"))
                 m = tl.max(chunk_max, 0)
                 threshold = tl.min(tl.load(stats + at * 5 + 1, mask=cok, other=float("inf")), 0)
-                listed_per_chunk = tl.load(counts + at * 2, mask=cok, other=0)
-                if (k < vocab) & (k <= LIST):
-                    if tl.max(listed_per_chunk, 0) <= LIST:
-                        # Every chunk's k-th largest is at most the row's: keep what is at or above
-                        # the largest of them, and the row's top k are all in the list.
-                        bound = tl.max(tl.load(stats + at * 5 + 2, mask=cok, other=float("-inf")), 0)
-                        n = 0
-                        for start in range(0, n_chunks * LIST, BLOCK):
-                            e = start + offs
-                            inside = e < n_chunks * LIST
-                            there = inside & (e % LIST < tl.load(counts + (row.to(tl.int64) * n_chunks + e // LIST)
-                                                                 * 2, mask=inside, other=0))
-                            raw = tl.load(chunk_logits + row.to(tl.int64) * n_chunks * LIST + e, mask=there,
-                                          other=float("-inf"))
-                            keep = there & (tl.div_rn(raw, temp) >= bound)
-                            slot = n + tl.cumsum(keep.to(tl.int32), 0) - 1
-                            col = tl.load(chunk_cols + row.to(tl.int64) * n_chunks * LIST + e, mask=keep, other=0)
-                            tl.store(listed_row + slot, raw, mask=keep & (slot < BLOCK))
-                            tl.store(listed_cols + row.to(tl.int64) * BLOCK + slot, col, mask=keep & (slot < BLOCK))
-                            n += tl.sum(keep.to(tl.int32), 0)
-                        if n <= BLOCK:
-                            src, length, listed, whole = listed_row, n, yes, no
-                elif (k >= vocab) & (p >= 1.0) & (mp <= 0.0):  # temperature alone: the chunks' races
+                chunk_mass = tl.load(stats + at * 5 + 3, mask=cok, other=0.0)
+                row_mass = tl.sum(tl.where(cok, chunk_mass * tl.exp(chunk_max - m), 0.0), 0)
+                if (k >= vocab) & (p >= 1.0) & (mp <= 0.0):  # temperature alone: the chunks' races
                     chunk_best = tl.load(stats + at * 5 + 4, mask=cok, other=float("-inf"))
                     top_score = tl.max(chunk_best, 0)
                     pick = tl.min(tl.where(cok & (chunk_best == top_score),
                                            tl.load(counts + at * 2 + 1, mask=cok, other=vocab), vocab), 0).to(tl.int64)
-                    chunk_mass = tl.load(stats + at * 5 + 3, mask=cok, other=0.0)
-                    mass_sum = tl.sum(tl.where(cok, chunk_mass * tl.exp(chunk_max - m), 0.0), 0)
+                    mass_sum = row_mass
                     raced, whole = yes, no
+                elif tl.max(tl.load(counts + at * 2, mask=cok, other=0), 0) <= LIST:
+                    # Every chunk listed all its tokens at or above the largest chunk bound.
+                    bound = tl.max(tl.load(stats + at * 5 + 2, mask=cok, other=float("-inf")), 0)
+                    n = 0
+                    for start in range(0, n_chunks * LIST, BLOCK):
+                        e = start + offs
+                        inside = e < n_chunks * LIST
+                        there = inside & (e % LIST < tl.load(counts + (row.to(tl.int64) * n_chunks + e // LIST) * 2,
+                                                             mask=inside, other=0))
+                        raw = tl.load(chunk_logits + row.to(tl.int64) * n_chunks * LIST + e, mask=there,
+                                      other=float("-inf"))
+                        keep = there & (tl.div_rn(raw, temp) >= bound)
+                        slot = n + tl.cumsum(keep.to(tl.int32), 0) - 1
+                        col = tl.load(chunk_cols + row.to(tl.int64) * n_chunks * LIST + e, mask=keep, other=0)
+                        tl.store(listed_row + slot, raw, mask=keep & (slot < BLOCK))
+                        tl.store(listed_cols + row.to(tl.int64) * BLOCK + slot, col, mask=keep & (slot < BLOCK))
+                        n += tl.sum(keep.to(tl.int32), 0)
+                    if n <= BLOCK:
+                        t, exact = _threshold(listed_row, n, temp, k, p, mp, m, threshold, row_mass, bound,
+                                              vocab, BLOCK)
+                        if exact:  # else the kept set reaches below the lists: the row decides
+                            src, length, listed, whole, threshold = listed_row, n, yes, no, t
             if whole:
                 hi_acc = tl.full([BLOCK], float("-inf"), tl.float32)
                 lo_acc = tl.full([BLOCK], float("inf"), tl.float32)
@@ -235,42 +289,11 @@ def _kernels():
                             n += tl.sum(keep.to(tl.int32), 0)
                         if n <= BLOCK:  # else (ties at the bound) the passes read the whole row
                             src, length, listed = listed_row, n, yes
-            if k < vocab:  # the k-th largest x: the largest t with count(x >= t) >= k
-                lo = _key(threshold).to(tl.int64)  # count = length >= k
-                hi = _key(m).to(tl.int64) + 1  # count = 0 < k
-                for _ in range(32):
-                    mid = lo + (hi - lo) // 2
-                    t = _value(mid)
-                    count = tl.zeros([BLOCK], tl.int32)
-                    for start in range(0, length, BLOCK):
-                        cols = start + offs
-                        count += (_scaled(src, cols, length, temp) >= t).to(tl.int32)
-                    enough = tl.sum(count, 0) >= k
-                    lo = tl.where(enough, mid, lo)
-                    hi = tl.where(enough, hi, mid)
-                threshold = _value(lo)
-            if p < 1.0:  # keep x iff the top-k mass strictly above x is below top_p of the top-k mass
-                mass = tl.zeros([BLOCK], tl.float32)
-                for start in range(0, length, BLOCK):
-                    x = _scaled(src, start + offs, length, temp)
-                    mass += tl.where(x >= threshold, tl.exp(x - m), 0.0)
-                target = p * tl.sum(mass, 0)
-                lo = _key(threshold).to(tl.int64) - 1  # mass above = all of it >= target
-                hi = _key(m).to(tl.int64)  # mass above the max = 0 < target
-                for _ in range(32):
-                    mid = lo + (hi - lo) // 2
-                    t = _value(mid)
-                    above = tl.zeros([BLOCK], tl.float32)
-                    for start in range(0, length, BLOCK):
-                        x = _scaled(src, start + offs, length, temp)
-                        above += tl.where((x > t) & (x >= threshold), tl.exp(x - m), 0.0)
-                    below = tl.sum(above, 0) < target
-                    lo = tl.where(below, lo, mid)
-                    hi = tl.where(below, mid, hi)
-                threshold = tl.maximum(threshold, _value(hi))
-            if mp > 0.0:
-                threshold = tl.maximum(threshold, m + tl.log(mp))
+                threshold, _ = _threshold(src, length, temp, k, p, mp, m, threshold, -1.0, float("-inf"),
+                                          vocab, BLOCK)
             tl.store(kept_from + row, threshold)
+            # what decided: 1 the chunks' races, 2 the chunks' lists, 3 the row's list, 4 the row
+            tl.store(searched + row, tl.where(raced, 1, tl.where(listed, tl.where(whole, 3, 2), 4)).to(tl.int8))
             if not raced:  # the kept mass, and the Gumbel-max draw over the kept tokens but the draft
                 mass = tl.zeros([BLOCK], tl.float32)
                 best = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -315,7 +338,7 @@ def _kernels():
 def accept_rows_triton(logits: torch.Tensor, draft: torch.Tensor, argmax: torch.Tensor, temperature: torch.Tensor,
                        top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, greedy: torch.Tensor,
                        seed: torch.Tensor, out: torch.Tensor | None = None,
-                       search: str = "chunks") -> tuple[torch.Tensor, torch.Tensor]:
+                       search: str = "chunks") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """accept_in_graph's contract (see spec/verify.py), and each row's threshold: the scaled logits
     x = logits / temperature it drew from are those with x >= threshold (+inf on greedy rows).
     `seed` is a one-element int64 device tensor; `greedy` nonzero marks greedy sequences (bool or
@@ -323,7 +346,9 @@ def accept_rows_triton(logits: torch.Tensor, draft: torch.Tensor, argmax: torch.
     search: "chunks" (a first launch over CHUNK-token slices of every row: top-k rows' candidates
     and temperature-only rows' draws found by many programs a row), "list" (one program a row,
     top-k rows listing their candidates in one pass) or "row" (every search over the whole row):
-    the same decisions, to compare and time them."""
+    the same decisions, to compare and time them. Also returns what decided each row (int8: 0
+    greedy, 1 the chunks' Gumbel races, 2 the chunks' candidate lists, 3 the row's list, 4 the
+    whole row)."""
     if search not in SEARCHES:
         raise ValueError(f"search {search!r}: one of {', '.join(SEARCHES)}")
     num_rows, vocab = logits.shape
@@ -339,6 +364,7 @@ def accept_rows_triton(logits: torch.Tensor, draft: torch.Tensor, argmax: torch.
     accepted = torch.empty(num_rows, dtype=torch.int8, device=device)
     candidate = torch.empty(num_rows, dtype=torch.int64, device=device)
     kept_from = torch.empty(num_rows, dtype=torch.float32, device=device)
+    searched = torch.empty(num_rows, dtype=torch.int8, device=device)
     block = min(BLOCK, next_pow2(vocab))
     listed_logits = torch.empty(num_rows, block, dtype=logits.dtype, device=device)
     listed_cols = torch.empty(num_rows, block, dtype=torch.int32, device=device)
@@ -358,10 +384,10 @@ def accept_rows_triton(logits: torch.Tensor, draft: torch.Tensor, argmax: torch.
             chunk_logits, chunk_cols, vocab, query_len, n_chunks, CHUNK=chunk, LIST=LIST,
             num_warps=8, **pdl_launch(device))
     row_kernel[(num_rows,)](logits, logits.stride(0), draft, argmax, temperature, top_k, top_p, min_p,
-                            greedy, seed, accepted, candidate, kept_from, listed_logits, listed_cols, stats,
+                            greedy, seed, accepted, candidate, kept_from, searched, listed_logits, listed_cols, stats,
                             counts, chunk_logits, chunk_cols, vocab, query_len, n_chunks, BLOCK=block,
                             LISTING=search != "row", CHUNKED=search == "chunks", CHUNKS=next_pow2(n_chunks),
                             LIST=LIST, num_warps=8, **pdl_launch(device))
     first_rejection[(num_seqs,)](accepted, candidate, out, query_len, QUERY=next_pow2(query_len),
                                  **pdl_launch(device))
-    return out, kept_from
+    return out, kept_from, searched
