@@ -55,9 +55,9 @@ def test_each_row_keeps_the_tokens_the_sampler_keeps():
 def test_every_search_decides_as_searching_the_whole_row(vocab):
     """Chunked (many programs a row: 1 or 3 chunks of 4,096 here), listed (top-k candidates listed
     in one pass) and whole-row searches keep the same tokens, draw the same ones and accept the
-    same drafts, for top-k rows (with top-p and min-p too), temperature-only rows, and rows whose
-    filters the chunks do not cover (top-p or min-p alone, k above the chunks' list); the kept
-    sets are the Sampler's."""
+    same drafts, for top-k rows (with top-p and min-p too), temperature-only rows, top-p or min-p
+    alone and k above the chunks' lists (from the lists where they hold the kept set, else from
+    the row); the kept sets are the Sampler's."""
     torch.manual_seed(5)
     params = [SamplingParams(temperature=0.8, top_k=5),
               SamplingParams(temperature=0.9, top_k=12, top_p=0.8, min_p=0.02),
