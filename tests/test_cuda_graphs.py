@@ -524,7 +524,7 @@ def test_graph_replay_of_quantised_weights_on_int8_activations_equals_eager(quan
     model = build_random_model("tiny", quant, "cuda").model
     model.fuse_projections()
     model.split_quant_rows()
-    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    attn = model.layers[0].self_attn
     row = torch.zeros(1, model.config.hidden_size, device="cuda", dtype=torch.bfloat16)
     if quant == "q4_k_m":  # decode on int8: q and k fused (v in Q6_K), their input rounded by the norm
         assert attn.qk is not None and takes_int8((attn.qk,), row)

@@ -14,7 +14,6 @@ import torch
 from lucebox import LLM, SamplingParams
 from lucebox.engine.cuda_graphs import CudaGraphRunner
 from lucebox.errors import CheckpointError, RequestError
-from lucebox.spec.speculator import MODEL
 
 from .conftest import build_hf_model
 from .spec_fixtures import peaked_model, small_vocab_tokenizer, write_dflash_drafter
