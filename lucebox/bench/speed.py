@@ -377,8 +377,9 @@ def report_rows(r: dict) -> list[tuple[str, str, str, str, str]]:
                      _goal(v["ratio"], GOALS["verify_ratio"], "x", higher=False)))
     if r.get("forced"):
         f = r["forced"]
-        redone = (f", drafts re-recorded {f['rerecorded']}x{'' if f.get('converged', True) else ' NOT CONVERGED'} "
-                  f"(near-ties: equal to plain greedy for {f['equal_to_plain_before']} tokens)") if f.get("rerecorded") else ""
+        unsettled = "" if f.get("converged", True) else " NOT CONVERGED"
+        redone = (f", drafts re-recorded {f['rerecorded']}x{unsettled} (near-ties: equal to plain greedy for "
+                  f"{f['equal_to_plain_before']} tokens)") if f.get("rerecorded") else ""
         rows.append((f"speculative, forced acceptance ({f['draft_tokens']} drafts), tau {f['tau']:.2f}{redone}",
                      f"{_n(f['tok_s'])} tok/s, {f['speedup']:.2f}x plain",
                      f"bound tau x decode / verify = {f['bound']:.2f}x", f"{100 * f['of_bound']:.0f}%",

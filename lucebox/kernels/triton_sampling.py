@@ -142,13 +142,13 @@ def _kernels():
     def _chunk_kernel(logits, stride, draft, temperature, top_k, top_p, min_p, greedy, seed_ptr, stats,
                       counts, chunk_logits, chunk_cols, vocab, query_len, n_chunks,
                       CHUNK: tl.constexpr, LIST: tl.constexpr, PDL: tl.constexpr = False):
-        """Program (row, c) over CHUNK tokens of a sampled row: their max, min and mass (relative to
-        their max); for a row of temperature alone, the chunk's Gumbel race (best score, its
-        column); for a filtered row, the chunk's L-th largest x (L = k for top-k up to LIST, else
-        LIST) and the tokens at or above it, listed: every chunk's list holds all of its tokens at
-        or above the largest of those bounds, so the row's top k, or its top-p / min-p set when
-        that lies above the bound, are in the lists. stats[row, c] = (max, min, L-th, mass, best
-        score), counts[row, c] = (tokens listed, best column)."""
+        """Program (row, c) over CHUNK tokens of a sampled row: their max, min and (without top-k)
+        mass relative to their max; for a row of temperature alone, the chunk's Gumbel race (best
+        score, its column); for a filtered row, the chunk's L-th largest x (L = k for top-k up to
+        LIST, else LIST) and the tokens at or above it, listed: every chunk's list holds all of its
+        tokens at or above the largest of those bounds, so the row's top k, or its top-p / min-p
+        set when that lies above the bound, are in the lists. stats[row, c] = (max, min, L-th,
+        mass, best score), counts[row, c] = (tokens listed, best column)."""
         wait_for_previous_kernel(PDL)
         row = tl.program_id(0)
         c = tl.program_id(1)
@@ -162,7 +162,9 @@ def _kernels():
             x = tl.div_rn(raw, temp)
             m_c = tl.max(x, 0)
             lo_c = tl.min(tl.where(ok, x, float("inf")), 0)
-            mass = tl.sum(tl.where(ok, tl.exp(x - m_c), 0.0), 0)
+            mass = 0.0
+            if k >= vocab:  # the row's mass is read only without top-k (races, top-p / min-p alone)
+                mass = tl.sum(tl.where(ok, tl.exp(x - m_c), 0.0), 0)
             at = row.to(tl.int64) * n_chunks + c
             bound = lo_c
             best = float("-inf")
