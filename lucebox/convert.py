@@ -31,20 +31,13 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from .errors import CheckpointError, LuceboxError, RequestError, UnsupportedError
-from .gguf_vocab import LLAMA3_REGEX, QWEN2_REGEX
 from .model.config import ModelConfig
+from .model.gguf_config import FAMILY_TO_ARCH, ROPE_FREQS, SAMPLING_KEYS, permute_rows, rows_permuted, to_gguf_name
 from .model.loader import read_generation_config
 from .model.rope import inverse_frequencies
 from .model.transformer import Transformer
+from .text.gguf_vocab import LLAMA3_REGEX, QWEN2_REGEX
 from .util import on_meta
-from .weights.gguf_config import (
-    FAMILY_TO_ARCH,
-    ROPE_FREQS,
-    SAMPLING_KEYS,
-    permute_rows,
-    rows_permuted,
-    to_gguf_name,
-)
 from .weights.gguf import FLOAT_TYPES
 from .weights.safetensors import safetensors_files
 
@@ -248,7 +241,7 @@ def _rope_freqs(cfg: ModelConfig) -> np.ndarray | None:
 
 def _write_tokenizer(w: GGUFWriter, hf_dir: Path, cfg: ModelConfig) -> None:
     """Byte-level BPE tokenizer.json -> tokenizer.ggml.* ("gpt2" model), as llama.cpp writes it."""
-    from .tokenizer import Tokenizer
+    from .text.tokenizer import Tokenizer
 
     if not (hf_dir / "tokenizer.json").is_file():
         raise UnsupportedError(f"{hf_dir}: no tokenizer.json; lucebox converts byte-level BPE tokenizers "

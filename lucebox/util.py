@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 
@@ -49,3 +50,32 @@ def host_to_device(values, device, dtype: torch.dtype | None = None) -> torch.Te
     if torch.device(device).type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
+
+
+def smallest_at_least(n: int, sizes) -> int | None:
+    return next((s for s in sorted(sizes) if s >= n), None)
+
+
+class StagedBuffer:
+    """A device buffer a graph reads, written through host staging: on CUDA the staging is pinned
+    and each upload is one asynchronous copy; an event keeps the host from rewriting the staging
+    while the previous copy may still be reading it."""
+
+    def __init__(self, shape, dtype: torch.dtype, device: torch.device):
+        pinned = torch.device(device).type == "cuda"
+        self.host = torch.zeros(shape, dtype=dtype, pin_memory=pinned)
+        self.device = torch.zeros(shape, dtype=dtype, device=device)
+        self._copied = torch.cuda.Event() if pinned else None
+
+    def staging(self) -> np.ndarray:
+        """The host staging, free to write (the previous upload has read it: done by now in practice)."""
+        if self._copied is not None and not self._copied.query():
+            self._copied.synchronize()
+        return self.host.numpy()
+
+    def upload(self, rows: int | None = None) -> None:
+        """Copy the staging (its first `rows` rows) to the device buffer, in stream order."""
+        src, dst = (self.host, self.device) if rows is None else (self.host[:rows], self.device[:rows])
+        dst.copy_(src, non_blocking=self._copied is not None)
+        if self._copied is not None:
+            self._copied.record()

@@ -46,7 +46,7 @@ import torch.nn.functional as F  # noqa: E402
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from lucebox.engine.kv_cache import PagedKVCache  # noqa: E402
+from lucebox.model.kv_cache import PagedKVCache  # noqa: E402
 from lucebox.kernels import dequant, triton_activation, triton_gemv, triton_norm, triton_rope_kv  # noqa: E402
 from lucebox.kernels import triton_dp4a as tdp  # noqa: E402
 from lucebox.kernels import triton_sampling  # noqa: E402
@@ -57,7 +57,7 @@ from lucebox.kernels import triton_quant_int8 as tqi  # noqa: E402
 from lucebox.kernels import triton_quant_matmul as tqm  # noqa: E402
 from lucebox.kernels.attention import paged_attention as attention_dispatch  # noqa: E402
 from lucebox.kernels.attention import paged_attention_reference  # noqa: E402
-from lucebox.model.forward_batch import ForwardBatch  # noqa: E402
+from lucebox.kernels.forward_batch import ForwardBatch  # noqa: E402
 
 # Byte offsets of the fp16 scale fields in one block; random bytes there could be Inf/NaN.
 FP16_FIELDS = {Q.Q8_0: [0], Q.Q4_0: [0], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208], Q.IQ4_XS: [0]}

@@ -1,4 +1,4 @@
-"""Time the in-graph sampler (spec/verify.py: accept_in_graph) by vocabulary size: the Triton kernel
+"""Time the in-graph sampler (sampling/acceptance.py: accept_in_graph) by vocabulary size: the Triton kernel
 (kernels/triton_sampling.py) against the torch reference, in the same run, on random logits.
 
     python scripts/bench_sampler.py            # on a CUDA device
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_kernels import bench_in_graph  # noqa: E402
 from lucebox.kernels.triton_sampling import SEARCHES, accept_rows_triton  # noqa: E402
 from lucebox.sampling import SamplingParams  # noqa: E402
-from lucebox.spec import verify  # noqa: E402
+from lucebox.sampling import acceptance  # noqa: E402
 
 PARAMS = {"T=1": SamplingParams(temperature=1.0),
           "top-k 20, top-p 0.95": SamplingParams(temperature=0.6, top_k=20, top_p=0.95)}
@@ -33,7 +33,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA device")
         return 1
-    verify.use_triton = lambda *tensors: False  # accept_in_graph below is the torch reference
+    acceptance.use_triton = lambda *tensors: False  # accept_in_graph below is the torch reference
     print("| vocab | rows | sampling | " + " | ".join(f"Triton, {s} us" for s in SEARCHES)
           + " | torch us | Triton / torch |\n|---:|---:|---|" + "---:|" * (len(SEARCHES) + 2))
     for vocab in (8192, 32768, 151936):
@@ -48,7 +48,7 @@ def main() -> int:
                 calls = [args] * 16  # one graph of 16 calls; the time is per call
                 searches = [1e3 * bench_in_graph(lambda a, s=search: accept_rows_triton(*a, search=s), calls,
                                                  torch.device("cuda")) for search in SEARCHES]
-                reference = 1e3 * bench_in_graph(lambda a: verify.accept_in_graph(*a), calls, torch.device("cuda"))
+                reference = 1e3 * bench_in_graph(lambda a: acceptance.accept_in_graph(*a), calls, torch.device("cuda"))
                 print(f"| {vocab} | {rows} | {name} | " + " | ".join(f"{t:.0f}" for t in searches)
                       + f" | {reference:.0f} | {searches[0] / reference:.2f} |", flush=True)
     return 0

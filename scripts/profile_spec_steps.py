@@ -28,9 +28,11 @@ from lucebox.bench.prompts import held_out_texts  # noqa: E402
 from lucebox.bench.spec import _decode_one  # noqa: E402
 from lucebox.config import EngineArgs  # noqa: E402
 from lucebox.engine.engine import LLMEngine  # noqa: E402
-from lucebox.engine.runner import ModelRunner, kv_bytes_per_token  # noqa: E402
+from lucebox.engine.runner import ModelRunner  # noqa: E402
+from lucebox.model.kv_cache import kv_bytes_per_token  # noqa: E402
 from lucebox.model.loader import load_model  # noqa: E402
-from lucebox.sampling import Sampler, SamplingParams  # noqa: E402
+from lucebox.sampling import SamplingParams  # noqa: E402
+from lucebox.sampling.sampler import Sampler  # noqa: E402
 from lucebox.spec.dflash import DFlashProposer  # noqa: E402
 from lucebox.spec.speculator import Speculator  # noqa: E402
 
@@ -174,7 +176,7 @@ def step_costs(loaded, steps: int = 200) -> None:
     by the torch reference (a second engine, captured with the reference)."""
     import torch
 
-    from lucebox.spec import verify
+    from lucebox.sampling import acceptance
 
     vocab = loaded.config.vocab_size
     plain, top_p = (SamplingParams(temperature=1.0, **f).graph_row(vocab) for f in ({}, {"top_p": 0.95}))
@@ -183,7 +185,7 @@ def step_costs(loaded, steps: int = 200) -> None:
     tables = {}
     for sampler in ("triton", "torch"):
         if sampler == "torch":
-            verify.use_triton = lambda *tensors: False  # captures from here on take the reference
+            acceptance.use_triton = lambda *tensors: False  # captures from here on take the reference
             columns = {k: v for k, v in columns.items() if "sample" in v}
         # A KV budget of its own: the model keeps the first engine's caches, so planning from the
         # GPU's free memory would leave the second engine nothing.

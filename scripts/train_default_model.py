@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lucebox.gguf_vocab import QWEN2_REGEX  # noqa: E402
+from lucebox.text.gguf_vocab import QWEN2_REGEX  # noqa: E402
 from lucebox.model.config import ModelConfig  # noqa: E402
 from lucebox.model.transformer import Transformer  # noqa: E402
 from lucebox.train import corpus  # noqa: E402

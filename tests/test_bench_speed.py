@@ -6,7 +6,8 @@ import math
 
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
 
 from lucebox.bench import shapes, speed
 from lucebox.cli import main
@@ -244,11 +245,11 @@ def test_the_per_request_median_comes_with_an_interval_that_narrows_with_more_re
     which covers the true median and narrows as requests are added (seeded: deterministic)."""
     import random
 
-    from lucebox.bench.spec import _median_interval
+    from lucebox.bench.spec import median_interval
     rng = random.Random(1)
     few, many = ([rng.gauss(1.0, 0.1) for _ in range(n)] for n in (12, 480))
-    median, low, high = _median_interval(many)
+    median, low, high = median_interval(many)
     assert low <= median <= high and low < 1.0 < high and high - low < 0.04
-    _, low_few, high_few = _median_interval(few)
+    _, low_few, high_few = median_interval(few)
     assert high_few - low_few > 2 * (high - low)
-    assert _median_interval([1.0] * 5) == (1.0, 1.0, 1.0)
+    assert median_interval([1.0] * 5) == (1.0, 1.0, 1.0)

@@ -37,7 +37,7 @@ def test_cli_chat_keeps_the_conversation(hf_models, monkeypatch, capsys):
     lines = iter(["hello", "and again", "/exit"])
     monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
     rendered = []
-    from lucebox.tokenizer import Tokenizer
+    from lucebox.text.tokenizer import Tokenizer
     original = Tokenizer.apply_chat_template
 
     def spy(self, messages, *args, **kwargs):

@@ -22,11 +22,11 @@ from lucebox import LLM, SamplingParams  # noqa: E402
 from lucebox.engine.block_manager import BlockManager  # noqa: E402
 from lucebox.engine.cuda_graphs import CudaGraphRunner, GraphSettings, StaticInputs, batch_buckets  # noqa: E402
 from lucebox.engine.engine import _AheadStep  # noqa: E402
-from lucebox.engine.kv_cache import PagedKVCache  # noqa: E402
 from lucebox.engine.runner import ModelRunner  # noqa: E402
 from lucebox.kernels.attention import paged_attention  # noqa: E402
+from lucebox.kernels.forward_batch import ForwardBatch  # noqa: E402
 from lucebox.model.config import ModelConfig  # noqa: E402
-from lucebox.model.forward_batch import ForwardBatch  # noqa: E402
+from lucebox.model.kv_cache import PagedKVCache  # noqa: E402
 from lucebox.model.transformer import Transformer  # noqa: E402
 
 gpu = pytest.mark.skipif(not ON_GPU, reason="captures CUDA graphs")
@@ -603,7 +603,7 @@ def test_sampling_with_every_processor_never_syncs_with_the_host():
     """Per-request parameters reach the device through pinned, asynchronous copies: a plain
     torch.tensor(..., device="cuda") would wait for the queued forward before the sampling
     kernels could even be launched (the host and GPU would take turns at temperature > 0)."""
-    from lucebox.sampling import Sampler, SamplingState
+    from lucebox.sampling.sampler import Sampler, SamplingState
     logits = torch.randn(3, 50, device="cuda")
     params = [SamplingParams(temperature=0.7, top_k=10, top_p=0.9, min_p=0.05, seed=1),
               SamplingParams(temperature=1.3, repetition_penalty=1.2, presence_penalty=0.5, logit_bias={3: 2.0}),
@@ -635,12 +635,12 @@ def test_an_eager_batch_reaches_the_device_without_a_sync():
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
 def test_decode_graphs_that_sample_draw_from_the_samplers_distribution(device):
-    """spec.verify.accept_in_graph through the padded static decode batch: each row's tokens follow
+    """sampling.acceptance.accept_in_graph through the padded static decode batch: each row's tokens follow
     the distribution `Sampler.processed_probs` gives for its parameters (Pearson, p = 1e-3), and a
     greedy row in the same batch takes the argmax."""
     from collections import Counter
 
-    from lucebox.sampling import Sampler, SamplingState
+    from lucebox.sampling.sampler import Sampler, SamplingState
 
     from .test_spec import chi_square_rejects
     settings = GraphSettings(64, max_batch=4, query_lens=(1,), capture=device == "cuda", sample=True)

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from lucebox import LLM, SamplingParams
+from lucebox.model.feature_ring import FeatureRing, RingRows
 from lucebox.spec import dflash_graphs
 from lucebox.spec.dflash_graphs import DrafterGraphs, context_bucket
-from lucebox.spec.feature_ring import FeatureRing, RingRows
 
 from .spec_fixtures import write_dflash_drafter
 

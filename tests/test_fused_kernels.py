@@ -20,11 +20,19 @@ import copy
 import pytest
 import torch
 
-from .test_triton_kernels import DEVICE, rel_err  # noqa: I001  (sets TRITON_INTERPRET=1 first)
+from lucebox.kernels import (  # noqa: E402
+    activation,
+    fused_linear,
+    norm,
+    rope,
+    triton_activation,
+    triton_gemv,
+    triton_norm,
+    triton_rope_kv,  # noqa: E402
+)
+from lucebox.model.kv_cache import PagedKVCache  # noqa: E402
 
-from lucebox.engine.kv_cache import PagedKVCache  # noqa: E402
-from lucebox.kernels import activation, fused_linear, norm, rope, triton_activation, triton_gemv, triton_norm  # noqa: E402
-from lucebox.kernels import triton_rope_kv  # noqa: E402
+from .test_triton_kernels import DEVICE, rel_err  # noqa: I001  (sets TRITON_INTERPRET=1 first)
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 6
 

@@ -11,8 +11,8 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
 from lucebox.convert import convert_hf_to_gguf
 from lucebox.errors import CheckpointError, LuceboxError, RequestError, UnsupportedError
+from lucebox.model.gguf_config import to_our_name
 from lucebox.model.loader import load_model
-from lucebox.weights.gguf_config import to_our_name
 from lucebox.weights.quant import QuantEmbedding, QuantLinear
 
 from .conftest import FAMILIES, build_hf_model
@@ -155,7 +155,7 @@ def test_qwen2_style_pre_tokenizer_is_named_qwen2_and_tokenizes_the_same(tokeniz
 
     from tokenizers import Regex, Tokenizer, pre_tokenizers
 
-    from lucebox.gguf_vocab import QWEN2_REGEX
+    from lucebox.text.gguf_vocab import QWEN2_REGEX
 
     tok_dir = tmp_path / "tok"
     shutil.copytree(tokenizer_dir, tok_dir)

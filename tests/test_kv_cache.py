@@ -5,11 +5,12 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
-from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
 
-from lucebox.engine.kv_cache import CACHE_TYPES, PagedKVCache, parse_cache_type
 from lucebox.errors import RequestError
 from lucebox.kernels import kv_quant
+from lucebox.model.kv_cache import CACHE_TYPES, PagedKVCache, parse_cache_type
 
 H, D = 4, 128
 OUTLIER_CHANNELS = (3, 45, 70)  # a few channels much larger than the rest, as real keys have

@@ -14,11 +14,11 @@ import sys
 import pytest
 import torch
 
-from .test_triton_kernels import paged_case  # noqa: I001  (sets TRITON_INTERPRET=1 before triton loads)
-
 from lucebox.kernels import prefill_attention as pa  # noqa: E402
 from lucebox.kernels.attention import paged_attention, paged_attention_reference
-from lucebox.model.forward_batch import ForwardBatch
+from lucebox.kernels.forward_batch import ForwardBatch
+
+from .test_triton_kernels import paged_case  # noqa: I001  (sets TRITON_INTERPRET=1 before triton loads)
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"

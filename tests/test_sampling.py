@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from lucebox.errors import RequestError
-from lucebox.sampling import Logprob, Sampler, SamplingParams, SamplingState
-from lucebox.stop import StopChecker
+from lucebox.sampling import Logprob, SamplingParams
+from lucebox.sampling.sampler import Sampler, SamplingState
+from lucebox.text.stop import StopChecker
 
 NEG_INF = float("-inf")
 

@@ -131,7 +131,7 @@ def test_grammar_processor_follows_each_rows_history(tmp_path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from lucebox.server.constrain import GrammarFactory
-    from lucebox.tokenizer import Tokenizer as LTok
+    from lucebox.text.tokenizer import Tokenizer as LTok
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()

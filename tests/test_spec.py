@@ -233,16 +233,16 @@ def test_sampled_tokens_follow_the_target_distribution(method, small_pair, tmp_p
 
 def test_a_wrong_acceptance_rule_fails_the_same_test(small_pair, monkeypatch):
     """Accepting every draft makes the output follow the draft model: the test must notice."""
-    from lucebox.sampling import _exponential_race
-    from lucebox.spec import verify
+    from lucebox.sampling.sampler import exponential_race
+    from lucebox.sampling import acceptance
 
     def always_accept(sampler, logits, seqs, drafts):
         verdicts, row = [], 0
         for seq, draft in zip(seqs, drafts):
             k = len(draft.tokens)
-            p = sampler.processed_probs(logits[row:row + k + 1], verify.row_states(seq, draft.tokens))
-            bonus = int(_exponential_race(p[-1:], [seq])[0])
-            verdicts.append(verify.Verdict(draft.tokens + [bonus], k))
+            p = sampler.processed_probs(logits[row:row + k + 1], acceptance.row_states(seq, draft.tokens))
+            bonus = int(exponential_race(p[-1:], [seq])[0])
+            verdicts.append(acceptance.Verdict(draft.tokens + [bonus], k))
             row += k + 1
         return verdicts
 

@@ -9,7 +9,7 @@ import tokenizers
 from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
 
 from lucebox.errors import CheckpointError, LuceboxError, RequestError, UnsupportedError
-from lucebox.tokenizer import IncrementalDetokenizer, Tokenizer
+from lucebox.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
 # ---- test data -------------------------------------------------------------------------------------
 
@@ -463,7 +463,7 @@ def test_gguf_byte_level_bpe_encodes_like_the_hf_tokenizer_it_came_from(tmp_path
 
 def test_gguf_unknown_pre_tokenizer_falls_back_to_gpt2_with_a_warning(tmp_path, caplog):
     hf = train_byte_level_bpe("gpt-2")
-    with caplog.at_level(logging.WARNING, logger="lucebox.tokenizer"):
+    with caplog.at_level(logging.WARNING, logger="lucebox.text.tokenizer"):
         tok = Tokenizer.from_gguf(gguf_from_hf(tmp_path / "t.gguf", hf, "some-future-model"))
     assert "some-future-model" in caplog.text
     assert tok.encode(TEXTS[0]) == hf.encode(TEXTS[0]).ids

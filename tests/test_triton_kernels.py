@@ -26,15 +26,16 @@ if TRITON_IMPORTED_TOO_EARLY:
     raise RuntimeError("triton was imported before tests/test_triton_kernels.py could set TRITON_INTERPRET=1: "
                        "keep Triton imports lazy (inside functions), or export TRITON_INTERPRET=1")
 
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q  # noqa: E402
+from gguf import GGML_QUANT_SIZES  # noqa: E402
+from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize as gguf_quantize  # noqa: E402
 
-from lucebox.engine.kv_cache import PagedKVCache  # noqa: E402
 from lucebox.kernels import dequant, triton_norm  # noqa: E402
 from lucebox.kernels import triton_paged_attention as tpa  # noqa: E402
 from lucebox.kernels import triton_quant_matmul as tqm  # noqa: E402
 from lucebox.kernels.attention import paged_attention  # noqa: E402
-from lucebox.model.forward_batch import ForwardBatch  # noqa: E402
+from lucebox.kernels.forward_batch import ForwardBatch  # noqa: E402
+from lucebox.model.kv_cache import PagedKVCache  # noqa: E402
 from lucebox.weights.quant import QuantLinear, QuantTensor, quant_matmul  # noqa: E402
 
 from .test_quant import random_rows  # noqa: E402
@@ -47,8 +48,8 @@ def _patch_interpreter_bfloat16() -> None:
     """Make Triton's interpreter treat bfloat16 as a GPU does. It stores bf16 as raw uint16, so its
     tl.dot multiplies the bit patterns, and it truncates float32 -> bf16 where GPUs round to
     nearest even. Neither reaches compiled kernels; patched so the bf16 kernel paths are tested."""
-    from triton.runtime import interpreter as interp
     import triton.language as tl
+    from triton.runtime import interpreter as interp
 
     builder = interp.InterpreterBuilder
     if getattr(builder, "_lucebox_bf16", False):

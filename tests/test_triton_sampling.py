@@ -13,11 +13,12 @@ from collections import Counter
 import pytest
 import torch
 
-from .test_triton_kernels import DEVICE  # noqa: I001  (sets TRITON_INTERPRET=1 before triton loads)
 from lucebox.kernels.triton_sampling import accept_rows_triton
-from lucebox.sampling import Sampler, SamplingParams, SamplingState
+from lucebox.sampling import SamplingParams
+from lucebox.sampling.sampler import Sampler, SamplingState
 
 from .test_spec import chi_square_rejects
+from .test_triton_kernels import DEVICE  # noqa: I001  (sets TRITON_INTERPRET=1 before triton loads)
 from .test_verify import FIXED_DRAFTS, P, correction_from_p, exact_outcomes, one_hot
 
 FILTERS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=5),

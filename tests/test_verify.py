@@ -13,10 +13,9 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from lucebox.sampling import Sampler, SamplingParams, SamplingState
-from lucebox.spec import verify
-from lucebox.spec.proposer import Draft
-from lucebox.spec.verify import Verdict, accept_batch, row_states
+from lucebox.sampling import SamplingParams, acceptance
+from lucebox.sampling.acceptance import Draft, Verdict, accept_batch, row_states
+from lucebox.sampling.sampler import Sampler, SamplingState
 
 from .test_spec import chi_square_rejects
 
@@ -77,7 +76,7 @@ def test_host_argmax_rule_equals_the_batch_rule_for_unprocessed_greedy_rows():
     seqs = [Seq(SamplingParams(temperature=0)) for _ in seqs]  # nothing processes the logits
     logits = torch.cat(rows)
     assert all(s.params.argmax_only(0) for s in seqs)
-    verdicts = verify.accept_argmax(logits.argmax(-1).tolist(), drafts)
+    verdicts = acceptance.accept_argmax(logits.argmax(-1).tolist(), drafts)
     assert verdicts == accept_batch(sampler, logits, seqs, drafts)
     assert len({v.num_accepted for v in verdicts}) > 3
 
@@ -191,7 +190,7 @@ def test_greedy_sequences_of_the_sampled_batch_take_the_argmax(sampled_verdicts)
 
 def test_a_wrong_residual_fails_the_same_test(monkeypatch):
     """Drawing the correction from p instead of max(0, p - q) skews the first token away from p0."""
-    monkeypatch.setattr(verify, "_residual", lambda probs, q, chosen, meta: probs[chosen])
+    monkeypatch.setattr(acceptance, "_residual", lambda probs, q, chosen, meta: probs[chosen])
     seqs, drafts, logits = sampled_batch(SAMPLES)
     verdicts = accept_batch(Sampler(), logits, seqs, drafts)
     rejected, stat, critical = chi_square_rejects(committed(verdicts, 0), exact_outcomes(P, Q), SAMPLES)
@@ -245,7 +244,7 @@ def in_graph_verdicts(n: int, device: str = "cpu") -> list[Verdict]:
     temperature, top_k, top_p, min_p, greedy = (torch.tensor(col, device=device) for col in zip(*rows))
     logits = P.float().log().repeat(len(params), 1).to(device)
     draft = torch.tensor([(drafts[i % GRAPH_KINDS] + [-1] * 3)[:3] for i in range(len(params))], device=device)
-    out = verify.accept_in_graph(logits, draft.view(-1), logits.argmax(-1), temperature.float(), top_k,
+    out = acceptance.accept_in_graph(logits, draft.view(-1), logits.argmax(-1), temperature.float(), top_k,
                                  top_p.float(), min_p.float(), greedy, torch.tensor([12345], device=device))
     return [Verdict(drafts[i % GRAPH_KINDS][:a] + [t], a) for i, (a, t) in enumerate(out.tolist())]
 

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from ..engine.engine import LLMEngine
 from ..sampling import SamplingParams
-from ..spec.proposer import Draft, Proposer
+from ..sampling.acceptance import Draft
+from ..spec.proposer import Proposer
 
 MAX_RERECORDINGS = 16
 
@@ -47,13 +48,13 @@ class RecordedContinuationProposer(Proposer):
 def forced_phase(loaded, args, engine_args, verify: dict, prompt: list[int], draft_tokens: int) -> dict:
     """Plain greedy decoding of `prompt`, then the same with forced-acceptance drafts of
     `draft_tokens`; medians over args.repeats runs after a warm-up each."""
-    from .spec import _decode, _median
+    from .spec import decode_runs, median_of
     params = SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
     max_len = len(prompt) + args.decode_tokens + 2 * (draft_tokens + 1)
 
     def measure(engine: LLMEngine) -> dict:
-        _decode(engine, [prompt], params)  # warm-up (and, for the plain engine, the recording)
-        return _median([_decode(engine, [prompt], params) for _ in range(args.repeats)])
+        decode_runs(engine, [prompt], params)  # warm-up (and, for the plain engine, the recording)
+        return median_of([decode_runs(engine, [prompt], params) for _ in range(args.repeats)])
 
     plain_engine = LLMEngine(loaded, engine_args(args, max_len, loaded))
     plain_output = greedy_output(plain_engine, prompt, params)

@@ -26,15 +26,16 @@ import sys
 from pathlib import Path
 
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
 
 from ..errors import RequestError
-from ..kernels.dequant import _IQ4_KVALUES
+from ..kernels.dequant import IQ4_KVALUES
+from ..model.assign import assign, empty_model
 from ..model.config import ModelConfig
 from ..model.loader import LoadedModel
 from ..model.transformer import Transformer
 from ..util import on_meta
-from ..weights.load import assign, empty_model
 from ..weights.quant import QuantEmbedding, QuantLinear, QuantTensor
 
 _QWEN3 = dict(model_type="qwen3", head_dim=128, vocab_size=151936, max_position_embeddings=40960,
@@ -99,7 +100,7 @@ _LAYOUT = {
     Q.Q4_K: (0, _k_quant_std(16), 2, 7.5),
     Q.Q5_K: (0, _k_quant_std(32), 2, 15.5),
     Q.Q6_K: (208, _RMS_INT8 * _uniform_rms(range(-32, 32)), None, 0.0),
-    Q.IQ4_XS: (0, _uniform_rms(range(-32, 32)) * _uniform_rms(_IQ4_KVALUES), None, 0.0),
+    Q.IQ4_XS: (0, _uniform_rms(range(-32, 32)) * _uniform_rms(IQ4_KVALUES), None, 0.0),
 }
 
 
@@ -129,9 +130,10 @@ def _qtype_for(name: str, quant: str, tied: bool) -> Q:
 def _random_tokenizer(vocab_size: int):
     """A real tokenizer over the whole vocabulary (token i is the word `t<i>`), so the engine's
     detokenizer does the work it does for a real model at every step."""
-    from tokenizers import Tokenizer as Backend, models, pre_tokenizers
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import models, pre_tokenizers
 
-    from ..tokenizer import Tokenizer
+    from ..text.tokenizer import Tokenizer
     backend = Backend(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return Tokenizer(backend, name=f"random word-level vocabulary of {vocab_size}")

@@ -22,13 +22,13 @@ import torch
 
 from ..config import EngineArgs
 from ..engine.engine import LLMEngine
-from ..engine.runner import kv_bytes_per_token
+from ..model.kv_cache import kv_bytes_per_token
 from ..model.loader import load_model
 from ..sampling import SamplingParams
 from .prompts import held_out_texts
 
 
-def _decode_one(engine: LLMEngine, prompt: list[int], params: SamplingParams, rid: str) -> dict:
+def decode_one(engine: LLMEngine, prompt: list[int], params: SamplingParams, rid: str) -> dict:
     engine.add_request(rid, {"prompt_token_ids": prompt}, params)
     out = None
     while engine.has_unfinished():
@@ -49,8 +49,8 @@ def _totals(parts: list[dict]) -> dict:
                 acceptance=t["accepted_tokens"] / drafts if drafts else 0.0)
 
 
-def _decode(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> dict:
-    return _totals([_decode_one(engine, p, params, f"s{i}") for i, p in enumerate(prompts)])
+def decode_runs(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> dict:
+    return _totals([decode_one(engine, p, params, f"s{i}") for i, p in enumerate(prompts)])
 
 
 def _spec_config(config: dict, args) -> dict:
@@ -60,7 +60,7 @@ def _spec_config(config: dict, args) -> dict:
     return spec
 
 
-def _median_interval(values: list[float], resamples: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+def median_interval(values: list[float], resamples: int = 2000, seed: int = 0) -> tuple[float, float, float]:
     """(median, low, high): the median and its bootstrap 95% interval (NaNs with no values)."""
     if not values:
         return float("nan"), float("nan"), float("nan")
@@ -69,7 +69,7 @@ def _median_interval(values: list[float], resamples: int = 2000, seed: int = 0) 
     return statistics.median(values), medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
 
 
-def _median(results: list[dict]) -> dict:
+def median_of(results: list[dict]) -> dict:
     """The run with the median tok/s (tau and counts come from that same run)."""
     return sorted(results, key=lambda r: r["tok_s"])[len(results) // 2]
 
@@ -105,7 +105,7 @@ def run(args) -> dict:
                                                        async_decode=args.async_decode)))
                    for name, spec in configs]
         for _, engine in engines:
-            _decode(engine, prompts[:1], params)  # warm-up
+            decode_runs(engine, prompts[:1], params)  # warm-up
             engine.step_counts.clear()
         gc.collect()
         gc.freeze()  # as `lucebox serve` does: no full collection stalls one configuration's steps
@@ -118,7 +118,7 @@ def run(args) -> dict:
             for i, prompt in enumerate(prompts):
                 turn = (r + i) % len(engines)
                 for name, engine in engines[turn:] + engines[:turn]:
-                    parts[name].append(_decode_one(engine, prompt, params, f"r{r}p{i}"))
+                    parts[name].append(decode_one(engine, prompt, params, f"r{r}p{i}"))
             for name in runs:
                 runs[name].append(_totals(parts[name]))
                 per_request[name] += [(p["tokens"] / p["seconds"]) / (c["tokens"] / c["seconds"])
@@ -128,8 +128,8 @@ def run(args) -> dict:
             # Paired by repeat: each repeat's ratio to plain decoding of the same prompts in the same
             # pass, so drift between passes cancels; the median ratio and the range over repeats.
             ratios = sorted(r["tok_s"] / p["tok_s"] for r, p in zip(runs[name], runs["plain"]))
-            median, low, high = _median_interval(per_request[name])
-            rows.append({"method": name, "temperature": temperature, **_median(runs[name]),
+            median, low, high = median_interval(per_request[name])
+            rows.append({"method": name, "temperature": temperature, **median_of(runs[name]),
                          "speedup": ratios[len(ratios) // 2], "speedup_range": [ratios[0], ratios[-1]],
                          "per_request_vs_control": median, "per_request_interval": [low, high],
                          "repeats": args.repeats, "steps": dict(dict(engines)[name].step_counts)})

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 
 from ..config import EngineArgs
 from ..engine.engine import LLMEngine
-from ..engine.runner import kv_bytes_per_token
 from ..errors import RequestError
+from ..model.kv_cache import kv_bytes_per_token
 from ..model.loader import resolve_device
 from ..sampling import SamplingParams
 from ..util import common_prefix
@@ -200,7 +200,7 @@ def verify_phase(loaded, args, context: int, kv: int, ref, clock) -> dict:
     like a speculating engine, it keeps CUDA-graph buckets for verify steps too. The K/V read is
     whatever the pool holds: the timing does not depend on it."""
     spec = {"method": "ngram", "num_speculative_tokens": VERIFY_TOKENS - 1, "adaptive": False}
-    engine = LLMEngine(loaded, _engine_args(args, context + 2 * VERIFY_TOKENS, loaded, speculative_config=spec))
+    engine = LLMEngine(loaded, engine_args(args, context + 2 * VERIFY_TOKENS, loaded, speculative_config=spec))
     blocks, table = engine.scheduler.blocks, []
     blocks.allocate(table, context + VERIFY_TOKENS)
     run, calls = engine.runner.run, 4 * args.repeats
@@ -219,7 +219,7 @@ def verify_phase(loaded, args, context: int, kv: int, ref, clock) -> dict:
 def spec_phase(loaded, args, rng) -> dict:
     """tau and speedup on the same prompts, plain then speculative, each engine built for them."""
     from .prompts import held_out_texts
-    from .spec import _decode, _median
+    from .spec import decode_runs, median_of
     if loaded.format == "random":  # a random model's text means nothing: random ids (expect a low tau)
         prompts = [[rng.randrange(loaded.config.vocab_size) for _ in range(256)] for _ in range(4)]
     else:
@@ -231,9 +231,9 @@ def spec_phase(loaded, args, rng) -> dict:
     max_len = max(map(len, prompts)) + args.decode_tokens + 64
 
     def measure(**extra) -> dict:
-        engine = LLMEngine(loaded, _engine_args(args, max_len, loaded, **extra))
-        _decode(engine, prompts[:1], params)  # warm-up
-        return _median([_decode(engine, prompts, params) for _ in range(args.repeats)])
+        engine = LLMEngine(loaded, engine_args(args, max_len, loaded, **extra))
+        decode_runs(engine, prompts[:1], params)  # warm-up
+        return median_of([decode_runs(engine, prompts, params) for _ in range(args.repeats)])
     plain, spec = measure(), measure(kv_factor=4, speculative_config=config)
     return {"method": config["method"], "draft": args.draft, "prompts": len(prompts), "tau": spec["tau"],
             "acceptance": spec["acceptance"], "tok_s": spec["tok_s"], "plain_tok_s": plain["tok_s"],
@@ -262,7 +262,7 @@ def peer_phase(loaded, quant: str, args, device, last: dict, at: int, decode: li
             "transformers": shapes.version("transformers")}
 
 
-def _engine_args(args, max_len: int, loaded, kv_factor: int = 1, **extra) -> EngineArgs:
+def engine_args(args, max_len: int, loaded, kv_factor: int = 1, **extra) -> EngineArgs:
     """Batch 1, no prefix caching (every run must prefill), a KV pool of one context so the rest of the
     memory stays free (the peer needs it); kv_factor > 1 leaves room for a drafter's KV."""
     per_token = kv_bytes_per_token(loaded.model, args.cache_type_k, args.cache_type_v)
@@ -303,7 +303,7 @@ def run(args: argparse.Namespace) -> dict:
     prompt_lens = [] if "prefill" in skip else _lengths(args.prompt_lens, "prompt-lens", limit, fits, notes)
     contexts = [] if "decode" in skip else _lengths(args.contexts, "contexts", limit, fits, notes)
     longest = max([64, *prompt_lens, *contexts]) + args.decode_tokens + VERIFY_TOKENS
-    engine = LLMEngine(loaded, _engine_args(args, longest, loaded))
+    engine = LLMEngine(loaded, engine_args(args, longest, loaded))
     _request(engine, clock, [1] * 32, 4)  # first-call costs (kernel compilation) stay out of every figure
     result["prefill"], result["decode"], last = engine_phase(engine, loaded, args, prompt_lens, contexts, kv,
                                                              result["reference"], clock, rng)
@@ -315,7 +315,7 @@ def run(args: argparse.Namespace) -> dict:
         _say(f"verify {VERIFY_TOKENS} tokens / decode step: {result['verify']['ratio']:.2f}x")
         if "forced" not in skip:
             prompt = [rng.randrange(loaded.config.vocab_size) for _ in range(at)]
-            f = result["forced"] = forced_phase(loaded, args, _engine_args, result["verify"], prompt,
+            f = result["forced"] = forced_phase(loaded, args, engine_args, result["verify"], prompt,
                                                 VERIFY_TOKENS - 1)
             _say(f"forced acceptance: tau {f['tau']:.2f}, {f['speedup']:.2f}x (bound {f['bound']:.2f}x)")
     if device.type == "cuda":  # lucebox's own peak: weights, the KV of the longest context, activations

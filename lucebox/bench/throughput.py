@@ -13,8 +13,7 @@ import torch
 
 from ..config import EngineArgs
 from ..engine.engine import LLMEngine
-from ..engine.kv_cache import CACHE_TYPES
-from ..engine.runner import kv_bytes_per_token
+from ..model.kv_cache import CACHE_TYPES, kv_bytes_per_token
 from ..model.loader import load_model
 from ..sampling import SamplingParams
 

@@ -32,9 +32,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..model.forward_batch import ForwardBatch
-from ..spec.feature_ring import RingRows
-from ..spec.verify import accept_in_graph
+from ..kernels.forward_batch import ForwardBatch
+from ..model.feature_ring import RingRows
+from ..sampling.acceptance import accept_in_graph
+from ..util import StagedBuffer, smallest_at_least
 
 log = logging.getLogger("lucebox")
 
@@ -54,7 +55,7 @@ class GraphSettings:
     # False: run the padded static batches eagerly instead of replaying graphs. The padding and the
     # static buffers are then exercised on any device (how CPU tests check them).
     capture: bool = True
-    # Graphs that also sample and accept (spec.verify.accept_in_graph): a decode or verify step of
+    # Graphs that also sample and accept (sampling.acceptance.accept_in_graph): a decode or verify step of
     # graph-samplable rows with deterministic drafts copies back (accepted, token) per sequence, not
     # logits to process with the host's launches.
     sample: bool = True
@@ -63,35 +64,6 @@ class GraphSettings:
 def batch_buckets(max_batch: int) -> list[int]:
     """1, 2, 4, ... below max_batch, then max_batch itself."""
     return [b for b in (1 << i for i in range(max_batch.bit_length())) if b < max_batch] + [max_batch]
-
-
-def smallest_at_least(n: int, sizes) -> int | None:
-    return next((s for s in sorted(sizes) if s >= n), None)
-
-
-class StagedBuffer:
-    """A device buffer a graph reads, written through host staging: on CUDA the staging is pinned
-    and each upload is one asynchronous copy; an event keeps the host from rewriting the staging
-    while the previous copy may still be reading it."""
-
-    def __init__(self, shape, dtype: torch.dtype, device: torch.device):
-        pinned = torch.device(device).type == "cuda"
-        self.host = torch.zeros(shape, dtype=dtype, pin_memory=pinned)
-        self.device = torch.zeros(shape, dtype=dtype, device=device)
-        self._copied = torch.cuda.Event() if pinned else None
-
-    def staging(self) -> np.ndarray:
-        """The host staging, free to write (the previous upload has read it: done by now in practice)."""
-        if self._copied is not None and not self._copied.query():
-            self._copied.synchronize()
-        return self.host.numpy()
-
-    def upload(self, rows: int | None = None) -> None:
-        """Copy the staging (its first `rows` rows) to the device buffer, in stream order."""
-        src, dst = (self.host, self.device) if rows is None else (self.host[:rows], self.device[:rows])
-        dst.copy_(src, non_blocking=self._copied is not None)
-        if self._copied is not None:
-            self._copied.record()
 
 
 class StaticInputs:

@@ -5,22 +5,25 @@ import collections
 import itertools
 import logging
 import time
+from dataclasses import replace
 
 import torch
 
 from ..config import EngineArgs
 from ..errors import ContextLengthError, OverloadError, RequestError
+from ..model.kv_cache import kv_bytes_per_token
 from ..model.loader import LoadedModel
 from ..outputs import CompletionOutput, RequestMetrics, RequestOutput
-from ..sampling import Sampler, SamplerOutput, SamplingParams, _raw_logprobs, make_generator
+from ..sampling import SamplingParams
+from ..sampling.acceptance import Verdict, accept_argmax, accept_batch, verdicts_of
+from ..sampling.sampler import Sampler, SamplerOutput, make_generator, raw_logprobs
 from ..spec.factory import make_speculator
-from ..spec.verify import Verdict, accept_argmax, accept_batch, verdicts_of
-from ..stop import StopChecker
-from ..tokenizer import IncrementalDetokenizer
+from ..text.stop import StopChecker
+from ..text.tokenizer import IncrementalDetokenizer
 from ..util import host_to_device
 from .block_manager import BlockManager
 from .cuda_graphs import DeferredStep, GraphSettings
-from .runner import ModelRunner, kv_bytes_per_token
+from .runner import ModelRunner
 from .scheduler import Scheduler
 from .sequence import Sequence
 
@@ -55,7 +58,13 @@ class LLMEngine:
                                    on_release=self.speculator.release if self.speculator else None)
         if self.speculator is not None:
             proposer = self.speculator.proposer
-            proposer.allocate(num_blocks, args.block_size, self.scheduler.blocks, graphs)
+            runner = None
+            if proposer.runs_model is not None:
+                # The target's graph buckets fit a draft model: a catch-up feed is at most 1 + k tokens,
+                # then 1 a step. Drafts are sampled on the host (verification needs their q): no sampling graphs.
+                runner = ModelRunner(proposer.runs_model, num_blocks, args.block_size,
+                                     graphs=replace(graphs, sample=False) if graphs is not None else None)
+            proposer.allocate(num_blocks, args.block_size, self.scheduler.blocks, graphs, runner)
             if proposer.feature_ring is not None:
                 self.runner.set_feature_ring(proposer.feature_ring)
             proposer.capture_graphs()
@@ -401,7 +410,7 @@ class LLMEngine:
             rows += range(starts[i], starts[i] + n)
             tokens += verdicts[i].tokens
             num += [seqs[i].params.logprobs] * n
-        tensors = _raw_logprobs(logits[rows], host_to_device(tokens, logits.device), num)
+        tensors = raw_logprobs(logits[rows], host_to_device(tokens, logits.device), num)
         dicts = iter(SamplerOutput(torch.tensor(tokens), tensors).logprob_dicts(self.tokenizer.id_to_token))
         for i in want:
             out[i] = [next(dicts) for _ in verdicts[i].tokens]

@@ -6,21 +6,13 @@ import logging
 import torch
 
 from ..kernels.attention import uses_triton
-from ..model.forward_batch import ForwardBatch
+from ..kernels.forward_batch import ForwardBatch
+from ..model.kv_cache import PagedKVCache, parse_cache_type
 from ..model.transformer import Transformer
 from ..util import host_to_device
 from .cuda_graphs import CudaGraphRunner, DeferredStep, GraphSettings
-from .kv_cache import PagedKVCache, bytes_per_value, parse_cache_type
 
 log = logging.getLogger("lucebox")
-
-
-def kv_bytes_per_token(model: Transformer, cache_type_k: str = "auto", cache_type_v: str = "auto") -> int:
-    """KV bytes one token costs across all layers, K and V, scales included."""
-    cfg = model.config
-    per_value = (bytes_per_value(parse_cache_type(cache_type_k, model.dtype, "--cache-type-k"), cfg.head_dim)
-                 + bytes_per_value(parse_cache_type(cache_type_v, model.dtype, "--cache-type-v"), cfg.head_dim))
-    return round(cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * per_value)
 
 
 class ModelRunner:

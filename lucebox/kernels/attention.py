@@ -1,6 +1,6 @@
 """Paged attention: which implementation runs, and the plain-torch reference they all answer to.
 
-K/V live in paged stores (engine/kv_cache.PagedKVCache: [num_blocks, block_size, kv_heads,
+K/V live in paged stores (model/kv_cache.PagedKVCache: [num_blocks, block_size, kv_heads,
 head_dim] in the chosen cache type, gathered back as floats). Each sequence's new
 queries attend causally to its cached context and to themselves; a layer with a sliding window
 sees only keys with q_pos - k_pos < window.
@@ -22,9 +22,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..model.forward_batch import ForwardBatch
 from . import prefill_attention as pa
 from .dispatch import use_triton
+from .forward_batch import ForwardBatch
 
 
 def paged_attention(q: torch.Tensor, k_cache, v_cache, batch: ForwardBatch, scale: float,

@@ -8,12 +8,13 @@ each (`d * q - m`, never a fused multiply-add). A Triton kernel can later be dis
 from __future__ import annotations
 
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
 
 from lucebox.errors import UnsupportedError
 
 # IQ4_NL / IQ4_XS map each 4-bit index through this non-linear codebook.
-_IQ4_KVALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+IQ4_KVALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:
@@ -122,7 +123,7 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
 
 
 def _iq4_lookup(q: torch.Tensor) -> torch.Tensor:
-    table = torch.tensor(_IQ4_KVALUES, dtype=torch.float32, device=q.device)
+    table = torch.tensor(IQ4_KVALUES, dtype=torch.float32, device=q.device)
     return table[q.long()]
 
 

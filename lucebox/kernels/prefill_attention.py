@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..model.forward_batch import ForwardBatch
+from .forward_batch import ForwardBatch
 
 # Sequences bringing at least this many new tokens take this path. Below it (decode, speculative
 # verify of up to 32 tokens) the Triton kernel reads the paged cache in place, while this path

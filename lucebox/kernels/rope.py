@@ -29,7 +29,7 @@ def rope_and_write_kv_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                                 sin: torch.Tensor, k_cache, v_cache, slot_mapping: torch.Tensor,
                                 qk_norm: QKNorm | None = None) -> torch.Tensor:
     """q [T, Hq, D], k and v [T, Hkv, D]; cos/sin [T, D] in q's dtype; k_cache / v_cache are
-    engine/kv_cache.PagedKVCache; slot_mapping [T]; qk_norm: (q weight, k weight, eps) of an
+    model/kv_cache.PagedKVCache; slot_mapping [T]; qk_norm: (q weight, k weight, eps) of an
     RMSNorm over each head applied to q and k first (Qwen3). Writes rotated k and v into their
     slots and returns rotated q."""
     if qk_norm is not None:

@@ -19,11 +19,11 @@ BLOCK = 1024
 @functools.cache
 def _kernel():
     """Defined on first use: importing this module must not import Triton (see triton_norm)."""
-    global triton, tl, wait_for_previous_kernel, _store_rounded
+    global triton, tl, wait_for_previous_kernel, store_rounded
     import triton
     import triton.language as tl
 
-    from .triton_dp4a import _store_rounded
+    from .triton_dp4a import store_rounded
     from .triton_pdl import wait_for_previous_kernel
 
     @triton.jit
@@ -42,7 +42,7 @@ def _kernel():
         tl.store(out + row * stride_o + cols, h, mask=ok)
         if ROUND:  # the output rounded to int8 too, for products on int8 activations
             b = tl.program_id(1) * (BLOCK_N // 32) + tl.arange(0, BLOCK_N // 32)
-            _store_rounded(q_ptr + row * stride_q, tl.reshape(h.to(tl.float32), [BLOCK_N // 32, 32]), b,
+            store_rounded(q_ptr + row * stride_q, tl.reshape(h.to(tl.float32), [BLOCK_N // 32, 32]), b,
                            b < n // 32, n // 32)
 
     return _silu_mul_kernel

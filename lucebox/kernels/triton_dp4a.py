@@ -5,7 +5,7 @@ decides where a model takes them (`faster`).
 The float kernels spend ~7.4 SASS instructions a Q4_K weight (sm_90: unpack, convert, scale,
 multiply-add), which held Q4_K at ~27-31% of the H200's bandwidth (BENCHMARKS, twelfth round). As
 in llama.cpp's MMVQ, the activation row is rounded to int8 per 32 values first (x ~ xd * qx; one
-launch, `quantize_rows`, or by the kernel that makes x: `_store_rounded`), and a weight word of
+launch, `quantize_rows`, or by the kernel that makes x: `store_rounded`), and a weight word of
 four nibbles meets four activation bytes in one `dp4a` (PTX through `tl.inline_asm_elementwise`):
 a Q4_K super-block is 32 words of nibble pairs, `word & 0x0F0F0F0F` the low nibbles of four
 consecutive values and `(word >> 4) & 0x0F0F0F0F` the high ones, the matching activations one
@@ -31,7 +31,7 @@ from gguf import GGMLQuantizationType as Q
 
 from .dispatch import interpreting, pdl_launch
 from .triton_pdl import wait_for_previous_kernel
-from .triton_quant_matmul import _f16, _one_row_program, _store_one_row, one_row_gemv
+from .triton_quant_matmul import f16, one_row_gemv, one_row_program, store_one_row
 
 QK = 32  # values per activation scale (and per Q4_K sub-block)
 SUPER = 256  # values per Q4_K super-block; the kernel spells both as literals
@@ -53,7 +53,7 @@ def _dp4a(a, b, c, ASM: tl.constexpr):
 
 
 @triton.jit
-def _scales_mins(w1, w2, w3, j):
+def scales_mins(w1, w2, w3, j):
     """6-bit (scale, min) of sub-blocks j (an int32 tile) of the super-blocks whose 12 scale bytes
     are the words w1..w3 ([BLOCK_N]): tiles [BLOCK_N, len(j)] in float32."""
     w1, w2, w3 = w1[:, None], w2[:, None], w3[:, None]
@@ -65,7 +65,7 @@ def _scales_mins(w1, w2, w3, j):
 
 
 @triton.jit
-def _store_rounded(row, x, b, ok, n_blocks):
+def store_rounded(row, x, b, ok, n_blocks):
     """Round x [BLOCKS, 32] (float32: the values of 32-value blocks b of one row, ok where b exists)
     to int8 per block and store them into the row's packed form at byte pointer `row` (see
     quantize_rows): int8 values, float32 scales d and d * sum(q), rounding half away from zero.
@@ -91,7 +91,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, n_blocks, stride_xm, stride_qm, BLOCKS: 
     ok = b < n_blocks
     cols = b[:, None] * 32 + tl.arange(0, 32)[None, :]
     x = tl.load(x_ptr + tl.program_id(1) * stride_xm + cols, mask=ok[:, None], other=0.0).to(tl.float32)
-    _store_rounded(q_ptr + tl.program_id(1) * stride_qm, x, b, ok, n_blocks)
+    store_rounded(q_ptr + tl.program_id(1) * stride_qm, x, b, ok, n_blocks)
 
 
 def rounded_rows_like(x2: torch.Tensor) -> torch.Tensor:
@@ -122,7 +122,7 @@ def _q4_k_dp4a_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_p
                       stride_os, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
                       ASM: tl.constexpr = _ASM, STAGES: tl.constexpr = 1, PDL: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
-    rn, row, u0, u1 = _one_row_program(w_ptr, N, row_bytes, n_units, units_per_prog, BLOCK_N)
+    rn, row, u0, u1 = one_row_program(w_ptr, N, row_bytes, n_units, units_per_prog, BLOCK_N)
     xq = x_ptr.to(tl.pointer_type(tl.int32))  # quantize_rows' row: int8 values as words,
     xd = (x_ptr + n_units * 256).to(tl.pointer_type(tl.float32))  # then the scales,
     xs = xd + n_units * 8  # then the scaled sums
@@ -132,22 +132,22 @@ def _q4_k_dp4a_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_p
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for u in tl.range(u0, u1, num_stages=STAGES):
         base = row + u * 144  # d, dmin, 12 scale bytes, 128 nibble bytes
-        d = _f16(base)
-        dmin = _f16(base + 2)
+        d = f16(base)
+        dmin = f16(base + 2)
         sw = (base + 4).to(tl.pointer_type(tl.int32))
         w1, w2, w3 = tl.load(sw), tl.load(sw + 1), tl.load(sw + 2)
         q = tl.load((base + 16).to(tl.pointer_type(tl.int32))[:, None, None] + word[None])  # [BLOCK_N, 4, 8]
         zero = tl.zeros_like(q)
         lo = tl.sum(_dp4a(q & 0x0F0F0F0F, tl.load(xq + u * 64 + x_word)[None], zero, ASM), axis=2)
         hi = tl.sum(_dp4a((q >> 4) & 0x0F0F0F0F, tl.load(xq + u * 64 + 8 + x_word)[None], zero, ASM), axis=2)
-        sc_lo, m_lo = _scales_mins(w1, w2, w3, 2 * g)  # sub-blocks 2g (low nibbles) and 2g + 1
-        sc_hi, m_hi = _scales_mins(w1, w2, w3, 2 * g + 1)
+        sc_lo, m_lo = scales_mins(w1, w2, w3, 2 * g)  # sub-blocks 2g (low nibbles) and 2g + 1
+        sc_hi, m_hi = scales_mins(w1, w2, w3, 2 * g + 1)
         xd_lo, xd_hi = tl.load(xd + u * 8 + 2 * g)[None, :], tl.load(xd + u * 8 + 2 * g + 1)[None, :]
         xs_lo, xs_hi = tl.load(xs + u * 8 + 2 * g)[None, :], tl.load(xs + u * 8 + 2 * g + 1)[None, :]
         dots = sc_lo * xd_lo * lo.to(tl.float32) + sc_hi * xd_hi * hi.to(tl.float32)  # [BLOCK_N, 4]
         mins = m_lo * xs_lo + m_hi * xs_hi
         acc += d * tl.sum(dots, axis=1) - dmin * tl.sum(mins, axis=1)
-    _store_one_row(acc, rn, N, o_ptr, stride_os, b_ptr, HAS_BIAS)
+    store_one_row(acc, rn, N, o_ptr, stride_os, b_ptr, HAS_BIAS)
 
 
 @triton.jit
@@ -155,7 +155,7 @@ def _q8_0_split_dp4a_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, u
                             stride_os, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
                             ASM: tl.constexpr = _ASM, STAGES: tl.constexpr = 1, PDL: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
-    rn, row, u0, u1 = _one_row_program(w_ptr, N, row_bytes, n_units, units_per_prog, BLOCK_N)
+    rn, row, u0, u1 = one_row_program(w_ptr, N, row_bytes, n_units, units_per_prog, BLOCK_N)
     # split rows: the K int8 values, then K/32 fp16 scales
     values = row.to(tl.pointer_type(tl.int32))
     scales = (row + n_units * 256).to(tl.pointer_type(tl.float16))
@@ -169,7 +169,7 @@ def _q8_0_split_dp4a_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, u
         dots = tl.sum(_dp4a(q, tl.load(xq + u * 64 + word)[None], tl.zeros_like(q), ASM), axis=2)  # [BLOCK_N, 8]
         d = tl.load(scales[:, None] + u * 8 + blk[None, :]).to(tl.float32)
         acc += dots.to(tl.float32) * d * tl.load(xd + u * 8 + blk)[None, :]
-    _store_one_row(tl.sum(acc, axis=1), rn, N, o_ptr, stride_os, b_ptr, HAS_BIAS)
+    store_one_row(tl.sum(acc, axis=1), rn, N, o_ptr, stride_os, b_ptr, HAS_BIAS)
 
 
 @triton.jit
@@ -177,7 +177,7 @@ def _q6_k_split_dp4a_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, u
                             stride_os, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
                             ASM: tl.constexpr = _ASM, STAGES: tl.constexpr = 1, PDL: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
-    rn, row, u0, u1 = _one_row_program(w_ptr, N, row_bytes, n_units, units_per_prog, BLOCK_N)
+    rn, row, u0, u1 = one_row_program(w_ptr, N, row_bytes, n_units, units_per_prog, BLOCK_N)
     # split rows (triton_split_rows): every unit's 128 ql bytes, then 64 qh bytes, 16 scales, d
     ql_words = row.to(tl.pointer_type(tl.int32))
     qh_words = (row + n_units * 128).to(tl.pointer_type(tl.int32))
@@ -211,7 +211,7 @@ def _q6_k_split_dp4a_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, u
             total += sc * (xds[None] * (dots - 32 * sums[None]).to(tl.float32))
         d = tl.load(d_base + u).to(tl.float32)
         acc += d * tl.sum(tl.sum(tl.sum(total, axis=3), axis=2), axis=1)
-    _store_one_row(acc, rn, N, o_ptr, stride_os, b_ptr, HAS_BIAS)
+    store_one_row(acc, rn, N, o_ptr, stride_os, b_ptr, HAS_BIAS)
 
 
 # (ggml type, split rows) -> kernel. Launch: 64 rows x 4 warps, at most 4 units of K a program: the

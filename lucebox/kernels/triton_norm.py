@@ -23,11 +23,11 @@ __all__ = ["rms_norm", "rms_norm_residual", "rms_norm_reference", "rms_norm_resi
 def _kernel():
     """The Triton kernel, defined on first use: importing this module must not import Triton,
     whose interpreter mode is fixed at import (tests set TRITON_INTERPRET=1 first)."""
-    global triton, tl, wait_for_previous_kernel, _store_rounded
+    global triton, tl, wait_for_previous_kernel, store_rounded
     import triton
     import triton.language as tl
 
-    from .triton_dp4a import _store_rounded
+    from .triton_dp4a import store_rounded
     from .triton_pdl import wait_for_previous_kernel
 
     @triton.jit
@@ -58,7 +58,7 @@ def _kernel():
         tl.store(o_ptr + rows * stride_o + cols[None, :], out, mask=mask)
         if ROUND:  # the output row rounded to int8 too (ROWS == 1), for products on int8 activations
             b = tl.arange(0, BLOCK_N // 32)
-            _store_rounded(q_ptr + tl.program_id(0) * stride_q, tl.reshape(out.to(tl.float32), [BLOCK_N // 32, 32]),
+            store_rounded(q_ptr + tl.program_id(0) * stride_q, tl.reshape(out.to(tl.float32), [BLOCK_N // 32, 32]),
                            b, b < n_cols // 32, n_cols // 32)
 
     return _rms_norm_kernel

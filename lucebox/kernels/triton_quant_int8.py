@@ -29,18 +29,18 @@ from gguf import GGMLQuantizationType as Q
 
 from . import triton_dp4a
 from .dispatch import next_pow2, num_sms, pdl_launch
-from .triton_dp4a import SUPER, _scales_mins, quantize_rows
+from .triton_dp4a import SUPER, quantize_rows, scales_mins
 from .triton_pdl import wait_for_previous_kernel
-from .triton_quant_matmul import MAX_FUSED_M, _f16, _one_row_program, _reduce_splits
+from .triton_quant_matmul import MAX_FUSED_M, f16, one_row_program, reduce_splits
 
 
 @triton.jit
 def _rows_program(x_ptr, w_ptr, M, N, row_bytes, n_units, units_per_prog, stride_xm,
                   BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
-    """A verify program's weight rows (as _one_row_program: rn, their byte pointers, units [u0, u1)),
+    """A verify program's weight rows (as one_row_program: rn, their byte pointers, units [u0, u1)),
     its activation rows rm (m_ok: < M), their quantize_rows rows x_row (int8 values, then the
     float32 scales xd, then xd * sum(qx)) and the scales' pointers xd."""
-    rn, row, u0, u1 = _one_row_program(w_ptr, N, row_bytes, n_units, units_per_prog, BLOCK_N)
+    rn, row, u0, u1 = one_row_program(w_ptr, N, row_bytes, n_units, units_per_prog, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     x_row = x_ptr + rm * stride_xm
     return rn, row, u0, u1, rm, rm < M, x_row, (x_row + n_units * 256).to(tl.pointer_type(tl.float32))
@@ -75,8 +75,8 @@ def _q4_k_int8_kernel(x_ptr, w_ptr, b_ptr, o_ptr, M, N, row_bytes, n_units, unit
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for u in range(u0, u1):
         base = row + u * 144  # d, dmin, 12 scale bytes, 128 nibble bytes
-        d = _f16(base)[:, None]
-        dmin = _f16(base + 2)[:, None]
+        d = f16(base)[:, None]
+        dmin = f16(base + 2)[:, None]
         sw = (base + 4).to(tl.pointer_type(tl.int32))
         w1, w2, w3 = tl.load(sw), tl.load(sw + 1), tl.load(sw + 2)
         for g in tl.static_range(4):  # bytes 32g..32g+31: sub-block 2g in low nibbles, 2g + 1 in high
@@ -85,7 +85,7 @@ def _q4_k_int8_kernel(x_ptr, w_ptr, b_ptr, o_ptr, M, N, row_bytes, n_units, unit
                 j = 2 * g + h
                 dots = tl.dot(((q >> (4 * h)) & 15).to(tl.int8), _x_block(x_row, m_ok, u * 256 + 32 * j),
                               out_dtype=tl.int32)
-                sc, mn = _scales_mins(w1, w2, w3, tl.full([1], j, tl.int32))  # [BLOCK_N, 1]
+                sc, mn = scales_mins(w1, w2, w3, tl.full([1], j, tl.int32))  # [BLOCK_N, 1]
                 xd_j = tl.load(xd + u * 8 + j, mask=m_ok, other=0.0)[None, :]
                 xs_j = tl.load(xs + u * 8 + j, mask=m_ok, other=0.0)[None, :]
                 acc += (d * sc) * xd_j * dots.to(tl.float32) - (dmin * mn) * xs_j
@@ -208,5 +208,5 @@ def matmul(x: torch.Tensor, weights: torch.Tensor, qtype, split_rows: bool, in_f
         BLOCK_N=block_n, BLOCK_M=max(16, next_pow2(m)), HAS_BIAS=has_bias, num_warps=num_warps,
         **pdl_launch(x.device))
     if split_k > 1:
-        _reduce_splits(target, bias, out)
+        reduce_splits(target, bias, out)
     return out.reshape(*lead, n)

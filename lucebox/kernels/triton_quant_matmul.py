@@ -29,7 +29,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
 
 from .dispatch import next_pow2, num_sms, pdl_launch
 from .triton_pdl import wait_for_previous_kernel
@@ -70,13 +71,13 @@ _IQ4_T0, _IQ4_T1, _IQ4_T2, _IQ4_T3 = (tl.constexpr(_pack4(_IQ4[i:i + 4])) for i 
 # ----------------------------------------------------------------------------- device helpers
 
 @triton.jit
-def _f16(p):
+def f16(p):
     """fp16 at byte pointer(s) p (2-byte aligned) -> float32."""
     return tl.load(p.to(tl.pointer_type(tl.float16))).to(tl.float32)
 
 
 @triton.jit
-def _one_row_program(w_ptr, N, row_bytes, n_units, units_per_prog, BLOCK_N: tl.constexpr):
+def one_row_program(w_ptr, N, row_bytes, n_units, units_per_prog, BLOCK_N: tl.constexpr):
     """A one-row GEMV program's rows rn [BLOCK_N], their byte pointers (rows past N re-read row
     N-1, so weight loads need no mask; dropped at the store) and its units of K, [u0, u1)."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -86,9 +87,9 @@ def _one_row_program(w_ptr, N, row_bytes, n_units, units_per_prog, BLOCK_N: tl.c
 
 
 @triton.jit
-def _store_one_row(res, rn, N, o_ptr, stride_os, b_ptr, HAS_BIAS: tl.constexpr):
+def store_one_row(res, rn, N, o_ptr, stride_os, b_ptr, HAS_BIAS: tl.constexpr):
     """Store a one-row program's sums res [BLOCK_N] (float32) for rows rn: the output (+ bias) when
-    K is whole, otherwise this split's partial (summed by _reduce_splits)."""
+    K is whole, otherwise this split's partial (summed by reduce_splits)."""
     n_mask = rn < N
     if HAS_BIAS:
         res += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
@@ -141,11 +142,11 @@ def _unit_q8_0(acc, ub, sb, xk, stride_xm, M, ok, n_mask, BPU: tl.constexpr, SPL
     i = tl.arange(0, 32)
     for b in tl.static_range(BPU):
         if SPLIT:
-            d = _f16(sb + 2 * b)
+            d = f16(sb + 2 * b)
             q = tl.load((ub + b * 32 + i[None, :]).to(tl.pointer_type(tl.int8))).to(tl.float32)
         else:
             bp = ub + b * 34
-            d = _f16(bp)
+            d = f16(bp)
             q = tl.load((bp + 2 + i[None, :]).to(tl.pointer_type(tl.int8))).to(tl.float32)
         acc = _use(acc, q * d, b * 32 + i, xk, stride_xm, M, ok, n_mask, MODE, BLOCK_M, DOT_IEEE)
     return acc
@@ -157,7 +158,7 @@ def _unit_q4_0(acc, ub, xk, stride_xm, M, ok, n_mask,
     i = tl.arange(0, 16)
     for b in tl.static_range(BPU):
         bp = ub + b * 18
-        d = _f16(bp)
+        d = f16(bp)
         qs = tl.load(bp + 2 + i[None, :]).to(tl.int32)
         lo = d * ((qs & 15).to(tl.float32) - 8.0)
         hi = d * ((qs >> 4).to(tl.float32) - 8.0)
@@ -172,8 +173,8 @@ def _unit_q45_k(acc, ub, xk, stride_xm, M, ok, n_mask, FIVE: tl.constexpr,
     """Q4_K (144 bytes: d, dmin, 12 scale bytes, 128 nibble bytes) and Q5_K (176 bytes: the same
     with 32 bytes of fifth bits before the nibbles). value = (d*sc)*q - (dmin*m) per 32 values."""
     i = tl.arange(0, 32)
-    d = _f16(ub)
-    dmin = _f16(ub + 2)
+    d = f16(ub)
+    dmin = f16(ub + 2)
     wp = (ub + 4).to(tl.pointer_type(tl.int32))
     w1 = tl.load(wp)
     w2 = tl.load(wp + 1)
@@ -206,7 +207,7 @@ def _unit_q6_k(acc, qlb, qhb, scb, db, xk, stride_xm, M, ok, n_mask,
     as bit pairs k = 0..3; each run of 16 values has its own scale."""
     i = tl.arange(0, 32)
     first = i[None, :] < 16
-    d = _f16(db)
+    d = f16(db)
     for n in tl.static_range(2):
         qh = tl.load(qhb + 32 * n + i[None, :]).to(tl.int32)
         for a in tl.static_range(2):
@@ -231,7 +232,7 @@ def _unit_iq4_xs(acc, ub, xk, stride_xm, M, ok, n_mask,
     the 32 bytes of sub-blocks 2p and 2p+1."""
     i = tl.arange(0, 32)
     first = i[None, :] < 16
-    d = _f16(ub)
+    d = f16(ub)
     sh = tl.load((ub + 2).to(tl.pointer_type(tl.int16))).to(tl.int32) & 0xFFFF
     sl = tl.load((ub + 4).to(tl.pointer_type(tl.int32)))
     for p in tl.static_range(4):
@@ -296,7 +297,7 @@ def _qmm_kernel(x_ptr, w_ptr, b_ptr, o_ptr, M, N, row_bytes, n_units, units_per_
         else:
             acc = _unit_iq4_xs(acc, ub, xk, stride_xm, M, ok, n_mask, MODE, BLOCK_M, DOT_IEEE)
     if MODE == 0:
-        _store_one_row(tl.sum(acc, axis=1), rn, N, o_ptr, stride_os, b_ptr, HAS_BIAS)
+        store_one_row(tl.sum(acc, axis=1), rn, N, o_ptr, stride_os, b_ptr, HAS_BIAS)
     elif MODE == 1:
         if HAS_BIAS:
             acc += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
@@ -412,11 +413,11 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype, in_features: int
         BLOCK_N=block_n, BLOCK_M=block_m, MODE=mode, HAS_BIAS=has_bias,
         DOT_IEEE=_is_fp32(x.dtype), SPLIT=split_rows, **kwargs, **pdl_launch(x.device, tiles=mode == 1))
     if split_k > 1:
-        _reduce_splits(target, bias, out)
+        reduce_splits(target, bias, out)
     return out.reshape(*lead, n)
 
 
-def _reduce_splits(partials: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+def reduce_splits(partials: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
     """out [M, N] = the float32 split-K partials [splits, M, N] summed (+ bias), cast."""
     total, block = out.numel(), 256
     _sum_splits_kernel[(triton.cdiv(total, block),)](
@@ -432,7 +433,7 @@ def one_row_gemv(kernel, x: torch.Tensor, weights: torch.Tensor, in_features: in
     arguments are (x, w, bias, partials or out, N, row_bytes, n_units, units_per_prog, stride_os,
     BLOCK_N, HAS_BIAS, STAGES): the K range split over programs when there are fewer than `waves`
     programs an SM, each keeping at least `min_units` units (and, given max_units, at most that
-    many), the float32 partials summed by _reduce_splits. stages > 1: the loop over units software-
+    many), the float32 partials summed by reduce_splits. stages > 1: the loop over units software-
     pipelined (the next units' weights copied to shared memory while one is multiplied; an option
     to measure). `operand`: what the kernel reads as x, when not x
     itself (e.g. x quantised); x still sets the output's dtype. `what` names the layout in errors."""
@@ -457,7 +458,7 @@ def one_row_gemv(kernel, x: torch.Tensor, weights: torch.Tensor, in_features: in
         n, weights.shape[1], n_units, per, n,
         BLOCK_N=block_n, HAS_BIAS=has_bias, STAGES=stages, num_warps=num_warps, **pdl_launch(x.device))
     if split_k > 1:
-        _reduce_splits(target.view(split_k, 1, n), bias, out)
+        reduce_splits(target.view(split_k, 1, n), bias, out)
     return out.reshape(*x.shape[:-1], n)
 
 

@@ -1,4 +1,4 @@
-"""Triton sampling and acceptance for a CUDA-graph step: spec.verify.accept_in_graph in three launches
+"""Triton sampling and acceptance for a CUDA-graph step: sampling.acceptance.accept_in_graph in three launches
 (the reference there is ~30 torch kernels, a full-vocabulary sort among them).
 
 One program per logits row (the row kernel) computes everything its row can decide alone:
@@ -341,7 +341,7 @@ def accept_rows_triton(logits: torch.Tensor, draft: torch.Tensor, argmax: torch.
                        top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, greedy: torch.Tensor,
                        seed: torch.Tensor, out: torch.Tensor | None = None,
                        search: str = "chunks") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """accept_in_graph's contract (see spec/verify.py), and each row's threshold: the scaled logits
+    """accept_in_graph's contract (see sampling/acceptance.py), and each row's threshold: the scaled logits
     x = logits / temperature it drew from are those with x >= threshold (+inf on greedy rows).
     `seed` is a one-element int64 device tensor; `greedy` nonzero marks greedy sequences (bool or
     any integer dtype); the verdicts go into `out` ([B, 2] int64, contiguous) when given.

@@ -28,7 +28,7 @@ import triton.language as tl
 from gguf import GGMLQuantizationType as Q
 
 from .triton_pdl import wait_for_previous_kernel
-from .triton_quant_matmul import _one_row_program, _store_one_row, one_row_gemv
+from .triton_quant_matmul import one_row_gemv, one_row_program, store_one_row
 
 # ggml type -> (bytes per block, byte ranges of its fields in ggml's block, the field order in a split row)
 _FIELDS = {
@@ -71,7 +71,7 @@ def _q8_0_split_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_
                        stride_os, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, STAGES: tl.constexpr = 1,
                        PDL: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
-    rn, row, u0, u1 = _one_row_program(w_ptr, N, row_bytes, n_units, units_per_prog, BLOCK_N)
+    rn, row, u0, u1 = one_row_program(w_ptr, N, row_bytes, n_units, units_per_prog, BLOCK_N)
     blk = tl.arange(0, 8)
     col = blk[:, None] * 32 + tl.arange(0, 32)[None, :]  # [8, 32]: a unit's columns
     values = (row[:, None, None] + col[None, :, :]).to(tl.pointer_type(tl.int8))  # [BLOCK_N, 8, 32]
@@ -82,7 +82,7 @@ def _q8_0_split_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_
         xv = tl.load(x_ptr + u * 256 + col).to(tl.float32)  # [8, 32]
         d = tl.load(scales + u * 8).to(tl.float32)  # [BLOCK_N, 8]: 8 fp16 scales a unit
         acc += tl.sum(q * xv[None, :, :], axis=2) * d
-    _store_one_row(tl.sum(acc, axis=1), rn, N, o_ptr, stride_os, b_ptr, HAS_BIAS)
+    store_one_row(tl.sum(acc, axis=1), rn, N, o_ptr, stride_os, b_ptr, HAS_BIAS)
 
 
 @triton.jit
@@ -90,7 +90,7 @@ def _q6_k_split_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_
                        stride_os, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, STAGES: tl.constexpr = 1,
                        PDL: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
-    rn, row, u0, u1 = _one_row_program(w_ptr, N, row_bytes, n_units, units_per_prog, BLOCK_N)
+    rn, row, u0, u1 = one_row_program(w_ptr, N, row_bytes, n_units, units_per_prog, BLOCK_N)
     n = tl.arange(0, 2)[:, None, None, None]
     a = tl.arange(0, 2)[None, :, None, None]
     g = tl.arange(0, 2)[None, None, :, None]
@@ -117,7 +117,7 @@ def _q6_k_split_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_
             sc = tl.load((sc_base[:, None, None, None] + u * 16 + 4 * h + sc_at[None]).to(tl.pointer_type(tl.int8)))
             total += sc.to(tl.float32) * s
         acc += d * tl.sum(tl.sum(tl.sum(total, axis=3), axis=2), axis=1)
-    _store_one_row(acc, rn, N, o_ptr, stride_os, b_ptr, HAS_BIAS)
+    store_one_row(acc, rn, N, o_ptr, stride_os, b_ptr, HAS_BIAS)
 
 
 # ggml type -> (kernel, values a loop iteration consumes, default (BLOCK_N, warps, programs per SM

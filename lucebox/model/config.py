@@ -140,13 +140,13 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
-            rope=_hf_rope(raw),
+            rope=hf_rope(raw),
             qk_norm=family == "qwen3",
             qkv_bias=True if family == "qwen2" else bool(raw.get("attention_bias", False)),
             o_bias=False if family == "qwen2" else bool(raw.get("attention_bias", False)),
             mlp_bias=bool(raw.get("mlp_bias", False)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            sliding_windows=_hf_sliding_windows(raw, family, layers),
+            sliding_windows=hf_sliding_windows(raw, family, layers),
             hidden_act=raw.get("hidden_act", "silu"),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             bos_token_id=raw.get("bos_token_id"),
@@ -154,7 +154,7 @@ class ModelConfig:
         )
 
 
-def _hf_rope(raw: dict) -> RopeConfig:
+def hf_rope(raw: dict) -> RopeConfig:
     # transformers >= 5 writes `rope_parameters`; older files `rope_theta` + `rope_scaling`.
     params = dict(raw.get("rope_scaling") or {})
     params.update(raw.get("rope_parameters") or {})
@@ -177,7 +177,7 @@ def _hf_rope(raw: dict) -> RopeConfig:
     return rope
 
 
-def _hf_sliding_windows(raw: dict, family: str, layers: int) -> list[int | None]:
+def hf_sliding_windows(raw: dict, family: str, layers: int) -> list[int | None]:
     window = raw.get("sliding_window")
     if family in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
         window = None

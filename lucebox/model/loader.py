@@ -1,16 +1,43 @@
-"""Resolve a model reference (local HF dir, local .gguf, or hub id) and load model + tokenizer."""
+"""Resolve a model reference (local HF dir, local .gguf, or hub id) and load model + tokenizer.
+
+The one loader for both formats. GGUF: F32/F16/BF16 tensors become plain parameters in the model
+dtype; quantised matrices become QuantLinear / QuantEmbedding modules that stay quantised (the
+model is built on the meta device, so no float copy of them is ever allocated). The file is
+memory-mapped; each tensor is copied out once, checked against the header and the config first.
+"""
 from __future__ import annotations
 
 import json
 import logging
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from gguf import GGUFReader
+from tqdm import tqdm
 
-from ..errors import CheckpointError, LuceboxError, RequestError
+from ..errors import CheckpointError, RequestError
+from ..kernels import dequant
+from ..text.tokenizer import Tokenizer
+from ..util import on_meta
+from ..weights.gguf import FLOAT_TYPES, check_tensors, logical_shape, open_gguf, raw_rows, to_torch
+from ..weights.quant import QuantEmbedding, QuantLinear, QuantTensor
+from ..weights.safetensors import iter_safetensors
+from .assign import assign, empty_model
 from .config import ModelConfig
+from .gguf_config import (
+    ROPE_FREQS,
+    SAMPLING_KEYS,
+    Metadata,
+    architecture,
+    model_config,
+    rows_permuted,
+    to_our_name,
+    unpermute_rows,
+)
+from .rope import RopeTable
 from .transformer import Transformer
 
 log = logging.getLogger("lucebox")
@@ -23,7 +50,7 @@ HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model"]
 @dataclass
 class LoadedModel:
     model: Transformer
-    tokenizer: object  # lucebox.tokenizer.Tokenizer
+    tokenizer: Tokenizer
     config: ModelConfig
     source: str
     format: str  # "hf" | "gguf"
@@ -83,16 +110,11 @@ def load_model(model: str, dtype: str | torch.dtype | None = None, device: str |
     if path.is_file():
         if path.suffix != ".gguf":
             raise CheckpointError(f"{path}: expected a .gguf file or a HF model directory")
-        from ..weights.gguf import load_gguf
         return load_gguf(path, dtype, dev)
     return load_hf(path, dtype, dev)
 
 
 def load_hf(path: Path, dtype, device: torch.device) -> LoadedModel:
-    from ..tokenizer import Tokenizer
-    from ..weights.load import assign, empty_model
-    from ..weights.safetensors import iter_safetensors
-
     cfg = ModelConfig.from_hf_dir(path)
     torch_dtype = resolve_dtype(dtype, cfg.torch_dtype, device)
     model = empty_model(cfg, torch_dtype, device)
@@ -126,4 +148,72 @@ def read_generation_config(path: Path) -> dict:
     return raw
 
 
-__all__ = ["LoadedModel", "load_model", "LuceboxError"]
+def load_gguf(path: Path, dtype, device: torch.device) -> LoadedModel:
+    path = Path(path)
+    reader = open_gguf(path)
+    meta = Metadata(reader, path)
+    architecture(meta)  # an unknown architecture is the clearest first message
+    check_tensors(reader, path)
+    tensors = {t.name: t for t in reader.tensors}
+    cfg = model_config(meta, {name: logical_shape(t) for name, t in tensors.items()})
+    torch_dtype = resolve_dtype(dtype, None, device)
+    with on_meta():
+        model = Transformer(cfg).to(torch_dtype)
+    assign(model, _model_tensors(reader, cfg, meta, model, torch_dtype, path), str(path), torch_dtype, device)
+    if ROPE_FREQS in tensors:
+        model.rope = RopeTable(cfg.rope, cfg.head_dim, _rope_freqs(tensors[ROPE_FREQS], cfg, path))
+    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        raise RuntimeError("load_gguf: a Transformer tensor is not filled from the file (new buffer?)")
+    model.eval()
+    tokenizer = Tokenizer.from_gguf(reader, path)
+    return LoadedModel(model, tokenizer, cfg, str(path), "gguf", generation_defaults(meta))
+
+
+def _model_tensors(reader: GGUFReader, cfg: ModelConfig, meta: Metadata, model: Transformer,
+                   dtype: torch.dtype, path: Path) -> Iterator[tuple[str, torch.Tensor | torch.nn.Module]]:
+    arch = architecture(meta)
+    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    heads = {"q": cfg.num_heads, "k": cfg.num_kv_heads}
+    for t in tqdm(reader.tensors, desc=f"Loading {path.name}", unit="tensor", disable=None):
+        if t.name == ROPE_FREQS:
+            continue
+        ours = to_our_name(t.name)
+        if ours is None or ours not in expected:
+            log.warning("%s: ignoring tensor %s (not used by this architecture)", path, t.name)
+            continue
+        shape = logical_shape(t)
+        if shape != expected[ours]:
+            raise CheckpointError(f"{path}: tensor {t.name} has shape {list(shape)}, the model config needs "
+                                  f"{list(expected[ours])}")
+        rows = raw_rows(t, shape)
+        permuted = rows_permuted(arch, t.name)
+        quantised = t.tensor_type not in FLOAT_TYPES and len(shape) == 2
+        if quantised and (ours.endswith("_proj.weight") or ours == "lm_head.weight"):
+            if permuted:  # quantised rows are independent byte rows, so they reorder like float rows
+                rows = unpermute_rows(rows, heads[permuted])
+            yield ours, QuantLinear(QuantTensor(to_torch(rows), t.tensor_type, shape, t.name))
+        elif quantised and ours == "embed_tokens.weight":
+            yield ours, QuantEmbedding(QuantTensor(to_torch(rows), t.tensor_type, shape, t.name), dtype)
+        else:  # float tensors, and quantised norms/biases (tiny) widened to float
+            values = dequant.dequantize(to_torch(rows), t.tensor_type, dtype).reshape(shape)
+            if permuted:
+                values = unpermute_rows(values, heads[permuted])
+            yield ours, values
+
+
+def _rope_freqs(tensor, cfg: ModelConfig, path: Path) -> torch.Tensor:
+    shape = logical_shape(tensor)
+    if shape != (cfg.head_dim // 2,):
+        raise CheckpointError(f"{path}: tensor {tensor.name} has shape {list(shape)}, expected "
+                              f"[{cfg.head_dim // 2}] (one factor per RoPE frequency)")
+    return dequant.dequantize(to_torch(raw_rows(tensor, shape)), tensor.tensor_type).reshape(shape)
+
+
+def generation_defaults(meta: Metadata) -> dict:
+    """GGUF has no generation_config.json; llama.cpp's `general.sampling.*` keys are the nearest thing."""
+    out = {}
+    for key, name in SAMPLING_KEYS.items():
+        value = meta.get(f"general.sampling.{key}")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[name] = value if isinstance(value, int) else meta.number(f"general.sampling.{key}")
+    return out

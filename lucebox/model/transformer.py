@@ -13,11 +13,11 @@ from ..kernels import fused_linear
 from ..kernels.activation import silu_and_mul, silu_and_mul_rounded
 from ..kernels.attention import paged_attention
 from ..kernels.dispatch import decided_once
+from ..kernels.forward_batch import ForwardBatch
 from ..kernels.norm import rms_norm, rms_norm_residual, rms_norm_rounded
 from ..kernels.rope import rope_and_write_kv
 from ..weights.quant import QuantEmbedding, QuantLinear, QuantTensor, one_rounding, takes_int8
 from .config import ModelConfig
-from .forward_batch import ForwardBatch
 from .rope import RopeTable
 
 
@@ -131,7 +131,7 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
         self.sliding_window = cfg.sliding_windows[layer]
         self.scale = cfg.head_dim ** -0.5
-        # Paged K and V stores of this layer (engine/kv_cache.PagedKVCache), set by the runner.
+        # Paged K and V stores of this layer (model/kv_cache.PagedKVCache), set by the runner.
         self.k_cache = None
         self.v_cache = None
         self.qkv = None  # q, k and v as one projection, after fuse()

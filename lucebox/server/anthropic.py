@@ -7,9 +7,19 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from .errors import APIError
-from .generate import (KEEPALIVE, ChatJob, Usage, build_processors, drain, generate, render_chat, request_id,
-                       sampling_params, skip_special_tokens)
-from .openai_chat import _first
+from .generate import (
+    KEEPALIVE,
+    ChatJob,
+    Usage,
+    build_processors,
+    drain,
+    generate,
+    render_chat,
+    request_id,
+    sampling_params,
+    skip_special_tokens,
+)
+from .openai_chat import first_item
 from .protocol import CountTokensRequest, MessagesRequest
 from .sse import SSE_HEADERS, anthropic_error_event, sse
 from .tools import ToolSpec, assistant_tool_call, call_id, check_tools, parse_arguments
@@ -147,7 +157,7 @@ async def messages(state, request: Request, req: MessagesRequest):
     rid = request_id("msg_")
     agen = generate(state, prepared, params, rid)
     if req.stream:
-        first = await _first(agen)
+        first = await first_item(agen)
         return StreamingResponse(_stream(agen, first, rid, req.model, len(prepared.prompt_ids)),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
     blocks: list[dict] = []

@@ -7,9 +7,18 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from .errors import APIError
-from .generate import (KEEPALIVE, Prepared, Usage, drain, generate, max_tokens_for, request_id, sampling_params,
-                       token_text)
-from .openai_chat import _first
+from .generate import (
+    KEEPALIVE,
+    Prepared,
+    Usage,
+    drain,
+    generate,
+    max_tokens_for,
+    request_id,
+    sampling_params,
+    token_text,
+)
+from .openai_chat import first_item
 from .protocol import CompletionRequest
 from .sse import SSE_HEADERS, openai_error_event, sse
 
@@ -43,7 +52,7 @@ async def completions(state, request: Request, req: CompletionRequest):
     agen = generate(state, Prepared(text, ids, None), params, rid)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        first = await _first(agen)
+        first = await first_item(agen)
         return StreamingResponse(_stream(state, agen, first, rid, model, created, req, text, include_usage),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
     texts = {i: text if req.echo else "" for i in range(req.n)}

@@ -7,8 +7,21 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from .errors import APIError
-from .generate import (KEEPALIVE, ChatJob, ChoiceUpdate, Usage, build_processors, drain, generate, max_tokens_for,
-                       render_chat, request_id, sampling_params, skip_special_tokens, token_text)
+from .generate import (
+    KEEPALIVE,
+    ChatJob,
+    ChoiceUpdate,
+    Usage,
+    build_processors,
+    drain,
+    generate,
+    max_tokens_for,
+    render_chat,
+    request_id,
+    sampling_params,
+    skip_special_tokens,
+    token_text,
+)
 from .protocol import ChatCompletionRequest
 from .sse import SSE_HEADERS, openai_error_event, sse
 from .tools import ToolSpec, assistant_tool_call, call_id, check_tools
@@ -109,7 +122,7 @@ async def chat_completions(state, request: Request, req: ChatCompletionRequest):
     agen = generate(state, prepared, params, rid)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        first = await _first(agen)  # errors before the first byte still get a proper status code
+        first = await first_item(agen)  # errors before the first byte still get a proper status code
         return StreamingResponse(_stream(state, agen, first, rid, model, created, req.n, include_usage, req.logprobs),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
     choices = {i: _Choice() for i in range(req.n)}
@@ -120,7 +133,7 @@ async def chat_completions(state, request: Request, req: ChatCompletionRequest):
     return JSONResponse(body)
 
 
-async def _first(agen):
+async def first_item(agen):
     """The first item, so that a bad request fails with its status before the stream's headers go out."""
     try:
         return await agen.__anext__()

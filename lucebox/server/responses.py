@@ -12,9 +12,20 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from .errors import APIError
-from .generate import (KEEPALIVE, ChatJob, Usage, build_processors, drain, generate, max_tokens_for, render_chat,
-                       request_id, sampling_params, skip_special_tokens)
-from .openai_chat import _first
+from .generate import (
+    KEEPALIVE,
+    ChatJob,
+    Usage,
+    build_processors,
+    drain,
+    generate,
+    max_tokens_for,
+    render_chat,
+    request_id,
+    sampling_params,
+    skip_special_tokens,
+)
+from .openai_chat import first_item
 from .protocol import ResponsesRequest
 from .sse import SSE_HEADERS, sse
 from .tools import CUSTOM_SCHEMA, ToolSpec, assistant_tool_call, call_id, check_tools
@@ -139,7 +150,7 @@ async def responses(state, request: Request, req: ResponsesRequest):
     builder = _Builder(rid, state.model_name(req.model), req, custom)
     agen = generate(state, prepared, params, rid)
     if req.stream:
-        first = await _first(agen)
+        first = await first_item(agen)
         return StreamingResponse(builder.stream(agen, first), media_type="text/event-stream", headers=SSE_HEADERS)
     usage = await drain(agen, request, lambda u: list(builder.update(u)))
     list(builder._close())

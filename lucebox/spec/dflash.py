@@ -15,17 +15,18 @@ from pathlib import Path
 
 import torch
 
-from ..engine.kv_cache import PagedKVCache, bytes_per_value, parse_cache_type
 from ..errors import CheckpointError
+from ..model.assign import assign
+from ..model.feature_ring import FeatureRing, RingRows
+from ..model.kv_cache import PagedKVCache, bytes_per_value, parse_cache_type
 from ..model.loader import resolve_path
-from ..sampling import Sampler, SamplingState
+from ..sampling.acceptance import Draft
+from ..sampling.sampler import Sampler, SamplingState
 from ..util import host_to_device, on_meta
-from ..weights.load import assign
 from ..weights.safetensors import iter_safetensors
 from .dflash_graphs import DrafterGraphs
-from .feature_ring import FeatureRing, RingRows
 from .dflash_model import DFlashConfig, DFlashDrafter, read_drafter_config
-from .proposer import Draft, Proposer
+from .proposer import Proposer
 
 log = logging.getLogger("lucebox")
 
@@ -33,7 +34,7 @@ log = logging.getLogger("lucebox")
 # projection is a few dozen eager launches (~2.4 ms on the H200 machine's host), so it is amortised
 # over ~500 positions of the bundled pair and ~50 of an 8B target, at 2 MB held per sequence.
 PROJECT_BYTES = 2 << 20
-# The device ring graph steps write captured features into (spec/feature_ring.py): 64 MB holds
+# The device ring graph steps write captured features into (model/feature_ring.py): 64 MB holds
 # ~17K positions of the bundled pair's taps, ~1.6K of an 8B target's five.
 RING_BYTES = 64 << 20
 
@@ -103,7 +104,7 @@ class DFlashProposer(Proposer):
         dtype = parse_cache_type("auto", self.target.model.dtype)
         return round(2 * m.num_layers * m.num_kv_heads * m.head_dim * bytes_per_value(dtype, m.head_dim))
 
-    def allocate(self, num_blocks: int, block_size: int, block_manager=None, graphs=None) -> None:
+    def allocate(self, num_blocks: int, block_size: int, block_manager=None, graphs=None, runner=None) -> None:
         m, model = self.drafter.config.model, self.target.model
         # One block more than the scheduler hands out: graph padding writes its K/V there.
         shape = (num_blocks + 1, block_size, m.num_kv_heads, m.head_dim)

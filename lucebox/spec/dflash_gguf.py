@@ -37,11 +37,11 @@ from tqdm.auto import tqdm
 from ..convert import gguf_written, tensor_nbytes, write_shape_metadata
 from ..errors import CheckpointError, RequestError, UnsupportedError
 from ..kernels import dequant
+from ..model.assign import assign
 from ..model.config import ModelConfig, RopeConfig
+from ..model.gguf_config import Metadata, to_gguf_name, to_our_name
 from ..util import on_meta
 from ..weights.gguf import FLOAT_TYPES, check_tensors, logical_shape, open_gguf
-from ..weights.gguf_config import Metadata, to_gguf_name, to_our_name
-from ..weights.load import assign
 from ..weights.quant import QuantLinear, QuantTensor
 from ..weights.safetensors import safetensors_files
 from .dflash_model import DFlashConfig, DFlashDrafter, read_drafter_config

@@ -27,7 +27,7 @@ import time
 import numpy as np
 import torch
 
-from ..engine.cuda_graphs import StagedBuffer, smallest_at_least
+from ..util import StagedBuffer, smallest_at_least
 
 log = logging.getLogger("lucebox")
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..errors import CheckpointError
 from ..kernels.rope import apply_rope
-from ..model.config import ModelConfig, _hf_rope, _hf_sliding_windows
+from ..model.config import ModelConfig, hf_rope, hf_sliding_windows
 from ..model.rope import RopeTable
 from ..model.transformer import MLP, RMSNorm
 
@@ -56,8 +56,8 @@ class DFlashConfig:
             cfg = ModelConfig.from_hf_dict(model)
         except CheckpointError as e:
             raise CheckpointError(f"{where}: {e}") from None
-        cfg.rope = _hf_rope(raw)
-        cfg.sliding_windows = _hf_sliding_windows(dict(model, use_sliding_window=True), "mistral", cfg.num_layers) \
+        cfg.rope = hf_rope(raw)
+        cfg.sliding_windows = hf_sliding_windows(dict(model, use_sliding_window=True), "mistral", cfg.num_layers) \
             if raw.get("layer_types") else [None] * cfg.num_layers
         return cls(cfg, [int(t) for t in taps], mask, int(block),
                    pick("num_target_layers", "n_target_layers"))

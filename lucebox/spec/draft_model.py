@@ -8,17 +8,15 @@ processing as the target's), which verification needs for lossless acceptance.
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
-from ..engine.runner import ModelRunner, kv_bytes_per_token
 from ..errors import CheckpointError
+from ..model.kv_cache import kv_bytes_per_token
 from ..model.loader import load_model
-from ..sampling import Sampler, _exponential_race
+from ..sampling.acceptance import Draft, row_states
+from ..sampling.sampler import Sampler, exponential_race
 from ..util import common_prefix
-from .proposer import Draft, Proposer
-from .verify import row_states
+from .proposer import Proposer
 
 
 class DraftModelProposer(Proposer):
@@ -28,7 +26,7 @@ class DraftModelProposer(Proposer):
         self.draft, self.target = draft, target
         self.vocab = target.config.vocab_size
         self.sampler = Sampler(set(target.tokenizer.eos_token_ids) | set(target.config.eos_token_ids))
-        self.runner: ModelRunner | None = None
+        self.runner = None  # the engine's ModelRunner of the draft model (allocate)
         self.blocks = None
         self.fed: dict[int, list[int]] = {}  # per sequence: the tokens whose draft K/V are cached
         # per sequence: how many leading tokens of fed are known to be committed ones (those never
@@ -44,11 +42,12 @@ class DraftModelProposer(Proposer):
     def kv_bytes_per_token(self) -> int:
         return kv_bytes_per_token(self.draft.model)
 
-    def allocate(self, num_blocks: int, block_size: int, block_manager=None, graphs=None) -> None:
-        # The target's graph buckets fit: a catch-up feed is at most 1 + k tokens, then 1 a step.
-        # Drafts are sampled on the host (their q is kept for verification): no sampling graphs.
-        graphs = replace(graphs, sample=False) if graphs is not None else None
-        self.runner = ModelRunner(self.draft.model, num_blocks, block_size, graphs=graphs)
+    @property
+    def runs_model(self):
+        return self.draft.model
+
+    def allocate(self, num_blocks: int, block_size: int, block_manager=None, graphs=None, runner=None) -> None:
+        self.runner = runner
         self.blocks = block_manager
 
     def capture_graphs(self) -> None:
@@ -85,7 +84,7 @@ class DraftModelProposer(Proposer):
             states = [row_states(seqs[i], drafts[i].tokens)[-1] for i in rows]
             q = self.sampler.processed_probs(logits, states)  # processed once: sampled from and kept
             greedy = [seqs[i].params.is_greedy for i in rows]
-            tokens = _exponential_race(q, states).tolist()  # greedy rows of q are one-hot: their argmax
+            tokens = exponential_race(q, states).tolist()  # greedy rows of q are one-hot: their argmax
             for row, i in enumerate(rows):
                 self.fed[id(seqs[i])].extend(feed[i])
                 drafts[i].tokens.append(tokens[row])

@@ -11,7 +11,8 @@ more than a decode step of a small model on a GPU).
 from __future__ import annotations
 
 from ..errors import RequestError
-from .proposer import Draft, Proposer
+from ..sampling.acceptance import Draft
+from .proposer import Proposer
 
 
 class NgramIndex:

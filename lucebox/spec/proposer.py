@@ -7,15 +7,9 @@ features of committed positions through `observe`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass
-class Draft:
-    tokens: list[int]
-    probs: torch.Tensor | None = None  # [len(tokens), vocab] processed q, or None: deterministic drafts
+from ..sampling.acceptance import Draft
 
 
 class Proposer:
@@ -23,9 +17,13 @@ class Proposer:
     # Target layers whose outputs the proposer needs, for every committed position.
     capture_layers: tuple[int, ...] = ()
 
-    def allocate(self, num_blocks: int, block_size: int, block_manager=None, graphs=None) -> None:
+    # A model the engine runs for this proposer through a ModelRunner of its own (draft models).
+    runs_model = None
+
+    def allocate(self, num_blocks: int, block_size: int, block_manager=None, graphs=None, runner=None) -> None:
         """Make the proposer's KV pool; it is indexed by the target's block tables. graphs: the
-        target's GraphSettings (None: eager), for proposers that run a model."""
+        target's GraphSettings (None: eager), for proposers that run a model; runner: the engine's
+        ModelRunner of `runs_model`, when the proposer has one."""
 
     # A FeatureRing graph steps write the captured layers into (None: features come as tensors).
     feature_ring = None

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import time
 
+from ..sampling.acceptance import Draft
 from .adaptive import DraftLengthPolicy, SequenceAcceptance
-from .proposer import Draft, Proposer
+from .proposer import Proposer
 
 LOOKUP, MODEL = "lookup", "model"
 MIN_LOOKUP_MATCH = 4  # tokens a lookup must find to be used (fewer: the drafter proposes instead)

@@ -1,68 +1,21 @@
-"""Load a GGUF file (llama.cpp's format) into a Transformer.
+"""Read GGUF files (llama.cpp's format): open, check every tensor's type and bytes, copy rows out.
 
-F32/F16/BF16 tensors become plain parameters in the model dtype; quantised matrices become
-QuantLinear / QuantEmbedding modules that stay quantised (the model is built on the meta device,
-so no float copy of them is ever allocated). The file is memory-mapped; each tensor is copied out
-once, checked against the header and the config first.
+model/loader.py builds a model from what these read.
 """
 from __future__ import annotations
 
-import logging
 import math
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
-from tqdm import tqdm
 
 from ..errors import CheckpointError, UnsupportedError
 from ..kernels import dequant
-from ..model.config import ModelConfig
-from ..model.loader import LoadedModel, resolve_dtype
-from ..model.rope import RopeTable
-from ..model.transformer import Transformer
-from ..util import on_meta
-from .gguf_config import (
-    ROPE_FREQS,
-    SAMPLING_KEYS,
-    Metadata,
-    architecture,
-    model_config,
-    rows_permuted,
-    to_our_name,
-    unpermute_rows,
-)
-from .load import assign
-from .quant import SUPPORTED_TYPES, QuantEmbedding, QuantLinear, QuantTensor
-
-log = logging.getLogger("lucebox")
+from .quant import SUPPORTED_TYPES
 
 FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
-
-
-def load_gguf(path: Path, dtype, device: torch.device) -> LoadedModel:
-    from ..tokenizer import Tokenizer
-
-    path = Path(path)
-    reader = open_gguf(path)
-    meta = Metadata(reader, path)
-    architecture(meta)  # an unknown architecture is the clearest first message
-    check_tensors(reader, path)
-    tensors = {t.name: t for t in reader.tensors}
-    cfg = model_config(meta, {name: logical_shape(t) for name, t in tensors.items()})
-    torch_dtype = resolve_dtype(dtype, None, device)
-    with on_meta():
-        model = Transformer(cfg).to(torch_dtype)
-    assign(model, _model_tensors(reader, cfg, meta, model, torch_dtype, path), str(path), torch_dtype, device)
-    if ROPE_FREQS in tensors:
-        model.rope = RopeTable(cfg.rope, cfg.head_dim, _rope_freqs(tensors[ROPE_FREQS], cfg, path))
-    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
-        raise RuntimeError("load_gguf: a Transformer tensor is not filled from the file (new buffer?)")
-    model.eval()
-    tokenizer = Tokenizer.from_gguf(reader, path)
-    return LoadedModel(model, tokenizer, cfg, str(path), "gguf", generation_defaults(meta))
 
 
 def open_gguf(path: Path) -> GGUFReader:
@@ -104,62 +57,12 @@ def check_tensors(reader: GGUFReader, path: Path) -> None:
                                   f"{nbytes} bytes, the file gives {t.data.nbytes}")
 
 
-def _raw_rows(tensor, shape: tuple[int, ...]) -> np.ndarray:
+def raw_rows(tensor, shape: tuple[int, ...]) -> np.ndarray:
     """The tensor's bytes as [rows, bytes_per_row] uint8 (a view of the memory map)."""
     rows = math.prod(shape[:-1])
     return np.asarray(tensor.data).reshape(-1).view(np.uint8).reshape(rows, -1)
 
 
-def _to_torch(array: np.ndarray) -> torch.Tensor:
+def to_torch(array: np.ndarray) -> torch.Tensor:
     # A copy: the memory map is read-only and may be closed once the reader goes away.
     return torch.from_numpy(np.array(array, copy=True))
-
-
-def _model_tensors(reader: GGUFReader, cfg: ModelConfig, meta: Metadata, model: Transformer,
-                   dtype: torch.dtype, path: Path) -> Iterator[tuple[str, torch.Tensor | torch.nn.Module]]:
-    arch = architecture(meta)
-    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    heads = {"q": cfg.num_heads, "k": cfg.num_kv_heads}
-    for t in tqdm(reader.tensors, desc=f"Loading {path.name}", unit="tensor", disable=None):
-        if t.name == ROPE_FREQS:
-            continue
-        ours = to_our_name(t.name)
-        if ours is None or ours not in expected:
-            log.warning("%s: ignoring tensor %s (not used by this architecture)", path, t.name)
-            continue
-        shape = logical_shape(t)
-        if shape != expected[ours]:
-            raise CheckpointError(f"{path}: tensor {t.name} has shape {list(shape)}, the model config needs "
-                                  f"{list(expected[ours])}")
-        rows = _raw_rows(t, shape)
-        permuted = rows_permuted(arch, t.name)
-        quantised = t.tensor_type not in FLOAT_TYPES and len(shape) == 2
-        if quantised and (ours.endswith("_proj.weight") or ours == "lm_head.weight"):
-            if permuted:  # quantised rows are independent byte rows, so they reorder like float rows
-                rows = unpermute_rows(rows, heads[permuted])
-            yield ours, QuantLinear(QuantTensor(_to_torch(rows), t.tensor_type, shape, t.name))
-        elif quantised and ours == "embed_tokens.weight":
-            yield ours, QuantEmbedding(QuantTensor(_to_torch(rows), t.tensor_type, shape, t.name), dtype)
-        else:  # float tensors, and quantised norms/biases (tiny) widened to float
-            values = dequant.dequantize(_to_torch(rows), t.tensor_type, dtype).reshape(shape)
-            if permuted:
-                values = unpermute_rows(values, heads[permuted])
-            yield ours, values
-
-
-def _rope_freqs(tensor, cfg: ModelConfig, path: Path) -> torch.Tensor:
-    shape = logical_shape(tensor)
-    if shape != (cfg.head_dim // 2,):
-        raise CheckpointError(f"{path}: tensor {tensor.name} has shape {list(shape)}, expected "
-                              f"[{cfg.head_dim // 2}] (one factor per RoPE frequency)")
-    return dequant.dequantize(_to_torch(_raw_rows(tensor, shape)), tensor.tensor_type).reshape(shape)
-
-
-def generation_defaults(meta: Metadata) -> dict:
-    """GGUF has no generation_config.json; llama.cpp's `general.sampling.*` keys are the nearest thing."""
-    out = {}
-    for key, name in SAMPLING_KEYS.items():
-        value = meta.get(f"general.sampling.{key}")
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            out[name] = value if isinstance(value, int) else meta.number(f"general.sampling.{key}")
-    return out

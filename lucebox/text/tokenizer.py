@@ -15,8 +15,8 @@ from typing import Any
 
 import tokenizers
 
-from lucebox.chat_template import render_chat_template
-from lucebox.errors import CheckpointError, RequestError
+from ..errors import CheckpointError, RequestError
+from .chat_template import render_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, reader: Any, path: str | Path | None = None) -> Tokenizer:
         """Rebuild the tokenizer from a `gguf.GGUFReader`'s `tokenizer.*` metadata."""
-        from lucebox.gguf_vocab import tokenizer_from_gguf
+        from lucebox.text.gguf_vocab import tokenizer_from_gguf
 
         return tokenizer_from_gguf(reader, path)
 

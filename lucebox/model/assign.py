@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError
-from ..model.transformer import Transformer
 from ..util import on_meta
+from .transformer import Transformer
 
 log = logging.getLogger("lucebox")
 

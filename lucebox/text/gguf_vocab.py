@@ -11,8 +11,8 @@ import tokenizers
 from gguf import GGUFValueType, TokenType
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
-from lucebox.errors import CheckpointError, UnsupportedError
-from lucebox.tokenizer import Tokenizer
+from ..errors import CheckpointError, UnsupportedError
+from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -23,12 +23,9 @@ from typing import Sequence as Seq
 
 import torch
 
-from ..sampling import (Sampler, SamplingState, _apply_min_p, _apply_top_k_top_p, _exponential_race,
-                        _fill_exponential)
 from ..kernels.dispatch import use_triton
 from ..util import host_to_device
-from .proposer import Draft
-
+from .sampler import Sampler, SamplingState, apply_min_p, apply_top_k_top_p, exponential_race, fill_exponential
 
 # Measured (scripts/bench_sampler.py, H200, 2026-12-04, us a call, Triton / torch, 1 and 16 rows)
 # when the Triton sampler searched the whole row 66 times for top-k / top-p: at 8K T=1 13/97,
@@ -36,6 +33,12 @@ from .proposer import Draft
 # (152K: filters 18x slower). It now searches listed candidates (triton_sampling `search`), not
 # yet timed: until then, torch above 8K.
 TRITON_MAX_VOCAB = 1 << 13
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    probs: torch.Tensor | None = None  # [len(tokens), vocab] processed q, or None: deterministic drafts
 
 
 @dataclass
@@ -71,7 +74,7 @@ def accept_batch(sampler: Sampler, logits: torch.Tensor, seqs: Seq, drafts: Seq[
         q = torch.cat(q).to(probs.dtype) if q else None  # [rows with a sampled draft, vocab]
         u = _uniforms(seqs, lengths, meta, logits.device)
         num_accepted = meta.first_rejection(u * _q_at_drafts(q, meta, p_draft) < p_draft)
-        token = _exponential_race(_residual(probs, q, meta.start + num_accepted, meta), list(seqs))
+        token = exponential_race(_residual(probs, q, meta.start + num_accepted, meta), list(seqs))
     host = torch.stack([num_accepted, token], 1).tolist()  # the step's one device -> host transfer
     return verdicts_of(drafts, host)
 
@@ -126,8 +129,8 @@ def accept_in_graph(logits: torch.Tensor, draft: torch.Tensor, argmax: torch.Ten
         return values.unsqueeze(1).expand(num_seqs, query_len).reshape(-1)
 
     logits = logits / per_row(temperature).unsqueeze(1)
-    logits = _apply_top_k_top_p(logits, per_row(top_k), per_row(top_p))
-    _apply_min_p(logits, per_row(min_p))
+    logits = apply_top_k_top_p(logits, per_row(top_k), per_row(top_p))
+    apply_min_p(logits, per_row(min_p))
     if query_len == 1:  # a decode: no drafts to judge, the token drawn straight from the logits
         token = torch.where(greedy, argmax, _gumbel_argmax(logits))
         return _into(out, torch.stack([torch.zeros_like(token), token], 1))
@@ -155,7 +158,7 @@ def _gumbel_argmax(logits: torch.Tensor) -> torch.Tensor:
     """The exponential race on logits (or log-weights): argmax(p / E) = argmax(x - log E), no
     softmax needed; -inf never wins."""
     noise = torch.empty_like(logits)
-    _fill_exponential(noise)
+    fill_exponential(noise)
     return (logits - noise.clamp_min_(torch.finfo(noise.dtype).tiny).log_()).argmax(-1)
 
 

@@ -22,7 +22,7 @@ import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from lucebox.errors import RequestError
+from ..errors import RequestError
 
 # Names a message's reasoning may come under; templates read the first one (transformers aliases them).
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")

@@ -12,7 +12,7 @@ import numpy as np
 from gguf import GGUFValueType
 
 from ..errors import CheckpointError, UnsupportedError
-from ..model.config import ModelConfig, RopeConfig
+from .config import ModelConfig, RopeConfig
 
 # general.architecture -> ModelConfig.family. Mistral GGUFs say "llama": same graph.
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}

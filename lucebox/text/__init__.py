@@ -1,0 +1,1 @@
+"""Text in and out: tokenizers, GGUF vocabularies, chat templates and stop strings."""
