@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call's worth of work, for the device machine (H200): every step writes its log (and JSON)
 # under $OUT and is bounded by `timeout`, so one failing step never loses the others' results.
-#   scripts/gpu_session.sh check     GPU tests: CUDA graphs, fused kernels, Triton kernels, model (~3 min)
+#   scripts/gpu_session.sh check     GPU tests: CUDA graphs, fused kernels, Triton kernels, model (~5.5 min)
 #   scripts/gpu_session.sh bench     bench speed: qwen3-8b bf16, q8_0, q4_k_m, qwen3-0.6b bf16 (~6 min;
 #                                    within one device call's 600 s)
 #   scripts/gpu_session.sh spec      bench spec on the bundled pair (models/default + default-dflash), 15 repeats
@@ -32,6 +32,9 @@
 #   scripts/gpu_session.sh attention paged attention (bf16 KV) at 512 / 4K / 32K with its launch swept:
 #                                    is the split heuristic (>= 256 tokens a split) right at short contexts?
 #   scripts/gpu_session.sh drafter   the default drafter (scripts/train_default_drafter.sh, ~7 min)
+#   scripts/gpu_session.sh compare   bench speed (prefill 512 / 4K, decode and verify at 512) of the tree in .before/
+#                                    (e.g. `git archive COMMIT lucebox | tar -x -C .before`, carried) against this
+#                                    one, alternating in one call: 0.6b bf16, 8b q4_k_m, 8b bf16 (~8 min)
 # The device lacks the gguf package: keep its wheel in .whl/ (git-ignored) and pass carry [".whl"].
 set -uo pipefail
 out=${OUT:-/tmp/out}
@@ -53,7 +56,7 @@ bench() {  # bench NAME SECONDS ARGS...: lucebox bench speed with --json, its ta
 }
 case "${1:-check}" in
   check)
-    step gpu-tests 300 python3 -m pytest -rs tests/test_cuda_graphs.py tests/test_fused_kernels.py \
+    step gpu-tests "${SECONDS_CHECK:-540}" python3 -m pytest -rs tests/test_cuda_graphs.py tests/test_fused_kernels.py \
       tests/test_triton_kernels.py tests/test_prefill_attention.py tests/test_model.py tests/test_dense_lm.py \
       tests/test_verify.py tests/test_triton_sampling.py
     tail -n 30 "$out/gpu-tests.log" ;;
@@ -149,6 +152,16 @@ case "${1:-check}" in
     step attention "${SECONDS_ATTENTION:-240}" python3 scripts/bench_kernels.py --only attention --sweep \
       --cache-types bf16 --json "$out/attention.json"
     grep -E "^\| (kernel|paged_attention)" "$out/attention.log" ;;
+  compare)  # a restructure's before/after: the same benches, alternating trees, in one call
+    ln -sfn ../models .before/models
+    for sq in ${COMPARE:-qwen3-0.6b:bf16 qwen3-8b:q4_k_m qwen3-8b:bf16}; do  # COMPARE picks shape:quant pairs
+      set -- ${sq/:/ }
+      for tree in before after; do
+        dir=.; [ $tree = before ] && dir=.before
+        (cd $dir && bench "$1-$2-$tree" 150 --shape $1 --quant $2 --prompt-lens 512 4096 --contexts 512 \
+          --skip forced spec peer)
+      done
+    done ;;
   drafter)
     step drafter 570 bash scripts/train_default_drafter.sh "$out/default-dflash" "${SECONDS_TRAIN:-300}"
     rm -f "$out/default-dflash/train_state.pt" "$out/default-dflash/regenerated.pt"
