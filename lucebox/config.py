@@ -1,7 +1,12 @@
-"""EngineArgs: every engine setting in one place, with the names vLLM users know."""
+"""Every engine setting in one place, with the names vLLM users know: EngineArgs, SpeculativeConfig,
+and the readers of lucebox's environment variables (LUCEBOX_*; no other module reads the environment)."""
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass, fields
+from pathlib import Path
+
 
 from .errors import RequestError
 
@@ -78,3 +83,56 @@ class EngineArgs:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+
+# ---------------------------------------------------------------------- environment (README: Environment)
+ON = ("1", "true", "yes", "on")
+OFF = ("0", "false", "no", "off")
+
+
+@functools.cache
+def _switch(raw: str | None) -> bool | None:
+    """True for 1/true/yes/on, False for 0/false/no/off (any case, spaces ignored), None otherwise."""
+    value = (raw or "").strip().lower()
+    return True if value in ON else False if value in OFF else None
+
+
+def triton_setting() -> bool | None:
+    """LUCEBOX_TRITON (0 | 1; default unset): which implementation of each op runs. Unset: the
+    Triton kernels for CUDA/ROCm tensors, the torch references for CPU tensors. 0: always the torch
+    references (e.g. to bisect a numerical difference on the GPU). 1: Triton also for CPU tensors,
+    only under TRITON_INTERPRET=1 (how CI runs the kernels without a GPU). Read at each op outside
+    a model forward, once per forward inside one (kernels/dispatch.py)."""
+    return _switch(os.environ.get("LUCEBOX_TRITON"))
+
+
+def triton_interpret() -> bool:
+    """TRITON_INTERPRET (Triton's own variable; 1 = Triton's numpy interpreter, default off): lucebox
+    then keeps GPU tensors on compiled kernels and may run Triton on CPU tensors (LUCEBOX_TRITON=1)."""
+    return _switch(os.environ.get("TRITON_INTERPRET")) is True
+
+
+def pdl_enabled() -> bool:
+    """LUCEBOX_PDL (0 | 1; default 1): programmatic dependent launch of the Triton kernels on NVIDIA
+    Hopper and later, each kernel starting while the one before it drains; 0 turns it off. Read at
+    each kernel launch (and so at each CUDA-graph capture)."""
+    return _switch(os.environ.get("LUCEBOX_PDL")) is not False
+
+
+def pdl_tiles() -> bool:
+    """LUCEBOX_PDL_TILES (0 | 1; default 0): 1 launches the float kernel's quantised verify tiles with
+    programmatic dependent launch too (they were slower with it on qwen3-8b Q4_K_M). Read at launch."""
+    return _switch(os.environ.get("LUCEBOX_PDL_TILES")) is True
+
+
+def int8_activations_setting() -> bool | None:
+    """LUCEBOX_INT8_ACTIVATIONS (0 | 1; default unset): whether quantised decode and verify products
+    may round their activation rows to int8 where that is faster. Unset (None): yes on CUDA, no on
+    ROCm; 0: never; 1: also on ROCm. Read at each product (kernels/dispatch.int8_activations)."""
+    return _switch(os.environ.get("LUCEBOX_INT8_ACTIVATIONS"))
+
+
+def cache_dir() -> Path:
+    """LUCEBOX_CACHE (a directory; default ~/.cache/lucebox): where the random-weight demo model is built
+    when the bundled default model is absent. Read each time the default model is resolved."""
+    return Path(os.environ.get("LUCEBOX_CACHE", Path.home() / ".cache" / "lucebox"))

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import sysconfig
 from pathlib import Path
 
 import torch
+
+from .config import cache_dir
 
 log = logging.getLogger("lucebox")
 
@@ -51,7 +52,7 @@ def default_speculative_config() -> dict | None:
 def default_model_path() -> Path:
     if (BUNDLED / "config.json").is_file():
         return BUNDLED
-    cache = Path(os.environ.get("LUCEBOX_CACHE", Path.home() / ".cache" / "lucebox")) / "random-qwen3-demo"
+    cache = cache_dir() / "random-qwen3-demo"
     if not (cache / "model.safetensors").is_file():
         build_demo_model(cache)
     return cache
