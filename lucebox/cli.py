@@ -6,7 +6,7 @@ import logging
 import sys
 import time
 
-from .config import EngineArgs
+from .config import EngineArgs, SpeculativeConfig
 from .errors import LuceboxError
 
 SAMPLING_FLAGS = {  # flag -> (type, help); unset flags take the model's generation_config defaults
@@ -161,19 +161,14 @@ def _sampling_params(args):
     return SamplingParams(max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos, **chosen)
 
 
-def speculative_config(args) -> dict | None:
-    """--draft / --spec-method / --spec-tokens -> EngineArgs.speculative_config (vLLM's shape)."""
+def speculative_config(args) -> SpeculativeConfig | None:
+    """--draft / --spec-* / --no-spec -> EngineArgs.speculative_config. None (no flag): the default model
+    speculates with its drafter, any other model does not; --no-spec alone: off for every model."""
     method = args.spec_method or ("dflash" if args.draft else None)
     if method is None:
-        return None
-    config = {"method": method, "adaptive": args.spec_adaptive}
-    if args.draft:
-        config["model"] = args.draft
-    if args.spec_tokens is not None:
-        config["num_speculative_tokens"] = args.spec_tokens
-    if args.spec_ngram_first:
-        config["ngram_first"] = True
-    return config
+        return SpeculativeConfig() if getattr(args, "no_spec", False) else None
+    return SpeculativeConfig(method=method, model=args.draft, num_speculative_tokens=args.spec_tokens,
+                             adaptive=args.spec_adaptive, ngram_first=args.spec_ngram_first)
 
 
 def _make_engine(args):
