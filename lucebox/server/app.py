@@ -13,7 +13,10 @@ from fastapi.responses import PlainTextResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
+from ..config import EngineArgs
 from ..engine.async_engine import AsyncEngine
+from ..engine.build import summary
+from ..engine.engine import LLMEngine
 from . import protocol
 from .constrain import GrammarFactory
 from .errors import APIError, api_of
@@ -187,7 +190,7 @@ class _Guard:
         return await self.app(scope, receive, send)
 
 
-def serve(args) -> int:
+def serve(engine_args: EngineArgs, config: ServerConfig, verbose: bool = False) -> int:
     """`lucebox serve`: load the model, start the engine, run uvicorn until SIGINT / SIGTERM."""
     import gc
     import sys
@@ -195,10 +198,8 @@ def serve(args) -> int:
 
     import uvicorn
 
-    from ..cli import _make_engine
-
-    llm_engine = _make_engine(args)
-    config = ServerConfig(**{k: getattr(args, k) for k in ServerConfig.__dataclass_fields__ if hasattr(args, k)})
+    llm_engine = LLMEngine.from_args(engine_args)
+    print(summary(llm_engine), file=sys.stderr)
     model_id = config.served_model_name or Path(str(llm_engine.args.model)).name or "lucebox"
     app = create_app(AsyncEngine(llm_engine), config, model_id)
     # What startup made (the model, its graphs, torch's and the server's modules: ~230K objects) lives
@@ -209,5 +210,5 @@ def serve(args) -> int:
           f"(OpenAI /v1/chat/completions /v1/completions /v1/responses, Anthropic /v1/messages)]", file=sys.stderr)
     uvicorn.run(app, host=config.host, port=config.port, timeout_keep_alive=int(config.idle_timeout),
                 timeout_graceful_shutdown=int(config.graceful_timeout) or None,
-                log_level="info" if getattr(args, "verbose", False) else "warning")
+                log_level="info" if verbose else "warning")
     return 0
