@@ -6,7 +6,7 @@ import logging
 import sys
 import time
 
-from .config import EngineArgs
+from .config import EngineArgs, SpeculativeConfig
 from .errors import LuceboxError
 
 SAMPLING_FLAGS = {  # flag -> (type, help); unset flags take the model's generation_config defaults
@@ -161,36 +161,27 @@ def _sampling_params(args):
     return SamplingParams(max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos, **chosen)
 
 
-def speculative_config(args) -> dict | None:
-    """--draft / --spec-method / --spec-tokens -> EngineArgs.speculative_config (vLLM's shape)."""
+def speculative_config(args) -> SpeculativeConfig | None:
+    """--draft / --spec-* / --no-spec -> EngineArgs.speculative_config. None (no flag): the default model
+    speculates with its drafter, any other model does not; --no-spec alone: off for every model."""
     method = args.spec_method or ("dflash" if args.draft else None)
     if method is None:
-        return None
-    config = {"method": method, "adaptive": args.spec_adaptive}
-    if args.draft:
-        config["model"] = args.draft
-    if args.spec_tokens is not None:
-        config["num_speculative_tokens"] = args.spec_tokens
-    if args.spec_ngram_first:
-        config["ngram_first"] = True
-    return config
+        return SpeculativeConfig() if getattr(args, "no_spec", False) else None
+    return SpeculativeConfig(method=method, model=args.draft, num_speculative_tokens=args.spec_tokens,
+                             adaptive=args.spec_adaptive, ngram_first=args.spec_ngram_first)
 
 
-def _make_engine(args):
+def engine_args(args) -> EngineArgs:
+    """The engine flags of `lucebox serve | generate | chat` as EngineArgs."""
+    chosen = {k: getattr(args, k) for k in EngineArgs.field_names() if hasattr(args, k)}
+    return EngineArgs(**dict(chosen, speculative_config=speculative_config(args)))
+
+
+def _build_engine(args):
+    from .engine.build import summary
     from .engine.engine import LLMEngine
-    from .model.loader import load_model
-    engine_args = EngineArgs(**{k: getattr(args, k) for k in EngineArgs.field_names() if hasattr(args, k)})
-    engine_args.speculative_config = speculative_config(args)
-    if engine_args.model is None:  # the bundled default pair, with speculation on unless flags say otherwise
-        from .default_model import default_model_path, default_speculative_config
-        engine_args.model = str(default_model_path())
-        if engine_args.speculative_config is None and not getattr(args, "no_spec", False):
-            engine_args.speculative_config = default_speculative_config()
-    loaded = load_model(engine_args.model, dtype=engine_args.dtype, device=engine_args.device)
-    engine = LLMEngine(loaded, engine_args)
-    print(f"[{loaded.source}: KV cache holds {engine.kv_capacity_tokens:,} tokens "
-          f"(K {engine.runner.cache_types[0]}, V {engine.runner.cache_types[1]}); "
-          f"context {engine.max_model_len:,}]", file=sys.stderr)
+    engine = LLMEngine.from_args(engine_args(args))
+    print(summary(engine), file=sys.stderr)
     return engine
 
 
@@ -214,11 +205,13 @@ def cmd_serve(args) -> int:
     except ImportError as e:  # a trimmed install without the web stack
         raise LuceboxError(f"lucebox serve needs the server packages ({e.name} is missing): "
                            "pip install 'lucebox[server]'") from e
-    return serve(args)
+    from .server.config import ServerConfig
+    config = ServerConfig(**{k: getattr(args, k) for k in ServerConfig.__dataclass_fields__ if hasattr(args, k)})
+    return serve(engine_args(args), config, verbose=args.verbose)
 
 
 def cmd_generate(args) -> int:
-    engine = _make_engine(args)
+    engine = _build_engine(args)
     params = _sampling_params(args)
     prompt = args.prompt
     if args.chat_template:
@@ -232,7 +225,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    engine = _make_engine(args)
+    engine = _build_engine(args)
     params = _sampling_params(args)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print("lucebox chat: type a message; /reset clears the conversation, /exit or Ctrl-D quits.", file=sys.stderr)

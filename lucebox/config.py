@@ -1,7 +1,11 @@
-"""EngineArgs: every engine setting in one place, with the names vLLM users know."""
+"""Every engine setting in one place, with the names vLLM users know: EngineArgs, SpeculativeConfig,
+and the readers of lucebox's environment variables (LUCEBOX_*; no other module reads the environment)."""
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 from .errors import RequestError
 
@@ -22,8 +26,10 @@ class EngineArgs:
     cache_type_k: str = "auto"  # llama.cpp's names: auto f32 f16 bf16 fp8 q8_0 q4_0
     cache_type_v: str = "auto"
     cache_rotate_k: bool = False  # Walsh-Hadamard rotation of K before quantising it
-    # vLLM's shape: {"method": "dflash"|"draft_model"|"ngram", "model": ..., "num_speculative_tokens": k, ...}
-    speculative_config: dict | None = None
+    # A SpeculativeConfig or vLLM's dict shape of it ({"method": "dflash", "model": ..., ...}), typed on
+    # construction. None: the default model speculates with its drafter, any other model does not;
+    # {} (or SpeculativeConfig()): off.
+    speculative_config: SpeculativeConfig | dict | None = None
     max_queue: int = 1024  # waiting requests before new ones are refused
     # CUDA graphs for decode / verify steps. None: on for CUDA devices (validated on the H200, where an
     # eager 8B bf16 step is several times slower), off on CPU; True on CPU runs the padded static
@@ -74,7 +80,144 @@ class EngineArgs:
             raise RequestError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise RequestError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
 
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+
+SPEC_METHODS = ("dflash", "draft_model", "ngram")
+# Draft tokens per step when num_speculative_tokens is not given (dflash: its block's drafts, block - 1).
+DEFAULT_DRAFT_TOKENS = {"draft_model": 4, "ngram": 5}
+DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "half")  # the loader's names
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding settings; `parse` reads vLLM's dict shape. method None: speculation off."""
+    method: str | None = None  # dflash | draft_model | ngram; given only a model: draft_model
+    model: str | None = None  # the drafter: a DFlash directory / .gguf (dflash) or a smaller model (draft_model)
+    num_speculative_tokens: int | None = None  # drafts per step; None: draft_tokens()' default
+    adaptive: bool = True  # adapt the draft length per step to the measured acceptance and costs
+    ngram_first: bool = False  # with a drafter model: n-gram lookup drafts where the text repeats
+    prompt_lookup_min: int = 3  # n-gram lookup: the shortest suffix matched
+    prompt_lookup_max: int = 5  # n-gram lookup: the longest suffix matched (tried first)
+    draft_dtype: str | None = None  # draft_model's dtype; None: the target's
+
+    @classmethod
+    def parse(cls, config: SpeculativeConfig | dict | None) -> SpeculativeConfig | None:
+        """None stays None (unset); a dict in vLLM's shape becomes a SpeculativeConfig ({}: off)."""
+        if config is None or isinstance(config, SpeculativeConfig):
+            return config
+        if not isinstance(config, dict):
+            raise RequestError(f"speculative_config must be a dict or a SpeculativeConfig, got {type(config).__name__}")
+        known = [f.name for f in fields(cls)]
+        unknown = set(config) - set(known)
+        if unknown:
+            raise RequestError(f"speculative_config: unknown key(s) {', '.join(sorted(unknown))}; "
+                               f"known: {', '.join(sorted(known))}")
+        return cls(**config)
+
+    def __post_init__(self):
+        if isinstance(self.model, os.PathLike):
+            self.model = os.fspath(self.model)
+        if self.method is None and self.model:
+            self.method = "draft_model"
+        if self.method is None:
+            if any(getattr(self, f.name) != f.default for f in fields(self)):
+                raise RequestError(f"speculative_config needs a method: one of {', '.join(SPEC_METHODS)}")
+            return
+        if self.method not in SPEC_METHODS:
+            raise RequestError(f"speculative_config['method'] {self.method!r} does not exist; choose one of "
+                               f"{', '.join(SPEC_METHODS)}")
+        if self.model is not None and not isinstance(self.model, str):
+            raise RequestError(f"speculative_config['model'] must be a path or hub id, got {self.model!r}")
+        if self.method == "ngram" and self.ngram_first:
+            raise RequestError("speculative_config['ngram_first'] puts n-gram lookup before a drafter model "
+                               "(method dflash or draft_model); method 'ngram' has none")
+        if self.method != "ngram" and not self.model:
+            raise RequestError(f"speculative method {self.method!r} needs a draft model (speculative_config['model'] "
+                               f"or --draft)")
+        k = self.num_speculative_tokens
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
+            raise RequestError(f"speculative_config['num_speculative_tokens'] must be a positive integer, got {k!r}")
+        for name in ("adaptive", "ngram_first"):
+            if not isinstance(getattr(self, name), bool):
+                raise RequestError(f"speculative_config['{name}'] must be true or false, got {getattr(self, name)!r}")
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise RequestError(f"speculative_config['{name}'] must be a positive integer, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise RequestError(f"n-gram lookup needs prompt_lookup_min ({self.prompt_lookup_min}) <= "
+                               f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if self.draft_dtype is not None and self.draft_dtype not in DRAFT_DTYPES:
+            raise RequestError(f"speculative_config['draft_dtype'] {self.draft_dtype!r} is not one of "
+                               f"{', '.join(DRAFT_DTYPES)}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+    def draft_tokens(self, dflash_block_size: int | None = None) -> int:
+        """num_speculative_tokens, else the method's default: all of a DFlash block's drafts
+        (dflash_block_size - 1), 4 for a draft model, 5 for n-gram lookup."""
+        if self.num_speculative_tokens is not None:
+            return self.num_speculative_tokens
+        if self.method == "dflash":
+            return dflash_block_size - 1
+        return DEFAULT_DRAFT_TOKENS[self.method]
+
+
+# ---------------------------------------------------------------------- environment (README: Environment)
+ON = ("1", "true", "yes", "on")
+OFF = ("0", "false", "no", "off")
+
+
+@functools.cache
+def _switch(raw: str | None) -> bool | None:
+    """True for 1/true/yes/on, False for 0/false/no/off (any case, spaces ignored), None otherwise."""
+    value = (raw or "").strip().lower()
+    return True if value in ON else False if value in OFF else None
+
+
+def triton_setting() -> bool | None:
+    """LUCEBOX_TRITON (0 | 1; default unset): which implementation of each op runs. Unset: the
+    Triton kernels for CUDA/ROCm tensors, the torch references for CPU tensors. 0: always the torch
+    references (e.g. to bisect a numerical difference on the GPU). 1: Triton also for CPU tensors,
+    only under TRITON_INTERPRET=1 (how CI runs the kernels without a GPU). Read at each op outside
+    a model forward, once per forward inside one (kernels/dispatch.py)."""
+    return _switch(os.environ.get("LUCEBOX_TRITON"))
+
+
+def triton_interpret() -> bool:
+    """TRITON_INTERPRET (Triton's own variable; 1 = Triton's numpy interpreter, default off): lucebox
+    then keeps GPU tensors on compiled kernels and may run Triton on CPU tensors (LUCEBOX_TRITON=1)."""
+    return _switch(os.environ.get("TRITON_INTERPRET")) is True
+
+
+def pdl_enabled() -> bool:
+    """LUCEBOX_PDL (0 | 1; default 1): programmatic dependent launch of the Triton kernels on NVIDIA
+    Hopper and later, each kernel starting while the one before it drains; 0 turns it off. Read at
+    each kernel launch (and so at each CUDA-graph capture)."""
+    return _switch(os.environ.get("LUCEBOX_PDL")) is not False
+
+
+def pdl_tiles() -> bool:
+    """LUCEBOX_PDL_TILES (0 | 1; default 0): 1 launches the float kernel's quantised verify tiles with
+    programmatic dependent launch too (they were slower with it on qwen3-8b Q4_K_M). Read at launch."""
+    return _switch(os.environ.get("LUCEBOX_PDL_TILES")) is True
+
+
+def int8_activations_setting() -> bool | None:
+    """LUCEBOX_INT8_ACTIVATIONS (0 | 1; default unset): whether quantised decode and verify products
+    may round their activation rows to int8 where that is faster. Unset (None): yes on CUDA, no on
+    ROCm; 0: never; 1: also on ROCm. Read at each product (kernels/dispatch.int8_activations)."""
+    return _switch(os.environ.get("LUCEBOX_INT8_ACTIVATIONS"))
+
+
+def cache_dir() -> Path:
+    """LUCEBOX_CACHE (a directory; default ~/.cache/lucebox): where the random-weight demo model is built
+    when the bundled default model is absent. Read each time the default model is resolved."""
+    return Path(os.environ.get("LUCEBOX_CACHE", Path.home() / ".cache" / "lucebox"))

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import sysconfig
 from pathlib import Path
 
 import torch
+
+from .config import SpeculativeConfig, cache_dir
 
 log = logging.getLogger("lucebox")
 
@@ -37,21 +38,21 @@ CONFIG = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_siz
               hidden_act="silu", torch_dtype="float32")
 
 
-def default_speculative_config() -> dict | None:
+def default_speculative_config() -> SpeculativeConfig | None:
     """Speculation for the default model: n-gram lookup first, its DFlash drafter where lookup finds
     nothing (the small code model repeats itself a lot, which lookup drafts for free; BENCHMARKS.md);
     n-gram lookup alone when the drafter is not there. The random demo model gets none."""
     if not (BUNDLED / "config.json").is_file():
         return None
     if (BUNDLED_DRAFTER / "config.json").is_file():
-        return {"method": "dflash", "model": str(BUNDLED_DRAFTER), "ngram_first": True}
-    return {"method": "ngram"}
+        return SpeculativeConfig(method="dflash", model=str(BUNDLED_DRAFTER), ngram_first=True)
+    return SpeculativeConfig(method="ngram")
 
 
 def default_model_path() -> Path:
     if (BUNDLED / "config.json").is_file():
         return BUNDLED
-    cache = Path(os.environ.get("LUCEBOX_CACHE", Path.home() / ".cache" / "lucebox")) / "random-qwen3-demo"
+    cache = cache_dir() / "random-qwen3-demo"
     if not (cache / "model.safetensors").is_file():
         build_demo_model(cache)
     return cache

@@ -10,7 +10,6 @@ from tqdm.auto import tqdm
 from .config import EngineArgs
 from .engine.engine import LLMEngine
 from .errors import RequestError
-from .model.loader import load_model
 from .outputs import RequestOutput
 from .sampling import SamplingParams
 
@@ -22,15 +21,9 @@ class LLM:
         unknown = set(engine_kwargs) - set(EngineArgs.field_names())
         if unknown:
             raise RequestError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
-        self.args = EngineArgs(model=model, **engine_kwargs)
-        if self.args.model is None:  # the bundled default pair, speculating with its drafter
-            from .default_model import default_model_path, default_speculative_config
-            self.args.model = str(default_model_path())
-            if self.args.speculative_config is None:
-                self.args.speculative_config = default_speculative_config()
-        loaded = load_model(self.args.model, dtype=self.args.dtype, device=self.args.device)
-        self.engine = LLMEngine(loaded, self.args)
-        self.tokenizer = loaded.tokenizer
+        # No model: the bundled default pair, speculating with its drafter (speculative_config={}: plainly).
+        self.engine = LLMEngine.from_args(EngineArgs(model=model, **engine_kwargs))
+        self.args, self.tokenizer = self.engine.args, self.engine.tokenizer
         self._ids = itertools.count()
 
     def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,

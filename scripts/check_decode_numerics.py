@@ -108,9 +108,9 @@ def compare_engines(loaded, prompt: list[int], tokens: int, cuda_graphs: bool,
             return bench_engine_args(flags, max_len, loaded, kv_factor=kv_factor, **extra)
         return EngineArgs(model=loaded.source, max_model_len=max_len, max_num_seqs=1, enable_prefix_caching=False,
                           cuda_graphs=cuda_graphs, kv_cache_memory=1 << 30, **extra)
-    recorded, _ = greedy(LLMEngine(loaded, engine_args(1)), prompt, tokens)
+    recorded, _ = greedy(LLMEngine.from_args(engine_args(1), loaded), prompt, tokens)
     spec = {"method": "ngram", "num_speculative_tokens": CHUNK - 1, "adaptive": False}
-    engine = LLMEngine(loaded, engine_args(2, speculative_config=spec))
+    engine = LLMEngine.from_args(engine_args(2, speculative_config=spec), loaded)
     engine.speculator.proposer = RecordedContinuationProposer({tuple(prompt): list(recorded)})
     accepted, record = [], engine.speculator.record
     engine.speculator.record = lambda seq, drafts, n: accepted.append(n) or record(seq, drafts, n)

@@ -26,9 +26,9 @@ from lucebox.model.kv_cache import kv_bytes_per_token
 def runner_for(loaded, context: int, graphs: bool):
     per_token = kv_bytes_per_token(loaded.model, "auto", "auto")
     tokens = (context // EngineArgs.block_size + 4) * EngineArgs.block_size
-    engine = LLMEngine(loaded, EngineArgs(model=loaded.source, max_model_len=context + 64, max_num_seqs=1,
-                                          enable_prefix_caching=False, cuda_graphs=graphs,
-                                          kv_cache_memory=per_token * tokens))
+    engine = LLMEngine.from_args(EngineArgs(model=loaded.source, max_model_len=context + 64, max_num_seqs=1,
+                                            enable_prefix_caching=False, cuda_graphs=graphs,
+                                            kv_cache_memory=per_token * tokens), loaded)
     table: list[int] = []
     engine.scheduler.blocks.allocate(table, context + 1)
     return engine, (lambda: engine.runner.run([[1]], [context], [table]))

@@ -87,8 +87,8 @@ def main() -> None:
     max_len = max(map(len, prompts)) + args.max_tokens + 32
     kv = 4 * kv_bytes_per_token(loaded.model, "auto", "auto") * ((-(-max_len // 16) + 2) * 16)
     configs = {"plain": None, "dflash": {"method": "dflash", "model": args.draft}, "ngram": {"method": "ngram"}}
-    engines = {name: LLMEngine(loaded, EngineArgs(model=args.model, max_model_len=max_len, max_num_seqs=1,
-                                                  kv_cache_memory=kv, speculative_config=config))
+    engines = {name: LLMEngine.from_args(EngineArgs(model=args.model, max_model_len=max_len, max_num_seqs=1,
+                                                    kv_cache_memory=kv, speculative_config=config), loaded)
                for name, config in configs.items()}
     for temperature in (0.0, 1.0):
         params = SamplingParams(temperature=temperature, max_tokens=args.max_tokens, ignore_eos=True)
@@ -134,9 +134,10 @@ def idle_overhead(loaded, args, repeats: int = 5) -> None:
     dflash = {"method": "dflash", "model": args.draft}
     # "plain again": the control, a second plain engine (what a ratio shows when nothing differs).
     names = ("plain", "plain again", "idle dflash, taps", "idle dflash, dormant")
-    engines = {name: LLMEngine(loaded, EngineArgs(model=args.model, max_model_len=max_len, max_num_seqs=1,
-                                                  kv_cache_memory=kv,
-                                                  speculative_config=None if name.startswith("plain") else dflash))
+    engines = {name: LLMEngine.from_args(EngineArgs(model=args.model, max_model_len=max_len, max_num_seqs=1,
+                                                    kv_cache_memory=kv,
+                                                    speculative_config=None if name.startswith("plain") else dflash),
+                                    loaded)
                for name in names}
     engines["idle dflash, taps"].speculator.taps_needed = lambda: True
     for temperature in (0.0, 1.0):
@@ -189,9 +190,10 @@ def step_costs(loaded, steps: int = 200) -> None:
             columns = {k: v for k, v in columns.items() if "sample" in v}
         # A KV budget of its own: the model keeps the first engine's caches, so planning from the
         # GPU's free memory would leave the second engine nothing.
-        engine = LLMEngine(loaded, EngineArgs(model="step-costs", max_model_len=1024, max_num_seqs=1,
-                                              kv_cache_memory=kv_bytes_per_token(loaded.model, "auto", "auto") * 4096,
-                                              speculative_config={"method": "ngram", "num_speculative_tokens": 15}))
+        engine = LLMEngine.from_args(EngineArgs(model="step-costs", max_model_len=1024, max_num_seqs=1,
+                                                kv_cache_memory=kv_bytes_per_token(loaded.model, "auto", "auto") * 4096,
+                                                speculative_config={"method": "ngram",
+                                                                    "num_speculative_tokens": 15}), loaded)
         runner = engine.runner
         if runner.graphs is None:
             print("no CUDA graphs on this device: nothing to time")

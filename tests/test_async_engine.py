@@ -67,3 +67,28 @@ def test_bad_request_fails_alone(engine):
 
     outputs = asyncio.run(main())
     assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 10
+
+
+def test_the_server_facing_surface_reports_the_engine(llm, engine, hf_models):
+    assert engine.max_model_len == llm.engine.max_model_len and engine.tokenizer is llm.tokenizer
+    assert engine.vocab_size == llm.engine.model.config.vocab_size
+    assert engine.eos_token_ids == llm.engine.eos_token_ids and engine.model_name == hf_models["qwen3"].name
+
+
+def test_stats_count_requests_and_kv_blocks_while_one_runs(llm, engine):
+    idle = engine.stats()
+    assert (idle.running, idle.waiting, idle.kv_usage) == (0, 0, 0.0)
+    assert idle.kv_capacity_tokens == llm.engine.kv_capacity_tokens == idle.kv_blocks * 4
+
+    async def main():
+        stream = await engine.add_request("busy", "def", SamplingParams(max_tokens=50, ignore_eos=True))
+        async for out in stream:
+            if len(out.outputs[0].token_ids) >= 2:
+                busy = engine.stats()
+                break
+        await stream.aclose()
+        return busy
+
+    busy = asyncio.run(main())
+    assert busy.running + busy.waiting == 1 and busy.kv_blocks_free < busy.kv_blocks and busy.kv_usage > 0
+    assert busy.prefix_cache_queries >= idle.prefix_cache_queries

@@ -61,3 +61,34 @@ def test_cli_generate_with_speculation_prints_the_same_greedy_text(hf_models, ca
     assert capsys.readouterr().out == plain
     assert main(args + ["--draft", str(hf_models["qwen3"]), "--spec-method", "draft_model", "--spec-ngram-first"]) == 0
     assert capsys.readouterr().out == plain
+
+
+def _engine_args(*flags):
+    from lucebox.cli import build_parser, engine_args
+    return engine_args(build_parser().parse_args(["generate", *flags]))
+
+
+def test_speculation_flags_build_a_typed_speculative_config():
+    from lucebox.config import SpeculativeConfig
+    got = _engine_args("--draft", "d", "--spec-tokens", "3", "--spec-ngram-first", "--no-spec-adaptive")
+    assert got.speculative_config == SpeculativeConfig(method="dflash", model="d", num_speculative_tokens=3,
+                                                       adaptive=False, ngram_first=True)
+    assert _engine_args("--spec-method", "ngram").speculative_config == SpeculativeConfig(method="ngram")
+
+
+def test_no_speculation_flag_leaves_the_default_and_no_spec_turns_it_off():
+    assert _engine_args().speculative_config is None  # the default model's own, resolved by from_args
+    assert not _engine_args("--no-spec").speculative_config.enabled
+    assert _engine_args("--no-spec", "--spec-method", "ngram").speculative_config.method == "ngram"
+
+
+def test_a_bad_speculation_flag_is_an_error_without_traceback(hf_models, capsys):
+    code = main(["generate", "--model", str(hf_models["qwen3"]), "--spec-method", "dflash"])
+    err = capsys.readouterr().err
+    assert code == 1 and "needs a draft model" in err and "Traceback" not in err
+
+
+def test_cli_says_what_it_built_before_generating(hf_models, capsys):
+    assert main(["generate", "--model", str(hf_models["qwen3"]), "--max-model-len", "96", "--max-tokens", "2"]) == 0
+    err = capsys.readouterr().err
+    assert f"[{hf_models['qwen3']}: KV cache holds" in err and "context 96]" in err

@@ -80,6 +80,19 @@ def test_cli_default_is_the_bundled_pair(capsys):
     assert str(BUNDLED) in capsys.readouterr().err
 
 
+def test_default_speculation_is_a_typed_config_of_the_bundled_drafter():
+    from lucebox.config import SpeculativeConfig
+    from lucebox.default_model import default_speculative_config
+    want = (SpeculativeConfig(method="dflash", model=str(BUNDLED_DRAFTER), ngram_first=True)
+            if (BUNDLED_DRAFTER / "config.json").is_file() else SpeculativeConfig(method="ngram"))
+    assert default_speculative_config() == want
+
+
+def test_default_model_with_speculation_turned_off_decodes_plainly():
+    llm = LLM(speculative_config={}, max_model_len=256)
+    assert llm.engine.speculator is None and llm.args.model == str(BUNDLED)
+
+
 def test_default_llm_speculates_losslessly(hf, snippets):
     """No model given: the bundled model with speculation on (its drafter, else n-gram lookup), and
     greedy output identical to plain decoding."""

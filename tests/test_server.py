@@ -345,3 +345,18 @@ def test_responses_custom_tool_is_answered_with_custom_tool_call(oai):
         {"type": "custom_tool_call", "call_id": item.call_id, "name": "apply_patch", "input": item.input},
         {"type": "custom_tool_call_output", "call_id": item.call_id, "output": "Done!"}])
     assert follow.output_text == "It is sunny in Paris."
+
+
+def test_the_server_uses_only_the_async_engine_surface():
+    """server/ builds through LLMEngine.from_args and reads the engine through AsyncEngine: never the CLI,
+    the scheduler, the runner or the LLMEngine inside the AsyncEngine."""
+    import ast
+    import re
+    from pathlib import Path
+    server = Path(__file__).resolve().parent.parent / "lucebox" / "server"
+    for path in server.glob("*.py"):
+        source = path.read_text()
+        modules = {n.module for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ImportFrom)}
+        assert not {m for m in modules if m and m.split(".")[-1] == "cli"}, path.name
+        for reach in (r"\bengine\.engine\b(?! import)", r"\.scheduler\b", r"\.runner\b", r"\.speculator\b"):
+            assert not re.search(reach, source), (path.name, reach)

@@ -56,14 +56,14 @@ def forced_phase(loaded, args, engine_args, verify: dict, prompt: list[int], dra
         decode_runs(engine, [prompt], params)  # warm-up (and, for the plain engine, the recording)
         return median_of([decode_runs(engine, [prompt], params) for _ in range(args.repeats)])
 
-    plain_engine = LLMEngine(loaded, engine_args(args, max_len, loaded))
+    plain_engine = LLMEngine.from_args(engine_args(args, max_len, loaded), loaded)
     plain_output = greedy_output(plain_engine, prompt, params)
     plain = measure(plain_engine)
     del plain_engine  # the next engine installs its own KV caches in the model
     # An n-gram speculator of the right length, its proposer swapped for the recording: the engine
     # plans its KV, graph buckets and draft length exactly as for any speculator.
     spec = {"method": "ngram", "num_speculative_tokens": draft_tokens, "adaptive": False}
-    engine = LLMEngine(loaded, engine_args(args, max_len, loaded, kv_factor=2, speculative_config=spec))
+    engine = LLMEngine.from_args(engine_args(args, max_len, loaded, kv_factor=2, speculative_config=spec), loaded)
     recorded = {tuple(prompt): plain_output}
     engine.speculator.proposer = RecordedContinuationProposer(recorded)
     rerecorded, reproduced = 0, []  # reproduced: tokens each recording's run reproduced before differing

@@ -43,9 +43,10 @@ def run(args) -> list[dict]:
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
 
     def engine_for(cache_type, rotate):
-        return LLMEngine(loaded, EngineArgs(model=args.model, cache_type_k=cache_type, cache_type_v=cache_type,
-                                            cache_rotate_k=rotate, max_model_len=max(map(len, ids)) + args.new_tokens + 8,
-                                            enable_prefix_caching=False))
+        max_len = max(map(len, ids)) + args.new_tokens + 8
+        return LLMEngine.from_args(EngineArgs(model=args.model, cache_type_k=cache_type, cache_type_v=cache_type,
+                                              cache_rotate_k=rotate, max_model_len=max_len,
+                                              enable_prefix_caching=False), loaded)
 
     def generate(engine):
         for i, p in enumerate(prompts):

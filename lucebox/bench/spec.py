@@ -100,9 +100,9 @@ def run(args) -> dict:
         # a share of the whole GPU each would leave the later ones nothing.
         tokens = (-(-max_len // EngineArgs.block_size) + 2) * EngineArgs.block_size
         kv_memory = 4 * kv_bytes_per_token(loaded.model, "auto", "auto") * tokens
-        engines = [(name, LLMEngine(loaded, EngineArgs(model=args.model, max_model_len=max_len, max_num_seqs=1,
-                                                       kv_cache_memory=kv_memory, speculative_config=spec,
-                                                       async_decode=args.async_decode)))
+        engines = [(name, LLMEngine.from_args(EngineArgs(model=args.model, max_model_len=max_len, max_num_seqs=1,
+                                                         kv_cache_memory=kv_memory, speculative_config=spec,
+                                                         async_decode=args.async_decode), loaded))
                    for name, spec in configs]
         for _, engine in engines:
             decode_runs(engine, prompts[:1], params)  # warm-up

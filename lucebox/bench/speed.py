@@ -200,7 +200,8 @@ def verify_phase(loaded, args, context: int, kv: int, ref, clock) -> dict:
     like a speculating engine, it keeps CUDA-graph buckets for verify steps too. The K/V read is
     whatever the pool holds: the timing does not depend on it."""
     spec = {"method": "ngram", "num_speculative_tokens": VERIFY_TOKENS - 1, "adaptive": False}
-    engine = LLMEngine(loaded, engine_args(args, context + 2 * VERIFY_TOKENS, loaded, speculative_config=spec))
+    engine = LLMEngine.from_args(engine_args(args, context + 2 * VERIFY_TOKENS, loaded, speculative_config=spec),
+                                 loaded)
     blocks, table = engine.scheduler.blocks, []
     blocks.allocate(table, context + VERIFY_TOKENS)
     run, calls = engine.runner.run, 4 * args.repeats
@@ -231,7 +232,7 @@ def spec_phase(loaded, args, rng) -> dict:
     max_len = max(map(len, prompts)) + args.decode_tokens + 64
 
     def measure(**extra) -> dict:
-        engine = LLMEngine(loaded, engine_args(args, max_len, loaded, **extra))
+        engine = LLMEngine.from_args(engine_args(args, max_len, loaded, **extra), loaded)
         decode_runs(engine, prompts[:1], params)  # warm-up
         return median_of([decode_runs(engine, prompts, params) for _ in range(args.repeats)])
     plain, spec = measure(), measure(kv_factor=4, speculative_config=config)
@@ -303,7 +304,7 @@ def run(args: argparse.Namespace) -> dict:
     prompt_lens = [] if "prefill" in skip else _lengths(args.prompt_lens, "prompt-lens", limit, fits, notes)
     contexts = [] if "decode" in skip else _lengths(args.contexts, "contexts", limit, fits, notes)
     longest = max([64, *prompt_lens, *contexts]) + args.decode_tokens + VERIFY_TOKENS
-    engine = LLMEngine(loaded, engine_args(args, longest, loaded))
+    engine = LLMEngine.from_args(engine_args(args, longest, loaded), loaded)
     _request(engine, clock, [1] * 32, 4)  # first-call costs (kernel compilation) stay out of every figure
     result["prefill"], result["decode"], last = engine_phase(engine, loaded, args, prompt_lens, contexts, kv,
                                                              result["reference"], clock, rng)

@@ -67,7 +67,7 @@ def run(args) -> dict:
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     engine_args = EngineArgs(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(args.concurrency),
                              max_model_len=args.prompt_len + args.output_len + 64, enable_prefix_caching=False)
-    engine = LLMEngine(loaded, engine_args)
+    engine = LLMEngine.from_args(engine_args, loaded)
     rng = random.Random(0)
     vocab = loaded.config.vocab_size
     rows = []
@@ -81,8 +81,8 @@ def run(args) -> dict:
         row["ratio_to_1"] = row["tok_s"] / base
     cfg, dtype = loaded.config, loaded.model.dtype
     kv = {t: kv_bytes_per_token(loaded.model, t, t) for t in CACHE_TYPES[1:] if _supported(t, cfg.head_dim)}
-    cached_engine = LLMEngine(loaded, EngineArgs(model=args.model, dtype=args.dtype, device=args.device,
-                                                 max_model_len=2048))
+    cached_engine = LLMEngine.from_args(EngineArgs(model=args.model, dtype=args.dtype, device=args.device,
+                                                   max_model_len=2048), loaded)
     hit = multi_turn_hit_rate(cached_engine, conversations=8, turns=4, rng=rng)
     return {"model": args.model, "device": str(loaded.model.device), "dtype": str(dtype).replace("torch.", ""),
             "prompt_len": args.prompt_len, "output_len": args.output_len, "throughput": rows,

@@ -4,6 +4,9 @@
 LuceboxError at once if it is bad), then `async for output in stream` yields cumulative
 RequestOutputs until the last one has `finished`. Leaving the loop early (a client that went away)
 aborts the request and frees its KV blocks.
+
+The server sees the engine only through this class: requests and streams, and a few read-only
+facts (max_model_len, tokenizer, vocab_size, eos_token_ids, model_name, stats()).
 """
 from __future__ import annotations
 
@@ -11,6 +14,8 @@ import asyncio
 import logging
 import threading
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
 
 from ..errors import LuceboxError
 from ..outputs import RequestOutput
@@ -22,6 +27,24 @@ log = logging.getLogger("lucebox")
 
 class EngineDeadError(LuceboxError):
     """The engine's step loop failed; the request could not be completed."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's load for /metrics (vLLM's gauges and counters)."""
+    running: int  # sequences in the running batch
+    waiting: int  # sequences waiting for a slot
+    kv_blocks: int  # KV blocks in the pool
+    kv_blocks_free: int
+    kv_capacity_tokens: int  # tokens the KV pool holds
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int  # prompt tokens served from it
+    preemptions: int  # sequences preempted to free KV blocks
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of the KV blocks in use (1 = all)."""
+        return (self.kv_blocks - self.kv_blocks_free) / self.kv_blocks if self.kv_blocks else 0.0
 
 
 class AsyncEngine:
@@ -63,6 +86,36 @@ class AsyncEngine:
         with self._lock:
             self.engine.abort(request_id)
             self._streams.pop(request_id, None)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model.config.vocab_size
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return self.engine.eos_token_ids
+
+    @property
+    def model_name(self) -> str:
+        """The served model's file or directory name."""
+        return Path(str(self.engine.args.model)).name
+
+    def stats(self) -> EngineStats:
+        """Read without the engine lock: the figures may lag a step, never block one."""
+        sched = self.engine.scheduler
+        blocks = sched.blocks
+        return EngineStats(running=len(sched.running), waiting=len(sched.waiting), kv_blocks=blocks.num_blocks,
+                           kv_blocks_free=blocks.num_free_blocks, kv_capacity_tokens=self.engine.kv_capacity_tokens,
+                           prefix_cache_queries=blocks.queries, prefix_cache_hits=blocks.hits,
+                           preemptions=sched.num_preemptions)
 
     @property
     def is_running(self) -> bool:

@@ -91,6 +91,14 @@ class LLMEngine:
         log.info("KV pool: %d blocks of %d tokens = %d tokens", num_blocks, args.block_size,
                  num_blocks * args.block_size)
 
+    @classmethod
+    def from_args(cls, args: EngineArgs, loaded: LoadedModel | None = None) -> LLMEngine:
+        """The one way to build an engine (CLI, LLM, server, benches): the bundled default pair when
+        args.model is None, the model loaded unless `loaded` is given (engines may share one)."""
+        from .build import args_and_model
+        args, loaded = args_and_model(args, loaded)
+        return cls(loaded, args)
+
     @property
     def kv_capacity_tokens(self) -> int:
         return self.runner.num_blocks * self.runner.block_size

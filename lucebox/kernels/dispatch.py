@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import threading
 
 import torch
+
+from ..config import int8_activations_setting, pdl_enabled, pdl_tiles, triton_interpret, triton_setting
 
 
 @functools.cache
@@ -27,31 +28,25 @@ def triton_available() -> bool:
     return True
 
 
-ON = ("1", "true", "yes", "on")
-OFF = ("0", "false", "no", "off")
-
-
 @functools.cache
-def _choice(mode: str | None, interpret: str | None) -> tuple[bool, bool]:
-    """(Triton for CUDA tensors, Triton for CPU tensors) under these two environment values."""
-    mode = (mode or "").strip().lower()
-    interpreted = (interpret or "").strip().lower() in ON
-    if mode in OFF or not triton_available():
+def _choice(mode: bool | None, interpreted: bool) -> tuple[bool, bool]:
+    """(Triton for CUDA tensors, Triton for CPU tensors) under LUCEBOX_TRITON and TRITON_INTERPRET."""
+    if mode is False or not triton_available():
         return False, False
     # Interpreted kernels want host tensors: keep GPU runs compiled. (ROCm builds of torch report
     # their GPUs as "cuda" too.)
-    return not interpreted, mode in ON and interpreted
+    return not interpreted, mode is True and interpreted
 
 
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ON
+    return triton_interpret()
 
 
 _decided = threading.local()  # .choice: the environment's choice, read once for a whole forward
 
 
 def _current_choice() -> tuple[bool, bool]:
-    return _choice(os.environ.get("LUCEBOX_TRITON"), os.environ.get("TRITON_INTERPRET"))
+    return _choice(triton_setting(), triton_interpret())
 
 
 @contextlib.contextmanager
@@ -117,9 +112,9 @@ def pdl_launch(device: torch.device, tiles: bool = False) -> dict:
     tiles: the float kernel's quantised verify tiles (triton_quant_matmul, mode 1), which launch
     without PDL unless LUCEBOX_PDL_TILES=1: qwen3-8b Q4_K_M verify took 8.14 ms with it, 7.55
     without (BENCHMARKS, thirteenth round; the int8 verify tiles were not slower with it)."""
-    if device.type != "cuda" or os.environ.get("LUCEBOX_PDL", "").strip().lower() in OFF:
+    if device.type != "cuda" or not pdl_enabled():
         return {}
-    if tiles and os.environ.get("LUCEBOX_PDL_TILES", "").strip().lower() not in ON:
+    if tiles and not pdl_tiles():
         return {}
     if not _pdl_supported(device.index if device.index is not None else torch.cuda.current_device()):
         return {}
@@ -132,10 +127,10 @@ def int8_activations() -> bool:
     llama.cpp does): yes unless LUCEBOX_INT8_ACTIVATIONS=0; on ROCm only with
     LUCEBOX_INT8_ACTIVATIONS=1 (where it is faster was measured on an H200, and AMD GPUs run the
     one-row kernels without PTX dp4a). Prefill stays on bf16."""
-    setting = os.environ.get("LUCEBOX_INT8_ACTIVATIONS", "").strip().lower()
+    setting = int8_activations_setting()
     if torch.version.hip is not None:
-        return setting in ON
-    return setting not in OFF
+        return setting is True
+    return setting is not False
 
 
 def next_pow2(n: int) -> int:

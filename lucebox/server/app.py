@@ -13,7 +13,10 @@ from fastapi.responses import PlainTextResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
+from ..config import EngineArgs
 from ..engine.async_engine import AsyncEngine
+from ..engine.build import summary
+from ..engine.engine import LLMEngine
 from . import protocol
 from .constrain import GrammarFactory
 from .errors import APIError, api_of
@@ -27,10 +30,9 @@ log = logging.getLogger("lucebox.server")
 class ServerState:
     def __init__(self, engine: AsyncEngine, config: ServerConfig, model_id: str, request_processors):
         self.engine, self.config, self.model_id = engine, config, model_id
-        llm = engine.engine
-        self.tokenizer = llm.tokenizer
+        self.tokenizer = engine.tokenizer
         self.metrics = Metrics(model_id)
-        self.grammars = GrammarFactory(self.tokenizer, llm.model.config.vocab_size, llm.eos_token_ids)
+        self.grammars = GrammarFactory(self.tokenizer, engine.vocab_size, engine.eos_token_ids)
         self.tool_format = tool_format(self.tokenizer.chat_templates)
         self._request_processors = request_processors
 
@@ -116,13 +118,13 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None, model_id
 
     @app.get("/metrics")
     async def _metrics():
-        return PlainTextResponse(state.metrics.render(engine.engine), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(state.metrics.render(engine.stats()), media_type="text/plain; version=0.0.4")
 
     return app
 
 
 def models_listing(state, codex: bool) -> dict:
-    ctx = state.engine.engine.max_model_len
+    ctx = state.engine.max_model_len
     card = {"id": state.model_id, "object": "model", "created": int(time.time()), "owned_by": "lucebox",
             "root": state.model_id, "context_length": ctx, "max_model_len": ctx, "max_context_length": ctx}
     body = {"object": "list", "data": [card]}
@@ -187,20 +189,18 @@ class _Guard:
         return await self.app(scope, receive, send)
 
 
-def serve(args) -> int:
+def serve(engine_args: EngineArgs, config: ServerConfig, verbose: bool = False) -> int:
     """`lucebox serve`: load the model, start the engine, run uvicorn until SIGINT / SIGTERM."""
     import gc
     import sys
-    from pathlib import Path
 
     import uvicorn
 
-    from ..cli import _make_engine
-
-    llm_engine = _make_engine(args)
-    config = ServerConfig(**{k: getattr(args, k) for k in ServerConfig.__dataclass_fields__ if hasattr(args, k)})
-    model_id = config.served_model_name or Path(str(llm_engine.args.model)).name or "lucebox"
-    app = create_app(AsyncEngine(llm_engine), config, model_id)
+    llm_engine = LLMEngine.from_args(engine_args)
+    print(summary(llm_engine), file=sys.stderr)
+    engine = AsyncEngine(llm_engine)
+    model_id = config.served_model_name or engine.model_name or "lucebox"
+    app = create_app(engine, config, model_id)
     # What startup made (the model, its graphs, torch's and the server's modules: ~230K objects) lives
     # as long as the server: out of the garbage collector's sight, a full collection, which stalls
     # every running request, takes microseconds instead of ~80 ms.
@@ -209,5 +209,5 @@ def serve(args) -> int:
           f"(OpenAI /v1/chat/completions /v1/completions /v1/responses, Anthropic /v1/messages)]", file=sys.stderr)
     uvicorn.run(app, host=config.host, port=config.port, timeout_keep_alive=int(config.idle_timeout),
                 timeout_graceful_shutdown=int(config.graceful_timeout) or None,
-                log_level="info" if getattr(args, "verbose", False) else "warning")
+                log_level="info" if verbose else "warning")
     return 0

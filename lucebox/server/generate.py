@@ -158,11 +158,11 @@ def skip_special_tokens(state) -> bool:
 
 def max_tokens_for(state, prompt_len: int, requested: int | None) -> int:
     """No max_tokens: up to the context window (never truncating the prompt)."""
-    room = state.engine.engine.max_model_len - prompt_len
+    room = state.engine.max_model_len - prompt_len
     if requested is None:
         if room < 1:
             raise APIError(400, f"the prompt has {prompt_len} tokens; the model's maximum context length is "
-                                f"{state.engine.engine.max_model_len} tokens", param="messages",
+                                f"{state.engine.max_model_len} tokens", param="messages",
                            code="context_length_exceeded")
         return room
     return requested

@@ -71,11 +71,8 @@ class Metrics:
                     self.accepted_per_pos.append(0)
                 self.accepted_per_pos[i] += n
 
-    def render(self, engine) -> str:
-        """`engine` is the LLMEngine; its scheduler is read without the engine lock (gauges may lag a step)."""
-        sched = engine.scheduler
-        blocks = sched.blocks
-        used = (blocks.num_blocks - blocks.num_free_blocks) / blocks.num_blocks if blocks.num_blocks else 0.0
+    def render(self, stats) -> str:
+        """`stats`: the engine's EngineStats (AsyncEngine.stats()) beside this server's request counts."""
         L = self.labels
         lines: list[str] = []
 
@@ -86,19 +83,19 @@ class Metrics:
 
         with self.lock:
             metric("vllm:num_requests_running", "gauge", "Sequences in the running batch.",
-                   [f"vllm:num_requests_running{{{L}}} {len(sched.running)}"])
+                   [f"vllm:num_requests_running{{{L}}} {stats.running}"])
             metric("vllm:num_requests_waiting", "gauge", "Sequences waiting for a slot.",
-                   [f"vllm:num_requests_waiting{{{L}}} {len(sched.waiting)}"])
+                   [f"vllm:num_requests_waiting{{{L}}} {stats.waiting}"])
             metric("vllm:kv_cache_usage_perc", "gauge", "Fraction of KV-cache blocks in use (1 = 100%).",
-                   [f"vllm:kv_cache_usage_perc{{{L}}} {used}"])
+                   [f"vllm:kv_cache_usage_perc{{{L}}} {stats.kv_usage}"])
             metric("vllm:kv_cache_capacity_tokens", "gauge", "Tokens the KV pool holds.",
-                   [f"vllm:kv_cache_capacity_tokens{{{L}}} {engine.kv_capacity_tokens}"])
+                   [f"vllm:kv_cache_capacity_tokens{{{L}}} {stats.kv_capacity_tokens}"])
             metric("vllm:prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache.",
-                   [f"vllm:prefix_cache_queries_total{{{L}}} {blocks.queries}"])
+                   [f"vllm:prefix_cache_queries_total{{{L}}} {stats.prefix_cache_queries}"])
             metric("vllm:prefix_cache_hits", "counter", "Prompt tokens served from the prefix cache.",
-                   [f"vllm:prefix_cache_hits_total{{{L}}} {blocks.hits}"])
+                   [f"vllm:prefix_cache_hits_total{{{L}}} {stats.prefix_cache_hits}"])
             metric("vllm:num_preemptions", "counter", "Sequences preempted to free KV blocks.",
-                   [f"vllm:num_preemptions_total{{{L}}} {getattr(sched, 'num_preemptions', 0)}"])
+                   [f"vllm:num_preemptions_total{{{L}}} {stats.preemptions}"])
             metric("vllm:request_success", "counter", "Finished requests by finish reason.",
                    [f'vllm:request_success_total{{{L},finished_reason="{r}"}} {n}'
                     for r, n in sorted(self.success.items())])

@@ -1,0 +1,36 @@
+"""What LLMEngine.from_args does before the engine itself is built: name the bundled default pair when
+no model is given, and load the model unless the caller shares one it loaded already."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..config import EngineArgs
+from ..model.loader import LoadedModel, load_model
+
+
+def resolve_args(args: EngineArgs, loaded: LoadedModel | None = None) -> EngineArgs:
+    """A copy of args naming its model. No model: the loaded one's source when one is given, else the
+    bundled default model, speculating as default_speculative_config() says unless
+    args.speculative_config was given (an empty one, {}, turns speculation off)."""
+    if args.model is not None:
+        return args
+    if loaded is not None:
+        return replace(args, model=loaded.source)
+    from ..default_model import default_model_path, default_speculative_config
+    spec = args.speculative_config if args.speculative_config is not None else default_speculative_config()
+    return replace(args, model=str(default_model_path()), speculative_config=spec)
+
+
+def args_and_model(args: EngineArgs, loaded: LoadedModel | None = None) -> tuple[EngineArgs, LoadedModel]:
+    """(args naming their model, the loaded model): `loaded` itself when given."""
+    args = resolve_args(args, loaded)
+    if loaded is None:
+        loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    return args, loaded
+
+
+def summary(engine) -> str:
+    """The line the CLI and the server print once an engine is built: model, KV capacity and types, context."""
+    k, v = engine.runner.cache_types
+    return (f"[{engine.loaded.source}: KV cache holds {engine.kv_capacity_tokens:,} tokens (K {k}, V {v}); "
+            f"context {engine.max_model_len:,}]")
