@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 from lucebox.bench import shapes  # noqa: E402
 from lucebox.bench.forced import RecordedContinuationProposer  # noqa: E402
-from lucebox.bench.speed import _engine_args as bench_engine_args  # noqa: E402
+from lucebox.bench.speed import engine_args as bench_engine_args  # noqa: E402
 from lucebox.config import EngineArgs  # noqa: E402
 from lucebox.engine.block_manager import BlockManager  # noqa: E402
 from lucebox.engine.engine import LLMEngine  # noqa: E402
