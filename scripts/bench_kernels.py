@@ -52,6 +52,7 @@ from lucebox.kernels import triton_dp4a as tdp  # noqa: E402
 from lucebox.kernels import triton_sampling  # noqa: E402
 from lucebox.kernels import prefill_attention as pa  # noqa: E402
 from lucebox.kernels import triton_paged_attention as tpa  # noqa: E402
+from lucebox.kernels import split_rows as layout  # noqa: E402
 from lucebox.kernels import triton_split_rows as tsr  # noqa: E402
 from lucebox.kernels import triton_quant_int8 as tqi  # noqa: E402
 from lucebox.kernels import triton_quant_matmul as tqm  # noqa: E402
@@ -177,7 +178,7 @@ def bench_quant(args, shape, peak, device) -> list:
         best = {}
         if args.sweep and device.type == "cuda":
             best = sweep_quant(x, raws, qtype, k, m, device)
-            if qtype in tsr.SPLIT_TYPES:
+            if qtype in layout.SPLIT_TYPES:
                 best |= sweep_split_rows(x, raws, qtype, k, m, ref, device)
             if qtype in (Q.Q4_K, Q.Q8_0, Q.Q6_K):
                 best |= sweep_int8(x, raws, qtype, k, m, ref, device)
@@ -228,7 +229,7 @@ def sweep_split_rows(x, raws, qtype, k, m, ref, device) -> dict:
     """The same product over split rows (kernels/triton_split_rows.py, the Q8_0 / Q6_K layout models
     take on the GPU): the one-row GEMV at M = 1, the fused kernel (verify) above; checked against
     the reference first, then timed like the rest, at the default launch and over a grid."""
-    splits = [tsr.split_rows(w, qtype) for w in raws]
+    splits = [layout.split_rows(w, qtype) for w in raws]
     if m == 1:
         def product(w, **launch):
             return tsr.gemv(x, w, qtype, k, **launch)
@@ -246,7 +247,7 @@ def sweep_int8(x, raws, qtype, k, m, ref, device) -> dict:
     time): the dp4a GEMV at M = 1, integer tensor cores above; Q4_K on ggml rows, Q8_0 and Q6_K on
     split rows. Its error against the float product, the default launch and the best of a grid."""
     split_rows = qtype != Q.Q4_K
-    weights = [tsr.split_rows(w, qtype) for w in raws] if split_rows else raws
+    weights = [layout.split_rows(w, qtype) for w in raws] if split_rows else raws
 
     def product(w, **launch):
         return tqi.matmul(x, w, qtype, split_rows, k, **launch)
@@ -572,7 +573,7 @@ def compile_check(arch: str) -> None:
             for stages in (2, 3):  # the one-row GEMV's loop software-pipelined (an option of the sweep)
                 tqi.matmul(torch.zeros(1, 4096, dtype=torch.bfloat16), raw, qtype, split, 4096, split_k=1,
                            stages=stages)
-        for qtype in tsr.SPLIT_TYPES:  # split rows: the GEMV, the fused kernel (verify), the dequantiser (prefill)
+        for qtype in layout.SPLIT_TYPES:  # split rows: the GEMV, the fused kernel (verify), the dequantiser (prefill)
             raw = torch.zeros(64, 4096 // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1], dtype=torch.uint8)
             for stages in (1, 2, 3):
                 tsr.gemv(torch.zeros(1, 4096, dtype=torch.bfloat16), raw, qtype, 4096, split_k=1, stages=stages)

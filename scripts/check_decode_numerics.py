@@ -31,12 +31,12 @@ import torch  # noqa: E402
 
 from lucebox.bench import shapes  # noqa: E402
 from lucebox.bench.forced import RecordedContinuationProposer  # noqa: E402
-from lucebox.bench.speed import _engine_args as bench_engine_args  # noqa: E402
+from lucebox.bench.speed import engine_args as bench_engine_args  # noqa: E402
 from lucebox.config import EngineArgs  # noqa: E402
 from lucebox.engine.block_manager import BlockManager  # noqa: E402
 from lucebox.engine.engine import LLMEngine  # noqa: E402
 from lucebox.engine.runner import ModelRunner  # noqa: E402
-from lucebox.kernels import fused_linear, triton_gemv  # noqa: E402
+from lucebox.kernels import routing, triton_gemv  # noqa: E402
 from lucebox.model.loader import load_model  # noqa: E402
 from lucebox.sampling import SamplingParams  # noqa: E402
 
@@ -54,10 +54,10 @@ def row_blocks_only(n, k, prologue, device):
 
 
 RULE = triton_gemv.launch_config
-FUSES = fused_linear.fuses
+GEMV_APPLIES = routing.float_gemv_applies
 VARIANTS = {"launch rule": lambda: None,
             "row blocks only": lambda: setattr(triton_gemv, "launch_config", row_blocks_only),
-            "no decode GEMVs": lambda: setattr(fused_linear, "fuses", lambda *a: False)}
+            "no decode GEMVs": lambda: setattr(routing, "float_gemv_applies", lambda *a: False)}
 
 
 @torch.inference_mode()
@@ -144,7 +144,7 @@ def main() -> None:
         try:
             diff, agree = compare(loaded.model, prompt, args.tokens)
         finally:
-            triton_gemv.launch_config, fused_linear.fuses = RULE, FUSES
+            triton_gemv.launch_config, routing.float_gemv_applies = RULE, GEMV_APPLIES
         print(f"| {name} | {diff:.2e} | {100 * agree:.1f}% |", flush=True)
     print(f"\n| engine, {args.tokens} greedy tokens | equal to plain decoding before the first difference "
           f"| forced tau |\n|---|---:|---:|")

@@ -520,7 +520,7 @@ def test_graph_replay_of_quantised_weights_on_int8_activations_equals_eager(quan
     int8 paths inside graphs (rows rounded by RMSNorm / silu * up or a quantising launch, dp4a GEMVs,
     int8 verify tiles) compute what they compute eagerly, decode and verify."""
     from lucebox.bench.shapes import build_random_model
-    from lucebox.weights.quant import takes_int8
+    from lucebox.kernels.linear import takes_int8
     model = build_random_model("tiny", quant, "cuda").model
     model.fuse_projections()
     model.split_quant_rows()

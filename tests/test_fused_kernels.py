@@ -6,7 +6,7 @@
 - RMSNorm fused with the residual add (kernels/norm.py, kernels/triton_norm.py), as the decoder
   layers call it; Qwen3's per-head q/k norm folded into the RoPE kernel.
 - silu(gate) * up in one pass (kernels/activation.py, kernels/triton_activation.py).
-- A decode token's GEMV with the op before it in its prologue (kernels/fused_linear.py,
+- A decode token's GEMV with the op before it in its prologue (kernels/linear.py,
   kernels/triton_gemv.py): RMSNorm with the residual add, silu(gate) * up, or nothing.
 - A whole model forward with the fused path matches the reference path.
 
@@ -22,7 +22,7 @@ import torch
 
 from lucebox.kernels import (  # noqa: E402
     activation,
-    fused_linear,
+    linear,
     norm,
     rope,
     triton_activation,
@@ -319,9 +319,9 @@ def gemv_case(prologue, with_residual, dtype, n, k, bias, seed=0):
 
 def gemv_reference(prologue, x, residual, norm_weight, weight, bias):
     if prologue == triton_gemv.NORM:
-        return fused_linear.norm_linear_reference(x, residual, norm_weight, 1e-6, weight, bias)
+        return linear.norm_linear_reference(x, residual, norm_weight, 1e-6, weight, bias)
     if prologue == triton_gemv.SILU_MUL:
-        return fused_linear.silu_mul_linear_reference(x, weight, bias), None
+        return linear.silu_mul_linear_reference(x, weight, bias), None
     return torch.nn.functional.linear(x, weight, bias), None
 
 
@@ -357,19 +357,21 @@ def test_fused_linears_take_the_gemv_for_one_float_row_only(monkeypatch):
     real = triton_gemv.gemv
     monkeypatch.setattr(triton_gemv, "gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     x, residual, norm_weight, weight, _ = gemv_case(triton_gemv.NORM, True, torch.float32, 16, 32, bias=False)
+    projection = linear.FusedProjection(weight, None)
     monkeypatch.setenv("LUCEBOX_TRITON", "1")
-    y, total = fused_linear.norm_linear(x, residual, norm_weight, 1e-6, weight)
+    (y,), total = linear.norm_linear(x, residual, norm_weight, 1e-6, (projection,))
     assert calls == [1] and torch.equal(total, x + residual)
-    fused_linear.norm_linear(x.repeat(2, 1), residual.repeat(2, 1), norm_weight, 1e-6, weight)  # two rows
-    fused_linear.linear(x, weight.t().contiguous().t())  # rows not contiguous
+    linear.norm_linear(x.repeat(2, 1), residual.repeat(2, 1), norm_weight, 1e-6, (projection,))  # two rows
+    linear.linear(x, linear.FusedProjection(weight.t().contiguous().t(), None))  # rows not contiguous
     with torch.enable_grad():
-        fused_linear.linear(x, weight.clone().requires_grad_())  # autograd keeps the reference
+        linear.linear(x, linear.FusedProjection(weight.clone().requires_grad_(), None))  # autograd: the reference
+    linear.norm_linear(x, residual, norm_weight, 1e-6, (projection, projection))  # several: the norm, then each
     assert calls == [1]
     monkeypatch.setenv("LUCEBOX_TRITON", "0")
-    fused_linear.silu_mul_linear(torch.randn(1, 64).to(DEVICE), weight)
+    linear.silu_mul_linear(torch.randn(1, 64).to(DEVICE), projection)
     assert calls == [1]
     monkeypatch.setenv("LUCEBOX_TRITON", "1")
-    fused_linear.silu_mul_linear(torch.randn(1, 64).to(DEVICE), weight)
+    linear.silu_mul_linear(torch.randn(1, 64).to(DEVICE), projection)
     assert calls == [1, 1]
 
 

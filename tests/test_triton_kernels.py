@@ -31,12 +31,14 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize as gguf_quantize  # noqa: E402
 
 from lucebox.kernels import dequant, triton_norm  # noqa: E402
+from lucebox.kernels import split_rows as layout  # noqa: E402
 from lucebox.kernels import triton_paged_attention as tpa  # noqa: E402
 from lucebox.kernels import triton_quant_matmul as tqm  # noqa: E402
 from lucebox.kernels.attention import paged_attention  # noqa: E402
 from lucebox.kernels.forward_batch import ForwardBatch  # noqa: E402
+from lucebox.kernels.linear import quant_matmul  # noqa: E402
 from lucebox.model.kv_cache import PagedKVCache  # noqa: E402
-from lucebox.weights.quant import QuantLinear, QuantTensor, quant_matmul  # noqa: E402
+from lucebox.weights.quant import QuantLinear, QuantTensor  # noqa: E402
 
 from .test_quant import random_rows  # noqa: E402
 
@@ -145,8 +147,8 @@ def test_split_rows_hold_the_same_weights_and_multiply_like_the_reference(qtype)
     from lucebox.kernels import triton_split_rows as tsr
     k, n = 512, 40
     raw = quant_rows(qtype, n, k, seed=7 + qtype.value)
-    split = tsr.split_rows(raw, qtype)
-    assert split.shape == raw.shape and not torch.equal(split, raw) and torch.equal(tsr.join_rows(split, qtype), raw)
+    split = layout.split_rows(raw, qtype)
+    assert split.shape == raw.shape and not torch.equal(split, raw) and torch.equal(layout.join_rows(split, qtype), raw)
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(8)).to(DEVICE)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(9)).to(DEVICE)
     weight = dequant.dequantize(raw, qtype)
@@ -165,7 +167,7 @@ def test_split_rows_hold_the_same_weights_and_multiply_like_the_reference(qtype)
         tsr.gemv(x[:1, :96], split[:, :1], qtype, 96)
     with pytest.raises(ValueError, match="not Q4_K"):
         tsr.gemv(x[:1], split, Q.Q4_K, k)
-    assert tsr.applies(qtype, 4096) and not tsr.applies(qtype, 96) and not tsr.applies(Q.Q4_K, 4096)
+    assert layout.applies(qtype, 4096) and not layout.applies(qtype, 96) and not layout.applies(Q.Q4_K, 4096)
 
 
 def test_split_k_changes_nothing_but_the_summation_order():
@@ -207,14 +209,13 @@ def test_int8_products_are_the_float_products_of_the_rounded_activations_alone_o
     bias included, and a row's result is the same decoded alone or verified among others."""
     from lucebox.kernels import triton_dp4a as tdp
     from lucebox.kernels import triton_quant_int8 as tqi
-    from lucebox.kernels import triton_split_rows as tsr
     k, n = 512, 40
     raw = quant_rows(qtype, n, k, seed=11)
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(12)).to(DEVICE)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(13)).to(DEVICE)
     want = rounded_rows(tdp.quantize_rows(x), k) @ dequant.dequantize(raw, qtype).T
     split = qtype != Q.Q4_K
-    weights = tsr.split_rows(raw, qtype) if split else raw
+    weights = layout.split_rows(raw, qtype) if split else raw
     for split_k in (1, 2):
         one = tqi.matmul(x[:1], weights, qtype, split, k, split_k=split_k)
         assert rel_err(one, want[:1]) <= 1e-5
@@ -235,7 +236,7 @@ def test_int8_products_are_the_float_products_of_the_rounded_activations_alone_o
 
 
 def test_int8_activations_take_the_products_they_are_faster_for_unless_turned_off(monkeypatch):
-    """By default (triton_quant_int8.faster): a Q4_K linear's one-row product runs on int8 activations
+    """By default (kernels/routing.QUANT_ROUTES): a Q4_K linear's one-row product runs on int8 activations
     and its verify rows on the float kernel; a split Q8_0 linear the other way round; formats without
     int8 kernels (Q5_K) stay on the float kernel; LUCEBOX_INT8_ACTIVATIONS=0 turns it all off."""
     from lucebox.kernels import triton_dp4a as tdp
@@ -275,12 +276,12 @@ def test_int8_activations_are_opt_in_on_rocm(monkeypatch):
         assert int8_activations() is want, (hip, setting)
 
 
-def test_products_of_one_input_share_its_rounding_within_one_rounding(monkeypatch):
-    """weights.quant.one_rounding: products of the same tensor on int8 activations quantise it once
-    (another tensor, even equal, its own), and compute what they compute alone."""
+def test_products_of_one_input_share_its_rounding(monkeypatch):
+    """kernels.linear.linears: products of one tensor on int8 activations quantise it once (given
+    rows from its producer: not at all), and compute what they compute alone."""
     from lucebox.kernels import triton_dp4a as tdp
     from lucebox.kernels import triton_quant_int8 as tqi
-    from lucebox.weights.quant import one_rounding
+    from lucebox.kernels.linear import linears
     monkeypatch.setenv("LUCEBOX_TRITON", "1")
     monkeypatch.delenv("LUCEBOX_INT8_ACTIVATIONS", raising=False)
     rounds, real = [], tdp.quantize_rows
@@ -291,10 +292,11 @@ def test_products_of_one_input_share_its_rounding_within_one_rounding(monkeypatc
     x = torch.randn(1, 256, generator=torch.Generator().manual_seed(33)).to(DEVICE)
     alone = a(x), b(x)
     assert len(rounds) == 2
-    with one_rounding(x):
-        shared = a(x), b(x), a(x.clone())
-    assert len(rounds) == 2 + 2  # x once, its clone once
-    for got, want in zip(shared, alone + alone[:1]):
+    shared = linears(x, (a, b.forward))  # a module, and a fused projection's bound forward
+    assert len(rounds) == 2 + 1
+    given = linears(x, (a, b), rows=real(x))
+    assert len(rounds) == 2 + 1
+    for got, want in zip(shared + given, alone + alone):
         assert torch.equal(got, want)
     with pytest.raises(ValueError, match="do not match"):
         tqi.matmul(x, a.qweight, Q.Q4_K, False, 256, quantized=tdp.quantize_rows(x.repeat(2, 1)))

@@ -51,9 +51,8 @@ def _current_choice() -> tuple[bool, bool]:
 
 @contextlib.contextmanager
 def decided_once():
-    """Within it (a model's forward), use_triton reads the environment once, not at every op:
-    reading it costs ~1.4 us, and an eager forward asks ~10 times a layer (this CPU, the bundled
-    model: ~3% of a decode step). Tests flip the environment between forwards, never inside one."""
+    """Within it (a model's forward), use_triton reads the environment once, not at every op (an
+    eager forward asks ~10 times a layer). Tests flip the environment between forwards, never inside one."""
     previous = getattr(_decided, "choice", None)
     _decided.choice = _current_choice()
     try:
@@ -110,8 +109,8 @@ def pdl_launch(device: torch.device, tiles: bool = False) -> dict:
     overlap the previous one's tail. {} elsewhere, or when LUCEBOX_PDL=0. Every kernel launched with
     these options calls wait_for_previous_kernel(PDL) before touching memory.
     tiles: the float kernel's quantised verify tiles (triton_quant_matmul, mode 1), which launch
-    without PDL unless LUCEBOX_PDL_TILES=1: qwen3-8b Q4_K_M verify took 8.14 ms with it, 7.55
-    without (BENCHMARKS, thirteenth round; the int8 verify tiles were not slower with it)."""
+    without PDL unless LUCEBOX_PDL_TILES=1 (slower with it; the int8 verify tiles were not).
+    lucebox bench speed --shape qwen3-8b --quant q4_k_m, H200, 2026-12-04"""
     if device.type != "cuda" or not pdl_enabled():
         return {}
     if tiles and not pdl_tiles():
@@ -123,7 +122,7 @@ def pdl_launch(device: torch.device, tiles: bool = False) -> dict:
 
 def int8_activations() -> bool:
     """Whether quantised decode and verify products may run on int8 activations where that is faster
-    (kernels/triton_quant_int8.faster: each activation row rounded to int8 per 32 values, as
+    (kernels/routing.QUANT_ROUTES: each activation row rounded to int8 per 32 values, as
     llama.cpp does): yes unless LUCEBOX_INT8_ACTIVATIONS=0; on ROCm only with
     LUCEBOX_INT8_ACTIVATIONS=1 (where it is faster was measured on an H200, and AMD GPUs run the
     one-row kernels without PTX dp4a). Prefill stays on bf16."""

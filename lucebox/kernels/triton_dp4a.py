@@ -1,10 +1,9 @@
 """Activation rows rounded to int8, and the one-row (decode) GEMVs on integer dot products for Q4_K
-rows and split-row Q8_0 and Q6_K (Triton, NVIDIA); triton_quant_int8 holds verify's kernels and
-decides where a model takes them (`faster`).
+rows and split-row Q8_0 and Q6_K (Triton, NVIDIA); triton_quant_int8 holds verify's kernels, and
+routing.QUANT_ROUTES decides where a model takes them.
 
-The float kernels spend ~7.4 SASS instructions a Q4_K weight (sm_90: unpack, convert, scale,
-multiply-add), which held Q4_K at ~27-31% of the H200's bandwidth (BENCHMARKS, twelfth round). As
-in llama.cpp's MMVQ, the activation row is rounded to int8 per 32 values first (x ~ xd * qx; one
+The float kernels spend several SASS instructions a Q4_K weight (sm_90: unpack, convert, scale,
+multiply-add), which bounds them below the bandwidth. As in llama.cpp's MMVQ, the activation row is rounded to int8 per 32 values first (x ~ xd * qx; one
 launch, `quantize_rows`, or by the kernel that makes x: `store_rounded`), and a weight word of
 four nibbles meets four activation bytes in one `dp4a` (PTX through `tl.inline_asm_elementwise`):
 a Q4_K super-block is 32 words of nibble pairs, `word & 0x0F0F0F0F` the low nibbles of four
@@ -18,8 +17,7 @@ and each 32-value block's integer sum is scaled once, d * xd. Q6_K in split rows
 pairs of four consecutive values sit at one bit position of four consecutive bytes), and takes the
 -32 offset per 16-value group from the activations alone: d * sc * xd * (sum(q*qx) - 32 sum(qx)).
 The price is that rounding (~0.4% of a value; ~0.3-1% of the largest output on random weights),
-which the float kernels do not have. Measured (thirteenth round): Q4_K GEMVs 20-35% faster than
-the float ones, Q6_K 10-20%, Q8_0 no faster. Under Triton's interpreter (the CPU tests) dp4a is
+which the float kernels do not have. Under Triton's interpreter (the CPU tests) dp4a is
 spelt out in byte arithmetic, with the same integer result.
 """
 from __future__ import annotations
@@ -214,9 +212,8 @@ def _q6_k_split_dp4a_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, u
     store_one_row(acc, rn, N, o_ptr, stride_os, b_ptr, HAS_BIAS)
 
 
-# (ggml type, split rows) -> kernel. Launch: 64 rows x 4 warps, at most 4 units of K a program: the
-# best of the H200 sweep (BENCHMARKS, thirteenth round) on most qwen3-8b matrices of all three
-# (the head, 2,374 row blocks: 130 us at split-K 4 against 187 unsplit, Q4_K).
+# (ggml type, split rows) -> kernel. Launch: 64 rows x 4 warps, at most 4 units of K a program.
+# scripts/bench_kernels.py --only quant --ms 1 --sweep, H200, qwen3-8b shapes in CUDA graphs, 2026-12-04
 _KERNELS = {(Q.Q4_K, False): _q4_k_dp4a_kernel, (Q.Q8_0, True): _q8_0_split_dp4a_kernel,
             (Q.Q6_K, True): _q6_k_split_dp4a_kernel}
 BLOCK_N, MAX_UNITS = 64, 4

@@ -1,5 +1,5 @@
 """Triton GEMV for one decode token, with the op before it fused into its prologue (the references
-and the dispatch are in kernels/fused_linear.py).
+and the dispatch are in kernels/linear.py).
 
     y = W @ p(x)    p: identity | RMSNorm(x [+ residual]) | silu(gate) * up
 
@@ -114,10 +114,10 @@ def _kernel():
 def launch_config(n: int, k: int, prologue: int, device: torch.device) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, warps, programs): programs 0 is one program per block of rows; more is
     RESIDENT (BLOCK_K >= K: that many programs walk the row blocks with the input kept in
-    registers). The patterns of the fastest configs of a sweep on the H200 over the 0.6B and 8B
-    projections (BENCHMARKS.md): an RMSNorm prologue over rows of up to 4096 keeps its input (it
-    is worked out once a program instead of once a row block: 8-26% faster there), four programs
-    an SM; otherwise tiles of 16384 weights, up to 4096 along K, with at least a program per SM."""
+    registers). An RMSNorm prologue over rows of up to 4096 keeps its input (it is worked out once
+    a program instead of once a row block), four programs an SM; otherwise tiles of 16384 weights,
+    up to 4096 along K, with at least a program per SM.
+    scripts/bench_kernels.py --only gemv --sweep --shape qwen3-0.6b / qwen3-8b, H200, 2026-12-03"""
     sms = num_sms(device)
     if prologue == NORM and next_pow2(k) <= RESIDENT_MAX_K:
         block_k = next_pow2(k)

@@ -10,9 +10,7 @@ for a Q8_0 block d * xd * sum(q * qx), for a Q6_K 16-value group d * sc * xd * s
 The result is the float product of the rounded activations with the exact weights (the float
 kernels' verify tiles round the dequantised weights to bf16 instead). A row's integer sums are the
 same whether it is decoded alone or verified with others (every row is rounded alike). Which
-products take this path is `faster`'s table, from the H200 measurements: sharing integer sums
-between decode and verify did not by itself make their argmaxes agree on random weights
-(BENCHMARKS, thirteenth round), so the choice is by speed.
+products take this path is routing.QUANT_ROUTES' choice, by speed.
 
 Verify's kernel: a program owns BLOCK_N weight rows and a range of 256-value units of K; per
 32-value block one tl.dot of the block's int8 weights [BLOCK_N, 32] (Q4_K nibbles and Q6_K 6-bit
@@ -29,6 +27,7 @@ from gguf import GGMLQuantizationType as Q
 
 from . import triton_dp4a
 from .dispatch import next_pow2, num_sms, pdl_launch
+from .routing import INT8, QUANT_ROUTES
 from .triton_dp4a import SUPER, quantize_rows, scales_mins
 from .triton_pdl import wait_for_previous_kernel
 from .triton_quant_matmul import MAX_FUSED_M, f16, one_row_program, reduce_splits
@@ -151,19 +150,7 @@ _KERNELS = {(Q.Q4_K, False): _q4_k_int8_kernel, (Q.Q8_0, True): _q8_0_split_int8
             (Q.Q6_K, True): _q6_k_split_int8_kernel}
 assert _KERNELS.keys() == triton_dp4a._KERNELS.keys()
 serves = triton_dp4a.serves
-
-# Where a model's products take int8 activations, by (format, split rows): "decode" (one row) and/or
-# "verify" (2..64 rows), wherever that beat the float kernels on the H200 (BENCHMARKS, thirteenth
-# round; qwen3-8b shapes, CUDA graphs). Decode: Q4_K 8.3-16.8 us against 10.1-23.7 (the head 130
-# against 205), split Q6_K 11-25 against 12-29; split Q8_0 no faster (a step 3.90 ms against 3.84).
-# Verify (16 rows): split Q8_0 17-44 us against 20-50 (the head 347 against 504); Q4_K and split Q6_K
-# slower than their float tiles (Q6_K takes two integer dots a block for its 16-value scales).
-_FASTER = {(Q.Q4_K, False): ("decode",), (Q.Q6_K, True): ("decode",), (Q.Q8_0, True): ("verify",)}
-
-
-def faster(qtype, split_rows: bool, rows: int) -> bool:
-    """Whether `rows` activation rows times these weights are faster on int8 activations."""
-    return serves(qtype, split_rows) and ("decode" if rows == 1 else "verify") in _FASTER.get((qtype, split_rows), ())
+assert all(key in _KERNELS for key, kernels in QUANT_ROUTES.items() if INT8.intersection(kernels))
 
 
 def matmul(x: torch.Tensor, weights: torch.Tensor, qtype, split_rows: bool, in_features: int,

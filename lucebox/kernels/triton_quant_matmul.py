@@ -21,7 +21,7 @@ Byte layouts are ggml's (see dequant.py). Fields are read through byte pointers;
 those loads itself as far as it can prove alignment (vector loads for the 16-byte aligned
 K-quant fields, 2-byte loads inside the 34/210-byte Q8_0/Q6_K blocks).
 
-Large M (prefill): `quant_matmul` below is only the fused path; weights/quant.py dequantises row
+Large M (prefill): `quant_matmul` below is only the fused path; kernels/linear.py dequantises row
 chunks with `dequantize` here and multiplies with torch.matmul (cuBLAS) when M > MAX_FUSED_M.
 """
 from __future__ import annotations
@@ -33,10 +33,8 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 from .dispatch import next_pow2, num_sms, pdl_launch
+from .routing import ACTIVATION_DTYPES, MAX_FUSED_M
 from .triton_pdl import wait_for_previous_kernel
-
-MAX_FUSED_M = 64  # above this, dequantise + torch.matmul (compute-bound; tensor cores win)
-ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 _F_Q8_0, _F_Q4_0, _F_Q4_K, _F_Q5_K, _F_Q6_K, _F_IQ4_XS = range(6)
 # ggml type -> (format id, bytes per unit, values per unit, plane width) where a unit is what one
@@ -50,9 +48,8 @@ _FORMATS = {
     Q.IQ4_XS: (_F_IQ4_XS, 136, 256, 32),
 }
 SUPPORTED_TYPES = frozenset(_FORMATS)
-# Decode (M = 1) launch: (BLOCK_N, warps) per format, from the H200 sweep of the qwen3-8b shapes
-# timed inside CUDA graphs (BENCHMARKS.md, 2026-12-03: 5-25% faster than (32, 4) on most
-# matrices); formats not swept keep (32, 4).
+# Decode (M = 1) launch: (BLOCK_N, warps) per format; formats not swept keep (32, 4).
+# scripts/bench_kernels.py --only quant --sweep, H200, qwen3-8b shapes in CUDA graphs, 2026-12-03
 _DECODE_LAUNCH = {_F_Q8_0: (32, 8), _F_Q6_K: (32, 8), _F_Q4_K: (64, 4)}
 
 # IQ4_NL/IQ4_XS codebook packed four int8 entries per int32 (little-endian), so a lookup is two

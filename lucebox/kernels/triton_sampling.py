@@ -15,7 +15,7 @@ candidate on every row, not only the chosen one, keeps the rows independent; eac
 its own noise, so the committed token is still distributed as the residual of the row that
 rejected (or p at the bonus row) -- sampling from the target alone.
 
-One program reading a 152K vocabulary 66 times is slow (3.3 ms on an H200), so the passes avoid the
+One program reading a 152K vocabulary dozens of times is slow, so the passes avoid the
 vocabulary where they can (`search`, default "chunks"):
   - chunks: a first launch, (row, CHUNK tokens) a program, finds what slices of a row can decide
     alone: each chunk's mass and max, a temperature-only row's Gumbel race per chunk, and for a

@@ -1,24 +1,13 @@
-"""Split rows (Triton): the layout Q8_0 and Q6_K weights take on the GPU, and their decode GEMVs.
+"""The decode GEMVs of split rows (Triton; the layout is kernels/split_rows.py's).
 
-ggml's blocks interleave each block's scales with its values: a Q8_0 block is 34 bytes (an fp16
-scale, then 32 int8 values), a Q6_K super-block 210 bytes (128 bytes of low nibbles, 64 of 2-bit
-high pairs, 16 int8 scales, an fp16 d). Their fields sit at 2-byte alignment, so the fused kernel
-(triton_quant_matmul) loads them a byte or two at a time and shuffles bytes into place: ~10 (Q8_0)
-and ~13 (Q6_K) SASS instructions a weight on sm_90, 19-55% of the H200's bandwidth (BENCHMARKS,
-fourth and eleventh rounds). A split row holds the same bytes per output feature, field by field:
-every block's first field, then every block's second, ... (Q8_0: the K values, then the K/32
-scales; Q6_K: all low nibbles | all high pairs | all scales | all d). Each field's run is then
-16-byte aligned when the row is (Q8_0: K a multiple of 256; Q6_K: of 2048, 8 super-blocks, as the
-8B shape's 4096 and 12288), and a program loads 16 values with one instruction.
-
-Decode (one row) runs the GEMVs here: Q8_0 multiplies a unit of 8 blocks as one [rows, 8, 32] tile
-and applies each block's scale to the block's sum; Q6_K takes a super-block as [rows, 2, 2, 2, 16]
-tiles per field (halves n, 32-value runs a, 16-value scale groups g, values i; value
-v = 128n + 64h + 32a + 16g + i with h the low or high nibble, scale index 8n + 4h + 2a + g) and per
-scale group computes d * sc * (sum(q*x) - 32 * sum(x)), sum(x) shared by every row of the program.
-Verify and prefill read split rows through triton_quant_matmul (split_rows=True). Turning int8
-into float32 with an OR and a subtract instead of the int-to-float instruction was slower on every
-qwen3-8b matrix on the H200 (eleventh round).
+In ggml's layout the fused kernel (triton_quant_matmul) loads Q8_0 and Q6_K fields a byte or two
+at a time and shuffles bytes into place; in split rows a program loads 16 values with one
+instruction. Decode (one row) runs the GEMVs here: Q8_0 multiplies a unit of 8 blocks as one
+[rows, 8, 32] tile and applies each block's scale to the block's sum; Q6_K takes a super-block as
+[rows, 2, 2, 2, 16] tiles per field (halves n, 32-value runs a, 16-value scale groups g, values i;
+value v = 128n + 64h + 32a + 16g + i with h the low or high nibble, scale index 8n + 4h + 2a + g)
+and per scale group computes d * sc * (sum(q*x) - 32 * sum(x)), sum(x) shared by every row of the
+program. Verify and prefill read split rows through triton_quant_matmul (split_rows=True).
 """
 from __future__ import annotations
 
@@ -29,42 +18,6 @@ from gguf import GGMLQuantizationType as Q
 
 from .triton_pdl import wait_for_previous_kernel
 from .triton_quant_matmul import one_row_gemv, one_row_program, store_one_row
-
-# ggml type -> (bytes per block, byte ranges of its fields in ggml's block, the field order in a split row)
-_FIELDS = {
-    Q.Q8_0: (34, ((2, 34), (0, 2))),  # values, scale
-    Q.Q6_K: (210, ((0, 128), (128, 192), (192, 208), (208, 210))),  # ql, qh, scales, d
-}
-SPLIT_TYPES = frozenset(_FIELDS)
-# Row lengths (values) that leave every field 16-byte aligned: what the GEMVs were timed on.
-_ALIGNED_K = {Q.Q8_0: 256, Q.Q6_K: 2048}
-
-
-def applies(qtype, row_length: int) -> bool:
-    """Whether rows of this type and length take the split layout."""
-    return qtype in _ALIGNED_K and row_length % _ALIGNED_K[qtype] == 0
-
-
-def split_rows(raw: torch.Tensor, qtype) -> torch.Tensor:
-    """ggml rows [N, bytes] -> split rows of the same size: each field's bytes for every block of
-    the row, field after field."""
-    block, fields = _FIELDS[qtype]
-    n, row_bytes = raw.shape
-    blocks = raw.view(n, row_bytes // block, block)
-    return torch.cat([blocks[:, :, a:b].reshape(n, -1) for a, b in fields], dim=1)
-
-
-def join_rows(split: torch.Tensor, qtype) -> torch.Tensor:
-    """split_rows' inverse: ggml rows."""
-    block, fields = _FIELDS[qtype]
-    n, row_bytes = split.shape
-    nb = row_bytes // block
-    parts, start = [None] * len(fields), 0
-    for a, b in fields:
-        parts[sorted(fields).index((a, b))] = split[:, start:start + nb * (b - a)].reshape(n, nb, b - a)
-        start += nb * (b - a)
-    return torch.cat(parts, dim=2).reshape(n, row_bytes)
-
 
 @triton.jit
 def _q8_0_split_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_per_prog,
@@ -121,17 +74,15 @@ def _q6_k_split_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_
 
 
 # ggml type -> (kernel, values a loop iteration consumes, default (BLOCK_N, warps, programs per SM
-# the split-K aims at, fewest units a program)): the H200 sweeps' best (BENCHMARKS: eleventh and
-# twelfth rounds). Q8_0: 16 rows x 4 warps on every 8B matrix; Q6_K: 64 rows x 4 warps, split-K
-# towards 16 programs an SM down to one unit a program (split-K 16 won on gate/up, down and k/v:
-# k/v 5.6 us against 6.3 at two units a program; the head, 2,374 programs, takes none).
+# the split-K aims at, fewest units a program)).
+# scripts/bench_kernels.py --only quant --sweep, H200, qwen3-8b shapes, 2026-12-03
 _GEMV = {Q.Q8_0: (_q8_0_split_kernel, 256, (16, 4, 8, 2)), Q.Q6_K: (_q6_k_split_kernel, 256, (64, 4, 16, 1))}
 
 
 def gemv(x: torch.Tensor, split: torch.Tensor, qtype, in_features: int, bias: torch.Tensor | None = None, *,
          block_n: int | None = None, split_k: int | None = None, num_warps: int | None = None,
          stages: int = 1) -> torch.Tensor:
-    """x [1, K] @ W.T (+ bias) for split rows [N, bytes] of a SPLIT_TYPES type; output in x.dtype.
+    """x [1, K] @ W.T (+ bias) for split rows [N, bytes] (kernels/split_rows.py) of Q8_0 or Q6_K; output in x.dtype.
     stages: see triton_quant_matmul.one_row_gemv."""
     if qtype not in _GEMV:
         raise ValueError(f"split rows are a layout of {', '.join(t.name for t in _GEMV)}, not {Q(qtype).name}")

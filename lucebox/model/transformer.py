@@ -1,7 +1,9 @@
 """The decoder-only transformer shared by the Llama, Mistral, Qwen2 and Qwen3 families.
 
 Module names follow the HF checkpoints (minus the leading `model.`) so that loading is a name
-lookup. Linear layers are plain nn.Linear or QuantLinear (GGUF weights that stay quantised).
+lookup. Linear layers are plain nn.Linear or QuantLinear (GGUF weights that stay quantised); the
+layers say which products follow which op (`norm -> q/k/v`, `silu * up -> down`) and
+kernels/linear.py picks the kernels.
 """
 from __future__ import annotations
 
@@ -9,14 +11,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import fused_linear
-from ..kernels.activation import silu_and_mul, silu_and_mul_rounded
+from ..kernels.activation import silu_and_mul
 from ..kernels.attention import paged_attention
 from ..kernels.dispatch import decided_once
 from ..kernels.forward_batch import ForwardBatch
-from ..kernels.norm import rms_norm, rms_norm_residual, rms_norm_rounded
+from ..kernels.linear import FusedProjection, linear, linears, norm_linear, silu_mul_linear
+from ..kernels.norm import rms_norm, rms_norm_residual
 from ..kernels.rope import rope_and_write_kv
-from ..weights.quant import QuantEmbedding, QuantLinear, QuantTensor, one_rounding, takes_int8
+from ..weights.quant import QuantEmbedding, QuantLinear, QuantTensor
 from .config import ModelConfig
 from .rope import RopeTable
 
@@ -32,47 +34,6 @@ class RMSNorm(nn.Module):
         if residual is None:
             return rms_norm(x, self.weight, self.eps)
         return rms_norm_residual(x, residual, self.weight, self.eps)
-
-
-class FusedProjection:
-    """x -> F.linear(x, weight, bias) over float weights fused by fuse_linears: a plain object, so
-    its tensors are not counted as parameters twice."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        self.weight, self.bias = weight, bias
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-
-def float_weights(projection) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """(weight, bias) of a float projection (nn.Linear, FusedProjection); None for quantised ones."""
-    if type(projection) is nn.Linear or isinstance(projection, FusedProjection):
-        return projection.weight, projection.bias
-    return None
-
-
-def norm_project(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, projection
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(projection(norm(x + residual)), x + residual) -- residual None: the stream is x -- with
-    the norm fused into a float projection's GEMV for one decode token (kernels/fused_linear.py)."""
-    weights = float_weights(projection)
-    if weights is not None:
-        return fused_linear.norm_linear(x, residual, norm.weight, norm.eps, *weights)
-    h, residual, rows = norm_for(norm, x, residual, (projection,))
-    with one_rounding(h, rows):
-        return projection(h), residual
-
-
-def norm_for(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, projections
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(norm(x + residual), x + residual, its rows rounded to int8 or None): rounded in the norm's
-    own launch when one of `projections` multiplies on int8 activations (weights.quant.takes_int8)."""
-    if takes_int8(projections, x):
-        h, total, rows = rms_norm_rounded(x, residual, norm.weight, norm.eps)
-        return h, (x if residual is None else total), rows
-    h, residual = (norm(x), x) if residual is None else norm(x, residual)
-    return h, residual, None
 
 
 def fuse_linears(layers: list[nn.Module]):
@@ -148,27 +109,27 @@ class Attention(nn.Module):
         return self.attend(*self._project(x), cos, sin, batch)
 
     def project(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None):
-        """(q, k, v, stream) of norm(x + residual): the norm fused into the q/k/v GEMV where it can be."""
-        if self.qkv is not None:
-            qkv, residual = norm_project(norm, x, residual, self.qkv)
-            return (*self._split(qkv), residual)
-        h, residual, rows = norm_for(norm, x, residual, (self.qk or self.q_proj, self.k_proj, self.v_proj))
-        return *self._project(h, rows), residual
+        """(q, k, v, stream) of norm(x + residual): norm -> the q/k/v projections."""
+        outs, residual = norm_linear(x, residual, norm.weight, norm.eps, self._projections())
+        return (*self._qkv(outs), residual)
 
-    def _project(self, h: torch.Tensor, rows: torch.Tensor | None = None):
-        """(q, k, v) of the normalised input h; h is rounded to int8 once for all of them (quantised
-        weights on int8 activations), or given as `rows` by its producer."""
-        if self.qkv is not None:
-            return self._split(self.qkv(h))
-        with one_rounding(h, rows):
-            if self.qk is not None:
-                q, k = self.qk(h).split([self.q_proj.out_features, self.k_proj.out_features], dim=-1)
-            else:
-                q, k = self.q_proj(h), self.k_proj(h)
-            return q, k, self.v_proj(h)
+    def _project(self, h: torch.Tensor):
+        """(q, k, v) of the normalised input h."""
+        return self._qkv(linears(h, self._projections()))
 
-    def _split(self, qkv: torch.Tensor):
-        return qkv.split([self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features], dim=-1)
+    def _projections(self) -> tuple:
+        if self.qkv is not None:
+            return (self.qkv,)
+        return (self.qk, self.v_proj) if self.qk is not None else (self.q_proj, self.k_proj, self.v_proj)
+
+    def _qkv(self, outs: tuple[torch.Tensor, ...]):
+        """(q, k, v) of the products of _projections()."""
+        sizes = [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features]
+        if len(outs) == 1:
+            return outs[0].split(sizes, dim=-1)
+        if len(outs) == 2:
+            return (*outs[0].split(sizes[:2], dim=-1), outs[1])
+        return outs
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                batch: ForwardBatch) -> torch.Tensor:
@@ -179,9 +140,7 @@ class Attention(nn.Module):
         qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
         q = rope_and_write_kv(q, k, v, cos, sin, self.k_cache, self.v_cache, batch.slot_mapping, qk_norm)
         o = paged_attention(q, self.k_cache, self.v_cache, batch, self.scale, self.sliding_window)
-        o = o.reshape(tokens, -1)
-        weights = float_weights(self.o_proj)
-        return fused_linear.linear(o, *weights) if weights is not None else self.o_proj(o)
+        return linear(o.reshape(tokens, -1), self.o_proj)
 
 
 class MLP(nn.Module):
@@ -201,24 +160,16 @@ class MLP(nn.Module):
         return self.down_proj(silu_and_mul(self.gate_proj(x), self.up_proj(x)))
 
     def after_norm(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mlp(norm(x + residual)), x + residual): the norm fused into the gate/up GEMV where it can be."""
+        """(mlp(norm(x + residual)), x + residual): norm -> gate/up, where they are one projection."""
         if self.gate_up is not None:
-            gate_up, residual = norm_project(norm, x, residual, self.gate_up)
+            (gate_up,), residual = norm_linear(x, residual, norm.weight, norm.eps, (self.gate_up,))
             return self.down(gate_up), residual
         h, residual = norm(x, residual)
         return self(h), residual
 
     def down(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """down(silu(gate) * up) of the fused projection's [gate | up], fused into one GEMV where it can be."""
-        weights = float_weights(self.down_proj)
-        if weights is not None:
-            return fused_linear.silu_mul_linear(gate_up, *weights)
-        gate, up = gate_up.chunk(2, dim=-1)
-        if takes_int8((self.down_proj,), gate):  # the activation rounded to int8 in its own launch
-            h, rows = silu_and_mul_rounded(gate, up)
-            with one_rounding(h, rows):
-                return self.down_proj(h)
-        return self.down_proj(silu_and_mul(gate, up))
+        """down(silu(gate) * up) of the fused projection's [gate | up]."""
+        return silu_mul_linear(gate_up, self.down_proj)
 
 
 class DecoderLayer(nn.Module):

@@ -1,30 +1,28 @@
 """Quantised GGUF weights that stay quantised in memory, and the linear / embedding layers using them.
 
 A `QuantTensor` keeps the raw GGUF blocks (uint8, one row of blocks per output feature); a
-`QuantLinear` dequantises a few rows at a time inside `forward`, so a large matrix never exists in
-float form; a `QuantEmbedding` dequantises only the rows a batch looks up. All dequantisation
-goes through `lucebox.kernels.dequant` so a faster kernel can be dispatched there.
+`QuantLinear` holds them and their layout (ggml's, or the GPU's split rows) and leaves each product
+to kernels/linear.py, whose routing table (kernels/routing.py) picks the kernel; a `QuantEmbedding`
+dequantises only the rows a batch looks up.
 """
 from __future__ import annotations
 
-import contextlib
 import math
-import threading
 import warnings
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from lucebox.errors import CheckpointError, UnsupportedError
 from lucebox.kernels import dequant
 from lucebox.kernels.dequant import SUPPORTED_TYPES, qtype_name
-from lucebox.kernels.dispatch import int8_activations, use_triton
+from lucebox.kernels.dispatch import use_triton
+from lucebox.kernels.linear import dequantize_rows, quant_linear, quant_matmul
+from lucebox.kernels.split_rows import applies, join_rows, split_rows
 
-__all__ = ["SUPPORTED_TYPES", "QuantEmbedding", "QuantLinear", "QuantTensor", "one_rounding", "quant_matmul",
-           "takes_int8"]
+__all__ = ["SUPPORTED_TYPES", "QuantEmbedding", "QuantLinear", "QuantTensor"]
 
 
 def _check_type(qtype, name: str) -> GGMLQuantizationType:
@@ -115,119 +113,8 @@ class QuantTensor:
                 f"nbytes={self.nbytes}, device={self.device})")
 
 
-def _triton_quant(x: torch.Tensor, qweight: torch.Tensor, qtype):
-    """The Triton quantised-weight module when it should handle this call (GPU), else None."""
-    if not use_triton(x, qweight):
-        return None
-    from lucebox.kernels import triton_quant_matmul
-    return triton_quant_matmul if triton_quant_matmul.supports(qweight, qtype) else None
-
-
-def _dequantize_rows(rows: torch.Tensor, qtype, in_features: int, dtype: torch.dtype,
-                     split_rows: bool = False) -> torch.Tensor:
-    tq = _triton_quant(rows, rows, qtype)
-    if tq is not None:
-        return tq.dequantize(rows, qtype, in_features, dtype, split_rows=split_rows)
-    if split_rows:
-        from lucebox.kernels.triton_split_rows import join_rows
-        rows = join_rows(rows, qtype)
-    return dequant.dequantize(rows, qtype, dtype)
-
-
-_rounding = threading.local()  # .shared: [input tensor, its int8 rows or None] within one_rounding
-
-
-@contextlib.contextmanager
-def one_rounding(x: torch.Tensor, rows: torch.Tensor | None = None):
-    """Within it, the products of `x` itself (the same tensor object) that run on int8 activations
-    share one rounding of it (e.g. q, k and v of one input when their weights differ in type): `rows`
-    when its producer wrote them (kernels.norm.rms_norm_rounded, activation.silu_and_mul_rounded),
-    else one quantising launch at the first product instead of one a product. x must not change
-    inside."""
-    previous = getattr(_rounding, "shared", None)
-    _rounding.shared = [x, rows]
-    try:
-        yield
-    finally:
-        _rounding.shared = previous
-
-
-def _rounded_once(x: torch.Tensor) -> torch.Tensor | None:
-    """x's int8 rows when a one_rounding block shares them (quantised on first use), else None."""
-    shared = getattr(_rounding, "shared", None)
-    if shared is None or shared[0] is not x:
-        return None
-    if shared[1] is None:
-        from lucebox.kernels.triton_dp4a import quantize_rows
-        shared[1] = quantize_rows(x)
-    return shared[1]
-
-
-def _int8_faster(qtype, split_rows: bool, rows: int) -> bool:
-    """Whether a fused product of `rows` rows (on the GPU) takes int8 activations."""
-    if not int8_activations():
-        return False
-    from lucebox.kernels import triton_quant_int8
-    return triton_quant_int8.faster(qtype, split_rows, rows)
-
-
-def _on_int8(x: torch.Tensor, qweight: torch.Tensor, qtype, in_features: int, split_rows: bool) -> bool:
-    """Whether quant_matmul multiplies x by these rows on int8 activations."""
-    tq = _triton_quant(x, qweight, qtype)
-    m = x.numel() // max(1, in_features)
-    return (tq is not None and x.dtype in tq.ACTIVATION_DTYPES and m <= tq.MAX_FUSED_M
-            and _int8_faster(qtype, split_rows, m))
-
-
-def takes_int8(projections, x: torch.Tensor) -> bool:
-    """Whether any of these projections (QuantLinears, or the forward of a fused one) multiplies rows
-    like x on int8 activations: then x's producer may round it in the same launch (one_rounding)."""
-    for projection in projections:
-        m = getattr(projection, "__self__", projection)
-        if isinstance(m, QuantLinear) and _on_int8(x, m.qweight, m.qtype, m.in_features, m.split_rows):
-            return True
-    return False
-
-
-def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype: GGMLQuantizationType, in_features: int,
-                 bias: torch.Tensor | None = None, chunk_bytes: int = 32 << 20,
-                 split_rows: bool = False) -> torch.Tensor:
-    """x @ W.T (+ bias) for raw GGUF rows `qweight` [out_features, bytes_per_row], dequantising
-    `chunk_bytes` (float32-equivalent) worth of output rows at a time. split_rows: rows in the GPU's
-    split layout (QuantLinear.split_rows).
-
-    On the GPU a few rows of x (decode / verify, M <= 64) go through a fused Triton kernel that reads
-    each weight byte once: on int8 activations where that is faster (kernels/triton_quant_int8.py:
-    decode of Q4_K and split Q6_K, verify of split Q8_0; LUCEBOX_INT8_ACTIVATIONS=0 turns it off),
-    else dequantising in registers; more rows (prefill) are compute-bound, so chunks are dequantised
-    by a Triton kernel and multiplied by torch.matmul."""
-    out_features = qweight.shape[0]
-    tq = _triton_quant(x, qweight, qtype)
-    m = x.numel() // max(1, in_features)
-    if tq is not None and x.dtype in tq.ACTIVATION_DTYPES and m <= tq.MAX_FUSED_M:
-        if _int8_faster(qtype, split_rows, m):  # the conditions above are _on_int8's other half
-            from lucebox.kernels import triton_quant_int8
-            return triton_quant_int8.matmul(x, qweight, qtype, split_rows, in_features, bias,
-                                            quantized=_rounded_once(x))
-        if split_rows and m == 1:
-            from lucebox.kernels import triton_split_rows
-            return triton_split_rows.gemv(x, qweight, qtype, in_features, bias)
-        return tq.quant_matmul(x, qweight, qtype, in_features, bias, split_rows=split_rows)
-    bias = None if bias is None else bias.to(x.dtype)
-    rows = max(1, chunk_bytes // (4 * in_features))
-    if rows >= out_features:
-        return F.linear(x, _dequantize_rows(qweight, qtype, in_features, x.dtype, split_rows), bias)
-    out = x.new_empty(*x.shape[:-1], out_features)
-    for start in range(0, out_features, rows):
-        w = _dequantize_rows(qweight[start:start + rows], qtype, in_features, x.dtype, split_rows)
-        out[..., start:start + rows] = F.linear(x, w)
-    if bias is not None:
-        out += bias
-    return out
-
-
 class _SplitRows:
-    """Q8_0 / Q6_K rows reordered for the GPU's decode kernels (kernels/triton_split_rows.py):
+    """Q8_0 / Q6_K rows reordered for the GPU's decode kernels (kernels/split_rows.py):
     `qweight` then holds each row's fields one after the other (Q8_0: values, then scales). For
     modules with `qweight`, `qtype` and `row_length`."""
 
@@ -237,28 +124,24 @@ class _SplitRows:
         """qweight in ggml's layout."""
         if not self.split_rows:
             return self.qweight
-        from lucebox.kernels.triton_split_rows import join_rows
         return join_rows(self.qweight, self.qtype)
 
     def splits_rows(self) -> bool:
         """Whether use_split_rows applies: weights that the Triton kernels read (the GPU), of a type and
         row length the split layout serves (triton_split_rows.applies)."""
-        from lucebox.kernels.triton_split_rows import applies
         return applies(self.qtype, self.row_length) and use_triton(self.qweight)
 
     def use_split_rows(self, reorder: bool = True) -> None:
-        """Rows in the GPU's split layout from now on: decode reads them with 16-byte loads (Q8_0 ~20%,
-        Q6_K ~10% faster per 8B matrix on the H200; BENCHMARKS, eleventh and twelfth rounds).
+        """Rows in the GPU's split layout from now on: decode reads them with 16-byte loads.
         reorder=False: the bytes are split already (a row slice of a fused projection that was)."""
         if reorder:
-            from lucebox.kernels.triton_split_rows import split_rows
             self.qweight.copy_(split_rows(self.qweight, self.qtype))
         self.split_rows = True
 
 
 class QuantLinear(_SplitRows, torch.nn.Module):
-    """y = x @ W.T (+ bias) with W kept quantised; dequantised `chunk_bytes` (float32-equivalent)
-    worth of output rows at a time."""
+    """y = x @ W.T (+ bias) with W kept quantised; where the product dequantises (prefill, the CPU),
+    `chunk_bytes` (float32-equivalent) worth of output rows at a time."""
 
     def __init__(self, weight: QuantTensor, bias: torch.Tensor | None = None,
                  chunk_bytes: int = 32 << 20):
@@ -285,8 +168,7 @@ class QuantLinear(_SplitRows, torch.nn.Module):
         return QuantTensor(self._raw_rows(), self.qtype, (self.out_features, self.in_features), self.name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return quant_matmul(x, self.qweight, self.qtype, self.in_features, self.bias, self.chunk_bytes,
-                            self.split_rows)
+        return quant_linear(x, self)  # the kernel: kernels/routing.py
 
     def extra_repr(self) -> str:
         return (f"{self.name!r}, in_features={self.in_features}, out_features={self.out_features}, "
@@ -326,7 +208,7 @@ class QuantEmbedding(_SplitRows, torch.nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.qweight.index_select(0, ids.reshape(-1))
-        values = _dequantize_rows(rows, self.qtype, self.embedding_dim, self.dtype, self.split_rows)
+        values = dequantize_rows(rows, self.qtype, self.embedding_dim, self.dtype, self.split_rows)
         return values.reshape(*ids.shape, self.embedding_dim)
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:

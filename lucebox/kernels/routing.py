@@ -1,0 +1,97 @@
+"""Which kernel runs a product: the routing table of the linear ops (kernels/linear.py).
+
+Decisions only: nothing here launches or imports Triton, so the table can be read (and pinned by
+tests) on any machine. Rows: DECODE (one row), VERIFY (2..MAX_FUSED_M), PREFILL (more).
+
+    op               weights                  DECODE           VERIFY        PREFILL
+    linear           float                    GEMV             TORCH         TORCH
+    norm_linear      float, one projection    GEMV_NORM        TORCH         TORCH
+    silu_mul_linear  float                    GEMV_SILU_MUL    TORCH         TORCH
+    products         float (several of one x) TORCH            TORCH         TORCH
+    any              quantised                QUANT_ROUTES     QUANT_ROUTES  DEQUANT_MATMUL
+
+Float GEMVs need Triton for x and every operand, one contiguous row and no autograd (else TORCH:
+the op's torch reference). Quantised products need Triton and rows its kernels can read (else
+DEQUANT_MATMUL); int8 entries of QUANT_ROUTES apply where int8 activations are allowed
+(dispatch.int8_activations, NVIDIA), else the float kernel of the same rows.
+"""
+from __future__ import annotations
+
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from .dispatch import int8_activations, use_triton
+from .norm import needs_grad
+
+MAX_FUSED_M = 64  # above this, dequantise + torch.matmul (compute-bound; tensor cores win)
+ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+DECODE, VERIFY, PREFILL = "decode", "verify", "prefill"
+# Kernels: the Triton module that runs each, in brackets.
+TORCH = "torch"  # the op's torch reference (F.linear after the op before it)
+GEMV, GEMV_NORM, GEMV_SILU_MUL = "gemv", "gemv+norm", "gemv+silu_mul"  # [triton_gemv] float weights
+QUANT_GEMV, QUANT_TILES = "quant_gemv", "quant_tiles"  # [triton_quant_matmul] dequantised in registers
+SPLIT_GEMV = "split_gemv"  # [triton_split_rows] Q8_0 / Q6_K rows in the split layout
+INT8_GEMV, INT8_TILES = "int8_gemv", "int8_tiles"  # [triton_dp4a, triton_quant_int8] int8 activations
+DEQUANT_MATMUL = "dequant_matmul"  # [triton_quant_matmul.dequantize or dequant] + torch.matmul
+INT8 = frozenset((INT8_GEMV, INT8_TILES))
+
+FLOAT_ROUTES = {"linear": GEMV, "norm_linear": GEMV_NORM, "silu_mul_linear": GEMV_SILU_MUL}
+
+# (ggml type, split rows) -> (DECODE, VERIFY) kernel where int8 activations are allowed; types not
+# listed take (QUANT_GEMV, QUANT_TILES), or (SPLIT_GEMV, QUANT_TILES) in split rows.
+# scripts/bench_kernels.py --only quant --ms 1 16 --sweep, H200, qwen3-8b shapes in CUDA graphs, 2026-12-04
+QUANT_ROUTES = {
+    (Q.Q4_K, False): (INT8_GEMV, QUANT_TILES),
+    (Q.Q6_K, True): (INT8_GEMV, QUANT_TILES),
+    (Q.Q8_0, True): (SPLIT_GEMV, INT8_TILES),
+}
+
+
+def rows_kind(rows: int) -> str:
+    return DECODE if rows == 1 else VERIFY if rows <= MAX_FUSED_M else PREFILL
+
+
+def float_kernel(op: str, rows: int, gemv: bool) -> str:
+    """The kernel of a float product of `op`; gemv: the Triton GEMV can run it (float_gemv_applies)."""
+    return FLOAT_ROUTES.get(op, TORCH) if gemv and rows == 1 else TORCH
+
+
+def quant_kernel(qtype, split_rows: bool, rows: int, *, fused: bool, int8: bool) -> str:
+    """The kernel of `rows` activation rows times quantised weights. fused: Triton reads the rows
+    in place (quant_fusable); int8: int8 activations allowed (int8_allowed)."""
+    kind = rows_kind(rows)
+    if not fused or kind == PREFILL:
+        return DEQUANT_MATMUL
+    default = (SPLIT_GEMV if split_rows else QUANT_GEMV, QUANT_TILES)
+    decode, verify = QUANT_ROUTES.get((qtype, split_rows), default) if int8 else default
+    return decode if kind == DECODE else verify
+
+
+def float_gemv_applies(x: torch.Tensor, weight: torch.Tensor, *others: torch.Tensor | None) -> bool:
+    """The Triton GEMV can run it: one row, float weights of x's dtype (as every other operand)."""
+    return (x.dim() == 2 and x.shape[0] == 1 and weight.dim() == 2 and weight.stride(1) == 1
+            and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and all(t.dtype == x.dtype for t in (weight, *others) if t is not None)
+            and use_triton(x, weight, *others) and not needs_grad(x, weight, *others))
+
+
+def quant_fusable(x: torch.Tensor, qweight: torch.Tensor, qtype) -> bool:
+    """Triton's quantised kernels can multiply x by these rows in place."""
+    if not use_triton(x, qweight) or x.dtype not in ACTIVATION_DTYPES:
+        return False
+    from . import triton_quant_matmul
+    return triton_quant_matmul.supports(qweight, qtype)
+
+
+def int8_allowed() -> bool:
+    """Int8 activations on: the setting, and a GPU with dp4a (triton_dp4a.serves: not ROCm)."""
+    return int8_activations() and torch.version.hip is None
+
+
+def quant_route(x: torch.Tensor, qweight: torch.Tensor, qtype, in_features: int, split_rows: bool) -> str:
+    """The kernel of x times raw GGUF rows `qweight` (split_rows: in the split layout)."""
+    rows = x.numel() // max(1, in_features)
+    fused = quant_fusable(x, qweight, qtype)
+    return quant_kernel(qtype, split_rows, rows, fused=fused,
+                        int8=fused and rows <= MAX_FUSED_M and int8_allowed())
