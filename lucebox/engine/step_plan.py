@@ -11,7 +11,7 @@ StepResult.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -58,6 +58,7 @@ class StepPlan:
     defer: bool = False  # overlapped decoding: return a DeferredStep at once
     ids_from: torch.Tensor | None = None  # a previous step's device tokens as this step's input ids
     prefilling: bool = False  # some prompt tokens are in this step
+    _kinds: dict | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def forward(cls, token_ids: list[list[int]], start_positions: list[int], block_tables: list[list[int]],
@@ -86,7 +87,12 @@ class StepPlan:
         return sum(len(row.tokens) for row in self.rows)
 
     def of(self, kind: RowKind) -> list[PlanRow]:
-        return [row for row in self.rows if row.kind is kind]
+        """The rows of one kind, in plan order (grouped once: the engine asks for each kind more than once)."""
+        if self._kinds is None:
+            self._kinds = {k: [] for k in RowKind}
+            for row in self.rows:
+                self._kinds[row.kind].append(row)
+        return self._kinds[kind]
 
 
 @dataclass
