@@ -24,6 +24,7 @@ from bench_kernels import bench_in_graph  # noqa: E402
 from lucebox.kernels.triton_sampling import SEARCHES, accept_rows_triton  # noqa: E402
 from lucebox.sampling import SamplingParams  # noqa: E402
 from lucebox.sampling import acceptance  # noqa: E402
+from lucebox.sampling.graph_rows import graph_row  # noqa: E402
 
 PARAMS = {"T=1": SamplingParams(temperature=1.0),
           "top-k 20, top-p 0.95": SamplingParams(temperature=0.6, top_k=20, top_p=0.95)}
@@ -43,7 +44,7 @@ def main() -> int:
             draft[-1] = -1  # the bonus row
             argmax, seed = logits.argmax(-1), torch.tensor([1], device="cuda")
             for name, params in PARAMS.items():
-                t, k, p, min_p, greedy = (torch.tensor([c], device="cuda") for c in params.graph_row(vocab))
+                t, k, p, min_p, greedy = (torch.tensor([c], device="cuda") for c in graph_row(params, vocab))
                 args = (logits, draft, argmax, t.float(), k, p.float(), min_p.float(), greedy, seed)
                 calls = [args] * 16  # one graph of 16 calls; the time is per call
                 searches = [1e3 * bench_in_graph(lambda a, s=search: accept_rows_triton(*a, search=s), calls,

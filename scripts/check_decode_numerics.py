@@ -9,7 +9,7 @@ greedy equality with plain decoding rest on their argmaxes agreeing.
 A random model of the shape (as `lucebox bench speed` builds it) or a model path; a prompt is
 prefilled, then `tokens` greedy decode steps run one token at a time (each step's logits kept);
 then the same positions run again as verify chunks of 16 rows that read the K/V the decode wrote
-and write none (ModelRunner.run_eager(write_kv=False)). Per variant of the decode GEMVs: the
+and write none (StepPlan.write_kv=False). Per variant of the decode GEMVs: the
 largest logit difference relative to the logits' range, and the share of positions whose argmax
 agrees. Variants: the launch rule in use; one program per row block for RMSNorm prologues too (no
 resident input); no decode GEMVs at all (the unfused kernels, as verify runs them).
@@ -36,6 +36,7 @@ from lucebox.config import EngineArgs  # noqa: E402
 from lucebox.engine.block_manager import BlockManager  # noqa: E402
 from lucebox.engine.engine import LLMEngine  # noqa: E402
 from lucebox.engine.runner import ModelRunner  # noqa: E402
+from lucebox.engine.step_plan import StepPlan  # noqa: E402
 from lucebox.kernels import routing, triton_gemv  # noqa: E402
 from lucebox.model.loader import load_model  # noqa: E402
 from lucebox.sampling import SamplingParams  # noqa: E402
@@ -66,16 +67,16 @@ def compare(model, prompt: list[int], tokens: int) -> tuple[float, float]:
     runner = ModelRunner(model, blocks, BLOCK)
     table: list[int] = []
     BlockManager(blocks, BLOCK).allocate(table, len(prompt) + tokens + 1)
-    logits = runner.run_eager([prompt], [0], [table])
+    logits = runner.run_eager(StepPlan.forward([prompt], [0], [table])).logits
     fed, decoded = [], []
     for i in range(tokens):
         token = int(logits[-1].argmax())
         fed.append(token)
-        logits = runner.run_eager([[token]], [len(prompt) + i], [table])
+        logits = runner.run_eager(StepPlan.forward([[token]], [len(prompt) + i], [table])).logits
         decoded.append(logits[-1].float())
     decoded = torch.stack(decoded)
-    verified = torch.cat([runner.run_eager([fed[i:i + CHUNK]], [len(prompt) + i], [table], all_logits=True,
-                                           write_kv=False).float() for i in range(0, tokens, CHUNK)])
+    verified = torch.cat([runner.run_eager(StepPlan.forward([fed[i:i + CHUNK]], [len(prompt) + i], [table],
+                                                            all_logits=True, write_kv=False)).logits.float() for i in range(0, tokens, CHUNK)])
     spread = (decoded.max() - decoded.min()).item()
     diff = (decoded - verified).abs().max().item() / spread
     agree = (decoded.argmax(-1) == verified.argmax(-1)).float().mean().item()

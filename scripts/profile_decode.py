@@ -31,7 +31,7 @@ def runner_for(loaded, context: int, graphs: bool):
                                             kv_cache_memory=per_token * tokens), loaded)
     table: list[int] = []
     engine.scheduler.blocks.allocate(table, context + 1)
-    return engine, (lambda: engine.runner.run([[1]], [context], [table]))
+    return engine, (lambda: engine.runner.forward([[1]], [context], [table]))
 
 
 def main() -> None:

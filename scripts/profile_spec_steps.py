@@ -28,18 +28,21 @@ from lucebox.bench.prompts import held_out_texts  # noqa: E402
 from lucebox.bench.spec import _decode_one  # noqa: E402
 from lucebox.config import EngineArgs  # noqa: E402
 from lucebox.engine.engine import LLMEngine  # noqa: E402
+from lucebox.engine.output_processor import OutputProcessor  # noqa: E402
 from lucebox.engine.runner import ModelRunner  # noqa: E402
+from lucebox.engine.step_plan import StepPlan  # noqa: E402
 from lucebox.model.kv_cache import kv_bytes_per_token  # noqa: E402
 from lucebox.model.loader import load_model  # noqa: E402
 from lucebox.sampling import SamplingParams  # noqa: E402
+from lucebox.sampling.graph_rows import graph_row  # noqa: E402
 from lucebox.sampling.sampler import Sampler  # noqa: E402
 from lucebox.spec.dflash import DFlashProposer  # noqa: E402
 from lucebox.spec.speculator import Speculator  # noqa: E402
 
 SECTIONS = [(LLMEngine, "step"), (ModelRunner, "run"), (Sampler, "__call__"), (LLMEngine, "_commit"),
-            (LLMEngine, "_verify"), (LLMEngine, "_append"), (Speculator, "propose"), (Speculator, "record_step"),
-            (DFlashProposer, "propose"), (DFlashProposer, "_project"), (DFlashProposer, "_draft_logits"),
-            (LLMEngine, "_request_output")]
+            (OutputProcessor, "verdicts"), (OutputProcessor, "append"), (Speculator, "choose"),
+            (Speculator, "propose"), (Speculator, "record_step"), (DFlashProposer, "propose"),
+            (DFlashProposer, "_project"), (DFlashProposer, "_draft_logits"), (OutputProcessor, "collect")]
 
 
 def instrument(totals: collections.Counter, widths: collections.defaultdict) -> None:
@@ -56,7 +59,7 @@ def instrument(totals: collections.Counter, widths: collections.defaultdict) -> 
                 seconds = time.perf_counter() - started
                 totals[_label] += seconds
                 if _label == "ModelRunner.run":
-                    entry = widths[sum(map(len, args[1]))]
+                    entry = widths[args[1].total_tokens]
                     entry[0] += 1
                     entry[1] += seconds
         setattr(owner, name, timed)
@@ -180,7 +183,7 @@ def step_costs(loaded, steps: int = 200) -> None:
     from lucebox.sampling import acceptance
 
     vocab = loaded.config.vocab_size
-    plain, top_p = (SamplingParams(temperature=1.0, **f).graph_row(vocab) for f in ({}, {"top_p": 0.95}))
+    plain, top_p = (graph_row(SamplingParams(temperature=1.0, **f), vocab) for f in ({}, {"top_p": 0.95}))
     columns = {"argmax": dict(argmax=True), "logits": {},
                "T=1": dict(sample=[plain]), "top-p": dict(sample=[top_p])}
     tables = {}
@@ -203,8 +206,8 @@ def step_costs(loaded, steps: int = 200) -> None:
             tokens = [[5] * q]
             for name, kwargs in columns.items():
                 def one():
-                    out = runner.run(tokens, [256], [table], logits_rows=list(range(q)), **kwargs)
-                    return out if isinstance(out, list) else out.tolist()
+                    out = runner.run(StepPlan.forward(tokens, [256], [table], logits_rows=list(range(q)), **kwargs))
+                    return out.logits.tolist() if out.logits is not None else out.tokens or out.verdicts
                 for _ in range(10):
                     one()
                 if loaded.model.device.type == "cuda":

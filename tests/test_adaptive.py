@@ -402,7 +402,8 @@ def test_a_drafter_that_had_nothing_is_guessed_plain_and_asked_again(monkeypatch
     assert spec.plain_run(seqs) == 0 and spec.guesses_plain(seqs)
     asked = []
     monkeypatch.setattr(spec, "_choose", lambda *a: asked.append(a) or 0)
-    spec.propose(seqs)
+    spec.choose(seqs)
+    spec.propose()
     assert asked  # evaluated
     spec.step_chose = set()  # plain by choice, not in a run of plain steps: no guess
     assert not spec.guesses_plain(seqs)
@@ -417,7 +418,8 @@ def test_a_promised_run_is_counted_by_every_policy_and_timed_as_plain_decoding()
     from lucebox.spec.speculator import Speculator
     spec = Speculator(NgramProposer(3), 4, 1000, lookup=NgramProposer(3))
     seqs = _decoding_sequences(1)
-    spec.propose(seqs)  # evaluated
+    spec.choose(seqs)  # evaluated
+    spec.propose()
     assert spec.evaluated == seqs
     for policy, probe in zip(spec.policies.values(), (10, 20)):  # in runs of plain steps
         policy.plain_query, policy.plain_steps, policy.next_probe, policy.stretch = ([0.1], 0), 3, probe, 0

@@ -21,13 +21,15 @@ if not ON_GPU and "triton" not in sys.modules:  # before any Triton import; see 
 from lucebox import LLM, SamplingParams  # noqa: E402
 from lucebox.engine.block_manager import BlockManager  # noqa: E402
 from lucebox.engine.cuda_graphs import CudaGraphRunner, GraphSettings, StaticInputs, batch_buckets  # noqa: E402
-from lucebox.engine.engine import _AheadStep  # noqa: E402
+from lucebox.engine.overlap import AheadStep  # noqa: E402
 from lucebox.engine.runner import ModelRunner  # noqa: E402
+from lucebox.engine.step_plan import StepPlan  # noqa: E402
 from lucebox.kernels.attention import paged_attention  # noqa: E402
 from lucebox.kernels.forward_batch import ForwardBatch  # noqa: E402
 from lucebox.model.config import ModelConfig  # noqa: E402
 from lucebox.model.kv_cache import PagedKVCache  # noqa: E402
 from lucebox.model.transformer import Transformer  # noqa: E402
+from lucebox.sampling.graph_rows import graph_row, graph_samplable  # noqa: E402
 
 gpu = pytest.mark.skipif(not ON_GPU, reason="captures CUDA graphs")
 BLOCK = 4
@@ -59,7 +61,8 @@ def prefilled(model, settings: GraphSettings | None, num_seqs: int, room: int = 
     tables = [[] for _ in lens]
     for table, n in zip(tables, lens):
         blocks.allocate(table, n + room)
-    runner.run_eager([[(7 * i + j) % 90 + 1 for j in range(n)] for i, n in enumerate(lens)], [0] * num_seqs, tables)
+    runner.run_eager(StepPlan.forward([[(7 * i + j) % 90 + 1 for j in range(n)] for i, n in enumerate(lens)],
+                                      [0] * num_seqs, tables))
     return runner, tables, lens
 
 
@@ -132,10 +135,12 @@ def test_a_padded_static_batch_gives_the_eager_logits(step):
     settings = GraphSettings(64, max_batch=8, query_lens=(1, 4), capture=False)
     runner, tables, lens = prefilled(tiny_model(), settings, len(q_lens))
     args = (step_tokens(q_lens), lens, tables)
-    got = runner.run(*args, **kwargs)
-    want = runner.run_eager(*args, **kwargs)
+    got = runner.run(StepPlan.forward(*args, **kwargs))
+    want = runner.run_eager(StepPlan.forward(*args, **kwargs))
     assert sum(runner.graphs.replays.values()) == 1  # it did take the static path
-    for g, w in zip(*((got, want) if "capture_layers" in kwargs else ((got,), (want,)))):
+    pairs = [(got.logits, want.logits)] + ([(got.features, want.features)] if "capture_layers" in kwargs else [])
+    assert (got.features is None) == ("capture_layers" not in kwargs)
+    for g, w in pairs:
         assert g.shape == w.shape and rel_err(g, w) <= 1e-5
 
 
@@ -219,15 +224,15 @@ def test_a_padded_model_step_through_triton_kernels_matches_the_eager_reference(
     runner, tables, lens = prefilled(tiny_model(device), settings, 3)
     args = (step_tokens([2, 4, 3]), lens, tables)
     monkeypatch.setenv("LUCEBOX_TRITON", "0")
-    want = runner.run_eager(*args, all_logits=True)
+    want = runner.run_eager(StepPlan.forward(*args, all_logits=True)).logits
     monkeypatch.setenv("LUCEBOX_TRITON", "1")
-    got = runner.run(*args, all_logits=True)
+    got = runner.forward(*args, all_logits=True)
     assert runner.graphs.replays[(4, 4)] == 1 and rel_err(got, want) <= 1e-4
 
 
 @pytest.mark.parametrize("path", ["eager", "catch-up graph", "catch-up graph, shared inputs"])
 def test_recomputing_taps_reads_the_cache_and_writes_none(path):
-    """ModelRunner.run(write_kv=False), how a dormant drafter's missed taps are recomputed:
+    """A StepPlan with write_kv=False, how a dormant drafter's missed taps are recomputed:
     positions already in the cache, forwarded again, give the taps the first pass captured, and
     every cache block but the scratch one is left bit for bit as it was -- eagerly, and through
     the padded catch-up bucket a graph replays (its own static inputs when it is longer than any
@@ -239,10 +244,11 @@ def test_recomputing_taps_reads_the_cache_and_writes_none(path):
     seq = [(5 * j) % 90 + 1 for j in range(30)]
     table: list[int] = []
     BlockManager(16, BLOCK).allocate(table, len(seq))
-    _, first = runner.run_eager([seq], [0], [table], all_logits=True, capture_layers=(0,))
+    first = runner.run_eager(StepPlan.forward([seq], [0], [table], all_logits=True, capture_layers=(0,))).features
     runner.caches[-1][0].values.add_(1.0)
     before = [(k.values.clone(), v.values.clone()) for k, v in runner.caches]
-    _, again = runner.run([seq[18:]], [18], [table], logits_rows=[], capture_layers=(0,), write_kv=False)
+    again = runner.run(StepPlan.forward([seq[18:]], [18], [table], logits_rows=[], capture_layers=(0,),
+                                        write_kv=False)).features
     if path != "eager":
         assert dict(runner.graphs.replays) == {(1, 16): 1}  # 12 positions, padded to the catch-up length 16
         assert (runner.graphs.catch_up_inputs is None) == ("shared" in path)
@@ -283,11 +289,11 @@ def static_graph_llm(target, **kwargs) -> LLM:
 def count_ahead(engine, monkeypatch) -> dict:
     """Counts of decode steps launched ahead, and of those the next step used."""
     counts = {"launched": 0, "used": 0}
-    launch = engine._launch_ahead
-    monkeypatch.setattr(engine, "_launch_ahead", lambda *a: (
+    launch = engine.overlap.launch_ahead
+    monkeypatch.setattr(engine.overlap, "launch_ahead", lambda *a: (
         ahead := launch(*a), counts.__setitem__("launched", counts["launched"] + (ahead is not None)))[0])
-    covers = _AheadStep.covers
-    monkeypatch.setattr(_AheadStep, "covers", lambda self, *a: (
+    covers = AheadStep.covers
+    monkeypatch.setattr(AheadStep, "covers", lambda self, *a: (
         hit := covers(self, *a), counts.__setitem__("used", counts["used"] + hit))[0])
     return counts
 
@@ -380,13 +386,13 @@ def test_a_dormant_drafters_plain_steps_are_launched_ahead(hf_models, tmp_path, 
             advance_plain(steps)
 
         def record(seqs, ks):
-            pending.append(engine._ahead is not None)  # a step launched ahead of this drafted one
+            pending.append(engine.overlap.ahead is not None)  # a step launched ahead of this drafted one
             return [drafts.append(d.tokens) or d for d in propose(seqs, ks)]
         monkeypatch.setattr(speculator, "_choose", choose_every)
         monkeypatch.setattr(speculator.policy, "plain_run", lambda: (every - made[0] % every) % every)
         monkeypatch.setattr(speculator.policy, "advance_plain", advance)
         monkeypatch.setattr(speculator.proposer, "propose", record)
-        monkeypatch.setattr(speculator, "propose", lambda running, f=speculator.propose: proposes.append(1) or f(running))
+        monkeypatch.setattr(speculator, "choose", lambda running, f=speculator.choose: proposes.append(1) or f(running))
         counts = count_ahead(engine, monkeypatch)
         outs = llm.generate(prompts, GREEDY, use_tqdm=False)
         return [o.outputs[0].token_ids for o in outs], drafts, pending, counts, len(proposes)
@@ -428,12 +434,10 @@ def test_graph_replay_matches_eager_logits(q_lens):
     args = (step_tokens(q_lens), lens, tables)
     padded_eagerly = CudaGraphRunner(runner.model, BLOCK, runner.scratch_block, replace(settings, capture=False))
     for capture in ((), (0, 1)):
-        got = runner.run(*args, all_logits=True, capture_layers=capture)
-        same_batch = padded_eagerly.run(*args, all_logits=True, capture_layers=capture)
-        want = runner.run_eager(*args, all_logits=True, capture_layers=capture)
-        if not capture:  # logits only: compare them alone
-            got, same_batch, want = (got,), same_batch[:1], (want,)
-        for g, s, w in zip(got, same_batch, want):
+        results = [r(StepPlan.forward(*args, all_logits=True, capture_layers=capture))
+                   for r in (runner.run, padded_eagerly.run, runner.run_eager)]
+        fields = ("logits", "features") if capture else ("logits",)  # logits only: compare them alone
+        for g, s, w in ([getattr(r, f) for r in results] for f in fields):
             assert rel_err(g, s) <= 1e-6  # the graph replays exactly the padded batch
             assert rel_err(g, w) <= 1e-4  # which computes the eager step (other kernel shapes: rounding)
     graph, _ = runner.graphs.graphs[runner.graphs.bucket(*args) + ((0, 1), False)]
@@ -469,7 +473,7 @@ def test_a_capture_survives_the_collector_freeing_old_graphs(monkeypatch):
         gc.enable()
     runner.capture_graphs()
     args = (step_tokens([1, 1]), lens, tables)
-    assert rel_err(runner.run(*args), runner.run_eager(*args)) <= 1e-4
+    assert rel_err(runner.forward(*args), runner.run_eager(StepPlan.forward(*args)).logits) <= 1e-4
     assert gc.isenabled()
 
 
@@ -492,11 +496,11 @@ def test_graphs_captured_at_engine_start_record_inference_kernels(hf_models, tmp
 def test_a_graph_step_never_syncs_with_the_host():
     settings = GraphSettings(64, max_batch=8, query_lens=(1,))
     runner, tables, lens = prefilled(tiny_model("cuda"), settings, 3)
-    runner.run(step_tokens([1, 1, 1]), lens, tables)  # captures
+    runner.forward(step_tokens([1, 1, 1]), lens, tables)  # captures
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        runner.run(step_tokens([1, 1, 1]), [n + 1 for n in lens], tables)
+        runner.forward(step_tokens([1, 1, 1]), [n + 1 for n in lens], tables)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert runner.graphs.replays[(4, 1)] == 2
@@ -510,7 +514,8 @@ def test_graph_replay_in_bfloat16_with_quantised_kv_is_close_to_eager(cache_type
     runner, tables, lens = prefilled(tiny_model("cuda", torch.bfloat16), settings, 5, **kv)
     for q_lens in ([1] * 5, [4, 3, 4, 2, 4]):
         args = (step_tokens(q_lens), lens, tables)
-        assert rel_err(runner.run(*args, all_logits=True), runner.run_eager(*args, all_logits=True)) <= 3e-2
+        assert rel_err(runner.forward(*args, all_logits=True),
+                       runner.run_eager(StepPlan.forward(*args, all_logits=True)).logits) <= 3e-2
 
 
 @gpu
@@ -534,7 +539,8 @@ def test_graph_replay_of_quantised_weights_on_int8_activations_equals_eager(quan
     runner, tables, lens = prefilled(model, settings, 3)
     for q_lens in ([1] * 3, [4, 3, 4]):
         args = (step_tokens(q_lens), lens, tables)
-        assert rel_err(runner.run(*args, all_logits=True), runner.run_eager(*args, all_logits=True)) <= 1e-5
+        assert rel_err(runner.forward(*args, all_logits=True),
+                       runner.run_eager(StepPlan.forward(*args, all_logits=True)).logits) <= 1e-5
 
 
 @gpu
@@ -650,10 +656,13 @@ def test_decode_graphs_that_sample_draw_from_the_samplers_distribution(device):
               SamplingParams(temperature=0)]
     args = (step_tokens([1, 1, 1]), lens, tables)
     vocab = runner.model.config.vocab_size
-    want = Sampler().processed_probs(runner.run_eager(*args), [SamplingState(p, []) for p in params])
+    want = Sampler().processed_probs(runner.run_eager(StepPlan.forward(*args)).logits,
+                                     [SamplingState(p, []) for p in params])
     n, counts = 3000, [Counter() for _ in params]
     for _ in range(n):
-        for row, (accepted, token) in enumerate(runner.run(*args, sample=[p.graph_row(vocab) for p in params])):
+        result = runner.run(StepPlan.forward(*args, sample=[graph_row(p, vocab) for p in params]))
+        assert result.logits is None and result.tokens is None
+        for row, (accepted, token) in enumerate(result.verdicts):
             assert accepted == 0  # a decode has no drafts
             counts[row][token] += 1
     assert sum(runner.graphs.replays.values()) == n
@@ -668,12 +677,12 @@ def test_decode_graphs_that_sample_draw_from_the_samplers_distribution(device):
 
 
 def test_graph_sampling_takes_only_rows_of_simple_parameters():
-    assert SamplingParams(temperature=0.8, top_p=0.9, top_k=20, min_p=0.1).graph_samplable(0)
-    assert SamplingParams(temperature=0).graph_samplable(0)
+    assert graph_samplable(SamplingParams(temperature=0.8, top_p=0.9, top_k=20, min_p=0.1), 0)
+    assert graph_samplable(SamplingParams(temperature=0), 0)
     for special in (dict(seed=3), dict(logprobs=1), dict(repetition_penalty=1.2), dict(logit_bias={1: 1.0}),
                     dict(min_tokens=2)):
-        assert not SamplingParams(temperature=0.8, **special).graph_samplable(0)
-    assert SamplingParams(temperature=0.8, top_k=0, top_p=1.0).graph_row(96) == (0.8, 96, 2.0, 0.0, False)
+        assert not graph_samplable(SamplingParams(temperature=0.8, **special), 0)
+    assert graph_row(SamplingParams(temperature=0.8, top_k=0, top_p=1.0), 96) == (0.8, 96, 2.0, 0.0, False)
 
 
 def test_the_engine_samples_plain_decode_steps_in_the_graph(hf_models):
@@ -768,8 +777,8 @@ def test_graphs_launched_with_pdl_compute_bit_for_bit_what_graphs_without_it_do(
     for pdl in ("1", "0"):
         monkeypatch.setenv("LUCEBOX_PDL", pdl)
         runner, tables, lens = prefilled(tiny_model("cuda", torch.bfloat16), settings, 8, room=28)
-        results[pdl] = [runner.run(step_tokens([1] * 8 if step % 2 else [4] * 8), [n + 4 * step for n in lens],
-                                   tables, all_logits=True).clone()  # a graph's output buffer is reused
+        results[pdl] = [runner.forward(step_tokens([1] * 8 if step % 2 else [4] * 8), [n + 4 * step for n in lens],
+                                       tables, all_logits=True).clone()  # a graph's output buffer is reused
                         for step in range(6) for _ in range(3)]
     assert len(results["1"]) == 18
     for got, want in zip(results["1"], results["0"]):

@@ -46,7 +46,7 @@ def test_q8_0_gguf_agrees_with_the_hf_weights(hf, snippets):
             engine = llm.engine
             table: list[int] = []
             engine.scheduler.blocks.allocate(table, len(ids))
-            rows.append(engine.runner.run([ids], [0], [table], all_logits=True).argmax(-1))
+            rows.append(engine.runner.forward([ids], [0], [table], all_logits=True).argmax(-1))
             engine.scheduler.blocks.free_table(table)
         same += int((rows[0] == rows[1]).sum())
         total += len(ids)

@@ -8,6 +8,7 @@ import torch
 from lucebox import LLM, SamplingParams
 from lucebox.engine.block_manager import BlockManager
 from lucebox.engine.runner import ModelRunner
+from lucebox.engine.step_plan import StepPlan
 from lucebox.model.loader import load_model
 from lucebox.train.lm import DenseCache, dense_forward, greedy_generate
 from lucebox.train.prepare import TargetFeatures
@@ -21,8 +22,8 @@ def paged_features(model, seqs: list[list[int]], taps: tuple[int, ...]):
         table: list[int] = []
         blocks.allocate(table, len(s))
         tables.append(table)
-    logits, captured = runner.run(seqs, [0] * len(seqs), tables, all_logits=True, capture_layers=taps)
-    return logits.cpu(), captured.cpu()
+    result = runner.run(StepPlan.forward(seqs, [0] * len(seqs), tables, all_logits=True, capture_layers=taps))
+    return result.logits.cpu(), result.features.cpu()
 
 
 @pytest.mark.parametrize("family", ["qwen3", "mistral"])

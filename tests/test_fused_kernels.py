@@ -232,6 +232,7 @@ MODEL_CASES = {
 def test_a_model_forward_through_the_fused_kernels_matches_the_reference_path(monkeypatch, case):
     from lucebox.engine.block_manager import BlockManager
     from lucebox.engine.runner import ModelRunner
+    from lucebox.engine.step_plan import StepPlan
     from lucebox.model.config import ModelConfig
     from lucebox.model.transformer import Transformer
 
@@ -253,9 +254,9 @@ def test_a_model_forward_through_the_fused_kernels_matches_the_reference_path(mo
         for table, n in zip(tables, (11, 9)):  # room for the prefill and the verify+decode step
             blocks.allocate(table, n)
         prompts = [[3, 1, 4, 1, 5, 9, 2], [2, 7, 1, 8, 2]]
-        first, taps = runner.run(prompts, [0, 0], tables, all_logits=True, capture_layers=(0,))
-        second = runner.run([[6, 5, 3], [5]], [7, 5], tables, all_logits=True)
-        return torch.cat([first, second]), taps
+        first = runner.run(StepPlan.forward(prompts, [0, 0], tables, all_logits=True, capture_layers=(0,)))
+        second = runner.forward([[6, 5, 3], [5]], [7, 5], tables, all_logits=True)
+        return torch.cat([first.logits, second]), first.features
 
     monkeypatch.setenv("LUCEBOX_TRITON", "0")
     want, want_taps = run_steps()
@@ -381,6 +382,7 @@ def test_a_fused_model_decodes_one_sequence_through_the_gemvs_as_the_reference_p
     layer is one GEMV with its prologue; logits and DFlash taps match the unfused reference ops."""
     from lucebox.engine.block_manager import BlockManager
     from lucebox.engine.runner import ModelRunner
+    from lucebox.engine.step_plan import StepPlan
     from lucebox.model.config import ModelConfig
     from lucebox.model.transformer import Transformer
 
@@ -397,9 +399,9 @@ def test_a_fused_model_decodes_one_sequence_through_the_gemvs_as_the_reference_p
     def run_steps():
         runner, blocks, table = ModelRunner(model, 8, 4), BlockManager(8, 4), []
         blocks.allocate(table, 9)
-        prompt = runner.run([[3, 1, 4, 1, 5, 9, 2]], [0], [table], capture_layers=(0, 2))
-        decode = runner.run([[6]], [7], [table], capture_layers=(0, 2))
-        return torch.cat([prompt[0], decode[0]]), torch.cat([prompt[1], decode[1]])
+        prompt = runner.run(StepPlan.forward([[3, 1, 4, 1, 5, 9, 2]], [0], [table], capture_layers=(0, 2)))
+        decode = runner.run(StepPlan.forward([[6]], [7], [table], capture_layers=(0, 2)))
+        return torch.cat([prompt.logits, decode.logits]), torch.cat([prompt.features, decode.features])
 
     monkeypatch.setenv("LUCEBOX_TRITON", "0")
     want, want_taps = run_steps()

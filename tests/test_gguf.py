@@ -41,7 +41,7 @@ def prefill_logits(loaded, prompts) -> list[torch.Tensor]:
     tables = [[] for _ in prompts]
     for table, prompt in zip(tables, prompts):
         blocks.allocate(table, len(prompt))
-    logits = runner.run(prompts, [0] * len(prompts), tables, all_logits=True)
+    logits = runner.forward(prompts, [0] * len(prompts), tables, all_logits=True)
     return list(logits.split([len(p) for p in prompts]))
 
 
@@ -49,10 +49,10 @@ def greedy(loaded, prompt: list[int], steps: int = GREEDY_TOKENS) -> list[int]:
     runner, blocks = make_runner(loaded)
     table: list[int] = []
     blocks.allocate(table, len(prompt) + steps)
-    logits, out = runner.run([prompt], [0], [table]), []
+    logits, out = runner.forward([prompt], [0], [table]), []
     for pos in range(len(prompt), len(prompt) + steps):
         out.append(int(logits[0].argmax()))
-        logits = runner.run([[out[-1]]], [pos], [table])
+        logits = runner.forward([[out[-1]]], [pos], [table])
     return out
 
 

@@ -84,8 +84,8 @@ def test_engines_sharing_one_loaded_model_keep_their_own_kv(model_path):
         e.scheduler.blocks.allocate(table, 101)
         return e.runner, table
     first, table = engine(64)
-    whole = first.run([prompt + [7]], [0], [table])  # the logits after the prompt and one more token
-    first.run([prompt], [0], [table])  # the prompt's K/V, in first's caches
+    whole = first.forward([prompt + [7]], [0], [table])  # the logits after the prompt and one more token
+    first.forward([prompt], [0], [table])  # the prompt's K/V, in first's caches
     second, other_table = engine(32)
-    second.run([other], [0], [other_table])  # other K/V, in second's caches (the same block ids)
-    assert torch.allclose(first.run([[7]], [100], [table]), whole, atol=1e-4)
+    second.forward([other], [0], [other_table])  # other K/V, in second's caches (the same block ids)
+    assert torch.allclose(first.forward([[7]], [100], [table]), whole, atol=1e-4)

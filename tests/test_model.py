@@ -54,7 +54,7 @@ def test_batched_prefill_logits_match_transformers(family, fused, hf_models):
     tables = [[] for _ in prompts]
     for table, prompt in zip(tables, prompts):
         blocks.allocate(table, len(prompt))
-    logits = runner.run(prompts, [0] * len(prompts), tables, all_logits=True)
+    logits = runner.forward(prompts, [0] * len(prompts), tables, all_logits=True)
     start = 0
     for prompt in prompts:
         expected = reference_logits(hf_models[family], prompt)
@@ -73,10 +73,10 @@ def test_incremental_decode_through_paged_cache_matches_full_forward(family, fus
     runner, blocks = make_runner(loaded)
     table: list[int] = []
     blocks.allocate(table, len(prompt))
-    pos, rows = 6, [runner.run([prompt[:6]], [0], [table], all_logits=True)]
+    pos, rows = 6, [runner.forward([prompt[:6]], [0], [table], all_logits=True)]
     for step in (1, 3, 1, 1, 3, 1, 1):
         chunk = prompt[pos:pos + step]
-        rows.append(runner.run([chunk], [pos], [table], all_logits=True))
+        rows.append(runner.forward([chunk], [pos], [table], all_logits=True))
         pos += len(chunk)
     got = torch.cat(rows).cpu()
     assert got.shape == expected.shape

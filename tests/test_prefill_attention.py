@@ -183,11 +183,11 @@ def test_long_prompts_match_transformers_in_one_piece_and_in_chunks(hf_models, p
         tables = [[] for _ in prompts]
         for table, prompt in zip(tables, prompts):
             blocks.allocate(table, len(prompt))
-        whole = runner.run(prompts, [0, 0], tables, all_logits=True)
+        whole = runner.forward(prompts, [0, 0], tables, all_logits=True)
         table: list[int] = []
         blocks.allocate(table, len(prompts[1]))
-        chunks = torch.cat([runner.run([prompts[1][:64]], [0], [table], all_logits=True),
-                            runner.run([prompts[1][64:]], [64], [table], all_logits=True)])
+        chunks = torch.cat([runner.forward([prompts[1][:64]], [0], [table], all_logits=True),
+                            runner.forward([prompts[1][64:]], [64], [table], all_logits=True)])
         want = [reference_logits(path, p) for p in prompts]
         assert max_err(whole, torch.cat(want)) <= 1e-4, family
         assert max_err(chunks, want[1]) <= 1e-4, family

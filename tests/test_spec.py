@@ -246,7 +246,7 @@ def test_a_wrong_acceptance_rule_fails_the_same_test(small_pair, monkeypatch):
             row += k + 1
         return verdicts
 
-    monkeypatch.setattr("lucebox.engine.engine.accept_batch", always_accept)
+    monkeypatch.setattr("lucebox.engine.output_processor.accept_batch", always_accept)
     target, draft = small_pair
     llm = LLM(str(target), speculative_config={"method": "draft_model", "model": str(draft),
                                                 "num_speculative_tokens": 2, "adaptive": False},
@@ -314,12 +314,12 @@ def test_a_dormant_drafter_recomputes_its_taps_before_drafting_again(target, con
             monkeypatch.setattr(runner.graphs, "bucket", lambda *a, catch_up=False: (
                 shape := bucket(*a, catch_up=catch_up), catch_up and graph_catch_ups.append(shape))[0])
         steps, drafts, catch_ups = itertools.count(), [], []
-        choose, propose, recompute = spec._choose, spec.proposer.propose, spec.recompute_taps
+        choose, propose, late = spec._choose, spec.proposer.propose, spec.choose
         monkeypatch.setattr(spec, "_choose", lambda *a: choose(*a) if next(steps) % every == 0 else 0)
         monkeypatch.setattr(spec.proposer, "propose",
                             lambda seqs, ks: [drafts.append(d.tokens) or d for d in propose(seqs, ks)])
-        monkeypatch.setattr(spec, "recompute_taps",
-                            lambda seq, start: catch_ups.append(seq.num_computed - start) or recompute(seq, start))
+        monkeypatch.setattr(spec, "choose", lambda running: [
+            catch_ups.append(seq.num_computed - start) or (seq, start) for seq, start in late(running)])
         if not dormant:  # every step captures the taps
             monkeypatch.setattr(spec, "taps_needed", lambda: True)
         outs = llm.generate(prompts(), GREEDY, use_tqdm=False)

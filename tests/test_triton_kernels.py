@@ -555,11 +555,11 @@ def test_a_model_forward_with_triton_kernels_matches_the_reference(monkeypatch):
         for table, n in zip(tables, (9, 13)):
             blocks.allocate(table, n)
         prompts = [list(range(1, 10)), list(range(20, 33))]
-        logits = [runner.run(prompts, [0, 0], tables, all_logits=True)]
+        logits = [runner.forward(prompts, [0, 0], tables, all_logits=True)]
         for table, n in zip(tables, (13, 15)):  # room for the verify and decode steps below
             blocks.allocate(table, n)
-        logits.append(runner.run([[5, 6, 7], [8]], [9, 13], tables, all_logits=True))  # verify + decode
-        logits.append(runner.run([[9], [10]], [12, 14], tables))
+        logits.append(runner.forward([[5, 6, 7], [8]], [9, 13], tables, all_logits=True))  # verify + decode
+        logits.append(runner.forward([[9], [10]], [12, 14], tables))
         return torch.cat(logits)
 
     monkeypatch.setenv("LUCEBOX_TRITON", "0")

@@ -15,6 +15,7 @@ import torch
 
 from lucebox.kernels.triton_sampling import accept_rows_triton
 from lucebox.sampling import SamplingParams
+from lucebox.sampling.graph_rows import graph_row
 from lucebox.sampling.sampler import Sampler, SamplingState
 
 from .test_spec import chi_square_rejects
@@ -31,7 +32,7 @@ def launch(logits: torch.Tensor, draft: list[int], params: list[SamplingParams],
     what decided each row)."""
     vocab = logits.shape[1]
     temperature, top_k, top_p, min_p, greedy = (torch.tensor(col, device=DEVICE)
-                                                for col in zip(*(p.graph_row(vocab) for p in params)))
+                                                for col in zip(*(graph_row(p, vocab) for p in params)))
     logits = logits.to(DEVICE)
     out, kept_from, searched = accept_rows_triton(logits, torch.tensor(draft, device=DEVICE), logits.argmax(-1),
                                         temperature.float(), top_k, top_p.float(), min_p.float(), greedy,

@@ -15,6 +15,7 @@ import torch
 
 from lucebox.sampling import SamplingParams, acceptance
 from lucebox.sampling.acceptance import Draft, Verdict, accept_batch, row_states
+from lucebox.sampling.graph_rows import argmax_only, graph_row
 from lucebox.sampling.sampler import Sampler, SamplingState
 
 from .test_spec import chi_square_rejects
@@ -75,7 +76,7 @@ def test_host_argmax_rule_equals_the_batch_rule_for_unprocessed_greedy_rows():
     seqs, drafts, rows = greedy_batch(rng, 30, num_seqs=40)
     seqs = [Seq(SamplingParams(temperature=0)) for _ in seqs]  # nothing processes the logits
     logits = torch.cat(rows)
-    assert all(s.params.argmax_only(0) for s in seqs)
+    assert all(argmax_only(s.params, 0) for s in seqs)
     verdicts = acceptance.accept_argmax(logits.argmax(-1).tolist(), drafts)
     assert verdicts == accept_batch(sampler, logits, seqs, drafts)
     assert len({v.num_accepted for v in verdicts}) > 3
@@ -85,7 +86,7 @@ def test_host_argmax_rule_equals_the_batch_rule_for_unprocessed_greedy_rows():
                                     dict(temperature=0, logit_bias={1: 5.0}), dict(temperature=0, logprobs=2),
                                     dict(temperature=0, min_tokens=3)])
 def test_rows_whose_logits_are_processed_or_reported_are_not_argmax_only(params):
-    assert not SamplingParams(**params).argmax_only(num_output=0)
+    assert not argmax_only(SamplingParams(**params), num_output=0)
 
 
 def test_greedy_verdicts_do_not_change_in_a_mixed_batch():
@@ -240,7 +241,7 @@ def in_graph_verdicts(n: int, device: str = "cpu") -> list[Verdict]:
     kinds = [SamplingParams(temperature=1.0), FILTERED, SamplingParams(temperature=0), SamplingParams(temperature=1.0)]
     drafts = [FIXED_DRAFTS, FIXED_DRAFTS, [3, 1], []]  # argmax of P: 3, then 0
     params = [kinds[i % GRAPH_KINDS] for i in range(n * GRAPH_KINDS)]
-    rows = [p.graph_row(VOCAB) for p in params]
+    rows = [graph_row(p, VOCAB) for p in params]
     temperature, top_k, top_p, min_p, greedy = (torch.tensor(col, device=device) for col in zip(*rows))
     logits = P.float().log().repeat(len(params), 1).to(device)
     draft = torch.tensor([(drafts[i % GRAPH_KINDS] + [-1] * 3)[:3] for i in range(len(params))], device=device)

@@ -26,7 +26,7 @@ def perplexity(engine: LLMEngine, sequences: list[list[int]]) -> float:
     for ids in sequences:
         table: list[int] = []
         blocks.allocate(table, len(ids))
-        logits = engine.runner.run([ids], [0], [table], all_logits=True)
+        logits = engine.runner.forward([ids], [0], [table], all_logits=True)
         blocks.free_table(table)
         logp = torch.log_softmax(logits[:-1].float(), -1)
         target = torch.tensor(ids[1:], device=logp.device)

@@ -204,7 +204,7 @@ def verify_phase(loaded, args, context: int, kv: int, ref, clock) -> dict:
                                  loaded)
     blocks, table = engine.scheduler.blocks, []
     blocks.allocate(table, context + VERIFY_TOKENS)
-    run, calls = engine.runner.run, 4 * args.repeats
+    run, calls = engine.runner.forward, 4 * args.repeats
     try:
         one = clock.per_call(lambda: run([[1]], [context], [table]), calls)
         many = clock.per_call(lambda: run([list(range(1, VERIFY_TOKENS + 1))], [context], [table],

@@ -36,6 +36,7 @@ from ..kernels.forward_batch import ForwardBatch
 from ..model.feature_ring import RingRows
 from ..sampling.acceptance import accept_in_graph
 from ..util import StagedBuffer, smallest_at_least
+from .step_plan import StepPlan, StepResult
 
 log = logging.getLogger("lucebox")
 
@@ -50,7 +51,7 @@ class GraphSettings:
     max_batch: int = 32  # largest batch bucket (vLLM's max capture size, in sequences)
     query_lens: tuple[int, ...] = (1,)  # query-length buckets: 1 (decode) and 1 + k per draft length k
     # Query lengths of one sequence whose taps a dormant drafter has missed, recomputed without
-    # writing K/V (ModelRunner.run(write_kv=False)); captured with taps only, besides query_lens.
+    # writing K/V (StepPlan.write_kv=False); captured with taps only, besides query_lens.
     catch_up_lens: tuple[int, ...] = ()
     # False: run the padded static batches eagerly instead of replaying graphs. The padding and the
     # static buffers are then exercised on any device (how CPU tests check them).
@@ -86,7 +87,7 @@ class StaticInputs:
         self._sampling_rows = None  # what the sampling buffers hold: a batch keeping its rows uploads nothing
 
     def set_sampling(self, rows: list[tuple[float, int, float, float, bool]], num_seqs: int) -> None:
-        """Per-sequence sampling parameters (`SamplingParams.graph_row`); padding rows are greedy."""
+        """Per-sequence sampling parameters (`sampling.graph_rows.graph_row`); padding rows are greedy."""
         if (rows, num_seqs) == self._sampling_rows:
             return
         self._sampling_rows = (rows, num_seqs)
@@ -193,15 +194,15 @@ class DeferredStep:
         n = len(self.select)
         return self.out[:n] if self.select == list(range(n)) else self.out[self.select]
 
-    def result(self):
-        """What CudaGraphRunner.run returns for the step: [accepted, token] per sequence, or the
-        argmax of each selected row; and the features."""
+    def result(self) -> StepResult:
+        """The step's result: [accepted, token] per sequence, or the argmax of each selected row;
+        and the features."""
         if self.done is not None:
             self.done.synchronize()
         values = self.host.tolist()
         if self.select is None:
-            return [values[2 * i:2 * i + 2] for i in range(self.shape[0])], self.features
-        return [values[r] for r in self.select], self.features
+            return StepResult(verdicts=[values[2 * i:2 * i + 2] for i in range(self.shape[0])], features=self.features)
+        return StepResult(tokens=[values[r] for r in self.select], features=self.features)
 
 
 class CudaGraphRunner:
@@ -251,39 +252,37 @@ class CudaGraphRunner:
         return num_seqs, query_len
 
     @torch.inference_mode()
-    def run(self, token_ids, start_positions, block_tables, logits_rows=None, all_logits=False,
-            capture_layers: tuple[int, ...] = (), argmax: bool = False, feature_rows: int | None = None,
-            sample: list[tuple] | None = None, write_kv: bool = True, ids_from: torch.Tensor | None = None,
-            defer: bool = False):
-        """ModelRunner.run's contract for a step that fits a bucket: (logits, or with argmax=True
-        the argmax token of each row as a host list, or with `sample` (a `SamplingParams.graph_row`
-        per sequence; each sequence's tokens are its pending token and deterministic drafts, every
-        one a logits row) [drafts accepted, next token] per sequence; features, their RingRows or
-        None); None when it fits none. write_kv=False: every K/V write goes to the scratch block.
+    def run(self, plan: StepPlan) -> StepResult | None:
+        """ModelRunner.run's contract for a step that fits a bucket (None when it fits none): with
+        plan.sample (each row its pending token and deterministic drafts, every one a logits row) on
+        a sampling graph, verdicts; with argmax, tokens; else logits; features, or their RingRows.
+        write_kv=False: every K/V write goes to the scratch block.
 
-        Overlapped decoding (EngineArgs.async_decode): defer=True returns a DeferredStep at once
-        for argmax and sampling steps (its `result()` waits for the step; its `device_tokens`
-        feed the next step), and ids_from (a decode step's: one token a sequence) takes the input
-        tokens from such a step's device_tokens instead of token_ids."""
-        shape = self.bucket(token_ids, start_positions, block_tables, catch_up=not write_kv)
+        Overlapped decoding (EngineArgs.async_decode): plan.defer returns a DeferredStep at once for
+        argmax and sampling steps (its `result()` waits for the step; its `device_tokens` feed the
+        next step), and plan.ids_from (a decode step's: one token a sequence) takes the input tokens
+        from such a step's device_tokens instead of the rows' tokens."""
+        token_ids, block_tables, capture_layers = plan.token_ids, plan.block_tables, tuple(plan.capture_layers)
+        start_positions, feature_rows, logits_rows = plan.start_positions, plan.feature_rows, plan.logits_rows
+        shape = self.bucket(token_ids, start_positions, block_tables, catch_up=not plan.write_kv)
         ring = self.feature_ring is not None and bool(capture_layers)
         if shape is None or (ring and feature_rows is None):
             return None
         num_seqs, query_len = shape
-        sampled = sample is not None and self.settings.sample  # else: logits come back
-        key = (num_seqs, query_len, tuple(capture_layers), sampled)
+        sampled = plan.sample is not None and self.settings.sample  # else: logits come back
+        key = (num_seqs, query_len, capture_layers, sampled)
         if key not in self.graphs:
             self._prepare(*key)
         graph, query_start_loc = self.graphs[key]
         inputs = self._inputs(query_len)
         real = inputs.fill(token_ids, start_positions, block_tables, num_seqs, query_len, self.block_size,
                            self.scratch_block)
-        if not write_kv:  # attention still reads the cached K/V of these positions
+        if not plan.write_kv:  # attention still reads the cached K/V of these positions
             tokens = num_seqs * query_len
             inputs.host("slots", tokens)[:] = self.scratch_block * self.block_size + np.arange(tokens) % self.block_size
         if logits_rows is not None:
             select = [real[r] for r in logits_rows]
-        elif all_logits:
+        elif plan.all_logits:
             select = real
         else:
             select = [i * query_len + len(t) - 1 for i, t in enumerate(token_ids)]
@@ -294,14 +293,14 @@ class CudaGraphRunner:
             rows[real] = np.arange(feature_rows, feature_rows + len(real))
         real_dev = inputs.set_rows("real", real) if capture_layers and not ring else None
         if sampled:
-            inputs.set_sampling(sample, num_seqs)
+            inputs.set_sampling(plan.sample, num_seqs)
             inputs.set_drafts(token_ids, num_seqs, query_len)
             inputs.new_seed()
         inputs.upload(num_seqs)
-        if ids_from is not None:
+        if plan.ids_from is not None:
             if query_len != 1:
                 raise ValueError("ids_from feeds decode steps only (one token a sequence)")
-            inputs.view("ids", len(token_ids)).copy_(ids_from, non_blocking=True)
+            inputs.view("ids", len(token_ids)).copy_(plan.ids_from, non_blocking=True)
         if graph is not None:
             graph.replay()
         else:
@@ -312,16 +311,17 @@ class CudaGraphRunner:
             features = RingRows(feature_rows, len(real))
         elif capture_layers:
             features = features.index_select(0, real_dev)
-        if defer and (sampled or argmax):
-            return DeferredStep(verdicts[:len(token_ids)] if sampled else tokens[:num_seqs * query_len],
-                                None if sampled else select, features, self._host_buffers)
+        if plan.defer and (sampled or plan.argmax):
+            return StepResult(deferred=DeferredStep(
+                verdicts[:len(token_ids)] if sampled else tokens[:num_seqs * query_len],
+                None if sampled else select, features, self._host_buffers))
         if sampled:  # the step's one device-to-host copy: two numbers a sequence
-            return verdicts[:len(token_ids)].tolist(), features
-        if argmax:  # the step's one device-to-host copy: every padded row's argmax, a few bytes
+            return StepResult(verdicts=verdicts[:len(token_ids)].tolist(), features=features)
+        if plan.argmax:  # the step's one device-to-host copy: every padded row's argmax, a few bytes
             padded = tokens[:num_seqs * query_len].tolist()
-            return [padded[r] for r in select], features
+            return StepResult(tokens=[padded[r] for r in select], features=features)
         # index_select copies: the caller may keep the result past the next replay
-        return logits.index_select(0, select_dev), features
+        return StepResult(logits=logits.index_select(0, select_dev), features=features)
 
     @torch.inference_mode()  # as run(): outside it the model's ops take their autograd-safe references
     def capture_all(self, capture_layers: tuple[int, ...] = ()) -> None:

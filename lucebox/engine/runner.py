@@ -10,7 +10,8 @@ from ..kernels.forward_batch import ForwardBatch
 from ..model.kv_cache import PagedKVCache, parse_cache_type
 from ..model.transformer import Transformer
 from ..util import host_to_device
-from .cuda_graphs import CudaGraphRunner, DeferredStep, GraphSettings
+from .cuda_graphs import CudaGraphRunner, GraphSettings
+from .step_plan import StepPlan, StepResult
 
 log = logging.getLogger("lucebox")
 
@@ -63,22 +64,16 @@ class ModelRunner:
             self.graphs.capture_all(tuple(capture_layers))
 
     @torch.inference_mode()
-    def run(self, token_ids: list[list[int]], start_positions: list[int], block_tables: list[list[int]],
-            logits_rows: list[int] | None = None, all_logits: bool = False,
-            capture_layers: tuple[int, ...] = (), argmax: bool = False, feature_rows: int | None = None,
-            sample: list[tuple] | None = None, write_kv: bool = True, ids_from: torch.Tensor | None = None,
-            defer: bool = False):
-        """Forward the new tokens of each sequence; returns float32 logits, or with argmax=True the
-        argmax token of each of those rows as a host list (one small device-to-host copy). With
-        `sample` (a `SamplingParams.graph_row` per sequence; a decode or verify step of deterministic
-        drafts), a graph that samples returns [drafts accepted, next token] per sequence as a host
-        list (`accept_in_graph`); other steps return the logits for the caller to sample.
+    def run(self, plan: StepPlan) -> StepResult:
+        """Forward the plan's new tokens; what comes back follows the plan (StepResult): float32
+        logits of its logits rows, or with plan.argmax the argmax token of each (one small
+        device-to-host copy). With plan.sample (a decode or verify step of deterministic drafts), a
+        graph that samples returns [drafts accepted, next token] per row (`accept_in_graph`); other
+        steps return the logits for the caller to sample.
 
-        Logits rows: `logits_rows` (flat token indices) when given, else the last new token of each
-        sequence, or every new token with all_logits=True. With capture_layers, also returns the
-        outputs of those layers for every new token, concatenated: [T, len(capture_layers) * hidden];
-        a graph step with a feature ring (`set_feature_ring`) writes them to the T ring rows from
-        feature_rows instead and returns their RingRows (eager steps return the tensor).
+        With capture_layers, also the outputs of those layers for every new token, concatenated:
+        [T, len(capture_layers) * hidden]; a graph step with a feature ring (`set_feature_ring`)
+        writes them to the T ring rows from plan.feature_rows instead and returns their RingRows.
 
         write_kv=False recomputes positions whose K/V the cache already holds (a dormant drafter's
         missed taps) without touching it: the new K/V go to the scratch block, and attention, which
@@ -89,14 +84,18 @@ class ModelRunner:
         if self.model.layers[0].self_attn.k_cache is not self.caches[0][0]:
             self._install()
         if self.graphs is not None:
-            out = self.graphs.run(token_ids, start_positions, block_tables, logits_rows, all_logits,
-                                  tuple(capture_layers), argmax, feature_rows, sample, write_kv, ids_from, defer)
-            if out is not None:
-                return out if capture_layers or isinstance(out, DeferredStep) else out[0]
-        if ids_from is not None:
+            result = self.graphs.run(plan)
+            if result is not None:
+                return result
+        if plan.ids_from is not None:
             raise RuntimeError("a step fed from a previous step's device tokens must fit a CUDA-graph bucket")
-        return self.run_eager(token_ids, start_positions, block_tables, logits_rows, all_logits, capture_layers,
-                              argmax, write_kv)
+        return self.run_eager(plan)
+
+    def forward(self, token_ids: list[list[int]], start_positions: list[int], block_tables: list[list[int]],
+                **choices) -> torch.Tensor:
+        """The logits of a bare ragged forward (benchmarks, tests, a draft model's steps): each
+        sequence's last new token, or the plan's logits_rows / all_logits (StepPlan's fields)."""
+        return self.run(StepPlan.forward(token_ids, start_positions, block_tables, **choices)).logits
 
     def set_feature_ring(self, ring) -> None:
         """Graph steps write captured features into this FeatureRing (before any capture)."""
@@ -104,23 +103,22 @@ class ModelRunner:
             self.graphs.feature_ring = ring
 
     @torch.inference_mode()
-    def run_eager(self, token_ids: list[list[int]], start_positions: list[int], block_tables: list[list[int]],
-                  logits_rows: list[int] | None = None, all_logits: bool = False,
-                  capture_layers: tuple[int, ...] = (), argmax: bool = False, write_kv: bool = True):
+    def run_eager(self, plan: StepPlan) -> StepResult:
         """`run` without graphs: the exact ragged batch, no padding."""
-        batch = ForwardBatch.build(token_ids, start_positions, block_tables, self.block_size, self.model.device,
-                                   capture_layers)
-        if not write_kv:
+        capture_layers = plan.capture_layers
+        batch = ForwardBatch.build(plan.token_ids, plan.start_positions, plan.block_tables, self.block_size,
+                                   self.model.device, capture_layers)
+        if not plan.write_kv:
             rows = batch.slot_mapping.shape[0]
             batch.slot_mapping = (self.scratch_block * self.block_size
                                   + torch.arange(rows, device=batch.slot_mapping.device) % self.block_size)
         hidden = self.model(batch)
-        if logits_rows is not None:
-            hidden = hidden[host_to_device(logits_rows, hidden.device, torch.long)]
-        elif not all_logits:
+        if plan.logits_rows is not None:
+            hidden = hidden[host_to_device(plan.logits_rows, hidden.device, torch.long)]
+        elif not plan.all_logits:
             hidden = hidden[batch.query_start_loc[1:] - 1]
         logits = self.model.compute_logits(hidden)
-        out = logits.argmax(-1).tolist() if argmax else logits
-        if not capture_layers:
-            return out
-        return out, torch.cat([batch.captured[i] for i in capture_layers], dim=-1)
+        features = torch.cat([batch.captured[i] for i in capture_layers], dim=-1) if capture_layers else None
+        if plan.argmax:
+            return StepResult(tokens=logits.argmax(-1).tolist(), features=features)
+        return StepResult(logits=logits, features=features)

@@ -20,6 +20,7 @@ from .sequence import Sequence, Status
 class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)  # sent back to waiting by this schedule()
 
     def add(self, seq: Sequence, n: int) -> None:
         self.seqs.append(seq)
@@ -31,10 +32,8 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 on_release=None):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
         self.blocks = block_manager
-        self.on_release = on_release  # (seq, finished) -> None: the speculator drops per-sequence state
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -64,6 +63,7 @@ class Scheduler:
             while not self.blocks.can_allocate(seq.block_table, seq.num_computed + n):
                 victim = self.running[-1]
                 self.preempt(victim)
+                batch.preempted.append(victim)
                 preempted = True
                 if victim is seq:
                     break
@@ -103,8 +103,6 @@ class Scheduler:
                 seq.draft.probs = seq.draft.probs[:keep]
 
     def finish(self, seq: Sequence) -> None:
-        if self.on_release is not None:
-            self.on_release(seq, True)
         seq.status = Status.FINISHED
         self.blocks.free_table(seq.block_table)
         if seq in self.running:
@@ -113,8 +111,6 @@ class Scheduler:
             self.waiting.remove(seq)
 
     def preempt(self, seq: Sequence) -> None:
-        if self.on_release is not None:
-            self.on_release(seq, False)
         self.num_preemptions += 1
         self.running.remove(seq)
         self.blocks.free_table(seq.block_table)

@@ -107,7 +107,7 @@ def accept_in_graph(logits: torch.Tensor, draft: torch.Tensor, argmax: torch.Ten
     row j of sequence b scoring the token after its j-th draft; `draft` [B*Q] holds the draft each
     row checks (the next input token) or -1 past a sequence's drafts (its bonus row and padding).
     A decode is Q = 1: no drafts, the token sampled from p. Per-sequence parameters are [B]
-    tensors in `SamplingParams.graph_row`'s form (filters that are off keep every token); greedy
+    tensors in `sampling.graph_rows.graph_row`'s form (filters that are off keep every token); greedy
     sequences (`greedy` nonzero, any integer or bool dtype: a graph passes its int64 input as is,
     saving a conversion node) accept while the draft is the row's argmax (`argmax` [B*Q]) and end
     on the argmax.

@@ -96,31 +96,10 @@ class SamplingParams:
         (penalties, logits processors, min_tokens not yet reached after num_output tokens)."""
         return bool(self.logits_processors) or self.has_penalties or self.min_tokens > num_output
 
-    def argmax_only(self, num_output: int) -> bool:
-        """Whether the next token (and, speculating, every draft position after it) is the plain
-        argmax of the model's logits: greedy, nothing processing the logits, no logprobs wanted.
-        The engine then takes argmax tokens computed inside the CUDA graph, not the logits."""
-        return self.is_greedy and self.keeps_argmax(num_output) and self.logprobs is None
-
     def keeps_argmax(self, num_output: int) -> bool:
         """Whether processing leaves the argmax of the logits where it is: temperature, top-k,
         top-p and min-p never move it; logit_bias, penalties and the like may."""
         return not self.reads_history(num_output) and not self.logit_bias
-
-    def graph_samplable(self, num_output: int) -> bool:
-        """Whether the next token (a decode) or the verdict on drafts (a verify) can be drawn inside
-        a CUDA graph (`sampling.acceptance.accept_in_graph`): argmax-only, or sampled with temperature /
-        top-k / top-p / min-p alone from the global RNG (a seeded request keeps its own generator,
-        so it samples outside)."""
-        return (self.is_greedy or self.seed is None) and self.keeps_argmax(num_output) and self.logprobs is None
-
-    def graph_row(self, vocab: int) -> tuple[float, int, float, float, bool]:
-        """(temperature, top_k, top_p, min_p, greedy) as `accept_in_graph` reads them: filters that
-        are off take values that keep every token (top_k = vocab, top_p = 2)."""
-        if self.is_greedy:
-            return 1.0, vocab, 2.0, 0.0, True
-        return (self.temperature, self.top_k if 0 < self.top_k < vocab else vocab,
-                self.top_p if self.top_p < 1 else 2.0, self.min_p, False)
 
     def with_defaults(self, defaults: dict) -> SamplingParams:
         """A copy where fields the user did not set take the model's generation_config.json values."""

@@ -78,7 +78,7 @@ class DraftModelProposer(Proposer):
             rows = [i for i in active if len(drafts[i].tokens) < ks[i]]
             if not rows:
                 break
-            logits = self.runner.run([feed[i] for i in rows], [len(self.fed[id(seqs[i])]) for i in rows],
+            logits = self.runner.forward([feed[i] for i in rows], [len(self.fed[id(seqs[i])]) for i in rows],
                                      [seqs[i].block_table for i in rows])
             logits = _fit_vocab(logits, self.vocab)
             states = [row_states(seqs[i], drafts[i].tokens)[-1] for i in rows]

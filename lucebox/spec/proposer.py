@@ -43,8 +43,8 @@ class Proposer:
         """Target features (captured layers, concatenated) of committed positions start.. of seq."""
 
     def release(self, seq, finished: bool = True) -> None:
-        """The sequence finished or was aborted (finished=True) or preempted: drop per-sequence state.
-        Called before its blocks are freed."""
+        """The sequence finished or was aborted (finished=True; called before its blocks are freed)
+        or was preempted (called after the scheduler's step that preempted it): drop per-sequence state."""
 
     def kv_bytes_per_token(self) -> int:
         """KV bytes per token the proposer keeps next to the target's (0 if none)."""

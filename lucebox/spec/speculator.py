@@ -9,6 +9,7 @@ taking the nearly free lookups with it, and the other way round.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 from ..sampling.acceptance import Draft
 from .adaptive import DraftLengthPolicy, SequenceAcceptance
@@ -54,16 +55,18 @@ class Speculator:
         # The sources whose policy chose to draft this step, whether or not their proposals came back
         # empty (an n-gram proposer often finds nothing): such a step is the price of drafting.
         self.step_chose: set[str] = set()
-        # Dormancy: the first position of each sequence whose taps were not captured, and the engine's
-        # hook that recomputes taps ((seq, start) -> (start, features) chunks up to num_computed).
+        # Dormancy: the first position of each sequence whose taps were not captured.
         self.missing: dict[int, int] = {}
-        self.recompute_taps = None
+        self._drafting = None  # what choose() left the drafter to draft: (k, [(seq, n)], any late taps)
         self.catch_up_seconds = 0.0  # this step's recomputation: a cost of dormancy, not of drafting
         self.overlapped_sizes: set[int] = set()  # step sizes (new tokens) whose plain steps have overlapped
-        self.evaluated: list = []  # the decoding batch of the last propose(): what a promise is made for
+        self.evaluated: list = []  # the decoding batch of the last choose(): what a promise is made for
 
-    def propose(self, running: list) -> None:
-        """Give each running sequence that is decoding (its last token not yet computed) a draft."""
+    def choose(self, running: list) -> list[tuple[object, int]]:
+        """The first half of proposing for each running sequence that is decoding (its last token
+        not yet computed): draft lengths chosen, lookups drafted. Returns (seq, start) for each
+        sequence the drafter will draft for whose taps from `start` were missed while it was
+        dormant: the engine recomputes them (StepPlanner.catch_up) and hands them to `propose`."""
         decoding = [s for s in running if s.num_computed == s.num_tokens - 1]
         self.evaluated = decoding
         other_tokens = sum(s.num_tokens - s.num_computed for s in running if s.num_computed < s.num_tokens - 1)
@@ -81,26 +84,51 @@ class Speculator:
         self.draft_seconds = self.catch_up_seconds = 0.0
         self.step_decoding, self.step_sources, self.step_drafted, self.step_accepted = len(decoding), set(), 0, 0
         self.step_found, self.step_chose = bool(found), set()
+        self._drafting = None
         k_lookup = 0
         if looked:  # each group's k is chosen with the other group's tokens in the batch
             k_lookup = self._choose(LOOKUP, looked, other_tokens + len(rest))
-            self._assign(LOOKUP, looked, k_lookup, lambda seqs, ks: [Draft(found[id(s)][:k]) for s, k in zip(seqs, ks)])
-        if rest:
-            k = self._choose(MODEL, rest, other_tokens + len(looked) * (1 + k_lookup))
-            self._assign(MODEL, rest, k, self.proposer.propose)
+            self._assign(LOOKUP, self._chosen(looked, k_lookup), k_lookup,
+                         lambda seqs, ks: [Draft(found[id(s)][:k]) for s, k in zip(seqs, ks)])
+        if not rest:
+            return []
+        k = self._choose(MODEL, rest, other_tokens + len(looked) * (1 + k_lookup))
+        chosen = self._chosen(rest, k)
+        if not chosen:
+            return []
+        late = [(s, self.missing.pop(id(s))) for s, _ in chosen if id(s) in self.missing]
+        self._drafting = (k, chosen, bool(late))
+        return late
+
+    def propose(self, recomputed: Iterable = ()) -> None:
+        """The second half: the drafter drafts for the sequences `choose` picked, after observing
+        `recomputed`, the (seq, start, features) chunks of the taps `choose` said were missed
+        (consumed here, lazily, so that each chunk is observed before the next is computed)."""
+        drafting, self._drafting = self._drafting, None
+        if drafting is None:
+            return
+        k, chosen, late = drafting
+        if late:
+            started = time.perf_counter()
+            for seq, begin, features in recomputed:
+                self.proposer.observe(seq, begin, features)
+            self.catch_up_seconds += time.perf_counter() - started
+            self.policy.record_catch_up(self.catch_up_seconds)
+        self._assign(MODEL, chosen, k, self.proposer.propose)
 
     def _choose(self, source: str, seqs: list, other_tokens: int) -> int:
         return self.policies[source].choose([self._acceptance(s, source).alpha for s in seqs], other_tokens)
 
-    def _assign(self, source: str, seqs: list, k: int, propose) -> None:
-        """Draft up to k tokens for each of seqs with `propose`, timed into the source's draft costs."""
+    def _chosen(self, seqs: list, k: int) -> list[tuple[object, int]]:
+        """(seq, draft length) for each of seqs with room for a draft of up to k tokens."""
         if k <= 0:
-            return
-        chosen = [(s, n) for s in seqs if (n := min(k, self._room(s))) > 0]
+            return []
+        return [(s, n) for s in seqs if (n := min(k, self._room(s))) > 0]
+
+    def _assign(self, source: str, chosen: list, k: int, propose) -> None:
+        """Draft the chosen (seq, n) with `propose`, timed into the source's draft costs."""
         if not chosen:
             return
-        if source == MODEL:
-            self._catch_up([s for s, _ in chosen])
         self.step_chose.add(source)
         started = time.perf_counter()
         drafts = propose([s for s, _ in chosen], [n for _, n in chosen])
@@ -115,18 +143,6 @@ class Speculator:
                 probs = draft.probs[:n] if draft.probs is not None else None
                 seq.draft = Draft(draft.tokens[:n], probs)
                 self.source[id(seq)] = source
-
-    def _catch_up(self, seqs: list) -> None:
-        """Before the drafter drafts for seqs: the taps of positions decoded while it was dormant."""
-        late = [(s, self.missing.pop(id(s))) for s in seqs if id(s) in self.missing]
-        if not late:
-            return
-        started = time.perf_counter()
-        for seq, start in late:
-            for begin, features in self.recompute_taps(seq, start):
-                self.proposer.observe(seq, begin, features)
-        self.catch_up_seconds += time.perf_counter() - started
-        self.policy.record_catch_up(self.catch_up_seconds)
 
     def taps_needed(self) -> bool:
         """Whether this step's decodes capture the drafter's taps: only when this step verifies drafts

@@ -1,0 +1,169 @@
+"""The step plan: what one target forward computes and what comes back, and the planner that makes it.
+
+A plan has one row per sequence: its new tokens, start position and block table, and what it needs
+back -- nothing for a prefill chunk short of the prompt's end, one sampled token for a decode (the
+last chunk of a prompt included), an accept verdict for a verify of drafts. The step-level choices
+(which logits rows, argmax only, sampled and accepted in the graph, taps and their feature-ring
+rows, writing K/V or not, deferred or fed from a previous step's device tokens) are fields, made
+once by the planner; the runner (ModelRunner.run) and the graphs read them and answer with one
+StepResult.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from ..model.feature_ring import RingRows
+from ..sampling.acceptance import Draft
+from ..sampling.graph_rows import GraphRow, argmax_only, graph_row, graph_samplable
+
+# Catch-up graph lengths of the taps a dormant drafter missed while the target decoded plainly
+# (spec/speculator.py), beside the verify lengths; longer runs go in chunks of the last.
+CATCH_UP_LENS = (32, 64, 128, 256)
+
+
+class RowKind(enum.Enum):
+    CHUNK = "chunk"  # a prefill chunk short of the prompt's end: nothing back
+    DECODE = "decode"  # one token sampled after the row's last token
+    VERIFY = "verify"  # the pending token and drafts: an accept verdict
+
+
+@dataclass
+class PlanRow:
+    tokens: list[int]
+    start: int  # position of tokens[0]
+    block_table: list[int]
+    kind: RowKind = RowKind.DECODE
+    seq: object = None  # the engine's Sequence (None for a bare forward)
+    offset: int = 0  # flat index of tokens[0] in the step
+    index: int = 0  # the row's place in the plan
+    draft: Draft | None = None  # a verify's drafts
+
+
+@dataclass
+class StepPlan:
+    rows: list[PlanRow]
+    # Flat token indices whose logits come back (decodes first, then each verify's k + 1 rows);
+    # None: the last token of each row, or every token with all_logits.
+    logits_rows: list[int] | None = None
+    all_logits: bool = False
+    argmax: bool = False  # the argmax token of each logits row comes back, not the logits
+    # One graph row a sequence: a graph that samples and accepts in place returns verdicts.
+    sample: list[GraphRow] | None = None
+    capture_layers: tuple[int, ...] = ()  # the drafter's taps, captured for every new token
+    feature_rows: int | None = None  # first feature-ring row reserved for the taps (graph steps)
+    write_kv: bool = True  # False: recompute cached positions' taps (catch-up), K/V to scratch
+    defer: bool = False  # overlapped decoding: return a DeferredStep at once
+    ids_from: torch.Tensor | None = None  # a previous step's device tokens as this step's input ids
+    prefilling: bool = False  # some prompt tokens are in this step
+    _kinds: dict | None = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def forward(cls, token_ids: list[list[int]], start_positions: list[int], block_tables: list[list[int]],
+                **choices) -> StepPlan:
+        """A bare ragged forward of these tokens (benchmarks, tests, a draft model's runner)."""
+        rows, offset = [], 0
+        for i, (tokens, start, table) in enumerate(zip(token_ids, start_positions, block_tables)):
+            rows.append(PlanRow(list(tokens), start, table, offset=offset, index=i))
+            offset += len(tokens)
+        return cls(rows, **choices)
+
+    @property
+    def token_ids(self) -> list[list[int]]:
+        return [row.tokens for row in self.rows]
+
+    @property
+    def start_positions(self) -> list[int]:
+        return [row.start for row in self.rows]
+
+    @property
+    def block_tables(self) -> list[list[int]]:
+        return [row.block_table for row in self.rows]
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(len(row.tokens) for row in self.rows)
+
+    def of(self, kind: RowKind) -> list[PlanRow]:
+        """The rows of one kind, in plan order (grouped once: the engine asks for each kind more than once)."""
+        if self._kinds is None:
+            self._kinds = {k: [] for k in RowKind}
+            for row in self.rows:
+                self._kinds[row.kind].append(row)
+        return self._kinds[kind]
+
+
+@dataclass
+class StepResult:
+    """What a step brings back; which fields are set follows from the plan: `tokens` with argmax,
+    `verdicts` when the graph sampled and accepted (plan.sample on a sampling graph), `logits`
+    otherwise; `features` with capture_layers (a tensor, or the RingRows a graph step wrote);
+    `deferred` alone for a step launched with defer (its result() is the step's StepResult)."""
+    logits: torch.Tensor | None = None  # float32 [logits rows, vocab]
+    tokens: list[int] | None = None  # argmax of each logits row
+    verdicts: list[list[int]] | None = None  # [drafts accepted, next token] per plan row
+    features: torch.Tensor | RingRows | None = None
+    deferred: object = None  # a cuda_graphs.DeferredStep
+
+
+@dataclass
+class StepPlanner:
+    """Turns the scheduler's batch into a StepPlan. speculator: the engine's (or None); runner: the
+    target's ModelRunner (only its CUDA graphs sample in place)."""
+    speculator: object
+    runner: object
+    vocab_size: int
+    async_decode: bool
+
+    def plan(self, batch, in_run: bool) -> StepPlan:
+        """in_run: the step is one of a plain run the speculator promised (it captures no taps unless
+        a prompt is in it)."""
+        rows, plain_rows, verify_rows, offset, prefilling = [], [], [], 0, False
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            drafts = seq.draft.tokens if seq.draft is not None else []
+            start, end, committed = seq.num_computed, seq.num_computed + n, seq.num_tokens
+            tokens = seq.token_slice(start, min(end, committed))
+            if end > committed:  # the drafts being verified follow the committed tokens
+                tokens += drafts[max(0, start - committed):end - committed]
+            row = PlanRow(tokens, start, seq.block_table, RowKind.DECODE, seq, offset, i)
+            if end < committed:
+                row.kind = RowKind.CHUNK
+            elif drafts:
+                row.kind, row.draft = RowKind.VERIFY, seq.draft
+                verify_rows.extend(range(offset + n - 1 - len(drafts), offset + n))
+            else:
+                plain_rows.append(offset + n - 1)
+            prefilling = prefilling or (not drafts and (n > 1 or end < committed))
+            rows.append(row)
+            offset += n
+        plan = StepPlan(rows, logits_rows=plain_rows + verify_rows, prefilling=prefilling)
+        spec, chunks, verifies = self.speculator, plan.of(RowKind.CHUNK), plan.of(RowKind.VERIFY)
+        # The drafter's taps: always for prompts (a dormant drafter recomputes only decoded positions).
+        if spec is not None and (prefilling or (not in_run and spec.taps_needed())):
+            plan.capture_layers = spec.capture_layers
+        # All greedy with nothing processing the logits: argmax tokens come back, not logits.
+        plan.argmax = all(argmax_only(r.seq.params, len(r.seq.output_token_ids)) for r in rows if r.kind is not
+                          RowKind.CHUNK)
+        # Simply sampled rows with deterministic drafts (or none): sampled and accepted in the graph.
+        if (not plan.argmax and self.runner.graphs is not None and not chunks
+                and all(graph_samplable(r.seq.params, len(r.seq.output_token_ids)) for r in rows)
+                and all(r.draft.probs is None for r in verifies)):
+            plan.sample = [graph_row(r.seq.params, self.vocab_size) for r in rows]
+        if plan.capture_layers:
+            plan.feature_rows = spec.proposer.feature_rows(batch.total_tokens)
+        plan.defer = self.async_decode and not chunks and not verifies and not plan.capture_layers
+        return plan
+
+    def catch_up(self, seq, start: int):
+        """(begin, plan) of target passes recomputing the drafter's taps of seq's positions
+        start..num_computed-1, whose K/V the cache holds: up to CATCH_UP_LENS[-1] tokens each, no
+        logits, no K/V written (through the catch-up CUDA graphs when they fit). Lazy: each pass's
+        ring rows are reserved when it is planned, after the previous pass's features were observed."""
+        spec = self.speculator
+        for begin in range(start, seq.num_computed, CATCH_UP_LENS[-1]):
+            end = min(begin + CATCH_UP_LENS[-1], seq.num_computed)
+            yield begin, StepPlan.forward([seq.token_slice(begin, end)], [begin], [seq.block_table], logits_rows=[],
+                                          capture_layers=spec.capture_layers,
+                                          feature_rows=spec.proposer.feature_rows(end - begin), write_kv=False)
