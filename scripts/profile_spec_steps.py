@@ -29,7 +29,7 @@ from lucebox.bench.spec import _decode_one  # noqa: E402
 from lucebox.config import EngineArgs  # noqa: E402
 from lucebox.engine.engine import LLMEngine  # noqa: E402
 from lucebox.engine.runner import ModelRunner  # noqa: E402
-from lucebox.model.kv_cache import kv_bytes_per_token  # noqa: E402
+from lucebox.model.cache_spec import kv_bytes_per_token  # noqa: E402
 from lucebox.model.loader import load_model  # noqa: E402
 from lucebox.sampling import SamplingParams  # noqa: E402
 from lucebox.sampling.sampler import Sampler  # noqa: E402
