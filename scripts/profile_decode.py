@@ -20,7 +20,7 @@ from lucebox.bench import shapes
 from lucebox.bench.speed import Clock
 from lucebox.config import EngineArgs
 from lucebox.engine.engine import LLMEngine
-from lucebox.model.kv_cache import kv_bytes_per_token
+from lucebox.model.cache_spec import kv_bytes_per_token
 
 
 def runner_for(loaded, context: int, graphs: bool):

@@ -25,13 +25,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lucebox.bench.prompts import held_out_texts  # noqa: E402
-from lucebox.bench.spec import _decode_one  # noqa: E402
+from lucebox.bench.spec import decode_one  # noqa: E402
 from lucebox.config import EngineArgs  # noqa: E402
 from lucebox.engine.engine import LLMEngine  # noqa: E402
 from lucebox.engine.output_processor import OutputProcessor  # noqa: E402
 from lucebox.engine.runner import ModelRunner  # noqa: E402
 from lucebox.engine.step_plan import StepPlan  # noqa: E402
-from lucebox.model.kv_cache import kv_bytes_per_token  # noqa: E402
+from lucebox.model.cache_spec import kv_bytes_per_token  # noqa: E402
 from lucebox.model.loader import load_model  # noqa: E402
 from lucebox.sampling import SamplingParams  # noqa: E402
 from lucebox.sampling.graph_rows import graph_row  # noqa: E402
@@ -96,12 +96,12 @@ def main() -> None:
     for temperature in (0.0, 1.0):
         params = SamplingParams(temperature=temperature, max_tokens=args.max_tokens, ignore_eos=True)
         for engine in engines.values():
-            _decode_one(engine, prompts[0], params, "warm-up")
+            decode_one(engine, prompts[0], params, "warm-up")
         for rep in range(2):
             for name, engine in engines.items():
                 totals.clear()
                 widths.clear()
-                runs = [_decode_one(engine, prompt, params, f"p{i}") for i, prompt in enumerate(prompts)]
+                runs = [decode_one(engine, prompt, params, f"p{i}") for i, prompt in enumerate(prompts)]
                 tokens = sum(r["tokens"] for r in runs)
                 per_token = sum(r["seconds"] for r in runs) / tokens
                 parts = "  ".join(f"{label}={seconds / tokens * 1e6:.0f}" for label, seconds in sorted(totals.items()))
@@ -148,7 +148,7 @@ def idle_overhead(loaded, args, repeats: int = 5) -> None:
                                 output_kind="final_only")
         for engine in engines.values():  # warm-up (the tap-less engine captures its graphs here)
             for prompt in prompts[:2]:
-                _decode_one(engine, prompt, params, "warm-up")
+                decode_one(engine, prompt, params, "warm-up")
         ratios = collections.defaultdict(list)
         sections = {name: collections.Counter() for name in engines}
         tokens = collections.Counter()
@@ -158,7 +158,7 @@ def idle_overhead(loaded, args, repeats: int = 5) -> None:
                 turn = (rep + i) % len(names)
                 for name in names[turn:] + names[:turn]:
                     totals.clear()
-                    run = _decode_one(engines[name], prompt, params, f"r{rep}p{i}")
+                    run = decode_one(engines[name], prompt, params, f"r{rep}p{i}")
                     per_token[name] += run["seconds"] / run["tokens"] / len(prompts)
                     sections[name].update(totals)
                     tokens[name] += run["tokens"]
@@ -237,7 +237,7 @@ def trace(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, r
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.model.device.type == "cuda" else [])
     with profile(activities=activities) as prof:
-        tokens = sum(_decode_one(engine, p, params, f"trace{i}")["tokens"] for i, p in enumerate(prompts))
+        tokens = sum(decode_one(engine, p, params, f"trace{i}")["tokens"] for i, p in enumerate(prompts))
     events = prof.key_averages()
     print(f"\n{label}: {tokens} tokens under torch.profiler; top operators by host time:")
     print(events.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=50))

@@ -70,7 +70,7 @@ def test_engines_sharing_one_loaded_model_keep_their_own_kv(model_path):
 
     from lucebox.config import EngineArgs
     from lucebox.engine.engine import LLMEngine
-    from lucebox.model.kv_cache import kv_bytes_per_token
+    from lucebox.model.cache_spec import kv_bytes_per_token
     from lucebox.model.loader import load_model
     loaded = load_model(str(model_path), dtype="float32", device="cpu")
     rng = random.Random(3)

@@ -22,7 +22,7 @@ import torch
 
 from ..config import EngineArgs
 from ..engine.engine import LLMEngine
-from ..model.kv_cache import kv_bytes_per_token
+from ..model.cache_spec import kv_bytes_per_token
 from ..model.loader import load_model
 from ..sampling import SamplingParams
 from .prompts import held_out_texts

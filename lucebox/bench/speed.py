@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from ..config import EngineArgs
 from ..engine.engine import LLMEngine
 from ..errors import RequestError
-from ..model.kv_cache import kv_bytes_per_token
+from ..model.cache_spec import kv_bytes_per_token
 from ..model.loader import resolve_device
 from ..sampling import SamplingParams
 from ..util import common_prefix

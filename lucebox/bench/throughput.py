@@ -13,7 +13,8 @@ import torch
 
 from ..config import EngineArgs
 from ..engine.engine import LLMEngine
-from ..model.kv_cache import CACHE_TYPES, kv_bytes_per_token
+from ..model.cache_spec import kv_bytes_per_token
+from ..model.kv_cache import CACHE_TYPES
 from ..model.loader import load_model
 from ..sampling import SamplingParams
 

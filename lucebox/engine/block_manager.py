@@ -4,6 +4,10 @@ A full block is identified by a hash chained over the previous block's hash and 
 ids, so equal hashes mean equal prefixes (token ids are compared too, against collisions).
 Blocks are reference-counted; a freed block keeps its hash and stays findable until it is
 reused, least recently freed first (lazy LRU eviction).
+
+A table entry may be `released` (the id one past the pool: the runner's scratch block): a block
+behind every sliding window went back to the pool while the table kept its length, so positions
+still index the table as before and attention never reads the entry (engine/cache_manager.py).
 """
 from __future__ import annotations
 
@@ -33,6 +37,11 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU first
         self.cached: dict[int, int] = {}  # hash -> block id
         self.hits = self.queries = 0  # prompt tokens served from cache / looked up
+        self.released = num_blocks  # the entry of a released block: the scratch block, never read
+
+    def held(self, block_table: list[int]) -> int:
+        """Blocks of the pool this table holds (released entries excluded)."""
+        return sum(1 for b in block_table if b != self.released)
 
     @property
     def num_free_blocks(self) -> int:
@@ -80,6 +89,8 @@ class BlockManager:
             chunk = tuple(token_slice(index * self.block_size, (index + 1) * self.block_size))
             h = chain_hash(block_hashes[-1] if block_hashes else None, chunk)
             block_hashes.append(h)
+            if block_table[index] == self.released:  # the chain goes on; the block is gone
+                continue
             block = self.blocks[block_table[index]]
             if block.hash is None and h not in self.cached:
                 block.hash, block.token_ids = h, chunk
@@ -108,7 +119,22 @@ class BlockManager:
         """Release the blocks past `num_tokens` tokens (preemption, speculative rollback)."""
         keep = self.blocks_for(num_tokens)
         while len(block_table) > keep:
-            self._release(block_table.pop())
+            block_id = block_table.pop()
+            if block_id != self.released:
+                self._release(block_id)
+
+    def release_before(self, block_table: list[int], num_tokens: int) -> int:
+        """Release the blocks wholly before token `num_tokens` (out of every window), keeping the
+        table's length; returns how many were released now. Walks back from the last such block to
+        the first one released before, so a step costs the blocks it releases."""
+        released = 0
+        index = min(num_tokens // self.block_size, len(block_table)) - 1
+        while index >= 0 and block_table[index] != self.released:
+            self._release(block_table[index])
+            block_table[index] = self.released
+            released += 1
+            index -= 1
+        return released
 
     def free_table(self, block_table: list[int]) -> None:
         # Tail blocks first, so a prompt's early blocks, the likeliest to be shared, are evicted last.

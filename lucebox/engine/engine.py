@@ -11,7 +11,7 @@ import torch
 
 from ..config import EngineArgs
 from ..errors import ContextLengthError, OverloadError, RequestError
-from ..model.kv_cache import kv_bytes_per_token
+from ..model.cache_spec import bytes_per_sequence, bytes_per_token
 from ..model.loader import LoadedModel
 from ..outputs import RequestOutput
 from ..sampling import SamplingParams
@@ -19,7 +19,7 @@ from ..sampling.sampler import Sampler, make_generator
 from ..spec.factory import make_speculator
 from ..text.stop import StopChecker
 from ..text.tokenizer import IncrementalDetokenizer
-from .block_manager import BlockManager
+from .cache_manager import CacheManager
 from .cuda_graphs import GraphSettings
 from .output_processor import OutputProcessor
 from .overlap import Overlap
@@ -44,12 +44,15 @@ class LLMEngine:
         self.speculator = make_speculator(args.speculative_config, loaded, self.max_model_len)
         self.model.fuse_projections()  # q/k/v and gate/up as one GEMV each (idempotent)
         self.model.split_quant_rows()  # the GPU decode kernels' Q8_0 / Q6_K layout (idempotent)
-        num_blocks = self._plan_kv_blocks()
+        # The state every layer and the proposer keep per sequence: the planner and cache manager read it.
+        specs = self.model.cache_specs(args.cache_type_k, args.cache_type_v, args.cache_rotate_k)
+        specs += self.speculator.proposer.cache_specs() if self.speculator is not None else []
+        num_blocks = self._plan_kv_blocks(specs)
         graphs = self._graph_settings()
         self.runner = ModelRunner(self.model, num_blocks, args.block_size, args.cache_type_k, args.cache_type_v,
                                   args.cache_rotate_k, graphs=graphs)
-        self.scheduler = Scheduler(BlockManager(num_blocks, args.block_size, args.enable_prefix_caching),
-                                   args.max_num_seqs, args.max_num_batched_tokens)
+        cache = CacheManager(specs, num_blocks, args.block_size, args.enable_prefix_caching, args.max_num_seqs)
+        self.scheduler = Scheduler(cache, args.max_num_seqs, args.max_num_batched_tokens)
         if self.speculator is not None:
             proposer = self.speculator.proposer
             runner = None
@@ -106,12 +109,9 @@ class LLMEngine:
         return GraphSettings(self.max_model_len, min(self.args.cuda_graph_max_batch, self.args.max_num_seqs),
                              query_lens, catch_up_lens=catch_up)
 
-    def _plan_kv_blocks(self) -> int:
+    def _plan_kv_blocks(self, specs) -> int:
         args = self.args
-        per_token = kv_bytes_per_token(self.model, args.cache_type_k, args.cache_type_v)
-        if self.speculator is not None:  # the drafter's KV shares the target's block tables
-            per_token += self.speculator.proposer.kv_bytes_per_token()
-        per_block = per_token * args.block_size
+        per_block = bytes_per_token(specs) * args.block_size  # the drafter's KV shares the target's tables
         blocks_per_seq = -(-self.max_model_len // args.block_size)
         if self.model.device.type == "cuda":
             torch.cuda.empty_cache()  # memory the caching allocator holds but no tensor uses counts as free
@@ -120,6 +120,7 @@ class LLMEngine:
             budget = args.kv_cache_memory or int(total * args.gpu_memory_utilization) - used
         else:
             budget = args.kv_cache_memory or min(CPU_KV_CAP, per_block * blocks_per_seq * args.max_num_seqs)
+        budget -= bytes_per_sequence(specs) * args.max_num_seqs  # fixed-size state (recurrent layers)
         num_blocks = budget // per_block
         if num_blocks < blocks_per_seq:
             raise RequestError(
@@ -245,7 +246,7 @@ class LLMEngine:
                 seq = row.seq
                 self.speculator.record(seq, len(row.draft.tokens), verdict.num_accepted)
                 self._commit(seq, 1 + verdict.num_accepted, features, row.offset)  # the pending token + accepted
-                self.scheduler.blocks.truncate(seq.block_table, seq.num_computed + 1)  # rejected drafts' rollback
+                self.scheduler.cache.rollback(seq, seq.num_computed + 1, verdict.num_accepted)  # rejected drafts
                 out.append_tokens(seq, verdict.tokens, lps)
 
     def _commit(self, seq: Sequence, n: int, features, offset: int) -> None:
@@ -256,8 +257,7 @@ class LLMEngine:
         elif spec is not None and spec.capture_layers and not self.overlap.in_run:
             spec.missed(seq, seq.num_computed)  # a dormant drafter's step (a run's: told already)
         seq.num_computed += n
-        self.scheduler.blocks.register_full_blocks(seq.block_table, seq.block_hashes, seq.token_slice,
-                                                   seq.num_computed)
+        self.scheduler.cache.commit(seq)
 
     def _recompute_taps(self, late: list[tuple[Sequence, int]]):
         """(seq, start, features) chunks of the drafter's taps each late sequence missed from start,

@@ -92,9 +92,8 @@ class Overlap:
         seqs, sample = [row.seq for row in plan.rows], plan.sample
         if self.scheduler.waiting or any(len(row.tokens) != 1 for row in plan.rows):
             return None
-        blocks = self.scheduler.blocks
-        if any(s.num_tokens + 1 >= self.max_model_len or not blocks.can_allocate(s.block_table, s.num_computed + 2)
-               for s in seqs):
+        cache = self.scheduler.cache
+        if any(s.num_tokens + 1 >= self.max_model_len or not cache.can_grow(s, s.num_computed + 2) for s in seqs):
             return None
         argmax = all(argmax_only(s.params, len(s.output_token_ids) + 1) for s in seqs)
         if not argmax and (sample is None or not all(graph_samplable(s.params, len(s.output_token_ids) + 1)
@@ -110,7 +109,7 @@ class Overlap:
             if not self.run_left and not self.speculator.guesses_plain(seqs):
                 return None
         for s in seqs:
-            blocks.allocate(s.block_table, s.num_computed + 2)
+            cache.grow(s, s.num_computed + 2)
         rows = [PlanRow([0], start, table, seq=s, offset=i, index=i)
                 for i, (s, start, table) in enumerate(zip(seqs, starts, tables))]
         launched = self.runner.run(StepPlan(rows, logits_rows=list(range(len(seqs))), argmax=argmax,

@@ -7,7 +7,6 @@ import torch
 
 from ..kernels.attention import uses_triton
 from ..kernels.forward_batch import ForwardBatch
-from ..model.kv_cache import PagedKVCache, parse_cache_type
 from ..model.transformer import Transformer
 from ..util import host_to_device
 from .cuda_graphs import CudaGraphRunner, GraphSettings
@@ -25,14 +24,12 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
-        cfg = model.config
-        # One block more than the scheduler hands out: graph padding writes its K/V there.
+        # One block more than the scheduler hands out: graph padding writes its K/V there, and table
+        # entries of blocks released behind a sliding window point at it (never read).
         self.scratch_block = num_blocks
-        shape = (num_blocks + 1, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.cache_types = (parse_cache_type(cache_type_k, model.dtype, "--cache-type-k"),
-                            parse_cache_type(cache_type_v, model.dtype, "--cache-type-v"))
-        self.caches = [(PagedKVCache(*shape, cache_type_k, model.dtype, model.device, rotate=rotate_k),
-                        PagedKVCache(*shape, cache_type_v, model.dtype, model.device)) for _ in model.layers]
+        self.cache_specs = model.cache_specs(cache_type_k, cache_type_v, rotate_k)
+        self.cache_types = (self.cache_specs[0].cache_type_k, self.cache_specs[0].cache_type_v)
+        self.caches = [spec.build(num_blocks + 1, block_size, model.dtype, model.device) for spec in self.cache_specs]
         self._install()
         self.graphs = self._graph_runner(graphs)
 

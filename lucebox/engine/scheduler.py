@@ -12,7 +12,7 @@ import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
-from .block_manager import BlockManager
+from .cache_manager import CacheManager
 from .sequence import Sequence, Status
 
 
@@ -32,8 +32,9 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
-        self.blocks = block_manager
+    def __init__(self, cache: CacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.cache = cache
+        self.blocks = cache.blocks  # the paged pool: its counters and free blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -60,7 +61,7 @@ class Scheduler:
             n = min(pending + drafts, budget)
             if drafts and n < pending + drafts:  # the budget cuts the draft short
                 self._trim_draft(seq, n - pending)
-            while not self.blocks.can_allocate(seq.block_table, seq.num_computed + n):
+            while not self.cache.can_grow(seq, seq.num_computed + n):
                 victim = self.running[-1]
                 self.preempt(victim)
                 batch.preempted.append(victim)
@@ -68,20 +69,20 @@ class Scheduler:
                 if victim is seq:
                     break
             if seq.status is Status.RUNNING:
-                self.blocks.allocate(seq.block_table, seq.num_computed + n)
+                self.cache.grow(seq, seq.num_computed + n)
                 batch.add(seq, n)
                 budget -= n
         # New sequences join only when nobody had to give up blocks this step.
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            cached = self.blocks.match_prefix(seq.token_ids)
+            cached = self.cache.match_prefix(seq.token_ids)
             start = len(cached) * self.blocks.block_size
             n = min(seq.num_tokens - start, budget)
-            if not self.blocks.can_admit(cached, start + n):
+            if not self.cache.can_admit(cached, start + n):
                 break
             self.waiting.popleft()
-            self.blocks.admit(seq.block_table, cached)
-            self.blocks.allocate(seq.block_table, start + n)
+            self.cache.admit(seq, cached)
+            self.cache.grow(seq, start + n)
             if seq.num_cached_tokens is None:  # first admission (not a recompute after preemption)
                 seq.num_cached_tokens = start
                 self.blocks.queries += len(seq.prompt_token_ids)
@@ -104,7 +105,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         seq.status = Status.FINISHED
-        self.blocks.free_table(seq.block_table)
+        self.cache.free(seq)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -113,7 +114,7 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
         self.running.remove(seq)
-        self.blocks.free_table(seq.block_table)
+        self.cache.free(seq)
         seq.num_computed = 0
         seq.block_hashes.clear()
         seq.status = Status.WAITING

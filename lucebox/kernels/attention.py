@@ -77,13 +77,15 @@ def _reference_into(out: torch.Tensor, q: torch.Tensor, k_cache, v_cache, batch:
         if q_len == 0:
             continue
         slots = batch.context_slots(i)
-        k = k_cache.gather(slots, q.dtype).transpose(0, 1)  # [kv_heads, ctx, d]
-        v = v_cache.gather(slots, q.dtype).transpose(0, 1)
         ctx = slots.shape[0]
-        mask = None  # a decode step's one query sees its whole context
-        if q_len > 1 or (sliding_window is not None and ctx > sliding_window):
+        # Keys no query's window reaches are not gathered: their blocks may be released (scratch).
+        lo = max(0, ctx - q_len - sliding_window + 1) if sliding_window is not None else 0
+        k = k_cache.gather(slots[lo:], q.dtype).transpose(0, 1)  # [kv_heads, ctx - lo, d]
+        v = v_cache.gather(slots[lo:], q.dtype).transpose(0, 1)
+        mask = None  # a decode step's one query sees every gathered key
+        if q_len > 1:
             q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
-            k_pos = torch.arange(ctx, device=q.device)[None, :]
+            k_pos = torch.arange(lo, ctx, device=q.device)[None, :]
             mask = k_pos <= q_pos
             if sliding_window is not None:
                 mask &= (q_pos - k_pos) < sliding_window
@@ -109,8 +111,9 @@ def _device_only_reference(q: torch.Tensor, k_cache, v_cache, batch: ForwardBatc
     kv_heads = k_cache.num_kv_heads
     width = batch.block_tables.shape[1] * bs
     k_pos = torch.arange(width, device=q.device)
-    # Past a sequence's end the table may hold anything; clamping keeps the gather in bounds and
-    # the causal mask hides those keys (every key a query may see lies before its own position).
+    # Past a sequence's end the table may hold anything, and entries behind a sliding window may
+    # be released (the scratch block): clamping keeps the gather in bounds, and the causal and
+    # window masks hide those keys before the softmax (their finite values get weight 0).
     slots = batch.block_tables[:, k_pos // bs].long().clamp_min(0) * bs + k_pos % bs  # [B, width]
 
     def gather(cache):

@@ -67,14 +67,6 @@ def bytes_per_value(cache_type: str, head_dim: int) -> float:
     raise RequestError(f"unknown KV cache type {cache_type!r}; choose one of: {', '.join(CACHE_TYPES)}")
 
 
-def kv_bytes_per_token(model, cache_type_k: str = "auto", cache_type_v: str = "auto") -> int:
-    """KV bytes one token costs across all layers, K and V, scales included."""
-    cfg = model.config
-    per_value = (bytes_per_value(parse_cache_type(cache_type_k, model.dtype, "--cache-type-k"), cfg.head_dim)
-                 + bytes_per_value(parse_cache_type(cache_type_v, model.dtype, "--cache-type-v"), cfg.head_dim))
-    return round(cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * per_value)
-
-
 class PagedKVCache:
     def __init__(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, cache_type: str,
                  model_dtype: torch.dtype, device: torch.device | str, rotate: bool = False):

@@ -19,6 +19,7 @@ from ..kernels.linear import FusedProjection, linear, linears, norm_linear, silu
 from ..kernels.norm import rms_norm, rms_norm_residual
 from ..kernels.rope import rope_and_write_kv
 from ..weights.quant import QuantEmbedding, QuantLinear, QuantTensor
+from .cache_spec import PagedKVSpec
 from .config import ModelConfig
 from .rope import RopeTable
 
@@ -92,11 +93,17 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
         self.sliding_window = cfg.sliding_windows[layer]
         self.scale = cfg.head_dim ** -0.5
-        # Paged K and V stores of this layer (model/kv_cache.PagedKVCache), set by the runner.
+        # Paged K and V stores of this layer (model/kv_cache.PagedKVCache), built from cache_spec by the runner.
         self.k_cache = None
         self.v_cache = None
         self.qkv = None  # q, k and v as one projection, after fuse()
         self.qk = None  # or q and k alone, when v's weights differ (e.g. Q4_K_M: v in Q6_K)
+
+    def cache_spec(self, model_dtype: torch.dtype, cache_type_k: str | None = "auto",
+                   cache_type_v: str | None = "auto", rotate_k: bool = False) -> PagedKVSpec:
+        """The state this layer keeps per sequence: paged K/V, bounded by its sliding window."""
+        return PagedKVSpec.of(self.num_kv_heads, self.head_dim, model_dtype, cache_type_k, cache_type_v,
+                              self.sliding_window, rotate_k)
 
     def fuse(self) -> None:
         if self.qkv is None and self.qk is None:
@@ -203,6 +210,11 @@ class Transformer(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RopeTable(cfg.rope, cfg.head_dim)
+
+    def cache_specs(self, cache_type_k: str | None = "auto", cache_type_v: str | None = "auto",
+                    rotate_k: bool = False) -> list[PagedKVSpec]:
+        """Per layer, the state it keeps per sequence (model/cache_spec.py), in the given KV cache types."""
+        return [layer.self_attn.cache_spec(self.dtype, cache_type_k, cache_type_v, rotate_k) for layer in self.layers]
 
     def fuse_projections(self) -> None:
         """q/k/v and gate/up as one GEMV each, where their weights allow it (float of one dtype, or

@@ -17,8 +17,9 @@ import torch
 
 from ..errors import CheckpointError
 from ..model.assign import assign
+from ..model.cache_spec import PagedKVSpec
 from ..model.feature_ring import FeatureRing, RingRows
-from ..model.kv_cache import PagedKVCache, bytes_per_value, parse_cache_type
+from ..model.kv_cache import PagedKVCache
 from ..model.loader import resolve_path
 from ..sampling.acceptance import Draft
 from ..sampling.sampler import Sampler, SamplingState
@@ -99,17 +100,16 @@ class DFlashProposer(Proposer):
         check_fits_target(drafter.config, target, str(where))
         return cls(drafter, target)
 
-    def kv_bytes_per_token(self) -> int:
+    def cache_specs(self) -> list[PagedKVSpec]:
+        """The drafter's context K/V per layer, in the model dtype. Unbounded even for its sliding
+        layers: features are projected into it after the fact, at positions behind the target's."""
         m = self.drafter.config.model
-        dtype = parse_cache_type("auto", self.target.model.dtype)
-        return round(2 * m.num_layers * m.num_kv_heads * m.head_dim * bytes_per_value(dtype, m.head_dim))
+        return [PagedKVSpec.of(m.num_kv_heads, m.head_dim, self.target.model.dtype)] * m.num_layers
 
     def allocate(self, num_blocks: int, block_size: int, block_manager=None, graphs=None, runner=None) -> None:
-        m, model = self.drafter.config.model, self.target.model
+        model = self.target.model
         # One block more than the scheduler hands out: graph padding writes its K/V there.
-        shape = (num_blocks + 1, block_size, m.num_kv_heads, m.head_dim)
-        self.caches = [(PagedKVCache(*shape, "auto", model.dtype, model.device),
-                        PagedKVCache(*shape, "auto", model.dtype, model.device)) for _ in range(m.num_layers)]
+        self.caches = [spec.build(num_blocks + 1, block_size, model.dtype, model.device) for spec in self.cache_specs()]
         self.block_tokens = block_size
         if graphs is not None and (model.device.type == "cuda" or not graphs.capture):
             self.graphs = DrafterGraphs(self.drafter, model, self.caches, block_size, num_blocks,

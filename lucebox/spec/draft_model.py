@@ -8,10 +8,11 @@ processing as the target's), which verification needs for lossless acceptance.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ..errors import CheckpointError
-from ..model.kv_cache import kv_bytes_per_token
 from ..model.loader import load_model
 from ..sampling.acceptance import Draft, row_states
 from ..sampling.sampler import Sampler, exponential_race
@@ -39,8 +40,10 @@ class DraftModelProposer(Proposer):
         _check_same_vocabulary(draft, target, path)
         return cls(draft, target)
 
-    def kv_bytes_per_token(self) -> int:
-        return kv_bytes_per_token(self.draft.model)
+    def cache_specs(self) -> list:
+        """The draft model's own K/V, one paged spec per layer. Unbounded even where its layers slide:
+        after steps without drafts it catches up on positions behind the target's."""
+        return [replace(spec, window=None) for spec in self.draft.model.cache_specs()]
 
     @property
     def runs_model(self):

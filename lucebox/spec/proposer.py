@@ -46,6 +46,7 @@ class Proposer:
         """The sequence finished or was aborted (finished=True; called before its blocks are freed)
         or was preempted (called after the scheduler's step that preempted it): drop per-sequence state."""
 
-    def kv_bytes_per_token(self) -> int:
-        """KV bytes per token the proposer keeps next to the target's (0 if none)."""
-        return 0
+    def cache_specs(self) -> list:
+        """The state the proposer keeps per sequence next to the target's (model/cache_spec.py specs;
+        none by default). Paged specs share the target's block tables."""
+        return []

@@ -1,0 +1,115 @@
+"""CacheManager: all of a sequence's cache state, whatever its layers keep (model/cache_spec.py).
+
+The scheduler and the engine grow, commit, roll back and free a sequence here; they see bytes
+per token and per sequence, never a layer's tensors:
+  paged K/V          blocks of the BlockManager (block tables, prefix caching, ref counts)
+  window-bounded     when every paged spec has a window (the model's layers and any proposer's
+                     cache), blocks wholly behind the window of the next position to compute go
+                     back to the pool as the sequence commits; their table entries become the
+                     BlockManager's `released` id (the scratch block), so tables keep their shape
+                     and attention, which reads only positions inside the window, never sees them.
+                     Mixed windows keep everything (per-group tables would be needed).
+  recurrent state    one slot per sequence in a pool, with per-draft-position snapshots: a rollback
+                     after a verify restores the state after the last accepted position.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..model.cache_spec import PagedKVSpec, RecurrentSpec, bytes_per_sequence, bytes_per_token, release_window
+from ..model.recurrent_state import RecurrentState
+from .block_manager import BlockManager
+from .sequence import Sequence
+
+log = logging.getLogger("lucebox")
+
+
+class CacheManager:
+    def __init__(self, specs, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_slots: int = 0, snapshots: int = 0):
+        """specs: every cache spec whose state follows the target's sequences (the model's layers
+        and the proposer's); num_slots / snapshots: recurrent slots (at most this many sequences
+        at once) and the draft positions a verify may keep (1 + the longest draft)."""
+        self.specs = tuple(specs)
+        self.recurrent = [s for s in self.specs if isinstance(s, RecurrentSpec)]
+        # Recurrent state belongs to the whole prefix, not to a block: no prefix sharing with it.
+        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching and not self.recurrent)
+        self.block_size = block_size
+        self.snapshots = snapshots
+        self.release_window = release_window(self.specs)
+        if self.release_window is None and any(isinstance(s, PagedKVSpec) and s.window for s in self.specs):
+            log.info("sliding-window layers keep their whole context: other caches read all of it")
+        self.states: list[RecurrentState] = []
+        self.free_slots = list(range(num_slots - 1, -1, -1)) if self.recurrent else []
+        self.slots: dict[int, int] = {}  # id(seq) -> its recurrent slot
+
+    @property
+    def bytes_per_token(self) -> int:
+        return bytes_per_token(self.specs)
+
+    @property
+    def bytes_per_sequence(self) -> int:
+        return bytes_per_sequence(self.specs, self.snapshots)
+
+    def build_recurrent(self, device: torch.device | str) -> list[RecurrentState]:
+        """The storage of every recurrent spec, one slot per sequence the pool admits."""
+        num_slots = len(self.free_slots) + len(self.slots)
+        self.states = [s.build(num_slots, self.snapshots, device) for s in self.recurrent]
+        return self.states
+
+    # ------------------------------------------------------------------ admission and growth
+    def match_prefix(self, token_ids: list[int]) -> list[int]:
+        return self.blocks.match_prefix(token_ids)
+
+    def can_admit(self, cached: list[int], num_tokens: int) -> bool:
+        """Whether a new sequence starting from `cached` blocks fits: blocks, and a slot if recurrent."""
+        if self.recurrent and not self.free_slots:
+            return False
+        return self.blocks.can_admit(cached, num_tokens)
+
+    def admit(self, seq: Sequence, cached: list[int]) -> None:
+        self.blocks.admit(seq.block_table, cached)
+        if self.recurrent:
+            slot = self.free_slots.pop()
+            self.slots[id(seq)] = slot
+            index = torch.tensor([slot], device=self.states[0].state.device) if self.states else None
+            for state in self.states:
+                state.reset(index)
+
+    def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
+        return self.blocks.can_allocate(seq.block_table, num_tokens)
+
+    def grow(self, seq: Sequence, num_tokens: int) -> None:
+        """Room for seq's first num_tokens tokens."""
+        self.blocks.allocate(seq.block_table, num_tokens)
+
+    def commit(self, seq: Sequence) -> None:
+        """seq.num_computed positions are now final: hash their full blocks for prefix sharing, and
+        release the blocks no window of a position still to compute reaches."""
+        self.blocks.register_full_blocks(seq.block_table, seq.block_hashes, seq.token_slice, seq.num_computed)
+        if self.release_window is not None:
+            self.blocks.release_before(seq.block_table, seq.num_computed - self.release_window + 1)
+
+    def rollback(self, seq: Sequence, num_tokens: int, accepted: int | None = None) -> None:
+        """Forget what lies past num_tokens tokens (rejected drafts); with `accepted` (a of k drafts),
+        recurrent state returns to its snapshot after the last accepted position."""
+        self.blocks.truncate(seq.block_table, num_tokens)
+        if accepted is not None and self.states:
+            slot = torch.tensor([self.slots[id(seq)]], device=self.states[0].state.device)
+            for state in self.states:
+                state.restore(slot, accepted)
+
+    def free(self, seq: Sequence) -> None:
+        """Everything seq holds goes back (finished, aborted or preempted)."""
+        self.blocks.free_table(seq.block_table)
+        slot = self.slots.pop(id(seq), None)
+        if slot is not None:
+            self.free_slots.append(slot)
+
+    def held_blocks(self, seq: Sequence) -> int:
+        return self.blocks.held(seq.block_table)
+
+    def slot(self, seq: Sequence) -> int:
+        return self.slots[id(seq)]

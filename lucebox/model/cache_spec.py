@@ -1,0 +1,101 @@
+"""What state a layer keeps per sequence, as small typed specs, and the byte figures they add up to.
+
+Each layer (and each proposer with a cache of its own) declares one spec; the engine's cache
+manager and memory planner read only these:
+  PagedKVSpec      paged K/V in blocks of tokens ([num_blocks, block_size, kv_heads, head_dim] per
+                   K and V, model/kv_cache.PagedKVCache); `window=W`: a sliding-window layer whose
+                   queries read only the last W positions, so blocks behind it can be released
+  RecurrentSpec    a fixed-size recurrent state plus a short conv window per sequence (Gated
+                   DeltaNet), in a slot pool with per-draft-position snapshots
+                   (model/recurrent_state.RecurrentState)
+A spec knows its bytes per token (paged) and per sequence (fixed-size), and builds its storage:
+the one place a layer's cache tensors are made.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .kv_cache import PagedKVCache, bytes_per_value, parse_cache_type
+from .recurrent_state import RecurrentState
+
+
+@dataclass(frozen=True)
+class PagedKVSpec:
+    num_kv_heads: int
+    head_dim: int
+    cache_type_k: str  # resolved names (kv_cache.parse_cache_type): f32 / f16 / bf16 / fp8 / q8_0 / q4_0
+    cache_type_v: str
+    window: int | None = None  # None: full attention; W: queries read positions p - W < k <= p
+    rotate_k: bool = False
+
+    @classmethod
+    def of(cls, num_kv_heads: int, head_dim: int, model_dtype: torch.dtype, cache_type_k: str | None = "auto",
+           cache_type_v: str | None = "auto", window: int | None = None, rotate_k: bool = False) -> "PagedKVSpec":
+        """A spec with its cache type names resolved against the model dtype (`auto`, aliases)."""
+        return cls(num_kv_heads, head_dim, parse_cache_type(cache_type_k, model_dtype, "--cache-type-k"),
+                   parse_cache_type(cache_type_v, model_dtype, "--cache-type-v"), window, rotate_k)
+
+    @property
+    def bytes_per_token(self) -> float:
+        """K and V of one token, scales included."""
+        per_value = (bytes_per_value(self.cache_type_k, self.head_dim)
+                     + bytes_per_value(self.cache_type_v, self.head_dim))
+        return self.num_kv_heads * self.head_dim * per_value
+
+    def bytes_per_sequence(self, snapshots: int = 0) -> int:
+        return 0
+
+    def build(self, num_blocks: int, block_size: int, model_dtype: torch.dtype,
+              device: torch.device | str) -> tuple[PagedKVCache, PagedKVCache]:
+        """The (K, V) stores of this layer: num_blocks blocks (the scratch block included)."""
+        shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        return (PagedKVCache(*shape, self.cache_type_k, model_dtype, device, rotate=self.rotate_k),
+                PagedKVCache(*shape, self.cache_type_v, model_dtype, device))
+
+
+@dataclass(frozen=True)
+class RecurrentSpec:
+    state_shape: tuple[int, ...]  # the recurrent state of one sequence, e.g. (heads, d_k, d_v)
+    conv_shape: tuple[int, ...]  # the short conv's window of past inputs, e.g. (channels, kernel - 1)
+    dtype: torch.dtype
+
+    bytes_per_token = 0.0
+    window = None
+
+    def bytes_per_sequence(self, snapshots: int = 0) -> int:
+        """The live state plus `snapshots` copies of it (one per draft position a verify may keep)."""
+        size = math.prod(self.state_shape) + math.prod(self.conv_shape)
+        return size * torch.empty(0, dtype=self.dtype).element_size() * (1 + snapshots)
+
+    def build(self, num_slots: int, snapshots: int, device: torch.device | str) -> RecurrentState:
+        return RecurrentState(num_slots, snapshots, self.state_shape, self.conv_shape, self.dtype, device)
+
+
+CacheSpec = PagedKVSpec | RecurrentSpec
+
+
+def bytes_per_token(specs) -> int:
+    """Bytes one token costs across these specs (paged K/V of every layer)."""
+    return round(sum(s.bytes_per_token for s in specs))
+
+
+def bytes_per_sequence(specs, snapshots: int = 0) -> int:
+    """Fixed bytes one sequence costs across these specs (recurrent state and its snapshots)."""
+    return sum(s.bytes_per_sequence(snapshots) for s in specs)
+
+
+def release_window(specs) -> int | None:
+    """The window behind which a sequence's blocks may be released: when every paged spec is
+    window-bounded, the widest window; else None (some layer reads the whole context)."""
+    paged = [s for s in specs if isinstance(s, PagedKVSpec)]
+    if not paged or any(s.window is None for s in paged):
+        return None
+    return max(s.window for s in paged)
+
+
+def kv_bytes_per_token(model, cache_type_k: str = "auto", cache_type_v: str = "auto") -> int:
+    """KV bytes one token costs across all of a model's layers, K and V, scales included."""
+    return bytes_per_token(model.cache_specs(cache_type_k, cache_type_v))
