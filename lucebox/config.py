@@ -31,15 +31,15 @@ class EngineArgs:
     # {} (or SpeculativeConfig()): off.
     speculative_config: SpeculativeConfig | dict | None = None
     max_queue: int = 1024  # waiting requests before new ones are refused
-    # CUDA graphs for decode / verify steps. None: on for CUDA devices (validated on the H200, where an
-    # eager 8B bf16 step is several times slower), off on CPU; True on CPU runs the padded static
-    # batches without capture (how CPU tests check them); False: vLLM's enforce_eager.
+    # CUDA graphs for decode / verify steps. None: on for CUDA devices (an eager step there is several
+    # times slower), off on CPU; True on CPU runs the padded static batches without capture (how CPU
+    # tests check them); False: vLLM's enforce_eager.
     cuda_graphs: bool | None = None
     cuda_graph_max_batch: int = 32  # largest batch (in sequences) replayed through a CUDA graph
     # Overlapped decoding: the next decode step is launched (its input tokens fed on the device)
-    # before the current one's tokens are read, so the host's work hides behind the GPU's (H200:
-    # 0.6b shape 683 -> 891 tok/s, 8b 204 -> 212). Plain decode steps through CUDA graphs, including
-    # a speculator's while its policy decodes plainly (Speculator.plain_run).
+    # before the current one's tokens are read, so the host's work hides behind the GPU's
+    # (bench speed --async-decode / --no-async-decode, H200, 2026-12-03). Plain decode steps through
+    # CUDA graphs, including a speculator's while its policy decodes plainly (Speculator.plain_run).
     async_decode: bool = True
 
     HELP = {

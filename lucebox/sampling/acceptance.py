@@ -27,11 +27,8 @@ from ..kernels.dispatch import use_triton
 from ..util import host_to_device
 from .sampler import Sampler, SamplingState, apply_min_p, apply_top_k_top_p, exponential_race, fill_exponential
 
-# Measured (scripts/bench_sampler.py, H200, 2026-12-04, us a call, Triton / torch, 1 and 16 rows)
-# when the Triton sampler searched the whole row 66 times for top-k / top-p: at 8K T=1 13/97,
-# 13/181, Qwen3's filters 129/99, 130/184; at 32K T=1 43/111, 42/264, filters 466/116, 464/282
-# (152K: filters 18x slower). It now searches listed candidates (triton_sampling `search`), not
-# yet timed: until then, torch above 8K.
+# The Triton sampler's vocabularies: above this the torch reference was faster with top-k / top-p
+# (scripts/bench_sampler.py, H200, 2026-12-04, before the listed-candidate search, which is untimed).
 TRITON_MAX_VOCAB = 1 << 13
 
 

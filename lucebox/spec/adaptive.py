@@ -29,8 +29,7 @@ MAX_PROBE_INTERVAL = 512  # probes that keep failing back off (doubling) up to t
 # taps a dormant drafter missed) may take at most this share of the plain decoding time between
 # probes: a drafter pass that costs as much as ten plain steps (a small target on a fast GPU) is
 # probed ten times more rarely. 1%: of the 5% that speculation may cost plain decoding, the rest is
-# the host's bookkeeping (~1.5% of a 15.7M target's step on the H200) and the bench's noise; at 2%
-# the rows that never pay measured 0.95-0.97x plain with probes ~1% of their steps (eleventh round).
+# the host's bookkeeping and the bench's noise (bench spec --repeats 15, H200, 2026-12-03).
 PROBE_BUDGET = 0.01
 REMEASURE_PLAIN_EVERY = 64  # while speculating, a plain stretch after this many steps keeps the baseline fresh
 # Plain decoding is measured over this many consecutive steps (the baseline first, then each
