@@ -6,6 +6,7 @@ import torch
 
 from lucebox import LLM, SamplingParams
 from lucebox.engine.block_manager import BlockManager
+from lucebox.engine.cache_manager import CacheManager
 from lucebox.engine.runner import ModelRunner
 from lucebox.engine.scheduler import ScheduledBatch, Scheduler
 from lucebox.engine.sequence import Sequence
@@ -148,8 +149,7 @@ def test_the_speculator_asks_for_missed_taps_and_observes_what_it_is_given():
 
 
 def test_the_scheduler_reports_preemptions_and_the_engine_releases_their_drafter_state(hf_models):
-    blocks = BlockManager(4, 4)
-    scheduler = Scheduler(blocks, max_num_seqs=4, max_num_batched_tokens=64)
+    scheduler = Scheduler(CacheManager([], 4, 4), max_num_seqs=4, max_num_batched_tokens=64)
     old, new = (Sequence("r", i, list(range(1, 8)), GREEDY, arrival=i) for i in range(2))
     scheduler.add(old)
     scheduler.add(new)
