@@ -14,9 +14,9 @@ prefill chunks); it is padded up to exactly B x Q tokens:
     uniform layout; causality keeps padding invisible to real tokens, which all come first;
   - block tables are `width` = ceil((max_model_len + max Q) / block_size) wide, filled with the
     scratch block past each sequence's end, so every block a kernel may touch exists.
-Inputs go through static device buffers (one host-to-device copy of a packed int64 buffer plus
-one of the block tables); outputs are static buffers from which the real rows are gathered, so
-a step has no host sync of its own. The engine captures every bucket when it starts (capture_all),
+Inputs go through static device buffers (graph_io.StaticInputs: one host-to-device copy of a packed
+int64 buffer plus one of the block tables); outputs are static buffers from which the real rows are
+gathered, so a step has no host sync of its own. The engine captures every bucket when it starts (capture_all),
 into one shared memory pool, after the KV pool exists; a bucket not captured yet is captured the
 first time it is used.
 """
@@ -35,7 +35,8 @@ import torch
 from ..kernels.forward_batch import ForwardBatch
 from ..model.feature_ring import RingRows
 from ..sampling.acceptance import accept_in_graph
-from ..util import StagedBuffer, smallest_at_least
+from ..util import smallest_at_least
+from .graph_io import DeferredStep, HostBuffers, StaticInputs
 from .step_plan import StepPlan, StepResult
 
 log = logging.getLogger("lucebox")
@@ -65,144 +66,6 @@ class GraphSettings:
 def batch_buckets(max_batch: int) -> list[int]:
     """1, 2, 4, ... below max_batch, then max_batch itself."""
     return [b for b in (1 << i for i in range(max_batch.bit_length())) if b < max_batch] + [max_batch]
-
-
-class StaticInputs:
-    """The device buffers every graph reads, sized for the largest bucket, and their host staging.
-
-    One int64 buffer holds ids | positions | slots | seq_lens | selected rows | real rows | feature
-    ring rows | top_k | greedy | drafts | noise seed, so a step costs two host-to-device copies
-    (that and the block tables) whatever its size (three when it samples in the graph: the float
-    sampling parameters)."""
-
-    def __init__(self, max_tokens: int, max_seqs: int, width: int, device: torch.device):
-        t, b = max_tokens, max_seqs
-        self.offsets = {"ids": 0, "positions": t, "slots": 2 * t, "seq_lens": 3 * t, "select": 3 * t + b,
-                        "real": 4 * t + b, "ring": 5 * t + b, "top_k": 6 * t + b, "greedy": 6 * t + 2 * b,
-                        "draft": 6 * t + 3 * b, "seed": 7 * t + 3 * b}
-        self._flat = StagedBuffer(7 * t + 3 * b + 1, torch.int64, device)
-        self._tables = StagedBuffer((max_seqs, width), torch.int32, device)
-        self.sampling = StagedBuffer((3, max_seqs), torch.float32, device)  # temperature, top_p, min_p
-        self.flat, self.tables = self._flat.device, self._tables.device
-        self._sampling_rows = None  # what the sampling buffers hold: a batch keeping its rows uploads nothing
-
-    def set_sampling(self, rows: list[tuple[float, int, float, float, bool]], num_seqs: int) -> None:
-        """Per-sequence sampling parameters (`sampling.graph_rows.graph_row`); padding rows are greedy."""
-        if (rows, num_seqs) == self._sampling_rows:
-            return
-        self._sampling_rows = (rows, num_seqs)
-        floats = self.sampling.staging()
-        top_k, greedy = self.host("top_k", num_seqs), self.host("greedy", num_seqs)
-        floats[:, :num_seqs] = [[1.0], [2.0], [0.0]]
-        top_k[:], greedy[:] = 1, 1
-        for i, (temperature, k, p, min_p, is_greedy) in enumerate(rows):
-            floats[:, i] = temperature, p, min_p
-            top_k[i], greedy[i] = k, is_greedy
-        self.sampling.upload()
-
-    def set_drafts(self, token_ids: list[list[int]], num_seqs: int, query_len: int) -> None:
-        """The draft each padded row checks (`accept_in_graph`): a verifying sequence's tokens are
-        [pending, d1..dk], so row j checks token j + 1; -1 on bonus and padding rows."""
-        draft = self.host("draft", num_seqs * query_len)
-        draft[:] = -1
-        for i, toks in enumerate(token_ids):
-            draft[i * query_len:i * query_len + len(toks) - 1] = toks[1:]
-
-    def new_seed(self) -> None:
-        """A fresh seed for the Triton sampler's counter-based noise, from torch's global generator
-        (torch.manual_seed makes in-graph sampling reproducible)."""
-        self.host("seed", 1)[0] = int(torch.randint(1 << 62, (1,)))
-
-    def view(self, name: str, n: int) -> torch.Tensor:
-        start = self.offsets[name]
-        return self.flat[start:start + n]
-
-    def host(self, name: str, n: int) -> np.ndarray:
-        start = self.offsets[name]
-        return self._flat.host.numpy()[start:start + n]
-
-    def fill(self, token_ids: list[list[int]], start_positions: list[int], block_tables: list[list[int]],
-             num_seqs: int, query_len: int, block_size: int, scratch_block: int) -> list[int]:
-        """Write the padded layout of a step into the host staging; returns the padded row of each
-        real token, in input order."""
-        self._flat.staging()
-        tokens = num_seqs * query_len
-        ids, positions = self.host("ids", tokens), self.host("positions", tokens)
-        slots, seq_lens = self.host("slots", tokens), self.host("seq_lens", num_seqs)
-        tables = self._tables.staging()[:num_seqs]
-        ids[:] = 0
-        positions[:] = 0
-        slots[:] = scratch_block * block_size + np.arange(tokens) % query_len % block_size
-        seq_lens[:] = query_len
-        tables[:] = scratch_block
-        real: list[int] = []
-        for i, (toks, start, table) in enumerate(zip(token_ids, start_positions, block_tables)):
-            n, base = len(toks), i * query_len
-            pos = np.arange(start, start + n)
-            ids[base:base + n] = toks
-            positions[base:base + n] = pos
-            table = np.asarray(table, dtype=np.int64)
-            slots[base:base + n] = table[pos // block_size] * block_size + pos % block_size
-            seq_lens[i] = start + query_len
-            tables[i, :len(table)] = table
-            real.extend(range(base, base + n))
-        return real
-
-    def set_rows(self, name: str, rows: list[int]) -> torch.Tensor:
-        self.host(name, len(rows))[:] = rows
-        return self.view(name, len(rows))
-
-    def upload(self, num_seqs: int) -> None:
-        self._flat.upload()
-        self._tables.upload(num_seqs)
-
-
-class HostBuffers:
-    """Two host buffers that deferred steps' results are copied into, in turn (at most one step is
-    launched ahead of the one being read): pinned on CUDA, so each copy is asynchronous."""
-
-    def __init__(self, size: int, device: torch.device):
-        pinned = torch.device(device).type == "cuda"
-        self.buffers = [torch.empty(size * 2, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
-        self.pinned = pinned
-        self.turn = 0
-
-    def next(self) -> torch.Tensor:
-        self.turn ^= 1
-        return self.buffers[self.turn]
-
-
-class DeferredStep:
-    """A launched argmax or sampling step whose results are not read yet. Its results are copied
-    to the host in stream order at launch (before any later step overwrites the graph's outputs);
-    `device_tokens` (each sequence's next token, on the device) is valid until the next replay."""
-
-    def __init__(self, out: torch.Tensor, select: list[int] | None, features, host: HostBuffers):
-        self.out, self.select, self.features, self.shape = out, select, features, out.shape
-        buffer = host.next()[:out.numel()]
-        buffer.copy_(out.reshape(-1), non_blocking=host.pinned)
-        self.host = buffer
-        self.done = torch.cuda.Event() if host.pinned else None
-        if self.done is not None:
-            self.done.record()
-
-    @property
-    def device_tokens(self) -> torch.Tensor:
-        """Each sequence's next token on the device (a view while the rows are the leading ones)."""
-        if self.select is None:
-            return self.out[:, 1]
-        n = len(self.select)
-        return self.out[:n] if self.select == list(range(n)) else self.out[self.select]
-
-    def result(self) -> StepResult:
-        """The step's result: [accepted, token] per sequence, or the argmax of each selected row;
-        and the features."""
-        if self.done is not None:
-            self.done.synchronize()
-        values = self.host.tolist()
-        if self.select is None:
-            return StepResult(verdicts=[values[2 * i:2 * i + 2] for i in range(self.shape[0])], features=self.features)
-        return StepResult(tokens=[values[r] for r in self.select], features=self.features)
 
 
 class CudaGraphRunner:

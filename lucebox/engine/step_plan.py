@@ -105,7 +105,7 @@ class StepResult:
     tokens: list[int] | None = None  # argmax of each logits row
     verdicts: list[list[int]] | None = None  # [drafts accepted, next token] per plan row
     features: torch.Tensor | RingRows | None = None
-    deferred: object = None  # a cuda_graphs.DeferredStep
+    deferred: object = None  # a graph_io.DeferredStep
 
 
 @dataclass
