@@ -49,6 +49,7 @@ from tqdm import tqdm  # noqa: E402
 from lucebox.model.kv_cache import PagedKVCache  # noqa: E402
 from lucebox.kernels import dequant, triton_activation, triton_gemv, triton_norm, triton_rope_kv  # noqa: E402
 from lucebox.kernels import triton_dp4a as tdp  # noqa: E402
+from lucebox.kernels import triton_one_row as tor  # noqa: E402
 from lucebox.kernels import triton_sampling  # noqa: E402
 from lucebox.kernels import prefill_attention as pa  # noqa: E402
 from lucebox.kernels import triton_paged_attention as tpa  # noqa: E402
@@ -529,9 +530,9 @@ def compile_check(arch: str) -> None:
         def __getitem__(self, grid):
             return lambda *a, **kw: launches.append((self.fn, a, kw))
 
-    real = (tqm._qmm_kernel, tqm._sum_splits_kernel, tpa._paged_attn_kernel, tpa._merge_splits_kernel,
+    real = (tqm._qmm_kernel, tor._sum_splits_kernel, tpa._paged_attn_kernel, tpa._merge_splits_kernel,
             tdp._quantize_rows_kernel)
-    tqm._qmm_kernel, tqm._sum_splits_kernel = Capture(real[0]), Capture(real[1])
+    tqm._qmm_kernel, tor._sum_splits_kernel = Capture(real[0]), Capture(real[1])
     tdp._quantize_rows_kernel = Capture(real[4])
     dp4a_kernels, int8_kernels = dict(tdp._KERNELS), dict(tqi._KERNELS)
     tdp._KERNELS = {key: Capture(kernel) for key, kernel in dp4a_kernels.items()}
@@ -608,7 +609,7 @@ def compile_check(arch: str) -> None:
                                                    row.long(), torch.zeros(1, dtype=torch.long),  # as a graph calls it
                                                    search=search)
     finally:
-        tqm._qmm_kernel, tqm._sum_splits_kernel, tpa._paged_attn_kernel, tpa._merge_splits_kernel = real[:4]
+        tqm._qmm_kernel, tor._sum_splits_kernel, tpa._paged_attn_kernel, tpa._merge_splits_kernel = real[:4]
         tsr._GEMV, tdp._quantize_rows_kernel = split_gemvs, real[4]
         tdp._KERNELS, tqi._KERNELS = dp4a_kernels, int8_kernels
         for module, make in zip(lazy, lazy_real):

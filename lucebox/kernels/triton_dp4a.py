@@ -28,8 +28,8 @@ import triton.language as tl
 from gguf import GGMLQuantizationType as Q
 
 from .dispatch import interpreting, pdl_launch
+from .triton_one_row import f16, one_row_gemv, one_row_program, store_one_row
 from .triton_pdl import wait_for_previous_kernel
-from .triton_quant_matmul import f16, one_row_gemv, one_row_program, store_one_row
 
 QK = 32  # values per activation scale (and per Q4_K sub-block)
 SUPER = 256  # values per Q4_K super-block; the kernel spells both as literals
@@ -230,7 +230,7 @@ def gemv(x: torch.Tensor, weights: torch.Tensor, qtype, split_rows: bool, in_fea
          split_k: int | None = None, num_warps: int = 4, stages: int = 1) -> torch.Tensor:
     """x [1, K] @ W.T (+ bias) for rows that serves() accepts, x rounded to int8 per 32 values
     (quantize_rows, unless given as `quantized`), then the GEMV through one_row_gemv; output in
-    x.dtype. stages: see triton_quant_matmul.one_row_gemv."""
+    x.dtype. stages: see triton_one_row.one_row_gemv."""
     if not serves(qtype, split_rows):
         raise ValueError(f"no dp4a GEMV reads {Q(qtype).name} rows{' (split)' if split_rows else ''}")
     what = f"{Q(qtype).name} dp4a"

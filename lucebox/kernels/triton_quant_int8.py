@@ -27,10 +27,10 @@ from gguf import GGMLQuantizationType as Q
 
 from . import triton_dp4a
 from .dispatch import next_pow2, num_sms, pdl_launch
-from .routing import INT8, QUANT_ROUTES
+from .routing import INT8, MAX_FUSED_M, QUANT_ROUTES
 from .triton_dp4a import SUPER, quantize_rows, scales_mins
+from .triton_one_row import f16, one_row_program, reduce_splits
 from .triton_pdl import wait_for_previous_kernel
-from .triton_quant_matmul import MAX_FUSED_M, f16, one_row_program, reduce_splits
 
 
 @triton.jit
@@ -159,7 +159,7 @@ def matmul(x: torch.Tensor, weights: torch.Tensor, qtype, split_rows: bool, in_f
     """x [..., K] @ W.T (+ bias) on int8 activations for rows that serves() accepts, M = prod(x.shape[:-1])
     up to MAX_FUSED_M: one row on the dp4a GEMV, more on integer tensor cores. Output in x.dtype.
     quantized: x's rows as quantize_rows gives them, when already rounded (shared by products of one
-    input); else rounded here. stages: the one-row GEMV's (triton_quant_matmul.one_row_gemv)."""
+    input); else rounded here. stages: the one-row GEMV's (triton_one_row.one_row_gemv)."""
     if not serves(qtype, split_rows):
         raise ValueError(f"no int8 product reads {Q(qtype).name} rows{' (split)' if split_rows else ''}")
     if in_features % SUPER:

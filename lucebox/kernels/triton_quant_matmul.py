@@ -5,7 +5,8 @@ so they are bound by memory bandwidth: the kernel reads each packed weight byte 
 in registers and multiplies it straight away, accumulating in float32. One program owns
 BLOCK_N output features (rows of W) and a range of K; when there are too few programs to fill the
 GPU the K range is split (split-K) and the float32 partials are summed afterwards by one small
-kernel that also adds the bias and casts (in a fixed order, so results stay deterministic).
+kernel that also adds the bias and casts (in a fixed order, so results stay deterministic): that
+kernel and the one-row GEMV helpers the other quantised kernels share are in triton_one_row.
 
 Every format is consumed as "planes": a [BLOCK_N, P] tile of weights that share the shape of one
 ggml sub-block loop, together with the P column indices (within the current unit of K) they
@@ -34,6 +35,7 @@ from gguf import GGMLQuantizationType as Q
 
 from .dispatch import next_pow2, num_sms, pdl_launch
 from .routing import ACTIVATION_DTYPES, MAX_FUSED_M
+from .triton_one_row import f16, reduce_splits, store_one_row
 from .triton_pdl import wait_for_previous_kernel
 
 _F_Q8_0, _F_Q4_0, _F_Q4_K, _F_Q5_K, _F_Q6_K, _F_IQ4_XS = range(6)
@@ -66,32 +68,6 @@ _IQ4_T0, _IQ4_T1, _IQ4_T2, _IQ4_T3 = (tl.constexpr(_pack4(_IQ4[i:i + 4])) for i 
 
 
 # ----------------------------------------------------------------------------- device helpers
-
-@triton.jit
-def f16(p):
-    """fp16 at byte pointer(s) p (2-byte aligned) -> float32."""
-    return tl.load(p.to(tl.pointer_type(tl.float16))).to(tl.float32)
-
-
-@triton.jit
-def one_row_program(w_ptr, N, row_bytes, n_units, units_per_prog, BLOCK_N: tl.constexpr):
-    """A one-row GEMV program's rows rn [BLOCK_N], their byte pointers (rows past N re-read row
-    N-1, so weight loads need no mask; dropped at the store) and its units of K, [u0, u1)."""
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row = w_ptr + tl.minimum(rn, N - 1).to(tl.int64) * row_bytes
-    u0 = tl.program_id(1) * units_per_prog
-    return rn, row, u0, tl.minimum(u0 + units_per_prog, n_units)
-
-
-@triton.jit
-def store_one_row(res, rn, N, o_ptr, stride_os, b_ptr, HAS_BIAS: tl.constexpr):
-    """Store a one-row program's sums res [BLOCK_N] (float32) for rows rn: the output (+ bias) when
-    K is whole, otherwise this split's partial (summed by reduce_splits)."""
-    n_mask = rn < N
-    if HAS_BIAS:
-        res += tl.load(b_ptr + rn, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(o_ptr + tl.program_id(1) * stride_os + rn, res.to(o_ptr.dtype.element_ty), mask=n_mask)
-
 
 @triton.jit
 def _use(acc, w, cols, xk, stride_xm, M, ok, n_mask,
@@ -305,23 +281,6 @@ def _qmm_kernel(x_ptr, w_ptr, b_ptr, o_ptr, M, N, row_bytes, n_units, units_per_
 
 # ----------------------------------------------------------------------------- host side
 
-@triton.jit
-def _sum_splits_kernel(part_ptr, b_ptr, o_ptr, total, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    """out = sum over the SPLITS float32 partials [SPLITS, total] (+ bias per column), cast: one
-    launch where torch needs a reduction, a bias add and a copy (each a few microseconds at decode
-    sizes, for every quantised GEMV)."""
-    wait_for_previous_kernel(PDL)
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = i < total
-    acc = tl.load(part_ptr + i, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLITS):
-        acc += tl.load(part_ptr + s * total + i, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + i % N, mask=mask, other=0.0).to(tl.float32)
-    tl.store(o_ptr + i, acc.to(o_ptr.dtype.element_ty), mask=mask)
-
-
 def supports(qweight: torch.Tensor, qtype) -> bool:
     """Whether the kernels can read these bytes in place: a known format, contiguous rows and a
     start aligned for the widest header field read (fp16 for Q8_0/Q4_0, int32 words otherwise)."""
@@ -412,51 +371,6 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype, in_features: int
     if split_k > 1:
         reduce_splits(target, bias, out)
     return out.reshape(*lead, n)
-
-
-def reduce_splits(partials: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
-    """out [M, N] = the float32 split-K partials [splits, M, N] summed (+ bias), cast."""
-    total, block = out.numel(), 256
-    _sum_splits_kernel[(triton.cdiv(total, block),)](
-        partials, bias if bias is not None else partials, out, total, out.shape[1], SPLITS=partials.shape[0],
-        HAS_BIAS=bias is not None, BLOCK=block, **pdl_launch(out.device))
-
-
-def one_row_gemv(kernel, x: torch.Tensor, weights: torch.Tensor, in_features: int, unit: int,
-                 bias: torch.Tensor | None, what: str, *, block_n: int, split_k: int | None,
-                 num_warps: int, waves: int = 8, min_units: int = 2, max_units: int | None = None,
-                 stages: int = 1, operand: torch.Tensor | None = None) -> torch.Tensor:
-    """x [1, K] @ W.T (+ bias) through a one-row GEMV `kernel` over rows of `unit`-value units, whose
-    arguments are (x, w, bias, partials or out, N, row_bytes, n_units, units_per_prog, stride_os,
-    BLOCK_N, HAS_BIAS, STAGES): the K range split over programs when there are fewer than `waves`
-    programs an SM, each keeping at least `min_units` units (and, given max_units, at most that
-    many), the float32 partials summed by reduce_splits. stages > 1: the loop over units software-
-    pipelined (the next units' weights copied to shared memory while one is multiplied; an option
-    to measure). `operand`: what the kernel reads as x, when not x
-    itself (e.g. x quantised); x still sets the output's dtype. `what` names the layout in errors."""
-    if in_features % unit:
-        raise ValueError(f"{what} rows need in_features a multiple of {unit}, got {in_features}")
-    x2 = x.reshape(-1, in_features)
-    if x2.shape[0] != 1:
-        raise ValueError(f"the {what} GEMV multiplies one row, got {x2.shape[0]}")
-    n, n_units = weights.shape[0], in_features // unit
-    programs_n = triton.cdiv(n, block_n)
-    if split_k is None:
-        split_k = max(1, min(waves * num_sms(x.device) // programs_n, n_units // min_units))
-        if max_units:
-            split_k = max(split_k, triton.cdiv(n_units, max_units))
-    per = triton.cdiv(n_units, max(1, min(split_k, n_units)))
-    split_k = triton.cdiv(n_units, per)
-    out = x2.new_empty(1, n)
-    target = torch.empty(split_k, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
-    has_bias = bias is not None and split_k == 1
-    kernel[(programs_n, split_k)](
-        x2.contiguous() if operand is None else operand, weights, bias if has_bias else x2, target,
-        n, weights.shape[1], n_units, per, n,
-        BLOCK_N=block_n, HAS_BIAS=has_bias, STAGES=stages, num_warps=num_warps, **pdl_launch(x.device))
-    if split_k > 1:
-        reduce_splits(target.view(split_k, 1, n), bias, out)
-    return out.reshape(*x.shape[:-1], n)
 
 
 def dequantize(qweight: torch.Tensor, qtype, in_features: int,

@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType as Q
 
+from .triton_one_row import one_row_gemv, one_row_program, store_one_row
 from .triton_pdl import wait_for_previous_kernel
-from .triton_quant_matmul import one_row_gemv, one_row_program, store_one_row
 
 @triton.jit
 def _q8_0_split_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_per_prog,
@@ -83,7 +83,7 @@ def gemv(x: torch.Tensor, split: torch.Tensor, qtype, in_features: int, bias: to
          block_n: int | None = None, split_k: int | None = None, num_warps: int | None = None,
          stages: int = 1) -> torch.Tensor:
     """x [1, K] @ W.T (+ bias) for split rows [N, bytes] (kernels/split_rows.py) of Q8_0 or Q6_K; output in x.dtype.
-    stages: see triton_quant_matmul.one_row_gemv."""
+    stages: see triton_one_row.one_row_gemv."""
     if qtype not in _GEMV:
         raise ValueError(f"split rows are a layout of {', '.join(t.name for t in _GEMV)}, not {Q(qtype).name}")
     kernel, unit, (default_block_n, default_warps, waves, min_units) = _GEMV[qtype]
