@@ -56,9 +56,9 @@ bench() {  # bench NAME SECONDS ARGS...: lucebox bench speed with --json, its ta
 }
 case "${1:-check}" in
   check)
-    step gpu-tests "${SECONDS_CHECK:-540}" python3 -m pytest -rs tests/test_cuda_graphs.py tests/test_fused_kernels.py \
-      tests/test_triton_kernels.py tests/test_prefill_attention.py tests/test_model.py tests/test_dense_lm.py \
-      tests/test_verify.py tests/test_triton_sampling.py
+    step gpu-tests "${SECONDS_CHECK:-540}" python3 -m pytest -rs tests/engine/test_cuda_graphs.py tests/kernels \
+      tests/model/test_model.py tests/train/test_dense_lm.py tests/sampling/test_acceptance.py \
+      tests/engine/test_step_plan.py tests/engine/test_sliding_window.py
     tail -n 30 "$out/gpu-tests.log" ;;
   bench)
     bench 8b-bf16 240 --shape qwen3-8b --quant bf16
@@ -86,7 +86,7 @@ case "${1:-check}" in
     bench 06b-bf16 90 --shape qwen3-0.6b --quant bf16 --prompt-lens 512 --contexts 512 --no-peer
     bench 8b-bf16 120 --shape qwen3-8b --quant bf16 --prompt-lens 512 --contexts 512 --no-peer ;;
   overlap)  # the GPU tests of overlapped decoding first, then the same decode with and without it
-    step overlap-tests 120 python3 -m pytest -q tests/test_cuda_graphs.py -k overlapped
+    step overlap-tests 120 python3 -m pytest -q tests/engine/test_cuda_graphs.py -k overlapped
     tail -n 2 "$out/overlap-tests.log"
     for shape in qwen3-0.6b qwen3-8b; do
       for mode in sync async; do
@@ -106,7 +106,7 @@ case "${1:-check}" in
       done
     done ;;
   int8)  # int8 activations (kernels/triton_quant_int8.py): tests, agreement, decode and verify on and off, M = 16 kernels
-    step int8-tests 150 python3 -m pytest -rs tests/test_triton_kernels.py -k "int8 or rounded or split_rows or model_forward"
+    step int8-tests 150 python3 -m pytest -rs tests/kernels/test_triton_kernels.py -k "int8 or rounded or split_rows or model_forward"
     tail -n 2 "$out/int8-tests.log"
     step int8-numerics 120 python3 scripts/check_decode_numerics.py --shape qwen3-8b --quant q4_k_m --prompt-len 256 --tokens 32
     grep "^|" "$out/int8-numerics.log"
@@ -144,7 +144,7 @@ case "${1:-check}" in
     step idle "${SECONDS_IDLE:-240}" python3 scripts/profile_spec_steps.py --idle-overhead
     grep "plain (" "$out/idle.log" ;;
   sampler)
-    step sampler-tests 120 python3 -m pytest -q tests/test_triton_sampling.py tests/test_verify.py
+    step sampler-tests 120 python3 -m pytest -q tests/kernels/test_triton_sampling.py tests/sampling/test_acceptance.py
     tail -n 2 "$out/sampler-tests.log"
     step sampler 120 python3 scripts/bench_sampler.py
     grep "^|" "$out/sampler.log" ;;

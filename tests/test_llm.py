@@ -9,7 +9,7 @@ import torch
 from lucebox import LLM, SamplingParams
 from lucebox.errors import ContextLengthError, RequestError
 
-from .conftest import FAMILIES
+from tests.conftest import FAMILIES
 
 PROMPT_LENGTHS = [3, 14, 8, 21]
 
@@ -97,7 +97,7 @@ def test_min_tokens_blocks_eos_until_reached(qwen3):
 
 
 def test_generation_config_supplies_defaults_the_request_does_not_set(tokenizer_dir, tmp_path):
-    from .conftest import build_hf_model
+    from tests.conftest import build_hf_model
     path = build_hf_model("qwen3", tmp_path / "m", tokenizer_dir)
     (path / "generation_config.json").write_text(json.dumps({"do_sample": False, "top_k": 5}))
     llm = LLM(str(path))

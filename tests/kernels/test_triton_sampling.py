@@ -18,9 +18,9 @@ from lucebox.sampling import SamplingParams
 from lucebox.sampling.graph_rows import graph_row
 from lucebox.sampling.sampler import Sampler, SamplingState
 
-from .test_spec import chi_square_rejects
-from .test_triton_kernels import DEVICE  # noqa: I001  (sets TRITON_INTERPRET=1 before triton loads)
-from .test_verify import FIXED_DRAFTS, P, correction_from_p, exact_outcomes, one_hot
+from tests.spec.test_spec import chi_square_rejects
+from tests.kernels.test_triton_kernels import DEVICE  # noqa: I001  (sets TRITON_INTERPRET=1 before triton loads)
+from tests.sampling.test_acceptance import FIXED_DRAFTS, P, correction_from_p, exact_outcomes, one_hot
 
 FILTERS = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=5),
            SamplingParams(temperature=1.3, top_p=0.7), SamplingParams(temperature=0.6, min_p=0.05),

@@ -15,8 +15,8 @@ from lucebox import LLM, SamplingParams
 from lucebox.engine.cuda_graphs import CudaGraphRunner
 from lucebox.errors import CheckpointError, RequestError
 
-from .conftest import build_hf_model
-from .spec_fixtures import peaked_model, small_vocab_tokenizer, write_dflash_drafter
+from tests.conftest import build_hf_model
+from tests.spec_fixtures import peaked_model, small_vocab_tokenizer, write_dflash_drafter
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 

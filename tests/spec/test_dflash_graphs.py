@@ -15,7 +15,7 @@ from lucebox.model.feature_ring import FeatureRing, RingRows
 from lucebox.spec import dflash_graphs
 from lucebox.spec.dflash_graphs import DrafterGraphs, context_bucket
 
-from .spec_fixtures import write_dflash_drafter
+from tests.spec_fixtures import write_dflash_drafter
 
 BLOCK = 4
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -8,7 +8,7 @@ from lucebox.spec.adaptive import (MAX_PROBE_INTERVAL, MIN_REALIZED, PLAIN_STRET
                                    REEVALUATE_PLAIN_EVERY, REMEASURE_PLAIN_EVERY,
                                    DraftLengthPolicy, SequenceAcceptance, TimingTable, expected_tokens)
 
-from .spec_fixtures import write_dflash_drafter
+from tests.spec_fixtures import write_dflash_drafter
 
 
 def policy_with(forward_per_token: float, forward_fixed: float, draft_cost: float, max_k: int = 8):

@@ -15,9 +15,9 @@ from lucebox.model.gguf_config import to_our_name
 from lucebox.model.loader import load_model
 from lucebox.weights.quant import QuantEmbedding, QuantLinear
 
-from .conftest import FAMILIES, build_hf_model
-from .test_model import make_runner, random_prompts
-from .test_quant import FP16_FIELDS, random_rows
+from tests.conftest import FAMILIES, build_hf_model
+from tests.model.test_model import make_runner, random_prompts
+from tests.weights.test_quant import FP16_FIELDS, random_rows
 
 GREEDY_TOKENS = 16
 _loaded: dict = {}

@@ -32,7 +32,7 @@ from lucebox.kernels import (  # noqa: E402
 )
 from lucebox.model.kv_cache import PagedKVCache  # noqa: E402
 
-from .test_triton_kernels import DEVICE, rel_err  # noqa: I001  (sets TRITON_INTERPRET=1 first)
+from tests.kernels.test_triton_kernels import DEVICE, rel_err  # noqa: I001  (sets TRITON_INTERPRET=1 first)
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 6
 

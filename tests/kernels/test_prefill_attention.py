@@ -18,7 +18,7 @@ from lucebox.kernels import prefill_attention as pa  # noqa: E402
 from lucebox.kernels.attention import paged_attention, paged_attention_reference
 from lucebox.kernels.forward_batch import ForwardBatch
 
-from .test_triton_kernels import paged_case  # noqa: I001  (sets TRITON_INTERPRET=1 before triton loads)
+from tests.kernels.test_triton_kernels import paged_case  # noqa: I001  (sets TRITON_INTERPRET=1 before triton loads)
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -172,7 +172,7 @@ def test_long_prompts_match_transformers_in_one_piece_and_in_chunks(hf_models, p
     from lucebox.engine.runner import ModelRunner
     from lucebox.model.loader import load_model
 
-    from .test_model import reference_logits
+    from tests.model.test_model import reference_logits
 
     assert min(LONG_PROMPTS) >= pa.MIN_QUERY_LEN
     for family, path in hf_models.items():

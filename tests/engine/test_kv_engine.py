@@ -8,7 +8,7 @@ import pytest
 from lucebox import LLM, SamplingParams
 from lucebox.errors import RequestError
 
-from .conftest import build_hf_model
+from tests.conftest import build_hf_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 

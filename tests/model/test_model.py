@@ -8,7 +8,7 @@ from lucebox.engine.block_manager import BlockManager
 from lucebox.engine.runner import ModelRunner
 from lucebox.model.loader import load_model
 
-from .conftest import FAMILIES
+from tests.conftest import FAMILIES
 
 PROMPT_LENGTHS = [5, 17, 11]
 BLOCK_SIZE = 4  # small, so sequences span several blocks and block tables interleave

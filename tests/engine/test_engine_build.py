@@ -10,7 +10,7 @@ from lucebox.engine.build import resolve_args
 from lucebox.engine.engine import LLMEngine
 from lucebox.model.loader import load_model
 
-PACKAGE = Path(__file__).resolve().parent.parent / "lucebox"
+PACKAGE = Path(__file__).resolve().parents[2] / "lucebox"
 
 
 def test_no_model_names_the_default_pair_in_a_copy():

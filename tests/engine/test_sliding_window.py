@@ -9,7 +9,7 @@ import torch
 
 from lucebox import LLM, SamplingParams
 
-from .conftest import build_hf_model
+from tests.conftest import build_hf_model
 
 WINDOW, BLOCK, NEW = 8, 4, 48
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)

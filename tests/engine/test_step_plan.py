@@ -16,7 +16,7 @@ from lucebox.sampling.graph_rows import graph_row
 from lucebox.spec.proposer import Proposer
 from lucebox.spec.speculator import Speculator
 
-from .test_cuda_graphs import tiny_model
+from tests.engine.test_cuda_graphs import tiny_model
 
 GREEDY = SamplingParams(temperature=0)
 SAMPLED = SamplingParams(temperature=0.7, top_p=0.9)

@@ -18,7 +18,7 @@ from lucebox.sampling.acceptance import Draft, Verdict, accept_batch, row_states
 from lucebox.sampling.graph_rows import argmax_only, graph_row
 from lucebox.sampling.sampler import Sampler, SamplingState
 
-from .test_spec import chi_square_rejects
+from tests.spec.test_spec import chi_square_rejects
 
 
 @dataclass(eq=False)

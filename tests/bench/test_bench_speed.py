@@ -253,3 +253,25 @@ def test_the_per_request_median_comes_with_an_interval_that_narrows_with_more_re
     _, low_few, high_few = median_interval(few)
     assert high_few - low_few > 2 * (high - low)
     assert median_interval([1.0] * 5) == (1.0, 1.0, 1.0)
+
+
+def test_the_transformers_peer_leaves_later_transformers_models_initialised():
+    """Building the peer must not leave transformers holding lucebox's no-op initialisers (it captures
+    torch's init functions when it first imports a modeling module): a later transformers model would
+    keep nn.Linear's default init instead of its own normal(0, initializer_range). A fresh process, so
+    that the peer is the first to import the modeling module."""
+    script = """
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from lucebox.bench import shapes
+loaded = shapes.build_random_model("tiny", "f32", torch.device("cpu"))
+shapes.transformers_twin(loaded, AutoConfig.for_model(**shapes.SHAPES["tiny"]), torch.device("cpu"))
+config = AutoConfig.for_model(**shapes.SHAPES["tiny"])
+model = AutoModelForCausalLM.from_config(config)
+print(model.model.layers[0].mlp.up_proj.weight.std().item() / config.initializer_range)
+"""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert 0.8 < float(out.stdout.strip().splitlines()[-1]) < 1.2

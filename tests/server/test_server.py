@@ -353,7 +353,7 @@ def test_the_server_uses_only_the_async_engine_surface():
     import ast
     import re
     from pathlib import Path
-    server = Path(__file__).resolve().parent.parent / "lucebox" / "server"
+    server = Path(__file__).resolve().parents[2] / "lucebox" / "server"
     for path in server.glob("*.py"):
         source = path.read_text()
         modules = {n.module for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ImportFrom)}

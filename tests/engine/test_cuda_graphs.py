@@ -262,7 +262,7 @@ def test_recomputing_taps_reads_the_cache_and_writes_none(path):
 
 def test_greedy_generation_through_padded_static_batches_equals_eager(hf_models, tmp_path):
     """Decodes and speculative verifies (with DFlash taps) through the static path, end to end."""
-    from .spec_fixtures import write_dflash_drafter
+    from tests.spec_fixtures import write_dflash_drafter
     target = hf_models["qwen3"]
     prompts = [{"prompt_token_ids": [(5 * i + j) % 300 + 3 for j in range(n)]} for i, n in enumerate(PROMPT_LENS[:5])]
     spec = {"method": "dflash", "model": str(write_dflash_drafter(target, tmp_path / "dflash")), "adaptive": False}
@@ -364,7 +364,7 @@ def test_a_dormant_drafters_plain_steps_are_launched_ahead(hf_models, tmp_path, 
     one's tokens are read, and the speculator is not even consulted for the run's steps; never the
     step before a draft, which needs the new tokens. Greedy output equals plain decoding and the
     drafts equal those of an engine that waits (and consults the speculator every step)."""
-    from .spec_fixtures import write_dflash_drafter
+    from tests.spec_fixtures import write_dflash_drafter
     target, every = hf_models["qwen3"], 6
     prompts = [{"prompt_token_ids": [(5 * i + j) % 300 + 3 for j in range(n)]} for i, n in enumerate(PROMPT_LENS[:4])]
     plain = [o.outputs[0].token_ids for o in
@@ -482,7 +482,7 @@ def test_a_capture_survives_the_collector_freeing_old_graphs(monkeypatch):
 def test_graphs_captured_at_engine_start_record_inference_kernels(hf_models, tmp_path, monkeypatch):
     """Captured outside inference mode, the model's ops would take their autograd-safe torch
     references (and record autograd state) into every graph: 2.5x slower replays, other numerics."""
-    from .spec_fixtures import write_dflash_drafter
+    from tests.spec_fixtures import write_dflash_drafter
     seen = []
     forward = CudaGraphRunner._forward
     monkeypatch.setattr(CudaGraphRunner, "_forward",
@@ -547,7 +547,7 @@ def test_graph_replay_of_quantised_weights_on_int8_activations_equals_eager(quan
 @gpu
 @pytest.mark.parametrize("method", ["plain", "self_draft", "dflash"])
 def test_greedy_generation_is_identical_with_and_without_graphs(method, hf_models, tmp_path):
-    from .spec_fixtures import write_dflash_drafter
+    from tests.spec_fixtures import write_dflash_drafter
     target = hf_models["qwen3"]
     config = {"plain": None,
               "self_draft": {"method": "draft_model", "model": str(target), "num_speculative_tokens": 3},
@@ -649,7 +649,7 @@ def test_decode_graphs_that_sample_draw_from_the_samplers_distribution(device):
 
     from lucebox.sampling.sampler import Sampler, SamplingState
 
-    from .test_spec import chi_square_rejects
+    from tests.spec.test_spec import chi_square_rejects
     settings = GraphSettings(64, max_batch=4, query_lens=(1,), capture=device == "cuda", sample=True)
     runner, tables, lens = prefilled(tiny_model(device), settings, 3)
     # Low temperatures: this model's logits span only 1-2.4, so at T = 1 every row is nearly uniform.

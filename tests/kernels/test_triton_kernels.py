@@ -40,7 +40,7 @@ from lucebox.kernels.linear import quant_matmul  # noqa: E402
 from lucebox.model.kv_cache import PagedKVCache  # noqa: E402
 from lucebox.weights.quant import QuantLinear, QuantTensor  # noqa: E402
 
-from .test_quant import random_rows  # noqa: E402
+from tests.weights.test_quant import random_rows  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 QUANT_TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS]

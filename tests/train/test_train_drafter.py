@@ -23,7 +23,7 @@ from lucebox.kernels.rope import apply_rope
 from lucebox.train.lm import dense_forward
 from lucebox.train.prepare import drafter_config, init_drafter, resolve_mask_token
 
-from .conftest import TRAINING_TEXT
+from tests.conftest import TRAINING_TEXT
 
 WORDS = TRAINING_TEXT.split()
 
