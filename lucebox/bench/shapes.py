@@ -225,7 +225,9 @@ def transformers_twin(loaded: LoadedModel, hf_config, device: torch.device):
     copied: module names are HF's minus `model.`), so a peer costs no second copy of the weights."""
     from transformers import AutoModelForCausalLM
 
-    with on_meta():
+    # The meta device alone: on_meta's patched initialisers would be captured by transformers' own
+    # init wrappers when this first imports a modeling module, breaking every later transformers model.
+    with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(hf_config, dtype=loaded.model.dtype)
     state = {k if k.startswith("lm_head") else "model." + k: v for k, v in loaded.model.state_dict().items()}
     hf.load_state_dict(state, strict=False, assign=True)
