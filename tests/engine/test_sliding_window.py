@@ -12,6 +12,7 @@ from lucebox import LLM, SamplingParams
 from tests.conftest import build_hf_model
 
 WINDOW, BLOCK, NEW = 8, 4, 48
+KV_MEMORY = 8 << 20  # explicit: on a GPU the default pool takes most of the card for each engine
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
 
 
@@ -59,13 +60,13 @@ def assert_pool_empty(llm):
 
 @pytest.fixture(scope="module")
 def unreleased(mistral):
-    llm = LLM(mistral, block_size=BLOCK)
+    llm = LLM(mistral, block_size=BLOCK, kv_cache_memory=KV_MEMORY)
     llm.engine.scheduler.cache.release_window = None
     return ids(llm.generate(prompts(), GREEDY, use_tqdm=False))
 
 
 def test_release_keeps_greedy_output_equal_to_transformers_and_to_keeping_everything(mistral, unreleased):
-    llm = LLM(mistral, block_size=BLOCK)
+    llm = LLM(mistral, block_size=BLOCK, kv_cache_memory=KV_MEMORY)
     assert llm.engine.scheduler.cache.release_window == WINDOW
     held = watch_blocks(llm)
     outs = ids(llm.generate(prompts(), GREEDY, use_tqdm=False))
@@ -80,7 +81,7 @@ def test_release_keeps_greedy_output_equal_to_transformers_and_to_keeping_everyt
 def test_preemption_and_recompute_with_released_blocks(mistral):
     g = random.Random(4)
     many = [{"prompt_token_ids": [g.randrange(380) for _ in range(g.randint(2, 5))]} for _ in range(16)]
-    plain = LLM(mistral, block_size=BLOCK)
+    plain = LLM(mistral, block_size=BLOCK, kv_cache_memory=KV_MEMORY)
     plain.engine.scheduler.cache.release_window = None
     want = ids(plain.generate(many, GREEDY, use_tqdm=False))
     # 24 blocks, one max_model_len: sixteen short prompts join at once, then their windows of 2-3
@@ -92,7 +93,7 @@ def test_preemption_and_recompute_with_released_blocks(mistral):
 
 
 def test_prefix_cache_serves_released_blocks(mistral, unreleased):
-    llm = LLM(mistral, block_size=BLOCK)
+    llm = LLM(mistral, block_size=BLOCK, kv_cache_memory=KV_MEMORY)
     first = ids(llm.generate(prompts(), GREEDY, use_tqdm=False))
     again = llm.generate(prompts(), GREEDY, use_tqdm=False)
     assert first == ids(again) == unreleased
@@ -101,17 +102,18 @@ def test_prefix_cache_serves_released_blocks(mistral, unreleased):
 
 
 def test_chunked_prefill_with_release(mistral, unreleased):
-    llm = LLM(mistral, block_size=BLOCK, max_num_batched_tokens=5)
+    llm = LLM(mistral, block_size=BLOCK, kv_cache_memory=KV_MEMORY, max_num_batched_tokens=5)
     assert ids(llm.generate(prompts(), GREEDY, use_tqdm=False)) == unreleased
 
 
 def test_speculative_rollback_with_released_blocks(mistral):
     repeated = [{"prompt_token_ids": p["prompt_token_ids"] * 3} for p in prompts(seed=2)]
-    plain = LLM(mistral, block_size=BLOCK)
+    plain = LLM(mistral, block_size=BLOCK, kv_cache_memory=KV_MEMORY)
     plain.engine.scheduler.cache.release_window = None
     want = ids(plain.generate(repeated, GREEDY, use_tqdm=False))
-    llm = LLM(mistral, block_size=BLOCK, speculative_config={"method": "ngram", "num_speculative_tokens": 4,
-                                                             "prompt_lookup_min": 2, "adaptive": False})
+    llm = LLM(mistral, block_size=BLOCK, kv_cache_memory=KV_MEMORY,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+                                  "adaptive": False})
     assert llm.engine.scheduler.cache.release_window == WINDOW  # n-gram lookups keep no cache
     outs = llm.generate(repeated, GREEDY, use_tqdm=False)
     assert ids(outs) == want
@@ -120,7 +122,7 @@ def test_speculative_rollback_with_released_blocks(mistral):
 
 
 def test_mixed_windows_keep_every_block(hf_models):
-    llm = LLM(str(hf_models["qwen2"]), block_size=BLOCK)  # one sliding layer, one full
+    llm = LLM(str(hf_models["qwen2"]), block_size=BLOCK, kv_cache_memory=KV_MEMORY)  # one sliding layer, one full
     assert llm.engine.scheduler.cache.release_window is None
     held = watch_blocks(llm)
     outs = llm.generate(prompts(2), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
