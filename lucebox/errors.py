@@ -18,7 +18,13 @@ class RequestError(LuceboxError):
 
 
 class ContextLengthError(RequestError):
-    """A prompt plus its requested output does not fit the context window."""
+    """A prompt plus its requested output does not fit the context window. The numbers ride along so
+    that an API can word the error as its clients expect (Claude Code parses Anthropic's wording)."""
+
+    def __init__(self, message: str, prompt_tokens: int | None = None, max_tokens: int | None = None,
+                 context: int | None = None):
+        super().__init__(message)
+        self.prompt_tokens, self.max_tokens, self.context = prompt_tokens, max_tokens, context
 
 
 class OverloadError(LuceboxError):

@@ -142,12 +142,12 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ContextLengthError(
                 f"the prompt has {len(ids)} tokens; the context window (max_model_len) is {self.max_model_len}, "
-                f"which leaves no room for output")
+                f"which leaves no room for output", len(ids), None, self.max_model_len)
         if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
             raise ContextLengthError(
                 f"the prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the context "
                 f"window (max_model_len {self.max_model_len}); lower max_tokens to at most "
-                f"{self.max_model_len - len(ids)}")
+                f"{self.max_model_len - len(ids)}", len(ids), params.max_tokens, self.max_model_len)
         vocab = self.model.config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:

@@ -57,6 +57,11 @@ def anthropic_messages(req) -> list[dict]:
         out.append({"role": "system", "content": system})
     for i, m in enumerate(req.messages):
         param = f"messages[{i}].content"
+        if m.role == "system":  # a system turn mid-conversation (generate.render_chat merges it if need be)
+            text = _BILLING.sub("", _blocks_text(m.content, param)).strip()
+            if text:
+                out.append({"role": "system", "content": text})
+            continue
         blocks = [{"type": "text", "text": m.content}] if isinstance(m.content, str) else m.content
         texts, calls, reasoning = [], [], []
         for j, b in enumerate(blocks):

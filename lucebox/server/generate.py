@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator, Callable
 from ..errors import LuceboxError
 from ..sampling import SamplingParams
 from .constrain import BanTokens
-from .errors import APIError, from_lucebox
+from .errors import APIError, context_error, from_lucebox
 from .parsing import Event, OutputParser
 from .tools import ToolSpec, param_schemas, template_tools
 
@@ -72,6 +72,29 @@ def request_id(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex[:24]}"
 
 
+def merge_late_system(messages: list[dict]) -> list[dict]:
+    """Messages with each system message after the first position merged into the user turn that
+    follows it (or the one before, at the end): for chat templates that reject system turns
+    mid-conversation. The conversation's prefix stays as it was, so prefix caching still serves it."""
+    out: list[dict] = []
+    pending: list[str] = []
+    for i, m in enumerate(messages):
+        if m.get("role") == "system" and i > 0:
+            pending.append(m.get("content") or "")
+            continue
+        if pending and m.get("role") == "user":
+            m = {**m, "content": "\n\n".join(pending + [m.get("content") or ""])}
+            pending = []
+        out.append(m)
+    if pending:
+        last = next((j for j in range(len(out) - 1, -1, -1) if out[j].get("role") == "user"), None)
+        if last is None:
+            out.append({"role": "user", "content": "\n\n".join(pending)})
+        else:
+            out[last] = {**out[last], "content": "\n\n".join([out[last].get("content") or ""] + pending)}
+    return out
+
+
 def render_chat(state, job: ChatJob) -> Prepared:
     tok = state.tokenizer
     tools_on = bool(job.tools) and job.tool_choice != "none"
@@ -79,7 +102,14 @@ def render_chat(state, job: ChatJob) -> Prepared:
         text = tok.apply_chat_template(job.messages, tools=template_tools(job.tools), add_generation_prompt=True,
                                        **job.template_kwargs)
     except LuceboxError as e:
-        raise APIError(400, str(e), param="messages") from e
+        merged = merge_late_system(job.messages)
+        if merged == job.messages:
+            raise APIError(400, str(e), param="messages") from e
+        try:  # templates that take a system message only first: late ones join the next user turn
+            text = tok.apply_chat_template(merged, tools=template_tools(job.tools), add_generation_prompt=True,
+                                           **job.template_kwargs)
+        except LuceboxError as again:
+            raise APIError(400, str(again), param="messages") from again
     ids = tok.encode(text, add_special_tokens=False)
     # A template that opens <think> itself (thinking models) starts the output inside reasoning.
     in_reasoning = text.rstrip().endswith("<think>")
@@ -161,9 +191,8 @@ def max_tokens_for(state, prompt_len: int, requested: int | None) -> int:
     room = state.engine.max_model_len - prompt_len
     if requested is None:
         if room < 1:
-            raise APIError(400, f"the prompt has {prompt_len} tokens; the model's maximum context length is "
-                                f"{state.engine.max_model_len} tokens", param="messages",
-                           code="context_length_exceeded")
+            raise context_error(f"the prompt has {prompt_len} tokens; the model's maximum context length is "
+                                f"{state.engine.max_model_len} tokens", prompt_len, None, state.engine.max_model_len)
         return room
     return requested
 

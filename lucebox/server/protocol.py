@@ -114,7 +114,9 @@ class AnthropicTool(Lenient):
 
 
 class AnthropicMessage(Lenient):
-    role: Literal["user", "assistant"]
+    # "system" inside messages: Claude Code's mid-conversation system turns (beta header
+    # mid-conversation-system-2026-04-07)
+    role: Literal["user", "assistant", "system"]
     content: Union[str, list[dict[str, Any]]]
 
 

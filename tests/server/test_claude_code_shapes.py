@@ -1,0 +1,85 @@
+"""Claude Code's request shapes: system turns inside `messages`, and context overflows worded as
+Anthropic words them (Claude Code's max_tokens retry and compaction key on those phrases)."""
+from __future__ import annotations
+
+import re
+from types import SimpleNamespace
+
+import anthropic
+import pytest
+
+from lucebox.server.generate import ChatJob, merge_late_system, render_chat
+from lucebox.text.tokenizer import Tokenizer
+from tests.server_helpers import build_model, start_server
+
+# A template that, like many, takes a system message only as the first one.
+FIRST_SYSTEM_ONLY = (
+    "{%- for message in messages %}"
+    "{%- if message.role == 'system' and not loop.first %}{{ raise_exception('System role only first') }}{%- endif %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+CONVERSATION = [{"role": "user", "content": "list the files"}, {"role": "assistant", "content": "a.py b.py"},
+                {"role": "system", "content": "The user switched to plan mode."},
+                {"role": "user", "content": "now read a.py"}]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_model(tmp_path_factory.mktemp("claude-shapes"))
+
+
+@pytest.fixture(scope="module")
+def claude(model_dir):
+    srv, llm, _ = start_server(model_dir, block_size=16, max_num_seqs=8)
+    srv.llm = llm
+    yield anthropic.Anthropic(base_url=srv.url, api_key="none", max_retries=0), llm
+    srv.stop()
+
+
+def test_system_turns_inside_messages_are_accepted_and_rendered(claude):
+    client, _ = claude
+    reply = client.messages.create(model="tiny", max_tokens=4, messages=CONVERSATION,
+                                   extra_headers={"anthropic-beta": "mid-conversation-system-2026-04-07"})
+    assert reply.stop_reason in ("end_turn", "max_tokens")
+    without = [m for m in CONVERSATION if m["role"] != "system"]
+    counted = [client.messages.count_tokens(model="tiny", messages=m).input_tokens for m in (CONVERSATION, without)]
+    assert counted[0] > counted[1]  # the system turn is part of the prompt
+
+
+def test_a_template_without_late_system_turns_gets_them_merged_into_the_next_user_turn(model_dir):
+    tokenizer = Tokenizer.from_hf_dir(model_dir)
+    tokenizer.chat_templates = {"default": FIRST_SYSTEM_ONLY}
+    state = SimpleNamespace(tokenizer=tokenizer)
+    prepared = render_chat(state, ChatJob([{"role": "system", "content": "Be terse."}, *CONVERSATION]))
+    assert prepared.prompt_text.count("<|im_start|>system") == 1
+    assert "<|im_start|>user\nThe user switched to plan mode.\n\nnow read a.py<|im_end|>" in prepared.prompt_text
+
+
+def test_merge_late_system_keeps_the_first_and_folds_the_rest_into_user_turns():
+    assert merge_late_system(CONVERSATION)[2:] == [
+        {"role": "user", "content": "The user switched to plan mode.\n\nnow read a.py"}]
+    trailing = [{"role": "system", "content": "S"}, {"role": "user", "content": "u"},
+                {"role": "system", "content": "late"}]
+    assert merge_late_system(trailing) == [{"role": "system", "content": "S"}, {"role": "user", "content": "u\n\nlate"}]
+    assert merge_late_system(CONVERSATION[:2]) == CONVERSATION[:2]
+
+
+def test_max_tokens_overflow_uses_anthropics_wording(claude):
+    client, llm = claude
+    context = llm.engine.max_model_len
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model="tiny", max_tokens=context + 5, messages=[{"role": "user", "content": "hi"}])
+    found = re.search(r"input length and `max_tokens` exceed context limit: (\d+) \+ (\d+) > (\d+)", str(e.value))
+    assert found and int(found[2]) == context + 5 and int(found[3]) == context
+    assert int(found[1]) + int(found[2]) > int(found[3])
+
+
+def test_a_prompt_longer_than_the_context_uses_anthropics_wording(claude):
+    client, llm = claude
+    context = llm.engine.max_model_len
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model="tiny", max_tokens=1,
+                               messages=[{"role": "user", "content": "word " * (2 * context)}])
+    found = re.search(r"prompt is too long: (\d+) tokens > (\d+) maximum", str(e.value))
+    assert found and int(found[1]) > int(found[2]) and int(found[2]) == context - 1
