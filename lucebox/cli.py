@@ -71,6 +71,9 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout", type=float, default=d.request_timeout, help=h["request_timeout"])
     p.add_argument("--idle-timeout", type=float, default=d.idle_timeout, help=h["idle_timeout"])
     p.add_argument("--graceful-timeout", type=float, default=d.graceful_timeout, help=h["graceful_timeout"])
+    p.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens, help=h["default_max_tokens"])
+    # -v after the command too (`lucebox serve -v`); SUPPRESS keeps `lucebox -v serve` working
+    p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log engine details")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -19,7 +19,7 @@ from ..engine.build import summary
 from ..engine.engine import LLMEngine
 from . import protocol
 from .constrain import GrammarFactory
-from .errors import APIError, api_of
+from .errors import APIError, api_of, refused
 from .config import ServerConfig
 from .metrics import Metrics
 from .tools import tool_format
@@ -67,13 +67,14 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None, model_id
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
-        return e.response(api_of(request.url.path))
+        return refused(e, request.method, request.url.path).response(api_of(request.url.path))
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, e: HTTPException):
         message = {404: f"no route {request.method} {request.url.path}",
                    405: f"method {request.method} is not allowed on {request.url.path}"}.get(e.status_code, str(e.detail))
-        return APIError(e.status_code, message).response(api_of(request.url.path))
+        return refused(APIError(e.status_code, message), request.method, request.url.path).response(
+            api_of(request.url.path))
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, e: Exception):
@@ -184,7 +185,7 @@ class _Guard:
         if error is None and length and length.isdigit() and int(length) > self.config.max_body_bytes:
             error = APIError(413, f"the request body exceeds {self.config.max_body_bytes} bytes (--max-body-bytes)")
         if error is not None:
-            response: Response = error.response(api_of(path))
+            response: Response = refused(error, scope["method"], path).response(api_of(path))
             return await response(scope, receive, send)
         return await self.app(scope, receive, send)
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..errors import RequestError
+
 
 @dataclass
 class ServerConfig:
@@ -17,6 +19,8 @@ class ServerConfig:
     idle_timeout: float = 60.0  # seconds an idle keep-alive connection stays open
     graceful_timeout: float = 30.0  # seconds in-flight requests get at shutdown
     constrain_auto_tools: bool = True  # with tool_choice auto, a <tool_call> must match a declared tool's schema
+    # Output cap for requests that set none (Codex sends no max_output_tokens); None: the context's room.
+    default_max_tokens: int | None = None
 
     HELP = {
         "host": "address to bind (127.0.0.1: this machine only; 0.0.0.0: every interface)",
@@ -29,4 +33,10 @@ class ServerConfig:
         "request_timeout": "abort a request after this many seconds (0: never)",
         "idle_timeout": "close idle keep-alive connections after this many seconds",
         "graceful_timeout": "seconds in-flight requests may take to finish at shutdown",
+        "default_max_tokens": "output tokens for requests that set no limit (default: what the context window leaves)",
     }
+
+    def __post_init__(self):
+        if self.default_max_tokens is not None and (not isinstance(self.default_max_tokens, int)
+                                                    or self.default_max_tokens < 1):
+            raise RequestError(f"--default-max-tokens must be a positive integer, got {self.default_max_tokens!r}")

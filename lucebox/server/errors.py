@@ -1,6 +1,8 @@
 """API errors: one exception type, rendered in the OpenAI or the Anthropic shape by the route's API."""
 from __future__ import annotations
 
+import logging
+
 from fastapi.responses import JSONResponse
 
 from ..engine.async_engine import EngineDeadError
@@ -60,6 +62,15 @@ def from_lucebox(e: LuceboxError) -> APIError:
     if isinstance(e, RequestError):
         return APIError(400, str(e), code="invalid_request")
     return APIError(400, str(e))
+
+
+log = logging.getLogger("lucebox.server")
+
+
+def refused(error: APIError, method: str, path: str) -> APIError:
+    """Log why a request was refused, one line (the client may show only a status), and pass it on."""
+    log.warning("%s %s -> %d: %s", method, path, error.status, error.message)
+    return error
 
 
 def api_of(path: str) -> str:

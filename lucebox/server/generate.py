@@ -187,13 +187,14 @@ def skip_special_tokens(state) -> bool:
 
 
 def max_tokens_for(state, prompt_len: int, requested: int | None) -> int:
-    """No max_tokens: up to the context window (never truncating the prompt)."""
+    """No max_tokens: --default-max-tokens, or up to the context window (never truncating the prompt)."""
     room = state.engine.max_model_len - prompt_len
     if requested is None:
+        cap = state.config.default_max_tokens
         if room < 1:
             raise context_error(f"the prompt has {prompt_len} tokens; the model's maximum context length is "
                                 f"{state.engine.max_model_len} tokens", prompt_len, None, state.engine.max_model_len)
-        return room
+        return min(room, cap) if cap else room
     return requested
 
 

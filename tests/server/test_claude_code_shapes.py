@@ -1,13 +1,17 @@
-"""Claude Code's request shapes: system turns inside `messages`, and context overflows worded as
-Anthropic words them (Claude Code's max_tokens retry and compaction key on those phrases)."""
+"""Coding agents' request shapes: Claude Code's system turns inside `messages` and its context
+overflows worded as Anthropic words them (its max_tokens retry and compaction key on those phrases);
+Codex's requests without an output limit; a log line for every refused request."""
 from __future__ import annotations
 
 import re
 from types import SimpleNamespace
 
 import anthropic
+import openai
 import pytest
 
+from lucebox.cli import main
+from lucebox.server.config import ServerConfig
 from lucebox.server.generate import ChatJob, merge_late_system, render_chat
 from lucebox.text.tokenizer import Tokenizer
 from tests.server_helpers import build_model, start_server
@@ -29,12 +33,21 @@ def model_dir(tmp_path_factory):
     return build_model(tmp_path_factory.mktemp("claude-shapes"))
 
 
+DEFAULT_MAX_TOKENS = 3
+
+
 @pytest.fixture(scope="module")
-def claude(model_dir):
-    srv, llm, _ = start_server(model_dir, block_size=16, max_num_seqs=8)
+def server(model_dir):
+    srv, llm, _ = start_server(model_dir, ServerConfig(keepalive=0.3, default_max_tokens=DEFAULT_MAX_TOKENS),
+                               block_size=16, max_num_seqs=8)
     srv.llm = llm
-    yield anthropic.Anthropic(base_url=srv.url, api_key="none", max_retries=0), llm
+    yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="module")
+def claude(server):
+    return anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0), server.llm
 
 
 def test_system_turns_inside_messages_are_accepted_and_rendered(claude):
@@ -83,3 +96,30 @@ def test_a_prompt_longer_than_the_context_uses_anthropics_wording(claude):
                                messages=[{"role": "user", "content": "word " * (2 * context)}])
     found = re.search(r"prompt is too long: (\d+) tokens > (\d+) maximum", str(e.value))
     assert found and int(found[1]) > int(found[2]) and int(found[2]) == context - 1
+
+
+def test_requests_without_an_output_limit_get_the_default_max_tokens(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    reply = client.responses.create(model="tiny", input="write a long story", extra_body={"ignore_eos": True})
+    assert reply.usage.output_tokens == DEFAULT_MAX_TOKENS  # Codex sends no max_output_tokens
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                                          extra_body={"ignore_eos": True})
+    assert chat.usage.completion_tokens == 5  # a request's own limit wins
+
+
+def test_every_refused_request_is_logged_with_its_reason(claude, caplog):
+    client, llm = claude
+    with caplog.at_level("WARNING", logger="lucebox.server"), pytest.raises(anthropic.BadRequestError):
+        client.messages.create(model="tiny", max_tokens=llm.engine.max_model_len + 1,
+                               messages=[{"role": "user", "content": "hi"}])
+    lines = [r.getMessage() for r in caplog.records if r.name == "lucebox.server"]
+    assert any(line.startswith("POST /v1/messages -> 400: ") and "max_tokens" in line for line in lines), lines
+
+
+def test_serve_takes_verbose_after_the_command_and_rejects_a_bad_default_max_tokens(capsys):
+    from lucebox.cli import build_parser
+    assert build_parser().parse_args(["serve", "-v"]).verbose
+    assert build_parser().parse_args(["-v", "serve"]).verbose
+    assert not build_parser().parse_args(["serve"]).verbose
+    assert main(["serve", "--default-max-tokens", "0"]) != 0
+    assert "--default-max-tokens must be a positive integer" in capsys.readouterr().err
