@@ -19,6 +19,7 @@ from ..sampling.sampler import Sampler, make_generator
 from ..spec.factory import make_speculator
 from ..text.stop import StopChecker
 from ..text.tokenizer import IncrementalDetokenizer
+from .build import args_and_model
 from .cache_manager import CacheManager
 from .cuda_graphs import GraphSettings
 from .output_processor import OutputProcessor
@@ -89,7 +90,6 @@ class LLMEngine:
     def from_args(cls, args: EngineArgs, loaded: LoadedModel | None = None) -> LLMEngine:
         """The one way to build an engine (CLI, LLM, server, benches): the bundled default pair when
         args.model is None, the model loaded unless `loaded` is given (engines may share one)."""
-        from .build import args_and_model
         args, loaded = args_and_model(args, loaded)
         return cls(loaded, args)
 
