@@ -117,6 +117,12 @@ class AsyncEngine:
                            prefix_cache_queries=blocks.queries, prefix_cache_hits=blocks.hits,
                            preemptions=sched.num_preemptions)
 
+    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
+        """Prompt tokens the prefix cache holds now (read without the lock: a lookup, no change);
+        what the request will be served from cache unless blocks are evicted before it starts."""
+        blocks = self.engine.scheduler.blocks
+        return len(blocks.match_prefix(token_ids)) * blocks.block_size
+
     @property
     def is_running(self) -> bool:
         """The step loop is alive and accepting work (the server's /health)."""

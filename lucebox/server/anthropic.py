@@ -162,8 +162,9 @@ async def messages(state, request: Request, req: MessagesRequest):
     rid = request_id("msg_")
     agen = generate(state, prepared, params, rid)
     if req.stream:
+        cached = state.engine.cached_prefix_tokens(prepared.prompt_ids)  # before this request fills the cache
         first = await first_item(agen)
-        return StreamingResponse(_stream(agen, first, rid, req.model, len(prepared.prompt_ids)),
+        return StreamingResponse(_stream(agen, first, rid, req.model, len(prepared.prompt_ids), cached),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
     blocks: list[dict] = []
     final = {}
@@ -207,7 +208,12 @@ def _usage(u: Usage) -> dict:
             "cache_read_input_tokens": u.cached_tokens, "cache_creation_input_tokens": 0}
 
 
-async def _stream(agen, first, rid, model, prompt_len):
+async def _stream(agen, first, rid, model, prompt_len, cached):
+    # message_start goes out before prefill (pings keep the stream alive through a long one), so its
+    # cache split is the prefix cache's at admission; message_delta repeats it, so clients that add
+    # or overwrite the two usages agree.
+    split = _usage(Usage(prompt_len, 0, cached))
+
     def ev(kind, **data):
         return sse({"type": kind, **data}, event=kind)
 
@@ -216,8 +222,7 @@ async def _stream(agen, first, rid, model, prompt_len):
     try:
         yield ev("message_start", message={
             "id": rid, "type": "message", "role": "assistant", "model": model, "content": [], "stop_reason": None,
-            "stop_sequence": None, "usage": {"input_tokens": prompt_len, "output_tokens": 0,
-                                             "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}})
+            "stop_sequence": None, "usage": split})
         yield ev("ping")
         item = first
         while item is not None:
@@ -227,7 +232,8 @@ async def _stream(agen, first, rid, model, prompt_len):
                 if open_kind is not None:
                     yield ev("content_block_stop", index=index)
                 reason, seq = stop_reason(final.get("reason"), final.get("stop"), has_calls)
-                yield ev("message_delta", delta={"stop_reason": reason, "stop_sequence": seq}, usage=_usage(item))
+                yield ev("message_delta", delta={"stop_reason": reason, "stop_sequence": seq},
+                         usage=split | {"output_tokens": item.completion_tokens})
                 yield ev("message_stop")
             else:
                 for e in item.events:

@@ -126,6 +126,7 @@ class OutputParser:
         elif final:
             call.extend(self.buf, out)
             self.buf = ""
+            call.cut_off = True
         else:
             hold = _held_prefix(self.buf, [end_tag])
             call.extend(self.buf[:len(self.buf) - hold], out)
@@ -157,6 +158,7 @@ class _CallBody:
         # xml state
         self.name = ""
         self.num_params = 0
+        self.cut_off = False  # the output ended inside the block: the model never wrote its end tag
 
     def extend(self, text: str, out: list[Event]) -> None:
         self.body += text
@@ -291,7 +293,10 @@ class _CallBody:
             self.index = None
 
     def _as_text(self, out: list[Event]) -> None:
-        # Not a call after all: give the text back rather than lose it.
+        # Not a call after all: give the text back rather than lose it -- unless the output was cut
+        # off before the call's name, when it is neither text the model meant nor a call.
+        if self.cut_off:
+            return
         raw = (TOOL_OPEN + self.body + TOOL_CLOSE) if self.wrapped else self.body
         self.parser.content_seen = True
         out.append(Event("content", raw))

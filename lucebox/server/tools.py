@@ -82,9 +82,49 @@ def assistant_tool_call(name: str, arguments, id_: str | None = None) -> dict:
 
 
 def parse_arguments(text: str) -> dict:
-    """A call's arguments as an object (Anthropic's tool_use.input); malformed text is kept under _raw."""
+    """A call's arguments as an object (Anthropic's tool_use.input). Arguments cut off by max_tokens
+    keep the members that were complete (what Anthropic returns for a truncated tool_use); text that
+    is no JSON object at all gives {}."""
+    value = _loads(text) if text.strip() else {}
+    if value is None:
+        value = _complete_prefix(text)
+    if isinstance(value, dict):
+        return value
+    return {} if value is None else {"value": value}
+
+
+def _loads(text: str):
     try:
-        value = json.loads(text) if text.strip() else {}
+        return json.loads(text)
     except json.JSONDecodeError:
-        return {"_raw": text}
-    return value if isinstance(value, dict) else {"value": value}
+        return None
+
+
+def _complete_prefix(text: str) -> dict | None:
+    """The longest prefix of a truncated JSON object that parses once its open brackets are closed."""
+    stack, in_str, esc, cuts = [], False, False, []
+    for i, c in enumerate(text):
+        if in_str:
+            if esc:
+                esc = False
+            elif c == "\\":
+                esc = True
+            elif c == '"':
+                in_str = False
+                if stack and stack[-1] == "]":
+                    cuts.append((i + 1, "".join(reversed(stack))))  # a complete string element
+            continue
+        if c == '"':
+            in_str = True
+        elif c in "{[":
+            stack.append("}" if c == "{" else "]")
+        elif c in "}]" and stack:
+            stack.pop()
+            cuts.append((i + 1, "".join(reversed(stack))))
+        elif c == "," and stack:
+            cuts.append((i, "".join(reversed(stack))))  # everything before this comma was complete
+    for end, closers in reversed(cuts):
+        value = _loads(text[:end] + closers)
+        if isinstance(value, dict):
+            return value
+    return None

@@ -3,10 +3,12 @@ overflows worded as Anthropic words them (its max_tokens retry and compaction ke
 Codex's requests without an output limit; a log line for every refused request."""
 from __future__ import annotations
 
+import json
 import re
 from types import SimpleNamespace
 
 import anthropic
+import httpx
 import openai
 import pytest
 
@@ -38,9 +40,9 @@ DEFAULT_MAX_TOKENS = 3
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    srv, llm, _ = start_server(model_dir, ServerConfig(keepalive=0.3, default_max_tokens=DEFAULT_MAX_TOKENS),
-                               block_size=16, max_num_seqs=8)
-    srv.llm = llm
+    srv, llm, forcing = start_server(model_dir, ServerConfig(keepalive=0.3, default_max_tokens=DEFAULT_MAX_TOKENS),
+                                     block_size=16, max_num_seqs=8)
+    srv.llm, srv.forcing = llm, forcing
     yield srv
     srv.stop()
 
@@ -123,3 +125,75 @@ def test_serve_takes_verbose_after_the_command_and_rejects_a_bad_default_max_tok
     assert not build_parser().parse_args(["serve"]).verbose
     assert main(["serve", "--default-max-tokens", "0"]) != 0
     assert "--default-max-tokens must be a positive integer" in capsys.readouterr().err
+
+
+BASH_TOOL = {"name": "Bash", "description": "run a command",
+             "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}
+CALL = '<tool_call>\n{"name": "Bash", "arguments": {"command": "ls -la /tmp", "timeout": 30}}\n</tool_call>'
+
+
+def _tokens_until(llm, text: str, marker: str) -> int:
+    """How many tokens of `text` end just after `marker` first appears in their decoding."""
+    ids = llm.tokenizer.encode(text, add_special_tokens=False)
+    for n in range(1, len(ids) + 1):
+        if marker in llm.tokenizer.decode(ids[:n], skip_special_tokens=False):
+            return n
+    raise AssertionError(f"{marker!r} not in {text!r}")
+
+
+def _forced_call(server, max_tokens: int, stream: bool):
+    forcing = server.forcing
+    forcing.scripts["cut_call"] = CALL
+    client = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
+    kwargs = dict(model="force:cut_call", max_tokens=max_tokens, tools=[BASH_TOOL],
+                  messages=[{"role": "user", "content": "list /tmp"}])
+    if not stream:
+        return client.messages.create(**kwargs)
+    with client.messages.stream(**kwargs) as s:
+        return s.get_final_message()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_cut_off_before_its_name_is_neither_text_nor_a_call(server, stream):
+    n = _tokens_until(server.llm, CALL, '{"na')
+    reply = _forced_call(server, n, stream)
+    assert reply.stop_reason == "max_tokens"
+    assert reply.usage.output_tokens == n
+    assert [b.type for b in reply.content if b.type == "tool_use"] == []
+    text = "".join(b.text for b in reply.content if b.type == "text")
+    assert "<tool_call>" not in text and "</tool_call>" not in text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_cut_off_in_its_arguments_keeps_the_complete_members(server, stream):
+    n = _tokens_until(server.llm, CALL, '"timeout": 3')
+    reply = _forced_call(server, n, stream)
+    assert reply.stop_reason == "max_tokens"
+    (call,) = [b for b in reply.content if b.type == "tool_use"]
+    assert call.name == "Bash"
+    if not stream:  # the SDK's stream accumulator parses partial JSON itself
+        assert call.input == {"command": "ls -la /tmp"}  # no private "_raw" field
+
+
+def test_cached_tokens_agree_between_message_start_and_message_delta(server):
+    long_text = " ".join(f"word{i}" for i in range(60))
+    body = {"model": "tiny", "max_tokens": 2, "stream": True,
+            "messages": [{"role": "user", "content": long_text}]}
+    usages = []
+    for _ in range(2):  # the second request finds the first one's prompt in the prefix cache
+        starts, deltas = [], []
+        with httpx.stream("POST", server.url + "/v1/messages", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    event = json.loads(line[6:])
+                    if event["type"] == "message_start":
+                        starts.append(event["message"]["usage"])
+                    elif event["type"] == "message_delta":
+                        deltas.append(event["usage"])
+        (start,), (delta,) = starts, deltas
+        for key in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"):
+            assert start[key] == delta[key], key
+        usages.append(start)
+    prompt = usages[0]["input_tokens"] + usages[0]["cache_read_input_tokens"]
+    assert usages[1]["input_tokens"] + usages[1]["cache_read_input_tokens"] == prompt
+    assert usages[1]["cache_read_input_tokens"] > 0

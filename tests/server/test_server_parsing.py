@@ -152,3 +152,14 @@ def test_grammar_processor_follows_each_rows_history(tmp_path):
         assert ids[0] in allowed([])
     assert allowed(ids) == {0}  # complete: only EOS
     assert ltok.encode("x", add_special_tokens=False)[0] not in allowed(ids[:1])
+
+
+@pytest.mark.parametrize("text, expected", [
+    ('{"a": 1, "b": "hel', {"a": 1}),
+    ('{"cmd": "ls", "opts": {"x": [1, 2', {"cmd": "ls", "opts": {"x": [1]}}),
+    ('{"a', {}), ("", {}), ("not json", {}), ('{"a": 1}', {"a": 1}),
+    ('{"p": "say \\"hi\\"", "q": "c', {"p": 'say "hi"'}),
+])
+def test_truncated_arguments_keep_their_complete_members(text, expected):
+    from lucebox.server.tools import parse_arguments
+    assert parse_arguments(text) == expected
