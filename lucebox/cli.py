@@ -209,6 +209,7 @@ def cmd_serve(args) -> int:
         raise LuceboxError(f"lucebox serve needs the server packages ({e.name} is missing): "
                            "pip install 'lucebox[server]'") from e
     from .server.config import ServerConfig
+    logging.getLogger("lucebox.prefill").setLevel(logging.INFO)  # a long prompt's progress, -v or not
     config = ServerConfig(**{k: getattr(args, k) for k in ServerConfig.__dataclass_fields__ if hasattr(args, k)})
     return serve(engine_args(args), config, verbose=args.verbose)
 

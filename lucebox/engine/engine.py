@@ -24,6 +24,7 @@ from .cache_manager import CacheManager
 from .cuda_graphs import GraphSettings
 from .output_processor import OutputProcessor
 from .overlap import Overlap
+from .progress import PrefillProgress
 from .runner import ModelRunner
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -74,6 +75,7 @@ class LLMEngine:
             self.runner.capture_graphs(())
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(cfg.eos_token_ids)
         self.requests: dict[str, tuple[str | None, list[Sequence]]] = {}
+        self.progress = PrefillProgress(args.max_num_batched_tokens)
         self.planner = StepPlanner(self.speculator, self.runner, cfg.vocab_size, args.async_decode)
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len,
                                        Sampler(self.eos_token_ids), self._release)
@@ -231,12 +233,14 @@ class LLMEngine:
         features, out = result.features, self.outputs
         for row in plan.of(RowKind.CHUNK):
             self._commit(row.seq, len(row.tokens), features, row.offset)
+            self.progress.chunk_done(row.seq)
         decodes, verifies = plan.of(RowKind.DECODE), plan.of(RowKind.VERIFY)
         if decodes:
             tokens, logprobs = out.decode_tokens(decodes, result)
             for row, token, lp in zip(decodes, tokens, logprobs):
                 seq = row.seq
                 self._commit(seq, seq.num_tokens - seq.num_computed, features, row.offset)
+                self.progress.prompt_done(seq)
                 out.append(seq, token, lp)
         if verifies:
             for row in verifies:
@@ -270,5 +274,6 @@ class LLMEngine:
         """seq finished (its blocks freed now) or was preempted: the speculator drops its state."""
         if self.speculator is not None:
             self.speculator.release(seq, finished)
+        self.progress.forget(seq.request_id)
         if finished:
             self.scheduler.finish(seq)
