@@ -91,8 +91,13 @@ class Client:
                         return result
                     if chunk.get("usage"):
                         self._usage(result, chunk["usage"])
-                    text = "".join(self._text(choice) for choice in chunk.get("choices") or [])
-                    if text:
+                    choices = chunk.get("choices") or []
+                    text = "".join(self._text(choice) for choice in choices)
+                    # Tokens that stream no text (tool-call deltas; or special tokens, where only the
+                    # finishing chunk shows they came) still arrived.
+                    calls = any((c.get("delta") or {}).get("tool_calls") for c in choices)
+                    finish_only = chunks == 0 and any(c.get("finish_reason") for c in choices)
+                    if text or calls or finish_only:
                         now = time.perf_counter()
                         if chunks == 0:
                             result.ttft = now - start
@@ -104,7 +109,7 @@ class Client:
             result.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
             return result
         if chunks == 0:
-            result.error = "the stream ended without any generated text"
+            result.error = "the stream ended before any token came"
             return result
         result.latency = last - start
         if not result.usage_reported:
