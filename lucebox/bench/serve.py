@@ -45,14 +45,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     target.add_argument("--model", default=None, help="start `lucebox serve --model MODEL` for the run instead "
                                                       "(default without --url: the bundled default model)")
     target.add_argument("--serve-args", default="", help="extra flags for the started server, e.g. "
-                                                         "'--no-spec --max-num-seqs 64'")
+                                                         "'--max-num-seqs 64 --no-spec' (one flag: --serve-args=--no-spec)")
     target.add_argument("--server-timeout", type=float, default=600.0, help="seconds to wait for the started "
                                                                             "server's /health")
     target.add_argument("--endpoint", default=ENDPOINTS[0], choices=ENDPOINTS, help="API to stream from")
     target.add_argument("--served-model-name", default=None, help="model name to send (default: the server's first "
                                                                   "in /v1/models)")
-    target.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
-                        help="bearer token (default: $OPENAI_API_KEY)")
+    target.add_argument("--api-key", default=None, help="bearer token (unset: $OPENAI_API_KEY, if set)")
     target.add_argument("--tokenizer", default=None, help="model dir or GGUF whose tokenizer sizes prompts with "
                                                           "--url (default: the server's /tokenize, else 4 chars/token)")
     data = p.add_argument_group("prompts")
@@ -176,6 +175,7 @@ def main(args) -> int:
     from .serve_run import run_sweep
 
     names, percentiles = check_arguments(args)
+    args.api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
     tokenizer_source = args.tokenizer
     server = nullcontext()
     if not args.url:
