@@ -121,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     speed_arguments(bench_sub.add_parser(
         "speed", formatter_class=fmt, help="batch-1 prefill / decode / verify speed against the GEMV bandwidth and "
                                            "matmul rate measured in the same run, a transformers peer; a markdown table"))
+    from .bench.serve import add_arguments as serve_bench_arguments
+    serve_bench_arguments(bench_sub.add_parser(
+        "serve", formatter_class=fmt, help="load-test a server (--url, or --model started for the run): throughput, "
+                                           "TTFT/TPOT/ITL percentiles, prefix-cache hits, acceptance (vLLM's names)"))
     tp = bench_sub.add_parser("throughput", help="batched decode tok/s, KV bytes per token, prefix-cache hits",
                               formatter_class=fmt)
     tp.add_argument("--model", default=None, help="model to measure (default: the default model)")
@@ -281,7 +285,9 @@ def cmd_convert_drafter(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import kv_quality, spec, speed, throughput
+    from .bench import kv_quality, serve, spec, speed, throughput
+    if args.bench == "serve":  # serve picks its own model: --url, --model or the default model
+        return serve.main(args)
     if args.bench in (None, "speed"):  # speed picks its own model: --model, --shape or the default model
         return speed.main(args if args.bench else build_parser().parse_args(["bench", "speed"]))
     if args.model is None:
