@@ -17,6 +17,7 @@ const fmt = {
   ms: (v) => (v == null ? DASH : (1000 * v).toFixed(0) + " ms"),
 };
 const last = (xs) => (xs.length ? xs[xs.length - 1] : null);
+const clockTime = (t) => new Date(t * 1000).toLocaleTimeString();
 
 const TILES = [
   ["running", "running", (d) => d.engine.running, fmt.int],
@@ -80,7 +81,8 @@ function makeTimeChart([id, title, series, range, points], d) {
       label, stroke: color, width: 2, spanGaps: !!points,
       points: points ? { show: true, size: 6, fill: color, stroke: color } : { show: false },
     }))),
-    axes: [{}, { size: 50 }],
+    axes: [{ values: (u, ticks) => ticks.map(clockTime), space: 80 }, { size: 50 }],
+    legend: { live: false },
   };
   return { id, body, series, plot: new uPlot(opts, timeData(d, series), body) };
 }
@@ -98,6 +100,7 @@ function makeAcceptanceChart(d) {
     series: [{ label: "position" }, { label: "accepted", stroke: COLORS.teal, fill: COLORS.teal + "99",
                                       paths: uPlot.paths.bars({ size: [0.6, 60] }), points: { show: false } }],
     axes: [{ incrs: [1] }, { size: 50 }],
+    legend: { live: false },
   };
   return { id: "chart-acceptance-position", body, plot: new uPlot(opts, positionData(d), body) };
 }
@@ -166,8 +169,8 @@ function drawTimeline(d) {
   });
   g.fillStyle = "#6b7280";
   const axisY = rows.length * rowH + 14;
-  g.fillText(new Date(t0 * 1000).toLocaleTimeString(), label, axisY);
-  const now = new Date(t1 * 1000).toLocaleTimeString();
+  g.fillText(clockTime(t0), label, axisY);
+  const now = clockTime(t1);
   g.fillText(now, width - 10 - g.measureText(now).width, axisY);
 }
 
@@ -218,7 +221,7 @@ async function poll() {
   document.getElementById("key-form").hidden = true;
   document.getElementById("main").hidden = false;
   document.getElementById("model").textContent = d.model;
-  status.textContent = `updated ${new Date(d.now * 1000).toLocaleTimeString()}, up ${Math.round(d.now - d.started)} s`;
+  status.textContent = `updated ${clockTime(d.now)}, up ${Math.round(d.now - d.started)} s`;
   status.className = "";
   updateTiles(d);
   updateCharts(d);
