@@ -133,7 +133,8 @@ class Dashboard:
             drafts, accepted = m.num_drafts - tl.drafts, m.num_accepted_tokens - tl.accepted
             seen = tl.accepted_per_position + [0] * (len(m.accepted_per_position) - len(tl.accepted_per_position))
             per_position = [n - s for n, s in zip(m.accepted_per_position, seen)]
-            tl.drafts, tl.accepted, tl.accepted_per_position = m.num_drafts, m.num_accepted_tokens, list(m.accepted_per_position)
+            tl.drafts, tl.accepted = m.num_drafts, m.num_accepted_tokens
+            tl.accepted_per_position = list(m.accepted_per_position)
         for iv in (self.interval, self.totals):
             iv.generated += new
             iv.prompt += prompt

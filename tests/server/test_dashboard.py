@@ -187,7 +187,8 @@ def test_the_data_endpoint_matches_the_sdks_usage_and_the_prometheus_counters(se
     assert len(series["t"]) == len(series["running"]) == len(series["kv_usage"]) >= 3
     assert max(series["running"]) >= 1 and max(series["kv_usage"]) > 0
     assert any(v is not None and v > 1.0 for v in series["acceptance_length"])
-    assert any(v is not None and v >= 1.0 for v in series["ttft"])
+    # the slow request's TTFT is in one sample's mean, beside at most the other requests' TTFTs
+    assert any(v is not None and v >= slow["ttft"] / len(done) for v in series["ttft"])
     # every generated token shows up in exactly one sample's rate
     starts = [body["started"]] + series["t"][:-1]
     assert sum(r * (t - s) for r, t, s in zip(series["generated_tps"], series["t"], starts)) == pytest.approx(

@@ -122,6 +122,9 @@ def test_the_page_asks_for_the_key_draws_its_charts_and_shows_the_endpoints_numb
     shown = WebDriverWait(browser, 10).until(tiles_match, message="the page's tiles never matched /dashboard/data")
     assert shown["requests"] == "3" and shown["acceptance-length"] != DASH and shown["mean-ttft"].endswith(" ms")
     assert len(browser.find_elements(By.CSS_SELECTOR, "#requests tbody tr")) == 3
+    # no script error, no missing asset: only the keyless first poll's 401, which brought up the key form
+    errors = [e["message"] for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+    assert [m for m in errors if "/dashboard/data" not in m or "401" not in m] == [] and len(errors) == 1
 
     path = tmp_path / "dashboard.png"
     assert browser.save_screenshot(str(path))
