@@ -40,11 +40,18 @@ class EngineStats:
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int  # prompt tokens served from it
     preemptions: int  # sequences preempted to free KV blocks
+    state_slots: int = 0  # recurrent-state slots in the pool (0: the model keeps no recurrent state)
+    state_slots_free: int = 0
 
     @property
     def kv_usage(self) -> float:
         """Fraction of the KV blocks in use (1 = all)."""
         return (self.kv_blocks - self.kv_blocks_free) / self.kv_blocks if self.kv_blocks else 0.0
+
+    @property
+    def state_usage(self) -> float | None:
+        """Fraction of the recurrent-state slots in use; None without recurrent state."""
+        return (self.state_slots - self.state_slots_free) / self.state_slots if self.state_slots else None
 
 
 class AsyncEngine:
@@ -111,11 +118,12 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         """Read without the engine lock: the figures may lag a step, never block one."""
         sched = self.engine.scheduler
-        blocks = sched.blocks
+        blocks, cache = sched.blocks, sched.cache
         return EngineStats(running=len(sched.running), waiting=len(sched.waiting), kv_blocks=blocks.num_blocks,
                            kv_blocks_free=blocks.num_free_blocks, kv_capacity_tokens=self.engine.kv_capacity_tokens,
                            prefix_cache_queries=blocks.queries, prefix_cache_hits=blocks.hits,
-                           preemptions=sched.num_preemptions)
+                           preemptions=sched.num_preemptions,
+                           state_slots=len(cache.slots) + len(cache.free_slots), state_slots_free=len(cache.free_slots))
 
     def cached_prefix_tokens(self, token_ids: list[int]) -> int:
         """Prompt tokens the prefix cache holds now (read without the lock: a lookup, no change);

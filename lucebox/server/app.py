@@ -2,6 +2,7 @@
 and `serve`, which runs it under uvicorn with the AsyncEngine."""
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -17,7 +18,7 @@ from ..config import EngineArgs
 from ..engine.async_engine import AsyncEngine
 from ..engine.build import summary
 from ..engine.engine import LLMEngine
-from . import protocol
+from . import dashboard, protocol
 from .constrain import GrammarFactory
 from .errors import APIError, api_of, refused
 from .config import ServerConfig
@@ -32,6 +33,7 @@ class ServerState:
         self.engine, self.config, self.model_id = engine, config, model_id
         self.tokenizer = engine.tokenizer
         self.metrics = Metrics(model_id)
+        self.dashboard = dashboard.Dashboard(engine.stats)
         self.grammars = GrammarFactory(self.tokenizer, engine.vocab_size, engine.eos_token_ids)
         self.tool_format = tool_format(self.tokenizer.chat_templates)
         self._request_processors = request_processors
@@ -54,7 +56,9 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None, model_id
 
     @asynccontextmanager
     async def lifespan(app):
+        sampler = asyncio.create_task(state.dashboard.run())
         yield
+        sampler.cancel()
         engine.shutdown()
 
     app = FastAPI(title="lucebox", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -121,6 +125,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None, model_id
     async def _metrics():
         return PlainTextResponse(state.metrics.render(engine.stats()), media_type="text/plain; version=0.0.4")
 
+    dashboard.install(app, state)
+
     return app
 
 
@@ -176,7 +182,7 @@ class _Guard:
         path = scope["path"]
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         error = None
-        if self.config.api_key and path != "/health" and scope["method"] != "OPTIONS":
+        if self.config.api_key and path != "/health" and not dashboard.is_public(path) and scope["method"] != "OPTIONS":
             auth = headers.get("authorization", "")
             key = auth[7:].strip() if auth.lower().startswith("bearer ") else headers.get("x-api-key")
             if key != self.config.api_key:

@@ -206,6 +206,7 @@ async def generate(state, prepared: Prepared, params: SamplingParams, rid: str) 
         stream = await state.engine.add_request(rid, prompt, params)
     except LuceboxError as e:
         raise from_lucebox(e) from e
+    state.dashboard.arrived(rid, len(prepared.prompt_ids))
     parsers = {}
     seen_text, seen_lp, done = {}, {}, set()
     last = None
@@ -232,6 +233,7 @@ async def generate(state, prepared: Prepared, params: SamplingParams, rid: str) 
             except LuceboxError as e:
                 raise from_lucebox(e) from e
             last = out
+            state.dashboard.progress(out)
             for o in out.outputs:
                 i = o.index
                 if i in done:
@@ -263,6 +265,7 @@ async def generate(state, prepared: Prepared, params: SamplingParams, rid: str) 
         if pending is not None:
             pending.cancel()
         state.engine.abort(rid)  # no-op when finished; frees KV at once when the client went away
+        state.dashboard.ended(rid)
         if last is not None and not last.finished:
             state.metrics.observe_request(last, "abort")
 
