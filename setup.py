@@ -14,7 +14,7 @@ setup(
     packages=find_packages(include=["lucebox", "lucebox.*"]) + [BUNDLED_MODELS],
     package_dir={BUNDLED_MODELS: "models"},
     package_data={
-        BUNDLED_MODELS: ["default/*", "default-dflash/*"],
+        BUNDLED_MODELS: ["default/**/*", "default-dflash/**/*"],
         "lucebox.server": ["static/**/*"],  # the dashboard's files
     },
     include_package_data=False,

@@ -97,13 +97,15 @@ def installed():
 def test_wheel_carries_the_bundled_model_and_static_files(installed):
     import zipfile
     names = set(zipfile.ZipFile(installed.wheel).namelist())
-    for path in (ROOT / "models" / "default").iterdir():
-        assert f"lucebox/bundled_models/default/{path.name}" in names
-    for path in (ROOT / "models" / "default-dflash").iterdir():
-        assert f"lucebox/bundled_models/default-dflash/{path.name}" in names
-    static = ROOT / "lucebox" / "server" / "static"
-    for path in (p for p in static.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
-        assert f"lucebox/server/static/{path.relative_to(static).as_posix()}" in names
+
+    def files(folder: Path) -> list[str]:  # paths from the repository root
+        return [p.relative_to(ROOT).as_posix() for p in folder.rglob("*")
+                if p.is_file() and "__pycache__" not in p.parts]
+
+    for path in files(ROOT / "models" / "default") + files(ROOT / "models" / "default-dflash"):
+        assert "lucebox/bundled_" + path in names  # models/x -> lucebox/bundled_models/x
+    for path in files(ROOT / "lucebox" / "server" / "static"):
+        assert path in names
     assert not any(n.startswith(("tests/", "models/", "scripts/")) or n.endswith(".gguf") for n in names)
     print(f"\nwheel: {installed.wheel.stat().st_size / 2**20:.1f} MiB")
 
@@ -140,11 +142,12 @@ def test_docker_entrypoint_serves_the_openai_sdk(installed):
     model directory named by LUCEBOX_MODEL (as one under /models), the later --host/--port winning."""
     from openai import OpenAI
     port = _free_port()
-    model = installed.site_packages / "lucebox" / "bundled_models" / "default"
-    env = dict(installed.env, PATH=f"{installed.bin}{os.pathsep}{os.environ['PATH']}", LUCEBOX_MODEL=str(model))
+    model_dir = installed.site_packages / "lucebox" / "bundled_models" / "default"
+    env = dict(installed.env, PATH=f"{installed.bin}{os.pathsep}{os.environ['PATH']}", LUCEBOX_MODEL=str(model_dir))
+    command = ["sh", str(ROOT / "docker" / "entrypoint.sh"), "--host", "127.0.0.1", "--port", str(port),
+               "--max-model-len", "1024"]
     log = open(installed.root / "serve.log", "w+")
-    proc = subprocess.Popen(["sh", str(ROOT / "docker" / "entrypoint.sh"), "--host", "127.0.0.1", "--port", str(port),
-                             "--max-model-len", "1024"], cwd=installed.cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(command, cwd=installed.cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120
         while True:
