@@ -3,7 +3,8 @@
 lucebox ships a small trained code model under models/ (see models/default/README.md) and, once
 one reaches the quality bar, its DFlash drafter; with no --model, lucebox serves it with
 speculation on (the drafter, else n-gram lookup).
-Where models/ is absent (a copy of the package without the repository's models), a small
+An installed wheel carries the same files as lucebox/bundled_models (setup.py maps models/ there).
+Where neither is present (a copy of the package without the repository's models), a small
 Qwen3-architecture model with a trained tokenizer and RANDOM weights is built on first use, so
 the stack still runs offline; its output is not meaningful text.
 """
@@ -21,7 +22,10 @@ from .config import SpeculativeConfig, cache_dir
 
 log = logging.getLogger("lucebox")
 
-MODELS = Path(__file__).resolve().parent.parent / "models"
+_PACKAGE = Path(__file__).resolve().parent
+# the wheel's copy first; a checkout (or an editable install) reads the repository's models/
+MODELS = next((d for d in (_PACKAGE / "bundled_models", _PACKAGE.parent / "models") if d.is_dir()),
+              _PACKAGE.parent / "models")
 BUNDLED = MODELS / "default"
 BUNDLED_DRAFTER = MODELS / "default-dflash"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>",
