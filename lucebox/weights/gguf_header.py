@@ -237,20 +237,24 @@ def _check_layout(c: _Cursor, alignment: int, data_start: int, tensors: tuple[Te
     """Tensors lie back to back, each padded to the alignment (llama.cpp writes and requires this), so a
     tensor whose type or shape was changed no longer fits the bytes it was given."""
     names: set[str] = set()
-    expected = 0
+    expected, before = 0, None
     for t in sorted(tensors, key=lambda t: t.offset):
         if t.name in names:
             raise CheckpointError(f"{c.path}: tensor {t.name} appears twice")
         names.add(t.name)
         if t.offset != expected:
+            after = (f"the tensor before it, {_described(before)}, ends at {expected} (padded)" if before
+                     else "the first tensor should start at 0")
             raise CheckpointError(
-                f"{c.path}: tensor {t.name} ({t.qtype.name}, shape {list(reversed(t.dims))}) starts at (offset) "
-                f"{t.offset}, expected {expected} after the tensor before it: its offset, type or shape does not "
-                "match the bytes in the file")
-        expected = -(-(t.offset + t.nbytes) // alignment) * alignment
+                f"{c.path}: tensor {_described(t)} starts at (offset) {t.offset}, but {after}: one of them has "
+                "an offset, type or shape that does not match the bytes in the file")
+        expected, before = -(-(t.offset + t.nbytes) // alignment) * alignment, t
     end = data_start + expected
     if tensors and c.size > end:
-        last = max(tensors, key=lambda t: t.offset)
-        raise CheckpointError(
-            f"{c.path}: {c.size - end} bytes follow the last tensor {last.name} ({last.qtype.name}, shape "
-            f"{list(reversed(last.dims))}): its type or shape does not match the bytes in the file")
+        raise CheckpointError(f"{c.path}: {c.size - end} bytes follow the last tensor "
+                              f"{_described(max(tensors, key=lambda t: t.offset))}: its type or shape does not "
+                              "match the bytes in the file")
+
+
+def _described(t: TensorInfo) -> str:
+    return f"{t.name} ({t.qtype.name}, shape {list(reversed(t.dims))})"
