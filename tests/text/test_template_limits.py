@@ -132,7 +132,7 @@ def test_known_sandbox_escapes_are_refused_or_harmless(source):
     if not isinstance(outcome, RequestError):
         for leak in ("<class", "module", "function", "built-in", "__", "Undefined"):
             assert leak not in outcome.replace("[Undefined]", ""), outcome[:200]
-    assert seconds < 1.0
+    assert seconds < 3.0  # a loaded CI machine; these take milliseconds
 
 
 def test_ordinary_templates_render_as_plain_jinja_renders_them():
