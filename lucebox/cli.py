@@ -72,6 +72,7 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--idle-timeout", type=float, default=d.idle_timeout, help=h["idle_timeout"])
     p.add_argument("--graceful-timeout", type=float, default=d.graceful_timeout, help=h["graceful_timeout"])
     p.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens, help=h["default_max_tokens"])
+    p.add_argument("--allow-request-chat-template", action="store_true", help=h["allow_request_chat_template"])
     # -v after the command too (`lucebox serve -v`); SUPPRESS keeps `lucebox -v serve` working
     p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log engine details")
 

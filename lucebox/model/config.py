@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +21,42 @@ HF_FAMILIES = {
     "qwen3": "qwen3",
 }
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+# Ranges a checkpoint's numbers must fall in, wider than any real model's, so that a corrupt or
+# hostile config fails here with its field named instead of hanging or allocating petabytes later.
+INT_LIMITS = {
+    "vocab_size": (1, (1 << 31) - 1), "hidden_size": (1, 1 << 18), "intermediate_size": (1, 1 << 20),
+    "num_layers": (1, 1 << 12), "num_heads": (1, 1 << 12), "num_kv_heads": (1, 1 << 12), "head_dim": (2, 1 << 12),
+    "max_position_embeddings": (1, 1 << 30), "sliding_window": (1, 1 << 30), "token_id": (0, (1 << 31) - 1),
+    "count": (0, (1 << 31) - 1),
+}
+# (exclusive lower bound, inclusive upper bound); NaN and infinities never pass.
+FLOAT_LIMITS = {"rms_norm_eps": (0.0, 1.0), "rope_theta": (0.0, 1e15), "rope_factor": (0.0, 1e6),
+                "rope_parameter": (-1e6, 1e6)}
+# ModelConfig field -> config.json key, for messages that name what the file says.
+HF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
+           "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+           "num_kv_heads": "num_key_value_heads", "head_dim": "head_dim"}
+
+
+def check_int(value, limit: str, field_name: str) -> int:
+    """`value` as an int within INT_LIMITS[limit], or a CheckpointError naming `field_name`."""
+    lo, hi = INT_LIMITS[limit]
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise CheckpointError(f"{field_name} must be an integer from {lo} to {hi}, got {value!r:.80}")
+    return value
+
+
+def check_float(value, limit: str, field_name: str) -> float:
+    """`value` as a finite float within FLOAT_LIMITS[limit], or a CheckpointError naming `field_name`."""
+    lo, hi = FLOAT_LIMITS[limit]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value) and lo < value <= hi):
+        raise CheckpointError(f"{field_name} must be a finite number above {lo:g} and at most {hi:g}, "
+                              f"got {value!r:.80}")
+    return float(value)
 
 
 @dataclass
@@ -69,11 +106,25 @@ class ModelConfig:
         self.validate()
 
     def validate(self):
-        positive = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
-        for name in positive:
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise CheckpointError(f"model config: {name} must be a positive integer, got {value!r}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "max_position_embeddings"):
+            check_int(getattr(self, name), name, f"model config: {name}")
+        check_float(self.rms_norm_eps, "rms_norm_eps", "model config: rms_norm_eps")
+        check_float(self.rope.theta, "rope_theta", "model config: rope_theta")
+        check_float(self.rope.factor, "rope_factor", "model config: rope factor")
+        for name in ("low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "attention_factor", "mscale",
+                     "mscale_all_dim"):
+            if getattr(self.rope, name) is not None:
+                check_float(getattr(self.rope, name), "rope_parameter", f"model config: rope {name}")
+        if self.rope.original_max_position_embeddings is not None:
+            check_int(self.rope.original_max_position_embeddings, "max_position_embeddings",
+                      "model config: rope original_max_position_embeddings")
+        for window in self.sliding_windows:
+            if window is not None:
+                check_int(window, "sliding_window", "model config: sliding_window")
+        for token in [self.bos_token_id, *self.eos_token_ids]:
+            if token is not None:
+                check_int(token, "token_id", "model config: bos/eos token id")
         if self.num_heads % self.num_kv_heads:
             raise CheckpointError(
                 f"model config: num_attention_heads ({self.num_heads}) must be a multiple of "
@@ -118,28 +169,34 @@ class ModelConfig:
                 f"architecture model_type={model_type!r} ({raw.get('architectures')}) is not supported; "
                 f"supported: {', '.join(HF_FAMILIES)}")
 
-        def need(key):
-            if key not in raw:
-                raise CheckpointError(f"missing field {key!r}")
-            return raw[key]
+        def integer(key, limit, default=None):
+            if key not in raw or raw[key] is None:
+                if default is None:
+                    raise CheckpointError(f"missing field {key!r}")
+                return default
+            return check_int(raw[key], limit, key)
 
-        hidden = need("hidden_size")
-        heads = need("num_attention_heads")
-        layers = need("num_hidden_layers")
-        head_dim = raw.get("head_dim") or hidden // heads
+        hidden = integer("hidden_size", "hidden_size")
+        heads = integer("num_attention_heads", "num_heads")
+        layers = integer("num_hidden_layers", "num_layers")
+        head_dim = integer("head_dim", "head_dim") if raw.get("head_dim") else hidden // heads
         eos = raw.get("eos_token_id")
-        eos_ids = eos if isinstance(eos, list) else ([eos] if isinstance(eos, int) else [])
+        eos_ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+        for key in ("hidden_act", "torch_dtype", "dtype"):
+            if raw.get(key) is not None and not isinstance(raw[key], str):
+                raise CheckpointError(f"{key} must be a string, got {raw[key]!r:.80}")
         return cls(
             family=family,
-            vocab_size=need("vocab_size"),
+            vocab_size=integer("vocab_size", "vocab_size"),
             hidden_size=hidden,
-            intermediate_size=need("intermediate_size"),
+            intermediate_size=integer("intermediate_size", "intermediate_size"),
             num_layers=layers,
             num_heads=heads,
-            num_kv_heads=raw.get("num_key_value_heads") or heads,
+            num_kv_heads=integer("num_key_value_heads", "num_kv_heads", heads),
             head_dim=head_dim,
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            rms_norm_eps=check_float(1e-6 if raw.get("rms_norm_eps") is None else raw["rms_norm_eps"],
+                                     "rms_norm_eps", "rms_norm_eps"),
+            max_position_embeddings=integer("max_position_embeddings", "max_position_embeddings", 4096),
             rope=hf_rope(raw),
             qk_norm=family == "qwen3",
             qkv_bias=True if family == "qwen2" else bool(raw.get("attention_bias", False)),
@@ -149,29 +206,34 @@ class ModelConfig:
             sliding_windows=hf_sliding_windows(raw, family, layers),
             hidden_act=raw.get("hidden_act", "silu"),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
-            bos_token_id=raw.get("bos_token_id"),
-            eos_token_ids=eos_ids,
+            bos_token_id=None if raw.get("bos_token_id") is None else check_int(raw["bos_token_id"], "token_id",
+                                                                                 "bos_token_id"),
+            eos_token_ids=[check_int(i, "token_id", "eos_token_id") for i in eos_ids],
         )
 
 
 def hf_rope(raw: dict) -> RopeConfig:
     # transformers >= 5 writes `rope_parameters`; older files `rope_theta` + `rope_scaling`.
-    params = dict(raw.get("rope_scaling") or {})
-    params.update(raw.get("rope_parameters") or {})
+    params = {}
+    for key in ("rope_scaling", "rope_parameters"):
+        if not isinstance(raw.get(key) or {}, dict):
+            raise CheckpointError(f"{key} must be an object, got {raw[key]!r:.80}")
+        params.update(raw.get(key) or {})
     rope_type = params.get("rope_type") or params.get("type") or "default"
+    if not isinstance(rope_type, str):
+        raise CheckpointError(f"rope_type must be a string, got {rope_type!r:.80}")
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
-    rope = RopeConfig(theta=float(theta), type=rope_type)
+    rope = RopeConfig(theta=check_float(theta, "rope_theta", "rope_theta"), type=rope_type)
     if rope_type == "default":
         return rope
-    rope.factor = float(params.get("factor") or 1.0)
+    rope.factor = check_float(params.get("factor") or 1.0, "rope_factor", "rope factor")
     orig = params.get("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
-    rope.original_max_position_embeddings = int(orig or raw.get("max_position_embeddings", 4096))
-    for key in ("low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow"):
+    rope.original_max_position_embeddings = check_int(orig or raw.get("max_position_embeddings", 4096),
+                                                      "max_position_embeddings", "original_max_position_embeddings")
+    for key in ("low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "attention_factor", "mscale",
+                "mscale_all_dim"):
         if params.get(key) is not None:
-            setattr(rope, key, float(params[key]))
-    for key in ("attention_factor", "mscale", "mscale_all_dim"):
-        if params.get(key) is not None:
-            setattr(rope, key, float(params[key]))
+            setattr(rope, key, check_float(params[key], "rope_parameter", f"rope {key}"))
     if "truncate" in params:
         rope.truncate = bool(params["truncate"])
     return rope
@@ -181,14 +243,18 @@ def hf_sliding_windows(raw: dict, family: str, layers: int) -> list[int | None]:
     window = raw.get("sliding_window")
     if family in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
         window = None
+    if window:
+        window = check_int(window, "sliding_window", "sliding_window")
     types = raw.get("layer_types")
     if types:
+        if not isinstance(types, list):
+            raise CheckpointError(f"layer_types must be a list, got {types!r:.80}")
         if len(types) != layers:
             raise CheckpointError(f"layer_types has {len(types)} entries for {layers} layers")
         return [window if t == "sliding_attention" and window else None for t in types]
     if not window:
         return [None] * layers
     if family in ("qwen2", "qwen3"):
-        first = raw.get("max_window_layers", 28)
+        first = check_int(raw.get("max_window_layers", 28), "count", "max_window_layers")
         return [window if i >= first else None for i in range(layers)]
     return [window] * layers

@@ -12,7 +12,7 @@ import numpy as np
 from gguf import GGUFValueType
 
 from ..errors import CheckpointError, UnsupportedError
-from .config import ModelConfig, RopeConfig
+from .config import ModelConfig, RopeConfig, check_float, check_int
 
 # general.architecture -> ModelConfig.family. Mistral GGUFs say "llama": same graph.
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -119,7 +119,17 @@ class Metadata:
         field = self.fields.get(key)
         return None if field is None else len(field.data)
 
-    def integer(self, key: str, default: Any = None, required: bool = False) -> int | None:
+    def integer(self, key: str, default: Any = None, required: bool = False, limit: str | None = None) -> int | None:
+        """The key's integer value; with `limit`, also within config.INT_LIMITS[limit]."""
+        value = self._integer(key, default, required)
+        if limit is None or value is None:
+            return value
+        try:
+            return check_int(value, limit, f"metadata key {key}")
+        except CheckpointError as e:
+            raise CheckpointError(f"{self.path}: {e}") from None
+
+    def _integer(self, key: str, default: Any, required: bool) -> int | None:
         value = self.need(key) if required else self.get(key, default)
         if value is None:
             return None
@@ -132,7 +142,18 @@ class Metadata:
             raise CheckpointError(f"{self.path}: metadata key {key} should be an integer, got {value!r:.60}")
         return int(value)
 
-    def number(self, key: str, default: float | None = None, required: bool = False) -> float | None:
+    def number(self, key: str, default: float | None = None, required: bool = False,
+               limit: str | None = None) -> float | None:
+        """The key's numeric value; with `limit`, also finite and within config.FLOAT_LIMITS[limit]."""
+        value = self._number(key, default, required)
+        if limit is None or value is None:
+            return value
+        try:
+            return check_float(value, limit, f"metadata key {key}")
+        except CheckpointError as e:
+            raise CheckpointError(f"{self.path}: {e}") from None
+
+    def _number(self, key: str, default: float | None, required: bool) -> float | None:
         value = self.need(key) if required else self.get(key, default)
         if value is None:
             return None
@@ -154,6 +175,14 @@ def architecture(meta: Metadata) -> str:
     return arch
 
 
+def config_keys(arch: str) -> dict[str, str]:
+    """ModelConfig field -> the metadata key it comes from (for messages naming what the file says)."""
+    return {"vocab_size": f"{arch}.vocab_size (or the length of tokenizer.ggml.tokens)",
+            "hidden_size": f"{arch}.embedding_length", "intermediate_size": f"{arch}.feed_forward_length",
+            "num_layers": f"{arch}.block_count", "num_heads": f"{arch}.attention.head_count",
+            "num_kv_heads": f"{arch}.attention.head_count_kv", "head_dim": f"{arch}.attention.key_length"}
+
+
 def model_config(meta: Metadata, shapes: dict[str, tuple[int, ...]]) -> ModelConfig:
     """Build the ModelConfig from llama.cpp's `{arch}.*` keys; optional layers (biases, q/k norms,
     a separate LM head) are recognised from the tensors present; `shapes` maps each GGUF tensor
@@ -163,28 +192,28 @@ def model_config(meta: Metadata, shapes: dict[str, tuple[int, ...]]) -> ModelCon
     def key(suffix):
         return f"{arch}.{suffix}"
 
-    hidden = meta.integer(key("embedding_length"), required=True)
-    layers = meta.integer(key("block_count"), required=True)
-    heads = meta.integer(key("attention.head_count"), required=True)
-    kv_heads = meta.integer(key("attention.head_count_kv"), heads)
-    head_dim = meta.integer(key("attention.key_length"), None) or (hidden // heads if heads else 0)
+    hidden = meta.integer(key("embedding_length"), required=True, limit="hidden_size")
+    layers = meta.integer(key("block_count"), required=True, limit="num_layers")
+    heads = meta.integer(key("attention.head_count"), required=True, limit="num_heads")
+    kv_heads = meta.integer(key("attention.head_count_kv"), heads, limit="num_kv_heads")
+    head_dim = meta.integer(key("attention.key_length"), None, limit="head_dim") or hidden // heads
     value_dim = meta.integer(key("attention.value_length"), head_dim)
     if value_dim != head_dim:
         raise UnsupportedError(f"{meta.path}: key_length {head_dim} != value_length {value_dim} is not supported")
     rope_dims = meta.integer(key("rope.dimension_count"), head_dim)
     if rope_dims != head_dim:
         raise UnsupportedError(f"{meta.path}: partial RoPE ({rope_dims} of {head_dim} dims) is not supported")
-    context = meta.integer(key("context_length"), required=True)
-    vocab = (meta.integer(key("vocab_size"), None) or meta.array_len("tokenizer.ggml.tokens")
+    context = meta.integer(key("context_length"), required=True, limit="max_position_embeddings")
+    vocab = (meta.integer(key("vocab_size"), None, limit="vocab_size") or meta.array_len("tokenizer.ggml.tokens")
              or shapes.get("token_embd.weight", (0,))[0])
-    eos = [meta.integer(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    eos = [meta.integer(f"tokenizer.ggml.{k}_token_id", limit="token_id") for k in ("eos", "eot", "eom")]
 
     values = {
-        "intermediate_size": meta.integer(key("feed_forward_length"), required=True),
-        "rms_norm_eps": meta.number(key("attention.layer_norm_rms_epsilon"), required=True),
+        "intermediate_size": meta.integer(key("feed_forward_length"), required=True, limit="intermediate_size"),
+        "rms_norm_eps": meta.number(key("attention.layer_norm_rms_epsilon"), required=True, limit="rms_norm_eps"),
         "rope": _rope(meta, arch, context),
         "sliding_windows": _sliding_windows(meta, arch, layers),
-        "bos_token_id": meta.integer("tokenizer.ggml.bos_token_id"),
+        "bos_token_id": meta.integer("tokenizer.ggml.bos_token_id", limit="token_id"),
     }
 
     def has(suffix):
@@ -214,13 +243,13 @@ def model_config(meta: Metadata, shapes: dict[str, tuple[int, ...]]) -> ModelCon
 
 def _rope(meta: Metadata, arch: str, context: int) -> RopeConfig:
     prefix = f"{arch}.rope"
-    theta = meta.number(f"{prefix}.freq_base", 10000.0)
+    theta = meta.number(f"{prefix}.freq_base", 10000.0, limit="rope_theta")
     kind = meta.get(f"{prefix}.scaling.type")
     if kind is None and meta.get(f"{prefix}.scale_linear") is not None:  # pre-2024 files
-        return RopeConfig(theta=theta, type="linear", factor=meta.number(f"{prefix}.scale_linear"))
+        return RopeConfig(theta=theta, type="linear", factor=meta.number(f"{prefix}.scale_linear", limit="rope_factor"))
     if kind in (None, "none"):
         return RopeConfig(theta=theta)
-    factor = meta.number(f"{prefix}.scaling.factor", required=True)
+    factor = meta.number(f"{prefix}.scaling.factor", required=True, limit="rope_factor")
     if kind == "linear":
         return RopeConfig(theta=theta, type="linear", factor=factor)
     if kind == "yarn":
@@ -237,6 +266,8 @@ def _rope(meta: Metadata, arch: str, context: int) -> RopeConfig:
 
 def _sliding_windows(meta: Metadata, arch: str, layers: int) -> list[int | None]:
     window = meta.integer(f"{arch}.attention.sliding_window", None)
+    if window:
+        window = meta.integer(f"{arch}.attention.sliding_window", None, limit="sliding_window")
     if not window:
         return [None] * layers
     pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
@@ -248,5 +279,5 @@ def _sliding_windows(meta: Metadata, arch: str, layers: int) -> list[int | None]
                                   f"entries for {layers} layers")
         return [window if p else None for p in pattern]
     # An integer n: every n-th layer attends fully, the others use the window (llama.cpp's rule).
-    n = int(pattern)
+    n = meta.integer(f"{arch}.attention.sliding_window_pattern", limit="count")
     return [window if n == 0 or i % n < n - 1 else None for i in range(layers)]

@@ -24,20 +24,22 @@ from ..text.tokenizer import Tokenizer
 from ..util import on_meta
 from ..weights.gguf import FLOAT_TYPES, check_tensors, logical_shape, open_gguf, raw_rows, to_torch
 from ..weights.quant import QuantEmbedding, QuantLinear, QuantTensor
-from ..weights.safetensors import iter_safetensors
+from ..weights.safetensors import iter_safetensors, safetensors_shapes
 from .assign import assign, empty_model
-from .config import ModelConfig
+from .config import HF_KEYS, ModelConfig
 from .gguf_config import (
     ROPE_FREQS,
     SAMPLING_KEYS,
     Metadata,
     architecture,
+    config_keys,
     model_config,
     rows_permuted,
     to_our_name,
     unpermute_rows,
 )
 from .rope import RopeTable
+from .tensor_check import check_config_against_tensors
 from .transformer import Transformer
 
 log = logging.getLogger("lucebox")
@@ -116,6 +118,8 @@ def load_model(model: str, dtype: str | torch.dtype | None = None, device: str |
 
 def load_hf(path: Path, dtype, device: torch.device) -> LoadedModel:
     cfg = ModelConfig.from_hf_dir(path)
+    shapes = {name.removeprefix("model."): shape for name, shape in safetensors_shapes(path).items()}
+    check_config_against_tensors(cfg, shapes, str(path / "config.json"), HF_KEYS)
     torch_dtype = resolve_dtype(dtype, cfg.torch_dtype, device)
     model = empty_model(cfg, torch_dtype, device)
     assign(model, _hf_names(iter_safetensors(path), cfg), str(path), torch_dtype)
@@ -156,6 +160,8 @@ def load_gguf(path: Path, dtype, device: torch.device) -> LoadedModel:
     check_tensors(reader, path)
     tensors = {t.name: t for t in reader.tensors}
     cfg = model_config(meta, {name: logical_shape(t) for name, t in tensors.items()})
+    ours = {to_our_name(name): logical_shape(t) for name, t in tensors.items() if to_our_name(name)}
+    check_config_against_tensors(cfg, ours, str(path), config_keys(architecture(meta)))
     torch_dtype = resolve_dtype(dtype, None, device)
     with on_meta():
         model = Transformer(cfg).to(torch_dtype)

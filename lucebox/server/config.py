@@ -21,6 +21,7 @@ class ServerConfig:
     constrain_auto_tools: bool = True  # with tool_choice auto, a <tool_call> must match a declared tool's schema
     # Output cap for requests that set none (Codex sends no max_output_tokens); None: the context's room.
     default_max_tokens: int | None = None
+    allow_request_chat_template: bool = False  # chat_template_kwargs.chat_template text is code from the network
 
     HELP = {
         "host": "address to bind (127.0.0.1: this machine only; 0.0.0.0: every interface)",
@@ -34,6 +35,8 @@ class ServerConfig:
         "idle_timeout": "close idle keep-alive connections after this many seconds",
         "graceful_timeout": "seconds in-flight requests may take to finish at shutdown",
         "default_max_tokens": "output tokens for requests that set no limit (default: what the context window leaves)",
+        "allow_request_chat_template": "render chat templates sent in requests (chat_template_kwargs.chat_template, "
+                                       "up to 128 KiB, sandboxed and time-limited); default: only the model's own",
     }
 
     def __post_init__(self):

@@ -6,6 +6,8 @@ import time
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from ..errors import RequestError
+from ..text.chat_template import check_request_template
 from .errors import APIError
 from .generate import (
     KEEPALIVE,
@@ -103,6 +105,11 @@ def chat_job(req: ChatCompletionRequest) -> ChatJob:
 
 async def chat_completions(state, request: Request, req: ChatCompletionRequest):
     job = chat_job(req)
+    try:  # a template's text in the request is code from the network: off unless the server allows it
+        check_request_template(job.template_kwargs, state.tokenizer.chat_templates,
+                               state.config.allow_request_chat_template)
+    except RequestError as e:
+        raise APIError(400, str(e), param="chat_template_kwargs") from e
     prepared = render_chat(state, job)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")

@@ -4,7 +4,8 @@ Chat templates ship inside checkpoints (tokenizer_config.json, chat_template.jin
 they are untrusted code: a GGUF template once gave code execution through an unsandboxed jinja2
 (CVE-2024-34359). Rendering therefore runs in jinja2's ImmutableSandboxedEnvironment, with the
 extra hardening transformers adds (no dunder names in namespaces, a `dict` without class access,
-inputs rebuilt from plain JSON types).
+inputs rebuilt from plain JSON types). Renders are bounded in time and size (template_sandbox.py), and
+templates sent in requests are off unless the server allows them.
 """
 
 from __future__ import annotations
@@ -20,12 +21,15 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 import jinja2.utils
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..errors import RequestError
+from .template_sandbox import BoundedSandbox, RenderBudget, TemplateBudgetError, bounded, weight
 
 # Names a message's reasoning may come under; templates read the first one (transformers aliases them).
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# Real chat templates are a few KB (the largest known ones ~40 KB).
+MAX_REQUEST_TEMPLATE_BYTES = 128 << 10
+MAX_TOJSON_INDENT = 64
 
 
 def _raise_exception(message):
@@ -34,6 +38,8 @@ def _raise_exception(message):
 
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
     # jinja's own tojson escapes HTML characters (<, >, &, '), which would change the prompt text.
+    if isinstance(indent, int) and indent > MAX_TOJSON_INDENT or isinstance(indent, str) and len(indent) > MAX_TOJSON_INDENT:
+        raise TemplateBudgetError(f"tojson indent is limited to {MAX_TOJSON_INDENT}")
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
@@ -90,8 +96,8 @@ class _GenerationTag(jinja2.ext.Extension):
 @lru_cache(maxsize=32)
 def compile_chat_template(source: str) -> jinja2.Template:
     """Compile once per distinct template text; raises RequestError on a syntax error."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env.add_filter("tojson", _tojson)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.globals["dict"] = _TemplateDict()
@@ -166,16 +172,39 @@ def render_chat_template(
             if not isinstance(tool, Mapping) and not callable(getattr(tool, "model_dump", None)):
                 raise RequestError(f"tools[{i}] must be a JSON schema object, got {type(tool).__name__}")
     template = compile_chat_template(source)
-    variables = _plain({**(special_tokens or {}), **template_kwargs})
+    inputs = dict(
+        messages=_normalize_messages(messages),
+        tools=_plain(list(tools)) if tools is not None else None,
+        documents=_plain(list(documents)) if documents is not None else None,
+        **_plain({**(special_tokens or {}), **template_kwargs}),
+    )
     try:
-        return template.render(
-            messages=_normalize_messages(messages),
-            tools=_plain(list(tools)) if tools is not None else None,
-            documents=_plain(list(documents)) if documents is not None else None,
-            add_generation_prompt=add_generation_prompt,
-            **variables,
-        )
+        with bounded(RenderBudget.for_inputs(weight(inputs, 1 << 40))):
+            return template.render(add_generation_prompt=add_generation_prompt, **inputs)
+    except TemplateBudgetError as e:
+        raise RequestError(f"chat template error: {e}") from None
+    except RecursionError:
+        raise RequestError("chat template error: it recurses too deeply") from None
     except jinja2.TemplateError as e:
         raise RequestError(f"chat template error: {e.message or e}") from e
     except Exception as e:  # a template is a program: TypeError, KeyError... all mean it rejected the input
         raise RequestError(f"chat template error: {type(e).__name__}: {e}") from e
+
+
+def check_request_template(template_kwargs: Mapping[str, Any], model_templates: Mapping[str, str],
+                           allow_custom: bool) -> None:
+    """A request may pick one of the model's templates by name; its own template text is code from the
+    network, rendered only where the server allows it (--allow-request-chat-template) and small."""
+    template = template_kwargs.get("chat_template")
+    if template is None or (isinstance(template, str) and template in model_templates):
+        return
+    if not isinstance(template, str):
+        raise RequestError("chat_template_kwargs.chat_template must be a string: a template name or its text")
+    if not allow_custom:
+        names = ", ".join(sorted(model_templates)) or "none"
+        raise RequestError("chat_template_kwargs.chat_template: this server does not render chat templates sent "
+                           "in requests (start it with --allow-request-chat-template to allow them); the model's "
+                           f"templates, which a request may name: {names}")
+    if len(template.encode("utf-8", "surrogatepass")) > MAX_REQUEST_TEMPLATE_BYTES:
+        raise RequestError(f"chat_template_kwargs.chat_template is over the {MAX_REQUEST_TEMPLATE_BYTES}-byte limit "
+                           "for templates sent in requests")

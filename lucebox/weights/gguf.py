@@ -1,5 +1,7 @@
 """Read GGUF files (llama.cpp's format): open, check every tensor's type and bytes, copy rows out.
 
+The header is checked against the file (gguf_header.py) before gguf's reader sees it.
+
 model/loader.py builds a model from what these read.
 """
 from __future__ import annotations
@@ -13,6 +15,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
 from ..errors import CheckpointError, UnsupportedError
 from ..kernels import dequant
+from .gguf_header import scan_gguf
 from .quant import SUPPORTED_TYPES
 
 FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
@@ -21,11 +24,15 @@ FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGM
 def open_gguf(path: Path) -> GGUFReader:
     if not path.is_file():
         raise CheckpointError(f"{path}: no such file")
+    layout = scan_gguf(path)
     try:
-        return GGUFReader(path)
+        reader = GGUFReader(path)
     except Exception as e:  # the reader fails with ValueError/IndexError/KeyError... on bad bytes
         raise CheckpointError(f"{path}: not a valid GGUF file, it is truncated or corrupt "
                               f"({type(e).__name__}: {e})") from None
+    if reader.data_offset != layout.data_start or len(reader.tensors) != len(layout.tensors):
+        raise CheckpointError(f"{path}: gguf's reader and lucebox's header check disagree about the file's layout")
+    return reader
 
 
 def logical_shape(tensor) -> tuple[int, ...]:

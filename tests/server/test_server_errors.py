@@ -221,3 +221,15 @@ def test_serve_help_lists_flags_with_defaults():
     for flag in ("--host", "--port", "--api-key", "--served-model-name", "--cors-origin", "--max-model-len"):
         assert flag in out.stdout
     assert "127.0.0.1" in out.stdout and "8000" in out.stdout
+
+
+def test_a_request_chat_template_is_refused_by_default_but_a_named_one_is_used(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=USER, max_tokens=2,
+                                       extra_body={"chat_template_kwargs": {"chat_template": "{{ 'x' * 10 }}"}})
+    assert e.value.body["param"] == "chat_template_kwargs" and "--allow-request-chat-template" in e.value.message
+    named = next(iter(server.llm.tokenizer.chat_templates))
+    reply = client.chat.completions.create(model="tiny", messages=USER, max_tokens=2,
+                                           extra_body={"chat_template_kwargs": {"chat_template": named}})
+    assert reply.choices[0].message is not None
