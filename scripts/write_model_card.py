@@ -87,7 +87,7 @@ def main() -> int:
         "```bash",
         "python scripts/train_default_model.py --out models/default      # ~8 min on one H200",
         "bash scripts/train_default_drafter.sh models/default-dflash 330   # the drafter (one H200, ~7 min)",
-        "bash scripts/extend_default_context.sh OUT    # YaRN to 64K, both models (one H200, ~9 min); copy OUT/* to models/",
+        "STAGE=target bash scripts/extend_default_context.sh OUT; STAGE=drafter ...  # YaRN to 64K (two H200 calls, ~6 min each)",
         "lucebox convert models/default models/default-q8_0.gguf --outtype q8_0",
         "python scripts/write_model_card.py",
         "```",
