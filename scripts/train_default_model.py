@@ -86,6 +86,8 @@ def chat_batches(tok, tasks, pretrain_tokens, device, batch: int, length: int, s
         body = tok.encode(answer).ids + [end] + nl
         if len(head) + len(body) <= length + 1:
             encoded.append((head, body))
+    if not encoded:
+        raise ValueError(f"none of the {len(tasks)} chat tasks fits in {length} tokens")
     plain = windows(pretrain_tokens, length, batch // 4, device, seed)
     while True:
         ids = torch.full((batch - batch // 4, length + 1), pad, dtype=torch.long)
@@ -123,9 +125,9 @@ def save_sharded(model: Transformer, out: Path, max_shard_bytes: int = 12 << 20)
 
 
 @torch.no_grad()
-def samples(out: Path, prompts: list[str]) -> list[dict]:
+def samples(out: Path, prompts: list[str], **engine_args) -> list[dict]:
     from lucebox import LLM, SamplingParams
-    llm = LLM(str(out), dtype="float32")
+    llm = LLM(str(out), dtype="float32", **engine_args)
     greedy = SamplingParams(temperature=0, max_tokens=96)
     results = []
     for prompt in prompts:

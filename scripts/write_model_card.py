@@ -1,18 +1,26 @@
-"""Write models/default/README.md (the model card) from the training runs' stats.json files."""
+"""Write models/default/README.md (the model card) from the training runs' stats.json files.
+
+    python scripts/write_model_card.py [--target models/default] [--drafter models/default-dflash]
+"""
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TARGET, DRAFTER = ROOT / "models" / "default", ROOT / "models" / "default-dflash"
 
 
 def main() -> int:
-    t = json.loads((TARGET / "stats.json").read_text())
-    d = json.loads((DRAFTER / "stats.json").read_text()) if (DRAFTER / "stats.json").is_file() else None
-    cfg = json.loads((TARGET / "config.json").read_text())
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", type=Path, default=ROOT / "models" / "default", help="the card goes in here")
+    ap.add_argument("--drafter", type=Path, default=ROOT / "models" / "default-dflash")
+    args = ap.parse_args()
+    target, drafter = args.target, args.drafter
+    t = json.loads((target / "stats.json").read_text())
+    d = json.loads((drafter / "stats.json").read_text()) if (drafter / "stats.json").is_file() else None
+    cfg = json.loads((target / "config.json").read_text())
     c, a = t["corpus"], t["args"]
     pre, chat = t["pretrain"], t["chat"]
     lines = [
@@ -50,6 +58,7 @@ def main() -> int:
         "signature and docstring, the assistant writes the function), loss on the answer only, mixed 3:1 with "
         f"pre-training windows: {chat['steps']:,} steps in {chat['seconds']:.0f} s.",
         "",
+        *long_context_section(t.get("long_context")),
         "## Results",
         f"Held-out loss: {t['held_out_loss_after_pretrain']:.3f} nats/token after pre-training, "
         f"{t['held_out_loss']:.3f} after the chat stage.",
@@ -78,14 +87,43 @@ def main() -> int:
         "```bash",
         "python scripts/train_default_model.py --out models/default      # ~8 min on one H200",
         "bash scripts/train_default_drafter.sh models/default-dflash 330   # the drafter (one H200, ~7 min)",
+        "STAGE=target bash scripts/extend_default_context.sh OUT; STAGE=drafter ...  # YaRN to 64K (two H200 calls, ~6 min each)",
         "lucebox convert models/default models/default-q8_0.gguf --outtype q8_0",
         "python scripts/write_model_card.py",
         "```",
         "The corpus is whatever Python packages the training machine has installed, so a different machine "
         "gives a different (similar) model.",
     ]
-    (TARGET / "README.md").write_text("\n".join(lines) + "\n")
+    (target / "README.md").write_text("\n".join(lines) + "\n")
     return 0
+
+
+def long_context_section(lc: dict | None) -> list[str]:
+    """The context extension (scripts/extend_default_context.py), when the model went through it."""
+    if not lc:
+        return []
+    rope, run, a = lc["rope_scaling"], lc["train"], lc["args"]
+    losses = lc["loss_by_position"]
+    buckets = list(losses["extended"])
+    rows = [("base model, plain RoPE", "base"), ("YaRN, before the stage", "yarn_untrained"),
+            ("after the stage", "extended")]
+    return [
+        "## Long context",
+        f"Context extended from {rope['original_max_position_embeddings']:,} to {lc['context']:,} positions by "
+        f"YaRN (factor {rope['factor']:g}) and a training stage of {run['steps']:,} steps, "
+        f"{run['tokens'] / 1e6:.0f}M tokens in {run['seconds']:.0f} s on {lc['device']} "
+        f"(`scripts/extend_default_context.py`): windows of {a['long_lens'].replace(',', ', ')} tokens of the "
+        "corpus's token stream (neighbouring files of one package in a row), mixed with the base recipe's "
+        f"{rope['original_max_position_embeddings']:,}-token windows and chat examples on "
+        f"{a['short_fraction']:.0%} of the steps, peak lr {a['lr']:g}.",
+        "",
+        "Held-out loss (nats/token) by position, over windows of held-out code:",
+        "",
+        "| model | " + " | ".join(buckets) + " |",
+        "|---|" + "---:|" * len(buckets),
+        *[f"| {name} | " + " | ".join(f"{losses[key][b]:.3f}" for b in buckets) + " |" for name, key in rows],
+        "",
+    ]
 
 
 def drafter_section(d: dict) -> list[str]:

@@ -239,6 +239,40 @@ def hf_rope(raw: dict) -> RopeConfig:
     return rope
 
 
+def rope_to_hf(rope: RopeConfig) -> dict | None:
+    """The `rope_scaling` entry of a HF config.json for `rope` (None for plain RoPE): hf_rope's inverse,
+    in the legacy spelling that transformers 4 and 5 and llama.cpp's converter all read."""
+    if rope.type == "default":
+        return None
+    out = {"rope_type": rope.type, "factor": rope.factor}
+    if rope.original_max_position_embeddings is not None:
+        out["original_max_position_embeddings"] = rope.original_max_position_embeddings
+    defaults = RopeConfig()
+    names = {"llama3": ("low_freq_factor", "high_freq_factor"),
+             "yarn": ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate")}
+    for name in names.get(rope.type, ()):
+        value = getattr(rope, name)
+        if rope.type == "llama3" or value != getattr(defaults, name):
+            out[name] = value
+    return out
+
+
+def with_yarn(raw: dict, context: int) -> dict:
+    """A HF config.json dict extended by YaRN to `context` positions: factor = context / its
+    max_position_embeddings, which becomes original_max_position_embeddings (rope_theta +
+    rope_scaling, read alike by transformers and hf_rope)."""
+    original = int(raw.get("max_position_embeddings", 0))
+    if not 0 < original < context:
+        raise CheckpointError(f"extending to {context} positions: the model's context ({original}) must be shorter")
+    rope = hf_rope(raw)
+    if rope.type != "default":
+        raise UnsupportedError(f"the model already scales RoPE ({rope.type}); extend one with plain RoPE")
+    rope.type, rope.factor, rope.original_max_position_embeddings = "yarn", context / original, original
+    out = {k: v for k, v in raw.items() if k not in ("rope_parameters", "rope_scaling")}
+    out.update(rope_theta=rope.theta, rope_scaling=rope_to_hf(rope), max_position_embeddings=context)
+    return out
+
+
 def hf_sliding_windows(raw: dict, family: str, layers: int) -> list[int | None]:
     window = raw.get("sliding_window")
     if family in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):

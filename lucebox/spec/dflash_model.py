@@ -20,7 +20,7 @@ from torch import nn
 
 from ..errors import CheckpointError
 from ..kernels.rope import apply_rope
-from ..model.config import ModelConfig, hf_rope, hf_sliding_windows
+from ..model.config import ModelConfig, hf_rope, hf_sliding_windows, rope_to_hf
 from ..model.rope import RopeTable
 from ..model.transformer import MLP, RMSNorm
 
@@ -71,7 +71,7 @@ class DFlashConfig:
             "num_target_layers": self.num_target_layers, "hidden_size": m.hidden_size,
             "intermediate_size": m.intermediate_size, "num_hidden_layers": m.num_layers,
             "num_attention_heads": m.num_heads, "num_key_value_heads": m.num_kv_heads, "head_dim": m.head_dim,
-            "rms_norm_eps": m.rms_norm_eps, "rope_theta": m.rope.theta, "rope_scaling": None,
+            "rms_norm_eps": m.rms_norm_eps, "rope_theta": m.rope.theta, "rope_scaling": rope_to_hf(m.rope),
             "max_position_embeddings": m.max_position_embeddings, "vocab_size": m.vocab_size,
             "attention_bias": False, "tie_word_embeddings": True, "hidden_act": "silu",
             "layer_types": ["full_attention"] * m.num_layers, "use_sliding_window": False,

@@ -23,6 +23,7 @@ class TrainDrafterArgs:
     head_dim: int | None = None
     intermediate_size: int | None = None
     init_from_target: bool = False  # draft layers start as copies of the target's last layers
+    init_drafter: str | None = None  # start from this trained drafter (its shape; the target's RoPE)
     steps: int | None = None  # default: one pass over the training samples
     batch_size: int = 16
     seq_len: int = 1024
@@ -34,6 +35,7 @@ class TrainDrafterArgs:
     grad_clip: float = 1.0
     regenerate: bool = False
     prompt_len: int | None = None  # with --regenerate: prompt tokens per text sample (default seq_len // 4)
+    regen_tokens: int | None = None  # with --regenerate: tokens the target writes per prompt (default: up to seq_len)
     regen_batch: int = 128
     max_samples: int | None = None
     eval_fraction: float = 0.02
@@ -53,7 +55,8 @@ class TrainDrafterArgs:
         positive = {"layers": self.layers, "batch_size": self.batch_size, "seq_len": self.seq_len,
                     "anchors": self.anchors, "save_every": self.save_every, "regen_batch": self.regen_batch,
                     "eval_samples": self.eval_samples}
-        for name in ("steps", "max_samples", "heads", "kv_heads", "head_dim", "intermediate_size", "prompt_len"):
+        for name in ("steps", "max_samples", "heads", "kv_heads", "head_dim", "intermediate_size", "prompt_len",
+                     "regen_tokens"):
             if getattr(self, name) is not None:
                 positive[name] = getattr(self, name)
         for name, value in positive.items():
@@ -66,6 +69,8 @@ class TrainDrafterArgs:
         if self.prompt_len is not None and self.prompt_len >= self.seq_len:
             raise RequestError(f"--prompt-len {self.prompt_len} leaves no room to regenerate within "
                                f"--seq-len {self.seq_len}")
+        if self.init_drafter is not None and self.init_from_target:
+            raise RequestError("--init-drafter and --init-from-target both say where the drafter starts: give one")
         if self.max_seconds is not None and not self.max_seconds > 0:
             raise RequestError(f"--max-seconds must be positive, got {self.max_seconds!r}")
         for name in ("lr", "grad_clip"):
@@ -111,6 +116,10 @@ def add_arguments(p) -> None:
     p.add_argument("--init-from-target", action="store_true",
                    help="start the draft layers as copies of the target's last layers (the tap feeding the "
                         "first of them must be in --taps) instead of random weights")
+    p.add_argument("--init-drafter", default=argparse.SUPPRESS,
+                   help="start from this trained DFlash drafter (a directory): its layers, taps, block size and "
+                        "mask token are kept (--layers, --taps, --block-size and the shape flags are ignored); its "
+                        "RoPE and context become the target's, e.g. to extend a drafter to a YaRN-extended target")
     p.add_argument("--steps", type=int, default=argparse.SUPPRESS,
                    help="optimizer steps (default: one pass over the data)")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per step")
@@ -125,6 +134,9 @@ def add_arguments(p) -> None:
                    help="train on the target's own greedy continuations of the data (recipe default)")
     p.add_argument("--prompt-len", type=int, default=argparse.SUPPRESS,
                    help="with --regenerate: prompt tokens per text sample (default: seq-len / 4)")
+    p.add_argument("--regen-tokens", type=int, default=argparse.SUPPRESS,
+                   help="with --regenerate: tokens the target writes after each prompt (default: up to --seq-len); "
+                        "prompts of every length up to --prompt-len then get continuations of one length")
     p.add_argument("--regen-batch", type=int, default=d.regen_batch, help="sequences generated at once")
     p.add_argument("--max-samples", type=int, default=argparse.SUPPRESS,
                    help="use at most this many training samples (default: all)")

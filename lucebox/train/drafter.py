@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from ..errors import CheckpointError, RequestError
 from ..model.loader import load_model, resolve_device
-from ..spec.dflash import check_fits_target
+from ..spec.dflash import check_fits_target, load_drafter
 from ..spec.dflash_model import DFlashConfig, save_drafter
 from . import blocks
 from .args import TrainDrafterArgs
@@ -88,13 +88,14 @@ def train_drafter(args: TrainDrafterArgs) -> TrainResult:
     if args.seq_len > tcfg.max_position_embeddings:
         raise RequestError(f"--seq-len {args.seq_len} exceeds the target's context of "
                            f"{tcfg.max_position_embeddings} positions")
-    cfg = drafter_config(tcfg, loaded.tokenizer, args)
+    start = load_drafter(args.init_drafter, torch.float32, "cpu")[0] if args.init_drafter else None
+    cfg = drafter_config(tcfg, loaded.tokenizer, args, start.config if start is not None else None)
     state = _load_state(state_file, cfg) if args.resume else None
     check_fits_target(cfg, loaded, "the drafter to train")
     out.mkdir(parents=True, exist_ok=True)
     train, held = _samples(args, files, eval_files, loaded, out)
 
-    drafter = init_drafter(cfg, device, args.seed, target if args.init_from_target else None)
+    drafter = init_drafter(cfg, device, args.seed, target if args.init_from_target else None, start)
     # With --max-seconds alone the step count is set after WARM_STEPS + PROBE_STEPS steps.
     steps = args.steps or (1 << 40 if args.max_seconds else max(1, math.ceil(len(train) / args.batch_size)))
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=args.weight_decay,
@@ -245,6 +246,8 @@ def _evaluate(drafter, target, head, features, held: list[Sample], cfg: DFlashCo
         for first in range(0, T, args.anchors):
             anchors = torch.arange(first, min(T, first + args.anchors), device=ids.device).expand(S, -1)
             keep = candidates.gather(1, anchors)
+            if not bool(keep.any()):  # all prompt (long contexts, short continuations): nothing to score
+                continue
             labels, valid = blocks.block_targets(ids, lengths, mask, anchors, keep, B)
             with autocast:
                 hidden = blocks.draft_hidden(drafter, target.embed_tokens, feats, ids, anchors, cfg.mask_token_id)
@@ -313,6 +316,8 @@ def _samples(args: TrainDrafterArgs, files: list[Path], eval_files: list[Path] |
     settings = {"seq_len": args.seq_len, "prompt_len": prompt_len, "seed": args.seed,
                 "max_samples": args.max_samples, "eval_samples": args.eval_samples,
                 "eval_fraction": args.eval_fraction, "dtype": str(loaded.model.dtype)}
+    if args.regen_tokens is not None:  # only then: earlier caches keep their keys
+        settings["regen_tokens"] = args.regen_tokens
     if eval_files is not None:  # only then: caches made without --eval-data keep their keys
         settings["eval_data"] = fingerprint(args.target, eval_files, {})
     key = fingerprint(args.target, files, settings)
@@ -320,8 +325,8 @@ def _samples(args: TrainDrafterArgs, files: list[Path], eval_files: list[Path] |
     if cached is not None:
         return cached
     train, held = load(True)
-    train = regenerate(loaded, train, args.seq_len, args.regen_batch, "Regenerating train")
-    held = regenerate(loaded, held, args.seq_len, args.regen_batch, "Regenerating held-out")
+    train = regenerate(loaded, train, args.seq_len, args.regen_batch, "Regenerating train", args.regen_tokens)
+    held = regenerate(loaded, held, args.seq_len, args.regen_batch, "Regenerating held-out", args.regen_tokens)
     if not train:
         raise RequestError("--regenerate: the target produced no continuation to train on")
     save_cached(out / REGEN_FILE, key, train, held)

@@ -71,6 +71,11 @@ def dense_forward(model: Transformer, ids: torch.Tensor, capture_layers: tuple[i
             cache.v[i][:, start:start + t] = v
             k, v = cache.k[i][:, :start + t], cache.v[i][:, :start + t]
         mask = _mask(t, start, attn.sliding_window, ids.device)
+        if t > 1 and attn.num_heads != attn.num_kv_heads:
+            # Shared K/V heads repeated: torch's flash and memory-efficient kernels refuse enable_gqa, and
+            # the math fallback holds [heads, t, t] scores (tens of GB at 64K tokens). One query row (a
+            # decode step) keeps enable_gqa: its scores are small and the cache is not copied.
+            k, v = (kv.repeat_interleave(attn.num_heads // attn.num_kv_heads, dim=2) for kv in (k, v))
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
                                            is_causal=mask is None and t > 1, scale=attn.scale, enable_gqa=True)
         x = x + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))

@@ -2,10 +2,13 @@
 and the target's tapped features."""
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import torch
 
 from ..errors import RequestError
-from ..model.config import ModelConfig, RopeConfig
+from ..model.config import ModelConfig
 from ..spec.dflash_model import DFlashConfig, DFlashDrafter
 from .args import TrainDrafterArgs
 from .lm import dense_forward
@@ -60,10 +63,18 @@ def resolve_mask_token(spec: str | int, tokenizer, vocab_size: int) -> int:
     return value
 
 
-def drafter_config(target: ModelConfig, tokenizer, args: TrainDrafterArgs) -> DFlashConfig:
+def drafter_config(target: ModelConfig, tokenizer, args: TrainDrafterArgs, start: DFlashConfig | None = None
+                   ) -> DFlashConfig:
     """Width = the target's hidden size (the drafter shares its embedding and LM head); attention and
-    FFN shapes default to the target's. RoPE is plain (the target's theta): the drafter is trained
-    from scratch, so scaling buys nothing, and plain RoPE is what config.json round-trips."""
+    FFN shapes default to the target's. RoPE is the target's, scaling included: the drafter serves
+    the target's whole context (a YaRN-extended target's 64K positions) at the same positions.
+    With `start` (--init-drafter), that drafter's shape, taps, block size and mask token are kept."""
+    if start is not None:
+        cfg = copy.deepcopy(start)
+        cfg.model.rope = dataclasses.replace(target.rope)
+        cfg.model.max_position_embeddings = target.max_position_embeddings
+        cfg.num_target_layers = target.num_layers
+        return cfg
     heads = args.heads or target.num_heads
     kv_heads = args.kv_heads or target.num_kv_heads
     if args.kv_heads is None and heads % kv_heads:
@@ -73,17 +84,18 @@ def drafter_config(target: ModelConfig, tokenizer, args: TrainDrafterArgs) -> DF
         intermediate_size=args.intermediate_size or target.intermediate_size, num_layers=args.layers,
         num_heads=heads, num_kv_heads=kv_heads,
         head_dim=args.head_dim or target.head_dim, rms_norm_eps=target.rms_norm_eps,
-        max_position_embeddings=target.max_position_embeddings, rope=RopeConfig(theta=target.rope.theta),
+        max_position_embeddings=target.max_position_embeddings, rope=dataclasses.replace(target.rope),
         qk_norm=True, tie_word_embeddings=True)
     return DFlashConfig(model, parse_taps(args.taps, target.num_layers),
                         resolve_mask_token(args.mask_token_id, tokenizer, target.vocab_size),
                         args.block_size, target.num_layers)
 
 
-def init_drafter(cfg: DFlashConfig, device, seed: int, target=None) -> DFlashDrafter:
+def init_drafter(cfg: DFlashConfig, device, seed: int, target=None, start: DFlashDrafter | None = None
+                 ) -> DFlashDrafter:
     """float32 master weights (bf16 compute comes from autocast); HF's initialiser: N(0, 0.02)
     matrices, unit norms. With `target`, the draft layers start as copies of its last layers
-    instead (init_from_target)."""
+    instead (init_from_target); with `start`, as that trained drafter's weights (--init-drafter)."""
     torch.manual_seed(seed)
     drafter = DFlashDrafter(cfg)
     with torch.no_grad():
@@ -94,6 +106,8 @@ def init_drafter(cfg: DFlashConfig, device, seed: int, target=None) -> DFlashDra
                 p.normal_(0.0, 0.02)
     if target is not None:
         init_from_target(drafter, target)
+    if start is not None:
+        drafter.load_state_dict({k: v.float() for k, v in start.state_dict().items()})
     return drafter.to(device)
 
 

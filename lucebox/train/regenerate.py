@@ -23,9 +23,9 @@ log = logging.getLogger("lucebox")
 
 
 def regenerate(loaded, prompts: list[Sample], seq_len: int, batch_size: int = 128,
-               desc: str = "Regenerating") -> list[Sample]:
-    """Each prompt plus the target's greedy continuation up to seq_len tokens (or its end-of-turn).
-    Only the generated tokens are trained on."""
+               desc: str = "Regenerating", max_new: int | None = None) -> list[Sample]:
+    """Each prompt plus the target's greedy continuation up to seq_len tokens (or its end-of-turn),
+    and at most max_new tokens when given. Only the generated tokens are trained on."""
     if not prompts:
         return []
     model = loaded.model
@@ -36,15 +36,18 @@ def regenerate(loaded, prompts: list[Sample], seq_len: int, batch_size: int = 12
     order = sorted((i for i, p in enumerate(prompts) if p.ids.numel() < seq_len), key=lambda i: -prompts[i].ids.numel())
     kept: dict[int, torch.Tensor] = {}
     generated: dict[int, list[int]] = {}
-    total = sum(seq_len - prompts[i].ids.numel() for i in order)  # an upper bound: rows may stop early
+    def room(n: int) -> int:
+        return min(seq_len - n, max_new) if max_new is not None else seq_len - n
+
+    total = sum(room(prompts[i].ids.numel()) for i in order)  # an upper bound: rows may stop early
     with tqdm(total=total, desc=desc, unit="tok", disable=False, mininterval=10) as bar:
         for first in range(0, len(order), batch_size):
             chunk = order[first:first + batch_size]
             n = min(prompts[i].ids.numel() for i in chunk)
             ids = torch.stack([prompts[i].ids[-n:] for i in chunk])
-            for i, row, gen in zip(chunk, ids, greedy_generate(model, ids.to(model.device), seq_len - n, stop_ids)):
+            for i, row, gen in zip(chunk, ids, greedy_generate(model, ids.to(model.device), room(n), stop_ids)):
                 kept[i], generated[i] = row, gen
-            bar.update(sum(seq_len - prompts[i].ids.numel() for i in chunk))
+            bar.update(sum(room(prompts[i].ids.numel()) for i in chunk))
     if model.device.type == "cuda":
         torch.cuda.empty_cache()
     samples = []
