@@ -16,7 +16,7 @@ from .generate import (
     drain,
     generate,
     max_tokens_for,
-    render_chat,
+    prepare_chat,
     request_id,
     sampling_params,
     skip_special_tokens,
@@ -103,7 +103,7 @@ def chat_job(req: ChatCompletionRequest) -> ChatJob:
 
 async def chat_completions(state, request: Request, req: ChatCompletionRequest):
     job = chat_job(req)
-    prepared = render_chat(state, job)
+    prepared = await prepare_chat(state, job)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     processors = await build_processors(state, prepared, req.n)
