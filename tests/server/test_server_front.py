@@ -308,3 +308,44 @@ def test_a_crashed_engine_loop_fails_requests_and_turns_health_unhealthy(model_d
         assert again.status_code == 503 and again.json()["error"]["code"] == "engine_unavailable"
     finally:
         srv.stop()
+
+
+def test_sigterm_ends_running_streams_cleanly_and_exits_0(model_dir):
+    """`lucebox serve` gets SIGTERM mid-stream: the stream ends with [DONE] or an error event saying
+    the server shut down (never a cut), and the process exits 0 within --graceful-timeout + margin."""
+    import os
+    import signal
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "lucebox.cli", "serve", "--model", str(model_dir), "--port",
+                             str(port), "--max-model-len", "2048", "--graceful-timeout", "1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(os.environ))
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()
+            time.sleep(0.2)
+        body = {"model": "m", "messages": USER, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        lines = []
+        with httpx.Client(timeout=60) as client, client.stream("POST", url + CHAT, json=body) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line and not lines:
+                    proc.send_signal(signal.SIGTERM)
+                    signalled = time.monotonic()
+                if line:
+                    lines.append(line)
+        assert lines[-1] == "data: [DONE]" or "shut down" in lines[-1], lines[-3:]
+        assert proc.wait(timeout=10) == 0
+        assert time.monotonic() - signalled < 1 + 6
+    finally:
+        if proc.poll() is None:
+            proc.kill()
