@@ -73,6 +73,8 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--graceful-timeout", type=float, default=d.graceful_timeout, help=h["graceful_timeout"])
     p.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens, help=h["default_max_tokens"])
     p.add_argument("--allow-request-chat-template", action="store_true", help=h["allow_request_chat_template"])
+    for name in ("max_n", "max_stop_sequences", "max_top_logprobs", "max_request_tokens", "max_pending_tokens"):
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name), help=h[name])
     # -v after the command too (`lucebox serve -v`); SUPPRESS keeps `lucebox -v serve` working
     p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log engine details")
 

@@ -30,7 +30,7 @@ class EngineArgs:
     # construction. None: the default model speculates with its drafter, any other model does not;
     # {} (or SpeculativeConfig()): off.
     speculative_config: SpeculativeConfig | dict | None = None
-    max_queue: int = 1024  # waiting requests before new ones are refused
+    max_queue: int = 1024  # waiting sequences (a request counts its n) before new ones are refused
     # CUDA graphs for decode / verify steps. None: on for CUDA devices (an eager step there is several
     # times slower), off on CPU; True on CPU runs the padded static batches without capture (how CPU
     # tests check them); False: vLLM's enforce_eager.
@@ -60,7 +60,7 @@ class EngineArgs:
         "cache_rotate_k": "rotate keys with a Walsh-Hadamard transform before quantising (tames outlier channels)",
         "speculative_config": "speculative decoding settings",
         "enable_prefix_caching": "reuse the KV of shared prompt prefixes across requests",
-        "max_queue": "most requests waiting for a slot; more are refused with an overload error",
+        "max_queue": "most sequences waiting for a slot (a request counts n); more are refused with an overload error",
         "cuda_graphs": "replay decode and verify steps through CUDA graphs (default: on for CUDA devices)",
         "enforce_eager": "run every step eagerly: no CUDA graphs (slower at small batches; for debugging)",
         "async_decode": "launch each plain decode step before the previous one's tokens are read (through "

@@ -1,9 +1,14 @@
 """AsyncEngine: the engine's step loop on a background thread, with asyncio streams per request.
 
-`stream = await engine.add_request(id, prompt, params)` validates and queues the request (raising
-LuceboxError at once if it is bad), then `async for output in stream` yields cumulative
-RequestOutputs until the last one has `finished`. Leaving the loop early (a client that went away)
-aborts the request and frees its KV blocks.
+`stream = await engine.add_request(id, prompt, params)` tokenises the prompt in a worker thread,
+hands the request to the engine thread and waits for its admission (raising LuceboxError if it is
+bad or the queue is full), then `async for output in stream` yields cumulative RequestOutputs until
+the last one has `finished`. Leaving the loop early (a client that went away) aborts the request
+and frees its KV blocks.
+
+The event loop never waits on a step: adds and aborts go into an inbox that the engine thread
+drains between steps, and outputs come back through call_soon_threadsafe. A step that raises
+kills the loop: every request fails with EngineDeadError and `health_problem` says why.
 
 The server sees the engine only through this class: requests and streams, and a few read-only
 facts (max_model_len, tokenizer, vocab_size, eos_token_ids, model_name, stats()).
@@ -11,8 +16,10 @@ facts (max_model_len, tokenizer, vocab_size, eos_token_ids, model_name, stats())
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,25 +61,62 @@ class EngineStats:
         return (self.state_slots - self.state_slots_free) / self.state_slots if self.state_slots else None
 
 
+@dataclass
+class _Add:
+    request_id: str
+    prompt: dict
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue  # the request's outputs, read by its stream
+    admitted: asyncio.Future  # None once admitted, or the admission error
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
-        self._lock = threading.Lock()  # guards the engine: steps on the thread, add/abort from asyncio
+        self._inbox: collections.deque = collections.deque()  # _Add / _Abort, drained between steps
         self._wake = threading.Event()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # engine thread only
         self._stopped = False
+        self._failure: str | None = None  # why the step loop died
+        self._drain_deadline: float | None = None  # set at shutdown: no new requests; fail the rest after it
         self._thread = threading.Thread(target=self._run, name="lucebox-engine", daemon=True)
         self._thread.start()
 
     async def add_request(self, request_id: str, prompt, params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        if self._stopped:
-            raise EngineDeadError("the engine has shut down")
+        self._check_accepting()
+        prompt = await self._tokenized(prompt)
+        self._check_accepting()
+        loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        with self._lock:
-            self.engine.add_request(request_id, prompt, params)
-            self._streams[request_id] = (asyncio.get_running_loop(), queue)
-        self._wake.set()
+        admitted = loop.create_future()
+        self._post(_Add(request_id, prompt, params, loop, queue, admitted))
+        try:
+            await admitted
+        except asyncio.CancelledError:
+            self.abort(request_id)  # the caller left before admission: free it once admitted
+            raise
         return self._stream(request_id, queue)
+
+    async def _tokenized(self, prompt):
+        """A text prompt as {prompt, prompt_token_ids}, encoded in a worker thread (a 10 MB prompt
+        takes seconds); other shapes go to the engine as they are, which checks them."""
+        text = prompt if isinstance(prompt, str) else None
+        if isinstance(prompt, dict) and "prompt_token_ids" not in prompt:
+            text = prompt.get("prompt")
+        if not isinstance(text, str):
+            return prompt
+        return {"prompt": text, "prompt_token_ids": await asyncio.to_thread(self.engine.tokenizer.encode, text)}
+
+    def _check_accepting(self) -> None:
+        problem = self.health_problem
+        if problem is not None:
+            raise EngineDeadError(f"{problem}; no new requests are accepted")
 
     async def _stream(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         finished = False
@@ -90,9 +134,14 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        with self._lock:
-            self.engine.abort(request_id)
-            self._streams.pop(request_id, None)
+        """Never blocks: the engine thread frees the request between steps (a no-op once finished)."""
+        self._post(_Abort(request_id))
+
+    def _post(self, command) -> None:
+        self._inbox.append(command)
+        self._wake.set()
+        if self._failure is not None or not self._thread.is_alive():
+            self._fail_inbox(EngineDeadError(self.health_problem or "the engine is not running"))
 
     @property
     def max_model_len(self) -> int:
@@ -134,39 +183,106 @@ class AsyncEngine:
     @property
     def is_running(self) -> bool:
         """The step loop is alive and accepting work (the server's /health)."""
-        return not self._stopped and self._thread.is_alive()
+        return self.health_problem is None
+
+    @property
+    def health_problem(self) -> str | None:
+        """Why the engine takes no requests (None: it does)."""
+        if self._failure is not None:
+            return self._failure
+        if self._stopped or not self._thread.is_alive():
+            return "the engine has shut down"
+        if self._drain_deadline is not None:
+            return "the server is shutting down"
+        return None
+
+    def begin_shutdown(self, grace: float) -> None:
+        """Stop admitting; requests still running `grace` seconds from now fail with a clear error."""
+        if self._drain_deadline is None:
+            self._drain_deadline = time.monotonic() + max(0.0, grace)
+            self._wake.set()
 
     def shutdown(self) -> None:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=10)
 
+    # ------------------------------------------------------------------ the engine thread
     def _run(self) -> None:
-        while not self._stopped:
-            self._wake.wait()
-            deliveries = []
-            with self._lock:
+        try:
+            while not self._stopped:
+                self._wake.clear()  # before the inbox: a command posted after this sets it again
+                self._apply_inbox()
+                if self._drain_deadline is not None and time.monotonic() >= self._drain_deadline:
+                    self._fail_all(EngineDeadError("the server shut down before this request finished "
+                                                   "(--graceful-timeout)"))
                 if not self.engine.has_unfinished():
-                    self._wake.clear()
+                    self._wake.wait(timeout=None if self._drain_deadline is None else 0.1)
                     continue
-                try:
-                    outputs = self.engine.step()
-                except Exception as e:  # a failed step must not hang its requests: fail them all
-                    log.exception("engine step failed")
-                    error = EngineDeadError(f"the engine failed while running this request: {e}")
-                    for request_id in list(self._streams):
-                        self.engine.abort(request_id)
-                        deliveries.append((self._streams.pop(request_id), error))
-                    outputs = []
-                for output in outputs:
-                    target = self._streams.get(output.request_id)
-                    if target is None:
-                        continue
-                    if output.finished:
-                        del self._streams[output.request_id]
-                    deliveries.append((target, output))
-            for (loop, queue), item in deliveries:
-                try:
-                    loop.call_soon_threadsafe(queue.put_nowait, item)
-                except RuntimeError:  # the caller's event loop has closed
-                    pass
+                self._deliver(self.engine.step())
+        except BaseException as e:  # a failed step leaves the engine's state unknown: stop, fail everything
+            log.exception("the engine loop failed")
+            self._failure = f"the engine failed ({type(e).__name__}: {e}); restart the server"
+            self._fail_all(EngineDeadError(self._failure))
+            self._fail_inbox(EngineDeadError(self._failure))
+            return
+        self._fail_all(EngineDeadError("the server shut down before this request finished"))
+        self._fail_inbox(EngineDeadError("the engine has shut down"))
+
+    def _apply_inbox(self) -> None:
+        while self._inbox:
+            command = self._inbox.popleft()
+            if isinstance(command, _Abort):
+                self.engine.abort(command.request_id)
+                self._streams.pop(command.request_id, None)
+                continue
+            error = None
+            try:
+                self.engine.add_request(command.request_id, command.prompt, command.params)
+                self._streams[command.request_id] = (command.loop, command.queue)
+            except Exception as e:  # the request's own fault (LuceboxError) or a bug: its caller hears of it
+                error = e
+            _call_soon(command.loop, _settle, command.admitted, error)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            target = self._streams.get(output.request_id)
+            if target is None:
+                continue
+            if output.finished:
+                del self._streams[output.request_id]
+            _call_soon(target[0], target[1].put_nowait, output)
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        """Every admitted request ends with `error` (its stream raises it)."""
+        for request_id, (loop, queue) in list(self._streams.items()):
+            try:
+                self.engine.abort(request_id)
+            except Exception:  # the engine may be broken: the callers must hear of it all the same
+                log.exception("abort of %s failed", request_id)
+            _call_soon(loop, queue.put_nowait, error)
+        self._streams.clear()
+
+    def _fail_inbox(self, error: EngineDeadError) -> None:
+        while True:
+            try:
+                command = self._inbox.popleft()
+            except IndexError:
+                return
+            if isinstance(command, _Add):
+                _call_soon(command.loop, _settle, command.admitted, error)
+
+
+def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+    if not future.done():  # a caller that left has cancelled it
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the caller's event loop has closed
+        pass

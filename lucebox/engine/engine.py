@@ -138,9 +138,10 @@ class LLMEngine:
         text, ids = self._tokenize(prompt)
         if not ids:
             raise RequestError("the prompt is empty")
-        if len(self.scheduler.waiting) >= self.args.max_queue:
-            raise OverloadError(f"the server is busy: {len(self.scheduler.waiting)} requests are waiting "
-                                f"(--max-queue {self.args.max_queue}); retry later")
+        waiting = len(self.scheduler.waiting)
+        if waiting + params.n > self.args.max_queue:  # sequences, not requests: n=1000 is 1000 of them
+            raise OverloadError(f"the server is busy: {waiting} sequences are waiting and this request adds "
+                                f"{params.n} (--max-queue {self.args.max_queue}); retry later")
         if len(ids) >= self.max_model_len:
             raise ContextLengthError(
                 f"the prompt has {len(ids)} tokens; the context window (max_model_len) is {self.max_model_len}, "

@@ -14,7 +14,7 @@ from .generate import (
     build_processors,
     drain,
     generate,
-    render_chat,
+    prepare_chat,
     request_id,
     sampling_params,
     skip_special_tokens,
@@ -145,7 +145,7 @@ def messages_job(req) -> ChatJob:
 
 
 async def count_tokens(state, req: CountTokensRequest):
-    prepared = render_chat(state, messages_job(req))
+    prepared = await prepare_chat(state, messages_job(req))
     return JSONResponse({"input_tokens": len(prepared.prompt_ids)})
 
 
@@ -153,7 +153,7 @@ async def messages(state, request: Request, req: MessagesRequest):
     if req.max_tokens < 1:
         raise APIError(400, "max_tokens must be at least 1", param="max_tokens")
     job = messages_job(req)
-    prepared = render_chat(state, job)
+    prepared = await prepare_chat(state, job)
     processors = await build_processors(state, prepared, 1)
     processors += state.extra_processors("messages", req.model_dump())
     params = sampling_params(state, max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,

@@ -6,7 +6,7 @@ import asyncio
 import json
 import logging
 import time
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from typing import Callable
 
 from fastapi import FastAPI, Request
@@ -21,6 +21,7 @@ from ..engine.engine import LLMEngine
 from . import dashboard, protocol
 from .constrain import GrammarFactory
 from .errors import APIError, api_of, refused
+from .generate import WorkLedger
 from .config import ServerConfig
 from .metrics import Metrics
 from .tools import tool_format
@@ -37,6 +38,7 @@ class ServerState:
         self.grammars = GrammarFactory(self.tokenizer, engine.vocab_size, engine.eos_token_ids)
         self.tool_format = tool_format(self.tokenizer.chat_templates)
         self._request_processors = request_processors
+        self.work = WorkLedger(config, engine.stats().kv_capacity_tokens)
 
     def model_name(self, requested: str | None) -> str:
         return self.model_id
@@ -109,8 +111,9 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None, model_id
 
     @app.get("/health")
     async def _health():
-        if not engine.is_running:
-            raise APIError(503, "the engine is not running")
+        problem = engine.health_problem  # a crashed engine loop or a shutdown in progress
+        if problem is not None:
+            raise APIError(503, problem, code="engine_unavailable")
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -214,7 +217,31 @@ def serve(engine_args: EngineArgs, config: ServerConfig, verbose: bool = False) 
     gc.freeze()
     print(f"[lucebox serving {model_id} on http://{config.host}:{config.port} "
           f"(OpenAI /v1/chat/completions /v1/completions /v1/responses, Anthropic /v1/messages)]", file=sys.stderr)
-    uvicorn.run(app, host=config.host, port=config.port, timeout_keep_alive=int(config.idle_timeout),
-                timeout_graceful_shutdown=int(config.graceful_timeout) or None,
-                log_level="info" if verbose else "warning")
+    # Requests still running at --graceful-timeout end with an error event; uvicorn's own limit comes
+    # a little later, so that those last events reach their clients before it cancels the connections.
+    server = _graceful_server(uvicorn.Config(app, host=config.host, port=config.port,
+                                             timeout_keep_alive=int(config.idle_timeout),
+                                             timeout_graceful_shutdown=int(config.graceful_timeout) + 3,
+                                             log_level="info" if verbose else "warning"),
+                              on_exit=lambda: engine.begin_shutdown(config.graceful_timeout))
+    server.run()
     return 0
+
+
+def _graceful_server(config, on_exit: Callable[[], None]):
+    """A uvicorn.Server whose SIGTERM / SIGINT first calls on_exit (the engine stops admitting), and
+    which then exits 0: a clean shutdown, not death by the signal uvicorn re-raises."""
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            on_exit()
+            super().handle_exit(sig, frame)
+
+        @contextmanager
+        def capture_signals(self):
+            with super().capture_signals():
+                yield
+                getattr(self, "_captured_signals", []).clear()
+
+    return GracefulServer(config)

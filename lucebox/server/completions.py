@@ -14,6 +14,7 @@ from .generate import (
     drain,
     generate,
     max_tokens_for,
+    off_loop,
     request_id,
     sampling_params,
     token_text,
@@ -38,7 +39,7 @@ def _prompt(state, req: CompletionRequest) -> tuple[str, list[int]]:
 async def completions(state, request: Request, req: CompletionRequest):
     if req.suffix:
         raise APIError(400, "suffix (fill-in-the-middle) is not supported", param="suffix")
-    text, ids = _prompt(state, req)
+    text, ids = await off_loop(_prompt, state, req)
     if not ids:
         raise APIError(400, "the prompt is empty", param="prompt")
     params = sampling_params(
@@ -46,7 +47,7 @@ async def completions(state, request: Request, req: CompletionRequest):
         top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty, seed=req.seed,
         stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
-        logit_bias=req.logit_bias, logprobs=req.logprobs,
+        logit_bias=req.logit_bias, logprobs=req.logprobs, logprobs_param="logprobs",
         processors=state.extra_processors("completions", req.model_dump()))
     rid, model, created = request_id("cmpl-"), state.model_name(req.model), int(time.time())
     agen = generate(state, Prepared(text, ids, None), params, rid)

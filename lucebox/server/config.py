@@ -22,6 +22,12 @@ class ServerConfig:
     # Output cap for requests that set none (Codex sends no max_output_tokens); None: the context's room.
     default_max_tokens: int | None = None
     allow_request_chat_template: bool = False  # chat_template_kwargs.chat_template text is code from the network
+    # Per-request limits: one request must not take the server from everyone else.
+    max_n: int = 16  # completions per request
+    max_stop_sequences: int = 16
+    max_top_logprobs: int = 20  # OpenAI's own limit
+    max_request_tokens: int | None = None  # n x (prompt + max_tokens); None: the KV pool's capacity
+    max_pending_tokens: int | None = None  # the same, summed over admitted requests; None: 8 x max_request_tokens
 
     HELP = {
         "host": "address to bind (127.0.0.1: this machine only; 0.0.0.0: every interface)",
@@ -37,9 +43,28 @@ class ServerConfig:
         "default_max_tokens": "output tokens for requests that set no limit (default: what the context window leaves)",
         "allow_request_chat_template": "render chat templates sent in requests (chat_template_kwargs.chat_template, "
                                        "up to 128 KiB, sandboxed and time-limited); default: only the model's own",
+        "max_n": "most completions (n) one request may ask for",
+        "max_stop_sequences": "most stop strings one request may give",
+        "max_top_logprobs": "most top logprobs per token one request may ask for",
+        "max_request_tokens": "most tokens of work one request may ask for: n x (prompt + max_tokens) "
+                              "(default: the KV pool's capacity)",
+        "max_pending_tokens": "most tokens of work admitted at once, all requests together; more are refused "
+                              "with 503 (default: 8 x --max-request-tokens)",
     }
 
     def __post_init__(self):
-        if self.default_max_tokens is not None and (not isinstance(self.default_max_tokens, int)
-                                                    or self.default_max_tokens < 1):
-            raise RequestError(f"--default-max-tokens must be a positive integer, got {self.default_max_tokens!r}")
+        for name in ("default_max_tokens", "max_request_tokens", "max_pending_tokens"):
+            _check_positive(name, getattr(self, name), optional=True)
+        for name in ("max_n", "max_stop_sequences"):
+            _check_positive(name, getattr(self, name))
+        if not isinstance(self.max_top_logprobs, int) or self.max_top_logprobs < 0:
+            raise RequestError(f"--max-top-logprobs must be an integer >= 0, got {self.max_top_logprobs!r}")
+        if self.graceful_timeout < 0:
+            raise RequestError(f"--graceful-timeout must be >= 0 seconds, got {self.graceful_timeout!r}")
+
+
+def _check_positive(name: str, value, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise RequestError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")

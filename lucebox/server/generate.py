@@ -1,14 +1,20 @@
 """The API-independent core: render a chat into a prompt, submit it, and turn the engine's
 cumulative outputs into per-choice events (parsed reasoning / content / tool calls, logprobs,
 finish), with keep-alive ticks while nothing arrives, a request deadline, and an abort whenever
-the consumer goes away (client disconnect) so the request's KV is freed at once."""
+the consumer goes away (client disconnect) so the request's KV is freed at once.
+
+The event loop serves every client: a request's CPU work (template rendering, tokenising) runs in
+a small worker pool (`off_loop`), and its size (n, stop list, top logprobs, total tokens of work)
+is checked against the server's limits before it reaches the engine (`WorkLedger`)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
@@ -22,6 +28,14 @@ from .tools import ToolSpec, param_schemas, template_tools
 log = logging.getLogger("lucebox.server")
 KEEPALIVE = object()  # yielded when nothing arrived for config.keepalive seconds
 _ids = itertools.count()
+# Few threads: rendering and tokenising are CPU work; more threads than cores only share them out thinner.
+_WORKERS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="lucebox-prep")
+
+
+async def off_loop(fn, *args, **kwargs):
+    """fn(*args, **kwargs) in a worker thread: the event loop keeps serving every other request
+    (and /health) while one request's template renders or its 10 MB prompt is tokenised."""
+    return await asyncio.get_running_loop().run_in_executor(_WORKERS, functools.partial(fn, *args, **kwargs))
 
 
 @dataclass
@@ -95,6 +109,11 @@ def merge_late_system(messages: list[dict]) -> list[dict]:
     return out
 
 
+async def prepare_chat(state, job: ChatJob) -> Prepared:
+    """render_chat off the event loop."""
+    return await off_loop(render_chat, state, job)
+
+
 def render_chat(state, job: ChatJob) -> Prepared:
     tok = state.tokenizer
     tools_on = bool(job.tools) and job.tool_choice != "none"
@@ -128,6 +147,7 @@ class _ToolChoice:
 
 
 async def build_processors(state, prepared: Prepared, n: int) -> list:
+    check_n(state, n)  # before a grammar processor sized for n is made
     procs = []
     for p in prepared.processors:
         if not isinstance(p, _ToolChoice):
@@ -152,8 +172,18 @@ async def build_processors(state, prepared: Prepared, n: int) -> list:
 def sampling_params(state, *, max_tokens, n=1, temperature=None, top_p=None, top_k=None, min_p=None,
                     presence_penalty=None, frequency_penalty=None, repetition_penalty=None, seed=None, stop=None,
                     stop_token_ids=None, ignore_eos=False, min_tokens=0, logit_bias=None, logprobs=None,
-                    processors=(), skip_special=True) -> SamplingParams:
-    """SamplingParams from API fields; unset ones are left to the model's generation_config."""
+                    processors=(), skip_special=True, logprobs_param="top_logprobs") -> SamplingParams:
+    """SamplingParams from API fields; unset ones are left to the model's generation_config.
+    n, the stop list and logprobs are bounded by the server's flags."""
+    check_n(state, n)
+    cfg = state.config
+    stops = [stop] if isinstance(stop, str) else list(stop or ())
+    if len(stops) > cfg.max_stop_sequences:
+        raise APIError(400, f"{len(stops)} stop sequences were given; this server takes at most "
+                            f"{cfg.max_stop_sequences} (--max-stop-sequences)", param="stop")
+    if isinstance(logprobs, int) and logprobs > cfg.max_top_logprobs:
+        raise APIError(400, f"{logprobs_param}={logprobs} exceeds this server's limit of {cfg.max_top_logprobs} "
+                            "(--max-top-logprobs)", param=logprobs_param)
     given = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, presence_penalty=presence_penalty,
                  frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty, seed=seed)
     kwargs = {k: v for k, v in given.items() if v is not None}
@@ -168,6 +198,40 @@ def sampling_params(state, *, max_tokens, n=1, temperature=None, top_p=None, top
                               skip_special_tokens=skip_special, logits_processors=list(processors) or None, **kwargs)
     except LuceboxError as e:
         raise APIError(400, str(e), param=_param_of(str(e))) from e
+
+
+def check_n(state, n) -> None:
+    if isinstance(n, int) and n > state.config.max_n:
+        raise APIError(400, f"n={n} exceeds this server's limit of {state.config.max_n} completions per request "
+                            "(--max-n)", param="n")
+
+
+class WorkLedger:
+    """Admission by work: a request's tokens of work are n x (prompt + max_tokens), the KV its
+    sequences can hold at once. One request may take at most --max-request-tokens (default: the KV
+    pool), all admitted requests together --max-pending-tokens (default: 8 pools); so one client's
+    huge request is refused (400) rather than filling the queue that others then find full (503).
+    Used on the event loop only: no lock."""
+
+    def __init__(self, config, kv_capacity_tokens: int):
+        self.per_request = config.max_request_tokens or kv_capacity_tokens
+        self.total = config.max_pending_tokens or 8 * self.per_request
+        self.pending = 0  # tokens of work of the requests admitted and not yet finished
+
+    def admit(self, n: int, prompt_tokens: int, max_tokens: int) -> int:
+        work = n * (prompt_tokens + max_tokens)
+        if work > self.per_request:
+            raise APIError(400, f"this request asks for {work} tokens of work (n={n} x (prompt {prompt_tokens} + "
+                                f"max_tokens {max_tokens})); this server takes at most {self.per_request} per request "
+                                "(--max-request-tokens): lower n or max_tokens", param="n" if n > 1 else "max_tokens")
+        if self.pending + work > self.total:
+            raise APIError(503, f"the server is busy: {self.pending} tokens of work are pending and this request "
+                                f"adds {work} (--max-pending-tokens {self.total}); retry later", code="overloaded")
+        self.pending += work
+        return work
+
+    def release(self, work: int) -> None:
+        self.pending -= work
 
 
 def _param_of(message: str) -> str | None:
@@ -202,10 +266,18 @@ async def generate(state, prepared: Prepared, params: SamplingParams, rid: str) 
     """Yields ChoiceUpdate, KEEPALIVE, and finally the Usage. Raises APIError."""
     cfg = state.config
     prompt = {"prompt": prepared.prompt_text, "prompt_token_ids": prepared.prompt_ids}
+    prompt_len = len(prepared.prompt_ids)
+    max_tokens = params.max_tokens if params.max_tokens is not None else state.engine.max_model_len - prompt_len
+    # A request that cannot fit the context is the engine's to refuse, in the context error's wording.
+    fits = prompt_len + max_tokens <= state.engine.max_model_len
+    work = state.work.admit(params.n, prompt_len, max_tokens) if fits else 0
     try:
         stream = await state.engine.add_request(rid, prompt, params)
-    except LuceboxError as e:
-        raise from_lucebox(e) from e
+    except BaseException as e:
+        state.work.release(work)
+        if isinstance(e, LuceboxError):
+            raise from_lucebox(e) from e
+        raise
     state.dashboard.arrived(rid, len(prepared.prompt_ids))
     parsers = {}
     seen_text, seen_lp, done = {}, {}, set()
@@ -262,6 +334,7 @@ async def generate(state, prepared: Prepared, params: SamplingParams, rid: str) 
         yield Usage(len(last.prompt_token_ids), sum(len(o.token_ids) for o in last.outputs), last.num_cached_tokens)
         last = None
     finally:
+        state.work.release(work)
         if pending is not None:
             pending.cancel()
         state.engine.abort(rid)  # no-op when finished; frees KV at once when the client went away

@@ -18,7 +18,7 @@ from .generate import (
     drain,
     generate,
     max_tokens_for,
-    render_chat,
+    prepare_chat,
     request_id,
     sampling_params,
     skip_special_tokens,
@@ -110,7 +110,7 @@ async def chat_completions(state, request: Request, req: ChatCompletionRequest):
                                state.config.allow_request_chat_template)
     except RequestError as e:
         raise APIError(400, str(e), param="chat_template_kwargs") from e
-    prepared = render_chat(state, job)
+    prepared = await prepare_chat(state, job)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     processors = await build_processors(state, prepared, req.n)

@@ -20,7 +20,7 @@ from .generate import (
     drain,
     generate,
     max_tokens_for,
-    render_chat,
+    prepare_chat,
     request_id,
     sampling_params,
     skip_special_tokens,
@@ -140,7 +140,7 @@ async def responses(state, request: Request, req: ResponsesRequest):
         raise APIError(400, "previous_response_id is not supported: this server stores no responses; send the "
                             "whole conversation in input (store: false)", param="previous_response_id")
     job, custom = responses_job(req)
-    prepared = render_chat(state, job)
+    prepared = await prepare_chat(state, job)
     processors = await build_processors(state, prepared, 1)
     processors += state.extra_processors("responses", req.model_dump())
     params = sampling_params(state, max_tokens=max_tokens_for(state, len(prepared.prompt_ids), req.max_output_tokens),

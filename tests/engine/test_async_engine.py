@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -55,6 +56,9 @@ def test_leaving_a_stream_early_aborts_and_frees_its_blocks(llm, engine):
 
     asyncio.run(main())
     blocks = llm.engine.scheduler.blocks
+    deadline = time.monotonic() + 5  # the abort is applied by the engine thread, between steps
+    while llm.engine.has_unfinished() and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert not llm.engine.has_unfinished() and blocks.num_free_blocks == blocks.num_blocks
 
 
