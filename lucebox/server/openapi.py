@@ -40,6 +40,9 @@ _RESULTS = {
                                     output_tokens={"type": "integer"})),
     "/v1/messages/count_tokens": _obj(["input_tokens"], input_tokens={"type": "integer", "minimum": 0}),
 }
+# One server-sent event (schemathesis checks each event of a text/event-stream answer against it).
+_EVENT = {"type": "object", "required": ["data"], "properties": {"event": {"type": "string"},
+                                                                 "data": {"type": "string"}}}
 _STREAMS = {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"}
 
 
@@ -51,7 +54,7 @@ def openapi_schema(title: str, version: str, api_key: bool) -> dict:
     for path, model in protocol.REQUEST_MODELS.items():
         ok = {"application/json": {"schema": _RESULTS[path]}}
         if path in _STREAMS:
-            ok["text/event-stream"] = {"schema": {"type": "string"}}
+            ok["text/event-stream"] = {"schema": _EVENT}
         error = _ANTHROPIC_ERROR if path.startswith("/v1/messages") else _OPENAI_ERROR
         paths[path] = {"post": {
             "operationId": path.strip("/").replace("/", "_"),
