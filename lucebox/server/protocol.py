@@ -58,6 +58,7 @@ def _bias_in_vocab(bias: dict[str, float], info: ValidationInfo) -> dict[str, fl
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=INT64)]], AfterValidator(_in_vocab)]
 Bias = Annotated[float, Field(ge=-100, le=100)]
+StopString = Annotated[str, Field(min_length=1)]
 
 
 # ---------------------------------------------------------------- tools (shared shapes)
@@ -158,7 +159,7 @@ class SamplingFields(Lenient):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
-    stop: Union[str, list[str], None] = None
+    stop: Union[StopString, list[StopString], None] = None
     stop_token_ids: TokenIds | None = None
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, le=INT64)
@@ -324,7 +325,7 @@ class CountTokensRequest(Lenient):
 
 class MessagesRequest(CountTokensRequest):
     max_tokens: int = Field(ge=1, le=INT64)
-    stop_sequences: list[str] | None = None
+    stop_sequences: list[StopString] | None = None
     stream: bool = False
     temperature: float | None = Field(None, ge=0, le=1)
     top_p: float | None = Field(None, gt=0, le=1)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from lucebox.server.parsing import OutputParser, ParsedOutput
 from lucebox.server.sse import sse
 
-EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "12")) * 5
+EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "10")) * 6
 fuzz = settings(max_examples=EXAMPLES, deadline=None, database=None)
 
 # Text made of the pieces that matter to the parser (tags, their fragments, JSON and XML punctuation)
