@@ -3,7 +3,7 @@ and `serve`, which runs it under uvicorn with the AsyncEngine."""
 from __future__ import annotations
 
 import asyncio
-import json
+import hmac
 import logging
 import time
 from contextlib import asynccontextmanager, contextmanager
@@ -11,7 +11,6 @@ from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from ..config import EngineArgs
@@ -19,11 +18,13 @@ from ..engine.async_engine import AsyncEngine
 from ..engine.build import summary
 from ..engine.engine import LLMEngine
 from . import dashboard, protocol
+from .body import read_json, validate
 from .constrain import GrammarFactory
 from .errors import APIError, api_of, refused
 from .generate import WorkLedger
 from .config import ServerConfig
 from .metrics import Metrics
+from .openapi import openapi_schema
 from .tools import tool_format
 
 log = logging.getLogger("lucebox.server")
@@ -82,11 +83,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None, model_id
         return refused(APIError(e.status_code, message), request.method, request.url.path).response(
             api_of(request.url.path))
 
-    @app.exception_handler(Exception)
-    async def _bug(request: Request, e: Exception):
-        log.exception("internal error on %s", request.url.path)
-        return APIError(500, f"internal server error: {type(e).__name__}").response(api_of(request.url.path))
-
+    # Unexpected exceptions are answered by _Guard (a handler here would re-raise, dropping the connection).
     from . import anthropic, completions, openai_chat, responses
 
     @app.post("/v1/chat/completions")
@@ -124,6 +121,10 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None, model_id
     async def _model(model: str):
         return models_listing(state, False)["data"][0] | {"id": model if model else state.model_id}
 
+    @app.get("/openapi.json")
+    async def _openapi():
+        return openapi_schema(app.title, app.version, bool(config.api_key))
+
     @app.get("/metrics")
     async def _metrics():
         return PlainTextResponse(state.metrics.render(engine.stats()), media_type="text/plain; version=0.0.4")
@@ -150,53 +151,67 @@ def models_listing(state, codex: bool) -> dict:
 
 
 async def parse_body(request: Request, model, config: ServerConfig):
-    """The JSON body as `model`; malformed JSON, wrong types and missing fields are 400s naming the field."""
+    """The JSON body as `model`: over --max-body-bytes is a 413; malformed or too deeply nested JSON,
+    wrong types, out-of-range values and token ids outside the vocabulary are 400s naming the field."""
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > config.max_body_bytes:
             raise APIError(413, f"the request body exceeds {config.max_body_bytes} bytes (--max-body-bytes)")
         chunks.append(chunk)
-    raw = b"".join(chunks)
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"] if not (isinstance(p, str) and "[" in p))
-        message = "is required" if err["type"] == "missing" else err["msg"]
-        raise APIError(400, f"invalid request: {loc or 'body'}: {message}", param=loc or None) from e
+    data = read_json(b"".join(chunks))
+    return validate(model, data, {"vocab_size": request.app.state.lucebox.engine.vocab_size})
 
 
 class _Guard:
-    """ASGI middleware: API key and the declared body size, checked before any route runs."""
+    """ASGI middleware: the API key and the declared body size, checked before any route runs; and
+    the last word on unexpected exceptions: a JSON 500 in the API's shape on a connection that stays
+    usable (Starlette's own handler re-raises after answering, and uvicorn then drops the connection)."""
 
     def __init__(self, app, config: ServerConfig):
         self.app, self.config = app, config
+        self.key = config.api_key.encode("utf-8") if config.api_key else None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        error = None
-        if self.config.api_key and path != "/health" and not dashboard.is_public(path) and scope["method"] != "OPTIONS":
-            auth = headers.get("authorization", "")
-            key = auth[7:].strip() if auth.lower().startswith("bearer ") else headers.get("x-api-key")
-            if key != self.config.api_key:
-                error = APIError(401, "invalid or missing API key: send Authorization: Bearer <key> or x-api-key")
-        length = headers.get("content-length")
-        if error is None and length and length.isdigit() and int(length) > self.config.max_body_bytes:
-            error = APIError(413, f"the request body exceeds {self.config.max_body_bytes} bytes (--max-body-bytes)")
+        error = self.refusal(scope)
         if error is not None:
             response: Response = refused(error, scope["method"], path).response(api_of(path))
             return await response(scope, receive, send)
-        return await self.app(scope, receive, send)
+        started = False
+
+        async def send_watched(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_watched)
+        except Exception as e:
+            if started:  # half a response cannot be mended: uvicorn closes the connection
+                raise
+            log.exception("internal error on %s %s", scope["method"], path)
+            response = APIError(500, f"internal server error: {type(e).__name__}").response(api_of(path))
+            await response(scope, receive, send)
+
+    def refusal(self, scope) -> APIError | None:
+        headers = {k.lower(): v for k, v in scope["headers"]}
+        preflight = scope["method"] == "OPTIONS" and self.config.cors_origins
+        if self.key is not None and scope["path"] != "/health" and not dashboard.is_public(scope["path"]) and not preflight and not self.authorized(headers):
+            return APIError(401, "invalid or missing API key: send Authorization: Bearer <key> or x-api-key")
+        length = headers.get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.config.max_body_bytes:
+            return APIError(413, f"the request body exceeds {self.config.max_body_bytes} bytes (--max-body-bytes)")
+        return None
+
+    def authorized(self, headers: dict[bytes, bytes]) -> bool:
+        """Either header may carry the key; each is compared in constant time (hmac.compare_digest)."""
+        auth = headers.get(b"authorization", b"")
+        bearer = auth[7:].strip() if auth[:7].lower() == b"bearer " else None
+        given = [k for k in (bearer, headers.get(b"x-api-key")) if k is not None]
+        return any([hmac.compare_digest(k, self.key) for k in given])
 
 
 def serve(engine_args: EngineArgs, config: ServerConfig, verbose: bool = False) -> int:

@@ -265,8 +265,8 @@ class _CallBody:
         # The template writes "<parameter=p>\nvalue\n</parameter>": one newline each side is framing.
         raw = raw[1:] if raw.startswith("\n") else raw
         raw = raw[:-1] if raw.endswith("\n") else raw
-        schema = self.parser.param_schemas.get(self.name, {}).get(pname) or {}
-        value = _coerce(raw, schema)
+        schema = self.parser.param_schemas.get(self.name, {}).get(pname)
+        value = _coerce(raw, schema if isinstance(schema, dict) else {})  # a schema may be `true`
         sep = "{" if self.num_params == 0 else ", "
         self.num_params += 1
         out.append(Event("tool_args", sep + json.dumps(pname, ensure_ascii=False) + ": "
@@ -302,15 +302,27 @@ class _CallBody:
         out.append(Event("content", raw))
 
 
+def _not_json(constant: str):
+    raise ValueError(f"{constant} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"{text} is out of range")
+    return value
+
+
 def _coerce(raw: str, schema: dict):
     """An XML parameter's string, typed by the tool's JSON schema (strings stay strings)."""
     kinds = schema.get("type")
-    kinds = set(kinds) if isinstance(kinds, list) else {kinds} if kinds else set()
+    # any JSON may sit in a client's schema: only the string entries of "type" mean anything
+    kinds = {k for k in (kinds if isinstance(kinds, list) else [kinds]) if isinstance(k, str)}
     if not kinds or "string" in kinds:
         return raw
-    try:
-        return json.loads(raw)
-    except json.JSONDecodeError:
+    try:  # NaN / Infinity (or 1e999) would make the call's arguments invalid JSON: they stay text
+        return json.loads(raw, parse_constant=_not_json, parse_float=_finite_float)
+    except ValueError:
         if "boolean" in kinds and raw.strip().lower() in ("true", "false"):
             return raw.strip().lower() == "true"
         return raw
