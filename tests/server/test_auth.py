@@ -10,6 +10,7 @@ import pytest
 from lucebox import LLM
 from lucebox.engine.async_engine import AsyncEngine
 from lucebox.server import app as app_module
+from lucebox.server import dashboard
 from lucebox.server.app import ServerConfig, create_app
 from tests.server_helpers import ServerThread, build_model
 
@@ -51,8 +52,12 @@ def test_every_route_but_health_refuses_a_missing_or_wrong_key(server):
     served = routes(server.app)
     assert {p for _, p in served} >= set(BODIES) | {"/health", "/v1/models", "/metrics", "/openapi.json"}
     utf8 = "ключ".encode()  # a header that is not ASCII must be a 401, not a failed comparison
+    assert ("GET", "/dashboard/data") in served
     for method, path in served:
         if path == "/health":
+            continue
+        if dashboard.is_public(path):  # the status page's HTML, JS and CSS: no data, which needs the key
+            assert call(server, method, path).status_code in (200, 404)
             continue
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"x-api-key": "wrong"}, {"Authorization": KEY},
                         {"Authorization": "Basic " + KEY}, {"x-api-key": KEY + "x"}, {"x-api-key": utf8},
