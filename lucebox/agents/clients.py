@@ -155,7 +155,7 @@ def configure_pi(setup: Setup) -> dict[str, str]:
                 "models": [_pi_model(setup)]}
     _write_json(agent_dir / "models.json", {"providers": {"lucebox": provider}})
     _write_json(agent_dir / "settings.json", {"defaultProvider": "lucebox", "defaultModel": setup.model})
-    return base_env(setup) | {"PI_CODING_AGENT_DIR": str(agent_dir)}
+    return base_env(setup) | {"PI_CODING_AGENT_DIR": str(agent_dir), "PI_OFFLINE": "1"}
 
 
 def configure_openclaw(setup: Setup) -> dict[str, str]:

@@ -50,6 +50,7 @@ RECIPES = {
                     "exec_command", lambda c: {"cmd": c}),
     "opencode": Recipe(lambda p: ["run", "--format", "json", "--thinking", "--auto", p],
                        "bash", lambda c: {"command": c, "description": "Print the qualification marker"}),
+    "pi": Recipe(lambda p: ["-p", "--mode", "json", p], "bash", lambda c: {"command": c}),
     "claude-code": Recipe(lambda p: ["-p", "--output-format", "stream-json", "--verbose", "--allowedTools", "Bash",
                                      p], "Bash", lambda c: {"command": c, "description": "Print the qualification marker"}),
 }
