@@ -7,9 +7,9 @@ configuration is never read or changed and nothing points at a hosted service.""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 KEY_VAR = "LUCEBOX_API_KEY"  # the environment variable clients read the server's key from
 

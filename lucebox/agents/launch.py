@@ -17,9 +17,9 @@ import urllib.request
 from pathlib import Path
 
 from ..errors import LuceboxError
+from .cli import DEFAULT_CONTEXT
 from .clients import Client, Setup, client
 
-from .cli import DEFAULT_CONTEXT
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding this lucebox package
 
 
@@ -36,7 +36,7 @@ def http_json(url: str, api_key: str | None = None, timeout: float = 10.0):
 
 
 class Server:
-    """`lucebox serve` as a child process on a free local port, stopped (SIGINT, then SIGKILL) on exit."""
+    """`lucebox serve` as a child process on a free local port, stopped (SIGTERM, then SIGKILL) on exit."""
 
     def __init__(self, model: str | None = None, max_model_len: int = DEFAULT_CONTEXT, api_key: str | None = None,
                  script: Path | None = None, log: Path | None = None, extra_args: list[str] | None = None,
@@ -82,7 +82,7 @@ class Server:
     def stop(self, timeout: float = 20.0) -> int | None:
         if self.process is None or self.process.poll() is not None:
             return self.process.returncode if self.process else None
-        self.process.send_signal(signal.SIGINT)  # uvicorn's graceful shutdown
+        self.process.send_signal(signal.SIGTERM)  # uvicorn shuts down gracefully
         try:
             self.process.wait(timeout)
         except subprocess.TimeoutExpired:

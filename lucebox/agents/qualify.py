@@ -20,9 +20,9 @@ import signal
 import subprocess
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from ..errors import LuceboxError
 from .clients import Client, Setup, client
@@ -51,8 +51,9 @@ RECIPES = {
     "opencode": Recipe(lambda p: ["run", "--format", "json", "--thinking", "--auto", p],
                        "bash", lambda c: {"command": c, "description": "Print the qualification marker"}),
     "pi": Recipe(lambda p: ["-p", "--mode", "json", p], "bash", lambda c: {"command": c}),
-    "claude-code": Recipe(lambda p: ["-p", "--output-format", "stream-json", "--verbose", "--allowedTools", "Bash",
-                                     p], "Bash", lambda c: {"command": c, "description": "Print the qualification marker"}),
+    # the prompt first: --allowedTools takes every argument after it
+    "claude-code": Recipe(lambda p: ["-p", p, "--output-format", "stream-json", "--verbose", "--allowedTools", "Bash"],
+                          "Bash", lambda c: {"command": c, "description": "Print the qualification marker"}),
 }
 
 
@@ -210,32 +211,43 @@ def _check_session(result: Result, reqs: list[dict], code: int, stdout: str, sec
 
 
 def _check_interrupt(result, argv, env, work, out: Path, server: Server, key: str, served: str) -> None:
-    aborted_before = _metric(server.url, key, 'vllm:request_success_total{model_name="%s",finished_reason="abort"}'
-                             % served)
+    abort_metric = f'vllm:request_success_total{{model_name="{served}",finished_reason="abort"}}'
+    aborted_before = _metric(server.url, key, abort_metric)
     with open(out / "session2.stdout", "w") as o, open(out / "session2.stderr", "w") as e:
         process = subprocess.Popen(argv, env=env, cwd=work, stdout=o, stderr=e, stdin=subprocess.DEVNULL,
                                    start_new_session=True)
-        deadline = time.monotonic() + 600
-        while not any(r["rule"] == 0 for r in requests(out / "requests.jsonl")):
-            if time.monotonic() > deadline or process.poll() is not None:
-                break
-            time.sleep(0.5)
-        time.sleep(8)  # the cached prefix prefills; the slow answer starts streaming
-        process.send_signal(signal.SIGINT)
         try:
-            process.wait(15)
+            arrived = _wait_for_slow_request(out / "requests.jsonl", process)
+            if arrived:
+                time.sleep(8)  # the cached prefix prefills; the slow answer starts streaming
+                process.send_signal(signal.SIGINT)
+                process.wait(15)
         except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+            pass
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    if not arrived:
+        result.mark("interrupted", False, f"the client exited ({process.returncode}) before its request arrived")
+        return
     aborted = False
     for _ in range(60):
-        aborted = _metric(server.url, key, 'vllm:request_success_total{model_name="%s",finished_reason="abort"}'
-                          % served) > aborted_before
+        aborted = _metric(server.url, key, abort_metric) > aborted_before
         if aborted:
             break
         time.sleep(0.5)
     healthy = _follow_up(server.url, key, served)
     result.mark("interrupted", aborted and healthy, f"server aborted it: {aborted}; next request answered: {healthy}")
+
+
+def _wait_for_slow_request(log: Path, process: subprocess.Popen, timeout: float = 900) -> bool:
+    deadline = time.monotonic() + timeout
+    while not any(r["rule"] == 0 for r in requests(log)):
+        if time.monotonic() > deadline or process.poll() is not None:
+            return False
+        time.sleep(0.5)
+    return True
 
 
 def _follow_up(url: str, key: str, model: str) -> bool:

@@ -9,8 +9,8 @@ by token, while the templates, parsers, streaming and engine stay the production
                {"output": "ok", "token_delay": 0.0}],
      "log": "requests.jsonl"}
 
-`last`: a substring of the request's last input item (a message, or a Responses input item), as
-JSON; `tools`: whether the request must declare tools (true) or must not (false); a rule without
+`last`: a substring of the request's last input item (a message, or a Responses input item; system
+turns skipped), as JSON; `tools`: whether the request must declare tools (true) or must not (false); a rule without
 conditions matches every request. Requests no rule matches get the model's own output. `log`: every
 request body, one JSON line each, with the rule it matched (the run's transcript of the wire)."""
 from __future__ import annotations
@@ -42,11 +42,13 @@ class Rule:
 
 
 def last_item(body: dict):
-    """The newest input of a chat / Responses / Anthropic / completions request."""
+    """The newest input of a chat / Responses / Anthropic / completions request that is not a system turn
+    (Claude Code appends system turns after the user's message)."""
     for key in ("messages", "input", "prompt"):
         value = body.get(key)
-        if isinstance(value, list) and value:
-            return value[-1]
+        if isinstance(value, list):
+            turns = [item for item in value if not (isinstance(item, dict) and item.get("role") in ("system", "developer"))]
+            return turns[-1] if turns else None
         if isinstance(value, str):
             return value
     return None

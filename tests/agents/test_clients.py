@@ -3,10 +3,10 @@ key, model and context; everything lives under the private home."""
 from __future__ import annotations
 
 import json
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from lucebox.agents.clients import CLIENTS, KEY_VAR, Setup, client
 from lucebox.errors import LuceboxError

@@ -7,7 +7,6 @@ import json
 import socket
 import stat
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest

@@ -3,7 +3,15 @@ from __future__ import annotations
 
 import json
 
-from lucebox.agents.qualify import ANSWER, REASONING, Result, client_records, reasoning_seen, table, tool_call
+from lucebox.agents.qualify import (
+    ANSWER,
+    REASONING,
+    Result,
+    client_records,
+    reasoning_seen,
+    table,
+    tool_call,
+)
 
 
 def _lines(*objects) -> str:

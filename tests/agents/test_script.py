@@ -78,6 +78,8 @@ def test_last_item_of_each_api_shape():
     assert rule.matches({"messages": [{"role": "user", "content": [{"type": "tool_result", "content": "needle"}]}]})
     assert not rule.matches({"messages": [{"role": "user", "content": "needle"}, {"role": "user", "content": "hay"}]})
     assert rule.matches({"input": "needle in a string"})
+    # Claude Code's system turn after the user's message is not the newest input
+    assert rule.matches({"messages": [{"role": "user", "content": "needle"}, {"role": "system", "content": "hay"}]})
 
 
 @pytest.mark.parametrize("text, message", [
