@@ -26,8 +26,9 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_qualify_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("clients", nargs="+", choices=list(CLIENTS), metavar="CLIENT",
-                   help=f"clients to qualify: {', '.join(CLIENTS)}")
+    from .qualify import RECIPES
+    p.add_argument("clients", nargs="+", choices=list(RECIPES), metavar="CLIENT",
+                   help=f"clients to qualify: {', '.join(RECIPES)}")
     _server_flags(p)
     p.add_argument("--out", default=None, help="directory for transcripts (default: ./qualify-<time>)")
     p.add_argument("--short", action="store_true", help="CI's short form: the tool round trip with streaming and "

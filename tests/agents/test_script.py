@@ -14,7 +14,7 @@ from lucebox.cli import main
 from lucebox.engine.async_engine import AsyncEngine
 from lucebox.errors import LuceboxError
 from lucebox.server.app import ServerConfig, create_app
-from tests.server_helpers import ServerThread, build_model
+from tests.server_helpers import ServerThread
 
 TOOLS = [{"type": "function", "function": {"name": "run", "parameters": {
     "type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}}}]
@@ -25,10 +25,10 @@ SCRIPT = {"log": "requests.jsonl", "rules": [
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, tiny_model_dir):
     root = tmp_path_factory.mktemp("script")
     (root / "script.json").write_text(json.dumps(SCRIPT))
-    llm = LLM(str(build_model(root)), max_model_len=1024)
+    llm = LLM(str(tiny_model_dir), max_model_len=1024)
     script = Script(root / "script.json", llm.tokenizer)
     thread = ServerThread(create_app(AsyncEngine(llm.engine), ServerConfig(), "tiny", request_processors=script)).start()
     yield thread, root
