@@ -121,7 +121,9 @@ def configure_claude_code(setup: Setup) -> dict[str, str]:
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1", "DISABLE_TELEMETRY": "1",
         "DISABLE_ERROR_REPORTING": "1", "DISABLE_BUG_COMMAND": "1",
         "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(setup.max_output),
-        "API_TIMEOUT_MS": "3600000"}  # its ~38K-token first prompt prefills for minutes on a CPU
+        # its ~38K-token first prompt prefills for minutes on a CPU: no request or stream-idle timeout before that
+        "API_TIMEOUT_MS": "3600000", "CLAUDE_STREAM_IDLE_TIMEOUT_MS": "3600000",
+        "CLAUDE_BYTE_STREAM_IDLE_TIMEOUT_MS": "3600000"}
 
 
 def configure_open_webui(setup: Setup) -> dict[str, str]:

@@ -1,8 +1,9 @@
 """Claude Code's real request shapes, replayed in CI. Its ~38K-token first prompt takes minutes to prefill
 on two CPU cores, so CI does not run the program (scripts/qualify_claude_code.sh does); instead the
-requests it sent in that qualification (tests/agents/data/claude_code_requests.json: Claude Code 2.1.197,
-long strings shortened, nulls dropped) go to a real server on a tiny model with the same script, and
-each must get the answer the program received: the Bash tool_use, then thinking + the final text."""
+requests it sent in that qualification go to a real server on a tiny model with the same script, and each
+must get what the program received: the Bash tool_use (streamed, and in the non-streaming fallback Claude
+Code retried with), then a thinking block and the final text. The fixture, data/claude_code_requests.json,
+is Claude Code 2.1.197's requests as the server's script log holds them (long strings cut, nulls dropped)."""
 from __future__ import annotations
 
 import json
@@ -52,13 +53,20 @@ def test_the_fixture_holds_both_turns_of_the_round_trip():
     assert {row["rule"] for row in REQUESTS} >= {1, 2}
 
 
-@pytest.mark.parametrize("row", REQUESTS, ids=lambda row: f"rule{row['rule']}")
+def _reply(url: str, body: dict) -> list[dict]:
+    headers = {"anthropic-version": "2023-06-01", "x-api-key": "x"}
+    if body.get("stream"):
+        with httpx.stream("POST", url + "/v1/messages", json=body, headers=headers, timeout=300) as response:
+            assert response.status_code == 200, response.read()
+            return _blocks(response)
+    response = httpx.post(url + "/v1/messages", json=body, headers=headers, timeout=300)
+    assert response.status_code == 200, response.text
+    return [dict(b, partial=json.dumps(b["input"])) if b["type"] == "tool_use" else b for b in response.json()["content"]]
+
+
+@pytest.mark.parametrize("row", REQUESTS, ids=lambda row: f"rule{row['rule']}-{'stream' if row['body'].get('stream') else 'plain'}")
 def test_claude_code_request_gets_what_the_program_got(server, row):
-    body = row["body"]
-    with httpx.stream("POST", server.url + "/v1/messages", json=body, timeout=300,
-                      headers={"anthropic-version": "2023-06-01", "x-api-key": "x"}) as response:
-        assert response.status_code == 200, response.read()
-        blocks = _blocks(response) if body.get("stream") else response.json()["content"] if response.read() else []
+    blocks = _reply(server.url, row["body"])
     if row["rule"] == 1:
         calls = [b for b in blocks if b["type"] == "tool_use"]
         assert calls and calls[0]["name"] == "Bash"
