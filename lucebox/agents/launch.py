@@ -132,10 +132,13 @@ def launch(name: str, client_args: list[str], model: str | None = None, url: str
     """Run client `name` against lucebox; returns the client's exit status."""
     c = client(name)
     binary = find_binary(c, install)
+    exit_on_sigterm()
     server = None
     if url is None:
         api_key = api_key or secrets.token_hex(16)  # only this client may use the server
-        server = Server(model, max_model_len, api_key, extra_args=serve_args)
+        # clients that set no output limit (Codex) would otherwise let a small model write until the context is full
+        server = Server(model, max_model_len, api_key,
+                        extra_args=["--default-max-tokens", str(max_output), *(serve_args or [])])
         print(f"[starting lucebox serve on port {server.port} (--max-model-len {max_model_len})]", file=sys.stderr)
         server.start()
         url = server.url
@@ -153,10 +156,23 @@ def launch(name: str, client_args: list[str], model: str | None = None, url: str
             print("[lucebox serve stopped]", file=sys.stderr)
 
 
+def exit_on_sigterm() -> None:
+    """SIGTERM (a `timeout`, a closed terminal) unwinds like Ctrl-C, so the server and client are stopped."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def _run_client(argv: list[str], env: dict[str, str]) -> int:
     process = subprocess.Popen(argv, env=env)
-    while True:
-        try:
-            return process.wait()
-        except KeyboardInterrupt:  # the client got the Ctrl-C too and decides; keep waiting for it
-            continue
+    try:
+        while True:
+            try:
+                return process.wait()
+            except KeyboardInterrupt:  # the client got the Ctrl-C too and decides; keep waiting for it
+                continue
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ..errors import LuceboxError
 from .clients import Client, Setup, client
-from .launch import Server, client_env, find_binary, served_model
+from .launch import Server, client_env, exit_on_sigterm, find_binary, served_model
 
 TOOL_MARKER, SLOW_MARKER, LONG_END = "QUALIFY-TOOL", "QUALIFY-SLOW", "QUALIFY-LONG-END"
 COMMAND, RESULT = "printf 'qualify-%s' $((20+22))", "qualify-42"  # RESULT appears only when the command ran
@@ -270,6 +270,7 @@ def table(results: list[Result], short: bool) -> str:
 
 
 def main(args) -> int:
+    exit_on_sigterm()
     out = Path(args.out or f"qualify-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     results = []
     for name in args.clients:

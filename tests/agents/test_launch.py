@@ -4,9 +4,13 @@ home removed. A missing client is a clear error with its install command."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import stat
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -30,7 +34,10 @@ try:
 except urllib.error.HTTPError as e:
     without_key = e.code
 json.dump({{"argv": sys.argv[1:], "home": home, "HOME": os.environ["HOME"], "config": config,
-           "models": models, "without_key": without_key}}, open(os.environ["FAKE_REPORT"], "w"))
+           "models": models, "without_key": without_key, "pid": os.getpid()}}, open(os.environ["FAKE_REPORT"], "w"))
+if os.environ.get("FAKE_HANG"):
+    import time
+    time.sleep(600)
 sys.exit(7)
 """
 
@@ -77,3 +84,20 @@ def test_cli_reports_a_missing_client_without_a_traceback(monkeypatch, tmp_path,
     assert main(["launch", "opencode", "--", "run", "hi"]) == 1
     err = capsys.readouterr().err
     assert "opencode is not installed" in err and "npm install -g opencode-ai" in err and "Traceback" not in err
+
+
+def test_sigterm_to_launch_stops_the_client_and_the_server(fake_codex, monkeypatch, tmp_path):
+    env = dict(os.environ, FAKE_HANG="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    launcher = subprocess.Popen([sys.executable, "-m", "lucebox.cli", "launch", "codex", "--max-model-len", "4096"],
+                                env=env, cwd=tmp_path, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 240
+    while not fake_codex.exists():
+        assert time.monotonic() < deadline and launcher.poll() is None, launcher.stderr.read()
+        time.sleep(0.2)
+    time.sleep(0.5)  # the report is complete
+    report = json.loads(fake_codex.read_text())
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(60) == 128 + signal.SIGTERM
+    assert not _port_open(report["config"]["model_providers"]["lucebox"]["base_url"].removesuffix("/v1"))
+    with pytest.raises(ProcessLookupError):
+        os.kill(report["pid"], 0)  # the client is gone too
