@@ -319,7 +319,11 @@ COMMANDS.update({"launch": cmd_launch, "qualify": cmd_qualify})
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .agents.cli import split_client_args
+    argv, client_args = split_client_args(sys.argv[1:] if argv is None else list(argv))
     args = build_parser().parse_args(argv)
+    if client_args is not None:
+        args.client_args = client_args
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     try:
         return COMMANDS[args.command](args)

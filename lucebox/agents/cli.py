@@ -22,7 +22,8 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
                                                    "for the server launch starts)")
     p.add_argument("--install", action="store_true", help="install the client first when it is not on PATH")
     p.add_argument("--max-output", type=int, default=4096, help="output tokens the client may ask for per turn")
-    p.add_argument("client_args", nargs=argparse.REMAINDER, help="arguments after -- go to the client")
+    p.set_defaults(client_args=[])  # what follows `--` (split off by split_client_args)
+    p.epilog = "arguments after -- go to the client: lucebox launch codex -- exec 'fix the tests'"
 
 
 def add_qualify_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,10 +38,18 @@ def add_qualify_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds each client session may take")
 
 
+def split_client_args(argv: list[str]) -> tuple[list[str], list[str] | None]:
+    """`lucebox [-v] launch CLIENT [flags] -- ARGS`: (the argv for lucebox's parser, ARGS or None)."""
+    command = next((a for a in argv if not a.startswith("-")), None)
+    if command != "launch" or "--" not in argv:
+        return argv, None
+    cut = argv.index("--")
+    return argv[:cut], argv[cut + 1:]
+
+
 def run_launch(args) -> int:
     from .launch import launch
-    client_args = args.client_args[1:] if args.client_args[:1] == ["--"] else args.client_args
-    return launch(args.client, client_args, model=args.model, url=args.url, max_model_len=args.max_model_len,
+    return launch(args.client, args.client_args, model=args.model, url=args.url, max_model_len=args.max_model_len,
                   api_key=args.api_key, install=args.install, max_output=args.max_output)
 
 

@@ -16,6 +16,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from ..config import cache_dir
 from ..errors import LuceboxError
 from .cli import DEFAULT_CONTEXT
 from .clients import Client, Setup, client
@@ -144,7 +145,9 @@ def launch(name: str, client_args: list[str], model: str | None = None, url: str
         url = server.url
     try:
         served, context = served_model(url, api_key)
-        with tempfile.TemporaryDirectory(prefix=f"lucebox-{c.name}-") as home:
+        homes = cache_dir() / "agents"  # not under /tmp, where Codex refuses to put its helper programs
+        homes.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=f"{c.name}-", dir=homes) as home:
             setup = Setup(Path(home), url, api_key or "lucebox", served, context or max_model_len, max_output,
                           workdir=Path.cwd())
             env = client_env(c, setup)

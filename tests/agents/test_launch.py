@@ -101,3 +101,12 @@ def test_sigterm_to_launch_stops_the_client_and_the_server(fake_codex, monkeypat
     assert not _port_open(report["config"]["model_providers"]["lucebox"]["base_url"].removesuffix("/v1"))
     with pytest.raises(ProcessLookupError):
         os.kill(report["pid"], 0)  # the client is gone too
+
+
+def test_launch_flags_before_the_separator_and_client_arguments_after_it():
+    from lucebox.agents.cli import split_client_args
+    from lucebox.cli import build_parser
+    argv, client_args = split_client_args(["-v", "launch", "codex", "--max-output", "256", "--", "exec", "--model", "x"])
+    args = build_parser().parse_args(argv)
+    assert (args.client, args.max_output, client_args) == ("codex", 256, ["exec", "--model", "x"])
+    assert split_client_args(["serve", "--", "x"]) == (["serve", "--", "x"], None)  # only launch takes them
