@@ -90,6 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
                                          "compatible HTTP server", formatter_class=fmt)
     _engine_flags(serve)
     _serve_flags(serve)
+    serve.add_argument("--script", default=None, help=argparse.SUPPRESS)  # test only: lucebox/agents/script.py
+
+    from .agents.cli import add_launch_arguments, add_qualify_arguments
+    add_launch_arguments(sub.add_parser("launch", help="run a coding agent or chat app (Claude Code, Codex, "
+                                        "OpenCode, ...) on lucebox serve", formatter_class=fmt))
+    add_qualify_arguments(sub.add_parser("qualify", help="scripted sessions through real clients: a pass/fail "
+                                         "table per client and check, with transcripts", formatter_class=fmt))
 
     gen = sub.add_parser("generate", help="generate a continuation and stream it", formatter_class=fmt)
     _engine_flags(gen)
@@ -218,7 +225,12 @@ def cmd_serve(args) -> int:
     from .server.config import ServerConfig
     logging.getLogger("lucebox.prefill").setLevel(logging.INFO)  # a long prompt's progress, -v or not
     config = ServerConfig(**{k: getattr(args, k) for k in ServerConfig.__dataclass_fields__ if hasattr(args, k)})
-    return serve(engine_args(args), config, verbose=args.verbose)
+    processors_for = None
+    if args.script:
+        from .agents.script import Script, load_script
+        load_script(args.script)  # a malformed script fails before the model loads
+        processors_for = lambda engine: Script(args.script, engine.tokenizer)  # noqa: E731
+    return serve(engine_args(args), config, verbose=args.verbose, processors_for=processors_for)
 
 
 def cmd_generate(args) -> int:
@@ -303,8 +315,25 @@ COMMANDS = {"serve": cmd_serve, "generate": cmd_generate, "chat": cmd_chat, "con
 COMMANDS.update({"train-drafter": cmd_train_drafter, "convert-drafter": cmd_convert_drafter})
 
 
+def cmd_launch(args) -> int:
+    from .agents.cli import run_launch
+    return run_launch(args)
+
+
+def cmd_qualify(args) -> int:
+    from .agents.cli import run_qualify
+    return run_qualify(args)
+
+
+COMMANDS.update({"launch": cmd_launch, "qualify": cmd_qualify})
+
+
 def main(argv: list[str] | None = None) -> int:
+    from .agents.cli import split_client_args
+    argv, client_args = split_client_args(sys.argv[1:] if argv is None else list(argv))
     args = build_parser().parse_args(argv)
+    if client_args is not None:
+        args.client_args = client_args
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     try:
         return COMMANDS[args.command](args)

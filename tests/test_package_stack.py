@@ -23,6 +23,7 @@ LAYERS = [
     ("engine",),
     ("bench",),
     ("server", "llm"),
+    ("agents",),
     ("cli",),
     ("__init__",),
 ]

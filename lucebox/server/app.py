@@ -214,8 +214,9 @@ class _Guard:
         return any([hmac.compare_digest(k, self.key) for k in given])
 
 
-def serve(engine_args: EngineArgs, config: ServerConfig, verbose: bool = False) -> int:
-    """`lucebox serve`: load the model, start the engine, run uvicorn until SIGINT / SIGTERM."""
+def serve(engine_args: EngineArgs, config: ServerConfig, verbose: bool = False, processors_for=None) -> int:
+    """`lucebox serve`: load the model, start the engine, run uvicorn until SIGINT / SIGTERM.
+    `processors_for(engine)` -> a request_processors hook (test only: `lucebox serve --script`)."""
     import gc
     import sys
 
@@ -225,7 +226,7 @@ def serve(engine_args: EngineArgs, config: ServerConfig, verbose: bool = False) 
     print(summary(llm_engine), file=sys.stderr)
     engine = AsyncEngine(llm_engine)
     model_id = config.served_model_name or engine.model_name or "lucebox"
-    app = create_app(engine, config, model_id)
+    app = create_app(engine, config, model_id, processors_for(engine) if processors_for else None)
     # What startup made (the model, its graphs, torch's and the server's modules: ~230K objects) lives
     # as long as the server: out of the garbage collector's sight, a full collection, which stalls
     # every running request, takes microseconds instead of ~80 ms.
