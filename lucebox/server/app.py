@@ -12,6 +12,7 @@ from typing import Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from ..config import EngineArgs
 from ..engine.async_engine import AsyncEngine
@@ -28,6 +29,7 @@ from .openapi import openapi_schema
 from .tools import tool_format
 
 log = logging.getLogger("lucebox.server")
+LOOP_PARSE_BYTES = 256 << 10  # bodies larger than this are parsed and validated off the event loop
 
 
 class ServerState:
@@ -154,13 +156,18 @@ async def parse_body(request: Request, model, config: ServerConfig):
     """The JSON body as `model`: over --max-body-bytes is a 413; malformed or too deeply nested JSON,
     wrong types, out-of-range values and token ids outside the vocabulary are 400s naming the field."""
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > config.max_body_bytes:
-            raise APIError(413, f"the request body exceeds {config.max_body_bytes} bytes (--max-body-bytes)")
-        chunks.append(chunk)
-    data = read_json(b"".join(chunks))
-    return validate(model, data, {"vocab_size": request.app.state.lucebox.engine.vocab_size})
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > config.max_body_bytes:
+                raise APIError(413, f"the request body exceeds {config.max_body_bytes} bytes (--max-body-bytes)")
+            chunks.append(chunk)
+    except ClientDisconnect as e:  # a client that gave up mid-upload (Claude Code's retries do)
+        raise APIError(499, "the client closed the connection before its request body arrived") from e
+    raw, context = b"".join(chunks), {"vocab_size": request.app.state.lucebox.engine.vocab_size}
+    if len(raw) < LOOP_PARSE_BYTES:
+        return validate(model, read_json(raw), context)
+    return await asyncio.to_thread(lambda: validate(model, read_json(raw), context))  # the loop stays free
 
 
 class _Guard:

@@ -253,3 +253,20 @@ def test_internal_error_is_a_json_500_and_the_connection_stays_usable(server, pa
         code, ok = conn.post(path, GOOD[path])
         assert code == 200 and conn.conn.sock is sock
     conn.close()
+
+
+def test_a_client_leaving_mid_body_is_no_internal_error(server, caplog):
+    import socket
+    import time
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                  b"content-length: 100000\r\n\r\n{\"messages\": [")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not any("499" in r.getMessage() for r in caplog.records):
+        time.sleep(0.05)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("POST /v1/chat/completions -> 499" in m for m in messages), messages
+    assert not any("internal error" in m for m in messages), messages
+    conn = Connection(server)
+    assert conn.post(CHAT, GOOD[CHAT])[0] == 200
+    conn.close()
