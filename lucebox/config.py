@@ -221,3 +221,20 @@ def cache_dir() -> Path:
     """LUCEBOX_CACHE (a directory; default ~/.cache/lucebox): where the random-weight demo model is built
     when the bundled default model is absent. Read each time the default model is resolved."""
     return Path(os.environ.get("LUCEBOX_CACHE", Path.home() / ".cache" / "lucebox"))
+
+
+def child_environment(package_root: str | Path, **extra: str) -> dict[str, str]:
+    """This process's environment for a child process (a server bench serve or launch starts), with
+    `package_root` first on PYTHONPATH so that the child imports this same lucebox."""
+    path = os.pathsep.join(filter(None, [str(package_root), os.environ.get("PYTHONPATH")]))
+    return dict(os.environ, PYTHONPATH=path) | extra
+
+
+def client_environment(**extra: str) -> dict[str, str]:
+    """This process's environment plus `extra`, for a coding client lucebox launch runs."""
+    return dict(os.environ) | extra
+
+
+def openai_api_key() -> str | None:
+    """OPENAI_API_KEY, the key bench serve sends when --api-key is not given (as OpenAI's tools do)."""
+    return os.environ.get("OPENAI_API_KEY")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import sys
 from collections.abc import Sequence as Seq
 
 from tqdm.auto import tqdm
@@ -21,6 +22,8 @@ class LLM:
         unknown = set(engine_kwargs) - set(EngineArgs.field_names())
         if unknown:
             raise RequestError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
+        # Offline, every prompt given is wanted: no overload queue limit (a server's protection).
+        engine_kwargs.setdefault("max_queue", sys.maxsize)
         # No model: the bundled default pair, speculating with its drafter (speculative_config={}: plainly).
         self.engine = LLMEngine.from_args(EngineArgs(model=model, **engine_kwargs))
         self.args, self.tokenizer = self.engine.args, self.engine.tokenizer

@@ -3,7 +3,6 @@ private temporary home, run the real client, and stop the server after it exits.
 from __future__ import annotations
 
 import json
-import os
 import secrets
 import shutil
 import signal
@@ -16,7 +15,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from ..config import cache_dir
+from ..config import cache_dir, child_environment, client_environment
 from ..errors import LuceboxError
 from .cli import DEFAULT_CONTEXT
 from .clients import Client, Setup, client
@@ -56,7 +55,7 @@ class Server:
 
     def start(self) -> Server:
         # the child imports this same lucebox, wherever it was imported from
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(PACKAGE_ROOT), os.environ.get("PYTHONPATH")])))
+        env = child_environment(PACKAGE_ROOT)
         self._log_file = open(self.log, "ab") if self.log else tempfile.TemporaryFile()
         self.process = subprocess.Popen(self.argv, stdout=self._log_file, stderr=subprocess.STDOUT, env=env,
                                         start_new_session=True)  # the client's Ctrl-C is not the server's
@@ -124,7 +123,7 @@ def find_binary(c: Client, install: bool = False) -> str:
 
 
 def client_env(c: Client, setup: Setup) -> dict[str, str]:
-    return dict(os.environ) | c.configure(setup)
+    return client_environment(**c.configure(setup))
 
 
 def launch(name: str, client_args: list[str], model: str | None = None, url: str | None = None,

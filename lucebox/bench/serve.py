@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
-import os
 import shlex
 import socket
 import subprocess
@@ -19,6 +18,7 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
+from ..config import child_environment, openai_api_key
 from ..errors import LuceboxError
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
@@ -132,7 +132,7 @@ class LocalServer:
         import httpx
 
         package_root = str(Path(__file__).resolve().parents[2])  # the same lucebox in the child as here
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")])))
+        env = child_environment(package_root)
         cmd = [sys.executable, "-m", "lucebox.cli", "serve", "--model", self.model, "--host", "127.0.0.1",
                "--port", str(self.port), *self.extra]
         print(f"[bench serve: starting {shlex.join(cmd[1:])}]", file=sys.stderr)
@@ -175,7 +175,7 @@ def main(args) -> int:
     from .serve_run import run_sweep
 
     names, percentiles = check_arguments(args)
-    args.api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
+    args.api_key = args.api_key or openai_api_key()
     tokenizer_source = args.tokenizer
     server = nullcontext()
     if not args.url:

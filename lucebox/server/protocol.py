@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainSerializer, ValidationInfo
 
 # Reserved by the server's own chat-template call: a client's chat_template_kwargs may not set them.
-RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "documents", "add_generation_prompt", "chat_template")
+RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "documents", "add_generation_prompt")  # chat_template: its own check
 INT64 = 2**63 - 1
 
 
