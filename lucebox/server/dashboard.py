@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 STATIC = Path(__file__).parent / "static"
-PUBLIC_PATHS = ("/dashboard", "/dashboard/")
+PUBLIC_PATHS = ("/", "/dashboard", "/dashboard/")  # the root serves the page too
 # Request ids carry their API's prefix (server/*.py: request_id("chatcmpl-") ...).
 API_OF_PREFIX = (("chatcmpl-", "chat"), ("cmpl-", "completions"), ("resp_", "responses"), ("msg_", "messages"))
 SERIES = ("running", "waiting", "generated_tps", "prompt_tps", "ttft", "acceptance_length", "kv_usage",

@@ -199,7 +199,7 @@ def test_the_data_endpoint_matches_the_sdks_usage_and_the_prometheus_counters(se
 def test_the_page_is_public_its_data_needs_the_api_key(server):
     assert data(server, key=None).status_code == 401 and data(server, key="wrong").status_code == 401
     assert data(server).status_code == 200
-    types = {"/dashboard": "text/html", "/dashboard/static/dashboard.js": "text/javascript",
+    types = {"/": "text/html", "/dashboard": "text/html", "/dashboard/static/dashboard.js": "text/javascript",
              "/dashboard/static/dashboard.css": "text/css", "/dashboard/static/vendor/uPlot.iife.min.js": "text/javascript",
              "/dashboard/static/vendor/uPlot.min.css": "text/css"}
     for path, kind in types.items():
