@@ -134,3 +134,24 @@ def start_server(model_dir: Path, config: ServerConfig | None = None, **engine_k
     forcing = Forcing(llm.tokenizer, llm.tokenizer.eos_token_id)
     app = create_app(engine, config or ServerConfig(keepalive=0.3), model_id="tiny", request_processors=forcing)
     return ServerThread(app).start(), llm, forcing
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until_healthy(url: str, proc, seconds: float, output=lambda: "") -> None:
+    """Poll url/health until it answers 200; fail with `output()` (the server's log) if the process
+    exits or `seconds` pass first."""
+    import httpx
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline, output()
+        time.sleep(0.2)

@@ -14,16 +14,15 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 import venv
 from pathlib import Path
 
-import httpx
 import pytest
+
+from tests.server_helpers import free_port, wait_until_healthy
 
 pytest.importorskip("build", reason="the wheel test needs `build` (pip install build)")
 
@@ -131,17 +130,11 @@ def test_generate_uses_the_bundled_trained_model(installed):
     assert out.stdout.strip() == (PROMPT + reference.outputs[0].text).strip()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_docker_entrypoint_serves_the_openai_sdk(installed):
     """docker/entrypoint.sh, the images' command, with the venv in place of the image's Python: a
     model directory named by LUCEBOX_MODEL (as one under /models), the later --host/--port winning."""
     from openai import OpenAI
-    port = _free_port()
+    port = free_port()
     model_dir = installed.site_packages / "lucebox" / "bundled_models" / "default"
     env = dict(installed.env, PATH=f"{installed.bin}{os.pathsep}{os.environ['PATH']}", LUCEBOX_MODEL=str(model_dir))
     command = ["sh", str(ROOT / "docker" / "entrypoint.sh"), "--host", "127.0.0.1", "--port", str(port),
@@ -149,16 +142,7 @@ def test_docker_entrypoint_serves_the_openai_sdk(installed):
     log = open(installed.root / "serve.log", "w+")
     proc = subprocess.Popen(command, cwd=installed.cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            log.seek(0)
-            assert proc.poll() is None and time.monotonic() < deadline, log.read()[-3000:]
-            time.sleep(0.3)
+        wait_until_healthy(f"http://127.0.0.1:{port}", proc, 120, lambda: (log.seek(0), log.read()[-3000:])[1])
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
         (model,) = client.models.list().data
         assert model.id == "default"  # LUCEBOX_MODEL's directory name

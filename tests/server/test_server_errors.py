@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import anthropic
 import httpx
@@ -14,7 +13,7 @@ import openai
 import pytest
 
 from lucebox.server.app import ServerConfig
-from tests.server_helpers import build_model, start_server
+from tests.server_helpers import build_model, free_port, start_server, wait_until_healthy
 
 CHAT = "/v1/chat/completions"
 MSGS = "/v1/messages"
@@ -190,23 +189,12 @@ def test_request_timeout_aborts_and_reports(strict):
 
 # ------------------------------------------------------------------ the command
 def test_lucebox_serve_runs_and_shuts_down_gracefully(model_dir):
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "lucebox.cli", "serve", "--model", str(model_dir), "--port",
                              str(port), "--max-model-len", "256", "--served-model-name", "mini"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ))
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()
-            time.sleep(0.2)
+        wait_until_healthy(f"http://127.0.0.1:{port}", proc, 60, lambda: proc.stderr.read().decode())
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"]
         assert models[0]["id"] == "mini" and models[0]["context_length"] == 256
     finally:

@@ -26,7 +26,7 @@ import pytest
 from lucebox import LLM
 from lucebox.engine.async_engine import AsyncEngine
 from lucebox.server.app import ServerConfig, create_app
-from tests.server_helpers import CORPUS, ServerThread, build_model
+from tests.server_helpers import CORPUS, ServerThread, build_model, free_port, wait_until_healthy
 
 CHAT = "/v1/chat/completions"
 USER = [{"role": "user", "content": "hi"}]
@@ -315,24 +315,13 @@ def test_sigterm_ends_running_streams_cleanly_and_exits_0(model_dir):
     the server shut down (never a cut), and the process exits 0 within --graceful-timeout + margin."""
     import os
     import signal
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen([sys.executable, "-m", "lucebox.cli", "serve", "--model", str(model_dir), "--port",
                              str(port), "--max-model-len", "2048", "--graceful-timeout", "1"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(os.environ))
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()
-            time.sleep(0.2)
+        wait_until_healthy(url, proc, 90, lambda: proc.stderr.read().decode())
         body = {"model": "m", "messages": USER, "max_tokens": 2000, "ignore_eos": True, "stream": True}
         lines = []
         with httpx.Client(timeout=60) as client, client.stream("POST", url + CHAT, json=body) as r:
