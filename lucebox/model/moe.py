@@ -43,7 +43,7 @@ class Experts(nn.Module):
             out = self._gathered(x, ids.reshape(-1), k)
         else:
             out = self._grouped(x, ids.reshape(-1), k)
-        out = out.view(tokens, k, -1) * weights.unsqueeze(-1).to(out.dtype)
+        out = out.view(tokens, k, x.shape[-1]) * weights.unsqueeze(-1).to(out.dtype)
         return out.sum(dim=1)
 
     def _gathered(self, x: torch.Tensor, flat_ids: torch.Tensor, k: int) -> torch.Tensor:
@@ -113,7 +113,7 @@ class SparseMoE(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------- checkpoints
-_PER_EXPERT = re.compile(r"(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+_PER_EXPERT = re.compile(r"((?:.+\.)?layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 _STACKED = re.compile(r"layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
 
 
@@ -154,24 +154,27 @@ def check_expert_tensors(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], s
         return
     layer = cfg.moe_layers.index(True)
     experts, hidden, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-    router = f"layers.{layer}.mlp.gate.weight"
-    _expect(shapes, router, (experts, hidden), f"{keys['num_experts']} ({experts})", source)
     stacked = f"layers.{layer}.mlp.experts.gate_up_proj"
     if stacked in shapes:
         _expect(shapes, stacked, (experts, 2 * inter, hidden),
                 f"{keys['num_experts']} ({experts}) and {keys['moe_intermediate_size']} ({inter})", source)
-        return
-    held = sorted({int(m[2]) for name in shapes if (m := _PER_EXPERT.fullmatch(name))
-                   and m[1] == f"layers.{layer}.mlp.experts"})
+    else:
+        _check_per_expert(shapes, layer, experts, (inter, hidden), source, keys)
+    _expect(shapes, f"layers.{layer}.mlp.gate.weight", (experts, hidden), f"{keys['num_experts']} ({experts})",
+            source)
+
+
+def _check_per_expert(shapes, layer: int, experts: int, gate_shape: tuple[int, int], source: str, keys) -> None:
+    prefix = f"layers.{layer}.mlp.experts"
+    held = sorted({int(m[2]) for name in shapes if (m := _PER_EXPERT.fullmatch(name)) and m[1] == prefix})
     if held != list(range(experts)):
         extra = [e for e in held if e >= experts]
-        name = f"layers.{layer}.mlp.experts.{extra[0] if extra else next(e for e in range(experts) if e not in held)}" \
-               f".gate_proj.weight"
-        raise CheckpointError(f"{source}: {keys['num_experts']} is {experts}, but the weights hold "
-                              f"{len(held)} experts in layer {layer} ({'unexpected' if extra else 'missing'} "
-                              f"tensor {name})")
-    _expect(shapes, f"layers.{layer}.mlp.experts.0.gate_proj.weight", (inter, hidden),
-            f"{keys['moe_intermediate_size']} ({inter})", source)
+        missing = [e for e in range(experts) if e not in held]
+        what = f"unexpected tensor {prefix}.{extra[0]}" if extra else f"missing tensor {prefix}.{missing[0]}"
+        raise CheckpointError(f"{source}: {keys['num_experts']} is {experts}, but the weights hold {len(held)} "
+                              f"experts in layer {layer} ({what}.gate_proj.weight)")
+    _expect(shapes, f"{prefix}.0.gate_proj.weight", gate_shape, f"{keys['moe_intermediate_size']} ({gate_shape[0]})",
+            source)
 
 
 def _expect(shapes, name: str, want: tuple[int, ...], because: str, source: str) -> None:
