@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lucebox import LLM, SamplingParams
-from lucebox.errors import CheckpointError
+from lucebox.convert import convert_hf_to_gguf
+from lucebox.errors import CheckpointError, UnsupportedError
 from lucebox.model import moe
 from lucebox.model.config import ModelConfig
 from lucebox.model.loader import load_model
@@ -224,3 +225,9 @@ def test_stacked_experts_of_the_wrong_size_are_named(moe_models, tmp_path):
     with pytest.raises(CheckpointError, match=r"tensor layers.1.mlp.experts.gate_up_proj has shape \[8, 64, 64\], "
                                               r"but num_experts \(8\) and moe_intermediate_size \(16\)"):
         load_model(str(path), dtype="float32")
+
+
+def test_converting_to_gguf_says_it_is_not_supported_yet(moe_models, tmp_path):
+    with pytest.raises(UnsupportedError, match="converting qwen3_moe to GGUF is not supported yet"):
+        convert_hf_to_gguf(moe_models["qwen3_moe"], tmp_path / "moe.gguf", "f32")
+    assert not (tmp_path / "moe.gguf").exists()
