@@ -64,6 +64,8 @@ def convert_hf_to_gguf(hf_dir: str | Path, out_path: str | Path, qtype: str = "f
         raise RequestError(f"{out_path}: the directory {out_path.parent} does not exist")
     want = QTYPES[qtype]
     cfg = ModelConfig.from_hf_dir(hf_dir)
+    if cfg.family not in FAMILY_TO_ARCH:  # e.g. qwen3_moe: its GGUF tensors (stacked experts) come later
+        raise UnsupportedError(f"{hf_dir}: converting {cfg.family} to GGUF is not supported yet")
     arch = FAMILY_TO_ARCH[cfg.family]
     plan = _plan(hf_dir, cfg, want)
 

@@ -71,12 +71,23 @@ FAMILIES = {
                   rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
 }
 
+# Mixture-of-experts families (tests/model/test_moe.py), apart from FAMILIES, which GGUF tests convert.
+MOE_FAMILIES = {
+    "qwen3_moe": dict(model_type="qwen3_moe", head_dim=16, num_hidden_layers=4, num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=32, mlp_only_layers=[0], decoder_sparse_step=1, norm_topk_prob=True,
+                      rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+    "qwen3_moe-step2": dict(model_type="qwen3_moe", head_dim=16, num_hidden_layers=4, num_experts=8,
+                            num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[], decoder_sparse_step=2,
+                            norm_topk_prob=False, tie_word_embeddings=True,
+                            rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+}
+
 
 def build_hf_model(family: str, out: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -> Path:
     """Save a random-initialised transformers model of `family` (plus tokenizer files) to `out`."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    spec = dict(FAMILIES[family])
+    spec = dict(FAMILIES[family] if family in FAMILIES else MOE_FAMILIES[family])
     spec.update(overrides)
     model_type = spec.pop("model_type")
     vocab = json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"]

@@ -19,6 +19,7 @@ HF_FAMILIES = {
     "mistral": "mistral",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "qwen3_moe": "qwen3_moe",
 }
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -28,7 +29,7 @@ INT_LIMITS = {
     "vocab_size": (1, (1 << 31) - 1), "hidden_size": (1, 1 << 18), "intermediate_size": (1, 1 << 20),
     "num_layers": (1, 1 << 12), "num_heads": (1, 1 << 12), "num_kv_heads": (1, 1 << 12), "head_dim": (2, 1 << 12),
     "max_position_embeddings": (1, 1 << 30), "sliding_window": (1, 1 << 30), "token_id": (0, (1 << 31) - 1),
-    "count": (0, (1 << 31) - 1),
+    "count": (0, (1 << 31) - 1), "num_experts": (1, 1 << 14),
 }
 # (exclusive lower bound, inclusive upper bound); NaN and infinities never pass.
 FLOAT_LIMITS = {"rms_norm_eps": (0.0, 1.0), "rope_theta": (0.0, 1e15), "rope_factor": (0.0, 1e6),
@@ -36,7 +37,9 @@ FLOAT_LIMITS = {"rms_norm_eps": (0.0, 1.0), "rope_theta": (0.0, 1e15), "rope_fac
 # ModelConfig field -> config.json key, for messages that name what the file says.
 HF_KEYS = {"vocab_size": "vocab_size", "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
            "num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
-           "num_kv_heads": "num_key_value_heads", "head_dim": "head_dim"}
+           "num_kv_heads": "num_key_value_heads", "head_dim": "head_dim", "num_experts": "num_experts",
+           "moe_intermediate_size": "moe_intermediate_size",
+           "shared_expert_intermediate_size": "shared_expert_intermediate_size"}
 
 
 def check_int(value, limit: str, field_name: str) -> int:
@@ -99,10 +102,20 @@ class ModelConfig:
     torch_dtype: str | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # Sparse mixture of experts (model/moe.py); num_experts 0 = every FFN dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
+    shared_expert_intermediate_size: int = 0  # 0 = no shared expert (Qwen3-MoE); Qwen3.5-MoE has one
+    # Per layer: True where the FFN is the sparse MoE block.
+    moe_layers: list[bool] = field(default_factory=list)
 
     def __post_init__(self):
         if not self.sliding_windows:
             self.sliding_windows = [None] * self.num_layers
+        if not self.moe_layers:
+            self.moe_layers = [False] * self.num_layers
         self.validate()
 
     def validate(self):
@@ -134,6 +147,17 @@ class ModelConfig:
         if len(self.sliding_windows) != self.num_layers:
             raise CheckpointError(
                 f"model config: {len(self.sliding_windows)} layer types for {self.num_layers} layers")
+        if len(self.moe_layers) != self.num_layers:
+            raise CheckpointError(f"model config: {len(self.moe_layers)} MoE layer flags for {self.num_layers} layers")
+        if any(self.moe_layers):
+            check_int(self.num_experts, "num_experts", "model config: num_experts")
+            check_int(self.moe_intermediate_size, "intermediate_size", "model config: moe_intermediate_size")
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise CheckpointError(f"model config: num_experts_per_tok must be from 1 to num_experts "
+                                      f"({self.num_experts}), got {self.num_experts_per_tok!r:.80}")
+        if self.shared_expert_intermediate_size:
+            check_int(self.shared_expert_intermediate_size, "intermediate_size",
+                      "model config: shared_expert_intermediate_size")
         if self.rope.type not in ROPE_TYPES:
             raise UnsupportedError(f"model config: RoPE scaling type {self.rope.type!r} is not supported "
                                    f"(supported: {', '.join(ROPE_TYPES)})")
@@ -198,7 +222,7 @@ class ModelConfig:
                                      "rms_norm_eps", "rms_norm_eps"),
             max_position_embeddings=integer("max_position_embeddings", "max_position_embeddings", 4096),
             rope=hf_rope(raw),
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             qkv_bias=True if family == "qwen2" else bool(raw.get("attention_bias", False)),
             o_bias=False if family == "qwen2" else bool(raw.get("attention_bias", False)),
             mlp_bias=bool(raw.get("mlp_bias", False)),
@@ -209,6 +233,7 @@ class ModelConfig:
             bos_token_id=None if raw.get("bos_token_id") is None else check_int(raw["bos_token_id"], "token_id",
                                                                                  "bos_token_id"),
             eos_token_ids=[check_int(i, "token_id", "eos_token_id") for i in eos_ids],
+            **hf_moe(raw, layers),
         )
 
 
@@ -275,7 +300,7 @@ def with_yarn(raw: dict, context: int) -> dict:
 
 def hf_sliding_windows(raw: dict, family: str, layers: int) -> list[int | None]:
     window = raw.get("sliding_window")
-    if family in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+    if family in ("qwen2", "qwen3", "qwen3_moe") and not raw.get("use_sliding_window", False):
         window = None
     if window:
         window = check_int(window, "sliding_window", "sliding_window")
@@ -288,7 +313,33 @@ def hf_sliding_windows(raw: dict, family: str, layers: int) -> list[int | None]:
         return [window if t == "sliding_attention" and window else None for t in types]
     if not window:
         return [None] * layers
-    if family in ("qwen2", "qwen3"):
+    if family in ("qwen2", "qwen3", "qwen3_moe"):
         first = check_int(raw.get("max_window_layers", 28), "count", "max_window_layers")
         return [window if i >= first else None for i in range(layers)]
     return [window] * layers
+
+
+def hf_moe(raw: dict, layers: int, norm_topk_prob: bool = False) -> dict:
+    """The MoE fields of ModelConfig from a Qwen MoE config.json ({} for a dense model). Layer i is sparse
+    unless listed in mlp_only_layers, and then only every decoder_sparse_step-th layer (transformers' rule).
+    `norm_topk_prob`: the default where the file has no such key (False in Qwen3MoeConfig; Qwen3.5-MoE
+    always renormalises)."""
+    experts = raw.get("num_experts", raw.get("num_local_experts"))  # transformers 5 writes num_local_experts
+    if not experts:
+        return {}
+    experts = check_int(experts, "num_experts", "num_experts")
+    step = check_int(raw.get("decoder_sparse_step", 1), "num_layers", "decoder_sparse_step")
+    dense = raw.get("mlp_only_layers") or []
+    if not isinstance(dense, list):
+        raise CheckpointError(f"mlp_only_layers must be a list of layer indices, got {dense!r:.80}")
+    dense = {check_int(i, "count", "mlp_only_layers") for i in dense}
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=check_int(raw.get("num_experts_per_tok"), "num_experts", "num_experts_per_tok"),
+        moe_intermediate_size=check_int(raw.get("moe_intermediate_size"), "intermediate_size",
+                                        "moe_intermediate_size"),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", norm_topk_prob)),
+        shared_expert_intermediate_size=check_int(raw.get("shared_expert_intermediate_size") or 0, "count",
+                                                  "shared_expert_intermediate_size"),
+        moe_layers=[i not in dense and (i + 1) % step == 0 for i in range(layers)],
+    )

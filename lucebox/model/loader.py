@@ -38,6 +38,7 @@ from .gguf_config import (
     to_our_name,
     unpermute_rows,
 )
+from .moe import stack_experts
 from .rope import RopeTable
 from .tensor_check import check_config_against_tensors
 from .transformer import Transformer
@@ -122,7 +123,7 @@ def load_hf(path: Path, dtype, device: torch.device) -> LoadedModel:
     check_config_against_tensors(cfg, shapes, str(path / "config.json"), HF_KEYS)
     torch_dtype = resolve_dtype(dtype, cfg.torch_dtype, device)
     model = empty_model(cfg, torch_dtype, device)
-    assign(model, _hf_names(iter_safetensors(path), cfg), str(path), torch_dtype)
+    assign(model, stack_experts(_hf_names(iter_safetensors(path), cfg), cfg, str(path)), str(path), torch_dtype)
     model.eval()
     tokenizer = Tokenizer.from_hf_dir(path)
     return LoadedModel(model, tokenizer, cfg, str(path), "hf", read_generation_config(path))

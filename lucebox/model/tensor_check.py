@@ -10,6 +10,7 @@ import re
 
 from ..errors import CheckpointError
 from .config import ModelConfig
+from .moe import check_expert_tensors
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
@@ -29,9 +30,11 @@ def check_config_against_tensors(cfg: ModelConfig, shapes: dict[str, tuple[int, 
                                                ("hidden_size", cfg.hidden_size))),
         ("layers.0.self_attn.k_proj.weight", (("num_kv_heads", cfg.num_kv_heads * cfg.head_dim),
                                                ("hidden_size", cfg.hidden_size))),
-        ("layers.0.mlp.gate_proj.weight", (("intermediate_size", cfg.intermediate_size),
-                                            ("hidden_size", cfg.hidden_size))),
     )
+    if not all(cfg.moe_layers):  # the first dense FFN
+        checks += ((f"layers.{cfg.moe_layers.index(False)}.mlp.gate_proj.weight",
+                    (("intermediate_size", cfg.intermediate_size), ("hidden_size", cfg.hidden_size))),)
+    check_expert_tensors(cfg, shapes, source, keys)
     for name, dims in checks:
         if name not in shapes:
             raise CheckpointError(f"{source}: missing tensor {name}")

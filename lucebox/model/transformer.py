@@ -21,6 +21,7 @@ from ..kernels.rope import rope_and_write_kv
 from ..weights.quant import QuantEmbedding, QuantLinear, QuantTensor
 from .cache_spec import PagedKVSpec
 from .config import ModelConfig
+from .moe import SparseMoE
 from .rope import RopeTable
 
 
@@ -151,11 +152,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        width = intermediate_size or cfg.intermediate_size
+        self.gate_proj = nn.Linear(cfg.hidden_size, width, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, width, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(width, cfg.hidden_size, bias=cfg.mlp_bias)
         self.gate_up = None  # gate and up as one projection, after fuse()
 
     def fuse(self) -> None:
@@ -186,7 +188,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = SparseMoE(cfg) if cfg.moe_layers[layer] else MLP(cfg)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos, sin, batch
                 ) -> tuple[torch.Tensor, torch.Tensor]:

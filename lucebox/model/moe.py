@@ -1,0 +1,185 @@
+"""Sparse mixture-of-experts FFN: softmax top-k routing over stacked experts, plus an optional shared
+expert behind a sigmoid gate (Qwen3-MoE has none; Qwen3.5-MoE has one).
+
+Experts are stacked tensors [E, out, in] (`experts.gate_up_proj` [E, 2 * I, H] and `experts.down_proj`
+[E, H, I], the layout transformers 5 holds in memory), so a stacked quantised tensor can replace
+either one. Checkpoints that store one matrix per expert (`experts.N.gate_proj.weight`, as the
+published Qwen MoE files and transformers' save_pretrained do) are stacked on load: stack_experts.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import CheckpointError
+from ..kernels.activation import silu_and_mul
+from ..kernels.linear import linear
+from .config import ModelConfig
+
+# Up to this many routed (token, expert) rows, a step gathers the routed experts' matrices and runs
+# one batched product: no host sync (CUDA-graph safe) and only routed weights read. Above it, tokens
+# are sorted by expert and each expert the batch touches runs one product over its tokens.
+GATHER_ROWS = 16
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts as two stacked tensors; forward mixes each token's routed experts."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.num_experts, self.intermediate_size = num_experts, intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H]; ids, weights [T, k]: sum over j of weights[t, j] * expert_{ids[t, j]}(x[t])."""
+        tokens, k = ids.shape
+        rows = tokens * k
+        if rows <= GATHER_ROWS or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            out = self._gathered(x, ids.reshape(-1), k)
+        else:
+            out = self._grouped(x, ids.reshape(-1), k)
+        out = out.view(tokens, k, x.shape[-1]) * weights.unsqueeze(-1).to(out.dtype)
+        return out.sum(dim=1)
+
+    def _gathered(self, x: torch.Tensor, flat_ids: torch.Tensor, k: int) -> torch.Tensor:
+        """[T*k, H]: row r is expert flat_ids[r] of token r // k, from the gathered routed matrices."""
+        h = x.repeat_interleave(k, dim=0).unsqueeze(-1)  # [T*k, H, 1]
+        gate_up = torch.bmm(self.gate_up_proj[flat_ids], h).squeeze(-1)
+        act = silu_and_mul(*gate_up.split(self.intermediate_size, dim=-1))
+        return torch.bmm(self.down_proj[flat_ids], act.unsqueeze(-1)).squeeze(-1)
+
+    def _grouped(self, x: torch.Tensor, flat_ids: torch.Tensor, k: int) -> torch.Tensor:
+        """[T*k, H] as _gathered, with the rows sorted by expert: one product per expert touched."""
+        order = torch.argsort(flat_ids, stable=True)
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()  # the one host sync
+        sorted_x = x[order // k]
+        sorted_out = torch.empty_like(sorted_x)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count:
+                rows = slice(start, start + count)
+                gate_up = F.linear(sorted_x[rows], self.gate_up_proj[expert])
+                act = silu_and_mul(*gate_up.split(self.intermediate_size, dim=-1))
+                sorted_out[rows] = F.linear(act, self.down_proj[expert])
+                start += count
+        out = torch.empty_like(sorted_out)
+        out[order] = sorted_out
+        return out
+
+
+class SparseMoE(nn.Module):
+    """The FFN of a MoE layer. Module names follow the HF checkpoints: `gate` is the router."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        from .transformer import MLP  # the shared expert is a dense SwiGLU MLP of its own width
+
+        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = MLP(cfg, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        else:
+            self.shared_expert = None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(expert ids [T, k], their weights [T, k] in x's dtype): top-k of the softmax in float32."""
+        probs = torch.softmax(linear(x, self.gate).float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights.to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.experts(x, *self.route(x))
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(linear(x, self.shared_expert_gate)) * self.shared_expert(x)
+        return out
+
+    def fuse(self) -> None:
+        if self.shared_expert is not None:
+            self.shared_expert.fuse()
+
+    def after_norm(self, norm, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(moe(norm(x + residual)), x + residual), as MLP.after_norm."""
+        h, residual = norm(x, residual)
+        return self(h), residual
+
+
+# ---------------------------------------------------------------------------------------- checkpoints
+_PER_EXPERT = re.compile(r"((?:.+\.)?layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+_STACKED = re.compile(r"layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
+
+
+def stack_experts(tensors: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig, source: str
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Our-named tensors with per-expert matrices (`layers.L.mlp.experts.N.gate_proj.weight`) stacked
+    into Experts' two tensors, each yielded once all of its layer's experts have come (shards may
+    split a layer). Other tensors pass through unchanged."""
+    pending: dict[str, dict[tuple[str, int], torch.Tensor]] = {}
+    for name, tensor in tensors:
+        match = _PER_EXPERT.fullmatch(name)
+        if match is None:
+            yield name, tensor
+            continue
+        prefix, expert, kind = match[1], int(match[2]), match[3]
+        if expert >= cfg.num_experts:
+            raise CheckpointError(f"{source}: tensor {name} is expert {expert}, but num_experts is "
+                                  f"{cfg.num_experts}")
+        parts = pending.setdefault(prefix, {})
+        parts[kind, expert] = tensor
+        if len(parts) == 3 * cfg.num_experts:
+            del pending[prefix]
+            gate_up = [torch.cat([parts["gate_proj", e], parts["up_proj", e]]) for e in range(cfg.num_experts)]
+            yield f"{prefix}.gate_up_proj", torch.stack(gate_up)
+            yield f"{prefix}.down_proj", torch.stack([parts["down_proj", e] for e in range(cfg.num_experts)])
+    for prefix, parts in pending.items():
+        kind, expert = next((k, e) for e in range(cfg.num_experts) for k in ("gate_proj", "up_proj", "down_proj")
+                            if (k, e) not in parts)
+        raise CheckpointError(f"{source}: missing tensor {prefix}.{expert}.{kind}.weight "
+                              f"(num_experts is {cfg.num_experts})")
+
+
+def check_expert_tensors(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]], source: str,
+                         keys: dict[str, str]) -> None:
+    """The first MoE layer's router and experts agree with num_experts, moe_intermediate_size and
+    hidden_size, per-expert or stacked, before anything is allocated."""
+    if not any(cfg.moe_layers):
+        return
+    layer = cfg.moe_layers.index(True)
+    experts, hidden, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    stacked = f"layers.{layer}.mlp.experts.gate_up_proj"
+    if stacked in shapes:
+        _expect(shapes, stacked, (experts, 2 * inter, hidden),
+                f"{keys['num_experts']} ({experts}) and {keys['moe_intermediate_size']} ({inter})", source)
+    else:
+        _check_per_expert(shapes, layer, experts, (inter, hidden), source, keys)
+    _expect(shapes, f"layers.{layer}.mlp.gate.weight", (experts, hidden), f"{keys['num_experts']} ({experts})",
+            source)
+
+
+def _check_per_expert(shapes, layer: int, experts: int, gate_shape: tuple[int, int], source: str, keys) -> None:
+    prefix = f"layers.{layer}.mlp.experts"
+    held = sorted({int(m[2]) for name in shapes if (m := _PER_EXPERT.fullmatch(name)) and m[1] == prefix})
+    if held != list(range(experts)):
+        extra = [e for e in held if e >= experts]
+        missing = [e for e in range(experts) if e not in held]
+        what = f"unexpected tensor {prefix}.{extra[0]}" if extra else f"missing tensor {prefix}.{missing[0]}"
+        raise CheckpointError(f"{source}: {keys['num_experts']} is {experts}, but the weights hold {len(held)} "
+                              f"experts in layer {layer} ({what}.gate_proj.weight)")
+    _expect(shapes, f"{prefix}.0.gate_proj.weight", gate_shape, f"{keys['moe_intermediate_size']} ({gate_shape[0]})",
+            source)
+
+
+def _expect(shapes, name: str, want: tuple[int, ...], because: str, source: str) -> None:
+    if name not in shapes:
+        raise CheckpointError(f"{source}: missing tensor {name}")
+    if tuple(shapes[name]) != want:
+        raise CheckpointError(f"{source}: tensor {name} has shape {list(shapes[name])}, but {because} "
+                              f"makes it {list(want)}")
