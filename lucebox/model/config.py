@@ -19,6 +19,8 @@ HF_FAMILIES = {
     "mistral": "mistral",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "qwen3_5": "qwen3_5",  # hybrid: Gated DeltaNet + gated attention (model/qwen3_5.py)
+    "qwen3_5_text": "qwen3_5",
 }
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -99,6 +101,15 @@ class ModelConfig:
     torch_dtype: str | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # Hybrids (qwen3_5): per layer "full_attention" or "linear_attention" (Gated DeltaNet), empty
+    # for plain transformers; the DeltaNet sizes; RoPE over head_dim * partial_rotary_factor dims.
+    layer_types: list[str] = field(default_factory=list)
+    partial_rotary_factor: float = 1.0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
 
     def __post_init__(self):
         if not self.sliding_windows:
@@ -162,6 +173,9 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, raw: dict) -> "ModelConfig":
+        if raw.get("model_type") == "qwen3_5":  # ConditionalGeneration: the text model's config
+            from .hybrid_config import text_config
+            raw = text_config(raw)
         model_type = raw.get("model_type")
         family = HF_FAMILIES.get(model_type)
         if family is None:
@@ -209,7 +223,13 @@ class ModelConfig:
             bos_token_id=None if raw.get("bos_token_id") is None else check_int(raw["bos_token_id"], "token_id",
                                                                                  "bos_token_id"),
             eos_token_ids=[check_int(i, "token_id", "eos_token_id") for i in eos_ids],
+            **(hybrid_fields(raw, layers) if family == "qwen3_5" else {}),
         )
+
+
+def hybrid_fields(raw: dict, layers: int) -> dict:
+    from .hybrid_config import hybrid_fields as fields
+    return fields(raw, layers)
 
 
 def hf_rope(raw: dict) -> RopeConfig:
