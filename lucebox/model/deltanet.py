@@ -133,6 +133,8 @@ class GatedDeltaNet(nn.Module):
         starts = batch.query_starts_host
         for i, slot in enumerate(batch.state_slots_host):
             rows = slice(starts[i], starts[i + 1])
+            if starts[i] == starts[i + 1]:
+                continue
             out[rows] = self._sequence(qkv[rows], beta[rows], g[rows], slot).to(h.dtype)
         o = self.norm(out.view(-1, self.num_v_heads, self.head_v_dim), z.view(-1, self.num_v_heads, self.head_v_dim))
         return self.out_proj(o.reshape(h.shape[0], -1))
