@@ -49,7 +49,7 @@ def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64):
     whose solution gives each token's correction u = beta v - (what the state before the block
     and earlier tokens of the block predict); the block's output and final state follow in
     matrix products."""
-    heads, length, dk = k.shape
+    heads, length = k.shape[:2]
     pad = -length % chunk
     if pad:  # padded tokens: k = 0 and beta = 0 write nothing, g = 0 decays nothing
         q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))

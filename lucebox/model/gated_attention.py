@@ -18,6 +18,7 @@ from ..kernels.forward_batch import ForwardBatch
 from ..kernels.norm import rms_norm
 from ..kernels.rope import apply_rope
 from .cache_spec import PagedKVSpec
+from .transformer import RMSNorm
 
 
 def rotary_dim(cfg) -> int:
@@ -40,7 +41,6 @@ class GatedAttention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
-        from .transformer import RMSNorm  # transformer.py builds these layers: import it late
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.scale = cfg.head_dim ** -0.5

@@ -11,6 +11,7 @@ DeltaNet (`linear_attn.norm`) multiplies by w itself and is kept as is.
 from __future__ import annotations
 
 import logging
+import re
 
 import torch
 from torch import nn
@@ -22,6 +23,7 @@ from .transformer import MLP, RMSNorm, Transformer
 
 log = logging.getLogger("lucebox")
 
+LAYER_NAME = re.compile(r"layers\.(\d+)\.")
 LINEAR, FULL = "linear_attention", "full_attention"
 HF_TEXT_PREFIXES = ("model.language_model.", "model.")  # ConditionalGeneration, then CausalLM
 SKIPPED_PREFIXES = ("model.visual.", "mtp.")  # the vision tower; multi-token-prediction heads
@@ -123,8 +125,7 @@ def check_hybrid_tensors(cfg, shapes: dict, source: str) -> None:
     """The layer count and the embedding's size agree with the weights before anything is allocated
     (the rest is checked tensor by tensor as it is assigned)."""
     from ..errors import CheckpointError
-    from .tensor_check import _LAYER
-    layers = sorted({int(m[1]) for name in shapes if name and (m := _LAYER.match(name))})
+    layers = sorted({int(m[1]) for name in shapes if name and (m := LAYER_NAME.match(name))})
     if layers != list(range(cfg.num_layers)):
         raise CheckpointError(f"{source}: num_hidden_layers is {cfg.num_layers}, but the weights hold "
                               f"{len(layers)} layers")

@@ -13,7 +13,6 @@ from lucebox.engine.block_manager import BlockManager
 from lucebox.engine.runner import ModelRunner
 from lucebox.model.deltanet import chunked_gated_delta_rule, recurrent_gated_delta_rule
 from lucebox.model.loader import load_model
-
 from tests.conftest import build_hf_model
 
 BLOCK_SIZE = 4
