@@ -10,7 +10,7 @@ from dataclasses import replace
 import torch
 
 from ..config import EngineArgs
-from ..errors import ContextLengthError, OverloadError, RequestError
+from ..errors import ContextLengthError, OverloadError, RequestError, UnsupportedError
 from ..model.cache_spec import bytes_per_sequence, bytes_per_token
 from ..model.loader import LoadedModel
 from ..outputs import RequestOutput
@@ -52,8 +52,14 @@ class LLMEngine:
         num_blocks = self._plan_kv_blocks(specs)
         graphs = self._graph_settings()
         self.runner = ModelRunner(self.model, num_blocks, args.block_size, args.cache_type_k, args.cache_type_v,
-                                  args.cache_rotate_k, graphs=graphs)
+                                  args.cache_rotate_k, graphs=graphs, state_slots=0)
+        # Recurrent layers (hybrids): one state slot per running sequence, prefix reuse off (CacheManager).
         cache = CacheManager(specs, num_blocks, args.block_size, args.enable_prefix_caching, args.max_num_seqs)
+        if cache.recurrent:
+            if self.speculator is not None:
+                raise UnsupportedError("speculative decoding of models with recurrent (Gated DeltaNet) layers "
+                                       "is not supported yet")
+            self.runner.install_recurrent(cache.build_recurrent(self.model.device), cache.slot)
         self.scheduler = Scheduler(cache, args.max_num_seqs, args.max_num_batched_tokens)
         if self.speculator is not None:
             proposer = self.speculator.proposer

@@ -7,6 +7,7 @@ import torch
 
 from ..kernels.attention import uses_triton
 from ..kernels.forward_batch import ForwardBatch
+from ..model.cache_spec import PagedKVSpec, RecurrentSpec
 from ..model.transformer import Transformer
 from ..util import host_to_device
 from .cuda_graphs import CudaGraphRunner, GraphSettings
@@ -20,7 +21,8 @@ class ModelRunner:
     everything else (prefill chunks, ragged mixes, CPU) runs eagerly."""
 
     def __init__(self, model: Transformer, num_blocks: int, block_size: int, cache_type_k: str = "auto",
-                 cache_type_v: str = "auto", rotate_k: bool = False, graphs: GraphSettings | None = None):
+                 cache_type_v: str = "auto", rotate_k: bool = False, graphs: GraphSettings | None = None,
+                 state_slots: int = 8):
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -28,25 +30,52 @@ class ModelRunner:
         # entries of blocks released behind a sliding window point at it (never read).
         self.scratch_block = num_blocks
         self.cache_specs = model.cache_specs(cache_type_k, cache_type_v, rotate_k)
-        self.cache_types = (self.cache_specs[0].cache_type_k, self.cache_specs[0].cache_type_v)
-        self.caches = [spec.build(num_blocks + 1, block_size, model.dtype, model.device) for spec in self.cache_specs]
+        # Paged K/V of the attention layers; hybrids' DeltaNet layers keep recurrent slots instead.
+        self.paged_layers = [i for i, s in enumerate(self.cache_specs) if isinstance(s, PagedKVSpec)]
+        first = self.cache_specs[self.paged_layers[0]]
+        self.cache_types = (first.cache_type_k, first.cache_type_v)
+        self.caches = [self.cache_specs[i].build(num_blocks + 1, block_size, model.dtype, model.device)
+                       for i in self.paged_layers]
+        self.recurrent_layers = [i for i, s in enumerate(self.cache_specs) if isinstance(s, RecurrentSpec)]
+        # Bare forwards (tests, benches) get a small pool of their own; an engine installs its
+        # CacheManager's (install_recurrent), whose slots follow the sequences.
+        self.recurrent_states = [self.cache_specs[i].build(state_slots, 0, model.device)
+                                 for i in self.recurrent_layers]
+        self.state_slot = None  # engine: Sequence -> its slot
         self._install()
         self.graphs = self._graph_runner(graphs)
 
+    def install_recurrent(self, states: list, state_slot) -> None:
+        """Use the cache manager's recurrent storage (one per DeltaNet layer) and slot lookup."""
+        self.recurrent_states, self.state_slot = list(states), state_slot
+        self._install()
+
+    def reset_states(self, slots: list[int]) -> None:
+        """Bare forwards: these slots start new sequences (zero recurrent state)."""
+        index = torch.tensor(slots, dtype=torch.long, device=self.model.device)
+        for state in self.recurrent_states:
+            state.reset(index)
+
     def _install(self) -> None:
-        """Point the model's attention layers at this runner's KV caches. Engines can share one loaded
-        model (benchmarks compare configurations side by side): each run reinstalls its own caches,
-        so one engine never reads or writes another's K/V."""
-        for layer, (k_cache, v_cache) in zip(self.model.layers, self.caches):
-            layer.self_attn.k_cache, layer.self_attn.v_cache = k_cache, v_cache
+        """Point the model's attention layers at this runner's KV caches (and DeltaNet layers at its
+        recurrent states). Engines can share one loaded model (benchmarks compare configurations
+        side by side): each run reinstalls its own caches, so one engine never reads or writes
+        another's K/V."""
+        for i, (k_cache, v_cache) in zip(self.paged_layers, self.caches):
+            self.model.layers[i].self_attn.k_cache, self.model.layers[i].self_attn.v_cache = k_cache, v_cache
+        for i, state in zip(self.recurrent_layers, self.recurrent_states):
+            self.model.layers[i].linear_attn.state = state
 
     def _graph_runner(self, settings: GraphSettings | None) -> CudaGraphRunner | None:
         if settings is None:
             return None
+        if self.recurrent_layers:  # DeltaNet steps run eagerly (torch reference) for now
+            log.info("CUDA graphs off: the model has recurrent (Gated DeltaNet) layers")
+            return None
         if settings.capture:
             if self.model.device.type != "cuda":
                 return None
-            attn = self.model.layers[0].self_attn
+            attn = self.model.layers[self.paged_layers[0]].self_attn
             probe = torch.empty(1, attn.num_heads, attn.head_dim, dtype=self.model.dtype, device=self.model.device)
             if not uses_triton(probe, attn.k_cache, attn.v_cache):
                 # The torch attention of a device-only batch spans max_model_len for every sequence.
@@ -78,7 +107,7 @@ class ModelRunner:
 
         defer / ids_from: overlapped decode steps through the graphs (CudaGraphRunner.run); a step
         that fits no bucket runs eagerly and is returned as its result, never deferred."""
-        if self.model.layers[0].self_attn.k_cache is not self.caches[0][0]:
+        if self.model.layers[self.paged_layers[0]].self_attn.k_cache is not self.caches[0][0]:
             self._install()
         if self.graphs is not None:
             result = self.graphs.run(plan)
@@ -105,6 +134,10 @@ class ModelRunner:
         capture_layers = plan.capture_layers
         batch = ForwardBatch.build(plan.token_ids, plan.start_positions, plan.block_tables, self.block_size,
                                    self.model.device, capture_layers)
+        if self.recurrent_layers:
+            if not plan.write_kv:
+                raise RuntimeError("recomputing cached positions would advance recurrent state twice")
+            batch.state_slots_host = plan.state_slots or [self.state_slot(row.seq) for row in plan.rows]
         if not plan.write_kv:
             rows = batch.slot_mapping.shape[0]
             batch.slot_mapping = (self.scratch_block * self.block_size

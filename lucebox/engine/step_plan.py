@@ -58,6 +58,7 @@ class StepPlan:
     defer: bool = False  # overlapped decoding: return a DeferredStep at once
     ids_from: torch.Tensor | None = None  # a previous step's device tokens as this step's input ids
     prefilling: bool = False  # some prompt tokens are in this step
+    state_slots: list[int] | None = None  # a bare forward's recurrent slots, one a row (engine: from seq)
     _kinds: dict | None = field(default=None, repr=False, compare=False)
 
     @classmethod

@@ -38,6 +38,8 @@ class ForwardBatch:
     # longer than max_seq_len (the block-table width in tokens) -- what fixes a kernel's grid.
     max_query_len: int | None = None
     max_seq_len: int | None = None
+    # Recurrent-state slot of each sequence (models with Gated DeltaNet layers; eager steps only).
+    state_slots_host: list[int] | None = None
 
     @property
     def position_bound(self) -> int:

@@ -15,8 +15,9 @@ log = logging.getLogger("lucebox")
 
 
 def empty_model(cfg, dtype: torch.dtype, device: torch.device | str) -> Transformer:
+    from .qwen3_5 import HybridTransformer, is_hybrid
     with on_meta():
-        model = Transformer(cfg)
+        model = HybridTransformer(cfg) if is_hybrid(cfg) else Transformer(cfg)
     return model.to(dtype=dtype).to_empty(device=device)
 
 

@@ -20,6 +20,8 @@ HF_FAMILIES = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "qwen3_moe": "qwen3_moe",
+    "qwen3_5": "qwen3_5",  # hybrid: Gated DeltaNet + gated attention (model/qwen3_5.py)
+    "qwen3_5_text": "qwen3_5",
 }
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -110,6 +112,15 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # 0 = no shared expert (Qwen3-MoE); Qwen3.5-MoE has one
     # Per layer: True where the FFN is the sparse MoE block.
     moe_layers: list[bool] = field(default_factory=list)
+    # Hybrids (qwen3_5): per layer "full_attention" or "linear_attention" (Gated DeltaNet), empty
+    # for plain transformers; the DeltaNet sizes; RoPE over head_dim * partial_rotary_factor dims.
+    layer_types: list[str] = field(default_factory=list)
+    partial_rotary_factor: float = 1.0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
 
     def __post_init__(self):
         if not self.sliding_windows:
@@ -186,6 +197,9 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, raw: dict) -> "ModelConfig":
+        if raw.get("model_type") == "qwen3_5":  # ConditionalGeneration: the text model's config
+            from .hybrid_config import text_config
+            raw = text_config(raw)
         model_type = raw.get("model_type")
         family = HF_FAMILIES.get(model_type)
         if family is None:
@@ -234,7 +248,13 @@ class ModelConfig:
                                                                                  "bos_token_id"),
             eos_token_ids=[check_int(i, "token_id", "eos_token_id") for i in eos_ids],
             **hf_moe(raw, layers),
+            **(hybrid_fields(raw, layers) if family == "qwen3_5" else {}),
         )
+
+
+def hybrid_fields(raw: dict, layers: int) -> dict:
+    from .hybrid_config import hybrid_fields as fields
+    return fields(raw, layers)
 
 
 def hf_rope(raw: dict) -> RopeConfig:

@@ -39,6 +39,7 @@ from .gguf_config import (
     unpermute_rows,
 )
 from .moe import stack_experts
+from .qwen3_5 import check_hybrid_tensors, hf_text_name, hf_text_tensors, is_hybrid
 from .rope import RopeTable
 from .tensor_check import check_config_against_tensors
 from .transformer import Transformer
@@ -119,11 +120,18 @@ def load_model(model: str, dtype: str | torch.dtype | None = None, device: str |
 
 def load_hf(path: Path, dtype, device: torch.device) -> LoadedModel:
     cfg = ModelConfig.from_hf_dir(path)
-    shapes = {name.removeprefix("model."): shape for name, shape in safetensors_shapes(path).items()}
-    check_config_against_tensors(cfg, shapes, str(path / "config.json"), HF_KEYS)
+    if is_hybrid(cfg):
+        shapes = {hf_text_name(name): shape for name, shape in safetensors_shapes(path).items()}
+        check_hybrid_tensors(cfg, shapes, str(path / "config.json"))
+    else:
+        shapes = {name.removeprefix("model."): shape for name, shape in safetensors_shapes(path).items()}
+        check_config_against_tensors(cfg, shapes, str(path / "config.json"), HF_KEYS)
     torch_dtype = resolve_dtype(dtype, cfg.torch_dtype, device)
     model = empty_model(cfg, torch_dtype, device)
-    assign(model, stack_experts(_hf_names(iter_safetensors(path), cfg), cfg, str(path)), str(path), torch_dtype)
+    tensors = iter_safetensors(path)
+    if is_hybrid(cfg):  # text model only, zero-centred norms as 1 + w
+        tensors = hf_text_tensors(tensors, str(path))
+    assign(model, stack_experts(_hf_names(tensors, cfg), cfg, str(path)), str(path), torch_dtype)
     model.eval()
     tokenizer = Tokenizer.from_hf_dir(path)
     return LoadedModel(model, tokenizer, cfg, str(path), "hf", read_generation_config(path))

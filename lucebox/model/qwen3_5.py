@@ -1,0 +1,137 @@
+"""Qwen 3.5 / 3.6 dense hybrids (HF model_type `qwen3_5`, `qwen3_5_text`): per `layer_types`, a
+Gated DeltaNet layer (model/deltanet.py) or a gated full-attention layer (model/gated_attention.py),
+each followed by the usual SwiGLU MLP.
+
+Checkpoints: `Qwen3_5ForConditionalGeneration` (text model under `model.language_model.`, a vision
+tower under `model.visual.`, skipped) or the text-only `Qwen3_5ForCausalLM` (`model.`). Their
+RMSNorms (layer norms, final norm, q/k norms) are zero-centred, x * (1 + w): the loader stores
+1 + w once, so the layers run the plain RMSNorm of every other family. The gated norm inside
+DeltaNet (`linear_attn.norm`) multiplies by w itself and is kept as is.
+"""
+from __future__ import annotations
+
+import logging
+import re
+
+import torch
+from torch import nn
+
+from .deltanet import GatedDeltaNet
+from .gated_attention import GatedAttention, rotary_dim
+from .rope import RopeTable
+from .transformer import MLP, RMSNorm, Transformer
+
+log = logging.getLogger("lucebox")
+
+LAYER_NAME = re.compile(r"layers\.(\d+)\.")
+LINEAR, FULL = "linear_attention", "full_attention"
+HF_TEXT_PREFIXES = ("model.language_model.", "model.")  # ConditionalGeneration, then CausalLM
+SKIPPED_PREFIXES = ("model.visual.", "mtp.")  # the vision tower; multi-token-prediction heads
+
+
+def is_hybrid(cfg) -> bool:
+    return LINEAR in (getattr(cfg, "layer_types", None) or ())
+
+
+class HybridDecoderLayer(nn.Module):
+    def __init__(self, cfg, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.kind = cfg.layer_types[layer]
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if self.kind == LINEAR:
+            self.linear_attn = GatedDeltaNet(cfg, layer)
+        else:
+            self.self_attn = GatedAttention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    @property
+    def mixer(self) -> nn.Module:
+        return self.linear_attn if self.kind == LINEAR else self.self_attn
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos, sin, batch):
+        """DecoderLayer's contract: (x, residual) -> (mlp output, residual stream before it)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        if self.layer - 1 in batch.capture_layers:
+            batch.captured[self.layer - 1] = residual
+        h = self.linear_attn(h, batch) if self.kind == LINEAR else self.self_attn(h, cos, sin, batch)
+        return self.mlp.after_norm(self.post_attention_layernorm, h, residual)
+
+
+class HybridTransformer(Transformer):
+    """Transformer's embedding, final norm, LM head and forward; hybrid layers and partial RoPE."""
+
+    def __init__(self, cfg):
+        nn.Module.__init__(self)
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(HybridDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rope = RopeTable(cfg.rope, rotary_dim(cfg))
+
+    def cache_specs(self, cache_type_k: str | None = "auto", cache_type_v: str | None = "auto",
+                    rotate_k: bool = False) -> list:
+        """Per layer: RecurrentSpec (DeltaNet) or PagedKVSpec (full attention)."""
+        return [layer.linear_attn.cache_spec() if layer.kind == LINEAR
+                else layer.self_attn.cache_spec(self.dtype, cache_type_k, cache_type_v, rotate_k)
+                for layer in self.layers]
+
+    def fuse_projections(self) -> None:
+        """gate/up as one GEMV per MLP (the mixers' projections stay separate for now)."""
+        for layer in self.layers:
+            layer.mlp.fuse()
+
+
+def hf_text_tensors(tensors, source: str):
+    """(name without the text model's prefix, tensor) of a Qwen 3.5 checkpoint: the vision tower
+    and MTP heads skipped (one log line), zero-centred norm weights w stored as 1 + w."""
+    skipped = 0
+    for name, tensor in tensors:
+        if name.startswith(SKIPPED_PREFIXES):
+            skipped += 1
+            continue
+        for prefix in HF_TEXT_PREFIXES:
+            if name.startswith(prefix):
+                name = name[len(prefix):]
+                break
+        if zero_centred_norm(name):
+            tensor = tensor.float() + 1.0
+        yield name, tensor
+    if skipped:
+        log.info("%s: skipped %d vision-tower / MTP tensors (text model only)", source, skipped)
+
+
+def hf_text_name(name: str) -> str | None:
+    """A checkpoint tensor name as the model names it; None for skipped tensors."""
+    if name.startswith(SKIPPED_PREFIXES):
+        return None
+    for prefix in HF_TEXT_PREFIXES:
+        if name.startswith(prefix):
+            return name[len(prefix):]
+    return name
+
+
+def zero_centred_norm(name: str) -> bool:
+    return name.endswith("norm.weight") and ".linear_attn." not in name
+
+
+def check_hybrid_tensors(cfg, shapes: dict, source: str) -> None:
+    """The layer count and the embedding's size agree with the weights before anything is allocated
+    (the rest is checked tensor by tensor as it is assigned)."""
+    from ..errors import CheckpointError
+    layers = sorted({int(m[1]) for name in shapes if name and (m := LAYER_NAME.match(name))})
+    if layers != list(range(cfg.num_layers)):
+        raise CheckpointError(f"{source}: num_hidden_layers is {cfg.num_layers}, but the weights hold "
+                              f"{len(layers)} layers")
+    embed = shapes.get("embed_tokens.weight")
+    if embed is None:
+        raise CheckpointError(f"{source}: missing tensor embed_tokens.weight")
+    if tuple(embed) != (cfg.vocab_size, cfg.hidden_size):
+        raise CheckpointError(f"{source}: tensor embed_tokens.weight has shape {list(embed)}, but vocab_size and "
+                              f"hidden_size make it {[cfg.vocab_size, cfg.hidden_size]}")
