@@ -57,6 +57,8 @@ RECIPES = {
                           "Bash", lambda c: {"command": c, "description": "Print the qualification marker"}),
     # -z: one shot, approvals bypassed, only the final answer on stdout (its session lands in $HERMES_HOME)
     "hermes": Recipe(lambda p: ["-z", p], "terminal", lambda c: {"command": c}),
+    # one headless embedded turn (no gateway); --json: its result envelope on stdout
+    "openclaw": Recipe(lambda p: ["agent", "exec", "--json", p], "exec", lambda c: {"command": c}),
 }
 
 
