@@ -7,6 +7,7 @@ configuration is never read or changed and nothing points at a hosted service.""
 from __future__ import annotations
 
 import json
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,6 +135,8 @@ def configure_open_webui(setup: Setup) -> dict[str, str]:
     documents go whole into the prompt instead of through retrieval."""
     return base_env(setup) | {
         "DATA_DIR": str(setup.home / "open-webui"), "ENABLE_OPENAI_API": "True",
+        # its session-signing key; unset, it writes .webui_secret_key into the current directory
+        "WEBUI_SECRET_KEY": secrets.token_hex(32),
         "OPENAI_API_BASE_URLS": setup.v1, "OPENAI_API_KEYS": setup.api_key,
         "ENABLE_OLLAMA_API": "False", "WEBUI_AUTH": "False", "DEFAULT_MODELS": setup.model,
         "OFFLINE_MODE": "True", "HF_HUB_OFFLINE": "1", "ENABLE_VERSION_UPDATE_CHECK": "False",

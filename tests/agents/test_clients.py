@@ -59,7 +59,7 @@ def test_open_webui_gets_one_openai_connection_and_starts_offline(setup):
     # no sentence-transformers model is loaded or downloaded at start
     assert env["RAG_EMBEDDING_ENGINE"] == "openai" and env["BYPASS_EMBEDDING_AND_RETRIEVAL"] == "True"
     assert env["OFFLINE_MODE"] == "True" and env["HF_HUB_OFFLINE"] == "1"
-    assert Path(env["DATA_DIR"]).is_relative_to(setup.home)
+    assert Path(env["DATA_DIR"]).is_relative_to(setup.home) and len(env["WEBUI_SECRET_KEY"]) == 64
     c = CLIENTS["openwebui"]
     assert c.args == ("serve",) and c.web_args == ("--host", "127.0.0.1", "--port", "{port}")
 

@@ -67,3 +67,4 @@ def test_open_webui_launch_lists_the_model_and_chats(tmp_path):
     assert "[lucebox serve stopped]" in log.read_text() and code != 0
     with pytest.raises(OSError):
         urllib.request.urlopen(web + "/health", timeout=5)
+    assert list(tmp_path.iterdir()) == [log]  # nothing written where it ran
