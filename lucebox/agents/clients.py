@@ -7,6 +7,7 @@ configuration is never read or changed and nothing points at a hosted service.""
 from __future__ import annotations
 
 import json
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +38,9 @@ class Client:
     api: str  # the lucebox API it speaks: anthropic | responses | chat
     configure: Callable[[Setup], dict[str, str]]  # writes its config under setup.home, returns its environment
     args: tuple[str, ...] = ()  # arguments placed before the person's own
-    notes: str = ""
+    # a web app: arguments binding it to "{port}" on this machine only, and the path that answers once it is up
+    web_args: tuple[str, ...] = ()
+    web_ready: str = "/health"
 
     @property
     def install_command(self) -> str:
@@ -127,18 +130,28 @@ def configure_claude_code(setup: Setup) -> dict[str, str]:
 
 
 def configure_open_webui(setup: Setup) -> dict[str, str]:
-    """Open WebUI is configured by environment: one OpenAI connection, no Ollama, no login, offline."""
+    """Open WebUI reads its connections from the environment: one OpenAI connection to the server, no Ollama,
+    no login, offline (no update check, no Hugging Face downloads), and no local embedding model to load:
+    documents go whole into the prompt instead of through retrieval."""
     return base_env(setup) | {
-        "DATA_DIR": str(setup.home / "open-webui"), "OPENAI_API_BASE_URL": setup.v1, "OPENAI_API_KEY": setup.api_key,
-        "ENABLE_OPENAI_API": "True", "ENABLE_OLLAMA_API": "False", "WEBUI_AUTH": "False", "OFFLINE_MODE": "True",
-        "HF_HUB_OFFLINE": "1", "DEFAULT_MODELS": setup.model, "ENABLE_VERSION_UPDATE_CHECK": "False"}
+        "DATA_DIR": str(setup.home / "open-webui"), "ENABLE_OPENAI_API": "True",
+        # its session-signing key; unset, it writes .webui_secret_key into the current directory
+        "WEBUI_SECRET_KEY": secrets.token_hex(32),
+        "OPENAI_API_BASE_URLS": setup.v1, "OPENAI_API_KEYS": setup.api_key,
+        "ENABLE_OLLAMA_API": "False", "WEBUI_AUTH": "False", "DEFAULT_MODELS": setup.model,
+        "OFFLINE_MODE": "True", "HF_HUB_OFFLINE": "1", "ENABLE_VERSION_UPDATE_CHECK": "False",
+        "BYPASS_EMBEDDING_AND_RETRIEVAL": "True", "RAG_EMBEDDING_ENGINE": "openai",
+        "RAG_OPENAI_API_BASE_URL": setup.v1, "RAG_OPENAI_API_KEY": setup.api_key,
+        "ANONYMIZED_TELEMETRY": "False", "SCARF_NO_ANALYTICS": "true", "DO_NOT_TRACK": "true"}
 
 
 def configure_hermes(setup: Setup) -> dict[str, str]:
     """$HERMES_HOME/config.yaml: a custom OpenAI-compatible endpoint (written as JSON, which is YAML)."""
     hermes_home = setup.home / ".hermes"
     config = {"model": {"default": setup.model, "provider": "custom", "base_url": setup.v1,
-                        "api_key": setup.api_key, "context_length": setup.context}}
+                        "api_key": setup.api_key, "context_length": setup.context,
+                        # unset, hermes asks for the whole context as output and the server refuses the request
+                        "max_tokens": setup.max_output}}
     _write_json(hermes_home / "config.yaml", config)
     return base_env(setup) | {"HERMES_HOME": str(hermes_home)}
 
@@ -177,7 +190,7 @@ CLIENTS: dict[str, Client] = {c.name: c for c in [
     Client("codex", "codex", ("npm", "install", "-g", "@openai/codex"), "responses", configure_codex),
     Client("opencode", "opencode", ("npm", "install", "-g", "opencode-ai"), "chat", configure_opencode),
     Client("openwebui", "open-webui", ("pip", "install", "open-webui"), "chat", configure_open_webui,
-           args=("serve",), notes="a web app: open http://localhost:8080"),
+           args=("serve",), web_args=("--host", "127.0.0.1", "--port", "{port}")),
     Client("hermes", "hermes", ("pip", "install", "hermes-agent"), "chat", configure_hermes),
     Client("pi", "pi", ("npm", "install", "-g", "@mariozechner/pi-coding-agent"), "chat", configure_pi),
     Client("openclaw", "openclaw", ("npm", "install", "-g", "openclaw"), "chat", configure_openclaw),

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -151,11 +152,34 @@ def launch(name: str, client_args: list[str], model: str | None = None, url: str
                           workdir=Path.cwd())
             env = client_env(c, setup)
             print(f"[{c.name} -> {url} ({served}); its configuration lives in {home} until it exits]", file=sys.stderr)
-            return _run_client([binary, *c.args, *client_args], env)
+            web_args = web_arguments(c)
+            return _run_client([binary, *c.args, *web_args, *client_args], env)
     finally:
         if server is not None:
             server.stop()
             print("[lucebox serve stopped]", file=sys.stderr)
+
+
+def web_arguments(c: Client) -> list[str]:
+    """A web app's arguments for a free local port; a thread prints its URL once it answers there."""
+    if not c.web_args:
+        return []
+    port = free_port()
+    web_url = f"http://127.0.0.1:{port}"
+    threading.Thread(target=_announce_when_up, args=(c.name, web_url, c.web_ready), daemon=True).start()
+    print(f"[{c.name} starting on {web_url}; Ctrl-C stops it and the server]", file=sys.stderr)
+    return [a.replace("{port}", str(port)) for a in c.web_args]
+
+
+def _announce_when_up(name: str, web_url: str, ready_path: str, timeout: float = 900.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(web_url + ready_path, timeout=2).close()
+            print(f"[{name} is ready: open {web_url}]", file=sys.stderr, flush=True)
+            return
+        except (urllib.error.URLError, OSError):
+            time.sleep(1)
 
 
 def exit_on_sigterm() -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import signal
+import sqlite3
 import subprocess
 import time
 import urllib.request
@@ -54,6 +55,10 @@ RECIPES = {
     # the prompt first: --allowedTools takes every argument after it
     "claude-code": Recipe(lambda p: ["-p", p, "--output-format", "stream-json", "--verbose", "--allowedTools", "Bash"],
                           "Bash", lambda c: {"command": c, "description": "Print the qualification marker"}),
+    # -z: one shot, approvals bypassed, only the final answer on stdout (its session lands in $HERMES_HOME)
+    "hermes": Recipe(lambda p: ["-z", p], "terminal", lambda c: {"command": c}),
+    # one headless embedded turn (no gateway); --json: its result envelope on stdout
+    "openclaw": Recipe(lambda p: ["agent", "exec", "--json", p], "exec", lambda c: {"command": c}),
 }
 
 
@@ -100,12 +105,35 @@ def _objects(stdout: str):
 
 
 def client_records(stdout: str, home: Path | None) -> list[dict]:
-    """The objects of the client's JSON output and of the JSON session files it kept in its home."""
+    """The objects of the client's JSON output and of the session files it kept in its home: JSON, JSON
+    lines, and SQLite databases (hermes), whose text cells count as objects typed by their column."""
     records = list(_objects(stdout))
     for path in sorted(home.rglob("*")) if home else []:
-        if path.suffix in (".json", ".jsonl") and path.is_file() and path.stat().st_size < 50 << 20:
+        if not path.is_file() or path.stat().st_size >= 50 << 20:
+            continue
+        if path.suffix in (".json", ".jsonl"):
             records += _objects(path.read_text(errors="replace"))
+        elif path.suffix == ".db":
+            records += _sqlite_cells(path)
     return records
+
+
+def _sqlite_cells(path: Path) -> list[dict]:
+    cells = []
+    try:
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            tables = [t for (t,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+            for table_name in tables:
+                cursor = db.execute(f'SELECT * FROM "{table_name}"')
+                columns = [d[0] for d in cursor.description]
+                cells += [{"type": column, "text": value} for row in cursor for column, value in zip(columns, row)
+                          if isinstance(value, str)]
+        finally:
+            db.close()
+    except sqlite3.DatabaseError:  # not a database after all, or locked: it holds nothing to check
+        return []
+    return cells
 
 
 def _holding(objects: list[dict], text: str) -> list[str]:

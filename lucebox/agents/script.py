@@ -10,7 +10,7 @@ by token, while the templates, parsers, streaming and engine stay the production
      "log": "requests.jsonl"}
 
 `last`: a substring of the request's last input item (a message, or a Responses input item; system
-turns skipped), as JSON; `tools`: whether the request must declare tools (true) or must not (false); a rule without
+turns and OpenClaw's appended internal-context turns skipped), as JSON; `tools`: whether the request must declare tools (true) or must not (false); a rule without
 conditions matches every request. Requests no rule matches get the model's own output. `log`: every
 request body, one JSON line each, with the rule it matched (the run's transcript of the wire)."""
 from __future__ import annotations
@@ -26,6 +26,7 @@ import torch
 from ..errors import LuceboxError
 
 RULE_KEYS = {"last", "tools", "output", "token_delay"}
+CLIENT_CONTEXT = "<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>>"  # OpenClaw appends such a user turn after the user's own
 
 
 @dataclass
@@ -47,11 +48,19 @@ def last_item(body: dict):
     for key in ("messages", "input", "prompt"):
         value = body.get(key)
         if isinstance(value, list):
-            turns = [item for item in value if not (isinstance(item, dict) and item.get("role") in ("system", "developer"))]
+            turns = [item for item in value if not (isinstance(item, dict) and item.get("role") in ("system", "developer"))
+                     and not _client_context(item)]
             return turns[-1] if turns else None
         if isinstance(value, str):
             return value
     return None
+
+
+def _client_context(item) -> bool:
+    content = item.get("content") if isinstance(item, dict) else None
+    if isinstance(content, list):
+        content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return isinstance(content, str) and content.lstrip().startswith(CLIENT_CONTEXT)
 
 
 def load_script(path: str | Path) -> tuple[list[Rule], Path | None]:

@@ -52,19 +52,23 @@ def test_claude_code_gets_anthropic_url_token_and_no_network_extras(setup):
     assert state["hasCompletedOnboarding"] is True
 
 
-def test_open_webui_gets_one_openai_connection(setup):
+def test_open_webui_gets_one_openai_connection_and_starts_offline(setup):
     env = CLIENTS["openwebui"].configure(setup)
-    assert env["OPENAI_API_BASE_URL"] == "http://127.0.0.1:4321/v1" and env["OPENAI_API_KEY"] == "sekret"
+    assert env["OPENAI_API_BASE_URLS"] == "http://127.0.0.1:4321/v1" and env["OPENAI_API_KEYS"] == "sekret"
     assert env["ENABLE_OLLAMA_API"] == "False" and env["WEBUI_AUTH"] == "False"
-    assert Path(env["DATA_DIR"]).is_relative_to(setup.home)
-    assert CLIENTS["openwebui"].args == ("serve",)
+    # no sentence-transformers model is loaded or downloaded at start
+    assert env["RAG_EMBEDDING_ENGINE"] == "openai" and env["BYPASS_EMBEDDING_AND_RETRIEVAL"] == "True"
+    assert env["OFFLINE_MODE"] == "True" and env["HF_HUB_OFFLINE"] == "1"
+    assert Path(env["DATA_DIR"]).is_relative_to(setup.home) and len(env["WEBUI_SECRET_KEY"]) == 64
+    c = CLIENTS["openwebui"]
+    assert c.args == ("serve",) and c.web_args == ("--host", "127.0.0.1", "--port", "{port}")
 
 
-def test_hermes_config_is_a_custom_endpoint(setup):
+def test_hermes_config_is_a_custom_endpoint_with_an_output_limit(setup):
     env = CLIENTS["hermes"].configure(setup)
     model = json.loads((Path(env["HERMES_HOME"]) / "config.yaml").read_text())["model"]  # JSON is YAML
     assert model == {"default": "default", "provider": "custom", "base_url": "http://127.0.0.1:4321/v1",
-                     "api_key": "sekret", "context_length": 65536}
+                     "api_key": "sekret", "context_length": 65536, "max_tokens": 2048}
 
 
 def test_pi_models_json_and_default(setup):

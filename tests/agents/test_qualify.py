@@ -54,3 +54,18 @@ def test_table_marks_missing_checks_skipped():
     r.mark("streaming", False, "no")
     assert not r.passed
     assert table([r], short=True).splitlines()[-1] == "| codex | PASS | FAIL | SKIP | 12 s |"
+
+
+def test_a_sqlite_session_database_counts_by_column(tmp_path):
+    import sqlite3
+    db = sqlite3.connect(tmp_path / "state.db")  # hermes keeps its sessions so: reasoning beside content
+    db.execute("CREATE TABLE messages (role TEXT, content TEXT, reasoning TEXT)")
+    db.execute("INSERT INTO messages VALUES ('assistant', ?, ?)", (f"{ANSWER}.", f"{REASONING}: yes"))
+    db.commit()
+    db.close()
+    assert reasoning_seen(client_records("", tmp_path)) == (True, "as 'reasoning'")
+    db = sqlite3.connect(tmp_path / "state.db")
+    db.execute("UPDATE messages SET content = ?", (f"<think>{REASONING}</think>{ANSWER}",))
+    db.commit()
+    db.close()
+    assert not reasoning_seen(client_records("", tmp_path))[0]

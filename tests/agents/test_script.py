@@ -98,3 +98,10 @@ def test_serve_refuses_a_malformed_script_before_loading_a_model(tmp_path, capsy
     (tmp_path / "s.json").write_text('{"rules": 3}')
     assert main(["serve", "--model", str(tmp_path / "no-such-model"), "--script", str(tmp_path / "s.json")]) == 1
     assert "a 'rules' list" in capsys.readouterr().err
+
+
+def test_openclaws_appended_context_turn_is_not_the_last_item():
+    from lucebox.agents.script import last_item
+    body = {"messages": [{"role": "user", "content": "QUALIFY-TOOL: run it"},
+                         {"role": "user", "content": [{"type": "text", "text": "<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>>\nnone"}]}]}
+    assert last_item(body) == {"role": "user", "content": "QUALIFY-TOOL: run it"}
