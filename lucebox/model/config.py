@@ -22,6 +22,8 @@ HF_FAMILIES = {
     "qwen3_moe": "qwen3_moe",
     "qwen3_5": "qwen3_5",  # hybrid: Gated DeltaNet + gated attention (model/qwen3_5.py)
     "qwen3_5_text": "qwen3_5",
+    "qwen3_5_moe": "qwen3_5_moe",  # the same hybrid with a sparse MoE FFN in every layer
+    "qwen3_5_moe_text": "qwen3_5_moe",
 }
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -197,11 +199,14 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, raw: dict) -> "ModelConfig":
-        if raw.get("model_type") == "qwen3_5":  # ConditionalGeneration: the text model's config
+        if raw.get("model_type") in ("qwen3_5", "qwen3_5_moe"):  # ConditionalGeneration: the text model's config
             from .hybrid_config import text_config
             raw = text_config(raw)
         model_type = raw.get("model_type")
         family = HF_FAMILIES.get(model_type)
+        if family == "qwen3_5_moe":
+            from .hybrid_config import moe_text_config
+            raw = moe_text_config(raw)
         if family is None:
             raise UnsupportedError(
                 f"architecture model_type={model_type!r} ({raw.get('architectures')}) is not supported; "
@@ -248,7 +253,7 @@ class ModelConfig:
                                                                                  "bos_token_id"),
             eos_token_ids=[check_int(i, "token_id", "eos_token_id") for i in eos_ids],
             **hf_moe(raw, layers),
-            **(hybrid_fields(raw, layers) if family == "qwen3_5" else {}),
+            **(hybrid_fields(raw, layers) if family in ("qwen3_5", "qwen3_5_moe") else {}),
         )
 
 

@@ -1,4 +1,4 @@
-"""The config.json fields of Qwen 3.5 hybrids (model/config.py's from_hf_dict calls these)."""
+"""The config.json fields of Qwen 3.5 hybrids, dense and MoE (model/config.py's from_hf_dict calls these)."""
 from __future__ import annotations
 
 from ..errors import CheckpointError, UnsupportedError
@@ -11,15 +11,28 @@ SHARED_KEYS = ("tie_word_embeddings", "torch_dtype", "dtype", "eos_token_id", "b
 
 
 def text_config(raw: dict) -> dict:
-    """A Qwen3_5ForConditionalGeneration config's text model, as a qwen3_5_text config."""
+    """A Qwen3_5(Moe)ForConditionalGeneration config's text model, as a qwen3_5(_moe)_text config."""
     text = raw.get("text_config")
     if not isinstance(text, dict):
-        raise CheckpointError("model_type qwen3_5 needs a text_config object (the text model's config)")
+        raise CheckpointError(f"model_type {raw.get('model_type')} needs a text_config object (the text model's config)")
     out = dict(text)
     for key in SHARED_KEYS:
         if out.get(key) is None and raw.get(key) is not None:
             out[key] = raw[key]
-    out["model_type"] = "qwen3_5_text"
+    out["model_type"] = f"{raw['model_type']}_text"
+    return out
+
+
+def moe_text_config(raw: dict) -> dict:
+    """A qwen3_5_moe_text config as hf_moe reads it, by transformers' Qwen3.5-MoE rules: every layer
+    sparse (no mlp_only_layers / decoder_sparse_step), top-k weights always renormalised, a shared
+    expert in every layer; no dense FFN, so intermediate_size (absent there) is the shared expert's."""
+    for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size"):
+        if not raw.get(key):
+            raise CheckpointError(f"model_type {raw.get('model_type')}: missing field {key!r}")
+    out = {k: v for k, v in raw.items() if k not in ("mlp_only_layers", "decoder_sparse_step")}
+    out["norm_topk_prob"] = True
+    out.setdefault("intermediate_size", raw["shared_expert_intermediate_size"])
     return out
 
 

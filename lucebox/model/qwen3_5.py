@@ -1,6 +1,7 @@
-"""Qwen 3.5 / 3.6 dense hybrids (HF model_type `qwen3_5`, `qwen3_5_text`): per `layer_types`, a
-Gated DeltaNet layer (model/deltanet.py) or a gated full-attention layer (model/gated_attention.py),
-each followed by the usual SwiGLU MLP.
+"""Qwen 3.5 / 3.6 hybrids (HF model_type `qwen3_5`, `qwen3_5_text`; MoE: `qwen3_5_moe`,
+`qwen3_5_moe_text`): per `layer_types`, a Gated DeltaNet layer (model/deltanet.py) or a gated
+full-attention layer (model/gated_attention.py), each followed by the usual SwiGLU MLP, or in the
+MoE models by a SparseMoE with a shared expert (model/moe.py).
 
 Checkpoints: `Qwen3_5ForConditionalGeneration` (text model under `model.language_model.`, a vision
 tower under `model.visual.`, skipped) or the text-only `Qwen3_5ForCausalLM` (`model.`). Their
@@ -18,6 +19,7 @@ from torch import nn
 
 from .deltanet import GatedDeltaNet
 from .gated_attention import GatedAttention, rotary_dim
+from .moe import SparseMoE
 from .rope import RopeTable
 from .transformer import MLP, RMSNorm, Transformer
 
@@ -44,7 +46,7 @@ class HybridDecoderLayer(nn.Module):
         else:
             self.self_attn = GatedAttention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = SparseMoE(cfg) if cfg.moe_layers[layer] else MLP(cfg)
 
     @property
     def mixer(self) -> nn.Module:
@@ -83,7 +85,7 @@ class HybridTransformer(Transformer):
                 for layer in self.layers]
 
     def fuse_projections(self) -> None:
-        """gate/up as one GEMV per MLP (the mixers' projections stay separate for now)."""
+        """gate/up as one GEMV per dense MLP or shared expert (the mixers' projections stay separate)."""
         for layer in self.layers:
             layer.mlp.fuse()
 
@@ -122,9 +124,11 @@ def zero_centred_norm(name: str) -> bool:
 
 
 def check_hybrid_tensors(cfg, shapes: dict, source: str) -> None:
-    """The layer count and the embedding's size agree with the weights before anything is allocated
-    (the rest is checked tensor by tensor as it is assigned)."""
+    """The layer count, the embedding's size and the experts (MoE) agree with the weights before
+    anything is allocated (the rest is checked tensor by tensor as it is assigned)."""
     from ..errors import CheckpointError
+    from .config import HF_KEYS
+    from .moe import check_expert_tensors
     layers = sorted({int(m[1]) for name in shapes if name and (m := LAYER_NAME.match(name))})
     if layers != list(range(cfg.num_layers)):
         raise CheckpointError(f"{source}: num_hidden_layers is {cfg.num_layers}, but the weights hold "
@@ -135,3 +139,4 @@ def check_hybrid_tensors(cfg, shapes: dict, source: str) -> None:
     if tuple(embed) != (cfg.vocab_size, cfg.hidden_size):
         raise CheckpointError(f"{source}: tensor embed_tokens.weight has shape {list(embed)}, but vocab_size and "
                               f"hidden_size make it {[cfg.vocab_size, cfg.hidden_size]}")
+    check_expert_tensors(cfg, shapes, source, HF_KEYS)
