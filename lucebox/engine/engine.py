@@ -132,15 +132,16 @@ class LLMEngine:
         args = self.args
         per_block = bytes_per_token(specs) * args.block_size  # the drafter's KV shares the target's tables
         blocks_per_seq = -(-self.max_model_len // args.block_size)
+        # fixed-size state (recurrent layers) and its per-draft snapshots, for every sequence at once
+        fixed = bytes_per_sequence(specs, self._recurrent_snapshots(specs)) * args.max_num_seqs
         if self.model.device.type == "cuda":
             torch.cuda.empty_cache()  # memory the caching allocator holds but no tensor uses counts as free
             free, total = torch.cuda.mem_get_info(self.model.device)
             used = total - free
             budget = args.kv_cache_memory or int(total * args.gpu_memory_utilization) - used
         else:
-            budget = args.kv_cache_memory or min(CPU_KV_CAP, per_block * blocks_per_seq * args.max_num_seqs)
-        # fixed-size state (recurrent layers) and its per-draft snapshots
-        budget -= bytes_per_sequence(specs, self._recurrent_snapshots(specs)) * args.max_num_seqs
+            budget = args.kv_cache_memory or min(CPU_KV_CAP, per_block * blocks_per_seq * args.max_num_seqs + fixed)
+        budget -= fixed
         num_blocks = budget // per_block
         if num_blocks < blocks_per_seq:
             raise RequestError(

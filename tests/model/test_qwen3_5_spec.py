@@ -96,3 +96,39 @@ def test_dflash_on_a_hybrid_is_refused_by_name(hybrid_path, tmp_path):
     drafter = write_dflash_drafter(hybrid_path, tmp_path / "d")
     with pytest.raises(UnsupportedError, match="DFlash"):
         LLM(str(hybrid_path), speculative_config={"method": "dflash", "model": str(drafter)})
+
+
+def test_draft_model_speculation_is_token_identical_to_plain_decoding(hybrid_path, tmp_path, tokenizer_dir):
+    """A dense draft model proposes for the hybrid target (its own KV, no recurrent state)."""
+    draft = build_hf_model("qwen3", tmp_path / "draft", tokenizer_dir, seed=5, num_hidden_layers=1)
+    plain = LLM(str(hybrid_path), block_size=BLOCK_SIZE, max_num_seqs=4)
+    batch = repetitive_prompts(plain.engine.loaded.config.vocab_size)
+    want = [o.outputs[0].token_ids for o in greedy(plain, batch, 16)]
+    config = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3, "adaptive": False}
+    spec = LLM(str(hybrid_path), block_size=BLOCK_SIZE, max_num_seqs=4, speculative_config=config)
+    outs = greedy(spec, batch, 16)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert sum(o.metrics.num_draft_tokens for o in outs) > 0
+
+
+def test_sampled_tokens_follow_the_hybrid_target_distribution(tmp_path):
+    """tests/spec/test_spec.py's chi-square test of speculative sampling (a sampling draft model),
+    on a hybrid target; fewer samples (the DeltaNet reference steps sequences one by one)."""
+    from tests.spec.test_spec import (
+        PROMPT,
+        chi_square_rejects,
+        exact_pair_distribution,
+        sample_pairs,
+    )
+    from tests.spec_fixtures import peaked_model, small_vocab_tokenizer
+    tok = small_vocab_tokenizer(tmp_path / "tok", ["a", "b", "c", "d", "e", "f"])
+    layout = {k: v for k, v in HYBRID.items() if k not in ("model_type", "num_hidden_layers", "head_dim")}
+    target = peaked_model(tmp_path / "t", tok, layers=4, seed=1, model_type="qwen3_5_text", **layout)
+    config = {"method": "draft_model", "num_speculative_tokens": 2, "adaptive": False,
+              "model": str(peaked_model(tmp_path / "d", tok, layers=1, seed=2))}
+    llm = LLM(str(target), speculative_config=config, max_num_seqs=1024, max_num_batched_tokens=8192)
+    samples = 1000
+    counts = sample_pairs(llm, PROMPT, samples)
+    rejected, stat, critical = chi_square_rejects(counts, exact_pair_distribution(target, PROMPT), samples)
+    assert not rejected, (stat, critical)
+    assert llm.engine.step_counts["verify"] > 0
