@@ -45,15 +45,17 @@ def small_vocab_tokenizer(out: Path, words: list[str]) -> Path:
     return out
 
 
-def peaked_model(out: Path, tokenizer: Path, layers: int, seed: int, head_std: float = 1.0) -> Path:
-    """A tiny Qwen3 whose LM head is large enough that next-token distributions are far from uniform."""
+def peaked_model(out: Path, tokenizer: Path, layers: int, seed: int, head_std: float = 1.0,
+                 model_type: str = "qwen3", **overrides) -> Path:
+    """A tiny Qwen3 (or `model_type` with config `overrides`) whose LM head is large enough that
+    next-token distributions are far from uniform."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     vocab = len(json.loads((tokenizer / "tokenizer.json").read_text())["model"]["vocab"])
-    config = AutoConfig.for_model("qwen3", vocab_size=vocab, hidden_size=32, intermediate_size=64,
-                                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                                  head_dim=8, max_position_embeddings=64, tie_word_embeddings=False,
-                                  eos_token_id=vocab - 1, bos_token_id=None)
+    base = {"vocab_size": vocab, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": layers,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 64,
+            "tie_word_embeddings": False, "eos_token_id": vocab - 1, "bos_token_id": None}
+    config = AutoConfig.for_model(model_type, **(base | overrides))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():

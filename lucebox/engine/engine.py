@@ -11,7 +11,7 @@ import torch
 
 from ..config import EngineArgs
 from ..errors import ContextLengthError, OverloadError, RequestError, UnsupportedError
-from ..model.cache_spec import bytes_per_sequence, bytes_per_token
+from ..model.cache_spec import RecurrentSpec, bytes_per_sequence, bytes_per_token
 from ..model.loader import LoadedModel
 from ..outputs import RequestOutput
 from ..sampling import SamplingParams
@@ -54,11 +54,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, num_blocks, args.block_size, args.cache_type_k, args.cache_type_v,
                                   args.cache_rotate_k, graphs=graphs, state_slots=0)
         # Recurrent layers (hybrids): one state slot per running sequence, prefix reuse off (CacheManager).
-        cache = CacheManager(specs, num_blocks, args.block_size, args.enable_prefix_caching, args.max_num_seqs)
+        cache = CacheManager(specs, num_blocks, args.block_size, args.enable_prefix_caching, args.max_num_seqs,
+                             self._recurrent_snapshots(specs))
         if cache.recurrent:
-            if self.speculator is not None:
-                raise UnsupportedError("speculative decoding of models with recurrent (Gated DeltaNet) layers "
-                                       "is not supported yet")
             self.runner.install_recurrent(cache.build_recurrent(self.model.device), cache.slot)
         self.scheduler = Scheduler(cache, args.max_num_seqs, args.max_num_batched_tokens)
         if self.speculator is not None:
@@ -117,18 +115,33 @@ class LLMEngine:
         return GraphSettings(self.max_model_len, min(self.args.cuda_graph_max_batch, self.args.max_num_seqs),
                              query_lens, catch_up_lens=catch_up)
 
+    def _recurrent_snapshots(self, specs) -> int:
+        """Recurrent snapshots per sequence: one per position of the longest verify (the pending token
+        and max_k drafts), kept so that a rollback restores the state after the last accepted token."""
+        if self.speculator is None or not any(isinstance(s, RecurrentSpec) for s in specs):
+            return 0
+        if self.speculator.capture_layers:
+            # A dormant drafter's catch-up recomputes cached positions, which would advance recurrent state twice.
+            raise UnsupportedError("DFlash speculation of models with recurrent (Gated DeltaNet) layers is not "
+                                   "supported yet; use method 'ngram' or 'draft_model'")
+        if any(isinstance(s, RecurrentSpec) for s in self.speculator.proposer.cache_specs()):
+            raise UnsupportedError("a draft model with recurrent (Gated DeltaNet) layers is not supported yet")
+        return 1 + self.speculator.policy.max_k
+
     def _plan_kv_blocks(self, specs) -> int:
         args = self.args
         per_block = bytes_per_token(specs) * args.block_size  # the drafter's KV shares the target's tables
         blocks_per_seq = -(-self.max_model_len // args.block_size)
+        # fixed-size state (recurrent layers) and its per-draft snapshots, for every sequence at once
+        fixed = bytes_per_sequence(specs, self._recurrent_snapshots(specs)) * args.max_num_seqs
         if self.model.device.type == "cuda":
             torch.cuda.empty_cache()  # memory the caching allocator holds but no tensor uses counts as free
             free, total = torch.cuda.mem_get_info(self.model.device)
             used = total - free
             budget = args.kv_cache_memory or int(total * args.gpu_memory_utilization) - used
         else:
-            budget = args.kv_cache_memory or min(CPU_KV_CAP, per_block * blocks_per_seq * args.max_num_seqs)
-        budget -= bytes_per_sequence(specs) * args.max_num_seqs  # fixed-size state (recurrent layers)
+            budget = args.kv_cache_memory or min(CPU_KV_CAP, per_block * blocks_per_seq * args.max_num_seqs + fixed)
+        budget -= fixed
         num_blocks = budget // per_block
         if num_blocks < blocks_per_seq:
             raise RequestError(

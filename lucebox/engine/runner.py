@@ -11,7 +11,7 @@ from ..model.cache_spec import PagedKVSpec, RecurrentSpec
 from ..model.transformer import Transformer
 from ..util import host_to_device
 from .cuda_graphs import CudaGraphRunner, GraphSettings
-from .step_plan import StepPlan, StepResult
+from .step_plan import RowKind, StepPlan, StepResult
 
 log = logging.getLogger("lucebox")
 
@@ -138,6 +138,8 @@ class ModelRunner:
             if not plan.write_kv:
                 raise RuntimeError("recomputing cached positions would advance recurrent state twice")
             batch.state_slots_host = plan.state_slots or [self.state_slot(row.seq) for row in plan.rows]
+            # A verify's rollback (CacheManager.rollback) restores the state after its last accepted token.
+            batch.state_snapshots_host = [row.kind is RowKind.VERIFY for row in plan.rows]
         if not plan.write_kv:
             rows = batch.slot_mapping.shape[0]
             batch.slot_mapping = (self.scratch_block * self.block_size

@@ -40,6 +40,8 @@ class ForwardBatch:
     max_seq_len: int | None = None
     # Recurrent-state slot of each sequence (models with Gated DeltaNet layers; eager steps only).
     state_slots_host: list[int] | None = None
+    # Per sequence: keep the state after each of its tokens as snapshots (a verify of drafts).
+    state_snapshots_host: list[bool] | None = None
 
     @property
     def position_bound(self) -> int:

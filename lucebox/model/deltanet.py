@@ -130,20 +130,28 @@ class GatedDeltaNet(nn.Module):
         beta = self.in_proj_b(h).float().sigmoid()
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(h).float() + self.dt_bias.float())
         out = torch.empty(h.shape[0], self.value_dim, dtype=h.dtype, device=h.device)
-        starts = batch.query_starts_host
+        starts, snapshots = batch.query_starts_host, batch.state_snapshots_host
         for i, slot in enumerate(batch.state_slots_host):
             rows = slice(starts[i], starts[i + 1])
             if starts[i] == starts[i + 1]:
                 continue
-            out[rows] = self._sequence(qkv[rows], beta[rows], g[rows], slot).to(h.dtype)
+            keep = snapshots is not None and snapshots[i]
+            out[rows] = self._sequence(qkv[rows], beta[rows], g[rows], slot, keep).to(h.dtype)
         o = self.norm(out.view(-1, self.num_v_heads, self.head_v_dim), z.view(-1, self.num_v_heads, self.head_v_dim))
         return self.out_proj(o.reshape(h.shape[0], -1))
 
-    def _sequence(self, qkv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, slot: int) -> torch.Tensor:
-        """One sequence's L tokens from its slot's state; the slot then holds the state after them."""
+    def _sequence(self, qkv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, slot: int,
+                  keep_snapshots: bool = False) -> torch.Tensor:
+        """One sequence's L tokens from its slot's state; the slot then holds the state after them.
+        keep_snapshots (a verify): the state and conv window after token i also go to snapshot i."""
         length = qkv.shape[0]
+        if keep_snapshots and length > self.state.snapshots:
+            raise RuntimeError(f"layer {self.layer}: a verify of {length} tokens needs {length} recurrent "
+                               f"snapshots, the pool keeps {self.state.snapshots}")
         window = torch.cat([self.state.conv[slot].to(qkv.dtype), qkv.t()], dim=1)  # [channels, K-1+L]
         self.state.conv[slot] = window[:, window.shape[1] - (self.conv_kernel - 1):].float()
+        if keep_snapshots:  # the window after token i: the K-1 inputs ending with it
+            self.state.snap_conv[slot, :length] = window.unfold(1, self.conv_kernel - 1, 1)[:, 1:].transpose(0, 1).float()
         mixed = F.silu(F.conv1d(window[None], self.conv1d.weight.to(qkv.dtype), groups=self.conv_dim)[0]).t()
         q, k, v = mixed.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = l2_normalize(q.view(length, self.num_k_heads, self.head_k_dim)) * self.head_k_dim ** -0.5
@@ -151,6 +159,20 @@ class GatedDeltaNet(nn.Module):
         repeat = self.num_v_heads // self.num_k_heads  # each q/k head serves `repeat` consecutive v heads
         q, k = (x.repeat_interleave(repeat, dim=1).transpose(0, 1) for x in (q, k))
         v = v.view(length, self.num_v_heads, self.head_v_dim).transpose(0, 1)
-        rule = recurrent_gated_delta_rule if length == 1 else chunked_gated_delta_rule
-        o, self.state.state[slot] = rule(q, k, v, g.t(), beta.t(), self.state.state[slot].float())
+        if keep_snapshots:
+            o, self.state.state[slot] = self._stepwise(q, k, v, g.t(), beta.t(), slot)
+        else:
+            rule = recurrent_gated_delta_rule if length == 1 else chunked_gated_delta_rule
+            o, self.state.state[slot] = rule(q, k, v, g.t(), beta.t(), self.state.state[slot].float())
         return o.transpose(0, 1).reshape(length, self.value_dim)
+
+    def _stepwise(self, q, k, v, g, beta, slot: int):
+        """recurrent_gated_delta_rule one token at a time, the state after token i kept as snapshot i
+        (a verify is a few tokens: the token-by-token rule costs nothing there)."""
+        state, outs = self.state.state[slot].float(), []
+        for t in range(q.shape[1]):
+            step = slice(t, t + 1)
+            o, state = recurrent_gated_delta_rule(q[:, step], k[:, step], v[:, step], g[:, step], beta[:, step], state)
+            self.state.snap_state[slot, t] = state
+            outs.append(o)
+        return torch.cat(outs, dim=1), state
