@@ -82,24 +82,27 @@ def long_text(lines: int = 700) -> str:
     return "\n".join(f"{i:04d} {words}" for i in range(lines)) + f"\n{LONG_END}"
 
 
+def _walk(value):
+    """Every JSON object in a parsed JSON value, outermost first."""
+    if isinstance(value, dict):
+        yield value
+        for v in value.values():
+            yield from _walk(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _walk(v)
+
+
 def _objects(stdout: str):
     """Every JSON object (recursively) in JSON or JSON-lines text."""
-    def walk(value):
-        if isinstance(value, dict):
-            yield value
-            for v in value.values():
-                yield from walk(v)
-        elif isinstance(value, list):
-            for v in value:
-                yield from walk(v)
     try:
-        yield from walk(json.loads(stdout))
+        yield from _walk(json.loads(stdout))
         return
     except json.JSONDecodeError:
         pass
     for line in stdout.splitlines():
         try:
-            yield from walk(json.loads(line))
+            yield from _walk(json.loads(line))
         except json.JSONDecodeError:
             continue
 
@@ -127,13 +130,26 @@ def _sqlite_cells(path: Path) -> list[dict]:
             for table_name in tables:
                 cursor = db.execute(f'SELECT * FROM "{table_name}"')
                 columns = [d[0] for d in cursor.description]
-                cells += [{"type": column, "text": value} for row in cursor for column, value in zip(columns, row)
-                          if isinstance(value, str)]
+                for row in cursor:
+                    for column, value in zip(columns, row):
+                        if isinstance(value, str):
+                            cells += _cell_objects(column, value)
         finally:
             db.close()
     except sqlite3.DatabaseError:  # not a database after all, or locked: it holds nothing to check
         return []
     return cells
+
+
+def _cell_objects(column: str, value: str) -> list[dict]:
+    """A cell holding a JSON document (opencode keeps each message part as JSON in a `data` column)
+    counts as its objects, typed by themselves; any other text as one object typed by its column."""
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError:
+        parsed = None
+    objects = list(_walk(parsed)) if isinstance(parsed, (dict, list)) else []
+    return objects or [{"type": column, "text": value}]
 
 
 def _holding(objects: list[dict], text: str) -> list[str]:

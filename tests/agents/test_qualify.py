@@ -69,3 +69,15 @@ def test_a_sqlite_session_database_counts_by_column(tmp_path):
     db.commit()
     db.close()
     assert not reasoning_seen(client_records("", tmp_path))[0]
+
+
+def test_json_documents_in_a_sqlite_column_count_by_their_own_types(tmp_path):
+    import json
+    import sqlite3
+    db = sqlite3.connect(tmp_path / "opencode.db")  # opencode keeps each message part as JSON in `data`
+    db.execute("CREATE TABLE part (id TEXT, data TEXT)")
+    db.execute("INSERT INTO part VALUES ('1', ?)", (json.dumps({"type": "reasoning", "text": f"{REASONING}: yes"}),))
+    db.execute("INSERT INTO part VALUES ('2', ?)", (json.dumps({"type": "text", "text": f"{ANSWER}."}),))
+    db.commit()
+    db.close()
+    assert reasoning_seen(client_records("", tmp_path)) == (True, "as 'reasoning'")
