@@ -20,7 +20,6 @@ from torch import nn
 from .deltanet import GatedDeltaNet
 from .gated_attention import GatedAttention, rotary_dim
 from .moe import SparseMoE
-from .rope import RopeTable
 from .transformer import MLP, RMSNorm, Transformer
 
 log = logging.getLogger("lucebox")
@@ -68,14 +67,7 @@ class HybridTransformer(Transformer):
     """Transformer's embedding, final norm, LM head and forward; hybrid layers and partial RoPE."""
 
     def __init__(self, cfg):
-        nn.Module.__init__(self)
-        self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(HybridDecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rope = RopeTable(cfg.rope, rotary_dim(cfg))
+        super().__init__(cfg, HybridDecoderLayer, rotary_dim(cfg))
 
     def cache_specs(self, cache_type_k: str | None = "auto", cache_type_v: str | None = "auto",
                     rotate_k: bool = False) -> list:

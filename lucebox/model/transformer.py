@@ -203,15 +203,16 @@ class DecoderLayer(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer=None, rope_dim: int | None = None):
+        """`layer(cfg, i)` builds layer i (default DecoderLayer); RoPE covers `rope_dim` dims (default head_dim)."""
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList((layer or DecoderLayer)(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rope = RopeTable(cfg.rope, cfg.head_dim)
+        self.rope = RopeTable(cfg.rope, rope_dim or cfg.head_dim)
 
     def cache_specs(self, cache_type_k: str | None = "auto", cache_type_v: str | None = "auto",
                     rotate_k: bool = False) -> list[PagedKVSpec]:
