@@ -16,7 +16,7 @@ from lucebox.model.loader import load_model
 from lucebox.weights.quant import QuantEmbedding, QuantLinear
 
 from tests.conftest import FAMILIES, build_hf_model
-from tests.model.test_model import make_runner, random_prompts
+from tests.model.test_model import make_runner, prefill_logits, random_prompts
 from tests.weights.test_quant import FP16_FIELDS, random_rows
 
 GREEDY_TOKENS = 16
@@ -34,15 +34,6 @@ def cached_load(path, **kw):
     if key not in _loaded:
         _loaded[key] = load_model(str(path), dtype="float32", **kw)
     return _loaded[key]
-
-
-def prefill_logits(loaded, prompts) -> list[torch.Tensor]:
-    runner, blocks = make_runner(loaded)
-    tables = [[] for _ in prompts]
-    for table, prompt in zip(tables, prompts):
-        blocks.allocate(table, len(prompt))
-    logits = runner.forward(prompts, [0] * len(prompts), tables, all_logits=True)
-    return list(logits.split([len(p) for p in prompts]))
 
 
 def greedy(loaded, prompt: list[int], steps: int = GREEDY_TOKENS) -> list[int]:

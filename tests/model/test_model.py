@@ -30,6 +30,16 @@ def make_runner(loaded, num_blocks=64):
     return ModelRunner(loaded.model, num_blocks, BLOCK_SIZE), BlockManager(num_blocks, BLOCK_SIZE)
 
 
+def prefill_logits(loaded, prompts) -> list[torch.Tensor]:
+    """Each prompt's logits at every position, from one batched one-shot prefill."""
+    runner, blocks = make_runner(loaded)
+    tables = [[] for _ in prompts]
+    for table, prompt in zip(tables, prompts):
+        blocks.allocate(table, len(prompt))
+    logits = runner.forward(prompts, [0] * len(prompts), tables, all_logits=True)
+    return list(logits.split([len(p) for p in prompts]))
+
+
 def load(path, fused: bool):
     """The model as loaded, or with q/k/v and gate/up fused into one GEMV each (as engines run it)."""
     loaded = load_model(str(path), dtype="float32")
@@ -50,17 +60,9 @@ def load(path, fused: bool):
 def test_batched_prefill_logits_match_transformers(family, fused, hf_models):
     loaded = load(hf_models[family], fused)
     prompts = random_prompts(loaded.config.vocab_size)
-    runner, blocks = make_runner(loaded)
-    tables = [[] for _ in prompts]
-    for table, prompt in zip(tables, prompts):
-        blocks.allocate(table, len(prompt))
-    logits = runner.forward(prompts, [0] * len(prompts), tables, all_logits=True)
-    start = 0
-    for prompt in prompts:
+    for prompt, got in zip(prompts, prefill_logits(loaded, prompts)):
         expected = reference_logits(hf_models[family], prompt)
-        got = logits[start:start + len(prompt)].cpu()
-        assert (got - expected).abs().max().item() <= 1e-4, family
-        start += len(prompt)
+        assert (got.cpu() - expected).abs().max().item() <= 1e-4, family
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])

@@ -18,7 +18,7 @@ from lucebox.model.loader import load_model
 from lucebox.model.moe import SparseMoE
 
 from tests.conftest import MOE_FAMILIES, build_hf_model
-from tests.model.test_model import load, make_runner, random_prompts, reference_logits
+from tests.model.test_model import load, make_runner, prefill_logits, random_prompts, reference_logits
 from tests.test_llm import prompts_for, reference_greedy
 
 
@@ -116,16 +116,9 @@ def test_batched_prefill_logits_match_transformers(family, fused, moe_models):
     assert [type(layer.mlp).__name__ for layer in loaded.model.layers] == (
         ["MLP", "SparseMoE", "SparseMoE", "SparseMoE"] if family == "qwen3_moe" else ["MLP", "SparseMoE"] * 2)
     prompts = random_prompts(loaded.config.vocab_size)
-    runner, blocks = make_runner(loaded)
-    tables = [[] for _ in prompts]
-    for table, prompt in zip(tables, prompts):
-        blocks.allocate(table, len(prompt))
-    logits = runner.forward(prompts, [0] * len(prompts), tables, all_logits=True)
-    start = 0
-    for prompt in prompts:
+    for prompt, got in zip(prompts, prefill_logits(loaded, prompts)):
         expected = reference_logits(moe_models[family], prompt)
-        assert (logits[start:start + len(prompt)] - expected).abs().max().item() <= 1e-4
-        start += len(prompt)
+        assert (got - expected).abs().max().item() <= 1e-4
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
