@@ -1,41 +1,71 @@
-"""RecurrentState: the fixed-size per-sequence state of one recurrent layer (Gated DeltaNet), in slots.
+"""RecurrentState: the fixed-size per-sequence state of one Gated DeltaNet layer, in slots.
 
 Storage (a slot is one sequence's; slots are handed out by engine/cache_manager.py):
-  state        [num_slots, *state_shape]                the recurrent state after the last kept position
-  conv         [num_slots, *conv_shape]                 the short conv's window of past inputs
-  snap_state   [num_slots, snapshots, *state_shape]     the state after each position of a verify
-  snap_conv    [num_slots, snapshots, *conv_shape]
-A verify of 1 + k tokens writes the state after position i into snapshot i (i = 0..k); accepting
-a drafts keeps snapshot a. Snapshots, not recomputation: a rollback is one copy per slot.
+  state   [num_slots + 1, Hv, dk, dv]   the recurrent state after the last committed position
+  conv    [num_slots + 1, channels, K-1] the short conv's window of past (pre-conv) inputs
+  stash   per slot, `positions` rows of a verify's per-token inputs: the raw pre-conv row
+          [channels], and k [Hk, dk], v [Hv, dv], g [Hv], beta [Hv] as the recurrence reads them
+The last slot (`scratch`) belongs to no sequence: CUDA-graph padding reads and writes it.
+
+Speculative verify = stash and recompute: a verify row of 1 + k tokens computes its outputs from
+the slot's state without writing it, and stashes its per-token inputs; `commit(slots, accepted)`
+then advances the state over the first accepted + 1 stashed tokens (the same kernel, state written)
+and makes the conv window the K-1 raw inputs ending at the last of them. A stashed position costs
+channels + Hk*dk + Hv*dv + 2*Hv values, a state snapshot Hv*dk*dv (Qwen3.6-27B: 18.5K vs 786K).
 """
 from __future__ import annotations
 
 import torch
 
+from ..kernels.gated_delta import gated_delta_steps
+
 
 class RecurrentState:
-    def __init__(self, num_slots: int, snapshots: int, state_shape: tuple[int, ...], conv_shape: tuple[int, ...],
-                 dtype: torch.dtype, device: torch.device | str):
-        self.num_slots, self.snapshots = num_slots, snapshots
-        self.state = torch.zeros(num_slots, *state_shape, dtype=dtype, device=device)
-        self.conv = torch.zeros(num_slots, *conv_shape, dtype=dtype, device=device)
-        self.snap_state = torch.zeros(num_slots, snapshots, *state_shape, dtype=dtype, device=device)
-        self.snap_conv = torch.zeros(num_slots, snapshots, *conv_shape, dtype=dtype, device=device)
+    def __init__(self, num_slots: int, positions: int, state_shape: tuple[int, int, int],
+                 conv_shape: tuple[int, int], key_heads: int, dtype: torch.dtype, device: torch.device | str):
+        self.num_slots, self.positions, self.scratch = num_slots, positions, num_slots
+        v_heads, dk, dv = state_shape
+        channels, _ = conv_shape
+        slots = num_slots + 1
+        self.state = torch.zeros(slots, *state_shape, dtype=dtype, device=device)
+        self.conv = torch.zeros(slots, *conv_shape, dtype=dtype, device=device)
+        # stash rows are slot * positions + i: flat, so kernels index them like a batch's token rows
+        self.stash_raw = torch.zeros(slots * positions, channels, dtype=dtype, device=device)
+        self.stash_k = torch.zeros(slots * positions, key_heads, dk, dtype=dtype, device=device)
+        self.stash_v = torch.zeros(slots * positions, v_heads, dv, dtype=dtype, device=device)
+        self.stash_g = torch.zeros(slots * positions, v_heads, dtype=dtype, device=device)
+        self.stash_beta = torch.zeros(slots * positions, v_heads, dtype=dtype, device=device)
 
     def reset(self, slots: torch.Tensor) -> None:
         """A new sequence's slots start from the zero state (no history)."""
         self.state[slots] = 0
         self.conv[slots] = 0
 
-    def snapshot(self, slots: torch.Tensor, index: torch.Tensor | int) -> None:
-        """Keep the live state of `slots` as snapshot `index` (per slot, or one for all)."""
-        self.snap_state[slots, index] = self.state[slots]
-        self.snap_conv[slots, index] = self.conv[slots]
+    def stash(self, rows: torch.Tensor, raw: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+              beta: torch.Tensor) -> None:
+        """Keep tokens' inputs at stash rows `rows` (slot * positions + index in the verify)."""
+        for store, value in ((self.stash_raw, raw), (self.stash_k, k), (self.stash_v, v), (self.stash_g, g),
+                             (self.stash_beta, beta)):
+            store.index_copy_(0, rows, value.to(store.dtype))
 
-    def restore(self, slots: torch.Tensor, index: torch.Tensor | int) -> None:
-        """Roll `slots` back to snapshot `index`: the state after the last accepted position."""
-        self.state[slots] = self.snap_state[slots, index]
-        self.conv[slots] = self.snap_conv[slots, index]
+    def commit(self, slots: torch.Tensor, accepted: torch.Tensor) -> None:
+        """After a verify of `slots` (device tensors, one entry a sequence): advance each state over
+        its first accepted + 1 stashed tokens, the conv window to the raw inputs ending there."""
+        if self.positions == 0:
+            raise RuntimeError("this recurrent pool keeps no verify stash (built with 0 positions)")
+        count = accepted + 1
+        first = slots * self.positions
+        gated_delta_steps(None, self.stash_k, self.stash_v, self.stash_g, self.stash_beta, self.state, slots,
+                          first, first + count, count, self.positions, outputs=False)
+        width = self.conv.shape[-1]
+        # window column j is input (count - width + j) of the verify, or, before it, old column count + j
+        j = torch.arange(width, device=slots.device)
+        index = count[:, None] - width + j
+        from_stash = self.stash_raw[(first[:, None] + index.clamp(min=0)).reshape(-1)].view(len(slots), width, -1)
+        old = self.conv.index_select(0, slots)
+        kept = old.gather(2, (count[:, None] + j).clamp(max=width - 1)[:, None, :].expand(-1, old.shape[1], -1))
+        window = torch.where((index >= 0)[:, None, :], from_stash.transpose(1, 2), kept)
+        self.conv.index_copy_(0, slots, window)
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy the live state of slots src[i] -> dst[i] (a forked sequence, e.g. n > 1 samples)."""
