@@ -19,7 +19,13 @@ import logging
 
 import torch
 
-from ..model.cache_spec import PagedKVSpec, RecurrentSpec, bytes_per_sequence, bytes_per_token, release_window
+from ..model.cache_spec import (
+    PagedKVSpec,
+    RecurrentSpec,
+    bytes_per_sequence,
+    bytes_per_token,
+    release_window,
+)
 from ..model.recurrent_state import RecurrentState
 from ..util import host_to_device
 from .block_manager import BlockManager

@@ -80,9 +80,6 @@ class ModelRunner:
     def _graph_runner(self, settings: GraphSettings | None) -> CudaGraphRunner | None:
         if settings is None:
             return None
-        if self.recurrent_layers:  # DeltaNet steps run eagerly (torch reference) for now
-            log.info("CUDA graphs off: the model has recurrent (Gated DeltaNet) layers")
-            return None
         if settings.capture:
             if self.model.device.type != "cuda":
                 return None
@@ -92,7 +89,16 @@ class ModelRunner:
                 # The torch attention of a device-only batch spans max_model_len for every sequence.
                 log.info("CUDA graphs off: attention runs the torch reference (LUCEBOX_TRITON=0 or no Triton)")
                 return None
-        return CudaGraphRunner(self.model, self.block_size, self.scratch_block, settings)
+        graphs = CudaGraphRunner(self.model, self.block_size, self.scratch_block, settings)
+        if self.recurrent_layers:  # DeltaNet rows read their slots from static inputs too
+            graphs.state_rows = self.state_rows
+            graphs.scratch_slot = lambda: self.recurrent_states[0].scratch
+        return graphs
+
+    def attach_graphs(self, settings: GraphSettings | None) -> None:
+        """Use graph buckets of these settings from now on (capture=False on the CPU: tests run the
+        padded static batches a graph would replay, eagerly)."""
+        self.graphs = self._graph_runner(settings)
 
     def capture_graphs(self, capture_layers: tuple[int, ...] = ()) -> None:
         """Capture every CUDA-graph bucket now (a no-op without graphs)."""

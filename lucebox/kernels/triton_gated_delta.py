@@ -60,7 +60,8 @@ def _kernel():
             if OUTPUTS:
                 q_t = tl.load(q + t * stride_qt + kh * stride_qh + rows, mask=row_ok, other=0.0).to(tl.float32)
                 tl.store(out + t * stride_ot + h * stride_oh + cols, tl.sum(q_t[:, None] * s, axis=0), mask=col_ok)
-            tl.store(tile, s, mask=tile_ok & (t - first + 1 == keep))
+            at = tl.zeros([BK, BV], dtype=tl.int64) + t  # the token index as a tile: a mask of the tile's shape
+            tl.store(tile, s, mask=tile_ok & (at == first + keep - 1))
 
     return _gated_delta_steps
 

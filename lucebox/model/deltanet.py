@@ -55,7 +55,7 @@ class StepRows:
     windows: dict  # conv kernel -> (per-row window gather index, per-sequence new-window index)
 
     @classmethod
-    def of_device_batch(cls, batch: ForwardBatch) -> "StepRows":
+    def of_device_batch(cls, batch: ForwardBatch) -> StepRows:
         """All of a device-only batch (a CUDA graph's): read on the device only."""
         qsl = batch.query_start_loc
         every = torch.arange(batch.num_tokens, device=qsl.device)
@@ -64,7 +64,7 @@ class StepRows:
                    batch.max_query_len, {})
 
     @classmethod
-    def of_host(cls, batch: ForwardBatch, seqs: list[int], everything: bool) -> "StepRows":
+    def of_host(cls, batch: ForwardBatch, seqs: list[int], everything: bool) -> StepRows:
         """Sequences `seqs` of an eager batch, from its host lists."""
         starts_all, device = batch.query_starts_host, batch.input_ids.device
         lens = [batch.query_lens_host[i] for i in seqs]
@@ -75,7 +75,7 @@ class StepRows:
             [r for i in seqs for r in range(starts_all[i], starts_all[i + 1])], device, torch.long)
         seq = [j for j, n in enumerate(lens) for _ in range(n)]
         local = [r for n in lens for r in range(n)]
-        as_dev = lambda values: host_to_device(values, device, torch.long)  # noqa: E731
+        as_dev = lambda values: host_to_device(values, device, torch.long)
         return cls(rows, as_dev(starts[:-1]), as_dev(starts[1:]),
                    as_dev([batch.state_slots_host[i] for i in seqs]),
                    as_dev([batch.state_advance_host[i] for i in seqs]), as_dev(seq), as_dev(local),

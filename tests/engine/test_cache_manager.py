@@ -8,8 +8,14 @@ import torch
 from lucebox.engine.cache_manager import CacheManager
 from lucebox.engine.sequence import Sequence
 from lucebox.kernels.gated_delta import recurrent_gated_delta_rule
-from lucebox.model.cache_spec import (PagedKVSpec, RecurrentSpec, bytes_per_sequence, bytes_per_token,
-                                      kv_bytes_per_token, release_window)
+from lucebox.model.cache_spec import (
+    PagedKVSpec,
+    RecurrentSpec,
+    bytes_per_sequence,
+    bytes_per_token,
+    kv_bytes_per_token,
+    release_window,
+)
 from lucebox.model.config import ModelConfig
 from lucebox.model.kv_cache import bytes_per_value
 from lucebox.model.recurrent_state import RecurrentState
