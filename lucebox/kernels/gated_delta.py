@@ -139,9 +139,10 @@ def gated_delta_chunk(q, k, v, g, beta, state, slots: list[int], starts: list[in
     if routing.gated_delta_route("chunk", fla=use_fla) == routing.FLA_CHUNK:
         index = torch.tensor(slots, dtype=torch.long).to(state.device, non_blocking=True)
         cu_seqlens = torch.tensor(starts, dtype=torch.long).to(q.device, non_blocking=True)
+        # cu_seqlens_cpu: fla plans its chunks from host lengths we already have (no sync to read them back)
         o, final = fla_chunk()(q[None], k[None], v[None], g[None].float(), beta[None].float(), scale=1.0,
                                initial_state=state.index_select(0, index), output_final_state=True,
-                               cu_seqlens=cu_seqlens)
+                               cu_seqlens=cu_seqlens, cu_seqlens_cpu=torch.tensor(starts, dtype=torch.long))
         state.index_copy_(0, index, final.float())
         return o[0]
     group = v.shape[1] // k.shape[1]
