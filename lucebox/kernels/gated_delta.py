@@ -76,14 +76,15 @@ def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64):
 
 
 def gated_delta_steps(q, k, v, g, beta, state, slots, starts, ends, advance, max_len: int,
-                      outputs: bool = True) -> torch.Tensor | None:
+                      outputs: bool = True, normalize: bool = False, scale: float = 1.0) -> torch.Tensor | None:
     """Sequence b's tokens are rows starts[b]..ends[b]-1 of q/k [T, Hk, dk], v [T, Hv, dv], g/beta
     [T, Hv]; it starts from state[slots[b]] (state [N, Hv, dk, dv] float32) and, when advance[b] > 0,
     the state after its first advance[b] tokens is written back to that slot (0: read only, e.g. a
     verify whose drafts are not accepted yet). max_len bounds ends - starts (a host number: the
     torch reference's step count; the Triton kernel loops on the device values). Returns o [T, Hv,
     dv] float32 (rows outside every sequence are left unwritten), or None with outputs=False. No
-    host sync: every length is read on the device."""
+    host sync: every length is read on the device. normalize: q and k as they come from the conv,
+    l2-normalised here (q then times `scale`); else already normalised and scaled."""
     if state.dtype != torch.float32 or state.dim() != 4 or state.stride(-1) != 1:
         raise ValueError(f"gated_delta_steps: state must be contiguous float32 [slots, Hv, dk, dv], got "
                          f"{tuple(state.shape)} {state.dtype}")
@@ -91,14 +92,20 @@ def gated_delta_steps(q, k, v, g, beta, state, slots, starts, ends, advance, max
         raise ValueError(f"gated_delta_steps: {v.shape[1]} value heads are no multiple of {k.shape[1]} key heads")
     if routing.gated_delta_route("steps", triton=use_triton(q, k, v, state)) == routing.TRITON_STEPS:
         from .triton_gated_delta import gated_delta_steps_triton
-        return gated_delta_steps_triton(q, k, v, g, beta, state, slots, starts, ends, advance, outputs)
-    return gated_delta_steps_reference(q, k, v, g, beta, state, slots, starts, ends, advance, max_len, outputs)
+        return gated_delta_steps_triton(q, k, v, g, beta, state, slots, starts, ends, advance, outputs,
+                                        normalize, scale)
+    return gated_delta_steps_reference(q, k, v, g, beta, state, slots, starts, ends, advance, max_len, outputs,
+                                       normalize, scale)
 
 
 def gated_delta_steps_reference(q, k, v, g, beta, state, slots, starts, ends, advance, max_len: int,
-                                outputs: bool = True) -> torch.Tensor | None:
+                                outputs: bool = True, normalize: bool = False,
+                                scale: float = 1.0) -> torch.Tensor | None:
     """gated_delta_steps in torch: step t of every sequence at once, t = 0..max_len-1; rows past a
     sequence's end compute into a trash row."""
+    if normalize:
+        k = l2_normalize(k.float())
+        q = l2_normalize(q.float()) * scale if outputs else None
     rows, v_heads = v.shape[0], v.shape[1]
     group = v_heads // k.shape[1]
     current = state.index_select(0, slots)
@@ -119,6 +126,51 @@ def gated_delta_steps_reference(q, k, v, g, beta, state, slots, starts, ends, ad
         final = torch.where((advance == t + 1)[:, None, None, None], current, final)
     state.index_copy_(0, slots, final)  # slots not advanced get their own state back
     return out[:rows] if outputs else None
+
+
+def conv_steps(qkv, conv, weight, slots, starts, advance, seq, local, stash=None, positions: int = 0) -> torch.Tensor:
+    """The causal depthwise conv of decode / verify rows, then silu: qkv [T, channels] are the rows
+    (row t is input local[t] of sequence seq[t], whose rows begin at starts[seq]); inputs before
+    the step come from the window conv[slots[seq]] [channels, K-1]; weight [channels, K]. Each
+    sequence with advance > 0 then gets the window ending at its input advance - 1. stash: (raw,
+    mixed) [slots * positions + 1, channels] float32 stores, row slot * positions + local, that keep
+    each row's input and output (rows past `positions`, never a verify's, are dropped: the last row
+    is a trash row). Returns [T, channels] in qkv's dtype. No host sync."""
+    if routing.gated_delta_route("conv", triton=use_triton(qkv, conv)) == routing.TRITON_CONV:
+        from .triton_gated_delta import conv_steps_triton
+        return conv_steps_triton(qkv, conv, weight, slots, starts, advance, seq, local, stash, positions)
+    return conv_steps_reference(qkv, conv, weight, slots, starts, advance, seq, local, stash, positions)
+
+
+def stash_rows(slots, seq, local, positions: int, trash: int) -> torch.Tensor:
+    """Each row's stash row, slot * positions + its index; rows past the stash go to `trash`."""
+    return torch.where(local < positions, slots[seq] * positions + local, trash)
+
+
+def conv_steps_reference(qkv, conv, weight, slots, starts, advance, seq, local, stash=None,
+                         positions: int = 0) -> torch.Tensor:
+    """conv_steps in torch: gathers from [the rows; each sequence's old window]."""
+    tokens, channels = qkv.shape
+    width = weight.shape[1] - 1
+    old = conv.index_select(0, slots).transpose(1, 2).reshape(-1, channels)
+    inputs = torch.cat([qkv, old.to(qkv.dtype)])
+    w = torch.arange(width + 1, device=qkv.device)
+    pos = local[:, None] + w - width  # the tap's input position in its sequence (< 0: the old window)
+    rows = torch.arange(tokens, device=qkv.device)[:, None] + w - width
+    taps = torch.where(pos >= 0, rows, tokens + seq[:, None] * width + pos + width)
+    mixed = F.silu((inputs[taps] * weight.t().to(qkv.dtype)).sum(1))
+    j = w[:width]
+    pos = advance[:, None] - width + j
+    seqs = torch.arange(slots.shape[0], device=qkv.device)[:, None]
+    window = torch.where(pos >= 0, starts[:, None] + pos, tokens + seqs * width + pos + width)
+    window = inputs[window.reshape(-1)].view(-1, width, channels).transpose(1, 2)
+    conv.index_copy_(0, slots, window.to(conv.dtype))  # unchanged where advance is 0
+    if stash is not None:
+        raw, kept = stash
+        at = stash_rows(slots, seq, local, positions, raw.shape[0] - 1)
+        raw.index_copy_(0, at, qkv.to(raw.dtype))
+        kept.index_copy_(0, at, mixed.to(kept.dtype))
+    return mixed
 
 
 @functools.cache

@@ -68,9 +68,8 @@ class RecurrentSpec:
 
     @property
     def values_per_position(self) -> int:
-        """One stashed verify position: the raw conv input, k, v, g and beta."""
-        v_heads, dk, dv = self.state_shape
-        return self.conv_shape[0] + self.key_heads * dk + v_heads * dv + 2 * v_heads
+        """One stashed verify position: the conv's raw input and output, g and beta."""
+        return 2 * self.conv_shape[0] + 2 * self.state_shape[0]
 
     def bytes_per_sequence(self, positions: int = 0) -> int:
         """The live state and conv window plus `positions` stashed verify positions (1 + the longest draft)."""

@@ -21,7 +21,7 @@ Rows take one of two paths (the recurrence itself is kernels/gated_delta.py):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -30,10 +30,12 @@ from torch import nn
 from ..kernels.forward_batch import ForwardBatch
 from ..kernels.gated_delta import (  # noqa: F401  (the references, re-exported for tests)
     chunked_gated_delta_rule,
+    conv_steps,
     gated_delta_chunk,
     gated_delta_steps,
     l2_normalize,
     recurrent_gated_delta_rule,
+    stash_rows,
 )
 from ..util import host_to_device
 from .cache_spec import RecurrentSpec
@@ -52,19 +54,20 @@ class StepRows:
     seq: torch.Tensor
     local: torch.Tensor
     max_len: int
-    windows: dict  # conv kernel -> (per-row window gather index, per-sequence new-window index)
+    device_only: bool
+    stash_index: dict = field(default_factory=dict)  # (positions, trash) -> each row's stash row
 
     @classmethod
-    def of_device_batch(cls, batch: ForwardBatch) -> StepRows:
+    def of_device_batch(cls, batch: ForwardBatch) -> "StepRows":
         """All of a device-only batch (a CUDA graph's): read on the device only."""
         qsl = batch.query_start_loc
         every = torch.arange(batch.num_tokens, device=qsl.device)
         seq = torch.searchsorted(qsl[1:], every, right=True)
         return cls(None, qsl[:-1], qsl[1:], batch.state_slots, batch.state_advance, seq, every - qsl[seq],
-                   batch.max_query_len, {})
+                   batch.max_query_len, True)
 
     @classmethod
-    def of_host(cls, batch: ForwardBatch, seqs: list[int], everything: bool) -> StepRows:
+    def of_host(cls, batch: ForwardBatch, seqs: list[int], everything: bool) -> "StepRows":
         """Sequences `seqs` of an eager batch, from its host lists."""
         starts_all, device = batch.query_starts_host, batch.input_ids.device
         lens = [batch.query_lens_host[i] for i in seqs]
@@ -75,27 +78,21 @@ class StepRows:
             [r for i in seqs for r in range(starts_all[i], starts_all[i + 1])], device, torch.long)
         seq = [j for j, n in enumerate(lens) for _ in range(n)]
         local = [r for n in lens for r in range(n)]
-        as_dev = lambda values: host_to_device(values, device, torch.long)
-        return cls(rows, as_dev(starts[:-1]), as_dev(starts[1:]),
-                   as_dev([batch.state_slots_host[i] for i in seqs]),
-                   as_dev([batch.state_advance_host[i] for i in seqs]), as_dev(seq), as_dev(local),
-                   max(lens, default=0), {})
 
-    def window_index(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Indices into [the rows; each sequence's old window, width rows a sequence]: per row its
-        conv inputs [T, width + 1], and per sequence its window after `advance` rows [B, width]."""
-        if width not in self.windows:
-            tokens = self.seq.shape[0]
-            w = torch.arange(width + 1, device=self.seq.device)
-            pos = self.local[:, None] + w - width  # input position in the sequence (< 0: the old window)
-            old = tokens + self.seq[:, None] * width + (pos + width)
-            per_row = torch.where(pos >= 0, torch.arange(tokens, device=pos.device)[:, None] + w - width, old)
-            j = w[:width]
-            pos = self.advance[:, None] - width + j
-            seqs = torch.arange(self.slots.shape[0], device=pos.device)[:, None]
-            new = torch.where(pos >= 0, self.starts[:, None] + pos, tokens + seqs * width + pos + width)
-            self.windows[width] = (per_row, new)
-        return self.windows[width]
+        def as_device(values):
+            return host_to_device(values, device, torch.long)
+
+        return cls(rows, as_device(starts[:-1]), as_device(starts[1:]),
+                   as_device([batch.state_slots_host[i] for i in seqs]),
+                   as_device([batch.state_advance_host[i] for i in seqs]), as_device(seq), as_device(local),
+                   max(lens, default=0), False)
+
+    def stash_rows(self, positions: int, trash: int) -> torch.Tensor:
+        """Each row's stash row: slot * positions + its index (rows past the stash: `trash`)."""
+        key = (positions, trash)
+        if key not in self.stash_index:
+            self.stash_index[key] = stash_rows(self.slots, self.seq, self.local, positions, trash)
+        return self.stash_index[key]
 
 
 class GatedRMSNorm(nn.Module):
@@ -185,22 +182,22 @@ class GatedDeltaNet(nn.Module):
 
     def _steps(self, qkv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, rows: StepRows) -> torch.Tensor:
         """Decode / verify rows (qkv etc. of `rows` only) -> o [T', Hv, dv] float32, no host sync."""
-        state, width = self.state, self.conv_kernel - 1
-        per_row, new_window = rows.window_index(width)
-        old = state.conv.index_select(0, rows.slots).transpose(1, 2).reshape(-1, self.conv_dim)
-        inputs = torch.cat([qkv, old.to(qkv.dtype)])
-        weight = self.conv1d.weight[:, 0, :].t().to(qkv.dtype)  # [kernel, channels]
-        mixed = F.silu((inputs[per_row] * weight).sum(1))
-        window = inputs[new_window.reshape(-1)].view(-1, width, self.conv_dim).transpose(1, 2)
-        state.conv.index_copy_(0, rows.slots, window.to(state.conv.dtype))  # unchanged where advance is 0
-        q, k, v = self._qkv_heads(mixed)
+        state = self.state
+        stash = None
         if state.positions:
-            if rows.max_len > state.positions:
-                raise RuntimeError(f"layer {self.layer}: a verify of {rows.max_len} tokens needs {rows.max_len} "
-                                   f"stash positions, the pool keeps {state.positions}")
-            state.stash(rows.slots[rows.seq] * state.positions + rows.local, qkv, k, v, g, beta)
+            # (a graph bucket longer than the stash is a catch-up of taps, never committed)
+            if rows.max_len > state.positions and not rows.device_only:
+                raise RuntimeError(f"layer {self.layer}: a verify of {rows.max_len} tokens needs "
+                                   f"{rows.max_len} stash positions, the pool keeps {state.positions}")
+            stash = state.conv_stash
+            state.stash_gates(rows.stash_rows(state.positions, state.trash), g, beta)
+        mixed = conv_steps(qkv, state.conv, self.conv1d.weight[:, 0, :], rows.slots, rows.starts, rows.advance,
+                           rows.seq, rows.local, stash, state.positions)
+        q = mixed[:, :self.key_dim].view(-1, self.num_k_heads, self.head_k_dim)
+        k = mixed[:, self.key_dim:2 * self.key_dim].view(-1, self.num_k_heads, self.head_k_dim)
+        v = mixed[:, 2 * self.key_dim:].view(-1, self.num_v_heads, self.head_v_dim)
         return gated_delta_steps(q, k, v, g, beta, state.state, rows.slots, rows.starts, rows.ends, rows.advance,
-                                 rows.max_len)
+                                 rows.max_len, normalize=True, scale=self.head_k_dim ** -0.5)
 
     def _chunks(self, qkv, beta, g, batch: ForwardBatch, seqs: list[int], out: torch.Tensor) -> None:
         """Prefill chunks of sequences `seqs` (eager): conv per sequence from its window, then the

@@ -3,15 +3,16 @@
 Storage (a slot is one sequence's; slots are handed out by engine/cache_manager.py):
   state   [num_slots + 1, Hv, dk, dv]   the recurrent state after the last committed position
   conv    [num_slots + 1, channels, K-1] the short conv's window of past (pre-conv) inputs
-  stash   per slot, `positions` rows of a verify's per-token inputs: the raw pre-conv row
-          [channels], and k [Hk, dk], v [Hv, dv], g [Hv], beta [Hv] as the recurrence reads them
+  stash   per slot, `positions` rows of a verify's per-token inputs: the raw pre-conv row and the
+          conv's output [channels] each (its k and v parts, before normalisation, are what the
+          recurrence reads), g [Hv] and beta [Hv]
 The last slot (`scratch`) belongs to no sequence: CUDA-graph padding reads and writes it.
 
 Speculative verify = stash and recompute: a verify row of 1 + k tokens computes its outputs from
 the slot's state without writing it, and stashes its per-token inputs; `commit(slots, accepted)`
 then advances the state over the first accepted + 1 stashed tokens (the same kernel, state written)
 and makes the conv window the K-1 raw inputs ending at the last of them. A stashed position costs
-channels + Hk*dk + Hv*dv + 2*Hv values, a state snapshot Hv*dk*dv (Qwen3.6-27B: 18.5K vs 786K).
+2 * channels + 2 * Hv values, a state snapshot Hv*dk*dv (Qwen3.6-27B: 20.6K vs 786K).
 """
 from __future__ import annotations
 
@@ -24,29 +25,35 @@ class RecurrentState:
     def __init__(self, num_slots: int, positions: int, state_shape: tuple[int, int, int],
                  conv_shape: tuple[int, int], key_heads: int, dtype: torch.dtype, device: torch.device | str):
         self.num_slots, self.positions, self.scratch = num_slots, positions, num_slots
-        v_heads, dk, dv = state_shape
+        v_heads, dk, _ = state_shape
+        self.key_heads, self.key_dim = key_heads, key_heads * dk
         channels, _ = conv_shape
         slots = num_slots + 1
         self.state = torch.zeros(slots, *state_shape, dtype=dtype, device=device)
         self.conv = torch.zeros(slots, *conv_shape, dtype=dtype, device=device)
-        # stash rows are slot * positions + i: flat, so kernels index them like a batch's token rows
-        self.stash_raw = torch.zeros(slots * positions, channels, dtype=dtype, device=device)
-        self.stash_k = torch.zeros(slots * positions, key_heads, dk, dtype=dtype, device=device)
-        self.stash_v = torch.zeros(slots * positions, v_heads, dv, dtype=dtype, device=device)
-        self.stash_g = torch.zeros(slots * positions, v_heads, dtype=dtype, device=device)
-        self.stash_beta = torch.zeros(slots * positions, v_heads, dtype=dtype, device=device)
+        # stash rows are slot * positions + i: flat, so kernels index them like a batch's token rows;
+        # one more row (`trash`) takes rows of a step longer than the stash (never a verify's)
+        rows = slots * positions + 1
+        self.trash = rows - 1
+        self.stash_raw = torch.zeros(rows, channels, dtype=dtype, device=device)
+        self.stash_mixed = torch.zeros(rows, channels, dtype=dtype, device=device)
+        self.stash_g = torch.zeros(rows, v_heads, dtype=dtype, device=device)
+        self.stash_beta = torch.zeros(rows, v_heads, dtype=dtype, device=device)
 
     def reset(self, slots: torch.Tensor) -> None:
         """A new sequence's slots start from the zero state (no history)."""
         self.state[slots] = 0
         self.conv[slots] = 0
 
-    def stash(self, rows: torch.Tensor, raw: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-              beta: torch.Tensor) -> None:
-        """Keep tokens' inputs at stash rows `rows` (slot * positions + index in the verify)."""
-        for store, value in ((self.stash_raw, raw), (self.stash_k, k), (self.stash_v, v), (self.stash_g, g),
-                             (self.stash_beta, beta)):
-            store.index_copy_(0, rows, value.to(store.dtype))
+    @property
+    def conv_stash(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(raw, mixed) stores the conv of a step's rows fills (kernels.gated_delta.conv_steps)."""
+        return self.stash_raw, self.stash_mixed
+
+    def stash_gates(self, rows: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> None:
+        """Keep tokens' g and beta at stash rows `rows` (slot * positions + index in the verify)."""
+        self.stash_g.index_copy_(0, rows, g.to(self.stash_g.dtype))
+        self.stash_beta.index_copy_(0, rows, beta.to(self.stash_beta.dtype))
 
     def commit(self, slots: torch.Tensor, accepted: torch.Tensor) -> None:
         """After a verify of `slots` (device tensors, one entry a sequence): advance each state over
@@ -55,8 +62,11 @@ class RecurrentState:
             raise RuntimeError("this recurrent pool keeps no verify stash (built with 0 positions)")
         count = accepted + 1
         first = slots * self.positions
-        gated_delta_steps(None, self.stash_k, self.stash_v, self.stash_g, self.stash_beta, self.state, slots,
-                          first, first + count, count, self.positions, outputs=False)
+        v_heads, dk, dv = self.state.shape[1:]
+        k = self.stash_mixed[:, self.key_dim:2 * self.key_dim].view(-1, self.key_heads, dk)
+        v = self.stash_mixed[:, 2 * self.key_dim:].view(-1, v_heads, dv)
+        gated_delta_steps(None, k, v, self.stash_g, self.stash_beta, self.state, slots, first, first + count, count,
+                          self.positions, outputs=False, normalize=True)
         width = self.conv.shape[-1]
         # window column j is input (count - width + j) of the verify, or, before it, old column count + j
         j = torch.arange(width, device=slots.device)

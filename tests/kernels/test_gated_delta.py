@@ -123,3 +123,74 @@ def test_chunk_path_matches_the_specification_per_sequence():
         want, states = reference(q, k, v, decay, beta, before[slot], rows)
         assert (out[rows].float() - want).abs().max() <= tol, i
         assert (state[slot] - states[-1]).abs().max() <= tol, i
+
+
+@pytest.mark.parametrize("kernel", ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    not INTERPRETABLE, reason="Triton was imported without its interpreter on a machine without a GPU"))])
+def test_steps_normalise_raw_q_and_k_themselves(kernel, monkeypatch):
+    """normalize=True: q/k straight from the conv (any length, strided views of one row) give what
+    normalised, scaled q/k give."""
+    if kernel == "triton":
+        pytest.importorskip("triton")
+        monkeypatch.setenv("LUCEBOX_TRITON", "1")
+    q, k, v, decay, beta, state = case(LENS, seed=5)
+    rows = torch.cat([q.flatten(1) * 3.0, k.flatten(1) * 0.5, v.flatten(1)], dim=1)  # one conv row: q | k | v
+    raw_q = rows[:, :K_HEADS * DK].view(-1, K_HEADS, DK)
+    raw_k = rows[:, K_HEADS * DK:2 * K_HEADS * DK].view(-1, K_HEADS, DK)
+    raw_v = rows[:, 2 * K_HEADS * DK:].view(-1, V_HEADS, DV)
+    starts, ends = torch.tensor([0, 3, 4, 8], device=DEVICE), torch.tensor([3, 4, 8, 10], device=DEVICE)
+    idx = lambda values: torch.tensor(values, device=DEVICE)  # noqa: E731
+    want_state = state.clone()
+    want = gated_delta_steps_reference(q, k, v, decay, beta, want_state, idx(SLOTS), starts, ends, idx(ADVANCE), 4)
+    got = gated_delta_steps(raw_q, raw_k, raw_v, decay, beta, state, idx(SLOTS), starts, ends, idx(ADVANCE), 4,
+                            normalize=True, scale=DK ** -0.5)
+    assert (got - want).abs().max() <= 1e-5 and (state - want_state).abs().max() <= 1e-5
+
+
+def conv_case(seed=0):
+    """4 sequences (the last a padding one on the scratch slot 5) of 3, 1, 2, 1 rows; windows of 3."""
+    g = torch.Generator().manual_seed(seed)
+    channels, kernel, slots_n = 40, 4, 6
+    qkv = torch.randn(7, channels, generator=g)
+    conv = torch.randn(slots_n, channels, kernel - 1, generator=g)
+    weight = torch.randn(channels, kernel, generator=g)
+    idx = lambda values: torch.tensor(values, device=DEVICE)  # noqa: E731
+    rows = dict(slots=idx([2, 0, 4, 5]), starts=idx([0, 3, 4, 6]), advance=idx([3, 1, 0, 0]),
+                seq=idx([0, 0, 0, 1, 2, 2, 3]), local=idx([0, 1, 2, 0, 0, 1, 0]))
+    return qkv.to(DEVICE), conv.to(DEVICE), weight.to(DEVICE), rows
+
+
+def test_conv_steps_reference_is_the_causal_conv_of_each_sequence():
+    from lucebox.kernels.gated_delta import conv_steps_reference
+    qkv, conv, weight, rows = conv_case()
+    before = conv.clone()
+    positions = 2
+    stash = tuple(torch.zeros(6 * positions + 1, qkv.shape[1], device=DEVICE) for _ in range(2))
+    out = conv_steps_reference(qkv, conv, weight, **rows, stash=stash, positions=positions)
+    for b, (slot, start, n, advance) in enumerate(zip([2, 0, 4, 5], [0, 3, 4, 6], [3, 1, 2, 1], [3, 1, 0, 0])):
+        window = torch.cat([before[slot], qkv[start:start + n].t()], dim=1)
+        want = torch.nn.functional.silu(torch.nn.functional.conv1d(window[None], weight[:, None], groups=40)[0]).t()
+        assert (out[start:start + n] - want).abs().max() <= 1e-5
+        expect = window[:, advance:advance + 3] if advance else before[slot]
+        assert torch.equal(conv[slot], expect)
+        for j in range(min(n, positions)):
+            assert torch.equal(stash[0][slot * positions + j], qkv[start + j])
+            assert torch.equal(stash[1][slot * positions + j], out[start + j])
+
+
+@pytest.mark.skipif(not INTERPRETABLE, reason="Triton was imported without its interpreter on a machine without a GPU")
+def test_triton_conv_steps_match_the_reference(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("LUCEBOX_TRITON", "1")
+    from lucebox.kernels.gated_delta import conv_steps, conv_steps_reference
+    qkv, conv, weight, rows = conv_case(seed=1)
+    positions = 3
+    stashes = [tuple(torch.zeros(6 * positions + 1, qkv.shape[1], device=DEVICE) for _ in range(2))
+               for _ in range(2)]
+    want_conv = conv.clone()
+    want = conv_steps_reference(qkv, want_conv, weight, **rows, stash=stashes[0], positions=positions)
+    got = conv_steps(qkv, conv, weight, **rows, stash=stashes[1], positions=positions)
+    assert (got - want).abs().max() <= 1e-5
+    assert torch.equal(conv, want_conv)
+    for a, b in zip(*stashes):
+        assert (a[:-1] - b[:-1]).abs().max() <= 1e-6  # the trash row aside

@@ -5,21 +5,26 @@ never reads a device value on the host; end-to-end greedy output, plain and spec
 eager one. Tests marked `gpu` capture real graphs and skip without CUDA."""
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import replace
 
 import pytest
 import torch
 
-from lucebox import LLM
-from lucebox.engine.cuda_graphs import GraphSettings
-from lucebox.engine.step_plan import PlanRow, RowKind, StepPlan
-from lucebox.model.deltanet import GatedDeltaNet
-from lucebox.model.loader import load_model
-from tests.conftest import build_hf_model
-from tests.model.test_qwen3_5 import BLOCK_SIZE, HYBRID, prompts, runner_for
-from tests.model.test_qwen3_5_spec import NGRAM, greedy, repetitive_prompts
-
 ON_GPU = torch.cuda.is_available()
+if not ON_GPU and "triton" not in sys.modules:  # before any Triton import; see test_triton_kernels.py
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from lucebox import LLM  # noqa: E402
+from lucebox.engine.cuda_graphs import GraphSettings  # noqa: E402
+from lucebox.engine.step_plan import PlanRow, RowKind, StepPlan  # noqa: E402
+from lucebox.model.deltanet import GatedDeltaNet  # noqa: E402
+from lucebox.model.loader import load_model  # noqa: E402
+from tests.conftest import build_hf_model  # noqa: E402
+from tests.model.test_qwen3_5 import BLOCK_SIZE, HYBRID, prompts, runner_for  # noqa: E402
+from tests.model.test_qwen3_5_spec import NGRAM, greedy, repetitive_prompts  # noqa: E402
+
 gpu = pytest.mark.skipif(not ON_GPU, reason="captures CUDA graphs")
 
 
@@ -78,6 +83,31 @@ def test_a_padded_static_hybrid_step_gives_the_eager_logits_and_state(hybrid_pat
         assert torch.equal(layer.state.conv[live], eager_conv[live])
         assert not torch.equal(eager_state[2], state[2])  # the decode row advanced its slot
         assert torch.equal(eager_state[0], state[0]) and torch.equal(eager_state[3], state[3])  # verifies did not
+
+
+def test_a_padded_hybrid_step_through_triton_kernels_matches_the_torch_reference(hybrid_path, monkeypatch):
+    """The whole hybrid on a device-only batch of decode + verify rows with Triton kernels
+    (interpreted on the CPU): logits and the slots' states and windows."""
+    pytest.importorskip("triton")
+    if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton was imported before TRITON_INTERPRET=1 could be set")
+    device = "cuda" if ON_GPU else "cpu"
+    loaded = load_model(str(hybrid_path), dtype="float32", device=device)
+    monkeypatch.setenv("LUCEBOX_TRITON", "0")
+    runner, plan, layers = mixed_step(loaded, device, capture=False)
+    before = snapshot(layers)
+    want = runner.run_eager(plan).logits
+    want_states = snapshot(layers)
+    for layer, (state, conv) in zip(layers, before):
+        layer.state.state.copy_(state)
+        layer.state.conv.copy_(conv)
+    monkeypatch.setenv("LUCEBOX_TRITON", "1")
+    got = runner.run(plan).logits
+    assert runner.graphs.replays[(4, 4)] == 1
+    assert (got - want).abs().max().item() <= 1e-4
+    for layer, (state, conv) in zip(layers, want_states):
+        assert (layer.state.state[:4] - state[:4]).abs().max() <= 1e-5
+        assert (layer.state.conv[:4] - conv[:4]).abs().max() <= 1e-6
 
 
 def test_the_deltanet_path_of_a_graph_batch_never_reads_device_values(hybrid_path, monkeypatch):
