@@ -16,7 +16,7 @@ ON_GPU = torch.cuda.is_available()
 if not ON_GPU and "triton" not in sys.modules:  # before any Triton import; see test_triton_kernels.py
     os.environ["TRITON_INTERPRET"] = "1"
 
-from lucebox import LLM  # noqa: E402
+from lucebox import LLM, SamplingParams  # noqa: E402
 from lucebox.engine.cuda_graphs import GraphSettings  # noqa: E402
 from lucebox.engine.step_plan import PlanRow, RowKind, StepPlan  # noqa: E402
 from lucebox.model.deltanet import GatedDeltaNet  # noqa: E402
@@ -203,3 +203,33 @@ def test_bfloat16_hybrid_prefill_and_decode_stay_close_to_float32(hybrid_path):
         logits.append(torch.cat(rows).float().cpu())
     err = ((logits[1] - logits[0]).abs().max() / logits[0].abs().max()).item()
     assert err <= 5e-2
+
+
+def test_decoding_with_a_request_joining_mid_stream_equals_step_by_step(hybrid_path):
+    """async_decode launches decode steps ahead; one that goes unused (a request joined) must not
+    have advanced recurrent state, which, unlike K/V, a repeated step does not overwrite: after
+    the step that prefills the newcomer, every slot holds what step-by-step decoding leaves."""
+    def run(async_decode: bool):
+        llm = LLM(str(hybrid_path), block_size=BLOCK_SIZE, max_num_seqs=4, cuda_graphs=True,
+                  async_decode=async_decode)
+        engine = llm.engine
+        engine.runner.attach_graphs(replace(engine._graph_settings(), capture=False))
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        engine.add_request("a", {"prompt_token_ids": list(range(3, 14))}, params)
+        outs, step, states = {}, 0, None
+        while engine.has_unfinished():
+            if step == 5:
+                engine.add_request("b", {"prompt_token_ids": list(range(40, 47))}, params)
+            for o in engine.step():
+                if o.finished:
+                    outs[o.request_id] = o.outputs[0].token_ids
+            if step == 5:  # a prefill step: nothing is launched ahead of it
+                states = [s.state[:4].clone() for s in engine.runner.recurrent_states]
+            step += 1
+        return outs, states
+
+    want, want_states = run(False)
+    got, got_states = run(True)
+    assert got == want
+    for a, b in zip(got_states, want_states):
+        assert (a - b).abs().max() <= 1e-6
