@@ -159,18 +159,36 @@ def conv_steps_reference(qkv, conv, weight, slots, starts, advance, seq, local, 
     rows = torch.arange(tokens, device=qkv.device)[:, None] + w - width
     taps = torch.where(pos >= 0, rows, tokens + seq[:, None] * width + pos + width)
     mixed = F.silu((inputs[taps] * weight.t().to(qkv.dtype)).sum(1))
-    j = w[:width]
-    pos = advance[:, None] - width + j
-    seqs = torch.arange(slots.shape[0], device=qkv.device)[:, None]
-    window = torch.where(pos >= 0, starts[:, None] + pos, tokens + seqs * width + pos + width)
-    window = inputs[window.reshape(-1)].view(-1, width, channels).transpose(1, 2)
-    conv.index_copy_(0, slots, window.to(conv.dtype))  # unchanged where advance is 0
+    conv_windows_reference(qkv, conv, slots, starts, advance)
     if stash is not None:
         raw, kept = stash
         at = stash_rows(slots, seq, local, positions, raw.shape[0] - 1)
         raw.index_copy_(0, at, qkv.to(raw.dtype))
         kept.index_copy_(0, at, mixed.to(kept.dtype))
     return mixed
+
+
+def conv_windows(rows, conv, slots, starts, advance) -> None:
+    """Each sequence b with advance[b] > 0: its window conv[slots[b]] [channels, K-1] becomes the
+    K-1 inputs ending at its input advance[b] - 1, where its inputs are rows[starts[b]:] and the
+    ones before them the window itself (a step's rows, or a verify's stashed raw rows). No host sync."""
+    if routing.gated_delta_route("conv", triton=use_triton(rows, conv)) == routing.TRITON_CONV:
+        from .triton_gated_delta import conv_windows_triton
+        conv_windows_triton(rows, conv, slots, starts, advance)
+    else:
+        conv_windows_reference(rows, conv, slots, starts, advance)
+
+
+def conv_windows_reference(rows, conv, slots, starts, advance) -> None:
+    """conv_windows in torch: a gather from [the rows; each sequence's old window]."""
+    channels, width = conv.shape[1:]
+    old = conv.index_select(0, slots).transpose(1, 2).reshape(-1, channels)
+    inputs = torch.cat([rows, old.to(rows.dtype)])
+    pos = advance[:, None] - width + torch.arange(width, device=rows.device)  # input position of each column
+    seqs = torch.arange(slots.shape[0], device=rows.device)[:, None]
+    index = torch.where(pos >= 0, starts[:, None] + pos, rows.shape[0] + seqs * width + pos + width)
+    window = inputs[index.reshape(-1)].view(-1, width, channels).transpose(1, 2)
+    conv.index_copy_(0, slots, window.to(conv.dtype))  # unchanged where advance is 0
 
 
 @functools.cache

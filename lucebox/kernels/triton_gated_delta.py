@@ -153,7 +153,8 @@ def gated_delta_steps_triton(q, k, v, g, beta, state, slots, starts, ends, advan
         return out
     block_v = min(BLOCK_V, next_pow2(dv))
     o = out if outputs else state  # any tensor: never written without OUTPUTS
-    _kernel()[0][(num_seqs, v_heads, triton.cdiv(dv, block_v))](
+    kernel = _kernel()[0]
+    kernel[(num_seqs, v_heads, triton.cdiv(dv, block_v))](
         q, k, v, g, beta, o, state, slots, starts, ends, advance,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         o.stride(0), o.stride(1), state.stride(0), state.stride(1), state.stride(2), float(scale),
@@ -166,20 +167,30 @@ def conv_steps_triton(qkv, conv, weight, slots, starts, advance, seq, local, sta
                       positions: int = 0) -> torch.Tensor:
     """kernels.gated_delta.conv_steps on the Triton kernels (same contract)."""
     tokens, channels = qkv.shape
-    kernel = weight.shape[1]
+    taps = weight.shape[1]
     if qkv.stride(1) != 1 or conv.stride(2) != 1 or not weight.is_contiguous():
         raise ValueError("conv_steps: qkv rows, conv windows and the weight need unit stride")
     out = torch.empty_like(qkv)
     block = min(BLOCK_C, next_pow2(channels))
     raw, mixed = stash if stash is not None else (conv, conv)  # never written without STASH
-    conv_steps, conv_windows = _kernel()[1:]
+    kernel = _kernel()[1]
     if tokens:
-        conv_steps[(tokens, triton.cdiv(channels, block))](
+        kernel[(tokens, triton.cdiv(channels, block))](
             qkv, conv, weight, out, slots, seq, local, raw, mixed, channels,
             qkv.stride(0), conv.stride(0), conv.stride(1), out.stride(0), raw.stride(0), positions,
-            KERNEL=kernel, BC=block, STASH=stash is not None, **pdl_launch(qkv.device))
-    if slots.shape[0]:
-        conv_windows[(slots.shape[0], triton.cdiv(channels, block))](
-            qkv, conv, slots, starts, advance, channels, qkv.stride(0), conv.stride(0), conv.stride(1),
-            WIDTH=kernel - 1, WP=next_pow2(kernel - 1), BC=block, **pdl_launch(qkv.device))
+            KERNEL=taps, BC=block, STASH=stash is not None, **pdl_launch(qkv.device))
+    conv_windows_triton(qkv, conv, slots, starts, advance)
     return out
+
+
+def conv_windows_triton(rows, conv, slots, starts, advance) -> None:
+    """kernels.gated_delta.conv_windows on the Triton kernel (same contract)."""
+    channels, width = conv.shape[1:]
+    if rows.stride(1) != 1 or conv.stride(2) != 1:
+        raise ValueError("conv_windows: rows and conv windows need unit stride")
+    block = min(BLOCK_C, next_pow2(channels))
+    if slots.shape[0]:
+        kernel = _kernel()[2]
+        kernel[(slots.shape[0], triton.cdiv(channels, block))](
+            rows, conv, slots, starts, advance, channels, rows.stride(0), conv.stride(0), conv.stride(1),
+            WIDTH=width, WP=next_pow2(width), BC=block, **pdl_launch(rows.device))

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.gated_delta import gated_delta_steps
+from ..kernels.gated_delta import conv_windows, gated_delta_steps
 
 
 class RecurrentState:
@@ -67,15 +67,7 @@ class RecurrentState:
         v = self.stash_mixed[:, 2 * self.key_dim:].view(-1, v_heads, dv)
         gated_delta_steps(None, k, v, self.stash_g, self.stash_beta, self.state, slots, first, first + count, count,
                           self.positions, outputs=False, normalize=True)
-        width = self.conv.shape[-1]
-        # window column j is input (count - width + j) of the verify, or, before it, old column count + j
-        j = torch.arange(width, device=slots.device)
-        index = count[:, None] - width + j
-        from_stash = self.stash_raw[(first[:, None] + index.clamp(min=0)).reshape(-1)].view(len(slots), width, -1)
-        old = self.conv.index_select(0, slots)
-        kept = old.gather(2, (count[:, None] + j).clamp(max=width - 1)[:, None, :].expand(-1, old.shape[1], -1))
-        window = torch.where((index >= 0)[:, None, :], from_stash.transpose(1, 2), kept)
-        self.conv.index_copy_(0, slots, window)
+        conv_windows(self.stash_raw, self.conv, slots, first, count)
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy the live state of slots src[i] -> dst[i] (a forked sequence, e.g. n > 1 samples)."""

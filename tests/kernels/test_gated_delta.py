@@ -194,3 +194,28 @@ def test_triton_conv_steps_match_the_reference(monkeypatch):
     assert torch.equal(conv, want_conv)
     for a, b in zip(*stashes):
         assert (a[:-1] - b[:-1]).abs().max() <= 1e-6  # the trash row aside
+
+
+@pytest.mark.skipif(not INTERPRETABLE, reason="Triton was imported without its interpreter on a machine without a GPU")
+@pytest.mark.parametrize("accepted", [[0, 3], [1, 2]])
+def test_a_commit_through_triton_matches_the_torch_one(accepted, monkeypatch):
+    """RecurrentState.commit (the steps kernel over stashed rows, then the windows) on both paths."""
+    pytest.importorskip("triton")
+    from lucebox.model.recurrent_state import RecurrentState
+    g = torch.Generator().manual_seed(7)
+    channels = 2 * K_HEADS * DK + V_HEADS * DV
+    states = [RecurrentState(3, 4, (V_HEADS, DK, DV), (channels, 3), K_HEADS, torch.float32, DEVICE)
+              for _ in range(2)]
+    for name in ("state", "conv", "stash_raw", "stash_mixed", "stash_g", "stash_beta"):
+        value = torch.randn(getattr(states[0], name).shape, generator=g).to(DEVICE)
+        if name == "stash_g":
+            value = -value.abs()
+        for state in states:
+            getattr(state, name).copy_(value)
+    slots, counts = torch.tensor([2, 0], device=DEVICE), torch.tensor(accepted, device=DEVICE)
+    monkeypatch.setenv("LUCEBOX_TRITON", "0")
+    states[0].commit(slots, counts)
+    monkeypatch.setenv("LUCEBOX_TRITON", "1")
+    states[1].commit(slots, counts)
+    assert (states[0].state - states[1].state).abs().max() <= 1e-5
+    assert torch.equal(states[0].conv, states[1].conv)
