@@ -201,12 +201,16 @@ def fla_chunk():
     return chunk_gated_delta_rule
 
 
-def gated_delta_chunk(q, k, v, g, beta, state, slots: list[int], starts: list[int]) -> torch.Tensor:
+def gated_delta_chunk(q, k, v, g, beta, state, slots: list[int], starts: list[int],
+                      fla_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Prefill chunks: sequence i's tokens are rows starts[i]..starts[i+1]-1 of q/k [T, Hk, dk]
     (normalised, q scaled), v [T, Hv, dv], g/beta [T, Hv]; it starts from state[slots[i]] and its
-    final state is written back there. Returns o [T, Hv, dv] in v's dtype (float32 on the torch path)."""
+    final state is written back there. Returns o [T, Hv, dv] (float32 on the torch path). fla_dtype:
+    what fla's kernels read q/k/v in (the model's dtype; the state stays float32)."""
     use_fla = all(t.is_cuda for t in (q, state)) and use_triton(q, state) and fla_chunk() is not None
     if routing.gated_delta_route("chunk", fla=use_fla) == routing.FLA_CHUNK:
+        if fla_dtype is not None:
+            q, k, v = (x.to(fla_dtype) for x in (q, k, v))
         index = torch.tensor(slots, dtype=torch.long).to(state.device, non_blocking=True)
         cu_seqlens = torch.tensor(starts, dtype=torch.long).to(q.device, non_blocking=True)
         # cu_seqlens_cpu: fla plans its chunks from host lengths we already have (no sync to read them back)

@@ -167,7 +167,7 @@ class GatedDeltaNet(nn.Module):
             else:
                 lens, advance = batch.query_lens_host, batch.state_advance_host
                 small = [i for i, n in enumerate(lens) if n and (n == 1 or advance[i] == 0)]
-                chunks = [i for i, n in enumerate(lens) if n and i not in small]
+                chunks = [i for i, n in enumerate(lens) if n > 1 and advance[i]]
                 steps = StepRows.of_host(batch, small, everything=not chunks) if small else None
                 split = steps, chunks or None
             batch.layer_cache["deltanet"] = split
@@ -215,7 +215,5 @@ class GatedDeltaNet(nn.Module):
             rows.extend(range(part.start, part.stop))
         q, k, v = self._qkv_heads(torch.cat(mixed))
         index = host_to_device(rows, qkv.device, torch.long)
-        if torch.device(qkv.device).type == "cuda":  # fla's kernels read the model dtype; the state stays float32
-            q, k, v = (x.to(qkv.dtype) for x in (q, k, v))
-        o = gated_delta_chunk(q, k, v, g[index], beta[index], state.state, slots, starts)
+        o = gated_delta_chunk(q, k, v, g[index], beta[index], state.state, slots, starts, qkv.dtype)
         out[index] = o.float()
