@@ -9,8 +9,9 @@ per token and per sequence, never a layer's tensors:
                      BlockManager's `released` id (the scratch block), so tables keep their shape
                      and attention, which reads only positions inside the window, never sees them.
                      Mixed windows keep everything (per-group tables would be needed).
-  recurrent state    one slot per sequence in a pool, with per-draft-position snapshots: a rollback
-                     after a verify restores the state after the last accepted position.
+  recurrent state    one slot per sequence in a pool; a verify leaves the state alone and stashes its
+                     tokens' inputs, and the rollback after its verdict advances the state over
+                     the accepted ones (model/recurrent_state.RecurrentState.commit).
 """
 from __future__ import annotations
 
@@ -18,8 +19,15 @@ import logging
 
 import torch
 
-from ..model.cache_spec import PagedKVSpec, RecurrentSpec, bytes_per_sequence, bytes_per_token, release_window
+from ..model.cache_spec import (
+    PagedKVSpec,
+    RecurrentSpec,
+    bytes_per_sequence,
+    bytes_per_token,
+    release_window,
+)
 from ..model.recurrent_state import RecurrentState
+from ..util import host_to_device
 from .block_manager import BlockManager
 from .sequence import Sequence
 
@@ -28,16 +36,16 @@ log = logging.getLogger("lucebox")
 
 class CacheManager:
     def __init__(self, specs, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_slots: int = 0, snapshots: int = 0):
+                 num_slots: int = 0, verify_positions: int = 0):
         """specs: every cache spec whose state follows the target's sequences (the model's layers
-        and the proposer's); num_slots / snapshots: recurrent slots (at most this many sequences
-        at once) and the draft positions a verify may keep (1 + the longest draft)."""
+        and the proposer's); num_slots / verify_positions: recurrent slots (at most this many
+        sequences at once) and the positions a verify may stash (1 + the longest draft)."""
         self.specs = tuple(specs)
         self.recurrent = [s for s in self.specs if isinstance(s, RecurrentSpec)]
         # Recurrent state belongs to the whole prefix, not to a block: no prefix sharing with it.
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching and not self.recurrent)
         self.block_size = block_size
-        self.snapshots = snapshots
+        self.verify_positions = verify_positions
         self.release_window = release_window(self.specs)
         if self.release_window is None and any(isinstance(s, PagedKVSpec) and s.window for s in self.specs):
             log.info("sliding-window layers keep their whole context: other caches read all of it")
@@ -51,12 +59,12 @@ class CacheManager:
 
     @property
     def bytes_per_sequence(self) -> int:
-        return bytes_per_sequence(self.specs, self.snapshots)
+        return bytes_per_sequence(self.specs, self.verify_positions)
 
     def build_recurrent(self, device: torch.device | str) -> list[RecurrentState]:
-        """The storage of every recurrent spec, one slot per sequence the pool admits."""
+        """The storage of every recurrent spec, one slot per sequence the pool admits (and a scratch slot)."""
         num_slots = len(self.free_slots) + len(self.slots)
-        self.states = [s.build(num_slots, self.snapshots, device) for s in self.recurrent]
+        self.states = [s.build(num_slots, self.verify_positions, device) for s in self.recurrent]
         return self.states
 
     # ------------------------------------------------------------------ admission and growth
@@ -93,13 +101,15 @@ class CacheManager:
             self.blocks.release_before(seq.block_table, seq.num_computed - self.release_window + 1)
 
     def rollback(self, seq: Sequence, num_tokens: int, accepted: int | None = None) -> None:
-        """Forget what lies past num_tokens tokens (rejected drafts); with `accepted` (a of k drafts),
-        recurrent state returns to its snapshot after the last accepted position."""
+        """Forget what lies past num_tokens tokens (rejected drafts); with `accepted` (a of k drafts,
+        after a verify), recurrent state advances over the pending token and the accepted drafts."""
         self.blocks.truncate(seq.block_table, num_tokens)
         if accepted is not None and self.states:
-            slot = torch.tensor([self.slots[id(seq)]], device=self.states[0].state.device)
+            device = self.states[0].state.device
+            slot = host_to_device([self.slots[id(seq)]], device, torch.long)
+            count = host_to_device([accepted], device, torch.long)
             for state in self.states:
-                state.restore(slot, accepted)
+                state.commit(slot, count)
 
     def free(self, seq: Sequence) -> None:
         """Everything seq holds goes back (finished, aborted or preempted)."""

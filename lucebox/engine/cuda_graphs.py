@@ -93,6 +93,10 @@ class CudaGraphRunner:
         self.replays: Counter = Counter()  # (B, Q) -> steps run through that bucket
         self.feature_ring = None  # a FeatureRing: captured features are written there (set before capture)
         self._host_buffers = HostBuffers(self.max_tokens, model.device)  # deferred steps' results
+        # Models with recurrent layers: plan -> (slot, advance) per row, and the pool's scratch slot
+        # (padding sequences read and write it); set by ModelRunner.
+        self.state_rows = None
+        self.scratch_slot = lambda: 0
         model.rope.reserve(self.width * block_size, model.device)
 
     def _inputs(self, query_len: int) -> "StaticInputs":
@@ -138,8 +142,12 @@ class CudaGraphRunner:
             self._prepare(*key)
         graph, query_start_loc = self.graphs[key]
         inputs = self._inputs(query_len)
+        state_rows = None
+        if self.state_rows is not None:
+            slots, advance = self.state_rows(plan)
+            state_rows = (slots, advance if plan.write_kv else [0] * len(advance))  # catch-ups leave state alone
         real = inputs.fill(token_ids, start_positions, block_tables, num_seqs, query_len, self.block_size,
-                           self.scratch_block)
+                           self.scratch_block, state_rows, self.scratch_slot())
         if not plan.write_kv:  # attention still reads the cached K/V of these positions
             tokens = num_seqs * query_len
             inputs.host("slots", tokens)[:] = self.scratch_block * self.block_size + np.arange(tokens) % self.block_size
@@ -211,7 +219,8 @@ class CudaGraphRunner:
             started = time.perf_counter()
             # An all-padding batch: warm-up and capture write nothing but the scratch block.
             inputs = self._inputs(query_len)
-            inputs.fill([], [], [], num_seqs, query_len, self.block_size, self.scratch_block)
+            inputs.fill([], [], [], num_seqs, query_len, self.block_size, self.scratch_block,
+                        scratch_slot=self.scratch_slot())
             inputs.set_sampling([], num_seqs)
             inputs.set_drafts([], num_seqs, query_len)
             inputs.upload(num_seqs)
@@ -239,6 +248,7 @@ class CudaGraphRunner:
         batch = ForwardBatch.from_device(view("ids", tokens), view("positions", tokens), view("seq_lens", num_seqs),
                                          inputs.tables[:num_seqs], view("slots", tokens), self.block_size,
                                          query_len, query_start_loc, capture_layers)
+        batch.state_slots, batch.state_advance = view("state_slots", num_seqs), view("state_advance", num_seqs)
         logits = self.model.compute_logits(self.model(batch))
         features = torch.cat([batch.captured[i] for i in capture_layers], dim=-1) if capture_layers else None
         if capture_layers not in self.outputs:  # first use is a warm-up, never inside a capture

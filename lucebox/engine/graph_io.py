@@ -13,7 +13,8 @@ class StaticInputs:
     """The device buffers every graph reads, sized for the largest bucket, and their host staging.
 
     One int64 buffer holds ids | positions | slots | seq_lens | selected rows | real rows | feature
-    ring rows | top_k | greedy | drafts | noise seed, so a step costs two host-to-device copies
+    ring rows | top_k | greedy | drafts | noise seed | recurrent-state slots | state advance (tokens
+    that advance each sequence's recurrent state: 0 for verifies), so a step costs two host-to-device copies
     (that and the block tables) whatever its size (three when it samples in the graph: the float
     sampling parameters)."""
 
@@ -21,8 +22,9 @@ class StaticInputs:
         t, b = max_tokens, max_seqs
         self.offsets = {"ids": 0, "positions": t, "slots": 2 * t, "seq_lens": 3 * t, "select": 3 * t + b,
                         "real": 4 * t + b, "ring": 5 * t + b, "top_k": 6 * t + b, "greedy": 6 * t + 2 * b,
-                        "draft": 6 * t + 3 * b, "seed": 7 * t + 3 * b}
-        self._flat = StagedBuffer(7 * t + 3 * b + 1, torch.int64, device)
+                        "draft": 6 * t + 3 * b, "seed": 7 * t + 3 * b, "state_slots": 7 * t + 3 * b + 1,
+                        "state_advance": 7 * t + 4 * b + 1}
+        self._flat = StagedBuffer(7 * t + 5 * b + 1, torch.int64, device)
         self._tables = StagedBuffer((max_seqs, width), torch.int32, device)
         self.sampling = StagedBuffer((3, max_seqs), torch.float32, device)  # temperature, top_p, min_p
         self.flat, self.tables = self._flat.device, self._tables.device
@@ -64,9 +66,11 @@ class StaticInputs:
         return self._flat.host.numpy()[start:start + n]
 
     def fill(self, token_ids: list[list[int]], start_positions: list[int], block_tables: list[list[int]],
-             num_seqs: int, query_len: int, block_size: int, scratch_block: int) -> list[int]:
+             num_seqs: int, query_len: int, block_size: int, scratch_block: int,
+             state_rows: tuple[list[int], list[int]] | None = None, scratch_slot: int = 0) -> list[int]:
         """Write the padded layout of a step into the host staging; returns the padded row of each
-        real token, in input order."""
+        real token, in input order. state_rows: each sequence's recurrent slot and advance
+        (models with recurrent layers); padding sequences use `scratch_slot` and advance nothing."""
         self._flat.staging()
         tokens = num_seqs * query_len
         ids, positions = self.host("ids", tokens), self.host("positions", tokens)
@@ -77,6 +81,10 @@ class StaticInputs:
         slots[:] = scratch_block * block_size + np.arange(tokens) % query_len % block_size
         seq_lens[:] = query_len
         tables[:] = scratch_block
+        state_slots, advance = self.host("state_slots", num_seqs), self.host("state_advance", num_seqs)
+        state_slots[:], advance[:] = scratch_slot, 0
+        if state_rows is not None:
+            state_slots[:len(state_rows[0])], advance[:len(state_rows[1])] = state_rows
         real: list[int] = []
         for i, (toks, start, table) in enumerate(zip(token_ids, start_positions, block_tables)):
             n, base = len(toks), i * query_len

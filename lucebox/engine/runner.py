@@ -66,11 +66,19 @@ class ModelRunner:
         for i, state in zip(self.recurrent_layers, self.recurrent_states):
             self.model.layers[i].linear_attn.state = state
 
+    def state_rows(self, plan: StepPlan) -> tuple[list[int], list[int]]:
+        """Per plan row: its recurrent slot, and how many of its tokens advance the state in place
+        (0 for a verify: CacheManager.rollback advances over the accepted ones after the verdict)."""
+        slots = plan.state_slots or [self.state_slot(row.seq) for row in plan.rows]
+        return slots, [0 if row.kind is RowKind.VERIFY else len(row.tokens) for row in plan.rows]
+
+    def _set_state_rows(self, batch: ForwardBatch, plan: StepPlan) -> None:
+        batch.state_slots_host, batch.state_advance_host = self.state_rows(plan)
+        batch.state_slots = host_to_device(batch.state_slots_host, self.model.device, torch.long)
+        batch.state_advance = host_to_device(batch.state_advance_host, self.model.device, torch.long)
+
     def _graph_runner(self, settings: GraphSettings | None) -> CudaGraphRunner | None:
         if settings is None:
-            return None
-        if self.recurrent_layers:  # DeltaNet steps run eagerly (torch reference) for now
-            log.info("CUDA graphs off: the model has recurrent (Gated DeltaNet) layers")
             return None
         if settings.capture:
             if self.model.device.type != "cuda":
@@ -81,7 +89,16 @@ class ModelRunner:
                 # The torch attention of a device-only batch spans max_model_len for every sequence.
                 log.info("CUDA graphs off: attention runs the torch reference (LUCEBOX_TRITON=0 or no Triton)")
                 return None
-        return CudaGraphRunner(self.model, self.block_size, self.scratch_block, settings)
+        graphs = CudaGraphRunner(self.model, self.block_size, self.scratch_block, settings)
+        if self.recurrent_layers:  # DeltaNet rows read their slots from static inputs too
+            graphs.state_rows = self.state_rows
+            graphs.scratch_slot = lambda: self.recurrent_states[0].scratch
+        return graphs
+
+    def attach_graphs(self, settings: GraphSettings | None) -> None:
+        """Use graph buckets of these settings from now on (capture=False on the CPU: tests run the
+        padded static batches a graph would replay, eagerly)."""
+        self.graphs = self._graph_runner(settings)
 
     def capture_graphs(self, capture_layers: tuple[int, ...] = ()) -> None:
         """Capture every CUDA-graph bucket now (a no-op without graphs)."""
@@ -137,9 +154,7 @@ class ModelRunner:
         if self.recurrent_layers:
             if not plan.write_kv:
                 raise RuntimeError("recomputing cached positions would advance recurrent state twice")
-            batch.state_slots_host = plan.state_slots or [self.state_slot(row.seq) for row in plan.rows]
-            # A verify's rollback (CacheManager.rollback) restores the state after its last accepted token.
-            batch.state_snapshots_host = [row.kind is RowKind.VERIFY for row in plan.rows]
+            self._set_state_rows(batch, plan)
         if not plan.write_kv:
             rows = batch.slot_mapping.shape[0]
             batch.slot_mapping = (self.scratch_block * self.block_size

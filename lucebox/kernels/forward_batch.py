@@ -38,10 +38,15 @@ class ForwardBatch:
     # longer than max_seq_len (the block-table width in tokens) -- what fixes a kernel's grid.
     max_query_len: int | None = None
     max_seq_len: int | None = None
-    # Recurrent-state slot of each sequence (models with Gated DeltaNet layers; eager steps only).
+    # Models with Gated DeltaNet layers, per sequence: its recurrent-state slot, and how many of its
+    # tokens advance the state in place (its length; 0 for a verify, whose drafts wait for the
+    # verdict: model/recurrent_state.py). Device tensors; eager steps also carry the host lists.
+    state_slots: torch.Tensor | None = None
+    state_advance: torch.Tensor | None = None
     state_slots_host: list[int] | None = None
-    # Per sequence: keep the state after each of its tokens as snapshots (a verify of drafts).
-    state_snapshots_host: list[bool] | None = None
+    state_advance_host: list[int] | None = None
+    # What every layer of one kind derives from the batch alike (e.g. DeltaNet's row plans), kept once.
+    layer_cache: dict = field(default_factory=dict)
 
     @property
     def position_bound(self) -> int:

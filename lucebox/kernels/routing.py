@@ -10,6 +10,13 @@ tests) on any machine. Rows: DECODE (one row), VERIFY (2..MAX_FUSED_M), PREFILL 
     products         float (several of one x) TORCH            TORCH         TORCH
     any              quantised                QUANT_ROUTES     QUANT_ROUTES  DEQUANT_MATMUL
 
+The gated delta rule (kernels/gated_delta.py), one table per op:
+
+    op                  CUDA (Triton)                        elsewhere
+    gated_delta_steps   TRITON_STEPS                         TORCH_STEPS
+    conv_steps          TRITON_CONV                          TORCH_CONV
+    gated_delta_chunk   FLA_CHUNK (fla-core installed)       TORCH_CHUNK
+
 Float GEMVs need Triton for x and every operand, one contiguous row and no autograd (else TORCH:
 the op's torch reference). Quantised products need Triton and rows its kernels can read (else
 DEQUANT_MATMUL); int8 entries of QUANT_ROUTES apply where int8 activations are allowed
@@ -35,6 +42,15 @@ SPLIT_GEMV = "split_gemv"  # [triton_split_rows] Q8_0 / Q6_K rows in the split l
 INT8_GEMV, INT8_TILES = "int8_gemv", "int8_tiles"  # [triton_dp4a, triton_quant_int8] int8 activations
 DEQUANT_MATMUL = "dequant_matmul"  # [triton_quant_matmul.dequantize or dequant] + torch.matmul
 INT8 = frozenset((INT8_GEMV, INT8_TILES))
+TRITON_STEPS, TORCH_STEPS = "triton_steps", "torch_steps"  # [triton_gated_delta] token by token, slots in place
+FLA_CHUNK, TORCH_CHUNK = "fla_chunk", "torch_chunk"  # [fla.ops.gated_delta_rule] chunked prefill
+TRITON_CONV, TORCH_CONV = "triton_conv", "torch_conv"  # [triton_gated_delta] the causal conv of decode/verify rows
+
+# op -> (kernel where its device kernel can run, torch reference). Design choice of issue 26 (fla-core
+# for prefill as the issue asks; a lucebox kernel for steps: fla's recurrent kernel has no slot
+# indirection); timed by scripts/check_deltanet_gpu.py, not yet measured against alternatives.
+GATED_DELTA_ROUTES = {"steps": (TRITON_STEPS, TORCH_STEPS), "conv": (TRITON_CONV, TORCH_CONV),
+                      "chunk": (FLA_CHUNK, TORCH_CHUNK)}
 
 FLOAT_ROUTES = {"linear": GEMV, "norm_linear": GEMV_NORM, "silu_mul_linear": GEMV_SILU_MUL}
 
@@ -46,6 +62,14 @@ QUANT_ROUTES = {
     (Q.Q6_K, True): (INT8_GEMV, QUANT_TILES),
     (Q.Q8_0, True): (SPLIT_GEMV, INT8_TILES),
 }
+
+
+def gated_delta_route(op: str, triton: bool = False, fla: bool = False) -> str:
+    """The kernel of a gated-delta op: "steps" (decode/verify/commit) or "conv" (their causal conv),
+    where triton: Triton can run on the tensors; "chunk" (prefill), where fla: fla-core imports
+    and the tensors are on CUDA."""
+    device, reference = GATED_DELTA_ROUTES[op]
+    return device if (fla if op == "chunk" else triton) else reference
 
 
 def rows_kind(rows: int) -> str:

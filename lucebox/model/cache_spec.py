@@ -6,7 +6,7 @@ manager and memory planner read only these:
                    K and V, model/kv_cache.PagedKVCache); `window=W`: a sliding-window layer whose
                    queries read only the last W positions, so blocks behind it can be released
   RecurrentSpec    a fixed-size recurrent state plus a short conv window per sequence (Gated
-                   DeltaNet), in a slot pool with per-draft-position snapshots
+                   DeltaNet), in a slot pool with a small per-position stash for verifies
                    (model/recurrent_state.RecurrentState)
 A spec knows its bytes per token (paged) and per sequence (fixed-size), and builds its storage:
 the one place a layer's cache tensors are made.
@@ -45,7 +45,7 @@ class PagedKVSpec:
                      + bytes_per_value(self.cache_type_v, self.head_dim))
         return self.num_kv_heads * self.head_dim * per_value
 
-    def bytes_per_sequence(self, snapshots: int = 0) -> int:
+    def bytes_per_sequence(self, positions: int = 0) -> int:
         return 0
 
     def build(self, num_blocks: int, block_size: int, model_dtype: torch.dtype,
@@ -58,20 +58,28 @@ class PagedKVSpec:
 
 @dataclass(frozen=True)
 class RecurrentSpec:
-    state_shape: tuple[int, ...]  # the recurrent state of one sequence, e.g. (heads, d_k, d_v)
-    conv_shape: tuple[int, ...]  # the short conv's window of past inputs, e.g. (channels, kernel - 1)
+    state_shape: tuple[int, int, int]  # the recurrent state of one sequence: (value heads, d_k, d_v)
+    conv_shape: tuple[int, int]  # the short conv's window of past inputs: (channels, kernel - 1)
+    key_heads: int  # q/k heads (GVA: each serves value_heads / key_heads value heads)
     dtype: torch.dtype
 
     bytes_per_token = 0.0
     window = None
 
-    def bytes_per_sequence(self, snapshots: int = 0) -> int:
-        """The live state plus `snapshots` copies of it (one per draft position a verify may keep)."""
-        size = math.prod(self.state_shape) + math.prod(self.conv_shape)
-        return size * torch.empty(0, dtype=self.dtype).element_size() * (1 + snapshots)
+    @property
+    def values_per_position(self) -> int:
+        """One stashed verify position: the conv's raw input and output, g and beta."""
+        return 2 * self.conv_shape[0] + 2 * self.state_shape[0]
 
-    def build(self, num_slots: int, snapshots: int, device: torch.device | str) -> RecurrentState:
-        return RecurrentState(num_slots, snapshots, self.state_shape, self.conv_shape, self.dtype, device)
+    def bytes_per_sequence(self, positions: int = 0) -> int:
+        """The live state and conv window plus `positions` stashed verify positions (1 + the longest draft)."""
+        size = math.prod(self.state_shape) + math.prod(self.conv_shape) + positions * self.values_per_position
+        return size * torch.empty(0, dtype=self.dtype).element_size()
+
+    def build(self, num_slots: int, positions: int, device: torch.device | str) -> RecurrentState:
+        """Storage for num_slots sequences (and the scratch slot) with `positions` stash rows each."""
+        return RecurrentState(num_slots, positions, self.state_shape, self.conv_shape, self.key_heads, self.dtype,
+                              device)
 
 
 CacheSpec = PagedKVSpec | RecurrentSpec
@@ -82,9 +90,9 @@ def bytes_per_token(specs) -> int:
     return round(sum(s.bytes_per_token for s in specs))
 
 
-def bytes_per_sequence(specs, snapshots: int = 0) -> int:
-    """Fixed bytes one sequence costs across these specs (recurrent state and its snapshots)."""
-    return sum(s.bytes_per_sequence(snapshots) for s in specs)
+def bytes_per_sequence(specs, positions: int = 0) -> int:
+    """Fixed bytes one sequence costs across these specs (recurrent state and its verify stash)."""
+    return sum(s.bytes_per_sequence(positions) for s in specs)
 
 
 def release_window(specs) -> int | None:

@@ -1,81 +1,98 @@
-"""Gated DeltaNet (Qwen 3.5 "linear_attention" layers): the torch reference, per sequence.
+"""Gated DeltaNet (Qwen 3.5 "linear_attention" layers).
 
 One layer, one sequence of L new tokens x [L, hidden]:
   qkv = in_proj_qkv(x)                 conv channels: [q (Hk*dk) | k (Hk*dk) | v (Hv*dv)]
   qkv = silu(causal depthwise conv)    over the last `conv_kernel` inputs; the K-1 inputs before
                                        this chunk come from the sequence's conv window
-  q, k = l2norm(q), l2norm(k); q *= dk^-0.5; k/q heads repeated to the Hv value heads
+  q, k = l2norm(q), l2norm(k); q *= dk^-0.5; value head h reads q/k head h // (Hv/Hk)
   beta = sigmoid(in_proj_b(x)); g = -exp(A_log) * softplus(in_proj_a(x) + dt_bias)   (per head)
   per token: S = S * exp(g); S += k (beta (v - k^T S))^T; o = q^T S       S [Hv, dk, dv]
   out = out_proj(rms_norm(o) * weight * silu(in_proj_z(x)))            (per value head)
-The state S and the conv window live in RecurrentState slots (model/recurrent_state.py); a chunk
-starts from its slot's state and writes the state after its last token back, so chunked prefill
-and decode continue exactly where the previous step stopped.
+The state S and the conv window live in RecurrentState slots (model/recurrent_state.py).
 
-`chunked_gated_delta_rule` computes a prefill chunk in blocks of C tokens (the WY/UT form:
-one triangular solve per block instead of C dependent steps); `recurrent_gated_delta_rule`
-is the token-by-token specification (decode steps, and the tests' reference).
+Rows take one of two paths (the recurrence itself is kernels/gated_delta.py):
+  steps    decode and verify rows (and every row of a CUDA-graph batch): all sequences at once,
+           the conv as gathers over the batch's rows and the slots' windows, the recurrence token
+           by token from each slot; slots, lengths and `state_advance` are device tensors, so
+           nothing syncs with the host. A decode row advances its slot in place; a verify row
+           (advance 0) leaves state and window alone and stashes its inputs for the commit.
+  chunks   prefill chunks (eager): the conv per sequence, the chunked rule over all of them,
+           each chunk's final state written back, so the next chunk continues where it stopped.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.forward_batch import ForwardBatch
+from ..kernels.gated_delta import (  # noqa: F401  (the references, re-exported for tests)
+    chunked_gated_delta_rule,
+    conv_steps,
+    gated_delta_chunk,
+    gated_delta_steps,
+    l2_normalize,
+    recurrent_gated_delta_rule,
+    stash_rows,
+)
+from ..util import host_to_device
 from .cache_spec import RecurrentSpec
 
 
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+@dataclass
+class StepRows:
+    """The sequences of a batch that take the steps path, as every DeltaNet layer reads them:
+    `rows` of the batch (None: all), per sequence its rows starts..ends-1 among them, slot and
+    advance, per row its sequence and index in it; max_len bounds a sequence's rows (host)."""
+    rows: torch.Tensor | None
+    starts: torch.Tensor
+    ends: torch.Tensor
+    slots: torch.Tensor
+    advance: torch.Tensor
+    seq: torch.Tensor
+    local: torch.Tensor
+    max_len: int
+    device_only: bool
+    stash_index: dict = field(default_factory=dict)  # (positions, trash) -> each row's stash row
 
+    @classmethod
+    def of_device_batch(cls, batch: ForwardBatch) -> "StepRows":
+        """All of a device-only batch (a CUDA graph's): read on the device only."""
+        qsl = batch.query_start_loc
+        every = torch.arange(batch.num_tokens, device=qsl.device)
+        seq = torch.searchsorted(qsl[1:], every, right=True)
+        return cls(None, qsl[:-1], qsl[1:], batch.state_slots, batch.state_advance, seq, every - qsl[seq],
+                   batch.max_query_len, True)
 
-def recurrent_gated_delta_rule(q, k, v, g, beta, state):
-    """q/k [H, L, dk] (normalised, q scaled), v [H, L, dv], g/beta [H, L], state [H, dk, dv]
-    (float32) -> (o [H, L, dv], the state after the last token)."""
-    out = torch.empty_like(v)
-    for t in range(q.shape[1]):
-        state = state * g[:, t].exp()[:, None, None]
-        predicted = torch.einsum("hk,hkv->hv", k[:, t], state)
-        delta = (v[:, t] - predicted) * beta[:, t, None]
-        state = state + k[:, t, :, None] * delta[:, None, :]
-        out[:, t] = torch.einsum("hk,hkv->hv", q[:, t], state)
-    return out, state
+    @classmethod
+    def of_host(cls, batch: ForwardBatch, seqs: list[int], everything: bool) -> "StepRows":
+        """Sequences `seqs` of an eager batch, from its host lists."""
+        starts_all, device = batch.query_starts_host, batch.input_ids.device
+        lens = [batch.query_lens_host[i] for i in seqs]
+        starts = [0]
+        for n in lens:
+            starts.append(starts[-1] + n)
+        rows = None if everything else host_to_device(
+            [r for i in seqs for r in range(starts_all[i], starts_all[i + 1])], device, torch.long)
+        seq = [j for j, n in enumerate(lens) for _ in range(n)]
+        local = [r for n in lens for r in range(n)]
 
+        def as_device(values):
+            return host_to_device(values, device, torch.long)
 
-def chunked_gated_delta_rule(q, k, v, g, beta, state, chunk: int = 64):
-    """recurrent_gated_delta_rule's result, C = `chunk` tokens at a time. Within a block, the
-    delta rule's updates form a unit lower-triangular system (I + tril(beta k k^T * decay, -1))
-    whose solution gives each token's correction u = beta v - (what the state before the block
-    and earlier tokens of the block predict); the block's output and final state follow in
-    matrix products."""
-    heads, length = k.shape[:2]
-    pad = -length % chunk
-    if pad:  # padded tokens: k = 0 and beta = 0 write nothing, g = 0 decays nothing
-        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-        g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
-    blocks = (length + pad) // chunk
-    q, k, v = (x.reshape(heads, blocks, chunk, -1) for x in (q, k, v))
-    g, beta = (x.reshape(heads, blocks, chunk) for x in (g, beta))
-    decay_in = g.cumsum(-1)  # log decay from the block's start through token i
-    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-    # decay[i, j] = exp(decay_in_i - decay_in_j) for j <= i: what of token j's write survives to i
-    decay = (decay_in[..., :, None] - decay_in[..., None, :]).masked_fill(~causal, float("-inf")).exp()
-    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
-    system = (k_beta @ k.transpose(-1, -2)) * decay
-    system = system.masked_fill(~causal.tril(-1), 0) + torch.eye(chunk, dtype=q.dtype, device=q.device)
-    u = torch.linalg.solve_triangular(system, v_beta, upper=False)
-    w = torch.linalg.solve_triangular(system, k_beta * decay_in.exp()[..., None], upper=False)
-    intra = (q @ k.transpose(-1, -2)) * decay
-    q_decayed = q * decay_in.exp()[..., None]
-    k_to_end = k * (decay_in[..., -1:] - decay_in).exp()[..., None]
-    block_decay = decay_in[..., -1].exp()[..., None, None]
-    out = torch.empty_like(v)
-    for b in range(blocks):
-        corrections = u[:, b] - w[:, b] @ state
-        out[:, b] = q_decayed[:, b] @ state + intra[:, b] @ corrections
-        state = state * block_decay[:, b] + k_to_end[:, b].transpose(-1, -2) @ corrections
-    return out.reshape(heads, blocks * chunk, -1)[:, :length], state
+        return cls(rows, as_device(starts[:-1]), as_device(starts[1:]),
+                   as_device([batch.state_slots_host[i] for i in seqs]),
+                   as_device([batch.state_advance_host[i] for i in seqs]), as_device(seq), as_device(local),
+                   max(lens, default=0), False)
+
+    def stash_rows(self, positions: int, trash: int) -> torch.Tensor:
+        """Each row's stash row: slot * positions + its index (rows past the stash: `trash`)."""
+        key = (positions, trash)
+        if key not in self.stash_index:
+            self.stash_index[key] = stash_rows(self.slots, self.seq, self.local, positions, trash)
+        return self.stash_index[key]
 
 
 class GatedRMSNorm(nn.Module):
@@ -117,62 +134,86 @@ class GatedDeltaNet(nn.Module):
 
     def cache_spec(self) -> RecurrentSpec:
         """Per sequence: S [Hv, dk, dv] and the conv window [channels, kernel - 1], in float32
-        (the recurrence accumulates in float32 whatever the model dtype)."""
+        (the recurrence accumulates in float32 whatever the model dtype), and a verify's stash."""
         return RecurrentSpec((self.num_v_heads, self.head_k_dim, self.head_v_dim),
-                             (self.conv_dim, self.conv_kernel - 1), torch.float32)
+                             (self.conv_dim, self.conv_kernel - 1), self.num_k_heads, torch.float32)
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """h [T, hidden] (normalised) of the batch's sequences -> [T, hidden]; each sequence's
-        state is read from and written back to its slot (batch.state_slots_host)."""
-        if self.state is None or batch.state_slots_host is None:
+        state is read from (and, as batch.state_advance says, written back to) its slot."""
+        if self.state is None or batch.state_slots is None:
             raise RuntimeError(f"layer {self.layer}: Gated DeltaNet needs recurrent-state slots in the batch")
         qkv, z = self.in_proj_qkv(h), self.in_proj_z(h)
         beta = self.in_proj_b(h).float().sigmoid()
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(h).float() + self.dt_bias.float())
-        out = torch.empty(h.shape[0], self.value_dim, dtype=h.dtype, device=h.device)
-        starts, snapshots = batch.query_starts_host, batch.state_snapshots_host
-        for i, slot in enumerate(batch.state_slots_host):
-            rows = slice(starts[i], starts[i + 1])
-            if starts[i] == starts[i + 1]:
-                continue
-            keep = snapshots is not None and snapshots[i]
-            out[rows] = self._sequence(qkv[rows], beta[rows], g[rows], slot, keep).to(h.dtype)
-        o = self.norm(out.view(-1, self.num_v_heads, self.head_v_dim), z.view(-1, self.num_v_heads, self.head_v_dim))
+        steps, chunks = self._split(batch)
+        if chunks is None and steps is not None:
+            out = self._steps(qkv, beta, g, steps)
+        else:
+            out = torch.zeros(h.shape[0], self.num_v_heads, self.head_v_dim, dtype=torch.float32, device=h.device)
+            if steps is not None:
+                out[steps.rows] = self._steps(qkv[steps.rows], beta[steps.rows], g[steps.rows], steps)
+            if chunks:
+                self._chunks(qkv, beta, g, batch, chunks, out)
+        o = self.norm(out.to(h.dtype), z.view(-1, self.num_v_heads, self.head_v_dim))
         return self.out_proj(o.reshape(h.shape[0], -1))
 
-    def _sequence(self, qkv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, slot: int,
-                  keep_snapshots: bool = False) -> torch.Tensor:
-        """One sequence's L tokens from its slot's state; the slot then holds the state after them.
-        keep_snapshots (a verify): the state and conv window after token i also go to snapshot i."""
-        length = qkv.shape[0]
-        if keep_snapshots and length > self.state.snapshots:
-            raise RuntimeError(f"layer {self.layer}: a verify of {length} tokens needs {length} recurrent "
-                               f"snapshots, the pool keeps {self.state.snapshots}")
-        window = torch.cat([self.state.conv[slot].to(qkv.dtype), qkv.t()], dim=1)  # [channels, K-1+L]
-        self.state.conv[slot] = window[:, window.shape[1] - (self.conv_kernel - 1):].float()
-        if keep_snapshots:  # the window after token i: the K-1 inputs ending with it
-            self.state.snap_conv[slot, :length] = window.unfold(1, self.conv_kernel - 1, 1)[:, 1:].transpose(0, 1).float()
-        mixed = F.silu(F.conv1d(window[None], self.conv1d.weight.to(qkv.dtype), groups=self.conv_dim)[0]).t()
-        q, k, v = mixed.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = l2_normalize(q.view(length, self.num_k_heads, self.head_k_dim)) * self.head_k_dim ** -0.5
-        k = l2_normalize(k.view(length, self.num_k_heads, self.head_k_dim))
-        repeat = self.num_v_heads // self.num_k_heads  # each q/k head serves `repeat` consecutive v heads
-        q, k = (x.repeat_interleave(repeat, dim=1).transpose(0, 1) for x in (q, k))
-        v = v.view(length, self.num_v_heads, self.head_v_dim).transpose(0, 1)
-        if keep_snapshots:
-            o, self.state.state[slot] = self._stepwise(q, k, v, g.t(), beta.t(), slot)
-        else:
-            rule = recurrent_gated_delta_rule if length == 1 else chunked_gated_delta_rule
-            o, self.state.state[slot] = rule(q, k, v, g.t(), beta.t(), self.state.state[slot].float())
-        return o.transpose(0, 1).reshape(length, self.value_dim)
+    @staticmethod
+    def _split(batch: ForwardBatch) -> tuple[StepRows | None, list[int] | None]:
+        """(the steps path's rows, the sequences of prefill chunks or None); the same for every layer."""
+        if "deltanet" not in batch.layer_cache:
+            if batch.device_only:
+                split = StepRows.of_device_batch(batch), None
+            else:
+                lens, advance = batch.query_lens_host, batch.state_advance_host
+                small = [i for i, n in enumerate(lens) if n and (n == 1 or advance[i] == 0)]
+                chunks = [i for i, n in enumerate(lens) if n > 1 and advance[i]]
+                steps = StepRows.of_host(batch, small, everything=not chunks) if small else None
+                split = steps, chunks or None
+            batch.layer_cache["deltanet"] = split
+        return batch.layer_cache["deltanet"]
 
-    def _stepwise(self, q, k, v, g, beta, slot: int):
-        """recurrent_gated_delta_rule one token at a time, the state after token i kept as snapshot i
-        (a verify is a few tokens: the token-by-token rule costs nothing there)."""
-        state, outs = self.state.state[slot].float(), []
-        for t in range(q.shape[1]):
-            step = slice(t, t + 1)
-            o, state = recurrent_gated_delta_rule(q[:, step], k[:, step], v[:, step], g[:, step], beta[:, step], state)
-            self.state.snap_state[slot, t] = state
-            outs.append(o)
-        return torch.cat(outs, dim=1), state
+    def _qkv_heads(self, mixed: torch.Tensor):
+        """Conv outputs [T, channels] -> q (normalised, scaled), k (normalised) [T, Hk, dk], v [T, Hv, dv], float32."""
+        q, k, v = mixed.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = l2_normalize(q.reshape(-1, self.num_k_heads, self.head_k_dim)) * self.head_k_dim ** -0.5
+        k = l2_normalize(k.reshape(-1, self.num_k_heads, self.head_k_dim))
+        return q, k, v.reshape(-1, self.num_v_heads, self.head_v_dim)
+
+    def _steps(self, qkv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, rows: StepRows) -> torch.Tensor:
+        """Decode / verify rows (qkv etc. of `rows` only) -> o [T', Hv, dv] float32, no host sync."""
+        state = self.state
+        stash = None
+        if state.positions:
+            # (a graph bucket longer than the stash is a catch-up of taps, never committed)
+            if rows.max_len > state.positions and not rows.device_only:
+                raise RuntimeError(f"layer {self.layer}: a verify of {rows.max_len} tokens needs "
+                                   f"{rows.max_len} stash positions, the pool keeps {state.positions}")
+            stash = state.conv_stash
+            state.stash_gates(rows.stash_rows(state.positions, state.trash), g, beta)
+        mixed = conv_steps(qkv, state.conv, self.conv1d.weight[:, 0, :], rows.slots, rows.starts, rows.advance,
+                           rows.seq, rows.local, stash, state.positions)
+        q = mixed[:, :self.key_dim].view(-1, self.num_k_heads, self.head_k_dim)
+        k = mixed[:, self.key_dim:2 * self.key_dim].view(-1, self.num_k_heads, self.head_k_dim)
+        v = mixed[:, 2 * self.key_dim:].view(-1, self.num_v_heads, self.head_v_dim)
+        return gated_delta_steps(q, k, v, g, beta, state.state, rows.slots, rows.starts, rows.ends, rows.advance,
+                                 rows.max_len, normalize=True, scale=self.head_k_dim ** -0.5)
+
+    def _chunks(self, qkv, beta, g, batch: ForwardBatch, seqs: list[int], out: torch.Tensor) -> None:
+        """Prefill chunks of sequences `seqs` (eager): conv per sequence from its window, then the
+        chunked rule over all of them; o into `out`, final states and windows into their slots."""
+        starts_all, state, width = batch.query_starts_host, self.state, self.conv_kernel - 1
+        weight = self.conv1d.weight.to(qkv.dtype)
+        mixed, starts, slots, rows = [], [0], [], []
+        for i in seqs:
+            slot, part = batch.state_slots_host[i], slice(starts_all[i], starts_all[i + 1])
+            window = torch.cat([state.conv[slot].to(qkv.dtype), qkv[part].t()], dim=1)  # [channels, K-1+L]
+            state.conv[slot] = window[:, window.shape[1] - width:].float()
+            mixed.append(F.silu(F.conv1d(window[None], weight, groups=self.conv_dim)[0]).t())
+            starts.append(starts[-1] + part.stop - part.start)
+            slots.append(slot)
+            rows.extend(range(part.start, part.stop))
+        q, k, v = self._qkv_heads(torch.cat(mixed))
+        index = host_to_device(rows, qkv.device, torch.long)
+        o = gated_delta_chunk(q, k, v, g[index], beta[index], state.state, slots, starts, qkv.dtype)
+        out[index] = o.float()

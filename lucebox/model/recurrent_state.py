@@ -1,41 +1,73 @@
-"""RecurrentState: the fixed-size per-sequence state of one recurrent layer (Gated DeltaNet), in slots.
+"""RecurrentState: the fixed-size per-sequence state of one Gated DeltaNet layer, in slots.
 
 Storage (a slot is one sequence's; slots are handed out by engine/cache_manager.py):
-  state        [num_slots, *state_shape]                the recurrent state after the last kept position
-  conv         [num_slots, *conv_shape]                 the short conv's window of past inputs
-  snap_state   [num_slots, snapshots, *state_shape]     the state after each position of a verify
-  snap_conv    [num_slots, snapshots, *conv_shape]
-A verify of 1 + k tokens writes the state after position i into snapshot i (i = 0..k); accepting
-a drafts keeps snapshot a. Snapshots, not recomputation: a rollback is one copy per slot.
+  state   [num_slots + 1, Hv, dk, dv]   the recurrent state after the last committed position
+  conv    [num_slots + 1, channels, K-1] the short conv's window of past (pre-conv) inputs
+  stash   per slot, `positions` rows of a verify's per-token inputs: the raw pre-conv row and the
+          conv's output [channels] each (its k and v parts, before normalisation, are what the
+          recurrence reads), g [Hv] and beta [Hv]
+The last slot (`scratch`) belongs to no sequence: CUDA-graph padding reads and writes it.
+
+Speculative verify = stash and recompute: a verify row of 1 + k tokens computes its outputs from
+the slot's state without writing it, and stashes its per-token inputs; `commit(slots, accepted)`
+then advances the state over the first accepted + 1 stashed tokens (the same kernel, state written)
+and makes the conv window the K-1 raw inputs ending at the last of them. A stashed position costs
+2 * channels + 2 * Hv values, a state snapshot Hv*dk*dv (Qwen3.6-27B: 20.6K vs 786K).
 """
 from __future__ import annotations
 
 import torch
 
+from ..kernels.gated_delta import conv_windows, gated_delta_steps
+
 
 class RecurrentState:
-    def __init__(self, num_slots: int, snapshots: int, state_shape: tuple[int, ...], conv_shape: tuple[int, ...],
-                 dtype: torch.dtype, device: torch.device | str):
-        self.num_slots, self.snapshots = num_slots, snapshots
-        self.state = torch.zeros(num_slots, *state_shape, dtype=dtype, device=device)
-        self.conv = torch.zeros(num_slots, *conv_shape, dtype=dtype, device=device)
-        self.snap_state = torch.zeros(num_slots, snapshots, *state_shape, dtype=dtype, device=device)
-        self.snap_conv = torch.zeros(num_slots, snapshots, *conv_shape, dtype=dtype, device=device)
+    def __init__(self, num_slots: int, positions: int, state_shape: tuple[int, int, int],
+                 conv_shape: tuple[int, int], key_heads: int, dtype: torch.dtype, device: torch.device | str):
+        self.num_slots, self.positions, self.scratch = num_slots, positions, num_slots
+        v_heads, dk, _ = state_shape
+        self.key_heads, self.key_dim = key_heads, key_heads * dk
+        channels, _ = conv_shape
+        slots = num_slots + 1
+        self.state = torch.zeros(slots, *state_shape, dtype=dtype, device=device)
+        self.conv = torch.zeros(slots, *conv_shape, dtype=dtype, device=device)
+        # stash rows are slot * positions + i: flat, so kernels index them like a batch's token rows;
+        # one more row (`trash`) takes rows of a step longer than the stash (never a verify's)
+        rows = slots * positions + 1
+        self.trash = rows - 1
+        self.stash_raw = torch.zeros(rows, channels, dtype=dtype, device=device)
+        self.stash_mixed = torch.zeros(rows, channels, dtype=dtype, device=device)
+        self.stash_g = torch.zeros(rows, v_heads, dtype=dtype, device=device)
+        self.stash_beta = torch.zeros(rows, v_heads, dtype=dtype, device=device)
 
     def reset(self, slots: torch.Tensor) -> None:
         """A new sequence's slots start from the zero state (no history)."""
         self.state[slots] = 0
         self.conv[slots] = 0
 
-    def snapshot(self, slots: torch.Tensor, index: torch.Tensor | int) -> None:
-        """Keep the live state of `slots` as snapshot `index` (per slot, or one for all)."""
-        self.snap_state[slots, index] = self.state[slots]
-        self.snap_conv[slots, index] = self.conv[slots]
+    @property
+    def conv_stash(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(raw, mixed) stores the conv of a step's rows fills (kernels.gated_delta.conv_steps)."""
+        return self.stash_raw, self.stash_mixed
 
-    def restore(self, slots: torch.Tensor, index: torch.Tensor | int) -> None:
-        """Roll `slots` back to snapshot `index`: the state after the last accepted position."""
-        self.state[slots] = self.snap_state[slots, index]
-        self.conv[slots] = self.snap_conv[slots, index]
+    def stash_gates(self, rows: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> None:
+        """Keep tokens' g and beta at stash rows `rows` (slot * positions + index in the verify)."""
+        self.stash_g.index_copy_(0, rows, g.to(self.stash_g.dtype))
+        self.stash_beta.index_copy_(0, rows, beta.to(self.stash_beta.dtype))
+
+    def commit(self, slots: torch.Tensor, accepted: torch.Tensor) -> None:
+        """After a verify of `slots` (device tensors, one entry a sequence): advance each state over
+        its first accepted + 1 stashed tokens, the conv window to the raw inputs ending there."""
+        if self.positions == 0:
+            raise RuntimeError("this recurrent pool keeps no verify stash (built with 0 positions)")
+        count = accepted + 1
+        first = slots * self.positions
+        v_heads, dk, dv = self.state.shape[1:]
+        k = self.stash_mixed[:, self.key_dim:2 * self.key_dim].view(-1, self.key_heads, dk)
+        v = self.stash_mixed[:, 2 * self.key_dim:].view(-1, v_heads, dv)
+        gated_delta_steps(None, k, v, self.stash_g, self.stash_beta, self.state, slots, first, first + count, count,
+                          self.positions, outputs=False, normalize=True)
+        conv_windows(self.stash_raw, self.conv, slots, first, count)
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy the live state of slots src[i] -> dst[i] (a forked sequence, e.g. n > 1 samples)."""

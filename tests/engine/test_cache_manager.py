@@ -1,5 +1,5 @@
 """The cache seam: layer state specs and their byte figures, and the cache manager's grow, commit
-(window release), rollback, free and recurrent snapshot/restore."""
+(window release), rollback, free and the recurrent commit after a verify."""
 from __future__ import annotations
 
 import pytest
@@ -7,8 +7,15 @@ import torch
 
 from lucebox.engine.cache_manager import CacheManager
 from lucebox.engine.sequence import Sequence
-from lucebox.model.cache_spec import (PagedKVSpec, RecurrentSpec, bytes_per_sequence, bytes_per_token,
-                                      kv_bytes_per_token, release_window)
+from lucebox.kernels.gated_delta import recurrent_gated_delta_rule
+from lucebox.model.cache_spec import (
+    PagedKVSpec,
+    RecurrentSpec,
+    bytes_per_sequence,
+    bytes_per_token,
+    kv_bytes_per_token,
+    release_window,
+)
 from lucebox.model.config import ModelConfig
 from lucebox.model.kv_cache import bytes_per_value
 from lucebox.model.recurrent_state import RecurrentState
@@ -44,21 +51,31 @@ def test_model_bytes_per_token_are_its_layers_k_and_v(k_type, v_type):
     assert kv_bytes_per_token(model, k_type, v_type) == round(3 * 2 * 32 * (k + v))
     specs = model.cache_specs(k_type, v_type)
     assert [s.window for s in specs] == [None, 5, None]
-    assert bytes_per_sequence(specs, snapshots=4) == 0
+    assert bytes_per_sequence(specs, positions=4) == 0
 
 
 def test_recurrent_state_costs_bytes_per_sequence_not_per_token():
-    spec = RecurrentSpec((2, 4, 4), (8, 3), torch.float16)
+    spec = RecurrentSpec((2, 4, 4), (8, 3), 1, torch.float16)
     assert bytes_per_token([spec, windowed()]) == 2 * H * D * 4
     assert spec.bytes_per_sequence() == (32 + 24) * 2
-    assert bytes_per_sequence([spec, windowed()], snapshots=3) == (32 + 24) * 2 * 4
+    # a stashed verify position: the conv's raw input and output (8 each), g and beta (2 each)
+    assert bytes_per_sequence([spec, windowed()], positions=3) == (32 + 24 + 3 * (8 + 8 + 2 + 2)) * 2
+
+
+def test_qwen36_27b_stash_is_far_smaller_than_state_snapshots():
+    """The memory plan of the real shape: 1 + 15 stashed positions cost < 45% of one state more
+    (16 state snapshots cost 16 states)."""
+    spec = RecurrentSpec((48, 128, 128), (2 * 16 * 128 + 48 * 128, 3), 16, torch.float32)
+    state = 48 * 128 * 128 * 4
+    extra = spec.bytes_per_sequence(16) - spec.bytes_per_sequence(0)
+    assert extra == 16 * (2 * 10240 + 2 * 48) * 4 and extra < 0.45 * state
 
 
 def test_release_needs_every_paged_cache_bounded():
     assert release_window([windowed(8), windowed(12)]) == 12  # the widest window keeps what any layer reads
     assert release_window([windowed(8), windowed(None)]) is None  # mixed: a full layer reads everything
     assert release_window([windowed(None)]) is None
-    assert release_window([RecurrentSpec((2,), (2,), torch.float32)]) is None
+    assert release_window([RecurrentSpec((2, 1, 1), (2, 1), 1, torch.float32)]) is None
     # a proposer's unbounded cache on the target's tables keeps everything too
     assert CacheManager([windowed(8), windowed(None)], 16, BLOCK).release_window is None
 
@@ -144,36 +161,55 @@ def test_released_blocks_stay_in_the_prefix_cache_and_are_shared_again():
     assert cache.blocks.num_free_blocks == 32
 
 
-def test_recurrent_rollback_restores_the_state_after_the_last_accepted_draft():
-    spec = RecurrentSpec((2, 3), (4, 2), torch.float32)
-    cache = CacheManager([spec, windowed(None)], 32, BLOCK, num_slots=2, snapshots=5)
+@pytest.mark.parametrize("accepted", [0, 2, 4])
+def test_recurrent_rollback_advances_over_the_accepted_stashed_tokens(accepted):
+    """A verify of 5 tokens stashed its inputs; the rollback with `accepted` advances the state over
+    the first accepted + 1 of them (the reference rule) and slides the conv window to end there."""
+    v_heads, k_heads, dk, dv, width = 4, 2, 3, 5, 3
+    channels = 2 * k_heads * dk + v_heads * dv
+    spec = RecurrentSpec((v_heads, dk, dv), (channels, width), k_heads, torch.float32)
+    cache = CacheManager([spec, windowed(None)], 32, BLOCK, num_slots=2, verify_positions=5)
     (state,) = cache.build_recurrent("cpu")
-    assert state.state.shape == (2, 2, 3) and state.snap_conv.shape == (2, 5, 4, 2)
+    assert state.state.shape == (3, v_heads, dk, dv) and state.scratch == 2  # 2 slots and the scratch slot
     a, b = seq_of(6), seq_of(6, start=100)
     cache.admit(a, [])
     cache.admit(b, [])
     assert cache.slot(a) != cache.slot(b) and not cache.can_admit([], 4)
-    slot = torch.tensor([cache.slot(a)])
-    other = torch.tensor([cache.slot(b)])
+    slot, other = cache.slot(a), cache.slot(b)
+    g = torch.Generator().manual_seed(accepted)
+    start_state = torch.randn(v_heads, dk, dv, generator=g)
+    start_window = torch.randn(channels, width, generator=g)
+    state.state[slot], state.conv[slot] = start_state, start_window
     state.state[other], state.conv[other] = 7.0, 7.0
-    for i in range(5):  # the state after each verified position: i + 1 everywhere
-        state.state[slot], state.conv[slot] = float(i + 1), -float(i + 1)
-        state.snapshot(slot, i)
+    raw = torch.randn(5, channels, generator=g)
+    key_dim = k_heads * dk
+    mixed = torch.randn(5, 2 * key_dim + v_heads * dv, generator=g)  # the conv's output: q | k | v
+    gate, beta = -torch.rand(5, v_heads, generator=g), torch.rand(5, v_heads, generator=g)
+    rows = slot * 5 + torch.arange(5)
+    state.stash_raw[rows], state.stash_mixed[rows] = raw, mixed
+    state.stash_gates(rows, gate, beta)
+    k = torch.nn.functional.normalize(mixed[:, key_dim:2 * key_dim].view(5, k_heads, dk), dim=-1, eps=1e-12)
+    v = mixed[:, 2 * key_dim:].view(5, v_heads, dv)
     cache.grow(a, 6 + 5)
-    a.num_computed = 6 + 1 + 2
-    cache.rollback(a, a.num_computed + 1, accepted=2)
-    assert torch.all(state.state[slot] == 3.0) and torch.all(state.conv[slot] == -3.0)
-    assert torch.all(state.state[other] == 7.0)  # other sequences untouched
+    a.num_computed = 6 + 1 + accepted
+    cache.rollback(a, a.num_computed + 1, accepted=accepted)
+    n = accepted + 1
+    heads_k = k[:n].repeat_interleave(v_heads // k_heads, dim=1).transpose(0, 1)
+    _, want = recurrent_gated_delta_rule(heads_k, heads_k, v[:n].transpose(0, 1), gate[:n].t(), beta[:n].t(),
+                                         start_state)
+    assert torch.allclose(state.state[slot], want, atol=1e-5)
+    assert torch.equal(state.conv[slot], torch.cat([start_window, raw[:n].t()], dim=1)[:, -width:])
+    assert torch.all(state.state[other] == 7.0) and torch.all(state.conv[other] == 7.0)  # others untouched
     cache.free(a)
     c = seq_of(6, start=200)
     assert cache.can_admit([], 6)
     cache.admit(c, [])
-    assert cache.slot(c) == slot.item()
+    assert cache.slot(c) == slot
     assert torch.all(state.state[slot] == 0) and torch.all(state.conv[slot] == 0)  # a new sequence starts clean
 
 
 def test_recurrent_state_disables_prefix_sharing():
-    cache = CacheManager([RecurrentSpec((2,), (2,), torch.float32), windowed(None)], 32, BLOCK, num_slots=1)
+    cache = CacheManager([RecurrentSpec((2, 1, 1), (2, 1), 1, torch.float32), windowed(None)], 32, BLOCK, num_slots=1)
     seq = seq_of(30)
     cache.admit(seq, [])
     computed(cache, seq, 30)
@@ -181,7 +217,7 @@ def test_recurrent_state_disables_prefix_sharing():
 
 
 def test_recurrent_state_copies_slots():
-    state = RecurrentState(3, 2, (2,), (3,), torch.float32, "cpu")
+    state = RecurrentState(3, 2, (2, 1, 1), (3, 1), 1, torch.float32, "cpu")
     state.state[0], state.conv[0] = 1.0, 2.0
     state.copy(torch.tensor([0]), torch.tensor([2]))
     assert torch.all(state.state[2] == 1.0) and torch.all(state.conv[2] == 2.0)

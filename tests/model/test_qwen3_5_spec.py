@@ -1,6 +1,6 @@
-"""Speculative decoding on a Qwen 3.5 hybrid: a verify row advances each DeltaNet layer through the
-pending token and its drafts, keeping the state after each; the rollback after the verdict leaves
-the slot exactly as after the last accepted token, so greedy output equals plain decoding."""
+"""Speculative decoding on a Qwen 3.5 hybrid: a verify row computes each DeltaNet layer's outputs for
+the pending token and its drafts without writing the state, stashing their inputs; the commit after
+the verdict advances the slot over the accepted ones, so greedy output equals plain decoding."""
 from __future__ import annotations
 
 import pytest
@@ -38,8 +38,8 @@ def repetitive_prompts(vocab: int) -> list[list[int]]:
     return [a * 4, b * 5 + a, c + b * 3 + c, a + c * 2]
 
 
-def test_verify_snapshots_restore_the_state_after_each_accepted_length(hybrid_path, reference):
-    """A 4-token verify row keeps the state after each token; restoring snapshot a and decoding on
+def test_verify_commit_leaves_the_state_after_each_accepted_length(hybrid_path, reference):
+    """A 4-token verify row leaves the state alone; committing a accepted drafts and decoding on
     gives transformers' logits of the prompt plus the first a + 1 tokens."""
     loaded = load_model(str(hybrid_path), dtype="float32")
     prompt, row = prompts(loaded.config.vocab_size, [11, 4], seed=7)
@@ -56,7 +56,7 @@ def test_verify_snapshots_restore_the_state_after_each_accepted_length(hybrid_pa
         kept = prompt + row[:accepted + 1]
         assert (verify.logits - reference_logits(reference, prompt + row)[len(prompt):]).abs().max() <= 1e-4
         for state in states:
-            state.restore(torch.tensor([3]), accepted)
+            state.commit(torch.tensor([3]), torch.tensor([accepted]))
         nxt = row[0] if accepted + 1 == len(row) else 5  # any next token
         got = runner.forward([[nxt]], [len(kept)], [table], state_slots=[3])
         want = reference_logits(reference, kept + [nxt])[-1]
@@ -82,7 +82,7 @@ def test_ngram_speculation_is_token_identical_to_plain_decoding(hybrid_path):
     outs = greedy(spec, batch, 24)
     assert [o.outputs[0].token_ids for o in outs] == want
     metrics = [o.metrics for o in outs]
-    # Verifies that accepted none of their drafts, some but not all (a snapshot mid-row), and all.
+    # Verifies that accepted none of their drafts, some but not all (a commit mid-row), and all.
     rejected_all = sum(m.num_drafts - m.accepted_per_position[0] for m in metrics)
     partial = sum(m.accepted_per_position[0] - m.accepted_per_position[-1] for m in metrics)
     accepted_all = sum(m.accepted_per_position[-1] for m in metrics)

@@ -1,0 +1,196 @@
+"""Triton gated delta rule, token by token, and the causal conv before it (reference and dispatch:
+kernels/gated_delta.py).
+
+One program per (sequence, value head, block of BV value columns): it loads its [dk, BV] tile of
+the state from the sequence's slot, steps the sequence's tokens (rows starts[b]..ends[b]-1) in
+registers, writes each token's output, and stores the tile back after token advance[b] - 1 (a
+masked store per token: no branch on device values). Slots, bounds and advance are read on the
+device and the grid depends only on shapes, so a launch is the same inside a CUDA graph for any
+lengths. GVA: value head h reads q/k head h // (Hv / Hk). With NORMALIZE, q and k are the conv's
+raw outputs and the kernel l2-normalises them (q also scaled), so no normalised copy is made.
+
+The conv of decode / verify rows (`conv_steps`): one program per (row, block of channels) sums
+the kernel's taps over the row's inputs -- earlier rows of its sequence, or the slot's window for
+inputs before the step -- then a second launch moves each advancing sequence's window (the first
+still reads the old windows).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .dispatch import next_pow2, pdl_launch
+
+# Value columns per program: a [dk, BV] float32 tile in registers (128 x 32 = 32 values a thread
+# at 4 warps); design choice, not measured yet (scripts/check_deltanet_gpu.py times it).
+BLOCK_V = 32
+BLOCK_C = 256  # conv channels per program (design choice, not measured)
+
+
+@functools.cache
+def _kernel():
+    """Defined on first use: importing this module must not import Triton (see triton_norm)."""
+    global triton, tl, wait_for_previous_kernel
+    import triton
+    import triton.language as tl
+
+    from .triton_pdl import wait_for_previous_kernel
+
+    @triton.jit
+    def _gated_delta_steps(q, k, v, g, beta, out, state, slots, starts, ends, advance,
+                           stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
+                           stride_ot, stride_oh, stride_sn, stride_sh, stride_sk,
+                           scale, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
+                           BV: tl.constexpr, OUTPUTS: tl.constexpr, NORMALIZE: tl.constexpr,
+                           PDL: tl.constexpr = False):
+        wait_for_previous_kernel(PDL)
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        cols = tl.program_id(2) * BV + tl.arange(0, BV)
+        rows = tl.arange(0, BK)
+        row_ok, col_ok = rows < DK, cols < DV
+        tile_ok = row_ok[:, None] & col_ok[None, :]
+        slot = tl.load(slots + b).to(tl.int64)
+        first = tl.load(starts + b).to(tl.int64)
+        last = tl.load(ends + b).to(tl.int64)
+        keep = tl.load(advance + b).to(tl.int64)
+        tile = state + slot * stride_sn + h * stride_sh + rows[:, None] * stride_sk + cols[None, :]
+        s = tl.load(tile, mask=tile_ok, other=0.0)
+        kh = h // GROUP
+        for t in range(first, last):
+            k_t = tl.load(k + t * stride_kt + kh * stride_kh + rows, mask=row_ok, other=0.0).to(tl.float32)
+            if NORMALIZE:  # k / |k| (eps 1e-6, as kernels.gated_delta.l2_normalize)
+                k_t = k_t * (1.0 / tl.sqrt(tl.sum(k_t * k_t, axis=0) + 1e-6))
+            v_t = tl.load(v + t * stride_vt + h * stride_vh + cols, mask=col_ok, other=0.0).to(tl.float32)
+            g_t = tl.load(g + t * stride_gt + h).to(tl.float32)
+            beta_t = tl.load(beta + t * stride_bt + h).to(tl.float32)
+            s = s * tl.exp(g_t)
+            predicted = tl.sum(k_t[:, None] * s, axis=0)
+            s = s + k_t[:, None] * ((v_t - predicted) * beta_t)[None, :]
+            if OUTPUTS:
+                q_t = tl.load(q + t * stride_qt + kh * stride_qh + rows, mask=row_ok, other=0.0).to(tl.float32)
+                if NORMALIZE:
+                    q_t = q_t * (scale / tl.sqrt(tl.sum(q_t * q_t, axis=0) + 1e-6))
+                tl.store(out + t * stride_ot + h * stride_oh + cols, tl.sum(q_t[:, None] * s, axis=0), mask=col_ok)
+            at = tl.zeros([BK, BV], dtype=tl.int64) + t  # the token index as a tile: a mask of the tile's shape
+            tl.store(tile, s, mask=tile_ok & (at == first + keep - 1))
+
+    @triton.jit
+    def _conv_steps(qkv, conv, weight, out, slots, seq, local, stash_raw, stash_mixed, channels,
+                    stride_xt, stride_cn, stride_cc, stride_ot, stride_st, positions,
+                    KERNEL: tl.constexpr, BC: tl.constexpr, STASH: tl.constexpr, PDL: tl.constexpr = False):
+        """Row t: silu of the causal depthwise conv over its sequence's inputs, the ones before the
+        step read from the slot's window; with STASH, the raw and convolved rows kept at
+        stash row slot * positions + (index of t in its sequence)."""
+        wait_for_previous_kernel(PDL)
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BC + tl.arange(0, BC)
+        ok = cols < channels
+        s = tl.load(seq + t)
+        j = tl.load(local + t).to(tl.int64)
+        slot = tl.load(slots + s).to(tl.int64)
+        at = tl.zeros([BC], dtype=tl.int64) + j  # the row's index in its sequence, as a vector for masks
+        acc = tl.zeros([BC], dtype=tl.float32)
+        for w in tl.static_range(KERNEL):
+            back = KERNEL - 1 - w  # this tap reads the input `back` rows before t
+            x_row = tl.load(qkv + (t - back) * stride_xt + cols, mask=ok & (at >= back), other=0.0)
+            x_old = tl.load(conv + slot * stride_cn + cols * stride_cc + (KERNEL - 1 + j - back),
+                            mask=ok & (at < back), other=0.0)
+            x = x_row.to(tl.float32) + x_old.to(tl.float32)
+            acc += tl.load(weight + cols * KERNEL + w, mask=ok, other=0.0).to(tl.float32) * x
+        y = acc / (1.0 + tl.exp(-acc))
+        tl.store(out + t * stride_ot + cols, y.to(out.dtype.element_ty), mask=ok)
+        if STASH:
+            keep = ok & (at < positions)
+            row = slot * positions + j
+            raw = tl.load(qkv + t * stride_xt + cols, mask=ok, other=0.0)
+            tl.store(stash_raw + row * stride_st + cols, raw.to(tl.float32), mask=keep)
+            tl.store(stash_mixed + row * stride_st + cols, y.to(out.dtype.element_ty).to(tl.float32), mask=keep)
+
+    @triton.jit
+    def _conv_windows(qkv, conv, slots, starts, advance, channels, stride_xt, stride_cn, stride_cc,
+                      WIDTH: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr = False):
+        """Sequence b with n = advance > 0: its window becomes the WIDTH inputs ending at its row
+        n - 1 (older ones from the window itself). One program owns its columns of the window and
+        loads all of it before storing."""
+        wait_for_previous_kernel(PDL)
+        b = tl.program_id(0)
+        cols = tl.program_id(1) * BC + tl.arange(0, BC)
+        ok = cols < channels
+        slot = tl.load(slots + b).to(tl.int64)
+        first = tl.load(starts + b).to(tl.int64)
+        i = tl.arange(0, WP)
+        n = tl.zeros([WP], dtype=tl.int64) + tl.load(advance + b).to(tl.int64)  # as a vector, for masks
+        back = WIDTH - 1 - i  # window column i is input n - 1 - back of the sequence
+        live = i < WIDTH
+        base = conv + slot * stride_cn + cols[:, None] * stride_cc
+        x_row = tl.load(qkv + (first + n - 1 - back)[None, :] * stride_xt + cols[:, None],
+                        mask=ok[:, None] & (live & (n > back))[None, :], other=0.0)
+        x_old = tl.load(base + (n + i)[None, :], mask=ok[:, None] & (live & (n <= back))[None, :], other=0.0)
+        values = x_row.to(tl.float32) + x_old
+        tl.store(base + i[None, :], values, mask=ok[:, None] & (live & (n > 0))[None, :])
+
+    return _gated_delta_steps, _conv_steps, _conv_windows
+
+
+def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
+    if x.stride(-1) != 1:
+        raise ValueError(f"gated_delta_steps: {name} needs unit stride in its last dimension")
+    return x
+
+
+def gated_delta_steps_triton(q, k, v, g, beta, state, slots, starts, ends, advance, outputs: bool = True,
+                             normalize: bool = False, scale: float = 1.0) -> torch.Tensor | None:
+    """kernels.gated_delta.gated_delta_steps on the Triton kernel (same contract)."""
+    q = k if q is None else q  # a commit reads no q
+    q, k, v = (_rows(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    if g.stride(-1) != 1 or beta.stride(-1) != 1:
+        raise ValueError("gated_delta_steps: g and beta need unit stride per head")
+    num_seqs, (v_heads, dk, dv) = slots.shape[0], state.shape[1:]
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device) if outputs else None
+    if num_seqs == 0:
+        return out
+    block_v = min(BLOCK_V, next_pow2(dv))
+    o = out if outputs else state  # any tensor: never written without OUTPUTS
+    kernel = _kernel()[0]
+    kernel[(num_seqs, v_heads, triton.cdiv(dv, block_v))](
+        q, k, v, g, beta, o, state, slots, starts, ends, advance,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+        o.stride(0), o.stride(1), state.stride(0), state.stride(1), state.stride(2), float(scale),
+        GROUP=v_heads // k.shape[1], DK=dk, DV=dv, BK=next_pow2(dk), BV=block_v, OUTPUTS=outputs,
+        NORMALIZE=normalize, **pdl_launch(v.device))
+    return out
+
+
+def conv_steps_triton(qkv, conv, weight, slots, starts, advance, seq, local, stash=None,
+                      positions: int = 0) -> torch.Tensor:
+    """kernels.gated_delta.conv_steps on the Triton kernels (same contract)."""
+    tokens, channels = qkv.shape
+    taps = weight.shape[1]
+    if qkv.stride(1) != 1 or conv.stride(2) != 1 or not weight.is_contiguous():
+        raise ValueError("conv_steps: qkv rows, conv windows and the weight need unit stride")
+    out = torch.empty_like(qkv)
+    block = min(BLOCK_C, next_pow2(channels))
+    raw, mixed = stash if stash is not None else (conv, conv)  # never written without STASH
+    kernel = _kernel()[1]
+    if tokens:
+        kernel[(tokens, triton.cdiv(channels, block))](
+            qkv, conv, weight, out, slots, seq, local, raw, mixed, channels,
+            qkv.stride(0), conv.stride(0), conv.stride(1), out.stride(0), raw.stride(0), positions,
+            KERNEL=taps, BC=block, STASH=stash is not None, **pdl_launch(qkv.device))
+    conv_windows_triton(qkv, conv, slots, starts, advance)
+    return out
+
+
+def conv_windows_triton(rows, conv, slots, starts, advance) -> None:
+    """kernels.gated_delta.conv_windows on the Triton kernel (same contract)."""
+    channels, width = conv.shape[1:]
+    if rows.stride(1) != 1 or conv.stride(2) != 1:
+        raise ValueError("conv_windows: rows and conv windows need unit stride")
+    block = min(BLOCK_C, next_pow2(channels))
+    if slots.shape[0]:
+        kernel = _kernel()[2]
+        kernel[(slots.shape[0], triton.cdiv(channels, block))](
+            rows, conv, slots, starts, advance, channels, rows.stride(0), conv.stride(0), conv.stride(1),
+            WIDTH=width, WP=next_pow2(width), BC=block, **pdl_launch(rows.device))
