@@ -53,7 +53,7 @@ class Stack:
     plane: int = 0
     n_units: int = 0
 
-    def with_plane(self, plane: int) -> "Stack":
+    def with_plane(self, plane: int) -> Stack:
         """Float weights in units of `plane` columns; quantised ones keep their format's."""
         if self.fmt != FLOAT:
             return self
@@ -172,7 +172,7 @@ def _pairs_down_kernel(a_ptr, ids_ptr, wts_ptr, w_ptr, o_ptr, H, I, row_len, n_u
         r = t * TOPK + tl.program_id(1) * PER_GROUP + jj
         expert = tl.load(ids_ptr + r).to(tl.int64)
         acc = tl.zeros([BLOCK_N, P], dtype=tl.float32)
-        for u in range(0, n_units):
+        for u in range(n_units):
             acc = _unit(acc, w_ptr, expert * H + rows, row_len, u, n_units, I, a_ptr + r * I, FMT, UNIT_BYTES,
                         UNIT_VALUES, BPU, P, 0, 1, False)
         y = tl.sum(acc, axis=1).to(dt).to(tl.float32)
@@ -199,7 +199,7 @@ def _grouped_gate_up_kernel(x_ptr, slots_ptr, block_expert_ptr, w_ptr, o_ptr, R,
         gate = expert * 2 * I + tl.minimum(rn, I - 1)
         acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        for u in range(0, n_units):
+        for u in range(n_units):
             acc_g = _unit(acc_g, w_ptr, gate, row_len, u, n_units, K, xk, FMT, UNIT_BYTES, UNIT_VALUES, BPU, P,
                           1, BLOCK_M, DOT_IEEE)
             acc_u = _unit(acc_u, w_ptr, gate + I, row_len, u, n_units, K, xk, FMT, UNIT_BYTES, UNIT_VALUES, BPU,
@@ -224,7 +224,7 @@ def _grouped_down_kernel(a_ptr, slots_ptr, block_expert_ptr, wts_ptr, w_ptr, o_p
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = expert * H + tl.minimum(rn, H - 1)
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        for u in range(0, n_units):
+        for u in range(n_units):
             acc = _unit(acc, w_ptr, rows, row_len, u, n_units, I, ak, FMT, UNIT_BYTES, UNIT_VALUES, BPU, P,
                         1, BLOCK_M, DOT_IEEE)
         real = pair < R
@@ -251,8 +251,8 @@ def _sum_top_k_kernel(p_ptr, o_ptr, total, H, TOPK: tl.constexpr, BLOCK: tl.cons
 # ----------------------------------------------------------------------------- host side
 
 def _consts(stack: Stack) -> dict:
-    return dict(FMT=stack.fmt, UNIT_BYTES=stack.unit_bytes, UNIT_VALUES=stack.unit_values, BPU=stack.bpu,
-                P=stack.plane)
+    return {"FMT": stack.fmt, "UNIT_BYTES": stack.unit_bytes, "UNIT_VALUES": stack.unit_values, "BPU": stack.bpu,
+            "P": stack.plane}
 
 
 def _check(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: Stack, down: Stack) -> int:
