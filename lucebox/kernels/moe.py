@@ -41,7 +41,8 @@ def expert_kernel(x: torch.Tensor, ids: torch.Tensor, gate_up, down) -> str:
     return routing.moe_kernel(x.shape[0], fused)
 
 
-def _stack(w):
+def stacked(w):
+    """triton_moe's view of stacked experts (float or quantised)."""
     from . import triton_moe
     if isinstance(w, torch.Tensor):
         return triton_moe.float_stack(w)
@@ -55,7 +56,7 @@ def expert_matmul(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     kernel = kernel or expert_kernel(x, ids, gate_up, down)
     from . import triton_moe
     if kernel == routing.MOE_PAIRS:
-        return triton_moe.pairs_experts(x, ids, weights, _stack(gate_up), _stack(down))
+        return triton_moe.pairs_experts(x, ids, weights, stacked(gate_up), stacked(down))
     if kernel == routing.MOE_GROUPED:
-        return triton_moe.grouped_experts(x, ids, weights, _stack(gate_up), _stack(down))
+        return triton_moe.grouped_experts(x, ids, weights, stacked(gate_up), stacked(down))
     raise ValueError(f"expert_matmul runs the Triton kernels, not {kernel!r} (the torch reference is Experts')")
