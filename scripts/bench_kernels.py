@@ -508,27 +508,23 @@ _SIG_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf1
               torch.float8_e4m3fn: "fp8e4nv"}
 
 
+class Recorder:
+    """Stands in for a kernel: records each launch (kernel, args, kwargs) in `launches` instead of running it."""
+
+    def __init__(self, fn, launches: list):
+        self.fn, self.launches = fn, launches
+
+    def __getitem__(self, grid):
+        return lambda *a, **kw: self.launches.append((self.fn, a, kw))
+
+
 def compile_check(arch: str) -> None:
     """Compile, for a GPU this machine need not have, every kernel variant that the Python wrappers
     launch for qwen3-8b-like shapes: the interpreter used by the CPU tests never lowers a kernel,
     so this is what catches code that only the GPU compiler rejects. Prints registers and spills
     (from cuobjdump, when Triton ships it) per variant."""
-    import re
-    import subprocess
-    import tempfile
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     launches = []
-
-    class Capture:  # stands in for a kernel: records the launch instead of running it
-        def __init__(self, fn):
-            self.fn = fn
-
-        def __getitem__(self, grid):
-            return lambda *a, **kw: launches.append((self.fn, a, kw))
+    Capture = lambda fn: Recorder(fn, launches)  # noqa: E731
 
     real = (tqm._qmm_kernel, tor._sum_splits_kernel, tpa._paged_attn_kernel, tpa._merge_splits_kernel,
             tdp._quantize_rows_kernel)
@@ -615,6 +611,19 @@ def compile_check(arch: str) -> None:
         for module, make in zip(lazy, lazy_real):
             module._kernel = make
         triton_sampling._kernels = sampling_real
+    compile_launches(launches, arch)
+
+
+def compile_launches(launches: list, arch: str) -> None:
+    """Compile every distinct variant among recorded launches for `arch` (e.g. 90, or gfx942); exit 1
+    if any fails."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
 
     target = GPUTarget("cuda", int(arch), 32) if arch.isdigit() else GPUTarget("hip", arch, 64)
     cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"

@@ -9,6 +9,8 @@ tests) on any machine. Rows: DECODE (one row), VERIFY (2..MAX_FUSED_M), PREFILL 
     silu_mul_linear  float                    GEMV_SILU_MUL    TORCH         TORCH
     products         float (several of one x) TORCH            TORCH         TORCH
     any              quantised                QUANT_ROUTES     QUANT_ROUTES  DEQUANT_MATMUL
+    experts (MoE)    float or quantised       MOE_PAIRS        by tokens: MOE_PAIRS up to
+                                                               MOE_PAIRS_MAX_TOKENS, then MOE_GROUPED
 
 The gated delta rule (kernels/gated_delta.py), one table per op:
 
@@ -17,6 +19,7 @@ The gated delta rule (kernels/gated_delta.py), one table per op:
     conv_steps          TRITON_CONV                          TORCH_CONV
     gated_delta_chunk   FLA_CHUNK (fla-core installed)       TORCH_CHUNK
 
+Expert products (kernels/moe.py) count tokens, not routed rows: the rows are tokens x top_k.
 Float GEMVs need Triton for x and every operand, one contiguous row and no autograd (else TORCH:
 the op's torch reference). Quantised products need Triton and rows its kernels can read (else
 DEQUANT_MATMUL); int8 entries of QUANT_ROUTES apply where int8 activations are allowed
@@ -51,6 +54,12 @@ TRITON_CONV, TORCH_CONV = "triton_conv", "torch_conv"  # [triton_gated_delta] th
 # indirection); timed by scripts/check_deltanet_gpu.py, not yet measured against alternatives.
 GATED_DELTA_ROUTES = {"steps": (TRITON_STEPS, TORCH_STEPS), "conv": (TRITON_CONV, TORCH_CONV),
                       "chunk": (FLA_CHUNK, TORCH_CHUNK)}
+# [triton_moe] the routed experts read in place: GEMV per routed pair / grouped by expert on the device
+MOE_PAIRS, MOE_GROUPED = "moe_pairs", "moe_grouped"
+# Up to this many tokens the pairs kernels run (an expert two pairs share is read twice; the grouped
+# kernels' grouping costs three launches). A first choice, not measured yet: scripts/bench_moe.py
+# times both kernels at 1, 2 and 16 tokens.
+MOE_PAIRS_MAX_TOKENS = 2
 
 FLOAT_ROUTES = {"linear": GEMV, "norm_linear": GEMV_NORM, "silu_mul_linear": GEMV_SILU_MUL}
 
@@ -79,6 +88,14 @@ def rows_kind(rows: int) -> str:
 def float_kernel(op: str, rows: int, gemv: bool) -> str:
     """The kernel of a float product of `op`; gemv: the Triton GEMV can run it (float_gemv_applies)."""
     return FLOAT_ROUTES.get(op, TORCH) if gemv and rows == 1 else TORCH
+
+
+def moe_kernel(tokens: int, fused: bool) -> str:
+    """The kernel of the expert products of `tokens` tokens; fused: Triton reads the experts in place
+    (kernels/moe.expert_kernel), else the torch reference."""
+    if not fused:
+        return TORCH
+    return MOE_PAIRS if tokens <= MOE_PAIRS_MAX_TOKENS else MOE_GROUPED
 
 
 def quant_kernel(qtype, split_rows: bool, rows: int, *, fused: bool, int8: bool) -> str:

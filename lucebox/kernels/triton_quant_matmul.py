@@ -222,6 +222,36 @@ def _unit_iq4_xs(acc, ub, xk, stride_xm, M, ok, n_mask,
 
 
 @triton.jit
+def unit_product(acc, w_row, u, n_units, xk, stride_xm, M, ok, n_mask,
+                 FMT: tl.constexpr, UNIT_BYTES: tl.constexpr, UNIT_VALUES: tl.constexpr, BPU: tl.constexpr,
+                 SPLIT: tl.constexpr, MODE: tl.constexpr, BLOCK_M: tl.constexpr, DOT_IEEE: tl.constexpr):
+    """Consume unit u of K of the rows at byte pointers w_row [BLOCK_N, 1] (MODE as _use; xk and ok:
+    x's and the output's pointers at the unit's first column). Also read by triton_moe, whose
+    experts' rows are found through an expert id."""
+    ub = w_row + u * UNIT_BYTES
+    if FMT == 0:  # split rows: a unit's values are UNIT_BYTES = UNIT_VALUES bytes, its scales after all values
+        sb = w_row + n_units * UNIT_VALUES + u * (2 * BPU)
+        acc = _unit_q8_0(acc, ub, sb, xk, stride_xm, M, ok, n_mask, BPU, SPLIT, MODE, BLOCK_M, DOT_IEEE)
+    elif FMT == 1:
+        acc = _unit_q4_0(acc, ub, xk, stride_xm, M, ok, n_mask, BPU, MODE, BLOCK_M, DOT_IEEE)
+    elif FMT == 2:
+        acc = _unit_q45_k(acc, ub, xk, stride_xm, M, ok, n_mask, False, MODE, BLOCK_M, DOT_IEEE)
+    elif FMT == 3:
+        acc = _unit_q45_k(acc, ub, xk, stride_xm, M, ok, n_mask, True, MODE, BLOCK_M, DOT_IEEE)
+    elif FMT == 4:
+        if SPLIT:  # split rows: every unit's ql, then every qh, every scale run, every d
+            acc = _unit_q6_k(acc, w_row + u * 128, w_row + n_units * 128 + u * 64,
+                             w_row + n_units * 192 + u * 16, w_row + n_units * 208 + u * 2,
+                             xk, stride_xm, M, ok, n_mask, MODE, BLOCK_M, DOT_IEEE)
+        else:
+            acc = _unit_q6_k(acc, ub, ub + 128, ub + 192, ub + 208, xk, stride_xm, M, ok, n_mask,
+                             MODE, BLOCK_M, DOT_IEEE)
+    else:
+        acc = _unit_iq4_xs(acc, ub, xk, stride_xm, M, ok, n_mask, MODE, BLOCK_M, DOT_IEEE)
+    return acc
+
+
+@triton.jit
 def _qmm_kernel(x_ptr, w_ptr, b_ptr, o_ptr, M, N, row_bytes, n_units, units_per_prog,
                 stride_xm, stride_om, stride_os,
                 FMT: tl.constexpr, UNIT_BYTES: tl.constexpr, UNIT_VALUES: tl.constexpr, BPU: tl.constexpr,
@@ -247,28 +277,8 @@ def _qmm_kernel(x_ptr, w_ptr, b_ptr, o_ptr, M, N, row_bytes, n_units, units_per_
     u0 = pid_s * units_per_prog
     u1 = tl.minimum(u0 + units_per_prog, n_units)
     for u in range(u0, u1):
-        ub = w_row + u * UNIT_BYTES
-        xk = x_ptr + u * UNIT_VALUES
-        ok = o_row + u * UNIT_VALUES
-        if FMT == 0:  # split rows: a unit's values are UNIT_BYTES = UNIT_VALUES bytes, its scales after all values
-            sb = w_row + n_units * UNIT_VALUES + u * (2 * BPU)
-            acc = _unit_q8_0(acc, ub, sb, xk, stride_xm, M, ok, n_mask, BPU, SPLIT, MODE, BLOCK_M, DOT_IEEE)
-        elif FMT == 1:
-            acc = _unit_q4_0(acc, ub, xk, stride_xm, M, ok, n_mask, BPU, MODE, BLOCK_M, DOT_IEEE)
-        elif FMT == 2:
-            acc = _unit_q45_k(acc, ub, xk, stride_xm, M, ok, n_mask, False, MODE, BLOCK_M, DOT_IEEE)
-        elif FMT == 3:
-            acc = _unit_q45_k(acc, ub, xk, stride_xm, M, ok, n_mask, True, MODE, BLOCK_M, DOT_IEEE)
-        elif FMT == 4:
-            if SPLIT:  # split rows: every unit's ql, then every qh, every scale run, every d
-                acc = _unit_q6_k(acc, w_row + u * 128, w_row + n_units * 128 + u * 64,
-                                 w_row + n_units * 192 + u * 16, w_row + n_units * 208 + u * 2,
-                                 xk, stride_xm, M, ok, n_mask, MODE, BLOCK_M, DOT_IEEE)
-            else:
-                acc = _unit_q6_k(acc, ub, ub + 128, ub + 192, ub + 208, xk, stride_xm, M, ok, n_mask,
-                                 MODE, BLOCK_M, DOT_IEEE)
-        else:
-            acc = _unit_iq4_xs(acc, ub, xk, stride_xm, M, ok, n_mask, MODE, BLOCK_M, DOT_IEEE)
+        acc = unit_product(acc, w_row, u, n_units, x_ptr + u * UNIT_VALUES, stride_xm, M, o_row + u * UNIT_VALUES,
+                           n_mask, FMT, UNIT_BYTES, UNIT_VALUES, BPU, SPLIT, MODE, BLOCK_M, DOT_IEEE)
     if MODE == 0:
         store_one_row(tl.sum(acc, axis=1), rn, N, o_ptr, stride_os, b_ptr, HAS_BIAS)
     elif MODE == 1:
@@ -290,7 +300,9 @@ def supports(qweight: torch.Tensor, qtype) -> bool:
     return qweight.is_contiguous() and qweight.data_ptr() % align == 0
 
 
-def _layout(qtype, in_features: int, split_rows: bool = False) -> tuple[int, int, int, int, int, int]:
+def unit_layout(qtype, in_features: int, split_rows: bool = False) -> tuple[int, int, int, int, int, int]:
+    """(format id, bytes a unit, values a unit, blocks a unit, plane width, units a row) of rows of
+    `in_features` values: the compile-time constants of unit_product."""
     if split_rows and qtype not in (Q.Q8_0, Q.Q6_K):
         raise ValueError(f"split rows are a layout of Q8_0 and Q6_K, not {qtype.name}")
     fmt, unit_bytes, unit_values, plane = _FORMATS[qtype]
@@ -324,7 +336,7 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype, in_features: int
     split_rows: Q8_0 or Q6_K rows in the split layout (kernels/triton_split_rows.py)."""
     if x.dtype not in ACTIVATION_DTYPES:
         raise TypeError(f"quant_matmul: unsupported activation dtype {x.dtype}")
-    fmt, unit_bytes, unit_values, bpu, plane, n_units = _layout(qtype, in_features, split_rows)
+    fmt, unit_bytes, unit_values, bpu, plane, n_units = unit_layout(qtype, in_features, split_rows)
     n = qweight.shape[0]
     lead = x.shape[:-1]
     x2 = x.reshape(-1, in_features)
@@ -378,7 +390,7 @@ def dequantize(qweight: torch.Tensor, qtype, in_features: int,
                num_warps: int = 4, split_rows: bool = False) -> torch.Tensor:
     """Raw GGUF rows [N, bytes_per_row] (or split rows) -> [N, in_features] in out_dtype; bit-exact
     with `lucebox.kernels.dequant.dequantize` (float32 arithmetic, no FMA contraction, then a cast)."""
-    fmt, unit_bytes, unit_values, bpu, plane, n_units = _layout(qtype, in_features, split_rows)
+    fmt, unit_bytes, unit_values, bpu, plane, n_units = unit_layout(qtype, in_features, split_rows)
     n = qweight.shape[0]
     out = torch.empty(n, in_features, dtype=out_dtype, device=qweight.device)
     if n == 0:

@@ -16,14 +16,28 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import CheckpointError
+from ..kernels import dequant
 from ..kernels.activation import silu_and_mul
 from ..kernels.linear import linear
+from ..kernels.moe import expert_kernel, expert_matmul
+from ..kernels.routing import TORCH
 from .config import ModelConfig
 
-# Up to this many routed (token, expert) rows, a step gathers the routed experts' matrices and runs
-# one batched product: no host sync (CUDA-graph safe) and only routed weights read. Above it, tokens
-# are sorted by expert and each expert the batch touches runs one product over its tokens.
+# The torch reference (the CPU; GPUs without Triton): up to this many routed (token, expert) rows,
+# a step gathers the routed experts' matrices and runs one batched product: no host sync (CUDA-graph
+# safe). Above it, tokens are sorted by expert and each expert the batch touches runs one product
+# over its tokens. On GPUs the Triton kernels (kernels/moe.py) read the routed experts in place.
 GATHER_ROWS = 16
+
+
+def expert_weights(w, ids, dtype: torch.dtype) -> torch.Tensor:
+    """Stacked experts w [E, out, in] (float, or a QuantTensor of GGUF rows [E * out, bytes]) at expert
+    ids (a tensor [n] -> [n, out, in], or one int -> [out, in]) in dtype; quantised experts are
+    dequantised for those ids only."""
+    if isinstance(w, torch.Tensor):
+        return w[ids].to(dtype)
+    experts, out, _ = w.shape
+    return dequant.dequantize(w.data.view(experts, out, -1)[ids], w.qtype, dtype)
 
 
 class Experts(nn.Module):
@@ -37,6 +51,9 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H]; ids, weights [T, k]: sum over j of weights[t, j] * expert_{ids[t, j]}(x[t])."""
+        kernel = expert_kernel(x, ids, self.gate_up_proj, self.down_proj)
+        if kernel != TORCH:
+            return expert_matmul(x, ids, weights, self.gate_up_proj, self.down_proj, kernel)
         tokens, k = ids.shape
         rows = tokens * k
         if rows <= GATHER_ROWS or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
@@ -49,9 +66,9 @@ class Experts(nn.Module):
     def _gathered(self, x: torch.Tensor, flat_ids: torch.Tensor, k: int) -> torch.Tensor:
         """[T*k, H]: row r is expert flat_ids[r] of token r // k, from the gathered routed matrices."""
         h = x.repeat_interleave(k, dim=0).unsqueeze(-1)  # [T*k, H, 1]
-        gate_up = torch.bmm(self.gate_up_proj[flat_ids], h).squeeze(-1)
+        gate_up = torch.bmm(expert_weights(self.gate_up_proj, flat_ids, x.dtype), h).squeeze(-1)
         act = silu_and_mul(*gate_up.split(self.intermediate_size, dim=-1))
-        return torch.bmm(self.down_proj[flat_ids], act.unsqueeze(-1)).squeeze(-1)
+        return torch.bmm(expert_weights(self.down_proj, flat_ids, x.dtype), act.unsqueeze(-1)).squeeze(-1)
 
     def _grouped(self, x: torch.Tensor, flat_ids: torch.Tensor, k: int) -> torch.Tensor:
         """[T*k, H] as _gathered, with the rows sorted by expert: one product per expert touched."""
@@ -63,9 +80,9 @@ class Experts(nn.Module):
         for expert, count in enumerate(counts):
             if count:
                 rows = slice(start, start + count)
-                gate_up = F.linear(sorted_x[rows], self.gate_up_proj[expert])
+                gate_up = F.linear(sorted_x[rows], expert_weights(self.gate_up_proj, expert, x.dtype))
                 act = silu_and_mul(*gate_up.split(self.intermediate_size, dim=-1))
-                sorted_out[rows] = F.linear(act, self.down_proj[expert])
+                sorted_out[rows] = F.linear(act, expert_weights(self.down_proj, expert, x.dtype))
                 start += count
         out = torch.empty_like(sorted_out)
         out[order] = sorted_out

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file, save_file
 
 from lucebox import LLM, SamplingParams
@@ -16,10 +18,12 @@ from lucebox.model import moe
 from lucebox.model.config import ModelConfig
 from lucebox.model.loader import load_model
 from lucebox.model.moe import SparseMoE
+from lucebox.weights.quant import QuantTensor
 
 from tests.conftest import MOE_FAMILIES, build_hf_model
 from tests.model.test_model import load, make_runner, prefill_logits, random_prompts, reference_logits
 from tests.test_llm import prompts_for, reference_greedy
+from tests.weights.test_quant import random_rows
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +94,32 @@ def test_gathered_and_grouped_paths_agree_and_an_empty_batch_works():
     gathered = block.experts._gathered(x, flat, 2)
     assert torch.allclose(gathered, block.experts._grouped(x, flat, 2), atol=1e-5)
     assert block(x[:0]).shape == (0, 24)
+
+
+@pytest.mark.parametrize("tokens", [3, 40], ids=["gathered", "grouped"])
+def test_quantised_experts_dequantise_only_the_routed_experts_on_the_reference_path(tokens):
+    """Experts holding GGUF rows (QuantTensor [E, out, in]) compute what float experts holding their
+    dequantised values compute; an expert no token routes to (NaN scales) never reaches the output."""
+    rng = np.random.default_rng(0)
+    quant = {name: QuantTensor(torch.from_numpy(random_rows(Q.Q4_K, 4 * n, k // 256, rng, small_scales=True)),
+                               Q.Q4_K, (4, n, k))
+             for name, n, k in (("gate_up_proj", 512, 256), ("down_proj", 256, 256))}
+    floats = moe.Experts(4, 256, 256)
+    with torch.no_grad():
+        for name, w in quant.items():
+            getattr(floats, name).copy_(w.dequantize())
+    quantised = moe.Experts(4, 256, 256)
+    for name, w in quant.items():
+        delattr(quantised, name)
+        setattr(quantised, name, w)
+        w.data.view(4, w.shape[1], -1)[3].view(-1, 144)[:, 0:2] = torch.tensor([0x00, 0x7E], dtype=torch.uint8)
+    x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(1))
+    ids = torch.stack([torch.randperm(3)[:2] for _ in range(tokens)])  # experts 0..2
+    weights = torch.rand(tokens, 2)
+    with torch.no_grad():
+        want = floats(x, ids, weights)
+        got = quantised(x, ids, weights)
+    assert torch.isfinite(got).all() and (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
 
 
 # ------------------------------------------------------------------------------ config.json mapping

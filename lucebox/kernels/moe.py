@@ -1,0 +1,62 @@
+"""The expert products of a sparse MoE layer (model/moe.py's Experts): which kernel runs them, and
+the launch. The torch reference is Experts' own (it gathers or groups the routed experts).
+
+    kernel = expert_kernel(x, ids, gate_up, down)      # routing.TORCH: the caller's reference runs
+    out = expert_matmul(x, ids, weights, gate_up, down, kernel)
+    # == sum over j of weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = ids[t, j]
+
+Stacked experts are float tensors [E, out, in] or quantised ones: any object with `data` (raw GGUF
+rows [E * out, bytes a row]), `qtype` and `shape` (E, out, in), as weights.quant's QuantTensor.
+gate_up holds each expert's gate rows then its up rows ([E, 2I, H]); down is [E, H, I].
+"""
+from __future__ import annotations
+
+import torch
+
+from . import routing
+from .dispatch import use_triton
+from .norm import needs_grad
+
+
+def _tensor(w) -> torch.Tensor:
+    """The tensor holding stacked experts' values (float) or bytes (quantised)."""
+    return w if isinstance(w, torch.Tensor) else w.data
+
+
+def _readable(x: torch.Tensor, w) -> bool:
+    """Triton's expert kernels can read these stacked experts in place for activations x."""
+    if isinstance(w, torch.Tensor):
+        return w.dim() == 3 and w.dtype == x.dtype and w.is_contiguous()
+    if len(getattr(w, "shape", ())) != 3 or not isinstance(getattr(w, "data", None), torch.Tensor):
+        return False
+    from . import triton_quant_matmul
+    return triton_quant_matmul.supports(w.data, w.qtype)
+
+
+def expert_kernel(x: torch.Tensor, ids: torch.Tensor, gate_up, down) -> str:
+    """routing's kernel for x [T, H] routed to ids [T, k] through these experts."""
+    operands = (x, ids, _tensor(gate_up), _tensor(down))
+    fused = (x.dim() == 2 and x.dtype in routing.ACTIVATION_DTYPES and use_triton(*operands)
+             and not needs_grad(*operands) and _readable(x, gate_up) and _readable(x, down))
+    return routing.moe_kernel(x.shape[0], fused)
+
+
+def stacked(w):
+    """triton_moe's view of stacked experts (float or quantised)."""
+    from . import triton_moe
+    if isinstance(w, torch.Tensor):
+        return triton_moe.float_stack(w)
+    return triton_moe.quant_stack(w.data, w.qtype, tuple(w.shape))
+
+
+def expert_matmul(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up, down,
+                  kernel: str | None = None) -> torch.Tensor:
+    """out [T, H] for x [T, H] routed to experts ids [T, k] with weights [T, k], by routing's kernel
+    (or `kernel`, decided already; not TORCH)."""
+    kernel = kernel or expert_kernel(x, ids, gate_up, down)
+    from . import triton_moe
+    if kernel == routing.MOE_PAIRS:
+        return triton_moe.pairs_experts(x, ids, weights, stacked(gate_up), stacked(down))
+    if kernel == routing.MOE_GROUPED:
+        return triton_moe.grouped_experts(x, ids, weights, stacked(gate_up), stacked(down))
+    raise ValueError(f"expert_matmul runs the Triton kernels, not {kernel!r} (the torch reference is Experts')")
