@@ -16,8 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import CheckpointError
+from ..kernels import dequant
 from ..kernels.activation import silu_and_mul
 from ..kernels.linear import linear
+from ..weights.quant import QuantTensor
 from .config import ModelConfig
 
 # Up to this many routed (token, expert) rows, a step gathers the routed experts' matrices and runs
@@ -49,9 +51,9 @@ class Experts(nn.Module):
     def _gathered(self, x: torch.Tensor, flat_ids: torch.Tensor, k: int) -> torch.Tensor:
         """[T*k, H]: row r is expert flat_ids[r] of token r // k, from the gathered routed matrices."""
         h = x.repeat_interleave(k, dim=0).unsqueeze(-1)  # [T*k, H, 1]
-        gate_up = torch.bmm(self.gate_up_proj[flat_ids], h).squeeze(-1)
+        gate_up = torch.bmm(expert_weights(self.gate_up_proj, flat_ids, x.dtype), h).squeeze(-1)
         act = silu_and_mul(*gate_up.split(self.intermediate_size, dim=-1))
-        return torch.bmm(self.down_proj[flat_ids], act.unsqueeze(-1)).squeeze(-1)
+        return torch.bmm(expert_weights(self.down_proj, flat_ids, x.dtype), act.unsqueeze(-1)).squeeze(-1)
 
     def _grouped(self, x: torch.Tensor, flat_ids: torch.Tensor, k: int) -> torch.Tensor:
         """[T*k, H] as _gathered, with the rows sorted by expert: one product per expert touched."""
@@ -63,13 +65,25 @@ class Experts(nn.Module):
         for expert, count in enumerate(counts):
             if count:
                 rows = slice(start, start + count)
-                gate_up = F.linear(sorted_x[rows], self.gate_up_proj[expert])
+                gate_up = F.linear(sorted_x[rows], expert_weights(self.gate_up_proj, expert, x.dtype))
                 act = silu_and_mul(*gate_up.split(self.intermediate_size, dim=-1))
-                sorted_out[rows] = F.linear(act, self.down_proj[expert])
+                sorted_out[rows] = F.linear(act, expert_weights(self.down_proj, expert, x.dtype))
                 start += count
         out = torch.empty_like(sorted_out)
         out[order] = sorted_out
         return out
+
+
+def expert_weights(w: torch.Tensor | QuantTensor, ids: torch.Tensor | int, dtype: torch.dtype) -> torch.Tensor:
+    """The selected experts' matrices of a stacked [E, out, in] weight: [len(ids), out, in] for an id tensor,
+    [out, in] for one id. A QuantTensor (GGUF experts kept quantised, data [E * out, row bytes])
+    dequantises only the selected experts' rows, to `dtype`; float weights are indexed as they are."""
+    if not isinstance(w, QuantTensor):
+        return w[ids]
+    experts, out, cols = w.shape
+    rows = w.data.view(experts, out, -1)[ids]
+    values = dequant.dequantize(rows.reshape(-1, rows.shape[-1]), w.qtype, dtype)
+    return values.reshape(*rows.shape[:-1], cols)
 
 
 class SparseMoE(nn.Module):
