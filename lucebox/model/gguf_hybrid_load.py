@@ -64,9 +64,12 @@ def _squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(d for d in shape if d != 1)
 
 
-def hybrid_tensors(reader, cfg: ModelConfig, arch: str, expected: dict[str, tuple[int, ...]], dtype: torch.dtype,
+def hybrid_tensors(reader, cfg: ModelConfig, arch: str, model: torch.nn.Module, dtype: torch.dtype,
                    path: Path) -> Iterator[tuple[str, object]]:
-    """(our name, tensor / QuantTensor / quantised module) for every tensor the model uses."""
+    """(our name, tensor / QuantTensor / quantised module) for every tensor the model (on the meta
+    device) uses; quantised weights of its nn.Linear modules become QuantLinear."""
+    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    linears = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     pending: dict[str, dict[int, tuple]] = {}
     skipped = 0
     for t in tqdm(reader.tensors, desc=f"Loading {path.name}", unit="tensor", disable=None):
@@ -84,7 +87,7 @@ def hybrid_tensors(reader, cfg: ModelConfig, arch: str, expected: dict[str, tupl
             if len(parts) == rule.parts:
                 del pending[ours]
                 yield ours, _experts([parts[i] for i in range(rule.parts)], expected[ours], dtype)
-        elif quantised and len(shape) == 2 and (ours.endswith("_proj.weight") or ours == "lm_head.weight"):
+        elif quantised and len(shape) == 2 and ours in linears:
             yield ours, _quant_linear(rule, rows, t, shape, cfg)
         elif quantised and ours == "embed_tokens.weight":
             yield ours, QuantEmbedding(QuantTensor(rows, t.tensor_type, shape, t.name), dtype)

@@ -201,7 +201,7 @@ def _load_hybrid_gguf(reader: GGUFReader, meta: Metadata, path: Path, dtype, dev
         model = (HybridTransformer(cfg) if is_hybrid(cfg) else Transformer(cfg)).to(torch_dtype)
     expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
     check_hybrid_gguf(cfg, arch, expected, shapes, path)
-    assign(model, hybrid_tensors(reader, cfg, arch, expected, torch_dtype, path), str(path), torch_dtype, device)
+    assign(model, hybrid_tensors(reader, cfg, arch, model, torch_dtype, path), str(path), torch_dtype, device)
     if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
         raise RuntimeError("load_gguf: a model tensor is not filled from the file (new buffer?)")
     model.eval()
