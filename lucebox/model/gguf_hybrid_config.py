@@ -101,6 +101,9 @@ def _moe_fields(meta: Metadata, arch: str, layers: int, shapes) -> dict:
 
 def _hybrid_fields(meta: Metadata, arch: str, layers: int, head_dim: int) -> dict:
     rope_dims = meta.integer(f"{arch}.rope.dimension_count", head_dim, limit="head_dim")
+    if rope_dims > head_dim:
+        raise CheckpointError(f"{meta.path}: {arch}.rope.dimension_count ({rope_dims}) exceeds the head dim "
+                              f"({head_dim})")
     if arch == "qwen3moe":
         if rope_dims != head_dim:
             raise UnsupportedError(f"{meta.path}: partial RoPE ({rope_dims} of {head_dim} dims) is not supported "

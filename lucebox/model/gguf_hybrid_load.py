@@ -40,7 +40,6 @@ def check_hybrid_tensors(cfg: ModelConfig, arch: str, expected: dict[str, tuple[
                          shapes: dict[str, tuple[int, ...]], path: Path) -> None:
     """Every GGUF tensor the model needs is present with the shape the metadata implies, before any data
     is read; errors name the GGUF tensor and the metadata keys that size it."""
-    keys = hybrid_config_keys(arch)
     for ours, our_shape in expected.items():
         entries = to_gguf_names(arch, ours)
         fused = entries[0][0].replace("ffn_gate_exps.weight", FUSED_GATE_UP) if entries else None
@@ -51,12 +50,22 @@ def check_hybrid_tensors(cfg: ModelConfig, arch: str, expected: dict[str, tuple[
                 raise CheckpointError(f"{path}: missing tensor {name} (the model's {ours})")
             want, got = gguf_shape(rule, our_shape), shapes[name]
             if got != want and _squeezed(got) != _squeezed(want):
-                because = "the metadata"
-                if "_exps." in name or name.endswith("ffn_gate_inp.weight"):
-                    because = (f"{keys['num_experts']} ({cfg.num_experts}) and {keys['moe_intermediate_size']} "
-                               f"({cfg.moe_intermediate_size})")
-                raise CheckpointError(f"{path}: tensor {name} has shape {list(got)}, but {because} makes it "
-                                      f"{list(want)}")
+                raise CheckpointError(f"{path}: tensor {name} has shape {list(got)}, but {_sized_by(name, cfg, arch)} "
+                                      f"make it {list(want)}")
+
+
+def _sized_by(name: str, cfg: ModelConfig, arch: str) -> str:
+    """The metadata keys (and values) that size a GGUF tensor, for messages."""
+    keys = hybrid_config_keys(arch)
+    if "_exps." in name or name.endswith("ffn_gate_inp.weight"):
+        return (f"{keys['num_experts']} ({cfg.num_experts}) and {keys['moe_intermediate_size']} "
+                f"({cfg.moe_intermediate_size})")
+    if "_shexp." in name:
+        return (f"{keys['shared_expert_intermediate_size']} ({cfg.shared_expert_intermediate_size}) and "
+                f"{keys['hidden_size']} ({cfg.hidden_size})")
+    if ".ssm_" in name or ".attn_qkv." in name or ".attn_gate." in name:
+        return f"{arch}.ssm.* (conv_kernel, state_size, group_count, time_step_rank, inner_size)"
+    return f"{arch}.* (embedding_length, attention.*, feed_forward_length)"
 
 
 def _squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -93,7 +102,11 @@ def hybrid_tensors(reader, cfg: ModelConfig, arch: str, model: torch.nn.Module, 
             yield ours, QuantEmbedding(QuantTensor(rows, t.tensor_type, shape, t.name), dtype)
         else:  # float tensors, and small quantised ones (norms, routers) widened to float
             values = dequant.dequantize(rows, t.tensor_type, dtype).reshape(gguf_shape(rule, expected[ours]))
-            yield ours, from_gguf(rule, values, cfg, t.name).reshape(expected[ours])
+            try:
+                values = from_gguf(rule, values, cfg, t.name)
+            except CheckpointError as e:
+                raise CheckpointError(f"{path}: {e}") from None
+            yield ours, values.reshape(expected[ours])
     if skipped:
         log.info("%s: skipped %d tensors this model does not use (e.g. MTP blocks)", path, skipped)
 

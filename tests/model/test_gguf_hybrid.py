@@ -303,6 +303,26 @@ def rewritten(src, dst, drop=(), keys=None, tensors=None):
     return str(dst)
 
 
+def test_mtp_blocks_after_the_layers_are_skipped(ggufs, references, tmp_path):
+    """llama.cpp counts Qwen 3.5's multi-token-prediction block in block_count (nextn_predict_layers)."""
+    reader = GGUFReader(ggufs["qwen35", "f32"])
+    writer = GGUFWriter(tmp_path / "mtp.gguf", "qwen35")
+    copy_fields(reader, writer, skip=("general.architecture",), override={"qwen35.block_count": 5})
+    writer.add_nextn_predict_layers(1)
+    recurrent = reader.fields["qwen35.attention.recurrent_layers"].contents()
+    assert recurrent == [True, True, True, False]
+    for t in reader.tensors:
+        writer.add_tensor(t.name, np.array(t.data))
+        if t.name.startswith("blk.3."):  # the MTP block: a full-attention block (plus its own tensors)
+            writer.add_tensor(t.name.replace("blk.3.", "blk.4."), np.array(t.data))
+    writer.add_tensor("blk.4.nextn.eh_proj.weight", np.zeros((64, 128), np.float32))
+    finish(writer)
+    loaded = load_model(str(tmp_path / "mtp.gguf"), dtype="float32")
+    assert loaded.config.num_layers == 4
+    prompt = prompt_for(loaded.config.vocab_size, seed=5)
+    assert (lucebox_logits(loaded, prompt) - reference_logits(references["qwen35"], prompt)).abs().max() <= 1e-4
+
+
 def test_a_missing_ssm_tensor_is_named(ggufs, tmp_path):
     path = rewritten(ggufs["qwen35", "f32"], tmp_path / "bad.gguf", drop=("blk.2.ssm_a",))
     with pytest.raises(CheckpointError,
@@ -314,7 +334,7 @@ def test_a_missing_ssm_tensor_is_named(ggufs, tmp_path):
 def test_expert_count_not_matching_the_tensors_is_named(arch, ggufs, tmp_path):
     path = rewritten(ggufs[arch, "q8_0"], tmp_path / "bad.gguf", keys={f"{arch}.expert_count": 6})
     with pytest.raises(CheckpointError, match=rf"tensor blk\.0\.ffn_gate_inp\.weight has shape \[8, 64\], but "
-                                              rf"{arch}\.expert_count \(6\) .* makes it \[6, 64\]"):
+                                              rf"{arch}\.expert_count \(6\) .* make it \[6, 64\]"):
         load_model(path)
 
 
