@@ -80,7 +80,7 @@ def convert_hf_to_gguf(hf_dir: str | Path, out_path: str | Path, qtype: str = "f
         arch = FAMILY_TO_HYBRID_ARCH[cfg.family]
         plan = sorted(((p.gguf_name, p.shape, _hybrid_tensor_type(p.gguf_name, p.shape, want),
                         [file for file, _ in p.sources], partial(planned_values, p, cfg=cfg))
-                       for p in hybrid_plan(hf_dir, cfg, arch)), key=_gguf_order)
+                       for p in hybrid_plan(hf_dir, cfg)), key=_gguf_order)
     elif cfg.family in FAMILY_TO_ARCH:
         arch = FAMILY_TO_ARCH[cfg.family]
         plan = [(gguf_name, shape, ggml_type, [file], partial(_dense_values, file, hf_name, gguf_name, arch, cfg))

@@ -16,6 +16,7 @@ from ..errors import CheckpointError
 from ..util import on_meta
 from ..weights.safetensors import safetensors_files
 from .config import ModelConfig
+from .gguf_config import FAMILY_TO_HYBRID_ARCH
 from .gguf_tensors import Rule, gguf_shape, to_gguf, to_gguf_names
 from .qwen3_5 import HybridTransformer, hf_text_name, is_hybrid, zero_centred_norm
 from .transformer import Transformer
@@ -38,28 +39,35 @@ class PlannedTensor:
     per_expert: bool = False  # the sources are one matrix per expert, stacked in order
 
 
-def hybrid_plan(hf_dir: Path, cfg: ModelConfig, arch: str) -> list[PlannedTensor]:
-    """Every GGUF tensor of the model in `hf_dir`, checked against the config before anything is written."""
+def llama_cpp_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], str, Rule, tuple[int, ...]]]:
+    """(GGUF name, its shape, our parameter name, rule, our shape) of every tensor llama.cpp's converter
+    writes for a qwen3_moe / qwen3_5 / qwen3_5_moe model of `cfg` (shapes outermost first; GGUF's
+    on-disk dims are these reversed). A file with exactly these tensors and write_hybrid_keys' metadata
+    is what llama.cpp loads."""
+    arch = FAMILY_TO_HYBRID_ARCH[cfg.family]
     with on_meta():
         model = HybridTransformer(cfg) if is_hybrid(cfg) else Transformer(cfg)
-    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    return [(gguf_name, gguf_shape(rule, tuple(p.shape)), ours, rule, tuple(p.shape))
+            for ours, p in model.named_parameters() for gguf_name, rule in to_gguf_names(arch, ours)]
+
+
+def hybrid_plan(hf_dir: Path, cfg: ModelConfig) -> list[PlannedTensor]:
+    """Every GGUF tensor of the model in `hf_dir`, checked against the config before anything is written."""
     whole, per_expert = _index(hf_dir, cfg)
     plan = []
-    for ours, our_shape in expected.items():
-        for gguf_name, rule in to_gguf_names(arch, ours):
-            shape = gguf_shape(rule, our_shape)
-            if ours in whole:
-                file, hf_name, hf_shape = whole[ours]
-                if hf_shape != our_shape:
-                    raise CheckpointError(f"{file}: tensor {hf_name} has shape {list(hf_shape)}, the config needs "
-                                          f"{list(our_shape)}")
-                plan.append(PlannedTensor(gguf_name, shape, ours, rule, [(file, hf_name)], rule.parts > 1))
-            else:
-                prefix, kind = ours.rsplit(".", 1)
-                plan.append(PlannedTensor(gguf_name, shape, ours, rule,
-                                          _expert_sources(per_expert, prefix, _EXPERT_KINDS.get((kind, rule.part)),
-                                                          cfg.num_experts, shape[1:], hf_dir, ours),
-                                          per_expert=True))
+    for gguf_name, shape, ours, rule, our_shape in llama_cpp_tensors(cfg):
+        if ours in whole:
+            file, hf_name, hf_shape = whole[ours]
+            if hf_shape != our_shape:
+                raise CheckpointError(f"{file}: tensor {hf_name} has shape {list(hf_shape)}, the config needs "
+                                      f"{list(our_shape)}")
+            plan.append(PlannedTensor(gguf_name, shape, ours, rule, [(file, hf_name)], rule.parts > 1))
+        else:
+            prefix, kind = ours.rsplit(".", 1)
+            plan.append(PlannedTensor(gguf_name, shape, ours, rule,
+                                      _expert_sources(per_expert, prefix, _EXPERT_KINDS.get((kind, rule.part)),
+                                                      cfg.num_experts, shape[1:], hf_dir, ours),
+                                      per_expert=True))
     return plan
 
 

@@ -105,6 +105,15 @@ def test_gguf_config_equals_the_hf_config(arch, ggufs, hf_dirs):
         assert getattr(ours, field) == getattr(hf, field), field
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_tensor_table_lists_what_the_converter_writes(arch, ggufs, hf_dirs):
+    """llama_cpp_tensors(cfg): the names and shapes of a file for a config (random-weight benchmark files)."""
+    from lucebox.model.gguf_hybrid_write import llama_cpp_tensors
+    written = {t.name: tuple(reversed(t.shape.tolist())) for t in GGUFReader(ggufs[arch, "f32"]).tensors}
+    listed = {name: shape for name, shape, *_ in llama_cpp_tensors(load_model(str(hf_dirs[arch])).config)}
+    assert listed == written
+
+
 def test_llama_cpp_layout_of_the_written_deltanet_tensors(ggufs, hf_dirs):
     """ssm_a = -exp(A_log), conv1d without its middle axis, value heads in llama.cpp's tiled order."""
     from safetensors.torch import load_file
@@ -186,6 +195,32 @@ def test_expert_weights_dequantises_only_the_selected_experts():
     assert expert_weights(stacked, ids, torch.bfloat16).dtype == torch.bfloat16
     assert torch.equal(expert_weights(values, ids, torch.float32), values[ids])
     assert (whole - values).abs().max() < 0.05
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS], ids=lambda q: q.name)
+def test_quantised_experts_compute_what_the_gguf_package_dequantises(qtype):
+    """Every quantised type lucebox reads, as stacked experts: the gathered (few tokens) and grouped
+    (many tokens) products equal float experts holding gguf-py's dequantisation of the same bytes."""
+    from lucebox.bench.shapes import random_quant_tensor
+    from lucebox.model.moe import Experts
+
+    torch.manual_seed(0)
+    experts, hidden, inter = 4, 256, 256
+    quantised, floats = Experts(experts, hidden, inter), Experts(experts, hidden, inter)
+    for name, out, cols in (("gate_up_proj", 2 * inter, hidden), ("down_proj", hidden, inter)):
+        rows = random_quant_tensor(qtype, experts * out, cols, "cpu", name)
+        stacked = QuantTensor(rows.data, qtype, (experts, out, cols), name)
+        reference = gguf.quants.dequantize(rows.data.numpy(), qtype).reshape(experts, out, cols)
+        delattr(quantised, name)
+        setattr(quantised, name, stacked)
+        setattr(floats, name, torch.nn.Parameter(torch.from_numpy(np.array(reference, np.float32))))
+    for tokens in (3, 40):  # 6 routed rows: gathered; 80: grouped
+        x = torch.randn(tokens, hidden)
+        ids = torch.randint(0, experts, (tokens, 2))
+        weights = torch.rand(tokens, 2)
+        with torch.no_grad():
+            want = floats(x, ids, weights)
+            assert torch.allclose(quantised(x, ids, weights), want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
 
 def test_quantised_moe_hybrid_generates_greedily_like_its_dequantised_copy(ggufs, tmp_path):
