@@ -48,7 +48,7 @@ from .model.gated_attention import rotary_dim
 from .model.loader import read_generation_config
 from .model.rope import inverse_frequencies
 from .model.transformer import Transformer
-from .text.gguf_vocab import LLAMA3_REGEX, QWEN2_REGEX
+from .text.gguf_vocab import LLAMA3_REGEX, QWEN2_REGEX, QWEN35_REGEX
 from .util import on_meta
 from .weights.gguf import FLOAT_TYPES
 from .weights.safetensors import safetensors_files
@@ -341,6 +341,8 @@ def _pre_tokenizer(spec: dict, family: str) -> str:
     regexes = [p["pattern"].get("Regex") for p in parts if p.get("type") == "Split" and isinstance(p.get("pattern"), dict)]
     if QWEN2_REGEX in regexes:
         return "qwen2"
+    if QWEN35_REGEX in regexes:
+        return "qwen35"
     if LLAMA3_REGEX in regexes:
         return "llama-bpe"
     if not regexes and any(p.get("type") == "ByteLevel" and p.get("use_regex", True) for p in parts):

@@ -390,3 +390,24 @@ def test_gate_and_up_experts_of_different_quantised_types_are_refused(ggufs, tmp
     with pytest.raises(UnsupportedError, match=r"blk\.1\.ffn_gate_exps\.weight \+ blk\.1\.ffn_up_exps\.weight have "
                                                r"different types"):
         load_model(path)
+
+
+def test_a_qwen35_style_pre_tokenizer_is_named_qwen35_and_tokenizes_the_same(tokenizer_dir, tmp_path):
+    import shutil
+
+    from tokenizers import Regex, Tokenizer, pre_tokenizers
+
+    from lucebox.text.gguf_vocab import QWEN35_REGEX
+
+    tok_dir = tmp_path / "tok"
+    shutil.copytree(tokenizer_dir, tok_dir)
+    tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN35_REGEX), behavior="isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.save(str(tok_dir / "tokenizer.json"))
+    hf_dir = build_hf_model("qwen3", tmp_path / "hf", tok_dir, **ARCHS["qwen35"])
+    path = convert_hf_to_gguf(hf_dir, tmp_path / "q.gguf", "f32")
+    assert GGUFReader(path).fields["tokenizer.ggml.pre"].contents() == "qwen35"
+    ours, hf = load_model(str(path)).tokenizer, load_model(str(hf_dir)).tokenizer
+    text = "x = 12345 + 678;\n\n  print('hello world')  # it's Über 東京"
+    assert ours.encode(text) == hf.encode(text)
