@@ -180,8 +180,9 @@ def test_q8_0_gguf_keeps_experts_quantised_and_computes_its_dequantised_values(a
     got = lucebox_logits(loaded, prompt)
     assert (got - lucebox_logits(float_copy, prompt)).abs().max().item() <= 1e-4
     # Against the unquantised model: Q8_0 (8 bits and a scale per 32 weights) moves these tiny models'
-    # logits by 0.02-0.06 of their ~1-2; a layout mistake moves them by their own size.
-    assert (got - reference_logits(references[arch], prompt)).abs().max().item() <= 0.15
+    # logits by 0.01-0.08 of their ~1-2, up to ~0.2 at a position where a top-2 routing choice flips;
+    # a layout mistake moves them by their own size.
+    assert (got - reference_logits(references[arch], prompt)).abs().max().item() <= 0.4
 
 
 def test_expert_weights_dequantises_only_the_selected_experts():
