@@ -13,6 +13,7 @@ import math
 import os
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -32,11 +33,22 @@ from tqdm import tqdm
 
 from .errors import CheckpointError, LuceboxError, RequestError, UnsupportedError
 from .model.config import ModelConfig
-from .model.gguf_config import FAMILY_TO_ARCH, ROPE_FREQS, SAMPLING_KEYS, permute_rows, rows_permuted, to_gguf_name
+from .model.gguf_config import (
+    FAMILY_TO_ARCH,
+    FAMILY_TO_HYBRID_ARCH,
+    ROPE_FREQS,
+    SAMPLING_KEYS,
+    permute_rows,
+    rows_permuted,
+    to_gguf_name,
+)
+from .model.gguf_hybrid_config import write_hybrid_keys
+from .model.gguf_hybrid_write import hybrid_plan, planned_values
+from .model.gated_attention import rotary_dim
 from .model.loader import read_generation_config
 from .model.rope import inverse_frequencies
 from .model.transformer import Transformer
-from .text.gguf_vocab import LLAMA3_REGEX, QWEN2_REGEX
+from .text.gguf_vocab import LLAMA3_REGEX, QWEN2_REGEX, QWEN35_REGEX
 from .util import on_meta
 from .weights.gguf import FLOAT_TYPES
 from .weights.safetensors import safetensors_files
@@ -64,10 +76,17 @@ def convert_hf_to_gguf(hf_dir: str | Path, out_path: str | Path, qtype: str = "f
         raise RequestError(f"{out_path}: the directory {out_path.parent} does not exist")
     want = QTYPES[qtype]
     cfg = ModelConfig.from_hf_dir(hf_dir)
-    if cfg.family not in FAMILY_TO_ARCH:  # e.g. qwen3_moe: its GGUF tensors (stacked experts) come later
-        raise UnsupportedError(f"{hf_dir}: converting {cfg.family} to GGUF is not supported yet")
-    arch = FAMILY_TO_ARCH[cfg.family]
-    plan = _plan(hf_dir, cfg, want)
+    if cfg.family in FAMILY_TO_HYBRID_ARCH:
+        arch = FAMILY_TO_HYBRID_ARCH[cfg.family]
+        plan = sorted(((p.gguf_name, p.shape, _hybrid_tensor_type(p.gguf_name, p.shape, want),
+                        [file for file, _ in p.sources], partial(planned_values, p, cfg=cfg))
+                       for p in hybrid_plan(hf_dir, cfg)), key=_gguf_order)
+    elif cfg.family in FAMILY_TO_ARCH:
+        arch = FAMILY_TO_ARCH[cfg.family]
+        plan = [(gguf_name, shape, ggml_type, [file], partial(_dense_values, file, hf_name, gguf_name, arch, cfg))
+                for gguf_name, shape, ggml_type, file, hf_name in _plan(hf_dir, cfg, want)]
+    else:
+        raise UnsupportedError(f"{hf_dir}: converting {cfg.family} to GGUF is not supported")
 
     with gguf_written(out_path, arch) as writer:
         _write_metadata(writer, cfg, arch, hf_dir, want)
@@ -82,16 +101,11 @@ def convert_hf_to_gguf(hf_dir: str | Path, out_path: str | Path, qtype: str = "f
         writer.write_ti_data_to_file()
         with ExitStack() as stack:
             files = {}
-            for _, _, _, file, _ in plan:
-                if file not in files:
-                    files[file] = stack.enter_context(safe_open(str(file), framework="pt"))
-            for gguf_name, shape, ggml_type, file, hf_name in tqdm(plan, desc=f"Converting to {qtype}",
-                                                                   unit="tensor", disable=None):
-                try:
-                    values = files[file].get_tensor(hf_name).to(torch.float32).numpy()
-                except Exception as e:  # safetensors' own error types, for a file cut short
-                    raise CheckpointError(f"{file}: cannot read tensor {hf_name} ({e})") from None
-                writer.write_tensor_data(_encode(values, gguf_name, arch, cfg, ggml_type))
+            for file in dict.fromkeys(file for entry in plan for file in entry[3]):
+                files[file] = stack.enter_context(safe_open(str(file), framework="pt"))
+            for _, _, ggml_type, _, values in tqdm(plan, desc=f"Converting to {qtype}", unit="tensor", disable=None):
+                array = np.ascontiguousarray(values(files).numpy())
+                writer.write_tensor_data(np.ascontiguousarray(quantize(array, ggml_type)))
         if extra is not None:
             writer.write_tensor_data(extra)
     return out_path
@@ -167,11 +181,23 @@ def _gguf_order(entry) -> tuple:
     return (0 if name.startswith("token_embd") else 2, 0, name)
 
 
-def _encode(values: np.ndarray, gguf_name: str, arch: str, cfg: ModelConfig, ggml_type: Q) -> np.ndarray:
+def _dense_values(file: Path, hf_name: str, gguf_name: str, arch: str, cfg: ModelConfig, files: dict) -> torch.Tensor:
+    try:
+        values = files[file].get_tensor(hf_name).to(torch.float32)
+    except Exception as e:  # safetensors' own error types, for a file cut short
+        raise CheckpointError(f"{file}: cannot read tensor {hf_name} ({e})") from None
     which = rows_permuted(arch, gguf_name)
     if which:
-        values = permute_rows(values, cfg.num_heads if which == "q" else cfg.num_kv_heads)
-    return np.ascontiguousarray(quantize(np.ascontiguousarray(values), ggml_type))
+        values = torch.from_numpy(permute_rows(values.numpy(), cfg.num_heads if which == "q" else cfg.num_kv_heads))
+    return values
+
+
+# llama.cpp's converter keeps these F32 whatever the output type: routers and the conv filter.
+_ALWAYS_F32 = (".ffn_gate_inp.weight", ".ffn_gate_inp_shexp.weight", ".ssm_conv1d.weight")
+
+
+def _hybrid_tensor_type(gguf_name: str, shape: tuple[int, ...], want: Q) -> Q:
+    return Q.F32 if gguf_name.endswith(_ALWAYS_F32) else _tensor_type(shape, want)
 
 
 def write_shape_metadata(w: GGUFWriter, cfg: ModelConfig, name: str, want: Q) -> None:
@@ -190,13 +216,15 @@ def write_shape_metadata(w: GGUFWriter, cfg: ModelConfig, name: str, want: Q) ->
     w.add_head_count_kv(cfg.num_kv_heads)
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
-    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_rope_dimension_count(rotary_dim(cfg) if hasattr(cfg, "partial_rotary_factor") else cfg.head_dim)
     w.add_rope_freq_base(cfg.rope.theta)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
 
 
 def _write_metadata(w: GGUFWriter, cfg: ModelConfig, arch: str, hf_dir: Path, want: Q) -> None:
     write_shape_metadata(w, cfg, hf_dir.resolve().name, want)
+    if arch in FAMILY_TO_HYBRID_ARCH.values():
+        write_hybrid_keys(w, cfg, arch, _mrope_sections(hf_dir))
     rope = cfg.rope
     if rope.type == "linear":
         w.add_rope_scaling_type(RopeScalingType.LINEAR)
@@ -228,6 +256,15 @@ def _write_metadata(w: GGUFWriter, cfg: ModelConfig, arch: str, hf_dir: Path, wa
                 w.add_int32(f"general.sampling.{key}", int(value))
             else:
                 w.add_float32(f"general.sampling.{key}", float(value))
+
+
+def _mrope_sections(hf_dir: Path) -> list[int] | None:
+    """Qwen 3.5's mrope_section (text positions make every section turn alike; llama.cpp wants the key)."""
+    raw = json.loads((hf_dir / "config.json").read_text(encoding="utf-8"))
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    sections = rope.get("mrope_section") if isinstance(rope, dict) else None
+    return sections if isinstance(sections, list) and all(isinstance(s, int) for s in sections) else None
 
 
 def _rope_freqs(cfg: ModelConfig) -> np.ndarray | None:
@@ -304,6 +341,8 @@ def _pre_tokenizer(spec: dict, family: str) -> str:
     regexes = [p["pattern"].get("Regex") for p in parts if p.get("type") == "Split" and isinstance(p.get("pattern"), dict)]
     if QWEN2_REGEX in regexes:
         return "qwen2"
+    if QWEN35_REGEX in regexes:
+        return "qwen35"
     if LLAMA3_REGEX in regexes:
         return "llama-bpe"
     if not regexes and any(p.get("type") == "ByteLevel" and p.get("use_regex", True) for p in parts):

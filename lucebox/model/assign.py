@@ -9,6 +9,7 @@ from torch import nn
 
 from ..errors import CheckpointError
 from ..util import on_meta
+from ..weights.quant import QuantTensor
 from .transformer import Transformer
 
 log = logging.getLogger("lucebox")
@@ -41,7 +42,12 @@ def assign(model: Transformer, tensors: Iterable[tuple[str, torch.Tensor | nn.Mo
         prefix, leaf = name.rsplit(".", 1)
         owner = model.get_submodule(prefix)
         target_device = _target_device(params[name], device)
-        if isinstance(value, nn.Module):
+        if isinstance(value, QuantTensor):  # stacked experts kept quantised (model/moe.py: expert_weights)
+            if value.shape != expected[name]:
+                raise _shape_error(source, name, value.shape, expected[name])
+            delattr(owner, leaf)
+            setattr(owner, leaf, value.to(target_device))
+        elif isinstance(value, nn.Module):
             if tuple(value.weight.shape) != expected[name]:
                 raise _shape_error(source, name, value.weight.shape, expected[name])
             value = value.to(target_device)

@@ -18,6 +18,9 @@ from .config import ModelConfig, RopeConfig, check_float, check_int
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 # ModelConfig.family -> general.architecture written by the converter.
 FAMILY_TO_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# The MoE and hybrid architectures (their tensors: model/gguf_tensors.py, metadata: model/gguf_hybrid_config.py).
+HYBRID_ARCHITECTURES = {"qwen3moe": "qwen3_moe", "qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe"}
+FAMILY_TO_HYBRID_ARCH = {family: arch for arch, family in HYBRID_ARCHITECTURES.items()}
 
 GLOBAL_TENSORS = {
     "token_embd.weight": "embed_tokens.weight",
@@ -168,10 +171,10 @@ class Metadata:
 
 def architecture(meta: Metadata) -> str:
     arch = meta.need("general.architecture")
-    if arch not in ARCHITECTURES:
+    if arch not in ARCHITECTURES and arch not in HYBRID_ARCHITECTURES:
         raise UnsupportedError(
-            f"{meta.path}: architecture {arch!r} (general.architecture) is not supported; "
-            f"lucebox loads {', '.join(ARCHITECTURES)} GGUF files (Mistral files say 'llama')")
+            f"{meta.path}: architecture {arch!r} (general.architecture) is not supported; lucebox loads "
+            f"{', '.join([*ARCHITECTURES, *HYBRID_ARCHITECTURES])} GGUF files (Mistral files say 'llama')")
     return arch
 
 
@@ -211,7 +214,7 @@ def model_config(meta: Metadata, shapes: dict[str, tuple[int, ...]]) -> ModelCon
     values = {
         "intermediate_size": meta.integer(key("feed_forward_length"), required=True, limit="intermediate_size"),
         "rms_norm_eps": meta.number(key("attention.layer_norm_rms_epsilon"), required=True, limit="rms_norm_eps"),
-        "rope": _rope(meta, arch, context),
+        "rope": rope_config(meta, arch, context),
         "sliding_windows": _sliding_windows(meta, arch, layers),
         "bos_token_id": meta.integer("tokenizer.ggml.bos_token_id", limit="token_id"),
     }
@@ -241,7 +244,7 @@ def model_config(meta: Metadata, shapes: dict[str, tuple[int, ...]]) -> ModelCon
         raise CheckpointError(f"{meta.path}: {e}") from None
 
 
-def _rope(meta: Metadata, arch: str, context: int) -> RopeConfig:
+def rope_config(meta: Metadata, arch: str, context: int) -> RopeConfig:
     prefix = f"{arch}.rope"
     theta = meta.number(f"{prefix}.freq_base", 10000.0, limit="rope_theta")
     kind = meta.get(f"{prefix}.scaling.type")

@@ -28,6 +28,7 @@ from ..weights.safetensors import iter_safetensors, safetensors_shapes
 from .assign import assign, empty_model
 from .config import HF_KEYS, ModelConfig
 from .gguf_config import (
+    HYBRID_ARCHITECTURES,
     ROPE_FREQS,
     SAMPLING_KEYS,
     Metadata,
@@ -38,8 +39,11 @@ from .gguf_config import (
     to_our_name,
     unpermute_rows,
 )
+from .gguf_hybrid_config import hybrid_model_config
+from .gguf_hybrid_load import check_hybrid_layers, hybrid_tensors
+from .gguf_hybrid_load import check_hybrid_tensors as check_hybrid_gguf
 from .moe import stack_experts
-from .qwen3_5 import check_hybrid_tensors, hf_text_name, hf_text_tensors, is_hybrid
+from .qwen3_5 import HybridTransformer, check_hybrid_tensors, hf_text_name, hf_text_tensors, is_hybrid
 from .rope import RopeTable
 from .tensor_check import check_config_against_tensors
 from .transformer import Transformer
@@ -168,6 +172,8 @@ def load_gguf(path: Path, dtype, device: torch.device) -> LoadedModel:
     architecture(meta)  # an unknown architecture is the clearest first message
     check_tensors(reader, path)
     tensors = {t.name: t for t in reader.tensors}
+    if architecture(meta) in HYBRID_ARCHITECTURES:
+        return _load_hybrid_gguf(reader, meta, path, dtype, device)
     cfg = model_config(meta, {name: logical_shape(t) for name, t in tensors.items()})
     ours = {to_our_name(name): logical_shape(t) for name, t in tensors.items() if to_our_name(name)}
     check_config_against_tensors(cfg, ours, str(path), config_keys(architecture(meta)))
@@ -182,6 +188,24 @@ def load_gguf(path: Path, dtype, device: torch.device) -> LoadedModel:
     model.eval()
     tokenizer = Tokenizer.from_gguf(reader, path)
     return LoadedModel(model, tokenizer, cfg, str(path), "gguf", generation_defaults(meta))
+
+
+def _load_hybrid_gguf(reader: GGUFReader, meta: Metadata, path: Path, dtype, device: torch.device) -> LoadedModel:
+    """qwen3moe / qwen35 / qwen35moe: names and layout changes in model/gguf_tensors.py."""
+    arch = architecture(meta)
+    shapes = {t.name: logical_shape(t) for t in reader.tensors}
+    cfg = hybrid_model_config(meta, shapes)
+    check_hybrid_layers(cfg, arch, shapes, path)
+    torch_dtype = resolve_dtype(dtype, None, device)
+    with on_meta():
+        model = (HybridTransformer(cfg) if is_hybrid(cfg) else Transformer(cfg)).to(torch_dtype)
+    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    check_hybrid_gguf(cfg, arch, expected, shapes, path)
+    assign(model, hybrid_tensors(reader, cfg, arch, model, torch_dtype, path), str(path), torch_dtype, device)
+    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        raise RuntimeError("load_gguf: a model tensor is not filled from the file (new buffer?)")
+    model.eval()
+    return LoadedModel(model, Tokenizer.from_gguf(reader, path), cfg, str(path), "gguf", generation_defaults(meta))
 
 
 def _model_tensors(reader: GGUFReader, cfg: ModelConfig, meta: Metadata, model: Transformer,

@@ -21,6 +21,7 @@ from ..kernels.activation import silu_and_mul
 from ..kernels.linear import linear
 from ..kernels.moe import expert_kernel, expert_matmul
 from ..kernels.routing import TORCH
+from ..weights.quant import QuantTensor
 from .config import ModelConfig
 
 # The torch reference (the CPU; GPUs without Triton): up to this many routed (token, expert) rows,
@@ -28,16 +29,6 @@ from .config import ModelConfig
 # safe). Above it, tokens are sorted by expert and each expert the batch touches runs one product
 # over its tokens. On GPUs the Triton kernels (kernels/moe.py) read the routed experts in place.
 GATHER_ROWS = 16
-
-
-def expert_weights(w, ids, dtype: torch.dtype) -> torch.Tensor:
-    """Stacked experts w [E, out, in] (float, or a QuantTensor of GGUF rows [E * out, bytes]) at expert
-    ids (a tensor [n] -> [n, out, in], or one int -> [out, in]) in dtype; quantised experts are
-    dequantised for those ids only."""
-    if isinstance(w, torch.Tensor):
-        return w[ids].to(dtype)
-    experts, out, _ = w.shape
-    return dequant.dequantize(w.data.view(experts, out, -1)[ids], w.qtype, dtype)
 
 
 class Experts(nn.Module):
@@ -87,6 +78,18 @@ class Experts(nn.Module):
         out = torch.empty_like(sorted_out)
         out[order] = sorted_out
         return out
+
+
+def expert_weights(w: torch.Tensor | QuantTensor, ids: torch.Tensor | int, dtype: torch.dtype) -> torch.Tensor:
+    """The selected experts' matrices of a stacked [E, out, in] weight: [len(ids), out, in] for an id tensor,
+    [out, in] for one id. A QuantTensor (GGUF experts kept quantised, data [E * out, row bytes])
+    dequantises only the selected experts' rows, to `dtype`; float weights are indexed as they are."""
+    if not isinstance(w, QuantTensor):
+        return w[ids]
+    experts, out, cols = w.shape
+    rows = w.data.view(experts, out, -1)[ids]
+    values = dequant.dequantize(rows.reshape(-1, rows.shape[-1]), w.qtype, dtype)
+    return values.reshape(*rows.shape[:-1], cols)
 
 
 class SparseMoE(nn.Module):

@@ -22,7 +22,7 @@ from lucebox.kernels.dispatch import use_triton
 from lucebox.kernels.linear import dequantize_rows, quant_linear, quant_matmul
 from lucebox.kernels.split_rows import applies, join_rows, split_rows
 
-__all__ = ["SUPPORTED_TYPES", "QuantEmbedding", "QuantLinear", "QuantTensor"]
+__all__ = ["SUPPORTED_TYPES", "PermutedInputQuantLinear", "QuantEmbedding", "QuantLinear", "QuantTensor"]
 
 
 def _check_type(qtype, name: str) -> GGMLQuantizationType:
@@ -173,6 +173,24 @@ class QuantLinear(_SplitRows, torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"{self.name!r}, in_features={self.in_features}, out_features={self.out_features}, "
                 f"qtype={self.qtype.name}, bias={self.bias is not None}, split_rows={self.split_rows}")
+
+
+class PermutedInputQuantLinear(QuantLinear):
+    """A QuantLinear whose weight columns are stored in another order than its input's features:
+    y = W_stored @ x[..., input_order]. For weights whose columns a converter reordered in blocks that
+    quantisation blocks straddle (llama.cpp's tiled DeltaNet value heads in ssm_out), so that the
+    bytes stay as stored; `weight` is the stored matrix."""
+
+    def __init__(self, weight: QuantTensor, input_order: torch.Tensor, bias: torch.Tensor | None = None,
+                 chunk_bytes: int = 32 << 20):
+        super().__init__(weight, bias, chunk_bytes)
+        if tuple(input_order.shape) != (self.in_features,):
+            raise CheckpointError(f"tensor {weight.name!r}: an input order of {tuple(input_order.shape)} entries "
+                                  f"for {self.in_features} input features")
+        self.register_buffer("input_order", input_order.to(device=weight.device, dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.index_select(-1, self.input_order))
 
 
 class QuantEmbedding(_SplitRows, torch.nn.Module):

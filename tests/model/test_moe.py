@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from lucebox import LLM, SamplingParams
 from lucebox.convert import convert_hf_to_gguf
-from lucebox.errors import CheckpointError, UnsupportedError
+from lucebox.errors import CheckpointError
 from lucebox.model import moe
 from lucebox.model.config import ModelConfig
 from lucebox.model.loader import load_model
@@ -250,7 +250,12 @@ def test_stacked_experts_of_the_wrong_size_are_named(moe_models, tmp_path):
         load_model(str(path), dtype="float32")
 
 
-def test_converting_to_gguf_says_it_is_not_supported_yet(moe_models, tmp_path):
-    with pytest.raises(UnsupportedError, match="converting qwen3_moe to GGUF is not supported yet"):
-        convert_hf_to_gguf(moe_models["qwen3_moe"], tmp_path / "moe.gguf", "f32")
-    assert not (tmp_path / "moe.gguf").exists()
+def test_a_moe_with_dense_layers_converts_to_gguf_and_back(moe_models, tmp_path):
+    """mlp_only_layers: llama.cpp's qwen3moe has no such layers, lucebox's files keep them (a dense FFN's
+    tensors; the layer's router tells the sparse ones apart)."""
+    path = convert_hf_to_gguf(moe_models["qwen3_moe"], tmp_path / "moe.gguf", "f32")
+    loaded = load_model(str(path), dtype="float32")
+    assert loaded.config.moe_layers == [False, True, True, True]
+    prompt = random_prompts(loaded.config.vocab_size)[1]
+    got = prefill_logits(loaded, [prompt])[0]
+    assert (got - reference_logits(moe_models["qwen3_moe"], prompt)).abs().max().item() <= 1e-4

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import pytest
 from lucebox.errors import LuceboxError
 from lucebox.model.loader import load_model
-from tests import mutations
+from tests import hybrid_mutations, mutations
 
 SECONDS_PER_CASE = 30  # a hang, not a slow host: a full GC under tracemalloc late in a CI run took > 5 s
 PEAK_BYTES = 64 << 20  # the valid tiny checkpoints load with a few MB
@@ -72,7 +72,15 @@ def test_the_mutation_parser_finds_every_tensor_of_the_valid_gguf(tmp_path):
     assert "tokenizer.ggml.tokens" in fields.values
 
 
-@pytest.mark.parametrize("case", mutations.gguf_cases() + mutations.safetensors_cases(), ids=lambda c: c.id)
+def test_the_unmutated_hybrid_gguf_loads_with_quantised_experts(tmp_path):
+    loaded, peak, _ = load_bounded(hybrid_mutations.write_hybrid_gguf(tmp_path / "ok.gguf"))
+    assert not isinstance(loaded, Exception), loaded
+    assert loaded.config.layer_types == ["linear_attention", "full_attention"] and peak < PEAK_BYTES
+    assert type(loaded.model.layers[1].mlp.experts.down_proj).__name__ == "QuantTensor"
+
+
+@pytest.mark.parametrize("case", mutations.gguf_cases() + mutations.safetensors_cases() + hybrid_mutations.hybrid_cases(),
+                         ids=lambda c: c.id)
 def test_mutated_checkpoint_fails_with_an_error_naming_the_field(case, tmp_path):
     path = case.build(tmp_path)
     outcome, peak, seconds = load_bounded(path)
@@ -82,7 +90,7 @@ def test_mutated_checkpoint_fails_with_an_error_naming_the_field(case, tmp_path)
     assert re.search(case.expected, str(outcome)), f"{case.id}: {outcome}"
 
 
-@pytest.mark.parametrize("case", mutations.gguf_flip_cases(), ids=lambda c: c.id)
+@pytest.mark.parametrize("case", mutations.gguf_flip_cases() + hybrid_mutations.hybrid_flip_cases(), ids=lambda c: c.id)
 def test_random_byte_flips_load_cleanly_or_fail_with_a_lucebox_error(case, tmp_path):
     outcome, peak, _ = load_bounded(case.build(tmp_path))
     assert peak < PEAK_BYTES, f"{case.id}: {peak} bytes traced"
