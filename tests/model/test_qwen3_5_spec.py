@@ -152,7 +152,7 @@ def corrupted_oracle(monkeypatch, spec, want: dict, every: int):
     monkeypatch.setattr(spec.proposer, "propose", oracle)
 
 
-@pytest.mark.parametrize("drafts", ["random drafter", "accepting 0..k, dormant between"])
+@pytest.mark.parametrize("drafts", ["random drafter", "adaptive policy", "accepting 0..k, dormant between"])
 def test_dflash_speculation_is_token_identical_to_plain_decoding(drafts, hybrid_path, reference, drafter,
                                                                  monkeypatch):
     """A continuous batch on the hybrid target with a DFlash drafter: output equals plain decoding,
@@ -161,12 +161,13 @@ def test_dflash_speculation_is_token_identical_to_plain_decoding(drafts, hybrid_
     plain = LLM(str(hybrid_path), block_size=BLOCK_SIZE, max_num_seqs=4, max_num_batched_tokens=24)
     batch = repetitive_prompts(plain.engine.loaded.config.vocab_size)
     want = [o.outputs[0].token_ids for o in greedy(plain, batch, 16)]
+    config = DFLASH | {"model": str(drafter), "adaptive": drafts == "adaptive policy"}
     spec = LLM(str(hybrid_path), block_size=BLOCK_SIZE, max_num_seqs=4, max_num_batched_tokens=24,
-               speculative_config=DFLASH | {"model": str(drafter)})
+               speculative_config=config)
     speculator = spec.engine.speculator
     assert speculator.every_step
     seen = record_taps(monkeypatch, speculator.proposer)
-    if drafts != "random drafter":
+    if drafts.startswith("accepting"):
         corrupted_oracle(monkeypatch, speculator, {tuple(p): w for p, w in zip(batch, want)}, every=2)
     outs = greedy(spec, batch, 16)
     assert [o.outputs[0].token_ids for o in outs] == want
@@ -175,7 +176,7 @@ def test_dflash_speculation_is_token_identical_to_plain_decoding(drafts, hybrid_
     assert_taps_are_the_targets(seen, outs, reference)
     metrics = [o.metrics for o in outs]
     assert sum(m.num_draft_tokens for m in metrics) > 0
-    if drafts != "random drafter":
+    if drafts.startswith("accepting"):
         assert sum(m.num_drafts - m.accepted_per_position[0] for m in metrics) > 0  # none accepted
         assert sum(m.accepted_per_position[0] - m.accepted_per_position[-1] for m in metrics) > 0  # some
         assert sum(m.accepted_per_position[-1] for m in metrics) > 0  # all
