@@ -129,3 +129,25 @@ def test_bad_published_keys_are_named(target, tmp_path, change, message):
     (out / "config.json").write_text(json.dumps(published_config(ModelConfig.from_hf_dir(target), **change)))
     with pytest.raises(CheckpointError, match=message):
         read_drafter_config(out)
+
+
+@pytest.mark.parametrize("is_causal", [None, False])
+def test_gguf_form_keeps_windows_and_causality(target, tmp_path, is_causal):
+    """convert-drafter writes the published drafter as GGUF: sliding layers, the window and an
+    explicit is_causal come back, and it computes what the safetensors drafter computes."""
+    pytest.importorskip("dflash.model")
+    from lucebox.spec.dflash import load_drafter
+    from lucebox.spec.dflash_gguf import convert_drafter_to_gguf
+    path = write_reference_drafter(target, tmp_path / "d", **({} if is_causal is None else {"is_causal": False}))
+    gguf = convert_drafter_to_gguf(path, tmp_path / "d.gguf", "f16")
+    st, _ = load_drafter(path, torch.float32, "cpu")
+    gg, _ = load_drafter(gguf, torch.float32, "cpu")
+    assert gg.config.is_causal == is_causal and gg.config.causal_layers == st.config.causal_layers
+    assert gg.config.model.sliding_windows == [WINDOW, None]
+    g = torch.Generator().manual_seed(2)
+    features = torch.randn(9, len(TAPS) * st.config.model.hidden_size, generator=g)
+    block = torch.randn(BLOCK, st.config.model.hidden_size, generator=g)
+    with torch.no_grad():
+        a, b = (d.blocks(block, torch.arange(9, 9 + BLOCK), d.context_kv(features, torch.arange(9)), torch.arange(9))
+                for d in (st, gg))
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
