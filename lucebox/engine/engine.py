@@ -48,6 +48,9 @@ class LLMEngine:
         self.model.split_quant_rows()  # the GPU decode kernels' Q8_0 / Q6_K layout (idempotent)
         # The state every layer and the proposer keep per sequence: the planner and cache manager read it.
         specs = self.model.cache_specs(args.cache_type_k, args.cache_type_v, args.cache_rotate_k)
+        if self.speculator is not None and any(isinstance(s, RecurrentSpec) for s in specs):
+            # Recurrent state cannot be recomputed over cached positions: taps captured in every step.
+            self.speculator.capture_every_step()
         specs += self.speculator.proposer.cache_specs() if self.speculator is not None else []
         num_blocks = self._plan_kv_blocks(specs)
         graphs = self._graph_settings()
@@ -75,7 +78,7 @@ class LLMEngine:
         # also without them: a dormant drafter's decode steps take those.
         taps = self.speculator.capture_layers if self.speculator is not None else ()
         self.runner.capture_graphs(taps)
-        if taps:
+        if taps and not self.speculator.every_step:
             self.runner.capture_graphs(())
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(cfg.eos_token_ids)
         self.requests: dict[str, tuple[str | None, list[Sequence]]] = {}
@@ -111,7 +114,8 @@ class LLMEngine:
         query_lens = (1,)
         if self.speculator is not None:
             query_lens += tuple(k + 1 for k in self.speculator.policy.candidates)
-        catch_up = CATCH_UP_LENS if self.speculator is not None and self.speculator.capture_layers else ()
+        spec = self.speculator
+        catch_up = CATCH_UP_LENS if spec is not None and spec.capture_layers and not spec.every_step else ()
         return GraphSettings(self.max_model_len, min(self.args.cuda_graph_max_batch, self.args.max_num_seqs),
                              query_lens, catch_up_lens=catch_up)
 
@@ -120,10 +124,6 @@ class LLMEngine:
         and max_k drafts), kept so that a rollback restores the state after the last accepted token."""
         if self.speculator is None or not any(isinstance(s, RecurrentSpec) for s in specs):
             return 0
-        if self.speculator.capture_layers:
-            # A dormant drafter's catch-up recomputes cached positions, which would advance recurrent state twice.
-            raise UnsupportedError("DFlash speculation of models with recurrent (Gated DeltaNet) layers is not "
-                                   "supported yet; use method 'ngram' or 'draft_model'")
         if any(isinstance(s, RecurrentSpec) for s in self.speculator.proposer.cache_specs()):
             raise UnsupportedError("a draft model with recurrent (Gated DeltaNet) layers is not supported yet")
         return 1 + self.speculator.policy.max_k
@@ -278,8 +278,8 @@ class LLMEngine:
         spec = self.speculator
         if features is not None:
             spec.observe(seq, seq.num_computed, features[offset:offset + n])
-        elif spec is not None and spec.capture_layers and not self.overlap.in_run:
-            spec.missed(seq, seq.num_computed)  # a dormant drafter's step (a run's: told already)
+        elif spec is not None and spec.capture_layers and (spec.every_step or not self.overlap.in_run):
+            spec.missed(seq, seq.num_computed)  # a dormant drafter's step (a run's: told already; every_step: raises)
         seq.num_computed += n
         self.scheduler.cache.commit(seq)
 
@@ -287,6 +287,9 @@ class LLMEngine:
         """(seq, start, features) chunks of the drafter's taps each late sequence missed from start,
         computed lazily as the speculator reads them (StepPlanner.catch_up)."""
         for seq, start in late:
+            if self.speculator.every_step:
+                raise RuntimeError("internal error: a catch-up over cached positions was planned on a target with "
+                                   "recurrent layers (it would advance their state twice)")
             for begin, plan in self.planner.catch_up(seq, start):
                 yield seq, begin, self.runner.run(plan).features
 

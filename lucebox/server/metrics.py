@@ -1,5 +1,6 @@
 """Prometheus text exposition, named like vLLM's metrics (prefix `vllm:`) so existing dashboards work.
 
+Figures vLLM has no name for (the recurrent-state pool of hybrid models) are prefixed `lucebox:`.
 Counters carry prometheus_client's `_total` suffix, as vLLM's do on the wire
 (e.g. `vllm:spec_decode_num_drafts_total`, `vllm:spec_decode_num_accepted_tokens_per_pos_total`).
 """
@@ -90,6 +91,14 @@ class Metrics:
                    [f"vllm:kv_cache_usage_perc{{{L}}} {stats.kv_usage}"])
             metric("vllm:kv_cache_capacity_tokens", "gauge", "Tokens the KV pool holds.",
                    [f"vllm:kv_cache_capacity_tokens{{{L}}} {stats.kv_capacity_tokens}"])
+            if stats.state_slots:  # hybrids (Gated DeltaNet): the recurrent-state pool beside the KV pool
+                used = stats.state_slots - stats.state_slots_free
+                metric("lucebox:recurrent_state_slots", "gauge", "Recurrent-state slots in the pool (one a running "
+                       "sequence).", [f"lucebox:recurrent_state_slots{{{L}}} {stats.state_slots}"])
+                metric("lucebox:recurrent_state_slots_in_use", "gauge", "Recurrent-state slots held by sequences.",
+                       [f"lucebox:recurrent_state_slots_in_use{{{L}}} {used}"])
+                metric("lucebox:recurrent_state_usage_perc", "gauge", "Fraction of recurrent-state slots in use "
+                       "(1 = 100%).", [f"lucebox:recurrent_state_usage_perc{{{L}}} {stats.state_usage}"])
             metric("vllm:prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache.",
                    [f"vllm:prefix_cache_queries_total{{{L}}} {stats.prefix_cache_queries}"])
             metric("vllm:prefix_cache_hits", "counter", "Prompt tokens served from the prefix cache.",

@@ -6,7 +6,8 @@ Layout, following the spelling DFlash GGUF drafters already use (general.archite
             feed_forward_length, attention.head_count[_kv], attention.key_length,
             attention.layer_norm_rms_epsilon, context_length, vocab_size, rope.*, sliding window);
             dflash.target_layer_ids, dflash.mask_token_id, dflash.block_size,
-            dflash.n_target_features (taps x hidden), dflash.n_target_layers when known.
+            dflash.n_target_features (taps x hidden), dflash.n_target_layers when known,
+            dflash.is_causal when the config sets it (else sliding layers are the causal ones).
   tensors   dflash_fc.weight, dflash_hidden_norm.weight, output_norm.weight (the drafter's final
             norm) and blk.N.* with llama.cpp's layer names; no embedding and no LM head.
 Matrices are F16 or Q8_0 (a matrix whose rows are not whole Q8_0 blocks stays F16, as in
@@ -138,6 +139,10 @@ def _write_metadata(w: GGUFWriter, cfg: DFlashConfig, src: Path, want: Q) -> Non
     w.add_uint32(f"{ARCH}.dflash.n_target_features", len(cfg.target_layer_ids) * m.hidden_size)
     if cfg.num_target_layers is not None:
         w.add_uint32(f"{ARCH}.dflash.n_target_layers", int(cfg.num_target_layers))
+    if cfg.is_causal is not None:
+        w.add_bool(f"{ARCH}.dflash.is_causal", cfg.is_causal)
+    if m.partial_rotary_factor != 1.0:
+        raise UnsupportedError(f"{src}: a drafter with partial rotary ({m.partial_rotary_factor}) has no GGUF form")
 
 
 def _write_rope(w: GGUFWriter, rope: RopeConfig, src: Path) -> None:
@@ -194,8 +199,12 @@ def read_gguf_config(meta: Metadata) -> DFlashConfig:
             qk_norm=True, tie_word_embeddings=True, sliding_windows=windows)
     except CheckpointError as e:
         raise CheckpointError(f"{meta.path}: {e}") from None
+    causal = meta.get(key("dflash.is_causal"))
+    if causal is not None and not isinstance(causal, bool):
+        raise CheckpointError(f"{meta.path}: {key('dflash.is_causal')} must be a bool, got {causal!r:.80}")
     return DFlashConfig(model, [int(t) for t in taps], meta.integer(key("dflash.mask_token_id"), required=True),
-                        meta.integer(key("dflash.block_size"), 16), meta.integer(key("dflash.n_target_layers"), None))
+                        meta.integer(key("dflash.block_size"), 16), meta.integer(key("dflash.n_target_layers"), None),
+                        causal)
 
 
 def _read_rope(meta: Metadata) -> RopeConfig:

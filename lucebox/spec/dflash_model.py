@@ -7,6 +7,13 @@ the absolute position), so the projected context K/V can be cached and appended 
 from the block only; a block sees all its context and itself (non-causal). The drafter has no
 embedding or LM head: the block input is the target's embedding of [anchor, MASK, ...], and the
 logits are the target's LM head over the drafter's final norm.
+
+Published layouts read here: the Qwen3 drafters (`rope_theta` + `rope_scaling`, full attention)
+and the Qwen3.5/3.6 ones for hybrid targets (transformers 5's `rope_parameters`, mask id 248070,
+`layer_types` with `sliding_attention` layers of `sliding_window`). As in the reference, a sliding
+layer is causal inside the block unless `is_causal` says otherwise (`is_causal` set: every layer
+follows it). A `partial_rotary_factor` (top level or in `rope_parameters`), which no published
+drafter carries, turns only the first head_dim * factor dims, as the hybrid target's attention does.
 """
 from __future__ import annotations
 
@@ -20,7 +27,14 @@ from torch import nn
 
 from ..errors import CheckpointError
 from ..kernels.rope import apply_rope
-from ..model.config import ModelConfig, hf_rope, hf_sliding_windows, rope_to_hf
+from ..model.config import (
+    ModelConfig,
+    check_float,
+    hf_rope,
+    hf_sliding_windows,
+    rope_to_hf,
+)
+from ..model.gated_attention import apply_partial_rope, rotary_dim
 from ..model.rope import RopeTable
 from ..model.transformer import MLP, RMSNorm
 
@@ -32,6 +46,19 @@ class DFlashConfig:
     mask_token_id: int
     block_size: int
     num_target_layers: int | None = None
+    is_causal: bool | None = None  # the config's key: None = causal exactly in the sliding layers
+    kinds: list[str] | None = None  # the config's layer_types (None: from the windows)
+
+    @property
+    def causal_layers(self) -> list[bool]:
+        """Per layer: whether block rows see only block rows at or before their own position."""
+        if self.is_causal is not None:
+            return [self.is_causal] * self.model.num_layers
+        return [kind == "sliding_attention" for kind in self.layer_types]
+
+    @property
+    def layer_types(self) -> list[str]:
+        return self.kinds or ["sliding_attention" if w else "full_attention" for w in self.model.sliding_windows]
 
     @classmethod
     def from_dict(cls, raw: dict, where: str = "config.json") -> "DFlashConfig":
@@ -56,14 +83,40 @@ class DFlashConfig:
             cfg = ModelConfig.from_hf_dict(model)
         except CheckpointError as e:
             raise CheckpointError(f"{where}: {e}") from None
-        cfg.rope = hf_rope(raw)
-        cfg.sliding_windows = hf_sliding_windows(dict(model, use_sliding_window=True), "mistral", cfg.num_layers) \
-            if raw.get("layer_types") else [None] * cfg.num_layers
+        try:
+            cfg.rope = hf_rope(raw)
+            rope_params = raw.get("rope_parameters") or {}
+            factor = rope_params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+            cfg.partial_rotary_factor = check_float(factor, "rope_factor", "partial_rotary_factor")
+            # transformers' Qwen3Config drops the window when use_sliding_window is false (the
+            # reference then attends fully, causal or not); absent, the window holds.
+            windowed = raw.get("layer_types") and raw.get("use_sliding_window") is not False
+            cfg.sliding_windows = hf_sliding_windows(model, "mistral", cfg.num_layers) if windowed \
+                else [None] * cfg.num_layers
+        except CheckpointError as e:
+            raise CheckpointError(f"{where}: {e}") from None
+        if not 0 < cfg.partial_rotary_factor <= 1 or rotary_dim(cfg) == 0:
+            raise CheckpointError(f"{where}: partial_rotary_factor {cfg.partial_rotary_factor} leaves no dims "
+                                  f"of head_dim {cfg.head_dim} to rotate")
+        causal = raw.get("is_causal")
+        if causal is not None and not isinstance(causal, bool):
+            raise CheckpointError(f"{where}: is_causal must be true, false or absent, got {causal!r:.80}")
+        kinds = raw.get("layer_types")
         return cls(cfg, [int(t) for t in taps], mask, int(block),
-                   pick("num_target_layers", "n_target_layers"))
+                   pick("num_target_layers", "n_target_layers"), causal, list(kinds) if kinds else None)
 
     def to_dict(self) -> dict:
         m = self.model
+        windows = {w for w in m.sliding_windows if w is not None}
+        if len(windows) > 1:
+            raise CheckpointError(f"a drafter config holds one sliding_window, not {sorted(windows)}")
+        layout = {"layer_types": self.layer_types, "use_sliding_window": bool(windows)}
+        if windows:
+            layout["sliding_window"] = windows.pop()
+        if self.is_causal is not None:
+            layout["is_causal"] = self.is_causal
+        if m.partial_rotary_factor != 1.0:
+            layout["partial_rotary_factor"] = m.partial_rotary_factor
         return {
             "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": self.block_size,
             "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": self.target_layer_ids,
@@ -74,12 +127,16 @@ class DFlashConfig:
             "rms_norm_eps": m.rms_norm_eps, "rope_theta": m.rope.theta, "rope_scaling": rope_to_hf(m.rope),
             "max_position_embeddings": m.max_position_embeddings, "vocab_size": m.vocab_size,
             "attention_bias": False, "tie_word_embeddings": True, "hidden_act": "silu",
-            "layer_types": ["full_attention"] * m.num_layers, "use_sliding_window": False,
-        }
+        } | layout
+
+
+def turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE over the whole head, or its first cos.shape[-1] dims (partial rotary)."""
+    return apply_rope(x, cos, sin) if cos.shape[-1] == x.shape[-1] else apply_partial_rope(x, cos, sin)
 
 
 class DraftAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, causal: bool = False):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
@@ -89,19 +146,20 @@ class DraftAttention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.sliding_window = cfg.sliding_windows[layer]
+        self.causal = causal
         self.scale = cfg.head_dim ** -0.5
 
     def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [n, hidden] -> K, V [n, kv_heads, head_dim] (K normed and rotated)."""
         k = self.k_norm(self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim))
-        return apply_rope(k, cos, sin), self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
+        return turn(k, cos, sin), self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
 
     def forward(self, x: torch.Tensor, cos, sin, keys: torch.Tensor, values: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:
         """x [n, hidden] queries; keys/values [m, kv_heads, d] (context then the queries' own K/V);
         mask [n, m] bool (True = may attend) or None (all)."""
         q = self.q_norm(self.q_proj(x).view(-1, self.num_heads, self.head_dim))
-        q = apply_rope(q, cos, sin).transpose(0, 1)
+        q = turn(q, cos, sin).transpose(0, 1)
         groups = self.num_heads // self.num_kv_heads
         k = keys.transpose(0, 1).repeat_interleave(groups, 0)
         v = values.transpose(0, 1).repeat_interleave(groups, 0)
@@ -110,10 +168,10 @@ class DraftAttention(nn.Module):
 
 
 class DraftLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, causal: bool = False):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = DraftAttention(cfg, layer)
+        self.self_attn = DraftAttention(cfg, layer, causal)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
@@ -125,9 +183,9 @@ class DFlashDrafter(nn.Module):
         self.config = cfg
         self.fc = nn.Linear(len(cfg.target_layer_ids) * m.hidden_size, m.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(m.hidden_size, m.rms_norm_eps)
-        self.layers = nn.ModuleList(DraftLayer(m, i) for i in range(m.num_layers))
+        self.layers = nn.ModuleList(DraftLayer(m, i, causal) for i, causal in enumerate(cfg.causal_layers))
         self.norm = RMSNorm(m.hidden_size, m.rms_norm_eps)
-        self.rope = RopeTable(m.rope, m.head_dim)
+        self.rope = RopeTable(m.rope, rotary_dim(m))
 
     def context(self, features: torch.Tensor) -> torch.Tensor:
         """Target features [n, taps * hidden] -> fused context c [n, hidden]."""
@@ -146,19 +204,22 @@ class DFlashDrafter(nn.Module):
                position_bound: int | None = None) -> torch.Tensor:
         """Run the block rows x [n, hidden] (target embeddings) at `positions` over cached context
         K/V (per layer, [m, kv_heads, d], at context_positions [m]); mask [n, m + n] (True = may
-        attend) or None (everything). Sliding-window layers also drop keys a window or more behind
-        the query. Returns the normed hidden states [n, hidden]. position_bound: as in context_kv."""
+        attend) or None (everything). Sliding-window layers also drop keys a window or more away
+        from the query (behind it; ahead of it too unless causal); causal layers keys past it. Returns the normed hidden states [n, hidden]. position_bound: as in context_kv."""
         cos, sin = self.rope.lookup(positions, x.dtype, position_bound)
         key_positions = torch.cat([context_positions, positions])
         for layer, (ctx_k, ctx_v) in zip(self.layers, context):
             h = layer.input_layernorm(x)
             k, v = layer.self_attn.key_value(h, cos, sin)
             keys, values = torch.cat([ctx_k.to(k.dtype), k]), torch.cat([ctx_v.to(v.dtype), v])
-            layer_mask = mask
-            window = layer.self_attn.sliding_window
-            if window is not None:
-                near = (positions[:, None] - key_positions[None, :]) < window
-                layer_mask = near if mask is None else mask & near
+            layer_mask, attn = mask, layer.self_attn
+            if attn.sliding_window is not None:  # both ways unless causal, as in the reference
+                distance = positions[:, None] - key_positions[None, :]
+                near = (distance < attn.sliding_window) & (attn.causal or -distance < attn.sliding_window)
+                layer_mask = near if layer_mask is None else layer_mask & near
+            if attn.causal:
+                before = key_positions[None, :] <= positions[:, None]
+                layer_mask = before if layer_mask is None else layer_mask & before
             x = x + layer.self_attn(h, cos, sin, keys, values, layer_mask)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)

@@ -23,6 +23,10 @@ MIN_LOOKUP_MATCH = 4  # tokens a lookup must find to be used (fewer: the drafter
 # 0.57-0.60x an overlapped one. Before it drafts again, the positions decoded meanwhile get their
 # taps recomputed by target passes that write no K/V (CUDA graphs of up to 256 positions: about
 # one verify step's time, once per run of plain steps).
+# Targets with recurrent layers (capture_every_step) cannot recompute: a catch-up pass over cached
+# positions would advance their recurrent state a second time. There every step that computes new
+# positions captures the taps, a dormant drafter's too: its plain steps pay the tap copies and
+# never overlap (no step launched ahead), in exchange for no catch-up ever.
 
 
 class Speculator:
@@ -57,6 +61,7 @@ class Speculator:
         self.step_chose: set[str] = set()
         # Dormancy: the first position of each sequence whose taps were not captured.
         self.missing: dict[int, int] = {}
+        self.every_step = False  # capture_every_step(): recurrent targets, never a catch-up
         self._drafting = None  # what choose() left the drafter to draft: (k, [(seq, n)], any late taps)
         self.catch_up_seconds = 0.0  # this step's recomputation: a cost of dormancy, not of drafting
         self.overlapped_sizes: set[int] = set()  # step sizes (new tokens) whose plain steps have overlapped
@@ -144,10 +149,15 @@ class Speculator:
                 seq.draft = Draft(draft.tokens[:n], probs)
                 self.source[id(seq)] = source
 
+    def capture_every_step(self) -> None:
+        """The target has recurrent layers: every step captures the taps, so that nothing is ever
+        recomputed over cached positions (see the note at the top)."""
+        self.every_step = bool(self.capture_layers)
+
     def taps_needed(self) -> bool:
         """Whether this step's decodes capture the drafter's taps: only when this step verifies drafts
-        (a verify step never overlaps, and the taps cost it little)."""
-        return bool(self.capture_layers) and bool(self.step_sources)
+        (a verify step never overlaps, and the taps cost it little), or on every step (every_step)."""
+        return bool(self.capture_layers) and (self.every_step or bool(self.step_sources))
 
     def plain_run(self, seqs: list) -> int:
         """How many next steps of these sequences (this step's decoding batch) are promised plain
@@ -157,7 +167,7 @@ class Speculator:
         speculator would cost plain decoding on a small target), reporting their time through
         record_plain_steps. A batch that changes ends the run early, and the policies have then
         counted a few plain steps that never ran: their next probe comes that much earlier."""
-        if seqs != self.evaluated:
+        if seqs != self.evaluated or self.every_step:  # every_step: no tap-less step to run ahead
             return 0
         run = min(policy.plain_run() for policy in self.policies.values())
         if run:
@@ -172,6 +182,8 @@ class Speculator:
         turn costs about as much). Guessed when the drafter was asked to draft and had nothing (the
         n-gram proposer, mostly), or its policy is in a run of plain steps while a lookup, which
         reads the new tokens, found nothing this step or decodes plainly too."""
+        if self.every_step:
+            return False
         binds = self.policy.plain_run() > 0
         empty_handed = MODEL in self.step_chose and MODEL not in self.step_sources
         return (seqs == self.evaluated and (binds or empty_handed)
@@ -180,6 +192,10 @@ class Speculator:
     def missed(self, seq, start: int) -> None:
         """Positions from `start` of seq were computed without the drafter's taps (a dormant step;
         the engine tells only a speculator that has taps)."""
+        if self.every_step:
+            raise RuntimeError(f"internal error: positions from {start} were computed without the drafter's taps "
+                               f"on a target with recurrent layers; recomputing them would advance its "
+                               f"recurrent state twice")
         self.missing.setdefault(id(seq), start)
 
     def record_step(self, num_tokens: int, seconds: float, overlapped: bool = False) -> None:

@@ -97,7 +97,7 @@ def draft_hidden(drafter, embed, features: torch.Tensor, ids: torch.Tensor, anch
         k_c, v_c = _key_value(attn, c_flat, cos_c, sin_c)
         k_b, v_b = _key_value(attn, h, cos_b, sin_b)
         q = _rope(_rms(attn.q_proj(h).view(-1, attn.num_heads, attn.head_dim), attn.q_norm), cos_b, sin_b)
-        o = _block_attention(q, k_c, v_c, k_b, v_b, visible, attn.scale)
+        o = _block_attention(q, k_c, v_c, k_b, v_b, visible, attn.scale, attn.causal)
         x = x + attn.o_proj(o)
         mlp = layer.mlp
         h = _rms(x, layer.post_attention_layernorm)
@@ -113,7 +113,11 @@ def _rms(x: torch.Tensor, norm) -> torch.Tensor:
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE on x [rows, heads, d] (kernels/rope.py's formula)."""
+    """Rotate-half RoPE on x [rows, heads, d] (kernels/rope.py's formula); on its first cos.shape[-1]
+    dims only when the drafter's rotary is partial."""
+    dim = cos.shape[-1]
+    if dim < x.shape[-1]:
+        return torch.cat([_rope(x[..., :dim], cos, sin), x[..., dim:]], dim=-1)
     half = x.shape[-1] // 2
     return x * cos[:, None, :] + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin[:, None, :]
 
@@ -124,9 +128,10 @@ def _key_value(attn, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Ten
     return _rope(k, cos, sin), attn.v_proj(x).view(-1, attn.num_kv_heads, attn.head_dim)
 
 
-def _block_attention(q, k_c, v_c, k_b, v_b, visible, scale: float) -> torch.Tensor:
+def _block_attention(q, k_c, v_c, k_b, v_b, visible, scale: float, causal: bool = False) -> torch.Tensor:
     """q, k_b, v_b: rows of all blocks [S*N*B, heads, d]; k_c, v_c: context rows [S*T, kv_heads, d];
-    visible [S, N, T]. Returns [S*N*B, heads*d]."""
+    visible [S, N, T]; causal: a block row sees its block's rows up to itself only (else all).
+    Returns [S*N*B, heads*d]."""
     S, N, T = visible.shape
     H, hd = q.shape[1], q.shape[2]
     B = q.shape[0] // (S * N)
@@ -143,6 +148,9 @@ def _block_attention(q, k_c, v_c, k_b, v_b, visible, scale: float) -> torch.Tens
     s_ctx = (q @ kc.transpose(-1, -2)).view(S, H, N, B, T)
     s_ctx = s_ctx.masked_fill(~visible[:, None, :, None, :], float("-inf"))
     s_blk = q.view(S, H, N, B, hd) @ kb.transpose(-1, -2)  # [S, H, N, B, B]
+    if causal:
+        later = torch.ones(B, B, dtype=torch.bool, device=q.device).triu(1)
+        s_blk = s_blk.masked_fill(later, float("-inf"))
     # One softmax over [context | own block], in float32 like the reference attention kernels.
     p = torch.softmax(torch.cat([s_ctx, s_blk], dim=-1), dim=-1, dtype=torch.float32).to(dtype)
     o = p[..., :T].reshape(S, H, N * B, T) @ vc + (p[..., T:] @ vb).view(S, H, N * B, hd)

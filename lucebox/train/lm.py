@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ..model.transformer import Transformer
+from .paged_target import PagedTarget, needs_paged_forward
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -52,7 +53,12 @@ def dense_forward(model: Transformer, ids: torch.Tensor, capture_layers: tuple[i
     Causal attention (and each layer's sliding window) over the cache's first `start` positions and
     the new tokens; without a cache, start must be 0. With capture_layers, also returns the residual
     stream after those layers (as the paged forward captures it for DFlash), concatenated on the
-    last dimension."""
+    last dimension. Models whose layers this does not cover (hybrids) run their own paged forward
+    (train/paged_target.py; no cache argument: use PagedTarget itself)."""
+    if needs_paged_forward(model):
+        if cache is not None:
+            raise ValueError("a hybrid model's incremental forward keeps its state in a PagedTarget")
+        return PagedTarget(model, ids.shape[0], ids.shape[1]).forward(ids, 0, capture_layers)
     b, t = ids.shape
     x = model.embed_tokens(ids)
     cos, sin = model.rope.lookup(torch.arange(start, start + t, device=ids.device), x.dtype, start + t)
@@ -79,7 +85,8 @@ def dense_forward(model: Transformer, ids: torch.Tensor, capture_layers: tuple[i
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
                                            is_causal=mask is None and t > 1, scale=attn.scale, enable_gqa=True)
         x = x + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        h = layer.post_attention_layernorm(x)
+        x = x + layer.mlp(h.view(b * t, -1)).view_as(h)  # token rows: a SparseMoE routes [tokens, hidden]
         if i in capture_layers:
             captured.append(x)
     hidden = model.norm(x)
@@ -96,9 +103,13 @@ def greedy_generate(model: Transformer, prompts: torch.Tensor, max_new: int, sto
     b, p = prompts.shape
     if max_new <= 0:
         return [[] for _ in range(b)]
-    cache = DenseCache(model, b, p + max_new)
+    paged = PagedTarget(model, b, p + max_new) if needs_paged_forward(model) else None
+    cache = None if paged is not None else DenseCache(model, b, p + max_new)
+
+    def forward(ids, start):
+        return paged.forward(ids, start) if paged is not None else dense_forward(model, ids, cache=cache, start=start)
     stops = torch.tensor(sorted(stop_ids), dtype=torch.int64, device=prompts.device)
-    hidden = dense_forward(model, prompts, cache=cache)
+    hidden = forward(prompts, 0)
     out = torch.empty(b, max_new, dtype=torch.int64, device=prompts.device)
     done = torch.zeros(b, dtype=torch.bool, device=prompts.device)
     n = 0
@@ -108,7 +119,7 @@ def greedy_generate(model: Transformer, prompts: torch.Tensor, max_new: int, sto
         done |= torch.isin(token, stops)
         if n + 1 == max_new or (n % 32 == 31 and bool(done.all())):  # a host sync every 32 tokens only
             break
-        hidden = dense_forward(model, token[:, None], cache=cache, start=p + n)
+        hidden = forward(token[:, None], p + n)
     rows = out[:, :n + 1].tolist()
     result = []
     for row in rows:

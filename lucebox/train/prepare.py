@@ -9,6 +9,7 @@ import torch
 
 from ..errors import RequestError
 from ..model.config import ModelConfig
+from ..model.transformer import MLP, Attention
 from ..spec.dflash_model import DFlashConfig, DFlashDrafter
 from .args import TrainDrafterArgs
 from .lm import dense_forward
@@ -126,6 +127,12 @@ def init_from_target(drafter: DFlashDrafter, target) -> None:
         raise RequestError(f"--init-from-target: the drafter's {n} layers need a target deeper than that "
                            f"(it has {tcfg.num_layers})")
     fed_by = first - 1
+    copied = target.layers[first:]
+    if any(not isinstance(getattr(layer, "self_attn", None), Attention) or not isinstance(layer.mlp, MLP)
+           for layer in copied):
+        raise RequestError(f"--init-from-target copies the target's last {n} layers into the drafter's plain "
+                           f"attention + dense MLP layers; the target's are not all of that kind (Gated DeltaNet, "
+                           f"gated attention or sparse MoE layers): train without --init-from-target")
     if fed_by not in cfg.target_layer_ids:
         raise RequestError(f"--init-from-target: copying the target's last {n} layers needs layer {fed_by} "
                            f"(the one feeding layer {first}) among --taps, got {cfg.target_layer_ids}")
@@ -140,7 +147,7 @@ def init_from_target(drafter: DFlashDrafter, target) -> None:
         dst.copy_(src.detach().to(dst.dtype).view_as(dst))
 
     with torch.no_grad():
-        for mine, theirs in zip(drafter.layers, target.layers[first:]):
+        for mine, theirs in zip(drafter.layers, copied):
             for name, p in mine.named_parameters():
                 if name.endswith(("q_norm.weight", "k_norm.weight")) and not tcfg.qk_norm:
                     continue  # the target has none: keep them at one
@@ -169,8 +176,9 @@ def lm_head(model):
 class TargetFeatures:
     """The target's tapped residual streams (and greedy next tokens) for whole sequences: one dense
     causal forward over the right-padded batch (train/lm.dense_forward; padding sits after every
-    real token, so causal attention keeps it out of them). The same modules and the same capture
-    point as the paged forward the proposer is fed from at inference."""
+    real token, so causal attention -- and the recurrence of a hybrid's DeltaNet layers -- keeps it
+    out of them). The same modules and the same capture point as the paged forward the proposer is
+    fed from at inference; hybrids run that paged forward itself (train/paged_target.py)."""
 
     def __init__(self, model, taps: list[int]):
         self.model = model

@@ -3,13 +3,15 @@ the pending token and its drafts without writing the state, stashing their input
 the verdict advances the slot over the accepted ones, so greedy output equals plain decoding."""
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
 from lucebox import LLM, SamplingParams
-from lucebox.errors import UnsupportedError
 from lucebox.model.loader import load_model
 from tests.conftest import build_hf_model
+from tests.spec_fixtures import write_dflash_drafter
 from tests.model.test_qwen3_5 import (
     BLOCK_SIZE,
     HYBRID,
@@ -91,11 +93,116 @@ def test_ngram_speculation_is_token_identical_to_plain_decoding(hybrid_path):
     assert len(spec.engine.scheduler.cache.free_slots) == 4  # every slot back
 
 
-def test_dflash_on_a_hybrid_is_refused_by_name(hybrid_path, tmp_path):
-    from tests.spec.test_spec import write_dflash_drafter
-    drafter = write_dflash_drafter(hybrid_path, tmp_path / "d")
-    with pytest.raises(UnsupportedError, match="DFlash"):
-        LLM(str(hybrid_path), speculative_config={"method": "dflash", "model": str(drafter)})
+DFLASH = {"method": "dflash", "num_speculative_tokens": 3, "adaptive": False}
+TAPS = (0, 2)  # a DeltaNet layer's output and the one before the full-attention layer
+
+
+@pytest.fixture(scope="module")
+def drafter(hybrid_path, tmp_path_factory):
+    return write_dflash_drafter(hybrid_path, tmp_path_factory.mktemp("hybrid_dflash"), taps=TAPS, block_size=4)
+
+
+def record_taps(monkeypatch, proposer) -> dict:
+    """Every (start, features) the drafter is handed, per sequence (by its prompt)."""
+    seen: dict[tuple, list] = {}
+    observe = proposer.observe
+
+    def recording(seq, start, features):
+        seen.setdefault(tuple(seq.prompt_token_ids), []).append((start, features.clone()))
+        observe(seq, start, features)
+    monkeypatch.setattr(proposer, "observe", recording)
+    return seen
+
+
+def assert_taps_are_the_targets(seen: dict, outputs, reference):
+    """The drafter saw each committed position's taps once, in order, equal to transformers' hidden
+    states after the tapped layers: from prefill chunks, plain decodes and verifies alike."""
+    for out in outputs:
+        tokens = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+        chunks = seen[tuple(out.prompt_token_ids)]
+        starts = [start for start, _ in chunks]
+        assert starts == sorted(starts) and starts[0] == 0
+        features = torch.cat([f for _, f in chunks])
+        assert features.shape[0] == len(tokens) - 1  # the last token is never computed
+        assert all(b == a + f.shape[0] for (a, f), b in zip(chunks, starts[1:]))  # no gap, no repeat
+        with torch.no_grad():
+            hidden = reference(torch.tensor([tokens[:-1]]), output_hidden_states=True).hidden_states
+        want = torch.cat([hidden[layer + 1][0] for layer in TAPS], dim=-1)
+        assert (features - want).abs().max().item() <= 1e-4
+
+
+def corrupted_oracle(monkeypatch, spec, want: dict, every: int):
+    """Run the drafter as usual, then replace its drafts by the plain run's continuation with one
+    token wrong at a place that moves from step to step and sequence to sequence (accepting 0..k),
+    drafting only every `every` steps: the drafter sleeps between (adaptive speculation's plain
+    steps), and its taps must still be captured."""
+    steps, propose, choose = itertools.count(), spec.proposer.propose, spec._choose
+    monkeypatch.setattr(spec, "_choose", lambda *a: choose(*a) if next(steps) % every == 0 else 0)
+
+    def oracle(seqs, ks):
+        drafts = propose(seqs, ks)
+        for i, (seq, k, draft) in enumerate(zip(seqs, ks, drafts)):
+            n = len(seq.output_token_ids)
+            tokens = list(want[tuple(seq.prompt_token_ids)][n:n + k])
+            wrong = (n + i) % (k + 1)
+            if wrong < len(tokens):
+                tokens[wrong] = (tokens[wrong] + 1) % spec.proposer.target.config.vocab_size
+            draft.tokens = tokens
+        return drafts
+    monkeypatch.setattr(spec.proposer, "propose", oracle)
+
+
+@pytest.mark.parametrize("drafts", ["random drafter", "adaptive policy", "accepting 0..k, dormant between"])
+def test_dflash_speculation_is_token_identical_to_plain_decoding(drafts, hybrid_path, reference, drafter,
+                                                                 monkeypatch):
+    """A continuous batch on the hybrid target with a DFlash drafter: output equals plain decoding,
+    every position's taps come from the step that computed it (no catch-up recomputes anything),
+    and verifies accept different lengths in one batch."""
+    plain = LLM(str(hybrid_path), block_size=BLOCK_SIZE, max_num_seqs=4, max_num_batched_tokens=24)
+    batch = repetitive_prompts(plain.engine.loaded.config.vocab_size)
+    want = [o.outputs[0].token_ids for o in greedy(plain, batch, 16)]
+    config = DFLASH | {"model": str(drafter), "adaptive": drafts == "adaptive policy"}
+    spec = LLM(str(hybrid_path), block_size=BLOCK_SIZE, max_num_seqs=4, max_num_batched_tokens=24,
+               speculative_config=config)
+    speculator = spec.engine.speculator
+    assert speculator.every_step
+    seen = record_taps(monkeypatch, speculator.proposer)
+    if drafts.startswith("accepting"):
+        corrupted_oracle(monkeypatch, speculator, {tuple(p): w for p, w in zip(batch, want)}, every=2)
+    outs = greedy(spec, batch, 16)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert spec.engine.step_counts["verify"] > 0 and not speculator.missing
+    assert speculator.policy.catch_up == 0  # nothing was recomputed
+    assert_taps_are_the_targets(seen, outs, reference)
+    metrics = [o.metrics for o in outs]
+    assert sum(m.num_draft_tokens for m in metrics) > 0
+    if drafts.startswith("accepting"):
+        assert sum(m.num_drafts - m.accepted_per_position[0] for m in metrics) > 0  # none accepted
+        assert sum(m.accepted_per_position[0] - m.accepted_per_position[-1] for m in metrics) > 0  # some
+        assert sum(m.accepted_per_position[-1] for m in metrics) > 0  # all
+    assert len(spec.engine.scheduler.cache.free_slots) == 4
+
+
+def test_a_step_without_taps_on_a_hybrid_is_an_internal_error(hybrid_path, drafter, monkeypatch):
+    """Were a decode step to skip the drafter's taps, recomputing them later would advance the
+    recurrent state twice: the engine stops with an internal error instead of corrupting it."""
+    spec = LLM(str(hybrid_path), block_size=BLOCK_SIZE, speculative_config=DFLASH | {"model": str(drafter)})
+    monkeypatch.setattr(spec.engine.speculator, "taps_needed", lambda: False)
+    monkeypatch.setattr(spec.engine.speculator, "_choose", lambda *a: 0)  # dormant: plain decodes
+    with pytest.raises(RuntimeError, match="recurrent state twice"):
+        greedy(spec, [[5, 6, 7, 8]], 4)
+
+
+def test_recomputing_cached_positions_of_a_hybrid_is_refused(hybrid_path, drafter):
+    """The catch-up pass (write_kv=False) itself refuses on a target with recurrent layers."""
+    spec = LLM(str(hybrid_path), block_size=BLOCK_SIZE, speculative_config=DFLASH | {"model": str(drafter)})
+    engine = spec.engine
+    seq = type("Seq", (), {"num_computed": 4, "block_table": [0, 1], "token_slice": lambda self, a, b: [5] * (b - a)})()
+    with pytest.raises(RuntimeError, match="twice"):
+        list(engine._recompute_taps([(seq, 0)]))
+    plan = next(engine.planner.catch_up(seq, 0))[1]
+    with pytest.raises(RuntimeError, match="twice"):
+        engine.runner.run(plan)
 
 
 def test_draft_model_speculation_is_token_identical_to_plain_decoding(hybrid_path, tmp_path, tokenizer_dir):
@@ -111,9 +218,11 @@ def test_draft_model_speculation_is_token_identical_to_plain_decoding(hybrid_pat
     assert sum(o.metrics.num_draft_tokens for o in outs) > 0
 
 
-def test_sampled_tokens_follow_the_hybrid_target_distribution(tmp_path):
-    """tests/spec/test_spec.py's chi-square test of speculative sampling (a sampling draft model),
-    on a hybrid target; fewer samples (the DeltaNet reference steps sequences one by one)."""
+@pytest.mark.parametrize("method", ["draft_model", "dflash"])
+def test_sampled_tokens_follow_the_hybrid_target_distribution(method, tmp_path):
+    """tests/spec/test_spec.py's chi-square test of speculative sampling (a sampling draft model, or
+    a DFlash drafter's deterministic drafts), on a hybrid target; fewer samples (the DeltaNet
+    reference steps sequences one by one)."""
     from tests.spec.test_spec import (
         PROMPT,
         chi_square_rejects,
@@ -124,8 +233,9 @@ def test_sampled_tokens_follow_the_hybrid_target_distribution(tmp_path):
     tok = small_vocab_tokenizer(tmp_path / "tok", ["a", "b", "c", "d", "e", "f"])
     layout = {k: v for k, v in HYBRID.items() if k not in ("model_type", "num_hidden_layers", "head_dim")}
     target = peaked_model(tmp_path / "t", tok, layers=4, seed=1, model_type="qwen3_5_text", **layout)
-    config = {"method": "draft_model", "num_speculative_tokens": 2, "adaptive": False,
-              "model": str(peaked_model(tmp_path / "d", tok, layers=1, seed=2))}
+    drafter = {"draft_model": lambda: peaked_model(tmp_path / "d", tok, layers=1, seed=2),
+               "dflash": lambda: write_dflash_drafter(target, tmp_path / "d", taps=TAPS, block_size=3)}[method]()
+    config = {"method": method, "num_speculative_tokens": 2, "adaptive": False, "model": str(drafter)}
     llm = LLM(str(target), speculative_config=config, max_num_seqs=1024, max_num_batched_tokens=8192)
     samples = 1000
     counts = sample_pairs(llm, PROMPT, samples)

@@ -28,8 +28,8 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.fixture(params=["full", "sliding"])
 def proposer(request, hf_models, tmp_path):
     """A DFlash proposer on the qwen3 test target, its drafter cache filled with random K/V."""
-    overrides = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6} \
-        if request.param == "sliding" else {}
+    overrides = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6,
+                 "use_sliding_window": True} if request.param == "sliding" else {}
     drafter = write_dflash_drafter(hf_models["qwen3"], tmp_path / "dflash", **overrides)
     llm = LLM(str(hf_models["qwen3"]), device="cpu", block_size=BLOCK,
               speculative_config={"method": "dflash", "model": str(drafter), "adaptive": False})

@@ -91,12 +91,14 @@ def test_mask_token_is_a_named_mask_or_the_last_embedding_row(hf_models):
         resolve_mask_token(str(vocab), loaded.tokenizer, vocab)
 
 
-def test_training_forward_equals_the_inference_drafter_per_anchor(hf_models):
+@pytest.mark.parametrize("causal", [False, True])
+def test_training_forward_equals_the_inference_drafter_per_anchor(hf_models, causal):
     """Every block of the batched forward sees exactly what DFlashDrafter.blocks sees at inference:
-    the context strictly before its anchor, and its own block."""
+    the context strictly before its anchor, and its own block (up to each row, in causal layers)."""
     loaded = load_model(str(hf_models["qwen3"]))
     args = TrainDrafterArgs(target="", data=["x"], out="", layers=2, block_size=5, taps="0,1")
     cfg = drafter_config(loaded.config, loaded.tokenizer, args)
+    cfg.is_causal = causal
     drafter = init_drafter(cfg, "cpu", seed=3)
     with torch.no_grad():
         for p in drafter.parameters():
