@@ -263,9 +263,9 @@ def test_the_transformers_peer_leaves_later_transformers_models_initialised():
     script = """
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
-from lucebox.bench import shapes
+from lucebox.bench import shapes, transformers_peer
 loaded = shapes.build_random_model("tiny", "f32", torch.device("cpu"))
-shapes.transformers_twin(loaded, AutoConfig.for_model(**shapes.SHAPES["tiny"]), torch.device("cpu"))
+transformers_peer.transformers_twin(loaded, AutoConfig.for_model(**shapes.SHAPES["tiny"]), torch.device("cpu"))
 config = AutoConfig.for_model(**shapes.SHAPES["tiny"])
 model = AutoModelForCausalLM.from_config(config)
 print(model.model.layers[0].mlp.up_proj.weight.std().item() / config.initializer_range)
