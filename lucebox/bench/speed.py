@@ -3,12 +3,16 @@
 One process, one model (a checkpoint, or random weights of a named real shape: bench/shapes.py):
   reference   a large GEMV (the bandwidth a decode step can hope for) and a large matmul (TFLOP/s)
   prefill     TTFT and tok/s per prompt length; its FLOPs over the measured matmul rate
-  decode      tok/s per context through LLMEngine steps; weight + KV bytes read per token, GB/s and
-              % of the GEMV bandwidth; the runner's forward alone too, to show the engine's overhead
-  verify      one 16-token forward against one decode forward (speculation pays only near 1x)
+  decode      tok/s per context through LLMEngine steps; weight (MoE: routed experts), recurrent state
+              and KV bytes per token (bench/limits.py), GB/s and % of the GEMV bandwidth; the runner's
+              forward alone too, to show the engine's overhead
+  verify      one 16-token forward against one decode forward (speculation pays only near 1x); hybrids
+              run it as a verify row, keeping each position's DeltaNet state
   forced      speculation with drafts forced to be accepted (bench/forced.py), against its bound
   spec        tau, tok/s and speedup over plain decoding (with --draft, or --spec-method ngram)
-  peer        transformers `generate` (static cache) over the very same float tensors, as a ratio
+  peer        --peer transformers: `generate` (static cache) over the very same float tensors (dense
+              models, bench/transformers_peer.py); --peer llama.cpp: llama-bench on a GGUF of the same
+              shape and mix (bench/llama_cpp.py), run last with the device to itself; as ratios
 Each point is run once untimed (kernel compilation), then --repeats times; the median is reported.
 """
 from __future__ import annotations
