@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Does llama.cpp load the random GGUFs of `lucebox bench speed --peer llama.cpp`? (GPU machine, ~4 min)
+# Does llama.cpp load the random GGUFs of `lucebox bench speed --peer llama.cpp`? (GPU machine, ~3 min with
+# .whl/llama-bench-sm90.tar.xz; building llama-bench from source adds ~6 min)
 #   scripts/check_llama_peer.sh            tiny GGUFs of each arch, then one real shape per arch
 #   REAL="qwen3.6-27b:q4_k_m" scripts/check_llama_peer.sh   pick the real shapes (shape:quant, space separated)
 # Builds or unpacks llama-bench (scripts/build_llama_cpp.sh; carry .whl with llama-bench-sm90.tar.xz and the

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import stat
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,8 @@ from lucebox.bench import llama_cpp, shapes, speed, speed_report
 from lucebox.weights.quant import QuantEmbedding, QuantLinear
 
 SAMPLE = Path(__file__).with_name("llama_bench_sample.json")
+# scripts/build_llama_cpp.sh's output (git-ignored): where it exists, llama.cpp itself loads our files
+LLAMA_BENCH = Path(__file__).resolve().parents[2] / ".llama" / "bin" / "llama-bench"
 
 
 def _write(tmp_path, shape: str, quant: str) -> tuple[GGUFReader, object]:
@@ -220,3 +223,18 @@ def test_the_llama_cpp_peer_says_why_it_did_not_run(tmp_path):
                               llama_bench=str(tmp_path / "missing"))
     result = speed.run(args)
     assert "no llama-bench at" in result["peer"]["skipped"] and any("llama-bench" in n for n in result["notes"])
+
+
+@pytest.mark.skipif(not LLAMA_BENCH.is_file(), reason="no .llama/bin/llama-bench (scripts/build_llama_cpp.sh)")
+@pytest.mark.parametrize("shape,quant", [("tiny-hybrid", "q4_k_m"), ("tiny-hybrid-moe", "iq4_xs"),
+                                         ("tiny-moe", "q8_0"), ("tiny-hybrid", "bf16")])
+def test_llama_bench_loads_and_runs_the_random_ggufs(tmp_path, shape, quant):
+    path = tmp_path / f"{shape}.gguf"
+    llama_cpp.write_gguf(shapes.shape_config(shape), quant, path)
+    command = llama_cpp.bench_command(LLAMA_BENCH, path, [32], 8, [16], 1)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    parsed = llama_cpp.parse_bench_json(done.stdout)
+    assert [r["prompt_len"] for r in parsed["prefill"]] == [32, 32] and parsed["prefill"][0]["tok_s"] > 0
+    assert [(r["context"], r["tokens"]) for r in parsed["decode"]] == [(0, 8), (16, 8)]
+    assert parsed["model_type"].startswith(llama_cpp.arch_of(shapes.shape_config(shape)))
