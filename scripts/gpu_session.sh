@@ -35,6 +35,13 @@
 #   scripts/gpu_session.sh compare   bench speed (prefill 512 / 4K, decode and verify at 512) of the tree in .before/
 #                                    (e.g. `git archive COMMIT lucebox | tar -x -C .before`, carried) against this
 #                                    one, alternating in one call: 0.6b bf16, 8b q4_k_m, 8b bf16 (~8 min)
+#   scripts/gpu_session.sh hybrid-dense  issue 26: bench speed of qwen3.6-27b in q4_k_m, iq4_xs, q8_0, bf16 with
+#                                    --peer llama.cpp (4 steps of <= 140 s: lucebox ~60-90 s, the GGUF 5-15 s,
+#                                    llama-bench ~30 s; bf16's 50 GB GGUF is skipped where no disk holds it)
+#   scripts/gpu_session.sh hybrid-moe    the same for qwen3.6-35b-a3b and qwen3-30b-a3b in q4_k_m and iq4_xs
+#   scripts/gpu_session.sh hybrid        SHAPES x QUANTS (env, default: the three shapes x q4_k_m), 560 s shared
+#                                    between the steps; e.g. SHAPES=qwen3.6-35b-a3b QUANTS="q8_0 bf16"
+#                                    (carry .whl: the gguf wheel and llama-bench-sm90.tar.xz for the peer)
 # The device lacks the gguf package: keep its wheel in .whl/ (git-ignored) and pass carry [".whl"].
 set -uo pipefail
 out=${OUT:-/tmp/out}
@@ -53,6 +60,21 @@ bench() {  # bench NAME SECONDS ARGS...: lucebox bench speed with --json, its ta
   local name=$1 seconds=$2; shift 2
   step "$name" "$seconds" python3 -m lucebox.cli bench speed --json "$out/$name.json" "$@"
   sed -n '/^| measure/,$p' "$out/$name.log"
+}
+hybrid() {  # hybrid "SHAPES" "QUANTS": bench speed of each with the llama.cpp peer, 560 s shared between them
+  local shapes=$1 quants=$2 n=0 shape quant
+  if [ -x .llama/bin/llama-bench ] || [ -f .whl/llama-bench-sm90.tar.xz ]; then  # unpacking takes seconds
+    bash scripts/build_llama_cpp.sh > "$out/llama-build.log" 2>&1 || tail -n 5 "$out/llama-build.log"
+  else  # building takes ~6 min: a call of its own (scripts/build_llama_cpp.sh with $OUT packs the result)
+    echo "== no llama-bench and no .whl/llama-bench-sm90.tar.xz: the llama.cpp peer will be skipped"
+  fi
+  for shape in $shapes; do for quant in $quants; do n=$((n + 1)); done; done
+  for shape in $shapes; do
+    for quant in $quants; do
+      bench "$shape-$quant" $((560 / n)) --shape "$shape" --quant "$quant" --prompt-lens 4096 --contexts 512 \
+        --decode-tokens 64 --repeats 2 --skip spec --peer llama.cpp --peer-timeout $((560 / n / 2))
+    done
+  done
 }
 case "${1:-check}" in
   check)
@@ -162,9 +184,12 @@ case "${1:-check}" in
           --skip forced spec peer)
       done
     done ;;
+  hybrid-dense) hybrid qwen3.6-27b "q4_k_m iq4_xs q8_0 bf16" ;;
+  hybrid-moe) hybrid "qwen3.6-35b-a3b qwen3-30b-a3b" "q4_k_m iq4_xs" ;;
+  hybrid) hybrid "${SHAPES:-qwen3.6-27b qwen3.6-35b-a3b qwen3-30b-a3b}" "${QUANTS:-q4_k_m}" ;;
   drafter)
     step drafter 570 bash scripts/train_default_drafter.sh "$out/default-dflash" "${SECONDS_TRAIN:-300}"
     rm -f "$out/default-dflash/train_state.pt" "$out/default-dflash/regenerated.pt"
     tr '\r' '\n' < "$out/drafter.log" | grep -E "tau|steps|wrote|Error|error" | tail -n 20 ;;
-  *) echo "usage: $0 check|bench|spec|kernels|gemv|overlap|pdl|int8|quant|pdl-tiles|profile|idle|sampler|attention|drafter" >&2; exit 2 ;;
+  *) echo "usage: $0 check|bench|spec|kernels|gemv|overlap|pdl|int8|quant|pdl-tiles|profile|idle|sampler|attention|drafter|hybrid|hybrid-dense|hybrid-moe" >&2; exit 2 ;;
 esac

@@ -5,15 +5,19 @@ weights drawn from N(0, 0.02) (norms 1), or QuantLinear / QuantEmbedding modules
 random GGUF blocks (random quant bytes, fp16 scales chosen so values have a std near 0.02). Speed
 depends on shapes and storage types only, so these models run exactly the kernels and memory
 traffic of the real checkpoints. An 8B model builds in seconds on a GPU (all generated there).
+Shapes: dense Qwen3, the Qwen 3.5 / 3.6 hybrids (Gated DeltaNet + gated attention, dense or MoE)
+and Qwen3-MoE; quantised stacked experts are QuantTensors (E, out, in).
 
 Quant mixes follow llama.cpp's names. `q4_k_m` / `q5_k_m` approximate llama-quantize's mixes:
-Q4_K / Q5_K everywhere except attn_v, ffn_down and the output head (the tied embedding when the
-head is tied), which take Q6_K in every layer (llama.cpp gives Q6_K to only some layers' attn_v /
-ffn_down, so real files are a little smaller than these).
+Q4_K / Q5_K everywhere except attn_v (and the DeltaNet's attn_qkv, which llama.cpp counts with
+it), every ffn_down (dense, shared expert, experts) and the output head (the tied embedding when
+the head is tied), which take Q6_K in every layer (llama.cpp gives Q6_K to only some layers'
+attn_v / ffn_down, so real files are a little smaller than these). The router, the DeltaNet's
+a / b projections and short conv, and 1-D tensors stay float (FLOAT_MATRICES).
 
-Also here, for `lucebox bench speed`: the bytes one decode step reads and the FLOPs of a prefill,
-the model under test (a checkpoint or a shape), its transformers twin (the peer, which shares the
-lucebox model's tensors) and the record of a run (device, versions, commit) for the JSON.
+Also here, for `lucebox bench speed`: the model under test (a checkpoint or a shape), its
+transformers twin (the peer, which shares the lucebox model's tensors) and the record of a run
+(device, versions, commit) for the JSON. Bytes and FLOPs a step needs: bench/limits.py.
 """
 from __future__ import annotations
 
@@ -21,7 +25,6 @@ import datetime
 import math
 import platform
 import shlex
-import statistics
 import sys
 from pathlib import Path
 
@@ -37,9 +40,16 @@ from ..model.loader import LoadedModel
 from ..model.transformer import Transformer
 from ..util import on_meta
 from ..weights.quant import QuantEmbedding, QuantLinear, QuantTensor
+from . import limits
 
 _QWEN3 = dict(model_type="qwen3", head_dim=128, vocab_size=151936, max_position_embeddings=40960,
               rms_norm_eps=1e-6, rope_theta=1e6, hidden_act="silu", attention_bias=False)
+# Qwen 3.5 / 3.6 hybrids: 3 Gated DeltaNet layers to 1 gated full-attention layer, partial rotary 0.25
+# (mrope sections apply to vision positions only: text positions are plain RoPE).
+_QWEN3_5 = dict(vocab_size=248320, max_position_embeddings=262144, rms_norm_eps=1e-6, hidden_act="silu",
+                attention_bias=False, tie_word_embeddings=False, head_dim=256, full_attention_interval=4,
+                linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25})
 SHAPES: dict[str, dict] = {  # HF config.json fields of the real models
     "qwen3-0.6b": dict(_QWEN3, hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
                        num_key_value_heads=8, intermediate_size=3072, tie_word_embeddings=True),
@@ -47,11 +57,36 @@ SHAPES: dict[str, dict] = {  # HF config.json fields of the real models
                      num_key_value_heads=8, intermediate_size=12288, tie_word_embeddings=False),
     "qwen3-32b": dict(_QWEN3, hidden_size=5120, num_hidden_layers=64, num_attention_heads=64,
                       num_key_value_heads=8, intermediate_size=25600, tie_word_embeddings=False),
+    # Source: Qwen/Qwen3.6-27B (= Qwen3.5-27B architecture) config.json text_config.
+    "qwen3.6-27b": dict(_QWEN3_5, model_type="qwen3_5_text", hidden_size=5120, intermediate_size=17408,
+                        num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4,
+                        linear_num_key_heads=16, linear_num_value_heads=48),
+    # Source: Qwen/Qwen3.6-35B-A3B (= Qwen3.5-35B-A3B) config.json text_config; transformers'
+    # Qwen3_5MoeTextConfig defaults are the same model.
+    "qwen3.6-35b-a3b": dict(_QWEN3_5, model_type="qwen3_5_moe_text", hidden_size=2048, num_hidden_layers=40,
+                            num_attention_heads=16, num_key_value_heads=2, linear_num_key_heads=16,
+                            linear_num_value_heads=32, num_experts=256, num_experts_per_tok=8,
+                            moe_intermediate_size=512, shared_expert_intermediate_size=512),
+    # Source: Qwen/Qwen3-30B-A3B config.json (128 experts, top 8, no shared expert).
+    "qwen3-30b-a3b": dict(_QWEN3, model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, intermediate_size=6144,
+                          num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                          decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False),
     # Tests and CPU runs: every dimension a multiple of 256, so the K-quants (256-value blocks) fit.
     "tiny": dict(_QWEN3, hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=64, intermediate_size=512, vocab_size=512, max_position_embeddings=4096,
                  tie_word_embeddings=False),
 }
+# The tiny twins of the hybrid and MoE shapes: every kind of layer, head sizes llama.cpp's kernels take.
+_TINY_HYBRID = dict(_QWEN3_5, vocab_size=512, max_position_embeddings=4096, hidden_size=256, num_hidden_layers=4,
+                    num_attention_heads=2, num_key_value_heads=1, linear_num_key_heads=2, linear_num_value_heads=4,
+                    linear_key_head_dim=64, linear_value_head_dim=64)
+SHAPES["tiny-hybrid"] = dict(_TINY_HYBRID, model_type="qwen3_5_text", intermediate_size=512)
+SHAPES["tiny-hybrid-moe"] = dict(_TINY_HYBRID, model_type="qwen3_5_moe_text", num_experts=8, num_experts_per_tok=2,
+                                 moe_intermediate_size=256, shared_expert_intermediate_size=256)
+SHAPES["tiny-moe"] = dict(SHAPES["tiny"], model_type="qwen3_moe", num_attention_heads=2, num_key_value_heads=1,
+                          head_dim=128, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
+                          norm_topk_prob=True)
 
 FLOAT_QUANTS = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
 # name -> (type of most matrices, type of attn_v / ffn_down / output head)
@@ -121,10 +156,25 @@ def random_quant_tensor(qtype: Q, rows: int, cols: int, device, name: str = "", 
     return QuantTensor(blocks.view(rows, -1), qtype, (rows, cols), name)
 
 
-def _qtype_for(name: str, quant: str, tied: bool) -> Q:
+# Matrices llama.cpp keeps in float in its quantised files (its router, the DeltaNet's per-head
+# a / b projections and short conv); 1-D tensors (norms, A_log, dt_bias) are float everywhere.
+FLOAT_MATRICES = ("mlp.gate.weight", "shared_expert_gate.weight", "linear_attn.in_proj_a.weight",
+                  "linear_attn.in_proj_b.weight", "linear_attn.conv1d.weight")
+# attn_v-like (llama.cpp counts attn_qkv as one), ffn_down of every kind: Q6_K in a Q4_K_M / Q5_K_M mix.
+SPECIAL_MATRICES = ("self_attn.v_proj.weight", "linear_attn.in_proj_qkv.weight", "mlp.down_proj.weight",
+                    "shared_expert.down_proj.weight", "mlp.experts.down_proj")
+
+
+def is_quantised(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether a GGUF quant mix stores this (our-named) weight quantised: matrices and stacked experts."""
+    return len(shape) >= 2 and not name.endswith(FLOAT_MATRICES)
+
+
+def weight_type(name: str, quant: str, tied: bool) -> Q:
+    """The GGUF type of a quantised weight in the `quant` mix."""
     main, special = QUANT_MIXES[quant]
     head = name == "lm_head.weight" or (tied and name == "embed_tokens.weight")
-    return special if head or name.endswith(("self_attn.v_proj.weight", "mlp.down_proj.weight")) else main
+    return special if head or name.endswith(SPECIAL_MATRICES) else main
 
 
 def _random_tokenizer(vocab_size: int):
@@ -139,13 +189,19 @@ def _random_tokenizer(vocab_size: int):
     return Tokenizer(backend, name=f"random word-level vocabulary of {vocab_size}")
 
 
+def model_class(cfg: ModelConfig):
+    from ..model.qwen3_5 import HybridTransformer, is_hybrid
+    return HybridTransformer if is_hybrid(cfg) else Transformer
+
+
 @torch.no_grad()
 def build_random_model(shape: str, quant: str, device: torch.device, dtype: torch.dtype | None = None,
                        seed: int = 0) -> LoadedModel:
     """The named shape with random weights in `quant` storage, built on `device`.
 
     dtype: activation dtype; float quants (bf16 / f16 / f32) fix it, GGUF quants default to
-    bfloat16 on GPU and float32 on CPU."""
+    bfloat16 on GPU and float32 on CPU. Quantised stacked experts are QuantTensors (E, out, in)
+    whose data is [E * out, row bytes], put in place by model/assign like a GGUF file's."""
     cfg = shape_config(shape)
     quant = check_quant(quant)
     device = torch.device(device)
@@ -161,108 +217,30 @@ def build_random_model(shape: str, quant: str, device: torch.device, dtype: torc
     else:
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         with on_meta():  # no float copy of the quantised matrices is ever allocated
-            model = Transformer(cfg).to(dtype)
-        assign(model, _random_quant_tensors(model, cfg, quant, device, dtype), f"random {shape} {quant}",
-               dtype, device)
+            model = model_class(cfg)(cfg).to(dtype)
+        tensors = _random_quant_tensors(model, cfg, quant, device, dtype)
+        try:
+            assign(model, tensors, f"random {shape} {quant}", dtype, device)
+        except (TypeError, AttributeError) as e:  # an Experts module without quantised storage
+            raise RequestError(f"random {shape} {quant}: this lucebox cannot hold quantised experts "
+                               f"(model/moe.py: {e}); use --quant bf16") from None
     model.eval()
     return LoadedModel(model, _random_tokenizer(cfg.vocab_size), cfg, f"random {shape} ({quant})", "random")
 
 
 def _random_quant_tensors(model, cfg: ModelConfig, quant: str, device, dtype):
     for name, p in model.named_parameters():
-        if name == "embed_tokens.weight" or name.endswith("_proj.weight") or name == "lm_head.weight":
-            rows, cols = p.shape
-            qt = random_quant_tensor(_qtype_for(name, quant, cfg.tie_word_embeddings), rows, cols, device, name)
-            yield name, (QuantEmbedding(qt, dtype) if name == "embed_tokens.weight" else QuantLinear(qt))
+        if is_quantised(name, tuple(p.shape)):
+            rows, cols = math.prod(p.shape[:-1]), p.shape[-1]
+            qt = random_quant_tensor(weight_type(name, quant, cfg.tie_word_embeddings), rows, cols, device, name)
+            if p.dim() > 2:  # stacked experts: (E, out, in) over [E * out, row bytes]
+                yield name, QuantTensor(qt.data, qt.qtype, tuple(p.shape), name)
+            else:
+                yield name, (QuantEmbedding(qt, dtype) if name == "embed_tokens.weight" else QuantLinear(qt))
         elif "norm" in name:
             yield name, torch.ones(p.shape, dtype=dtype, device=device)
-        else:  # biases (none in Qwen3; kept so other shapes would work)
+        else:  # the router, DeltaNet's a / b / conv / A_log / dt_bias, biases
             yield name, torch.randn(p.shape, device=device).mul_(STD).to(dtype)
-
-
-# ---------------------------------------------------------------------------- byte / FLOP accounting
-def _bytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
-
-
-def weight_bytes(model) -> int:
-    """Storage of every weight of the model (float parameters and quantised blocks)."""
-    return sum(_bytes(t) for t in model.parameters()) + sum(
-        _bytes(m.qweight) + _bytes(getattr(m, "bias", None))
-        for m in model.modules() if isinstance(m, (QuantLinear, QuantEmbedding)))
-
-
-def weight_bytes_per_token(model) -> int:
-    """Weight bytes one decode step reads: every matrix, norm and bias once, the LM head (the
-    embedding table itself when tied), and a single row of the embedding table."""
-    total = weight_bytes(model)
-    embed = model.embed_tokens
-    table = _bytes(embed.qweight) if isinstance(embed, QuantEmbedding) else _bytes(embed.weight)
-    row = table // embed.weight.shape[0]
-    tied_head = table if model.config.tie_word_embeddings else 0
-    return total - table + row + tied_head
-
-
-def matmul_params(cfg: ModelConfig) -> tuple[int, int]:
-    """(weights multiplied per token in the layers, weights of the LM head)."""
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    layer = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size
-    return cfg.num_layers * layer, cfg.hidden_size * cfg.vocab_size
-
-
-def prefill_flops(cfg: ModelConfig, prompt_len: int) -> int:
-    """FLOPs of one prefill: 2 per weight per token, the LM head for the last token only (as the
-    runner computes it), and causal attention (QK^T and PV over L(L+1)/2 query-key pairs)."""
-    layers, head = matmul_params(cfg)
-    pairs = prompt_len * (prompt_len + 1) // 2
-    attention = 2 * 2 * pairs * cfg.num_heads * cfg.head_dim * cfg.num_layers
-    return 2 * layers * prompt_len + 2 * head + attention
-
-
-# ---------------------------------------------------------------------------- the transformers twin
-def transformers_twin(loaded: LoadedModel, hf_config, device: torch.device):
-    """A transformers CausalLM whose parameters ARE the lucebox model's float tensors (shared, not
-    copied: module names are HF's minus `model.`), so a peer costs no second copy of the weights."""
-    from transformers import AutoModelForCausalLM
-
-    # The meta device alone: on_meta's patched initialisers would be captured by transformers' own
-    # init wrappers when this first imports a modeling module, breaking every later transformers model.
-    with torch.device("meta"):
-        hf = AutoModelForCausalLM.from_config(hf_config, dtype=loaded.model.dtype)
-    state = {k if k.startswith("lm_head") else "model." + k: v for k, v in loaded.model.state_dict().items()}
-    hf.load_state_dict(state, strict=False, assign=True)
-    hf.tie_weights()
-    for name, module in list(hf.named_modules()):  # non-persistent buffers (RoPE) were left on meta
-        if name and any(b.is_meta for b in module.buffers(recurse=False)):
-            hf.set_submodule(name, type(module)(config=hf_config).to(device))
-    unfilled = [n for n, t in [*hf.named_parameters(), *hf.named_buffers()] if t.is_meta]
-    if unfilled:
-        raise RuntimeError(f"transformers twin: tensors not filled from the lucebox model: {unfilled[:3]}")
-    return hf.eval()
-
-
-def transformers_decode(hf, prompt: list[int], new_tokens: int, repeats: int, now) -> tuple[list[int], float]:
-    """Greedy `generate` with a static cache: (the tokens, median seconds per token after the first).
-    `now` is a clock that waits for the device. The first call is an untimed warm-up: on CUDA,
-    transformers compiles its static-cache decode step there."""
-    ids, stamps = torch.tensor([prompt], device=hf.device), []
-
-    class Stamps:  # a generate streamer: put() gets the prompt, then each new token as it is made
-        def put(self, value):
-            stamps.append(now())
-
-        def end(self):
-            pass
-
-    def generate() -> tuple[list[int], float]:
-        stamps.clear()
-        with torch.inference_mode():
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                              min_new_tokens=new_tokens, do_sample=False, cache_implementation="static",
-                              pad_token_id=0, streamer=Stamps())
-        return out[0, len(prompt):].tolist(), (stamps[-1] - stamps[1]) / (len(stamps) - 2)
-    tokens, _ = generate()
-    return tokens, statistics.median(generate()[1] for _ in range(repeats))
 
 
 # ---------------------------------------------------------------------------- the model under test
@@ -294,8 +272,9 @@ def describe(loaded: LoadedModel, quant: str) -> dict:
         if isinstance(m, (QuantLinear, QuantEmbedding)):
             qtypes[m.qtype.name] = qtypes.get(m.qtype.name, 0) + 1
     return {"source": loaded.source, "quant": quant, "quant_types": qtypes, "config": loaded.config.to_dict(),
-            "dtype": str(model.dtype).removeprefix("torch."), "weight_bytes": weight_bytes(model),
-            "weight_bytes_per_token": weight_bytes_per_token(model)}
+            "dtype": str(model.dtype).removeprefix("torch."), "weight_bytes": limits.weight_bytes(model),
+            "weight_bytes_per_token": limits.weight_bytes_per_token(model),
+            "state_bytes_per_token": limits.state_bytes_per_token(model)}
 
 
 # ---------------------------------------------------------------------------- the record of a run

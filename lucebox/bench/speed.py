@@ -3,17 +3,22 @@
 One process, one model (a checkpoint, or random weights of a named real shape: bench/shapes.py):
   reference   a large GEMV (the bandwidth a decode step can hope for) and a large matmul (TFLOP/s)
   prefill     TTFT and tok/s per prompt length; its FLOPs over the measured matmul rate
-  decode      tok/s per context through LLMEngine steps; weight + KV bytes read per token, GB/s and
-              % of the GEMV bandwidth; the runner's forward alone too, to show the engine's overhead
-  verify      one 16-token forward against one decode forward (speculation pays only near 1x)
+  decode      tok/s per context through LLMEngine steps; weight (MoE: routed experts), recurrent state
+              and KV bytes per token (bench/limits.py), GB/s and % of the GEMV bandwidth; the runner's
+              forward alone too, to show the engine's overhead
+  verify      one 16-token forward against one decode forward (speculation pays only near 1x); hybrids
+              run it as a verify row, keeping each position's DeltaNet state
   forced      speculation with drafts forced to be accepted (bench/forced.py), against its bound
   spec        tau, tok/s and speedup over plain decoding (with --draft, or --spec-method ngram)
-  peer        transformers `generate` (static cache) over the very same float tensors, as a ratio
+  peer        --peer transformers: `generate` (static cache) over the very same float tensors (dense
+              models, bench/transformers_peer.py); --peer llama.cpp: llama-bench on a GGUF of the same
+              shape and mix (bench/llama_cpp.py), run last with the device to itself; as ratios
 Each point is run once untimed (kernel compilation), then --repeats times; the median is reported.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -26,20 +31,19 @@ import torch.nn.functional as F
 
 from ..config import EngineArgs
 from ..engine.engine import LLMEngine
+from ..engine.step_plan import PlanRow, RowKind, StepPlan
 from ..errors import RequestError
-from ..model.cache_spec import kv_bytes_per_token
+from ..model.cache_spec import bytes_per_sequence, kv_bytes_per_token
 from ..model.loader import resolve_device
 from ..sampling import SamplingParams
-from ..util import common_prefix
-from . import shapes
+from . import limits, llama_cpp, shapes, transformers_peer
+from .speed_report import print_report
 from .forced import forced_phase
 
 DEFAULT_LENS = (512, 4096, 32768)
 PHASES = ("reference", "prefill", "decode", "verify", "forced", "spec", "peer")
 VERIFY_TOKENS = 16
-# Issue 7's targets (H200, batch 1): % of the measured limit, or a ratio, or tok/s.
-GOALS = {"decode_512": 90.0, "decode_32768": 80.0, "q8_0": 80.0, "q4_k_m": 75.0, "prefill_4096": 60.0,
-         "verify_ratio": 1.3, "peer_ratio": 2.5, "qwen3-0.6b_tok_s": 2000.0, "forced_of_bound": 85.0}
+PEERS = ("transformers", "llama.cpp")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,7 +60,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=EngineArgs.HELP["async_decode"])
     p.add_argument("--repeats", type=int, default=3, help="measured runs per point; the median is reported")
     p.add_argument("--skip", nargs="+", default=[], choices=PHASES, help="measurements to leave out")
-    p.add_argument("--no-peer", action="store_true", help="leave out the transformers peer (= --skip peer)")
+    p.add_argument("--no-peer", action="store_true", help="leave out the peer (= --skip peer)")
+    p.add_argument("--peer", default="transformers", choices=PEERS,
+                   help="the peer measured in the same run: transformers generate over the same float tensors "
+                        "(dense models), or llama.cpp's llama-bench on a GGUF of the same shape and mix")
+    p.add_argument("--llama-bench", default=".llama/bin/llama-bench",
+                   help="llama-bench binary of the llama.cpp peer (scripts/build_llama_cpp.sh)")
+    p.add_argument("--peer-dir", default=None,
+                   help="where the llama.cpp peer writes its random GGUF (default: the temp dir, else /dev/shm)")
+    p.add_argument("--peer-timeout", type=float, default=420.0, help="seconds llama-bench may run")
     p.add_argument("--draft", default=None, help="drafter for the speculative row (DFlash dir or draft model)")
     p.add_argument("--spec-method", default=None, choices=["dflash", "draft_model", "ngram"],
                    help="speculative method (default: dflash with --draft; ngram needs no --draft)")
@@ -168,7 +180,8 @@ def _bandwidth_row(row: dict, ref: dict | None) -> dict:
 
 def engine_phase(engine, loaded, args, prompt_lens, contexts, kv: int, ref, clock, rng) -> tuple[list, list, dict]:
     """Prefill and decode through the engine. Returns the rows and, per length, its last (prompt, output)."""
-    wbytes = shapes.weight_bytes_per_token(loaded.model)
+    wbytes = limits.weight_bytes_per_token(loaded.model)
+    state = limits.state_bytes_per_token(loaded.model)
     prefill, decode, last = [], [], {}
     for length in sorted(set(prompt_lens) | set(contexts)):
         runs = []
@@ -178,7 +191,7 @@ def engine_phase(engine, loaded, args, prompt_lens, contexts, kv: int, ref, cloc
             runs += [(ttft, rest)] if r else []
         last[length] = (prompt, ids)
         if length in prompt_lens:
-            ttft, flops = statistics.median(t for t, _ in runs), shapes.prefill_flops(loaded.config, length)
+            ttft, flops = statistics.median(t for t, _ in runs), limits.prefill_flops(loaded.config, length)
             row = {"prompt_len": length, "ttft_s": ttft, "tok_s": length / ttft, "flops": flops,
                    "tflops": flops / ttft / 1e12}
             prefill.append(dict(row, pct_matmul=100 * row["tflops"] / ref["matmul_tflops"]) if ref else row)
@@ -186,10 +199,11 @@ def engine_phase(engine, loaded, args, prompt_lens, contexts, kv: int, ref, cloc
         if length in contexts:
             seconds = statistics.median(s for _, s in runs)
             # Decode step i (1..n) reads the KV of length + i positions: length + (n + 1)/2 on average.
-            per_token = wbytes + kv * (length + (args.decode_tokens + 1) / 2)
+            per_token = wbytes + state + kv * (length + (args.decode_tokens + 1) / 2)
             decode.append(_bandwidth_row({"context": length, "tokens": args.decode_tokens,
                                           "tok_s": args.decode_tokens / seconds, "weight_bytes_per_token": wbytes,
-                                          "kv_bytes_per_token": kv, "bytes_per_token": per_token}, ref))
+                                          "state_bytes_per_token": state, "kv_bytes_per_token": kv,
+                                          "bytes_per_token": per_token}, ref))
             _say(f"decode at {length}: {decode[-1]['tok_s']:,.1f} tok/s")
     return prefill, decode, last
 
@@ -204,17 +218,29 @@ def verify_phase(loaded, args, context: int, kv: int, ref, clock) -> dict:
                                  loaded)
     blocks, table = engine.scheduler.blocks, []
     blocks.allocate(table, context + VERIFY_TOKENS)
-    run, calls = engine.runner.forward, 4 * args.repeats
+    calls = 4 * args.repeats
     try:
-        one = clock.per_call(lambda: run([[1]], [context], [table]), calls)
-        many = clock.per_call(lambda: run([list(range(1, VERIFY_TOKENS + 1))], [context], [table],
-                                          logits_rows=list(range(VERIFY_TOKENS))), calls)
+        one = clock.per_call(_forward(engine.runner, [1], context, table), calls)
+        many = clock.per_call(_forward(engine.runner, list(range(1, VERIFY_TOKENS + 1)), context, table), calls)
     finally:
         blocks.free_table(table)
-    per_token = shapes.weight_bytes_per_token(loaded.model) + kv * (context + 1)
+    per_token = (limits.weight_bytes_per_token(loaded.model) + limits.state_bytes_per_token(loaded.model)
+                 + kv * (context + 1))
     forward = _bandwidth_row({"context": context, "tok_s": 1 / one, "bytes_per_token": per_token}, ref)
     return {"context": context, "q_len": VERIFY_TOKENS, "decode_step_s": one, "verify_step_s": many,
             "ratio": many / one, "decode_forward": forward, "cuda_graph_replays": _graph_replays(engine)}
+
+
+def _forward(runner, tokens: list[int], context: int, table: list[int]):
+    """One bare forward of `tokens` after `context` cached positions, all their logits. A model with
+    recurrent layers runs in state slot 0, and a multi-token forward as a verify row (its DeltaNet
+    layers keep each position's state, as a speculating engine's verify does)."""
+    rows = list(range(len(tokens))) if len(tokens) > 1 else None
+    if not runner.recurrent_layers:
+        return lambda: runner.forward([tokens], [context], [table], logits_rows=rows)
+    kind = RowKind.VERIFY if len(tokens) > 1 else RowKind.DECODE
+    return lambda: runner.run(StepPlan([PlanRow(list(tokens), context, table, kind=kind)], logits_rows=rows,
+                                       state_slots=[0]))
 
 
 def spec_phase(loaded, args, rng) -> dict:
@@ -241,38 +267,18 @@ def spec_phase(loaded, args, rng) -> dict:
             "speedup": spec["tok_s"] / plain["tok_s"]}
 
 
-def peer_phase(loaded, quant: str, args, device, last: dict, at: int, decode: list[dict], clock) -> dict:
-    """transformers `generate` with a static cache, over the lucebox model's own tensors, at context `at`."""
-    try:
-        from transformers import AutoConfig
-    except ImportError:
-        return {"skipped": "transformers is not installed"}
-    if quant not in shapes.FLOAT_QUANTS or loaded.format == "gguf":
-        return {"skipped": f"transformers runs the float weights of HF checkpoints or shapes only (these are {quant})"}
-    if at not in last:
-        return {"skipped": "the peer runs at a decode context and none was measured"}
-    config = (AutoConfig.for_model(**shapes.SHAPES[args.shape]) if args.shape
-              else AutoConfig.from_pretrained(loaded.source))
-    prompt, lucebox_ids = last[at]
-    tokens, per_token = shapes.transformers_decode(shapes.transformers_twin(loaded, config, device), prompt,
-                                                   1 + args.decode_tokens, args.repeats, clock.now)
-    ours = next(r["tok_s"] for r in decode if r["context"] == at)
-    _say(f"transformers peer: {1 / per_token:,.1f} tok/s")
-    return {"context": at, "tokens": args.decode_tokens, "tok_s": 1 / per_token, "lucebox_tok_s": ours,
-            "ratio": ours * per_token, "greedy_tokens_matching": common_prefix(tokens, lucebox_ids),
-            "transformers": shapes.version("transformers")}
-
-
 def engine_args(args, max_len: int, loaded, kv_factor: int = 1, **extra) -> EngineArgs:
     """Batch 1, no prefix caching (every run must prefill), a KV pool of one context so the rest of the
     memory stays free (the peer needs it); kv_factor > 1 leaves room for a drafter's KV."""
     per_token = kv_bytes_per_token(loaded.model, args.cache_type_k, args.cache_type_v)
     tokens = (-(-max_len // EngineArgs.block_size) + 2) * EngineArgs.block_size
+    # the recurrent state of one sequence (hybrids) and a verify's per-position snapshots of it
+    state = bytes_per_sequence(loaded.model.cache_specs(args.cache_type_k, args.cache_type_v), 1 + VERIFY_TOKENS)
     return EngineArgs(model=loaded.source, max_model_len=max_len, max_num_seqs=1, enable_prefix_caching=False,
                       cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
                       cuda_graphs=getattr(args, "cuda_graphs", None),
                       async_decode=getattr(args, "async_decode", EngineArgs.async_decode),
-                      kv_cache_memory=kv_factor * per_token * tokens, **extra)
+                      kv_cache_memory=kv_factor * (per_token * tokens + state), **extra)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -321,94 +327,21 @@ def run(args: argparse.Namespace) -> dict:
             _say(f"forced acceptance: tau {f['tau']:.2f}, {f['speedup']:.2f}x (bound {f['bound']:.2f}x)")
     if device.type == "cuda":  # lucebox's own peak: weights, the KV of the longest context, activations
         result["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
-    if "peer" not in skip:
-        result["peer"] = peer_phase(loaded, quant, args, device, last, at, result["decode"], clock)
+    if "peer" not in skip and args.peer == "transformers":
+        result["peer"] = transformers_peer.peer_phase(loaded, quant, args, device, last, at, result["decode"],
+                                                      clock, _say)
     if "spec" not in skip:
         result["spec"] = (spec_phase(loaded, args, rng) if args.draft or args.spec_method == "ngram"
                           else {"skipped": "no drafter: pass --draft PATH (or --spec-method ngram)"})
+    if "peer" not in skip and args.peer == "llama.cpp":
+        cfg, gguf = loaded.config, args.model if (args.model or "").endswith(".gguf") else None
+        del loaded  # llama.cpp gets the whole device: lucebox's weights and caches go first
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        result["peer"] = llama_cpp.peer_phase(args, cfg, quant, gguf, result["prefill"], result["decode"], _say)
     notes += [f"{key}: {result[key]['skipped']}" for key in ("peer", "spec") if "skipped" in (result[key] or {})]
     return result
-
-
-# ---------------------------------------------------------------------------- the report
-def _goal(value: float | None, bound: float, unit: str = "%", higher: bool = True) -> str:
-    met = "" if value is None else " met" if (value >= bound if higher else value <= bound) else " MISSED"
-    return f"{'>=' if higher else '<='} {bound:,g}{unit}{met}"
-
-
-def _pct(row: dict, key: str) -> str:
-    return f"{row[key]:.1f}%" if key in row else "-"
-
-
-def _n(x: float) -> str:
-    """At least 3 significant digits, thousands separated: 4,012 / 81.5 / 0.0123."""
-    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
-
-
-def report_rows(r: dict) -> list[tuple[str, str, str, str, str]]:
-    """measure | value | limit / reference | % of limit (or ratio) | goal (issue 7's, for an H200)."""
-    m, ref, rows = r["model"], r["reference"] or {}, []
-    bf16 = m["quant"] == "bf16"
-    if ref:
-        g, n = ref["gemv_shape"], ref["matmul_shape"][0]
-        rows.append(("GEMV bandwidth (reference)", f"{_n(ref['gemv_gb_s'])} GB/s",
-                     f"{ref['dtype']} [{g[0]} x {g[1]}] @ vector", "", ""))
-        rows.append(("matmul rate (reference)", f"{_n(ref['matmul_tflops'])} TFLOP/s", f"{ref['dtype']} {n}^3", "", ""))
-    bw = f"{_n(ref['gemv_gb_s'])} GB/s" if ref else "unmeasured"
-    mm = f"{_n(ref['matmul_tflops'])} TFLOP/s" if ref else "unmeasured TFLOP/s"
-    for p in r["prefill"]:
-        goal = _goal(p.get("pct_matmul"), GOALS["prefill_4096"]) if p["prompt_len"] == 4096 and bf16 else ""
-        rows.append((f"prefill {p['prompt_len']:,} tokens", f"{_n(p['tok_s'])} tok/s, TTFT {_n(1e3 * p['ttft_s'])} ms",
-                     f"{_n(p['tflops'])} of {mm}", _pct(p, "pct_matmul"), goal))
-    for d in r["decode"]:
-        bound = GOALS.get(f"decode_{d['context']}" if bf16 else m["quant"])
-        goals = [_goal(d.get("pct_bandwidth"), bound)] if bound and (bf16 or d["context"] == 512) else []
-        if m["shape"] == "qwen3-0.6b" and bf16 and d["context"] == 512:
-            goals.append(_goal(d["tok_s"], GOALS["qwen3-0.6b_tok_s"], " tok/s"))
-        rows.append((f"decode at context {d['context']:,}", f"{_n(d['tok_s'])} tok/s, {_n(d['ms_per_token'])} ms",
-                     f"{_n(d['gb_s'])} of {bw}; {_n(d['bytes_per_token'] / 1e9)} GB/token", _pct(d, "pct_bandwidth"),
-                     "; ".join(goals)))
-    if r["verify"]:
-        v, f = r["verify"], r["verify"]["decode_forward"]
-        graphs = " with CUDA graphs" if v.get("cuda_graph_replays") else ""
-        rows.append((f"decode forward alone (runner{graphs}) at {f['context']:,}", f"{_n(f['tok_s'])} tok/s",
-                     f"{_n(f['gb_s'])} of {bw}", _pct(f, "pct_bandwidth"), ""))
-        rows.append((f"verify forward of {v['q_len']} tokens / decode forward",
-                     f"{_n(1e3 * v['verify_step_s'])} / {_n(1e3 * v['decode_step_s'])} ms", "", f"{v['ratio']:.2f}x",
-                     _goal(v["ratio"], GOALS["verify_ratio"], "x", higher=False)))
-    if r.get("forced"):
-        f = r["forced"]
-        unsettled = "" if f.get("converged", True) else " NOT CONVERGED"
-        redone = (f", drafts re-recorded {f['rerecorded']}x{unsettled} (near-ties: equal to plain greedy for "
-                  f"{f['equal_to_plain_before']} tokens)") if f.get("rerecorded") else ""
-        rows.append((f"speculative, forced acceptance ({f['draft_tokens']} drafts), tau {f['tau']:.2f}{redone}",
-                     f"{_n(f['tok_s'])} tok/s, {f['speedup']:.2f}x plain",
-                     f"bound tau x decode / verify = {f['bound']:.2f}x", f"{100 * f['of_bound']:.0f}%",
-                     _goal(100 * f["of_bound"], GOALS["forced_of_bound"])))
-    s, p = r["spec"] or {}, r["peer"] or {}
-    if "tau" in s:
-        rows.append((f"speculative ({s['method']}), tau {s['tau']:.2f}", f"{_n(s['tok_s'])} tok/s",
-                     f"plain {_n(s['plain_tok_s'])} tok/s", f"{s['speedup']:.2f}x", ""))
-    if "tok_s" in p:
-        rows.append((f"transformers generate (static cache) at {p['context']:,}", f"{_n(p['tok_s'])} tok/s",
-                     f"lucebox {_n(p['lucebox_tok_s'])} tok/s", f"{p['ratio']:.2f}x",
-                     _goal(p["ratio"], GOALS["peer_ratio"], "x")))
-    if r["peak_memory_bytes"]:
-        rows.append(("peak GPU memory", f"{r['peak_memory_bytes'] / 2**30:.2f} GiB",
-                     f"weights {m['weight_bytes'] / 2**30:.2f} GiB", "", ""))
-    return rows
-
-
-def print_report(r: dict) -> None:
-    m = r["model"]
-    print(f"{m['source']}: {m['quant']} weights, {m['dtype']} activations, {r['meta']['device']}, batch 1; a step "
-          f"reads {_n(m['weight_bytes_per_token'] / 1e9)} GB of weights + {m['kv_bytes_per_token']:,} B of KV "
-          f"per context token\n")
-    print("| measure | value | limit / reference | % of limit (ratio) | goal |\n|---|---:|---|---:|---|")
-    for row in report_rows(r):
-        print("| " + " | ".join(row) + " |")
-    for note in r["notes"]:
-        print(f"\nnote: {note}")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -9,7 +9,7 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
-from lucebox.bench import shapes, speed
+from lucebox.bench import limits, shapes, speed, speed_report
 from lucebox.cli import main
 from lucebox.weights.quant import QuantEmbedding, QuantLinear
 
@@ -51,7 +51,7 @@ def test_named_shapes_are_the_real_qwen3_configs():
     assert (cfg.intermediate_size, cfg.vocab_size, cfg.tie_word_embeddings) == (12288, 151936, False)
     assert cfg.qk_norm and cfg.rope.theta == 1e6 and cfg.max_position_embeddings == 40960
     assert shapes.shape_config("qwen3-0.6b").tie_word_embeddings
-    layers, head = shapes.matmul_params(cfg)
+    layers, head = limits.matmul_params(cfg)
     assert 7.5e9 < layers + head + cfg.vocab_size * cfg.hidden_size < 8.5e9  # "8B" parameters
 
 
@@ -82,9 +82,9 @@ def test_bytes_per_token_are_every_weight_once_plus_one_embedding_row(quant, tie
     head = size("head", cfg.vocab_size, h)
     embed_row = size("head" if tied else "embed", 1, h)
     expected = cfg.num_layers * layer + float_size * h + head + embed_row
-    assert shapes.weight_bytes_per_token(model) == expected
+    assert limits.weight_bytes_per_token(model) == expected
     table = head if tied else size("embed", cfg.vocab_size, h)
-    assert shapes.weight_bytes(model) == expected - embed_row + (0 if tied else table)
+    assert limits.weight_bytes(model) == expected - embed_row + (0 if tied else table)
 
 
 def _positive(value) -> bool:
@@ -98,7 +98,7 @@ def test_bench_speed_python_api_measures_every_phase_on_a_tiny_model():
     assert [p["prompt_len"] for p in result["prefill"]] == [32, 48]
     for p in result["prefill"]:
         assert all(_positive(p[k]) for k in ("ttft_s", "tok_s", "tflops", "pct_matmul"))
-        assert p["flops"] == shapes.prefill_flops(shapes.shape_config("tiny"), p["prompt_len"])
+        assert p["flops"] == limits.prefill_flops(shapes.shape_config("tiny"), p["prompt_len"])
     (d,) = result["decode"]
     assert all(_positive(d[k]) for k in ("tok_s", "ms_per_token", "gb_s", "pct_bandwidth"))
     assert model["kv_bytes_per_token"] == 2 * 2 * 64 * 2 * 4  # layers x kv heads x head_dim x (K, V) x float32
@@ -117,7 +117,7 @@ def test_bench_speed_python_api_measures_every_phase_on_a_tiny_model():
     # float32 on both sides over the very same tensors: transformers decodes the same greedy tokens
     assert peer["greedy_tokens_matching"] == 1 + SMALL["decode_tokens"]
     assert result["meta"]["torch"] == torch.__version__ and result["meta"]["date"]
-    measures = [row[0] for row in speed.report_rows(result)]
+    measures = [row[0] for row in speed_report.report_rows(result)]
     assert "GEMV bandwidth (reference)" in measures and any(m.startswith("transformers") for m in measures)
 
 
@@ -237,7 +237,7 @@ def test_forced_acceptance_says_when_re_recording_did_not_converge(monkeypatch):
     forced = result["forced"]
     assert runs == [False, True, True, True]
     assert forced["rerecorded"] == 2 and forced["reproduced"] == [3, 3] and not forced["converged"]
-    assert any("re-recorded 2x NOT CONVERGED" in row[0] for row in speed.report_rows(result))
+    assert any("re-recorded 2x NOT CONVERGED" in row[0] for row in speed_report.report_rows(result))
 
 
 def test_the_per_request_median_comes_with_an_interval_that_narrows_with_more_requests():
@@ -263,9 +263,9 @@ def test_the_transformers_peer_leaves_later_transformers_models_initialised():
     script = """
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
-from lucebox.bench import shapes
+from lucebox.bench import shapes, transformers_peer
 loaded = shapes.build_random_model("tiny", "f32", torch.device("cpu"))
-shapes.transformers_twin(loaded, AutoConfig.for_model(**shapes.SHAPES["tiny"]), torch.device("cpu"))
+transformers_peer.transformers_twin(loaded, AutoConfig.for_model(**shapes.SHAPES["tiny"]), torch.device("cpu"))
 config = AutoConfig.for_model(**shapes.SHAPES["tiny"])
 model = AutoModelForCausalLM.from_config(config)
 print(model.model.layers[0].mlp.up_proj.weight.std().item() / config.initializer_range)

@@ -1,0 +1,333 @@
+"""llama.cpp as the peer of `lucebox bench speed --peer llama.cpp`: the same shape in the same quant mix,
+written as a GGUF of random but valid blocks, measured by llama.cpp's own llama-bench on the same GPU.
+
+The file follows llama.cpp's loaders (src/models/qwen35.cpp, qwen35moe.cpp, qwen3moe.cpp, qwen3.cpp):
+arch metadata, tensor names and shapes, a minimal gpt2-style BPE vocabulary of vocab_size tokens
+(256 byte tokens, one merge, filler words). Types come from bench/shapes.py's mix rule, tensor by
+tensor from the lucebox model's own parameter list, so both sides hold the same bytes per matrix.
+
+Writing streams to disk at disk speed: each quantised tensor repeats one pattern of valid random
+blocks (a prime number of them, started at a different block per tensor, so no two rows of a
+matrix are alike and routing and embeddings still vary token to token); the small float tensors
+(norms, router, the DeltaNet's a / b / conv / A / dt) are drawn for real.
+
+llama-bench (scripts/build_llama_cpp.sh builds or unpacks it into .llama/bin) then runs
+`-ngl 99 -fa 1 -p PROMPT_LENS -n DECODE_TOKENS -d 0,CONTEXTS -o json`; its JSON rows become this
+module's prefill / decode rows and "lucebox / llama.cpp" ratios.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGUFWriter, LlamaFileType
+from gguf import GGMLQuantizationType as Q
+
+from ..model.config import ModelConfig
+from ..util import on_meta
+from . import shapes
+
+# ------------------------------------------------------------------------------------------------
+# THE NAME TABLE: lucebox tensor name -> llama.cpp GGUF tensor name(s), per llama.cpp architecture.
+# Layer entries are the names after `layers.{L}.` / `blk.{L}.`. A tuple splits a stacked tensor
+# along its rows (experts' gate_up_proj [E, 2I, H] -> ffn_gate_exps, ffn_up_exps). Values that
+# differ (not only the name) in a real conversion: ssm_a = -exp(A_log); ssm_conv1d drops the
+# middle 1 of [C, 1, K]; ffn_gate_inp_shexp is the [1, H] gate as [H]; V heads are reordered.
+# Merge point: the gguf-hybrid branch's reader/writer table can replace this dict.
+# ------------------------------------------------------------------------------------------------
+_ATTENTION = {"input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
+              "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
+              "self_attn.o_proj.weight": "attn_output.weight", "self_attn.q_norm.weight": "attn_q_norm.weight",
+              "self_attn.k_norm.weight": "attn_k_norm.weight"}
+_DENSE_FFN = {"mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+              "mlp.down_proj.weight": "ffn_down.weight"}
+_EXPERTS = {"mlp.gate.weight": "ffn_gate_inp.weight",
+            "mlp.experts.gate_up_proj": ("ffn_gate_exps.weight", "ffn_up_exps.weight"),
+            "mlp.experts.down_proj": "ffn_down_exps.weight"}
+_SHARED_EXPERT = {"mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+                  "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+                  "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+                  "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight"}
+_DELTANET = {"linear_attn.in_proj_qkv.weight": "attn_qkv.weight", "linear_attn.in_proj_z.weight": "attn_gate.weight",
+             "linear_attn.in_proj_b.weight": "ssm_beta.weight", "linear_attn.in_proj_a.weight": "ssm_alpha.weight",
+             "linear_attn.conv1d.weight": "ssm_conv1d.weight", "linear_attn.dt_bias": "ssm_dt.bias",
+             "linear_attn.A_log": "ssm_a", "linear_attn.norm.weight": "ssm_norm.weight",
+             "linear_attn.out_proj.weight": "ssm_out.weight"}
+_QWEN35 = {**_ATTENTION, **_DELTANET, "post_attention_layernorm.weight": "post_attention_norm.weight"}
+GGUF_NAMES: dict[str, dict] = {
+    "global": {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
+               "lm_head.weight": "output.weight"},
+    "qwen3": {**_ATTENTION, **_DENSE_FFN, "post_attention_layernorm.weight": "ffn_norm.weight"},
+    "qwen3moe": {**_ATTENTION, **_EXPERTS, "post_attention_layernorm.weight": "ffn_norm.weight"},
+    "qwen35": {**_QWEN35, **_DENSE_FFN},
+    "qwen35moe": {**_QWEN35, **_EXPERTS, **_SHARED_EXPERT},
+}
+ARCHES = {"qwen3": "qwen3", "qwen3_moe": "qwen3moe", "qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe"}  # family -> arch
+FILE_TYPES = {"f32": LlamaFileType.ALL_F32, "f16": LlamaFileType.MOSTLY_F16, "bf16": LlamaFileType.MOSTLY_BF16,
+              "q8_0": LlamaFileType.MOSTLY_Q8_0, "q4_0": LlamaFileType.MOSTLY_Q4_0, "q4_k": LlamaFileType.MOSTLY_Q4_K_M,
+              "q4_k_m": LlamaFileType.MOSTLY_Q4_K_M, "q5_k": LlamaFileType.MOSTLY_Q5_K_M,
+              "q5_k_m": LlamaFileType.MOSTLY_Q5_K_M, "q6_k": LlamaFileType.MOSTLY_Q6_K,
+              "iq4_xs": LlamaFileType.MOSTLY_IQ4_XS}
+FLOAT_TYPES = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16}
+PATTERN_UNITS = 65521  # blocks (or float values) in a repeated pattern: prime, so matrix rows differ
+_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+
+
+def arch_of(cfg: ModelConfig) -> str:
+    if cfg.family not in ARCHES:
+        raise ValueError(f"llama.cpp peer: no GGUF architecture for model family {cfg.family!r} "
+                         f"(known: {', '.join(ARCHES)})")
+    return ARCHES[cfg.family]
+
+
+def gguf_names(name: str, arch: str) -> tuple[str, ...]:
+    """The GGUF tensor name(s) of one lucebox tensor (two where a stacked tensor is split)."""
+    match = _LAYER.fullmatch(name)
+    table, prefix = (GGUF_NAMES[arch], f"blk.{match[1]}.") if match else (GGUF_NAMES["global"], "")
+    key = match[2] if match else name
+    if key not in table:
+        raise ValueError(f"llama.cpp peer: no {arch} GGUF name for tensor {name}")
+    target = table[key]
+    return tuple(prefix + t for t in (target if isinstance(target, tuple) else (target,)))
+
+
+def tensor_plan(cfg: ModelConfig, quant: str) -> list[tuple[str, str, tuple[int, ...], Q]]:
+    """(lucebox name, GGUF name, shape outermost first, GGML type) of every tensor of the file."""
+    arch = arch_of(cfg)
+    with on_meta():
+        model = shapes.model_class(cfg)(cfg)
+    plan = []
+    for name, p in model.named_parameters():
+        shape = tuple(int(d) for d in p.shape if d != 1)  # conv1d [C, 1, K] -> [C, K]; [1, H] -> [H]
+        if shapes.is_quantised(name, tuple(p.shape)):
+            qtype = (FLOAT_TYPES[quant] if quant in FLOAT_TYPES
+                     else shapes.weight_type(name, quant, cfg.tie_word_embeddings))
+        else:
+            qtype = Q.F32  # llama.cpp keeps routers, convs, the DeltaNet's a / b and 1-D tensors in float32
+        targets = gguf_names(name, arch)
+        part = (shape[0], shape[1] // len(targets), *shape[2:]) if len(targets) > 1 else shape
+        plan += [(name, target, part, qtype) for target in targets]
+    return plan
+
+
+def tensor_bytes(shape: tuple[int, ...], qtype: Q) -> int:
+    block, size = GGML_QUANT_SIZES[qtype]
+    return math.prod(shape) // block * size
+
+
+def _metadata(w: GGUFWriter, cfg: ModelConfig, quant: str, arch: str) -> None:
+    w.add_name(f"random {cfg.family} for lucebox bench speed")
+    w.add_file_type(int(FILE_TYPES[quant]))
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_layers)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_head_count(cfg.num_heads)
+    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope.theta)
+    rope_dim = int(cfg.head_dim * cfg.partial_rotary_factor) // 2 * 2
+    w.add_rope_dimension_count(rope_dim)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    if cfg.num_experts:
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if cfg.shared_expert_intermediate_size:
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if arch in ("qwen35", "qwen35moe"):
+        if cfg.linear_key_head_dim != cfg.linear_value_head_dim:
+            raise ValueError("llama.cpp's qwen35 needs equal DeltaNet key and value head sizes (ssm.state_size)")
+        kinds = cfg.layer_types
+        interval = kinds.index("full_attention") + 1
+        if any((kind == "full_attention") != ((i + 1) % interval == 0) for i, kind in enumerate(kinds)):
+            raise ValueError("llama.cpp's qwen35 places full attention every full_attention_interval layers")
+        w.add_full_attention_interval(interval)
+        w.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
+        w.add_ssm_state_size(cfg.linear_key_head_dim)
+        w.add_ssm_group_count(cfg.linear_num_key_heads)
+        w.add_ssm_time_step_rank(cfg.linear_num_value_heads)
+        w.add_ssm_inner_size(cfg.linear_value_head_dim * cfg.linear_num_value_heads)
+        # interleaved M-RoPE sections (required by the loader); text positions make them plain RoPE
+        third, rest = divmod(rope_dim // 2, 3)  # 64 dims: [11, 11, 10, 0], as Qwen3.5's mrope_section
+        w.add_rope_dimension_sections([third + (rest > 0), third + (rest > 1), third, 0])
+
+
+def _bytes_to_unicode() -> list[str]:
+    """GPT-2's printable stand-ins for the 256 byte values (the byte-level BPE alphabet)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
+
+
+def _vocabulary(w: GGUFWriter, vocab_size: int, arch: str) -> None:
+    """A valid gpt2-style BPE vocabulary: the 256 byte tokens, one merge and filler words."""
+    if vocab_size < 258:
+        raise ValueError(f"llama.cpp peer: a vocabulary of {vocab_size} is too small for the 256 byte tokens")
+    tokens = [*_bytes_to_unicode(), "\u0120t", *(f"t{i}" for i in range(257, vocab_size))]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen35" if arch.startswith("qwen35") else "qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * vocab_size)  # LLAMA_TOKEN_TYPE_NORMAL
+    w.add_token_merges(["\u0120 t"])
+    w.add_bos_token_id(vocab_size - 1)
+    w.add_eos_token_id(vocab_size - 1)
+    w.add_add_bos_token(False)
+
+
+def _pattern(qtype: Q, seed: int) -> memoryview:
+    """PATTERN_UNITS valid random blocks (float types: values) of qtype, as bytes."""
+    torch.manual_seed(seed)
+    if qtype in (Q.F32, Q.F16, Q.BF16):
+        dtype = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}[qtype]
+        values = torch.randn(PATTERN_UNITS).mul_(shapes.STD).to(dtype)
+        return memoryview(values.view(torch.uint8).numpy().tobytes())
+    block = GGML_QUANT_SIZES[qtype][0]
+    qt = shapes.random_quant_tensor(qtype, 1, block * PATTERN_UNITS, torch.device("cpu"))
+    return memoryview(qt.data.numpy().tobytes())
+
+
+def _small_tensor(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """A float32 tensor drawn for real: norms 1, A = -exp(A_log) near -1, the rest N(0, 0.02)."""
+    if "norm" in name:
+        return np.ones(shape, np.float32)
+    values = rng.standard_normal(shape, dtype=np.float32) * shapes.STD
+    return -np.exp(values) if name.endswith("A_log") else values
+
+
+def write_gguf(cfg: ModelConfig, quant: str, path: str | Path, seed: int = 0) -> int:
+    """Write the random GGUF of this config in this mix to `path` (via a .part file). Returns its size."""
+    arch, path = arch_of(cfg), Path(path)
+    plan = tensor_plan(cfg, quant)
+    part = path.with_name(path.name + ".part")
+    w = GGUFWriter(part, arch)
+    _metadata(w, cfg, quant, arch)
+    _vocabulary(w, cfg.vocab_size, arch)
+    for _, target, shape, qtype in plan:
+        w.add_tensor_info(target, shape, np.dtype(np.float32), tensor_bytes(shape, qtype), raw_dtype=qtype)
+    w.write_header_to_file(part)
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    out, patterns, rng = w.fout[0], {}, np.random.default_rng(seed)
+    w.write_padding(out, out.tell())
+    for index, (name, _, shape, qtype) in enumerate(plan):
+        nbytes = tensor_bytes(shape, qtype)
+        if qtype == Q.F32 and not shapes.is_quantised(name, shape):
+            out.write(_small_tensor(name, shape, rng).tobytes())
+        else:
+            if qtype not in patterns:
+                patterns[qtype] = _pattern(qtype, seed)
+            unit = GGML_QUANT_SIZES[qtype][1]
+            _write_repeating(out, patterns[qtype], nbytes, (index * 7919 % PATTERN_UNITS) * unit)
+        w.write_padding(out, nbytes)
+    w.close()
+    os.replace(part, path)
+    return path.stat().st_size
+
+
+def _write_repeating(out, pattern: memoryview, nbytes: int, start: int) -> None:
+    position = start % len(pattern)
+    while nbytes:
+        chunk = pattern[position:position + nbytes]
+        out.write(chunk)
+        nbytes -= len(chunk)
+        position = 0
+
+
+def expected_file_bytes(cfg: ModelConfig, quant: str) -> int:
+    """Tensor data bytes of the file (the header and vocabulary come on top)."""
+    return sum(tensor_bytes(shape, qtype) for _, _, shape, qtype in tensor_plan(cfg, quant))
+
+
+# ------------------------------------------------------------------------------------------------ llama-bench
+def bench_command(binary: str, path: str | Path, prompt_lens, decode_tokens: int, contexts, repeats: int,
+                  extra: list[str] = ()) -> list[str]:
+    depths = sorted({0, *contexts})
+    return [str(binary), "-m", str(path), "-ngl", "99", "-fa", "1", "-p", ",".join(map(str, prompt_lens or [0])),
+            "-n", str(decode_tokens if contexts else 0), "-d", ",".join(map(str, depths)), "-r", str(repeats),
+            "-o", "json", *extra]
+
+
+def parse_bench_json(text: str) -> dict:
+    """llama-bench's `-o json` (tools/llama-bench/llama-bench.cpp json_printer): one object per test with
+    n_prompt, n_gen, n_depth, avg_ts / stddev_ts (tokens a second), samples_ns and the model's
+    description. Prompt tests become prefill rows, generation tests decode rows at their depth."""
+    tests = json.loads(text)
+    if not isinstance(tests, list) or not tests:
+        raise ValueError("llama-bench printed no tests")
+    first = tests[0]
+    out = {"model_type": first["model_type"], "model_size": first["model_size"],
+           "model_n_params": first["model_n_params"], "build_commit": first["build_commit"],
+           "gpu_info": first.get("gpu_info"), "backends": first.get("backends"), "prefill": [], "decode": []}
+    for t in tests:
+        row = {"tok_s": float(t["avg_ts"]), "stddev_tok_s": float(t["stddev_ts"]), "depth": int(t["n_depth"]),
+               "runs": len(t.get("samples_ns", []))}
+        if t["n_gen"] == 0 and t["n_prompt"] > 0:
+            out["prefill"].append(dict(row, prompt_len=int(t["n_prompt"])))
+        elif t["n_prompt"] == 0 and t["n_gen"] > 0:
+            out["decode"].append(dict(row, context=int(t["n_depth"]), tokens=int(t["n_gen"])))
+    return out
+
+
+def _work_dir(given: str | None, need: int) -> Path:
+    """The first of --peer-dir / the temp dir / /dev/shm with room for the file (and 1 GiB spare)."""
+    candidates = [Path(given)] if given else [Path(tempfile.gettempdir()), Path("/dev/shm")]
+    for d in candidates:
+        if d.is_dir() and shutil.disk_usage(d).free > need + (1 << 30):
+            return d
+    free = {str(d): shutil.disk_usage(d).free // 2**30 for d in candidates if d.is_dir()}
+    raise OSError(f"the random GGUF needs {need / 2**30:.1f} GiB of disk; free GiB: {free} (pass --peer-dir)")
+
+
+def peer_phase(args, cfg: ModelConfig, quant: str, gguf: str | None, prefill: list[dict], decode: list[dict],
+               say) -> dict:
+    """llama-bench on the same shape and mix (or the --model GGUF itself), and the lucebox / llama.cpp ratios."""
+    binary = Path(args.llama_bench)
+    if not binary.is_file():
+        return {"skipped": f"no llama-bench at {binary} (scripts/build_llama_cpp.sh builds or unpacks it)"}
+    if gguf is None and not args.shape:
+        return {"skipped": "the llama.cpp peer runs a --shape (written as a random GGUF) or a --model .gguf"}
+    prompt_lens, contexts = [p["prompt_len"] for p in prefill], [d["context"] for d in decode]
+    written = None
+    try:
+        if gguf is None:
+            directory = _work_dir(args.peer_dir, expected_file_bytes(cfg, quant))
+            written = directory / f"lucebox-random-{args.shape}-{quant}.gguf"
+            start = time.perf_counter()
+            size = write_gguf(cfg, quant, written, args.seed)
+            seconds = time.perf_counter() - start
+            say(f"llama.cpp peer: wrote {written} ({size / 2**30:.2f} GiB in {seconds:.1f} s)")
+        command = bench_command(binary, gguf or written, prompt_lens, args.decode_tokens, contexts, args.repeats)
+        say("llama.cpp peer: " + " ".join(command))
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.peer_timeout, check=False)
+    except (OSError, ValueError, subprocess.TimeoutExpired) as e:
+        return {"skipped": f"llama.cpp peer: {e}"}
+    finally:
+        if written is not None:
+            written.unlink(missing_ok=True)
+            written.with_name(written.name + ".part").unlink(missing_ok=True)
+    if done.returncode != 0:
+        return {"skipped": f"llama-bench exited {done.returncode}: {done.stderr.strip()[-1500:]}", "command": command}
+    result = dict(parse_bench_json(done.stdout), command=command, gguf_bytes=None if gguf else size,
+                  write_seconds=None if gguf else seconds)
+    return dict(result, ratios=ratios(prefill, decode, result))
+
+
+def ratios(prefill: list[dict], decode: list[dict], peer: dict) -> dict:
+    """lucebox tok/s over llama.cpp's at the same prompt length (depth 0) and decode context."""
+    theirs_p = {r["prompt_len"]: r["tok_s"] for r in peer["prefill"] if r["depth"] == 0}
+    theirs_d = {r["context"]: r["tok_s"] for r in peer["decode"]}
+    return {"prefill": {p["prompt_len"]: p["tok_s"] / theirs_p[p["prompt_len"]] for p in prefill
+                        if p["prompt_len"] in theirs_p},
+            "decode": {d["context"]: d["tok_s"] / theirs_d[d["context"]] for d in decode if d["context"] in theirs_d}}
