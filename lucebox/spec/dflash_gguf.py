@@ -141,8 +141,6 @@ def _write_metadata(w: GGUFWriter, cfg: DFlashConfig, src: Path, want: Q) -> Non
         w.add_uint32(f"{ARCH}.dflash.n_target_layers", int(cfg.num_target_layers))
     if cfg.is_causal is not None:
         w.add_bool(f"{ARCH}.dflash.is_causal", cfg.is_causal)
-    if m.partial_rotary_factor != 1.0:
-        raise UnsupportedError(f"{src}: a drafter with partial rotary ({m.partial_rotary_factor}) has no GGUF form")
 
 
 def _write_rope(w: GGUFWriter, rope: RopeConfig, src: Path) -> None:

@@ -12,8 +12,9 @@ Published layouts read here: the Qwen3 drafters (`rope_theta` + `rope_scaling`, 
 and the Qwen3.5/3.6 ones for hybrid targets (transformers 5's `rope_parameters`, mask id 248070,
 `layer_types` with `sliding_attention` layers of `sliding_window`). As in the reference, a sliding
 layer is causal inside the block unless `is_causal` says otherwise (`is_causal` set: every layer
-follows it). A `partial_rotary_factor` (top level or in `rope_parameters`), which no published
-drafter carries, turns only the first head_dim * factor dims, as the hybrid target's attention does.
+follows it). RoPE turns the whole head whatever rope keys a drafter copied from its target
+(`partial_rotary_factor`, `mrope_section`): the reference's Qwen3 rotary reads only the rope type,
+theta and scaling, and the published weights were trained that way.
 """
 from __future__ import annotations
 
@@ -27,14 +28,7 @@ from torch import nn
 
 from ..errors import CheckpointError
 from ..kernels.rope import apply_rope
-from ..model.config import (
-    ModelConfig,
-    check_float,
-    hf_rope,
-    hf_sliding_windows,
-    rope_to_hf,
-)
-from ..model.gated_attention import apply_partial_rope, rotary_dim
+from ..model.config import ModelConfig, hf_rope, hf_sliding_windows, rope_to_hf
 from ..model.rope import RopeTable
 from ..model.transformer import MLP, RMSNorm
 
@@ -85,9 +79,7 @@ class DFlashConfig:
             raise CheckpointError(f"{where}: {e}") from None
         try:
             cfg.rope = hf_rope(raw)
-            rope_params = raw.get("rope_parameters") or {}
-            factor = rope_params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-            cfg.partial_rotary_factor = check_float(factor, "rope_factor", "partial_rotary_factor")
+            cfg.partial_rotary_factor = 1.0  # the whole head (see the module's note)
             # transformers' Qwen3Config drops the window when use_sliding_window is false (the
             # reference then attends fully, causal or not); absent, the window holds.
             windowed = raw.get("layer_types") and raw.get("use_sliding_window") is not False
@@ -95,9 +87,6 @@ class DFlashConfig:
                 else [None] * cfg.num_layers
         except CheckpointError as e:
             raise CheckpointError(f"{where}: {e}") from None
-        if not 0 < cfg.partial_rotary_factor <= 1 or rotary_dim(cfg) == 0:
-            raise CheckpointError(f"{where}: partial_rotary_factor {cfg.partial_rotary_factor} leaves no dims "
-                                  f"of head_dim {cfg.head_dim} to rotate")
         causal = raw.get("is_causal")
         if causal is not None and not isinstance(causal, bool):
             raise CheckpointError(f"{where}: is_causal must be true, false or absent, got {causal!r:.80}")
@@ -115,8 +104,6 @@ class DFlashConfig:
             layout["sliding_window"] = windows.pop()
         if self.is_causal is not None:
             layout["is_causal"] = self.is_causal
-        if m.partial_rotary_factor != 1.0:
-            layout["partial_rotary_factor"] = m.partial_rotary_factor
         return {
             "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": self.block_size,
             "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": self.target_layer_ids,
@@ -128,11 +115,6 @@ class DFlashConfig:
             "max_position_embeddings": m.max_position_embeddings, "vocab_size": m.vocab_size,
             "attention_bias": False, "tie_word_embeddings": True, "hidden_act": "silu",
         } | layout
-
-
-def turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE over the whole head, or its first cos.shape[-1] dims (partial rotary)."""
-    return apply_rope(x, cos, sin) if cos.shape[-1] == x.shape[-1] else apply_partial_rope(x, cos, sin)
 
 
 class DraftAttention(nn.Module):
@@ -152,14 +134,14 @@ class DraftAttention(nn.Module):
     def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [n, hidden] -> K, V [n, kv_heads, head_dim] (K normed and rotated)."""
         k = self.k_norm(self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim))
-        return turn(k, cos, sin), self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
+        return apply_rope(k, cos, sin), self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
 
     def forward(self, x: torch.Tensor, cos, sin, keys: torch.Tensor, values: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:
         """x [n, hidden] queries; keys/values [m, kv_heads, d] (context then the queries' own K/V);
         mask [n, m] bool (True = may attend) or None (all)."""
         q = self.q_norm(self.q_proj(x).view(-1, self.num_heads, self.head_dim))
-        q = turn(q, cos, sin).transpose(0, 1)
+        q = apply_rope(q, cos, sin).transpose(0, 1)
         groups = self.num_heads // self.num_kv_heads
         k = keys.transpose(0, 1).repeat_interleave(groups, 0)
         v = values.transpose(0, 1).repeat_interleave(groups, 0)
@@ -185,7 +167,7 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(m.hidden_size, m.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(m, i, causal) for i, causal in enumerate(cfg.causal_layers))
         self.norm = RMSNorm(m.hidden_size, m.rms_norm_eps)
-        self.rope = RopeTable(m.rope, rotary_dim(m))
+        self.rope = RopeTable(m.rope, m.head_dim)
 
     def context(self, features: torch.Tensor) -> torch.Tensor:
         """Target features [n, taps * hidden] -> fused context c [n, hidden]."""

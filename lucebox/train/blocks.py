@@ -113,11 +113,7 @@ def _rms(x: torch.Tensor, norm) -> torch.Tensor:
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE on x [rows, heads, d] (kernels/rope.py's formula); on its first cos.shape[-1]
-    dims only when the drafter's rotary is partial."""
-    dim = cos.shape[-1]
-    if dim < x.shape[-1]:
-        return torch.cat([_rope(x[..., :dim], cos, sin), x[..., dim:]], dim=-1)
+    """Rotate-half RoPE on x [rows, heads, d] (kernels/rope.py's formula)."""
     half = x.shape[-1] // 2
     return x * cos[:, None, :] + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin[:, None, :]
 

@@ -77,22 +77,29 @@ def test_the_published_config_reads_as_the_reference_does(drafter_dir, target):
     assert cfg.model.partial_rotary_factor == 1.0
 
 
-@pytest.mark.parametrize("is_causal", [None, False, True])
-def test_block_hidden_states_equal_the_reference_drafter(target, tmp_path, is_causal):
+TARGET_ROPE = {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+               "mrope_section": [2, 1, 1], "mrope_interleaved": True}  # a Qwen3.5 target's, copied
+YARN = {"rope_type": "yarn", "rope_theta": 10000000.0, "factor": 4.0, "original_max_position_embeddings": 16}
+
+
+@pytest.mark.parametrize("changes", [{}, {"is_causal": False}, {"is_causal": True},
+                                     {"rope_parameters": TARGET_ROPE}, {"rope_parameters": YARN}],
+                         ids=["published", "is_causal false", "is_causal true", "target's rope keys", "yarn"])
+def test_block_hidden_states_equal_the_reference_drafter(target, tmp_path, changes):
     """Context features at positions 0..a-1 and the block [anchor, MASK x 15] at a..a+15: the
     drafter's normed hidden states equal DFlashDraftModel's (float32, 1e-5), whichever layers
-    `is_causal` makes causal, with the sliding layer's window shorter than the block."""
+    `is_causal` makes causal, with the sliding layer's window shorter than the block, and whatever
+    rope keys the drafter copied from its target (the reference turns the whole head)."""
     pytest.importorskip("dflash.model")
     from dflash.model import DFlashDraftModel
-    changes = {} if is_causal is None else {"is_causal": is_causal}
     path = write_reference_drafter(target, tmp_path / "d", **changes)
     reference = DFlashDraftModel.from_pretrained(path, dtype=torch.float32).eval()
     proposer = DFlashProposer.load(str(path), LLM(str(target), block_size=BLOCK_SIZE).engine.loaded)
     drafter = proposer.drafter.float()
-    assert [layer.self_attn.causal for layer in drafter.layers] == (
-        [True, False] if is_causal is None else [is_causal] * 2)
+    causal = changes.get("is_causal")
+    assert [layer.self_attn.causal for layer in drafter.layers] == ([True, False] if causal is None else [causal] * 2)
     g = torch.Generator().manual_seed(0)
-    anchor, hidden = 11, drafter.config.model.hidden_size
+    anchor, hidden = 23, drafter.config.model.hidden_size  # past yarn's original 16 positions
     features = torch.randn(anchor, len(TAPS) * hidden, generator=g)
     block = torch.randn(BLOCK, hidden, generator=g)  # stands for the target's embedding of the block
     with torch.no_grad():
@@ -119,8 +126,7 @@ def test_a_published_drafter_speculates_losslessly_on_a_hybrid(target, drafter_d
 
 @pytest.mark.parametrize("change, message", [
     ({"is_causal": "yes"}, "is_causal"),
-    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.0}},
-     "partial_rotary_factor"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": "fast"}}, "rope_theta"),
     ({"layer_types": ["sliding_attention"]}, "layer_types has 1 entries for 2 layers"),
 ])
 def test_bad_published_keys_are_named(target, tmp_path, change, message):
