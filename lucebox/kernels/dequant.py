@@ -122,8 +122,13 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return (d * q).reshape(n, 256)
 
 
+_IQ4_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
 def _iq4_lookup(q: torch.Tensor) -> torch.Tensor:
-    table = torch.tensor(IQ4_KVALUES, dtype=torch.float32, device=q.device)
+    table = _IQ4_TABLES.get(q.device)
+    if table is None:  # made once per device: a host copy cannot run inside CUDA-graph capture
+        table = _IQ4_TABLES[q.device] = torch.tensor(IQ4_KVALUES, dtype=torch.float32, device=q.device)
     return table[q.long()]
 
 
