@@ -37,8 +37,8 @@ from ..model.cache_spec import bytes_per_sequence, kv_bytes_per_token
 from ..model.loader import resolve_device
 from ..sampling import SamplingParams
 from . import limits, llama_cpp, shapes, transformers_peer
-from .speed_report import print_report
 from .forced import forced_phase
+from .speed_report import print_report
 
 DEFAULT_LENS = (512, 4096, 32768)
 PHASES = ("reference", "prefill", "decode", "verify", "forced", "spec", "peer")
