@@ -21,6 +21,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -308,7 +309,8 @@ def peer_phase(args, cfg: ModelConfig, quant: str, gguf: str | None, prefill: li
             size = write_gguf(cfg, quant, written, args.seed)
             seconds = time.perf_counter() - start
             say(f"llama.cpp peer: wrote {written} ({size / 2**30:.2f} GiB in {seconds:.1f} s)")
-        command = bench_command(binary, gguf or written, prompt_lens, args.decode_tokens, contexts, args.repeats)
+        command = bench_command(binary, gguf or written, prompt_lens, args.decode_tokens, contexts, args.repeats,
+                                shlex.split(args.peer_args))
         say("llama.cpp peer: " + " ".join(command))
         done = subprocess.run(command, capture_output=True, text=True, timeout=args.peer_timeout, check=False)
     except (OSError, ValueError, subprocess.TimeoutExpired) as e:

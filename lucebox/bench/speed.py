@@ -69,6 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer-dir", default=None,
                    help="where the llama.cpp peer writes its random GGUF (default: the temp dir, else /dev/shm)")
     p.add_argument("--peer-timeout", type=float, default=420.0, help="seconds llama-bench may run")
+    p.add_argument("--peer-args", default="", help="more llama-bench flags, e.g. \"-ub 2048\" (one string)")
     p.add_argument("--draft", default=None, help="drafter for the speculative row (DFlash dir or draft model)")
     p.add_argument("--spec-method", default=None, choices=["dflash", "draft_model", "ngram"],
                    help="speculative method (default: dflash with --draft; ngram needs no --draft)")
