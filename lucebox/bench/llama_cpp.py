@@ -281,9 +281,10 @@ def parse_bench_json(text: str) -> dict:
     return out
 
 
-def _work_dir(given: str | None, need: int) -> Path:
-    """The first of --peer-dir / the temp dir / /dev/shm with room for the file (and 1 GiB spare)."""
-    candidates = [Path(given)] if given else [Path(tempfile.gettempdir()), Path("/dev/shm")]
+def work_dir(given: str | None, need: int) -> Path:
+    """--peer-dir, else the first of /dev/shm (memory: no writeback to wait for, ~10x faster than a
+    VM's disk) and the temp dir with room for the file and 1 GiB spare."""
+    candidates = [Path(given)] if given else [Path("/dev/shm"), Path(tempfile.gettempdir())]
     for d in candidates:
         if d.is_dir() and shutil.disk_usage(d).free > need + (1 << 30):
             return d
@@ -303,7 +304,7 @@ def peer_phase(args, cfg: ModelConfig, quant: str, gguf: str | None, prefill: li
     written = None
     try:
         if gguf is None:
-            directory = _work_dir(args.peer_dir, expected_file_bytes(cfg, quant))
+            directory = work_dir(args.peer_dir, expected_file_bytes(cfg, quant))
             written = directory / f"lucebox-random-{args.shape}-{quant}.gguf"
             start = time.perf_counter()
             size = write_gguf(cfg, quant, written, args.seed)

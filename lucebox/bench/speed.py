@@ -67,7 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llama-bench", default=".llama/bin/llama-bench",
                    help="llama-bench binary of the llama.cpp peer (scripts/build_llama_cpp.sh)")
     p.add_argument("--peer-dir", default=None,
-                   help="where the llama.cpp peer writes its random GGUF (default: the temp dir, else /dev/shm)")
+                   help="where the llama.cpp peer writes its random GGUF (default: /dev/shm, else the temp dir)")
     p.add_argument("--peer-timeout", type=float, default=420.0, help="seconds llama-bench may run")
     p.add_argument("--peer-args", default="", help="more llama-bench flags, e.g. \"-ub 2048\" (one string)")
     p.add_argument("--draft", default=None, help="drafter for the speculative row (DFlash dir or draft model)")
