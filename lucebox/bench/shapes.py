@@ -269,8 +269,10 @@ def load_under_test(model: str | None, shape: str | None, quant: str | None, dty
 def describe(loaded: LoadedModel, quant: str) -> dict:
     model, qtypes = loaded.model, {}
     for m in model.modules():
-        if isinstance(m, (QuantLinear, QuantEmbedding)):
-            qtypes[m.qtype.name] = qtypes.get(m.qtype.name, 0) + 1
+        held = [m.qtype] if isinstance(m, (QuantLinear, QuantEmbedding)) else []
+        held += [v.qtype for v in vars(m).values() if isinstance(v, QuantTensor)]  # stacked quantised experts
+        for qtype in held:
+            qtypes[qtype.name] = qtypes.get(qtype.name, 0) + 1
     return {"source": loaded.source, "quant": quant, "quant_types": qtypes, "config": loaded.config.to_dict(),
             "dtype": str(model.dtype).removeprefix("torch."), "weight_bytes": limits.weight_bytes(model),
             "weight_bytes_per_token": limits.weight_bytes_per_token(model),

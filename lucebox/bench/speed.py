@@ -37,8 +37,8 @@ from ..model.cache_spec import bytes_per_sequence, kv_bytes_per_token
 from ..model.loader import resolve_device
 from ..sampling import SamplingParams
 from . import limits, llama_cpp, shapes, transformers_peer
-from .speed_report import print_report
 from .forced import forced_phase
+from .speed_report import print_report
 
 DEFAULT_LENS = (512, 4096, 32768)
 PHASES = ("reference", "prefill", "decode", "verify", "forced", "spec", "peer")
@@ -67,8 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--llama-bench", default=".llama/bin/llama-bench",
                    help="llama-bench binary of the llama.cpp peer (scripts/build_llama_cpp.sh)")
     p.add_argument("--peer-dir", default=None,
-                   help="where the llama.cpp peer writes its random GGUF (default: the temp dir, else /dev/shm)")
+                   help="where the llama.cpp peer writes its random GGUF (default: /dev/shm, else the temp dir)")
     p.add_argument("--peer-timeout", type=float, default=420.0, help="seconds llama-bench may run")
+    p.add_argument("--peer-args", default="", help="more llama-bench flags, e.g. \"-ub 2048\" (one string)")
     p.add_argument("--draft", default=None, help="drafter for the speculative row (DFlash dir or draft model)")
     p.add_argument("--spec-method", default=None, choices=["dflash", "draft_model", "ngram"],
                    help="speculative method (default: dflash with --draft; ngram needs no --draft)")
