@@ -57,7 +57,9 @@ def hybrid_model_config(meta: Metadata, shapes: dict[str, tuple[int, ...]]) -> M
     values = dict(_moe_fields(meta, arch, layers, shapes), **_hybrid_fields(meta, arch, layers, head_dim))
     dense = meta.integer(key("feed_forward_length"), None, limit="intermediate_size")
     # No dense FFN width in the file: no layer has a dense FFN, and ModelConfig still wants a number.
-    intermediate = dense or values.get("shared_expert_intermediate_size") or values["moe_intermediate_size"]
+    intermediate = dense or values.get("shared_expert_intermediate_size") or values.get("moe_intermediate_size")
+    if not intermediate:
+        raise CheckpointError(f"{meta.path}: required metadata key {key('feed_forward_length')} is missing")
     names = {our for name in shapes if (found := from_gguf_name(arch, name)) for our in [found[0]]}
     try:
         return ModelConfig(

@@ -345,11 +345,11 @@ def test_a_gguf_in_llama_cpp_convention_loads_to_transformers_logits(arch, fuse_
 
 # ------------------------------------------------------------------------------------------ bad files
 def rewritten(src, dst, drop=(), keys=None, tensors=None):
-    """A copy of a GGUF file without the tensors in `drop`, with metadata `keys` and `tensors`
-    ({name: (array, type)}) replaced."""
+    """A copy of a GGUF file without the tensors or metadata keys in `drop`, with metadata `keys` and
+    `tensors` ({name: (array, type)}) replaced."""
     reader = GGUFReader(src)
     writer = GGUFWriter(dst, reader.fields["general.architecture"].contents())
-    copy_fields(reader, writer, skip=("general.architecture",), override=keys)
+    copy_fields(reader, writer, skip=("general.architecture", *drop), override=keys)
     for t in reader.tensors:
         if t.name not in drop:
             data, qtype = (tensors or {}).get(t.name, (np.array(t.data), t.tensor_type))
@@ -390,6 +390,12 @@ def test_expert_count_not_matching_the_tensors_is_named(arch, ggufs, tmp_path):
     path = rewritten(ggufs[arch, "q8_0"], tmp_path / "bad.gguf", keys={f"{arch}.expert_count": 6})
     with pytest.raises(CheckpointError, match=rf"tensor blk\.0\.ffn_gate_inp\.weight has shape \[8, 64\], but "
                                               rf"{arch}\.expert_count \(6\) .* make it \[6, 64\]"):
+        load_model(path)
+
+
+def test_a_missing_dense_ffn_width_is_named(ggufs, tmp_path):
+    path = rewritten(ggufs["qwen35", "f32"], tmp_path / "bad.gguf", drop=("qwen35.feed_forward_length",))
+    with pytest.raises(CheckpointError, match=r"required metadata key qwen35\.feed_forward_length is missing"):
         load_model(path)
 
 
