@@ -13,10 +13,14 @@ and the keys the converter writes for them (the same spelling both ways).
 """
 from __future__ import annotations
 
+import logging
+
 from ..errors import CheckpointError, UnsupportedError
 from .config import ModelConfig
 from .gguf_config import HYBRID_ARCHITECTURES, Metadata, rope_config
 from .gguf_tensors import from_gguf_name
+
+log = logging.getLogger("lucebox")
 
 LLAMA_CPP_MROPE_SECTIONS = [11, 11, 10, 0]  # what llama.cpp's converter writes when the config has none
 
@@ -152,6 +156,9 @@ def write_hybrid_keys(w, cfg: ModelConfig, arch: str, mrope_sections: list[int] 
             w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
         if arch == "qwen3moe":
             w.add_expert_weights_norm(cfg.norm_topk_prob)
+            if not cfg.norm_topk_prob:
+                log.warning("norm_topk_prob is false: lucebox reads it back from %s.expert_weights_norm, but "
+                            "llama.cpp renormalises qwen3moe's top-k weights regardless", arch)
     if arch == "qwen3moe":
         return
     w.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
