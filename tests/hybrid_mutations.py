@@ -34,7 +34,7 @@ def metadata() -> dict[str, tuple[object, GGUFValueType, GGUFValueType | None]]:
     out.update({
         f"{ARCH}.rope.freq_base": (10000.0, F32, None),
         f"{ARCH}.attention.layer_norm_rms_epsilon": (1e-6, F32, None),
-        f"{ARCH}.rope.dimension_sections": ([11, 11, 10, 0], ARR, GGUFValueType.INT32),
+        f"{ARCH}.rope.dimension_sections": ([1, 1, 0, 0], ARR, GGUFValueType.INT32),  # 2 rotary pairs
         "tokenizer.ggml.model": ("gpt2", S, None),
         "tokenizer.ggml.pre": ("default", S, None),
         "tokenizer.ggml.tokens": (TOKENS, ARR, S),

@@ -22,8 +22,6 @@ from .gguf_tensors import from_gguf_name
 
 log = logging.getLogger("lucebox")
 
-LLAMA_CPP_MROPE_SECTIONS = [11, 11, 10, 0]  # what llama.cpp's converter writes when the config has none
-
 
 def hybrid_config_keys(arch: str) -> dict[str, str]:
     """ModelConfig field -> the metadata key it comes from (for messages)."""
@@ -170,5 +168,16 @@ def write_hybrid_keys(w, cfg: ModelConfig, arch: str, mrope_sections: list[int] 
     full = [i for i, kind in enumerate(cfg.layer_types) if kind == "full_attention"]
     if full and all((i + 1) % (full[0] + 1) == 0 for i in full) and len(full) == cfg.num_layers // (full[0] + 1):
         w.add_full_attention_interval(full[0] + 1)  # older llama.cpp reads only this
-    sections = list(mrope_sections or LLAMA_CPP_MROPE_SECTIONS)
-    w.add_rope_dimension_sections((sections + [0, 0, 0, 0])[:4])
+    w.add_rope_dimension_sections(mrope_sections_for(cfg, mrope_sections))
+
+
+def mrope_sections_for(cfg: ModelConfig, sections: list[int] | None) -> list[int]:
+    """{arch}.rope.dimension_sections: llama.cpp's interleaved MRoPE turns rotary pair i with the t, h or w
+    position as i % 3 is 0, 1 or 2, while i < 3 * that section; a pair outside every section is turned by
+    a position that is 0 for text. Sections that cover every pair (HF's [11, 11, 10] for 32 pairs) make
+    it plain RoPE on text, whatever the split; other sizes get the same interleaved split."""
+    pairs = int(cfg.head_dim * cfg.partial_rotary_factor) // 2
+    if sections and sum(sections[:3]) == pairs:
+        return (list(sections) + [0, 0, 0, 0])[:4]
+    t, h = -(-pairs // 3), -(-(pairs - 1) // 3)
+    return [t, h, pairs - t - h, 0]

@@ -114,6 +114,31 @@ def test_the_tensor_table_lists_what_the_converter_writes(arch, ggufs, hf_dirs):
     assert listed == written
 
 
+def llama_cpp_turns_every_pair(sections: list[int], pairs: int) -> bool:
+    """llama.cpp's interleaved MRoPE (ggml_mrope_cache_init): pair i takes the t, h or w position as
+    sector % 3 is 0, 1, 2 and sector < 3 * that section, with sector = i % sum(sections); any other pair
+    takes the 4th position, which is 0 for text, so it would not turn at all."""
+    total = sum(sections)
+    if not 0 < total <= 2 * pairs:  # GGML_ASSERT(sect_dims <= ne0)
+        return False
+    return all(i % total < 3 * sections[(i % total) % 3] for i in range(pairs))
+
+
+@pytest.mark.parametrize("head_dim, factor, given, want", [(256, 0.25, None, [11, 11, 10, 0]),
+                                                            (256, 0.25, [11, 11, 10], [11, 11, 10, 0]),
+                                                            (16, 0.25, [11, 11, 10], [1, 1, 0, 0]),
+                                                            (128, 1.0, None, [22, 21, 21, 0])])
+def test_mrope_sections_turn_every_rotary_pair_in_llama_cpp(head_dim, factor, given, want, ggufs):
+    from types import SimpleNamespace
+
+    from lucebox.model.gguf_hybrid_config import mrope_sections_for
+    got = mrope_sections_for(SimpleNamespace(head_dim=head_dim, partial_rotary_factor=factor), given)
+    assert got == want and llama_cpp_turns_every_pair(got, int(head_dim * factor) // 2)
+    assert not llama_cpp_turns_every_pair([2, 0, 0, 0], 2)  # pair 1 would keep position 0
+    written = GGUFReader(ggufs["qwen35moe", "f32"]).fields["qwen35moe.rope.dimension_sections"].contents()
+    assert llama_cpp_turns_every_pair(written, 2)
+
+
 def test_llama_cpp_layout_of_the_written_deltanet_tensors(ggufs, hf_dirs):
     """ssm_a = -exp(A_log), conv1d without its middle axis, value heads in llama.cpp's tiled order."""
     from safetensors.torch import load_file
@@ -275,7 +300,7 @@ def llama_cpp_gguf(arch: str, hf_dir, lucebox_gguf, out, fuse_gate_up: bool = Fa
         w.add_full_attention_interval(2)  # qwen35: no key, llama.cpp's default of 4
     if hybrid:
         w.add_rope_dimension_count(4)
-        w.add_rope_dimension_sections([11, 11, 10, 0])
+        w.add_rope_dimension_sections([1, 1, 0, 0])  # 2 rotary pairs, interleaved t, h
         w.add_ssm_conv_kernel(4)
         w.add_ssm_state_size(16)
         w.add_ssm_group_count(2)
