@@ -249,12 +249,13 @@ def test_quantised_experts_compute_what_the_gguf_package_dequantises(qtype):
             assert torch.allclose(quantised(x, ids, weights), want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
 
-def test_quantised_moe_hybrid_generates_greedily_like_its_dequantised_copy(ggufs, tmp_path):
-    """Through the engine (scheduler, recurrent slots, chunked prefill): the same tokens."""
+@pytest.mark.parametrize("arch", ["qwen35moe", "qwen3moe"])
+def test_quantised_moe_generates_greedily_like_its_dequantised_copy(arch, ggufs, tmp_path):
+    """Through the engine (scheduler, fused projections, recurrent slots, chunked prefill): the same tokens."""
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    float_path = dequantised_copy(ggufs["qwen35moe", "q8_0"], tmp_path / "f32.gguf")
+    float_path = dequantised_copy(ggufs[arch, "q8_0"], tmp_path / "f32.gguf")
     outputs = []
-    for path in (ggufs["qwen35moe", "q8_0"], float_path):
+    for path in (ggufs[arch, "q8_0"], float_path):
         llm = LLM(str(path), block_size=4, max_num_batched_tokens=8, max_num_seqs=2)
         prompts = [prompt_for(llm.engine.loaded.config.vocab_size, n, seed=n) for n in (13, 6)]
         outputs.append([list(o.outputs[0].token_ids) for o in
