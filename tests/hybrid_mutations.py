@@ -34,7 +34,7 @@ def metadata() -> dict[str, tuple[object, GGUFValueType, GGUFValueType | None]]:
     out.update({
         f"{ARCH}.rope.freq_base": (10000.0, F32, None),
         f"{ARCH}.attention.layer_norm_rms_epsilon": (1e-6, F32, None),
-        f"{ARCH}.rope.dimension_sections": ([11, 11, 10, 0], ARR, GGUFValueType.INT32),
+        f"{ARCH}.rope.dimension_sections": ([1, 1, 0, 0], ARR, GGUFValueType.INT32),  # 2 rotary pairs
         "tokenizer.ggml.model": ("gpt2", S, None),
         "tokenizer.ggml.pre": ("default", S, None),
         "tokenizer.ggml.tokens": (TOKENS, ARR, S),
@@ -118,7 +118,8 @@ def hybrid_cases() -> list[Case]:
           r"blk\.0\.ffn_gate_exps\.weight has shape \[4, 32, 32\].*expert_feed_forward_length \(64\)"),
         m("hybrid_shared_ffn_64", "expert_shared_feed_forward_length", 64, r"blk\.0\.ffn_gate_shexp\.weight"),
         m("hybrid_time_step_rank_1e7", "ssm.time_step_rank", 10 ** 7, r"qwen35moe\.ssm\.time_step_rank"),
-        m("hybrid_inner_size_not_multiple", "ssm.inner_size", 33, r"qwen35moe\.ssm\.inner_size \(33\) is not a multiple"),
+        m("hybrid_inner_size_not_multiple", "ssm.inner_size", 33,
+          r"qwen35moe\.ssm\.inner_size \(33\) is not a multiple"),
         m("hybrid_state_size_8", "ssm.state_size", 8, r"blk\.0\.attn_qkv\.weight has shape"),
         m("hybrid_conv_kernel_3", "ssm.conv_kernel", 3, r"blk\.0\.ssm_conv1d\.weight has shape \[64, 4\]"),
         m("hybrid_ssm_key_missing", "ssm.group_count", None, r"qwen35moe\.ssm\.group_count is missing"),
@@ -134,7 +135,8 @@ def hybrid_cases() -> list[Case]:
           r"missing tensor blk\.1\.ffn_up_exps\.weight"),
         t("hybrid_positive_ssm_a", lambda v: v.update({"blk.0.ssm_a": np.ones(V_HEADS, np.float32)}),
           r"blk\.0\.ssm_a holds -exp\(A_log\)"),
-        t("hybrid_experts_short", lambda v: v.update({"blk.1.ffn_down_exps.weight": v["blk.1.ffn_down_exps.weight"][:3]}),
+        t("hybrid_experts_short",
+          lambda v: v.update({"blk.1.ffn_down_exps.weight": v["blk.1.ffn_down_exps.weight"][:3]}),
           r"blk\.1\.ffn_down_exps\.weight has shape \[3, 32, 32\]"),
     ]
 

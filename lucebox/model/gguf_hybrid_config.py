@@ -13,12 +13,14 @@ and the keys the converter writes for them (the same spelling both ways).
 """
 from __future__ import annotations
 
+import logging
+
 from ..errors import CheckpointError, UnsupportedError
 from .config import ModelConfig
 from .gguf_config import HYBRID_ARCHITECTURES, Metadata, rope_config
 from .gguf_tensors import from_gguf_name
 
-LLAMA_CPP_MROPE_SECTIONS = [11, 11, 10, 0]  # what llama.cpp's converter writes when the config has none
+log = logging.getLogger("lucebox")
 
 
 def hybrid_config_keys(arch: str) -> dict[str, str]:
@@ -57,7 +59,9 @@ def hybrid_model_config(meta: Metadata, shapes: dict[str, tuple[int, ...]]) -> M
     values = dict(_moe_fields(meta, arch, layers, shapes), **_hybrid_fields(meta, arch, layers, head_dim))
     dense = meta.integer(key("feed_forward_length"), None, limit="intermediate_size")
     # No dense FFN width in the file: no layer has a dense FFN, and ModelConfig still wants a number.
-    intermediate = dense or values.get("shared_expert_intermediate_size") or values["moe_intermediate_size"]
+    intermediate = dense or values.get("shared_expert_intermediate_size") or values.get("moe_intermediate_size")
+    if not intermediate:
+        raise CheckpointError(f"{meta.path}: required metadata key {key('feed_forward_length')} is missing")
     names = {our for name in shapes if (found := from_gguf_name(arch, name)) for our in [found[0]]}
     try:
         return ModelConfig(
@@ -150,6 +154,9 @@ def write_hybrid_keys(w, cfg: ModelConfig, arch: str, mrope_sections: list[int] 
             w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
         if arch == "qwen3moe":
             w.add_expert_weights_norm(cfg.norm_topk_prob)
+            if not cfg.norm_topk_prob:
+                log.warning("norm_topk_prob is false: lucebox reads it back from %s.expert_weights_norm, but "
+                            "llama.cpp renormalises qwen3moe's top-k weights regardless", arch)
     if arch == "qwen3moe":
         return
     w.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
@@ -161,5 +168,16 @@ def write_hybrid_keys(w, cfg: ModelConfig, arch: str, mrope_sections: list[int] 
     full = [i for i, kind in enumerate(cfg.layer_types) if kind == "full_attention"]
     if full and all((i + 1) % (full[0] + 1) == 0 for i in full) and len(full) == cfg.num_layers // (full[0] + 1):
         w.add_full_attention_interval(full[0] + 1)  # older llama.cpp reads only this
-    sections = list(mrope_sections or LLAMA_CPP_MROPE_SECTIONS)
-    w.add_rope_dimension_sections((sections + [0, 0, 0, 0])[:4])
+    w.add_rope_dimension_sections(mrope_sections_for(cfg, mrope_sections))
+
+
+def mrope_sections_for(cfg: ModelConfig, sections: list[int] | None) -> list[int]:
+    """{arch}.rope.dimension_sections: llama.cpp's interleaved MRoPE turns rotary pair i with the t, h or w
+    position as i % 3 is 0, 1 or 2, while i < 3 * that section; a pair outside every section is turned by
+    a position that is 0 for text. Sections that cover every pair (HF's [11, 11, 10] for 32 pairs) make
+    it plain RoPE on text, whatever the split; other sizes get the same interleaved split."""
+    pairs = int(cfg.head_dim * cfg.partial_rotary_factor) // 2
+    if sections and sum(sections[:3]) == pairs:
+        return (list(sections) + [0, 0, 0, 0])[:4]
+    t, h = -(-pairs // 3), -(-(pairs - 1) // 3)
+    return [t, h, pairs - t - h, 0]

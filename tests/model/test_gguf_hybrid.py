@@ -114,6 +114,31 @@ def test_the_tensor_table_lists_what_the_converter_writes(arch, ggufs, hf_dirs):
     assert listed == written
 
 
+def llama_cpp_turns_every_pair(sections: list[int], pairs: int) -> bool:
+    """llama.cpp's interleaved MRoPE (ggml_mrope_cache_init): pair i takes the t, h or w position as
+    sector % 3 is 0, 1, 2 and sector < 3 * that section, with sector = i % sum(sections); any other pair
+    takes the 4th position, which is 0 for text, so it would not turn at all."""
+    total = sum(sections)
+    if not 0 < total <= 2 * pairs:  # GGML_ASSERT(sect_dims <= ne0)
+        return False
+    return all(i % total < 3 * sections[(i % total) % 3] for i in range(pairs))
+
+
+@pytest.mark.parametrize("head_dim, factor, given, want", [(256, 0.25, None, [11, 11, 10, 0]),
+                                                            (256, 0.25, [11, 11, 10], [11, 11, 10, 0]),
+                                                            (16, 0.25, [11, 11, 10], [1, 1, 0, 0]),
+                                                            (128, 1.0, None, [22, 21, 21, 0])])
+def test_mrope_sections_turn_every_rotary_pair_in_llama_cpp(head_dim, factor, given, want, ggufs):
+    from types import SimpleNamespace
+
+    from lucebox.model.gguf_hybrid_config import mrope_sections_for
+    got = mrope_sections_for(SimpleNamespace(head_dim=head_dim, partial_rotary_factor=factor), given)
+    assert got == want and llama_cpp_turns_every_pair(got, int(head_dim * factor) // 2)
+    assert not llama_cpp_turns_every_pair([2, 0, 0, 0], 2)  # pair 1 would keep position 0
+    written = GGUFReader(ggufs["qwen35moe", "f32"]).fields["qwen35moe.rope.dimension_sections"].contents()
+    assert llama_cpp_turns_every_pair(written, 2)
+
+
 def test_llama_cpp_layout_of_the_written_deltanet_tensors(ggufs, hf_dirs):
     """ssm_a = -exp(A_log), conv1d without its middle axis, value heads in llama.cpp's tiled order."""
     from safetensors.torch import load_file
@@ -224,12 +249,13 @@ def test_quantised_experts_compute_what_the_gguf_package_dequantises(qtype):
             assert torch.allclose(quantised(x, ids, weights), want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
 
-def test_quantised_moe_hybrid_generates_greedily_like_its_dequantised_copy(ggufs, tmp_path):
-    """Through the engine (scheduler, recurrent slots, chunked prefill): the same tokens."""
+@pytest.mark.parametrize("arch", ["qwen35moe", "qwen3moe"])
+def test_quantised_moe_generates_greedily_like_its_dequantised_copy(arch, ggufs, tmp_path):
+    """Through the engine (scheduler, fused projections, recurrent slots, chunked prefill): the same tokens."""
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    float_path = dequantised_copy(ggufs["qwen35moe", "q8_0"], tmp_path / "f32.gguf")
+    float_path = dequantised_copy(ggufs[arch, "q8_0"], tmp_path / "f32.gguf")
     outputs = []
-    for path in (ggufs["qwen35moe", "q8_0"], float_path):
+    for path in (ggufs[arch, "q8_0"], float_path):
         llm = LLM(str(path), block_size=4, max_num_batched_tokens=8, max_num_seqs=2)
         prompts = [prompt_for(llm.engine.loaded.config.vocab_size, n, seed=n) for n in (13, 6)]
         outputs.append([list(o.outputs[0].token_ids) for o in
@@ -245,14 +271,16 @@ def tiled(x: torch.Tensor, width: int, dim: int = 0, k: int = 2, v: int = 6) -> 
     return x.index_select(dim, index)
 
 
-def llama_cpp_gguf(hf_dir, lucebox_gguf, out, fuse_gate_up: bool = False):
-    """A qwen35moe file as llama.cpp's convert_hf_to_gguf.py lays it out: names from gguf's own tensor map,
-    keys from GGUFWriter's methods, the converter's transforms written out here (tokenizer keys copied)."""
+def llama_cpp_gguf(arch: str, hf_dir, lucebox_gguf, out, fuse_gate_up: bool = False):
+    """A file as llama.cpp's convert_hf_to_gguf.py lays it out: names from gguf's own tensor map, keys from
+    GGUFWriter's methods, the converter's transforms written out here (tokenizer keys copied)."""
     from safetensors.torch import load_file
     hf, cfg = load_file(hf_dir / "model.safetensors"), json.loads((hf_dir / "config.json").read_text())
-    layers, experts = cfg["num_hidden_layers"], cfg["num_experts"]
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35MOE, layers)
-    w = GGUFWriter(out, "qwen35moe")
+    layers, hybrid = cfg["num_hidden_layers"], arch != "qwen3moe"
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")  # transformers 5 writes the latter
+    names = gguf.get_tensor_name_map({"qwen3moe": gguf.MODEL_ARCH.QWEN3MOE, "qwen35": gguf.MODEL_ARCH.QWEN35,
+                                      "qwen35moe": gguf.MODEL_ARCH.QWEN35MOE}[arch], layers)
+    w = GGUFWriter(out, arch)
     w.add_block_count(layers)
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
@@ -261,25 +289,32 @@ def llama_cpp_gguf(hf_dir, lucebox_gguf, out, fuse_gate_up: bool = False):
     w.add_key_length(cfg["head_dim"])
     w.add_value_length(cfg["head_dim"])
     w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
-    w.add_rope_dimension_count(4)
-    w.add_rope_dimension_sections([11, 11, 10, 0])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_expert_count(experts)
-    w.add_expert_used_count(cfg["num_experts_per_tok"])
-    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
-    w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
-    w.add_ssm_conv_kernel(4)
-    w.add_ssm_state_size(16)
-    w.add_ssm_group_count(2)
-    w.add_ssm_time_step_rank(6)
-    w.add_ssm_inner_size(96)
-    w.add_full_attention_interval(2)
+    if "intermediate_size" in cfg and not experts:
+        w.add_feed_forward_length(cfg["intermediate_size"])
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if arch == "qwen35moe":
+        w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+        w.add_full_attention_interval(2)  # qwen35: no key, llama.cpp's default of 4
+    if hybrid:
+        w.add_rope_dimension_count(4)
+        w.add_rope_dimension_sections([1, 1, 0, 0])  # 2 rotary pairs, interleaved t, h
+        w.add_ssm_conv_kernel(4)
+        w.add_ssm_state_size(16)
+        w.add_ssm_group_count(2)
+        w.add_ssm_time_step_rank(6)
+        w.add_ssm_inner_size(96)
+    else:
+        w.add_rope_dimension_count(cfg["head_dim"])
     copy_fields(GGUFReader(lucebox_gguf), w, prefix="tokenizer.")
     out_tensors = {}
     for name, t in hf.items():
         if ".mlp.experts." in name:
             continue
-        if name.endswith("norm.weight") and ".linear_attn." not in name:
+        if hybrid and name.endswith("norm.weight") and ".linear_attn." not in name:
             t = t + 1
         if ".linear_attn." in name:
             if name.endswith("in_proj_qkv.weight"):
@@ -295,7 +330,7 @@ def llama_cpp_gguf(hf_dir, lucebox_gguf, out, fuse_gate_up: bool = False):
                 t = -t.exp()
             name = name.replace(".dt_bias", ".dt_proj.bias")
         out_tensors[names.get_name(name, try_suffixes=(".weight", ".bias"))] = t
-    for layer in range(layers):
+    for layer in range(layers if experts else 0):
         prefix = f"model.layers.{layer}.mlp.experts"
         stacked = {kind: torch.stack([hf[f"{prefix}.{e}.{kind}.weight"] for e in range(experts)])
                    for kind in ("gate_proj", "up_proj", "down_proj")}
@@ -306,31 +341,41 @@ def llama_cpp_gguf(hf_dir, lucebox_gguf, out, fuse_gate_up: bool = False):
             for kind in ("gate_proj", "up_proj"):
                 out_tensors[names.get_name(f"{prefix}.{kind}.weight", try_suffixes=(".weight",))] = stacked[kind]
         out_tensors[names.get_name(f"{prefix}.down_proj.weight", try_suffixes=(".weight",))] = stacked["down_proj"]
+    assert None not in out_tensors
     for name, t in out_tensors.items():
         w.add_tensor(name, t.contiguous().numpy())
     finish(w)
     return out
 
 
-@pytest.mark.parametrize("fuse_gate_up", [False, True], ids=["gate-and-up", "fused-gate-up"])
-def test_a_gguf_in_llama_cpp_convention_loads_to_transformers_logits(fuse_gate_up, hf_dirs, ggufs, references,
+LLAMA_CPP_NAMES = {
+    "qwen35moe": {"blk.0.ssm_a", "blk.0.ssm_dt.bias", "blk.0.attn_qkv.weight", "blk.0.attn_gate.weight",
+                  "blk.0.post_attention_norm.weight", "blk.0.ffn_gate_inp_shexp.weight", "blk.1.attn_q.weight"},
+    "qwen35": {"blk.0.ssm_conv1d.weight", "blk.0.ssm_alpha.weight", "blk.0.ssm_out.weight", "blk.0.ffn_gate.weight",
+               "blk.3.attn_q_norm.weight"},
+    "qwen3moe": {"blk.0.ffn_norm.weight", "blk.0.ffn_gate_inp.weight", "blk.2.ffn_down_exps.weight"},
+}
+
+
+@pytest.mark.parametrize("arch, fuse_gate_up", [("qwen35moe", False), ("qwen35moe", True), ("qwen35", False),
+                                                ("qwen3moe", False)],
+                         ids=["qwen35moe", "qwen35moe-fused-gate-up", "qwen35", "qwen3moe"])
+def test_a_gguf_in_llama_cpp_convention_loads_to_transformers_logits(arch, fuse_gate_up, hf_dirs, ggufs, references,
                                                                       tmp_path):
-    path = llama_cpp_gguf(hf_dirs["qwen35moe"], ggufs["qwen35moe", "f32"], tmp_path / "ll.gguf", fuse_gate_up)
-    names = {t.name for t in GGUFReader(path).tensors}
-    assert {"blk.0.ssm_a", "blk.0.ssm_dt.bias", "blk.0.attn_qkv.weight", "blk.0.post_attention_norm.weight",
-            "blk.0.ffn_gate_inp_shexp.weight", "blk.1.attn_q.weight"} <= names
+    path = llama_cpp_gguf(arch, hf_dirs[arch], ggufs[arch, "f32"], tmp_path / "ll.gguf", fuse_gate_up)
+    assert LLAMA_CPP_NAMES[arch] <= {t.name for t in GGUFReader(path).tensors}
     loaded = load_model(str(path), dtype="float32")
     prompt = prompt_for(loaded.config.vocab_size, seed=4)
-    assert (lucebox_logits(loaded, prompt) - reference_logits(references["qwen35moe"], prompt)).abs().max() <= 1e-4
+    assert (lucebox_logits(loaded, prompt) - reference_logits(references[arch], prompt)).abs().max() <= 1e-4
 
 
 # ------------------------------------------------------------------------------------------ bad files
 def rewritten(src, dst, drop=(), keys=None, tensors=None):
-    """A copy of a GGUF file without the tensors in `drop`, with metadata `keys` and `tensors`
-    ({name: (array, type)}) replaced."""
+    """A copy of a GGUF file without the tensors or metadata keys in `drop`, with metadata `keys` and
+    `tensors` ({name: (array, type)}) replaced."""
     reader = GGUFReader(src)
     writer = GGUFWriter(dst, reader.fields["general.architecture"].contents())
-    copy_fields(reader, writer, skip=("general.architecture",), override=keys)
+    copy_fields(reader, writer, skip=("general.architecture", *drop), override=keys)
     for t in reader.tensors:
         if t.name not in drop:
             data, qtype = (tensors or {}).get(t.name, (np.array(t.data), t.tensor_type))
@@ -371,6 +416,12 @@ def test_expert_count_not_matching_the_tensors_is_named(arch, ggufs, tmp_path):
     path = rewritten(ggufs[arch, "q8_0"], tmp_path / "bad.gguf", keys={f"{arch}.expert_count": 6})
     with pytest.raises(CheckpointError, match=rf"tensor blk\.0\.ffn_gate_inp\.weight has shape \[8, 64\], but "
                                               rf"{arch}\.expert_count \(6\) .* make it \[6, 64\]"):
+        load_model(path)
+
+
+def test_a_missing_dense_ffn_width_is_named(ggufs, tmp_path):
+    path = rewritten(ggufs["qwen35", "f32"], tmp_path / "bad.gguf", drop=("qwen35.feed_forward_length",))
+    with pytest.raises(CheckpointError, match=r"required metadata key qwen35\.feed_forward_length is missing"):
         load_model(path)
 
 

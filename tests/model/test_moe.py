@@ -250,12 +250,15 @@ def test_stacked_experts_of_the_wrong_size_are_named(moe_models, tmp_path):
         load_model(str(path), dtype="float32")
 
 
-def test_a_moe_with_dense_layers_converts_to_gguf_and_back(moe_models, tmp_path):
-    """mlp_only_layers: llama.cpp's qwen3moe has no such layers, lucebox's files keep them (a dense FFN's
-    tensors; the layer's router tells the sparse ones apart)."""
-    path = convert_hf_to_gguf(moe_models["qwen3_moe"], tmp_path / "moe.gguf", "f32")
-    loaded = load_model(str(path), dtype="float32")
-    assert loaded.config.moe_layers == [False, True, True, True]
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_a_moe_with_dense_layers_converts_to_gguf_and_back(family, moe_models, tmp_path):
+    """mlp_only_layers / decoder_sparse_step: llama.cpp's qwen3moe has no such layers, lucebox's files keep
+    them (a dense FFN's tensors; the layer's router tells the sparse ones apart); norm_topk_prob travels as
+    qwen3moe.expert_weights_norm."""
+    path = convert_hf_to_gguf(moe_models[family], tmp_path / "moe.gguf", "f32")
+    loaded, hf = load_model(str(path), dtype="float32"), load_model(str(moe_models[family]), dtype="float32")
+    for field in ("moe_layers", "norm_topk_prob", "num_experts", "tie_word_embeddings"):
+        assert getattr(loaded.config, field) == getattr(hf.config, field), field
     prompt = random_prompts(loaded.config.vocab_size)[1]
     got = prefill_logits(loaded, [prompt])[0]
-    assert (got - reference_logits(moe_models["qwen3_moe"], prompt)).abs().max().item() <= 1e-4
+    assert (got - reference_logits(moe_models[family], prompt)).abs().max().item() <= 1e-4

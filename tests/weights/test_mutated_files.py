@@ -79,8 +79,8 @@ def test_the_unmutated_hybrid_gguf_loads_with_quantised_experts(tmp_path):
     assert type(loaded.model.layers[1].mlp.experts.down_proj).__name__ == "QuantTensor"
 
 
-@pytest.mark.parametrize("case", mutations.gguf_cases() + mutations.safetensors_cases() + hybrid_mutations.hybrid_cases(),
-                         ids=lambda c: c.id)
+@pytest.mark.parametrize("case", [*mutations.gguf_cases(), *mutations.safetensors_cases(),
+                                  *hybrid_mutations.hybrid_cases()], ids=lambda c: c.id)
 def test_mutated_checkpoint_fails_with_an_error_naming_the_field(case, tmp_path):
     path = case.build(tmp_path)
     outcome, peak, seconds = load_bounded(path)
