@@ -132,7 +132,7 @@ def test_steps_normalise_raw_q_and_k_themselves(kernel, monkeypatch):
     normalised, scaled q/k give."""
     if kernel == "triton":
         pytest.importorskip("triton")
-        monkeypatch.setenv("LUCEBOX_TRITON", "1")
+    monkeypatch.setenv("LUCEBOX_TRITON", "1" if kernel == "triton" else "0")
     q, k, v, decay, beta, state = case(LENS, seed=5)
     rows = torch.cat([q.flatten(1) * 3.0, k.flatten(1) * 0.5, v.flatten(1)], dim=1)  # one conv row: q | k | v
     raw_q = rows[:, :K_HEADS * DK].view(-1, K_HEADS, DK)
@@ -219,3 +219,23 @@ def test_a_commit_through_triton_matches_the_torch_one(accepted, monkeypatch):
     states[1].commit(slots, counts)
     assert (states[0].state - states[1].state).abs().max() <= 1e-5
     assert torch.equal(states[0].conv, states[1].conv)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the Qwen3.6-27B shape compiled on a GPU")
+def test_triton_steps_at_the_qwen36_27b_shape():
+    """Hk=16, Hv=48, dk=dv=128: a decode and a 16-token verify, raw q/k normalised in the kernel."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    lens, k_heads, v_heads, d = [1, 16], 16, 48, 128
+    t = sum(lens)
+    q, k = (torch.randn(t, k_heads, d, generator=g, device="cuda") for _ in range(2))
+    v = torch.randn(t, v_heads, d, generator=g, device="cuda")
+    decay = -torch.rand(t, v_heads, generator=g, device="cuda") * 0.3
+    beta = torch.rand(t, v_heads, generator=g, device="cuda")
+    state = torch.randn(3, v_heads, d, d, generator=g, device="cuda") * 0.1
+    args = (torch.tensor([2, 0], device="cuda"), torch.tensor([0, 1], device="cuda"),
+            torch.tensor([1, 17], device="cuda"), torch.tensor([1, 0], device="cuda"), 16)
+    want_state = state.clone()
+    want = gated_delta_steps_reference(q, k, v, decay, beta, want_state, *args, normalize=True, scale=d ** -0.5)
+    got = gated_delta_steps(q, k, v, decay, beta, state, *args, normalize=True, scale=d ** -0.5)
+    assert (got - want).abs().max() <= 1e-3 * want.abs().max()
+    assert (state - want_state).abs().max() <= 1e-3 * want_state.abs().max()
