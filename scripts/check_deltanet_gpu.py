@@ -173,6 +173,11 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}; Gated DeltaNet layer Hk={K_HEADS} Hv={V_HEADS} dk={DK} dv={DV} "
           f"conv={CONV} hidden={HIDDEN}, bf16 weights, float32 state")
     rows: list[tuple[str, str]] = []
+    try:
+        from importlib.metadata import version
+        rows.append(("fla-core", version("fla-core") if fla_chunk() is not None else "not installed"))
+    except Exception as e:  # metadata missing for a source install
+        rows.append(("fla-core", f"importable, version unknown ({type(e).__name__})"))
     for section in (check_fla, check_steps, lambda r: timings(r, args.iters, args.batch)):
         try:
             section(rows)

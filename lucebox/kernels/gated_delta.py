@@ -11,6 +11,8 @@ Two entry points, picked by the caller per row kind (routing.gated_delta_route s
                       runs inside CUDA graphs. Triton (triton_gated_delta.py) or the torch reference.
   gated_delta_chunk   prefill chunks: flash-linear-attention's chunked kernel on CUDA (fla-core, the
                       `gpu` extra), else the torch reference `chunked_gated_delta_rule` per sequence.
+  conv_steps          the causal depthwise conv (+ silu) of decode / verify rows, windows from the
+  conv_windows        slots, and moving each advancing sequence's window (also a verify's commit).
 """
 from __future__ import annotations
 
