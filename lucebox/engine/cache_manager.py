@@ -15,6 +15,7 @@ per token and per sequence, never a layer's tensors:
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -52,6 +53,8 @@ class CacheManager:
         self.states: list[RecurrentState] = []
         self.free_slots = list(range(num_slots - 1, -1, -1)) if self.recurrent else []
         self.slots: dict[int, int] = {}  # id(seq) -> its recurrent slot
+        self._pending_commits: list[tuple[int, int]] = []  # (slot, accepted) of rollbacks not applied yet
+        self._batching = False
 
     @property
     def bytes_per_token(self) -> int:
@@ -102,14 +105,35 @@ class CacheManager:
 
     def rollback(self, seq: Sequence, num_tokens: int, accepted: int | None = None) -> None:
         """Forget what lies past num_tokens tokens (rejected drafts); with `accepted` (a of k drafts,
-        after a verify), recurrent state advances over the pending token and the accepted drafts."""
+        after a verify), recurrent state advances over the pending token and the accepted drafts
+        (at once, or at the end of a `commits_batched` block)."""
         self.blocks.truncate(seq.block_table, num_tokens)
         if accepted is not None and self.states:
-            device = self.states[0].state.device
-            slot = host_to_device([self.slots[id(seq)]], device, torch.long)
-            count = host_to_device([accepted], device, torch.long)
-            for state in self.states:
-                state.commit(slot, count)
+            self._pending_commits.append((self.slots[id(seq)], accepted))
+            if not self._batching:
+                self._apply_commits()
+
+    @contextlib.contextmanager
+    def commits_batched(self):
+        """Rollbacks inside advance recurrent state when the block ends, all sequences in one
+        launch per layer (a step's verifies: not one per sequence)."""
+        self._batching = True
+        try:
+            yield
+        finally:
+            self._batching = False
+            self._apply_commits()
+
+    def _apply_commits(self) -> None:
+        if not self._pending_commits:
+            return
+        slots, accepted = zip(*self._pending_commits)
+        self._pending_commits.clear()
+        device = self.states[0].state.device
+        slots, accepted = host_to_device(list(slots), device, torch.long), host_to_device(list(accepted), device,
+                                                                                          torch.long)
+        for state in self.states:
+            state.commit(slots, accepted)
 
     def free(self, seq: Sequence) -> None:
         """Everything seq holds goes back (finished, aborted or preempted)."""

@@ -266,12 +266,13 @@ class LLMEngine:
             for row in verifies:
                 row.seq.draft = None
             verdicts, logprobs = out.verdicts(verifies, result, len(decodes))
-            for row, verdict, lps in zip(verifies, verdicts, logprobs):
-                seq = row.seq
-                self.speculator.record(seq, len(row.draft.tokens), verdict.num_accepted)
-                self._commit(seq, 1 + verdict.num_accepted, features, row.offset)  # the pending token + accepted
-                self.scheduler.cache.rollback(seq, seq.num_computed + 1, verdict.num_accepted)  # rejected drafts
-                out.append_tokens(seq, verdict.tokens, lps)
+            with self.scheduler.cache.commits_batched():  # recurrent state: every verify's in one launch a layer
+                for row, verdict, lps in zip(verifies, verdicts, logprobs):
+                    seq = row.seq
+                    self.speculator.record(seq, len(row.draft.tokens), verdict.num_accepted)
+                    self._commit(seq, 1 + verdict.num_accepted, features, row.offset)  # the pending token + accepted
+                    self.scheduler.cache.rollback(seq, seq.num_computed + 1, verdict.num_accepted)  # rejected drafts
+                    out.append_tokens(seq, verdict.tokens, lps)
 
     def _commit(self, seq: Sequence, n: int, features, offset: int) -> None:
         """The next n positions of seq (their K/V written this step) are now committed."""

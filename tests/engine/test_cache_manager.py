@@ -223,3 +223,37 @@ def test_recurrent_state_copies_slots():
     assert torch.all(state.state[2] == 1.0) and torch.all(state.conv[2] == 2.0)
     state.reset(torch.tensor([2]))
     assert torch.all(state.state[2] == 0) and torch.all(state.state[0] == 1.0)
+
+
+def test_rollbacks_of_a_step_commit_recurrent_state_together_at_the_end():
+    """commits_batched: each verify's rollback is applied when the block ends, all slots at once,
+    with what one rollback at a time gives."""
+    spec = RecurrentSpec((2, 3, 4), (2 * 3 + 2 * 4, 2), 1, torch.float32)
+
+    def run(batched: bool):
+        cache = CacheManager([spec, windowed(None)], 32, BLOCK, num_slots=3, verify_positions=3)
+        (state,) = cache.build_recurrent("cpu")
+        g = torch.Generator().manual_seed(0)
+        for name in ("state", "conv", "stash_raw", "stash_mixed", "stash_beta"):
+            getattr(state, name).copy_(torch.randn(getattr(state, name).shape, generator=g))
+        state.stash_g.copy_(-torch.rand(state.stash_g.shape, generator=g))
+        seqs = [seq_of(6, start=100 * i) for i in range(3)]
+        for seq in seqs:
+            cache.admit(seq, [])
+            cache.grow(seq, 9)
+        before = state.state.clone()
+        if batched:
+            with cache.commits_batched():
+                cache.rollback(seqs[0], 8, accepted=1)
+                cache.rollback(seqs[2], 7, accepted=0)
+                assert torch.equal(state.state, before)  # nothing applied inside the block
+        else:
+            cache.rollback(seqs[0], 8, accepted=1)
+            cache.rollback(seqs[2], 7, accepted=0)
+        return state, [cache.slot(s) for s in seqs], before
+
+    one_by_one, slots, before = run(False)
+    together, _, _ = run(True)
+    assert torch.equal(together.state, one_by_one.state) and torch.equal(together.conv, one_by_one.conv)
+    changed = [not torch.equal(together.state[s], before[s]) for s in slots]
+    assert changed == [True, False, True]  # the verified sequences advanced, the other did not
