@@ -13,6 +13,7 @@ Two entry points, picked by the caller per row kind (routing.gated_delta_route s
                       `gpu` extra), else the torch reference `chunked_gated_delta_rule` per sequence.
   conv_steps          the causal depthwise conv (+ silu) of decode / verify rows, windows from the
   conv_windows        slots, and moving each advancing sequence's window (also a verify's commit).
+  gates               each token's decay g and beta from its projections (one launch, any rows).
 """
 from __future__ import annotations
 
@@ -168,6 +169,17 @@ def conv_steps_reference(qkv, conv, weight, slots, starts, advance, seq, local, 
         raw.index_copy_(0, at, qkv.to(raw.dtype))
         kept.index_copy_(0, at, mixed.to(kept.dtype))
     return mixed
+
+
+def gates(a, b, a_log, dt_bias) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token and value head, from the projections a, b [T, Hv]: (g = -exp(A_log) *
+    softplus(a + dt_bias), beta = sigmoid(b)), float32 [T, Hv] each."""
+    if routing.gated_delta_route("gates", triton=use_triton(a, b, a_log, dt_bias)) == routing.TRITON_GATES:
+        from .triton_gated_delta import gates_triton
+        return gates_triton(a, b, a_log, dt_bias)
+    beta = b.float().sigmoid()
+    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return g, beta
 
 
 def conv_windows(rows, conv, slots, starts, advance) -> None:

@@ -131,7 +131,23 @@ def _kernel():
         values = x_row.to(tl.float32) + x_old
         tl.store(base + i[None, :], values, mask=ok[:, None] & (live & (n > 0))[None, :])
 
-    return _gated_delta_steps, _conv_steps, _conv_windows
+    @triton.jit
+    def _gates(a, b, a_log, dt_bias, g, beta, heads, stride_a, stride_b, BH: tl.constexpr,
+               PDL: tl.constexpr = False):
+        """Row t: g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b), float32."""
+        wait_for_previous_kernel(PDL)
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.arange(0, BH)
+        ok = h < heads
+        x = tl.load(a + t * stride_a + h, mask=ok, other=0.0).to(tl.float32) + tl.load(
+            dt_bias + h, mask=ok, other=0.0).to(tl.float32)
+        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # torch's threshold
+        decay = -tl.exp(tl.load(a_log + h, mask=ok, other=0.0).to(tl.float32)) * softplus
+        y = tl.load(b + t * stride_b + h, mask=ok, other=0.0).to(tl.float32)
+        tl.store(g + t * heads + h, decay, mask=ok)
+        tl.store(beta + t * heads + h, 1.0 / (1.0 + tl.exp(-y)), mask=ok)
+
+    return _gated_delta_steps, _conv_steps, _conv_windows, _gates
 
 
 def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -194,3 +210,17 @@ def conv_windows_triton(rows, conv, slots, starts, advance) -> None:
         kernel[(slots.shape[0], triton.cdiv(channels, block))](
             rows, conv, slots, starts, advance, channels, rows.stride(0), conv.stride(0), conv.stride(1),
             WIDTH=width, WP=next_pow2(width), BC=block, **pdl_launch(rows.device))
+
+
+def gates_triton(a, b, a_log, dt_bias) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels.gated_delta.gates on the Triton kernel (same contract)."""
+    tokens, heads = a.shape
+    if a.stride(1) != 1 or b.stride(1) != 1:
+        raise ValueError("gates: a and b need unit stride per head")
+    g = torch.empty(tokens, heads, dtype=torch.float32, device=a.device)
+    beta = torch.empty_like(g)
+    if tokens:
+        kernel = _kernel()[3]
+        kernel[(tokens,)](a, b, a_log, dt_bias, g, beta, heads, a.stride(0), b.stride(0), BH=next_pow2(heads),
+                          **pdl_launch(a.device))
+    return g, beta

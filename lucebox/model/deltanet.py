@@ -33,6 +33,7 @@ from ..kernels.gated_delta import (  # noqa: F401  (the references, re-exported 
     conv_steps,
     gated_delta_chunk,
     gated_delta_steps,
+    gates,
     l2_normalize,
     recurrent_gated_delta_rule,
     stash_rows,
@@ -144,8 +145,7 @@ class GatedDeltaNet(nn.Module):
         if self.state is None or batch.state_slots is None:
             raise RuntimeError(f"layer {self.layer}: Gated DeltaNet needs recurrent-state slots in the batch")
         qkv, z = self.in_proj_qkv(h), self.in_proj_z(h)
-        beta = self.in_proj_b(h).float().sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(h).float() + self.dt_bias.float())
+        g, beta = gates(self.in_proj_a(h), self.in_proj_b(h), self.A_log, self.dt_bias)
         steps, chunks = self._split(batch)
         if chunks is None and steps is not None:
             out = self._steps(qkv, beta, g, steps)

@@ -239,3 +239,20 @@ def test_triton_steps_at_the_qwen36_27b_shape():
     got = gated_delta_steps(q, k, v, decay, beta, state, *args, normalize=True, scale=d ** -0.5)
     assert (got - want).abs().max() <= 1e-3 * want.abs().max()
     assert (state - want_state).abs().max() <= 1e-3 * want_state.abs().max()
+
+
+@pytest.mark.skipif(not INTERPRETABLE, reason="Triton was imported without its interpreter on a machine without a GPU")
+def test_triton_gates_match_the_reference(monkeypatch):
+    """g = -exp(A_log) softplus(a + dt_bias) (both sides of softplus's threshold) and beta = sigmoid(b)."""
+    pytest.importorskip("triton")
+    from lucebox.kernels.gated_delta import gates
+    g = torch.Generator().manual_seed(2)
+    a = (torch.randn(5, V_HEADS, generator=g) * 15).to(DEVICE)
+    b = torch.randn(5, V_HEADS, generator=g).to(DEVICE)
+    a_log, dt_bias = torch.randn(V_HEADS, generator=g).to(DEVICE), torch.randn(V_HEADS, generator=g).to(DEVICE)
+    monkeypatch.setenv("LUCEBOX_TRITON", "0")
+    want = gates(a, b, a_log, dt_bias)
+    monkeypatch.setenv("LUCEBOX_TRITON", "1")
+    got = gates(a, b, a_log, dt_bias)
+    for x, y in zip(got, want):
+        assert (x - y).abs().max() <= 1e-5 * max(1.0, y.abs().max().item())
