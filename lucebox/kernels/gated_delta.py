@@ -14,6 +14,7 @@ Two entry points, picked by the caller per row kind (routing.gated_delta_route s
   conv_steps          the causal depthwise conv (+ silu) of decode / verify rows, windows from the
   conv_windows        slots, and moving each advancing sequence's window (also a verify's commit).
   gates               each token's decay g and beta from its projections (one launch, any rows).
+  gated_rms_norm      the output norm, rms_norm(o) * weight * silu(z) per value head (one launch).
 """
 from __future__ import annotations
 
@@ -180,6 +181,17 @@ def gates(a, b, a_log, dt_bias) -> tuple[torch.Tensor, torch.Tensor]:
     beta = b.float().sigmoid()
     g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())
     return g, beta
+
+
+def gated_rms_norm(x, gate, weight, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    """DeltaNet's output norm per value head: rms_norm(x) * weight * silu(gate) in `dtype` (x, any
+    float dtype, is rounded to it first), rows [..., size]."""
+    if routing.gated_delta_route("norm", triton=use_triton(x, gate, weight)) == routing.TRITON_NORM:
+        from .triton_gated_delta import gated_rms_norm_triton
+        return gated_rms_norm_triton(x, gate, weight, eps, dtype)
+    xf = x.to(dtype).float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    return (weight * normed * F.silu(gate.float())).to(dtype)
 
 
 def conv_windows(rows, conv, slots, starts, advance) -> None:

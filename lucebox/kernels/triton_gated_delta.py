@@ -147,7 +147,23 @@ def _kernel():
         tl.store(g + t * heads + h, decay, mask=ok)
         tl.store(beta + t * heads + h, 1.0 / (1.0 + tl.exp(-y)), mask=ok)
 
-    return _gated_delta_steps, _conv_steps, _conv_windows, _gates
+    @triton.jit
+    def _gated_norm(x, gate, weight, out, size, eps, stride_x, stride_g, stride_o, BN: tl.constexpr,
+                    PDL: tl.constexpr = False):
+        """Row r: rms_norm(x) * weight * silu(gate), rounded where the torch reference rounds (x and
+        the normalised row to out's dtype, weight * normalised too)."""
+        wait_for_previous_kernel(PDL)
+        r = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BN)
+        ok = cols < size
+        ty = out.dtype.element_ty
+        v = tl.load(x + r * stride_x + cols, mask=ok, other=0.0).to(ty).to(tl.float32)
+        normed = (v * (1.0 / tl.sqrt(tl.sum(v * v, axis=0) / size + eps))).to(ty)
+        scaled = (tl.load(weight + cols, mask=ok, other=0.0).to(ty) * normed).to(tl.float32)
+        z = tl.load(gate + r * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out + r * stride_o + cols, (scaled * (z / (1.0 + tl.exp(-z)))).to(ty), mask=ok)
+
+    return _gated_delta_steps, _conv_steps, _conv_windows, _gates, _gated_norm
 
 
 def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -224,3 +240,17 @@ def gates_triton(a, b, a_log, dt_bias) -> tuple[torch.Tensor, torch.Tensor]:
         kernel[(tokens,)](a, b, a_log, dt_bias, g, beta, heads, a.stride(0), b.stride(0), BH=next_pow2(heads),
                           **pdl_launch(a.device))
     return g, beta
+
+
+def gated_rms_norm_triton(x, gate, weight, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    """kernels.gated_delta.gated_rms_norm on the Triton kernel (same contract)."""
+    size = x.shape[-1]
+    x2, g2 = x.reshape(-1, size), gate.reshape(-1, size)
+    if x2.stride(1) != 1 or g2.stride(1) != 1:
+        raise ValueError("gated_rms_norm: x and gate need unit stride per row")
+    out = torch.empty(x2.shape, dtype=dtype, device=x.device)
+    if x2.shape[0]:
+        kernel = _kernel()[4]
+        kernel[(x2.shape[0],)](x2, g2, weight, out, size, float(eps), x2.stride(0), g2.stride(0), out.stride(0),
+                               BN=next_pow2(size), **pdl_launch(x.device))
+    return out.view(x.shape)

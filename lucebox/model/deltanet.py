@@ -33,6 +33,7 @@ from ..kernels.gated_delta import (  # noqa: F401  (the references, re-exported 
     conv_steps,
     gated_delta_chunk,
     gated_delta_steps,
+    gated_rms_norm,
     gates,
     l2_normalize,
     recurrent_gated_delta_rule,
@@ -104,10 +105,9 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        return (self.weight * normed * F.silu(gate.float())).to(x.dtype)
+    def forward(self, x: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x [..., size] (rounded to `dtype`, default its own, first), gate like x -> `dtype`."""
+        return gated_rms_norm(x, gate, self.weight, self.eps, dtype or x.dtype)
 
 
 class GatedDeltaNet(nn.Module):
@@ -155,7 +155,7 @@ class GatedDeltaNet(nn.Module):
                 out[steps.rows] = self._steps(qkv[steps.rows], beta[steps.rows], g[steps.rows], steps)
             if chunks:
                 self._chunks(qkv, beta, g, batch, chunks, out)
-        o = self.norm(out.to(h.dtype), z.view(-1, self.num_v_heads, self.head_v_dim))
+        o = self.norm(out, z.view(-1, self.num_v_heads, self.head_v_dim), h.dtype)
         return self.out_proj(o.reshape(h.shape[0], -1))
 
     @staticmethod

@@ -256,3 +256,22 @@ def test_triton_gates_match_the_reference(monkeypatch):
     got = gates(a, b, a_log, dt_bias)
     for x, y in zip(got, want):
         assert (x - y).abs().max() <= 1e-5 * max(1.0, y.abs().max().item())
+
+
+@pytest.mark.skipif(not INTERPRETABLE, reason="Triton was imported without its interpreter on a machine without a GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_gated_rms_norm_matches_the_reference(dtype, monkeypatch):
+    """float32 rows from the recurrence, rounded to the model dtype as the reference does."""
+    pytest.importorskip("triton")
+    from lucebox.kernels.gated_delta import gated_rms_norm
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, V_HEADS, DV, generator=g).to(DEVICE)
+    gate = torch.randn(3, V_HEADS, DV, generator=g).to(DEVICE, dtype)
+    weight = (torch.rand(DV, generator=g) + 0.5).to(DEVICE, dtype)
+    monkeypatch.setenv("LUCEBOX_TRITON", "0")
+    want = gated_rms_norm(x, gate, weight, 1e-6, dtype)
+    monkeypatch.setenv("LUCEBOX_TRITON", "1")
+    got = gated_rms_norm(x, gate, weight, 1e-6, dtype)
+    assert got.dtype == dtype and got.shape == x.shape
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    assert (got.float() - want.float()).abs().max() <= tol * want.float().abs().max()
