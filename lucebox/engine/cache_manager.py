@@ -20,13 +20,7 @@ import logging
 
 import torch
 
-from ..model.cache_spec import (
-    PagedKVSpec,
-    RecurrentSpec,
-    bytes_per_sequence,
-    bytes_per_token,
-    release_window,
-)
+from ..model.cache_spec import PagedKVSpec, RecurrentSpec, bytes_per_sequence, bytes_per_token, release_window
 from ..model.recurrent_state import RecurrentState
 from ..util import host_to_device
 from .block_manager import BlockManager
@@ -130,8 +124,8 @@ class CacheManager:
         slots, accepted = zip(*self._pending_commits)
         self._pending_commits.clear()
         device = self.states[0].state.device
-        slots, accepted = host_to_device(list(slots), device, torch.long), host_to_device(list(accepted), device,
-                                                                                          torch.long)
+        slots = host_to_device(list(slots), device, torch.long)
+        accepted = host_to_device(list(accepted), device, torch.long)
         for state in self.states:
             state.commit(slots, accepted)
 
