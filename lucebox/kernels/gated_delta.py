@@ -233,7 +233,9 @@ def gated_delta_chunk(q, k, v, g, beta, state, slots: list[int], starts: list[in
     (normalised, q scaled), v [T, Hv, dv], g/beta [T, Hv]; it starts from state[slots[i]] and its
     final state is written back there. Returns o [T, Hv, dv] (float32 on the torch path). fla_dtype:
     what fla's kernels read q/k/v in (the model's dtype; the state stays float32)."""
-    use_fla = all(t.is_cuda for t in (q, state)) and use_triton(q, state) and fla_chunk() is not None
+    dk, dv = k.shape[-1], v.shape[-1]
+    use_fla = (all(t.is_cuda for t in (q, state)) and use_triton(q, state) and fla_chunk() is not None
+               and dk % 16 == 0 and dv % 16 == 0 and dk <= 256)  # head sizes fla's tiles are made for
     if routing.gated_delta_route("chunk", fla=use_fla) == routing.FLA_CHUNK:
         if fla_dtype is not None:
             q, k, v = (x.to(fla_dtype) for x in (q, k, v))

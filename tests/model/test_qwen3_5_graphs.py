@@ -186,9 +186,12 @@ def test_a_hybrid_graph_step_never_syncs_with_the_host(hybrid_path):
 
 
 @gpu
-def test_bfloat16_hybrid_prefill_and_decode_stay_close_to_float32(hybrid_path):
+def test_bfloat16_hybrid_prefill_and_decode_stay_close_to_float32(tmp_path, tokenizer_dir):
     """fla's chunked prefill (when installed) and the Triton steps in bfloat16 on the GPU track the
-    float32 torch reference of the same weights on the CPU: a 150-token prefill, then 3 decodes."""
+    float32 torch reference of the same weights on the CPU: a 150-token prefill, then 3 decodes.
+    Head sizes fla takes (multiples of 16)."""
+    hybrid_path = build_hf_model("qwen3", tmp_path / "m", tokenizer_dir,
+                                 **{**HYBRID, "linear_key_head_dim": 16, "linear_value_head_dim": 32})
     vocab = load_model(str(hybrid_path), dtype="float32").config.vocab_size
     prompt, after = prompts(vocab, [150, 3], seed=8)
     logits = []
