@@ -73,8 +73,8 @@ def _kernel():
                 if NORMALIZE:
                     q_t = q_t * (scale / tl.sqrt(tl.sum(q_t * q_t, axis=0) + 1e-6))
                 tl.store(out + t * stride_ot + h * stride_oh + cols, tl.sum(q_t[:, None] * s, axis=0), mask=col_ok)
-            at = tl.zeros([BK, BV], dtype=tl.int64) + t  # the token index as a tile: a mask of the tile's shape
-            tl.store(tile, s, mask=tile_ok & (at == first + keep - 1))
+            step = tl.zeros([BV], dtype=tl.int64) + (t - first)  # as a vector: masks want tensors
+            tl.store(tile, s, mask=tile_ok & (step == keep - 1)[None, :])
 
     @triton.jit
     def _conv_steps(qkv, conv, weight, out, slots, seq, local, stash_raw, stash_mixed, channels,
