@@ -41,6 +41,7 @@ from ..kernels.gated_delta import (  # noqa: F401  (the references, re-exported 
 )
 from ..util import host_to_device
 from .cache_spec import RecurrentSpec
+from .transformer import fuse_linears
 
 
 @dataclass
@@ -132,6 +133,21 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
         self.state = None  # RecurrentState of this layer, installed by the runner
+        self.projections = None  # qkv | z | b | a as one projection, after fuse()
+
+    def fuse(self) -> None:
+        """The four input projections as one GEMV (float weights only: quantised rows may be
+        reordered per linear for the GPU's split layout)."""
+        layers = [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a]
+        if self.projections is None and all(type(m) is nn.Linear for m in layers):
+            self.projections = fuse_linears(layers)
+
+    def _project(self, h: torch.Tensor):
+        """(qkv, z, b, a) of the normalised input."""
+        if self.projections is not None:
+            return self.projections(h).split([self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads],
+                                             dim=-1)
+        return self.in_proj_qkv(h), self.in_proj_z(h), self.in_proj_b(h), self.in_proj_a(h)
 
     def cache_spec(self) -> RecurrentSpec:
         """Per sequence: S [Hv, dk, dv] and the conv window [channels, kernel - 1], in float32
@@ -144,8 +160,8 @@ class GatedDeltaNet(nn.Module):
         state is read from (and, as batch.state_advance says, written back to) its slot."""
         if self.state is None or batch.state_slots is None:
             raise RuntimeError(f"layer {self.layer}: Gated DeltaNet needs recurrent-state slots in the batch")
-        qkv, z = self.in_proj_qkv(h), self.in_proj_z(h)
-        g, beta = gates(self.in_proj_a(h), self.in_proj_b(h), self.A_log, self.dt_bias)
+        qkv, z, b, a = self._project(h)
+        g, beta = gates(a, b, self.A_log, self.dt_bias)
         steps, chunks = self._split(batch)
         if chunks is None and steps is not None:
             out = self._steps(qkv, beta, g, steps)

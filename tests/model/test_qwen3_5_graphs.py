@@ -33,10 +33,13 @@ def hybrid_path(tmp_path_factory, tokenizer_dir):
     return build_hf_model("qwen3", tmp_path_factory.mktemp("qwen3_5_graphs"), tokenizer_dir, **HYBRID)
 
 
-def mixed_step(loaded, device: str, capture: bool):
+def mixed_step(loaded, device: str, capture: bool, fused: bool = False):
     """A runner with graph buckets (1 and 4 tokens) after prefilling 3 sequences, and a step of one
-    decode row, a verify of 4 and a verify of 3 (padded to 4) in slots 2, 0, 3."""
+    decode row, a verify of 4 and a verify of 3 (padded to 4) in slots 2, 0, 3. fused: DeltaNet's
+    input projections as one (strided views of its output reach the kernels)."""
     model = loaded.model.to(device)
+    if fused:
+        model.fuse_projections()
     runner, blocks = runner_for(loaded)
     layers = [model.layers[i].linear_attn for i in runner.recurrent_layers]
     runner.install_recurrent([layer.cache_spec().build(4, 4, device) for layer in layers], None)
@@ -94,7 +97,9 @@ def test_a_padded_hybrid_step_through_triton_kernels_matches_the_torch_reference
     device = "cuda" if ON_GPU else "cpu"
     loaded = load_model(str(hybrid_path), dtype="float32", device=device)
     monkeypatch.setenv("LUCEBOX_TRITON", "0")
-    runner, plan, layers = mixed_step(loaded, device, capture=False)
+    runner, plan, layers = mixed_step(loaded, device, capture=False, fused=True)
+    assert all(layer.projections is not None for layer in (loaded.model.layers[i].linear_attn
+                                                          for i in runner.recurrent_layers))
     before = snapshot(layers)
     want = runner.run_eager(plan).logits
     want_states = snapshot(layers)
