@@ -44,7 +44,8 @@ class CacheManager:
         self.release_window = release_window(self.specs)
         if self.release_window is None and any(isinstance(s, PagedKVSpec) and s.window for s in self.specs):
             log.info("sliding-window layers keep their whole context: other caches read all of it")
-        self.states: list[RecurrentState] = []
+        self.states: list[RecurrentState] = []  # one per recurrent spec (layer)
+        self.pools: list[RecurrentState] = []  # the storage they view: one pool, or the states themselves
         self.free_slots = list(range(num_slots - 1, -1, -1)) if self.recurrent else []
         self.slots: dict[int, int] = {}  # id(seq) -> its recurrent slot
         self._pending_commits: list[tuple[int, int]] = []  # (slot, accepted) of rollbacks not applied yet
@@ -61,7 +62,12 @@ class CacheManager:
     def build_recurrent(self, device: torch.device | str) -> list[RecurrentState]:
         """The storage of every recurrent spec, one slot per sequence the pool admits (and a scratch slot)."""
         num_slots = len(self.free_slots) + len(self.slots)
-        self.states = [s.build(num_slots, self.verify_positions, device) for s in self.recurrent]
+        if self.recurrent and len(set(self.recurrent)) == 1:  # one shape (Qwen 3.5): one pool, commits at once
+            self.pools = [self.recurrent[0].build(num_slots, self.verify_positions, device, len(self.recurrent))]
+            self.states = [self.pools[0].layer(i) for i in range(len(self.recurrent))]
+        else:
+            self.states = [s.build(num_slots, self.verify_positions, device) for s in self.recurrent]
+            self.pools = self.states
         return self.states
 
     # ------------------------------------------------------------------ admission and growth
@@ -126,8 +132,8 @@ class CacheManager:
         device = self.states[0].state.device
         slots = host_to_device(list(slots), device, torch.long)
         accepted = host_to_device(list(accepted), device, torch.long)
-        for state in self.states:
-            state.commit(slots, accepted)
+        for pool in self.pools:
+            pool.commit(slots, accepted)
 
     def free(self, seq: Sequence) -> None:
         """Everything seq holds goes back (finished, aborted or preempted)."""
