@@ -113,6 +113,13 @@ class CacheManager:
             if not self._batching:
                 self._apply_commits()
 
+    def advance_stashed(self, seqs: list[Sequence]) -> None:
+        """Recurrent state advances over the one token a step launched ahead stashed for each of
+        `seqs` (that step turned out to be used; an unused one leaves the state as it was)."""
+        if self.states:
+            with self.commits_batched():
+                self._pending_commits.extend((self.slots[id(seq)], 0) for seq in seqs)
+
     @contextlib.contextmanager
     def commits_batched(self):
         """Rollbacks inside advance recurrent state when the block ends, all sequences in one

@@ -118,8 +118,10 @@ class LLMEngine:
     def _recurrent_snapshots(self, specs) -> int:
         """Recurrent snapshots per sequence: one per position of the longest verify (the pending token
         and max_k drafts), kept so that a rollback restores the state after the last accepted token."""
-        if self.speculator is None or not any(isinstance(s, RecurrentSpec) for s in specs):
+        if not any(isinstance(s, RecurrentSpec) for s in specs):
             return 0
+        if self.speculator is None:
+            return 1  # a decode step launched ahead stashes its token until it is used (engine/overlap.py)
         if self.speculator.capture_layers:
             # A dormant drafter's catch-up recomputes cached positions, which would advance recurrent state twice.
             raise UnsupportedError("DFlash speculation of models with recurrent (Gated DeltaNet) layers is not "

@@ -215,8 +215,9 @@ def test_bfloat16_hybrid_prefill_and_decode_stay_close_to_float32(tmp_path, toke
 
 def test_decoding_with_a_request_joining_mid_stream_equals_step_by_step(hybrid_path):
     """async_decode launches decode steps ahead; one that goes unused (a request joined) must not
-    have advanced recurrent state, which, unlike K/V, a repeated step does not overwrite: after
-    the step that prefills the newcomer, every slot holds what step-by-step decoding leaves."""
+    have advanced recurrent state, which, unlike K/V, a repeated step does not overwrite (it
+    stashes its token, applied once it is used): after the step that prefills the newcomer, every
+    slot holds what step-by-step decoding leaves."""
     def run(async_decode: bool):
         llm = LLM(str(hybrid_path), block_size=BLOCK_SIZE, max_num_seqs=4, cuda_graphs=True,
                   async_decode=async_decode)
@@ -234,10 +235,11 @@ def test_decoding_with_a_request_joining_mid_stream_equals_step_by_step(hybrid_p
             if step == 5:  # a prefill step: nothing is launched ahead of it
                 states = [s.state[:4].clone() for s in engine.runner.recurrent_states]
             step += 1
-        return outs, states
+        return outs, states, engine.step_counts
 
-    want, want_states = run(False)
-    got, got_states = run(True)
+    want, want_states, _ = run(False)
+    got, got_states, counts = run(True)
     assert got == want
+    assert counts["overlapped"] > 5 and counts["unused ahead"] > 0, counts  # used and unused steps launched ahead
     for a, b in zip(got_states, want_states):
         assert (a - b).abs().max() <= 1e-6
