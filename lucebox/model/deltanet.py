@@ -13,9 +13,11 @@ The state S and the conv window live in RecurrentState slots (model/recurrent_st
 Rows take one of two paths (the recurrence itself is kernels/gated_delta.py):
   steps    decode and verify rows (and every row of a CUDA-graph batch): all sequences at once,
            the conv as gathers over the batch's rows and the slots' windows, the recurrence token
-           by token from each slot; slots, lengths and `state_advance` are device tensors, so
-           nothing syncs with the host. A decode row advances its slot in place; a verify row
-           (advance 0) leaves state and window alone and stashes its inputs for the commit.
+           by token from each slot (Triton kernels on GPUs: the conv, the rule with q/k
+           normalised in it, the gates and the output norm); slots, lengths and `state_advance`
+           are device tensors, so nothing syncs with the host. A decode row advances its slot in
+           place; a verify row (advance 0) leaves state and window alone and stashes its inputs
+           for the commit (model/recurrent_state.py).
   chunks   prefill chunks (eager): the conv per sequence, the chunked rule over all of them,
            each chunk's final state written back, so the next chunk continues where it stopped.
 """

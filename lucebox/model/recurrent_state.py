@@ -3,9 +3,9 @@
 Storage (a slot is one sequence's; slots are handed out by engine/cache_manager.py):
   state   [num_slots + 1, Hv, dk, dv]   the recurrent state after the last committed position
   conv    [num_slots + 1, channels, K-1] the short conv's window of past (pre-conv) inputs
-  stash   per slot, `positions` rows of a verify's per-token inputs: the raw pre-conv row and the
-          conv's output [channels] each (its k and v parts, before normalisation, are what the
-          recurrence reads), g [Hv] and beta [Hv]
+  stash   per slot, `positions` rows of a verify's (or a step launched ahead's) per-token inputs:
+          the raw pre-conv row and the conv's output [channels] each (its k and v parts, before
+          normalisation, are what the recurrence reads), g [Hv] and beta [Hv]
 The last slot (`scratch`) belongs to no sequence: CUDA-graph padding reads and writes it. The
 layers of one shape share one pool (`layers=L`, per-layer views), so a commit is one launch pair.
 
