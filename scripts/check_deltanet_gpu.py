@@ -160,6 +160,11 @@ def timings(rows: list, iters: int, batch_size: int) -> None:
     commit = lambda: layer.state.commit(commit_slots, accepted)  # noqa: E731
     rows.append((f"commit 16 of verify x{batch_size}, eager", f"{timed(commit, iters):.3f} ms"))
     rows.append((f"commit 16 of verify x{batch_size}, CUDA graph", f"{timed(in_graph(commit), iters):.3f} ms"))
+    # the engine's commit: all 48 DeltaNet layers of Qwen3.6-27B in one pool, one launch pair
+    pool = layer.cache_spec().build(8, 16, "cuda", layers=48)
+    pool_commit = lambda: pool.commit(commit_slots, accepted)  # noqa: E731
+    rows.append((f"commit 16 of verify x{batch_size}, 48-layer pool (whole model)",
+                 f"{timed(pool_commit, iters):.3f} ms"))
 
 
 def main() -> None:
@@ -173,6 +178,11 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}; Gated DeltaNet layer Hk={K_HEADS} Hv={V_HEADS} dk={DK} dv={DV} "
           f"conv={CONV} hidden={HIDDEN}, bf16 weights, float32 state")
     rows: list[tuple[str, str]] = []
+    try:
+        from importlib.metadata import version
+        rows.append(("fla-core", version("fla-core") if fla_chunk() is not None else "not installed"))
+    except Exception as e:  # metadata missing for a source install
+        rows.append(("fla-core", f"importable, version unknown ({type(e).__name__})"))
     for section in (check_fla, check_steps, lambda r: timings(r, args.iters, args.batch)):
         try:
             section(rows)

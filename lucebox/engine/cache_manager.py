@@ -15,17 +15,12 @@ per token and per sequence, never a layer's tensors:
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
 
-from ..model.cache_spec import (
-    PagedKVSpec,
-    RecurrentSpec,
-    bytes_per_sequence,
-    bytes_per_token,
-    release_window,
-)
+from ..model.cache_spec import PagedKVSpec, RecurrentSpec, bytes_per_sequence, bytes_per_token, release_window
 from ..model.recurrent_state import RecurrentState
 from ..util import host_to_device
 from .block_manager import BlockManager
@@ -49,9 +44,12 @@ class CacheManager:
         self.release_window = release_window(self.specs)
         if self.release_window is None and any(isinstance(s, PagedKVSpec) and s.window for s in self.specs):
             log.info("sliding-window layers keep their whole context: other caches read all of it")
-        self.states: list[RecurrentState] = []
+        self.states: list[RecurrentState] = []  # one per recurrent spec (layer)
+        self.pools: list[RecurrentState] = []  # the storage they view: one pool, or the states themselves
         self.free_slots = list(range(num_slots - 1, -1, -1)) if self.recurrent else []
         self.slots: dict[int, int] = {}  # id(seq) -> its recurrent slot
+        self._pending_commits: list[tuple[int, int]] = []  # (slot, accepted) of rollbacks not applied yet
+        self._batching = False
 
     @property
     def bytes_per_token(self) -> int:
@@ -64,7 +62,12 @@ class CacheManager:
     def build_recurrent(self, device: torch.device | str) -> list[RecurrentState]:
         """The storage of every recurrent spec, one slot per sequence the pool admits (and a scratch slot)."""
         num_slots = len(self.free_slots) + len(self.slots)
-        self.states = [s.build(num_slots, self.verify_positions, device) for s in self.recurrent]
+        if self.recurrent and len(set(self.recurrent)) == 1:  # one shape (Qwen 3.5): one pool, commits at once
+            self.pools = [self.recurrent[0].build(num_slots, self.verify_positions, device, len(self.recurrent))]
+            self.states = [self.pools[0].layer(i) for i in range(len(self.recurrent))]
+        else:
+            self.states = [s.build(num_slots, self.verify_positions, device) for s in self.recurrent]
+            self.pools = self.states
         return self.states
 
     # ------------------------------------------------------------------ admission and growth
@@ -102,14 +105,42 @@ class CacheManager:
 
     def rollback(self, seq: Sequence, num_tokens: int, accepted: int | None = None) -> None:
         """Forget what lies past num_tokens tokens (rejected drafts); with `accepted` (a of k drafts,
-        after a verify), recurrent state advances over the pending token and the accepted drafts."""
+        after a verify), recurrent state advances over the pending token and the accepted drafts
+        (at once, or at the end of a `commits_batched` block)."""
         self.blocks.truncate(seq.block_table, num_tokens)
         if accepted is not None and self.states:
-            device = self.states[0].state.device
-            slot = host_to_device([self.slots[id(seq)]], device, torch.long)
-            count = host_to_device([accepted], device, torch.long)
-            for state in self.states:
-                state.commit(slot, count)
+            self._pending_commits.append((self.slots[id(seq)], accepted))
+            if not self._batching:
+                self._apply_commits()
+
+    def advance_stashed(self, seqs: list[Sequence]) -> None:
+        """Recurrent state advances over the one token a step launched ahead stashed for each of
+        `seqs` (that step turned out to be used; an unused one leaves the state as it was)."""
+        if self.states:
+            with self.commits_batched():
+                self._pending_commits.extend((self.slots[id(seq)], 0) for seq in seqs)
+
+    @contextlib.contextmanager
+    def commits_batched(self):
+        """Rollbacks inside advance recurrent state when the block ends, all sequences in one
+        launch per layer (a step's verifies: not one per sequence)."""
+        self._batching = True
+        try:
+            yield
+        finally:
+            self._batching = False
+            self._apply_commits()
+
+    def _apply_commits(self) -> None:
+        if not self._pending_commits:
+            return
+        slots, accepted = zip(*self._pending_commits)
+        self._pending_commits.clear()
+        device = self.states[0].state.device
+        slots = host_to_device(list(slots), device, torch.long)
+        accepted = host_to_device(list(accepted), device, torch.long)
+        for pool in self.pools:
+            pool.commit(slots, accepted)
 
     def free(self, seq: Sequence) -> None:
         """Everything seq holds goes back (finished, aborted or preempted)."""

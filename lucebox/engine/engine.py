@@ -120,10 +120,12 @@ class LLMEngine:
                              query_lens, catch_up_lens=catch_up)
 
     def _recurrent_snapshots(self, specs) -> int:
-        """Recurrent snapshots per sequence: one per position of the longest verify (the pending token
-        and max_k drafts), kept so that a rollback restores the state after the last accepted token."""
-        if self.speculator is None or not any(isinstance(s, RecurrentSpec) for s in specs):
+        """Recurrent stash rows per sequence: one per position of the longest verify (the pending token
+        and max_k drafts), from which a commit advances the state over the accepted positions."""
+        if not any(isinstance(s, RecurrentSpec) for s in specs):
             return 0
+        if self.speculator is None:
+            return 1  # a decode step launched ahead stashes its token until it is used (engine/overlap.py)
         if any(isinstance(s, RecurrentSpec) for s in self.speculator.proposer.cache_specs()):
             raise UnsupportedError("a draft model with recurrent (Gated DeltaNet) layers is not supported yet")
         return 1 + self.speculator.policy.max_k
@@ -266,12 +268,13 @@ class LLMEngine:
             for row in verifies:
                 row.seq.draft = None
             verdicts, logprobs = out.verdicts(verifies, result, len(decodes))
-            for row, verdict, lps in zip(verifies, verdicts, logprobs):
-                seq = row.seq
-                self.speculator.record(seq, len(row.draft.tokens), verdict.num_accepted)
-                self._commit(seq, 1 + verdict.num_accepted, features, row.offset)  # the pending token + accepted
-                self.scheduler.cache.rollback(seq, seq.num_computed + 1, verdict.num_accepted)  # rejected drafts
-                out.append_tokens(seq, verdict.tokens, lps)
+            with self.scheduler.cache.commits_batched():  # recurrent state: every verify's in one launch a layer
+                for row, verdict, lps in zip(verifies, verdicts, logprobs):
+                    seq = row.seq
+                    self.speculator.record(seq, len(row.draft.tokens), verdict.num_accepted)
+                    self._commit(seq, 1 + verdict.num_accepted, features, row.offset)  # the pending token + accepted
+                    self.scheduler.cache.rollback(seq, seq.num_computed + 1, verdict.num_accepted)  # rejected drafts
+                    out.append_tokens(seq, verdict.tokens, lps)
 
     def _commit(self, seq: Sequence, n: int, features, offset: int) -> None:
         """The next n positions of seq (their K/V written this step) are now committed."""

@@ -77,6 +77,8 @@ class Overlap:
             self.step_counts["unused ahead"] += 1
         # launched by the previous step, fed its tokens on the device
         result = StepResult(deferred=ahead.step) if overlapped else self.runner.run(plan)
+        if overlapped:  # recurrent state: the step stashed its token (ModelRunner.state_rows); now it counts
+            self.scheduler.cache.advance_stashed(ahead.seqs)
         if result.deferred is not None:
             self.ahead = self.launch_ahead(plan, result.deferred)
             result = result.deferred.result()
@@ -89,11 +91,10 @@ class Overlap:
         and a speculator that promises (Speculator.plain_run: binding, a run of steps) or guesses
         (guesses_plain) that the step neither drafts nor captures taps. A sequence that this step's
         token finishes (or a draft after all, on a guess) makes the launched step go unused."""
-        seqs, sample, cache = [row.seq for row in plan.rows], plan.sample, self.scheduler.cache
-        # Recurrent state advances in place (a repeated step does not overwrite it as it does K/V):
-        # a step launched ahead and then unused would corrupt it.
-        if self.scheduler.waiting or cache.recurrent or any(len(row.tokens) != 1 for row in plan.rows):
+        seqs, sample = [row.seq for row in plan.rows], plan.sample
+        if self.scheduler.waiting or any(len(row.tokens) != 1 for row in plan.rows):
             return None
+        cache = self.scheduler.cache
         if any(s.num_tokens + 1 >= self.max_model_len or not cache.can_grow(s, s.num_computed + 2) for s in seqs):
             return None
         argmax = all(argmax_only(s.params, len(s.output_token_ids) + 1) for s in seqs)

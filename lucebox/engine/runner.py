@@ -67,10 +67,13 @@ class ModelRunner:
             self.model.layers[i].linear_attn.state = state
 
     def state_rows(self, plan: StepPlan) -> tuple[list[int], list[int]]:
-        """Per plan row: its recurrent slot, and how many of its tokens advance the state in place
-        (0 for a verify: CacheManager.rollback advances over the accepted ones after the verdict)."""
+        """Per plan row: its recurrent slot, and how many of its tokens advance the state in place:
+        0 for a verify (CacheManager.rollback advances over the accepted ones after the verdict)
+        and for a step launched ahead (fed from the previous step's tokens, plan.ids_from: it may
+        go unused; CacheManager.advance_stashed applies it once it is used)."""
         slots = plan.state_slots or [self.state_slot(row.seq) for row in plan.rows]
-        return slots, [0 if row.kind is RowKind.VERIFY else len(row.tokens) for row in plan.rows]
+        stash_only = plan.ids_from is not None
+        return slots, [0 if stash_only or row.kind is RowKind.VERIFY else len(row.tokens) for row in plan.rows]
 
     def _set_state_rows(self, batch: ForwardBatch, plan: StepPlan) -> None:
         batch.state_slots_host, batch.state_advance_host = self.state_rows(plan)

@@ -11,6 +11,10 @@ Two entry points, picked by the caller per row kind (routing.gated_delta_route s
                       runs inside CUDA graphs. Triton (triton_gated_delta.py) or the torch reference.
   gated_delta_chunk   prefill chunks: flash-linear-attention's chunked kernel on CUDA (fla-core, the
                       `gpu` extra), else the torch reference `chunked_gated_delta_rule` per sequence.
+  conv_steps          the causal depthwise conv (+ silu) of decode / verify rows, windows from the
+  conv_windows        slots, and moving each advancing sequence's window (also a verify's commit).
+  gates               each token's decay g and beta from its projections (one launch, any rows).
+  gated_rms_norm      the output norm, rms_norm(o) * weight * silu(z) per value head (one launch).
 """
 from __future__ import annotations
 
@@ -168,6 +172,28 @@ def conv_steps_reference(qkv, conv, weight, slots, starts, advance, seq, local, 
     return mixed
 
 
+def gates(a, b, a_log, dt_bias) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token and value head, from the projections a, b [T, Hv]: (g = -exp(A_log) *
+    softplus(a + dt_bias), beta = sigmoid(b)), float32 [T, Hv] each."""
+    if routing.gated_delta_route("gates", triton=use_triton(a, b, a_log, dt_bias)) == routing.TRITON_GATES:
+        from .triton_gated_delta import gates_triton
+        return gates_triton(a, b, a_log, dt_bias)
+    beta = b.float().sigmoid()
+    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return g, beta
+
+
+def gated_rms_norm(x, gate, weight, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    """DeltaNet's output norm per value head: rms_norm(x) * weight * silu(gate) in `dtype` (x, any
+    float dtype, is rounded to it first), rows [..., size]."""
+    if routing.gated_delta_route("norm", triton=use_triton(x, gate, weight)) == routing.TRITON_NORM:
+        from .triton_gated_delta import gated_rms_norm_triton
+        return gated_rms_norm_triton(x, gate, weight, eps, dtype)
+    xf = x.to(dtype).float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    return (weight * normed * F.silu(gate.float())).to(dtype)
+
+
 def conv_windows(rows, conv, slots, starts, advance) -> None:
     """Each sequence b with advance[b] > 0: its window conv[slots[b]] [channels, K-1] becomes the
     K-1 inputs ending at its input advance[b] - 1, where its inputs are rows[starts[b]:] and the
@@ -207,7 +233,9 @@ def gated_delta_chunk(q, k, v, g, beta, state, slots: list[int], starts: list[in
     (normalised, q scaled), v [T, Hv, dv], g/beta [T, Hv]; it starts from state[slots[i]] and its
     final state is written back there. Returns o [T, Hv, dv] (float32 on the torch path). fla_dtype:
     what fla's kernels read q/k/v in (the model's dtype; the state stays float32)."""
-    use_fla = all(t.is_cuda for t in (q, state)) and use_triton(q, state) and fla_chunk() is not None
+    dk, dv = k.shape[-1], v.shape[-1]
+    use_fla = (all(t.is_cuda for t in (q, state)) and use_triton(q, state) and fla_chunk() is not None
+               and dk % 16 == 0 and dv % 16 == 0 and dk <= 256)  # head sizes fla's tiles are made for
     if routing.gated_delta_route("chunk", fla=use_fla) == routing.FLA_CHUNK:
         if fla_dtype is not None:
             q, k, v = (x.to(fla_dtype) for x in (q, k, v))

@@ -17,6 +17,8 @@ The gated delta rule (kernels/gated_delta.py), one table per op:
     op                  CUDA (Triton)                        elsewhere
     gated_delta_steps   TRITON_STEPS                         TORCH_STEPS
     conv_steps          TRITON_CONV                          TORCH_CONV
+    gates               TRITON_GATES                         TORCH_GATES
+    gated_rms_norm      TRITON_NORM                          TORCH_NORM
     gated_delta_chunk   FLA_CHUNK (fla-core installed)       TORCH_CHUNK
 
 Expert products (kernels/moe.py) count tokens, not routed rows: the rows are tokens x top_k.
@@ -48,11 +50,14 @@ INT8 = frozenset((INT8_GEMV, INT8_TILES))
 TRITON_STEPS, TORCH_STEPS = "triton_steps", "torch_steps"  # [triton_gated_delta] token by token, slots in place
 FLA_CHUNK, TORCH_CHUNK = "fla_chunk", "torch_chunk"  # [fla.ops.gated_delta_rule] chunked prefill
 TRITON_CONV, TORCH_CONV = "triton_conv", "torch_conv"  # [triton_gated_delta] the causal conv of decode/verify rows
+TRITON_GATES, TORCH_GATES = "triton_gates", "torch_gates"  # [triton_gated_delta] g and beta of each token
+TRITON_NORM, TORCH_NORM = "triton_gated_norm", "torch_gated_norm"  # [triton_gated_delta] DeltaNet's output norm
 
 # op -> (kernel where its device kernel can run, torch reference). Design choice of issue 26 (fla-core
 # for prefill as the issue asks; a lucebox kernel for steps: fla's recurrent kernel has no slot
 # indirection); timed by scripts/check_deltanet_gpu.py, not yet measured against alternatives.
 GATED_DELTA_ROUTES = {"steps": (TRITON_STEPS, TORCH_STEPS), "conv": (TRITON_CONV, TORCH_CONV),
+                      "gates": (TRITON_GATES, TORCH_GATES), "norm": (TRITON_NORM, TORCH_NORM),
                       "chunk": (FLA_CHUNK, TORCH_CHUNK)}
 # [triton_moe] the routed experts read in place: GEMV per routed pair / grouped by expert on the device
 MOE_PAIRS, MOE_GROUPED = "moe_pairs", "moe_grouped"
@@ -74,8 +79,8 @@ QUANT_ROUTES = {
 
 
 def gated_delta_route(op: str, triton: bool = False, fla: bool = False) -> str:
-    """The kernel of a gated-delta op: "steps" (decode/verify/commit) or "conv" (their causal conv),
-    where triton: Triton can run on the tensors; "chunk" (prefill), where fla: fla-core imports
+    """The kernel of a gated-delta op: "steps" (decode/verify/commit), "conv" (their causal conv),
+    "gates" (g and beta) or "norm" (the output norm), where triton: Triton can run on the tensors; "chunk" (prefill), where fla: fla-core imports
     and the tensors are on CUDA."""
     device, reference = GATED_DELTA_ROUTES[op]
     return device if (fla if op == "chunk" else triton) else reference

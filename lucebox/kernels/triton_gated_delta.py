@@ -73,8 +73,8 @@ def _kernel():
                 if NORMALIZE:
                     q_t = q_t * (scale / tl.sqrt(tl.sum(q_t * q_t, axis=0) + 1e-6))
                 tl.store(out + t * stride_ot + h * stride_oh + cols, tl.sum(q_t[:, None] * s, axis=0), mask=col_ok)
-            at = tl.zeros([BK, BV], dtype=tl.int64) + t  # the token index as a tile: a mask of the tile's shape
-            tl.store(tile, s, mask=tile_ok & (at == first + keep - 1))
+            step = tl.zeros([BV], dtype=tl.int64) + (t - first)  # as a vector: masks want tensors
+            tl.store(tile, s, mask=tile_ok & (step == keep - 1)[None, :])
 
     @triton.jit
     def _conv_steps(qkv, conv, weight, out, slots, seq, local, stash_raw, stash_mixed, channels,
@@ -131,7 +131,39 @@ def _kernel():
         values = x_row.to(tl.float32) + x_old
         tl.store(base + i[None, :], values, mask=ok[:, None] & (live & (n > 0))[None, :])
 
-    return _gated_delta_steps, _conv_steps, _conv_windows
+    @triton.jit
+    def _gates(a, b, a_log, dt_bias, g, beta, heads, stride_a, stride_b, BH: tl.constexpr,
+               PDL: tl.constexpr = False):
+        """Row t: g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b), float32."""
+        wait_for_previous_kernel(PDL)
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.arange(0, BH)
+        ok = h < heads
+        x = tl.load(a + t * stride_a + h, mask=ok, other=0.0).to(tl.float32) + tl.load(
+            dt_bias + h, mask=ok, other=0.0).to(tl.float32)
+        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # torch's threshold
+        decay = -tl.exp(tl.load(a_log + h, mask=ok, other=0.0).to(tl.float32)) * softplus
+        y = tl.load(b + t * stride_b + h, mask=ok, other=0.0).to(tl.float32)
+        tl.store(g + t * heads + h, decay, mask=ok)
+        tl.store(beta + t * heads + h, 1.0 / (1.0 + tl.exp(-y)), mask=ok)
+
+    @triton.jit
+    def _gated_norm(x, gate, weight, out, size, eps, stride_x, stride_g, stride_o, BN: tl.constexpr,
+                    PDL: tl.constexpr = False):
+        """Row r: rms_norm(x) * weight * silu(gate), rounded where the torch reference rounds (x and
+        the normalised row to out's dtype, weight * normalised too)."""
+        wait_for_previous_kernel(PDL)
+        r = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BN)
+        ok = cols < size
+        ty = out.dtype.element_ty
+        v = tl.load(x + r * stride_x + cols, mask=ok, other=0.0).to(ty).to(tl.float32)
+        normed = (v * (1.0 / tl.sqrt(tl.sum(v * v, axis=0) / size + eps))).to(ty)
+        scaled = (tl.load(weight + cols, mask=ok, other=0.0).to(ty) * normed).to(tl.float32)
+        z = tl.load(gate + r * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out + r * stride_o + cols, (scaled * (z / (1.0 + tl.exp(-z)))).to(ty), mask=ok)
+
+    return _gated_delta_steps, _conv_steps, _conv_windows, _gates, _gated_norm
 
 
 def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -194,3 +226,31 @@ def conv_windows_triton(rows, conv, slots, starts, advance) -> None:
         kernel[(slots.shape[0], triton.cdiv(channels, block))](
             rows, conv, slots, starts, advance, channels, rows.stride(0), conv.stride(0), conv.stride(1),
             WIDTH=width, WP=next_pow2(width), BC=block, **pdl_launch(rows.device))
+
+
+def gates_triton(a, b, a_log, dt_bias) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels.gated_delta.gates on the Triton kernel (same contract)."""
+    tokens, heads = a.shape
+    if a.stride(1) != 1 or b.stride(1) != 1:
+        raise ValueError("gates: a and b need unit stride per head")
+    g = torch.empty(tokens, heads, dtype=torch.float32, device=a.device)
+    beta = torch.empty_like(g)
+    if tokens:
+        kernel = _kernel()[3]
+        kernel[(tokens,)](a, b, a_log, dt_bias, g, beta, heads, a.stride(0), b.stride(0), BH=next_pow2(heads),
+                          **pdl_launch(a.device))
+    return g, beta
+
+
+def gated_rms_norm_triton(x, gate, weight, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    """kernels.gated_delta.gated_rms_norm on the Triton kernel (same contract)."""
+    size = x.shape[-1]
+    x2, g2 = x.reshape(-1, size), gate.reshape(-1, size)
+    if x2.stride(1) != 1 or g2.stride(1) != 1:
+        raise ValueError("gated_rms_norm: x and gate need unit stride per row")
+    out = torch.empty(x2.shape, dtype=dtype, device=x.device)
+    if x2.shape[0]:
+        kernel = _kernel()[4]
+        kernel[(x2.shape[0],)](x2, g2, weight, out, size, float(eps), x2.stride(0), g2.stride(0), out.stride(0),
+                               BN=next_pow2(size), **pdl_launch(x.device))
+    return out.view(x.shape)

@@ -76,10 +76,11 @@ class RecurrentSpec:
         size = math.prod(self.state_shape) + math.prod(self.conv_shape) + positions * self.values_per_position
         return size * torch.empty(0, dtype=self.dtype).element_size()
 
-    def build(self, num_slots: int, positions: int, device: torch.device | str) -> RecurrentState:
-        """Storage for num_slots sequences (and the scratch slot) with `positions` stash rows each."""
+    def build(self, num_slots: int, positions: int, device: torch.device | str, layers: int = 1) -> RecurrentState:
+        """Storage for num_slots sequences (and the scratch slot) with `positions` stash rows each;
+        layers > 1: a pool of that many layers of this spec (RecurrentState.layer(i))."""
         return RecurrentState(num_slots, positions, self.state_shape, self.conv_shape, self.key_heads, self.dtype,
-                              device)
+                              device, layers)
 
 
 CacheSpec = PagedKVSpec | RecurrentSpec

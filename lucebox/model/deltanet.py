@@ -13,9 +13,11 @@ The state S and the conv window live in RecurrentState slots (model/recurrent_st
 Rows take one of two paths (the recurrence itself is kernels/gated_delta.py):
   steps    decode and verify rows (and every row of a CUDA-graph batch): all sequences at once,
            the conv as gathers over the batch's rows and the slots' windows, the recurrence token
-           by token from each slot; slots, lengths and `state_advance` are device tensors, so
-           nothing syncs with the host. A decode row advances its slot in place; a verify row
-           (advance 0) leaves state and window alone and stashes its inputs for the commit.
+           by token from each slot (Triton kernels on GPUs: the conv, the rule with q/k
+           normalised in it, the gates and the output norm); slots, lengths and `state_advance`
+           are device tensors, so nothing syncs with the host. A decode row advances its slot in
+           place; a verify row (advance 0) leaves state and window alone and stashes its inputs
+           for the commit (model/recurrent_state.py).
   chunks   prefill chunks (eager): the conv per sequence, the chunked rule over all of them,
            each chunk's final state written back, so the next chunk continues where it stopped.
 """
@@ -33,12 +35,15 @@ from ..kernels.gated_delta import (  # noqa: F401  (the references, re-exported 
     conv_steps,
     gated_delta_chunk,
     gated_delta_steps,
+    gated_rms_norm,
+    gates,
     l2_normalize,
     recurrent_gated_delta_rule,
     stash_rows,
 )
 from ..util import host_to_device
 from .cache_spec import RecurrentSpec
+from .transformer import fuse_linears
 
 
 @dataclass
@@ -103,10 +108,9 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        return (self.weight * normed * F.silu(gate.float())).to(x.dtype)
+    def forward(self, x: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x [..., size] (rounded to `dtype`, default its own, first), gate like x -> `dtype`."""
+        return gated_rms_norm(x, gate, self.weight, self.eps, dtype or x.dtype)
 
 
 class GatedDeltaNet(nn.Module):
@@ -131,6 +135,21 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.head_v_dim, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
         self.state = None  # RecurrentState of this layer, installed by the runner
+        self.projections = None  # qkv | z | b | a as one projection, after fuse()
+
+    def fuse(self) -> None:
+        """The four input projections as one GEMV (float weights only: quantised rows may be
+        reordered per linear for the GPU's split layout)."""
+        layers = [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a]
+        if self.projections is None and all(type(m) is nn.Linear for m in layers):
+            self.projections = fuse_linears(layers)
+
+    def _project(self, h: torch.Tensor):
+        """(qkv, z, b, a) of the normalised input."""
+        if self.projections is not None:
+            return self.projections(h).split([self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads],
+                                             dim=-1)
+        return self.in_proj_qkv(h), self.in_proj_z(h), self.in_proj_b(h), self.in_proj_a(h)
 
     def cache_spec(self) -> RecurrentSpec:
         """Per sequence: S [Hv, dk, dv] and the conv window [channels, kernel - 1], in float32
@@ -143,9 +162,8 @@ class GatedDeltaNet(nn.Module):
         state is read from (and, as batch.state_advance says, written back to) its slot."""
         if self.state is None or batch.state_slots is None:
             raise RuntimeError(f"layer {self.layer}: Gated DeltaNet needs recurrent-state slots in the batch")
-        qkv, z = self.in_proj_qkv(h), self.in_proj_z(h)
-        beta = self.in_proj_b(h).float().sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(h).float() + self.dt_bias.float())
+        qkv, z, b, a = self._project(h)
+        g, beta = gates(a, b, self.A_log, self.dt_bias)
         steps, chunks = self._split(batch)
         if chunks is None and steps is not None:
             out = self._steps(qkv, beta, g, steps)
@@ -155,7 +173,7 @@ class GatedDeltaNet(nn.Module):
                 out[steps.rows] = self._steps(qkv[steps.rows], beta[steps.rows], g[steps.rows], steps)
             if chunks:
                 self._chunks(qkv, beta, g, batch, chunks, out)
-        o = self.norm(out.to(h.dtype), z.view(-1, self.num_v_heads, self.head_v_dim))
+        o = self.norm(out, z.view(-1, self.num_v_heads, self.head_v_dim), h.dtype)
         return self.out_proj(o.reshape(h.shape[0], -1))
 
     @staticmethod

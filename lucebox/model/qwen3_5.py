@@ -77,9 +77,12 @@ class HybridTransformer(Transformer):
                 for layer in self.layers]
 
     def fuse_projections(self) -> None:
-        """gate/up as one GEMV per dense MLP or shared expert (the mixers' projections stay separate)."""
+        """gate/up as one GEMV per dense MLP or shared expert, DeltaNet's four input projections as
+        one (gated attention's stay separate)."""
         for layer in self.layers:
             layer.mlp.fuse()
+            if layer.kind == LINEAR:
+                layer.linear_attn.fuse()
 
 
 def hf_text_tensors(tensors, source: str):

@@ -3,10 +3,11 @@
 Storage (a slot is one sequence's; slots are handed out by engine/cache_manager.py):
   state   [num_slots + 1, Hv, dk, dv]   the recurrent state after the last committed position
   conv    [num_slots + 1, channels, K-1] the short conv's window of past (pre-conv) inputs
-  stash   per slot, `positions` rows of a verify's per-token inputs: the raw pre-conv row and the
-          conv's output [channels] each (its k and v parts, before normalisation, are what the
-          recurrence reads), g [Hv] and beta [Hv]
-The last slot (`scratch`) belongs to no sequence: CUDA-graph padding reads and writes it.
+  stash   per slot, `positions` rows of a verify's (or a step launched ahead's) per-token inputs:
+          the raw pre-conv row and the conv's output [channels] each (its k and v parts, before
+          normalisation, are what the recurrence reads), g [Hv] and beta [Hv]
+The last slot (`scratch`) belongs to no sequence: CUDA-graph padding reads and writes it. The
+layers of one shape share one pool (`layers=L`, per-layer views), so a commit is one launch pair.
 
 Speculative verify = stash and recompute: a verify row of 1 + k tokens computes its outputs from
 the slot's state without writing it, and stashes its per-token inputs; `commit(slots, accepted)`
@@ -23,22 +24,37 @@ from ..kernels.gated_delta import conv_windows, gated_delta_steps
 
 class RecurrentState:
     def __init__(self, num_slots: int, positions: int, state_shape: tuple[int, int, int],
-                 conv_shape: tuple[int, int], key_heads: int, dtype: torch.dtype, device: torch.device | str):
-        self.num_slots, self.positions, self.scratch = num_slots, positions, num_slots
+                 conv_shape: tuple[int, int], key_heads: int, dtype: torch.dtype, device: torch.device | str,
+                 layers: int = 1):
+        """layers > 1: the storage of that many layers of one shape back to back (a pool): `layer(i)`
+        is layer i's RecurrentState (views), and one `commit` advances every layer at once."""
+        self.num_slots, self.positions, self.scratch, self.layers = num_slots, positions, num_slots, layers
         v_heads, dk, _ = state_shape
         self.key_heads, self.key_dim = key_heads, key_heads * dk
         channels, _ = conv_shape
-        slots = num_slots + 1
+        # per layer: its slots, then its stash rows slot * positions + i (flat, so kernels index them
+        # like a batch's token rows) and one more (`trash`) for rows of a step longer than the stash
+        self.slots_per_layer, self.rows_per_layer = num_slots + 1, (num_slots + 1) * positions + 1
+        self.trash = self.rows_per_layer - 1
+        slots, rows = layers * self.slots_per_layer, layers * self.rows_per_layer
         self.state = torch.zeros(slots, *state_shape, dtype=dtype, device=device)
         self.conv = torch.zeros(slots, *conv_shape, dtype=dtype, device=device)
-        # stash rows are slot * positions + i: flat, so kernels index them like a batch's token rows;
-        # one more row (`trash`) takes rows of a step longer than the stash (never a verify's)
-        rows = slots * positions + 1
-        self.trash = rows - 1
         self.stash_raw = torch.zeros(rows, channels, dtype=dtype, device=device)
         self.stash_mixed = torch.zeros(rows, channels, dtype=dtype, device=device)
         self.stash_g = torch.zeros(rows, v_heads, dtype=dtype, device=device)
         self.stash_beta = torch.zeros(rows, v_heads, dtype=dtype, device=device)
+
+    def layer(self, i: int) -> "RecurrentState":
+        """Layer i of a pool: a RecurrentState over its slices of the shared tensors."""
+        view = object.__new__(RecurrentState)
+        view.__dict__.update(self.__dict__)
+        view.layers = 1
+        slots = slice(i * self.slots_per_layer, (i + 1) * self.slots_per_layer)
+        rows = slice(i * self.rows_per_layer, (i + 1) * self.rows_per_layer)
+        view.state, view.conv = self.state[slots], self.conv[slots]
+        for name in ("stash_raw", "stash_mixed", "stash_g", "stash_beta"):
+            setattr(view, name, getattr(self, name)[rows])
+        return view
 
     def reset(self, slots: torch.Tensor) -> None:
         """A new sequence's slots start from the zero state (no history)."""
@@ -60,8 +76,10 @@ class RecurrentState:
         its first accepted + 1 stashed tokens, the conv window to the raw inputs ending there."""
         if self.positions == 0:
             raise RuntimeError("this recurrent pool keeps no verify stash (built with 0 positions)")
-        count = accepted + 1
-        first = slots * self.positions
+        layer = torch.arange(self.layers, device=slots.device)[:, None]  # a pool: every layer in one launch
+        count = (accepted + 1).repeat(self.layers)
+        first = (layer * self.rows_per_layer + slots * self.positions).reshape(-1)
+        slots = (layer * self.slots_per_layer + slots).reshape(-1)
         v_heads, dk, dv = self.state.shape[1:]
         k = self.stash_mixed[:, self.key_dim:2 * self.key_dim].view(-1, self.key_heads, dk)
         v = self.stash_mixed[:, 2 * self.key_dim:].view(-1, v_heads, dv)

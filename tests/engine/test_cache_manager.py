@@ -223,3 +223,63 @@ def test_recurrent_state_copies_slots():
     assert torch.all(state.state[2] == 1.0) and torch.all(state.conv[2] == 2.0)
     state.reset(torch.tensor([2]))
     assert torch.all(state.state[2] == 0) and torch.all(state.state[0] == 1.0)
+
+
+def test_rollbacks_of_a_step_commit_recurrent_state_together_at_the_end():
+    """commits_batched: each verify's rollback is applied when the block ends, all slots at once,
+    with what one rollback at a time gives."""
+    spec = RecurrentSpec((2, 3, 4), (2 * 3 + 2 * 4, 2), 1, torch.float32)
+
+    def run(batched: bool):
+        cache = CacheManager([spec, windowed(None)], 32, BLOCK, num_slots=3, verify_positions=3)
+        (state,) = cache.build_recurrent("cpu")
+        g = torch.Generator().manual_seed(0)
+        for name in ("state", "conv", "stash_raw", "stash_mixed", "stash_beta"):
+            getattr(state, name).copy_(torch.randn(getattr(state, name).shape, generator=g))
+        state.stash_g.copy_(-torch.rand(state.stash_g.shape, generator=g))
+        seqs = [seq_of(6, start=100 * i) for i in range(3)]
+        for seq in seqs:
+            cache.admit(seq, [])
+            cache.grow(seq, 9)
+        before = state.state.clone()
+        if batched:
+            with cache.commits_batched():
+                cache.rollback(seqs[0], 8, accepted=1)
+                cache.rollback(seqs[2], 7, accepted=0)
+                assert torch.equal(state.state, before)  # nothing applied inside the block
+        else:
+            cache.rollback(seqs[0], 8, accepted=1)
+            cache.rollback(seqs[2], 7, accepted=0)
+        return state, [cache.slot(s) for s in seqs], before
+
+    one_by_one, slots, before = run(False)
+    together, _, _ = run(True)
+    assert torch.equal(together.state, one_by_one.state) and torch.equal(together.conv, one_by_one.conv)
+    changed = [not torch.equal(together.state[s], before[s]) for s in slots]
+    assert changed == [True, False, True]  # the verified sequences advanced, the other did not
+
+
+def test_layers_of_one_shape_share_a_pool_and_commit_together():
+    """The cache manager keeps same-shaped recurrent layers in one pool (per-layer views); a commit
+    over the pool equals each layer's own commit, and the layers stay apart."""
+    spec = RecurrentSpec((2, 3, 4), (2 * 3 + 2 * 4, 2), 1, torch.float32)
+    cache = CacheManager([spec, windowed(None), spec], 32, BLOCK, num_slots=2, verify_positions=3)
+    states = cache.build_recurrent("cpu")
+    assert len(states) == 2 and len(cache.pools) == 1 and cache.pools[0].layers == 2
+    alone = [spec.build(2, 3, "cpu") for _ in range(2)]
+    g = torch.Generator().manual_seed(3)
+    for pooled, single in zip(states, alone):
+        for name in ("state", "conv", "stash_raw", "stash_mixed", "stash_beta", "stash_g"):
+            value = torch.randn(getattr(single, name).shape, generator=g)
+            value = -value.abs() if name == "stash_g" else value
+            getattr(pooled, name).copy_(value)
+            getattr(single, name).copy_(value)
+    assert not torch.equal(states[0].state, states[1].state)
+    slots, accepted = torch.tensor([1, 0]), torch.tensor([2, 0])
+    cache.pools[0].commit(slots, accepted)
+    for pooled, single in zip(states, alone):
+        single.commit(slots, accepted)
+        assert torch.equal(pooled.state, single.state) and torch.equal(pooled.conv, single.conv)
+    seq = seq_of(4)
+    cache.admit(seq, [])  # a new sequence's slot is zeroed in every layer's view of the pool
+    assert all(torch.all(s.state[cache.slot(seq)] == 0) for s in states)

@@ -132,7 +132,7 @@ def test_steps_normalise_raw_q_and_k_themselves(kernel, monkeypatch):
     normalised, scaled q/k give."""
     if kernel == "triton":
         pytest.importorskip("triton")
-        monkeypatch.setenv("LUCEBOX_TRITON", "1")
+    monkeypatch.setenv("LUCEBOX_TRITON", "1" if kernel == "triton" else "0")
     q, k, v, decay, beta, state = case(LENS, seed=5)
     rows = torch.cat([q.flatten(1) * 3.0, k.flatten(1) * 0.5, v.flatten(1)], dim=1)  # one conv row: q | k | v
     raw_q = rows[:, :K_HEADS * DK].view(-1, K_HEADS, DK)
@@ -219,3 +219,59 @@ def test_a_commit_through_triton_matches_the_torch_one(accepted, monkeypatch):
     states[1].commit(slots, counts)
     assert (states[0].state - states[1].state).abs().max() <= 1e-5
     assert torch.equal(states[0].conv, states[1].conv)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the Qwen3.6-27B shape compiled on a GPU")
+def test_triton_steps_at_the_qwen36_27b_shape():
+    """Hk=16, Hv=48, dk=dv=128: a decode and a 16-token verify, raw q/k normalised in the kernel."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    lens, k_heads, v_heads, d = [1, 16], 16, 48, 128
+    t = sum(lens)
+    q, k = (torch.randn(t, k_heads, d, generator=g, device="cuda") for _ in range(2))
+    v = torch.randn(t, v_heads, d, generator=g, device="cuda")
+    decay = -torch.rand(t, v_heads, generator=g, device="cuda") * 0.3
+    beta = torch.rand(t, v_heads, generator=g, device="cuda")
+    state = torch.randn(3, v_heads, d, d, generator=g, device="cuda") * 0.1
+    args = (torch.tensor([2, 0], device="cuda"), torch.tensor([0, 1], device="cuda"),
+            torch.tensor([1, 17], device="cuda"), torch.tensor([1, 0], device="cuda"), 16)
+    want_state = state.clone()
+    want = gated_delta_steps_reference(q, k, v, decay, beta, want_state, *args, normalize=True, scale=d ** -0.5)
+    got = gated_delta_steps(q, k, v, decay, beta, state, *args, normalize=True, scale=d ** -0.5)
+    assert (got - want).abs().max() <= 1e-3 * want.abs().max()
+    assert (state - want_state).abs().max() <= 1e-3 * want_state.abs().max()
+
+
+@pytest.mark.skipif(not INTERPRETABLE, reason="Triton was imported without its interpreter on a machine without a GPU")
+def test_triton_gates_match_the_reference(monkeypatch):
+    """g = -exp(A_log) softplus(a + dt_bias) (both sides of softplus's threshold) and beta = sigmoid(b)."""
+    pytest.importorskip("triton")
+    from lucebox.kernels.gated_delta import gates
+    g = torch.Generator().manual_seed(2)
+    a = (torch.randn(5, V_HEADS, generator=g) * 15).to(DEVICE)
+    b = torch.randn(5, V_HEADS, generator=g).to(DEVICE)
+    a_log, dt_bias = torch.randn(V_HEADS, generator=g).to(DEVICE), torch.randn(V_HEADS, generator=g).to(DEVICE)
+    monkeypatch.setenv("LUCEBOX_TRITON", "0")
+    want = gates(a, b, a_log, dt_bias)
+    monkeypatch.setenv("LUCEBOX_TRITON", "1")
+    got = gates(a, b, a_log, dt_bias)
+    for x, y in zip(got, want):
+        assert (x - y).abs().max() <= 1e-5 * max(1.0, y.abs().max().item())
+
+
+@pytest.mark.skipif(not INTERPRETABLE, reason="Triton was imported without its interpreter on a machine without a GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_gated_rms_norm_matches_the_reference(dtype, monkeypatch):
+    """float32 rows from the recurrence, rounded to the model dtype as the reference does."""
+    pytest.importorskip("triton")
+    from lucebox.kernels.gated_delta import gated_rms_norm
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, V_HEADS, DV, generator=g).to(DEVICE)
+    gate = torch.randn(3, V_HEADS, DV, generator=g).to(DEVICE, dtype)
+    weight = (torch.rand(DV, generator=g) + 0.5).to(DEVICE, dtype)
+    monkeypatch.setenv("LUCEBOX_TRITON", "0")
+    want = gated_rms_norm(x, gate, weight, 1e-6, dtype)
+    monkeypatch.setenv("LUCEBOX_TRITON", "1")
+    got = gated_rms_norm(x, gate, weight, 1e-6, dtype)
+    assert got.dtype == dtype and got.shape == x.shape
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    assert (got.float() - want.float()).abs().max() <= tol * want.float().abs().max()

@@ -33,10 +33,13 @@ def hybrid_path(tmp_path_factory, tokenizer_dir):
     return build_hf_model("qwen3", tmp_path_factory.mktemp("qwen3_5_graphs"), tokenizer_dir, **HYBRID)
 
 
-def mixed_step(loaded, device: str, capture: bool):
+def mixed_step(loaded, device: str, capture: bool, fused: bool = False):
     """A runner with graph buckets (1 and 4 tokens) after prefilling 3 sequences, and a step of one
-    decode row, a verify of 4 and a verify of 3 (padded to 4) in slots 2, 0, 3."""
+    decode row, a verify of 4 and a verify of 3 (padded to 4) in slots 2, 0, 3. fused: DeltaNet's
+    input projections as one (strided views of its output reach the kernels)."""
     model = loaded.model.to(device)
+    if fused:
+        model.fuse_projections()
     runner, blocks = runner_for(loaded)
     layers = [model.layers[i].linear_attn for i in runner.recurrent_layers]
     runner.install_recurrent([layer.cache_spec().build(4, 4, device) for layer in layers], None)
@@ -94,7 +97,9 @@ def test_a_padded_hybrid_step_through_triton_kernels_matches_the_torch_reference
     device = "cuda" if ON_GPU else "cpu"
     loaded = load_model(str(hybrid_path), dtype="float32", device=device)
     monkeypatch.setenv("LUCEBOX_TRITON", "0")
-    runner, plan, layers = mixed_step(loaded, device, capture=False)
+    runner, plan, layers = mixed_step(loaded, device, capture=False, fused=True)
+    assert all(layer.projections is not None for layer in (loaded.model.layers[i].linear_attn
+                                                          for i in runner.recurrent_layers))
     before = snapshot(layers)
     want = runner.run_eager(plan).logits
     want_states = snapshot(layers)
@@ -186,9 +191,12 @@ def test_a_hybrid_graph_step_never_syncs_with_the_host(hybrid_path):
 
 
 @gpu
-def test_bfloat16_hybrid_prefill_and_decode_stay_close_to_float32(hybrid_path):
+def test_bfloat16_hybrid_prefill_and_decode_stay_close_to_float32(tmp_path, tokenizer_dir):
     """fla's chunked prefill (when installed) and the Triton steps in bfloat16 on the GPU track the
-    float32 torch reference of the same weights on the CPU: a 150-token prefill, then 3 decodes."""
+    float32 torch reference of the same weights on the CPU: a 150-token prefill, then 3 decodes.
+    Head sizes fla takes (multiples of 16)."""
+    hybrid_path = build_hf_model("qwen3", tmp_path / "m", tokenizer_dir,
+                                 **{**HYBRID, "linear_key_head_dim": 16, "linear_value_head_dim": 32})
     vocab = load_model(str(hybrid_path), dtype="float32").config.vocab_size
     prompt, after = prompts(vocab, [150, 3], seed=8)
     logits = []
@@ -207,8 +215,9 @@ def test_bfloat16_hybrid_prefill_and_decode_stay_close_to_float32(hybrid_path):
 
 def test_decoding_with_a_request_joining_mid_stream_equals_step_by_step(hybrid_path):
     """async_decode launches decode steps ahead; one that goes unused (a request joined) must not
-    have advanced recurrent state, which, unlike K/V, a repeated step does not overwrite: after
-    the step that prefills the newcomer, every slot holds what step-by-step decoding leaves."""
+    have advanced recurrent state, which, unlike K/V, a repeated step does not overwrite (it
+    stashes its token, applied once it is used): after the step that prefills the newcomer, every
+    slot holds what step-by-step decoding leaves."""
     def run(async_decode: bool):
         llm = LLM(str(hybrid_path), block_size=BLOCK_SIZE, max_num_seqs=4, cuda_graphs=True,
                   async_decode=async_decode)
@@ -226,10 +235,11 @@ def test_decoding_with_a_request_joining_mid_stream_equals_step_by_step(hybrid_p
             if step == 5:  # a prefill step: nothing is launched ahead of it
                 states = [s.state[:4].clone() for s in engine.runner.recurrent_states]
             step += 1
-        return outs, states
+        return outs, states, engine.step_counts
 
-    want, want_states = run(False)
-    got, got_states = run(True)
+    want, want_states, _ = run(False)
+    got, got_states, counts = run(True)
     assert got == want
+    assert counts["overlapped"] > 5 and counts["unused ahead"] > 0, counts  # used and unused steps launched ahead
     for a, b in zip(got_states, want_states):
         assert (a - b).abs().max() <= 1e-6
