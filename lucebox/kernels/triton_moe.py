@@ -141,26 +141,25 @@ def _pairs_gate_up_kernel(x_ptr, ids_ptr, w_ptr, o_ptr, I, K, row_len, n_units, 
 
 
 @triton.jit
-def _silu_mul_splits_kernel(part_ptr, o_ptr, R, I, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
-                            PDL: tl.constexpr = False):
+def _silu_mul_splits_kernel(part_ptr, o_ptr, R, I, splits, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < R * I
     at = (i // I) * 2 * I + i % I
     gate = tl.zeros([BLOCK], dtype=tl.float32)
     up = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in tl.static_range(SPLITS):
+    for s in range(splits):
         gate += tl.load(part_ptr + s * R * 2 * I + at, mask=ok, other=0.0)
         up += tl.load(part_ptr + s * R * 2 * I + I + at, mask=ok, other=0.0)
     tl.store(o_ptr + i, _silu_mul(gate, up, o_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
-def _pairs_down_kernel(a_ptr, ids_ptr, wts_ptr, w_ptr, o_ptr, H, I, row_len, n_units, stride_os,
-                       TOPK: tl.constexpr, PER_GROUP: tl.constexpr, FMT: tl.constexpr, UNIT_BYTES: tl.constexpr,
+def _pairs_down_kernel(a_ptr, ids_ptr, wts_ptr, w_ptr, o_ptr, H, I, row_len, n_units, stride_os, per_group,
+                       TOPK: tl.constexpr, FMT: tl.constexpr, UNIT_BYTES: tl.constexpr,
                        UNIT_VALUES: tl.constexpr, BPU: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr,
                        PDL: tl.constexpr = False):
-    """Token t's experts of group g (PER_GROUP of them) for BLOCK_N output features: their routing-
+    """Token t's experts of group g (per_group of them) for BLOCK_N output features: their routing-
     weighted sum, the output itself with one group, else the group's float32 partial."""
     wait_for_previous_kernel(PDL)
     t = tl.program_id(0)
@@ -168,8 +167,8 @@ def _pairs_down_kernel(a_ptr, ids_ptr, wts_ptr, w_ptr, o_ptr, H, I, row_len, n_u
     rows = tl.minimum(rn, H - 1)
     dt = a_ptr.dtype.element_ty
     res = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for jj in range(PER_GROUP):
-        r = t * TOPK + tl.program_id(1) * PER_GROUP + jj
+    for jj in range(per_group):
+        r = t * TOPK + tl.program_id(1) * per_group + jj
         expert = tl.load(ids_ptr + r).to(tl.int64)
         acc = tl.zeros([BLOCK_N, P], dtype=tl.float32)
         for u in range(n_units):
@@ -299,7 +298,7 @@ def pairs_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
         **_consts(gate_up), **launch)
     if split_k > 1:
         block = 256
-        _silu_mul_splits_kernel[(triton.cdiv(pairs * inter, block),)](target, act, pairs, inter, SPLITS=split_k,
+        _silu_mul_splits_kernel[(triton.cdiv(pairs * inter, block),)](target, act, pairs, inter, split_k,
                                                                      BLOCK=block, **launch)
     tiles = triton.cdiv(hidden, block_n)
     if groups is None:
@@ -310,7 +309,7 @@ def pairs_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     target = torch.empty(groups, tokens, hidden, dtype=torch.float32, device=x.device) if groups > 1 else out
     _pairs_down_kernel[(tokens, groups, tiles)](
         act, ids, weights, down.rows, target, hidden, inter, down.rows.shape[1], down.n_units, tokens * hidden,
-        TOPK=top_k, PER_GROUP=top_k // groups, BLOCK_N=block_n, num_warps=num_warps, **_consts(down), **launch)
+        top_k // groups, TOPK=top_k, BLOCK_N=block_n, num_warps=num_warps, **_consts(down), **launch)
     if groups > 1:
         reduce_splits(target, None, out)
     return out
