@@ -173,12 +173,13 @@ def bench_case(name, shape, wtype, module, tokens, args, device) -> list:
         os.environ.pop("LUCEBOX_TRITON")
         rows = []
         for label, which in kernels.items():
-            got = kmoe.expert_matmul(x, *sets[0], gate_up, down, which)
+            err = rel_err(kmoe.expert_matmul(x, *sets[0], gate_up, down, which), old)
             ms = time_calls(lambda s, which=which: kmoe.expert_matmul(x, *s, gate_up, down, which), sets, device,
                             graph=True)
             rows.append({"shape": name, "weights": wtype, "tokens": tokens, "kernel": f"{label}:{which}",
                          "ms": ms, "GBps": nbytes / ms / 1e6, "pct_peak": 100 * nbytes / ms / 1e6 / args.peak_gbps,
-                         "TFLOPs": flops / ms / 1e9, "rel_err": rel_err(got, old), "experts_read": routed})
+                         "TFLOPs": flops / ms / 1e9, "rel_err": err, "check": "ok" if err <= 3e-2 else "WRONG",
+                         "experts_read": routed})
         if args.sweep:
             rows += sweep(x, sets, gate_up, down, tokens, nbytes, old, device, args,
                           {"shape": name, "weights": wtype, "tokens": tokens})
@@ -304,7 +305,7 @@ def main() -> None:
         sys.exit("bench_moe: needs a GPU (or --smoke / --compile-only)")
     else:
         device, shapes = torch.device("cuda"), args.shapes
-    started, rows = time.perf_counter(), []
+    started, rows, failures = time.perf_counter(), [], 0
     for name in shapes:
         shape = SHAPES[name]
         for wtype in args.qtypes:
@@ -312,16 +313,25 @@ def main() -> None:
             if device.type == "cpu" and wtype == "bf16":
                 module = module.float()
             for tokens in args.tokens:
-                for r in bench_case(name, shape, wtype, module, tokens, args, device):
+                try:
+                    case = bench_case(name, shape, wtype, module, tokens, args, device)
+                except Exception as e:  # one failing case (e.g. out of memory) does not lose the others
+                    print(f"FAILED shape={name} weights={wtype} tokens={tokens}: {type(e).__name__}: {e}", flush=True)
+                    os.environ.pop("LUCEBOX_TRITON", None)
+                    failures += 1
+                    continue
+                for r in case:
                     rows.append(r)
                     print("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()),
                           flush=True)
             del module
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    print(f"\n{len(rows)} rows in {time.perf_counter() - started:.0f} s")
+    print(f"\n{len(rows)} rows in {time.perf_counter() - started:.0f} s, {failures} cases failed")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
+    if failures:
+        sys.exit(1)
 
 
 if __name__ == "__main__":
