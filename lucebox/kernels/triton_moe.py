@@ -32,7 +32,7 @@ from .dispatch import next_pow2, num_sms, pdl_launch
 from .triton_moe_align import align_by_expert, max_blocks
 from .triton_one_row import reduce_splits
 from .triton_pdl import wait_for_previous_kernel
-from .triton_quant_matmul import unit_layout, unit_product
+from .triton_quant_matmul import DECODE_LAUNCH, unit_layout, unit_product
 
 FLOAT = -1  # the format id of float weights (quantised formats: triton_quant_matmul's ids)
 
@@ -141,26 +141,25 @@ def _pairs_gate_up_kernel(x_ptr, ids_ptr, w_ptr, o_ptr, I, K, row_len, n_units, 
 
 
 @triton.jit
-def _silu_mul_splits_kernel(part_ptr, o_ptr, R, I, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
-                            PDL: tl.constexpr = False):
+def _silu_mul_splits_kernel(part_ptr, o_ptr, R, I, splits, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < R * I
     at = (i // I) * 2 * I + i % I
     gate = tl.zeros([BLOCK], dtype=tl.float32)
     up = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in tl.static_range(SPLITS):
+    for s in range(splits):
         gate += tl.load(part_ptr + s * R * 2 * I + at, mask=ok, other=0.0)
         up += tl.load(part_ptr + s * R * 2 * I + I + at, mask=ok, other=0.0)
     tl.store(o_ptr + i, _silu_mul(gate, up, o_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
-def _pairs_down_kernel(a_ptr, ids_ptr, wts_ptr, w_ptr, o_ptr, H, I, row_len, n_units, stride_os,
-                       TOPK: tl.constexpr, PER_GROUP: tl.constexpr, FMT: tl.constexpr, UNIT_BYTES: tl.constexpr,
+def _pairs_down_kernel(a_ptr, ids_ptr, wts_ptr, w_ptr, o_ptr, H, I, row_len, n_units, stride_os, per_group,
+                       TOPK: tl.constexpr, FMT: tl.constexpr, UNIT_BYTES: tl.constexpr,
                        UNIT_VALUES: tl.constexpr, BPU: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr,
                        PDL: tl.constexpr = False):
-    """Token t's experts of group g (PER_GROUP of them) for BLOCK_N output features: their routing-
+    """Token t's experts of group g (per_group of them) for BLOCK_N output features: their routing-
     weighted sum, the output itself with one group, else the group's float32 partial."""
     wait_for_previous_kernel(PDL)
     t = tl.program_id(0)
@@ -168,8 +167,8 @@ def _pairs_down_kernel(a_ptr, ids_ptr, wts_ptr, w_ptr, o_ptr, H, I, row_len, n_u
     rows = tl.minimum(rn, H - 1)
     dt = a_ptr.dtype.element_ty
     res = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for jj in range(PER_GROUP):
-        r = t * TOPK + tl.program_id(1) * PER_GROUP + jj
+    for jj in range(per_group):
+        r = t * TOPK + tl.program_id(1) * per_group + jj
         expert = tl.load(ids_ptr + r).to(tl.int64)
         acc = tl.zeros([BLOCK_N, P], dtype=tl.float32)
         for u in range(n_units):
@@ -268,12 +267,19 @@ def _check(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: S
     return inter
 
 
+def _decode_launch(stack: Stack, block_n: int | None, num_warps: int | None) -> tuple[int, int]:
+    """(BLOCK_N, warps) of a pairs kernel: given, else the dense one-row GEMV's per format (GGUF rows)."""
+    default = (32, 4) if stack.fmt == FLOAT else DECODE_LAUNCH.get(stack.fmt, (32, 4))
+    return block_n or default[0], num_warps or default[1]
+
+
 def pairs_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: Stack, down: Stack, *,
                   block_n: int | None = None, plane: int = 128, split_k: int | None = None,
-                  groups: int | None = None, num_warps: int = 4) -> torch.Tensor:
+                  groups: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """out [T, H] of x [T, H] routed to ids / weights [T, k], GEMV-style (decode). split_k: the
     gate_up product's K split over programs; groups: the down product's top_k experts split over
-    that many programs a token (a divisor of k); default: enough programs to fill the GPU."""
+    that many programs a token (a divisor of k); default: enough programs to fill the GPU. block_n,
+    num_warps: both products' (default: per weight format)."""
     inter = _check(x, ids, weights, gate_up, down)
     tokens, top_k = ids.shape
     hidden = x.shape[-1]
@@ -283,10 +289,10 @@ def pairs_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
         return out
     x, ids, weights = x.contiguous(), ids.contiguous(), weights.to(x.dtype).contiguous()
     gate_up, down = gate_up.with_plane(plane), down.with_plane(plane)
-    block_n = block_n or 32
     launch = pdl_launch(x.device)
     waves = 8 * num_sms(x.device)
-    tiles = triton.cdiv(inter, block_n)
+    block, warps = _decode_launch(gate_up, block_n, num_warps)
+    tiles = triton.cdiv(inter, block)
     if split_k is None:
         split_k = max(1, min(waves // (pairs * tiles), gate_up.n_units // 2))
     per = triton.cdiv(gate_up.n_units, max(1, min(split_k, gate_up.n_units)))
@@ -295,13 +301,13 @@ def pairs_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     target = torch.empty(split_k, pairs, 2 * inter, dtype=torch.float32, device=x.device) if split_k > 1 else act
     _pairs_gate_up_kernel[(pairs, tiles, split_k)](
         x, ids, gate_up.rows, target, inter, hidden, gate_up.rows.shape[1], gate_up.n_units, per,
-        pairs * 2 * inter, TOPK=top_k, BLOCK_N=block_n, SPLIT=split_k > 1, num_warps=num_warps,
+        pairs * 2 * inter, TOPK=top_k, BLOCK_N=block, SPLIT=split_k > 1, num_warps=warps,
         **_consts(gate_up), **launch)
     if split_k > 1:
-        block = 256
-        _silu_mul_splits_kernel[(triton.cdiv(pairs * inter, block),)](target, act, pairs, inter, SPLITS=split_k,
-                                                                     BLOCK=block, **launch)
-    tiles = triton.cdiv(hidden, block_n)
+        _silu_mul_splits_kernel[(triton.cdiv(pairs * inter, 256),)](target, act, pairs, inter, split_k, BLOCK=256,
+                                                                   **launch)
+    block, warps = _decode_launch(down, block_n, num_warps)
+    tiles = triton.cdiv(hidden, block)
     if groups is None:
         wanted = triton.cdiv(waves, tokens * tiles)
         groups = max(g for g in range(1, top_k + 1) if top_k % g == 0 and g <= max(1, wanted))
@@ -310,7 +316,7 @@ def pairs_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     target = torch.empty(groups, tokens, hidden, dtype=torch.float32, device=x.device) if groups > 1 else out
     _pairs_down_kernel[(tokens, groups, tiles)](
         act, ids, weights, down.rows, target, hidden, inter, down.rows.shape[1], down.n_units, tokens * hidden,
-        TOPK=top_k, PER_GROUP=top_k // groups, BLOCK_N=block_n, num_warps=num_warps, **_consts(down), **launch)
+        top_k // groups, TOPK=top_k, BLOCK_N=block, num_warps=warps, **_consts(down), **launch)
     if groups > 1:
         reduce_splits(target, None, out)
     return out

@@ -52,7 +52,7 @@ _FORMATS = {
 SUPPORTED_TYPES = frozenset(_FORMATS)
 # Decode (M = 1) launch: (BLOCK_N, warps) per format; formats not swept keep (32, 4).
 # scripts/bench_kernels.py --only quant --sweep, H200, qwen3-8b shapes in CUDA graphs, 2026-12-03
-_DECODE_LAUNCH = {_F_Q8_0: (32, 8), _F_Q6_K: (32, 8), _F_Q4_K: (64, 4)}
+DECODE_LAUNCH = {_F_Q8_0: (32, 8), _F_Q6_K: (32, 8), _F_Q4_K: (64, 4)}
 
 # IQ4_NL/IQ4_XS codebook packed four int8 entries per int32 (little-endian), so a lookup is two
 # selects and a shift instead of a gather.
@@ -352,7 +352,7 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype, in_features: int
     if mode == 0 and m != 1:
         raise ValueError(f"quant_matmul: the elementwise path multiplies one row, got {m}")
     block_m = 1 if mode == 0 else max(16, next_pow2(m))
-    decode_block_n, decode_warps = _DECODE_LAUNCH.get(fmt, (32, 4))
+    decode_block_n, decode_warps = DECODE_LAUNCH.get(fmt, (32, 4))
     if block_n is None:
         block_n = decode_block_n if mode == 0 else 64
     programs_n = triton.cdiv(n, block_n)

@@ -97,15 +97,20 @@ def test_float_kernels_match_the_reference_at_odd_sizes(tokens, top_k, monkeypat
 
 
 @pytest.mark.parametrize("kernel", ["pairs", "grouped"])
-def test_bfloat16_kernels_round_like_the_reference(kernel, monkeypatch):
-    module = float_experts(4, 64, 32, torch.bfloat16)
-    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2)).to(DEVICE, torch.bfloat16)
+@pytest.mark.parametrize("weights_type", ["bf16", "Q4_K+Q6_K"])
+def test_bfloat16_activations_round_like_the_reference(kernel, weights_type, monkeypatch):
+    if weights_type == "bf16":
+        module = float_experts(4, 256, 256, torch.bfloat16)
+    else:
+        module = with_stacks(Experts(4, 256, 256), quant_experts(Q.Q4_K, 4, 512, 256, seed=1),
+                             quant_experts(Q.Q6_K, 4, 256, 256, seed=2))
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(2)).to(DEVICE, torch.bfloat16)
     ids, weights = routes(3, 4, 2, seed=3)
     weights = weights.to(torch.bfloat16)
     want = reference(module, x, ids, weights, monkeypatch)
-    gate_up, down = tm.float_stack(module.gate_up_proj.data), tm.float_stack(module.down_proj.data)
+    stacks = kmoe.stacked(module.gate_up_proj), kmoe.stacked(module.down_proj)
     run = tm.pairs_experts if kernel == "pairs" else tm.grouped_experts
-    got = run(x, ids, weights, gate_up, down, plane=32)
+    got = run(x, ids, weights, *stacks, block_n=64)
     assert got.dtype == torch.bfloat16 and rel_err(got, want) <= 2e-2
 
 
@@ -225,3 +230,39 @@ def test_quantised_experts_forward_takes_the_kernels_and_reads_only_routed_exper
     with torch.no_grad():
         got = module(x, ids, weights)
     assert torch.isfinite(got).all() and rel_err(got, want) <= 1e-5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("tokens", [1, 16, 300], ids=["decode", "verify", "prefill"])
+@pytest.mark.parametrize("weights_type", ["bf16", "Q4_K"])
+def test_the_kernels_replay_from_a_cuda_graph_with_new_routes(tokens, weights_type, monkeypatch):
+    """Fixed shapes, no host sync: captured once, replayed with other tokens and routes copied into
+    the graph's inputs, it computes what the reference computes for those."""
+    experts, hidden, inter = 16, 256, 256
+    if weights_type == "bf16":
+        module = float_experts(experts, hidden, inter, torch.bfloat16)
+    else:
+        module = with_stacks(Experts(experts, hidden, inter), quant_experts(Q.Q4_K, experts, 2 * inter, hidden, 1),
+                             quant_experts(Q.Q4_K, experts, hidden, inter, 2))
+    x = torch.zeros(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    ids, weights = routes(tokens, experts, 4, seed=0)
+    weights = weights.to(torch.bfloat16)
+    monkeypatch.delenv("LUCEBOX_TRITON", raising=False)
+    with torch.no_grad():
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            module(x, ids, weights)  # compile outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = module(x, ids, weights)
+        for seed in (1, 2):
+            new_ids, new_weights = routes(tokens, experts, 4, seed=seed)
+            x.copy_(torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(seed)).to(x))
+            ids.copy_(new_ids)
+            weights.copy_(new_weights)
+            graph.replay()
+            want = reference(module, x, ids, weights, monkeypatch)
+            monkeypatch.delenv("LUCEBOX_TRITON")
+            assert rel_err(out, want) <= 2e-2
