@@ -219,17 +219,13 @@ def build_random_model(shape: str, quant: str, device: torch.device, dtype: torc
         with on_meta():  # no float copy of the quantised matrices is ever allocated
             model = model_class(cfg)(cfg).to(dtype)
         tensors = _random_quant_tensors(model, cfg, quant, device, dtype)
-        try:
-            assign(model, tensors, f"random {shape} {quant}", dtype, device)
-        except (TypeError, AttributeError) as e:  # an Experts module without quantised storage
-            raise RequestError(f"random {shape} {quant}: this lucebox cannot hold quantised experts "
-                               f"(model/moe.py: {e}); use --quant bf16") from None
+        assign(model, tensors, f"random {shape} {quant}", dtype, device)
     model.eval()
     return LoadedModel(model, _random_tokenizer(cfg.vocab_size), cfg, f"random {shape} ({quant})", "random")
 
 
 def _random_quant_tensors(model, cfg: ModelConfig, quant: str, device, dtype):
-    for name, p in model.named_parameters():
+    for name, p in list(model.named_parameters()):  # assign replaces parameters while this runs
         if is_quantised(name, tuple(p.shape)):
             rows, cols = math.prod(p.shape[:-1]), p.shape[-1]
             qt = random_quant_tensor(weight_type(name, quant, cfg.tie_word_embeddings), rows, cols, device, name)
