@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from types import SimpleNamespace
 
 import pytest
 
@@ -60,14 +59,15 @@ def test_metrics_of_a_run_where_nothing_succeeded_are_missing_not_zero():
 
 
 def test_server_counters_parse_from_lucebox_metrics_exposition():
+    from lucebox.engine.async_engine import EngineStats
     from lucebox.server.metrics import Metrics
 
     metrics = Metrics("m")
     metrics.num_drafts, metrics.num_draft_tokens, metrics.num_accepted_tokens = 10, 40, 25
     metrics.accepted_per_pos = [9, 8, 5, 3]
     metrics.success.update({"length": 2, "stop": 3})
-    stats = SimpleNamespace(running=1, waiting=0, kv_usage=0.5, kv_capacity_tokens=4096, prefix_cache_queries=300,
-                            prefix_cache_hits=120, preemptions=0)
+    stats = EngineStats(running=1, waiting=0, kv_blocks=256, kv_blocks_free=128, kv_capacity_tokens=4096,
+                        prefix_cache_queries=300, prefix_cache_hits=120, preemptions=0)
     samples = parse_prometheus(metrics.render(stats))
     assert samples["vllm:prefix_cache_queries_total"] == 300
     assert samples["vllm:prefix_cache_hits_total"] == 120
