@@ -42,6 +42,11 @@
 #   scripts/gpu_session.sh hybrid        SHAPES x QUANTS (env, default: the three shapes x q4_k_m), 560 s shared
 #                                    between the steps; e.g. SHAPES=qwen3.6-35b-a3b QUANTS="q8_0 bf16"
 #                                    (carry .whl: the gguf wheel and llama-bench-sm90.tar.xz for the peer)
+#   scripts/gpu_session.sh hybrid-all    one call for a machine without llama-bench (the prebuilt one is too big to carry
+#                                    beside the tree): llama-bench builds on the CPUs (~6.5 min) while the hybrid GPU
+#                                    tests and lucebox's bench speed of RUNS (shape:quant, default qwen3.6-27b:q4_k_m
+#                                    qwen3.6-35b-a3b:q4_k_m) run on the GPU; then llama-bench on the same shapes
+#                                    (random GGUFs, bench/llama_cpp.py), all before 570 s
 # The device lacks the gguf package: keep its wheel in .whl/ (git-ignored) and pass carry [".whl"].
 set -uo pipefail
 out=${OUT:-/tmp/out}
@@ -75,6 +80,28 @@ hybrid() {  # hybrid "SHAPES" "QUANTS": bench speed of each with the llama.cpp p
         --decode-tokens 64 --repeats 2 --skip spec --peer llama.cpp --peer-timeout $((560 / n / 2))
     done
   done
+}
+llama_rows() {  # llama_rows SHAPE QUANT SECONDS: llama-bench of a random GGUF of SHAPE, as bench speed's peer runs it
+  timeout "$3" python3 - "$1" "$2" <<'PY'
+import os, subprocess, sys, time
+from lucebox.bench import llama_cpp, shapes
+shape, quant = sys.argv[1:]
+cfg = shapes.shape_config(shape)
+path = llama_cpp.work_dir(None, llama_cpp.expected_file_bytes(cfg, quant)) / f"peer-{shape}-{quant}.gguf"
+start = time.perf_counter()
+size = llama_cpp.write_gguf(cfg, quant, path)
+print(f"== llama.cpp {shape} {quant}: GGUF {size / 2**30:.2f} GiB written in {time.perf_counter() - start:.1f} s")
+command = llama_cpp.bench_command(".llama/bin/llama-bench", path, [4096], 64, [512], 2, os.environ.get("LLAMA_BENCH_ARGS", "").split())
+done = subprocess.run(command, capture_output=True, text=True, check=False)
+path.unlink()
+if done.returncode:
+    print(" ".join(command), done.stderr[-2000:])
+    sys.exit(1)
+r = llama_cpp.parse_bench_json(done.stdout)
+print(" ".join(command))
+for row in r["prefill"] + r["decode"]:
+    print(f"   llama.cpp {r['model_type']}: {row}")
+PY
 }
 case "${1:-check}" in
   check)
@@ -183,6 +210,23 @@ case "${1:-check}" in
         (cd $dir && bench "$1-$2-$tree" 150 --shape $1 --quant $2 --prompt-lens 512 4096 --contexts 512 \
           --skip forced spec peer)
       done
+    done ;;
+  hybrid-all)
+    start=$SECONDS
+    (nice -n 19 bash scripts/build_llama_cpp.sh > "$out/llama-build.log" 2>&1; echo "build exit $?" >> "$out/llama-build.log") &
+    step hybrid-tests 110 python3 -m pytest -q -rs -p no:cacheprovider tests/model/test_qwen3_5_graphs.py \
+      tests/kernels/test_gated_delta.py tests/kernels/test_triton_moe.py
+    grep -E "passed|failed|^FAILED|^ERROR" "$out/hybrid-tests.log" | tail -n 12
+    runs=${RUNS:-qwen3.6-27b:q4_k_m qwen3.6-35b-a3b:q4_k_m}
+    for sq in $runs; do
+      bench "${sq%%:*}-${sq##*:}" 120 --shape "${sq%%:*}" --quant "${sq##*:}" --prompt-lens 4096 --contexts 512 \
+        --decode-tokens 64 --repeats 2 --skip spec --no-peer
+    done
+    while [ $((SECONDS - start)) -lt 450 ] && ! grep -q "build exit" "$out/llama-build.log"; do sleep 5; done
+    tail -n 2 "$out/llama-build.log"
+    for sq in $runs; do
+      left=$((570 - SECONDS + start)); [ "$left" -gt 20 ] || break
+      llama_rows "${sq%%:*}" "${sq##*:}" "$left" 2>&1 | tee -a "$out/llama-peer.log" | tail -n 6
     done ;;
   hybrid-dense) hybrid qwen3.6-27b "q4_k_m iq4_xs q8_0 bf16" ;;
   hybrid-moe) hybrid "qwen3.6-35b-a3b qwen3-30b-a3b" "q4_k_m iq4_xs" ;;
