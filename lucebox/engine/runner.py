@@ -76,9 +76,7 @@ class ModelRunner:
         return slots, [0 if stash_only or row.kind is RowKind.VERIFY else len(row.tokens) for row in plan.rows]
 
     def _set_state_rows(self, batch: ForwardBatch, plan: StepPlan) -> None:
-        batch.state_slots_host, batch.state_advance_host = self.state_rows(plan)
-        batch.state_slots = host_to_device(batch.state_slots_host, self.model.device, torch.long)
-        batch.state_advance = host_to_device(batch.state_advance_host, self.model.device, torch.long)
+        batch.set_state_rows(*self.state_rows(plan))
 
     def _graph_runner(self, settings: GraphSettings | None) -> CudaGraphRunner | None:
         if settings is None:

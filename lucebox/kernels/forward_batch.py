@@ -48,6 +48,12 @@ class ForwardBatch:
     # What every layer of one kind derives from the batch alike (e.g. DeltaNet's row plans), kept once.
     layer_cache: dict = field(default_factory=dict)
 
+    def set_state_rows(self, slots: list[int], advance: list[int]) -> None:
+        """Each sequence's recurrent slot and how many of its tokens advance the state in place."""
+        self.state_slots_host, self.state_advance_host = list(slots), list(advance)
+        self.state_slots = host_to_device(self.state_slots_host, self.input_ids.device, torch.long)
+        self.state_advance = host_to_device(self.state_advance_host, self.input_ids.device, torch.long)
+
     @property
     def position_bound(self) -> int:
         """Every position of the batch is below this, known on the host without a device sync."""

@@ -54,7 +54,7 @@ class PagedTarget:
         self._install()
         batch = ForwardBatch.build(ids.tolist(), [start] * s, self.tables, BLOCK, self.model.device,
                                    tuple(capture_layers))
-        batch.state_slots_host = list(range(s))
+        batch.set_state_rows(range(s), [t] * s)
         hidden = self.model(batch).view(s, t, -1)
         if not capture_layers:
             return hidden
