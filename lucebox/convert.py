@@ -200,11 +200,13 @@ def _hybrid_tensor_type(gguf_name: str, shape: tuple[int, ...], want: Q) -> Q:
     return Q.F32 if gguf_name.endswith(_ALWAYS_F32) else _tensor_type(shape, want)
 
 
-def write_shape_metadata(w: GGUFWriter, cfg: ModelConfig, name: str, want: Q) -> None:
-    """llama.cpp's general and `{arch}.*` shape keys of a transformer (targets and drafters alike)."""
+def write_shape_metadata(w: GGUFWriter, cfg: ModelConfig, name: str, want: Q,
+                         file_type: LlamaFileType | None = None) -> None:
+    """llama.cpp's general and `{arch}.*` shape keys of a transformer (targets and drafters alike);
+    file_type: the mix's llama.cpp file type where it is not `want`'s own (e.g. Q4_K_M)."""
     w.add_type("model")
     w.add_name(name)
-    w.add_file_type(FILE_TYPES[want])
+    w.add_file_type(FILE_TYPES[want] if file_type is None else file_type)
     if want not in FLOAT_TYPES:
         w.add_quantization_version(GGML_QUANT_VERSION)
     w.add_vocab_size(cfg.vocab_size)

@@ -33,46 +33,19 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGUFWriter, LlamaFileType
 from gguf import GGMLQuantizationType as Q
 
+from ..convert import write_shape_metadata
 from ..model.config import ModelConfig
+from ..model.gguf_config import FAMILY_TO_HYBRID_ARCH, GLOBAL_TENSORS, LAYER_TENSORS
+from ..model.gguf_hybrid_config import write_hybrid_keys
+from ..model.gguf_hybrid_write import llama_cpp_tensors
 from ..util import on_meta
 from . import shapes
 
-# ------------------------------------------------------------------------------------------------
-# THE NAME TABLE: lucebox tensor name -> llama.cpp GGUF tensor name(s), per llama.cpp architecture.
-# Layer entries are the names after `layers.{L}.` / `blk.{L}.`. A tuple splits a stacked tensor
-# along its rows (experts' gate_up_proj [E, 2I, H] -> ffn_gate_exps, ffn_up_exps). Values that
-# differ (not only the name) in a real conversion: ssm_a = -exp(A_log); ssm_conv1d drops the
-# middle 1 of [C, 1, K]; ffn_gate_inp_shexp is the [1, H] gate as [H]; V heads are reordered.
-# Merge point: the gguf-hybrid branch's reader/writer table can replace this dict.
-# ------------------------------------------------------------------------------------------------
-_ATTENTION = {"input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
-              "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
-              "self_attn.o_proj.weight": "attn_output.weight", "self_attn.q_norm.weight": "attn_q_norm.weight",
-              "self_attn.k_norm.weight": "attn_k_norm.weight"}
-_DENSE_FFN = {"mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-              "mlp.down_proj.weight": "ffn_down.weight"}
-_EXPERTS = {"mlp.gate.weight": "ffn_gate_inp.weight",
-            "mlp.experts.gate_up_proj": ("ffn_gate_exps.weight", "ffn_up_exps.weight"),
-            "mlp.experts.down_proj": "ffn_down_exps.weight"}
-_SHARED_EXPERT = {"mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
-                  "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
-                  "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
-                  "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight"}
-_DELTANET = {"linear_attn.in_proj_qkv.weight": "attn_qkv.weight", "linear_attn.in_proj_z.weight": "attn_gate.weight",
-             "linear_attn.in_proj_b.weight": "ssm_beta.weight", "linear_attn.in_proj_a.weight": "ssm_alpha.weight",
-             "linear_attn.conv1d.weight": "ssm_conv1d.weight", "linear_attn.dt_bias": "ssm_dt.bias",
-             "linear_attn.A_log": "ssm_a", "linear_attn.norm.weight": "ssm_norm.weight",
-             "linear_attn.out_proj.weight": "ssm_out.weight"}
-_QWEN35 = {**_ATTENTION, **_DELTANET, "post_attention_layernorm.weight": "post_attention_norm.weight"}
-GGUF_NAMES: dict[str, dict] = {
-    "global": {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
-               "lm_head.weight": "output.weight"},
-    "qwen3": {**_ATTENTION, **_DENSE_FFN, "post_attention_layernorm.weight": "ffn_norm.weight"},
-    "qwen3moe": {**_ATTENTION, **_EXPERTS, "post_attention_layernorm.weight": "ffn_norm.weight"},
-    "qwen35": {**_QWEN35, **_DENSE_FFN},
-    "qwen35moe": {**_QWEN35, **_EXPERTS, **_SHARED_EXPERT},
-}
-ARCHES = {"qwen3": "qwen3", "qwen3_moe": "qwen3moe", "qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe"}  # family -> arch
+# Names, shapes and metadata come from the converter's own tables (model/gguf_tensors.py for qwen3moe /
+# qwen35 / qwen35moe, model/gguf_config.py for dense qwen3; convert.write_shape_metadata and
+# gguf_hybrid_config.write_hybrid_keys), so the peer's file is what `lucebox convert` would write.
+DENSE_LAYER_NAMES = {f"{ours}.weight": f"{theirs}.weight" for theirs, ours in LAYER_TENSORS.items()}
+DENSE_GLOBAL_NAMES = {ours: theirs for theirs, ours in GLOBAL_TENSORS.items()}
 FILE_TYPES = {"f32": LlamaFileType.ALL_F32, "f16": LlamaFileType.MOSTLY_F16, "bf16": LlamaFileType.MOSTLY_BF16,
               "q8_0": LlamaFileType.MOSTLY_Q8_0, "q4_0": LlamaFileType.MOSTLY_Q4_0, "q4_k": LlamaFileType.MOSTLY_Q4_K_M,
               "q4_k_m": LlamaFileType.MOSTLY_Q4_K_M, "q5_k": LlamaFileType.MOSTLY_Q5_K_M,
@@ -84,39 +57,42 @@ _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 
 
 def arch_of(cfg: ModelConfig) -> str:
-    if cfg.family not in ARCHES:
-        raise ValueError(f"llama.cpp peer: no GGUF architecture for model family {cfg.family!r} "
-                         f"(known: {', '.join(ARCHES)})")
-    return ARCHES[cfg.family]
+    if cfg.family in FAMILY_TO_HYBRID_ARCH:
+        return FAMILY_TO_HYBRID_ARCH[cfg.family]
+    if cfg.family == "qwen3":
+        return "qwen3"
+    raise ValueError(f"llama.cpp peer: no GGUF architecture for model family {cfg.family!r} "
+                     f"(known: qwen3, {', '.join(FAMILY_TO_HYBRID_ARCH)})")
 
 
-def gguf_names(name: str, arch: str) -> tuple[str, ...]:
-    """The GGUF tensor name(s) of one lucebox tensor (two where a stacked tensor is split)."""
-    match = _LAYER.fullmatch(name)
-    table, prefix = (GGUF_NAMES[arch], f"blk.{match[1]}.") if match else (GGUF_NAMES["global"], "")
-    key = match[2] if match else name
-    if key not in table:
-        raise ValueError(f"llama.cpp peer: no {arch} GGUF name for tensor {name}")
-    target = table[key]
-    return tuple(prefix + t for t in (target if isinstance(target, tuple) else (target,)))
+def _layout(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], str, tuple[int, ...]]]:
+    """(GGUF name, its shape, our parameter name, our shape) of every tensor of the file."""
+    if cfg.family in FAMILY_TO_HYBRID_ARCH:
+        return [(name, shape, ours, our_shape) for name, shape, ours, _, our_shape in llama_cpp_tensors(cfg)]
+    with on_meta():
+        model = shapes.model_class(cfg)(cfg)
+    layout = []
+    for ours, p in model.named_parameters():
+        match = _LAYER.fullmatch(ours)
+        theirs = (f"blk.{match[1]}.{DENSE_LAYER_NAMES[match[2]]}" if match and match[2] in DENSE_LAYER_NAMES
+                  else DENSE_GLOBAL_NAMES.get(ours))
+        if theirs is None:
+            raise ValueError(f"llama.cpp peer: no qwen3 GGUF name for tensor {ours}")
+        layout.append((theirs, tuple(p.shape), ours, tuple(p.shape)))
+    return layout
 
 
 def tensor_plan(cfg: ModelConfig, quant: str) -> list[tuple[str, str, tuple[int, ...], Q]]:
     """(lucebox name, GGUF name, shape outermost first, GGML type) of every tensor of the file."""
-    arch = arch_of(cfg)
-    with on_meta():
-        model = shapes.model_class(cfg)(cfg)
+    arch_of(cfg)
     plan = []
-    for name, p in model.named_parameters():
-        shape = tuple(int(d) for d in p.shape if d != 1)  # conv1d [C, 1, K] -> [C, K]; [1, H] -> [H]
-        if shapes.is_quantised(name, tuple(p.shape)):
+    for theirs, shape, ours, our_shape in _layout(cfg):
+        if shapes.is_quantised(ours, our_shape):
             qtype = (FLOAT_TYPES[quant] if quant in FLOAT_TYPES
-                     else shapes.weight_type(name, quant, cfg.tie_word_embeddings))
+                     else shapes.weight_type(ours, quant, cfg.tie_word_embeddings))
         else:
             qtype = Q.F32  # llama.cpp keeps routers, convs, the DeltaNet's a / b and 1-D tensors in float32
-        targets = gguf_names(name, arch)
-        part = (shape[0], shape[1] // len(targets), *shape[2:]) if len(targets) > 1 else shape
-        plan += [(name, target, part, qtype) for target in targets]
+        plan.append((ours, theirs, shape, qtype))
     return plan
 
 
@@ -126,43 +102,10 @@ def tensor_bytes(shape: tuple[int, ...], qtype: Q) -> int:
 
 
 def _metadata(w: GGUFWriter, cfg: ModelConfig, quant: str, arch: str) -> None:
-    w.add_name(f"random {cfg.family} for lucebox bench speed")
-    w.add_file_type(int(FILE_TYPES[quant]))
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_layers)
-    w.add_vocab_size(cfg.vocab_size)
-    w.add_head_count(cfg.num_heads)
-    w.add_head_count_kv(cfg.num_kv_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope.theta)
-    rope_dim = int(cfg.head_dim * cfg.partial_rotary_factor) // 2 * 2
-    w.add_rope_dimension_count(rope_dim)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    if cfg.num_experts:
-        w.add_expert_count(cfg.num_experts)
-        w.add_expert_used_count(cfg.num_experts_per_tok)
-        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    if cfg.shared_expert_intermediate_size:
-        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
-    if arch in ("qwen35", "qwen35moe"):
-        if cfg.linear_key_head_dim != cfg.linear_value_head_dim:
-            raise ValueError("llama.cpp's qwen35 needs equal DeltaNet key and value head sizes (ssm.state_size)")
-        kinds = cfg.layer_types
-        interval = kinds.index("full_attention") + 1
-        if any((kind == "full_attention") != ((i + 1) % interval == 0) for i, kind in enumerate(kinds)):
-            raise ValueError("llama.cpp's qwen35 places full attention every full_attention_interval layers")
-        w.add_full_attention_interval(interval)
-        w.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
-        w.add_ssm_state_size(cfg.linear_key_head_dim)
-        w.add_ssm_group_count(cfg.linear_num_key_heads)
-        w.add_ssm_time_step_rank(cfg.linear_num_value_heads)
-        w.add_ssm_inner_size(cfg.linear_value_head_dim * cfg.linear_num_value_heads)
-        # interleaved M-RoPE sections (required by the loader); text positions make them plain RoPE
-        third, rest = divmod(rope_dim // 2, 3)  # 64 dims: [11, 11, 10, 0], as Qwen3.5's mrope_section
-        w.add_rope_dimension_sections([third + (rest > 0), third + (rest > 1), third, 0])
+    want = FLOAT_TYPES.get(quant) or shapes.QUANT_MIXES[quant][0]
+    write_shape_metadata(w, cfg, f"random {cfg.family} for lucebox bench speed", want, FILE_TYPES[quant])
+    if arch != "qwen3":
+        write_hybrid_keys(w, cfg, arch, None)
 
 
 def _bytes_to_unicode() -> list[str]:
