@@ -62,9 +62,9 @@ GATED_DELTA_ROUTES = {"steps": (TRITON_STEPS, TORCH_STEPS), "conv": (TRITON_CONV
 # [triton_moe] the routed experts read in place: GEMV per routed pair / grouped by expert on the device
 MOE_PAIRS, MOE_GROUPED = "moe_pairs", "moe_grouped"
 # Up to this many tokens the pairs kernels run (an expert two pairs share is read twice; the grouped
-# kernels' grouping costs three launches). A first choice, not measured yet: scripts/bench_moe.py
-# times both kernels at 1, 2 and 16 tokens.
-MOE_PAIRS_MAX_TOKENS = 2
+# kernels' grouping costs three launches). scripts/bench_moe.py on the H200 (docs/benchmarks-log.md,
+# issue 26): at 16 tokens pairs beat grouped for bf16, Q4_K and Q8_0 (a verify's 128 rows hit ~98 experts).
+MOE_PAIRS_MAX_TOKENS = 16
 
 FLOAT_ROUTES = {"linear": GEMV, "norm_linear": GEMV_NORM, "silu_mul_linear": GEMV_SILU_MUL}
 

@@ -155,8 +155,9 @@ def test_quantised_experts_are_dequantised_inside_the_product(qtype, monkeypatch
 
 def test_routing_picks_pairs_for_decode_grouped_beyond_and_torch_where_triton_cannot(monkeypatch):
     module = float_experts(4, 32, 16)
-    x = torch.randn(5, 32).to(DEVICE)
-    ids, _ = routes(5, 4, 2, seed=0)
+    tokens = routing.MOE_PAIRS_MAX_TOKENS + 1
+    x = torch.randn(tokens, 32).to(DEVICE)
+    ids, _ = routes(tokens, 4, 2, seed=0)
     w = module.gate_up_proj, module.down_proj
     monkeypatch.setenv("LUCEBOX_TRITON", "1")
     assert kmoe.expert_kernel(x, ids, *w) == routing.TORCH  # autograd records: the kernels have no backward
@@ -175,7 +176,7 @@ def test_routing_picks_pairs_for_decode_grouped_beyond_and_torch_where_triton_ca
         torch.set_grad_enabled(True)
 
 
-@pytest.mark.parametrize("tokens", [1, 2, 5])
+@pytest.mark.parametrize("tokens", [1, 5, 20])
 def test_experts_forward_takes_the_kernels_and_agrees_with_the_reference(tokens, monkeypatch):
     module = float_experts(6, 24, 20)
     x = torch.randn(tokens, 24, generator=torch.Generator().manual_seed(7)).to(DEVICE)
