@@ -61,6 +61,8 @@ class LLMEngine:
                              self._recurrent_snapshots(specs))
         if cache.recurrent:
             self.runner.install_recurrent(cache.build_recurrent(self.model.device), cache.slot)
+            if self.model.device.type == "cuda":
+                self._warm_up_prefill()
         self.scheduler = Scheduler(cache, args.max_num_seqs, args.max_num_batched_tokens)
         if self.speculator is not None:
             proposer = self.speculator.proposer
@@ -118,6 +120,14 @@ class LLMEngine:
         catch_up = CATCH_UP_LENS if spec is not None and spec.capture_layers and not spec.every_step else ()
         return GraphSettings(self.max_model_len, min(self.args.cuda_graph_max_batch, self.args.max_num_seqs),
                              query_lens, catch_up_lens=catch_up)
+
+    def _warm_up_prefill(self) -> None:
+        """fla-core's prefill kernels autotune and compile on first use (minutes on a cold Triton cache):
+        pay that at start, not in the first request."""
+        start = time.perf_counter()
+        log.info("compiling the Gated DeltaNet prefill kernels (a cold Triton cache takes minutes once)")
+        self.model.warm_up()
+        log.info("prefill kernels ready in %.1f s", time.perf_counter() - start)
 
     def _recurrent_snapshots(self, specs) -> int:
         """Recurrent stash rows per sequence: one per position of the longest verify (the pending token

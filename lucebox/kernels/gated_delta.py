@@ -259,3 +259,15 @@ def gated_delta_chunk(q, k, v, g, beta, state, slots: list[int], starts: list[in
         o, state[slot] = rule(qh, kh, vh, g[rows].float().t(), beta[rows].float().t(), state[slot])
         out[rows] = o.transpose(0, 1)
     return out
+
+
+def warm_up_chunk(num_k_heads: int, num_v_heads: int, dk: int, dv: int, dtype: torch.dtype,
+                  device: torch.device) -> None:
+    """Run the prefill chunk kernel once at these head sizes (fla-core autotunes and compiles on its first
+    call: minutes on a machine whose Triton cache is cold)."""
+    tokens = 64
+    q, k = (l2_normalize(torch.randn(tokens, num_k_heads, dk, device=device)) for _ in range(2))
+    v = torch.randn(tokens, num_v_heads, dv, device=device)
+    g, beta = -torch.rand(tokens, num_v_heads, device=device), torch.rand(tokens, num_v_heads, device=device)
+    state = torch.zeros(1, num_v_heads, dk, dv, device=device)
+    gated_delta_chunk(q, k, v, g, beta, state, [0], [0, tokens], dtype)

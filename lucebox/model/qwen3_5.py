@@ -17,6 +17,7 @@ import re
 import torch
 from torch import nn
 
+from ..kernels.gated_delta import warm_up_chunk
 from .deltanet import GatedDeltaNet
 from .gated_attention import GatedAttention, rotary_dim
 from .moe import SparseMoE
@@ -75,6 +76,12 @@ class HybridTransformer(Transformer):
         return [layer.linear_attn.cache_spec() if layer.kind == LINEAR
                 else layer.self_attn.cache_spec(self.dtype, cache_type_k, cache_type_v, rotate_k)
                 for layer in self.layers]
+
+    def warm_up(self) -> None:
+        """Compile the prefill kernels before the first request (every DeltaNet layer has the same heads)."""
+        mixer = next(layer.linear_attn for layer in self.layers if layer.kind == LINEAR)
+        warm_up_chunk(mixer.num_k_heads, mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim, self.dtype,
+                      self.device)
 
     def fuse_projections(self) -> None:
         """gate/up as one GEMV per dense MLP or shared expert, DeltaNet's four input projections as

@@ -152,3 +152,11 @@ def test_conditional_generation_checkpoint_loads_the_text_model(tmp_path, tokeni
     runner.reset_states([0])
     got = runner.forward([prompt], [0], [table], all_logits=True, state_slots=[0])
     assert (got - reference_logits(reference, prompt)).abs().max().item() <= 1e-4
+
+
+def test_the_prefill_warm_up_runs_the_chunk_route_on_scratch_state(hybrid_path):
+    loaded = load_model(str(hybrid_path), dtype="float32")
+    before = {name: t.clone() for name, t in loaded.model.state_dict().items()}
+    loaded.model.warm_up()  # the engine calls it on CUDA (fla-core's first call compiles there)
+    after = loaded.model.state_dict()
+    assert all(torch.equal(before[name], after[name]) for name in before)
