@@ -1,0 +1,211 @@
+"""Gemma 4 text models compute what transformers computes: interleaved sliding-window (windows
+shorter than the prompts) and full-attention layers with their own head sizes and RoPE
+(proportional on full layers), k = v on full layers, KV-shared layers reading an earlier layer's
+cache, per-layer inputs, double-wide MLPs, the MoE block, soft-capped logits; through one-shot
+prefill, unaligned chunks, decode, batches, greedy generation in the engine, and the
+ConditionalGeneration checkpoint form."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from lucebox import LLM, SamplingParams
+from lucebox.engine.block_manager import BlockManager
+from lucebox.engine.runner import ModelRunner
+from lucebox.errors import CheckpointError
+from lucebox.model.cache_spec import PagedKVSpec, SharedKVSpec
+from lucebox.model.loader import load_model
+from tests.conftest import build_hf_model
+
+BLOCK_SIZE = 4
+WINDOW = 5
+ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0}}
+TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention",
+         "sliding_attention", "full_attention"]
+# 31B-like: k = v on full layers with their own head size and KV heads; the last 3 layers share KV;
+# per-layer inputs; double-wide MLPs on the shared layers.
+DENSE = {"model_type": "gemma4_text", "num_hidden_layers": 7, "head_dim": 16, "global_head_dim": 32,
+             "num_global_key_value_heads": 1, "attention_k_eq_v": True, "sliding_window": WINDOW, "layer_types": TYPES,
+             "num_kv_shared_layers": 3, "hidden_size_per_layer_input": 8, "use_double_wide_mlp": True,
+             "final_logit_softcapping": 30.0, "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True,
+             "rope_parameters": ROPE}
+# 26B-A4B-like: the MoE block beside every dense MLP, separate v on full layers, no sharing.
+MOE = {"model_type": "gemma4_text", "num_hidden_layers": 4, "head_dim": 16, "global_head_dim": 32, "sliding_window": WINDOW,
+           "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+           "hidden_size_per_layer_input": 0, "enable_moe_block": True, "num_experts": 6, "top_k_experts": 2,
+           "moe_intermediate_size": 24, "final_logit_softcapping": 30.0, "tie_word_embeddings": False, "rope_parameters": ROPE}
+
+
+def build(tmp_path_factory, tokenizer_dir, name, spec):
+    path = build_hf_model("qwen3", tmp_path_factory.mktemp(name), tokenizer_dir, **spec)
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():  # the learned scalars and router scales away from 1, so a mix-up cannot hide
+        for name_, p in model.named_parameters():
+            if name_.endswith(("router.scale", "per_expert_scale")):
+                p.uniform_(0.5, 1.5)
+        for layer in model.model.layers:
+            layer.layer_scalar.uniform_(0.5, 1.5)
+    model.save_pretrained(path)
+    return path, model
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory, tokenizer_dir):
+    return build(tmp_path_factory, tokenizer_dir, "gemma4", DENSE)
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory, tokenizer_dir):
+    return build(tmp_path_factory, tokenizer_dir, "gemma4_moe", MOE)
+
+
+def reference_logits(reference, prompt: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return reference(torch.tensor([prompt])).logits[0]
+
+
+def prompts(vocab: int, lengths, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def runner_for(loaded, num_blocks: int = 96):
+    return ModelRunner(loaded.model, num_blocks, BLOCK_SIZE), BlockManager(num_blocks, BLOCK_SIZE)
+
+
+def prefill_error(loaded, reference, lengths, seed=1) -> float:
+    batch = prompts(loaded.config.vocab_size, lengths, seed)
+    runner, blocks = runner_for(loaded)
+    tables = [[] for _ in batch]
+    for table, prompt in zip(tables, batch):
+        blocks.allocate(table, len(prompt))
+    logits = runner.forward(batch, [0] * len(batch), tables, all_logits=True)
+    worst, start = 0.0, 0
+    for prompt in batch:
+        got = logits[start:start + len(prompt)]
+        worst = max(worst, (got - reference_logits(reference, prompt)).abs().max().item())
+        start += len(prompt)
+    return worst
+
+
+def test_layers_and_cache_specs_follow_the_config(dense):
+    loaded = load_model(str(dense[0]), dtype="float32")
+    cfg = loaded.config
+    assert cfg.family == "gemma4" and cfg.kv_sources == [0, 1, 2, 3, 2, 3, 2]
+    assert cfg.double_wide_mlp == [False] * 4 + [True] * 3
+    specs = loaded.model.cache_specs()
+    assert [type(s) for s in specs] == [PagedKVSpec] * 4 + [SharedKVSpec] * 3
+    assert [s.window for s in specs] == [WINDOW, WINDOW, None, WINDOW, None, WINDOW, None]
+    assert (specs[2].num_kv_heads, specs[2].head_dim, specs[0].num_kv_heads, specs[0].head_dim) == (1, 32, 2, 16)
+    assert [s.source for s in specs[4:]] == [2, 3, 2]
+    assert loaded.model.layers[2].self_attn.v_proj is None  # k = v on full layers
+    runner, _ = runner_for(loaded)
+    assert len(runner.caches) == 4  # KV-shared layers allocate nothing
+
+
+@pytest.mark.parametrize("which", ["dense", "moe"])
+def test_batched_prefill_matches_transformers(which, request):
+    path, reference = request.getfixturevalue(which)
+    loaded = load_model(str(path), dtype="float32")
+    assert prefill_error(loaded, reference, [3, 23, 11]) <= 1e-4  # windows of 5 inside 23 tokens
+
+
+@pytest.mark.parametrize("which", ["dense", "moe"])
+def test_chunked_prefill_and_decode_match_transformers(which, request):
+    """Unaligned chunks and single-token decodes, two sequences stepping together (one mid-prefill,
+    one decoding), past the sliding window."""
+    path, reference = request.getfixturevalue(which)
+    loaded = load_model(str(path), dtype="float32")
+    a, b = prompts(loaded.config.vocab_size, [29, 17], seed=3)
+    runner, blocks = runner_for(loaded)
+    table_a, table_b = [], []
+    blocks.allocate(table_a, len(a))
+    blocks.allocate(table_b, len(b))
+    rows_a, rows_b, pos_a, pos_b = [], [], 0, 0
+    for step_a, step_b in ((7, 1), (1, 3), (6, 1), (1, 1), (3, 6), (1, 1), (9, 3), (1, 1)):
+        step_b = min(step_b, len(b) - pos_b)
+        out = runner.forward([a[pos_a:pos_a + step_a], b[pos_b:pos_b + step_b]], [pos_a, pos_b], [table_a, table_b],
+                             all_logits=True)
+        rows_a.append(out[:step_a])
+        rows_b.append(out[step_a:])
+        pos_a, pos_b = pos_a + step_a, pos_b + step_b
+    assert (pos_a, pos_b) == (len(a), len(b))
+    assert (torch.cat(rows_a) - reference_logits(reference, a)).abs().max().item() <= 1e-4
+    assert (torch.cat(rows_b) - reference_logits(reference, b)).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("which", ["dense", "moe"])
+def test_greedy_generation_in_a_continuous_batch_equals_transformers(which, request):
+    """Both stop at the end-of-sequence token where greedy decoding meets it (min_new_tokens in
+    transformers would mask it instead, which ignore_eos does not)."""
+    path, reference = request.getfixturevalue(which)
+    llm = LLM(str(path), block_size=BLOCK_SIZE, max_num_batched_tokens=8, max_num_seqs=3)
+    eos = set(llm.engine.loaded.config.eos_token_ids)
+    batch = prompts(llm.engine.loaded.config.vocab_size, [13, 6, 9], seed=4)
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch], SamplingParams(temperature=0, max_tokens=8))
+    for prompt, out in zip(batch, outs):
+        with torch.no_grad():
+            want = reference.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):]
+        got = list(out.outputs[0].token_ids)
+        assert [t for t in got if t not in eos] == [t for t in want.tolist() if t not in eos]
+        assert len(got) == len(want)
+
+
+def test_conditional_generation_checkpoint_loads_the_text_model(tmp_path, tokenizer_dir, dense):
+    from transformers import AutoConfig, Gemma4ForConditionalGeneration
+    path, reference = dense
+    text = {k: v for k, v in AutoConfig.from_pretrained(path).to_dict().items()
+            if k not in ("architectures", "transformers_version", "dtype")}
+    vision = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                  "num_key_value_heads": 2, "head_dim": 8, "patch_size": 4, "position_embedding_size": 16}
+    config = AutoConfig.for_model("gemma4", text_config=text, vision_config=vision, audio_config=None)
+    model = Gemma4ForConditionalGeneration(config).eval()
+    result = model.model.language_model.load_state_dict(reference.model.state_dict())
+    assert not result.missing_keys
+    model.save_pretrained(tmp_path)
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / file, tmp_path / file)
+    loaded = load_model(str(tmp_path), dtype="float32")
+    assert loaded.config.family == "gemma4" and loaded.config.num_layers == 7
+    assert prefill_error(loaded, reference, [12], seed=6) <= 1e-4
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_a_missing_tensor_is_named(tmp_path, dense):
+    from safetensors.torch import load_file, save_file
+    path = _copy(dense[0], tmp_path / "m")
+    file = path / "model.safetensors"
+    tensors = load_file(file)
+    del tensors["model.layers.3.post_feedforward_layernorm.weight"]
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"layers\.3\.post_feedforward_layernorm\.weight"):
+        load_model(str(path), dtype="float32")
+
+
+def test_a_wrong_shape_is_named(tmp_path, dense):
+    from safetensors.torch import load_file, save_file
+    path = _copy(dense[0], tmp_path / "m")
+    file = path / "model.safetensors"
+    tensors = load_file(file)
+    tensors["model.layers.2.self_attn.q_proj.weight"] = torch.zeros(64, 64)
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"layers\.2\.self_attn\.q_proj\.weight has shape \[64, 64\]"):
+        load_model(str(path), dtype="float32")
+
+
+def test_a_bad_expert_count_is_named(tmp_path, moe):
+    path = _copy(moe[0], tmp_path / "m")
+    raw = json.loads((path / "config.json").read_text())
+    raw["num_experts"] = 5
+    (path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match=r"layers\.0\.experts\.gate_up_proj has shape \[6, 48, 64\]"):
+        load_model(str(path), dtype="float32")
