@@ -44,6 +44,15 @@ def rope_table(rotary, head_dim: int) -> RopeTable:
     return table
 
 
+class RopeTables(dict):
+    """The RoPE table of each layer type; reserve() covers them all (a captured CUDA graph must
+    never see a table regrow)."""
+
+    def reserve(self, length: int, device) -> None:
+        for table in self.values():
+            table.reserve(length, device)
+
+
 class Gemma4Attention(nn.Module):
     def __init__(self, cfg: Gemma4Config, layer: int):
         super().__init__()
@@ -167,8 +176,7 @@ class Gemma4Model(Transformer):
             attn = layer.self_attn
             if attn.source != layer.layer:
                 attn.shares = (self.layers[attn.source].self_attn,)
-        self.ropes = {kind: rope_table(cfg.rotary[kind], self._head_dim(kind)) for kind in cfg.rotary}
-        self.rope = self.ropes[cfg.layer_types[0]]
+        self.rope = RopeTables({kind: rope_table(cfg.rotary[kind], self._head_dim(kind)) for kind in cfg.rotary})
         per_layer = cfg.hidden_size_per_layer_input
         if per_layer:
             size = cfg.num_layers * per_layer
@@ -208,7 +216,7 @@ class Gemma4Model(Transformer):
             x = x * torch.tensor(self.config.hidden_size ** 0.5).to(x.dtype)
             per_layer = self.per_layer_inputs(ids, x)
             tables = {kind: table.lookup(batch.positions, x.dtype, batch.position_bound)
-                      for kind, table in self.ropes.items()}
+                      for kind, table in self.rope.items()}
             for i, layer in enumerate(self.layers):
                 x = layer(x, None if per_layer is None else per_layer[:, i], *tables[layer.kind], batch)
                 if i in batch.capture_layers:

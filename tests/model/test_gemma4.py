@@ -209,3 +209,38 @@ def test_a_bad_expert_count_is_named(tmp_path, moe):
     (path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(CheckpointError, match=r"layers\.0\.experts\.gate_up_proj has shape \[6, 48, 64\]"):
         load_model(str(path), dtype="float32")
+
+
+def test_padded_static_decode_and_verify_batches_give_the_eager_logits(dense):
+    """The batches a CUDA graph replays (GraphSettings(capture=False) runs them eagerly, padding and
+    device-only attention included): both RoPE tables reserved, shared-KV layers reading their
+    source's blocks, windows shorter than the contexts."""
+    from lucebox.engine.cuda_graphs import GraphSettings
+    from lucebox.engine.step_plan import PlanRow, RowKind, StepPlan
+    loaded = load_model(str(dense[0]), dtype="float32")
+    runner, blocks = runner_for(loaded)
+    runner.attach_graphs(GraphSettings(64, max_batch=4, query_lens=(1, 4), capture=False))
+    vocab = loaded.config.vocab_size
+    starts = [11, 14, 9]
+    tables = []
+    for n in starts:
+        tables.append([])
+        blocks.allocate(tables[-1], n + 4)
+    runner.run_eager(StepPlan.forward(prompts(vocab, starts, seed=3), [0] * 3, tables))
+    rows, offset = [], 0
+    for i, (tokens, start, table, kind) in enumerate(zip(prompts(vocab, [1, 4, 3], seed=4), starts, tables,
+                                                         [RowKind.DECODE, RowKind.VERIFY, RowKind.VERIFY])):
+        rows.append(PlanRow(tokens, start, table, kind, offset=offset, index=i))
+        offset += len(tokens)
+    plan = StepPlan(rows, all_logits=True)
+    want = runner.run_eager(plan).logits
+    got = runner.run(plan).logits
+    assert got.shape == want.shape and (got - want).abs().max().item() <= 1e-5
+    assert all(table.cos.shape[0] >= 64 for table in loaded.model.rope.values())
+
+
+def test_shared_kv_layers_cost_no_cache_bytes(dense):
+    from lucebox.model.cache_spec import kv_bytes_per_token
+    model = load_model(str(dense[0]), dtype="float32").model
+    own = [layer.self_attn for layer in model.layers[:4]]
+    assert kv_bytes_per_token(model) == sum(2 * a.num_kv_heads * a.head_dim * 4 for a in own)
