@@ -149,7 +149,7 @@ def per_layer_sizes(raw: dict, types: list[str], head_dim: int, kv_heads: int) -
     overrides = raw.get("per_layer_config")
     if overrides is None:
         full = {"head_dim": raw.get("global_head_dim", 512)}
-        if raw.get("attention_k_eq_v", True) and raw.get("num_global_key_value_heads") is not None:
+        if raw.get("attention_k_eq_v", False) and raw.get("num_global_key_value_heads") is not None:
             full["num_key_value_heads"] = raw["num_global_key_value_heads"]
         overrides = {str(i): full for i, kind in enumerate(types) if kind == FULL}
     if not isinstance(overrides, dict):

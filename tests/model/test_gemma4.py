@@ -156,7 +156,7 @@ def test_greedy_generation_in_a_continuous_batch_equals_transformers(which, requ
         assert len(got) == len(want)
 
 
-def test_conditional_generation_checkpoint_loads_the_text_model(tmp_path, tokenizer_dir, dense):
+def test_conditional_generation_checkpoint_loads_the_text_model(tmp_path, tokenizer_dir, dense, caplog):
     from transformers import AutoConfig, Gemma4ForConditionalGeneration
     path, reference = dense
     text = {k: v for k, v in AutoConfig.from_pretrained(path).to_dict().items()
@@ -170,7 +170,10 @@ def test_conditional_generation_checkpoint_loads_the_text_model(tmp_path, tokeni
     model.save_pretrained(tmp_path)
     for file in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_dir / file, tmp_path / file)
-    loaded = load_model(str(tmp_path), dtype="float32")
+    with caplog.at_level("INFO", logger="lucebox"):
+        loaded = load_model(str(tmp_path), dtype="float32")
+    skipped = [r.getMessage() for r in caplog.records if "vision/audio tower" in r.getMessage()]
+    assert len(skipped) == 1, skipped
     assert loaded.config.family == "gemma4" and loaded.config.num_layers == 7
     assert prefill_error(loaded, reference, [12], seed=6) <= 1e-4
 
@@ -244,3 +247,31 @@ def test_shared_kv_layers_cost_no_cache_bytes(dense):
     model = load_model(str(dense[0]), dtype="float32").model
     own = [layer.self_attn for layer in model.layers[:4]]
     assert kv_bytes_per_token(model) == sum(2 * a.num_kv_heads * a.head_dim * 4 for a in own)
+
+
+@pytest.mark.parametrize("spec", [
+    {"attention_k_eq_v": True, "num_global_key_value_heads": 1, "global_head_dim": 32},
+    {"attention_k_eq_v": False, "num_global_key_value_heads": 1, "global_head_dim": 32},  # no KV override
+    {"num_kv_shared_layers": 4, "use_double_wide_mlp": True},  # global_head_dim: transformers' default 512
+    {"layer_types": None},  # transformers' default pattern (5 sliding : 1 full), last forced full
+    {"layer_types": ["sliding_attention"] * 8},  # last forced full
+])
+def test_published_config_fields_read_as_transformers_reads_them(spec):
+    """config.json as the published checkpoints write it (global_head_dim, num_global_key_value_heads;
+    no per_layer_config): per-layer sizes, KV sources and MLP widths as transformers derives them."""
+    from transformers import Gemma4TextConfig
+
+    from lucebox.model.config import ModelConfig
+    raw = dict({"model_type": "gemma4_text", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96,
+                "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                "layer_types": ["sliding_attention", "full_attention"] * 4}, **spec)
+    ours = ModelConfig.from_hf_dict(raw)
+    theirs = Gemma4TextConfig(**{k: v for k, v in raw.items() if k != "model_type"})
+    layers = range(theirs.num_hidden_layers)
+    assert ours.layer_types == theirs.layer_types
+    assert ours.layer_head_dims == [theirs.per_layer_config[i].head_dim for i in layers]
+    assert ours.layer_kv_heads == [theirs.per_layer_config[i].num_key_value_heads for i in layers]
+    assert [source != i for i, source in enumerate(ours.kv_sources)] == [m == "reuse" for m in theirs.kv_sharing_modes]
+    assert ours.double_wide_mlp == [theirs.use_double_wide_mlp and m == "reuse" for m in theirs.kv_sharing_modes]
+    assert ours.sliding_windows == [theirs.sliding_window if t == "sliding_attention" else None
+                                    for t in theirs.layer_types]
