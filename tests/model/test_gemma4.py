@@ -22,6 +22,7 @@ from tests.conftest import build_hf_model
 
 BLOCK_SIZE = 4
 WINDOW = 5
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs")
 ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0}}
 TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention",
@@ -115,6 +116,23 @@ def test_batched_prefill_matches_transformers(which, request):
     assert prefill_error(loaded, reference, [3, 23, 11]) <= 1e-4  # windows of 5 inside 23 tokens
 
 
+@gpu
+@pytest.mark.parametrize("which", ["dense", "moe"])
+def test_cuda_prefill_and_decode_match_transformers(which, request):
+    """The same on a GPU (Triton attention, norms and RoPE where they apply), float32, TF32 off."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    path, reference = request.getfixturevalue(which)
+    loaded = load_model(str(path), dtype="float32", device="cuda")
+    prompt = prompts(loaded.config.vocab_size, [23], seed=7)[0]
+    runner, blocks = runner_for(loaded)
+    table = []
+    blocks.allocate(table, len(prompt))
+    rows = [runner.forward([prompt[:17]], [0], [table], all_logits=True)]
+    rows += [runner.forward([[t]], [17 + i], [table], all_logits=True) for i, t in enumerate(prompt[17:])]
+    got = torch.cat(rows).cpu()
+    assert (got - reference_logits(reference, prompt)).abs().max().item() <= 1e-3
+
+
 @pytest.mark.parametrize("which", ["dense", "moe"])
 def test_chunked_prefill_and_decode_match_transformers(which, request):
     """Unaligned chunks and single-token decodes, two sequences stepping together (one mid-prefill,
@@ -142,18 +160,22 @@ def test_chunked_prefill_and_decode_match_transformers(which, request):
 @pytest.mark.parametrize("which", ["dense", "moe"])
 def test_greedy_generation_in_a_continuous_batch_equals_transformers(which, request):
     """Both stop at the end-of-sequence token where greedy decoding meets it (min_new_tokens in
-    transformers would mask it instead, which ignore_eos does not)."""
+    transformers would mask it instead, which ignore_eos does not). The second round extends the
+    first round's prompts, so its prefixes come from the prefix cache."""
     path, reference = request.getfixturevalue(which)
     llm = LLM(str(path), block_size=BLOCK_SIZE, max_num_batched_tokens=8, max_num_seqs=3)
     eos = set(llm.engine.loaded.config.eos_token_ids)
-    batch = prompts(llm.engine.loaded.config.vocab_size, [13, 6, 9], seed=4)
-    outs = llm.generate([{"prompt_token_ids": p} for p in batch], SamplingParams(temperature=0, max_tokens=8))
-    for prompt, out in zip(batch, outs):
-        with torch.no_grad():
-            want = reference.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):]
-        got = list(out.outputs[0].token_ids)
-        assert [t for t in got if t not in eos] == [t for t in want.tolist() if t not in eos]
-        assert len(got) == len(want)
+    first = prompts(llm.engine.loaded.config.vocab_size, [13, 6, 9], seed=4)
+    blocks = llm.engine.scheduler.cache.blocks
+    for batch in (first, [p + [5] for p in first]):
+        outs = llm.generate([{"prompt_token_ids": p} for p in batch], SamplingParams(temperature=0, max_tokens=8))
+        for prompt, out in zip(batch, outs):
+            with torch.no_grad():
+                want = reference.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):]
+            got = list(out.outputs[0].token_ids)
+            assert [t for t in got if t not in eos] == [t for t in want.tolist() if t not in eos]
+            assert len(got) == len(want)
+    assert blocks.hits > 0
 
 
 def test_conditional_generation_checkpoint_loads_the_text_model(tmp_path, tokenizer_dir, dense, caplog):
@@ -214,15 +236,16 @@ def test_a_bad_expert_count_is_named(tmp_path, moe):
         load_model(str(path), dtype="float32")
 
 
-def test_padded_static_decode_and_verify_batches_give_the_eager_logits(dense):
-    """The batches a CUDA graph replays (GraphSettings(capture=False) runs them eagerly, padding and
-    device-only attention included): both RoPE tables reserved, shared-KV layers reading their
-    source's blocks, windows shorter than the contexts."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+def test_padded_static_decode_and_verify_batches_give_the_eager_logits(dense, device):
+    """The batches a CUDA graph replays (GraphSettings(capture=False) runs them eagerly on the CPU,
+    padding and device-only attention included; on CUDA real graphs are captured): both RoPE tables
+    reserved, shared-KV layers reading their source's blocks, windows shorter than the contexts."""
     from lucebox.engine.cuda_graphs import GraphSettings
     from lucebox.engine.step_plan import PlanRow, RowKind, StepPlan
-    loaded = load_model(str(dense[0]), dtype="float32")
+    loaded = load_model(str(dense[0]), dtype="float32", device=device)
     runner, blocks = runner_for(loaded)
-    runner.attach_graphs(GraphSettings(64, max_batch=4, query_lens=(1, 4), capture=False))
+    runner.attach_graphs(GraphSettings(64, max_batch=4, query_lens=(1, 4), capture=device == "cuda"))
     vocab = loaded.config.vocab_size
     starts = [11, 14, 9]
     tables = []
@@ -240,6 +263,7 @@ def test_padded_static_decode_and_verify_batches_give_the_eager_logits(dense):
     got = runner.run(plan).logits
     assert got.shape == want.shape and (got - want).abs().max().item() <= 1e-5
     assert all(table.cos.shape[0] >= 64 for table in loaded.model.rope.values())
+    assert runner.graphs is not None
 
 
 def test_shared_kv_layers_cost_no_cache_bytes(dense):
