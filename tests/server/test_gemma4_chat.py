@@ -1,15 +1,16 @@
-"""A Gemma 4 text model served: its thought channel (<|channel>thought\\n ... <channel|>) comes back
-split out as reasoning, like <think>, through the official SDKs of both APIs.
+"""A Gemma 4 text model served with Gemma 4's chat template (tests/fixtures/gemma4_chat_template.jinja:
+google-gemma-4-31B-it.jinja as llama.cpp keeps it in models/templates/): its thought channel
+(<|channel>thought\n ... <channel|>) comes back split out as reasoning, like <think>, through the
+official SDKs of both APIs, whether the template opened the channel (thinking on) or the model does.
 
-The chat template here is a small stand-in written for this test, not Gemma 4's own (which this
-repository does not have): it uses the turn and channel markers as transformers' Gemma 4-family
-tests show them rendered: `<|turn>user\\n...<turn|>\\n<|turn>model\\n`, `<|think|>` in a system turn
-when thinking is on, and an empty `<|channel>thought\\n<channel|>` after the generation prompt when
-it is off."""
+Google's published template has had a variant that, with thinking off, closes an empty channel
+after the generation prompt (`<|turn>model\n<|channel>thought\n<channel|>`, as transformers'
+Gemma 4-family tests render it); the parser tests below cover that prompt ending too."""
 from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import anthropic
 import openai
@@ -21,17 +22,10 @@ from tests.conftest import build_hf_model
 from tests.model.test_gemma4 import DENSE
 from tests.server_helpers import build_model, start_server
 
-TEMPLATE = (
-    "{%- set thinking = enable_thinking is defined and enable_thinking -%}"
-    "{%- if thinking %}{{- '<|turn>system\\n<|think|>\\n<turn|>\\n' }}{%- endif %}"
-    "{%- for message in messages %}"
-    "{{- '<|turn>' + ('model' if message.role == 'assistant' else message.role) + '\\n' + message.content"
-    " + '<turn|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|turn>model\\n' }}"
-    "{%- if not thinking %}{{- '<|channel>thought\\n<channel|>' }}{%- endif %}{%- endif %}"
-)
-REPLY = "<|channel>thought\nThe user greets me; answer briefly.<channel|>Hello! How can I help?"
+TEMPLATE = (Path(__file__).parents[1] / "fixtures" / "gemma4_chat_template.jinja").read_text()
+REASONING, ANSWER = "The user greets me; answer briefly.", "Hello! How can I help?"
+REPLY = f"<|channel>thought\n{REASONING}<channel|>{ANSWER}"  # thinking off: the model opens the channel itself
+REPLY_IN_CHANNEL = f"{REASONING}\n<channel|>{ANSWER}"  # thinking on: the prompt opened it
 
 
 def parse(text: str, sizes=None, **kwargs) -> ParsedOutput:
@@ -44,7 +38,7 @@ def parse(text: str, sizes=None, **kwargs) -> ParsedOutput:
 
 
 def test_the_thought_channel_splits_over_any_chunking():
-    want = ParsedOutput("Hello! How can I help?", "The user greets me; answer briefly.", [])
+    want = ParsedOutput(ANSWER, REASONING, [])
     assert parse(REPLY) == want
     rng = random.Random(0)
     for _ in range(100):
@@ -64,35 +58,52 @@ def server(tmp_path_factory):
     model_dir = build_hf_model("qwen3", root / "gemma4", tok_dir, **dict(DENSE, max_position_embeddings=4096))
     srv, llm, forcing = start_server(model_dir, ServerConfig(keepalive=0.3), block_size=16, max_num_seqs=4)
     forcing.scripts["hello"] = REPLY
+    forcing.scripts["hello-thinking"] = REPLY_IN_CHANNEL
     srv.llm = llm
     yield srv
     srv.stop()
 
 
-def test_the_served_model_is_gemma4(server):
+def test_the_served_model_is_gemma4_and_the_template_opens_the_channel_when_thinking(server):
     assert server.llm.engine.loaded.config.family == "gemma4"
+    tokenizer, messages = server.llm.tokenizer, [{"role": "user", "content": "hi"}]
+    on = tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=True)
+    off = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    assert on.startswith("<|turn>system\n<|think|>\n<turn|>\n") and on.endswith("<|turn>model\n<|channel>thought\n")
+    assert off == "<|turn>user\nhi<turn|>\n<|turn>model\n"
+    assert opens_reasoning(on) and not opens_reasoning(off)
 
 
-def test_chat_completions_split_the_thought_channel(server):
+@pytest.mark.parametrize(("model", "thinking"), [("force:hello", False), ("force:hello-thinking", True)])
+def test_chat_completions_split_the_thought_channel(server, model, thinking):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
-    messages = [{"role": "user", "content": "hi"}]
-    reply = client.chat.completions.create(model="force:hello", messages=messages, max_tokens=200)
-    message = reply.choices[0].message
-    assert message.reasoning_content.strip() == "The user greets me; answer briefly."
-    assert message.content.strip() == "Hello! How can I help?"
+    request = dict(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=200,
+                   extra_body={"chat_template_kwargs": {"enable_thinking": thinking}})
+    message = client.chat.completions.create(**request).choices[0].message
+    assert (message.reasoning_content.strip(), message.content.strip()) == (REASONING, ANSWER)
     reasoning, content = "", ""
-    for chunk in client.chat.completions.create(model="force:hello", messages=messages, max_tokens=200,
-                                                stream=True):
+    for chunk in client.chat.completions.create(**request, stream=True):
         delta = chunk.choices[0].delta if chunk.choices else None
         if delta is not None:
             reasoning += getattr(delta, "reasoning_content", None) or ""
             content += delta.content or ""
-    assert (reasoning.strip(), content.strip()) == ("The user greets me; answer briefly.", "Hello! How can I help?")
+    assert (reasoning.strip(), content.strip()) == (REASONING, ANSWER)
 
 
 def test_anthropic_messages_return_a_thinking_block(server):
     client = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
-    reply = client.messages.create(model="force:hello", max_tokens=200, messages=[{"role": "user", "content": "hi"}])
-    assert [block.type for block in reply.content] == ["thinking", "text"]
-    assert reply.content[0].thinking.strip() == "The user greets me; answer briefly."
-    assert reply.content[1].text.strip() == "Hello! How can I help?"
+    for model, thinking in (("force:hello", {"type": "disabled"}),
+                            ("force:hello-thinking", {"type": "enabled", "budget_tokens": 1024})):
+        reply = client.messages.create(model=model, max_tokens=2000, thinking=thinking,
+                                       messages=[{"role": "user", "content": "hi"}])
+        assert [block.type for block in reply.content] == ["thinking", "text"]
+        assert (reply.content[0].thinking.strip(), reply.content[1].text.strip()) == (REASONING, ANSWER)
+
+
+def test_a_reply_with_its_thought_renders_back_without_it(server):
+    """The template strips the thought channel from earlier model turns (strip_thinking)."""
+    tokenizer = server.llm.tokenizer
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": REPLY},
+               {"role": "user", "content": "again"}]
+    prompt = tokenizer.apply_chat_template(history, add_generation_prompt=True)
+    assert f"<|turn>model\n{ANSWER}<turn|>\n" in prompt and REASONING not in prompt
