@@ -20,6 +20,11 @@ def silu_and_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor
     return F.silu(gate) * up
 
 
+def gelu_tanh_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate) (tanh approximation, Gemma's GeGLU) * up; torch on every device."""
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """gate and up [..., n] of one dtype, each with unit stride along n (column slices of one fused
     gate/up projection are fine)."""

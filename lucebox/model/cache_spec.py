@@ -5,6 +5,7 @@ manager and memory planner read only these:
   PagedKVSpec      paged K/V in blocks of tokens ([num_blocks, block_size, kv_heads, head_dim] per
                    K and V, model/kv_cache.PagedKVCache); `window=W`: a sliding-window layer whose
                    queries read only the last W positions, so blocks behind it can be released
+  SharedKVSpec     no storage: the layer reads another layer's paged K/V (Gemma 4's KV sharing)
   RecurrentSpec    a fixed-size recurrent state plus a short conv window per sequence (Gated
                    DeltaNet), in a slot pool with a small per-position stash for verifies
                    (model/recurrent_state.RecurrentState)
@@ -83,7 +84,20 @@ class RecurrentSpec:
                               device, layers)
 
 
-CacheSpec = PagedKVSpec | RecurrentSpec
+@dataclass(frozen=True)
+class SharedKVSpec:
+    """A layer that keeps nothing of its own: it attends to layer `source`'s paged K/V (Gemma 4's
+    KV-shared layers), with the same window."""
+    source: int
+    window: int | None = None
+
+    bytes_per_token = 0.0
+
+    def bytes_per_sequence(self, positions: int = 0) -> int:
+        return 0
+
+
+CacheSpec = PagedKVSpec | RecurrentSpec | SharedKVSpec
 
 
 def bytes_per_token(specs) -> int:

@@ -24,6 +24,8 @@ HF_FAMILIES = {
     "qwen3_5_text": "qwen3_5",
     "qwen3_5_moe": "qwen3_5_moe",  # the same hybrid with a sparse MoE FFN in every layer
     "qwen3_5_moe_text": "qwen3_5_moe",
+    "gemma4": "gemma4",  # sliding/full attention, shared KV, per-layer inputs, MoE (model/gemma4.py)
+    "gemma4_text": "gemma4",
 }
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -199,6 +201,9 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, raw: dict) -> "ModelConfig":
+        if raw.get("model_type") in ("gemma4", "gemma4_text"):
+            from .gemma4_config import gemma4_config
+            return gemma4_config(raw)
         if raw.get("model_type") in ("qwen3_5", "qwen3_5_moe"):  # ConditionalGeneration: the text model's config
             from .hybrid_config import text_config
             raw = text_config(raw)

@@ -25,8 +25,10 @@ from ..util import on_meta
 from ..weights.gguf import FLOAT_TYPES, check_tensors, logical_shape, open_gguf, raw_rows, to_torch
 from ..weights.quant import QuantEmbedding, QuantLinear, QuantTensor
 from ..weights.safetensors import iter_safetensors, safetensors_shapes
+from . import gemma4_checkpoint
 from .assign import assign, empty_model
 from .config import HF_KEYS, ModelConfig
+from .gemma4_config import is_gemma4
 from .gguf_config import (
     HYBRID_ARCHITECTURES,
     ROPE_FREQS,
@@ -124,7 +126,10 @@ def load_model(model: str, dtype: str | torch.dtype | None = None, device: str |
 
 def load_hf(path: Path, dtype, device: torch.device) -> LoadedModel:
     cfg = ModelConfig.from_hf_dir(path)
-    if is_hybrid(cfg):
+    if is_gemma4(cfg):
+        shapes = {gemma4_checkpoint.text_name(name, cfg): shape for name, shape in safetensors_shapes(path).items()}
+        gemma4_checkpoint.check_tensors(cfg, shapes, str(path / "config.json"))
+    elif is_hybrid(cfg):
         shapes = {hf_text_name(name): shape for name, shape in safetensors_shapes(path).items()}
         check_hybrid_tensors(cfg, shapes, str(path / "config.json"))
     else:
@@ -135,6 +140,8 @@ def load_hf(path: Path, dtype, device: torch.device) -> LoadedModel:
     tensors = iter_safetensors(path)
     if is_hybrid(cfg):  # text model only, zero-centred norms as 1 + w
         tensors = hf_text_tensors(tensors, str(path))
+    elif is_gemma4(cfg):  # text model only
+        tensors = gemma4_checkpoint.text_tensors(tensors, cfg, str(path))
     assign(model, stack_experts(_hf_names(tensors, cfg), cfg, str(path)), str(path), torch_dtype)
     model.eval()
     tokenizer = Tokenizer.from_hf_dir(path)

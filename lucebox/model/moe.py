@@ -17,7 +17,7 @@ from torch import nn
 
 from ..errors import CheckpointError
 from ..kernels import dequant
-from ..kernels.activation import silu_and_mul
+from ..kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from ..kernels.linear import linear
 from ..kernels.moe import expert_kernel, expert_matmul
 from ..kernels.routing import TORCH
@@ -29,20 +29,24 @@ from .config import ModelConfig
 # safe). Above it, tokens are sorted by expert and each expert the batch touches runs one product
 # over its tokens. On GPUs the Triton kernels (kernels/moe.py) read the routed experts in place.
 GATHER_ROWS = 16
+# The experts' gated activation by config name; the Triton expert kernels fuse SwiGLU only.
+ACTIVATIONS = {"silu": silu_and_mul, "gelu_pytorch_tanh": gelu_tanh_and_mul}
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts as two stacked tensors; forward mixes each token's routed experts."""
+    """E gated experts (SwiGLU, or GeGLU with activation="gelu_pytorch_tanh") as two stacked tensors;
+    forward mixes each token's routed experts."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str = "silu"):
         super().__init__()
         self.num_experts, self.intermediate_size = num_experts, intermediate_size
+        self.activation, self.act = activation, ACTIVATIONS[activation]
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H]; ids, weights [T, k]: sum over j of weights[t, j] * expert_{ids[t, j]}(x[t])."""
-        kernel = expert_kernel(x, ids, self.gate_up_proj, self.down_proj)
+        kernel = expert_kernel(x, ids, self.gate_up_proj, self.down_proj) if self.activation == "silu" else TORCH
         if kernel != TORCH:
             return expert_matmul(x, ids, weights, self.gate_up_proj, self.down_proj, kernel)
         tokens, k = ids.shape
@@ -58,7 +62,7 @@ class Experts(nn.Module):
         """[T*k, H]: row r is expert flat_ids[r] of token r // k, from the gathered routed matrices."""
         h = x.repeat_interleave(k, dim=0).unsqueeze(-1)  # [T*k, H, 1]
         gate_up = torch.bmm(expert_weights(self.gate_up_proj, flat_ids, x.dtype), h).squeeze(-1)
-        act = silu_and_mul(*gate_up.split(self.intermediate_size, dim=-1))
+        act = self.act(*gate_up.split(self.intermediate_size, dim=-1))
         return torch.bmm(expert_weights(self.down_proj, flat_ids, x.dtype), act.unsqueeze(-1)).squeeze(-1)
 
     def _grouped(self, x: torch.Tensor, flat_ids: torch.Tensor, k: int) -> torch.Tensor:
@@ -72,7 +76,7 @@ class Experts(nn.Module):
             if count:
                 rows = slice(start, start + count)
                 gate_up = F.linear(sorted_x[rows], expert_weights(self.gate_up_proj, expert, x.dtype))
-                act = silu_and_mul(*gate_up.split(self.intermediate_size, dim=-1))
+                act = self.act(*gate_up.split(self.intermediate_size, dim=-1))
                 sorted_out[rows] = F.linear(act, expert_weights(self.down_proj, expert, x.dtype))
                 start += count
         out = torch.empty_like(sorted_out)

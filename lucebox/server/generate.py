@@ -22,7 +22,7 @@ from ..errors import LuceboxError
 from ..sampling import SamplingParams
 from .constrain import BanTokens
 from .errors import APIError, context_error, from_lucebox
-from .parsing import Event, OutputParser
+from .parsing import REASONING_CLOSES, REASONING_OPENS, Event, OutputParser, opens_reasoning
 from .tools import ToolSpec, param_schemas, template_tools
 
 log = logging.getLogger("lucebox.server")
@@ -131,7 +131,7 @@ def render_chat(state, job: ChatJob) -> Prepared:
             raise APIError(400, str(again), param="messages") from again
     ids = tok.encode(text, add_special_tokens=False)
     # A template that opens <think> itself (thinking models) starts the output inside reasoning.
-    in_reasoning = text.rstrip().endswith("<think>")
+    in_reasoning = opens_reasoning(text)
     schemas = param_schemas(job.tools)
 
     def parser() -> OutputParser:
@@ -244,7 +244,7 @@ def _param_of(message: str) -> str | None:
 def skip_special_tokens(state) -> bool:
     """Keep special tokens in the text when the tags the parser needs are special tokens."""
     special = set(state.tokenizer.all_special_ids)
-    for tag in ("<think>", "</think>", "<tool_call>", "</tool_call>"):
+    for tag in (*REASONING_OPENS, *REASONING_CLOSES, "<|channel>", "<tool_call>", "</tool_call>"):
         if state.tokenizer.token_to_id(tag) in special:
             return False
     return True

@@ -1,4 +1,4 @@
-"""Incremental output parsing: reasoning (<think>), content and tool calls, over any chunking.
+"""Incremental output parsing: reasoning (<think>, Gemma 4's thought channel), content and tool calls, over any chunking.
 
 The engine hands over text in arbitrary pieces (several tokens per step under speculation, a tag
 split over two steps...). `OutputParser.feed(piece)` returns the events that piece completes and
@@ -17,6 +17,10 @@ import re
 from dataclasses import dataclass
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+# Reasoning markers: <think>...</think> (Qwen, DeepSeek...) and Gemma 4's thought channel,
+# <|channel>thought\n...<channel|> (the newline after it is framing, stripped like "<think>\n").
+REASONING_OPENS = (THINK_OPEN, "<|channel>thought")
+REASONING_CLOSES = (THINK_CLOSE, "<channel|>")
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 FUNC_OPEN, FUNC_CLOSE = "<function=", "</function>"
 PARAM_OPEN, PARAM_CLOSE = "<parameter=", "</parameter>"
@@ -32,6 +36,11 @@ class Event:
     text: str = ""
     call: int = -1  # tool-call index within this output
     name: str = ""
+
+
+def opens_reasoning(prompt: str) -> bool:
+    """Whether a rendered prompt ends inside an opened reasoning section (the output starts there)."""
+    return prompt.rstrip().endswith(REASONING_OPENS)
 
 
 def _held_prefix(text: str, tags) -> int:
@@ -76,18 +85,18 @@ class OutputParser:
         if self.mode == "tool":
             return self._tool_step(out, final)
         if self.mode == "reasoning":
-            tags = [THINK_CLOSE]
+            tags = list(REASONING_CLOSES)
         else:
-            tags = ([THINK_OPEN] if self.reasoning else []) + ([TOOL_OPEN, FUNC_OPEN] if self.tools else [])
+            tags = (list(REASONING_OPENS) if self.reasoning else []) + ([TOOL_OPEN, FUNC_OPEN] if self.tools else [])
         found = [(self.buf.find(t), t) for t in tags]
         found = [(p, t) for p, t in found if p >= 0]
         if found:
             pos, tag = min(found)
             self._text(out, self.buf[:pos].rstrip())
             self.buf = self.buf[pos:] if tag == FUNC_OPEN else self.buf[pos + len(tag):]
-            if tag == THINK_CLOSE:
+            if tag in REASONING_CLOSES:
                 self.mode = "content"
-            elif tag == THINK_OPEN:
+            elif tag in REASONING_OPENS:
                 self.mode = "reasoning"
             else:
                 self.mode = "tool"

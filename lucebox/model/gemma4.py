@@ -1,0 +1,230 @@
+"""Gemma 4 text models (31B dense, 26B-A4B MoE; HF model_type `gemma4`, `gemma4_text`), as
+transformers' Gemma4TextModel computes them (config fields: model/gemma4_config.py).
+
+Each layer: sandwich RMSNorms around attention and the FFN (norm -> block -> norm -> + residual),
+then optionally the per-layer input (gelu(gate(x)) * its per-layer embedding -> projection -> norm
+-> + residual), and the layer's learned scalar. RMSNorm weights multiply as they are (w, not 1 + w).
+Attention: q and k RMS-normalised per head, v normalised without a weight, scale 1.0 (the norms
+set the logit size), RoPE per layer type (sliding layers their table, full layers theirs, which may
+turn only part of each head: proportional RoPE); full-attention layers may have their own head size
+and K/V head count and, with attention_k_eq_v, take v from k's projection. The last
+num_kv_shared_layers layers keep no K/V: they attend to an earlier layer's cache (SharedKVSpec).
+The MoE block of 26B-A4B runs beside the dense MLP: a router over the pre-FFN stream (unit RMSNorm,
+scaled, softmax top-k renormalised, times a per-expert scale) and GeGLU experts (model/moe.Experts).
+Embeddings are scaled by sqrt(hidden_size) in the model dtype; the logits are soft-capped.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..kernels.activation import gelu_tanh_and_mul
+from ..kernels.attention import paged_attention
+from ..kernels.dispatch import decided_once
+from ..kernels.forward_batch import ForwardBatch
+from ..kernels.norm import rms_norm
+from ..kernels.rope import apply_rope
+from .cache_spec import PagedKVSpec, SharedKVSpec
+from .gemma4_config import FULL, Gemma4Config
+from .moe import Experts
+from .rope import RopeTable
+from .transformer import RMSNorm, Transformer
+
+
+def unit_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm without a weight (Gemma 4's v norm and router norm), in float32 like the others."""
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rope_table(rotary, head_dim: int) -> RopeTable:
+    """RoPE over head_dim; proportional RoPE zeroes the frequencies past its fraction (those dims stay put)."""
+    table = RopeTable(rotary.rope, head_dim)
+    table.inv_freq[int(rotary.fraction * head_dim // 2):] = 0.0
+    return table
+
+
+class RopeTables(dict):
+    """The RoPE table of each layer type; reserve() covers them all (a captured CUDA graph must
+    never see a table regrow)."""
+
+    def reserve(self, length: int, device) -> None:
+        for table in self.values():
+            table.reserve(length, device)
+
+
+class Gemma4Attention(nn.Module):
+    def __init__(self, cfg: Gemma4Config, layer: int):
+        super().__init__()
+        self.kind = cfg.layer_types[layer]
+        self.num_heads, self.head_dim = cfg.num_heads, cfg.layer_head_dims[layer]
+        self.num_kv_heads = cfg.layer_kv_heads[layer]
+        self.sliding_window = cfg.sliding_windows[layer]
+        self.eps = cfg.rms_norm_eps
+        self.source = cfg.kv_sources[layer]
+        self.k_eq_v = cfg.attention_k_eq_v and self.kind == FULL
+        q_size, kv_size = cfg.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, q_size, bias=cfg.qkv_bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        if self.source == layer:
+            self.k_proj = nn.Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias)
+            self.v_proj = None if self.k_eq_v else nn.Linear(cfg.hidden_size, kv_size, bias=cfg.qkv_bias)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.k_cache = None  # paged K/V stores, installed by the runner (a KV-shared layer: its source's)
+        self.v_cache = None
+        self.shares = ()  # (source attention,): a tuple, so the source is not registered as a submodule
+
+    def cache_spec(self, model_dtype: torch.dtype, cache_type_k: str | None = "auto",
+                   cache_type_v: str | None = "auto", rotate_k: bool = False):
+        if self.shares:
+            return SharedKVSpec(self.source, self.sliding_window)
+        return PagedKVSpec.of(self.num_kv_heads, self.head_dim, model_dtype, cache_type_k, cache_type_v,
+                              self.sliding_window, rotate_k)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        tokens = h.shape[0]
+        q = self.q_proj(h).view(tokens, self.num_heads, self.head_dim)
+        q = apply_rope(rms_norm(q, self.q_norm.weight, self.eps), cos, sin)
+        if self.shares:
+            k_cache, v_cache = self.shares[0].k_cache, self.shares[0].v_cache
+        else:
+            k_cache, v_cache = self.k_cache, self.v_cache
+            k = self.k_proj(h).view(tokens, self.num_kv_heads, self.head_dim)
+            v = k if self.v_proj is None else self.v_proj(h).view(tokens, self.num_kv_heads, self.head_dim)
+            k_cache.write(apply_rope(rms_norm(k, self.k_norm.weight, self.eps), cos, sin), batch.slot_mapping)
+            v_cache.write(unit_rms_norm(v, self.eps), batch.slot_mapping)
+        o = paged_attention(q.contiguous(), k_cache, v_cache, batch, 1.0, self.sliding_window)
+        return self.o_proj(o.reshape(tokens, -1))
+
+
+class GeGLU(nn.Module):
+    """gate/up/down with gelu-tanh: Gemma's dense MLP."""
+
+    def __init__(self, hidden: int, width: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, width, bias=False)
+        self.up_proj = nn.Linear(hidden, width, bias=False)
+        self.down_proj = nn.Linear(width, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(gelu_tanh_and_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+class Gemma4Router(nn.Module):
+    def __init__(self, cfg: Gemma4Config):
+        super().__init__()
+        self.top_k, self.eps, self.root = cfg.num_experts_per_tok, cfg.rms_norm_eps, cfg.hidden_size ** -0.5
+        self.proj = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.scale = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.per_expert_scale = nn.Parameter(torch.ones(cfg.num_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(expert ids [T, k], their weights [T, k] in x's dtype)."""
+        h = unit_rms_norm(x, self.eps) * self.scale * self.root
+        probs = torch.softmax(self.proj(h).float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True) * self.per_expert_scale[ids].float()
+        return ids, weights.to(x.dtype)
+
+
+class Gemma4DecoderLayer(nn.Module):
+    def __init__(self, cfg: Gemma4Config, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.kind = cfg.layer_types[layer]
+        norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm, self.post_attention_layernorm = norm(), norm()
+        self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
+        self.self_attn = Gemma4Attention(cfg, layer)
+        width = cfg.intermediate_size * (2 if cfg.double_wide_mlp[layer] else 1)
+        self.mlp = GeGLU(cfg.hidden_size, width)
+        self.moe = cfg.moe_layers[layer]
+        if self.moe:
+            self.router = Gemma4Router(cfg)
+            self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, "gelu_pytorch_tanh")
+            self.post_feedforward_layernorm_1, self.post_feedforward_layernorm_2 = norm(), norm()
+            self.pre_feedforward_layernorm_2 = norm()
+        self.per_layer = cfg.hidden_size_per_layer_input
+        if self.per_layer:
+            self.per_layer_input_gate = nn.Linear(cfg.hidden_size, self.per_layer, bias=False)
+            self.per_layer_projection = nn.Linear(self.per_layer, cfg.hidden_size, bias=False)
+            self.post_per_layer_input_norm = norm()
+        self.layer_scalar = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor, per_layer_input: torch.Tensor | None, cos, sin, batch) -> torch.Tensor:
+        """The residual stream after this layer."""
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, batch))
+        h = self.mlp(self.pre_feedforward_layernorm(x))
+        if self.moe:
+            routed = self.experts(self.pre_feedforward_layernorm_2(x), *self.router(x))
+            h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(routed)
+        x = x + self.post_feedforward_layernorm(h)
+        if self.per_layer:
+            h = gelu_tanh_and_mul(self.per_layer_input_gate(x), per_layer_input)
+            x = x + self.post_per_layer_input_norm(self.per_layer_projection(h))
+        return x * self.layer_scalar
+
+
+class Gemma4Model(Transformer):
+    """Transformer's embedding table, final norm, LM head and cache plumbing; Gemma 4's layers,
+    scaled embeddings, per-layer inputs, two RoPE tables and soft-capped logits."""
+
+    def __init__(self, cfg: Gemma4Config):
+        super().__init__(cfg, Gemma4DecoderLayer)
+        for layer in self.layers:
+            attn = layer.self_attn
+            if attn.source != layer.layer:
+                attn.shares = (self.layers[attn.source].self_attn,)
+        self.rope = RopeTables({kind: rope_table(cfg.rotary[kind], self._head_dim(kind)) for kind in cfg.rotary})
+        per_layer = cfg.hidden_size_per_layer_input
+        if per_layer:
+            size = cfg.num_layers * per_layer
+            self.embed_tokens_per_layer = nn.Embedding(cfg.vocab_size_per_layer_input, size)
+            self.per_layer_model_projection = nn.Linear(cfg.hidden_size, size, bias=False)
+            self.per_layer_projection_norm = RMSNorm(per_layer, cfg.rms_norm_eps)
+
+    def _head_dim(self, kind: str) -> int:
+        return next(layer.self_attn.head_dim for layer in self.layers if layer.kind == kind)
+
+    def cache_specs(self, cache_type_k: str | None = "auto", cache_type_v: str | None = "auto",
+                    rotate_k: bool = False) -> list:
+        """Per layer: paged K/V (windowed on sliding layers), or SharedKVSpec for KV-shared layers."""
+        return [layer.self_attn.cache_spec(self.dtype, cache_type_k, cache_type_v, rotate_k) for layer in self.layers]
+
+    def fuse_projections(self) -> None:
+        """Nothing fused yet: the GeGLU MLP and the normalised q/k/v keep their own products."""
+
+    def per_layer_inputs(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+        """[T, layers, per-layer size]: each token's per-layer embedding mixed with a projection of x."""
+        cfg = self.config
+        size = cfg.hidden_size_per_layer_input
+        if not size:
+            return None
+        shape = (ids.shape[0], cfg.num_layers, size)
+        table = self.embed_tokens_per_layer(ids) * torch.tensor(size ** 0.5).to(x.dtype)
+        projected = self.per_layer_model_projection(x) * cfg.hidden_size ** -0.5
+        projected = self.per_layer_projection_norm(projected.view(shape))
+        return (projected + table.view(shape)) * 2.0 ** -0.5
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """New tokens of a ragged batch -> final hidden states [T, hidden]; the streams after the
+        layers in batch.capture_layers go to batch.captured."""
+        with decided_once():
+            ids = batch.input_ids
+            x = self.embed_tokens(ids)
+            x = x * torch.tensor(self.config.hidden_size ** 0.5).to(x.dtype)
+            per_layer = self.per_layer_inputs(ids, x)
+            tables = {kind: table.lookup(batch.positions, x.dtype, batch.position_bound)
+                      for kind, table in self.rope.items()}
+            for i, layer in enumerate(self.layers):
+                x = layer(x, None if per_layer is None else per_layer[:, i], *tables[layer.kind], batch)
+                if i in batch.capture_layers:
+                    batch.captured[i] = x
+            return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
