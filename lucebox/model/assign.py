@@ -16,9 +16,11 @@ log = logging.getLogger("lucebox")
 
 
 def empty_model(cfg, dtype: torch.dtype, device: torch.device | str) -> Transformer:
+    from .laguna import LagunaTransformer
     from .qwen3_5 import HybridTransformer, is_hybrid
     with on_meta():
-        model = HybridTransformer(cfg) if is_hybrid(cfg) else Transformer(cfg)
+        model = (LagunaTransformer(cfg) if cfg.family == "laguna" else
+                 HybridTransformer(cfg) if is_hybrid(cfg) else Transformer(cfg))
     return model.to(dtype=dtype).to_empty(device=device)
 
 
