@@ -102,7 +102,7 @@ class LagunaAttention(nn.Module):
         if self.gate_per_head:
             o = o * gate.unsqueeze(-1)
         else:
-            o = o * gate.view(tokens, self.num_heads, self.head_dim)
+            o = o * gate.reshape(tokens, self.num_heads, self.head_dim)
         return linear(o.reshape(tokens, -1), self.o_proj)
 
 

@@ -133,6 +133,15 @@ def reference_logits(reference, prompt: list[int]) -> torch.Tensor:
         return reference(torch.tensor([prompt])).logits[0]
 
 
+def reference_greedy(reference, prompt: list[int], n: int) -> list[int]:
+    """transformers' argmax tokens, EOS (token 2 here) included as lucebox's ignore_eos does: generate's
+    min_new_tokens would rule EOS out instead."""
+    tokens = list(prompt)
+    for _ in range(n):
+        tokens.append(int(reference_logits(reference, tokens)[-1].argmax()))
+    return tokens[len(prompt):]
+
+
 def test_config_and_model_take_the_laguna_shape(laguna_path):
     loaded = load_model(str(laguna_path), dtype="float32")
     cfg = loaded.config
@@ -203,15 +212,15 @@ def test_per_element_gates_softmax_routing_and_weights_on_input_match_their_defi
 
 
 def test_greedy_generation_in_a_continuous_batch_equals_transformers(laguna_path, reference):
+    """Then prompts extending earlier ones, their prefixes (past the window) served from the prefix cache."""
     llm = LLM(str(laguna_path), block_size=BLOCK_SIZE, max_num_batched_tokens=8, max_num_seqs=3)
     batch = prompts(llm.engine.loaded.config.vocab_size, [15, 6, 11], seed=7)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
-    for prompt, out in zip(batch, outs):
-        with torch.no_grad():
-            want = reference.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
-                                      min_new_tokens=10)[0, len(prompt):].tolist()
-        assert list(out.outputs[0].token_ids) == want
+    for round_ in (batch, [batch[0] + [5, 6, 7], batch[2] + [9]]):
+        outs = llm.generate([{"prompt_token_ids": p} for p in round_], params, use_tqdm=False)
+        for prompt, out in zip(round_, outs):
+            assert list(out.outputs[0].token_ids) == reference_greedy(reference, prompt, 10)
+    assert sum(o.num_cached_tokens for o in outs) >= 2 * 8
 
 
 def test_router_options_route_as_defined():
