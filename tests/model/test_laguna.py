@@ -196,6 +196,29 @@ def test_chunked_prefill_and_decode_match_transformers(laguna_path, reference):
     assert (got - reference_logits(reference, prompt)).abs().max().item() <= 1e-4
 
 
+def test_layers_with_different_kv_head_counts_keep_their_own_cache_shapes(laguna_path, reference):
+    """The KV pool is per layer: layer 1's 2 KV heads expanded to one per query head (each repeated 3
+    times: the same attention) give a pool of 2, 6, 2 and 2 KV heads and transformers' logits."""
+    from lucebox.model.cache_spec import bytes_per_token
+    loaded = load_model(str(laguna_path), dtype="float32")
+    attn = loaded.model.layers[1].self_attn
+    groups, width = attn.num_heads // attn.num_kv_heads, loaded.config.hidden_size
+    for name in ("k_proj", "v_proj"):
+        rows = getattr(attn, name).weight.detach().view(attn.num_kv_heads, -1, width)
+        expanded = torch.nn.Linear(width, attn.num_heads * attn.head_dim, bias=False)
+        expanded.weight = torch.nn.Parameter(rows.repeat_interleave(groups, dim=0).reshape(-1, width))
+        setattr(attn, name, expanded)
+    attn.num_kv_heads = attn.num_heads
+    specs = loaded.model.cache_specs()
+    assert [s.num_kv_heads for s in specs] == [2, 6, 2, 2]
+    assert bytes_per_token(specs) == (2 + 6 + 2 + 2) * 16 * 2 * 4  # K and V, float32
+    runner, _ = runner_for(loaded)
+    assert [tuple(k.values.shape[2:]) for k, _ in runner.caches] == [(2, 16), (6, 16), (2, 16), (2, 16)]
+    (prompt,) = prompts(loaded.config.vocab_size, [19], seed=9)
+    got = chunked_logits(loaded, prompt, (8, 1, 6, 1, 1, 2))
+    assert (got - reference_logits(reference, prompt)).abs().max().item() <= 1e-4
+
+
 def test_per_element_gates_softmax_routing_and_weights_on_input_match_their_definition(per_element_path):
     sigmoid_path, path = per_element_path
     loaded = load_model(str(path), dtype="float32")
