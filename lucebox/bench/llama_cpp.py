@@ -34,6 +34,7 @@ from gguf import GGML_QUANT_SIZES, GGUFWriter, LlamaFileType
 from gguf import GGMLQuantizationType as Q
 
 from ..convert import write_shape_metadata
+from ..model.assign import model_class
 from ..model.config import ModelConfig
 from ..model.gguf_config import FAMILY_TO_HYBRID_ARCH, GLOBAL_TENSORS, LAYER_TENSORS
 from ..model.gguf_hybrid_config import write_hybrid_keys
@@ -70,7 +71,7 @@ def _layout(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], str, tuple[int
     if cfg.family in FAMILY_TO_HYBRID_ARCH:
         return [(name, shape, ours, our_shape) for name, shape, ours, _, our_shape in llama_cpp_tensors(cfg)]
     with on_meta():
-        model = shapes.model_class(cfg)(cfg)
+        model = model_class(cfg)(cfg)
     layout = []
     for ours, p in model.named_parameters():
         match = _LAYER.fullmatch(ours)

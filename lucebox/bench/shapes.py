@@ -34,7 +34,7 @@ from gguf import GGMLQuantizationType as Q
 
 from ..errors import RequestError
 from ..kernels.dequant import IQ4_KVALUES
-from ..model.assign import assign, empty_model
+from ..model.assign import assign, empty_model, model_class
 from ..model.config import ModelConfig
 from ..model.loader import LoadedModel
 from ..model.transformer import Transformer
@@ -187,11 +187,6 @@ def _random_tokenizer(vocab_size: int):
     backend = Backend(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return Tokenizer(backend, name=f"random word-level vocabulary of {vocab_size}")
-
-
-def model_class(cfg: ModelConfig):
-    from ..model.qwen3_5 import HybridTransformer, is_hybrid
-    return HybridTransformer if is_hybrid(cfg) else Transformer
 
 
 @torch.no_grad()

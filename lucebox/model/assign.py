@@ -15,12 +15,22 @@ from .transformer import Transformer
 log = logging.getLogger("lucebox")
 
 
-def empty_model(cfg, dtype: torch.dtype, device: torch.device | str) -> Transformer:
+def model_class(cfg) -> type[Transformer]:
+    """The model class of a config's family: the one place a family picks its modules."""
     from .gemma4 import Gemma4Model
     from .gemma4_config import is_gemma4
+    from .laguna import LagunaTransformer
     from .qwen3_5 import HybridTransformer, is_hybrid
+    if is_gemma4(cfg):
+        return Gemma4Model
+    if cfg.family == "laguna":
+        return LagunaTransformer
+    return HybridTransformer if is_hybrid(cfg) else Transformer
+
+
+def empty_model(cfg, dtype: torch.dtype, device: torch.device | str) -> Transformer:
     with on_meta():
-        model = Gemma4Model(cfg) if is_gemma4(cfg) else HybridTransformer(cfg) if is_hybrid(cfg) else Transformer(cfg)
+        model = model_class(cfg)(cfg)
     return model.to(dtype=dtype).to_empty(device=device)
 
 

@@ -26,6 +26,7 @@ HF_FAMILIES = {
     "qwen3_5_moe_text": "qwen3_5_moe",
     "gemma4": "gemma4",  # sliding/full attention, shared KV, per-layer inputs, MoE (model/gemma4.py)
     "gemma4_text": "gemma4",
+    "laguna": "laguna",  # Poolside Laguna: per-layer heads, gated attention, sigmoid-routed MoE (model/laguna.py)
 }
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -212,6 +213,10 @@ class ModelConfig:
         if family == "qwen3_5_moe":
             from .hybrid_config import moe_text_config
             raw = moe_text_config(raw)
+        config_class, extra = cls, {}
+        if family == "laguna":
+            from .laguna_config import LagunaConfig, laguna_fields, laguna_raw
+            config_class, extra, raw = LagunaConfig, laguna_fields(raw), laguna_raw(raw)
         if family is None:
             raise UnsupportedError(
                 f"architecture model_type={model_type!r} ({raw.get('architectures')}) is not supported; "
@@ -233,7 +238,7 @@ class ModelConfig:
         for key in ("hidden_act", "torch_dtype", "dtype"):
             if raw.get(key) is not None and not isinstance(raw[key], str):
                 raise CheckpointError(f"{key} must be a string, got {raw[key]!r:.80}")
-        return cls(
+        return config_class(
             family=family,
             vocab_size=integer("vocab_size", "vocab_size"),
             hidden_size=hidden,
@@ -259,6 +264,7 @@ class ModelConfig:
             eos_token_ids=[check_int(i, "token_id", "eos_token_id") for i in eos_ids],
             **hf_moe(raw, layers),
             **(hybrid_fields(raw, layers) if family in ("qwen3_5", "qwen3_5_moe") else {}),
+            **extra,
         )
 
 

@@ -44,6 +44,7 @@ from .gguf_config import (
 from .gguf_hybrid_config import hybrid_model_config
 from .gguf_hybrid_load import check_hybrid_layers, hybrid_tensors
 from .gguf_hybrid_load import check_hybrid_tensors as check_hybrid_gguf
+from .laguna import check_laguna_tensors
 from .moe import stack_experts
 from .qwen3_5 import HybridTransformer, check_hybrid_tensors, hf_text_name, hf_text_tensors, is_hybrid
 from .rope import RopeTable
@@ -132,6 +133,9 @@ def load_hf(path: Path, dtype, device: torch.device) -> LoadedModel:
     elif is_hybrid(cfg):
         shapes = {hf_text_name(name): shape for name, shape in safetensors_shapes(path).items()}
         check_hybrid_tensors(cfg, shapes, str(path / "config.json"))
+    elif cfg.family == "laguna":
+        shapes = {name.removeprefix("model."): shape for name, shape in safetensors_shapes(path).items()}
+        check_laguna_tensors(cfg, shapes, str(path / "config.json"))
     else:
         shapes = {name.removeprefix("model."): shape for name, shape in safetensors_shapes(path).items()}
         check_config_against_tensors(cfg, shapes, str(path / "config.json"), HF_KEYS)

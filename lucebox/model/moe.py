@@ -1,5 +1,10 @@
-"""Sparse mixture-of-experts FFN: softmax top-k routing over stacked experts, plus an optional shared
-expert behind a sigmoid gate (Qwen3-MoE has none; Qwen3.5-MoE has one).
+"""Sparse mixture-of-experts FFN: top-k routing over stacked experts, plus an optional shared expert
+behind a sigmoid gate (Qwen3-MoE has none; Qwen3.5-MoE has one).
+
+Routing (how a router's logits choose and weigh each token's experts) is Qwen's softmax top-k by
+default; Routing also describes sigmoid scoring, an expert-selection bias (the aux-loss-free
+`e_score_correction_bias`), tanh soft-capping of the logits, a scale on the routed experts' sum
+and weights applied to each expert's input instead of its output (Laguna, DeepSeek-V3 style).
 
 Experts are stacked tensors [E, out, in] (`experts.gate_up_proj` [E, 2 * I, H] and `experts.down_proj`
 [E, H, I], the layout transformers 5 holds in memory), so a stacked quantised tensor can replace
@@ -10,6 +15,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -96,34 +102,91 @@ def expert_weights(w: torch.Tensor | QuantTensor, ids: torch.Tensor | int, dtype
     return values.reshape(*rows.shape[:-1], cols)
 
 
-class SparseMoE(nn.Module):
-    """The FFN of a MoE layer. Module names follow the HF checkpoints: `gate` is the router."""
+@dataclass(frozen=True)
+class Routing:
+    """How a router's logits [T, E] become each token's top-k experts and their weights."""
+    top_k: int
+    norm_topk_prob: bool = True  # renormalise the chosen weights to sum to 1
+    scoring: str = "softmax"  # or "sigmoid": one independent score per expert
+    logit_softcap: float = 0.0  # > 0: logits -> softcap * tanh(logits / softcap) before scoring
+    selection_bias: bool = False  # experts chosen by score + experts.e_score_correction_bias, weighed by score
+    routed_scaling_factor: float = 1.0  # scales the routed experts' sum (not the shared expert)
+    weights_on_input: bool = False  # expert e reads weight_e * x; its output is summed unweighted
 
-    def __init__(self, cfg: ModelConfig):
+    def __post_init__(self):
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"routing scoring must be softmax or sigmoid, got {self.scoring!r}")
+
+    def choose(self, logits: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(expert ids [T, k], float32 weights [T, k]) of float32 logits [T, E]."""
+        if self.logit_softcap > 0:
+            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
+        scores = torch.softmax(logits, dim=-1) if self.scoring == "softmax" else torch.sigmoid(logits)
+        if bias is None:
+            weights, ids = torch.topk(scores, self.top_k, dim=-1)
+        else:
+            ids = torch.topk(scores + bias.to(scores.dtype), self.top_k, dim=-1).indices
+            weights = scores.gather(-1, ids)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights
+
+
+class SparseMoE(nn.Module):
+    """The FFN of a MoE layer. Module names follow the HF checkpoints: `gate` is the router, a
+    selection bias is `experts.e_score_correction_bias` (where Laguna's files keep it). `routing`
+    defaults to the config's softmax top-k; the shared expert (where the config sizes one) is added
+    behind a sigmoid gate (`shared_expert_gate`, Qwen 3.5) or, with shared_expert_gated=False, as is."""
+
+    def __init__(self, cfg: ModelConfig, routing: Routing | None = None, shared_expert_gated: bool = True):
         super().__init__()
         from .transformer import MLP  # the shared expert is a dense SwiGLU MLP of its own width
 
-        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.routing = routing or Routing(cfg.num_experts_per_tok, cfg.norm_topk_prob)
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        if self.routing.selection_bias:
+            self.experts.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts), requires_grad=False)
+        self.shared_expert = self.shared_expert_gate = None
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = MLP(cfg, cfg.shared_expert_intermediate_size)
-            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
-        else:
-            self.shared_expert = None
+            if shared_expert_gated:
+                self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+
+    @property
+    def top_k(self) -> int:
+        return self.routing.top_k
+
+    @property
+    def norm_topk_prob(self) -> bool:
+        return self.routing.norm_topk_prob
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(expert ids [T, k], their weights [T, k] in x's dtype): top-k of the softmax in float32."""
-        probs = torch.softmax(linear(x, self.gate).float(), dim=-1)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        """(expert ids [T, k], their weights [T, k] in x's dtype), computed in float32."""
+        bias = self.experts.e_score_correction_bias if self.routing.selection_bias else None
+        ids, weights = self.routing.choose(linear(x, self.gate).float(), bias)
         return ids, weights.to(x.dtype)
 
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
+        """The routed experts' part of the output."""
+        ids, weights = self.route(x)
+        if self.routing.weights_on_input:  # one row per (token, expert), pre-weighted, through the same experts
+            tokens, k = ids.shape
+            rows = (x.unsqueeze(1) * weights.unsqueeze(-1)).reshape(tokens * k, -1)
+            out = self.experts(rows, ids.reshape(-1, 1), torch.ones_like(weights).reshape(-1, 1))
+            out = out.view(tokens, k, -1).sum(dim=1)
+        else:
+            out = self.experts(x, ids, weights)
+        if self.routing.routed_scaling_factor != 1.0:
+            out = out * self.routing.routed_scaling_factor
+        return out
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, *self.route(x))
-        if self.shared_expert is not None:
+        out = self.routed(x)
+        if self.shared_expert_gate is not None:
             out = out + torch.sigmoid(linear(x, self.shared_expert_gate)) * self.shared_expert(x)
+        elif self.shared_expert is not None:
+            out = out + self.shared_expert(x)
         return out
 
     def fuse(self) -> None:
