@@ -24,7 +24,7 @@ import logging
 
 import torch
 
-from ..model.cache_spec import RecurrentSpec, bytes_per_sequence, bytes_per_token, kv_groups
+from ..model.cache_spec import KVGroup, RecurrentSpec, bytes_per_sequence, bytes_per_token, kv_groups
 from ..model.recurrent_state import RecurrentState
 from ..util import host_to_device
 from .block_manager import BlockManager, extend_hashes, prefix_chunks
@@ -44,14 +44,15 @@ class CachedPrefix(list):
 
 class CacheManager:
     def __init__(self, specs, num_blocks: int | list[int], block_size: int, enable_prefix_caching: bool = True,
-                 num_slots: int = 0, verify_positions: int = 0):
+                 num_slots: int = 0, verify_positions: int = 0, groups: list[KVGroup] | None = None):
         """specs: every cache spec whose state follows the target's sequences (the model's layers
         and the proposer's); num_blocks: the pool of each KV cache group (kv_groups(specs); one
         number: every group's); num_slots / verify_positions: recurrent slots (at most this many
-        sequences at once) and the positions a verify may stash (1 + the longest draft)."""
+        sequences at once) and the positions a verify may stash (1 + the longest draft); groups:
+        the KV cache groups when not kv_groups(specs) (the runner's, runner.model_kv_groups)."""
         self.specs = tuple(specs)
         self.recurrent = [s for s in self.specs if isinstance(s, RecurrentSpec)]
-        self.groups = kv_groups(self.specs)
+        self.groups = groups if groups is not None else kv_groups(self.specs)
         counts = list(num_blocks) if isinstance(num_blocks, (list, tuple)) else [num_blocks] * max(1, len(self.groups))
         # Recurrent state belongs to the whole prefix, not to a block: no prefix sharing with it.
         prefix = enable_prefix_caching and not self.recurrent

@@ -11,7 +11,7 @@ import torch
 
 from ..config import EngineArgs
 from ..errors import ContextLengthError, OverloadError, RequestError, UnsupportedError
-from ..model.cache_spec import RecurrentSpec, bytes_per_sequence, bytes_per_token, kv_groups, plan_pools
+from ..model.cache_spec import RecurrentSpec, bytes_per_sequence, bytes_per_token, plan_pools
 from ..model.loader import LoadedModel
 from ..outputs import RequestOutput
 from ..sampling import SamplingParams
@@ -25,7 +25,7 @@ from .cuda_graphs import GraphSettings
 from .output_processor import OutputProcessor
 from .overlap import Overlap
 from .progress import PrefillProgress
-from .runner import ModelRunner
+from .runner import ModelRunner, model_kv_groups
 from .scheduler import Scheduler
 from .sequence import Sequence
 from .step_plan import CATCH_UP_LENS, RowKind, StepPlan, StepPlanner, StepResult
@@ -52,7 +52,7 @@ class LLMEngine:
             # Recurrent state cannot be recomputed over cached positions: taps captured in every step.
             self.speculator.capture_every_step()
         specs += self.speculator.proposer.cache_specs() if self.speculator is not None else []
-        groups = kv_groups(specs)  # layers sharing a block table: full attention, and each sliding window
+        groups = model_kv_groups(self.model, specs)  # layers sharing a block table: full, each sliding window
         pools = self._plan_kv_blocks(specs, groups)
         num_blocks = pools[0]
         graphs = self._graph_settings()
@@ -61,7 +61,7 @@ class LLMEngine:
                                   group_blocks=pools[1:])
         # Recurrent layers (hybrids): one state slot per running sequence, prefix reuse off (CacheManager).
         cache = CacheManager(specs, pools, args.block_size, args.enable_prefix_caching, args.max_num_seqs,
-                             self._recurrent_snapshots(specs))
+                             self._recurrent_snapshots(specs), groups)
         if cache.recurrent:
             self.runner.install_recurrent(cache.build_recurrent(self.model.device), cache.slot)
         self.scheduler = Scheduler(cache, args.max_num_seqs, args.max_num_batched_tokens)

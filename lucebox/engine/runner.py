@@ -12,13 +12,27 @@ import torch
 
 from ..kernels.attention import uses_triton
 from ..kernels.forward_batch import ForwardBatch
-from ..model.cache_spec import KVGroup, PagedKVSpec, RecurrentSpec
+from ..model.cache_spec import KVGroup, PagedKVSpec, RecurrentSpec, kv_groups, release_window
 from ..model.transformer import Transformer
 from ..util import host_to_device
 from .cuda_graphs import CudaGraphRunner, GraphSettings
 from .step_plan import RowKind, StepPlan, StepResult
 
 log = logging.getLogger("lucebox")
+
+
+def model_kv_groups(model, specs) -> list[KVGroup]:
+    """kv_groups(specs) of a model's layers (then any proposer's caches) when every attention module
+    of the model reads its group's tables (`kv_group`, as transformer.Attention does); else one group
+    of every paged layer, released only when all are windowed (a model whose attention has not been
+    taught KV cache groups keeps its sliding-window layers' whole context)."""
+    groups = kv_groups(specs)
+    if len(groups) > 1 and not all(hasattr(model.layers[i].self_attn, "kv_group")
+                                   for g in groups for i in g.layers if i < len(model.layers)):
+        log.info("sliding-window layers keep their whole context: %s reads one block table",
+                 type(model).__name__)
+        return [KVGroup(tuple(sorted(i for g in groups for i in g.layers)), release_window(specs))]
+    return groups
 
 
 class ModelRunner:

@@ -6,6 +6,7 @@ padded static (CUDA-graph) paths, with released blocks poisoned with NaN."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -21,6 +22,8 @@ from lucebox.model.loader import load_model
 
 from tests.conftest import build_hf_model
 
+ON_GPU = torch.cuda.is_available()
+gpu = pytest.mark.skipif(not ON_GPU, reason="captures CUDA graphs")
 WINDOW, BLOCK, NEW = 6, 4, 40
 LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 KV_MEMORY = 8 << 20
@@ -64,8 +67,8 @@ class Driver:
     the engine would (grow, run, commit, roll back); after every commit, each free block of the
     window pools (and their scratch block) is filled with NaN, so reading one poisons the logits."""
 
-    def __init__(self, path: str, pools=(64, 12), graphs: GraphSettings | None = None):
-        self.model = load_model(path, dtype="float32").model
+    def __init__(self, path: str, pools=(64, 12), graphs: GraphSettings | None = None, device: str = "cpu"):
+        self.model = load_model(path, dtype="float32", device=device).model
         specs = self.model.cache_specs()
         self.groups = kv_groups(specs)
         self.cache = CacheManager(specs, list(pools), BLOCK)
@@ -93,7 +96,7 @@ class Driver:
 
     def poison(self) -> None:
         pool = self.cache.window_pools[0]
-        free = torch.tensor(list(pool.free) + [pool.released])
+        free = torch.tensor(list(pool.free) + [pool.released], device=self.model.device)
         for i in self.window_layers:
             for store in self.runner.caches[i]:
                 store.values[free] = float("nan")
@@ -277,3 +280,82 @@ def test_plan_pools_rules():
     assert pools == [100, 100]
     assert kv_groups([slide, PagedKVSpec.of(2, 32, torch.float32, window=8)]) == [
         type(groups[0])((0, 1), 64)]  # every layer windowed: one group, released behind the widest
+
+
+def test_engine_static_batches_take_every_group_table(mixed, reference):
+    """The engine's padded static batches (what CUDA graphs replay; capture off on the CPU), overlapped
+    decodes and n-gram verifies included, give transformers' greedy output."""
+    repeated = [{"prompt_token_ids": p["prompt_token_ids"] * 2} for p in prompts(4, seed=6)]
+    want = [reference_greedy(reference, p["prompt_token_ids"]) for p in repeated]
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "adaptive": False}):
+        llm = LLM(mixed, device="cpu", block_size=BLOCK, kv_cache_memory=KV_MEMORY, cuda_graphs=True,
+                  speculative_config=spec)
+        llm.engine.runner.attach_graphs(replace(llm.engine._graph_settings(), capture=False))
+        assert ids(llm.generate(repeated, GREEDY, use_tqdm=False)) == want
+        assert sum(llm.engine.runner.graphs.replays.values()) > 10  # steps of the four sequences at once
+        assert_pools_empty(llm)
+
+
+def graph_steps(path: str, capture: bool) -> list[torch.Tensor]:
+    """Logits of prefill, decodes and verifies of one sequence on the GPU, through captured graphs
+    (capture=True; steps that fit a bucket) or eagerly."""
+    settings = GraphSettings(max_model_len=96, max_batch=2, query_lens=(1, 5)) if capture else None
+    run = Driver(path, graphs=settings, device="cuda")
+    if capture:
+        run.runner.capture_graphs()
+    sequence = torch.randint(0, 380, (64,), generator=torch.Generator().manual_seed(7)).tolist()
+    out = []
+    for tokens in [sequence[:13]] + [[t] for t in sequence[13:30]] + [sequence[30:35], sequence[35:40]] \
+            + [[t] for t in sequence[40:64]]:
+        out.append(run.run(tokens))
+        run.commit(tokens)
+    if capture:
+        graphs = run.runner.graphs
+        assert sum(graphs.replays.values()) == len(out) - 1 and all(g is not None for g, _ in graphs.graphs.values())
+    return out
+
+
+@gpu
+def test_cuda_graph_logits_equal_eager_on_a_mixed_model(mixed):
+    """Captured graphs read each group's static tables and slots: decode and verify logits equal the
+    eager steps' as the window group releases and reuses blocks (free ones NaN-poisoned)."""
+    eager, graphs = graph_steps(mixed, False), graph_steps(mixed, True)
+    for a, b in zip(eager, graphs):
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=0)
+
+
+@gpu
+def test_engine_with_cuda_graphs_equals_eager_on_a_mixed_model(mixed):
+    repeated = [{"prompt_token_ids": p["prompt_token_ids"] * 2} for p in prompts(6, seed=8)]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "adaptive": False}
+    outputs = []
+    for eager in (True, False):
+        llm = LLM(mixed, device="cuda", dtype="float32", block_size=BLOCK, kv_cache_memory=64 << 20,
+                  cuda_graphs=not eager, speculative_config=spec)
+        outputs.append(ids(llm.generate(repeated, GREEDY, use_tqdm=False)))
+        if not eager:
+            assert sum(llm.engine.runner.graphs.replays.values()) > 10
+        assert_pools_empty(llm)
+        del llm
+    assert outputs[0] == outputs[1]
+
+
+def test_attention_without_kv_groups_keeps_one_table(mixed, greedy_reference):
+    """A model whose attention modules do not read `kv_group` (not taught KV cache groups yet) runs
+    as before: one table for every layer, nothing released, outputs exact."""
+    from lucebox.config import EngineArgs
+    from lucebox.engine.engine import LLMEngine
+    loaded = load_model(mixed, dtype="float32")
+    for layer in loaded.model.layers:
+        del layer.self_attn.kv_group
+    engine = LLMEngine(loaded, EngineArgs(model=mixed, block_size=BLOCK, kv_cache_memory=KV_MEMORY))
+    cache = engine.scheduler.cache
+    assert len(cache.groups) == 1 and cache.windows == [] and cache.release_window is None
+    for i, p in enumerate(prompts()):
+        engine.add_request(str(i), p, GREEDY)
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    assert [done[str(i)] for i in range(len(prompts()))] == greedy_reference
