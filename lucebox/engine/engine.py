@@ -11,7 +11,7 @@ import torch
 
 from ..config import EngineArgs
 from ..errors import ContextLengthError, OverloadError, RequestError, UnsupportedError
-from ..model.cache_spec import RecurrentSpec, bytes_per_sequence, bytes_per_token, plan_pools
+from ..model.cache_spec import RecurrentSpec, bytes_per_sequence, bytes_per_token, plan_pools, window_blocks
 from ..model.loader import LoadedModel
 from ..outputs import RequestOutput
 from ..sampling import SamplingParams
@@ -99,9 +99,9 @@ class LLMEngine:
                  num_blocks * args.block_size, " (full-attention layers)" if len(groups) > 1 else "")
         for group, blocks in zip(groups[1:], pools[1:]):
             size = bytes_per_token([specs[i] for i in group.layers]) * args.block_size * blocks
-            log.info("KV pool of %d sliding-window layers (window %d): %d blocks (%.1f MiB) = %d windows of "
-                     "sequences, whatever their length", len(group.layers), group.window, blocks, size / 2**20,
-                     blocks // -(-group.window // args.block_size))
+            log.info("KV pool of %d sliding-window layers (window %d): %d blocks (%.1f MiB), the windows of %d "
+                     "decoding sequences at once, whatever their length", len(group.layers), group.window, blocks,
+                     size / 2**20, blocks // window_blocks(group.window, args.block_size, 1))
 
     @classmethod
     def from_args(cls, args: EngineArgs, loaded: LoadedModel | None = None) -> LLMEngine:

@@ -254,9 +254,10 @@ def test_preemption_and_recompute(mixed, reference):
     assert_pools_empty(llm)
 
 
-def test_memory_plan_gives_the_full_layers_what_windows_do_not_need(mixed):
-    engine = LLM(mixed, block_size=BLOCK, max_model_len=256, max_num_seqs=2, max_num_batched_tokens=16,
-                 kv_cache_memory=1 << 20).engine
+def test_memory_plan_gives_the_full_layers_what_windows_do_not_need(mixed, caplog):
+    with caplog.at_level("INFO", logger="lucebox"):
+        engine = LLM(mixed, block_size=BLOCK, max_model_len=256, max_num_seqs=2, max_num_batched_tokens=16,
+                     kv_cache_memory=1 << 20).engine
     specs = engine.scheduler.cache.specs
     shared = (1 << 20) // (bytes_per_token(specs) * BLOCK)  # one pool for every layer, as before: 256 blocks
     pools = [engine.scheduler.cache.blocks.num_blocks] + [p.num_blocks for p in engine.scheduler.cache.window_pools]
@@ -264,6 +265,9 @@ def test_memory_plan_gives_the_full_layers_what_windows_do_not_need(mixed):
     assert pools[1] == 2 * window_blocks(WINDOW, BLOCK, 1) + 16 // BLOCK == 10
     assert engine.kv_capacity_tokens == pools[0] * BLOCK == (2 * shared - pools[1]) * BLOCK  # about twice as many
     assert engine.runner.caches[0][0].values.shape[0] == pools[1] + 1  # layer 0 slides: its group's pool
+    assert f"KV pool: {pools[0]} blocks of 4 tokens = {pools[0] * 4} tokens (full-attention layers)" in caplog.text
+    assert "KV pool of 2 sliding-window layers (window 6): 10 blocks (0.0 MiB), the windows of 3 decoding" \
+        in caplog.text
     assert engine.runner.caches[1][0].values.shape[0] == pools[0] + 1
 
 
