@@ -78,15 +78,19 @@ class BlockManager:
         cache, so the model still computes it and produces logits."""
         if not self.enable_prefix_caching:
             return []
-        found = []
-        for block_id in self.lookup(prefix_chunks(token_ids[:len(token_ids) - 1], self.block_size)):
-            if block_id is None:
+        found, prev = [], None
+        for start in range(0, len(token_ids) - 1 - self.block_size + 1, self.block_size):
+            chunk = tuple(token_ids[start:start + self.block_size])
+            prev = chain_hash(prev, chunk)
+            block_id = self.cached.get(prev)
+            if block_id is None or self.blocks[block_id].token_ids != chunk:
                 break
             found.append(block_id)
         return found
 
     def lookup(self, chunks):
-        """Per (chained hash, token ids) of `chunks`: the cached block holding them, or None (lazily)."""
+        """Per (chained hash, token ids) of `chunks` (prefix_chunks): the cached block holding them, or
+        None, lazily (a window group's side of a prefix hit: CacheManager.window_hit)."""
         for h, chunk in chunks:
             block_id = self.cached.get(h)
             yield block_id if block_id is not None and self.blocks[block_id].token_ids == chunk else None
@@ -106,18 +110,9 @@ class BlockManager:
             block.ref_count += 1
             block_table.append(block_id)
 
-    def register_full_blocks(self, block_table: list[int], block_hashes: list[int],
-                             token_slice: Callable[[int, int], list[int]], num_computed: int) -> None:
-        """Hash the blocks completed by computed tokens, so later requests can share them.
-        token_slice(start, end): the sequence's tokens start..end (read only for the new blocks)."""
-        if not self.enable_prefix_caching:
-            return
-        start = len(block_hashes)
-        chunks = extend_hashes(block_hashes, token_slice, num_computed, self.block_size)
-        self.register(block_table, start, chunks)
-
     def register(self, block_table: list[int], start: int, chunks: list[tuple[int, tuple[int, ...]]]) -> None:
-        """Make the table's blocks start, start + 1, ... findable by their (hash, token ids) `chunks`."""
+        """Make the table's blocks start, start + 1, ... findable by their (hash, token ids) `chunks`
+        (extend_hashes: the blocks a commit completed), so later requests can share them."""
         if not self.enable_prefix_caching:
             return
         for index, (h, chunk) in enumerate(chunks, start):
