@@ -146,7 +146,8 @@ def plan_pools(specs, groups: list[KVGroup], budget: int, block_size: int, max_n
     counts = []
     for group in groups[1:]:
         one = min(window_blocks(group.window, block_size, min(step_tokens, max_model_len)), per_seq + 1)
-        wanted = max_num_seqs * window_blocks(group.window, block_size, 1) + -(-step_tokens // block_size)
+        decoding = min(window_blocks(group.window, block_size, 1), per_seq + 1)  # a window past max_model_len
+        wanted = max_num_seqs * decoding + -(-step_tokens // block_size)
         counts.append(max(one, min(wanted, shared)))
     rest = budget - sum(n * bytes_per_token([specs[i] for i in g.layers]) * block_size
                         for n, g in zip(counts, groups[1:]))

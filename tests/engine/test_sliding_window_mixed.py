@@ -282,6 +282,9 @@ def test_plan_pools_rules():
     # many sequences: never more window blocks than one shared pool would give (short contexts unchanged)
     pools = plan_pools(specs, groups, 400 * per_block, 16, 1000, 32, 256)
     assert pools == [100, 100]
+    # a window wider than max_model_len (48 tokens: 3 blocks) holds at most a sequence
+    pools = plan_pools(specs, groups, 10_000 * per_block, 16, 4, 32, 48)
+    assert pools[1] == 4 * (3 + 1) + 2
     assert kv_groups([slide, PagedKVSpec.of(2, 32, torch.float32, window=8)]) == [
         type(groups[0])((0, 1), 64)]  # every layer windowed: one group, released behind the widest
 
