@@ -114,6 +114,9 @@ class CacheManager:
     def _window_hits(self, cached: list[int]) -> list[tuple[int, list[int]]]:
         """(released entries, cached blocks) each window group starts a table with."""
         hits = getattr(cached, "windows", None)
+        if hits is None and cached and self.window_pools:  # the window groups' K/V of that prefix: unknown
+            raise ValueError("a prefix hit on a model mixing sliding-window and full attention must come from "
+                             "CacheManager.match_prefix (a CachedPrefix with every group's blocks)")
         return hits if hits is not None else [(0, [])] * len(self.window_pools)
 
     def can_admit(self, cached: list[int], num_tokens: int) -> bool:

@@ -366,3 +366,10 @@ def test_attention_without_kv_groups_keeps_one_table(mixed, greedy_reference):
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
     assert [done[str(i)] for i in range(len(prompts()))] == greedy_reference
+
+
+def test_a_bare_primary_hit_is_refused_on_a_mixed_model():
+    specs = [PagedKVSpec.of(2, 32, torch.float32, window=6), PagedKVSpec.of(2, 32, torch.float32)]
+    cache = CacheManager(specs, [32, 8], BLOCK)
+    with pytest.raises(ValueError, match="CachedPrefix"):
+        cache.can_admit([3, 4], 12)
