@@ -57,7 +57,7 @@ class LLMEngine:
         num_blocks = pools[0]
         graphs = self._graph_settings()
         self.runner = ModelRunner(self.model, num_blocks, args.block_size, args.cache_type_k, args.cache_type_v,
-                                  args.cache_rotate_k, graphs=graphs, state_slots=0, kv_groups=groups,
+                                  args.cache_rotate_k, graphs=graphs, state_slots=0, groups=groups,
                                   group_blocks=pools[1:])
         # Recurrent layers (hybrids): one state slot per running sequence, prefix reuse off (CacheManager).
         cache = CacheManager(specs, pools, args.block_size, args.enable_prefix_caching, args.max_num_seqs,

@@ -41,8 +41,8 @@ class ModelRunner:
 
     def __init__(self, model: Transformer, num_blocks: int, block_size: int, cache_type_k: str = "auto",
                  cache_type_v: str = "auto", rotate_k: bool = False, graphs: GraphSettings | None = None,
-                 state_slots: int = 8, kv_groups: list[KVGroup] | None = None, group_blocks: list[int] = ()):
-        """kv_groups / group_blocks: the engine's KV cache groups (over the model's specs, then any
+                 state_slots: int = 8, groups: list[KVGroup] | None = None, group_blocks: list[int] = ()):
+        """groups / group_blocks: the engine's KV cache groups (over the model's specs, then any
         proposer's) and the pool of each group after the primary, whose pool is num_blocks."""
         self.model = model
         self.block_size = block_size
@@ -56,7 +56,7 @@ class ModelRunner:
         first = self.cache_specs[self.paged_layers[0]]
         self.cache_types = (first.cache_type_k, first.cache_type_v)
         self.layer_group = {i: 0 for i in self.paged_layers}  # layer -> its KV cache group
-        for g, group in enumerate((kv_groups or [])[1:], 1):
+        for g, group in enumerate((groups or [])[1:], 1):
             self.layer_group.update((i, g) for i in group.layers if i in self.layer_group)
         self.group_scratch = tuple(group_blocks)  # scratch block of groups 1.. = their pool size
         pools = [num_blocks, *self.group_scratch]

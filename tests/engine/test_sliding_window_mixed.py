@@ -72,7 +72,7 @@ class Driver:
         specs = self.model.cache_specs()
         self.groups = kv_groups(specs)
         self.cache = CacheManager(specs, list(pools), BLOCK)
-        self.runner = ModelRunner(self.model, pools[0], BLOCK, kv_groups=self.groups, group_blocks=list(pools[1:]),
+        self.runner = ModelRunner(self.model, pools[0], BLOCK, groups=self.groups, group_blocks=list(pools[1:]),
                                   graphs=graphs)
         self.seq = Sequence("r", 0, [], SamplingParams())
         self.cache.admit(self.seq, [])
