@@ -53,6 +53,9 @@ class LLMEngine:
             self.speculator.capture_every_step()
         specs += self.speculator.proposer.cache_specs() if self.speculator is not None else []
         groups = model_kv_groups(self.model, specs)  # layers sharing a block table: full, each sliding window
+        if self.speculator is not None and len(groups) > 1:
+            # Window blocks behind the context are released: taps cannot be recomputed there either.
+            self.speculator.capture_every_step()
         pools = self._plan_kv_blocks(specs, groups)
         num_blocks = pools[0]
         graphs = self._graph_settings()
@@ -303,7 +306,7 @@ class LLMEngine:
         for seq, start in late:
             if self.speculator.every_step:
                 raise RuntimeError("internal error: a catch-up over cached positions was planned on a target with "
-                                   "recurrent layers (it would advance their state twice)")
+                                   "recurrent layers (it would advance their state twice) or released window blocks")
             for begin, plan in self.planner.catch_up(seq, start):
                 yield seq, begin, self.runner.run(plan).features
 

@@ -6,6 +6,7 @@ padded static (CUDA-graph) paths, with released blocks poisoned with NaN."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from dataclasses import replace
 
 import pytest
@@ -373,3 +374,17 @@ def test_a_bare_primary_hit_is_refused_on_a_mixed_model():
     cache = CacheManager(specs, [32, 8], BLOCK)
     with pytest.raises(ValueError, match="CachedPrefix"):
         cache.can_admit([3, 4], 12)
+
+
+def test_dflash_captures_taps_every_step_on_a_mixed_model(mixed, reference, tmp_path):
+    """A dormant DFlash drafter's catch-up would recompute old positions whose window blocks are
+    released: on a mixed model the taps are captured in every step instead, so nothing is recomputed."""
+    from tests.spec_fixtures import write_dflash_drafter
+    drafter = write_dflash_drafter(Path(mixed), tmp_path / "drafter")
+    repeated = [{"prompt_token_ids": p["prompt_token_ids"] * 2} for p in prompts(3, seed=9)]
+    want = [reference_greedy(reference, p["prompt_token_ids"]) for p in repeated]
+    llm = LLM(mixed, block_size=BLOCK, kv_cache_memory=KV_MEMORY,
+              speculative_config={"method": "dflash", "model": str(drafter)})
+    assert llm.engine.speculator.every_step and llm.engine.scheduler.cache.windows == [WINDOW]
+    assert ids(llm.generate(repeated, GREEDY, use_tqdm=False)) == want
+    assert_pools_empty(llm)
