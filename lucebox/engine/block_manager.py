@@ -6,8 +6,9 @@ Blocks are reference-counted; a freed block keeps its hash and stays findable un
 reused, least recently freed first (lazy LRU eviction).
 
 A table entry may be `released` (the id one past the pool: the runner's scratch block): a block
-behind every sliding window went back to the pool while the table kept its length, so positions
-still index the table as before and attention never reads the entry (engine/cache_manager.py).
+behind the sliding window of every layer using the table went back to the pool while the table
+kept its length, so positions still index the table as before and attention never reads the entry
+(engine/cache_manager.py). A model mixing windows has one BlockManager per KV cache group.
 """
 from __future__ import annotations
 
@@ -26,6 +27,27 @@ class Block:
 
 def chain_hash(prev: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((prev, token_ids))
+
+
+def prefix_chunks(token_ids: list[int], block_size: int):
+    """(chained hash, token ids) of each full block of token_ids, lazily (a lookup stops at a miss)."""
+    prev = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        chunk = tuple(token_ids[start:start + block_size])
+        prev = chain_hash(prev, chunk)
+        yield prev, chunk
+
+
+def extend_hashes(block_hashes: list[int], token_slice: Callable[[int, int], list[int]], num_computed: int,
+                  block_size: int) -> list[tuple[int, tuple[int, ...]]]:
+    """Append the chained hashes of the blocks num_computed tokens complete; returns the new blocks'
+    (hash, token ids). token_slice(start, end): the sequence's tokens (read only for new blocks)."""
+    new = []
+    for index in range(len(block_hashes), num_computed // block_size):
+        chunk = tuple(token_slice(index * block_size, (index + 1) * block_size))
+        block_hashes.append(chain_hash(block_hashes[-1] if block_hashes else None, chunk))
+        new.append((block_hashes[-1], chunk))
+    return new
 
 
 class BlockManager:
@@ -66,12 +88,21 @@ class BlockManager:
             found.append(block_id)
         return found
 
-    def can_admit(self, cached: list[int], num_tokens: int) -> bool:
-        """Whether a new table starting with `cached` blocks can grow to hold `num_tokens` tokens."""
-        reclaimed = sum(1 for b in cached if self.blocks[b].ref_count == 0)  # they leave the free pool
-        return self.blocks_for(num_tokens) - len(cached) <= len(self.free) - reclaimed
+    def lookup(self, chunks):
+        """Per (chained hash, token ids) of `chunks` (prefix_chunks): the cached block holding them, or
+        None, lazily (a window group's side of a prefix hit: CacheManager.window_hit)."""
+        for h, chunk in chunks:
+            block_id = self.cached.get(h)
+            yield block_id if block_id is not None and self.blocks[block_id].token_ids == chunk else None
 
-    def admit(self, block_table: list[int], cached: list[int]) -> None:
+    def can_admit(self, cached: list[int], num_tokens: int, skipped: int = 0) -> bool:
+        """Whether a new table starting with `skipped` released entries and then `cached` blocks can
+        grow to hold `num_tokens` tokens."""
+        reclaimed = sum(1 for b in cached if self.blocks[b].ref_count == 0)  # they leave the free pool
+        return self.blocks_for(num_tokens) - len(cached) - skipped <= len(self.free) - reclaimed
+
+    def admit(self, block_table: list[int], cached: list[int], skipped: int = 0) -> None:
+        block_table.extend([self.released] * skipped)  # behind a window: never read
         for block_id in cached:
             block = self.blocks[block_id]
             if block.ref_count == 0:
@@ -79,16 +110,12 @@ class BlockManager:
             block.ref_count += 1
             block_table.append(block_id)
 
-    def register_full_blocks(self, block_table: list[int], block_hashes: list[int],
-                             token_slice: Callable[[int, int], list[int]], num_computed: int) -> None:
-        """Hash the blocks completed by computed tokens, so later requests can share them.
-        token_slice(start, end): the sequence's tokens start..end (read only for the new blocks)."""
+    def register(self, block_table: list[int], start: int, chunks: list[tuple[int, tuple[int, ...]]]) -> None:
+        """Make the table's blocks start, start + 1, ... findable by their (hash, token ids) `chunks`
+        (extend_hashes: the blocks a commit completed), so later requests can share them."""
         if not self.enable_prefix_caching:
             return
-        for index in range(len(block_hashes), num_computed // self.block_size):
-            chunk = tuple(token_slice(index * self.block_size, (index + 1) * self.block_size))
-            h = chain_hash(block_hashes[-1] if block_hashes else None, chunk)
-            block_hashes.append(h)
+        for index, (h, chunk) in enumerate(chunks, start):
             if block_table[index] == self.released:  # the chain goes on; the block is gone
                 continue
             block = self.blocks[block_table[index]]

@@ -13,7 +13,9 @@ prefill chunks); it is padded up to exactly B x Q tokens:
   - a sequence's context length counts its padding (seq_len = start + Q), so the kernels see a
     uniform layout; causality keeps padding invisible to real tokens, which all come first;
   - block tables are `width` = ceil((max_model_len + max Q) / block_size) wide, filled with the
-    scratch block past each sequence's end, so every block a kernel may touch exists.
+    scratch block past each sequence's end, so every block a kernel may touch exists; a model
+    mixing sliding-window and full attention has one static table (and slot mapping) per KV cache
+    group, each padded with its own group's scratch block (`group_scratch`).
 Inputs go through static device buffers (graph_io.StaticInputs: one host-to-device copy of a packed
 int64 buffer plus one of the block tables); outputs are static buffers from which the real rows are
 gathered, so a step has no host sync of its own. The engine captures every bucket when it starts (capture_all),
@@ -72,18 +74,22 @@ class CudaGraphRunner:
     """Runs the steps that fit a bucket through captured graphs (or, with capture=False, through
     the same padded static batches eagerly); ModelRunner falls back to eager for the rest."""
 
-    def __init__(self, model, block_size: int, scratch_block: int, settings: GraphSettings):
+    def __init__(self, model, block_size: int, scratch_block: int, settings: GraphSettings,
+                 group_scratch: tuple[int, ...] = ()):
+        """group_scratch: the scratch block of each KV cache group after the primary (mixed windows)."""
         self.model, self.block_size, self.scratch_block, self.settings = model, block_size, scratch_block, settings
+        self.group_scratch = tuple(group_scratch)
+        groups = 1 + len(self.group_scratch)
         self.query_lens = sorted(set(settings.query_lens))
         self.catch_up_lens = sorted(set(settings.catch_up_lens) | set(self.query_lens))
         self.batch_sizes = batch_buckets(settings.max_batch)
         self.width = -(-(settings.max_model_len + self.query_lens[-1]) // block_size)
         step_tokens = self.batch_sizes[-1] * self.query_lens[-1]
         self.max_tokens = max(step_tokens, self.catch_up_lens[-1])
-        self.inputs = StaticInputs(step_tokens, self.batch_sizes[-1], self.width, model.device)
+        self.inputs = StaticInputs(step_tokens, self.batch_sizes[-1], self.width, model.device, groups)
         # Catch-ups longer than any step get their own buffers: decode steps keep uploading the
         # few hundred bytes their buffers span.
-        self.catch_up_inputs = (StaticInputs(self.catch_up_lens[-1], 1, self.width, model.device)
+        self.catch_up_inputs = (StaticInputs(self.catch_up_lens[-1], 1, self.width, model.device, groups)
                                 if self.catch_up_lens[-1] > step_tokens else None)
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph | None, torch.Tensor]] = {}
         # per capture_layers: logits, features (or None) and argmax token of every padded row, and
@@ -147,10 +153,9 @@ class CudaGraphRunner:
             slots, advance = self.state_rows(plan)
             state_rows = (slots, advance if plan.write_kv else [0] * len(advance))  # catch-ups leave state alone
         real = inputs.fill(token_ids, start_positions, block_tables, num_seqs, query_len, self.block_size,
-                           self.scratch_block, state_rows, self.scratch_slot())
+                           self.scratch_block, state_rows, self.scratch_slot(), plan.group_tables, self.group_scratch)
         if not plan.write_kv:  # attention still reads the cached K/V of these positions
-            tokens = num_seqs * query_len
-            inputs.host("slots", tokens)[:] = self.scratch_block * self.block_size + np.arange(tokens) % self.block_size
+            inputs.scratch_all_slots(num_seqs * query_len, self.block_size, [self.scratch_block, *self.group_scratch])
         if logits_rows is not None:
             select = [real[r] for r in logits_rows]
         elif plan.all_logits:
@@ -220,7 +225,7 @@ class CudaGraphRunner:
             # An all-padding batch: warm-up and capture write nothing but the scratch block.
             inputs = self._inputs(query_len)
             inputs.fill([], [], [], num_seqs, query_len, self.block_size, self.scratch_block,
-                        scratch_slot=self.scratch_slot())
+                        scratch_slot=self.scratch_slot(), group_scratch=self.group_scratch)
             inputs.set_sampling([], num_seqs)
             inputs.set_drafts([], num_seqs, query_len)
             inputs.upload(num_seqs)
@@ -247,7 +252,9 @@ class CudaGraphRunner:
         tokens, view = num_seqs * query_len, inputs.view
         batch = ForwardBatch.from_device(view("ids", tokens), view("positions", tokens), view("seq_lens", num_seqs),
                                          inputs.tables[:num_seqs], view("slots", tokens), self.block_size,
-                                         query_len, query_start_loc, capture_layers)
+                                         query_len, query_start_loc, capture_layers,
+                                         tuple(t[:num_seqs] for t in inputs.group_tables),
+                                         tuple(inputs.group_slots(g, tokens) for g in range(1, inputs.groups)))
         batch.state_slots, batch.state_advance = view("state_slots", num_seqs), view("state_advance", num_seqs)
         logits = self.model.compute_logits(self.model(batch))
         features = torch.cat([batch.captured[i] for i in capture_layers], dim=-1) if capture_layers else None

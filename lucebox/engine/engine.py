@@ -11,7 +11,7 @@ import torch
 
 from ..config import EngineArgs
 from ..errors import ContextLengthError, OverloadError, RequestError, UnsupportedError
-from ..model.cache_spec import RecurrentSpec, bytes_per_sequence, bytes_per_token
+from ..model.cache_spec import RecurrentSpec, bytes_per_sequence, bytes_per_token, plan_pools, window_blocks
 from ..model.loader import LoadedModel
 from ..outputs import RequestOutput
 from ..sampling import SamplingParams
@@ -25,7 +25,7 @@ from .cuda_graphs import GraphSettings
 from .output_processor import OutputProcessor
 from .overlap import Overlap
 from .progress import PrefillProgress
-from .runner import ModelRunner
+from .runner import ModelRunner, model_kv_groups
 from .scheduler import Scheduler
 from .sequence import Sequence
 from .step_plan import CATCH_UP_LENS, RowKind, StepPlan, StepPlanner, StepResult
@@ -52,13 +52,19 @@ class LLMEngine:
             # Recurrent state cannot be recomputed over cached positions: taps captured in every step.
             self.speculator.capture_every_step()
         specs += self.speculator.proposer.cache_specs() if self.speculator is not None else []
-        num_blocks = self._plan_kv_blocks(specs)
+        groups = model_kv_groups(self.model, specs)  # layers sharing a block table: full, each sliding window
+        if self.speculator is not None and len(groups) > 1:
+            # Window blocks behind the context are released: taps cannot be recomputed there either.
+            self.speculator.capture_every_step()
+        pools = self._plan_kv_blocks(specs, groups)
+        num_blocks = pools[0]
         graphs = self._graph_settings()
         self.runner = ModelRunner(self.model, num_blocks, args.block_size, args.cache_type_k, args.cache_type_v,
-                                  args.cache_rotate_k, graphs=graphs, state_slots=0)
+                                  args.cache_rotate_k, graphs=graphs, state_slots=0, groups=groups,
+                                  group_blocks=pools[1:])
         # Recurrent layers (hybrids): one state slot per running sequence, prefix reuse off (CacheManager).
-        cache = CacheManager(specs, num_blocks, args.block_size, args.enable_prefix_caching, args.max_num_seqs,
-                             self._recurrent_snapshots(specs))
+        cache = CacheManager(specs, pools, args.block_size, args.enable_prefix_caching, args.max_num_seqs,
+                             self._recurrent_snapshots(specs), groups)
         if cache.recurrent:
             self.runner.install_recurrent(cache.build_recurrent(self.model.device), cache.slot)
             if self.model.device.type == "cuda":
@@ -94,8 +100,13 @@ class LLMEngine:
         self.step_counts: collections.Counter = collections.Counter()
         self.overlap = Overlap(self.runner, self.scheduler, self.speculator, self.max_model_len, self.step_counts)
         self._arrivals = itertools.count()
-        log.info("KV pool: %d blocks of %d tokens = %d tokens", num_blocks, args.block_size,
-                 num_blocks * args.block_size)
+        log.info("KV pool: %d blocks of %d tokens = %d tokens%s", num_blocks, args.block_size,
+                 num_blocks * args.block_size, " (full-attention layers)" if len(groups) > 1 else "")
+        for group, blocks in zip(groups[1:], pools[1:]):
+            size = bytes_per_token([specs[i] for i in group.layers]) * args.block_size * blocks
+            log.info("KV pool of %d sliding-window layers (window %d): %d blocks (%.1f MiB), the windows of %d "
+                     "decoding sequences at once, whatever their length", len(group.layers), group.window, blocks,
+                     size / 2**20, blocks // window_blocks(group.window, args.block_size, 1))
 
     @classmethod
     def from_args(cls, args: EngineArgs, loaded: LoadedModel | None = None) -> LLMEngine:
@@ -140,7 +151,8 @@ class LLMEngine:
             raise UnsupportedError("a draft model with recurrent (Gated DeltaNet) layers is not supported yet")
         return 1 + self.speculator.policy.max_k
 
-    def _plan_kv_blocks(self, specs) -> int:
+    def _plan_kv_blocks(self, specs, groups) -> list[int]:
+        """Blocks of each KV cache group's pool (model/cache_spec.plan_pools); the primary's first."""
         args = self.args
         per_block = bytes_per_token(specs) * args.block_size  # the drafter's KV shares the target's tables
         blocks_per_seq = -(-self.max_model_len // args.block_size)
@@ -154,13 +166,15 @@ class LLMEngine:
         else:
             budget = args.kv_cache_memory or min(CPU_KV_CAP, per_block * blocks_per_seq * args.max_num_seqs + fixed)
         budget -= fixed
-        num_blocks = budget // per_block
+        pools = plan_pools(specs, groups, budget, args.block_size, args.max_num_seqs, args.max_num_batched_tokens,
+                           self.max_model_len)
+        num_blocks = pools[0]
         if num_blocks < blocks_per_seq:
             raise RequestError(
                 f"the KV cache budget ({budget / 2**20:.1f} MiB) holds {num_blocks * args.block_size} tokens, "
                 f"less than one sequence of max_model_len={self.max_model_len}; lower --max-model-len or "
                 f"raise --kv-cache-memory / --gpu-memory-utilization")
-        return int(num_blocks)
+        return pools
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams) -> None:
@@ -302,7 +316,7 @@ class LLMEngine:
         for seq, start in late:
             if self.speculator.every_step:
                 raise RuntimeError("internal error: a catch-up over cached positions was planned on a target with "
-                                   "recurrent layers (it would advance their state twice)")
+                                   "recurrent layers (it would advance their state twice) or released window blocks")
             for begin, plan in self.planner.catch_up(seq, start):
                 yield seq, begin, self.runner.run(plan).features
 

@@ -14,20 +14,24 @@ class StaticInputs:
 
     One int64 buffer holds ids | positions | slots | seq_lens | selected rows | real rows | feature
     ring rows | top_k | greedy | drafts | noise seed | recurrent-state slots | state advance (tokens
-    that advance each sequence's recurrent state: 0 for verifies), so a step costs two host-to-device copies
-    (that and the block tables) whatever its size (three when it samples in the graph: the float
-    sampling parameters)."""
+    that advance each sequence's recurrent state: 0 for verifies) | the slots of KV cache groups 1.. (mixed
+    windows), so a step costs two host-to-device copies (that and the block tables of every group,
+    [seqs, groups, width]) whatever its size (three when it samples in the graph: the float sampling
+    parameters)."""
 
-    def __init__(self, max_tokens: int, max_seqs: int, width: int, device: torch.device):
+    def __init__(self, max_tokens: int, max_seqs: int, width: int, device: torch.device, groups: int = 1):
         t, b = max_tokens, max_seqs
         self.offsets = {"ids": 0, "positions": t, "slots": 2 * t, "seq_lens": 3 * t, "select": 3 * t + b,
                         "real": 4 * t + b, "ring": 5 * t + b, "top_k": 6 * t + b, "greedy": 6 * t + 2 * b,
                         "draft": 6 * t + 3 * b, "seed": 7 * t + 3 * b, "state_slots": 7 * t + 3 * b + 1,
-                        "state_advance": 7 * t + 4 * b + 1}
-        self._flat = StagedBuffer(7 * t + 5 * b + 1, torch.int64, device)
-        self._tables = StagedBuffer((max_seqs, width), torch.int32, device)
+                        "state_advance": 7 * t + 4 * b + 1, "group_slots": 7 * t + 5 * b + 1}
+        self.max_tokens, self.groups = t, groups
+        self._flat = StagedBuffer(7 * t + 5 * b + 1 + (groups - 1) * t, torch.int64, device)
+        self._tables = StagedBuffer((max_seqs, groups, width), torch.int32, device)
         self.sampling = StagedBuffer((3, max_seqs), torch.float32, device)  # temperature, top_p, min_p
-        self.flat, self.tables = self._flat.device, self._tables.device
+        self.flat, self.tables = self._flat.device, self._tables.device[:, 0]
+        # KV cache groups 1..: their tables (views with the primary's row stride) and slots
+        self.group_tables = [self._tables.device[:, g] for g in range(1, groups)]
         self._sampling_rows = None  # what the sampling buffers hold: a batch keeping its rows uploads nothing
 
     def set_sampling(self, rows: list[tuple[float, int, float, float, bool]], num_seqs: int) -> None:
@@ -65,37 +69,61 @@ class StaticInputs:
         start = self.offsets[name]
         return self._flat.host.numpy()[start:start + n]
 
+    def group_slots(self, g: int, n: int) -> torch.Tensor:
+        """The device slots of KV cache group g >= 1 for n padded tokens."""
+        start = self.offsets["group_slots"] + (g - 1) * self.max_tokens
+        return self.flat[start:start + n]
+
+    def scratch_all_slots(self, tokens: int, block_size: int, scratch_blocks: list[int]) -> None:
+        """Every K/V write of the step's tokens goes to each group's scratch block (write_kv=False)."""
+        for g, scratch in enumerate(scratch_blocks):
+            self._slots_host(g, tokens)[:] = scratch * block_size + np.arange(tokens) % block_size
+
+    def _slots_host(self, g: int, n: int) -> np.ndarray:
+        if g == 0:
+            return self.host("slots", n)
+        start = self.offsets["group_slots"] + (g - 1) * self.max_tokens
+        return self._flat.host.numpy()[start:start + n]
+
     def fill(self, token_ids: list[list[int]], start_positions: list[int], block_tables: list[list[int]],
              num_seqs: int, query_len: int, block_size: int, scratch_block: int,
-             state_rows: tuple[list[int], list[int]] | None = None, scratch_slot: int = 0) -> list[int]:
+             state_rows: tuple[list[int], list[int]] | None = None, scratch_slot: int = 0,
+             group_tables: list[list[list[int]]] = (), group_scratch: list[int] = ()) -> list[int]:
         """Write the padded layout of a step into the host staging; returns the padded row of each
         real token, in input order. state_rows: each sequence's recurrent slot and advance
-        (models with recurrent layers); padding sequences use `scratch_slot` and advance nothing."""
+        (models with recurrent layers); padding sequences use `scratch_slot` and advance nothing.
+        group_tables[g - 1] / group_scratch[g - 1]: each sequence's table in KV cache group g and
+        that group's scratch block (models mixing sliding-window and full attention)."""
         self._flat.staging()
         tokens = num_seqs * query_len
         ids, positions = self.host("ids", tokens), self.host("positions", tokens)
-        slots, seq_lens = self.host("slots", tokens), self.host("seq_lens", num_seqs)
+        seq_lens = self.host("seq_lens", num_seqs)
         tables = self._tables.staging()[:num_seqs]
         ids[:] = 0
         positions[:] = 0
-        slots[:] = scratch_block * block_size + np.arange(tokens) % query_len % block_size
         seq_lens[:] = query_len
-        tables[:] = scratch_block
         state_slots, advance = self.host("state_slots", num_seqs), self.host("state_advance", num_seqs)
         state_slots[:], advance[:] = scratch_slot, 0
         if state_rows is not None:
             state_slots[:len(state_rows[0])], advance[:len(state_rows[1])] = state_rows
         real: list[int] = []
-        for i, (toks, start, table) in enumerate(zip(token_ids, start_positions, block_tables)):
+        for i, (toks, start) in enumerate(zip(token_ids, start_positions)):
             n, base = len(toks), i * query_len
-            pos = np.arange(start, start + n)
             ids[base:base + n] = toks
-            positions[base:base + n] = pos
-            table = np.asarray(table, dtype=np.int64)
-            slots[base:base + n] = table[pos // block_size] * block_size + pos % block_size
+            positions[base:base + n] = np.arange(start, start + n)
             seq_lens[i] = start + query_len
-            tables[i, :len(table)] = table
             real.extend(range(base, base + n))
+        groups = [block_tables, *group_tables] + [[]] * (len(group_scratch) - len(group_tables))
+        for g, (group, scratch) in enumerate(zip(groups, [scratch_block, *group_scratch])):
+            slots = self._slots_host(g, tokens)
+            slots[:] = scratch * block_size + np.arange(tokens) % query_len % block_size
+            tables[:, g] = scratch
+            for i, (toks, start, table) in enumerate(zip(token_ids, start_positions, group)):
+                n, base = len(toks), i * query_len
+                pos = np.arange(start, start + n)
+                table = np.asarray(table, dtype=np.int64)
+                slots[base:base + n] = table[pos // block_size] * block_size + pos % block_size
+                tables[i, g, :len(table)] = table
         return real
 
     def set_rows(self, name: str, rows: list[int]) -> torch.Tensor:

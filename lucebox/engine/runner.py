@@ -1,4 +1,9 @@
-"""ModelRunner: owns the model and its paged KV pool; runs one ragged batch per call."""
+"""ModelRunner: owns the model and its paged KV pool; runs one ragged batch per call.
+
+KV cache groups (model/cache_spec.kv_groups, engine/cache_manager.py): the engine hands its
+groups and each group's pool size; layers of group g get caches of that group's blocks (plus its
+scratch block) and read group g's tables (`Attention.kv_group`). Without groups every paged layer
+is in one group of num_blocks (bare forwards, draft models)."""
 from __future__ import annotations
 
 import logging
@@ -7,7 +12,7 @@ import torch
 
 from ..kernels.attention import uses_triton
 from ..kernels.forward_batch import ForwardBatch
-from ..model.cache_spec import PagedKVSpec, RecurrentSpec
+from ..model.cache_spec import KVGroup, PagedKVSpec, RecurrentSpec, kv_groups, release_window
 from ..model.transformer import Transformer
 from ..util import host_to_device
 from .cuda_graphs import CudaGraphRunner, GraphSettings
@@ -16,13 +21,29 @@ from .step_plan import RowKind, StepPlan, StepResult
 log = logging.getLogger("lucebox")
 
 
+def model_kv_groups(model, specs) -> list[KVGroup]:
+    """kv_groups(specs) of a model's layers (then any proposer's caches) when every attention module
+    of the model reads its group's tables (`kv_group`, as transformer.Attention does); else one group
+    of every paged layer, released only when all are windowed (a model whose attention has not been
+    taught KV cache groups keeps its sliding-window layers' whole context)."""
+    groups = kv_groups(specs)
+    if len(groups) > 1 and not all(hasattr(model.layers[i].self_attn, "kv_group")
+                                   for g in groups for i in g.layers if i < len(model.layers)):
+        log.info("sliding-window layers keep their whole context: %s reads one block table",
+                 type(model).__name__)
+        return [KVGroup(tuple(sorted(i for g in groups for i in g.layers)), release_window(specs))]
+    return groups
+
+
 class ModelRunner:
     """`run` is the one entry: steps that fit a CUDA-graph bucket replay a graph (engine/cuda_graphs.py),
     everything else (prefill chunks, ragged mixes, CPU) runs eagerly."""
 
     def __init__(self, model: Transformer, num_blocks: int, block_size: int, cache_type_k: str = "auto",
                  cache_type_v: str = "auto", rotate_k: bool = False, graphs: GraphSettings | None = None,
-                 state_slots: int = 8):
+                 state_slots: int = 8, groups: list[KVGroup] | None = None, group_blocks: list[int] = ()):
+        """groups / group_blocks: the engine's KV cache groups (over the model's specs, then any
+        proposer's) and the pool of each group after the primary, whose pool is num_blocks."""
         self.model = model
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -34,7 +55,12 @@ class ModelRunner:
         self.paged_layers = [i for i, s in enumerate(self.cache_specs) if isinstance(s, PagedKVSpec)]
         first = self.cache_specs[self.paged_layers[0]]
         self.cache_types = (first.cache_type_k, first.cache_type_v)
-        self.caches = [self.cache_specs[i].build(num_blocks + 1, block_size, model.dtype, model.device)
+        self.layer_group = {i: 0 for i in self.paged_layers}  # layer -> its KV cache group
+        for g, group in enumerate((groups or [])[1:], 1):
+            self.layer_group.update((i, g) for i in group.layers if i in self.layer_group)
+        self.group_scratch = tuple(group_blocks)  # scratch block of groups 1.. = their pool size
+        pools = [num_blocks, *self.group_scratch]
+        self.caches = [self.cache_specs[i].build(pools[self.layer_group[i]] + 1, block_size, model.dtype, model.device)
                        for i in self.paged_layers]
         self.recurrent_layers = [i for i, s in enumerate(self.cache_specs) if isinstance(s, RecurrentSpec)]
         # Bare forwards (tests, benches) get a small pool of their own; an engine installs its
@@ -62,7 +88,8 @@ class ModelRunner:
         side by side): each run reinstalls its own caches, so one engine never reads or writes
         another's K/V."""
         for i, (k_cache, v_cache) in zip(self.paged_layers, self.caches):
-            self.model.layers[i].self_attn.k_cache, self.model.layers[i].self_attn.v_cache = k_cache, v_cache
+            attn = self.model.layers[i].self_attn
+            attn.k_cache, attn.v_cache, attn.kv_group = k_cache, v_cache, self.layer_group[i]
         for i, state in zip(self.recurrent_layers, self.recurrent_states):
             self.model.layers[i].linear_attn.state = state
 
@@ -90,7 +117,7 @@ class ModelRunner:
                 # The torch attention of a device-only batch spans max_model_len for every sequence.
                 log.info("CUDA graphs off: attention runs the torch reference (LUCEBOX_TRITON=0 or no Triton)")
                 return None
-        graphs = CudaGraphRunner(self.model, self.block_size, self.scratch_block, settings)
+        graphs = CudaGraphRunner(self.model, self.block_size, self.scratch_block, settings, self.group_scratch)
         if self.recurrent_layers:  # DeltaNet rows read their slots from static inputs too
             graphs.state_rows = self.state_rows
             graphs.scratch_slot = lambda: self.recurrent_states[0].scratch
@@ -127,6 +154,7 @@ class ModelRunner:
         that fits no bucket runs eagerly and is returned as its result, never deferred."""
         if self.model.layers[self.paged_layers[0]].self_attn.k_cache is not self.caches[0][0]:
             self._install()
+        self._group_tables(plan)
         if self.graphs is not None:
             result = self.graphs.run(plan)
             if result is not None:
@@ -134,6 +162,14 @@ class ModelRunner:
         if plan.ids_from is not None:
             raise RuntimeError("a step fed from a previous step's device tokens must fit a CUDA-graph bucket")
         return self.run_eager(plan)
+
+    def _group_tables(self, plan: StepPlan) -> list[list[list[int]]]:
+        """The plan's tables of KV cache groups 1.., checked against this runner's groups."""
+        tables = plan.group_tables
+        if len(tables) != len(self.group_scratch):
+            raise ValueError(f"this model keeps {1 + len(self.group_scratch)} KV cache groups; the plan's rows "
+                             f"have tables for {1 + len(tables)}")
+        return tables
 
     def forward(self, token_ids: list[list[int]], start_positions: list[int], block_tables: list[list[int]],
                 **choices) -> torch.Tensor:
@@ -151,15 +187,16 @@ class ModelRunner:
         """`run` without graphs: the exact ragged batch, no padding."""
         capture_layers = plan.capture_layers
         batch = ForwardBatch.build(plan.token_ids, plan.start_positions, plan.block_tables, self.block_size,
-                                   self.model.device, capture_layers)
+                                   self.model.device, capture_layers, self._group_tables(plan))
         if self.recurrent_layers:
             if not plan.write_kv:
                 raise RuntimeError("recomputing cached positions would advance recurrent state twice")
             self._set_state_rows(batch, plan)
         if not plan.write_kv:
             rows = batch.slot_mapping.shape[0]
-            batch.slot_mapping = (self.scratch_block * self.block_size
-                                  + torch.arange(rows, device=batch.slot_mapping.device) % self.block_size)
+            offsets = torch.arange(rows, device=batch.slot_mapping.device) % self.block_size
+            batch.slot_mapping = self.scratch_block * self.block_size + offsets
+            batch.group_slots = tuple(scratch * self.block_size + offsets for scratch in self.group_scratch)
         hidden = self.model(batch)
         if plan.logits_rows is not None:
             hidden = hidden[host_to_device(plan.logits_rows, hidden.device, torch.long)]

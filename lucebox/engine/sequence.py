@@ -24,7 +24,8 @@ class Sequence:
     params: SamplingParams
     arrival: int = 0  # admission order, for FIFO fairness and newest-first preemption
     output_token_ids: list[int] = field(default_factory=list)
-    block_table: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)  # the primary KV cache group's (engine/cache_manager.py)
+    window_tables: list[list[int]] = field(default_factory=list)  # one per sliding-window group of a mixed model
     num_computed: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache at admission
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks

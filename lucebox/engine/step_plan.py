@@ -40,6 +40,12 @@ class PlanRow:
     offset: int = 0  # flat index of tokens[0] in the step
     index: int = 0  # the row's place in the plan
     draft: Draft | None = None  # a verify's drafts
+    # Its tables in KV cache groups 1.. (a model mixing windows); default: the sequence's.
+    window_tables: list[list[int]] | None = None
+
+    def __post_init__(self):
+        if self.window_tables is None:
+            self.window_tables = self.seq.window_tables if self.seq is not None else []
 
 
 @dataclass
@@ -63,11 +69,13 @@ class StepPlan:
 
     @classmethod
     def forward(cls, token_ids: list[list[int]], start_positions: list[int], block_tables: list[list[int]],
-                **choices) -> StepPlan:
-        """A bare ragged forward of these tokens (benchmarks, tests, a draft model's runner)."""
+                window_tables: list[list[list[int]]] | None = None, **choices) -> StepPlan:
+        """A bare ragged forward of these tokens (benchmarks, tests, a draft model's runner);
+        window_tables[i]: row i's tables in KV cache groups 1.. (a model mixing windows)."""
         rows, offset = [], 0
         for i, (tokens, start, table) in enumerate(zip(token_ids, start_positions, block_tables)):
-            rows.append(PlanRow(list(tokens), start, table, offset=offset, index=i))
+            windows = window_tables[i] if window_tables is not None else []
+            rows.append(PlanRow(list(tokens), start, table, offset=offset, index=i, window_tables=windows))
             offset += len(tokens)
         return cls(rows, **choices)
 
@@ -82,6 +90,12 @@ class StepPlan:
     @property
     def block_tables(self) -> list[list[int]]:
         return [row.block_table for row in self.rows]
+
+    @property
+    def group_tables(self) -> list[list[list[int]]]:
+        """Per KV cache group 1..: every row's table in it."""
+        groups = len(self.rows[0].window_tables) if self.rows else 0
+        return [[row.window_tables[g] for row in self.rows] for g in range(groups)]
 
     @property
     def total_tokens(self) -> int:
@@ -165,6 +179,7 @@ class StepPlanner:
         spec = self.speculator
         for begin in range(start, seq.num_computed, CATCH_UP_LENS[-1]):
             end = min(begin + CATCH_UP_LENS[-1], seq.num_computed)
-            yield begin, StepPlan.forward([seq.token_slice(begin, end)], [begin], [seq.block_table], logits_rows=[],
+            yield begin, StepPlan.forward([seq.token_slice(begin, end)], [begin], [seq.block_table],
+                                          [seq.window_tables], logits_rows=[],
                                           capture_layers=spec.capture_layers,
                                           feature_rows=spec.proposer.feature_rows(end - begin), write_kv=False)

@@ -116,14 +116,18 @@ def _device_only_reference(q: torch.Tensor, k_cache, v_cache, batch: ForwardBatc
     # window masks hide those keys before the softmax (their finite values get weight 0).
     slots = batch.block_tables[:, k_pos // bs].long().clamp_min(0) * bs + k_pos % bs  # [B, width]
 
-    def gather(cache):
-        x = cache.gather(slots.reshape(-1), q.dtype).view(num_seqs, width, kv_heads, head_dim).transpose(1, 2)
-        return x.repeat_interleave(heads // kv_heads, dim=1) if heads != kv_heads else x
-
     q_pos = batch.seq_lens[:, None] - q_len + torch.arange(q_len, device=q.device)  # [B, q_len]
     mask = k_pos[None, None, :] <= q_pos[:, :, None]
     if sliding_window is not None:
         mask &= (q_pos[:, :, None] - k_pos[None, None, :]) < sliding_window
+    # Keys no query sees are zeroed, not just weighted 0: a released block may hold anything (NaN * 0 is NaN).
+    seen = mask.any(1)[:, None, :, None]  # [B, 1, width, 1]
+
+    def gather(cache):
+        x = cache.gather(slots.reshape(-1), q.dtype).view(num_seqs, width, kv_heads, head_dim).transpose(1, 2)
+        x = torch.where(seen, x, 0)
+        return x.repeat_interleave(heads // kv_heads, dim=1) if heads != kv_heads else x
+
     qi = q.view(num_seqs, q_len, heads, head_dim).transpose(1, 2)  # [B, heads, q_len, d]
     o = F.scaled_dot_product_attention(qi, gather(k_cache), gather(v_cache), attn_mask=mask[:, None], scale=scale)
     return o.transpose(1, 2).reshape(tokens, heads, head_dim)

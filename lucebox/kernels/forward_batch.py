@@ -7,9 +7,14 @@ Two ways to build one: `build` from host lists (eager steps: host copies of the 
 along, so the CPU reference attention never syncs), and `from_device` over a CUDA graph's static
 buffers, where lengths exist only on the device (a replay changes the values, never the host side)
 and only static bounds (`max_query_len`, `max_seq_len`) are known to the host.
+
+KV cache groups (engine/cache_manager.py): a model mixing sliding-window and full attention keeps
+one block table per group; `block_tables` / `slot_mapping` are the primary group's, and
+`group(g)` is the batch a layer of group g attends with (group g's tables and slots).
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
@@ -47,6 +52,21 @@ class ForwardBatch:
     state_advance_host: list[int] | None = None
     # What every layer of one kind derives from the batch alike (e.g. DeltaNet's row plans), kept once.
     layer_cache: dict = field(default_factory=dict)
+    # KV cache groups 1.. (sliding-window groups of a mixed model): each one's block tables and slots.
+    group_tables: tuple[torch.Tensor, ...] = ()
+    group_slots: tuple[torch.Tensor, ...] = ()
+
+    def group(self, g: int) -> "ForwardBatch":
+        """This batch as layers of KV cache group g see it: group g's block tables and slot mapping
+        (0: the primary group, this batch itself). Made once per group and step."""
+        if g == 0:
+            return self
+        views = self.layer_cache.setdefault("kv_groups", {})
+        if g not in views:
+            views[g] = dataclasses.replace(self, block_tables=self.group_tables[g - 1],
+                                           slot_mapping=self.group_slots[g - 1], group_tables=(), group_slots=(),
+                                           captured={}, layer_cache={})
+        return views[g]
 
     def set_state_rows(self, slots: list[int], advance: list[int]) -> None:
         """Each sequence's recurrent slot and how many of its tokens advance the state in place."""
@@ -120,34 +140,41 @@ class ForwardBatch:
 
     @classmethod
     def build(cls, token_ids: list[list[int]], start_positions: list[int], block_tables: list[list[int]],
-              block_size: int, device: torch.device | str = "cpu", capture_layers: tuple[int, ...] = ()
-              ) -> "ForwardBatch":
-        """token_ids[i] are the new tokens of sequence i, placed at start_positions[i]..."""
-        ids, positions, slots, starts = [], [], [], [0]
-        for toks, start, table in zip(token_ids, start_positions, block_tables):
-            for j, tok in enumerate(toks):
-                pos = start + j
-                ids.append(tok)
-                positions.append(pos)
-                slots.append(table[pos // block_size] * block_size + pos % block_size)
+              block_size: int, device: torch.device | str = "cpu", capture_layers: tuple[int, ...] = (),
+              group_tables: list[list[list[int]]] = ()) -> "ForwardBatch":
+        """token_ids[i] are the new tokens of sequence i, placed at start_positions[i]...;
+        group_tables[g - 1][i]: sequence i's table in KV cache group g (mixed windows)."""
+        ids, positions, starts = [], [], [0]
+        for toks, start in zip(token_ids, start_positions):
+            ids.extend(toks)
+            positions.extend(range(start, start + len(toks)))
             starts.append(starts[-1] + len(toks))
-        width = max((len(t) for t in block_tables), default=0)
-        tables = [t + [-1] * (width - len(t)) for t in block_tables]
         seq_lens = [s + len(t) for s, t in zip(start_positions, token_ids)]
 
         def as_tensor(values, dtype=torch.int64):
             return host_to_device(values, device, dtype)
 
+        def tables_and_slots(tables: list[list[int]]):
+            slots = [table[pos // block_size] * block_size + pos % block_size
+                     for toks, start, table in zip(token_ids, start_positions, tables)
+                     for pos in range(start, start + len(toks))]
+            width = max((len(t) for t in tables), default=0)
+            padded = [t + [-1] * (width - len(t)) for t in tables]
+            return as_tensor(padded, torch.int32).reshape(len(padded), width), as_tensor(slots)
+
+        tables, slots = tables_and_slots(block_tables)
+        groups = [tables_and_slots(g) for g in group_tables]
         return cls(
             input_ids=as_tensor(ids), positions=as_tensor(positions), query_start_loc=as_tensor(starts),
-            seq_lens=as_tensor(seq_lens), block_tables=as_tensor(tables, torch.int32).reshape(len(tables), width),
-            slot_mapping=as_tensor(slots), block_size=block_size, capture_layers=tuple(capture_layers),
-            query_lens_host=[len(t) for t in token_ids], seq_lens_host=seq_lens)
+            seq_lens=as_tensor(seq_lens), block_tables=tables, slot_mapping=slots, block_size=block_size,
+            capture_layers=tuple(capture_layers), query_lens_host=[len(t) for t in token_ids], seq_lens_host=seq_lens,
+            group_tables=tuple(t for t, _ in groups), group_slots=tuple(s for _, s in groups))
 
     @classmethod
     def from_device(cls, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,
                     block_tables: torch.Tensor, slot_mapping: torch.Tensor, block_size: int, query_len: int,
-                    query_start_loc: torch.Tensor | None = None, capture_layers: tuple[int, ...] = ()
+                    query_start_loc: torch.Tensor | None = None, capture_layers: tuple[int, ...] = (),
+                    group_tables: tuple[torch.Tensor, ...] = (), group_slots: tuple[torch.Tensor, ...] = ()
                     ) -> "ForwardBatch":
         """A batch over existing device tensors where every sequence brings `query_len` tokens
         (padding included); nothing here reads a tensor's values, so it can be captured in a graph."""
@@ -157,4 +184,5 @@ class ForwardBatch:
         return cls(input_ids=input_ids, positions=positions, query_start_loc=query_start_loc, seq_lens=seq_lens,
                    block_tables=block_tables, slot_mapping=slot_mapping, block_size=block_size,
                    capture_layers=tuple(capture_layers), query_lens_host=None, seq_lens_host=None,
-                   max_query_len=query_len, max_seq_len=int(block_tables.shape[1]) * block_size)
+                   max_query_len=query_len, max_seq_len=int(block_tables.shape[1]) * block_size,
+                   group_tables=tuple(group_tables), group_slots=tuple(group_slots))

@@ -119,6 +119,56 @@ def release_window(specs) -> int | None:
     return max(s.window for s in paged)
 
 
+@dataclass(frozen=True)
+class KVGroup:
+    """Paged layers that share one block table per sequence (and one block pool). Group 0 is the
+    primary group: its table is `Sequence.block_table`, which proposers' caches share too."""
+    layers: tuple[int, ...]  # indices into the specs
+    window: int | None  # blocks wholly behind this window of the next position are released; None: kept
+
+
+def kv_groups(specs) -> list[KVGroup]:
+    """The KV cache groups of these specs. Every paged spec windowed (Mistral): one group released
+    behind the widest window. Else the full-attention layers (and proposers' caches) form the
+    primary group, which keeps everything, and each distinct window its own group, which holds
+    only its window (Gemma 4, Laguna, Qwen2's max_window_layers)."""
+    paged = [i for i, s in enumerate(specs) if isinstance(s, PagedKVSpec)]
+    full = tuple(i for i in paged if specs[i].window is None)
+    if not full:
+        return [KVGroup(tuple(paged), release_window(specs))] if paged else []
+    windows = sorted({specs[i].window for i in paged} - {None})
+    return [KVGroup(full, None)] + [KVGroup(tuple(i for i in paged if specs[i].window == w), w) for w in windows]
+
+
+def window_blocks(window: int, block_size: int, step_tokens: int) -> int:
+    """Blocks a sequence of a window group holds at most during a step bringing step_tokens new
+    tokens: the blocks its next position's window reaches (one partial at each end) and the new ones."""
+    return -(-(window - 1 + step_tokens) // block_size) + 1
+
+
+def plan_pools(specs, groups: list[KVGroup], budget: int, block_size: int, max_num_seqs: int,
+               step_tokens: int, max_model_len: int) -> list[int]:
+    """Blocks of each group's pool out of `budget` bytes. A window group gets room for max_num_seqs
+    windows (each with a decode step's block) plus one step's new tokens, at least one sequence's
+    window and chunk, and never more blocks than one shared pool of every layer would have given it
+    (so short contexts fit as many sequences as before); the primary group takes the rest, which is
+    what lets contexts grow with the full-attention layers alone."""
+    if len(groups) <= 1:
+        return [int(budget // (bytes_per_token(specs) * block_size))]
+    shared = int(budget // (bytes_per_token(specs) * block_size))
+    per_seq = -(-max_model_len // block_size)
+    counts = []
+    for group in groups[1:]:
+        one = min(window_blocks(group.window, block_size, min(step_tokens, max_model_len)), per_seq + 1)
+        decoding = min(window_blocks(group.window, block_size, 1), per_seq + 1)  # a window past max_model_len
+        wanted = max_num_seqs * decoding + -(-step_tokens // block_size)
+        counts.append(max(one, min(wanted, shared)))
+    rest = budget - sum(n * bytes_per_token([specs[i] for i in g.layers]) * block_size
+                        for n, g in zip(counts, groups[1:]))
+    primary = int(max(rest, 0) // (bytes_per_token([specs[i] for i in groups[0].layers]) * block_size))
+    return [primary] + counts
+
+
 def kv_bytes_per_token(model, cache_type_k: str = "auto", cache_type_v: str = "auto") -> int:
     """KV bytes one token costs across all of a model's layers, K and V, scales included."""
     return bytes_per_token(model.cache_specs(cache_type_k, cache_type_v))

@@ -97,6 +97,7 @@ class Attention(nn.Module):
         # Paged K and V stores of this layer (model/kv_cache.PagedKVCache), built from cache_spec by the runner.
         self.k_cache = None
         self.v_cache = None
+        self.kv_group = 0  # the KV cache group whose tables this layer reads (set by the runner; mixed windows)
         self.qkv = None  # q, k and v as one projection, after fuse()
         self.qk = None  # or q and k alone, when v's weights differ (e.g. Q4_K_M: v in Q6_K)
 
@@ -141,7 +142,7 @@ class Attention(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                batch: ForwardBatch) -> torch.Tensor:
-        tokens = q.shape[0]
+        tokens, batch = q.shape[0], batch.group(self.kv_group)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)

@@ -77,7 +77,7 @@ def test_release_needs_every_paged_cache_bounded():
     assert release_window([windowed(None)]) is None
     assert release_window([RecurrentSpec((2, 1, 1), (2, 1), 1, torch.float32)]) is None
     # a proposer's unbounded cache on the target's tables keeps everything too
-    assert CacheManager([windowed(8), windowed(None)], 16, BLOCK).release_window is None
+    assert CacheManager([windowed(8), windowed(None)], 16, BLOCK).release_window is None  # the primary group's
 
 
 def test_commit_releases_blocks_behind_the_window_and_keeps_the_table_shape():
@@ -108,12 +108,14 @@ def test_a_long_generation_holds_a_window_of_blocks():
     assert len(seq.block_table) == 50
 
 
-def test_without_release_every_block_is_kept():
+def test_mixed_windows_keep_every_full_block_and_a_window_of_sliding_ones():
     cache = CacheManager([windowed(8), windowed(None)], 32, BLOCK)
     seq = seq_of(30)
     cache.admit(seq, [])
     computed(cache, seq, 30)
-    assert cache.held_blocks(seq) == 8 and cache.blocks.released not in seq.block_table
+    # the full layer's group keeps all 8 blocks; the window group keeps blocks 5..7 (keys 23..29)
+    assert cache.held_by_group(seq) == [8, 3] and cache.blocks.released not in seq.block_table
+    assert seq.window_tables[0][:5] == [cache.window_pools[0].released] * 5
 
 
 def test_rollback_drops_rejected_tail_blocks_only():

@@ -121,9 +121,19 @@ def test_speculative_rollback_with_released_blocks(mistral):
     assert_pool_empty(llm)
 
 
-def test_mixed_windows_keep_every_block(hf_models):
-    llm = LLM(str(hf_models["qwen2"]), block_size=BLOCK, kv_cache_memory=KV_MEMORY)  # one sliding layer, one full
-    assert llm.engine.scheduler.cache.release_window is None
-    held = watch_blocks(llm)
+def test_mixed_windows_keep_every_full_block_and_a_window_of_sliding_ones(hf_models):
+    # one sliding layer (window 6), one full: more in tests/engine/test_sliding_window_mixed.py
+    llm = LLM(str(hf_models["qwen2"]), block_size=BLOCK, kv_cache_memory=KV_MEMORY)
+    cache = llm.engine.scheduler.cache
+    assert cache.release_window is None and cache.windows == [6]
+    held, schedule = [], llm.engine.scheduler.schedule
+
+    def spy():
+        batch = schedule()
+        held.extend(cache.held_by_group(s) for s, n in zip(batch.seqs, batch.num_new_tokens) if n == 1)
+        return batch
+
+    llm.engine.scheduler.schedule = spy
     outs = llm.generate(prompts(2), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
-    assert max(held) == -(-(max(len(o.prompt_token_ids) for o in outs) + 15) // BLOCK)
+    assert max(h[0] for h in held) == -(-(max(len(o.prompt_token_ids) for o in outs) + 15) // BLOCK)
+    assert max(h[1] for h in held) <= -(-6 // BLOCK) + 1

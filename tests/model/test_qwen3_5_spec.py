@@ -197,7 +197,8 @@ def test_recomputing_cached_positions_of_a_hybrid_is_refused(hybrid_path, drafte
     """The catch-up pass (write_kv=False) itself refuses on a target with recurrent layers."""
     spec = LLM(str(hybrid_path), block_size=BLOCK_SIZE, speculative_config=DFLASH | {"model": str(drafter)})
     engine = spec.engine
-    seq = type("Seq", (), {"num_computed": 4, "block_table": [0, 1], "token_slice": lambda self, a, b: [5] * (b - a)})()
+    seq = type("Seq", (), {"num_computed": 4, "block_table": [0, 1], "window_tables": [],
+                           "token_slice": lambda self, a, b: [5] * (b - a)})()
     with pytest.raises(RuntimeError, match="twice"):
         list(engine._recompute_taps([(seq, 0)]))
     plan = next(engine.planner.catch_up(seq, 0))[1]
