@@ -74,6 +74,7 @@ class Gemma4Attention(nn.Module):
         self.k_cache = None  # paged K/V stores, installed by the runner (a KV-shared layer: its source's)
         self.v_cache = None
         self.shares = ()  # (source attention,): a tuple, so the source is not registered as a submodule
+        self.kv_group = 0  # the KV cache group whose tables this layer reads (set by the runner; mixed windows)
 
     def cache_spec(self, model_dtype: torch.dtype, cache_type_k: str | None = "auto",
                    cache_type_v: str | None = "auto", rotate_k: bool = False):
@@ -84,6 +85,7 @@ class Gemma4Attention(nn.Module):
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         tokens = h.shape[0]
+        batch = batch.group(self.shares[0].kv_group if self.shares else self.kv_group)
         q = self.q_proj(h).view(tokens, self.num_heads, self.head_dim)
         q = apply_rope(rms_norm(q, self.q_norm.weight, self.eps), cos, sin)
         if self.shares:

@@ -59,6 +59,7 @@ class LagunaAttention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
         self.k_cache = None  # paged K/V stores, installed by the runner
         self.v_cache = None
+        self.kv_group = 0  # the KV cache group whose tables this layer reads (set by the runner; mixed windows)
         self.qkvg = None  # q, k, v and the gate as one projection, after fuse()
 
     def cache_spec(self, model_dtype: torch.dtype, cache_type_k: str | None = "auto",
@@ -85,7 +86,7 @@ class LagunaAttention(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        tokens = q.shape[0]
+        tokens, batch = q.shape[0], batch.group(self.kv_group)
         q = q.reshape(tokens, self.num_heads, self.head_dim)
         k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)

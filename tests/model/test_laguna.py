@@ -235,11 +235,14 @@ def test_per_element_gates_softmax_routing_and_weights_on_input_match_their_defi
 
 
 def test_greedy_generation_in_a_continuous_batch_equals_transformers(laguna_path, reference):
-    """Then prompts extending earlier ones, their prefixes (past the window) served from the prefix cache."""
+    """Then next turns (prompt + reply + new text), their prefixes (past the window) served from the
+    prefix cache: the window layers keep only a window, so a hit reaches where their last window is held."""
     llm = LLM(str(laguna_path), block_size=BLOCK_SIZE, max_num_batched_tokens=8, max_num_seqs=3)
     batch = prompts(llm.engine.loaded.config.vocab_size, [15, 6, 11], seed=7)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    for round_ in (batch, [batch[0] + [5, 6, 7], batch[2] + [9]]):
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    turns = [batch[0] + list(outs[0].outputs[0].token_ids) + [5, 6, 7], batch[2] + list(outs[2].outputs[0].token_ids) + [9]]
+    for round_ in (batch, turns):
         outs = llm.generate([{"prompt_token_ids": p} for p in round_], params, use_tqdm=False)
         for prompt, out in zip(round_, outs):
             assert list(out.outputs[0].token_ids) == reference_greedy(reference, prompt, 10)
