@@ -241,7 +241,8 @@ def test_greedy_generation_in_a_continuous_batch_equals_transformers(laguna_path
     batch = prompts(llm.engine.loaded.config.vocab_size, [15, 6, 11], seed=7)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
-    turns = [batch[0] + list(outs[0].outputs[0].token_ids) + [5, 6, 7], batch[2] + list(outs[2].outputs[0].token_ids) + [9]]
+    replies = [list(out.outputs[0].token_ids) for out in outs]
+    turns = [batch[0] + replies[0] + [5, 6, 7], batch[2] + replies[2] + [9]]
     for round_ in (batch, turns):
         outs = llm.generate([{"prompt_token_ids": p} for p in round_], params, use_tqdm=False)
         for prompt, out in zip(round_, outs):
