@@ -11,7 +11,10 @@ per token and per sequence, never a layer's tensors:
                      Mixed windows keep everything (per-group tables would be needed).
   recurrent state    one slot per sequence in a pool; a verify leaves the state alone and stashes its
                      tokens' inputs, and the rollback after its verdict advances the state over
-                     the accepted ones (model/recurrent_state.RecurrentState.commit).
+                     the accepted ones (model/recurrent_state.RecurrentState.commit). Prefix
+                     reuse needs the state after exactly the cached prefix: snapshots kept at block
+                     boundaries (engine/state_snapshots.py); a hit counts only up to the longest
+                     boundary that has both its blocks cached and a snapshot (recurrent_prefix_hit).
 """
 from __future__ import annotations
 
@@ -25,20 +28,28 @@ from ..model.recurrent_state import RecurrentState
 from ..util import host_to_device
 from .block_manager import BlockManager
 from .sequence import Sequence
+from .state_snapshots import StateSnapshots, snapshot_bytes
 
 log = logging.getLogger("lucebox")
 
 
 class CacheManager:
     def __init__(self, specs, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_slots: int = 0, verify_positions: int = 0):
+                 num_slots: int = 0, verify_positions: int = 0, recurrent_snapshots: int = 0):
         """specs: every cache spec whose state follows the target's sequences (the model's layers
         and the proposer's); num_slots / verify_positions: recurrent slots (at most this many
-        sequences at once) and the positions a verify may stash (1 + the longest draft)."""
+        sequences at once) and the positions a verify may stash (1 + the longest draft);
+        recurrent_snapshots: entries of the state-snapshot pool that prefix reuse needs with
+        recurrent layers (0: no prefix reuse for them)."""
         self.specs = tuple(specs)
         self.recurrent = [s for s in self.specs if isinstance(s, RecurrentSpec)]
-        # Recurrent state belongs to the whole prefix, not to a block: no prefix sharing with it.
-        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching and not self.recurrent)
+        self.snapshot_capacity = recurrent_snapshots if self.recurrent else 0
+        # Recurrent state belongs to the whole prefix: sharing needs snapshots of it at block boundaries.
+        self.blocks = BlockManager(num_blocks, block_size,
+                                   enable_prefix_caching and (not self.recurrent or self.snapshot_capacity > 0))
+        self.snapshots: StateSnapshots | None = None  # built with the recurrent storage
+        self.prompt_boundaries: dict[int, int] = {}  # id(seq) -> the boundary its prompt snapshot is taken at
+        self._pending_snapshots: list[tuple[Sequence, int, int]] = []  # (seq, slot, boundary) after the commits
         self.block_size = block_size
         self.verify_positions = verify_positions
         self.release_window = release_window(self.specs)
@@ -59,6 +70,11 @@ class CacheManager:
     def bytes_per_sequence(self) -> int:
         return bytes_per_sequence(self.specs, self.verify_positions)
 
+    @property
+    def snapshot_bytes(self) -> int:
+        """The recurrent-state snapshot pool's bytes (hybrids' prefix reuse)."""
+        return snapshot_bytes(self.recurrent, self.snapshot_capacity)
+
     def build_recurrent(self, device: torch.device | str) -> list[RecurrentState]:
         """The storage of every recurrent spec, one slot per sequence the pool admits (and a scratch slot)."""
         num_slots = len(self.free_slots) + len(self.slots)
@@ -68,11 +84,14 @@ class CacheManager:
         else:
             self.states = [s.build(num_slots, self.verify_positions, device) for s in self.recurrent]
             self.pools = self.states
+        if self.snapshot_capacity and self.blocks.enable_prefix_caching:
+            self.snapshots = StateSnapshots(self.pools, self.snapshot_capacity)
         return self.states
 
     # ------------------------------------------------------------------ admission and growth
     def match_prefix(self, token_ids: list[int]) -> list[int]:
-        return self.blocks.match_prefix(token_ids)
+        cached = self.blocks.match_prefix(token_ids)
+        return self.recurrent_prefix_hit(cached) if self.recurrent else cached
 
     def can_admit(self, cached: list[int], num_tokens: int) -> bool:
         """Whether a new sequence starting from `cached` blocks fits: blocks, and a slot if recurrent."""
@@ -85,6 +104,10 @@ class CacheManager:
         if self.recurrent:
             slot = self.free_slots.pop()
             self.slots[id(seq)] = slot
+            self.prompt_boundaries[id(seq)] = self.prompt_boundary(seq)
+            if cached and self.snapshots is not None:  # recurrent_prefix_hit chose a prefix with a snapshot
+                self.snapshots.load(self.blocks.blocks[cached[-1]].hash, slot)
+                return
             index = torch.tensor([slot], device=self.states[0].state.device) if self.states else None
             for state in self.states:
                 state.reset(index)
@@ -99,9 +122,21 @@ class CacheManager:
     def commit(self, seq: Sequence) -> None:
         """seq.num_computed positions are now final: hash their full blocks for prefix sharing, and
         release the blocks no window of a position still to compute reaches."""
-        self.blocks.register_full_blocks(seq.block_table, seq.block_hashes, seq.token_slice, seq.num_computed)
+        self._register(seq)
         if self.release_window is not None:
             self.blocks.release_before(seq.block_table, seq.num_computed - self.release_window + 1)
+        if self.snapshots is not None:
+            entry = (seq, self.slots[id(seq)], self.prompt_boundaries[id(seq)])
+            if self._batching:  # a verify's: the state advances when the block ends (_apply_commits)
+                self._pending_snapshots.append(entry)
+            else:
+                self._snapshot(*entry)
+
+    def _register(self, seq: Sequence) -> None:
+        # A verify commits its accepted drafts before they join the sequence's tokens: hash only
+        # blocks whose tokens are known (the rest at the next commit, or when freed).
+        self.blocks.register_full_blocks(seq.block_table, seq.block_hashes, seq.token_slice,
+                                         min(seq.num_computed, seq.num_tokens))
 
     def rollback(self, seq: Sequence, num_tokens: int, accepted: int | None = None) -> None:
         """Forget what lies past num_tokens tokens (rejected drafts); with `accepted` (a of k drafts,
@@ -132,8 +167,12 @@ class CacheManager:
             self._apply_commits()
 
     def _apply_commits(self) -> None:
-        if not self._pending_commits:
-            return
+        if self._pending_commits:
+            self._advance_pending()
+        if self._pending_snapshots:
+            self._take_pending_snapshots()
+
+    def _advance_pending(self) -> None:
         slots, accepted = zip(*self._pending_commits)
         self._pending_commits.clear()
         device = self.states[0].state.device
@@ -143,11 +182,59 @@ class CacheManager:
             pool.commit(slots, accepted)
 
     def free(self, seq: Sequence) -> None:
-        """Everything seq holds goes back (finished, aborted or preempted)."""
+        """Everything seq holds goes back (finished, aborted or preempted); its full blocks stay
+        findable for prefix reuse until their blocks are taken again."""
+        if seq.block_table:
+            self._register(seq)
         self.blocks.free_table(seq.block_table)
         slot = self.slots.pop(id(seq), None)
         if slot is not None:
             self.free_slots.append(slot)
+        self.prompt_boundaries.pop(id(seq), None)
+        if self.snapshots is not None and not self._batching:  # else after its pending snapshot
+            self.snapshots.release(id(seq))
+
+    # ------------------------------------------------------------------ recurrent prefix reuse
+    def recurrent_prefix_hit(self, cached: list[int]) -> list[int]:
+        """Of the cached blocks of a prompt's prefix, those up to the longest block boundary whose
+        recurrent state a snapshot keeps (none: the prompt is computed from the start)."""
+        if self.snapshots is None:
+            return []
+        for n in range(len(cached), 0, -1):
+            if self.blocks.blocks[cached[n - 1]].hash in self.snapshots:
+                return cached[:n]
+        return []
+
+    def prompt_boundary(self, seq: Sequence) -> int:
+        """The last block boundary a later request repeating seq's tokens could be served up to
+        (its last token is always computed): where the prompt's snapshot is taken."""
+        return (seq.num_tokens - 1) // self.block_size * self.block_size
+
+    def prefill_cut(self, seq: Sequence, start: int, num_tokens: int) -> int:
+        """How many of `num_tokens` prompt tokens from `start` the next chunk computes: a chunk
+        ends exactly at the prompt's snapshot boundary, so the state there exists to be kept."""
+        if self.snapshots is None:
+            return num_tokens
+        boundary = self.prompt_boundary(seq)
+        return boundary - start if start < boundary < start + num_tokens else num_tokens
+
+    def _snapshot(self, seq: Sequence, slot: int, prompt_boundary: int) -> None:
+        """seq's slot holds the state after its num_computed positions: keep it when that is its
+        prompt's boundary, or (its moving entry) any block boundary past it."""
+        n = seq.num_computed
+        if n % self.block_size or n < max(prompt_boundary, 1) or len(seq.block_hashes) < n // self.block_size:
+            return  # mid-block, short of the prompt's boundary, or tokens not known yet (a cut-off verify)
+        key = seq.block_hashes[n // self.block_size - 1]
+        self.snapshots.save(key, slot, owner=None if n == prompt_boundary else id(seq))
+
+    def _take_pending_snapshots(self) -> None:
+        pending, self._pending_snapshots = self._pending_snapshots, []
+        for seq, slot, boundary in pending:
+            if seq.block_table:  # accepted drafts have joined its tokens now (a freed one registered then)
+                self._register(seq)
+            self._snapshot(seq, slot, boundary)
+            if id(seq) not in self.slots:  # finished within the block
+                self.snapshots.release(id(seq))
 
     def held_blocks(self, seq: Sequence) -> int:
         return self.blocks.held(seq.block_table)

@@ -28,6 +28,7 @@ from .progress import PrefillProgress
 from .runner import ModelRunner
 from .scheduler import Scheduler
 from .sequence import Sequence
+from .state_snapshots import snapshot_bytes
 from .step_plan import CATCH_UP_LENS, RowKind, StepPlan, StepPlanner, StepResult
 
 log = logging.getLogger("lucebox")
@@ -56,9 +57,9 @@ class LLMEngine:
         graphs = self._graph_settings()
         self.runner = ModelRunner(self.model, num_blocks, args.block_size, args.cache_type_k, args.cache_type_v,
                                   args.cache_rotate_k, graphs=graphs, state_slots=0)
-        # Recurrent layers (hybrids): one state slot per running sequence, prefix reuse off (CacheManager).
+        # Recurrent layers (hybrids): one state slot per running sequence, prefix reuse through state snapshots.
         cache = CacheManager(specs, num_blocks, args.block_size, args.enable_prefix_caching, args.max_num_seqs,
-                             self._recurrent_snapshots(specs))
+                             self._recurrent_snapshots(specs), self._prefix_snapshots())
         if cache.recurrent:
             self.runner.install_recurrent(cache.build_recurrent(self.model.device), cache.slot)
         self.scheduler = Scheduler(cache, args.max_num_seqs, args.max_num_batched_tokens)
@@ -130,12 +131,17 @@ class LLMEngine:
             raise UnsupportedError("a draft model with recurrent (Gated DeltaNet) layers is not supported yet")
         return 1 + self.speculator.policy.max_k
 
+    def _prefix_snapshots(self) -> int:
+        """Entries of the recurrent-state snapshot pool (engine/state_snapshots.py): none without prefix caching."""
+        return self.args.recurrent_prefix_snapshots if self.args.enable_prefix_caching else 0
+
     def _plan_kv_blocks(self, specs) -> int:
         args = self.args
         per_block = bytes_per_token(specs) * args.block_size  # the drafter's KV shares the target's tables
         blocks_per_seq = -(-self.max_model_len // args.block_size)
         # fixed-size state (recurrent layers) and its per-draft snapshots, for every sequence at once
         fixed = bytes_per_sequence(specs, self._recurrent_snapshots(specs)) * args.max_num_seqs
+        fixed += snapshot_bytes(specs, self._prefix_snapshots())  # hybrids' prefix-reuse states
         if self.model.device.type == "cuda":
             torch.cuda.empty_cache()  # memory the caching allocator holds but no tensor uses counts as free
             free, total = torch.cuda.mem_get_info(self.model.device)

@@ -14,6 +14,10 @@ the slot's state without writing it, and stashes its per-token inputs; `commit(s
 then advances the state over the first accepted + 1 stashed tokens (the same kernel, state written)
 and makes the conv window the K-1 raw inputs ending at the last of them. A stashed position costs
 2 * channels + 2 * Hv values, a state snapshot Hv*dk*dv (Qwen3.6-27B: 20.6K vs 786K).
+
+Prefix snapshots (engine/state_snapshots.py): a slot's state and conv window in every layer of the
+pool copied out to (`save`) or in from (`load`) an entry of snapshot storage [entries, layers, ...];
+two copies each, eager between steps (CUDA graphs read the slot tensors in place, never these).
 """
 from __future__ import annotations
 
@@ -86,6 +90,27 @@ class RecurrentState:
         gated_delta_steps(None, k, v, self.stash_g, self.stash_beta, self.state, slots, first, first + count, count,
                           self.positions, outputs=False, normalize=True)
         conv_windows(self.stash_raw, self.conv, slots, first, count)
+
+    def slot_views(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(state, conv) of one slot in every layer: views [layers, ...] of the pool, written in place."""
+        state = self.state.view(self.layers, self.slots_per_layer, *self.state.shape[1:])[:, slot]
+        conv = self.conv.view(self.layers, self.slots_per_layer, *self.conv.shape[1:])[:, slot]
+        return state, conv
+
+    def snapshot_storage(self, entries: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(state, conv) storage of `entries` snapshots of one slot: [entries, layers, ...] each."""
+        return (self.state.new_zeros(entries, self.layers, *self.state.shape[1:]),
+                self.conv.new_zeros(entries, self.layers, *self.conv.shape[1:]))
+
+    def save(self, slot: int, storage: tuple[torch.Tensor, torch.Tensor], entry: int) -> None:
+        """Copy slot's live state and conv window (every layer) into snapshot entry `entry` of `storage`."""
+        for dst, src in zip(storage, self.slot_views(slot)):
+            dst[entry].copy_(src)
+
+    def load(self, storage: tuple[torch.Tensor, torch.Tensor], entry: int, slot: int) -> None:
+        """Slot's live state and conv window (every layer) become snapshot entry `entry` of `storage`."""
+        for dst, src in zip(self.slot_views(slot), storage):
+            dst.copy_(src[entry])
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy the live state of slots src[i] -> dst[i] (a forked sequence, e.g. n > 1 samples)."""
