@@ -50,6 +50,7 @@ class CacheManager:
         self.snapshots: StateSnapshots | None = None  # built with the recurrent storage
         self.prompt_boundaries: dict[int, int] = {}  # id(seq) -> the boundary its prompt snapshot is taken at
         self._pending_snapshots: list[tuple[Sequence, int, int]] = []  # (seq, slot, boundary) after the commits
+        self._pending_splits: dict[int, tuple[Sequence, int, int]] = {}  # slot -> (seq, tokens to, boundary inside)
         self.block_size = block_size
         self.verify_positions = verify_positions
         self.release_window = release_window(self.specs)
@@ -145,6 +146,7 @@ class CacheManager:
         self.blocks.truncate(seq.block_table, num_tokens)
         if accepted is not None and self.states:
             self._pending_commits.append((self.slots[id(seq)], accepted))
+            self._split_at_boundary(seq, accepted)
             if not self._batching:
                 self._apply_commits()
 
@@ -176,10 +178,11 @@ class CacheManager:
         slots, accepted = zip(*self._pending_commits)
         self._pending_commits.clear()
         device = self.states[0].state.device
+        skip = self._advance_to_boundaries(slots) if self._pending_splits else None
         slots = host_to_device(list(slots), device, torch.long)
         accepted = host_to_device(list(accepted), device, torch.long)
         for pool in self.pools:
-            pool.commit(slots, accepted)
+            pool.commit(slots, accepted, skip)
 
     def free(self, seq: Sequence) -> None:
         """Everything seq holds goes back (finished, aborted or preempted); its full blocks stay
@@ -218,14 +221,39 @@ class CacheManager:
         boundary = self.prompt_boundary(seq)
         return boundary - start if start < boundary < start + num_tokens else num_tokens
 
-    def _snapshot(self, seq: Sequence, slot: int, prompt_boundary: int) -> None:
-        """seq's slot holds the state after its num_computed positions: keep it when that is its
-        prompt's boundary, or (its moving entry) any block boundary past it."""
-        n = seq.num_computed
+    def _snapshot(self, seq: Sequence, slot: int, prompt_boundary: int, position: int | None = None) -> None:
+        """seq's slot holds the state after its first `position` (default num_computed) positions:
+        keep it when that is its prompt's boundary, or (its moving entry) any block boundary past it."""
+        n = seq.num_computed if position is None else position
         if n % self.block_size or n < max(prompt_boundary, 1) or len(seq.block_hashes) < n // self.block_size:
             return  # mid-block, short of the prompt's boundary, or tokens not known yet (a cut-off verify)
         key = seq.block_hashes[n // self.block_size - 1]
         self.snapshots.save(key, slot, owner=None if n == prompt_boundary else id(seq))
+
+    def _split_at_boundary(self, seq: Sequence, accepted: int) -> None:
+        """A verify whose committed positions jump past a block boundary (not ending on one): its
+        state commit stops there first, so the moving snapshot keeps up with speculation."""
+        if self.snapshots is None:
+            return
+        end = seq.num_computed
+        before, boundary = end - 1 - accepted, (end - 1) // self.block_size * self.block_size
+        if end % self.block_size and boundary > before:
+            self._pending_splits[self.slots[id(seq)]] = (seq, boundary - before, boundary)
+
+    def _advance_to_boundaries(self, slots: tuple[int, ...]) -> torch.Tensor:
+        """The first half of split commits: states advanced to their boundaries and snapshotted
+        there; returns each pending commit's stashed tokens applied (0 where not split)."""
+        splits, self._pending_splits = self._pending_splits, {}
+        device = self.states[0].state.device
+        split_slots = host_to_device(list(splits), device, torch.long)
+        upto = host_to_device([n - 1 for _, n, _ in splits.values()], device, torch.long)  # as `accepted`
+        for pool in self.pools:
+            pool.commit(split_slots, upto)
+        for slot, (seq, _, boundary) in splits.items():
+            if seq.block_table:  # accepted drafts have joined its tokens now (a freed one registered then)
+                self._register(seq)
+            self._snapshot(seq, slot, self.prompt_boundaries.get(id(seq), 0), boundary)
+        return host_to_device([splits[s][1] if s in splits else 0 for s in slots], device, torch.long)
 
     def _take_pending_snapshots(self) -> None:
         pending, self._pending_snapshots = self._pending_snapshots, []

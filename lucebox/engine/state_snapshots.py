@@ -8,10 +8,10 @@ size of one sequence's slot -- keyed by the chained block hash of the prefix the
   prompt   at the last block boundary a later request repeating the prompt can be served up to,
            (length - 1) // block_size * block_size; the scheduler ends a prefill chunk exactly
            there (CacheManager.prefill_cut), so a prompt costs at most one step more
-  decode   whenever a commit lands on a block boundary past that one (a decode step completing a
-           block, a verify whose accepted tokens end on one): the sequence's one moving entry,
-           overwritten as it grows, so a finished sequence leaves the state of the last boundary it
-           reached (a verify may jump past a boundary: that one is skipped)
+  decode   whenever a commit reaches a block boundary past that one (a decode step completing a
+           block; a verify whose accepted tokens cross one has its state commit split there, one
+           more launch pair that step): the sequence's one moving entry, overwritten as it grows,
+           so a finished sequence leaves the state of the last boundary it reached
 and a new sequence's slot is loaded from the snapshot of the longest cached prefix that has one
 (CacheManager.recurrent_prefix_hit). Cost: one copy of a slot's state per block_size committed
 tokens per sequence (Qwen3.6-27B: ~150 MB per snapshot, 48 layers of a [48, 128, 128] float32

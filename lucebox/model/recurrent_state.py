@@ -75,14 +75,17 @@ class RecurrentState:
         self.stash_g.index_copy_(0, rows, g.to(self.stash_g.dtype))
         self.stash_beta.index_copy_(0, rows, beta.to(self.stash_beta.dtype))
 
-    def commit(self, slots: torch.Tensor, accepted: torch.Tensor) -> None:
+    def commit(self, slots: torch.Tensor, accepted: torch.Tensor, skip: torch.Tensor | None = None) -> None:
         """After a verify of `slots` (device tensors, one entry a sequence): advance each state over
-        its first accepted + 1 stashed tokens, the conv window to the raw inputs ending there."""
+        its first accepted + 1 stashed tokens, the conv window to the raw inputs ending there.
+        skip: stashed tokens per sequence applied already (a commit split at a block boundary,
+        where a prefix snapshot is taken in between)."""
         if self.positions == 0:
             raise RuntimeError("this recurrent pool keeps no verify stash (built with 0 positions)")
         layer = torch.arange(self.layers, device=slots.device)[:, None]  # a pool: every layer in one launch
-        count = (accepted + 1).repeat(self.layers)
-        first = (layer * self.rows_per_layer + slots * self.positions).reshape(-1)
+        skip = torch.zeros_like(accepted) if skip is None else skip
+        count = (accepted + 1 - skip).repeat(self.layers)
+        first = (layer * self.rows_per_layer + slots * self.positions + skip).reshape(-1)
         slots = (layer * self.slots_per_layer + slots).reshape(-1)
         v_heads, dk, dv = self.state.shape[1:]
         k = self.stash_mixed[:, self.key_dim:2 * self.key_dim].view(-1, self.key_heads, dk)

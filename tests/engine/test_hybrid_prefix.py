@@ -24,7 +24,7 @@ def hybrid_path(tmp_path_factory, tokenizer_dir):
 
 
 def engine(path, **kwargs) -> LLM:
-    return LLM(str(path), **(dict(block_size=BLOCK_SIZE, max_num_seqs=4, max_num_batched_tokens=64) | kwargs))
+    return LLM(str(path), **({"block_size": BLOCK_SIZE, "max_num_seqs": 4, "max_num_batched_tokens": 64} | kwargs))
 
 
 @pytest.fixture(scope="module")
@@ -44,12 +44,12 @@ def greedy(llm: LLM, prompt: list[int], max_tokens: int = 10, logprobs: int | No
     return llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
 
 
-def assert_same(got, want) -> None:
+def assert_same(got, want, tol: float = 1e-4) -> None:
     assert got.outputs[0].token_ids == want.outputs[0].token_ids
     for mine, theirs in zip(got.outputs[0].logprobs or (), want.outputs[0].logprobs or ()):
         assert mine.keys() == theirs.keys()
         for token, lp in mine.items():
-            assert lp.logprob == pytest.approx(theirs[token].logprob, abs=1e-4)
+            assert lp.logprob == pytest.approx(theirs[token].logprob, abs=tol)
 
 
 def test_a_repeated_prompt_is_served_up_to_its_snapshot_and_computes_the_same(hybrid_path, cold, vocab):
@@ -120,8 +120,27 @@ def test_ngram_speculation_with_prefix_hits_stays_token_identical(hybrid_path, c
     assert_same(second, greedy(cold, turn2, 24))
     again = greedy(spec, turn1, 24)
     assert_same(again, first)
-    assert second.num_cached_tokens >= 32 and again.num_cached_tokens == 32
+    # turn 1's last boundary, though its verifies jump past boundaries (their commits stop there)
+    assert second.num_cached_tokens == (len(turn1) + 24 - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert again.num_cached_tokens == 32
     assert spec.engine.step_counts["verify"] > 0 and sum(o.metrics.num_accepted_tokens for o in (first, second)) > 0
+
+
+def test_a_commit_split_at_a_boundary_equals_one_commit():
+    from lucebox.model.cache_spec import RecurrentSpec
+    spec = RecurrentSpec((4, 8, 12), (2 * 2 * 8 + 4 * 12, 3), 2, torch.float32)
+    whole, split = spec.build(3, 5, "cpu", layers=2), spec.build(3, 5, "cpu", layers=2)
+    g = torch.Generator().manual_seed(5)
+    for name in ("state", "conv", "stash_raw", "stash_mixed", "stash_g", "stash_beta"):
+        value = torch.randn(getattr(whole, name).shape, generator=g)
+        value = -value.abs() if name == "stash_g" else value.sigmoid() if name == "stash_beta" else value
+        getattr(whole, name).copy_(value)
+        getattr(split, name).copy_(value)
+    slots, accepted = torch.tensor([1, 2]), torch.tensor([3, 2])
+    whole.commit(slots, accepted)
+    split.commit(torch.tensor([1]), torch.tensor([1]))  # slot 1: its first 2 of 4 tokens
+    split.commit(slots, accepted, skip=torch.tensor([2, 0]))
+    assert torch.equal(whole.state, split.state) and torch.equal(whole.conv, split.conv)
 
 
 def test_an_evicted_snapshot_falls_back_to_a_shorter_hit_or_to_recompute(hybrid_path, cold, vocab):
@@ -182,18 +201,20 @@ def test_the_snapshot_pool_is_counted_in_the_memory_plan(hybrid_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_prefix_hits_under_cuda_graphs_on_a_gpu(hybrid_path, vocab):
-    """Snapshots are copied between steps into the slots captured graphs read in place."""
-    gpu = dict(device="cuda", dtype="float32", kv_cache_memory=64 << 20)
+@pytest.mark.parametrize("config", [None, NGRAM], ids=["plain", "ngram"])
+def test_prefix_hits_under_cuda_graphs_on_a_gpu(hybrid_path, vocab, config):
+    """Snapshots are copied between steps out of and into the slots captured graphs read in place;
+    greedy tokens equal a cold GPU run's (logprobs within TF32-level noise: chunkings differ)."""
+    gpu = {"device": "cuda", "dtype": "float32", "kv_cache_memory": 64 << 20, "speculative_config": config or {}}
     (turn1,) = prompts(vocab, [45], seed=27)
     warm = engine(hybrid_path, **gpu)
     assert warm.engine.runner.graphs is not None
     cold_gpu = engine(hybrid_path, enable_prefix_caching=False, **gpu)
     first = greedy(warm, turn1, 20)
-    assert_same(first, greedy(cold_gpu, turn1, 20))
+    assert_same(first, greedy(cold_gpu, turn1, 20), tol=1e-2)
     turn2 = turn1 + list(first.outputs[0].token_ids) + turn1[:7]
     second = greedy(warm, turn2, 20)
     assert second.num_cached_tokens == 64
-    assert_same(second, greedy(cold_gpu, turn2, 20))
-    assert_same(greedy(warm, turn1, 20), first)
-
+    assert_same(second, greedy(cold_gpu, turn2, 20), tol=1e-2)
+    assert_same(greedy(warm, turn1, 20), first, tol=1e-2)
+    assert sum(warm.engine.runner.graphs.replays.values()) > 0

@@ -21,7 +21,7 @@ BLOCK = 16
 def server(tmp_path_factory, tokenizer_dir):
     model = build_hf_model("qwen3", tmp_path_factory.mktemp("hybrid-prefix-server"), tokenizer_dir,
                            **(HYBRID | {"max_position_embeddings": 4096}))
-    srv, llm, _ = start_server(model, block_size=BLOCK, max_num_seqs=2)
+    srv, _, _ = start_server(model, block_size=BLOCK, max_num_seqs=2)
     yield srv
     srv.stop()
 
@@ -33,7 +33,7 @@ def oai(server):
 
 def test_a_repeated_chat_and_its_next_turn_are_served_from_the_cache(oai):
     messages = [{"role": "user", "content": " ".join(f"item{i}" for i in range(40))}]
-    kwargs = dict(model="tiny", max_tokens=8, temperature=0)
+    kwargs = {"model": "tiny", "max_tokens": 8, "temperature": 0}
     first = oai.chat.completions.create(messages=messages, **kwargs)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     again = oai.chat.completions.create(messages=messages, **kwargs)
