@@ -14,6 +14,7 @@ from lucebox.config import EngineArgs
 from lucebox.errors import RequestError
 from tests.conftest import build_hf_model
 from tests.model.test_qwen3_5 import BLOCK_SIZE, HYBRID, prompts
+from tests.spec_fixtures import write_dflash_drafter
 
 NGRAM = {"method": "ngram", "prompt_lookup_min": 1, "num_speculative_tokens": 3, "adaptive": False}
 
@@ -124,6 +125,22 @@ def test_ngram_speculation_with_prefix_hits_stays_token_identical(hybrid_path, c
     assert second.num_cached_tokens == (len(turn1) + 24 - 1) // BLOCK_SIZE * BLOCK_SIZE
     assert again.num_cached_tokens == 32
     assert spec.engine.step_counts["verify"] > 0 and sum(o.metrics.num_accepted_tokens for o in (first, second)) > 0
+
+
+def test_dflash_speculation_with_prefix_hits_stays_token_identical(hybrid_path, cold, vocab, tmp_path):
+    """A DFlash drafter's context K/V of cached positions come with the shared blocks; the target's
+    recurrent state from the snapshot: turn 2 equals a cold plain run."""
+    drafter = write_dflash_drafter(hybrid_path, tmp_path / "d", taps=(0, 2), block_size=4)
+    config = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 3, "adaptive": False}
+    turn1, new = prompts(vocab, [26, 6], seed=28)
+    spec = engine(hybrid_path, speculative_config=config)
+    first = greedy(spec, turn1, 20)
+    assert_same(first, greedy(cold, turn1, 20))
+    turn2 = turn1 + list(first.outputs[0].token_ids) + new
+    second = greedy(spec, turn2, 20)
+    assert second.num_cached_tokens == (len(turn1) + 20 - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert_same(second, greedy(cold, turn2, 20))
+    assert spec.engine.step_counts["verify"] > 0
 
 
 def test_a_commit_split_at_a_boundary_equals_one_commit():
