@@ -49,6 +49,7 @@ class CacheManager:
                                    enable_prefix_caching and (not self.recurrent or self.snapshot_capacity > 0))
         self.snapshots: StateSnapshots | None = None  # built with the recurrent storage
         self.prompt_boundaries: dict[int, int] = {}  # id(seq) -> the boundary its prompt snapshot is taken at
+        self.branch_points: dict[int, int] = {}  # id(seq) -> where its prompt leaves the cached blocks
         self._pending_snapshots: list[tuple[Sequence, int, int]] = []  # (seq, slot, boundary) after the commits
         self._pending_splits: dict[int, tuple[Sequence, int, int]] = {}  # slot -> (seq, tokens to, boundary inside)
         self.block_size = block_size
@@ -87,12 +88,21 @@ class CacheManager:
             self.pools = self.states
         if self.snapshot_capacity and self.blocks.enable_prefix_caching:
             self.snapshots = StateSnapshots(self.pools, self.snapshot_capacity)
+            log.info("prefix reuse with recurrent layers: %d state snapshots (%.1f MiB)", self.snapshot_capacity,
+                     self.snapshot_bytes / 2**20)
         return self.states
 
     # ------------------------------------------------------------------ admission and growth
-    def match_prefix(self, token_ids: list[int]) -> list[int]:
+    def match_prefix(self, token_ids: list[int], seq: Sequence | None = None) -> list[int]:
+        """The cached blocks a prompt starts from; seq: the scheduler's lookup before admitting it."""
         cached = self.blocks.match_prefix(token_ids)
-        return self.recurrent_prefix_hit(cached) if self.recurrent else cached
+        if not self.recurrent:
+            return cached
+        if seq is not None and self.snapshots is not None:
+            # Where the prompt leaves another's cached blocks (the end of a shared system prompt, say):
+            # a snapshot there serves the next prompt that shares them.
+            self.branch_points[id(seq)] = len(cached) * self.block_size
+        return self.recurrent_prefix_hit(cached)
 
     def can_admit(self, cached: list[int], num_tokens: int) -> bool:
         """Whether a new sequence starting from `cached` blocks fits: blocks, and a slot if recurrent."""
@@ -194,6 +204,7 @@ class CacheManager:
         if slot is not None:
             self.free_slots.append(slot)
         self.prompt_boundaries.pop(id(seq), None)
+        self.branch_points.pop(id(seq), None)
         if self.snapshots is not None and not self._batching:  # else after its pending snapshot
             self.snapshots.release(id(seq))
 
@@ -215,20 +226,28 @@ class CacheManager:
 
     def prefill_cut(self, seq: Sequence, start: int, num_tokens: int) -> int:
         """How many of `num_tokens` prompt tokens from `start` the next chunk computes: a chunk
-        ends exactly at the prompt's snapshot boundary, so the state there exists to be kept."""
+        ends exactly at the prompt's snapshot boundaries (where it branches off cached blocks, and
+        its last), so the states there exist to be kept."""
         if self.snapshots is None:
             return num_tokens
-        boundary = self.prompt_boundary(seq)
-        return boundary - start if start < boundary < start + num_tokens else num_tokens
+        for boundary in (self.branch_points.get(id(seq), 0), self.prompt_boundary(seq)):
+            if start < boundary < start + num_tokens:
+                return boundary - start
+        return num_tokens
 
     def _snapshot(self, seq: Sequence, slot: int, prompt_boundary: int, position: int | None = None) -> None:
         """seq's slot holds the state after its first `position` (default num_computed) positions:
         keep it when that is its prompt's boundary, or (its moving entry) any block boundary past it."""
         n = seq.num_computed if position is None else position
-        if n % self.block_size or n < max(prompt_boundary, 1) or len(seq.block_hashes) < n // self.block_size:
-            return  # mid-block, short of the prompt's boundary, or tokens not known yet (a cut-off verify)
-        key = seq.block_hashes[n // self.block_size - 1]
-        self.snapshots.save(key, slot, owner=None if n == prompt_boundary else id(seq))
+        if n % self.block_size or n == 0 or len(seq.block_hashes) < n // self.block_size:
+            return  # mid-block, or tokens not known yet (a verify cut off by a stop)
+        if n in (prompt_boundary, self.branch_points.get(id(seq))):
+            owner = None  # kept as any other entry
+        elif n > prompt_boundary:
+            owner = id(seq)  # its moving entry
+        else:
+            return  # a prefill chunk's end short of the prompt's boundaries
+        self.snapshots.save(seq.block_hashes[n // self.block_size - 1], slot, owner=owner)
 
     def _split_at_boundary(self, seq: Sequence, accepted: int) -> None:
         """A verify whose committed positions jump past a block boundary (not ending on one): its

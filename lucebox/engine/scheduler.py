@@ -77,7 +77,7 @@ class Scheduler:
         # New sequences join only when nobody had to give up blocks this step.
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            cached = self.cache.match_prefix(seq.token_ids)
+            cached = self.cache.match_prefix(seq.token_ids, seq)
             start = len(cached) * self.blocks.block_size
             n = self.cache.prefill_cut(seq, start, min(seq.num_tokens - start, budget))
             if not self.cache.can_admit(cached, start + n):

@@ -7,7 +7,10 @@ size of one sequence's slot -- keyed by the chained block hash of the prefix the
 (engine/block_manager.chain_hash), least recently used evicted first. CacheManager takes them:
   prompt   at the last block boundary a later request repeating the prompt can be served up to,
            (length - 1) // block_size * block_size; the scheduler ends a prefill chunk exactly
-           there (CacheManager.prefill_cut), so a prompt costs at most one step more
+           there (CacheManager.prefill_cut)
+  branch   where a prompt leaves the blocks another cached (the end of a system prompt shared by
+           two conversations): a chunk ends there too, so the third conversation finds a state;
+           with the prompt's, a prompt takes at most two more (short) steps
   decode   whenever a commit reaches a block boundary past that one (a decode step completing a
            block; a verify whose accepted tokens cross one has its state commit split there, one
            more launch pair that step): the sequence's one moving entry, overwritten as it grows,

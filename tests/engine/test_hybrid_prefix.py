@@ -70,6 +70,17 @@ def test_a_repeated_prompt_is_served_up_to_its_snapshot_and_computes_the_same(hy
     assert_same(out, greedy(cold, longer))
 
 
+def test_a_shared_system_prompt_is_reused_from_the_third_conversation_on(hybrid_path, cold, vocab):
+    """The second conversation finds the first's blocks of the shared part but no state at its end:
+    it computes from the start, ending a chunk where it leaves those blocks to keep the state there."""
+    system, *users = prompts(vocab, [30, 10, 9, 11], seed=29)
+    llm = engine(hybrid_path)
+    outs = [greedy(llm, system + user, 4) for user in users]
+    assert [o.num_cached_tokens for o in outs] == [0, 0, 28]  # 28: the last boundary inside the system prompt
+    for out, user in zip(outs, users):
+        assert_same(out, greedy(cold, system + user, 4))
+
+
 def test_the_prefill_chunk_ends_at_the_prompt_snapshot_boundary(hybrid_path, vocab):
     (prompt,) = prompts(vocab, [23], seed=23)
     llm = engine(hybrid_path)
