@@ -23,6 +23,10 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9  # fraction of GPU memory lucebox may use (weights + KV)
     seed: int = 0
     enable_prefix_caching: bool = True
+    # Hybrids (Gated DeltaNet): recurrent-state snapshots kept at block boundaries, what prefix reuse
+    # needs with recurrent layers (engine/state_snapshots.py); each is one sequence's state (Qwen3.6-27B:
+    # ~150 MB), counted in the memory plan; 0 turns prefix caching off for such models.
+    recurrent_prefix_snapshots: int = 8
     cache_type_k: str = "auto"  # llama.cpp's names: auto f32 f16 bf16 fp8 q8_0 q4_0
     cache_type_v: str = "auto"
     cache_rotate_k: bool = False  # Walsh-Hadamard rotation of K before quantising it
@@ -60,6 +64,9 @@ class EngineArgs:
         "cache_rotate_k": "rotate keys with a Walsh-Hadamard transform before quantising (tames outlier channels)",
         "speculative_config": "speculative decoding settings",
         "enable_prefix_caching": "reuse the KV of shared prompt prefixes across requests",
+        "recurrent_prefix_snapshots": "hybrid (Gated DeltaNet) models: recurrent-state snapshots kept at block "
+                                      "boundaries for prefix reuse, least recently used evicted (each one "
+                                      "sequence's state; 0: no prefix reuse for these models)",
         "max_queue": "most sequences waiting for a slot (a request counts n); more are refused with an overload error",
         "cuda_graphs": "replay decode and verify steps through CUDA graphs (default: on for CUDA devices)",
         "enforce_eager": "run every step eagerly: no CUDA graphs (slower at small batches; for debugging)",
@@ -74,6 +81,9 @@ class EngineArgs:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise RequestError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.recurrent_prefix_snapshots, int) or self.recurrent_prefix_snapshots < 0:
+            raise RequestError(f"recurrent_prefix_snapshots must be an integer >= 0, got "
+                               f"{self.recurrent_prefix_snapshots!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise RequestError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

@@ -177,8 +177,8 @@ class AsyncEngine:
     def cached_prefix_tokens(self, token_ids: list[int]) -> int:
         """Prompt tokens the prefix cache holds now (read without the lock: a lookup, no change);
         what the request will be served from cache unless blocks are evicted before it starts."""
-        blocks = self.engine.scheduler.blocks
-        return len(blocks.match_prefix(token_ids)) * blocks.block_size
+        cache = self.engine.scheduler.cache  # hybrids: only up to a recurrent-state snapshot
+        return len(cache.match_prefix(token_ids)) * cache.block_size
 
     @property
     def is_running(self) -> bool:

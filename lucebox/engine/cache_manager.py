@@ -15,7 +15,10 @@ per token and per sequence, never a layer's tensors:
                      which reads only positions inside the window, never sees them.
   recurrent state    one slot per sequence in a pool; a verify leaves the state alone and stashes its
                      tokens' inputs, and the rollback after its verdict advances the state over
-                     the accepted ones (model/recurrent_state.RecurrentState.commit).
+                     the accepted ones (model/recurrent_state.RecurrentState.commit). Prefix
+                     reuse needs the state after exactly the cached prefix: snapshots kept at block
+                     boundaries (engine/state_snapshots.py); a hit counts only up to the longest
+                     boundary that has both its blocks cached and a snapshot (recurrent_prefix_hit).
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from ..model.recurrent_state import RecurrentState
 from ..util import host_to_device
 from .block_manager import BlockManager, extend_hashes, prefix_chunks
 from .sequence import Sequence
+from .state_snapshots import StateSnapshots, snapshot_bytes
 
 log = logging.getLogger("lucebox")
 
@@ -44,21 +48,30 @@ class CachedPrefix(list):
 
 class CacheManager:
     def __init__(self, specs, num_blocks: int | list[int], block_size: int, enable_prefix_caching: bool = True,
-                 num_slots: int = 0, verify_positions: int = 0, groups: list[KVGroup] | None = None):
+                 num_slots: int = 0, verify_positions: int = 0, groups: list[KVGroup] | None = None,
+                 recurrent_snapshots: int = 0):
         """specs: every cache spec whose state follows the target's sequences (the model's layers
         and the proposer's); num_blocks: the pool of each KV cache group (kv_groups(specs); one
         number: every group's); num_slots / verify_positions: recurrent slots (at most this many
         sequences at once) and the positions a verify may stash (1 + the longest draft); groups:
-        the KV cache groups when not kv_groups(specs) (the runner's, runner.model_kv_groups)."""
+        the KV cache groups when not kv_groups(specs) (the runner's, runner.model_kv_groups);
+        recurrent_snapshots: entries of the state-snapshot pool that prefix reuse needs with
+        recurrent layers (0: no prefix reuse for them)."""
         self.specs = tuple(specs)
         self.recurrent = [s for s in self.specs if isinstance(s, RecurrentSpec)]
         self.groups = groups if groups is not None else kv_groups(self.specs)
         counts = list(num_blocks) if isinstance(num_blocks, (list, tuple)) else [num_blocks] * max(1, len(self.groups))
-        # Recurrent state belongs to the whole prefix, not to a block: no prefix sharing with it.
-        prefix = enable_prefix_caching and not self.recurrent
+        self.snapshot_capacity = recurrent_snapshots if self.recurrent else 0
+        # Recurrent state belongs to the whole prefix: sharing needs snapshots of it at block boundaries.
+        prefix = enable_prefix_caching and (not self.recurrent or self.snapshot_capacity > 0)
         self.blocks = BlockManager(counts[0], block_size, prefix)  # the primary group's pool
         self.window_pools = [BlockManager(n, block_size, prefix) for n in counts[1:]]  # one per window group
         self.windows = [g.window for g in self.groups[1:]]
+        self.snapshots: StateSnapshots | None = None  # built with the recurrent storage
+        self.prompt_boundaries: dict[int, int] = {}  # id(seq) -> the boundary its prompt snapshot is taken at
+        self.branch_points: dict[int, int] = {}  # id(seq) -> where its prompt leaves the cached blocks
+        self._pending_snapshots: list[tuple[Sequence, int, int]] = []  # (seq, slot, boundary) after the commits
+        self._pending_splits: dict[int, tuple[Sequence, int, int]] = {}  # slot -> (seq, tokens to, boundary inside)
         self.block_size = block_size
         self.verify_positions = verify_positions
         # The primary group's release window: set when every paged spec is windowed (tests set None).
@@ -78,6 +91,11 @@ class CacheManager:
     def bytes_per_sequence(self) -> int:
         return bytes_per_sequence(self.specs, self.verify_positions)
 
+    @property
+    def snapshot_bytes(self) -> int:
+        """The recurrent-state snapshot pool's bytes (hybrids' prefix reuse)."""
+        return snapshot_bytes(self.recurrent, self.snapshot_capacity)
+
     def build_recurrent(self, device: torch.device | str) -> list[RecurrentState]:
         """The storage of every recurrent spec, one slot per sequence the pool admits (and a scratch slot)."""
         num_slots = len(self.free_slots) + len(self.slots)
@@ -87,15 +105,25 @@ class CacheManager:
         else:
             self.states = [s.build(num_slots, self.verify_positions, device) for s in self.recurrent]
             self.pools = self.states
+        if self.snapshot_capacity and self.blocks.enable_prefix_caching:
+            self.snapshots = StateSnapshots(self.pools, self.snapshot_capacity)
+            log.info("prefix reuse with recurrent layers: %d state snapshots (%.1f MiB)", self.snapshot_capacity,
+                     self.snapshot_bytes / 2**20)
         return self.states
 
     # ------------------------------------------------------------------ admission and growth
-    def match_prefix(self, token_ids: list[int]) -> list[int]:
-        """The primary group's cached blocks of a prefix of token_ids, shortened to what every
-        window group can serve (window_hit); a CachedPrefix carries the window groups' blocks."""
+    def match_prefix(self, token_ids: list[int], seq: Sequence | None = None) -> list[int]:
+        """The cached blocks a prompt starts from (seq: the scheduler's lookup before admitting it):
+        the primary group's, shortened to where a recurrent snapshot exists (recurrent_prefix_hit)
+        and to what every window group can serve (window_hit; a CachedPrefix then carries their blocks)."""
         found = self.blocks.match_prefix(token_ids)
+        if self.recurrent:
+            if seq is not None and self.snapshots is not None:
+                # Where the prompt leaves another's cached blocks (the end of a shared system prompt, say):
+                # a snapshot there serves the next prompt that shares them.
+                self.branch_points[id(seq)] = len(found) * self.block_size
+            found = self.recurrent_prefix_hit(found)
         return self.window_hit(token_ids, found) if self.window_pools else found
-
     def window_hit(self, token_ids: list[int], found: list[int]) -> CachedPrefix:
         """The longest prefix of `found` (k blocks, n = k * block_size tokens) every window group
         can serve: the first query, at position n, reads keys from n - W + 1 on, so a group of
@@ -136,6 +164,10 @@ class CacheManager:
         if self.recurrent:
             slot = self.free_slots.pop()
             self.slots[id(seq)] = slot
+            self.prompt_boundaries[id(seq)] = self.prompt_boundary(seq)
+            if cached and self.snapshots is not None:  # recurrent_prefix_hit chose a prefix with a snapshot
+                self.snapshots.load(self.blocks.blocks[cached[-1]].hash, slot)
+                return
             index = torch.tensor([slot], device=self.states[0].state.device) if self.states else None
             for state in self.states:
                 state.reset(index)
@@ -156,14 +188,29 @@ class CacheManager:
     def commit(self, seq: Sequence) -> None:
         """seq.num_computed positions are now final: hash their full blocks for prefix sharing, and
         release the blocks no window of a position still to compute reaches."""
-        start = len(seq.block_hashes)
-        chunks = (extend_hashes(seq.block_hashes, seq.token_slice, seq.num_computed, self.block_size)
-                  if self.blocks.enable_prefix_caching else [])
+        self._register(seq)
         for pool, table, window in self._tables(seq):
-            if chunks:
-                pool.register(table, start, chunks)
             if window is not None:
                 pool.release_before(table, seq.num_computed - window + 1)
+        if self.snapshots is not None:
+            entry = (seq, self.slots[id(seq)], self.prompt_boundaries[id(seq)])
+            if self._batching:  # a verify's: the state advances when the block ends (_apply_commits)
+                self._pending_snapshots.append(entry)
+            else:
+                self._snapshot(*entry)
+
+    def _register(self, seq: Sequence) -> None:
+        """Hash seq's newly full blocks for prefix sharing, in every group. A verify commits its
+        accepted drafts before they join the sequence's tokens: only blocks whose tokens are known
+        (the rest at the next commit, or when freed)."""
+        if not self.blocks.enable_prefix_caching:
+            return
+        start = len(seq.block_hashes)
+        chunks = extend_hashes(seq.block_hashes, seq.token_slice, min(seq.num_computed, seq.num_tokens),
+                               self.block_size)
+        if chunks:
+            for pool, table, _ in self._tables(seq):
+                pool.register(table, start, chunks)
 
     def rollback(self, seq: Sequence, num_tokens: int, accepted: int | None = None) -> None:
         """Forget what lies past num_tokens tokens (rejected drafts); with `accepted` (a of k drafts,
@@ -173,6 +220,7 @@ class CacheManager:
             pool.truncate(table, num_tokens)
         if accepted is not None and self.states:
             self._pending_commits.append((self.slots[id(seq)], accepted))
+            self._split_at_boundary(seq, accepted)
             if not self._batching:
                 self._apply_commits()
 
@@ -195,23 +243,110 @@ class CacheManager:
             self._apply_commits()
 
     def _apply_commits(self) -> None:
-        if not self._pending_commits:
-            return
+        if self._pending_commits:
+            self._advance_pending()
+        if self._pending_snapshots:
+            self._take_pending_snapshots()
+
+    def _advance_pending(self) -> None:
         slots, accepted = zip(*self._pending_commits)
         self._pending_commits.clear()
         device = self.states[0].state.device
+        skip = self._advance_to_boundaries(slots) if self._pending_splits else None
         slots = host_to_device(list(slots), device, torch.long)
         accepted = host_to_device(list(accepted), device, torch.long)
         for pool in self.pools:
-            pool.commit(slots, accepted)
+            pool.commit(slots, accepted, skip)
 
     def free(self, seq: Sequence) -> None:
-        """Everything seq holds goes back (finished, aborted or preempted)."""
+        """Everything seq holds goes back (finished, aborted or preempted); its full blocks stay
+        findable for prefix reuse until their blocks are taken again."""
+        if seq.block_table:
+            self._register(seq)
         for pool, table, _ in self._tables(seq):
             pool.free_table(table)
         slot = self.slots.pop(id(seq), None)
         if slot is not None:
             self.free_slots.append(slot)
+        self.prompt_boundaries.pop(id(seq), None)
+        self.branch_points.pop(id(seq), None)
+        if self.snapshots is not None and not self._batching:  # else after its pending snapshot
+            self.snapshots.release(id(seq))
+
+    # ------------------------------------------------------------------ recurrent prefix reuse
+    def recurrent_prefix_hit(self, cached: list[int]) -> list[int]:
+        """Of the cached blocks of a prompt's prefix, those up to the longest block boundary whose
+        recurrent state a snapshot keeps (none: the prompt is computed from the start)."""
+        if self.snapshots is None:
+            return []
+        for n in range(len(cached), 0, -1):
+            if self.blocks.blocks[cached[n - 1]].hash in self.snapshots:
+                return cached[:n]
+        return []
+
+    def prompt_boundary(self, seq: Sequence) -> int:
+        """The last block boundary a later request repeating seq's tokens could be served up to
+        (its last token is always computed): where the prompt's snapshot is taken."""
+        return (seq.num_tokens - 1) // self.block_size * self.block_size
+
+    def prefill_cut(self, seq: Sequence, start: int, num_tokens: int) -> int:
+        """How many of `num_tokens` prompt tokens from `start` the next chunk computes: a chunk
+        ends exactly at the prompt's snapshot boundaries (where it branches off cached blocks, and
+        its last), so the states there exist to be kept."""
+        if self.snapshots is None:
+            return num_tokens
+        for boundary in (self.branch_points.get(id(seq), 0), self.prompt_boundary(seq)):
+            if start < boundary < start + num_tokens:
+                return boundary - start
+        return num_tokens
+
+    def _snapshot(self, seq: Sequence, slot: int, prompt_boundary: int, position: int | None = None) -> None:
+        """seq's slot holds the state after its first `position` (default num_computed) positions:
+        keep it when that is its prompt's boundary, or (its moving entry) any block boundary past it."""
+        n = seq.num_computed if position is None else position
+        if n % self.block_size or n == 0 or len(seq.block_hashes) < n // self.block_size:
+            return  # mid-block, or tokens not known yet (a verify cut off by a stop)
+        if n in (prompt_boundary, self.branch_points.get(id(seq))):
+            owner = None  # kept as any other entry
+        elif n > prompt_boundary:
+            owner = id(seq)  # its moving entry
+        else:
+            return  # a prefill chunk's end short of the prompt's boundaries
+        self.snapshots.save(seq.block_hashes[n // self.block_size - 1], slot, owner=owner)
+
+    def _split_at_boundary(self, seq: Sequence, accepted: int) -> None:
+        """A verify whose committed positions jump past a block boundary (not ending on one): its
+        state commit stops there first, so the moving snapshot keeps up with speculation."""
+        if self.snapshots is None:
+            return
+        end = seq.num_computed
+        before, boundary = end - 1 - accepted, (end - 1) // self.block_size * self.block_size
+        if end % self.block_size and boundary > before:
+            self._pending_splits[self.slots[id(seq)]] = (seq, boundary - before, boundary)
+
+    def _advance_to_boundaries(self, slots: tuple[int, ...]) -> torch.Tensor:
+        """The first half of split commits: states advanced to their boundaries and snapshotted
+        there; returns each pending commit's stashed tokens applied (0 where not split)."""
+        splits, self._pending_splits = self._pending_splits, {}
+        device = self.states[0].state.device
+        split_slots = host_to_device(list(splits), device, torch.long)
+        upto = host_to_device([n - 1 for _, n, _ in splits.values()], device, torch.long)  # as `accepted`
+        for pool in self.pools:
+            pool.commit(split_slots, upto)
+        for slot, (seq, _, boundary) in splits.items():
+            if seq.block_table:  # accepted drafts have joined its tokens now (a freed one registered then)
+                self._register(seq)
+            self._snapshot(seq, slot, self.prompt_boundaries.get(id(seq), 0), boundary)
+        return host_to_device([splits[s][1] if s in splits else 0 for s in slots], device, torch.long)
+
+    def _take_pending_snapshots(self) -> None:
+        pending, self._pending_snapshots = self._pending_snapshots, []
+        for seq, slot, boundary in pending:
+            if seq.block_table:  # accepted drafts have joined its tokens now (a freed one registered then)
+                self._register(seq)
+            self._snapshot(seq, slot, boundary)
+            if id(seq) not in self.slots:  # finished within the block
+                self.snapshots.release(id(seq))
 
     def held_blocks(self, seq: Sequence) -> int:
         """Pool blocks seq holds, all groups together."""

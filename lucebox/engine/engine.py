@@ -28,6 +28,7 @@ from .progress import PrefillProgress
 from .runner import ModelRunner, model_kv_groups
 from .scheduler import Scheduler
 from .sequence import Sequence
+from .state_snapshots import snapshot_bytes
 from .step_plan import CATCH_UP_LENS, RowKind, StepPlan, StepPlanner, StepResult
 
 log = logging.getLogger("lucebox")
@@ -62,9 +63,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, num_blocks, args.block_size, args.cache_type_k, args.cache_type_v,
                                   args.cache_rotate_k, graphs=graphs, state_slots=0, groups=groups,
                                   group_blocks=pools[1:])
-        # Recurrent layers (hybrids): one state slot per running sequence, prefix reuse off (CacheManager).
+        # Recurrent layers (hybrids): one state slot per running sequence, prefix reuse through state snapshots.
         cache = CacheManager(specs, pools, args.block_size, args.enable_prefix_caching, args.max_num_seqs,
-                             self._recurrent_snapshots(specs), groups)
+                             self._recurrent_snapshots(specs), groups, self._prefix_snapshots())
         if cache.recurrent:
             self.runner.install_recurrent(cache.build_recurrent(self.model.device), cache.slot)
             if self.model.device.type == "cuda":
@@ -151,6 +152,10 @@ class LLMEngine:
             raise UnsupportedError("a draft model with recurrent (Gated DeltaNet) layers is not supported yet")
         return 1 + self.speculator.policy.max_k
 
+    def _prefix_snapshots(self) -> int:
+        """Entries of the recurrent-state snapshot pool (engine/state_snapshots.py): none without prefix caching."""
+        return self.args.recurrent_prefix_snapshots if self.args.enable_prefix_caching else 0
+
     def _plan_kv_blocks(self, specs, groups) -> list[int]:
         """Blocks of each KV cache group's pool (model/cache_spec.plan_pools); the primary's first."""
         args = self.args
@@ -158,6 +163,7 @@ class LLMEngine:
         blocks_per_seq = -(-self.max_model_len // args.block_size)
         # fixed-size state (recurrent layers) and its per-draft snapshots, for every sequence at once
         fixed = bytes_per_sequence(specs, self._recurrent_snapshots(specs)) * args.max_num_seqs
+        fixed += snapshot_bytes(specs, self._prefix_snapshots())  # hybrids' prefix-reuse states
         if self.model.device.type == "cuda":
             torch.cuda.empty_cache()  # memory the caching allocator holds but no tensor uses counts as free
             free, total = torch.cuda.mem_get_info(self.model.device)

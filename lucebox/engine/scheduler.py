@@ -59,6 +59,8 @@ class Scheduler:
             pending = seq.num_tokens - seq.num_computed
             drafts = len(seq.draft.tokens) if seq.draft is not None else 0
             n = min(pending + drafts, budget)
+            if not drafts:  # a prompt's chunk ends at its recurrent snapshot's boundary (hybrids)
+                n = self.cache.prefill_cut(seq, seq.num_computed, n)
             if drafts and n < pending + drafts:  # the budget cuts the draft short
                 self._trim_draft(seq, n - pending)
             while not self.cache.can_grow(seq, seq.num_computed + n):
@@ -75,9 +77,9 @@ class Scheduler:
         # New sequences join only when nobody had to give up blocks this step.
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            cached = self.cache.match_prefix(seq.token_ids)
+            cached = self.cache.match_prefix(seq.token_ids, seq)
             start = len(cached) * self.blocks.block_size
-            n = min(seq.num_tokens - start, budget)
+            n = self.cache.prefill_cut(seq, start, min(seq.num_tokens - start, budget))
             if not self.cache.can_admit(cached, start + n):
                 break
             self.waiting.popleft()

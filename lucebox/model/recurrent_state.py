@@ -14,6 +14,10 @@ the slot's state without writing it, and stashes its per-token inputs; `commit(s
 then advances the state over the first accepted + 1 stashed tokens (the same kernel, state written)
 and makes the conv window the K-1 raw inputs ending at the last of them. A stashed position costs
 2 * channels + 2 * Hv values, a state snapshot Hv*dk*dv (Qwen3.6-27B: 20.6K vs 786K).
+
+Prefix snapshots (engine/state_snapshots.py): a slot's state and conv window in every layer of the
+pool copied out to (`save`) or in from (`load`) an entry of snapshot storage [entries, layers, ...];
+two copies each, eager between steps (CUDA graphs read the slot tensors in place, never these).
 """
 from __future__ import annotations
 
@@ -71,14 +75,17 @@ class RecurrentState:
         self.stash_g.index_copy_(0, rows, g.to(self.stash_g.dtype))
         self.stash_beta.index_copy_(0, rows, beta.to(self.stash_beta.dtype))
 
-    def commit(self, slots: torch.Tensor, accepted: torch.Tensor) -> None:
+    def commit(self, slots: torch.Tensor, accepted: torch.Tensor, skip: torch.Tensor | None = None) -> None:
         """After a verify of `slots` (device tensors, one entry a sequence): advance each state over
-        its first accepted + 1 stashed tokens, the conv window to the raw inputs ending there."""
+        its first accepted + 1 stashed tokens, the conv window to the raw inputs ending there.
+        skip: stashed tokens per sequence applied already (a commit split at a block boundary,
+        where a prefix snapshot is taken in between)."""
         if self.positions == 0:
             raise RuntimeError("this recurrent pool keeps no verify stash (built with 0 positions)")
         layer = torch.arange(self.layers, device=slots.device)[:, None]  # a pool: every layer in one launch
-        count = (accepted + 1).repeat(self.layers)
-        first = (layer * self.rows_per_layer + slots * self.positions).reshape(-1)
+        skip = torch.zeros_like(accepted) if skip is None else skip
+        count = (accepted + 1 - skip).repeat(self.layers)
+        first = (layer * self.rows_per_layer + slots * self.positions + skip).reshape(-1)
         slots = (layer * self.slots_per_layer + slots).reshape(-1)
         v_heads, dk, dv = self.state.shape[1:]
         k = self.stash_mixed[:, self.key_dim:2 * self.key_dim].view(-1, self.key_heads, dk)
@@ -86,6 +93,27 @@ class RecurrentState:
         gated_delta_steps(None, k, v, self.stash_g, self.stash_beta, self.state, slots, first, first + count, count,
                           self.positions, outputs=False, normalize=True)
         conv_windows(self.stash_raw, self.conv, slots, first, count)
+
+    def slot_views(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(state, conv) of one slot in every layer: views [layers, ...] of the pool, written in place."""
+        state = self.state.view(self.layers, self.slots_per_layer, *self.state.shape[1:])[:, slot]
+        conv = self.conv.view(self.layers, self.slots_per_layer, *self.conv.shape[1:])[:, slot]
+        return state, conv
+
+    def snapshot_storage(self, entries: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(state, conv) storage of `entries` snapshots of one slot: [entries, layers, ...] each."""
+        return (self.state.new_zeros(entries, self.layers, *self.state.shape[1:]),
+                self.conv.new_zeros(entries, self.layers, *self.conv.shape[1:]))
+
+    def save(self, slot: int, storage: tuple[torch.Tensor, torch.Tensor], entry: int) -> None:
+        """Copy slot's live state and conv window (every layer) into snapshot entry `entry` of `storage`."""
+        for dst, src in zip(storage, self.slot_views(slot)):
+            dst[entry].copy_(src)
+
+    def load(self, storage: tuple[torch.Tensor, torch.Tensor], entry: int, slot: int) -> None:
+        """Slot's live state and conv window (every layer) become snapshot entry `entry` of `storage`."""
+        for dst, src in zip(self.slot_views(slot), storage):
+            dst.copy_(src[entry])
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy the live state of slots src[i] -> dst[i] (a forked sequence, e.g. n > 1 samples)."""

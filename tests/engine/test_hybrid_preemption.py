@@ -25,21 +25,21 @@ def engine(path, speculative_config=None, blocks: int | None = None) -> LLM:
                   speculative_config=speculative_config or {})
     if blocks is not None:  # a pool of exactly `blocks` blocks beside the fixed-size recurrent state
         probe = LLM(str(path), **kwargs).engine.scheduler.cache
-        kwargs["kv_cache_memory"] = (probe.bytes_per_sequence * SEQS
+        kwargs["kv_cache_memory"] = (probe.bytes_per_sequence * SEQS + probe.snapshot_bytes
                                      + probe.bytes_per_token * BLOCK_SIZE * blocks)
     return LLM(str(path), **kwargs)
 
 
 def record_slots(llm) -> list[tuple[str, str, int]]:
     """(event, request id, slot) of every admission and release, with the admitted slot's state
-    checked to start at zero."""
+    checked to start at zero unless a prefix hit loaded a snapshot (tests/engine/test_hybrid_prefix.py)."""
     cache, events = llm.engine.scheduler.cache, []
     admit, free = cache.admit, cache.free
 
     def admitting(seq, cached):
         admit(seq, cached)
         slot = cache.slot(seq)
-        assert all(s.state[slot].abs().sum() == 0 and s.conv[slot].abs().sum() == 0 for s in cache.states)
+        assert cached or all(s.state[slot].abs().sum() == 0 and s.conv[slot].abs().sum() == 0 for s in cache.states)
         events.append(("admit", seq.request_id, slot))
 
     def freeing(seq):

@@ -107,9 +107,9 @@ def test_greedy_generation_in_a_continuous_batch_equals_transformers(hybrid_path
     llm = LLM(str(hybrid_path), block_size=BLOCK_SIZE, max_num_batched_tokens=8, max_num_seqs=3,
               enable_prefix_caching=True)
     engine = llm.engine
-    assert not engine.scheduler.cache.blocks.enable_prefix_caching  # recurrent state: no prefix reuse
+    assert engine.scheduler.cache.snapshots is not None  # prefix reuse through recurrent-state snapshots
     batch = prompts(engine.loaded.config.vocab_size, [19, 6, 12], seed=4)
-    batch[2][:6] = batch[0][:6]  # a shared prefix must not be served from another sequence's blocks
+    batch[2][:6] = batch[0][:6]  # a shared prefix, served only where a state snapshot makes it exact
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     arrivals = {0: 0, 2: 1, 5: 2}  # step -> the request that arrives then
     got, step = {}, 0
