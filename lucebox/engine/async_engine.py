@@ -37,11 +37,28 @@ class EngineDeadError(LuceboxError):
 
 
 @dataclass(frozen=True)
+class KVPoolStats:
+    """One KV cache group's pool (engine/cache_manager.py): `group` names it, "full" or "window=W"."""
+    group: str
+    blocks: int
+    blocks_free: int
+
+    @property
+    def usage(self) -> float:
+        return (self.blocks - self.blocks_free) / self.blocks if self.blocks else 0.0
+
+
+def group_label(window: int | None) -> str:
+    return "full" if window is None else f"window={window}"
+
+
+@dataclass(frozen=True)
 class EngineStats:
-    """A snapshot of the engine's load for /metrics (vLLM's gauges and counters)."""
+    """A snapshot of the engine's load for /metrics (vLLM's gauges and counters). The kv_* figures
+    are the primary KV cache group's (full attention); kv_pools has every group's."""
     running: int  # sequences in the running batch
     waiting: int  # sequences waiting for a slot
-    kv_blocks: int  # KV blocks in the pool
+    kv_blocks: int  # KV blocks in the primary group's pool
     kv_blocks_free: int
     kv_capacity_tokens: int  # tokens the KV pool holds
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache
@@ -49,6 +66,11 @@ class EngineStats:
     preemptions: int  # sequences preempted to free KV blocks
     state_slots: int = 0  # recurrent-state slots in the pool (0: the model keeps no recurrent state)
     state_slots_free: int = 0
+    kv_pools: tuple[KVPoolStats, ...] = ()  # every KV cache group's pool, the primary first
+    snapshots: int = 0  # entries of the recurrent-state snapshot pool (hybrids' prefix reuse; 0: none)
+    snapshots_in_use: int = 0  # entries holding a prefix's state
+    snapshot_hits: int = 0  # admissions whose recurrent state was loaded from a snapshot
+    snapshot_hit_tokens: int = 0  # prefix tokens those admissions did not compute
 
     @property
     def kv_usage(self) -> float:
@@ -168,11 +190,18 @@ class AsyncEngine:
         """Read without the engine lock: the figures may lag a step, never block one."""
         sched = self.engine.scheduler
         blocks, cache = sched.blocks, sched.cache
+        snapshots = cache.snapshots
         return EngineStats(running=len(sched.running), waiting=len(sched.waiting), kv_blocks=blocks.num_blocks,
                            kv_blocks_free=blocks.num_free_blocks, kv_capacity_tokens=self.engine.kv_capacity_tokens,
                            prefix_cache_queries=blocks.queries, prefix_cache_hits=blocks.hits,
                            preemptions=sched.num_preemptions,
-                           state_slots=len(cache.slots) + len(cache.free_slots), state_slots_free=len(cache.free_slots))
+                           state_slots=len(cache.slots) + len(cache.free_slots), state_slots_free=len(cache.free_slots),
+                           kv_pools=tuple(KVPoolStats(group_label(window), n, free)
+                                          for window, n, free in cache.pool_usage()),
+                           snapshots=snapshots.capacity if snapshots else 0,
+                           snapshots_in_use=len(snapshots) if snapshots else 0,
+                           snapshot_hits=snapshots.loaded if snapshots else 0,
+                           snapshot_hit_tokens=snapshots.loaded_tokens if snapshots else 0)
 
     def cached_prefix_tokens(self, token_ids: list[int]) -> int:
         """Prompt tokens the prefix cache holds now (read without the lock: a lookup, no change);

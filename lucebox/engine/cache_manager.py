@@ -166,7 +166,7 @@ class CacheManager:
             self.slots[id(seq)] = slot
             self.prompt_boundaries[id(seq)] = self.prompt_boundary(seq)
             if cached and self.snapshots is not None:  # recurrent_prefix_hit chose a prefix with a snapshot
-                self.snapshots.load(self.blocks.blocks[cached[-1]].hash, slot)
+                self.snapshots.load(self.blocks.blocks[cached[-1]].hash, slot, len(cached) * self.block_size)
                 return
             index = torch.tensor([slot], device=self.states[0].state.device) if self.states else None
             for state in self.states:
@@ -347,6 +347,12 @@ class CacheManager:
             self._snapshot(seq, slot, boundary)
             if id(seq) not in self.slots:  # finished within the block
                 self.snapshots.release(id(seq))
+
+    def pool_usage(self) -> list[tuple[int | None, int, int]]:
+        """(window, blocks, free blocks) of each KV cache group's pool, primary first (window None:
+        full attention)."""
+        return [(window, pool.num_blocks, pool.num_free_blocks) for pool, window in
+                zip([self.blocks, *self.window_pools], [self.release_window, *self.windows])]
 
     def held_blocks(self, seq: Sequence) -> int:
         """Pool blocks seq holds, all groups together."""

@@ -44,6 +44,7 @@ class StateSnapshots:
         self.free = list(range(capacity - 1, -1, -1))
         self.moving: dict[int, int] = {}  # owner (id of a running sequence) -> the hash of its moving entry
         self.saved = self.loaded = self.evicted = 0
+        self.loaded_tokens = 0  # prefix tokens the loaded states stood for (not recomputed)
 
     def __contains__(self, key: int) -> bool:
         return key in self.entries
@@ -73,13 +74,15 @@ class StateSnapshots:
         if owner is not None:
             self.moving[owner] = key
 
-    def load(self, key: int, slot: int) -> None:
-        """Slot's state becomes the one kept for the prefix hashed `key` (which must be kept)."""
+    def load(self, key: int, slot: int, tokens: int = 0) -> None:
+        """Slot's state becomes the one kept for the prefix hashed `key` (which must be kept), a
+        prefix of `tokens` tokens (counted in loaded_tokens)."""
         entry = self.entries[key]
         self.entries.move_to_end(key)
         for pool, storage in zip(self.pools, self.storage):
             pool.load(storage, entry, slot)
         self.loaded += 1
+        self.loaded_tokens += tokens
 
     def release(self, owner: int) -> None:
         """The owner's sequence is gone: its moving entry stays, as any other."""

@@ -207,7 +207,14 @@ class Dashboard:
                        "prefix_cache_hits": stats.prefix_cache_hits,
                        "prefix_hit_rate": (stats.prefix_cache_hits / stats.prefix_cache_queries
                                            if stats.prefix_cache_queries else None),
-                       "preemptions": stats.preemptions},
+                       "preemptions": stats.preemptions,
+                       # kv_usage above is the primary (full-attention) group's; each group's pool here
+                       "kv_pools": [{"group": p.group, "blocks": p.blocks, "blocks_free": p.blocks_free,
+                                     "usage": p.usage} for p in stats.kv_pools],
+                       "recurrent_prefix_snapshots": stats.snapshots,
+                       "recurrent_prefix_snapshots_in_use": stats.snapshots_in_use,
+                       "recurrent_prefix_snapshot_hits": stats.snapshot_hits,
+                       "recurrent_prefix_snapshot_hit_tokens": stats.snapshot_hit_tokens},
             "totals": {"requests": totals.requests, "finished": dict(sorted(self.finish_reasons.items())),
                        "prompt_tokens": totals.prompt, "generated_tokens": totals.generated,
                        "mean_ttft": sum(totals.ttfts) / len(totals.ttfts) if totals.ttfts else None,

@@ -1,6 +1,8 @@
 """Prometheus text exposition, named like vLLM's metrics (prefix `vllm:`) so existing dashboards work.
 
-Figures vLLM has no name for (the recurrent-state pool of hybrid models) are prefixed `lucebox:`.
+Figures vLLM has no name for are prefixed `lucebox:`: each KV cache group's pool (models mixing
+sliding-window and full attention keep one per window; vLLM's kv_cache_usage_perc is the primary,
+full-attention group's), and hybrid models' recurrent-state pool and prefix snapshots.
 Counters carry prometheus_client's `_total` suffix, as vLLM's do on the wire
 (e.g. `vllm:spec_decode_num_drafts_total`, `vllm:spec_decode_num_accepted_tokens_per_pos_total`).
 """
@@ -87,10 +89,19 @@ class Metrics:
                    [f"vllm:num_requests_running{{{L}}} {stats.running}"])
             metric("vllm:num_requests_waiting", "gauge", "Sequences waiting for a slot.",
                    [f"vllm:num_requests_waiting{{{L}}} {stats.waiting}"])
-            metric("vllm:kv_cache_usage_perc", "gauge", "Fraction of KV-cache blocks in use (1 = 100%).",
+            metric("vllm:kv_cache_usage_perc", "gauge", "Fraction of KV-cache blocks in use (1 = 100%), in the "
+                   "primary (full-attention) group's pool; lucebox:kv_cache_blocks has every group's.",
                    [f"vllm:kv_cache_usage_perc{{{L}}} {stats.kv_usage}"])
-            metric("vllm:kv_cache_capacity_tokens", "gauge", "Tokens the KV pool holds.",
-                   [f"vllm:kv_cache_capacity_tokens{{{L}}} {stats.kv_capacity_tokens}"])
+            metric("vllm:kv_cache_capacity_tokens", "gauge", "Tokens the primary (full-attention) group's KV pool "
+                   "holds.", [f"vllm:kv_cache_capacity_tokens{{{L}}} {stats.kv_capacity_tokens}"])
+            pools = [(f'{L},group="{p.group}"', p) for p in stats.kv_pools]
+            if pools:  # one per KV cache group: "full", and "window=W" for each window of a mixed model
+                metric("lucebox:kv_cache_blocks", "gauge", "KV blocks in each KV cache group's pool.",
+                       [f"lucebox:kv_cache_blocks{{{g}}} {p.blocks}" for g, p in pools])
+                metric("lucebox:kv_cache_blocks_free", "gauge", "Free KV blocks in each KV cache group's pool.",
+                       [f"lucebox:kv_cache_blocks_free{{{g}}} {p.blocks_free}" for g, p in pools])
+                metric("lucebox:kv_cache_usage_perc", "gauge", "Fraction of each KV cache group's blocks in use "
+                       "(1 = 100%).", [f"lucebox:kv_cache_usage_perc{{{g}}} {p.usage}" for g, p in pools])
             if stats.state_slots:  # hybrids (Gated DeltaNet): the recurrent-state pool beside the KV pool
                 used = stats.state_slots - stats.state_slots_free
                 metric("lucebox:recurrent_state_slots", "gauge", "Recurrent-state slots in the pool (one a running "
@@ -99,6 +110,17 @@ class Metrics:
                        [f"lucebox:recurrent_state_slots_in_use{{{L}}} {used}"])
                 metric("lucebox:recurrent_state_usage_perc", "gauge", "Fraction of recurrent-state slots in use "
                        "(1 = 100%).", [f"lucebox:recurrent_state_usage_perc{{{L}}} {stats.state_usage}"])
+                metric("lucebox:recurrent_prefix_snapshots", "gauge", "Entries of the recurrent-state snapshot "
+                       "pool that prefix reuse needs (0: no prefix reuse).",
+                       [f"lucebox:recurrent_prefix_snapshots{{{L}}} {stats.snapshots}"])
+                metric("lucebox:recurrent_prefix_snapshots_in_use", "gauge", "Snapshot entries holding a prefix's "
+                       "state.", [f"lucebox:recurrent_prefix_snapshots_in_use{{{L}}} {stats.snapshots_in_use}"])
+                metric("lucebox:recurrent_prefix_snapshot_hits", "counter", "Admissions whose recurrent state was "
+                       "loaded from a snapshot (recomputes after preemption too).",
+                       [f"lucebox:recurrent_prefix_snapshot_hits_total{{{L}}} {stats.snapshot_hits}"])
+                metric("lucebox:recurrent_prefix_snapshot_hit_tokens", "counter", "Prefix tokens those admissions "
+                       "did not compute.",
+                       [f"lucebox:recurrent_prefix_snapshot_hit_tokens_total{{{L}}} {stats.snapshot_hit_tokens}"])
             metric("vllm:prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache.",
                    [f"vllm:prefix_cache_queries_total{{{L}}} {stats.prefix_cache_queries}"])
             metric("vllm:prefix_cache_hits", "counter", "Prompt tokens served from the prefix cache.",
