@@ -1,0 +1,107 @@
+# Bench modes (sourced by scripts/gpu_session.sh): lucebox bench speed / spec rows on the H200.
+
+#: bench        bench speed: qwen3-8b bf16, q8_0, q4_k_m, qwen3-0.6b bf16 (~6 min; within one call's 600 s)
+mode_bench() {
+  bench 8b-bf16 240 --shape qwen3-8b --quant bf16
+  bench 8b-q8_0 90 --shape qwen3-8b --quant q8_0 --prompt-lens 512 --contexts 512 --no-peer
+  bench 8b-q4_k_m 90 --shape qwen3-8b --quant q4_k_m --prompt-lens 512 --contexts 512 --no-peer
+  bench 06b-bf16 90 --shape qwen3-0.6b --quant bf16 --prompt-lens 512 --contexts 512
+}
+
+#: spec         bench spec on the bundled pair (models/default + default-dflash), 15 repeats (~100 s: 120
+#:              requests a row, what the per-request interval needs to resolve the 5% bound); SPEC_ARGS adds
+#:              flags, e.g. SPEC_ARGS=--no-adaptive
+mode_spec() {
+  step spec "${SECONDS_SPEC:-400}" python3 -m lucebox.cli bench spec --draft models/default-dflash --repeats 15 \
+    --json "$out/spec.json" ${SPEC_ARGS:-}
+  sed -n '/^| /,$p' "$out/spec.log"
+}
+
+#: overlap      bench speed decode with and without --async-decode, 0.6b and 8b at 512, after the
+#:              overlapped-decoding GPU tests (~4 min)
+mode_overlap() {
+  run_tests overlap-tests 120 tests/engine/test_cuda_graphs.py -k overlapped
+  local shape mode flag
+  for shape in qwen3-0.6b qwen3-8b; do
+    for mode in sync async; do
+      flag=$([ $mode = async ] && echo --async-decode || echo --no-async-decode)
+      bench "$shape-$mode" 100 --shape $shape --quant bf16 --prompt-lens 512 --contexts 512 \
+        --skip prefill forced spec peer $flag
+    done
+  done
+}
+
+#: pdl          decode with programmatic dependent launch on and off (LUCEBOX_PDL), 0.6b and 8b bf16 and 8b
+#:              Q4_K_M at 512, alternating (~4 min)
+mode_pdl() {
+  local shape_quant run pdl
+  for shape_quant in "qwen3-0.6b bf16" "qwen3-8b bf16" "qwen3-8b q4_k_m"; do
+    set -- $shape_quant
+    for run in 1 2; do
+      for pdl in 1 0; do
+        LUCEBOX_PDL=$pdl bench "$1-$2-pdl$pdl-$run" 90 --shape $1 --quant $2 --prompt-lens 512 --contexts 512 \
+          --skip prefill forced spec peer
+      done
+    done
+  done
+}
+
+#: pdl-tiles    q4_k_m and q8_0 verify (tensor-core quant products) with and without LUCEBOX_PDL_TILES (~3 min)
+mode_pdl_tiles() {
+  local quant tiles
+  for quant in q4_k_m q8_0; do
+    for tiles in 0 1; do
+      LUCEBOX_PDL_TILES=$tiles bench "8b-$quant-pdl-tiles-$tiles" 60 --shape qwen3-8b --quant $quant \
+        --prompt-lens 512 --contexts 512 --skip prefill decode forced spec peer
+    done
+  done
+}
+
+#: int8         int8 activations (kernels/triton_quant_int8.py): their GPU tests, decode-vs-verify agreement
+#:              (q4_k_m), bench speed q4_k_m / q8_0 with and without LUCEBOX_INT8_ACTIVATIONS, then the
+#:              M = 16 kernels swept (~8 min)
+mode_int8() {
+  run_tests int8-tests 150 tests/kernels/test_triton_kernels.py -k "int8 or rounded or split_rows or model_forward"
+  step int8-numerics 120 python3 scripts/check_decode_numerics.py --shape qwen3-8b --quant q4_k_m --prompt-len 256 --tokens 32
+  grep "^|" "$out/int8-numerics.log"
+  local quant int8
+  for quant in q4_k_m q8_0; do
+    for int8 in 1 0; do
+      LUCEBOX_INT8_ACTIVATIONS=$int8 bench "8b-$quant-int8-$int8" 90 --shape qwen3-8b --quant $quant \
+        --prompt-lens 512 --contexts 512 --skip prefill forced spec peer
+    done
+  done
+  step int8-kernels "${SECONDS_KERNELS:-150}" python3 scripts/bench_kernels.py --only quant --ms 16 --sweep \
+    --qtypes Q4_K Q6_K Q8_0 --json "$out/int8-kernels.json"
+  grep -E "^\| (kernel|quant_matmul)" "$out/int8-kernels.log" | cut -c1-600
+}
+
+#: quant        qwen3-8b q4_k_m and q8_0: bench speed (decode, verify, forced acceptance), then
+#:              scripts/profile_decode.py of each step (~6 min)
+mode_quant() {
+  local quant
+  for quant in q4_k_m q8_0; do
+    bench "8b-$quant" 100 --shape qwen3-8b --quant $quant --prompt-lens 512 --contexts 512 --skip prefill spec peer
+  done
+  for quant in q4_k_m q8_0; do
+    step "profile-$quant" 120 python3 scripts/profile_decode.py --shape qwen3-8b --quant $quant --context 512
+    grep -E "^forward|device kernels per forward" "$out/profile-$quant.log"
+    sed -n '/one graph replay/,$p' "$out/profile-$quant.log" | head -n 24 | cut -c1-160
+  done
+}
+
+#: compare      bench speed (prefill 512 / 4K, decode and verify at 512) of the tree in .before/ (e.g.
+#:              `git archive COMMIT lucebox | tar -x -C .before`, carried) against this one, alternating in
+#:              one call; COMPARE picks shape:quant pairs (default 0.6b bf16, 8b q4_k_m, 8b bf16; ~8 min)
+mode_compare() {
+  local sq tree dir
+  ln -sfn ../models .before/models
+  for sq in ${COMPARE:-qwen3-0.6b:bf16 qwen3-8b:q4_k_m qwen3-8b:bf16}; do
+    set -- ${sq/:/ }
+    for tree in before after; do
+      dir=.; [ $tree = before ] && dir=.before
+      (cd $dir && bench "$1-$2-$tree" 150 --shape $1 --quant $2 --prompt-lens 512 4096 --contexts 512 \
+        --skip forced spec peer)
+    done
+  done
+}

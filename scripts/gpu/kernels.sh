@@ -1,0 +1,43 @@
+# Kernel modes (sourced by scripts/gpu_session.sh): launch configs swept, kernels against torch.
+
+#: kernels      scripts/bench_kernels.py: quantised GEMV rows at M = 1 and 16 (decode, verify), launch configs
+#:              (one row: also stages) swept, timed in CUDA graphs (~9 min; MS=1 for the one-row sweep alone)
+mode_kernels() {
+  local m
+  for m in ${MS:-1 16}; do
+    step "kernels-quant-m$m" "${SECONDS_KERNELS:-270}" python3 scripts/bench_kernels.py --only quant --ms $m \
+      --sweep --qtypes Q8_0 Q4_K Q6_K --json "$out/kernels-quant-m$m.json"
+    grep -E "^\| (kernel|quant_matmul)" "$out/kernels-quant-m$m.log" | cut -c1-900
+  done
+}
+
+#: gemv         decode GEMVs with their fused prologues vs the unfused kernels (0.6b and 8b matrices, launch
+#:              configs swept), decode-vs-verify logit agreement (scripts/check_decode_numerics.py), then
+#:              bench speed 0.6b and 8b at 512
+mode_gemv() {
+  local shape
+  for shape in qwen3-0.6b qwen3-8b; do
+    step "gemv-$shape" 150 python3 scripts/bench_kernels.py --only gemv --sweep --shape $shape --json "$out/gemv-$shape.json"
+    grep -E "^\| (norm|o |silu|matrix)" "$out/gemv-$shape.log"
+  done
+  step numerics 150 python3 scripts/check_decode_numerics.py --shape qwen3-0.6b
+  grep "^|" "$out/numerics.log"
+  bench 06b-bf16 90 --shape qwen3-0.6b --quant bf16 --prompt-lens 512 --contexts 512 --no-peer
+  bench 8b-bf16 120 --shape qwen3-8b --quant bf16 --prompt-lens 512 --contexts 512 --no-peer
+}
+
+#: sampler      the in-graph sampler by vocabulary size, each Triton search against torch
+#:              (scripts/bench_sampler.py), after its tests
+mode_sampler() {
+  run_tests sampler-tests 120 tests/kernels/test_triton_sampling.py tests/sampling/test_acceptance.py
+  step sampler 120 python3 scripts/bench_sampler.py
+  grep "^|" "$out/sampler.log"
+}
+
+#: attention    paged attention (bf16 KV) at 512 / 4K / 32K with its launch swept: is the split heuristic
+#:              (>= 256 tokens a split) right at short contexts?
+mode_attention() {
+  step attention "${SECONDS_ATTENTION:-240}" python3 scripts/bench_kernels.py --only attention --sweep \
+    --cache-types bf16 --json "$out/attention.json"
+  grep -E "^\| (kernel|paged_attention)" "$out/attention.log"
+}

@@ -1,0 +1,25 @@
+# Profiling and training modes (sourced by scripts/gpu_session.sh).
+
+#: profile      host time per engine-step section, plain vs speculative engines, torch.profiler tables of
+#:              DFlash passes at T=0 and T=1, and one graph step's time by verify width and output
+#:              (scripts/profile_spec_steps.py)
+mode_profile() {
+  step profile "${SECONDS_PROFILE:-240}" python3 scripts/profile_spec_steps.py --trace dflash:0 --trace dflash:1
+  grep "pass 1" "$out/profile.log"
+  step step-costs 120 python3 scripts/profile_spec_steps.py --step-costs
+  grep "^|" "$out/step-costs.log"
+}
+
+#: idle         a DFlash engine that never drafts against plain decoding, with and without its taps
+#:              (profile_spec_steps.py --idle-overhead, ~2 min)
+mode_idle() {
+  step idle "${SECONDS_IDLE:-240}" python3 scripts/profile_spec_steps.py --idle-overhead
+  grep "plain (" "$out/idle.log"
+}
+
+#: drafter      the default drafter (scripts/train_default_drafter.sh, ~7 min)
+mode_drafter() {
+  step drafter 570 bash scripts/train_default_drafter.sh "$out/default-dflash" "${SECONDS_TRAIN:-300}"
+  rm -f "$out/default-dflash/train_state.pt" "$out/default-dflash/regenerated.pt"
+  tr '\r' '\n' < "$out/drafter.log" | grep -E "tau|steps|wrote|Error|error" | tail -n 20
+}

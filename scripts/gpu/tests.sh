@@ -1,0 +1,19 @@
+# GPU test modes (sourced by scripts/gpu_session.sh). Each fits one device call (540 s of tests);
+# a test's line reaches the log as it starts, so a step the timeout ends names the test it cut off.
+
+#: check        the GPU tests that predate hybrids and windows: CUDA graphs, fused/Triton kernels, model,
+#:              training, acceptance, step plans, sliding windows (~5.5 min; SECONDS_CHECK)
+mode_check() {
+  run_tests gpu-tests "${SECONDS_CHECK:-540}" tests/engine/test_cuda_graphs.py tests/kernels \
+    --ignore=tests/kernels/test_gated_delta.py --ignore=tests/kernels/test_triton_moe.py \
+    tests/model/test_model.py tests/train/test_dense_lm.py tests/sampling/test_acceptance.py \
+    tests/engine/test_step_plan.py tests/engine/test_sliding_window.py
+}
+
+#: check-new    the GPU tests of hybrids (Qwen 3.5/3.6, MoE), mixed windows (Gemma 4, Laguna) and DFlash
+#:              graphs, fastest first (SECONDS_CHECK; FLA=1: with fla-core's prefill kernels)
+mode_check_new() {
+  run_tests gpu-tests-new "${SECONDS_CHECK:-540}" tests/kernels/test_gated_delta.py tests/kernels/test_triton_moe.py \
+    tests/spec/test_dflash_graphs.py tests/model/test_laguna_graphs.py tests/model/test_qwen3_5_graphs.py \
+    tests/engine/test_hybrid_prefix.py tests/model/test_gemma4.py tests/engine/test_sliding_window_mixed.py
+}
