@@ -43,7 +43,8 @@ def report_rows(r: dict) -> list[tuple[str, str, str, str, str]]:
         goals = [_goal(d.get("pct_bandwidth"), bound)] if bound and (bf16 or d["context"] == 512) else []
         if m["shape"] == "qwen3-0.6b" and bf16 and d["context"] == 512:
             goals.append(_goal(d["tok_s"], GOALS["qwen3-0.6b_tok_s"], " tok/s"))
-        rows.append((f"decode at context {d['context']:,}", f"{_n(d['tok_s'])} tok/s, {_n(d['ms_per_token'])} ms",
+        held = f"; KV held {_n(d['kv_held_bytes'] / 2**20)} MiB" if d.get("kv_held_bytes") is not None else ""
+        rows.append((f"decode at context {d['context']:,}", f"{_n(d['tok_s'])} tok/s, {_n(d['ms_per_token'])} ms{held}",
                      f"{_n(d['gb_s'])} of {bw}; {_n(d['bytes_per_token'] / 1e9)} GB/token", _pct(d, "pct_bandwidth"),
                      "; ".join(goals)))
     if r["verify"]:
