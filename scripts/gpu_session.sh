@@ -47,6 +47,12 @@
 #                                    tests and lucebox's bench speed of RUNS (shape:quant, default qwen3.6-27b:q4_k_m
 #                                    qwen3.6-35b-a3b:q4_k_m) run on the GPU; then llama-bench on the same shapes
 #                                    (random GGUFs, bench/llama_cpp.py), all before 570 s
+#   scripts/gpu_session.sh gemma-laguna  issue 27: bench speed of gemma4-31b, gemma4-26b-a4b, laguna-xs-33b (random
+#                                    weights, q4_k_m) with prefill 4096 and decode at 512 and 32768: the decode rows show
+#                                    the KV each sequence holds (sliding-window layers only their window), 185 s a
+#                                    shape; SHAPES / QUANT / CONTEXTS / REPEATS override (128K: CONTEXTS="512 131072"
+#                                    REPEATS=1, one shape a call). --no-peer: the llama.cpp peer needs gemma4 / laguna
+#                                    GGUF writers in bench/llama_cpp.py, which do not exist yet
 # The device lacks the gguf package: keep its wheel in .whl/ (git-ignored) and pass carry [".whl"].
 set -uo pipefail
 out=${OUT:-/tmp/out}
@@ -234,9 +240,16 @@ case "${1:-check}" in
   hybrid-dense) hybrid qwen3.6-27b "q4_k_m iq4_xs q8_0 bf16" ;;
   hybrid-moe) hybrid "qwen3.6-35b-a3b qwen3-30b-a3b" "q4_k_m iq4_xs" ;;
   hybrid) hybrid "${SHAPES:-qwen3.6-27b qwen3.6-35b-a3b qwen3-30b-a3b}" "${QUANTS:-q4_k_m}" ;;
+  gemma-laguna)
+    for shape in ${SHAPES:-gemma4-31b gemma4-26b-a4b laguna-xs-33b}; do
+      # shellcheck disable=SC2086  # CONTEXTS is a list of numbers
+      bench "$shape-${QUANT:-q4_k_m}" "${SECONDS_RUN:-185}" --shape "$shape" --quant "${QUANT:-q4_k_m}" \
+        --prompt-lens 4096 --contexts ${CONTEXTS:-512 32768} --decode-tokens 64 --repeats "${REPEATS:-2}" \
+        --skip spec forced --no-peer
+    done ;;
   drafter)
     step drafter 570 bash scripts/train_default_drafter.sh "$out/default-dflash" "${SECONDS_TRAIN:-300}"
     rm -f "$out/default-dflash/train_state.pt" "$out/default-dflash/regenerated.pt"
     tr '\r' '\n' < "$out/drafter.log" | grep -E "tau|steps|wrote|Error|error" | tail -n 20 ;;
-  *) echo "usage: $0 check|bench|spec|kernels|gemv|overlap|pdl|int8|quant|pdl-tiles|profile|idle|sampler|attention|drafter|hybrid|hybrid-dense|hybrid-moe" >&2; exit 2 ;;
+  *) echo "usage: $0 check|bench|spec|kernels|gemv|overlap|pdl|int8|quant|pdl-tiles|profile|idle|sampler|attention|drafter|hybrid|hybrid-dense|hybrid-moe|gemma-laguna" >&2; exit 2 ;;
 esac
