@@ -161,6 +161,11 @@ def kv_read_bytes(specs, context: float) -> int:
     return round(sum(size * (context if window is None else min(context, window)) for size, window in _kv_layers(specs)))
 
 
+def kv_unbounded_bytes_per_token(specs) -> int:
+    """KV bytes per context position read at any context: the layers without a window."""
+    return round(sum(size for size, window in _kv_layers(specs) if window is None))
+
+
 def kv_held_bytes(specs, positions: int, block_size: int) -> int:
     """KV bytes a sequence of `positions` holds between steps: whole blocks of the full-attention layers'
     context, a sliding-window layer's blocks its window of the next position reaches (the cache manager
@@ -179,6 +184,6 @@ def active_params(cfg: ModelConfig) -> int:
     return sum(matmul_params(cfg))
 
 
-__all__ = ["active_params", "attended_pairs", "kv_held_bytes", "kv_read_bytes", "layer_kind", "matmul_params", "prefill_flops", "state_bytes_per_token",
-           "weight_bytes", "weight_bytes_per_token", "weight_tensors"]
-
+__all__ = ["active_params", "attended_pairs", "kv_held_bytes", "kv_read_bytes", "kv_unbounded_bytes_per_token",
+           "layer_kind", "matmul_params", "prefill_flops", "state_bytes_per_token", "weight_bytes",
+           "weight_bytes_per_token", "weight_tensors"]

@@ -310,7 +310,9 @@ def run(args: argparse.Namespace) -> dict:
     if device.type == "cuda":  # the peak starts from the weights, without the reference's buffers
         torch.cuda.reset_peak_memory_stats(device)
     kv = kv_bytes_per_token(loaded.model, args.cache_type_k, args.cache_type_v)
+    unbounded = limits.kv_unbounded_bytes_per_token(loaded.model.cache_specs(args.cache_type_k, args.cache_type_v))
     result["model"] = dict(shapes.describe(loaded, quant), shape=args.shape, kv_bytes_per_token=kv,
+                           kv_unbounded_bytes_per_token=unbounded,
                            kv_cache_types=[args.cache_type_k, args.cache_type_v])
     # Keep 4 GiB for activations and the peer's static cache; the rest may hold the KV of a context.
     free = torch.cuda.mem_get_info(device)[0] - (4 << 30) if device.type == "cuda" else float("inf")

@@ -106,9 +106,18 @@ def print_report(r: dict) -> None:
           f"reads {_n(m['weight_bytes_per_token'] / 1e9)} GB of weights"
           + (f" (routed experts only) + {_n(m['state_bytes_per_token'] / 1e6)} MB of recurrent state (read and "
              f"written)" if m.get("state_bytes_per_token") or m["config"].get("num_experts") else "")
-          + f" + {m['kv_bytes_per_token']:,} B of KV per context token\n")
+          + f" + {m['kv_bytes_per_token']:,} B of KV per context token" + _window_note(m) + "\n")
     print("| measure | value | limit / reference | % of limit (ratio) | goal |\n|---|---:|---|---:|---|")
     for row in report_rows(r):
         print("| " + " | ".join(row) + " |")
     for note in r["notes"]:
         print(f"\nnote: {note}")
+
+
+def _window_note(m: dict) -> str:
+    """Models with sliding-window layers: how much of the KV a token costs is read at any context."""
+    full = m.get("kv_unbounded_bytes_per_token")
+    if full is None or full >= m["kv_bytes_per_token"]:
+        return ""
+    return (f" ({full:,} B of it in full-attention layers; the sliding-window layers' "
+            f"{m['kv_bytes_per_token'] - full:,} B only up to their window)")

@@ -124,8 +124,11 @@ def test_bench_speed_on_a_mixed_window_shape_holds_flat_window_kv_past_the_windo
     assert at[1008]["kv_read_bytes"] == limits.kv_read_bytes(specs, 1008 + 2.5)
     assert at[1008]["bytes_per_token"] == result["model"]["weight_bytes_per_token"] + at[1008]["kv_read_bytes"]
     assert result["verify"]["ratio"] > 0 and result["forced"]["acceptance"] == 1.0
+    assert result["model"]["kv_unbounded_bytes_per_token"] == round(full)
     speed.print_report(result)
-    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| decode at context 1,008 |"))
+    out = capsys.readouterr().out
+    assert f"{round(full):,} B of it in full-attention layers" in out.splitlines()[0]
+    row = next(line for line in out.splitlines() if line.startswith("| decode at context 1,008 |"))
     assert f"KV held {at[1008]['kv_held_bytes'] / 2**20:.3g} MiB" in row
 
 
