@@ -151,3 +151,19 @@ def test_perplexity_forwards_in_chunks_through_every_window_table():
     assert all(pool.num_free_blocks == pool.num_blocks for pool in [engine.scheduler.blocks,
                                                                    *engine.scheduler.cache.window_pools])
     assert 1 < kv_quality.perplexity(engine, [ids[:200], ids[:90]]) < 10 * loaded.config.vocab_size
+
+
+def test_kv_shared_layers_read_their_source_cache_and_project_no_kv(monkeypatch):
+    types = ["sliding_attention", "full_attention"] * 3
+    monkeypatch.setitem(shapes.SHAPES, "tiny-gemma4-shared", dict(shapes.SHAPES["tiny-gemma4"], layer_types=types,
+                                                                  num_kv_shared_layers=2, use_double_wide_mlp=True))
+    model = shapes.build_random_model("tiny-gemma4-shared", "f32", CPU).model
+    assert model.config.kv_sources == [0, 1, 2, 3, 2, 3] and model.config.double_wide_mlp == [False] * 4 + [True] * 2
+    layers, _ = limits.matmul_params(model.config)
+    assert layers == _multiplied(model)  # no k/v projections in layers 4 and 5, their MLPs twice as wide
+    specs = model.cache_specs()
+    own = {i: s.bytes_per_token for i, s in enumerate(specs) if isinstance(s, PagedKVSpec)}
+    assert sorted(own) == [0, 1, 2, 3] and kv_bytes_per_token(model) == round(sum(own.values()))
+    # two own sliding and two own full layers, and layers 4 and 5 read layer 2's (windowed) and 3's KV again
+    assert limits.kv_read_bytes(specs, 500) == round(3 * (own[0] * 64 + own[1] * 500))
+    assert limits.kv_unbounded_bytes_per_token(specs) == round(3 * own[1])
