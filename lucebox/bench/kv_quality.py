@@ -15,19 +15,19 @@ from ..engine.engine import LLMEngine
 from ..model.cache_spec import kv_bytes_per_token
 from ..model.loader import load_model
 from ..sampling import SamplingParams
+from . import kv_tables
 from .prompts import held_out_texts
 
 VARIANTS = [("bf16", False), ("fp8", False), ("q8_0", False), ("q8_0", True), ("q4_0", False), ("q4_0", True)]
 
 
 def perplexity(engine: LLMEngine, sequences: list[list[int]]) -> float:
+    """Teacher-forced perplexity through the engine's runner and KV pools, in chunks of a prefill step
+    (every KV cache group's table: sliding-window groups hold only their window, bench/kv_tables.py)."""
     nll, count = 0.0, 0
-    blocks = engine.scheduler.blocks
+    chunk = min(engine.args.max_num_batched_tokens, engine.max_model_len)
     for ids in sequences:
-        table: list[int] = []
-        blocks.allocate(table, len(ids))
-        logits = engine.runner.forward([ids], [0], [table], all_logits=True)
-        blocks.free_table(table)
+        logits = kv_tables.all_logits(engine, ids, chunk)
         logp = torch.log_softmax(logits[:-1].float(), -1)
         target = torch.tensor(ids[1:], device=logp.device)
         nll -= logp.gather(1, target[:, None]).sum().item()

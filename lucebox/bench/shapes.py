@@ -5,8 +5,9 @@ weights drawn from N(0, 0.02) (norms 1), or QuantLinear / QuantEmbedding modules
 random GGUF blocks (random quant bytes, fp16 scales chosen so values have a std near 0.02). Speed
 depends on shapes and storage types only, so these models run exactly the kernels and memory
 traffic of the real checkpoints. An 8B model builds in seconds on a GPU (all generated there).
-Shapes: dense Qwen3, the Qwen 3.5 / 3.6 hybrids (Gated DeltaNet + gated attention, dense or MoE)
-and Qwen3-MoE; quantised stacked experts are QuantTensors (E, out, in).
+Shapes: dense Qwen3, the Qwen 3.5 / 3.6 hybrids (Gated DeltaNet + gated attention, dense or MoE),
+Qwen3-MoE, Gemma 4 (31B dense, 26B-A4B MoE) and Laguna XS.2 (sliding-window and full attention
+mixed); quantised stacked experts are QuantTensors (E, out, in).
 
 Quant mixes follow llama.cpp's names. `q4_k_m` / `q5_k_m` approximate llama-quantize's mixes:
 Q4_K / Q5_K everywhere except attn_v (and the DeltaNet's attn_qkv, which llama.cpp counts with
@@ -77,6 +78,49 @@ SHAPES: dict[str, dict] = {  # HF config.json fields of the real models
                  head_dim=64, intermediate_size=512, vocab_size=512, max_position_embeddings=4096,
                  tie_word_embeddings=False),
 }
+# Gemma 4: five sliding-window layers (window 1024, head_dim 256) to one full-attention layer (head_dim
+# 512, k = v, fewer KV heads, proportional RoPE over a quarter of each head); no per-layer inputs, no KV sharing.
+_GEMMA4 = dict(model_type="gemma4_text", vocab_size=262144, max_position_embeddings=262144, rms_norm_eps=1e-6,
+               hidden_activation="gelu_pytorch_tanh", attention_bias=False, tie_word_embeddings=True, head_dim=256,
+               global_head_dim=512, sliding_window=1024, attention_k_eq_v=True, final_logit_softcapping=30.0,
+               hidden_size_per_layer_input=0, num_kv_shared_layers=0, use_double_wide_mlp=False, bos_token_id=2,
+               rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                   "rope_theta": 1e6}})
+
+
+def _every(n: int, layers: int, first: str, rest: str, at: int) -> list[str]:
+    """`first` where layer % n == at, else `rest` (Gemma 4: 5 sliding then 1 full; Laguna: 1 full then 3 sliding)."""
+    return [first if i % n == at else rest for i in range(layers)]
+
+
+# Source: google/gemma-4-31B-it config.json text_config, as quoted by public parsers/tests (vLLM/MLX ports):
+# 60 layers, hidden 5376, intermediate 21504, 32 heads, 16 KV heads (4 on full layers), window 1024.
+SHAPES["gemma4-31b"] = dict(_GEMMA4, hidden_size=5376, intermediate_size=21504, num_hidden_layers=60,
+                            num_attention_heads=32, num_key_value_heads=16, num_global_key_value_heads=4,
+                            layer_types=_every(6, 60, "full_attention", "sliding_attention", 5))
+# Source: google/gemma-4-26B-A4B-it config.json text_config (mlx-community/gemma-4-26b-a4b-it-4bit copy, quoted
+# in public tests): 30 layers, hidden 2816, dense MLP 2112 beside 128 experts of 704, top 8, 2 global KV heads.
+SHAPES["gemma4-26b-a4b"] = dict(_GEMMA4, hidden_size=2816, intermediate_size=2112, num_hidden_layers=30,
+                                num_attention_heads=16, num_key_value_heads=8, num_global_key_value_heads=2,
+                                enable_moe_block=True, num_experts=128, top_k_experts=8, moe_intermediate_size=704,
+                                layer_types=_every(6, 30, "full_attention", "sliding_attention", 5))
+# Source: Laguna XS 2.1's config.json as a public adapter test quotes it (transformers' LagunaConfig defaults,
+# documented for poolside/laguna-XS.2, agree on every size): 40 layers, every 4th full attention (48 query
+# heads) and the rest sliding (window 512, 64 query heads), 8 KV heads of 128, layer 0 dense, 256 experts of
+# 512, top 8, a shared expert, routed scaling 2.5, per-head gate. Not found: XS.2's rope_parameters (taken
+# from transformers' defaults: full theta 5e5 over half of each head, sliding theta 1e4, no YaRN).
+SHAPES["laguna-xs-33b"] = dict(
+    model_type="laguna", vocab_size=100352, hidden_size=2048, intermediate_size=8192, num_hidden_layers=40,
+    num_attention_heads=48, num_key_value_heads=8, head_dim=128, max_position_embeddings=262144, rms_norm_eps=1e-6,
+    hidden_act="silu", attention_bias=False, tie_word_embeddings=False, sliding_window=512, gating="per-head",
+    layer_types=_every(4, 40, "full_attention", "sliding_attention", 0),
+    num_attention_heads_per_layer=[48 if i % 4 == 0 else 64 for i in range(40)],
+    mlp_layer_types=["dense"] + ["sparse"] * 39, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+    shared_expert_intermediate_size=512, moe_routed_scaling_factor=2.5, norm_topk_prob=True,
+    rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 500000.0, "partial_rotary_factor": 0.5},
+                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0,
+                                           "partial_rotary_factor": 1.0}})
 # The tiny twins of the hybrid and MoE shapes: every kind of layer, head sizes llama.cpp's kernels take.
 _TINY_HYBRID = dict(_QWEN3_5, vocab_size=512, max_position_embeddings=4096, hidden_size=256, num_hidden_layers=4,
                     num_attention_heads=2, num_key_value_heads=1, linear_num_key_heads=2, linear_num_value_heads=4,
@@ -87,6 +131,19 @@ SHAPES["tiny-hybrid-moe"] = dict(_TINY_HYBRID, model_type="qwen3_5_moe_text", nu
 SHAPES["tiny-moe"] = dict(SHAPES["tiny"], model_type="qwen3_moe", num_attention_heads=2, num_key_value_heads=1,
                           head_dim=128, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
                           norm_topk_prob=True)
+# Tiny twins of the mixed-window shapes (window 64, so a few hundred tokens pass it; K-quant-sized matrices).
+SHAPES["tiny-gemma4"] = dict(_GEMMA4, vocab_size=512, max_position_embeddings=4096, hidden_size=256,
+                             intermediate_size=512, num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1,
+                             num_global_key_value_heads=1, head_dim=128, global_head_dim=256, sliding_window=64,
+                             layer_types=_every(6, 6, "full_attention", "sliding_attention", 5))
+SHAPES["tiny-gemma4-moe"] = dict(SHAPES["tiny-gemma4"], enable_moe_block=True, num_experts=8, top_k_experts=2,
+                                 moe_intermediate_size=256)
+SHAPES["tiny-laguna"] = dict(SHAPES["laguna-xs-33b"], vocab_size=512, max_position_embeddings=4096, hidden_size=256,
+                             intermediate_size=512, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+                             sliding_window=64, layer_types=_every(4, 4, "full_attention", "sliding_attention", 0),
+                             num_attention_heads_per_layer=[2, 4, 4, 4], mlp_layer_types=["dense"] + ["sparse"] * 3,
+                             num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
+                             shared_expert_intermediate_size=256)
 
 FLOAT_QUANTS = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
 # name -> (type of most matrices, type of attn_v / ffn_down / output head)
@@ -156,13 +213,17 @@ def random_quant_tensor(qtype: Q, rows: int, cols: int, device, name: str = "", 
     return QuantTensor(blocks.view(rows, -1), qtype, (rows, cols), name)
 
 
-# Matrices llama.cpp keeps in float in its quantised files (its router, the DeltaNet's per-head
-# a / b projections and short conv); 1-D tensors (norms, A_log, dt_bias) are float everywhere.
+# Matrices llama.cpp keeps in float in its quantised files (its routers, Qwen's and Gemma 4's, the DeltaNet's
+# per-head a / b projections and short conv; Laguna's per-head gate, a few rows, is assumed float too);
+# 1-D tensors (norms, scales, A_log, dt_bias) are float everywhere.
 FLOAT_MATRICES = ("mlp.gate.weight", "shared_expert_gate.weight", "linear_attn.in_proj_a.weight",
-                  "linear_attn.in_proj_b.weight", "linear_attn.conv1d.weight")
+                  "linear_attn.in_proj_b.weight", "linear_attn.conv1d.weight", "router.proj.weight",
+                  "self_attn.g_proj.weight")
 # attn_v-like (llama.cpp counts attn_qkv as one), ffn_down of every kind: Q6_K in a Q4_K_M / Q5_K_M mix.
 SPECIAL_MATRICES = ("self_attn.v_proj.weight", "linear_attn.in_proj_qkv.weight", "mlp.down_proj.weight",
-                    "shared_expert.down_proj.weight", "mlp.experts.down_proj")
+                    "shared_expert.down_proj.weight", "experts.down_proj")
+# 1-D multipliers that are 1 at rest (RMSNorm weights, Gemma 4's layer scalar and router scales).
+_UNIT = ("norm", "scal")
 
 
 def is_quantised(name: str, shape: tuple[int, ...]) -> bool:
@@ -205,7 +266,7 @@ def build_random_model(shape: str, quant: str, device: torch.device, dtype: torc
         dtype = FLOAT_QUANTS[quant]
         model = empty_model(cfg, dtype, device)
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if _is_unit(name, p):
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, STD)
@@ -219,6 +280,10 @@ def build_random_model(shape: str, quant: str, device: torch.device, dtype: torc
     return LoadedModel(model, _random_tokenizer(cfg.vocab_size), cfg, f"random {shape} ({quant})", "random")
 
 
+def _is_unit(name: str, p) -> bool:
+    return p.dim() == 1 and any(word in name for word in _UNIT)
+
+
 def _random_quant_tensors(model, cfg: ModelConfig, quant: str, device, dtype):
     for name, p in list(model.named_parameters()):  # assign replaces parameters while this runs
         if is_quantised(name, tuple(p.shape)):
@@ -228,7 +293,7 @@ def _random_quant_tensors(model, cfg: ModelConfig, quant: str, device, dtype):
                 yield name, QuantTensor(qt.data, qt.qtype, tuple(p.shape), name)
             else:
                 yield name, (QuantEmbedding(qt, dtype) if name == "embed_tokens.weight" else QuantLinear(qt))
-        elif "norm" in name:
+        elif _is_unit(name, p):
             yield name, torch.ones(p.shape, dtype=dtype, device=device)
         else:  # the router, DeltaNet's a / b / conv / A_log / dt_bias, biases
             yield name, torch.randn(p.shape, device=device).mul_(STD).to(dtype)

@@ -4,8 +4,9 @@ One process, one model (a checkpoint, or random weights of a named real shape: b
   reference   a large GEMV (the bandwidth a decode step can hope for) and a large matmul (TFLOP/s)
   prefill     TTFT and tok/s per prompt length; its FLOPs over the measured matmul rate
   decode      tok/s per context through LLMEngine steps; weight (MoE: routed experts), recurrent state
-              and KV bytes per token (bench/limits.py), GB/s and % of the GEMV bandwidth; the runner's
-              forward alone too, to show the engine's overhead
+              and KV bytes per token (bench/limits.py; sliding-window layers read at most their window),
+              GB/s and % of the GEMV bandwidth; the KV memory the sequence holds (all KV cache groups:
+              bench/kv_tables.py); the runner's forward alone too, to show the engine's overhead
   verify      one 16-token forward against one decode forward (speculation pays only near 1x); hybrids
               run it as a verify row, keeping each position's DeltaNet state
   forced      speculation with drafts forced to be accepted (bench/forced.py), against its bound
@@ -36,7 +37,7 @@ from ..errors import RequestError
 from ..model.cache_spec import bytes_per_sequence, kv_bytes_per_token
 from ..model.loader import resolve_device
 from ..sampling import SamplingParams
-from . import limits, llama_cpp, shapes, transformers_peer
+from . import kv_tables, limits, llama_cpp, shapes, transformers_peer
 from .forced import forced_phase
 from .speed_report import print_report
 
@@ -152,17 +153,21 @@ def _lengths(given, name: str, limit: int, fits, notes: list[str]) -> list[int]:
     return kept
 
 
-def _request(engine: LLMEngine, clock: Clock, prompt: list[int], max_tokens: int) -> tuple[float, float, list[int]]:
-    """One greedy request to the end: (time to first token, time of the remaining tokens, output ids)."""
+def _request(engine: LLMEngine, clock: Clock, prompt: list[int],
+             max_tokens: int) -> tuple[float, float, list[int], int]:
+    """One greedy request to the end: (time to first token, time of the remaining tokens, output ids,
+    KV bytes the sequence held after its prompt, every KV cache group; read between the two timings)."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     start, out = clock.now(), None
     engine.add_request("bench", {"prompt_token_ids": prompt}, params)
     while out is None:
         out = next(iter(engine.step()), None)
     first = clock.now()
+    held = kv_tables.held_kv_bytes(engine)
+    resume = clock.now()
     while engine.has_unfinished():
         out = next(iter(engine.step()), out)
-    return first - start, clock.now() - first, out.outputs[0].token_ids
+    return first - start, clock.now() - resume, out.outputs[0].token_ids, held
 
 
 def _graph_replays(engine: LLMEngine) -> int | None:
@@ -183,12 +188,14 @@ def engine_phase(engine, loaded, args, prompt_lens, contexts, kv: int, ref, cloc
     """Prefill and decode through the engine. Returns the rows and, per length, its last (prompt, output)."""
     wbytes = limits.weight_bytes_per_token(loaded.model)
     state = limits.state_bytes_per_token(loaded.model)
+    specs = loaded.model.cache_specs(args.cache_type_k, args.cache_type_v)
     prefill, decode, last = [], [], {}
     for length in sorted(set(prompt_lens) | set(contexts)):
         runs = []
         for r in range(args.repeats + 1):  # run 0 warms up the kernels for this length's shapes
             prompt = [rng.randrange(loaded.config.vocab_size) for _ in range(length)]
-            ttft, rest, ids = _request(engine, clock, prompt, 1 + args.decode_tokens if length in contexts else 1)
+            ttft, rest, ids, held = _request(engine, clock, prompt,
+                                             1 + args.decode_tokens if length in contexts else 1)
             runs += [(ttft, rest)] if r else []
         last[length] = (prompt, ids)
         if length in prompt_lens:
@@ -199,13 +206,15 @@ def engine_phase(engine, loaded, args, prompt_lens, contexts, kv: int, ref, cloc
             _say(f"prefill {length}: {row['tok_s']:,.0f} tok/s, TTFT {1e3 * ttft:.1f} ms")
         if length in contexts:
             seconds = statistics.median(s for _, s in runs)
-            # Decode step i (1..n) reads the KV of length + i positions: length + (n + 1)/2 on average.
-            per_token = wbytes + state + kv * (length + (args.decode_tokens + 1) / 2)
+            # Decode step i (1..n) reads the KV of length + i positions: length + (n + 1)/2 on average
+            # (a sliding-window layer at most its window).
+            kv_read = limits.kv_read_bytes(specs, length + (args.decode_tokens + 1) / 2)
             decode.append(_bandwidth_row({"context": length, "tokens": args.decode_tokens,
                                           "tok_s": args.decode_tokens / seconds, "weight_bytes_per_token": wbytes,
                                           "state_bytes_per_token": state, "kv_bytes_per_token": kv,
-                                          "bytes_per_token": per_token}, ref))
-            _say(f"decode at {length}: {decode[-1]['tok_s']:,.1f} tok/s")
+                                          "kv_read_bytes": kv_read, "kv_held_bytes": held,
+                                          "bytes_per_token": wbytes + state + kv_read}, ref))
+            _say(f"decode at {length}: {decode[-1]['tok_s']:,.1f} tok/s, KV held {held / 2**20:,.1f} MiB")
     return prefill, decode, last
 
 
@@ -217,31 +226,32 @@ def verify_phase(loaded, args, context: int, kv: int, ref, clock) -> dict:
     spec = {"method": "ngram", "num_speculative_tokens": VERIFY_TOKENS - 1, "adaptive": False}
     engine = LLMEngine.from_args(engine_args(args, context + 2 * VERIFY_TOKENS, loaded, speculative_config=spec),
                                  loaded)
-    blocks, table = engine.scheduler.blocks, []
-    blocks.allocate(table, context + VERIFY_TOKENS)
+    tables = kv_tables.allocate(engine, context + VERIFY_TOKENS, context)
     calls = 4 * args.repeats
     try:
-        one = clock.per_call(_forward(engine.runner, [1], context, table), calls)
-        many = clock.per_call(_forward(engine.runner, list(range(1, VERIFY_TOKENS + 1)), context, table), calls)
+        one = clock.per_call(_forward(engine.runner, [1], context, *tables), calls)
+        many = clock.per_call(_forward(engine.runner, list(range(1, VERIFY_TOKENS + 1)), context, *tables), calls)
     finally:
-        blocks.free_table(table)
+        kv_tables.free(engine, *tables)
+    specs = loaded.model.cache_specs(args.cache_type_k, args.cache_type_v)
     per_token = (limits.weight_bytes_per_token(loaded.model) + limits.state_bytes_per_token(loaded.model)
-                 + kv * (context + 1))
+                 + limits.kv_read_bytes(specs, context + 1))
     forward = _bandwidth_row({"context": context, "tok_s": 1 / one, "bytes_per_token": per_token}, ref)
     return {"context": context, "q_len": VERIFY_TOKENS, "decode_step_s": one, "verify_step_s": many,
             "ratio": many / one, "decode_forward": forward, "cuda_graph_replays": _graph_replays(engine)}
 
 
-def _forward(runner, tokens: list[int], context: int, table: list[int]):
-    """One bare forward of `tokens` after `context` cached positions, all their logits. A model with
-    recurrent layers runs in state slot 0, and a multi-token forward as a verify row (its DeltaNet
-    layers keep each position's state, as a speculating engine's verify does)."""
+def _forward(runner, tokens: list[int], context: int, table: list[int], windows: list[list[int]]):
+    """One bare forward of `tokens` after `context` cached positions, all their logits; `windows`: the
+    tables of the window KV cache groups (kv_tables.allocate). A model with recurrent layers runs in
+    state slot 0, and a multi-token forward as a verify row (its DeltaNet layers keep each position's
+    state, as a speculating engine's verify does)."""
     rows = list(range(len(tokens))) if len(tokens) > 1 else None
     if not runner.recurrent_layers:
-        return lambda: runner.forward([tokens], [context], [table], logits_rows=rows)
+        return lambda: runner.forward([tokens], [context], [table], window_tables=[windows], logits_rows=rows)
     kind = RowKind.VERIFY if len(tokens) > 1 else RowKind.DECODE
-    return lambda: runner.run(StepPlan([PlanRow(list(tokens), context, table, kind=kind)], logits_rows=rows,
-                                       state_slots=[0]))
+    return lambda: runner.run(StepPlan([PlanRow(list(tokens), context, table, kind=kind, window_tables=windows)],
+                                       logits_rows=rows, state_slots=[0]))
 
 
 def spec_phase(loaded, args, rng) -> dict:
@@ -270,16 +280,17 @@ def spec_phase(loaded, args, rng) -> dict:
 
 def engine_args(args, max_len: int, loaded, kv_factor: int = 1, **extra) -> EngineArgs:
     """Batch 1, no prefix caching (every run must prefill), a KV pool of one context so the rest of the
-    memory stays free (the peer needs it); kv_factor > 1 leaves room for a drafter's KV."""
-    per_token = kv_bytes_per_token(loaded.model, args.cache_type_k, args.cache_type_v)
-    tokens = (-(-max_len // EngineArgs.block_size) + 2) * EngineArgs.block_size
+    memory stays free (the peer needs it): sliding-window groups only their window (kv_tables.pool_bytes);
+    kv_factor > 1 leaves room for a drafter's KV."""
+    specs = loaded.model.cache_specs(args.cache_type_k, args.cache_type_v)
+    kv = kv_tables.pool_bytes(loaded.model, specs, max_len, EngineArgs.block_size, EngineArgs.max_num_batched_tokens)
     # the recurrent state of one sequence (hybrids) and a verify's per-position snapshots of it
-    state = bytes_per_sequence(loaded.model.cache_specs(args.cache_type_k, args.cache_type_v), 1 + VERIFY_TOKENS)
+    state = bytes_per_sequence(specs, 1 + VERIFY_TOKENS)
     return EngineArgs(model=loaded.source, max_model_len=max_len, max_num_seqs=1, enable_prefix_caching=False,
                       cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
                       cuda_graphs=getattr(args, "cuda_graphs", None),
                       async_decode=getattr(args, "async_decode", EngineArgs.async_decode),
-                      kv_cache_memory=kv_factor * (per_token * tokens + state), **extra)
+                      kv_cache_memory=kv_factor * (kv + state), **extra)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -299,15 +310,19 @@ def run(args: argparse.Namespace) -> dict:
     if device.type == "cuda":  # the peak starts from the weights, without the reference's buffers
         torch.cuda.reset_peak_memory_stats(device)
     kv = kv_bytes_per_token(loaded.model, args.cache_type_k, args.cache_type_v)
+    unbounded = limits.kv_unbounded_bytes_per_token(loaded.model.cache_specs(args.cache_type_k, args.cache_type_v))
     result["model"] = dict(shapes.describe(loaded, quant), shape=args.shape, kv_bytes_per_token=kv,
+                           kv_unbounded_bytes_per_token=unbounded,
                            kv_cache_types=[args.cache_type_k, args.cache_type_v])
     # Keep 4 GiB for activations and the peer's static cache; the rest may hold the KV of a context.
     free = torch.cuda.mem_get_info(device)[0] - (4 << 30) if device.type == "cuda" else float("inf")
     limit = loaded.config.max_position_embeddings
+    specs = loaded.model.cache_specs(args.cache_type_k, args.cache_type_v)
 
     def fits(n: int) -> bool:  # the context, the decoded tokens and a verify step, their KV in free memory
         total = n + args.decode_tokens + VERIFY_TOKENS
-        return total <= limit and kv * total < free
+        return total <= limit and kv_tables.pool_bytes(loaded.model, specs, total, EngineArgs.block_size,
+                                                       EngineArgs.max_num_batched_tokens) < free
     prompt_lens = [] if "prefill" in skip else _lengths(args.prompt_lens, "prompt-lens", limit, fits, notes)
     contexts = [] if "decode" in skip else _lengths(args.contexts, "contexts", limit, fits, notes)
     longest = max([64, *prompt_lens, *contexts]) + args.decode_tokens + VERIFY_TOKENS

@@ -43,7 +43,8 @@ def report_rows(r: dict) -> list[tuple[str, str, str, str, str]]:
         goals = [_goal(d.get("pct_bandwidth"), bound)] if bound and (bf16 or d["context"] == 512) else []
         if m["shape"] == "qwen3-0.6b" and bf16 and d["context"] == 512:
             goals.append(_goal(d["tok_s"], GOALS["qwen3-0.6b_tok_s"], " tok/s"))
-        rows.append((f"decode at context {d['context']:,}", f"{_n(d['tok_s'])} tok/s, {_n(d['ms_per_token'])} ms",
+        held = f"; KV held {_n(d['kv_held_bytes'] / 2**20)} MiB" if d.get("kv_held_bytes") is not None else ""
+        rows.append((f"decode at context {d['context']:,}", f"{_n(d['tok_s'])} tok/s, {_n(d['ms_per_token'])} ms{held}",
                      f"{_n(d['gb_s'])} of {bw}; {_n(d['bytes_per_token'] / 1e9)} GB/token", _pct(d, "pct_bandwidth"),
                      "; ".join(goals)))
     if r["verify"]:
@@ -105,9 +106,18 @@ def print_report(r: dict) -> None:
           f"reads {_n(m['weight_bytes_per_token'] / 1e9)} GB of weights"
           + (f" (routed experts only) + {_n(m['state_bytes_per_token'] / 1e6)} MB of recurrent state (read and "
              f"written)" if m.get("state_bytes_per_token") or m["config"].get("num_experts") else "")
-          + f" + {m['kv_bytes_per_token']:,} B of KV per context token\n")
+          + f" + {m['kv_bytes_per_token']:,} B of KV per context token" + _window_note(m) + "\n")
     print("| measure | value | limit / reference | % of limit (ratio) | goal |\n|---|---:|---|---:|---|")
     for row in report_rows(r):
         print("| " + " | ".join(row) + " |")
     for note in r["notes"]:
         print(f"\nnote: {note}")
+
+
+def _window_note(m: dict) -> str:
+    """Models with sliding-window layers: how much of the KV a token costs is read at any context."""
+    full = m.get("kv_unbounded_bytes_per_token")
+    if full is None or full >= m["kv_bytes_per_token"]:
+        return ""
+    return (f" ({full:,} B of it in full-attention layers; the sliding-window layers' "
+            f"{m['kv_bytes_per_token'] - full:,} B only up to their window)")

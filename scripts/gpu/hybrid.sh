@@ -75,3 +75,18 @@ mode_hybrid_all() {
     llama_rows "${sq%%:*}" "${sq##*:}" "$left" 2>&1 | tee -a "$out/llama-peer.log" | tail -n 6
   done
 }
+
+#: gemma-laguna issue 27: bench speed of gemma4-31b, gemma4-26b-a4b, laguna-xs-33b (random weights, q4_k_m) with
+#:              prefill 4096 and decode at 512 and 32768: the decode rows show the KV each sequence holds
+#:              (sliding-window layers only their window), 185 s a shape; SHAPES / QUANT / CONTEXTS / REPEATS
+#:              override (128K: CONTEXTS="512 131072" REPEATS=1, one shape a call). --no-peer: the llama.cpp
+#:              peer needs gemma4 / laguna GGUF writers in bench/llama_cpp.py, which do not exist yet
+mode_gemma_laguna() {
+  local shape
+  for shape in ${SHAPES:-gemma4-31b gemma4-26b-a4b laguna-xs-33b}; do
+    # shellcheck disable=SC2086  # CONTEXTS is a list of numbers
+    bench "$shape-${QUANT:-q4_k_m}" "${SECONDS_RUN:-185}" --shape "$shape" --quant "${QUANT:-q4_k_m}" \
+      --prompt-lens 4096 --contexts ${CONTEXTS:-512 32768} --decode-tokens 64 --repeats "${REPEATS:-2}" \
+      --skip spec forced --no-peer
+  done
+}
