@@ -11,7 +11,8 @@ import torch
 
 from ..config import EngineArgs
 from ..errors import ContextLengthError, OverloadError, RequestError, UnsupportedError
-from ..model.cache_spec import RecurrentSpec, bytes_per_sequence, bytes_per_token, plan_pools, window_blocks
+from ..model.cache_spec import (RecurrentSpec, bytes_per_sequence, bytes_per_token, plan_pools, pools_bytes_wanted,
+                                window_blocks)
 from ..model.loader import LoadedModel
 from ..outputs import RequestOutput
 from ..sampling import SamplingParams
@@ -159,7 +160,6 @@ class LLMEngine:
     def _plan_kv_blocks(self, specs, groups) -> list[int]:
         """Blocks of each KV cache group's pool (model/cache_spec.plan_pools); the primary's first."""
         args = self.args
-        per_block = bytes_per_token(specs) * args.block_size  # the drafter's KV shares the target's tables
         blocks_per_seq = -(-self.max_model_len // args.block_size)
         # fixed-size state (recurrent layers) and its per-draft snapshots, for every sequence at once
         fixed = bytes_per_sequence(specs, self._recurrent_snapshots(specs)) * args.max_num_seqs
@@ -170,7 +170,9 @@ class LLMEngine:
             used = total - free
             budget = args.kv_cache_memory or int(total * args.gpu_memory_utilization) - used
         else:
-            budget = args.kv_cache_memory or min(CPU_KV_CAP, per_block * blocks_per_seq * args.max_num_seqs + fixed)
+            wanted = pools_bytes_wanted(specs, groups, args.block_size, args.max_num_seqs,
+                                        args.max_num_batched_tokens, self.max_model_len)
+            budget = args.kv_cache_memory or min(CPU_KV_CAP, wanted + fixed)
         budget -= fixed
         pools = plan_pools(specs, groups, budget, args.block_size, args.max_num_seqs, args.max_num_batched_tokens,
                            self.max_model_len)

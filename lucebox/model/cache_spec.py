@@ -146,6 +146,20 @@ def window_blocks(window: int, block_size: int, step_tokens: int) -> int:
     return -(-(window - 1 + step_tokens) // block_size) + 1
 
 
+def _window_wanted(group: KVGroup, block_size: int, max_num_seqs: int, step_tokens: int,
+                   max_model_len: int) -> tuple[int, int]:
+    """(blocks a window group needs at least: one sequence's window and chunk; blocks it wants:
+    max_num_seqs decoding windows plus one step's new tokens)."""
+    per_seq = -(-max_model_len // block_size)
+    one = min(window_blocks(group.window, block_size, min(step_tokens, max_model_len)), per_seq + 1)
+    decoding = min(window_blocks(group.window, block_size, 1), per_seq + 1)  # a window past max_model_len
+    return one, max_num_seqs * decoding + -(-step_tokens // block_size)
+
+
+def _group_block_bytes(specs, group: KVGroup, block_size: int) -> int:
+    return bytes_per_token([specs[i] for i in group.layers]) * block_size
+
+
 def plan_pools(specs, groups: list[KVGroup], budget: int, block_size: int, max_num_seqs: int,
                step_tokens: int, max_model_len: int) -> list[int]:
     """Blocks of each group's pool out of `budget` bytes. A window group gets room for max_num_seqs
@@ -156,17 +170,27 @@ def plan_pools(specs, groups: list[KVGroup], budget: int, block_size: int, max_n
     if len(groups) <= 1:
         return [int(budget // (bytes_per_token(specs) * block_size))]
     shared = int(budget // (bytes_per_token(specs) * block_size))
-    per_seq = -(-max_model_len // block_size)
     counts = []
     for group in groups[1:]:
-        one = min(window_blocks(group.window, block_size, min(step_tokens, max_model_len)), per_seq + 1)
-        decoding = min(window_blocks(group.window, block_size, 1), per_seq + 1)  # a window past max_model_len
-        wanted = max_num_seqs * decoding + -(-step_tokens // block_size)
+        one, wanted = _window_wanted(group, block_size, max_num_seqs, step_tokens, max_model_len)
         counts.append(max(one, min(wanted, shared)))
-    rest = budget - sum(n * bytes_per_token([specs[i] for i in g.layers]) * block_size
-                        for n, g in zip(counts, groups[1:]))
-    primary = int(max(rest, 0) // (bytes_per_token([specs[i] for i in groups[0].layers]) * block_size))
+    rest = budget - sum(n * _group_block_bytes(specs, g, block_size) for n, g in zip(counts, groups[1:]))
+    primary = int(max(rest, 0) // _group_block_bytes(specs, groups[0], block_size))
     return [primary] + counts
+
+
+def pools_bytes_wanted(specs, groups: list[KVGroup], block_size: int, max_num_seqs: int, step_tokens: int,
+                       max_model_len: int) -> int:
+    """Bytes that hold max_num_seqs sequences of max_model_len: the primary group's whole context and
+    each window group's plan_pools wish (a budget sized from this leaves the primary that much)."""
+    per_seq = -(-max_model_len // block_size)
+    if len(groups) <= 1:
+        return per_seq * max_num_seqs * bytes_per_token(specs) * block_size
+    total = per_seq * max_num_seqs * _group_block_bytes(specs, groups[0], block_size)
+    for group in groups[1:]:
+        one, wanted = _window_wanted(group, block_size, max_num_seqs, step_tokens, max_model_len)
+        total += max(one, wanted) * _group_block_bytes(specs, group, block_size)
+    return total
 
 
 def kv_bytes_per_token(model, cache_type_k: str = "auto", cache_type_v: str = "auto") -> int:

@@ -388,3 +388,15 @@ def test_dflash_captures_taps_every_step_on_a_mixed_model(mixed, reference, tmp_
     assert llm.engine.speculator.every_step and llm.engine.scheduler.cache.windows == [WINDOW]
     assert ids(llm.generate(repeated, GREEDY, use_tqdm=False)) == want
     assert_pools_empty(llm)
+
+
+def test_the_default_cpu_budget_holds_a_whole_sequence_beside_the_window_pools():
+    """The CPU budget is what the groups need (full context in the primary group, each window group's
+    wish); sized for one shared pool, a large step's window room left the primary short of a sequence."""
+    from lucebox.bench import shapes
+    from lucebox.config import EngineArgs
+    from lucebox.engine.engine import LLMEngine
+    loaded = shapes.build_random_model("tiny-laguna", "bf16", torch.device("cpu"), torch.float32)
+    engine = LLMEngine.from_args(EngineArgs(max_model_len=512, max_num_seqs=1, speculative_config={}), loaded)
+    assert len(engine.scheduler.cache.groups) > 1
+    assert engine.scheduler.cache.blocks.num_free_blocks * engine.args.block_size >= 512
