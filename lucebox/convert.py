@@ -51,7 +51,7 @@ from .model.transformer import Transformer
 from .text.gguf_vocab import LLAMA3_REGEX, QWEN2_REGEX, QWEN35_REGEX
 from .util import on_meta
 from .weights.gguf import FLOAT_TYPES
-from .weights.safetensors import safetensors_files
+from .weights.safetensors import read_header, safetensors_files
 
 log = logging.getLogger("lucebox")
 
@@ -150,12 +150,7 @@ def _plan(hf_dir: Path, cfg: ModelConfig, want: Q) -> list[tuple[str, tuple[int,
         expected = {name: tuple(p.shape) for name, p in Transformer(cfg).named_parameters()}
     plan = {}
     for file in safetensors_files(hf_dir):
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                entries = [(name, tuple(f.get_slice(name).get_shape())) for name in f.keys()]
-        except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
-            raise CheckpointError(f"{file}: cannot read safetensors file ({e})") from None
-        for hf_name, shape in entries:
+        for hf_name, shape in ((name, entry.shape) for name, entry in read_header(file).items()):
             ours = hf_name.removeprefix("model.")
             if ours.endswith("rotary_emb.inv_freq") or (ours == "lm_head.weight" and cfg.tie_word_embeddings):
                 continue

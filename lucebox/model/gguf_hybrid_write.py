@@ -10,11 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from ..errors import CheckpointError
 from ..util import on_meta
-from ..weights.safetensors import safetensors_files
+from ..weights.safetensors import read_header, safetensors_files
 from .config import ModelConfig
 from .gguf_config import FAMILY_TO_HYBRID_ARCH
 from .gguf_tensors import Rule, gguf_shape, to_gguf, to_gguf_names
@@ -75,12 +74,7 @@ def _index(hf_dir: Path, cfg: ModelConfig):
     """our name -> (file, HF name, shape); (experts prefix, kind, expert) -> (file, HF name, shape)."""
     whole, per_expert = {}, {}
     for file in safetensors_files(hf_dir):
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                entries = [(name, tuple(f.get_slice(name).get_shape())) for name in f.keys()]
-        except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
-            raise CheckpointError(f"{file}: cannot read safetensors file ({e})") from None
-        for hf_name, shape in entries:
+        for hf_name, shape in ((name, entry.shape) for name, entry in read_header(file).items()):
             ours = hf_text_name(hf_name) if is_hybrid(cfg) else hf_name.removeprefix("model.")
             if ours is None or ours.endswith("rotary_emb.inv_freq"):
                 continue

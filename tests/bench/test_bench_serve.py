@@ -6,18 +6,10 @@ import json
 import socket
 
 import pytest
-import torch
 
 from lucebox.cli import main
 from tests.server_helpers import build_model, start_server
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -17,14 +17,6 @@ CPU = torch.device("cpu")
 SMALL = dict(shape="tiny", device="cpu", prompt_lens=[32, 48], contexts=[32], decode_tokens=4, repeats=1)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: these models are tiny, and two threads fight any other process on 2 cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 @pytest.mark.parametrize("quant", sorted(shapes.QUANT_MIXES))
 def test_random_quantised_weights_dequantise_to_finite_values_of_the_intended_scale(quant):

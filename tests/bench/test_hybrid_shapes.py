@@ -15,13 +15,6 @@ from lucebox.model.moe import SparseMoE
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def test_the_hybrid_and_moe_shapes_are_the_published_configs():
     c = shapes.shape_config("qwen3.6-27b")

@@ -16,13 +16,6 @@ CPU = torch.device("cpu")
 TINY = ("tiny-gemma4", "tiny-gemma4-moe", "tiny-laguna")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def test_gemma4_and_laguna_shapes_are_the_published_configs():
     g = shapes.shape_config("gemma4-31b")
