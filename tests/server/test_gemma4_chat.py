@@ -306,6 +306,30 @@ def test_a_tool_conversation_renders_back_as_the_model_wrote_it(server):
     assert '<|tool>declaration:get_weather{description:<|"|>weather of a city<|"|>' in prepared.prompt_text
 
 
+def test_an_anthropic_tool_turn_renders_the_same_prompt(server):
+    """tool_use and tool_result blocks sent back reach the template as the OpenAI shapes do."""
+    client = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
+    tool = {"name": "get_weather", "description": "weather of a city", "input_schema": WEATHER["function"]["parameters"]}
+    question = [{"role": "user", "content": "weather in Paris for 3 days?"}]
+    reply = client.messages.create(model="force:call", max_tokens=200, tools=[tool], messages=question)
+    thinking, tool_use = reply.content
+    history = question + [
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in reply.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tool_use.id, "content": "sunny, 21 degrees"}]}]
+    answer = client.messages.create(model="force:answer", max_tokens=50, tools=[tool], messages=history)
+    assert answer.content[0].text == "It is sunny in Paris." and answer.stop_reason == "end_turn"
+    openai_history = question + [
+        {"role": "assistant", "reasoning_content": thinking.thinking, "tool_calls": [{
+            "id": tool_use.id, "type": "function",
+            "function": {"name": tool_use.name, "arguments": json.dumps(tool_use.input)}}]},
+        {"role": "tool", "tool_call_id": tool_use.id, "content": "sunny, 21 degrees"}]
+    request = ChatCompletionRequest.model_validate(dict(model="tiny", messages=openai_history, tools=[WEATHER]))
+    prepared = render_chat(SimpleNamespace(tokenizer=server.llm.tokenizer), chat_job(request))
+    assert CALL in prepared.prompt_text
+    usage = answer.usage
+    assert usage.input_tokens + (usage.cache_read_input_tokens or 0) == len(prepared.prompt_ids)
+
+
 def test_tool_choice_required_and_named_hold_an_untrained_model_to_gemma4_calls(server):
     client = _oai(server)
     schema = {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}, "exact": {"type": "boolean"}},
