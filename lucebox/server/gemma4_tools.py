@@ -62,6 +62,9 @@ class GemmaCallBlock:
         self.text, self.pos = "", 0
         self.stack: list[_Container] = []
         self.calls = 0
+        # A value still open at a position, and how much text it had: a long string (a file's content)
+        # is searched for its end once, not again from its start on every piece.
+        self._open_value = (-1, 0)
 
     def feed(self, text: str) -> list[tuple[str, str]]:
         self.text += text
@@ -119,8 +122,10 @@ class GemmaCallBlock:
             self.stack.append(_Container("}" if ch == "{" else "]", schema))
             self.pos = i + 1
             return True
-        read = _scalar(text, i, final)
+        at, searched = self._open_value
+        read = _scalar(text, i, final, searched if at == i else 0)
         if read is None:
+            self._open_value = (i, len(text))
             return False
         value, quoted, self.pos = read
         typed = _typed(value, quoted, top.child_schema())
@@ -159,12 +164,13 @@ def _skip_space(text: str, i: int) -> int:
     return i
 
 
-def _scalar(text: str, i: int, final: bool):
-    """(value, quoted, end) of the string or bare value at i, or None until it is complete."""
+def _scalar(text: str, i: int, final: bool, searched: int = 0):
+    """(value, quoted, end) of the string or bare value at i, or None until it is complete. The text
+    before `searched` held no end of it."""
     for mark in (QUOTE, '"', "'"):
         if text.startswith(mark, i):
             start = i + len(mark)
-            end = _closing(text, start, mark)
+            end = _closing(text, start, mark, searched)
             if end < 0:
                 return (text[start:], True, len(text)) if final else None
             raw = text[start:end]
@@ -176,15 +182,15 @@ def _scalar(text: str, i: int, final: bool):
             return raw, True, end + len(mark)
     if len(text) - i < len(QUOTE) and QUOTE.startswith(text[i:]) and not final:
         return None  # maybe the start of a <|"|> string
-    stop = _BARE_END.search(text, i)
+    stop = _BARE_END.search(text, max(i, searched))
     if stop is None:
         return (text[i:].strip(), False, len(text)) if final else None
     return text[i:stop.start()].strip(), False, stop.start()
 
 
-def _closing(text: str, start: int, mark: str) -> int:
-    if mark != '"':
-        return text.find(mark, start)
+def _closing(text: str, start: int, mark: str, searched: int) -> int:
+    if mark != '"':  # a mark that ended before `searched` would have been found then
+        return text.find(mark, max(start, searched - len(mark) + 1))
     escaped = False
     for j in range(start, len(text)):
         if escaped:
