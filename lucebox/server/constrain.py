@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
+from dataclasses import dataclass
 
 import torch
 
@@ -27,6 +28,23 @@ except ImportError:  # the server still runs; constrained requests get a clear e
 MAX_ROLLBACK = 64  # beyond this a fresh matcher replays the history instead
 # Unbounded whitespace lets a weak model loop on spaces forever inside a constrained object.
 MAX_WHITESPACE = 4
+
+
+@dataclass(frozen=True)
+class CallFraming:
+    """How a call format frames calls: what opens one, what ends reasoning the prompt opened (and
+    what follows that end), and what separates parallel calls."""
+    opens: str
+    reasoning_end: str
+    after_reasoning: str
+    between_calls: str
+
+
+_QWEN = CallFraming("<tool_call>", "</think>", "\n\n", "\n")
+# Gemma 4 writes calls straight after its thought channel and after each other (the template's turns).
+FRAMINGS = {"hermes": _QWEN, "xml": _QWEN, "gemma4": CallFraming("<|tool_call>", "<channel|>", "", "")}
+# A Gemma 4 argument may not hold a control marker: <tool_call|> inside a string would end the call.
+GEMMA_ARGUMENT_EXCLUDES = ["<|tool_call>", "<tool_call|>", "<|channel>", "<channel|>"]
 
 
 class GrammarFactory:
@@ -81,16 +99,18 @@ class GrammarFactory:
         """choice: 'required', 'auto' or a tool name (already checked to exist)."""
         compiler = self._get_compiler()
         chosen = tools if choice in ("auto", "required") else [t for t in tools if t.name == choice]
+        framing = FRAMINGS[fmt]
         tags = [_tag(t, fmt) for t in chosen]
         if choice == "auto":
-            body = st.TriggeredTagsFormat(triggers=["<tool_call>"], tags=tags, stop_after_first=not parallel)
+            body = st.TriggeredTagsFormat(triggers=[framing.opens], tags=tags, stop_after_first=not parallel)
         else:
-            body = st.TagsWithSeparatorFormat(tags=tags, separator="\n", at_least_one=True,
+            body = st.TagsWithSeparatorFormat(tags=tags, separator=framing.between_calls, at_least_one=True,
                                               stop_after_first=not parallel or choice != "required")
-            if in_reasoning:  # the prompt opened <think>: free reasoning first, then the calls
-                body = st.SequenceFormat(elements=[
-                    st.TagFormat(begin="", content=st.AnyTextFormat(), end="</think>"),
-                    st.ConstStringFormat(value="\n\n"), body])
+            if in_reasoning:  # the prompt opened reasoning: free reasoning first, then the calls
+                elements = [st.TagFormat(begin="", content=st.AnyTextFormat(), end=framing.reasoning_end)]
+                if framing.after_reasoning:
+                    elements.append(st.ConstStringFormat(value=framing.after_reasoning))
+                body = st.SequenceFormat(elements=[*elements, body])
         try:
             return compiler.compile_structural_tag(xgr.StructuralTag(format=body))
         except Exception as e:
@@ -102,6 +122,14 @@ class GrammarFactory:
 
 def _tag(tool: ToolSpec, fmt: str):
     schema = tool.parameters or {"type": "object"}
+    if fmt == "gemma4":
+        try:
+            content = st.JSONSchemaFormat(json_schema=template_order(schema), style="gemma",
+                                          max_whitespace_cnt=MAX_WHITESPACE, excludes=GEMMA_ARGUMENT_EXCLUDES)
+        except ValueError as e:  # pydantic's error for a style this xgrammar lacks
+            raise APIError(400, "Gemma 4 tool calls need xgrammar >= 0.2.9 (its 'gemma' argument style): "
+                                "pip install -U xgrammar", param="tools") from e
+        return st.TagFormat(begin=f"<|tool_call>call:{tool.name}", content=content, end="<tool_call|>")
     if fmt == "xml":
         return st.TagFormat(begin=f"<tool_call>\n<function={tool.name}>\n",
                             content=st.JSONSchemaFormat(json_schema=schema, style="qwen_xml"),
@@ -109,6 +137,19 @@ def _tag(tool: ToolSpec, fmt: str):
     return st.TagFormat(begin='<tool_call>\n{"name": ' + json.dumps(tool.name) + ', "arguments": ',
                         content=st.JSONSchemaFormat(json_schema=schema, max_whitespace_cnt=MAX_WHITESPACE),
                         end="}\n</tool_call>")
+
+
+def template_order(schema):
+    """The schema with every "properties" in key order: xgrammar wants an object's members in the
+    schema's order, and Gemma 4's template teaches them sorted (dictsort)."""
+    if isinstance(schema, list):
+        return [template_order(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: template_order(v) for k, v in schema.items()}
+    if isinstance(out.get("properties"), dict):
+        out["properties"] = dict(sorted(out["properties"].items()))
+    return out
 
 
 class GrammarProcessor:

@@ -22,7 +22,7 @@ from ..errors import LuceboxError
 from ..sampling import SamplingParams
 from .constrain import BanTokens
 from .errors import APIError, context_error, from_lucebox
-from .parsing import REASONING_CLOSES, REASONING_OPENS, Event, OutputParser, opens_reasoning
+from .parsing import CALL_OPENS, PARSED_TAGS, Event, OutputParser, opens_reasoning
 from .tools import ToolSpec, param_schemas, template_tools
 
 log = logging.getLogger("lucebox.server")
@@ -156,7 +156,7 @@ async def build_processors(state, prepared: Prepared, n: int) -> list:
         job = p.job
         compiled = None
         if job.tools and job.tool_choice == "none":
-            banned = [i for t in ("<tool_call>",) if (i := state.tokenizer.token_to_id(t)) is not None]
+            banned = [i for t in CALL_OPENS if (i := state.tokenizer.token_to_id(t)) is not None]
             if banned:
                 procs.append(BanTokens(banned))
         elif job.tools and (job.tool_choice != "auto" or state.config.constrain_auto_tools):
@@ -244,7 +244,7 @@ def _param_of(message: str) -> str | None:
 def skip_special_tokens(state) -> bool:
     """Keep special tokens in the text when the tags the parser needs are special tokens."""
     special = set(state.tokenizer.all_special_ids)
-    for tag in (*REASONING_OPENS, *REASONING_CLOSES, "<|channel>", "<tool_call>", "</tool_call>"):
+    for tag in PARSED_TAGS:
         if state.tokenizer.token_to_id(tag) in special:
             return False
     return True

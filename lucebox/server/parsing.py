@@ -8,13 +8,20 @@ yields events that aggregate to the same reasoning, content and calls, so a non-
 
 Tool-call bodies: Hermes/Qwen JSON (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`) and
 Qwen3-Coder XML (`<function=NAME><parameter=P>value</parameter></function>`, wrapped in
-<tool_call> or bare), recognised by the body's first character whatever the template says.
+<tool_call> or bare), recognised by the body's first character whatever the template says; and
+Gemma 4's `<|tool_call>call:NAME{key:value}<tool_call|>` (gemma4_tools.py).
 """
 from __future__ import annotations
 
 import json
 import re
 from dataclasses import dataclass
+
+from .gemma4_tools import CALL_CLOSE as GEMMA_CALL_CLOSE
+from .gemma4_tools import CALL_OPEN as GEMMA_CALL_OPEN
+from .gemma4_tools import QUOTE as GEMMA_QUOTE
+from .gemma4_tools import GemmaCallBlock
+from .tool_values import coerce_text
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 # Reasoning markers: <think>...</think> (Qwen, DeepSeek...) and Gemma 4's thought channel,
@@ -24,6 +31,10 @@ REASONING_CLOSES = (THINK_CLOSE, "<channel|>")
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 FUNC_OPEN, FUNC_CLOSE = "<function=", "</function>"
 PARAM_OPEN, PARAM_CLOSE = "<parameter=", "</parameter>"
+CALL_OPENS = (TOOL_OPEN, GEMMA_CALL_OPEN)  # what opens a call (banned under tool_choice none)
+# The tags the parser reads: where a tokenizer makes one of them special, special tokens stay in the text.
+PARSED_TAGS = (*REASONING_OPENS, *REASONING_CLOSES, "<|channel>", TOOL_OPEN, TOOL_CLOSE, GEMMA_CALL_OPEN,
+               GEMMA_CALL_CLOSE, GEMMA_QUOTE)
 # name first, then arguments: the lookahead waits for the value's first character, so whitespace
 # before it never depends on where a chunk ended.
 _JSON_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=[{\[])')
@@ -87,7 +98,8 @@ class OutputParser:
         if self.mode == "reasoning":
             tags = list(REASONING_CLOSES)
         else:
-            tags = (list(REASONING_OPENS) if self.reasoning else []) + ([TOOL_OPEN, FUNC_OPEN] if self.tools else [])
+            tags = (list(REASONING_OPENS) if self.reasoning else []) + \
+                ([TOOL_OPEN, FUNC_OPEN, GEMMA_CALL_OPEN] if self.tools else [])
         found = [(self.buf.find(t), t) for t in tags]
         found = [(p, t) for p, t in found if p >= 0]
         if found:
@@ -100,7 +112,7 @@ class OutputParser:
                 self.mode = "reasoning"
             else:
                 self.mode = "tool"
-                self._call = _CallBody(self, wrapped=tag == TOOL_OPEN)
+                self._call = _GemmaBody(self) if tag == GEMMA_CALL_OPEN else _CallBody(self, wrapped=tag == TOOL_OPEN)
             self.strip_lead = True
             return True
         if final:
@@ -126,11 +138,11 @@ class OutputParser:
 
     def _tool_step(self, out: list[Event], final: bool) -> bool:
         call = self._call
-        end_tag = TOOL_CLOSE if call.wrapped else FUNC_CLOSE
+        end_tag = call.end_tag
         pos = self.buf.find(end_tag)
         if pos >= 0:
             cut = pos + len(end_tag)
-            call.extend(self.buf[:pos] if call.wrapped else self.buf[:cut], out)
+            call.extend(self.buf[:cut] if call.keeps_end_tag else self.buf[:pos], out)
             self.buf = self.buf[cut:]
         elif final:
             call.extend(self.buf, out)
@@ -157,6 +169,8 @@ class _CallBody:
 
     def __init__(self, parser: OutputParser, wrapped: bool):
         self.parser, self.wrapped = parser, wrapped
+        self.end_tag = TOOL_CLOSE if wrapped else FUNC_CLOSE
+        self.keeps_end_tag = not wrapped  # a bare block's </function> is part of the XML it parses
         self.body = ""
         self.style: str | None = None  # json | xml
         self.index: int | None = None  # the open call's index
@@ -275,7 +289,7 @@ class _CallBody:
         raw = raw[1:] if raw.startswith("\n") else raw
         raw = raw[:-1] if raw.endswith("\n") else raw
         schema = self.parser.param_schemas.get(self.name, {}).get(pname)
-        value = _coerce(raw, schema if isinstance(schema, dict) else {})  # a schema may be `true`
+        value = coerce_text(raw, schema)
         sep = "{" if self.num_params == 0 else ", "
         self.num_params += 1
         out.append(Event("tool_args", sep + json.dumps(pname, ensure_ascii=False) + ": "
@@ -311,30 +325,32 @@ class _CallBody:
         out.append(Event("content", raw))
 
 
-def _not_json(constant: str):
-    raise ValueError(f"{constant} is not JSON")
+class _GemmaBody:
+    """One <|tool_call> block of Gemma 4: its calls as events."""
+    end_tag, keeps_end_tag = GEMMA_CALL_CLOSE, False
 
+    def __init__(self, parser: OutputParser):
+        self.parser, self.block = parser, GemmaCallBlock(parser.param_schemas)
+        self.index = -1
+        self.cut_off = False
 
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if value != value or value in (float("inf"), float("-inf")):
-        raise ValueError(f"{text} is out of range")
-    return value
+    def extend(self, text: str, out: list[Event]) -> None:
+        self._events(self.block.feed(text), out)
 
+    def close(self, out: list[Event]) -> None:
+        self._events(self.block.close(self.cut_off), out)
+        if not self.block.calls and not self.cut_off:  # not a call after all: the text as written
+            self.parser.content_seen = True
+            out.append(Event("content", GEMMA_CALL_OPEN + self.block.text + GEMMA_CALL_CLOSE))
 
-def _coerce(raw: str, schema: dict):
-    """An XML parameter's string, typed by the tool's JSON schema (strings stay strings)."""
-    kinds = schema.get("type")
-    # any JSON may sit in a client's schema: only the string entries of "type" mean anything
-    kinds = {k for k in (kinds if isinstance(kinds, list) else [kinds]) if isinstance(k, str)}
-    if not kinds or "string" in kinds:
-        return raw
-    try:  # NaN / Infinity (or 1e999) would make the call's arguments invalid JSON: they stay text
-        return json.loads(raw, parse_constant=_not_json, parse_float=_finite_float)
-    except ValueError:
-        if "boolean" in kinds and raw.strip().lower() in ("true", "false"):
-            return raw.strip().lower() == "true"
-        return raw
+    def _events(self, items: list[tuple[str, str]], out: list[Event]) -> None:
+        for kind, text in items:
+            if kind == "start":
+                self.index = self.parser._new_call(text, out)
+            elif kind == "args":
+                out.append(Event("tool_args", text, call=self.index))
+            else:
+                out.append(Event("tool_end", call=self.index))
 
 
 @dataclass

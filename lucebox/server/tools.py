@@ -1,5 +1,5 @@
 """Tools across the three APIs: one ToolSpec shape, the template's tool list, call ids, and which
-native call format (Hermes JSON or Qwen3-Coder XML) the model's chat template teaches."""
+native call format (Hermes JSON, Qwen3-Coder XML or Gemma 4's) the model's chat template teaches."""
 from __future__ import annotations
 
 import json
@@ -48,8 +48,11 @@ def template_tools(specs: list[ToolSpec]) -> list[dict] | None:
 
 
 def tool_format(chat_templates: dict[str, str]) -> str:
-    """'xml' when the template teaches Qwen3-Coder's <function=...> calls, else 'hermes' JSON."""
+    """'gemma4' when the template teaches Gemma 4's <|tool_call>call:NAME{...} calls, 'xml' for
+    Qwen3-Coder's <function=...> calls, else 'hermes' JSON."""
     text = " ".join(chat_templates.values())
+    if "<|tool_call>call:" in text:
+        return "gemma4"
     return "xml" if "<function=" in text else "hermes"
 
 

@@ -1,15 +1,18 @@
 """Property-based fuzzing (hypothesis) of what the server parses and frames: the reasoning / tool-call
-parser over any text and any chunking, well-formed calls of both formats recovered exactly, XML
-parameter coercion under any schema, and SSE framing read back by a spec-following reader.
+parser over any text and any chunking, well-formed calls of every format recovered exactly (Gemma 4's
+as its real chat template writes them), XML and Gemma 4 values under any schema, and SSE framing read
+back by a spec-following reader.
 FUZZ_EXAMPLES scales the examples (scripts/fuzz_server.sh runs many)."""
 from __future__ import annotations
 
 import json
 import os
 import re
+from pathlib import Path
 
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from lucebox.server.parsing import OutputParser, ParsedOutput
 from lucebox.server.sse import sse
@@ -21,7 +24,8 @@ fuzz = settings(max_examples=EXAMPLES, deadline=None, database=None)
 # and anything else.
 PIECES = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<function=", "</function>", "<parameter=",
           "</parameter>", "<", ">", "</", "<tool", "_call>", "think>", '{"name": "f", "arguments": ', "{", "}",
-          "[", "]", '"', "\\", ",", ":", "\n", " ", "f", "x"]
+          "[", "]", '"', "\\", ",", ":", "\n", " ", "f", "x",
+          "<|tool_call>", "<tool_call|>", '<|"|>', "call:f{", "call:", "<|", "|>", "'", "None", "1.5"]
 texts = st.lists(st.one_of(st.sampled_from(PIECES), st.text(max_size=6)), max_size=40).map("".join)
 JSON_SCHEMA_TYPES = ["string", "integer", "number", "boolean", "object", "array", "null"]
 schemas = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=5) |
@@ -148,3 +152,55 @@ def test_sse_framing_reads_back_exactly(payloads):
     events = read_sse(stream)
     assert [json.loads(e["data"]) for e in events] == [data for data, _ in payloads]
     assert [e.get("event") for e in events] == [event for _, event in payloads]
+
+
+# ---------------------------------------------------------------------------------------------- Gemma 4
+GEMMA_PIECES = ["<|tool_call>", "<tool_call|>", "call:f{", "call:g {", "call:", '<|"|>', "<|", '"|>', "{", "}",
+                "[", "]", ",", ":", '"', "'", "\\", " ", "\n", "a", "b:", "1", "-2.5e3", "true", "None", "x y"]
+gemma_texts = st.lists(st.one_of(st.sampled_from(GEMMA_PIECES), st.text(max_size=4)), max_size=40).map("".join)
+
+
+@fuzz
+@given(text=gemma_texts, cuts=st.lists(st.integers(0, 400), max_size=12), schema=schemas)
+@example(text='<|tool_call>call:f{a:NaN,b:1e999,c:[1,}', cuts=[], schema={"type": "number"})
+def test_gemma4_arguments_are_json_objects_whatever_the_text(text, cuts, schema):
+    """Any text after <|tool_call>, cut anywhere, gives the same calls whole or chunked, and every
+    call's arguments are a standard JSON object (closed where the text stopped)."""
+    kwargs = dict(param_schemas={"f": {"a": schema, "b": schema}})
+    whole, _ = parse(text, [], **kwargs)
+    chunked, events = parse(text, cuts, **kwargs)
+    assert chunked == whole
+    well_ordered(events)
+    if "<tool_call>" not in text and "<function=" not in text:  # only Gemma 4 calls: all well-formed
+        for _, arguments in whole.calls:
+            assert isinstance(json.loads(arguments, parse_constant=reject), dict)
+
+
+TEMPLATE = (Path(__file__).parents[1] / "fixtures" / "gemma4_chat_template.jinja").read_text()
+identifiers = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,8}", fullmatch=True)
+# What the template can write and a model may say: no string holds the marks that frame it.
+gemma_strings = st.text(max_size=8).filter(lambda t: '<|"|>' not in t and "<tool_call|>" not in t)
+gemma_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | gemma_strings,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(identifiers, inner, max_size=3), max_leaves=10)
+
+
+def render_calls(calls) -> str:
+    """The assistant turn Gemma 4's chat template writes for these calls (what the model learned)."""
+    messages = [{"role": "user", "content": "go"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": name, "arguments": args}} for name, args in calls]}]
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    prompt = env.from_string(TEMPLATE).render(messages=messages, bos_token="", add_generation_prompt=False)
+    return prompt[prompt.index("<|turn>model\n") + len("<|turn>model\n"):prompt.rindex("<tool_call|>") + 12]
+
+
+@fuzz
+@given(calls=st.lists(st.tuples(names, st.dictionaries(identifiers, gemma_values, max_size=4)),
+                      min_size=1, max_size=3),
+       before=st.text(max_size=10).filter(lambda t: "<" not in t), cuts=st.lists(st.integers(0, 2000), max_size=15))
+def test_gemma4_calls_the_template_writes_are_recovered_exactly_in_any_chunks(calls, before, cuts):
+    text = before + render_calls(calls)
+    out, events = parse(text, cuts)
+    well_ordered(events)
+    assert [(n, json.loads(a)) for n, a in out.calls] == [(n, a) for n, a in calls]
+    assert out.content == before.rstrip()
