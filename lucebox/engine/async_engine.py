@@ -198,10 +198,11 @@ class AsyncEngine:
                            state_slots=len(cache.slots) + len(cache.free_slots), state_slots_free=len(cache.free_slots),
                            kv_pools=tuple(KVPoolStats(group_label(window), n, free)
                                           for window, n, free in cache.pool_usage()),
-                           snapshots=snapshots.capacity if snapshots else 0,
-                           snapshots_in_use=len(snapshots) if snapshots else 0,
-                           snapshot_hits=snapshots.loaded if snapshots else 0,
-                           snapshot_hit_tokens=snapshots.loaded_tokens if snapshots else 0)
+                           # `is not None`: an empty pool has len 0, so it is falsy but still there
+                           snapshots=snapshots.capacity if snapshots is not None else 0,
+                           snapshots_in_use=len(snapshots) if snapshots is not None else 0,
+                           snapshot_hits=snapshots.loaded if snapshots is not None else 0,
+                           snapshot_hit_tokens=snapshots.loaded_tokens if snapshots is not None else 0)
 
     def cached_prefix_tokens(self, token_ids: list[int]) -> int:
         """Prompt tokens the prefix cache holds now (read without the lock: a lookup, no change);

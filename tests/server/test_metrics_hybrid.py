@@ -41,6 +41,7 @@ def server(tmp_path_factory, tokenizer_dir):
 
 
 def test_state_slots_in_use_follow_a_running_request(server):
+    assert snapshot_figures(server.url)["lucebox:recurrent_prefix_snapshots"] == SNAPSHOTS  # empty, still there
     idle = gauges(server.url)
     assert idle == {"lucebox:recurrent_state_slots": SLOTS, "lucebox:recurrent_state_slots_in_use": 0,
                     "lucebox:recurrent_state_usage_perc": 0.0}
