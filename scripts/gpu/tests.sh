@@ -7,7 +7,7 @@ mode_check() {
   run_tests gpu-tests "${SECONDS_CHECK:-540}" tests/engine/test_cuda_graphs.py tests/kernels \
     --ignore=tests/kernels/test_gated_delta.py --ignore=tests/kernels/test_triton_moe.py \
     tests/model/test_model.py tests/train/test_dense_lm.py tests/sampling/test_acceptance.py \
-    tests/engine/test_step_plan.py tests/engine/test_sliding_window.py
+    tests/engine/test_step_plan.py tests/engine/test_sliding_window.py tests/weights/test_quant.py
 }
 
 #: check-new    the GPU tests of hybrids (Qwen 3.5/3.6, MoE), mixed windows (Gemma 4, Laguna) and DFlash
