@@ -22,6 +22,7 @@ from lucebox.model.cache_spec import PagedKVSpec, bytes_per_token, kv_groups, pl
 from lucebox.model.loader import load_model
 
 from tests.conftest import build_hf_model
+from tests.model.test_qwen3_5 import reference_logits
 
 ON_GPU = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not ON_GPU, reason="captures CUDA graphs")
@@ -41,11 +42,6 @@ def mixed(tokenizer_dir, tmp_path_factory):
 def reference(mixed):
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(mixed, dtype=torch.float32)
-
-
-def reference_logits(reference, tokens: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return reference(torch.tensor([tokens])).logits[0]
 
 
 def reference_greedy(reference, prompt: list[int], new: int = NEW) -> list[int]:

@@ -19,6 +19,7 @@ from lucebox.errors import CheckpointError
 from lucebox.model.cache_spec import PagedKVSpec, SharedKVSpec
 from lucebox.model.loader import load_model
 from tests.conftest import build_hf_model
+from tests.model.test_qwen3_5 import prompts, reference_logits
 
 BLOCK_SIZE = 4
 WINDOW = 5
@@ -63,16 +64,6 @@ def dense(tmp_path_factory, tokenizer_dir):
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory, tokenizer_dir):
     return build(tmp_path_factory, tokenizer_dir, "gemma4_moe", MOE)
-
-
-def reference_logits(reference, prompt: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return reference(torch.tensor([prompt])).logits[0]
-
-
-def prompts(vocab: int, lengths, seed: int = 1) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
 def runner_for(loaded, num_blocks: int = 96):

@@ -24,6 +24,7 @@ from lucebox.model.qwen3_5 import is_hybrid
 from lucebox.weights.quant import PermutedInputQuantLinear, QuantLinear, QuantTensor
 
 from tests.conftest import build_hf_model
+from tests.model.test_qwen3_5 import reference_logits
 
 DELTANET = dict(linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=16, linear_value_head_dim=16,
                 linear_conv_kernel_dim=4, head_dim=16,
@@ -78,11 +79,6 @@ def lucebox_logits(loaded, prompt: list[int]) -> torch.Tensor:
         runner.reset_states([1])
     first = runner.forward([prompt[:11]], [0], [table], all_logits=True, **slots)
     return torch.cat([first, runner.forward([prompt[11:]], [11], [table], all_logits=True, **slots)])
-
-
-def reference_logits(reference, prompt: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return reference(torch.tensor([prompt])).logits[0]
 
 
 # ------------------------------------------------------------------------------------ our writer, F32

@@ -20,7 +20,7 @@ from lucebox.errors import CheckpointError, UnsupportedError
 from lucebox.model.config import ModelConfig
 from lucebox.model.loader import load_model
 from lucebox.model.moe import SparseMoE
-from tests.model.test_qwen3_5 import BLOCK_SIZE, prompts, runner_for
+from tests.model.test_qwen3_5 import BLOCK_SIZE, prompts, reference_logits, runner_for
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 LAGUNA = dict(
@@ -126,11 +126,6 @@ def transformers_model(path: Path):
 @pytest.fixture(scope="module")
 def reference(laguna_path):
     return transformers_model(laguna_path)
-
-
-def reference_logits(reference, prompt: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return reference(torch.tensor([prompt])).logits[0]
 
 
 def reference_greedy(reference, prompt: list[int], n: int) -> list[int]:
