@@ -229,8 +229,8 @@ def verify_phase(loaded, args, context: int, kv: int, ref, clock) -> dict:
     tables = kv_tables.allocate(engine, context + VERIFY_TOKENS, context)
     calls = 4 * args.repeats
     try:
-        one = clock.per_call(_forward(engine.runner, [1], context, *tables), calls)
-        many = clock.per_call(_forward(engine.runner, list(range(1, VERIFY_TOKENS + 1)), context, *tables), calls)
+        one = clock.per_call(bare_forward(engine.runner, [1], context, *tables), calls)
+        many = clock.per_call(bare_forward(engine.runner, list(range(1, VERIFY_TOKENS + 1)), context, *tables), calls)
     finally:
         kv_tables.free(engine, *tables)
     specs = loaded.model.cache_specs(args.cache_type_k, args.cache_type_v)
@@ -241,7 +241,7 @@ def verify_phase(loaded, args, context: int, kv: int, ref, clock) -> dict:
             "ratio": many / one, "decode_forward": forward, "cuda_graph_replays": _graph_replays(engine)}
 
 
-def _forward(runner, tokens: list[int], context: int, table: list[int], windows: list[list[int]]):
+def bare_forward(runner, tokens: list[int], context: int, table: list[int], windows: list[list[int]]):
     """One bare forward of `tokens` after `context` cached positions, all their logits; `windows`: the
     tables of the window KV cache groups (kv_tables.allocate). A model with recurrent layers runs in
     state slot 0, and a multi-token forward as a verify row (its DeltaNet layers keep each position's

@@ -23,3 +23,16 @@ mode_drafter() {
   rm -f "$out/default-dflash/train_state.pt" "$out/default-dflash/regenerated.pt"
   tr '\r' '\n' < "$out/drafter.log" | grep -E "tau|steps|wrote|Error|error" | tail -n 20
 }
+
+#: profile-verify  where a hybrid verify's time goes: scripts/profile_decode.py at 1 and 16 tokens (eager
+#:              tables + graph replay) on qwen3.6-27b and qwen3.6-35b-a3b q4_k_m (SHAPES, QUANT override)
+mode_profile_verify() {
+  local shape tokens
+  for shape in ${SHAPES:-qwen3.6-27b qwen3.6-35b-a3b}; do
+    for tokens in 1 16; do
+      step "profile-$shape-$tokens" 150 python3 scripts/profile_decode.py --shape "$shape" \
+        --quant "${QUANT:-q4_k_m}" --context 512 --tokens "$tokens" --rows 30
+      grep "forward (" "$out/profile-$shape-$tokens.log"
+    done
+  done
+}
