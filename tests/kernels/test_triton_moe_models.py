@@ -16,7 +16,7 @@ from lucebox.kernels import routing
 from lucebox.model.config import ModelConfig
 from lucebox.model.moe import Experts, Routing, SparseMoE
 from tests.kernels.test_triton_kernels import DEVICE, rel_err
-from tests.kernels.test_triton_moe import float_experts, quant_experts, reference, routes, with_stacks
+from tests.kernels.test_triton_moe import float_experts, quant_experts, routes, with_stacks
 
 # after the import above has set TRITON_INTERPRET=1 (this imports Triton)
 from lucebox.kernels import triton_moe as tm  # noqa: I001
@@ -265,3 +265,39 @@ def test_the_variants_replay_from_a_cuda_graph_with_new_routes(tokens, weights_t
             want = experts_reference(module, x, ids, weights, on_input, monkeypatch)
             monkeypatch.delenv("LUCEBOX_TRITON")
             assert rel_err(out, want) <= 2e-2
+
+
+# ----------------------------------------------------------------------------- a Gemma 4 MoE model
+
+@pytest.fixture(scope="module")
+def gemma4_moe(tmp_path_factory, tokenizer_dir):
+    from tests.model.test_gemma4 import MOE, build
+    return build(tmp_path_factory, tokenizer_dir, "gemma4_moe", MOE)
+
+
+def test_a_gemma4_moe_model_on_the_triton_kernels_matches_transformers(gemma4_moe, monkeypatch):
+    """A prefill of two sequences, then a decode step of both: every layer's experts through the
+    kernels (grouped, then pairs), with Triton's attention, norms and RoPE around them."""
+    from lucebox.model.loader import load_model
+    from tests.model.test_gemma4 import runner_for
+    from tests.model.test_qwen3_5 import prompts, reference_logits
+    path, reference = gemma4_moe
+    tolerance = 1e-3 if DEVICE == "cuda" else 1e-4  # as test_gemma4's CUDA test (TF32 off)
+    if DEVICE == "cuda":
+        monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    loaded = load_model(str(path), dtype="float32", device=DEVICE)
+    a, b = prompts(loaded.config.vocab_size, [12, 9], seed=5)
+    runner, blocks = runner_for(loaded)
+    tables = [[], []]
+    blocks.allocate(tables[0], len(a))
+    blocks.allocate(tables[1], len(b))
+    calls = count_kernels(monkeypatch)
+    monkeypatch.setenv("LUCEBOX_TRITON", "1")
+    prefill = runner.forward([a[:-1], b[:-1]], [0, 0], tables, all_logits=True)
+    decode = runner.forward([a[-1:], b[-1:]], [len(a) - 1, len(b) - 1], tables, all_logits=True)
+    layers = loaded.config.num_layers
+    assert calls == [("grouped_experts", (len(a) + len(b) - 2, 2))] * layers + [("pairs_experts", (2, 2))] * layers
+    got_a = torch.cat([prefill[:len(a) - 1], decode[:1]]).cpu()
+    got_b = torch.cat([prefill[len(a) - 1:], decode[1:]]).cpu()
+    assert (got_a - reference_logits(reference, a)).abs().max().item() <= tolerance
+    assert (got_b - reference_logits(reference, b)).abs().max().item() <= tolerance
