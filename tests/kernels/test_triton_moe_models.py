@@ -267,7 +267,7 @@ def test_the_variants_replay_from_a_cuda_graph_with_new_routes(tokens, weights_t
             assert rel_err(out, want) <= 2e-2
 
 
-# ----------------------------------------------------------------------------- a Gemma 4 MoE model
+# ----------------------------------------------------------------------------- whole models
 
 @pytest.fixture(scope="module")
 def gemma4_moe(tmp_path_factory, tokenizer_dir):
@@ -275,18 +275,30 @@ def gemma4_moe(tmp_path_factory, tokenizer_dir):
     return build(tmp_path_factory, tokenizer_dir, "gemma4_moe", MOE)
 
 
-def test_a_gemma4_moe_model_on_the_triton_kernels_matches_transformers(gemma4_moe, monkeypatch):
-    """A prefill of two sequences, then a decode step of both: every layer's experts through the
-    kernels (grouped, then pairs), with Triton's attention, norms and RoPE around them."""
+@pytest.fixture(scope="module")
+def laguna_on_input(tmp_path_factory, tokenizer_dir):
+    """Laguna with softmax routing and weights on the experts' input, and transformers' model switched
+    to them (its LagunaConfig refuses weights on input)."""
+    from tests.model.test_laguna import SOFTMAX_ON_INPUT, build_laguna, softmax_on_input, transformers_model, with_config
+    path = build_laguna(tmp_path_factory.mktemp("laguna_sigmoid"), tokenizer_dir, seed=5)
+    return (with_config(path, tmp_path_factory.mktemp("laguna_on_input"), **SOFTMAX_ON_INPUT),
+            softmax_on_input(transformers_model(path)))
+
+
+@pytest.mark.parametrize("family", ["gemma4", "laguna"])
+def test_moe_models_on_the_triton_kernels_match_transformers(family, request, monkeypatch):
+    """A prefill of two sequences, then a decode step of both: every MoE layer's experts through the
+    kernels (grouped, then pairs, [T, k] routes), with Triton's attention, norms and RoPE around them."""
     from lucebox.model.loader import load_model
-    from tests.model.test_gemma4 import runner_for
-    from tests.model.test_qwen3_5 import prompts, reference_logits
-    path, reference = gemma4_moe
+    from tests.model.test_qwen3_5 import prompts, reference_logits, runner_for
+    path, reference = request.getfixturevalue("gemma4_moe" if family == "gemma4" else "laguna_on_input")
     tolerance = 1e-3 if DEVICE == "cuda" else 1e-4  # as test_gemma4's CUDA test (TF32 off)
     if DEVICE == "cuda":
         monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     loaded = load_model(str(path), dtype="float32", device=DEVICE)
-    a, b = prompts(loaded.config.vocab_size, [12, 9], seed=5)
+    cfg = loaded.config
+    assert family == "gemma4" or (cfg.router_weights_on_input and not cfg.router_sigmoid)
+    a, b = prompts(cfg.vocab_size, [12, 9], seed=5)
     runner, blocks = runner_for(loaded)
     tables = [[], []]
     blocks.allocate(tables[0], len(a))
@@ -295,8 +307,9 @@ def test_a_gemma4_moe_model_on_the_triton_kernels_matches_transformers(gemma4_mo
     monkeypatch.setenv("LUCEBOX_TRITON", "1")
     prefill = runner.forward([a[:-1], b[:-1]], [0, 0], tables, all_logits=True)
     decode = runner.forward([a[-1:], b[-1:]], [len(a) - 1, len(b) - 1], tables, all_logits=True)
-    layers = loaded.config.num_layers
-    assert calls == [("grouped_experts", (len(a) + len(b) - 2, 2))] * layers + [("pairs_experts", (2, 2))] * layers
+    moe_layers, k = sum(cfg.moe_layers), cfg.num_experts_per_tok
+    assert calls == ([("grouped_experts", (len(a) + len(b) - 2, k))] * moe_layers
+                     + [("pairs_experts", (2, k))] * moe_layers)
     got_a = torch.cat([prefill[:len(a) - 1], decode[:1]]).cpu()
     got_b = torch.cat([prefill[len(a) - 1:], decode[1:]]).cpu()
     assert (got_a - reference_logits(reference, a)).abs().max().item() <= tolerance
