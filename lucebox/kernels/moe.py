@@ -1,9 +1,12 @@
 """The expert products of a sparse MoE layer (model/moe.py's Experts): which kernel runs them, and
 the launch. The torch reference is Experts' own (it gathers or groups the routed experts).
 
-    kernel = expert_kernel(x, ids, gate_up, down)      # routing.TORCH: the caller's reference runs
+    kernel = expert_kernel(x, ids, gate_up, down, "silu")  # routing.TORCH: the caller's reference runs
     out = expert_matmul(x, ids, weights, gate_up, down, kernel)
     # == sum over j of weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = ids[t, j]
+    out = expert_matmul(x, ids, weights, gate_up, down, kernel, activation="gelu_pytorch_tanh",
+                        weights_on_input=True)
+    # == sum over j of down_e(gelu_tanh(gate_e(w x[t])) * up_e(w x[t])), w = weights[t, j]
 
 Stacked experts are float tensors [E, out, in] or quantised ones: any object with `data` (raw GGUF
 rows [E * out, bytes a row]), `qtype` and `shape` (E, out, in), as weights.quant's QuantTensor.
@@ -16,6 +19,9 @@ import torch
 from . import routing
 from .dispatch import use_triton
 from .norm import needs_grad
+
+# The gated activations the kernels fuse (triton_moe.ACTIVATIONS; named here without importing Triton).
+KERNEL_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 def _tensor(w) -> torch.Tensor:
@@ -33,10 +39,11 @@ def _readable(x: torch.Tensor, w) -> bool:
     return triton_quant_matmul.supports(w.data, w.qtype)
 
 
-def expert_kernel(x: torch.Tensor, ids: torch.Tensor, gate_up, down) -> str:
-    """routing's kernel for x [T, H] routed to ids [T, k] through these experts."""
+def expert_kernel(x: torch.Tensor, ids: torch.Tensor, gate_up, down, activation: str = "silu") -> str:
+    """routing's kernel for x [T, H] routed to ids [T, k] through these experts with this gated
+    activation (a name of model/moe.ACTIVATIONS)."""
     operands = (x, ids, _tensor(gate_up), _tensor(down))
-    fused = (x.dim() == 2 and x.dtype in routing.ACTIVATION_DTYPES and use_triton(*operands)
+    fused = (activation in KERNEL_ACTIVATIONS and x.dim() == 2 and x.dtype in routing.ACTIVATION_DTYPES and use_triton(*operands)
              and not needs_grad(*operands) and _readable(x, gate_up) and _readable(x, down))
     return routing.moe_kernel(x.shape[0], fused)
 
@@ -50,13 +57,16 @@ def stacked(w):
 
 
 def expert_matmul(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up, down,
-                  kernel: str | None = None) -> torch.Tensor:
+                  kernel: str | None = None, *, activation: str = "silu",
+                  weights_on_input: bool = False) -> torch.Tensor:
     """out [T, H] for x [T, H] routed to experts ids [T, k] with weights [T, k], by routing's kernel
-    (or `kernel`, decided already; not TORCH)."""
-    kernel = kernel or expert_kernel(x, ids, gate_up, down)
+    (or `kernel`, decided already; not TORCH). weights_on_input: each expert reads weight * x and
+    the experts' outputs are summed unweighted."""
+    kernel = kernel or expert_kernel(x, ids, gate_up, down, activation)
     from . import triton_moe
+    options = {"activation": activation, "weights_on_input": weights_on_input}
     if kernel == routing.MOE_PAIRS:
-        return triton_moe.pairs_experts(x, ids, weights, stacked(gate_up), stacked(down))
+        return triton_moe.pairs_experts(x, ids, weights, stacked(gate_up), stacked(down), **options)
     if kernel == routing.MOE_GROUPED:
-        return triton_moe.grouped_experts(x, ids, weights, stacked(gate_up), stacked(down))
+        return triton_moe.grouped_experts(x, ids, weights, stacked(gate_up), stacked(down), **options)
     raise ValueError(f"expert_matmul runs the Triton kernels, not {kernel!r} (the torch reference is Experts')")

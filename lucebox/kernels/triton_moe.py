@@ -2,13 +2,18 @@
 expert's weights read in place through its id, float or quantised GGUF rows (dequantised in
 registers by triton_quant_matmul.unit_product, the code of the dense quantised kernels).
 
-    act[r] = silu(gate_e(x[t])) * up_e(x[t])        for pair r = t * top_k + j, e = ids[t, j]
+    act[r] = act(gate_e(x[t])) * up_e(x[t])         for pair r = t * top_k + j, e = ids[t, j]
     out[t] = sum_j weights[t, j] * down_e(act[r])
+
+The gated activation `act` is a compile-time choice (ACTIVATIONS: silu, SwiGLU; gelu-tanh, Gemma
+4's GeGLU). weights_on_input=True (Laguna, DeepSeek style) weighs each expert's input instead:
+act[r] = act(gate_e(w x[t]), up_e(w x[t])), out[t] = sum_j down_e(act[r]); the products are linear,
+so the gate_up kernels scale their float32 sums by w and the down kernels weigh by 1.
 
 The stacked weights are [E, 2I, H] (gate rows, then up rows) and [E, H, I]: as 2-D rows, expert e's
 output row n of gate_up is row e * 2I + n. Two products, two ways (kernels/moe.py picks):
   pairs   (decode: a few tokens) GEMV-style, weights x one row elementwise, one program per (pair,
-          BLOCK_N rows[, split of K]); gate and up rows of the same features side by side, so SiLU*up
+          BLOCK_N rows[, split of K]); gate and up rows of the same features side by side, so act*up
           is the epilogue (or, split over K, of the kernel summing the splits); the down product's
           program walks a group of the token's experts and applies their routing weights, so the sum
           over top_k needs no pass of its own unless the experts are split over programs
@@ -16,9 +21,10 @@ output row n of gate_up is row e * 2I + n. Two products, two ways (kernels/moe.p
   grouped (verify, prefill) pairs grouped by expert on the device (triton_moe_align) in blocks of
           BLOCK_M rows of one expert; a program multiplies one block by BLOCK_N rows of its expert
           with tl.dot, so each expert's weights are read once per block rather than once per pair;
-          SiLU*up fused as above, the weighted down rows summed per token by a small last kernel.
+          act*up fused as above, the weighted down rows summed per token by a small last kernel.
 Rounding follows the unfused torch reference (model/moe.py): each product is rounded to x's dtype
-before SiLU*up, before its routing weight and before the sum; sums accumulate in float32.
+before act*up, before its routing weight and before the sum; sums accumulate in float32 (a weight
+on the input scales the float32 product, where the reference rounds w x to x's dtype first).
 """
 from __future__ import annotations
 
@@ -35,6 +41,9 @@ from .triton_pdl import wait_for_previous_kernel
 from .triton_quant_matmul import DECODE_LAUNCH, unit_layout, unit_product
 
 FLOAT = -1  # the format id of float weights (quantised formats: triton_quant_matmul's ids)
+# The experts' gated activation (model/moe.ACTIVATIONS' names) -> the kernels' ACT constant.
+ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
+GELU_TANH_SCALE = tl.constexpr(2 * 0.7978845608028654)  # 2 sqrt(2 / pi): 0.5 (1 + tanh(y)) == sigmoid(2 y)
 
 
 @dataclass(frozen=True)
@@ -102,20 +111,26 @@ def _unit(acc, w_ptr, rows, row_len, u, n_units, K, xk,
 
 
 @triton.jit
-def _silu_mul(gate, up, dt):
-    """silu(gate) * up rounded as the unfused ops round (each step to dt), in float32."""
+def _act_mul(gate, up, dt, ACT: tl.constexpr):
+    """act(gate) * up rounded as the unfused ops round (each step to dt), in float32. ACT 0: silu;
+    1: gelu-tanh, x * sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3)) (== 0.5 x (1 + tanh(...)))."""
     g = gate.to(dt).to(tl.float32)
-    s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    if ACT == 0:
+        z = g
+    else:
+        z = GELU_TANH_SCALE * (g + 0.044715 * g * g * g)
+    s = (g / (1.0 + tl.exp(-z))).to(dt).to(tl.float32)
     return (s * up.to(dt).to(tl.float32)).to(dt)
 
 
 # ----------------------------------------------------------------------------- pairs (decode)
 
 @triton.jit
-def _pairs_gate_up_kernel(x_ptr, ids_ptr, w_ptr, o_ptr, I, K, row_len, n_units, units_per_prog, stride_os,
-                          TOPK: tl.constexpr, FMT: tl.constexpr, UNIT_BYTES: tl.constexpr,
+def _pairs_gate_up_kernel(x_ptr, ids_ptr, wts_ptr, w_ptr, o_ptr, I, K, row_len, n_units, units_per_prog,
+                          stride_os, TOPK: tl.constexpr, FMT: tl.constexpr, UNIT_BYTES: tl.constexpr,
                           UNIT_VALUES: tl.constexpr, BPU: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr,
-                          SPLIT: tl.constexpr, PDL: tl.constexpr = False):
+                          SPLIT: tl.constexpr, ACT: tl.constexpr, ON_INPUT: tl.constexpr,
+                          PDL: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
     r = tl.program_id(0)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -131,17 +146,21 @@ def _pairs_gate_up_kernel(x_ptr, ids_ptr, w_ptr, o_ptr, I, K, row_len, n_units, 
         acc_u = _unit(acc_u, w_ptr, gate + I, row_len, u, n_units, K, xk, FMT, UNIT_BYTES, UNIT_VALUES, BPU, P,
                       0, 1, False)
     ok = rn < I
-    if SPLIT:  # float32 partials [splits, R, 2I], summed by _silu_mul_splits_kernel
+    gate_sum, up_sum = tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1)
+    if ON_INPUT:  # W (w x) == w (W x)
+        w = tl.load(wts_ptr + r).to(tl.float32)
+        gate_sum, up_sum = gate_sum * w, up_sum * w
+    if SPLIT:  # float32 partials [splits, R, 2I], summed by _act_mul_splits_kernel
         out = o_ptr + tl.program_id(2) * stride_os + r * 2 * I + rn
-        tl.store(out, tl.sum(acc_g, axis=1), mask=ok)
-        tl.store(out + I, tl.sum(acc_u, axis=1), mask=ok)
+        tl.store(out, gate_sum, mask=ok)
+        tl.store(out + I, up_sum, mask=ok)
     else:
-        act = _silu_mul(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), o_ptr.dtype.element_ty)
-        tl.store(o_ptr + r * I + rn, act, mask=ok)
+        tl.store(o_ptr + r * I + rn, _act_mul(gate_sum, up_sum, o_ptr.dtype.element_ty, ACT), mask=ok)
 
 
 @triton.jit
-def _silu_mul_splits_kernel(part_ptr, o_ptr, R, I, splits, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+def _act_mul_splits_kernel(part_ptr, o_ptr, R, I, splits, BLOCK: tl.constexpr, ACT: tl.constexpr,
+                           PDL: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < R * I
@@ -151,7 +170,7 @@ def _silu_mul_splits_kernel(part_ptr, o_ptr, R, I, splits, BLOCK: tl.constexpr, 
     for s in range(splits):
         gate += tl.load(part_ptr + s * R * 2 * I + at, mask=ok, other=0.0)
         up += tl.load(part_ptr + s * R * 2 * I + I + at, mask=ok, other=0.0)
-    tl.store(o_ptr + i, _silu_mul(gate, up, o_ptr.dtype.element_ty), mask=ok)
+    tl.store(o_ptr + i, _act_mul(gate, up, o_ptr.dtype.element_ty, ACT), mask=ok)
 
 
 @triton.jit
@@ -182,17 +201,19 @@ def _pairs_down_kernel(a_ptr, ids_ptr, wts_ptr, w_ptr, o_ptr, H, I, row_len, n_u
 # ----------------------------------------------------------------------------- grouped (verify, prefill)
 
 @triton.jit
-def _grouped_gate_up_kernel(x_ptr, slots_ptr, block_expert_ptr, w_ptr, o_ptr, R, I, K, row_len, n_units,
-                            TOPK: tl.constexpr, FMT: tl.constexpr, UNIT_BYTES: tl.constexpr,
+def _grouped_gate_up_kernel(x_ptr, slots_ptr, block_expert_ptr, wts_ptr, w_ptr, o_ptr, R, I, K, row_len,
+                            n_units, TOPK: tl.constexpr, FMT: tl.constexpr, UNIT_BYTES: tl.constexpr,
                             UNIT_VALUES: tl.constexpr, BPU: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_M: tl.constexpr, DOT_IEEE: tl.constexpr, PDL: tl.constexpr = False):
+                            BLOCK_M: tl.constexpr, DOT_IEEE: tl.constexpr, ACT: tl.constexpr,
+                            ON_INPUT: tl.constexpr, PDL: tl.constexpr = False):
     """act of block b's slots (sorted by expert; padding slots too, from a real token: never read)."""
     wait_for_previous_kernel(PDL)
     b = tl.program_id(0)
     expert = tl.load(block_expert_ptr + b).to(tl.int64)
     if expert >= 0:
         m = b * BLOCK_M + tl.arange(0, BLOCK_M)
-        token = tl.minimum(tl.load(slots_ptr + m), R - 1) // TOPK
+        pair = tl.load(slots_ptr + m)
+        token = tl.minimum(pair, R - 1) // TOPK
         xk = (x_ptr + token.to(tl.int64) * K)[None, :]
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         gate = expert * 2 * I + tl.minimum(rn, I - 1)
@@ -203,7 +224,10 @@ def _grouped_gate_up_kernel(x_ptr, slots_ptr, block_expert_ptr, w_ptr, o_ptr, R,
                           1, BLOCK_M, DOT_IEEE)
             acc_u = _unit(acc_u, w_ptr, gate + I, row_len, u, n_units, K, xk, FMT, UNIT_BYTES, UNIT_VALUES, BPU,
                           P, 1, BLOCK_M, DOT_IEEE)
-        act = _silu_mul(acc_g, acc_u, o_ptr.dtype.element_ty)
+        if ON_INPUT:  # W (w x) == w (W x); padding slots weigh 0
+            w = tl.load(wts_ptr + pair, mask=pair < R, other=0.0).to(tl.float32)[None, :]
+            acc_g, acc_u = acc_g * w, acc_u * w
+        act = _act_mul(acc_g, acc_u, o_ptr.dtype.element_ty, ACT)
         tl.store(o_ptr + m.to(tl.int64)[None, :] * I + rn[:, None], act, mask=(rn < I)[:, None])
 
 
@@ -254,8 +278,11 @@ def _consts(stack: Stack) -> dict:
             "P": stack.plane}
 
 
-def _check(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: Stack, down: Stack) -> int:
+def _check(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: Stack, down: Stack,
+           activation: str) -> int:
     """The intermediate size, after checking that the operands fit together."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"the expert kernels have no activation {activation!r} (they have {sorted(ACTIVATIONS)})")
     inter = down.in_features
     if (gate_up.experts != down.experts or gate_up.out_features != 2 * inter or gate_up.in_features != x.shape[-1]
             or down.out_features != x.shape[-1]):
@@ -273,14 +300,21 @@ def _decode_launch(stack: Stack, block_n: int | None, num_warps: int | None) -> 
     return block_n or default[0], num_warps or default[1]
 
 
+def _down_weights(weights: torch.Tensor, weights_on_input: bool) -> torch.Tensor:
+    """The down products' routing weights: ones where the gate_up products applied them."""
+    return torch.ones_like(weights) if weights_on_input else weights
+
+
 def pairs_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: Stack, down: Stack, *,
-                  block_n: int | None = None, plane: int = 128, split_k: int | None = None,
-                  groups: int | None = None, num_warps: int | None = None) -> torch.Tensor:
-    """out [T, H] of x [T, H] routed to ids / weights [T, k], GEMV-style (decode). split_k: the
+                  activation: str = "silu", weights_on_input: bool = False, block_n: int | None = None,
+                  plane: int = 128, split_k: int | None = None, groups: int | None = None,
+                  num_warps: int | None = None) -> torch.Tensor:
+    """out [T, H] of x [T, H] routed to ids / weights [T, k], GEMV-style (decode). activation: a key
+    of ACTIVATIONS; weights_on_input: weigh each expert's input, not its output. split_k: the
     gate_up product's K split over programs; groups: the down product's top_k experts split over
     that many programs a token (a divisor of k); default: enough programs to fill the GPU. block_n,
     num_warps: both products' (default: per weight format)."""
-    inter = _check(x, ids, weights, gate_up, down)
+    inter = _check(x, ids, weights, gate_up, down, activation)
     tokens, top_k = ids.shape
     hidden = x.shape[-1]
     pairs = tokens * top_k
@@ -299,13 +333,14 @@ def pairs_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     split_k = triton.cdiv(gate_up.n_units, per)
     act = x.new_empty(pairs, inter)
     target = torch.empty(split_k, pairs, 2 * inter, dtype=torch.float32, device=x.device) if split_k > 1 else act
+    act_id = ACTIVATIONS[activation]
     _pairs_gate_up_kernel[(pairs, tiles, split_k)](
-        x, ids, gate_up.rows, target, inter, hidden, gate_up.rows.shape[1], gate_up.n_units, per,
-        pairs * 2 * inter, TOPK=top_k, BLOCK_N=block, SPLIT=split_k > 1, num_warps=warps,
-        **_consts(gate_up), **launch)
+        x, ids, weights, gate_up.rows, target, inter, hidden, gate_up.rows.shape[1], gate_up.n_units, per,
+        pairs * 2 * inter, TOPK=top_k, BLOCK_N=block, SPLIT=split_k > 1, ACT=act_id, ON_INPUT=weights_on_input,
+        num_warps=warps, **_consts(gate_up), **launch)
     if split_k > 1:
-        _silu_mul_splits_kernel[(triton.cdiv(pairs * inter, 256),)](target, act, pairs, inter, split_k, BLOCK=256,
-                                                                   **launch)
+        _act_mul_splits_kernel[(triton.cdiv(pairs * inter, 256),)](target, act, pairs, inter, split_k, BLOCK=256,
+                                                                  ACT=act_id, **launch)
     block, warps = _decode_launch(down, block_n, num_warps)
     tiles = triton.cdiv(hidden, block)
     if groups is None:
@@ -315,7 +350,7 @@ def pairs_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
         raise ValueError(f"pairs_experts: groups ({groups}) must divide top_k ({top_k})")
     target = torch.empty(groups, tokens, hidden, dtype=torch.float32, device=x.device) if groups > 1 else out
     _pairs_down_kernel[(tokens, groups, tiles)](
-        act, ids, weights, down.rows, target, hidden, inter, down.rows.shape[1], down.n_units, tokens * hidden,
+        act, ids, _down_weights(weights, weights_on_input), down.rows, target, hidden, inter, down.rows.shape[1], down.n_units, tokens * hidden,
         top_k // groups, TOPK=top_k, BLOCK_N=block, num_warps=warps, **_consts(down), **launch)
     if groups > 1:
         reduce_splits(target, None, out)
@@ -328,10 +363,11 @@ def grouped_block_m(pairs: int, experts: int) -> int:
 
 
 def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: Stack, down: Stack, *,
-                    block_m: int | None = None, block_n: int = 64, plane: int = 64,
-                    num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+                    activation: str = "silu", weights_on_input: bool = False, block_m: int | None = None,
+                    block_n: int = 64, plane: int = 64, num_warps: int | None = None,
+                    num_stages: int | None = None) -> torch.Tensor:
     """out [T, H] as pairs_experts, with the pairs grouped by expert on the device (verify, prefill)."""
-    inter = _check(x, ids, weights, gate_up, down)
+    inter = _check(x, ids, weights, gate_up, down, activation)
     tokens, top_k = ids.shape
     hidden = x.shape[-1]
     pairs = tokens * top_k
@@ -350,11 +386,12 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, g
     dot_ieee = x.dtype == torch.float32
     act = x.new_empty(blocks * block_m, inter)  # in slot order
     _grouped_gate_up_kernel[(blocks, triton.cdiv(inter, block_n))](
-        x, slots, block_expert, gate_up.rows, act, pairs, inter, hidden, gate_up.rows.shape[1], gate_up.n_units,
-        TOPK=top_k, BLOCK_N=block_n, BLOCK_M=block_m, DOT_IEEE=dot_ieee, **_consts(gate_up), **options, **launch)
+        x, slots, block_expert, weights, gate_up.rows, act, pairs, inter, hidden, gate_up.rows.shape[1],
+        gate_up.n_units, TOPK=top_k, BLOCK_N=block_n, BLOCK_M=block_m, DOT_IEEE=dot_ieee,
+        ACT=ACTIVATIONS[activation], ON_INPUT=weights_on_input, **_consts(gate_up), **options, **launch)
     rows = x.new_empty(pairs, hidden)
     _grouped_down_kernel[(blocks, triton.cdiv(hidden, block_n))](
-        act, slots, block_expert, weights, down.rows, rows, pairs, hidden, inter, down.rows.shape[1], down.n_units,
+        act, slots, block_expert, _down_weights(weights, weights_on_input), down.rows, rows, pairs, hidden, inter, down.rows.shape[1], down.n_units,
         BLOCK_N=block_n, BLOCK_M=block_m, DOT_IEEE=dot_ieee, **_consts(down), **options, **launch)
     block = 512
     _sum_top_k_kernel[(triton.cdiv(tokens * hidden, block),)](rows, out, tokens * hidden, hidden, TOPK=top_k,

@@ -10,7 +10,8 @@ turn only part of each head: proportional RoPE); full-attention layers may have 
 and K/V head count and, with attention_k_eq_v, take v from k's projection. The last
 num_kv_shared_layers layers keep no K/V: they attend to an earlier layer's cache (SharedKVSpec).
 The MoE block of 26B-A4B runs beside the dense MLP: a router over the pre-FFN stream (unit RMSNorm,
-scaled, softmax top-k renormalised, times a per-expert scale) and GeGLU experts (model/moe.Experts).
+scaled, softmax top-k renormalised, times a per-expert scale) and GeGLU experts (model/moe.Experts:
+the Triton expert kernels on GPUs, which weigh each expert's output by these weights as Qwen's).
 Embeddings are scaled by sqrt(hidden_size) in the model dtype; the logits are soft-capped.
 """
 from __future__ import annotations
@@ -159,13 +160,16 @@ class Gemma4DecoderLayer(nn.Module):
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, batch))
         h = self.mlp(self.pre_feedforward_layernorm(x))
         if self.moe:
-            routed = self.experts(self.pre_feedforward_layernorm_2(x), *self.router(x))
-            h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(routed)
+            h = self.post_feedforward_layernorm_1(h) + self.routed(x)
         x = x + self.post_feedforward_layernorm(h)
         if self.per_layer:
             h = gelu_tanh_and_mul(self.per_layer_input_gate(x), per_layer_input)
             x = x + self.post_per_layer_input_norm(self.per_layer_projection(h))
         return x * self.layer_scalar
+
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
+        """The MoE block's part of the FFN output for the pre-FFN stream x (experts: kernels/moe.py on GPUs)."""
+        return self.post_feedforward_layernorm_2(self.experts(self.pre_feedforward_layernorm_2(x), *self.router(x)))
 
 
 class Gemma4Model(Transformer):

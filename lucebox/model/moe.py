@@ -35,7 +35,7 @@ from .config import ModelConfig
 # safe). Above it, tokens are sorted by expert and each expert the batch touches runs one product
 # over its tokens. On GPUs the Triton kernels (kernels/moe.py) read the routed experts in place.
 GATHER_ROWS = 16
-# The experts' gated activation by config name; the Triton expert kernels fuse SwiGLU only.
+# The experts' gated activation by config name; the Triton expert kernels fuse both.
 ACTIVATIONS = {"silu": silu_and_mul, "gelu_pytorch_tanh": gelu_tanh_and_mul}
 
 
@@ -50,18 +50,25 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [T, H]; ids, weights [T, k]: sum over j of weights[t, j] * expert_{ids[t, j]}(x[t])."""
-        kernel = expert_kernel(x, ids, self.gate_up_proj, self.down_proj) if self.activation == "silu" else TORCH
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                weights_on_input: bool = False) -> torch.Tensor:
+        """x [T, H]; ids, weights [T, k]: sum over j of weights[t, j] * expert_{ids[t, j]}(x[t]), or
+        with weights_on_input, of expert_{ids[t, j]}(weights[t, j] * x[t])."""
+        kernel = expert_kernel(x, ids, self.gate_up_proj, self.down_proj, self.activation)
         if kernel != TORCH:
-            return expert_matmul(x, ids, weights, self.gate_up_proj, self.down_proj, kernel)
+            return expert_matmul(x, ids, weights, self.gate_up_proj, self.down_proj, kernel,
+                                 activation=self.activation, weights_on_input=weights_on_input)
         tokens, k = ids.shape
-        rows = tokens * k
+        rows, per_row = tokens * k, k
+        if weights_on_input:  # one pre-weighted row per (token, expert), each its own token
+            x, per_row = (x.unsqueeze(1) * weights.unsqueeze(-1).to(x.dtype)).reshape(rows, -1), 1
         if rows <= GATHER_ROWS or (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-            out = self._gathered(x, ids.reshape(-1), k)
+            out = self._gathered(x, ids.reshape(-1), per_row)
         else:
-            out = self._grouped(x, ids.reshape(-1), k)
-        out = out.view(tokens, k, x.shape[-1]) * weights.unsqueeze(-1).to(out.dtype)
+            out = self._grouped(x, ids.reshape(-1), per_row)
+        out = out.view(tokens, k, out.shape[-1])
+        if not weights_on_input:
+            out = out * weights.unsqueeze(-1).to(out.dtype)
         return out.sum(dim=1)
 
     def _gathered(self, x: torch.Tensor, flat_ids: torch.Tensor, k: int) -> torch.Tensor:
@@ -170,13 +177,7 @@ class SparseMoE(nn.Module):
     def routed(self, x: torch.Tensor) -> torch.Tensor:
         """The routed experts' part of the output."""
         ids, weights = self.route(x)
-        if self.routing.weights_on_input:  # one row per (token, expert), pre-weighted, through the same experts
-            tokens, k = ids.shape
-            rows = (x.unsqueeze(1) * weights.unsqueeze(-1)).reshape(tokens * k, -1)
-            out = self.experts(rows, ids.reshape(-1, 1), torch.ones_like(weights).reshape(-1, 1))
-            out = out.view(tokens, k, -1).sum(dim=1)
-        else:
-            out = self.experts(x, ids, weights)
+        out = self.experts(x, ids, weights, self.routing.weights_on_input)
         if self.routing.routed_scaling_factor != 1.0:
             out = out * self.routing.routed_scaling_factor
         return out

@@ -6,6 +6,7 @@
 mode_check() {
   run_tests gpu-tests "${SECONDS_CHECK:-540}" tests/engine/test_cuda_graphs.py tests/kernels \
     --ignore=tests/kernels/test_gated_delta.py --ignore=tests/kernels/test_triton_moe.py \
+    --ignore=tests/kernels/test_triton_moe_models.py \
     tests/model/test_model.py tests/train/test_dense_lm.py tests/sampling/test_acceptance.py \
     tests/engine/test_step_plan.py tests/engine/test_sliding_window.py tests/weights/test_quant.py
 }
@@ -14,6 +15,7 @@ mode_check() {
 #:              graphs, fastest first (SECONDS_CHECK; FLA=1: with fla-core's prefill kernels)
 mode_check_new() {
   run_tests gpu-tests-new "${SECONDS_CHECK:-540}" tests/kernels/test_gated_delta.py tests/kernels/test_triton_moe.py \
-    tests/spec/test_dflash_graphs.py tests/model/test_laguna_graphs.py tests/model/test_qwen3_5_graphs.py \
+    tests/kernels/test_triton_moe_models.py tests/spec/test_dflash_graphs.py tests/model/test_laguna_graphs.py \
+    tests/model/test_qwen3_5_graphs.py \
     tests/engine/test_hybrid_prefix.py tests/model/test_gemma4.py tests/engine/test_sliding_window_mixed.py
 }
