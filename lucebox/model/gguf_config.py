@@ -19,7 +19,8 @@ ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 # ModelConfig.family -> general.architecture written by the converter.
 FAMILY_TO_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 # The MoE and hybrid architectures (their tensors: model/gguf_tensors.py, metadata: model/gguf_hybrid_config.py).
-HYBRID_ARCHITECTURES = {"qwen3moe": "qwen3_moe", "qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe"}
+HYBRID_ARCHITECTURES = {"qwen3moe": "qwen3_moe", "qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe",
+                        "laguna": "laguna"}  # laguna's metadata: model/gguf_laguna_config.py
 FAMILY_TO_HYBRID_ARCH = {family: arch for arch, family in HYBRID_ARCHITECTURES.items()}
 
 GLOBAL_TENSORS = {
