@@ -41,6 +41,7 @@ from .model.gguf_config import (
     permute_rows,
     rows_permuted,
     to_gguf_name,
+    yarn_mscale,
 )
 from .model.gguf_hybrid_config import write_hybrid_keys
 from .model.gguf_hybrid_write import hybrid_plan, planned_values
@@ -235,8 +236,8 @@ def _write_metadata(w: GGUFWriter, cfg: ModelConfig, arch: str, hf_dir: Path, wa
         w.add_rope_scaling_orig_ctx_len(rope.original_max_position_embeddings)
         w.add_rope_scaling_yarn_beta_fast(rope.beta_fast)
         w.add_rope_scaling_yarn_beta_slow(rope.beta_slow)
-        if rope.attention_factor is not None:
-            w.add_rope_scaling_attn_factors(rope.attention_factor)
+        if rope.attention_factor is not None:  # llama.cpp multiplies its own YaRN scale by the key
+            w.add_rope_scaling_attn_factors(rope.attention_factor / yarn_mscale(rope.factor))
     # llama3 scaling travels as the rope_freqs tensor instead (see _rope_freqs).
     # laguna: its window and per-layer pattern are write_hybrid_keys' (llama.cpp's default pattern differs)
     windows = {win for win in cfg.sliding_windows if win} if arch != "laguna" else set()

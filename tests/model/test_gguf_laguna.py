@@ -175,6 +175,25 @@ def test_a_softmax_router_round_trips(hf_dirs, tmp_path):
     assert (lucebox_logits(ours, prompt) - lucebox_logits(theirs, prompt)).abs().max() <= 1e-5
 
 
+def test_a_yarn_attention_factor_is_written_as_llama_cpp_applies_it(tokenizer_dir, tmp_path):
+    """llama.cpp multiplies YaRN's own 0.1 ln(factor) + 1 by rope.scaling.attn_factor (llama-context.cpp),
+    where transformers' attention_factor replaces it: the key holds their ratio (checked against llama.cpp's
+    logits by scripts/check_gguf_laguna.py's files on CPU: 0.07 off with the plain value, 5e-4 with this)."""
+    from transformers import AutoModelForCausalLM
+    rope = {FULL: {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0, "original_max_position_embeddings": 64,
+                   "partial_rotary_factor": 0.5, "attention_factor": 1.0},
+            SLIDING: {"rope_type": "default", "rope_theta": 1e4}}
+    hf = build_laguna(tmp_path / "hf", tokenizer_dir, **dict(VARIANTS["per_head"], rope_parameters=rope))
+    path = convert_hf_to_gguf(hf, tmp_path / "yarn.gguf", "f32")
+    key = GGUFReader(path).fields["laguna.rope.scaling.attn_factor"].contents()
+    assert key == pytest.approx(1.0 / (0.1 * np.log(4.0) + 1.0))
+    loaded = load_model(str(path), dtype="float32")
+    assert loaded.config.rope.attention_factor == pytest.approx(1.0)
+    reference = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    prompt = prompt_for(loaded.config.vocab_size, seed=5)
+    assert (lucebox_logits(loaded, prompt) - reference_logits(reference, prompt)).abs().max() <= 1e-4
+
+
 # ------------------------------------------------------------------------------------------- Q8_0
 @pytest.mark.parametrize("name", VARIANTS)
 def test_q8_0_keeps_experts_quantised_and_computes_its_dequantised_values(name, ggufs, references, tmp_path):
