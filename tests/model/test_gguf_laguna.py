@@ -283,6 +283,27 @@ def test_what_llama_cpp_has_no_key_for_is_refused(changes, message, hf_dirs, tmp
     assert not list(tmp_path.glob("*.gguf")) and not list(tmp_path.glob(".*partial"))
 
 
+def test_random_byte_flips_load_cleanly_or_fail_with_a_lucebox_error(ggufs, tmp_path):
+    """Flips mostly in the header (the metadata this module reads): a clean load or a LuceboxError."""
+    import random
+
+    from lucebox.errors import LuceboxError
+    from tests.mutations import parse_gguf
+    from tests.weights.test_mutated_files import load_bounded
+    valid = ggufs["per_head", "q8_0"].read_bytes()
+    header_end = parse_gguf(valid).header_end
+    rng = random.Random(2718)
+    for i in range(30):
+        data = bytearray(valid)
+        span = header_end if rng.random() < 0.85 else len(data)
+        for _ in range(rng.choice((1, 1, 2, 4))):
+            data[int(rng.random() * span)] = rng.randrange(256)
+        path = tmp_path / f"flip{i}.gguf"
+        path.write_bytes(bytes(data))
+        outcome, _, _ = load_bounded(path)
+        assert not isinstance(outcome, Exception) or (isinstance(outcome, LuceboxError) and str(outcome)), i
+
+
 # ------------------------------------------------------------------------------------------ tokenizer
 def test_the_laguna_pre_tokenizer_and_turn_end_are_written_as_llama_cpp_reads_them(tokenizer_dir, tmp_path):
     """Laguna's tokenizer.json splits newline runs first, then with Qwen2's regex: tokenizer.ggml.pre
