@@ -171,13 +171,12 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str, where: str) 
     except Exception as e:
         raise CheckpointError(f"{where}: tokenizer.ggml.merges does not fit tokenizer.ggml.tokens: {e}") from e
 
-    regexes = None
     if pre in _LLAMA3_PRE:
-        regex = LLAMA3_REGEX
+        regexes = [LLAMA3_REGEX]
     elif pre == "laguna":
-        regex, regexes = QWEN2_REGEX, [NEWLINE_RUNS_REGEX, QWEN2_REGEX]
+        regexes = [NEWLINE_RUNS_REGEX, QWEN2_REGEX]
     elif pre in _QWEN_PRE:
-        regex = _QWEN_PRE[pre]
+        regexes = [_QWEN_PRE[pre]]
         tok.normalizer = normalizers.NFC()  # Qwen's tokenizer.json normalises to NFC first
     else:
         if pre not in _GPT2_PRE:
@@ -187,13 +186,13 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str, where: str) 
                 where,
                 pre,
             )
-        regex = None
-    if regex is None:
+        regexes = []
+    if not regexes:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     else:
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [
-                *(pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes or [regex]),
+                *(pre_tokenizers.Split(Regex(regex), behavior="isolated") for regex in regexes),
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ]
         )
