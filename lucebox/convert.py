@@ -41,6 +41,7 @@ from .model.gguf_config import (
     permute_rows,
     rows_permuted,
     to_gguf_name,
+    yarn_mscale,
 )
 from .model.gguf_hybrid_config import write_hybrid_keys
 from .model.gguf_hybrid_write import hybrid_plan, planned_values
@@ -48,7 +49,7 @@ from .model.gated_attention import rotary_dim
 from .model.loader import read_generation_config
 from .model.rope import inverse_frequencies
 from .model.transformer import Transformer
-from .text.gguf_vocab import LLAMA3_REGEX, QWEN2_REGEX, QWEN35_REGEX
+from .text.gguf_vocab import LLAMA3_REGEX, NEWLINE_RUNS_REGEX, QWEN2_REGEX, QWEN35_REGEX
 from .util import on_meta
 from .weights.gguf import FLOAT_TYPES
 from .weights.safetensors import read_header, safetensors_files
@@ -209,7 +210,7 @@ def write_shape_metadata(w: GGUFWriter, cfg: ModelConfig, name: str, want: Q,
     w.add_embedding_length(cfg.hidden_size)
     w.add_block_count(cfg.num_layers)
     w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_heads)
+    w.add_head_count(getattr(cfg, "heads_per_layer", None) or cfg.num_heads)  # laguna: one per layer
     w.add_head_count_kv(cfg.num_kv_heads)
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
@@ -235,10 +236,11 @@ def _write_metadata(w: GGUFWriter, cfg: ModelConfig, arch: str, hf_dir: Path, wa
         w.add_rope_scaling_orig_ctx_len(rope.original_max_position_embeddings)
         w.add_rope_scaling_yarn_beta_fast(rope.beta_fast)
         w.add_rope_scaling_yarn_beta_slow(rope.beta_slow)
-        if rope.attention_factor is not None:
-            w.add_rope_scaling_attn_factors(rope.attention_factor)
+        if rope.attention_factor is not None:  # llama.cpp multiplies its own YaRN scale by the key
+            w.add_rope_scaling_attn_factors(rope.attention_factor / yarn_mscale(rope.factor))
     # llama3 scaling travels as the rope_freqs tensor instead (see _rope_freqs).
-    windows = {win for win in cfg.sliding_windows if win}
+    # laguna: its window and per-layer pattern are write_hybrid_keys' (llama.cpp's default pattern differs)
+    windows = {win for win in cfg.sliding_windows if win} if arch != "laguna" else set()
     if len(windows) > 1:
         raise UnsupportedError(f"{hf_dir}: layers use different sliding windows {sorted(windows)}")
     if windows:
@@ -299,6 +301,8 @@ def _write_tokenizer(w: GGUFWriter, hf_dir: Path, cfg: ModelConfig) -> None:
         tokens[i], types[i] = token, TokenType.NORMAL
     for i, added in tok.backend.get_added_tokens_decoder().items():
         types[i] = TokenType.CONTROL if added.special else TokenType.USER_DEFINED
+    if cfg.family == "laguna" and "</assistant>" in vocab:  # its turn end, not special in tokenizer.json;
+        types[vocab["</assistant>"]] = TokenType.CONTROL   # llama.cpp's converter makes it a control token
     merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"].get("merges", [])]
 
     w.add_tokenizer_model("gpt2")
@@ -336,6 +340,8 @@ def _pre_tokenizer(spec: dict, family: str) -> str:
     """tokenizer.ggml.pre: llama.cpp names a pre-tokenizer (a split regex) rather than storing it."""
     parts = list(_walk(spec.get("pre_tokenizer")))
     regexes = [p["pattern"].get("Regex") for p in parts if p.get("type") == "Split" and isinstance(p.get("pattern"), dict)]
+    if regexes == [NEWLINE_RUNS_REGEX, QWEN2_REGEX]:
+        return "laguna"
     if QWEN2_REGEX in regexes:
         return "qwen2"
     if QWEN35_REGEX in regexes:

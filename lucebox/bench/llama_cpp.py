@@ -1,7 +1,7 @@
 """llama.cpp as the peer of `lucebox bench speed --peer llama.cpp`: the same shape in the same quant mix,
 written as a GGUF of random but valid blocks, measured by llama.cpp's own llama-bench on the same GPU.
 
-The file follows llama.cpp's loaders (src/models/qwen35.cpp, qwen35moe.cpp, qwen3moe.cpp, qwen3.cpp):
+The file follows llama.cpp's loaders (src/models/qwen35.cpp, qwen35moe.cpp, qwen3moe.cpp, qwen3.cpp, laguna.cpp):
 arch metadata, tensor names and shapes, a minimal gpt2-style BPE vocabulary of vocab_size tokens
 (256 byte tokens, one merge, filler words). Types come from bench/shapes.py's mix rule, tensor by
 tensor from the lucebox model's own parameter list, so both sides hold the same bytes per matrix.
@@ -122,7 +122,7 @@ def _vocabulary(w: GGUFWriter, vocab_size: int, arch: str) -> None:
         raise ValueError(f"llama.cpp peer: a vocabulary of {vocab_size} is too small for the 256 byte tokens")
     tokens = [*_bytes_to_unicode(), "\u0120t", *(f"t{i}" for i in range(257, vocab_size))]
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen35" if arch.startswith("qwen35") else "qwen2")
+    w.add_tokenizer_pre("qwen35" if arch.startswith("qwen35") else "laguna" if arch == "laguna" else "qwen2")
     w.add_token_list(tokens)
     w.add_token_types([1] * vocab_size)  # LLAMA_TOKEN_TYPE_NORMAL
     w.add_token_merges(["\u0120 t"])

@@ -5,6 +5,7 @@ spelling of every key and name.
 """
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -19,7 +20,8 @@ ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 # ModelConfig.family -> general.architecture written by the converter.
 FAMILY_TO_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 # The MoE and hybrid architectures (their tensors: model/gguf_tensors.py, metadata: model/gguf_hybrid_config.py).
-HYBRID_ARCHITECTURES = {"qwen3moe": "qwen3_moe", "qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe"}
+HYBRID_ARCHITECTURES = {"qwen3moe": "qwen3_moe", "qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe",
+                        "laguna": "laguna"}  # laguna's metadata: model/gguf_laguna_config.py
 FAMILY_TO_HYBRID_ARCH = {family: arch for arch, family in HYBRID_ARCHITECTURES.items()}
 
 GLOBAL_TENSORS = {
@@ -244,6 +246,12 @@ def model_config(meta: Metadata, shapes: dict[str, tuple[int, ...]]) -> ModelCon
         raise CheckpointError(f"{meta.path}: {e}") from None
 
 
+def yarn_mscale(factor: float) -> float:
+    """YaRN's default attention scale. llama.cpp applies it and multiplies it by rope.scaling.attn_factor
+    (llama-context.cpp), where HF's attention_factor replaces it: the key is attention_factor / this."""
+    return 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+
+
 def rope_config(meta: Metadata, arch: str, context: int) -> RopeConfig:
     prefix = f"{arch}.rope"
     theta = meta.number(f"{prefix}.freq_base", 10000.0, limit="rope_theta")
@@ -261,7 +269,8 @@ def rope_config(meta: Metadata, arch: str, context: int) -> RopeConfig:
                                                                         context))
         rope.beta_fast = meta.number(f"{prefix}.scaling.yarn_beta_fast", rope.beta_fast)
         rope.beta_slow = meta.number(f"{prefix}.scaling.yarn_beta_slow", rope.beta_slow)
-        rope.attention_factor = meta.number(f"{prefix}.scaling.attn_factor", None)
+        scale = meta.number(f"{prefix}.scaling.attn_factor", None)
+        rope.attention_factor = None if scale is None else scale * yarn_mscale(factor)
         return rope
     raise UnsupportedError(f"{meta.path}: RoPE scaling type {kind!r} ({prefix}.scaling.type) is not supported "
                            "(supported: none, linear, yarn, and llama3 via a rope_freqs tensor)")

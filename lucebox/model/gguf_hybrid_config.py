@@ -18,6 +18,7 @@ import logging
 from ..errors import CheckpointError, UnsupportedError
 from .config import ModelConfig
 from .gguf_config import HYBRID_ARCHITECTURES, Metadata, rope_config
+from .gguf_laguna_config import write_laguna_keys
 from .gguf_tensors import from_gguf_name
 
 log = logging.getLogger("lucebox")
@@ -146,6 +147,8 @@ def _layer_types(meta: Metadata, arch: str, layers: int) -> list[str]:
 # ------------------------------------------------------------------------------------------- writing
 def write_hybrid_keys(w, cfg: ModelConfig, arch: str, mrope_sections: list[int] | None) -> None:
     """The `{arch}.*` keys beyond the dense transformer's (convert.write_shape_metadata writes those)."""
+    if arch == "laguna":
+        return write_laguna_keys(w, cfg)
     if cfg.num_experts:
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)

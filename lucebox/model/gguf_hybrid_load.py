@@ -90,7 +90,7 @@ def hybrid_tensors(reader, cfg: ModelConfig, arch: str, model: torch.nn.Module, 
         shape = logical_shape(t)
         rows = to_torch(raw_rows(t, shape))
         quantised = t.tensor_type not in FLOAT_TYPES
-        if ".mlp.experts." in ours:
+        if ours.endswith((".experts.gate_up_proj", ".experts.down_proj")):
             parts = pending.setdefault(ours, {})
             parts[rule.part] = (t.name, t.tensor_type, rows.view(shape[0], -1, rows.shape[-1]))
             if len(parts) == rule.parts:

@@ -17,8 +17,8 @@ from ..weights.safetensors import read_header, safetensors_files
 from .config import ModelConfig
 from .gguf_config import FAMILY_TO_HYBRID_ARCH
 from .gguf_tensors import Rule, gguf_shape, to_gguf, to_gguf_names
-from .qwen3_5 import HybridTransformer, hf_text_name, is_hybrid, zero_centred_norm
-from .transformer import Transformer
+from .assign import model_class
+from .qwen3_5 import hf_text_name, is_hybrid, zero_centred_norm
 
 log = logging.getLogger("lucebox")
 
@@ -45,7 +45,7 @@ def llama_cpp_tensors(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], str,
     is what llama.cpp loads."""
     arch = FAMILY_TO_HYBRID_ARCH[cfg.family]
     with on_meta():
-        model = HybridTransformer(cfg) if is_hybrid(cfg) else Transformer(cfg)
+        model = model_class(cfg)(cfg)
     return [(gguf_name, gguf_shape(rule, tuple(p.shape)), ours, rule, tuple(p.shape))
             for ours, p in model.named_parameters() for gguf_name, rule in to_gguf_names(arch, ours)]
 

@@ -1,4 +1,4 @@
-"""llama.cpp's tensor names of the MoE and hybrid GGUF architectures (qwen3moe, qwen35, qwen35moe) and the
+"""llama.cpp's tensor names of the MoE and hybrid GGUF architectures (qwen3moe, qwen35, qwen35moe, laguna) and the
 transforms its converter (convert_hf_to_gguf.py) applies to them, each with its inverse: the one table the
 loader reads with (model/gguf_hybrid_load.py) and the converter writes with (model/gguf_hybrid_write.py).
 
@@ -66,6 +66,12 @@ _DELTANET = {
     "ssm_norm.weight": Rule("linear_attn.norm.weight"),
     "ssm_out.weight": Rule("linear_attn.out_proj.weight", "v_columns"),
 }
+# Laguna (llama.cpp's src/models/laguna.cpp): the softplus output gate, the routers' score-correction bias
+# and an ungated shared expert beside the experts; dense FFN layers lead.
+_LAGUNA = {**_ATTENTION, "attn_gate.weight": Rule("self_attn.g_proj.weight"),
+           "ffn_norm.weight": Rule("post_attention_layernorm.weight"), **_DENSE_FFN, **_EXPERTS,
+           "exp_probs_b.bias": Rule("mlp.experts.e_score_correction_bias"),
+           **{k: v for k, v in _SHARED_EXPERT.items() if k != "ffn_gate_inp_shexp.weight"}}
 _HYBRID_NORMS = {"attn_norm.weight": Rule("input_layernorm.weight"),
                  "post_attention_norm.weight": Rule("post_attention_layernorm.weight")}
 # Per architecture: the name after `blk.N.` -> Rule. qwen3moe's dense FFN entries serve checkpoints with
@@ -75,6 +81,7 @@ LAYER_RULES = {
                  **_EXPERTS},
     "qwen35": {**_ATTENTION, **_HYBRID_NORMS, **_DELTANET, **_DENSE_FFN},
     "qwen35moe": {**_ATTENTION, **_HYBRID_NORMS, **_DELTANET, **_EXPERTS, **_SHARED_EXPERT},
+    "laguna": _LAGUNA,
 }
 GLOBAL_RULES = {theirs: Rule(ours) for theirs, ours in GLOBAL_TENSORS.items()}
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")

@@ -26,7 +26,7 @@ from ..weights.gguf import FLOAT_TYPES, check_tensors, logical_shape, open_gguf,
 from ..weights.quant import QuantEmbedding, QuantLinear, QuantTensor
 from ..weights.safetensors import iter_safetensors, safetensors_shapes
 from . import gemma4_checkpoint
-from .assign import assign, empty_model
+from .assign import assign, empty_model, model_class
 from .config import HF_KEYS, ModelConfig
 from .gemma4_config import is_gemma4
 from .gguf_config import (
@@ -44,9 +44,10 @@ from .gguf_config import (
 from .gguf_hybrid_config import hybrid_model_config
 from .gguf_hybrid_load import check_hybrid_layers, hybrid_tensors
 from .gguf_hybrid_load import check_hybrid_tensors as check_hybrid_gguf
+from .gguf_laguna_config import check_laguna_gguf, laguna_model_config
 from .laguna import check_laguna_tensors
 from .moe import stack_experts
-from .qwen3_5 import HybridTransformer, check_hybrid_tensors, hf_text_name, hf_text_tensors, is_hybrid
+from .qwen3_5 import check_hybrid_tensors, hf_text_name, hf_text_tensors, is_hybrid
 from .rope import RopeTable
 from .tensor_check import check_config_against_tensors
 from .transformer import Transformer
@@ -202,15 +203,17 @@ def load_gguf(path: Path, dtype, device: torch.device) -> LoadedModel:
 
 
 def _load_hybrid_gguf(reader: GGUFReader, meta: Metadata, path: Path, dtype, device: torch.device) -> LoadedModel:
-    """qwen3moe / qwen35 / qwen35moe: names and layout changes in model/gguf_tensors.py."""
+    """qwen3moe / qwen35 / qwen35moe / laguna: names and layout changes in model/gguf_tensors.py."""
     arch = architecture(meta)
     shapes = {t.name: logical_shape(t) for t in reader.tensors}
-    cfg = hybrid_model_config(meta, shapes)
+    cfg = (laguna_model_config if arch == "laguna" else hybrid_model_config)(meta, shapes)
     check_hybrid_layers(cfg, arch, shapes, path)
     torch_dtype = resolve_dtype(dtype, None, device)
     with on_meta():
-        model = (HybridTransformer(cfg) if is_hybrid(cfg) else Transformer(cfg)).to(torch_dtype)
+        model = model_class(cfg)(cfg).to(torch_dtype)
     expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    if arch == "laguna":  # per-layer head counts, named by their metadata key
+        check_laguna_gguf(cfg, shapes, path)
     check_hybrid_gguf(cfg, arch, expected, shapes, path)
     assign(model, hybrid_tensors(reader, cfg, arch, model, torch_dtype, path), str(path), torch_dtype, device)
     if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):

@@ -33,6 +33,9 @@ QWEN35_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Laguna's tokenizer.json splits into newline and non-newline runs first, then with Qwen2's regex
+# (llama.cpp's LLAMA_VOCAB_PRE_TYPE_LAGUNA, tokenizer.ggml.pre "laguna").
+NEWLINE_RUNS_REGEX = r"[^\n]+|[\n]+"
 _LLAMA3_PRE = {"llama3", "llama-v3", "llama-bpe"}
 _QWEN_PRE = {"qwen2": QWEN2_REGEX, "deepseek-r1-qwen": QWEN2_REGEX, "qwen35": QWEN35_REGEX}
 _GPT2_PRE = {"default", "gpt-2", "gpt2"}
@@ -169,9 +172,11 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str, where: str) 
         raise CheckpointError(f"{where}: tokenizer.ggml.merges does not fit tokenizer.ggml.tokens: {e}") from e
 
     if pre in _LLAMA3_PRE:
-        regex = LLAMA3_REGEX
+        regexes = [LLAMA3_REGEX]
+    elif pre == "laguna":
+        regexes = [NEWLINE_RUNS_REGEX, QWEN2_REGEX]
     elif pre in _QWEN_PRE:
-        regex = _QWEN_PRE[pre]
+        regexes = [_QWEN_PRE[pre]]
         tok.normalizer = normalizers.NFC()  # Qwen's tokenizer.json normalises to NFC first
     else:
         if pre not in _GPT2_PRE:
@@ -181,13 +186,13 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str, where: str) 
                 where,
                 pre,
             )
-        regex = None
-    if regex is None:
+        regexes = []
+    if not regexes:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     else:
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [
-                pre_tokenizers.Split(Regex(regex), behavior="isolated"),
+                *(pre_tokenizers.Split(Regex(regex), behavior="isolated") for regex in regexes),
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ]
         )
