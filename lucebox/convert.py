@@ -42,6 +42,11 @@ from .model.gguf_config import (
     rows_permuted,
     to_gguf_name,
 )
+from .model.gemma4_config import is_gemma4
+from .model.gguf_gemma4 import gemma4_plan
+from .model.gguf_gemma4_config import ARCH as GEMMA4_ARCH
+from .model.gguf_gemma4_config import rope_freqs as gemma4_rope_freqs
+from .model.gguf_gemma4_config import write_gemma4_keys
 from .model.gguf_hybrid_config import write_hybrid_keys
 from .model.gguf_hybrid_write import hybrid_plan, planned_values
 from .model.gated_attention import rotary_dim
@@ -76,11 +81,12 @@ def convert_hf_to_gguf(hf_dir: str | Path, out_path: str | Path, qtype: str = "f
         raise RequestError(f"{out_path}: the directory {out_path.parent} does not exist")
     want = QTYPES[qtype]
     cfg = ModelConfig.from_hf_dir(hf_dir)
-    if cfg.family in FAMILY_TO_HYBRID_ARCH:
-        arch = FAMILY_TO_HYBRID_ARCH[cfg.family]
+    if cfg.family in FAMILY_TO_HYBRID_ARCH or is_gemma4(cfg):
+        arch = GEMMA4_ARCH if is_gemma4(cfg) else FAMILY_TO_HYBRID_ARCH[cfg.family]
+        planned = gemma4_plan(hf_dir, cfg) if is_gemma4(cfg) else hybrid_plan(hf_dir, cfg)
         plan = sorted(((p.gguf_name, p.shape, _hybrid_tensor_type(p.gguf_name, p.shape, want),
                         [file for file, _ in p.sources], partial(planned_values, p, cfg=cfg))
-                       for p in hybrid_plan(hf_dir, cfg)), key=_gguf_order)
+                       for p in planned), key=_gguf_order)
     elif cfg.family in FAMILY_TO_ARCH:
         arch = FAMILY_TO_ARCH[cfg.family]
         plan = [(gguf_name, shape, ggml_type, [file], partial(_dense_values, file, hf_name, gguf_name, arch, cfg))
@@ -91,7 +97,7 @@ def convert_hf_to_gguf(hf_dir: str | Path, out_path: str | Path, qtype: str = "f
     with gguf_written(out_path, arch) as writer:
         _write_metadata(writer, cfg, arch, hf_dir, want)
         _write_tokenizer(writer, hf_dir, cfg)
-        extra = _rope_freqs(cfg)
+        extra = gemma4_rope_freqs(cfg) if is_gemma4(cfg) else _rope_freqs(cfg)
         for gguf_name, shape, ggml_type, _, _ in plan:
             writer.add_tensor_info(gguf_name, shape, np.dtype(np.float32), tensor_nbytes(shape, ggml_type), ggml_type)
         if extra is not None:
@@ -253,6 +259,8 @@ def _write_metadata(w: GGUFWriter, cfg: ModelConfig, arch: str, hf_dir: Path, wa
                 w.add_int32(f"general.sampling.{key}", int(value))
             else:
                 w.add_float32(f"general.sampling.{key}", float(value))
+    if is_gemma4(cfg):  # last: it replaces keys written above where Gemma 4's differ
+        write_gemma4_keys(w, cfg)
 
 
 def _mrope_sections(hf_dir: Path) -> list[int] | None:

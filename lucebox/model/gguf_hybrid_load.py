@@ -90,7 +90,7 @@ def hybrid_tensors(reader, cfg: ModelConfig, arch: str, model: torch.nn.Module, 
         shape = logical_shape(t)
         rows = to_torch(raw_rows(t, shape))
         quantised = t.tensor_type not in FLOAT_TYPES
-        if ".mlp.experts." in ours:
+        if ".experts." in ours:  # qwen: mlp.experts.*; gemma4: experts.*
             parts = pending.setdefault(ours, {})
             parts[rule.part] = (t.name, t.tensor_type, rows.view(shape[0], -1, rows.shape[-1]))
             if len(parts) == rule.parts:
@@ -98,7 +98,7 @@ def hybrid_tensors(reader, cfg: ModelConfig, arch: str, model: torch.nn.Module, 
                 yield ours, _experts([parts[i] for i in range(rule.parts)], expected[ours], dtype)
         elif quantised and len(shape) == 2 and ours in linears:
             yield ours, _quant_linear(rule, rows, t, shape, cfg)
-        elif quantised and ours == "embed_tokens.weight":
+        elif quantised and ours in ("embed_tokens.weight", "embed_tokens_per_layer.weight"):
             yield ours, QuantEmbedding(QuantTensor(rows, t.tensor_type, shape, t.name), dtype)
         else:  # float tensors, and small quantised ones (norms, routers) widened to float
             values = dequant.dequantize(rows, t.tensor_type, dtype).reshape(gguf_shape(rule, expected[ours]))
