@@ -193,6 +193,9 @@ def write_gemma4_keys(w, cfg: Gemma4Config) -> None:
     if llama_rule != cfg.kv_sources:
         log.warning("gemma4: the KV-shared layers read layers %s; lucebox reads that back, but llama.cpp assumes the "
                     "last two layers that keep K/V are sliding then full and reads %s", cfg.kv_sources, llama_rule)
+    if cfg.hidden_size_per_layer_input and cfg.vocab_size_per_layer_input != cfg.vocab_size:
+        log.warning("gemma4: the per-layer embedding has %d rows, the vocabulary %d; lucebox reads that back, but "
+                    "llama.cpp expects one row per token", cfg.vocab_size_per_layer_input, cfg.vocab_size)
     types = cfg.layer_types
     full = cfg.layer_head_dims[types.index(FULL)] if FULL in types else cfg.head_dim
     swa = cfg.layer_head_dims[types.index(SLIDING)] if SLIDING in types else full

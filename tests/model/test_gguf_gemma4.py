@@ -27,6 +27,7 @@ S, F = "sliding_attention", "full_attention"
 DENSE = {"model_type": "gemma4_text", "num_hidden_layers": 8, "head_dim": 16, "global_head_dim": 32,
          "num_global_key_value_heads": 1, "attention_k_eq_v": True, "sliding_window": WINDOW,
          "layer_types": [S, S, F, S, F, S, S, F], "num_kv_shared_layers": 3, "hidden_size_per_layer_input": 8,
+         "vocab_size": 400, "vocab_size_per_layer_input": 400,  # llama.cpp reads one vocabulary for both tables
          "use_double_wide_mlp": True, "final_logit_softcapping": 30.0, "hidden_activation": "gelu_pytorch_tanh",
          "tie_word_embeddings": True, "rope_parameters": ROPE}
 # 26B-A4B-like: the MoE block beside every dense MLP, a separate v on full layers, no sharing, an LM head.
