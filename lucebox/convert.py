@@ -54,6 +54,8 @@ from .model.loader import read_generation_config
 from .model.rope import inverse_frequencies
 from .model.transformer import Transformer
 from .text.gguf_vocab import LLAMA3_REGEX, QWEN2_REGEX, QWEN35_REGEX
+from .text.gguf_gemma4_vocab import MODEL as GEMMA4_VOCAB
+from .text.gguf_gemma4_vocab import gemma4_vocabulary, is_gemma4_style
 from .util import on_meta
 from .weights.gguf import FLOAT_TYPES
 from .weights.safetensors import read_header, safetensors_files
@@ -284,7 +286,8 @@ def _rope_freqs(cfg: ModelConfig) -> np.ndarray | None:
 # ---------------------------------------------------------------------------------------- tokenizer
 
 def _write_tokenizer(w: GGUFWriter, hf_dir: Path, cfg: ModelConfig) -> None:
-    """Byte-level BPE tokenizer.json -> tokenizer.ggml.* ("gpt2" model), as llama.cpp writes it."""
+    """tokenizer.json -> tokenizer.ggml.*, as llama.cpp writes it: byte-level BPE ("gpt2" model), or
+    Gemma 4's SentencePiece-style BPE ("gemma4" model) for gemma4 models."""
     from .text.tokenizer import Tokenizer
 
     if not (hf_dir / "tokenizer.json").is_file():
@@ -292,6 +295,20 @@ def _write_tokenizer(w: GGUFWriter, hf_dir: Path, cfg: ModelConfig) -> None:
                                "(tokenizer.json) only, not SentencePiece tokenizer.model files")
     tok = Tokenizer.from_hf_dir(hf_dir)
     spec = json.loads(tok.backend.to_str())
+    if is_gemma4(cfg) and is_gemma4_style(spec):
+        tokens, types, merges = gemma4_vocabulary(tok, spec, cfg.vocab_size)
+        w.add_tokenizer_model(GEMMA4_VOCAB)
+        w.add_token_list(tokens)
+        w.add_token_scores([-1000.0] * len(tokens))  # what llama.cpp's converter writes: BPE has no scores
+        w.add_token_types(types)
+        w.add_token_merges(merges)
+        w.add_add_space_prefix(False)
+    else:
+        _write_byte_level_vocabulary(w, tok, spec, cfg, hf_dir)
+    _write_special_tokens(w, tok, cfg)
+
+
+def _write_byte_level_vocabulary(w: GGUFWriter, tok, spec: dict, cfg: ModelConfig, hf_dir: Path) -> None:
     if spec.get("model", {}).get("type") != "BPE" or "ByteLevel" not in json.dumps(spec.get("pre_tokenizer")):
         raise UnsupportedError(f"{hf_dir}/tokenizer.json: only byte-level BPE tokenizers (GPT-2 / Llama 3 / "
                                "Qwen style) can be written to GGUF by lucebox")
@@ -314,6 +331,9 @@ def _write_tokenizer(w: GGUFWriter, hf_dir: Path, cfg: ModelConfig) -> None:
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)
+
+
+def _write_special_tokens(w: GGUFWriter, tok, cfg: ModelConfig) -> None:
     if (bos := tok.bos_token_id) is not None:
         w.add_bos_token_id(bos)
     eos = tok.eos_token_id
