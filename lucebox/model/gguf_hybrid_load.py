@@ -24,7 +24,6 @@ from .gguf_tensors import ROW_TRANSFORMS, from_gguf, from_gguf_name, gguf_shape,
 log = logging.getLogger("lucebox")
 
 _BLOCK = re.compile(r"blk\.(\d+)\.")
-FUSED_GATE_UP = "ffn_gate_up_exps.weight"
 
 
 def check_hybrid_layers(cfg: ModelConfig, arch: str, shapes: dict[str, tuple[int, ...]], path: Path) -> None:
@@ -42,9 +41,9 @@ def check_hybrid_tensors(cfg: ModelConfig, arch: str, expected: dict[str, tuple[
     is read; errors name the GGUF tensor and the metadata keys that size it."""
     for ours, our_shape in expected.items():
         entries = to_gguf_names(arch, ours)
-        fused = entries[0][0].replace("ffn_gate_exps.weight", FUSED_GATE_UP) if entries else None
-        if fused and fused != entries[0][0] and fused in shapes:  # newer files: gate and up as one tensor
-            entries = [(fused, from_gguf_name(arch, fused)[1])]
+        other = to_gguf_names(arch, ours, written=False)  # e.g. gate and up experts fused / split
+        if other and any(name not in shapes for name, _ in entries) and all(name in shapes for name, _ in other):
+            entries = other
         for name, rule in entries:
             if name not in shapes:
                 raise CheckpointError(f"{path}: missing tensor {name} (the model's {ours})")

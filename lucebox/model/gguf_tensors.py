@@ -77,6 +77,8 @@ _GEMMA4 = {
     "ffn_gate_inp.weight": Rule("router.proj.weight"), "ffn_gate_inp.scale": Rule("router.scale"),
     "ffn_down_exps.scale": Rule("router.per_expert_scale"),
     "ffn_gate_up_exps.weight": Rule("experts.gate_up_proj"), "ffn_down_exps.weight": Rule("experts.down_proj"),
+    "ffn_gate_exps.weight": Rule("experts.gate_up_proj", part=0, parts=2, written=False),  # llama.cpp reads
+    "ffn_up_exps.weight": Rule("experts.gate_up_proj", part=1, parts=2, written=False),  # these too
     "pre_ffw_norm_2.weight": Rule("pre_feedforward_layernorm_2.weight"),
     "post_ffw_norm_1.weight": Rule("post_feedforward_layernorm_1.weight"),
     "post_ffw_norm_2.weight": Rule("post_feedforward_layernorm_2.weight"),
@@ -112,16 +114,17 @@ def from_gguf_name(arch: str, gguf_name: str) -> tuple[str, Rule] | None:
     return (f"layers.{m[1]}.{rule.ours}", rule) if rule else None
 
 
-def to_gguf_names(arch: str, our_name: str) -> list[tuple[str, Rule]]:
-    """The GGUF tensors (name, rule) the converter writes for one of our parameters ([] for none)."""
+def to_gguf_names(arch: str, our_name: str, written: bool = True) -> list[tuple[str, Rule]]:
+    """The GGUF tensors (name, rule) the converter writes for one of our parameters ([] for none);
+    written=False: the forms only read instead (e.g. experts' gate and up fused or split)."""
     for theirs, rule in GLOBAL_RULES.items():
         if rule.ours == our_name:
-            return [(theirs, rule)]
+            return [(theirs, rule)] if written else []
     m = _LAYER.fullmatch(our_name)
     if m is None:
         return []
     return [(f"blk.{m[1]}.{theirs}", rule) for theirs, rule in LAYER_RULES[arch].items()
-            if rule.ours == m[2] and rule.written]
+            if rule.ours == m[2] and rule.written == written]
 
 
 def gguf_shape(rule: Rule, our_shape: tuple[int, ...]) -> tuple[int, ...]:

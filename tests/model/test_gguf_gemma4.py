@@ -150,6 +150,26 @@ def rounded_like_the_file(reference):
     return model
 
 
+def test_experts_with_gate_and_up_split_load_too(ggufs, models, tmp_path):
+    """llama.cpp also reads ffn_gate_exps + ffn_up_exps (each [E, I, H]) where the converter writes them fused."""
+    reader = GGUFReader(ggufs["moe", "q8_0"])
+    writer = GGUFWriter(tmp_path / "split.gguf", "gemma4")
+    copy_fields(reader, writer, skip=("general.architecture",))
+    for t in reader.tensors:
+        data = np.array(t.data)
+        if t.name.endswith("ffn_gate_up_exps.weight"):  # raw Q8_0 rows [E, 2I, row bytes]: gate rows, then up rows
+            gate, up = np.split(data, 2, axis=1)
+            writer.add_tensor(t.name.replace("gate_up", "gate"), np.ascontiguousarray(gate), raw_dtype=t.tensor_type)
+            writer.add_tensor(t.name.replace("gate_up", "up"), np.ascontiguousarray(up), raw_dtype=t.tensor_type)
+        else:
+            writer.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+    finish(writer)
+    split, fused = load_model(str(tmp_path / "split.gguf"), dtype="float32"), load_model(str(ggufs["moe", "q8_0"]))
+    assert isinstance(split.model.layers[0].experts.gate_up_proj, QuantTensor)
+    prompt = prompt_for(split.config.vocab_size, seed=3)
+    assert torch.equal(lucebox_logits(split, prompt), lucebox_logits(fused, prompt))
+
+
 # ------------------------------------------------------------------------------------------ bad files
 def test_a_missing_tensor_is_named(ggufs, tmp_path):
     path = rewritten(ggufs["dense", "f32"], tmp_path / "bad.gguf", drop=("blk.3.attn_k_norm.weight",))
