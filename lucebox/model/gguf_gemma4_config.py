@@ -53,6 +53,9 @@ def gemma4_model_config(meta: Metadata, shapes: dict[str, tuple[int, ...]],
                                    f"({want}); partial RoPE on Gemma 4 travels as rope_freqs, nothing else is supported")
     dims = [swa_dim if kind == SLIDING else full_dim for kind in types]
     kv_heads = _per_layer(meta, key("attention.head_count_kv"), layers, heads, "num_kv_heads")
+    if any(heads % kv for kv in kv_heads):
+        raise CheckpointError(f"{meta.path}: {key('attention.head_count')} ({heads}) must be a multiple of every "
+                              f"layer's {key('attention.head_count_kv')}, got {kv_heads}")
     shared = meta.integer(key("attention.shared_kv_layers"), 0, limit="count")
     try:
         sources = kv_sources(types, shared)

@@ -62,6 +62,9 @@ def _sized_by(name: str, cfg: ModelConfig, arch: str) -> str:
     if "_shexp." in name:
         return (f"{keys['shared_expert_intermediate_size']} ({cfg.shared_expert_intermediate_size}) and "
                 f"{keys['hidden_size']} ({cfg.hidden_size})")
+    if "per_layer" in name or name.endswith((".inp_gate.weight", ".proj.weight", ".post_norm.weight")):  # gemma4
+        return (f"{arch}.embedding_length_per_layer_input ({getattr(cfg, 'hidden_size_per_layer_input', 0)}) and "
+                f"{arch}.block_count ({cfg.num_layers})")
     if ".ssm_" in name or ".attn_qkv." in name or ".attn_gate." in name:
         return f"{arch}.ssm.* (conv_kernel, state_size, group_count, time_step_rank, inner_size)"
     return f"{arch}.* (embedding_length, attention.*, feed_forward_length)"
