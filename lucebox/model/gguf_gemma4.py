@@ -7,6 +7,7 @@ KV-shared layers have no k/v tensors in the file; with attention_k_eq_v the full
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -18,13 +19,15 @@ from ..weights.gguf import logical_shape, raw_rows, to_torch
 from ..weights.safetensors import read_header, safetensors_files
 from .assign import assign
 from .gemma4 import Gemma4Model
-from .gemma4_checkpoint import text_name
+from .gemma4_checkpoint import SKIPPED_PREFIXES, text_name
 from .gemma4_config import Gemma4Config
 from .gguf_config import ROPE_FREQS, Metadata
 from .gguf_gemma4_config import ARCH, gemma4_model_config
 from .gguf_hybrid_load import check_hybrid_layers, check_hybrid_tensors, hybrid_tensors
 from .gguf_hybrid_write import PlannedTensor
 from .gguf_tensors import Rule, gguf_shape, to_gguf_names
+
+log = logging.getLogger("lucebox")
 
 
 def load_gemma4_gguf(reader, meta: Metadata, path: Path, dtype: torch.dtype,
@@ -60,12 +63,15 @@ def llama_cpp_gemma4_tensors(cfg: Gemma4Config) -> list[tuple[str, tuple[int, ..
 def gemma4_plan(hf_dir: Path, cfg: Gemma4Config) -> list[PlannedTensor]:
     """Every GGUF tensor of the Gemma 4 checkpoint in `hf_dir` with its HF source, checked against the
     config before anything is written (vision/audio towers and KV-shared layers' k/v are left out)."""
-    whole = {}
+    whole, towers = {}, 0
     for file in safetensors_files(hf_dir):
         for hf_name, entry in read_header(file).items():
             ours = text_name(hf_name, cfg)
+            towers += hf_name.startswith(SKIPPED_PREFIXES)
             if ours is not None:
                 whole[ours] = (file, hf_name, tuple(entry.shape))
+    if towers:
+        log.info("%s: left out %d vision/audio tower tensors (llama.cpp keeps them in an mmproj file)", hf_dir, towers)
     plan = []
     for gguf_name, shape, ours, rule, our_shape in llama_cpp_gemma4_tensors(cfg):
         if ours not in whole:

@@ -150,6 +150,29 @@ def rounded_like_the_file(reference):
     return model
 
 
+def test_a_conditional_generation_checkpoint_converts_to_the_same_text_model(models, ggufs, tmp_path, tokenizer_dir):
+    """The published form (Gemma4ForConditionalGeneration, text model under model.language_model., a vision
+    tower) gives the text model's file: the tower is left out, as llama.cpp's converter leaves it to mmproj."""
+    import shutil
+
+    from transformers import AutoConfig, Gemma4ForConditionalGeneration
+    path, reference = models["dense"]
+    text = {k: v for k, v in AutoConfig.from_pretrained(path).to_dict().items()
+            if k not in ("architectures", "transformers_version", "dtype")}
+    vision = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "num_key_value_heads": 2, "head_dim": 8, "patch_size": 4, "position_embedding_size": 16}
+    model = Gemma4ForConditionalGeneration(AutoConfig.for_model("gemma4", text_config=text, vision_config=vision,
+                                                                audio_config=None))
+    assert not model.model.language_model.load_state_dict(reference.model.state_dict()).missing_keys
+    model.save_pretrained(tmp_path / "hf")
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / file, tmp_path / "hf" / file)
+    written = convert_hf_to_gguf(tmp_path / "hf", tmp_path / "cg.gguf", "f32")
+    want = {t.name: np.array(t.data) for t in GGUFReader(ggufs["dense", "f32"]).tensors}
+    got = {t.name: np.array(t.data) for t in GGUFReader(written).tensors}
+    assert got.keys() == want.keys() and all(np.array_equal(got[name], want[name]) for name in want)
+
+
 def test_experts_with_gate_and_up_split_load_too(ggufs, models, tmp_path):
     """llama.cpp also reads ffn_gate_exps + ffn_up_exps (each [E, I, H]) where the converter writes them fused."""
     reader = GGUFReader(ggufs["moe", "q8_0"])
