@@ -239,3 +239,21 @@ def test_too_many_shared_kv_layers_are_named(ggufs, tmp_path):
     path = rewritten(ggufs["dense", "f32"], tmp_path / "bad.gguf", keys={"gemma4.attention.shared_kv_layers": 7})
     with pytest.raises(CheckpointError, match=r"gemma4\.attention\.shared_kv_layers \(7\)"):
         load_model(path)
+
+
+@pytest.mark.parametrize("quant", ["q4_k_m", "iq4_xs"])
+def test_k_quant_files_compute_their_gguf_dequantised_values(quant, tmp_path):
+    """A gemma4 file in llama.cpp's Q4_K_M / IQ4_XS mixes (random blocks: bench/llama_cpp.py's peer file, Q6_K
+    heads and ffn_down, the tied embedding and the fused experts quantised) computes what the same file
+    dequantised by the gguf package computes, the experts kept as one QuantTensor each."""
+    from lucebox.bench import llama_cpp, shapes
+    path = tmp_path / f"{quant}.gguf"
+    llama_cpp.write_gguf(shapes.shape_config("tiny-gemma4-moe"), quant, path)
+    loaded = load_model(str(path), dtype="float32")
+    experts = loaded.model.layers[0].experts
+    assert isinstance(experts.gate_up_proj, QuantTensor) and isinstance(experts.down_proj, QuantTensor)
+    assert experts.down_proj.qtype == (Q.Q6_K if quant == "q4_k_m" else Q.IQ4_XS)
+    float_copy = load_model(str(dequantised_copy(path, tmp_path / "f32.gguf")), dtype="float32")
+    prompt = prompt_for(loaded.config.vocab_size, seed=7)
+    want = lucebox_logits(float_copy, prompt)
+    assert (lucebox_logits(loaded, prompt) - want).abs().max().item() <= 1e-4 and want.std() > 0.1
