@@ -32,7 +32,9 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from .errors import CheckpointError, LuceboxError, RequestError, UnsupportedError
+from .model import gguf_gemma4, gguf_gemma4_config
 from .model.config import ModelConfig
+from .model.gemma4_config import is_gemma4
 from .model.gguf_config import (
     FAMILY_TO_ARCH,
     FAMILY_TO_HYBRID_ARCH,
@@ -42,20 +44,14 @@ from .model.gguf_config import (
     rows_permuted,
     to_gguf_name,
 )
-from .model.gemma4_config import is_gemma4
-from .model.gguf_gemma4 import gemma4_plan
-from .model.gguf_gemma4_config import ARCH as GEMMA4_ARCH
-from .model.gguf_gemma4_config import rope_freqs as gemma4_rope_freqs
-from .model.gguf_gemma4_config import write_gemma4_keys
 from .model.gguf_hybrid_config import write_hybrid_keys
 from .model.gguf_hybrid_write import hybrid_plan, planned_values
 from .model.gated_attention import rotary_dim
 from .model.loader import read_generation_config
 from .model.rope import inverse_frequencies
 from .model.transformer import Transformer
+from .text import gguf_gemma4_vocab
 from .text.gguf_vocab import LLAMA3_REGEX, QWEN2_REGEX, QWEN35_REGEX
-from .text.gguf_gemma4_vocab import MODEL as GEMMA4_VOCAB
-from .text.gguf_gemma4_vocab import gemma4_vocabulary, is_gemma4_style
 from .util import on_meta
 from .weights.gguf import FLOAT_TYPES
 from .weights.safetensors import read_header, safetensors_files
@@ -84,8 +80,8 @@ def convert_hf_to_gguf(hf_dir: str | Path, out_path: str | Path, qtype: str = "f
     want = QTYPES[qtype]
     cfg = ModelConfig.from_hf_dir(hf_dir)
     if cfg.family in FAMILY_TO_HYBRID_ARCH or is_gemma4(cfg):
-        arch = GEMMA4_ARCH if is_gemma4(cfg) else FAMILY_TO_HYBRID_ARCH[cfg.family]
-        planned = gemma4_plan(hf_dir, cfg) if is_gemma4(cfg) else hybrid_plan(hf_dir, cfg)
+        arch = gguf_gemma4_config.ARCH if is_gemma4(cfg) else FAMILY_TO_HYBRID_ARCH[cfg.family]
+        planned = gguf_gemma4.gemma4_plan(hf_dir, cfg) if is_gemma4(cfg) else hybrid_plan(hf_dir, cfg)
         plan = sorted(((p.gguf_name, p.shape, _hybrid_tensor_type(p.gguf_name, p.shape, want),
                         [file for file, _ in p.sources], partial(planned_values, p, cfg=cfg))
                        for p in planned), key=_gguf_order)
@@ -99,7 +95,7 @@ def convert_hf_to_gguf(hf_dir: str | Path, out_path: str | Path, qtype: str = "f
     with gguf_written(out_path, arch) as writer:
         _write_metadata(writer, cfg, arch, hf_dir, want)
         _write_tokenizer(writer, hf_dir, cfg)
-        extra = gemma4_rope_freqs(cfg) if is_gemma4(cfg) else _rope_freqs(cfg)
+        extra = gguf_gemma4_config.rope_freqs(cfg) if is_gemma4(cfg) else _rope_freqs(cfg)
         for gguf_name, shape, ggml_type, _, _ in plan:
             writer.add_tensor_info(gguf_name, shape, np.dtype(np.float32), tensor_nbytes(shape, ggml_type), ggml_type)
         if extra is not None:
@@ -262,7 +258,7 @@ def _write_metadata(w: GGUFWriter, cfg: ModelConfig, arch: str, hf_dir: Path, wa
             else:
                 w.add_float32(f"general.sampling.{key}", float(value))
     if is_gemma4(cfg):  # last: it replaces keys written above where Gemma 4's differ
-        write_gemma4_keys(w, cfg)
+        gguf_gemma4_config.write_gemma4_keys(w, cfg)
 
 
 def _mrope_sections(hf_dir: Path) -> list[int] | None:
@@ -295,9 +291,9 @@ def _write_tokenizer(w: GGUFWriter, hf_dir: Path, cfg: ModelConfig) -> None:
                                "(tokenizer.json) only, not SentencePiece tokenizer.model files")
     tok = Tokenizer.from_hf_dir(hf_dir)
     spec = json.loads(tok.backend.to_str())
-    if is_gemma4(cfg) and is_gemma4_style(spec):
-        tokens, types, merges = gemma4_vocabulary(tok, spec, cfg.vocab_size)
-        w.add_tokenizer_model(GEMMA4_VOCAB)
+    if is_gemma4(cfg) and gguf_gemma4_vocab.is_gemma4_style(spec):
+        tokens, types, merges = gguf_gemma4_vocab.gemma4_vocabulary(tok, spec, cfg.vocab_size)
+        w.add_tokenizer_model(gguf_gemma4_vocab.MODEL)
         w.add_token_list(tokens)
         w.add_token_scores([-1000.0] * len(tokens))  # what llama.cpp's converter writes: BPE has no scores
         w.add_token_types(types)

@@ -54,7 +54,8 @@ def tensors(seed: int = 0) -> dict[str, np.ndarray]:
 
     out = {"token_embd.weight": w(VOCAB, HIDDEN), "output_norm.weight": w(HIDDEN, base=1.0),
            "per_layer_token_embd.weight": w(VOCAB, 3 * PER_LAYER),
-           "per_layer_model_proj.weight": w(3 * PER_LAYER, HIDDEN), "per_layer_proj_norm.weight": w(PER_LAYER, base=1.0),
+           "per_layer_model_proj.weight": w(3 * PER_LAYER, HIDDEN),
+           "per_layer_proj_norm.weight": w(PER_LAYER, base=1.0),
            "rope_freqs.weight": np.array([1.0, 1.0] + [1e30] * 6, np.float32)}  # a quarter of the 8 pairs turn
     for layer, sliding in enumerate(TYPES):
         dim, kv = (SWA_DIM, 2) if sliding else (FULL_DIM, 1)
@@ -127,8 +128,9 @@ def gemma4_cases() -> list[Case]:
         m("gemma4_partial_rope", "rope.dimension_count", 8, r"gemma4\.rope\.dimension_count is not the head size"),
         m("gemma4_kv_heads_short", "attention.head_count_kv", [2, 1], r"head_count_kv has 2 entries for 3 layers",
           ARR, i32),
-        m("gemma4_kv_heads_3", "attention.head_count_kv", [3, 1, 1], r"gemma4\.attention\.head_count \(2\) must be a multiple of every layer's "
-          r"gemma4\.attention\.head_count_kv, got \[3, 1, 1\]",
+        m("gemma4_kv_heads_3", "attention.head_count_kv", [3, 1, 1],
+          r"gemma4\.attention\.head_count \(2\) must be a multiple of every layer's gemma4\.attention\.head_count_kv, "
+          r"got \[3, 1, 1\]",
           ARR, i32),
         m("gemma4_pattern_missing", "attention.sliding_window_pattern", None,
           r"required metadata key gemma4\.attention\.sliding_window_pattern is missing"),

@@ -34,14 +34,11 @@ from gguf import GGML_QUANT_SIZES, GGUFWriter, LlamaFileType
 from gguf import GGMLQuantizationType as Q
 
 from ..convert import write_shape_metadata
+from ..model import gguf_gemma4, gguf_gemma4_config
 from ..model.assign import model_class
 from ..model.config import ModelConfig
 from ..model.gemma4_config import is_gemma4
 from ..model.gguf_config import FAMILY_TO_HYBRID_ARCH, GLOBAL_TENSORS, LAYER_TENSORS, ROPE_FREQS
-from ..model.gguf_gemma4 import llama_cpp_gemma4_tensors
-from ..model.gguf_gemma4_config import ARCH as GEMMA4_ARCH
-from ..model.gguf_gemma4_config import rope_freqs as gemma4_rope_freqs
-from ..model.gguf_gemma4_config import write_gemma4_keys
 from ..model.gguf_hybrid_config import write_hybrid_keys
 from ..model.gguf_hybrid_write import llama_cpp_tensors
 from ..util import on_meta
@@ -66,7 +63,7 @@ def arch_of(cfg: ModelConfig) -> str:
     if cfg.family in FAMILY_TO_HYBRID_ARCH:
         return FAMILY_TO_HYBRID_ARCH[cfg.family]
     if is_gemma4(cfg):
-        return GEMMA4_ARCH
+        return gguf_gemma4_config.ARCH
     if cfg.family == "qwen3":
         return "qwen3"
     raise ValueError(f"llama.cpp peer: no GGUF architecture for model family {cfg.family!r} "
@@ -76,10 +73,11 @@ def arch_of(cfg: ModelConfig) -> str:
 def _layout(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], str, tuple[int, ...]]]:
     """(GGUF name, its shape, our parameter name, our shape) of every tensor of the file."""
     if cfg.family in FAMILY_TO_HYBRID_ARCH or is_gemma4(cfg):
-        listed = llama_cpp_gemma4_tensors(cfg) if is_gemma4(cfg) else llama_cpp_tensors(cfg)
+        listed = gguf_gemma4.llama_cpp_gemma4_tensors(cfg) if is_gemma4(cfg) else llama_cpp_tensors(cfg)
         layout = [(name, shape, ours, our_shape) for name, shape, ours, _, our_shape in listed]
         if is_gemma4(cfg):  # the full layers' proportional RoPE (written with its values, not drawn)
-            layout.append((ROPE_FREQS, gemma4_rope_freqs(cfg).shape, ROPE_FREQS, gemma4_rope_freqs(cfg).shape))
+            freqs = gguf_gemma4_config.rope_freqs(cfg).shape
+            layout.append((ROPE_FREQS, freqs, ROPE_FREQS, freqs))
         return layout
     with on_meta():
         model = model_class(cfg)(cfg)
@@ -116,8 +114,8 @@ def tensor_bytes(shape: tuple[int, ...], qtype: Q) -> int:
 def _metadata(w: GGUFWriter, cfg: ModelConfig, quant: str, arch: str) -> None:
     want = FLOAT_TYPES.get(quant) or shapes.QUANT_MIXES[quant][0]
     write_shape_metadata(w, cfg, f"random {cfg.family} for lucebox bench speed", want, FILE_TYPES[quant])
-    if arch == GEMMA4_ARCH:
-        write_gemma4_keys(w, cfg)
+    if arch == gguf_gemma4_config.ARCH:
+        gguf_gemma4_config.write_gemma4_keys(w, cfg)
     elif arch != "qwen3":
         write_hybrid_keys(w, cfg, arch, None)
 
@@ -182,7 +180,7 @@ def write_gguf(cfg: ModelConfig, quant: str, path: str | Path, seed: int = 0) ->
     for index, (name, _, shape, qtype) in enumerate(plan):
         nbytes = tensor_bytes(shape, qtype)
         if name == ROPE_FREQS:
-            out.write(gemma4_rope_freqs(cfg).tobytes())
+            out.write(gguf_gemma4_config.rope_freqs(cfg).tobytes())
         elif qtype == Q.F32 and not shapes.is_quantised(name, shape):
             out.write(_small_tensor(name, shape, rng).tobytes())
         else:

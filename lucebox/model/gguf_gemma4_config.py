@@ -50,7 +50,7 @@ def gemma4_model_config(meta: Metadata, shapes: dict[str, tuple[int, ...]],
                                    f"{key(f'attention.key_length{suffix}')} (Gemma 4 needs them equal)")
         if meta.integer(key(f"rope.dimension_count{suffix}"), want, limit="head_dim") != want:
             raise UnsupportedError(f"{meta.path}: {key(f'rope.dimension_count{suffix}')} is not the head size "
-                                   f"({want}); partial RoPE on Gemma 4 travels as rope_freqs, nothing else is supported")
+                                   f"({want}); Gemma 4's partial RoPE travels as rope_freqs, no other form is read")
     dims = [swa_dim if kind == SLIDING else full_dim for kind in types]
     kv_heads = _per_layer(meta, key("attention.head_count_kv"), layers, heads, "num_kv_heads")
     if any(heads % kv for kv in kv_heads):

@@ -40,7 +40,8 @@ def test_random_gemma4_gguf_has_llama_cpp_s_names_shapes_and_metadata(tmp_path, 
     if cfg.num_experts:
         want.update({a + "expert_count": 8, a + "expert_used_count": 2, a + "expert_feed_forward_length": 256})
         assert tensors["blk.0.ffn_gate_up_exps.weight"] == ([h, 512, 8], Q.Q4_K)
-        assert tensors["blk.0.ffn_gate_inp.scale"] == ([h], Q.F32) and tensors["blk.0.ffn_down_exps.scale"] == ([8], Q.F32)
+        assert tensors["blk.0.ffn_gate_inp.scale"] == ([h], Q.F32)
+        assert tensors["blk.0.ffn_down_exps.scale"] == ([8], Q.F32)
     for key, value in want.items():
         assert _field(reader, key) == pytest.approx(value), key
 
