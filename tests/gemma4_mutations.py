@@ -128,6 +128,8 @@ def gemma4_cases() -> list[Case]:
         m("gemma4_partial_rope", "rope.dimension_count", 8, r"gemma4\.rope\.dimension_count is not the head size"),
         m("gemma4_kv_heads_short", "attention.head_count_kv", [2, 1], r"head_count_kv has 2 entries for 3 layers",
           ARR, i32),
+        m("gemma4_kv_heads_huge", "attention.head_count_kv", [2, 1, 10 ** 9],
+          r"every entry of metadata key gemma4\.attention\.head_count_kv must be an integer from", ARR, i32),
         m("gemma4_kv_heads_3", "attention.head_count_kv", [3, 1, 1],
           r"gemma4\.attention\.head_count \(2\) must be a multiple of every layer's gemma4\.attention\.head_count_kv, "
           r"got \[3, 1, 1\]",

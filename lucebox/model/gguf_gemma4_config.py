@@ -22,7 +22,7 @@ import logging
 import numpy as np
 
 from ..errors import CheckpointError, UnsupportedError
-from .config import RopeConfig
+from .config import RopeConfig, check_int
 from .gemma4_config import FULL, SLIDING, Gemma4Config, RotaryConfig, kv_sources
 from .gguf_config import Metadata, rope_config
 
@@ -112,12 +112,10 @@ def _per_layer(meta: Metadata, name: str, layers: int, default: int | None, limi
     values = value if isinstance(value, list) else [value] * layers
     if len(values) != layers:
         raise CheckpointError(f"{meta.path}: {name} has {len(values)} entries for {layers} layers")
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise CheckpointError(f"{meta.path}: {name} should hold positive integers, got {value!r:.80}")
-    if not isinstance(value, list):
-        meta.integer(name, limit=limit)  # the range check, naming the key
-    return values
+    try:
+        return [check_int(v, limit, f"every entry of metadata key {name}") for v in values]
+    except CheckpointError as e:
+        raise CheckpointError(f"{meta.path}: {e}") from None
 
 
 def _double_wide(meta: Metadata, widths: list[int], sources: list[int]) -> list[bool]:
