@@ -257,3 +257,17 @@ def test_k_quant_files_compute_their_gguf_dequantised_values(quant, tmp_path):
     prompt = prompt_for(loaded.config.vocab_size, seed=7)
     want = lucebox_logits(float_copy, prompt)
     assert (lucebox_logits(loaded, prompt) - want).abs().max().item() <= 1e-4 and want.std() > 0.1
+
+
+def test_the_engine_generates_from_the_gguf_what_it_generates_from_the_checkpoint(models, ggufs):
+    """Through the engine (chunked prefill past the window, KV-shared layers reading their source's cache,
+    per-group block tables, a batch of two): the same greedy tokens from the F32 file as from the HF model."""
+    from lucebox import LLM, SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    outputs = []
+    for path in (models["dense"][0], ggufs["dense", "f32"]):
+        llm = LLM(str(path), block_size=4, max_num_batched_tokens=8, max_num_seqs=2)
+        prompts = [prompt_for(llm.engine.loaded.config.vocab_size, n, seed=n) for n in (13, 6)]
+        outputs.append([list(o.outputs[0].token_ids) for o in
+                        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)])
+    assert outputs[0] == outputs[1]
