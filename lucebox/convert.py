@@ -32,7 +32,9 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from .errors import CheckpointError, LuceboxError, RequestError, UnsupportedError
+from .model import gguf_gemma4, gguf_gemma4_config
 from .model.config import ModelConfig
+from .model.gemma4_config import is_gemma4
 from .model.gguf_config import (
     FAMILY_TO_ARCH,
     FAMILY_TO_HYBRID_ARCH,
@@ -49,6 +51,7 @@ from .model.gated_attention import rotary_dim
 from .model.loader import read_generation_config
 from .model.rope import inverse_frequencies
 from .model.transformer import Transformer
+from .text import gguf_gemma4_vocab
 from .text.gguf_vocab import LLAMA3_REGEX, NEWLINE_RUNS_REGEX, QWEN2_REGEX, QWEN35_REGEX
 from .util import on_meta
 from .weights.gguf import FLOAT_TYPES
@@ -77,11 +80,12 @@ def convert_hf_to_gguf(hf_dir: str | Path, out_path: str | Path, qtype: str = "f
         raise RequestError(f"{out_path}: the directory {out_path.parent} does not exist")
     want = QTYPES[qtype]
     cfg = ModelConfig.from_hf_dir(hf_dir)
-    if cfg.family in FAMILY_TO_HYBRID_ARCH:
-        arch = FAMILY_TO_HYBRID_ARCH[cfg.family]
+    if cfg.family in FAMILY_TO_HYBRID_ARCH or is_gemma4(cfg):
+        arch = gguf_gemma4_config.ARCH if is_gemma4(cfg) else FAMILY_TO_HYBRID_ARCH[cfg.family]
+        planned = gguf_gemma4.gemma4_plan(hf_dir, cfg) if is_gemma4(cfg) else hybrid_plan(hf_dir, cfg)
         plan = sorted(((p.gguf_name, p.shape, _hybrid_tensor_type(p.gguf_name, p.shape, want),
                         [file for file, _ in p.sources], partial(planned_values, p, cfg=cfg))
-                       for p in hybrid_plan(hf_dir, cfg)), key=_gguf_order)
+                       for p in planned), key=_gguf_order)
     elif cfg.family in FAMILY_TO_ARCH:
         arch = FAMILY_TO_ARCH[cfg.family]
         plan = [(gguf_name, shape, ggml_type, [file], partial(_dense_values, file, hf_name, gguf_name, arch, cfg))
@@ -92,7 +96,7 @@ def convert_hf_to_gguf(hf_dir: str | Path, out_path: str | Path, qtype: str = "f
     with gguf_written(out_path, arch) as writer:
         _write_metadata(writer, cfg, arch, hf_dir, want)
         _write_tokenizer(writer, hf_dir, cfg)
-        extra = _rope_freqs(cfg)
+        extra = gguf_gemma4_config.rope_freqs(cfg) if is_gemma4(cfg) else _rope_freqs(cfg)
         for gguf_name, shape, ggml_type, _, _ in plan:
             writer.add_tensor_info(gguf_name, shape, np.dtype(np.float32), tensor_nbytes(shape, ggml_type), ggml_type)
         if extra is not None:
@@ -255,6 +259,8 @@ def _write_metadata(w: GGUFWriter, cfg: ModelConfig, arch: str, hf_dir: Path, wa
                 w.add_int32(f"general.sampling.{key}", int(value))
             else:
                 w.add_float32(f"general.sampling.{key}", float(value))
+    if is_gemma4(cfg):  # last: it replaces keys written above where Gemma 4's differ
+        gguf_gemma4_config.write_gemma4_keys(w, cfg)
 
 
 def _mrope_sections(hf_dir: Path) -> list[int] | None:
@@ -278,7 +284,8 @@ def _rope_freqs(cfg: ModelConfig) -> np.ndarray | None:
 # ---------------------------------------------------------------------------------------- tokenizer
 
 def _write_tokenizer(w: GGUFWriter, hf_dir: Path, cfg: ModelConfig) -> None:
-    """Byte-level BPE tokenizer.json -> tokenizer.ggml.* ("gpt2" model), as llama.cpp writes it."""
+    """tokenizer.json -> tokenizer.ggml.*, as llama.cpp writes it: byte-level BPE ("gpt2" model), or
+    Gemma 4's SentencePiece-style BPE ("gemma4" model) for gemma4 models."""
     from .text.tokenizer import Tokenizer
 
     if not (hf_dir / "tokenizer.json").is_file():
@@ -286,6 +293,20 @@ def _write_tokenizer(w: GGUFWriter, hf_dir: Path, cfg: ModelConfig) -> None:
                                "(tokenizer.json) only, not SentencePiece tokenizer.model files")
     tok = Tokenizer.from_hf_dir(hf_dir)
     spec = json.loads(tok.backend.to_str())
+    if is_gemma4(cfg) and gguf_gemma4_vocab.is_gemma4_style(spec):
+        tokens, types, merges = gguf_gemma4_vocab.gemma4_vocabulary(tok, spec, cfg.vocab_size)
+        w.add_tokenizer_model(gguf_gemma4_vocab.MODEL)
+        w.add_token_list(tokens)
+        w.add_token_scores([-1000.0] * len(tokens))  # what llama.cpp's converter writes: BPE has no scores
+        w.add_token_types(types)
+        w.add_token_merges(merges)
+        w.add_add_space_prefix(False)
+    else:
+        _write_byte_level_vocabulary(w, tok, spec, cfg, hf_dir)
+    _write_special_tokens(w, tok, cfg)
+
+
+def _write_byte_level_vocabulary(w: GGUFWriter, tok, spec: dict, cfg: ModelConfig, hf_dir: Path) -> None:
     if spec.get("model", {}).get("type") != "BPE" or "ByteLevel" not in json.dumps(spec.get("pre_tokenizer")):
         raise UnsupportedError(f"{hf_dir}/tokenizer.json: only byte-level BPE tokenizers (GPT-2 / Llama 3 / "
                                "Qwen style) can be written to GGUF by lucebox")
@@ -310,6 +331,9 @@ def _write_tokenizer(w: GGUFWriter, hf_dir: Path, cfg: ModelConfig) -> None:
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)
+
+
+def _write_special_tokens(w: GGUFWriter, tok, cfg: ModelConfig) -> None:
     if (bos := tok.bos_token_id) is not None:
         w.add_bos_token_id(bos)
     eos = tok.eos_token_id

@@ -19,6 +19,7 @@ int main(int argc, char ** argv) {
     int n = argc - 2;
     llama_context_params cp = llama_context_default_params();
     cp.n_ctx = 256; cp.n_batch = 256; cp.n_ubatch = 256; cp.n_threads = 1; cp.n_threads_batch = 1; cp.type_k = GGML_TYPE_F32; cp.type_v = GGML_TYPE_F32;
+    if (getenv("NOFA")) cp.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;  // CPU flash attention rounds (~0.002)
     llama_context * ctx = llama_init_from_model(model, cp);
     if (!ctx) { fprintf(stderr, "ctx failed\n"); return 3; }
     int V = llama_vocab_n_tokens(llama_model_get_vocab(model));

@@ -34,9 +34,11 @@ from gguf import GGML_QUANT_SIZES, GGUFWriter, LlamaFileType
 from gguf import GGMLQuantizationType as Q
 
 from ..convert import write_shape_metadata
+from ..model import gguf_gemma4, gguf_gemma4_config
 from ..model.assign import model_class
 from ..model.config import ModelConfig
-from ..model.gguf_config import FAMILY_TO_HYBRID_ARCH, GLOBAL_TENSORS, LAYER_TENSORS
+from ..model.gemma4_config import is_gemma4
+from ..model.gguf_config import FAMILY_TO_HYBRID_ARCH, GLOBAL_TENSORS, LAYER_TENSORS, ROPE_FREQS
 from ..model.gguf_hybrid_config import write_hybrid_keys
 from ..model.gguf_hybrid_write import llama_cpp_tensors
 from ..util import on_meta
@@ -60,16 +62,23 @@ _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 def arch_of(cfg: ModelConfig) -> str:
     if cfg.family in FAMILY_TO_HYBRID_ARCH:
         return FAMILY_TO_HYBRID_ARCH[cfg.family]
+    if is_gemma4(cfg):
+        return gguf_gemma4_config.ARCH
     if cfg.family == "qwen3":
         return "qwen3"
     raise ValueError(f"llama.cpp peer: no GGUF architecture for model family {cfg.family!r} "
-                     f"(known: qwen3, {', '.join(FAMILY_TO_HYBRID_ARCH)})")
+                     f"(known: qwen3, {', '.join(FAMILY_TO_HYBRID_ARCH)}, gemma4)")
 
 
 def _layout(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], str, tuple[int, ...]]]:
     """(GGUF name, its shape, our parameter name, our shape) of every tensor of the file."""
-    if cfg.family in FAMILY_TO_HYBRID_ARCH:
-        return [(name, shape, ours, our_shape) for name, shape, ours, _, our_shape in llama_cpp_tensors(cfg)]
+    if cfg.family in FAMILY_TO_HYBRID_ARCH or is_gemma4(cfg):
+        listed = gguf_gemma4.llama_cpp_gemma4_tensors(cfg) if is_gemma4(cfg) else llama_cpp_tensors(cfg)
+        layout = [(name, shape, ours, our_shape) for name, shape, ours, _, our_shape in listed]
+        if is_gemma4(cfg):  # the full layers' proportional RoPE (written with its values, not drawn)
+            freqs = gguf_gemma4_config.rope_freqs(cfg).shape
+            layout.append((ROPE_FREQS, freqs, ROPE_FREQS, freqs))
+        return layout
     with on_meta():
         model = model_class(cfg)(cfg)
     layout = []
@@ -105,7 +114,9 @@ def tensor_bytes(shape: tuple[int, ...], qtype: Q) -> int:
 def _metadata(w: GGUFWriter, cfg: ModelConfig, quant: str, arch: str) -> None:
     want = FLOAT_TYPES.get(quant) or shapes.QUANT_MIXES[quant][0]
     write_shape_metadata(w, cfg, f"random {cfg.family} for lucebox bench speed", want, FILE_TYPES[quant])
-    if arch != "qwen3":
+    if arch == gguf_gemma4_config.ARCH:
+        gguf_gemma4_config.write_gemma4_keys(w, cfg)
+    elif arch != "qwen3":
         write_hybrid_keys(w, cfg, arch, None)
 
 
@@ -144,8 +155,8 @@ def _pattern(qtype: Q, seed: int) -> memoryview:
 
 
 def _small_tensor(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
-    """A float32 tensor drawn for real: norms 1, A = -exp(A_log) near -1, the rest N(0, 0.02)."""
-    if "norm" in name:
+    """A float32 tensor drawn for real: norms and Gemma 4's scalars 1, A = -exp(A_log) near -1, the rest N(0, 0.02)."""
+    if "norm" in name or "scal" in name:
         return np.ones(shape, np.float32)
     values = rng.standard_normal(shape, dtype=np.float32) * shapes.STD
     return -np.exp(values) if name.endswith("A_log") else values
@@ -168,7 +179,9 @@ def write_gguf(cfg: ModelConfig, quant: str, path: str | Path, seed: int = 0) ->
     w.write_padding(out, out.tell())
     for index, (name, _, shape, qtype) in enumerate(plan):
         nbytes = tensor_bytes(shape, qtype)
-        if qtype == Q.F32 and not shapes.is_quantised(name, shape):
+        if name == ROPE_FREQS:
+            out.write(gguf_gemma4_config.rope_freqs(cfg).tobytes())
+        elif qtype == Q.F32 and not shapes.is_quantised(name, shape):
             out.write(_small_tensor(name, shape, rng).tobytes())
         else:
             if qtype not in patterns:

@@ -23,6 +23,8 @@ FAMILY_TO_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3
 HYBRID_ARCHITECTURES = {"qwen3moe": "qwen3_moe", "qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe",
                         "laguna": "laguna"}  # laguna's metadata: model/gguf_laguna_config.py
 FAMILY_TO_HYBRID_ARCH = {family: arch for arch, family in HYBRID_ARCHITECTURES.items()}
+# Architectures with their own loader module: general.architecture -> family.
+OWN_ARCHITECTURES = {"gemma4": "gemma4"}  # model/gguf_gemma4.py
 
 GLOBAL_TENSORS = {
     "token_embd.weight": "embed_tokens.weight",
@@ -173,10 +175,11 @@ class Metadata:
 
 def architecture(meta: Metadata) -> str:
     arch = meta.need("general.architecture")
-    if arch not in ARCHITECTURES and arch not in HYBRID_ARCHITECTURES:
+    known = [*ARCHITECTURES, *HYBRID_ARCHITECTURES, *OWN_ARCHITECTURES]
+    if arch not in known:
         raise UnsupportedError(
             f"{meta.path}: architecture {arch!r} (general.architecture) is not supported; lucebox loads "
-            f"{', '.join([*ARCHITECTURES, *HYBRID_ARCHITECTURES])} GGUF files (Mistral files say 'llama')")
+            f"{', '.join(known)} GGUF files (Mistral files say 'llama')")
     return arch
 
 

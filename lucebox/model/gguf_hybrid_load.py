@@ -24,7 +24,6 @@ from .gguf_tensors import ROW_TRANSFORMS, from_gguf, from_gguf_name, gguf_shape,
 log = logging.getLogger("lucebox")
 
 _BLOCK = re.compile(r"blk\.(\d+)\.")
-FUSED_GATE_UP = "ffn_gate_up_exps.weight"
 
 
 def check_hybrid_layers(cfg: ModelConfig, arch: str, shapes: dict[str, tuple[int, ...]], path: Path) -> None:
@@ -42,9 +41,9 @@ def check_hybrid_tensors(cfg: ModelConfig, arch: str, expected: dict[str, tuple[
     is read; errors name the GGUF tensor and the metadata keys that size it."""
     for ours, our_shape in expected.items():
         entries = to_gguf_names(arch, ours)
-        fused = entries[0][0].replace("ffn_gate_exps.weight", FUSED_GATE_UP) if entries else None
-        if fused and fused != entries[0][0] and fused in shapes:  # newer files: gate and up as one tensor
-            entries = [(fused, from_gguf_name(arch, fused)[1])]
+        other = to_gguf_names(arch, ours, written=False)  # e.g. gate and up experts fused / split
+        if other and any(name not in shapes for name, _ in entries) and all(name in shapes for name, _ in other):
+            entries = other
         for name, rule in entries:
             if name not in shapes:
                 raise CheckpointError(f"{path}: missing tensor {name} (the model's {ours})")
@@ -63,6 +62,9 @@ def _sized_by(name: str, cfg: ModelConfig, arch: str) -> str:
     if "_shexp." in name:
         return (f"{keys['shared_expert_intermediate_size']} ({cfg.shared_expert_intermediate_size}) and "
                 f"{keys['hidden_size']} ({cfg.hidden_size})")
+    if "per_layer" in name or name.endswith((".inp_gate.weight", ".proj.weight", ".post_norm.weight")):  # gemma4
+        return (f"{arch}.embedding_length_per_layer_input ({getattr(cfg, 'hidden_size_per_layer_input', 0)}) and "
+                f"{arch}.block_count ({cfg.num_layers})")
     if ".ssm_" in name or ".attn_qkv." in name or ".attn_gate." in name:
         return f"{arch}.ssm.* (conv_kernel, state_size, group_count, time_step_rank, inner_size)"
     return f"{arch}.* (embedding_length, attention.*, feed_forward_length)"
@@ -90,7 +92,8 @@ def hybrid_tensors(reader, cfg: ModelConfig, arch: str, model: torch.nn.Module, 
         shape = logical_shape(t)
         rows = to_torch(raw_rows(t, shape))
         quantised = t.tensor_type not in FLOAT_TYPES
-        if ours.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+        # qwen, laguna: mlp.experts.*; gemma4: experts.* (laguna's selection bias is no expert tensor)
+        if ours.endswith(("experts.gate_up_proj", "experts.down_proj")):
             parts = pending.setdefault(ours, {})
             parts[rule.part] = (t.name, t.tensor_type, rows.view(shape[0], -1, rows.shape[-1]))
             if len(parts) == rule.parts:
@@ -98,7 +101,7 @@ def hybrid_tensors(reader, cfg: ModelConfig, arch: str, model: torch.nn.Module, 
                 yield ours, _experts([parts[i] for i in range(rule.parts)], expected[ours], dtype)
         elif quantised and len(shape) == 2 and ours in linears:
             yield ours, _quant_linear(rule, rows, t, shape, cfg)
-        elif quantised and ours == "embed_tokens.weight":
+        elif quantised and ours in ("embed_tokens.weight", "embed_tokens_per_layer.weight"):
             yield ours, QuantEmbedding(QuantTensor(rows, t.tensor_type, shape, t.name), dtype)
         else:  # float tensors, and small quantised ones (norms, routers) widened to float
             values = dequant.dequantize(rows, t.tensor_type, dtype).reshape(gguf_shape(rule, expected[ours]))

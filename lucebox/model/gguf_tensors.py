@@ -1,5 +1,5 @@
-"""llama.cpp's tensor names of the MoE and hybrid GGUF architectures (qwen3moe, qwen35, qwen35moe, laguna) and the
-transforms its converter (convert_hf_to_gguf.py) applies to them, each with its inverse: the one table the
+"""llama.cpp's tensor names of the MoE and hybrid GGUF architectures (qwen3moe, qwen35, qwen35moe, laguna,
+gemma4) and the transforms its converter (convert_hf_to_gguf.py) applies to them, each with its inverse: the one table the
 loader reads with (model/gguf_hybrid_load.py) and the converter writes with (model/gguf_hybrid_write.py).
 
 What llama.cpp's converter changes, undone on load so the model equals the HF one:
@@ -74,6 +74,24 @@ _LAGUNA = {**_ATTENTION, "attn_gate.weight": Rule("self_attn.g_proj.weight"),
            **{k: v for k, v in _SHARED_EXPERT.items() if k != "ffn_gate_inp_shexp.weight"}}
 _HYBRID_NORMS = {"attn_norm.weight": Rule("input_layernorm.weight"),
                  "post_attention_norm.weight": Rule("post_attention_layernorm.weight")}
+# Gemma 4 (llama.cpp's converter: norms stored as they are, no transforms; experts one fused gate_up tensor,
+# the router's input scale and per-expert scale as `.scale` tensors of ffn_gate_inp / ffn_down_exps).
+_GEMMA4 = {
+    **_ATTENTION, "post_attention_norm.weight": Rule("post_attention_layernorm.weight"),
+    "ffn_norm.weight": Rule("pre_feedforward_layernorm.weight"), **_DENSE_FFN,
+    "post_ffw_norm.weight": Rule("post_feedforward_layernorm.weight"),
+    "ffn_gate_inp.weight": Rule("router.proj.weight"), "ffn_gate_inp.scale": Rule("router.scale"),
+    "ffn_down_exps.scale": Rule("router.per_expert_scale"),
+    "ffn_gate_up_exps.weight": Rule("experts.gate_up_proj"), "ffn_down_exps.weight": Rule("experts.down_proj"),
+    "ffn_gate_exps.weight": Rule("experts.gate_up_proj", part=0, parts=2, written=False),  # llama.cpp reads
+    "ffn_up_exps.weight": Rule("experts.gate_up_proj", part=1, parts=2, written=False),  # these too
+    "pre_ffw_norm_2.weight": Rule("pre_feedforward_layernorm_2.weight"),
+    "post_ffw_norm_1.weight": Rule("post_feedforward_layernorm_1.weight"),
+    "post_ffw_norm_2.weight": Rule("post_feedforward_layernorm_2.weight"),
+    "layer_output_scale.weight": Rule("layer_scalar"),
+    "inp_gate.weight": Rule("per_layer_input_gate.weight"), "proj.weight": Rule("per_layer_projection.weight"),
+    "post_norm.weight": Rule("post_per_layer_input_norm.weight"),
+}
 # Per architecture: the name after `blk.N.` -> Rule. qwen3moe's dense FFN entries serve checkpoints with
 # dense layers (mlp_only_layers), which lucebox reads and writes though llama.cpp expects every layer sparse.
 LAYER_RULES = {
@@ -82,8 +100,14 @@ LAYER_RULES = {
     "qwen35": {**_ATTENTION, **_HYBRID_NORMS, **_DELTANET, **_DENSE_FFN},
     "qwen35moe": {**_ATTENTION, **_HYBRID_NORMS, **_DELTANET, **_EXPERTS, **_SHARED_EXPERT},
     "laguna": _LAGUNA,
+    "gemma4": _GEMMA4,
 }
 GLOBAL_RULES = {theirs: Rule(ours) for theirs, ours in GLOBAL_TENSORS.items()}
+GLOBAL_RULES.update({  # Gemma 4's per-layer input embeddings (no other architecture has these parameters)
+    "per_layer_token_embd.weight": Rule("embed_tokens_per_layer.weight"),
+    "per_layer_model_proj.weight": Rule("per_layer_model_projection.weight"),
+    "per_layer_proj_norm.weight": Rule("per_layer_projection_norm.weight"),
+})
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 
@@ -97,16 +121,17 @@ def from_gguf_name(arch: str, gguf_name: str) -> tuple[str, Rule] | None:
     return (f"layers.{m[1]}.{rule.ours}", rule) if rule else None
 
 
-def to_gguf_names(arch: str, our_name: str) -> list[tuple[str, Rule]]:
-    """The GGUF tensors (name, rule) the converter writes for one of our parameters ([] for none)."""
+def to_gguf_names(arch: str, our_name: str, written: bool = True) -> list[tuple[str, Rule]]:
+    """The GGUF tensors (name, rule) the converter writes for one of our parameters ([] for none);
+    written=False: the forms only read instead (e.g. experts' gate and up fused or split)."""
     for theirs, rule in GLOBAL_RULES.items():
         if rule.ours == our_name:
-            return [(theirs, rule)]
+            return [(theirs, rule)] if written else []
     m = _LAYER.fullmatch(our_name)
     if m is None:
         return []
     return [(f"blk.{m[1]}.{theirs}", rule) for theirs, rule in LAYER_RULES[arch].items()
-            if rule.ours == m[2] and rule.written]
+            if rule.ours == m[2] and rule.written == written]
 
 
 def gguf_shape(rule: Rule, our_shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -41,6 +41,8 @@ from .gguf_config import (
     to_our_name,
     unpermute_rows,
 )
+from .gguf_gemma4 import load_gemma4_gguf
+from .gguf_gemma4_config import ARCH as GEMMA4_ARCH
 from .gguf_hybrid_config import hybrid_model_config
 from .gguf_hybrid_load import check_hybrid_layers, hybrid_tensors
 from .gguf_hybrid_load import check_hybrid_tensors as check_hybrid_gguf
@@ -186,6 +188,9 @@ def load_gguf(path: Path, dtype, device: torch.device) -> LoadedModel:
     tensors = {t.name: t for t in reader.tensors}
     if architecture(meta) in HYBRID_ARCHITECTURES:
         return _load_hybrid_gguf(reader, meta, path, dtype, device)
+    if architecture(meta) == GEMMA4_ARCH:
+        model, cfg = load_gemma4_gguf(reader, meta, path, resolve_dtype(dtype, None, device), device)
+        return LoadedModel(model, Tokenizer.from_gguf(reader, path), cfg, str(path), "gguf", generation_defaults(meta))
     cfg = model_config(meta, {name: logical_shape(t) for name, t in tensors.items()})
     ours = {to_our_name(name): logical_shape(t) for name, t in tensors.items() if to_our_name(name)}
     check_config_against_tensors(cfg, ours, str(path), config_keys(architecture(meta)))

@@ -1,5 +1,6 @@
 """GGUF vocabularies -> `tokenizers.Tokenizer`: byte-level BPE (gpt2 model with llama-bpe / qwen2
-pre-tokenizers) and SentencePiece-style (llama model) vocabularies, rebuilt from `tokenizer.*` metadata."""
+pre-tokenizers), SentencePiece-style (llama model) and Gemma 4 (gemma4 model: text/gguf_gemma4_vocab.py)
+vocabularies, rebuilt from `tokenizer.*` metadata."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from gguf import GGUFValueType, TokenType
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 from ..errors import CheckpointError, UnsupportedError
+from . import gguf_gemma4_vocab as gemma4_vocab
 from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -68,10 +70,14 @@ def tokenizer_from_gguf(reader: Any, path: str | Path | None = None) -> Tokenize
         backend = _sentencepiece_bpe(tokens, types, scores, add_prefix is not False, unk)
         # llama.cpp's defaults for SentencePiece vocabularies written without these keys.
         default_ids, default_add_bos = {"bos": 1, "eos": 2, "unknown": 0}, True
+    elif kind == gemma4_vocab.MODEL:
+        merges = meta.get("tokenizer.ggml.merges", list, required=True)
+        backend = gemma4_vocab.gemma4_backend(tokens, merges, where)
+        default_ids, default_add_bos = {}, True
     else:
         raise UnsupportedError(
             f"{where}: tokenizer model {kind!r} (tokenizer.ggml.model) is not supported; "
-            "lucebox reads 'gpt2' (byte-level BPE) and 'llama' (SentencePiece) vocabularies"
+            "lucebox reads 'gpt2' (byte-level BPE), 'llama' (SentencePiece) and 'gemma4' vocabularies"
         )
 
     # Control tokens are matched whole in text and dropped by skip_special_tokens; user-defined ones
@@ -104,6 +110,9 @@ def tokenizer_from_gguf(reader: Any, path: str | Path | None = None) -> Tokenize
         if i is not None and 0 <= i < n:
             eos_ids.append(i)
     add_bos = meta.get("tokenizer.ggml.add_bos_token", bool)
+    if kind == gemma4_vocab.MODEL:  # as llama.cpp: end tokens known by their text, <bos> always added
+        eos_ids += gemma4_vocab.end_token_ids(tokens)
+        add_bos = True
     add_eos = meta.get("tokenizer.ggml.add_eos_token", bool)
 
     templates = {}
