@@ -135,6 +135,8 @@ def _unit_4bit_blocks(acc, ub, xk, stride_xm, M, ok, n_mask, BPU: tl.constexpr, 
         bp = ub + b * (18 + 2 * HAS_MIN + 4 * FIVE)
         d = f16(bp)
         qs = tl.load(bp + 2 + 2 * HAS_MIN + 4 * FIVE + i[None, :]).to(tl.int32)
+        if HAS_MIN:
+            m = f16(bp + 2)
         for half in tl.static_range(2):
             q = (qs >> (4 * half)) & 15
             if FIVE:  # 2-byte loads: a Q5_0 block's uint32 is only 2-byte aligned
@@ -143,7 +145,7 @@ def _unit_4bit_blocks(acc, ub, xk, stride_xm, M, ok, n_mask, BPU: tl.constexpr, 
             if CODEBOOK:
                 w = d * _iq4_value(q)
             elif HAS_MIN:
-                w = d * q.to(tl.float32) + f16(bp + 2)
+                w = d * q.to(tl.float32) + m
             else:
                 w = d * (q.to(tl.float32) - (16.0 if FIVE else 8.0))
             acc = _use(acc, w, b * 32 + 16 * half + i, xk, stride_xm, M, ok, n_mask, MODE, BLOCK_M, DOT_IEEE)
