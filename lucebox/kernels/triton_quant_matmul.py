@@ -28,13 +28,7 @@ from .dispatch import next_pow2, num_sms, pdl_launch
 from .routing import ACTIVATION_DTYPES, MAX_FUSED_M
 from .triton_one_row import reduce_splits, store_one_row
 from .triton_pdl import wait_for_previous_kernel
-from .triton_quant_units import (
-    SUPPORTED_TYPES,
-    format_id,
-    supports,
-    unit_layout,
-    unit_product,
-)
+from .triton_quant_units import SUPPORTED_TYPES, format_id, supports, unit_layout, unit_product
 
 __all__ = ["DECODE_LAUNCH", "SUPPORTED_TYPES", "dequantize", "quant_matmul", "supports", "unit_layout", "unit_product"]
 # Decode (M = 1) launch: (BLOCK_N, warps) per format; formats not swept keep (32, 4).
