@@ -108,15 +108,15 @@ def test_the_routing_table_sends_these_formats_to_the_fused_kernels(qtype, monke
 
 
 def gemma_like_experts(qtype, experts: int, hidden: int, inter: int, seed: int) -> Experts:
-    """Experts whose gate_up rows are Q4_K where hidden allows (as in Gemma's GGUFs), else qtype, and
-    whose down rows (inter columns, not a multiple of 256) are qtype."""
+    """Gemma 4's GeGLU experts whose gate_up rows are Q4_K where hidden allows (as in its GGUFs), else
+    qtype, and whose down rows (inter columns, not a multiple of 256) are qtype."""
     up_type = Q.Q4_K if hidden % 256 == 0 else qtype
     if up_type == Q.Q4_K:  # gguf-py cannot quantise Q4_K: valid random blocks
         gate_up = quant_experts(Q.Q4_K, experts, 2 * inter, hidden, seed)
     else:
         gate_up = QuantTensor(quantised(qtype, experts * 2 * inter, hidden, seed), qtype, (experts, 2 * inter, hidden))
     down = QuantTensor(quantised(qtype, experts * hidden, inter, seed + 1), qtype, (experts, hidden, inter))
-    return with_stacks(Experts(experts, hidden, inter), gate_up, down)
+    return with_stacks(Experts(experts, hidden, inter, "gelu_pytorch_tanh"), gate_up, down)
 
 
 @pytest.mark.parametrize("qtype", FALLBACK_TYPES, ids=lambda t: t.name)
@@ -129,13 +129,14 @@ def test_moe_experts_of_these_formats_match_the_reference(qtype, monkeypatch):
     ids, weights = routes(3, experts, 2, seed=6)
     want = reference(module, x, ids, weights, monkeypatch)
     stacks = kmoe.stacked(module.gate_up_proj), kmoe.stacked(module.down_proj)
-    for got in (tm.pairs_experts(x, ids, weights, *stacks, split_k=1, groups=1),
-                tm.pairs_experts(x, ids, weights, *stacks, split_k=2, groups=2),
-                tm.grouped_experts(x, ids, weights, *stacks, block_m=16, block_n=32)):
+    act = {"activation": module.activation}
+    for got in (tm.pairs_experts(x, ids, weights, *stacks, split_k=1, groups=1, **act),
+                tm.pairs_experts(x, ids, weights, *stacks, split_k=2, groups=2, **act),
+                tm.grouped_experts(x, ids, weights, *stacks, block_m=16, block_n=32, **act)):
         assert rel_err(got, want) <= 1e-5
     monkeypatch.setenv("LUCEBOX_TRITON", "1")
     with torch.no_grad():
-        assert kmoe.expert_kernel(x, ids, module.gate_up_proj, module.down_proj) == routing.MOE_PAIRS
+        assert kmoe.expert_kernel(x, ids, module.gate_up_proj, module.down_proj, module.activation) == routing.MOE_PAIRS
         assert rel_err(module(x, ids, weights), want) <= 1e-5
 
 
@@ -165,4 +166,4 @@ def test_on_gpu_gemma_sized_products_and_experts_of_these_formats(qtype, monkeyp
         want = reference(module, x, ids, weights, monkeypatch)
         for run in (tm.pairs_experts, tm.grouped_experts):
             if run is tm.grouped_experts or tokens <= routing.MOE_PAIRS_MAX_TOKENS:
-                assert rel_err(run(x, ids, weights, *stacks), want) <= 2e-2
+                assert rel_err(run(x, ids, weights, *stacks, activation=module.activation), want) <= 2e-2
