@@ -62,7 +62,8 @@ from lucebox.kernels.attention import paged_attention_reference  # noqa: E402
 from lucebox.kernels.forward_batch import ForwardBatch  # noqa: E402
 
 # Byte offsets of the fp16 scale fields in one block; random bytes there could be Inf/NaN.
-FP16_FIELDS = {Q.Q8_0: [0], Q.Q4_0: [0], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208], Q.IQ4_XS: [0]}
+FP16_FIELDS = {Q.Q8_0: [0], Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2], Q.IQ4_NL: [0],
+               Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208], Q.IQ4_XS: [0]}
 SHAPES = {  # (N, K) of each projection, and attention geometry
     "qwen3-8b": {"linears": {"q/o_proj": (4096, 4096), "k/v_proj": (1024, 4096), "gate/up_proj": (12288, 4096),
                              "down_proj": (4096, 12288), "lm_head": (151936, 4096)},
@@ -543,7 +544,7 @@ def compile_check(arch: str) -> None:
     sampling_real = triton_sampling._kernels
     triton_sampling._kernels = lambda kernels=sampling_real(): tuple(Capture(k) for k in kernels)
     try:
-        for qtype in (Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS):
+        for qtype in sorted(tqm.SUPPORTED_TYPES):
             raw = torch.zeros(64, 4096 // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1], dtype=torch.uint8)
             for m in (1, 16, 64):
                 for dtype in (torch.bfloat16, torch.float32):
@@ -696,7 +697,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="qwen3-8b", choices=[s for s in SHAPES if s != "smoke"])
     p.add_argument("--only", choices=["quant", "attention", "prefill", "norm", "gemv"], action="append")
-    p.add_argument("--qtypes", nargs="+", default=["Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q4_0"])
+    p.add_argument("--qtypes", nargs="+", default=["Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q4_0",
+                                                   "Q4_1", "Q5_0", "Q5_1", "IQ4_NL"])
     p.add_argument("--ms", nargs="+", type=int, default=[1, 4, 16, 64], help="activation rows of the quant rows")
     p.add_argument("--cache-types", nargs="+", default=["bf16", "fp8", "q8_0"])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])

@@ -52,7 +52,8 @@ SHAPES = {  # (hidden, experts, top_k, moe_intermediate)
     "smoke": (256, 6, 2, 256),
 }
 # Byte offsets of the fp16 scale fields in one block; random bytes there could be Inf/NaN.
-FP16_FIELDS = {Q.Q8_0: [0], Q.Q4_0: [0], Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208], Q.IQ4_XS: [0]}
+FP16_FIELDS = {Q.Q8_0: [0], Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2], Q.IQ4_NL: [0],
+               Q.Q4_K: [0, 2], Q.Q5_K: [0, 2], Q.Q6_K: [208], Q.IQ4_XS: [0]}
 L2_BYTES = 50 << 20  # the H200's L2: route sets cycle until this is well exceeded
 
 
@@ -262,7 +263,8 @@ def compile_only(arch: str) -> None:
     try:
         for shape in (SHAPES["qwen3.6-35b-a3b"], SHAPES["qwen3-30b-a3b"]):
             hidden, experts, top_k, inter = shape
-            for wtype in ("bf16", "f32", "Q4_K", "Q8_0", "IQ4_XS", "Q5_K", "Q6_K", "Q4_0"):
+            for wtype in ("bf16", "f32", "Q4_K", "Q8_0", "IQ4_XS", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                          "IQ4_NL"):
                 dtype = torch.float32 if wtype == "f32" else torch.bfloat16
                 if wtype in ("bf16", "f32"):
                     gate_up = triton_moe.float_stack(torch.zeros(experts, 2 * inter, hidden, dtype=dtype))

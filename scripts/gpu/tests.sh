@@ -8,14 +8,17 @@ mode_check() {
     --ignore=tests/kernels/test_gated_delta.py --ignore=tests/kernels/test_triton_moe.py \
     --ignore=tests/kernels/test_triton_moe_models.py \
     tests/model/test_model.py tests/train/test_dense_lm.py tests/sampling/test_acceptance.py \
-    tests/engine/test_step_plan.py tests/engine/test_sliding_window.py tests/weights/test_quant.py
+    tests/engine/test_step_plan.py tests/engine/test_sliding_window.py tests/weights/test_quant.py \
+    --ignore=tests/kernels/test_block32_formats.py
 }
 
 #: check-new    the GPU tests of hybrids (Qwen 3.5/3.6, MoE), mixed windows (Gemma 4, Laguna) and DFlash
-#:              graphs, fastest first (SECONDS_CHECK; FLA=1: with fla-core's prefill kernels)
+#:              graphs, fastest first, then the fused kernels' 32-value block formats (Q4_1/Q5_0/Q5_1/IQ4_NL)
+#:              at Gemma 4 26B-A4B's sizes (SECONDS_CHECK; FLA=1: with fla-core's prefill kernels)
 mode_check_new() {
   run_tests gpu-tests-new "${SECONDS_CHECK:-540}" tests/kernels/test_gated_delta.py tests/kernels/test_triton_moe.py \
     tests/kernels/test_triton_moe_models.py tests/spec/test_dflash_graphs.py tests/model/test_laguna_graphs.py \
     tests/model/test_qwen3_5_graphs.py \
-    tests/engine/test_hybrid_prefix.py tests/model/test_gemma4.py tests/engine/test_sliding_window_mixed.py
+    tests/engine/test_hybrid_prefix.py tests/model/test_gemma4.py tests/engine/test_sliding_window_mixed.py \
+    tests/kernels/test_block32_formats.py
 }

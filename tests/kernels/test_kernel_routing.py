@@ -25,6 +25,7 @@ PINNED = {
     (Q.Q5_K, False): (("quant_gemv", "quant_tiles"),) * 2,
     (Q.Q4_0, False): (("quant_gemv", "quant_tiles"),) * 2,
     (Q.IQ4_XS, False): (("quant_gemv", "quant_tiles"),) * 2,
+    **{(qtype, False): (("quant_gemv", "quant_tiles"),) * 2 for qtype in (Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL)},
 }
 
 

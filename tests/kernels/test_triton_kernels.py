@@ -44,6 +44,8 @@ from tests.weights.test_quant import random_rows  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 QUANT_TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS]
+# The 32-value block formats llama.cpp falls back to for rows not a multiple of 256 (test_block32_formats.py)
+FALLBACK_TYPES = [Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL]
 
 
 def _patch_interpreter_bfloat16() -> None:
@@ -91,7 +93,7 @@ def quant_rows(qtype, rows: int, cols: int, seed: int) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- quantised matmul
 
-@pytest.mark.parametrize("qtype", QUANT_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", QUANT_TYPES + FALLBACK_TYPES, ids=lambda t: t.name)
 def test_triton_dequantize_is_bit_exact_with_the_reference(qtype):
     raw = quant_rows(qtype, 5, 512, seed=qtype.value)
     want = dequant.dequantize(raw, qtype)
@@ -100,7 +102,7 @@ def test_triton_dequantize_is_bit_exact_with_the_reference(qtype):
 
 
 @pytest.mark.parametrize("m", [1, 5], ids=["gemv", "dot"])
-@pytest.mark.parametrize("qtype", QUANT_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", QUANT_TYPES + FALLBACK_TYPES, ids=lambda t: t.name)
 def test_fused_quant_matmul_matches_dequantise_then_matmul_in_float32(qtype, m):
     k, n = 512, 40  # two super-blocks per row; 40 rows leave a partial tile of output features
     raw = quant_rows(qtype, n, k, seed=10 + qtype.value)
