@@ -42,9 +42,13 @@ class CallFraming:
 
 _QWEN = CallFraming("<tool_call>", "</think>", "\n\n", "\n")
 # Gemma 4 writes calls straight after its thought channel and after each other (the template's turns).
-FRAMINGS = {"hermes": _QWEN, "xml": _QWEN, "gemma4": CallFraming("<|tool_call>", "<channel|>", "", "")}
+# GLM / Laguna: "</think>\n" before the calls, one call per <tool_call> block, a newline between blocks.
+FRAMINGS = {"hermes": _QWEN, "xml": _QWEN, "gemma4": CallFraming("<|tool_call>", "<channel|>", "", ""),
+            "glm": CallFraming("<tool_call>", "</think>", "\n", "\n")}
 # A Gemma 4 argument may not hold a control marker: <tool_call|> inside a string would end the call.
 GEMMA_ARGUMENT_EXCLUDES = ["<|tool_call>", "<tool_call|>", "<|channel>", "<channel|>"]
+# Nor may an arg_value: </tool_call> would end the call, </assistant> the turn (a stop string for Laguna).
+GLM_ARGUMENT_EXCLUDES = ["<tool_call>", "</tool_call>", "</assistant>"]
 
 
 class GrammarFactory:
@@ -130,6 +134,10 @@ def _tag(tool: ToolSpec, fmt: str):
             raise APIError(400, "Gemma 4 tool calls need xgrammar >= 0.2.9 (its 'gemma' argument style): "
                                 "pip install -U xgrammar", param="tools") from e
         return st.TagFormat(begin=f"<|tool_call>call:{tool.name}", content=content, end="<tool_call|>")
+    if fmt == "glm":  # the name, then <arg_key>/<arg_value> pairs in the schema's order
+        content = st.JSONSchemaFormat(json_schema=schema, style="glm_xml", max_whitespace_cnt=MAX_WHITESPACE,
+                                      excludes=GLM_ARGUMENT_EXCLUDES)
+        return st.TagFormat(begin=f"<tool_call>{tool.name}", content=content, end="</tool_call>")
     if fmt == "xml":
         return st.TagFormat(begin=f"<tool_call>\n<function={tool.name}>\n",
                             content=st.JSONSchemaFormat(json_schema=schema, style="qwen_xml"),

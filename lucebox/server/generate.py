@@ -22,8 +22,8 @@ from ..errors import LuceboxError
 from ..sampling import SamplingParams
 from .constrain import BanTokens
 from .errors import APIError, context_error, from_lucebox
-from .parsing import CALL_OPENS, PARSED_TAGS, Event, OutputParser, opens_reasoning
-from .tools import ToolSpec, param_schemas, template_tools
+from .parsing import CALL_OPENS, PARSED_TAGS, Event, OutputParser, closes_reasoning, opens_reasoning
+from .tools import ToolSpec, param_schemas, template_tools, tool_format
 
 log = logging.getLogger("lucebox.server")
 KEEPALIVE = object()  # yielded when nothing arrived for config.keepalive seconds
@@ -131,11 +131,13 @@ def render_chat(state, job: ChatJob) -> Prepared:
             raise APIError(400, str(again), param="messages") from again
     ids = tok.encode(text, add_special_tokens=False)
     # A template that opens <think> itself (thinking models) starts the output inside reasoning.
-    in_reasoning = opens_reasoning(text)
+    in_reasoning, after_reasoning = opens_reasoning(text), closes_reasoning(text)
     schemas = param_schemas(job.tools)
+    call_format = getattr(state, "tool_format", None) or tool_format(tok.chat_templates)
 
     def parser() -> OutputParser:
-        return OutputParser(tools=tools_on, in_reasoning=in_reasoning, param_schemas=schemas)
+        return OutputParser(tools=tools_on, in_reasoning=in_reasoning, param_schemas=schemas,
+                            call_format=call_format, after_reasoning=after_reasoning)
     return Prepared(text, ids, parser, [_ToolChoice(job, in_reasoning)] if job.tools or job.response_format else [])
 
 
@@ -271,6 +273,8 @@ async def generate(state, prepared: Prepared, params: SamplingParams, rid: str) 
     # A request that cannot fit the context is the engine's to refuse, in the context error's wording.
     fits = prompt_len + max_tokens <= state.engine.max_model_len
     work = state.work.admit(params.n, prompt_len, max_tokens) if fits else 0
+    # A chat ends at the template's turn end (Laguna's </assistant>), reported as the model's own end.
+    ours = state.turn_end.add_to(params) if state.turn_end and prepared.parser is not None else set()
     try:
         stream = await state.engine.add_request(rid, prompt, params)
     except BaseException as e:
@@ -327,7 +331,8 @@ async def generate(state, prepared: Prepared, params: SamplingParams, rid: str) 
                     if prepared.parser is not None:
                         events += parsers.get(i, prepared.parser()).finish()
                 if events or lps or o.finish_reason:
-                    yield ChoiceUpdate(i, events, lps, o.finish_reason, o.stop_reason, len(o.token_ids))
+                    stop_reason = None if o.stop_reason in ours else o.stop_reason
+                    yield ChoiceUpdate(i, events, lps, o.finish_reason, stop_reason, len(o.token_ids))
             if out.finished:
                 break
         state.metrics.observe_request(last, _reason(last))
