@@ -119,6 +119,10 @@ class GlmCallBlock:
 
 def typed_value(raw: str, schema) -> object:
     """A value as the templates write it, typed by the parameter's schema."""
+    if isinstance(schema, dict):  # constrained decoding lets an enum's string stand between spaces
+        choices = schema.get("enum") if isinstance(schema.get("enum"), list) else [schema.get("const")]
+        if raw not in choices and raw.strip() in choices:
+            return raw.strip()
     kinds = schema_types(schema)
     if kinds:
         return coerce_text(raw, schema)
