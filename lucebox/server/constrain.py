@@ -99,8 +99,11 @@ class GrammarFactory:
                 raise APIError(400, f"{param}: cannot compile the JSON schema: {e}", param=param) from e
         raise APIError(400, f"{param}.type must be text, json_object or json_schema, not {kind!r}", param=param)
 
-    def tool_calls(self, tools: list[ToolSpec], choice: str, fmt: str, parallel: bool, in_reasoning: bool):
-        """choice: 'required', 'auto' or a tool name (already checked to exist)."""
+    def tool_calls(self, tools: list[ToolSpec], choice: str, fmt: str, parallel: bool, in_reasoning: bool,
+                   reasoning_closed: bool = False):
+        """choice: 'required', 'auto' or a tool name (already checked to exist). reasoning_closed: the
+        prompt ends in the reasoning end tag itself (Laguna with thinking off), so what the template
+        writes after that tag comes first."""
         compiler = self._get_compiler()
         chosen = tools if choice in ("auto", "required") else [t for t in tools if t.name == choice]
         framing = FRAMINGS[fmt]
@@ -115,6 +118,8 @@ class GrammarFactory:
                 if framing.after_reasoning:
                     elements.append(st.ConstStringFormat(value=framing.after_reasoning))
                 body = st.SequenceFormat(elements=[*elements, body])
+            elif reasoning_closed and framing.after_reasoning:
+                body = st.SequenceFormat(elements=[st.ConstStringFormat(value=framing.after_reasoning), body])
         try:
             return compiler.compile_structural_tag(xgr.StructuralTag(format=body))
         except Exception as e:

@@ -22,7 +22,15 @@ from ..errors import LuceboxError
 from ..sampling import SamplingParams
 from .constrain import BanTokens
 from .errors import APIError, context_error, from_lucebox
-from .parsing import CALL_OPENS, PARSED_TAGS, Event, OutputParser, closes_reasoning, opens_reasoning
+from .parsing import (
+    CALL_OPENS,
+    PARSED_TAGS,
+    REASONING_CLOSES,
+    Event,
+    OutputParser,
+    closes_reasoning,
+    opens_reasoning,
+)
 from .tools import ToolSpec, param_schemas, template_tools, tool_format
 
 log = logging.getLogger("lucebox.server")
@@ -138,7 +146,8 @@ def render_chat(state, job: ChatJob) -> Prepared:
     def parser() -> OutputParser:
         return OutputParser(tools=tools_on, in_reasoning=in_reasoning, param_schemas=schemas,
                             call_format=call_format, after_reasoning=after_reasoning)
-    return Prepared(text, ids, parser, [_ToolChoice(job, in_reasoning)] if job.tools or job.response_format else [])
+    choice = _ToolChoice(job, in_reasoning, text.endswith(REASONING_CLOSES))
+    return Prepared(text, ids, parser, [choice] if job.tools or job.response_format else [])
 
 
 @dataclass
@@ -146,6 +155,7 @@ class _ToolChoice:
     """Placeholder resolved by `build_processors` (needs n and, maybe, a thread for compiling)."""
     job: ChatJob
     in_reasoning: bool
+    reasoning_closed: bool  # the prompt ends in the reasoning end tag itself
 
 
 async def build_processors(state, prepared: Prepared, n: int) -> list:
@@ -163,7 +173,8 @@ async def build_processors(state, prepared: Prepared, n: int) -> list:
                 procs.append(BanTokens(banned))
         elif job.tools and (job.tool_choice != "auto" or state.config.constrain_auto_tools):
             compiled = await asyncio.to_thread(state.grammars.tool_calls, job.tools, job.tool_choice,
-                                               state.tool_format, job.parallel_tool_calls, p.in_reasoning)
+                                               state.tool_format, job.parallel_tool_calls, p.in_reasoning,
+                                               p.reasoning_closed)
         if compiled is None and job.response_format and job.tool_choice in ("auto", "none"):
             compiled = await asyncio.to_thread(state.grammars.response_format, job.response_format)
         if compiled is not None:

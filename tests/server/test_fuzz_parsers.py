@@ -246,7 +246,8 @@ def render_laguna_calls(calls) -> str:
     messages = [{"role": "user", "content": "go"}, {"role": "assistant", "content": "", "tool_calls": [
         {"type": "function", "function": {"name": name, "arguments": args}} for name, args in calls]}]
     prompt = render_chat_template(LAGUNA_TEMPLATE, messages, add_generation_prompt=False)
-    return prompt[prompt.index("<assistant>\n</think>\n") + len("<assistant>\n</think>\n"):prompt.rindex("</assistant>")]
+    turn = "<assistant>\n</think>\n"
+    return prompt[prompt.index(turn) + len(turn):prompt.rindex("</assistant>")]
 
 
 @fuzz

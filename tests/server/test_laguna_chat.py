@@ -155,7 +155,8 @@ def test_the_served_model_is_laguna_and_the_prompt_ends_by_thinking_mode(server)
     tokenizer, messages = server.llm.tokenizer, [{"role": "user", "content": "hi"}]
     off = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     on = tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=True)
-    assert off.startswith(EOS + "<system>\n\nYou are a helpful") and off.endswith("<user>\nhi\n</user>\n<assistant>\n</think>")
+    assert off.startswith(EOS + "<system>\n\nYou are a helpful")
+    assert off.endswith("<user>\nhi\n</user>\n<assistant>\n</think>")
     assert on == off.removesuffix("</think>") + "<think>"
     ids = tokenizer.encode(off, add_special_tokens=False)
     assert ids[0] == tokenizer.bos_token_id and tokenizer.token_to_id("</think>") == ids[-1]
@@ -358,7 +359,8 @@ def test_a_tool_conversation_renders_back_as_the_model_wrote_it(server):
 
 def test_an_anthropic_tool_turn_renders_the_same_prompt(server):
     client = _anthropic(server)
-    tool = {"name": "get_weather", "description": "weather of a city", "input_schema": WEATHER["function"]["parameters"]}
+    tool = {"name": "get_weather", "description": "weather of a city",
+            "input_schema": WEATHER["function"]["parameters"]}
     question = [{"role": "user", "content": "weather in Paris for 3 days?"}]
     enabled = {"type": "enabled", "budget_tokens": 1024}
     reply = client.messages.create(model="force:call", max_tokens=200, tools=[tool], messages=question,
@@ -366,7 +368,8 @@ def test_an_anthropic_tool_turn_renders_the_same_prompt(server):
     thinking, tool_use = reply.content
     history = question + [
         {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in reply.content]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tool_use.id, "content": "sunny, 21 degrees"}]}]
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tool_use.id,
+                                      "content": "sunny, 21 degrees"}]}]
     answer = client.messages.create(model="force:answer", max_tokens=50, tools=[tool], messages=history,
                                     thinking=enabled)
     assert answer.content[-1].text == "It is sunny in Paris." and answer.stop_reason == "end_turn"
@@ -408,7 +411,7 @@ def test_the_arg_key_grammar_takes_reasoning_then_calls_as_the_template_writes_t
     tools = [ToolSpec("get_weather", parameters=WEATHER["function"]["parameters"])]
     compiled = factory.tool_calls(tools, "required", "glm", parallel=True, in_reasoning=True)
 
-    def accepts(text: str) -> bool:
+    def accepts(text: str, compiled=compiled) -> bool:
         matcher = xgr.GrammarMatcher(compiled)
         ids = llm.tokenizer.encode(text, add_special_tokens=False) + [llm.tokenizer.token_to_id(TURN_END)]
         return all(matcher.accept_token(i) for i in ids) and matcher.is_terminated()
@@ -418,3 +421,6 @@ def test_the_arg_key_grammar_takes_reasoning_then_calls_as_the_template_writes_t
     assert not accepts(f"{THOUGHT}</think>\n" + CALL.replace("<arg_value>3<", "<arg_value>three<"))
     assert not accepts(f"{THOUGHT}</think>\n" + CALL.replace("Paris", f"Paris{TURN_END}"))
     assert not accepts(f'{THOUGHT}</think>\n<tool_call>\n{{"name": "get_weather", "arguments": {{}}}}\n</tool_call>')
+    # Thinking off: the prompt ends in </think>, and the template's newline after it comes first.
+    off = factory.tool_calls(tools, "required", "glm", parallel=False, in_reasoning=False, reasoning_closed=True)
+    assert accepts(f"\n{CALL}", off) and not accepts(CALL, off) and not accepts(f"\n{CALL}\n{CALL}", off)
