@@ -9,6 +9,7 @@ prefix and rolls it back or forward instead of assuming one history.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ import torch
 
 from ..util import common_prefix
 from .errors import APIError
+from .glm_tools import taught_spacing
 from .tools import ToolSpec
 
 try:
@@ -57,6 +59,7 @@ class GrammarFactory:
     def __init__(self, tokenizer, vocab_size: int, eos_ids):
         self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, max(vocab_size, tokenizer.vocab_size), sorted(eos_ids)
         self._compiler = None
+        self._glm_framing: CallFraming | None = None
         self._lock = threading.Lock()
 
     def _get_compiler(self):
@@ -106,7 +109,7 @@ class GrammarFactory:
         writes after that tag comes first."""
         compiler = self._get_compiler()
         chosen = tools if choice in ("auto", "required") else [t for t in tools if t.name == choice]
-        framing = FRAMINGS[fmt]
+        framing = self._framing(fmt)
         tags = [_tag(t, fmt) for t in chosen]
         if choice == "auto":
             body = st.TriggeredTagsFormat(triggers=[framing.opens], tags=tags, stop_after_first=not parallel)
@@ -124,6 +127,17 @@ class GrammarFactory:
             return compiler.compile_structural_tag(xgr.StructuralTag(format=body))
         except Exception as e:
             raise APIError(400, f"tools: cannot build a grammar from the tool schemas: {e}", param="tools") from e
+
+    def _framing(self, fmt: str) -> CallFraming:
+        """The format's framing, with the spacing the model's template writes where it varies by model."""
+        if fmt != "glm":
+            return FRAMINGS[fmt]
+        if self._glm_framing is None:
+            spacing = taught_spacing(getattr(self.tokenizer, "chat_templates", {}))
+            default = FRAMINGS[fmt]
+            self._glm_framing = default if spacing is None else dataclasses.replace(
+                default, after_reasoning=spacing[0], between_calls=spacing[1])
+        return self._glm_framing
 
     def processor(self, compiled, n: int) -> GrammarProcessor:
         return GrammarProcessor(compiled, self.vocab_size, pool=n + 1)

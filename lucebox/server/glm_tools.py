@@ -15,12 +15,16 @@ complete members, and the same text in any chunks gives the same arguments.
 from __future__ import annotations
 
 import json
+import re
 
+from ..errors import LuceboxError
+from ..text.chat_template import render_chat_template
 from .tool_values import coerce_text, schema_types, strict_json
 
 KEY_OPEN, KEY_CLOSE = "<arg_key>", "</arg_key>"
 VALUE_OPEN, VALUE_CLOSE = "<arg_value>", "</arg_value>"
 TAGS = (KEY_OPEN, KEY_CLOSE, VALUE_OPEN, VALUE_CLOSE)
+_TAUGHT = re.compile(r"</think>(\s*)<tool_call>first_tool.*?</tool_call>(\s*)<tool_call>second_tool", re.S)
 
 
 class GlmCallBlock:
@@ -137,3 +141,22 @@ def _skip_space(text: str, i: int) -> int:
     while i < len(text) and text[i].isspace():
         i += 1
     return i
+
+
+def taught_spacing(chat_templates: dict[str, str]) -> tuple[str, str] | None:
+    """What a template of this format writes between </think> and a call, and between two calls
+    (Laguna XS.2: newlines; Laguna S 2.1: nothing), read off an assistant turn it renders; None
+    where no template of the model renders one."""
+    calls = [{"type": "function", "function": {"name": name, "arguments": {}}} for name in ("first_tool", "second_tool")]
+    turn = [{"role": "user", "content": "q"},
+            {"role": "assistant", "content": "", "reasoning_content": "r", "tool_calls": calls}]
+    for source in chat_templates.values():
+        if KEY_OPEN not in source:
+            continue
+        try:
+            text = render_chat_template(source, turn, add_generation_prompt=False, enable_thinking=True)
+        except LuceboxError:
+            continue
+        if m := _TAUGHT.search(text):
+            return m.group(1), m.group(2)
+    return None

@@ -9,6 +9,10 @@ renders back through the template as the model wrote it; generation ends at the 
 `</assistant>` whether the model writes it as its one token or spells it out; and tool_choice
 required / named hold an untrained model to the format.
 
+Laguna S 2.1's template (tests/fixtures/laguna_s21_chat_template.jinja, poolside-Laguna-S-2.1.jinja from
+the same place) writes the same tags without newlines; its output parses the same, and constrained
+decoding follows the spacing each template writes.
+
 The tokenizer is built like Laguna's: `〈|EOS|〉` is BOS and EOS, `</assistant>` an ordinary added
 token (not special) that the config lists among the EOS ids, as in poolside/Laguna-XS.2."""
 from __future__ import annotations
@@ -27,17 +31,21 @@ from lucebox.engine.async_engine import AsyncEngine
 from lucebox.server.app import create_app
 from lucebox.server.config import ServerConfig
 from lucebox.server.constrain import GrammarFactory
+from lucebox.server.glm_tools import taught_spacing
 from lucebox.server.generate import render_chat
 from lucebox.server.openai_chat import chat_job
 from lucebox.server.parsing import OutputParser, ParsedOutput
 from lucebox.server.protocol import ChatCompletionRequest
 from lucebox.server.tools import ToolSpec, tool_format
+from lucebox.text.chat_template import render_chat_template
 from tests.conftest import build_hf_model
 from tests.model.test_laguna import LAGUNA
 from tests.server.test_gemma4_chat import _streamed_calls, _tokens_until
 from tests.server_helpers import CORPUS, ForceText, Forcing, ServerThread
 
-TEMPLATE = (Path(__file__).parents[1] / "fixtures" / "laguna_xs2_chat_template.jinja").read_text()
+FIXTURES = Path(__file__).parents[1] / "fixtures"
+TEMPLATE = (FIXTURES / "laguna_xs2_chat_template.jinja").read_text()
+TIGHT_TEMPLATE = (FIXTURES / "laguna_s21_chat_template.jinja").read_text()  # Laguna S 2.1
 EOS, TURN_END = "〈|EOS|〉", "</assistant>"
 SPECIALS = [EOS, "<system>", "</system>", "<user>", "</user>", "<assistant>", "<think>", "</think>", "<tool_call>",
             "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "<tool_response>",
@@ -424,3 +432,38 @@ def test_the_arg_key_grammar_takes_reasoning_then_calls_as_the_template_writes_t
     # Thinking off: the prompt ends in </think>, and the template's newline after it comes first.
     off = factory.tool_calls(tools, "required", "glm", parallel=False, in_reasoning=False, reasoning_closed=True)
     assert accepts(f"\n{CALL}", off) and not accepts(CALL, off) and not accepts(f"\n{CALL}\n{CALL}", off)
+
+
+class _WithTemplate:
+    """A tokenizer as it is, with another chat template."""
+
+    def __init__(self, tokenizer, template: str):
+        self._tokenizer, self.chat_templates = tokenizer, {"default": template}
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+
+def test_laguna_s21_writes_the_tags_without_newlines_and_constrained_calls_follow_it(server):
+    assert taught_spacing({"default": TEMPLATE}) == ("\n", "\n")
+    assert taught_spacing({"default": TIGHT_TEMPLATE}) == ("", "")
+    assert tool_format({"default": TIGHT_TEMPLATE}) == "glm"
+    tight_call = CALL.replace("\n", "")
+    # Its default is thinking on: the prompt ends in <think>, and the output parses as XS.2's does.
+    llm = server.llm
+    prompt = render_chat_template(TIGHT_TEMPLATE, [{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    assert prompt.endswith("<user>hi</user>\n<assistant><think>")
+    out = parse(f"{THOUGHT}</think>{tight_call}{tight_call}", in_reasoning=True, param_schemas=SCHEMAS)
+    assert out.reasoning == THOUGHT and out.content == ""
+    assert [(n, json.loads(a)) for n, a in out.calls] == [("get_weather", {"city": "Paris", "days": 3})] * 2
+    factory = GrammarFactory(_WithTemplate(llm.tokenizer, TIGHT_TEMPLATE), llm.engine.model.config.vocab_size,
+                             llm.engine.eos_token_ids)
+    tools = [ToolSpec("get_weather", parameters=WEATHER["function"]["parameters"])]
+    compiled = factory.tool_calls(tools, "required", "glm", parallel=True, in_reasoning=True)
+
+    def accepts(text: str) -> bool:
+        matcher = xgr.GrammarMatcher(compiled)
+        ids = llm.tokenizer.encode(text, add_special_tokens=False) + [llm.tokenizer.token_to_id(TURN_END)]
+        return all(matcher.accept_token(i) for i in ids) and matcher.is_terminated()
+    assert accepts(f"{THOUGHT}</think>{tight_call}{tight_call}")
+    assert not accepts(f"{THOUGHT}</think>\n{tight_call}")
