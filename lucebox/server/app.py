@@ -27,6 +27,7 @@ from .config import ServerConfig
 from .metrics import Metrics
 from .openapi import openapi_schema
 from .tools import tool_format
+from .turn_end import TurnEnd
 
 log = logging.getLogger("lucebox.server")
 LOOP_PARSE_BYTES = 256 << 10  # bodies larger than this are parsed and validated off the event loop
@@ -40,6 +41,7 @@ class ServerState:
         self.dashboard = dashboard.Dashboard(engine.stats)
         self.grammars = GrammarFactory(self.tokenizer, engine.vocab_size, engine.eos_token_ids)
         self.tool_format = tool_format(self.tokenizer.chat_templates)
+        self.turn_end = TurnEnd.of(self.tokenizer)
         self._request_processors = request_processors
         self.work = WorkLedger(config, engine.stats().kv_capacity_tokens)
 

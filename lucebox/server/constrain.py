@@ -9,6 +9,7 @@ prefix and rolls it back or forward instead of assuming one history.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ import torch
 
 from ..util import common_prefix
 from .errors import APIError
+from .glm_tools import taught_spacing
 from .tools import ToolSpec
 
 try:
@@ -42,9 +44,13 @@ class CallFraming:
 
 _QWEN = CallFraming("<tool_call>", "</think>", "\n\n", "\n")
 # Gemma 4 writes calls straight after its thought channel and after each other (the template's turns).
-FRAMINGS = {"hermes": _QWEN, "xml": _QWEN, "gemma4": CallFraming("<|tool_call>", "<channel|>", "", "")}
+# GLM / Laguna: "</think>\n" before the calls, one call per <tool_call> block, a newline between blocks.
+FRAMINGS = {"hermes": _QWEN, "xml": _QWEN, "gemma4": CallFraming("<|tool_call>", "<channel|>", "", ""),
+            "glm": CallFraming("<tool_call>", "</think>", "\n", "\n")}
 # A Gemma 4 argument may not hold a control marker: <tool_call|> inside a string would end the call.
 GEMMA_ARGUMENT_EXCLUDES = ["<|tool_call>", "<tool_call|>", "<|channel>", "<channel|>"]
+# Nor may an arg_value: </tool_call> would end the call, </assistant> the turn (a stop string for Laguna).
+GLM_ARGUMENT_EXCLUDES = ["<tool_call>", "</tool_call>", "</assistant>"]
 
 
 class GrammarFactory:
@@ -53,6 +59,7 @@ class GrammarFactory:
     def __init__(self, tokenizer, vocab_size: int, eos_ids):
         self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, max(vocab_size, tokenizer.vocab_size), sorted(eos_ids)
         self._compiler = None
+        self._glm_framing: CallFraming | None = None
         self._lock = threading.Lock()
 
     def _get_compiler(self):
@@ -95,11 +102,14 @@ class GrammarFactory:
                 raise APIError(400, f"{param}: cannot compile the JSON schema: {e}", param=param) from e
         raise APIError(400, f"{param}.type must be text, json_object or json_schema, not {kind!r}", param=param)
 
-    def tool_calls(self, tools: list[ToolSpec], choice: str, fmt: str, parallel: bool, in_reasoning: bool):
-        """choice: 'required', 'auto' or a tool name (already checked to exist)."""
+    def tool_calls(self, tools: list[ToolSpec], choice: str, fmt: str, parallel: bool, in_reasoning: bool,
+                   reasoning_closed: bool = False):
+        """choice: 'required', 'auto' or a tool name (already checked to exist). reasoning_closed: the
+        prompt ends in the reasoning end tag itself (Laguna with thinking off), so what the template
+        writes after that tag comes first."""
         compiler = self._get_compiler()
         chosen = tools if choice in ("auto", "required") else [t for t in tools if t.name == choice]
-        framing = FRAMINGS[fmt]
+        framing = self._framing(fmt)
         tags = [_tag(t, fmt) for t in chosen]
         if choice == "auto":
             body = st.TriggeredTagsFormat(triggers=[framing.opens], tags=tags, stop_after_first=not parallel)
@@ -111,10 +121,23 @@ class GrammarFactory:
                 if framing.after_reasoning:
                     elements.append(st.ConstStringFormat(value=framing.after_reasoning))
                 body = st.SequenceFormat(elements=[*elements, body])
+            elif reasoning_closed and framing.after_reasoning:
+                body = st.SequenceFormat(elements=[st.ConstStringFormat(value=framing.after_reasoning), body])
         try:
             return compiler.compile_structural_tag(xgr.StructuralTag(format=body))
         except Exception as e:
             raise APIError(400, f"tools: cannot build a grammar from the tool schemas: {e}", param="tools") from e
+
+    def _framing(self, fmt: str) -> CallFraming:
+        """The format's framing, with the spacing the model's template writes where it varies by model."""
+        if fmt != "glm":
+            return FRAMINGS[fmt]
+        if self._glm_framing is None:
+            spacing = taught_spacing(getattr(self.tokenizer, "chat_templates", {}))
+            default = FRAMINGS[fmt]
+            self._glm_framing = default if spacing is None else dataclasses.replace(
+                default, after_reasoning=spacing[0], between_calls=spacing[1])
+        return self._glm_framing
 
     def processor(self, compiled, n: int) -> GrammarProcessor:
         return GrammarProcessor(compiled, self.vocab_size, pool=n + 1)
@@ -130,6 +153,10 @@ def _tag(tool: ToolSpec, fmt: str):
             raise APIError(400, "Gemma 4 tool calls need xgrammar >= 0.2.9 (its 'gemma' argument style): "
                                 "pip install -U xgrammar", param="tools") from e
         return st.TagFormat(begin=f"<|tool_call>call:{tool.name}", content=content, end="<tool_call|>")
+    if fmt == "glm":  # the name, then <arg_key>/<arg_value> pairs in the schema's order
+        content = st.JSONSchemaFormat(json_schema=schema, style="glm_xml", max_whitespace_cnt=MAX_WHITESPACE,
+                                      excludes=GLM_ARGUMENT_EXCLUDES)
+        return st.TagFormat(begin=f"<tool_call>{tool.name}", content=content, end="</tool_call>")
     if fmt == "xml":
         return st.TagFormat(begin=f"<tool_call>\n<function={tool.name}>\n",
                             content=st.JSONSchemaFormat(json_schema=schema, style="qwen_xml"),

@@ -22,8 +22,16 @@ from ..errors import LuceboxError
 from ..sampling import SamplingParams
 from .constrain import BanTokens
 from .errors import APIError, context_error, from_lucebox
-from .parsing import CALL_OPENS, PARSED_TAGS, Event, OutputParser, opens_reasoning
-from .tools import ToolSpec, param_schemas, template_tools
+from .parsing import (
+    CALL_OPENS,
+    PARSED_TAGS,
+    REASONING_CLOSES,
+    Event,
+    OutputParser,
+    closes_reasoning,
+    opens_reasoning,
+)
+from .tools import ToolSpec, param_schemas, template_tools, tool_format
 
 log = logging.getLogger("lucebox.server")
 KEEPALIVE = object()  # yielded when nothing arrived for config.keepalive seconds
@@ -131,12 +139,15 @@ def render_chat(state, job: ChatJob) -> Prepared:
             raise APIError(400, str(again), param="messages") from again
     ids = tok.encode(text, add_special_tokens=False)
     # A template that opens <think> itself (thinking models) starts the output inside reasoning.
-    in_reasoning = opens_reasoning(text)
+    in_reasoning, after_reasoning = opens_reasoning(text), closes_reasoning(text)
     schemas = param_schemas(job.tools)
+    call_format = getattr(state, "tool_format", None) or tool_format(tok.chat_templates)
 
     def parser() -> OutputParser:
-        return OutputParser(tools=tools_on, in_reasoning=in_reasoning, param_schemas=schemas)
-    return Prepared(text, ids, parser, [_ToolChoice(job, in_reasoning)] if job.tools or job.response_format else [])
+        return OutputParser(tools=tools_on, in_reasoning=in_reasoning, param_schemas=schemas,
+                            call_format=call_format, after_reasoning=after_reasoning)
+    choice = _ToolChoice(job, in_reasoning, text.endswith(REASONING_CLOSES))
+    return Prepared(text, ids, parser, [choice] if job.tools or job.response_format else [])
 
 
 @dataclass
@@ -144,6 +155,7 @@ class _ToolChoice:
     """Placeholder resolved by `build_processors` (needs n and, maybe, a thread for compiling)."""
     job: ChatJob
     in_reasoning: bool
+    reasoning_closed: bool  # the prompt ends in the reasoning end tag itself
 
 
 async def build_processors(state, prepared: Prepared, n: int) -> list:
@@ -161,7 +173,8 @@ async def build_processors(state, prepared: Prepared, n: int) -> list:
                 procs.append(BanTokens(banned))
         elif job.tools and (job.tool_choice != "auto" or state.config.constrain_auto_tools):
             compiled = await asyncio.to_thread(state.grammars.tool_calls, job.tools, job.tool_choice,
-                                               state.tool_format, job.parallel_tool_calls, p.in_reasoning)
+                                               state.tool_format, job.parallel_tool_calls, p.in_reasoning,
+                                               p.reasoning_closed)
         if compiled is None and job.response_format and job.tool_choice in ("auto", "none"):
             compiled = await asyncio.to_thread(state.grammars.response_format, job.response_format)
         if compiled is not None:
@@ -271,6 +284,8 @@ async def generate(state, prepared: Prepared, params: SamplingParams, rid: str) 
     # A request that cannot fit the context is the engine's to refuse, in the context error's wording.
     fits = prompt_len + max_tokens <= state.engine.max_model_len
     work = state.work.admit(params.n, prompt_len, max_tokens) if fits else 0
+    # A chat ends at the template's turn end (Laguna's </assistant>), reported as the model's own end.
+    ours = state.turn_end.add_to(params) if state.turn_end and prepared.parser is not None else set()
     try:
         stream = await state.engine.add_request(rid, prompt, params)
     except BaseException as e:
@@ -327,7 +342,8 @@ async def generate(state, prepared: Prepared, params: SamplingParams, rid: str) 
                     if prepared.parser is not None:
                         events += parsers.get(i, prepared.parser()).finish()
                 if events or lps or o.finish_reason:
-                    yield ChoiceUpdate(i, events, lps, o.finish_reason, o.stop_reason, len(o.token_ids))
+                    stop_reason = None if o.stop_reason in ours else o.stop_reason
+                    yield ChoiceUpdate(i, events, lps, o.finish_reason, stop_reason, len(o.token_ids))
             if out.finished:
                 break
         state.metrics.observe_request(last, _reason(last))

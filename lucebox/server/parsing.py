@@ -9,7 +9,9 @@ yields events that aggregate to the same reasoning, content and calls, so a non-
 Tool-call bodies: Hermes/Qwen JSON (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`) and
 Qwen3-Coder XML (`<function=NAME><parameter=P>value</parameter></function>`, wrapped in
 <tool_call> or bare), recognised by the body's first character whatever the template says; and
-Gemma 4's `<|tool_call>call:NAME{key:value}<tool_call|>` (gemma4_tools.py).
+Gemma 4's `<|tool_call>call:NAME{key:value}<tool_call|>` (gemma4_tools.py). Where the template
+teaches the arg_key format (GLM, Laguna: call_format "glm"), a <tool_call> body that starts with a name
+is read as `NAME<arg_key>K</arg_key><arg_value>V</arg_value>` (glm_tools.py).
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ from .gemma4_tools import CALL_CLOSE as GEMMA_CALL_CLOSE
 from .gemma4_tools import CALL_OPEN as GEMMA_CALL_OPEN
 from .gemma4_tools import QUOTE as GEMMA_QUOTE
 from .gemma4_tools import GemmaCallBlock
+from .glm_tools import TAGS as GLM_TAGS
+from .glm_tools import GlmCallBlock
 from .tool_values import coerce_text
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -34,7 +38,7 @@ PARAM_OPEN, PARAM_CLOSE = "<parameter=", "</parameter>"
 CALL_OPENS = (TOOL_OPEN, GEMMA_CALL_OPEN)  # what opens a call (banned under tool_choice none)
 # The tags the parser reads: where a tokenizer makes one of them special, special tokens stay in the text.
 PARSED_TAGS = (*REASONING_OPENS, *REASONING_CLOSES, "<|channel>", TOOL_OPEN, TOOL_CLOSE, GEMMA_CALL_OPEN,
-               GEMMA_CALL_CLOSE, GEMMA_QUOTE)
+               GEMMA_CALL_CLOSE, GEMMA_QUOTE, *GLM_TAGS)
 # name first, then arguments: the lookahead waits for the value's first character, so whitespace
 # before it never depends on where a chunk ended.
 _JSON_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=[{\[])')
@@ -54,6 +58,12 @@ def opens_reasoning(prompt: str) -> bool:
     return prompt.rstrip().endswith(REASONING_OPENS)
 
 
+def closes_reasoning(prompt: str) -> bool:
+    """Whether a rendered prompt ends by closing reasoning itself (Laguna with thinking off writes
+    `</think>`): the output starts in content, and its leading newline is framing."""
+    return prompt.rstrip().endswith(REASONING_CLOSES)
+
+
 def _held_prefix(text: str, tags) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of one of `tags`."""
     for n in range(min(len(text), max(len(t) for t in tags) - 1), 0, -1):
@@ -64,15 +74,19 @@ def _held_prefix(text: str, tags) -> int:
 
 
 class OutputParser:
-    """One per generated output. `param_schemas[tool][param]` coerces XML parameter strings."""
+    """One per generated output. `param_schemas[tool][param]` coerces XML parameter strings;
+    `call_format` is the template's (tools.tool_format)."""
 
     def __init__(self, *, tools: bool = True, reasoning: bool = True, in_reasoning: bool = False,
-                 param_schemas: dict[str, dict[str, dict]] | None = None):
+                 param_schemas: dict[str, dict[str, dict]] | None = None, call_format: str = "hermes",
+                 after_reasoning: bool = False):
         self.tools, self.reasoning = tools, reasoning
+        self.glm_calls = call_format == "glm"
         self.param_schemas = param_schemas or {}
         self.mode = "reasoning" if in_reasoning else "content"
         self.buf = ""
-        self.strip_lead = in_reasoning  # leading whitespace of a section is not part of it
+        # leading whitespace of a section is not part of it
+        self.strip_lead = in_reasoning or after_reasoning
         self.num_calls = 0
         self.content_seen = False
         self._call: _CallBody | None = None
@@ -172,7 +186,8 @@ class _CallBody:
         self.end_tag = TOOL_CLOSE if wrapped else FUNC_CLOSE
         self.keeps_end_tag = not wrapped  # a bare block's </function> is part of the XML it parses
         self.body = ""
-        self.style: str | None = None  # json | xml
+        self.style: str | None = None  # json | xml | glm
+        self.glm: GlmCallBlock | None = None
         self.index: int | None = None  # the open call's index
         self.opened: list[int] = []
         self.pos = 0  # how far the body has been consumed
@@ -189,8 +204,15 @@ class _CallBody:
             head = self.body.lstrip()
             if not head:
                 return
-            self.style = "xml" if head.startswith("<") else "json"
-        if self.style == "json":
+            if head.startswith("<"):
+                self.style = "xml"
+            elif head.startswith("{") or not self.parser.glm_calls:
+                self.style = "json"
+            else:  # NAME<arg_key>...: the whole body so far goes to the block reader
+                self.style, self.glm, text = "glm", GlmCallBlock(self.parser.param_schemas), self.body
+        if self.style == "glm":
+            self.index = _block_events(self.parser, self.glm.feed(text), out, self.index)
+        elif self.style == "json":
             self._json_progress(out)
         else:
             self._xml_progress(out, final=False)
@@ -302,6 +324,11 @@ class _CallBody:
 
     # ---------------------------------------------------------------- end of block
     def close(self, out: list[Event]) -> None:
+        if self.style == "glm":
+            self.index = _block_events(self.parser, self.glm.close(self.cut_off), out, self.index)
+            if not self.glm.calls:
+                self._as_text(out)
+            return
         if self.style == "xml":
             self._xml_progress(out, final=True)
             if self.index is not None:
@@ -335,22 +362,25 @@ class _GemmaBody:
         self.cut_off = False
 
     def extend(self, text: str, out: list[Event]) -> None:
-        self._events(self.block.feed(text), out)
+        self.index = _block_events(self.parser, self.block.feed(text), out, self.index)
 
     def close(self, out: list[Event]) -> None:
-        self._events(self.block.close(self.cut_off), out)
+        self.index = _block_events(self.parser, self.block.close(self.cut_off), out, self.index)
         if not self.block.calls and not self.cut_off:  # not a call after all: the text as written
             self.parser.content_seen = True
             out.append(Event("content", GEMMA_CALL_OPEN + self.block.text + GEMMA_CALL_CLOSE))
 
-    def _events(self, items: list[tuple[str, str]], out: list[Event]) -> None:
-        for kind, text in items:
-            if kind == "start":
-                self.index = self.parser._new_call(text, out)
-            elif kind == "args":
-                out.append(Event("tool_args", text, call=self.index))
-            else:
-                out.append(Event("tool_end", call=self.index))
+
+def _block_events(parser: OutputParser, items: list[tuple[str, str]], out: list[Event], index) -> int:
+    """A block reader's ("start" | "args" | "end", text) items as events; returns the open call's index."""
+    for kind, text in items:
+        if kind == "start":
+            index = parser._new_call(text, out)
+        elif kind == "args":
+            out.append(Event("tool_args", text, call=index))
+        else:
+            out.append(Event("tool_end", call=index))
+    return index
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """Tools across the three APIs: one ToolSpec shape, the template's tool list, call ids, and which
-native call format (Hermes JSON, Qwen3-Coder XML or Gemma 4's) the model's chat template teaches."""
+native call format (Hermes JSON, Qwen3-Coder XML, Gemma 4's or GLM / Laguna's arg_key tags) the
+model's chat template teaches."""
 from __future__ import annotations
 
 import json
@@ -48,11 +49,14 @@ def template_tools(specs: list[ToolSpec]) -> list[dict] | None:
 
 
 def tool_format(chat_templates: dict[str, str]) -> str:
-    """'gemma4' when the template teaches Gemma 4's <|tool_call>call:NAME{...} calls, 'xml' for
+    """'gemma4' when the template teaches Gemma 4's <|tool_call>call:NAME{...} calls, 'glm' for
+    <tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value> (GLM 4.5+, Laguna), 'xml' for
     Qwen3-Coder's <function=...> calls, else 'hermes' JSON."""
     text = " ".join(chat_templates.values())
     if "<|tool_call>call:" in text:
         return "gemma4"
+    if "<arg_key>" in text:
+        return "glm"
     return "xml" if "<function=" in text else "hermes"
 
 

@@ -16,6 +16,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from lucebox.server.parsing import OutputParser, ParsedOutput
 from lucebox.server.sse import sse
+from lucebox.text.chat_template import render_chat_template
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "10")) * 6
 fuzz = settings(max_examples=EXAMPLES, deadline=None, database=None)
@@ -204,3 +205,59 @@ def test_gemma4_calls_the_template_writes_are_recovered_exactly_in_any_chunks(ca
     well_ordered(events)
     assert [(n, json.loads(a)) for n, a in out.calls] == [(n, a) for n, a in calls]
     assert out.content == before.rstrip()
+
+
+# ---------------------------------------------------------------------------------------------- arg_key (GLM, Laguna)
+GLM_PIECES = ["<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "<arg_",
+              "</arg", "_value>", "f\n", "g", "a", "b", "\n", " ", "<", ">", "/", "{", "}", '"', "1", "true", "null",
+              "<think>", "</think>"]
+glm_texts = st.lists(st.one_of(st.sampled_from(GLM_PIECES), st.text(max_size=4)), max_size=40).map("".join)
+
+
+@fuzz
+@given(text=glm_texts, cuts=st.lists(st.integers(0, 400), max_size=12), schema=schemas, in_reasoning=st.booleans())
+@example(text="<tool_call>f<arg_key>a</arg_key><arg_value>NaN</arg_value></tool_call>", cuts=[],
+         schema={"type": "number"}, in_reasoning=False)
+def test_arg_key_arguments_are_json_objects_whatever_the_text(text, cuts, schema, in_reasoning):
+    """Any text, cut anywhere, gives the same calls whole or chunked, and every call's arguments are
+    a standard JSON object (closed where the text stopped)."""
+    kwargs = dict(call_format="glm", in_reasoning=in_reasoning, param_schemas={"f": {"a": schema, "b": schema}})
+    whole, _ = parse(text, [], **kwargs)
+    chunked, events = parse(text, cuts, **kwargs)
+    assert chunked == whole
+    well_ordered(events)
+    for _, arguments in whole.calls:
+        assert isinstance(json.loads(arguments, parse_constant=reject), dict)
+
+
+LAGUNA_TEMPLATE = (Path(__file__).parents[1] / "fixtures" / "laguna_xs2_chat_template.jinja").read_text()
+# What the template can write and a model may say: no string holds a tag that frames it.
+glm_strings = st.text(max_size=8).filter(lambda t: not re.search(r"</?(arg_value|arg_key|tool_call)>", t))
+glm_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | glm_strings,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=10)
+JSON_TYPE_OF = {type(None): "null", bool: "boolean", int: "integer", float: "number", str: "string", list: "array",
+                dict: "object"}
+
+
+def render_laguna_calls(calls) -> str:
+    """The assistant turn Laguna's chat template writes for these calls (what the model learned)."""
+    messages = [{"role": "user", "content": "go"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": name, "arguments": args}} for name, args in calls]}]
+    prompt = render_chat_template(LAGUNA_TEMPLATE, messages, add_generation_prompt=False)
+    turn = "<assistant>\n</think>\n"
+    return prompt[prompt.index(turn) + len(turn):prompt.rindex("</assistant>")]
+
+
+@fuzz
+@given(calls=st.lists(st.tuples(names, st.dictionaries(identifiers, glm_values, max_size=4)), min_size=1, max_size=3),
+       before=st.text(max_size=10).filter(lambda t: "<" not in t), cuts=st.lists(st.integers(0, 2000), max_size=15))
+def test_arg_key_calls_the_template_writes_are_recovered_exactly_in_any_chunks(calls, before, cuts):
+    """Strings raw, the rest JSON: each parameter's declared type reads it back as it was."""
+    text = before + render_laguna_calls(calls)
+    schemas = {name: {k: {"type": JSON_TYPE_OF[type(v)]} for k, v in args.items()} for name, args in calls}
+    out, events = parse(text, cuts, call_format="glm", param_schemas=schemas, after_reasoning=True)
+    well_ordered(events)
+    assert [(n, json.loads(a)) for n, a in out.calls] == [(n, a) for n, a in calls]
+    assert out.content == before.strip()
