@@ -79,9 +79,9 @@ mode_hybrid_all() {
 #: gemma-laguna issue 27: bench speed of gemma4-31b, gemma4-26b-a4b, laguna-xs-33b (random weights, q4_k_m) with
 #:              prefill 4096 and decode at 512 and 32768: the decode rows show the KV each sequence holds
 #:              (sliding-window layers only their window), 185 s a shape; SHAPES / QUANT / CONTEXTS / REPEATS
-#:              override (128K: CONTEXTS="512 131072" REPEATS=1, one shape a call). --no-peer here: gemma4's
-#:              llama.cpp rows come from RUNS="gemma4-31b:q4_k_m gemma4-26b-a4b:q4_k_m" hybrid-all (or
-#:              SHAPES=... hybrid where llama-bench is unpacked); laguna has no peer GGUF writer yet
+#:              override (128K: CONTEXTS="512 131072" REPEATS=1, one shape a call). --no-peer here: their
+#:              llama.cpp rows come from RUNS="gemma4-31b:q4_k_m gemma4-26b-a4b:q4_k_m laguna-xs-33b:q4_k_m"
+#:              hybrid-all (which builds llama-bench), or SHAPES=... hybrid where llama-bench is unpacked
 mode_gemma_laguna() {
   local shape
   for shape in ${SHAPES:-gemma4-31b gemma4-26b-a4b laguna-xs-33b}; do
