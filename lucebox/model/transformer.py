@@ -272,6 +272,11 @@ class Transformer(nn.Module):
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final hidden states -> float32 logits (a family may post-process: Gemma 4 soft-caps)."""
+        return self.head_logits(hidden)
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head's product alone, float32: what a DFlash drafter's logits start from."""
         head = self.embed_tokens if self.config.tie_word_embeddings else self.lm_head
         if isinstance(head, nn.Embedding):
             return F.linear(hidden, head.weight).float()

@@ -5,43 +5,17 @@ Greedy output equals plain decoding for DFlash, draft-model and n-gram speculati
 batch whose verifies accept different lengths, with rejected drafts rolled back across the sliding
 groups' block boundaries after blocks behind the window went back to the pool, and with a prefix-cache
 hit. Sampled output follows the target's distribution (tests/spec/test_spec.py's chi-square test).
-
-The DFlash drafter's block input and logits follow the published reference (PyPI `dflash` 0.1.0,
-z-lab's DFlashDraftModel / dflash_generate): the block is the target's *raw* embedding rows times the
-drafter config's `input_embedding_scale` (Gemma's sqrt(hidden) scaling and its per-layer inputs are
-the target's forward, not the drafter's), and the logits are the target's LM head times
-`output_multiplier`, soft-capped by the *drafter's* `final_logit_softcapping` (not the target's)."""
+The drafter against the published reference, and drafter training: tests/spec/test_dflash_gemma4.py."""
 from __future__ import annotations
 
-import itertools
-import json
-
 import pytest
-import torch
 
 from lucebox import LLM, SamplingParams
 from tests.conftest import build_hf_model
-from tests.model.test_gemma4 import DENSE, MOE, build
-from tests.model.test_laguna import build_laguna
 from tests.model.test_qwen3_5 import BLOCK_SIZE, prompts
 from tests.spec_fixtures import write_dflash_drafter
 
 K = 3  # drafts per verify: a verify row of 4 positions, one block
-
-
-@pytest.fixture(scope="module")
-def targets(tmp_path_factory, tokenizer_dir) -> dict:
-    """Built on first use: family -> checkpoint directory."""
-    made: dict = {}
-
-    def get(family: str):
-        if family not in made:
-            if family == "laguna":
-                made[family] = build_laguna(tmp_path_factory.mktemp("laguna"), tokenizer_dir)
-            else:
-                made[family] = build(tmp_path_factory, tokenizer_dir, family, DENSE if family == "gemma4" else MOE)[0]
-        return made[family]
-    return get
 
 
 def repetitive_prompts(vocab: int) -> list[list[int]]:
@@ -135,3 +109,51 @@ def test_greedy_speculation_in_a_continuous_batch_equals_plain_decoding(method, 
     assert sum(m.accepted_per_position[0] - m.accepted_per_position[-1] for m in metrics) > 0  # some
     assert sum(m.accepted_per_position[-1] for m in metrics) > 0  # all
     assert any(released and dropped for released, dropped in rollbacks), (len(rollbacks), rollbacks)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sampled speculation follows the target's distribution
+
+SMALL_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+              "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 1e6}}
+# Windows of 3: the prompt (5 tokens) and the sampled tokens run past them.
+SMALL = {
+    "gemma4": ("gemma4_text", 4, {
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        "sliding_window": 3, "global_head_dim": 16, "num_kv_shared_layers": 1, "hidden_size_per_layer_input": 4,
+        "final_logit_softcapping": 30.0, "hidden_activation": "gelu_pytorch_tanh", "rope_parameters": SMALL_ROPE}),
+    "laguna": ("laguna", 3, {
+        "layer_types": ["full_attention", "sliding_attention", "sliding_attention"], "sliding_window": 3,
+        "num_attention_heads_per_layer": [4, 2, 4], "mlp_layer_types": ["dense", "sparse", "sparse"],
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+        "shared_expert_intermediate_size": 16, "max_position_embeddings": 64}),
+}
+
+
+@pytest.mark.parametrize("family, method", [("gemma4", "dflash"), ("laguna", "draft_model"), ("laguna", "dflash")])
+def test_sampled_tokens_follow_the_target_distribution(family, method, tmp_path):
+    """tests/spec/test_spec.py's chi-square test of speculative sampling (a DFlash drafter's
+    deterministic drafts, or a draft model's sampled ones with their residual resampling) on a
+    small-vocabulary Gemma 4 and Laguna whose windows the samples run past."""
+    from tests.spec.test_spec import (
+        PROMPT,
+        chi_square_rejects,
+        exact_pair_distribution,
+        sample_pairs,
+    )
+    from tests.spec_fixtures import peaked_model, small_vocab_tokenizer
+    tok = small_vocab_tokenizer(tmp_path / "tok", ["a", "b", "c", "d", "e", "f"])
+    model_type, layers, overrides = SMALL[family]
+    target = peaked_model(tmp_path / "t", tok, layers=layers, seed=1, model_type=model_type, **overrides)
+    if method == "dflash":
+        drafter = write_dflash_drafter(target, tmp_path / "d", taps=(0, 2), block_size=3,
+                                       **({"final_logit_softcapping": 30.0} if family == "gemma4" else {}))
+    else:
+        drafter = peaked_model(tmp_path / "d", tok, layers=1, seed=2)
+    config = {"method": method, "num_speculative_tokens": 2, "adaptive": False, "model": str(drafter)}
+    llm = LLM(str(target), speculative_config=config, max_num_seqs=1024, max_num_batched_tokens=8192)
+    samples = 1000
+    counts = sample_pairs(llm, PROMPT, samples)
+    rejected, stat, critical = chi_square_rejects(counts, exact_pair_distribution(target, PROMPT), samples)
+    assert not rejected, (stat, critical)
+    assert llm.engine.step_counts["verify"] > 0
