@@ -118,7 +118,10 @@ def train_drafter(args: TrainDrafterArgs) -> TrainResult:
     # bf16 autocast for any 16-bit target: bf16's range needs no loss scaling, even under an fp16 target.
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if target.dtype != torch.float32
                 else nullcontext())
-    head = lm_head(target)
+    raw_head = lm_head(target)
+
+    def head(hidden: torch.Tensor) -> torch.Tensor:  # the logits the engine drafts from (multiplier, soft-cap)
+        return drafter.logits(raw_head(hidden))
     weights = blocks.slot_weights(cfg.block_size, args.gamma or blocks.default_gamma(cfg.block_size), device)
     eval_every = args.eval_every if args.eval_every is not None else max(1, steps // 10)
     per_epoch = max(1, math.ceil(len(train) / args.batch_size))
