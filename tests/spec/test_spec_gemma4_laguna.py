@@ -8,7 +8,10 @@ hit. Sampled output follows the target's distribution (tests/spec/test_spec.py's
 The drafter against the published reference, and drafter training: tests/spec/test_dflash_gemma4.py."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
+import torch
 
 from lucebox import LLM, SamplingParams
 from tests.conftest import build_hf_model
@@ -84,14 +87,49 @@ def test_greedy_speculation_in_a_continuous_batch_equals_plain_decoding(method, 
     released. A second round extends each prompt with its output: a prefix-cache hit. Plain decoding
     without prefix caching is the reference for both rounds."""
     target = targets(family)
-    plain = LLM(str(target), block_size=BLOCK_SIZE, max_num_seqs=4, enable_prefix_caching=False)
+    check_lossless(target, spec_config(method, target, tmp_path, tokenizer_dir), monkeypatch)
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs")
+
+
+@pytest.mark.parametrize("family", ["gemma4", "laguna"])
+@pytest.mark.parametrize("graphs", ["static", pytest.param("captured", marks=gpu)])
+def test_greedy_speculation_through_graphs_equals_plain_decoding(graphs, family, targets, tmp_path, tokenizer_dir,
+                                                                 monkeypatch):
+    """The same through the padded graph batches of the target (window groups' tables) and of the
+    drafter: on the CPU their static bodies run eagerly, on a GPU as captured CUDA graphs."""
+    from tests.spec.test_dflash_graphs import static_graphs
+    target = targets(family)
+    device = "cuda" if graphs == "captured" else "cpu"
+
+    def static_bodies(llm):  # CPU: the graph runners' padded static batches, run eagerly
+        engine, prop = llm.engine, llm.engine.speculator.proposer
+        assert engine.runner.graphs is None and prop.graphs is None  # nothing captured on the CPU
+        engine.runner.attach_graphs(replace(engine._graph_settings(), capture=False))
+        prop.graphs = static_graphs(prop, engine.runner.num_blocks, engine.max_model_len)
+    spec = check_lossless(target, spec_config("dflash", target, tmp_path, tokenizer_dir), monkeypatch,
+                          static_bodies if graphs == "static" else None, device=device, dtype="float32",
+                          cuda_graphs=True, kv_cache_memory=16 << 20)
+    replays = spec.engine.runner.graphs.replays
+    assert any(q == K + 1 for _, q in replays) and any(q == 1 for _, q in replays)  # verify and decode buckets
+    assert spec.engine.speculator.proposer.graphs.replays > 0
+
+
+def check_lossless(target, config: dict, monkeypatch, setup=None, **llm_args):
+    """Two rounds of four prompts (the second extending the first with its whole output) through a
+    speculative LLM equal plain decoding without prefix caching; returns the speculative LLM."""
+    plain = LLM(str(target), block_size=BLOCK_SIZE, max_num_seqs=4, enable_prefix_caching=False, **llm_args)
     first = repetitive_prompts(plain.engine.loaded.config.vocab_size)
     want_first = [o.outputs[0].token_ids for o in greedy(plain, first)]
     second = [p + w + [7] for p, w in zip(first, want_first)]  # the whole reply: its last window is held
     want_second = [o.outputs[0].token_ids for o in greedy(plain, second)]
+    del plain
 
     spec = LLM(str(target), block_size=BLOCK_SIZE, max_num_seqs=4, max_num_batched_tokens=32,
-               speculative_config=spec_config(method, target, tmp_path, tokenizer_dir))
+               speculative_config=config, **llm_args)
+    if setup is not None:
+        setup(spec)
     speculator, cache = spec.engine.speculator, spec.engine.scheduler.cache
     assert cache.window_pools, "the target mixes sliding-window and full attention"
     want = {tuple(p): w for p, w in zip(first + second, want_first + want_second)}
@@ -109,6 +147,7 @@ def test_greedy_speculation_in_a_continuous_batch_equals_plain_decoding(method, 
     assert sum(m.accepted_per_position[0] - m.accepted_per_position[-1] for m in metrics) > 0  # some
     assert sum(m.accepted_per_position[-1] for m in metrics) > 0  # all
     assert any(released and dropped for released, dropped in rollbacks), (len(rollbacks), rollbacks)
+    return spec
 
 
 # ---------------------------------------------------------------------------------------------------
