@@ -15,5 +15,6 @@ mode_check() {
 mode_check_new() {
   run_tests gpu-tests-new "${SECONDS_CHECK:-540}" tests/kernels/test_gated_delta.py tests/kernels/test_triton_moe.py \
     tests/spec/test_dflash_graphs.py tests/model/test_laguna_graphs.py tests/model/test_qwen3_5_graphs.py \
-    tests/engine/test_hybrid_prefix.py tests/model/test_gemma4.py tests/engine/test_sliding_window_mixed.py
+    tests/engine/test_hybrid_prefix.py tests/model/test_gemma4.py tests/engine/test_sliding_window_mixed.py \
+    tests/spec/test_spec_gemma4_laguna.py::test_greedy_speculation_through_graphs_equals_plain_decoding
 }
