@@ -85,9 +85,11 @@ def test_greedy_speculation_in_a_continuous_batch_equals_plain_decoding(method, 
     """Four sequences past the sliding window; verifies accept none, some or all of their drafts, and
     rollbacks of rejected drafts drop window-group blocks after blocks behind the window were
     released. A second round extends each prompt with its output: a prefix-cache hit. Plain decoding
-    without prefix caching is the reference for both rounds."""
+    without prefix caching is the reference for both rounds; transformers' hidden states for the
+    taps DFlash is handed (every step's: mixed-window targets never recompute them)."""
     target = targets(family)
-    check_lossless(target, spec_config(method, target, tmp_path, tokenizer_dir), monkeypatch)
+    check_lossless(target, spec_config(method, target, tmp_path, tokenizer_dir), monkeypatch,
+                   check_taps=method == "dflash")
 
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs")
@@ -116,7 +118,7 @@ def test_greedy_speculation_through_graphs_equals_plain_decoding(graphs, family,
     assert spec.engine.speculator.proposer.graphs.replays > 0
 
 
-def check_lossless(target, config: dict, monkeypatch, setup=None, **llm_args):
+def check_lossless(target, config: dict, monkeypatch, setup=None, check_taps: bool = False, **llm_args):
     """Two rounds of four prompts (the second extending the first with its whole output) through a
     speculative LLM equal plain decoding without prefix caching; returns the speculative LLM."""
     plain = LLM(str(target), block_size=BLOCK_SIZE, max_num_seqs=4, enable_prefix_caching=False, **llm_args)
@@ -135,6 +137,7 @@ def check_lossless(target, config: dict, monkeypatch, setup=None, **llm_args):
     want = {tuple(p): w for p, w in zip(first + second, want_first + want_second)}
     corrupted_oracle(monkeypatch, speculator, want, spec.engine.loaded.config.vocab_size)
     rollbacks = record_window_rollbacks(monkeypatch, cache)
+    taps = record_taps(monkeypatch, speculator.proposer) if check_taps else None
     outs = greedy(spec, first)
     assert [o.outputs[0].token_ids for o in outs] == want_first
     hits = cache.blocks.hits
@@ -147,7 +150,40 @@ def check_lossless(target, config: dict, monkeypatch, setup=None, **llm_args):
     assert sum(m.accepted_per_position[0] - m.accepted_per_position[-1] for m in metrics) > 0  # some
     assert sum(m.accepted_per_position[-1] for m in metrics) > 0  # all
     assert any(released and dropped for released, dropped in rollbacks), (len(rollbacks), rollbacks)
+    if check_taps:
+        assert speculator.every_step and speculator.policy.catch_up == 0
+        assert_taps_are_the_targets(taps, outs, target)
     return spec
+
+
+def record_taps(monkeypatch, proposer) -> dict:
+    """Every (start, features) the drafter is handed, per sequence (by its prompt)."""
+    seen: dict[tuple, list] = {}
+    observe = proposer.observe
+
+    def recording(seq, start, features):
+        seen.setdefault(tuple(seq.prompt_token_ids), []).append((start, features.clone()))
+        observe(seq, start, features)
+    monkeypatch.setattr(proposer, "observe", recording)
+    return seen
+
+
+def assert_taps_are_the_targets(seen: dict, outputs, target):
+    """Each chunk of taps equals transformers' hidden states after the tapped layers (0, 2) at its
+    positions; chunks never overlap and reach the last computed position (a prefix-cache hit's
+    cached positions come from the sequence that computed them)."""
+    from transformers import AutoModelForCausalLM
+    reference = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    for out in outputs:
+        tokens = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+        chunks = seen[tuple(out.prompt_token_ids)]
+        ends = [start + f.shape[0] for start, f in chunks]
+        assert all(end <= start for end, (start, _) in zip(ends, chunks[1:])) and ends[-1] == len(tokens) - 1
+        with torch.no_grad():
+            hidden = reference(torch.tensor([tokens[:-1]]), output_hidden_states=True).hidden_states
+        want = torch.cat([hidden[1][0], hidden[3][0]], dim=-1)
+        for start, features in chunks:
+            assert (features - want[start:start + features.shape[0]]).abs().max().item() <= 1e-4
 
 
 # ---------------------------------------------------------------------------------------------------
