@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from lucebox import LLM, SamplingParams
-from tests.conftest import build_hf_model
 from tests.model.test_qwen3_5 import BLOCK_SIZE, prompts
 from tests.spec_fixtures import write_dflash_drafter
 
@@ -68,27 +67,31 @@ def record_window_rollbacks(monkeypatch, cache) -> list:
     return seen
 
 
-def spec_config(method: str, target, tmp_path, tokenizer_dir) -> dict:
+# Draft models of the other family: mixed-window drafts (their own KV, unbounded) beside the target's.
+DRAFT_MODELS = {"gemma4": "laguna", "gemma4-moe": "gemma4", "laguna": "gemma4-moe"}
+
+
+def spec_config(method: str, target, tmp_path, targets=None, family: str = "") -> dict:
     if method == "ngram":
         return {"method": "ngram", "prompt_lookup_min": 1, "num_speculative_tokens": K, "adaptive": False}
     if method == "dflash":
         drafter = write_dflash_drafter(target, tmp_path / "dflash", taps=(0, 2), block_size=K + 1)
     else:
-        drafter = build_hf_model("qwen3", tmp_path / "draft", tokenizer_dir, seed=5, num_hidden_layers=1)
+        drafter = targets(DRAFT_MODELS[family])
     return {"method": method, "model": str(drafter), "num_speculative_tokens": K, "adaptive": False}
 
 
 @pytest.mark.parametrize("family", ["gemma4", "gemma4-moe", "laguna"])
 @pytest.mark.parametrize("method", ["dflash", "draft_model", "ngram"])
 def test_greedy_speculation_in_a_continuous_batch_equals_plain_decoding(method, family, targets, tmp_path,
-                                                                        tokenizer_dir, monkeypatch):
+                                                                        monkeypatch):
     """Four sequences past the sliding window; verifies accept none, some or all of their drafts, and
     rollbacks of rejected drafts drop window-group blocks after blocks behind the window were
     released. A second round extends each prompt with its output: a prefix-cache hit. Plain decoding
     without prefix caching is the reference for both rounds; transformers' hidden states for the
     taps DFlash is handed (every step's: mixed-window targets never recompute them)."""
     target = targets(family)
-    check_lossless(target, spec_config(method, target, tmp_path, tokenizer_dir), monkeypatch,
+    check_lossless(target, spec_config(method, target, tmp_path, targets, family), monkeypatch,
                    check_taps=method == "dflash")
 
 
@@ -97,8 +100,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA gr
 
 @pytest.mark.parametrize("family", ["gemma4", "laguna"])
 @pytest.mark.parametrize("graphs", ["static", pytest.param("captured", marks=gpu)])
-def test_greedy_speculation_through_graphs_equals_plain_decoding(graphs, family, targets, tmp_path, tokenizer_dir,
-                                                                 monkeypatch):
+def test_greedy_speculation_through_graphs_equals_plain_decoding(graphs, family, targets, tmp_path, monkeypatch):
     """The same through the padded graph batches of the target (window groups' tables) and of the
     drafter: on the CPU their static bodies run eagerly, on a GPU as captured CUDA graphs."""
     from tests.spec.test_dflash_graphs import static_graphs
@@ -110,7 +112,7 @@ def test_greedy_speculation_through_graphs_equals_plain_decoding(graphs, family,
         assert engine.runner.graphs is None and prop.graphs is None  # nothing captured on the CPU
         engine.runner.attach_graphs(replace(engine._graph_settings(), capture=False))
         prop.graphs = static_graphs(prop, engine.runner.num_blocks, engine.max_model_len)
-    spec = check_lossless(target, spec_config("dflash", target, tmp_path, tokenizer_dir), monkeypatch,
+    spec = check_lossless(target, spec_config("dflash", target, tmp_path), monkeypatch,
                           static_bodies if graphs == "static" else None, device=device, dtype="float32",
                           cuda_graphs=True, kv_cache_memory=16 << 20)
     replays = spec.engine.runner.graphs.replays
