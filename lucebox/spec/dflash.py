@@ -227,7 +227,7 @@ class DFlashProposer(Proposer):
         dtype = self.target.model.dtype
         context = [(kc.gather(slots, dtype), vc.gather(slots, dtype)) for kc, vc in self.caches]
         ids = host_to_device([seq.last_token] + [self.mask_token_id] * (self.block_size - 1), device)
-        x = self.drafter.block_input(self.target.model.embed_tokens, ids)
+        x = self.drafter.block_input(self.target.model, ids)
         positions = torch.arange(anchor, anchor + self.block_size, device=device)
         hidden = self.drafter.blocks(x, positions, context, torch.arange(anchor, device=device),
                                      position_bound=anchor + self.block_size)

@@ -9,7 +9,7 @@ Layout, following the spelling DFlash GGUF drafters already use (general.archite
             dflash.n_target_features (taps x hidden), dflash.n_target_layers when known,
             dflash.is_causal when the config sets it (else sliding layers are the causal ones);
             final_logit_softcapping, dflash.input_embedding_scale / output_multiplier and
-            dflash.hidden_act where they differ from none / 1 / 1 / silu.
+            dflash.hidden_act where set / not 1 / not silu.
   tensors   dflash_fc.weight, dflash_hidden_norm.weight, output_norm.weight (the drafter's final
             norm) and blk.N.* with llama.cpp's layer names; no embedding and no LM head.
 Matrices are F16 or Q8_0 (a matrix whose rows are not whole Q8_0 blocks stays F16, as in
@@ -145,9 +145,10 @@ def _write_metadata(w: GGUFWriter, cfg: DFlashConfig, src: Path, want: Q) -> Non
         w.add_bool(f"{ARCH}.dflash.is_causal", cfg.is_causal)
     if cfg.final_logit_softcapping is not None:
         w.add_float32(f"{ARCH}.final_logit_softcapping", cfg.final_logit_softcapping)
-    for name in ("input_embedding_scale", "output_multiplier"):
-        if getattr(cfg, name) != 1.0:
-            w.add_float32(f"{ARCH}.dflash.{name}", getattr(cfg, name))
+    if cfg.input_embedding_scale is not None:
+        w.add_float32(f"{ARCH}.dflash.input_embedding_scale", cfg.input_embedding_scale)
+    if cfg.output_multiplier != 1.0:
+        w.add_float32(f"{ARCH}.dflash.output_multiplier", cfg.output_multiplier)
     if cfg.activation != "silu":
         w.add_string(f"{ARCH}.dflash.hidden_act", cfg.activation)
 
@@ -214,7 +215,7 @@ def read_gguf_config(meta: Metadata) -> DFlashConfig:
         raise CheckpointError(f"{meta.path}: {key('dflash.hidden_act')} {activation!r:.80} is not supported")
     return DFlashConfig(model, [int(t) for t in taps], meta.integer(key("dflash.mask_token_id"), required=True),
                         meta.integer(key("dflash.block_size"), 16), meta.integer(key("dflash.n_target_layers"), None),
-                        causal, input_embedding_scale=meta.number(key("dflash.input_embedding_scale"), 1.0),
+                        causal, input_embedding_scale=meta.number(key("dflash.input_embedding_scale"), None),
                         output_multiplier=meta.number(key("dflash.output_multiplier"), 1.0),
                         final_logit_softcapping=meta.number(key("final_logit_softcapping"), None),
                         activation=ACTIVATIONS[activation])

@@ -180,7 +180,7 @@ class DrafterGraphs:
         slots = table[ctx_pos // bs] * bs + ctx_pos % bs
         dtype = self.target.dtype
         kv = [(k.gather(slots, dtype), v.gather(slots, dtype)) for k, v in self.caches]
-        x = self.drafter.block_input(self.target.embed_tokens, torch.cat([inputs[:1], self.mask_ids]))
+        x = self.drafter.block_input(self.target, torch.cat([inputs[:1], self.mask_ids]))
         mask = torch.cat([(ctx_pos < anchor).expand(self.block, context), self.block_visible], dim=1)
         hidden = self.drafter.blocks(x, anchor + self.offsets, kv, ctx_pos, mask, self.position_bound)
         logits = self.drafter.logits(self.target.head_logits(hidden[1:]))

@@ -8,13 +8,18 @@ from the block only; a block sees all its context and itself (non-causal). The d
 embedding or LM head: the block input is the target's embedding of [anchor, MASK, ...], and the
 logits are the target's LM head over the drafter's final norm.
 
-The block input and the logits follow the reference's generate loop (PyPI `dflash` 0.1.0): the
-block rows are the target's *raw* embedding rows times the config's `input_embedding_scale` (1 when
-absent; a Gemma target's own sqrt(hidden) input scaling and per-layer inputs belong to its forward,
-not to the drafter's input), and the logits are the target's LM head times `output_multiplier`,
-then tanh-soft-capped by the drafter config's `final_logit_softcapping` -- the drafter's, not the
-target's (z-lab's Gemma 4 drafter sets 30, as its target does). Its MLP takes the config's
-`hidden_act` (silu, or Gemma's gelu_pytorch_tanh), as the reference's Qwen3MLP does.
+Block input. z-lab's reference loop and training code embed the block with the target's embedding
+module, `target.model.embed_tokens(ids)`, which in transformers' Gemma 4 scales the rows by
+sqrt(hidden_size) (Gemma4TextScaledWordEmbedding): a Gemma 4 drafter was trained on scaled rows, and
+vLLM's qwen3_dflash (embed_normalizer) and Lucebox's C++ Gemma 4 drafter scale them too. PyPI
+`dflash` 0.1.0 instead takes the *raw* rows times the config's `input_embedding_scale`. So: with
+that key, raw rows times it (0.1.0); without it, the rows the target's first layer receives
+(target.embed: Gemma 4 scaled, others as they are) -- 0.1.0 would take raw rows there, which on a
+Gemma 4 target contradicts how its drafters were trained. Per-layer inputs stay the target's.
+Logits (0.1.0): the target's LM head times `output_multiplier`, then tanh-soft-capped by the
+drafter config's `final_logit_softcapping` -- the drafter's, not the target's (z-lab's Gemma 4
+drafter carries 30, its target's value). The MLP takes the config's `hidden_act` (silu, or Gemma's
+gelu_pytorch_tanh), as the reference's Qwen3MLP does.
 
 Published layouts read here: the Qwen3 drafters (`rope_theta` + `rope_scaling`, full attention)
 and the Qwen3.5/3.6 ones for hybrid targets (transformers 5's `rope_parameters`, mask id 248070,
@@ -52,7 +57,7 @@ class DFlashConfig:
     num_target_layers: int | None = None
     is_causal: bool | None = None  # the config's key: None = causal exactly in the sliding layers
     kinds: list[str] | None = None  # the config's layer_types (None: from the windows)
-    input_embedding_scale: float = 1.0  # block rows = the target's raw embedding rows times this
+    input_embedding_scale: float | None = None  # block rows = raw rows times this (None: target.embed)
     output_multiplier: float = 1.0  # logits = the target's LM head times this, then soft-capped:
     final_logit_softcapping: float | None = None
     activation: str = "silu"  # the MLP's: silu or gelu_pytorch_tanh
@@ -110,8 +115,9 @@ class DFlashConfig:
         if causal is not None and not isinstance(causal, bool):
             raise CheckpointError(f"{where}: is_causal must be true, false or absent, got {causal!r:.80}")
         kinds = raw.get("layer_types")
-        scale, multiplier = (_number(pick(name, default=1.0), name, where, positive=True)
-                             for name in ("input_embedding_scale", "output_multiplier"))
+        scale = pick("input_embedding_scale")
+        scale = None if scale is None else _number(scale, "input_embedding_scale", where, positive=True)
+        multiplier = _number(pick("output_multiplier", default=1.0), "output_multiplier", where, positive=True)
         cap = pick("final_logit_softcapping")  # none, or <= 0: no cap, as in the reference
         cap = None if cap is None or _number(cap, "final_logit_softcapping", where) <= 0 else float(cap)
         return cls(cfg, [int(t) for t in taps], mask, int(block),
@@ -128,7 +134,7 @@ class DFlashConfig:
             layout["sliding_window"] = windows.pop()
         if self.is_causal is not None:
             layout["is_causal"] = self.is_causal
-        for name, default in (("input_embedding_scale", 1.0), ("output_multiplier", 1.0),
+        for name, default in (("input_embedding_scale", None), ("output_multiplier", 1.0),
                               ("final_logit_softcapping", None)):
             if getattr(self, name) != default:
                 layout[name] = getattr(self, name)
@@ -223,12 +229,11 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(m.hidden_size, m.rms_norm_eps)
         self.rope = RopeTable(m.rope, m.head_dim)
 
-    def block_input(self, embed_tokens, ids: torch.Tensor) -> torch.Tensor:
-        """The block's rows: the target's raw embedding rows (embed_tokens: its table, not its forward)
-        times input_embedding_scale."""
-        x = embed_tokens(ids)
+    def block_input(self, target, ids: torch.Tensor) -> torch.Tensor:
+        """The block's rows from the target model's embedding: raw rows times input_embedding_scale
+        when the config sets it, else what the target's first layer receives (module note)."""
         scale = self.config.input_embedding_scale
-        return x if scale == 1.0 else x * scale
+        return target.embed(ids) if scale is None else target.embed_tokens(ids) * scale
 
     def logits(self, head_logits: torch.Tensor) -> torch.Tensor:
         """The target's LM head over the drafter's hidden states (float32) -> the drafter's logits."""

@@ -69,7 +69,7 @@ def draft_hidden(drafter, embed, features: torch.Tensor, ids: torch.Tensor, anch
     """Final (normed) drafter hidden states of every block: [S, N, B, hidden].
 
     features [S, T, taps*hidden] target features of positions 0..T-1; ids [S, T]; anchors [S, N];
-    embed: the target's (frozen) token embedding table (the drafter scales its rows: block_input).
+    embed: ids -> the block's input rows from the target's frozen embedding (DFlashDrafter.block_input).
 
     Norms, RoPE and the MLP are written out here in plain torch (the reference formulas of
     lucebox.kernels) rather than called through the drafter's modules: kernels/ may route those to
@@ -87,7 +87,7 @@ def draft_hidden(drafter, embed, features: torch.Tensor, ids: torch.Tensor, anch
     cos_b, sin_b = drafter.rope.lookup(blk_pos, torch.float32)
     block_ids = torch.full((S, N, B), mask_token_id, dtype=torch.int64, device=device)
     block_ids[:, :, 0] = ids.gather(1, anchors)
-    x = drafter.block_input(embed, block_ids).reshape(S * N * B, D)
+    x = embed(block_ids).reshape(S * N * B, D)
     act = F.silu if drafter.config.activation == "silu" else partial(F.gelu, approximate="tanh")
     visible = ctx_pos[None, None, :] < anchors[..., None]  # [S, N, T]: context strictly before the anchor
     c_flat = c.reshape(S * T, D)

@@ -10,7 +10,7 @@ Drafter training (`lucebox train-drafter`) on these targets: their taps, one ste
 from __future__ import annotations
 
 import json
-import math
+from functools import partial
 
 import pytest
 import torch
@@ -57,8 +57,10 @@ def write_reference_drafter(target, out, dtype=torch.float32, **changes):
 
 def reference_draft_logits(target_model, drafter, tokens: list[int], k: int) -> torch.Tensor:
     """dflash_generate's draft step: the taps of every committed position, the block [anchor, MASK..]
-    from the target's raw embedding rows times input_embedding_scale, the drafter, then its
-    compute_logits over the target's LM head."""
+    embedded, the drafter, then its compute_logits over the target's LM head. The block embedding:
+    with input_embedding_scale, 0.1.0's raw rows times it; without, z-lab's original loop and training
+    code's `target.model.embed_tokens(ids)` (transformers' Gemma 4: scaled by sqrt(hidden)), which
+    0.1.0 replaced by raw rows -- what the Gemma 4 drafters were not trained on."""
     from dflash.model import (
         _draft_value,
         _output_head,
@@ -70,8 +72,10 @@ def reference_draft_logits(target_model, drafter, tokens: list[int], k: int) -> 
         hidden = target_model(torch.tensor([tokens[:-1]]), output_hidden_states=True).hidden_states
         features = extract_context_feature(hidden, drafter.target_layer_ids)
         block = torch.tensor([[tokens[-1]] + [drafter.mask_token_id] * (drafter.block_size - 1)])
-        scale = float(_draft_value(drafter.config, "input_embedding_scale", 1.0))
-        out = drafter(target_hidden=features, noise_embedding=_raw_input_embeddings(target_model, block, scale),
+        scale = _draft_value(drafter.config, "input_embedding_scale")
+        embedded = target_model.get_input_embeddings()(block) if scale is None else \
+            _raw_input_embeddings(target_model, block, float(scale))
+        out = drafter(target_hidden=features, noise_embedding=embedded,
                       position_ids=torch.arange(anchor + drafter.block_size)[None])
         return drafter.compute_logits(out[0, 1:1 + k], _output_head(target_model))
 
@@ -79,16 +83,17 @@ def reference_draft_logits(target_model, drafter, tokens: list[int], k: int) -> 
 @pytest.mark.parametrize("changes", [
     {},
     {"final_logit_softcapping": 0.5, "output_multiplier": 40.0},  # a cap and a multiplier that bite
-    {"input_embedding_scale": math.sqrt(64), "final_logit_softcapping": None},  # Gemma's sqrt(hidden)
+    {"input_embedding_scale": 2.0, "final_logit_softcapping": None},  # raw rows times the config's scale
     {"hidden_act": "gelu_pytorch_tanh", "is_causal": False},
 ], ids=["published", "cap+multiplier", "embedding scale", "gelu"])
 @pytest.mark.parametrize("graphs", ["eager", "static graphs"])
 def test_gemma4_draft_logits_equal_the_reference_drafter(changes, graphs, targets, tmp_path):
     """Every draft lucebox makes in a continuous batch on the Gemma 4 target (taps captured by the
     engine's steps past the sliding window, a KV-shared layer tapped) has the logits the reference
-    computes from transformers' Gemma 4 for the same tokens: its raw embedding rows (not the target's
-    sqrt(hidden)-scaled input, no per-layer inputs), its LM head without the target's soft-cap, the
-    drafter's own multiplier and cap."""
+    computes from transformers' Gemma 4 for the same tokens: the block embedded as the published
+    drafters expect (sqrt(hidden)-scaled rows, or raw rows times the config's input_embedding_scale;
+    no per-layer inputs), its LM head without the target's soft-cap, the drafter's own multiplier and
+    cap."""
     pytest.importorskip("dflash.model")
     from dflash.model import DFlashDraftModel
     from transformers import AutoModelForCausalLM
@@ -188,13 +193,23 @@ def test_training_taps_are_transformers_hidden_states(family, targets):
 
 
 @pytest.mark.parametrize("family", ["gemma4", "gemma4-moe", "laguna"])
-def test_one_training_step_writes_a_drafter_that_speculates_losslessly(family, targets, tmp_path):
-    """A Gemma 4 target's drafter carries its logit soft-cap (as z-lab's Gemma 4 drafter does), and
-    is trained through it: the loss is over the logits the engine drafts from."""
+def test_one_training_step_writes_a_drafter_that_speculates_losslessly(family, targets, tmp_path, monkeypatch):
+    """A Gemma 4 target's drafter carries its logit soft-cap (as z-lab's Gemma 4 drafter does) and
+    trains on the block rows the engine drafts from: transformers' embedding module output (Gemma 4:
+    scaled by sqrt(hidden)), as z-lab's training code embeds the block."""
+    from transformers import AutoModelForCausalLM
+
     from lucebox.cli import main
     from lucebox.spec.dflash import load_drafter
+    from lucebox.train import blocks
     from tests.conftest import TRAINING_TEXT
     target = targets(family)
+    embeds, draft_hidden = [], blocks.draft_hidden
+
+    def recording(drafter, embed, *args):
+        embeds.append(embed)
+        return draft_hidden(drafter, embed, *args)
+    monkeypatch.setattr(blocks, "draft_hidden", recording)
     data = tmp_path / "data"
     data.mkdir()
     (data / "text.txt").write_text(TRAINING_TEXT * 4)
@@ -206,6 +221,10 @@ def test_one_training_step_writes_a_drafter_that_speculates_losslessly(family, t
     drafter, _ = load_drafter(out, torch.float32, "cpu")
     cap = json.loads((target / "config.json").read_text()).get("final_logit_softcapping")
     assert drafter.config.final_logit_softcapping == cap and (cap is not None) == family.startswith("gemma4")
+    ids = torch.tensor([4, 17, 230])
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).get_input_embeddings()(ids)
+        assert embeds and all(torch.allclose(embed(ids).float(), want, atol=1e-6) for embed in embeds)
     plain = LLM(str(target), block_size=BLOCK_SIZE)
     batch = prompts(plain.engine.loaded.config.vocab_size, [9, 12], seed=2)
     want = [o.outputs[0].token_ids for o in greedy(plain, batch, 10)]
@@ -216,16 +235,16 @@ def test_one_training_step_writes_a_drafter_that_speculates_losslessly(family, t
     assert sum(o.metrics.num_draft_tokens for o in outs) > 0
 
 
-def test_training_forward_scales_the_block_input_and_takes_the_activation_as_inference_does(targets):
-    """train/blocks.draft_hidden with a drafter whose config sets input_embedding_scale and Gemma's
-    gelu_pytorch_tanh: each block equals the inference drafter's over block_input (the proposer's)."""
+def test_training_forward_takes_the_drafter_activation_as_inference_does(targets):
+    """train/blocks.draft_hidden with a drafter whose config sets Gemma's gelu_pytorch_tanh: each
+    block equals the inference drafter's."""
     from lucebox.model.loader import load_model
     from lucebox.train import TrainDrafterArgs, blocks
     from lucebox.train.prepare import drafter_config, init_drafter
     loaded = load_model(str(targets("gemma4")), dtype="float32")
     args = TrainDrafterArgs(target="", data=["x"], out="", layers=2, block_size=4, taps="0,5")
     cfg = drafter_config(loaded.config, loaded.tokenizer, args)
-    cfg.input_embedding_scale, cfg.activation = 8.0, "gelu_pytorch_tanh"
+    cfg.activation = "gelu_pytorch_tanh"
     drafter = init_drafter(cfg, "cpu", seed=3)
     with torch.no_grad():
         for p in drafter.parameters():
@@ -234,11 +253,11 @@ def test_training_forward_scales_the_block_input_and_takes_the_activation_as_inf
     features = torch.randn(1, 19, 2 * loaded.config.hidden_size, generator=g)
     ids = torch.randint(0, loaded.config.vocab_size, (1, 19), generator=g)
     anchors = torch.tensor([[3, 11, 17]])
-    embed = loaded.model.embed_tokens
     with torch.no_grad():
-        batched = blocks.draft_hidden(drafter, embed, features, ids, anchors, cfg.mask_token_id)
+        batched = blocks.draft_hidden(drafter, partial(drafter.block_input, loaded.model), features, ids, anchors,
+                                      cfg.mask_token_id)
         for n, a in enumerate(anchors[0].tolist()):
             block = torch.tensor([int(ids[0, a])] + [cfg.mask_token_id] * (cfg.block_size - 1))
-            one = drafter.blocks(drafter.block_input(embed, block), torch.arange(a, a + cfg.block_size),
+            one = drafter.blocks(drafter.block_input(loaded.model, block), torch.arange(a, a + cfg.block_size),
                                  drafter.context_kv(features[0, :a], torch.arange(a)), torch.arange(a))
             torch.testing.assert_close(batched[0, n], one, atol=2e-5, rtol=1e-4)
