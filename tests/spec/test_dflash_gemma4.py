@@ -1,12 +1,13 @@
-"""DFlash drafters for Gemma 4 (and Laguna) targets.
+"""DFlash drafters for Gemma 4 (and Laguna) targets, against the published reference.
 
-The drafter's block input and logits follow the published reference (PyPI `dflash` 0.1.0, z-lab's
-DFlashDraftModel / dflash_generate): the block is the target's *raw* embedding rows times the
-drafter config's `input_embedding_scale` (Gemma's sqrt(hidden) input scaling and its per-layer
-inputs are the target's forward, not the drafter's), and the logits are the target's LM head times
-`output_multiplier`, soft-capped by the *drafter's* `final_logit_softcapping` (not the target's; z-lab's
-Gemma 4 drafter sets 30, the target's value). Its MLP takes `hidden_act` as the reference's Qwen3MLP.
-Drafter training (`lucebox train-drafter`) on these targets: their taps, one step, the same logits."""
+Reference: PyPI `dflash` 0.1.0 (z-lab's DFlashDraftModel / dflash_generate, its Qwen3 modules over
+transformers) for the drafter and its logits -- the target's LM head times `output_multiplier`,
+soft-capped by the *drafter's* `final_logit_softcapping` (z-lab's Gemma 4 drafter carries 30, its
+target's value), the MLP per `hidden_act`. For the block input, z-lab's original loop and training
+code: the target's embedding module (transformers' Gemma 4 scales rows by sqrt(hidden), as vLLM's
+and Lucebox's C++ Gemma 4 drafters do), unless the config sets `input_embedding_scale`, which 0.1.0
+applies to raw rows. Per-layer inputs are the target's own. Mask token 4 as z-lab's Gemma 4 drafter.
+Drafter training (`lucebox train-drafter`) on these targets: their taps, one step, the same rows."""
 from __future__ import annotations
 
 import json
