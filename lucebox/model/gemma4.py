@@ -218,8 +218,7 @@ class Gemma4Model(Transformer):
         layers in batch.capture_layers go to batch.captured."""
         with decided_once():
             ids = batch.input_ids
-            x = self.embed_tokens(ids)
-            x = x * torch.tensor(self.config.hidden_size ** 0.5).to(x.dtype)
+            x = self.embed(ids)
             per_layer = self.per_layer_inputs(ids, x)
             tables = {kind: table.lookup(batch.positions, x.dtype, batch.position_bound)
                       for kind, table in self.rope.items()}
@@ -229,8 +228,14 @@ class Gemma4Model(Transformer):
                     batch.captured[i] = x
             return self.norm(x)
 
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Embedding rows scaled by sqrt(hidden_size), the scale rounded to the model dtype (as
+        transformers' Gemma4TextScaledWordEmbedding)."""
+        x = self.embed_tokens(ids)
+        return x * torch.tensor(self.config.hidden_size ** 0.5).to(x.dtype)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = super().compute_logits(hidden)
+        logits = self.head_logits(hidden)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

@@ -261,7 +261,7 @@ class Transformer(nn.Module):
         Hidden states after the layers in batch.capture_layers are stored in batch.captured: the
         residual stream as the next norm sums it (no separate add)."""
         with decided_once():  # the kernels' Triton-or-torch choice: the environment read once
-            x = self.embed_tokens(batch.input_ids)
+            x = self.embed(batch.input_ids)
             cos, sin = self.rope.lookup(batch.positions, x.dtype, batch.position_bound)
             residual = None
             for layer in self.layers:
@@ -271,7 +271,16 @@ class Transformer(nn.Module):
             batch.captured[len(self.layers) - 1] = stream
         return h
 
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings the first layer receives (a family may scale them: Gemma 4)."""
+        return self.embed_tokens(ids)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final hidden states -> float32 logits (a family may post-process: Gemma 4 soft-caps)."""
+        return self.head_logits(hidden)
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head's product alone, float32: what a DFlash drafter's logits start from."""
         head = self.embed_tokens if self.config.tie_word_embeddings else self.lm_head
         if isinstance(head, nn.Embedding):
             return F.linear(hidden, head.weight).float()

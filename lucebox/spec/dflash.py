@@ -227,11 +227,11 @@ class DFlashProposer(Proposer):
         dtype = self.target.model.dtype
         context = [(kc.gather(slots, dtype), vc.gather(slots, dtype)) for kc, vc in self.caches]
         ids = host_to_device([seq.last_token] + [self.mask_token_id] * (self.block_size - 1), device)
-        x = self.target.model.embed_tokens(ids)
+        x = self.drafter.block_input(self.target.model, ids)
         positions = torch.arange(anchor, anchor + self.block_size, device=device)
         hidden = self.drafter.blocks(x, positions, context, torch.arange(anchor, device=device),
                                      position_bound=anchor + self.block_size)
-        return self.target.model.compute_logits(hidden[1:1 + k])
+        return self.drafter.logits(self.target.model.head_logits(hidden[1:1 + k]))
 
     def _draft_one(self, seq, k: int) -> Draft:
         """The argmax of the drafter's processed logits in every slot, at every temperature: a

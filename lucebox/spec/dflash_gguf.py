@@ -7,7 +7,9 @@ Layout, following the spelling DFlash GGUF drafters already use (general.archite
             attention.layer_norm_rms_epsilon, context_length, vocab_size, rope.*, sliding window);
             dflash.target_layer_ids, dflash.mask_token_id, dflash.block_size,
             dflash.n_target_features (taps x hidden), dflash.n_target_layers when known,
-            dflash.is_causal when the config sets it (else sliding layers are the causal ones).
+            dflash.is_causal when the config sets it (else sliding layers are the causal ones);
+            final_logit_softcapping, dflash.input_embedding_scale / output_multiplier and
+            dflash.hidden_act where set / not 1 / not silu.
   tensors   dflash_fc.weight, dflash_hidden_norm.weight, output_norm.weight (the drafter's final
             norm) and blk.N.* with llama.cpp's layer names; no embedding and no LM head.
 Matrices are F16 or Q8_0 (a matrix whose rows are not whole Q8_0 blocks stays F16, as in
@@ -45,7 +47,7 @@ from ..util import on_meta
 from ..weights.gguf import FLOAT_TYPES, check_tensors, logical_shape, open_gguf
 from ..weights.quant import QuantLinear, QuantTensor
 from ..weights.safetensors import safetensors_files
-from .dflash_model import DFlashConfig, DFlashDrafter, read_drafter_config
+from .dflash_model import ACTIVATIONS, DFlashConfig, DFlashDrafter, read_drafter_config
 
 ARCH = "dflash-draft"
 OUTTYPES = {"f32": Q.F32, "f16": Q.F16, "q8_0": Q.Q8_0}
@@ -141,6 +143,14 @@ def _write_metadata(w: GGUFWriter, cfg: DFlashConfig, src: Path, want: Q) -> Non
         w.add_uint32(f"{ARCH}.dflash.n_target_layers", int(cfg.num_target_layers))
     if cfg.is_causal is not None:
         w.add_bool(f"{ARCH}.dflash.is_causal", cfg.is_causal)
+    if cfg.final_logit_softcapping is not None:
+        w.add_float32(f"{ARCH}.final_logit_softcapping", cfg.final_logit_softcapping)
+    if cfg.input_embedding_scale is not None:
+        w.add_float32(f"{ARCH}.dflash.input_embedding_scale", cfg.input_embedding_scale)
+    if cfg.output_multiplier != 1.0:
+        w.add_float32(f"{ARCH}.dflash.output_multiplier", cfg.output_multiplier)
+    if cfg.activation != "silu":
+        w.add_string(f"{ARCH}.dflash.hidden_act", cfg.activation)
 
 
 def _write_rope(w: GGUFWriter, rope: RopeConfig, src: Path) -> None:
@@ -200,9 +210,15 @@ def read_gguf_config(meta: Metadata) -> DFlashConfig:
     causal = meta.get(key("dflash.is_causal"))
     if causal is not None and not isinstance(causal, bool):
         raise CheckpointError(f"{meta.path}: {key('dflash.is_causal')} must be a bool, got {causal!r:.80}")
+    activation = meta.get(key("dflash.hidden_act")) or "silu"
+    if activation not in ACTIVATIONS:
+        raise CheckpointError(f"{meta.path}: {key('dflash.hidden_act')} {activation!r:.80} is not supported")
     return DFlashConfig(model, [int(t) for t in taps], meta.integer(key("dflash.mask_token_id"), required=True),
                         meta.integer(key("dflash.block_size"), 16), meta.integer(key("dflash.n_target_layers"), None),
-                        causal)
+                        causal, input_embedding_scale=meta.number(key("dflash.input_embedding_scale"), None),
+                        output_multiplier=meta.number(key("dflash.output_multiplier"), 1.0),
+                        final_logit_softcapping=meta.number(key("final_logit_softcapping"), None),
+                        activation=ACTIVATIONS[activation])
 
 
 def _read_rope(meta: Metadata) -> RopeConfig:

@@ -180,10 +180,10 @@ class DrafterGraphs:
         slots = table[ctx_pos // bs] * bs + ctx_pos % bs
         dtype = self.target.dtype
         kv = [(k.gather(slots, dtype), v.gather(slots, dtype)) for k, v in self.caches]
-        x = self.target.embed_tokens(torch.cat([inputs[:1], self.mask_ids]))
+        x = self.drafter.block_input(self.target, torch.cat([inputs[:1], self.mask_ids]))
         mask = torch.cat([(ctx_pos < anchor).expand(self.block, context), self.block_visible], dim=1)
         hidden = self.drafter.blocks(x, anchor + self.offsets, kv, ctx_pos, mask, self.position_bound)
-        logits = self.target.compute_logits(hidden[1:])
+        logits = self.drafter.logits(self.target.head_logits(hidden[1:]))
         if self.logits is None:  # first use is a warm-up, never inside a capture
             self.logits = torch.empty_like(logits)
             self.tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)

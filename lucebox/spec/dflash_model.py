@@ -8,6 +8,19 @@ from the block only; a block sees all its context and itself (non-causal). The d
 embedding or LM head: the block input is the target's embedding of [anchor, MASK, ...], and the
 logits are the target's LM head over the drafter's final norm.
 
+Block input. z-lab's reference loop and training code embed the block with the target's embedding
+module, `target.model.embed_tokens(ids)`, which in transformers' Gemma 4 scales the rows by
+sqrt(hidden_size) (Gemma4TextScaledWordEmbedding): a Gemma 4 drafter was trained on scaled rows, and
+vLLM's qwen3_dflash (embed_normalizer) and Lucebox's C++ Gemma 4 drafter scale them too. PyPI
+`dflash` 0.1.0 instead takes the *raw* rows times the config's `input_embedding_scale`. So: with
+that key, raw rows times it (0.1.0); without it, the rows the target's first layer receives
+(target.embed: Gemma 4 scaled, others as they are) -- 0.1.0 would take raw rows there, which on a
+Gemma 4 target contradicts how its drafters were trained. Per-layer inputs stay the target's.
+Logits (0.1.0): the target's LM head times `output_multiplier`, then tanh-soft-capped by the
+drafter config's `final_logit_softcapping` -- the drafter's, not the target's (z-lab's Gemma 4
+drafter carries 30, its target's value). The MLP takes the config's `hidden_act` (silu, or Gemma's
+gelu_pytorch_tanh), as the reference's Qwen3MLP does.
+
 Published layouts read here: the Qwen3 drafters (`rope_theta` + `rope_scaling`, full attention)
 and the Qwen3.5/3.6 ones for hybrid targets (transformers 5's `rope_parameters`, mask id 248070,
 `layer_types` with `sliding_attention` layers of `sliding_window`). As in the reference, a sliding
@@ -19,6 +32,7 @@ theta and scaling, and the published weights were trained that way.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import CheckpointError
+from ..kernels.activation import gelu_tanh_and_mul
 from ..kernels.rope import apply_rope
 from ..model.config import ModelConfig, hf_rope, hf_sliding_windows, rope_to_hf
 from ..model.rope import RopeTable
@@ -42,6 +57,10 @@ class DFlashConfig:
     num_target_layers: int | None = None
     is_causal: bool | None = None  # the config's key: None = causal exactly in the sliding layers
     kinds: list[str] | None = None  # the config's layer_types (None: from the windows)
+    input_embedding_scale: float | None = None  # block rows = raw rows times this (None: target.embed)
+    output_multiplier: float = 1.0  # logits = the target's LM head times this, then soft-capped:
+    final_logit_softcapping: float | None = None
+    activation: str = "silu"  # the MLP's: silu or gelu_pytorch_tanh
 
     @property
     def causal_layers(self) -> list[bool]:
@@ -72,7 +91,12 @@ class DFlashConfig:
             raise CheckpointError(f"{where}: a DFlash drafter needs dflash_config.target_layer_ids")
         if not isinstance(mask, int):
             raise CheckpointError(f"{where}: a DFlash drafter needs dflash_config.mask_token_id")
-        model = dict(raw, model_type="qwen3")  # drafters are Qwen3-style whatever the target family
+        activation = raw.get("hidden_act", "silu")
+        if activation not in ACTIVATIONS:
+            raise CheckpointError(f"{where}: hidden_act {activation!r:.80} is not supported (one of "
+                                  f"{sorted(ACTIVATIONS)})")
+        # drafters are Qwen3-style whatever the target family; the activation is the MLP's own (DraftMLP)
+        model = dict(raw, model_type="qwen3", hidden_act="silu")
         try:
             cfg = ModelConfig.from_hf_dict(model)
         except CheckpointError as e:
@@ -91,8 +115,14 @@ class DFlashConfig:
         if causal is not None and not isinstance(causal, bool):
             raise CheckpointError(f"{where}: is_causal must be true, false or absent, got {causal!r:.80}")
         kinds = raw.get("layer_types")
+        scale = pick("input_embedding_scale")
+        scale = None if scale is None else _number(scale, "input_embedding_scale", where, positive=True)
+        multiplier = _number(pick("output_multiplier", default=1.0), "output_multiplier", where, positive=True)
+        cap = pick("final_logit_softcapping")  # none, or <= 0: no cap, as in the reference
+        cap = None if cap is None or _number(cap, "final_logit_softcapping", where) <= 0 else float(cap)
         return cls(cfg, [int(t) for t in taps], mask, int(block),
-                   pick("num_target_layers", "n_target_layers"), causal, list(kinds) if kinds else None)
+                   pick("num_target_layers", "n_target_layers"), causal, list(kinds) if kinds else None,
+                   scale, multiplier, cap, ACTIVATIONS[activation])
 
     def to_dict(self) -> dict:
         m = self.model
@@ -104,6 +134,10 @@ class DFlashConfig:
             layout["sliding_window"] = windows.pop()
         if self.is_causal is not None:
             layout["is_causal"] = self.is_causal
+        for name, default in (("input_embedding_scale", None), ("output_multiplier", 1.0),
+                              ("final_logit_softcapping", None)):
+            if getattr(self, name) != default:
+                layout[name] = getattr(self, name)
         return {
             "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": self.block_size,
             "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": self.target_layer_ids,
@@ -113,8 +147,20 @@ class DFlashConfig:
             "num_attention_heads": m.num_heads, "num_key_value_heads": m.num_kv_heads, "head_dim": m.head_dim,
             "rms_norm_eps": m.rms_norm_eps, "rope_theta": m.rope.theta, "rope_scaling": rope_to_hf(m.rope),
             "max_position_embeddings": m.max_position_embeddings, "vocab_size": m.vocab_size,
-            "attention_bias": False, "tie_word_embeddings": True, "hidden_act": "silu",
+            "attention_bias": False, "tie_word_embeddings": True, "hidden_act": self.activation,
         } | layout
+
+
+# hidden_act values -> the MLP activation they name (transformers' ACT2FN names)
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_pytorch_tanh"}
+
+
+def _number(value, name: str, where: str, positive: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or (positive and value <= 0):
+        raise CheckpointError(f"{where}: {name} must be a {'positive ' if positive else ''}finite number, "
+                              f"got {value!r:.80}")
+    return float(value)
 
 
 class DraftAttention(nn.Module):
@@ -149,13 +195,26 @@ class DraftAttention(nn.Module):
         return self.o_proj(o.transpose(0, 1).reshape(x.shape[0], -1))
 
 
+class DraftMLP(MLP):
+    """gate/up/down with the drafter config's activation."""
+
+    def __init__(self, cfg: ModelConfig, activation: str = "silu"):
+        super().__init__(cfg)
+        self.activation = activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.activation == "silu":
+            return super().forward(x)
+        return self.down_proj(gelu_tanh_and_mul(self.gate_proj(x), self.up_proj(x)))
+
+
 class DraftLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, causal: bool = False):
+    def __init__(self, cfg: ModelConfig, layer: int, causal: bool = False, activation: str = "silu"):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = DraftAttention(cfg, layer, causal)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = DraftMLP(cfg, activation)
 
 
 class DFlashDrafter(nn.Module):
@@ -165,9 +224,24 @@ class DFlashDrafter(nn.Module):
         self.config = cfg
         self.fc = nn.Linear(len(cfg.target_layer_ids) * m.hidden_size, m.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(m.hidden_size, m.rms_norm_eps)
-        self.layers = nn.ModuleList(DraftLayer(m, i, causal) for i, causal in enumerate(cfg.causal_layers))
+        self.layers = nn.ModuleList(DraftLayer(m, i, causal, cfg.activation)
+                                    for i, causal in enumerate(cfg.causal_layers))
         self.norm = RMSNorm(m.hidden_size, m.rms_norm_eps)
         self.rope = RopeTable(m.rope, m.head_dim)
+
+    def block_input(self, target, ids: torch.Tensor) -> torch.Tensor:
+        """The block's rows from the target model's embedding: raw rows times input_embedding_scale
+        when the config sets it, else what the target's first layer receives (module note)."""
+        scale = self.config.input_embedding_scale
+        return target.embed(ids) if scale is None else target.embed_tokens(ids) * scale
+
+    def logits(self, head_logits: torch.Tensor) -> torch.Tensor:
+        """The target's LM head over the drafter's hidden states (float32) -> the drafter's logits."""
+        cfg = self.config
+        if cfg.output_multiplier != 1.0:
+            head_logits = head_logits * cfg.output_multiplier
+        cap = cfg.final_logit_softcapping
+        return head_logits if cap is None else torch.tanh(head_logits / cap) * cap
 
     def context(self, features: torch.Tensor) -> torch.Tensor:
         """Target features [n, taps * hidden] -> fused context c [n, hidden]."""

@@ -18,6 +18,7 @@ one `lucebox` measures when it decodes that text.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -68,7 +69,7 @@ def draft_hidden(drafter, embed, features: torch.Tensor, ids: torch.Tensor, anch
     """Final (normed) drafter hidden states of every block: [S, N, B, hidden].
 
     features [S, T, taps*hidden] target features of positions 0..T-1; ids [S, T]; anchors [S, N];
-    embed: the target's (frozen) token embedding.
+    embed: ids -> the block's input rows from the target's frozen embedding (DFlashDrafter.block_input).
 
     Norms, RoPE and the MLP are written out here in plain torch (the reference formulas of
     lucebox.kernels) rather than called through the drafter's modules: kernels/ may route those to
@@ -87,6 +88,7 @@ def draft_hidden(drafter, embed, features: torch.Tensor, ids: torch.Tensor, anch
     block_ids = torch.full((S, N, B), mask_token_id, dtype=torch.int64, device=device)
     block_ids[:, :, 0] = ids.gather(1, anchors)
     x = embed(block_ids).reshape(S * N * B, D)
+    act = F.silu if drafter.config.activation == "silu" else partial(F.gelu, approximate="tanh")
     visible = ctx_pos[None, None, :] < anchors[..., None]  # [S, N, T]: context strictly before the anchor
     c_flat = c.reshape(S * T, D)
     for layer in drafter.layers:
@@ -101,7 +103,7 @@ def draft_hidden(drafter, embed, features: torch.Tensor, ids: torch.Tensor, anch
         x = x + attn.o_proj(o)
         mlp = layer.mlp
         h = _rms(x, layer.post_attention_layernorm)
-        x = x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
+        x = x + mlp.down_proj(act(mlp.gate_proj(h)) * mlp.up_proj(h))
     return _rms(x, drafter.norm).view(S, N, B, D)
 
 

@@ -20,6 +20,7 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -118,7 +119,12 @@ def train_drafter(args: TrainDrafterArgs) -> TrainResult:
     # bf16 autocast for any 16-bit target: bf16's range needs no loss scaling, even under an fp16 target.
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if target.dtype != torch.float32
                 else nullcontext())
-    head = lm_head(target)
+    raw_head = lm_head(target)
+    embed = partial(drafter.block_input, target)  # the block rows the engine drafts from
+
+    def head(hidden: torch.Tensor) -> torch.Tensor:  # the logits the engine drafts from (multiplier, soft-cap)
+        return drafter.logits(raw_head(hidden))
+
     weights = blocks.slot_weights(cfg.block_size, args.gamma or blocks.default_gamma(cfg.block_size), device)
     eval_every = args.eval_every if args.eval_every is not None else max(1, steps // 10)
     per_epoch = max(1, math.ceil(len(train) / args.batch_size))
@@ -143,7 +149,7 @@ def train_drafter(args: TrainDrafterArgs) -> TrainResult:
             anchors, keep = blocks.sample_anchors(blocks.anchor_candidates(lengths, mask), args.anchors, generator)
             labels, valid = blocks.block_targets(ids, lengths, mask, anchors, keep, cfg.block_size)
             with autocast:
-                hidden = blocks.draft_hidden(drafter, target.embed_tokens, feats, ids, anchors, cfg.mask_token_id)
+                hidden = blocks.draft_hidden(drafter, embed, feats, ids, anchors, cfg.mask_token_id)
                 total, weight, correct = blocks.weighted_ce(head, hidden, labels, valid, weights, tcfg.vocab_size)
             optimizer.zero_grad(set_to_none=True)
             if total.requires_grad:  # a batch without any trainable slot leaves the weights alone
@@ -232,6 +238,7 @@ def _evaluate(drafter, target, head, features, held: list[Sample], cfg: DFlashCo
               eval_batch: int, autocast) -> EvalResult | None:
     """Blocks anchored at every held-out position (args.anchors per forward), then the engine's
     walk over each trained-on span: tau as `lucebox` would measure it on this text."""
+    embed = partial(drafter.block_input, target)
     if not held:
         return None
     vocab, B = target.config.vocab_size, cfg.block_size
@@ -250,7 +257,7 @@ def _evaluate(drafter, target, head, features, held: list[Sample], cfg: DFlashCo
                 continue
             labels, valid = blocks.block_targets(ids, lengths, mask, anchors, keep, B)
             with autocast:
-                hidden = blocks.draft_hidden(drafter, target.embed_tokens, feats, ids, anchors, cfg.mask_token_id)
+                hidden = blocks.draft_hidden(drafter, embed, feats, ids, anchors, cfg.mask_token_id)
                 total, w, _ = blocks.weighted_ce(head, hidden, labels, valid, weights, vocab)
                 acc, per_slot = blocks.acceptance(head, hidden, greedy, lengths, anchors, keep, vocab)
             accepted_at[:, first:first + anchors.shape[1]] = acc.cpu()

@@ -87,9 +87,11 @@ def drafter_config(target: ModelConfig, tokenizer, args: TrainDrafterArgs, start
         head_dim=args.head_dim or target.head_dim, rms_norm_eps=target.rms_norm_eps,
         max_position_embeddings=target.max_position_embeddings, rope=dataclasses.replace(target.rope),
         qk_norm=True, tie_word_embeddings=True)
+    # A soft-capping target (Gemma 4) gives its drafter the same cap, as z-lab's Gemma 4 drafter has.
     return DFlashConfig(model, parse_taps(args.taps, target.num_layers),
                         resolve_mask_token(args.mask_token_id, tokenizer, target.vocab_size),
-                        args.block_size, target.num_layers)
+                        args.block_size, target.num_layers,
+                        final_logit_softcapping=getattr(target, "final_logit_softcapping", None))
 
 
 def init_drafter(cfg: DFlashConfig, device, seed: int, target=None, start: DFlashDrafter | None = None
