@@ -237,3 +237,60 @@ def test_compacted_tree_attends_like_the_chain_of_its_accepted_path(monkeypatch)
     src, dst = compaction_slots([table], BLOCK, [6], [[0, 3, 4]], DEVICE)
     compact_rows([k, v], src, dst)
     torch.testing.assert_close(k.gather(batch.context_slots(0)[:9], torch.float32), want_k, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------ Triton kernel
+
+@needs_triton
+@pytest.mark.parametrize("cache_type,splits", [("f32", 1), ("q8_0", 2)])
+def test_triton_kernel_matches_dense_masked_attention(cache_type, splits):
+    pytest.importorskip("triton")
+    from lucebox.kernels import triton_paged_attention as tpa
+
+    rows = mixed_rows(random.Random(6), tree_len=7)
+    q, k, v, batch = make_case(rows, cache_type)
+    got = tpa.paged_attention(q, k, v, batch, SCALE, num_splits=splits, block_kv=16)
+    torch.testing.assert_close(got, dense_expected(q, k, v, batch, rows), rtol=1e-4, atol=1e-4)
+
+
+@needs_triton
+def test_triton_kernel_graph_mode_tree_rows():
+    pytest.importorskip("triton")
+    from lucebox.kernels import triton_paged_attention as tpa
+
+    rng = random.Random(7)
+    rows = [(9, 6, random_tree(6, rng)), (5, 6, None)]
+    q, k, v, batch = make_case(rows, "fp8")
+    got = tpa.paged_attention(q, k, v, as_device_only(batch, 6), SCALE, block_kv=16)
+    torch.testing.assert_close(got, dense_expected(q, k, v, batch, rows), rtol=1e-4, atol=1e-4)
+
+
+@needs_triton
+def test_triton_kernel_all_ones_masks_change_nothing():
+    pytest.importorskip("triton")
+    from lucebox.kernels import triton_paged_attention as tpa
+
+    rows = [(11, 6, None), (7, 1, None)]
+    q, k, v, batch = make_case(rows)
+    plain = tpa.paged_attention(q, k, v, batch, SCALE, block_kv=16)
+    batch.tree_mask = torch.full((batch.num_tokens,), -1, dtype=torch.long, device=DEVICE)
+    torch.testing.assert_close(tpa.paged_attention(q, k, v, batch, SCALE, block_kv=16), plain, rtol=0, atol=0)
+
+
+@needs_triton
+def test_dispatch_splits_a_step_between_prefill_and_the_tree_masked_kernel(monkeypatch):
+    """A full-size tree row goes to the Triton kernel (with its masks, through ForwardBatch.select)
+    while the long ordinary row of the same step takes the prefill path."""
+    pytest.importorskip("triton")
+    from lucebox.kernels import triton_paged_attention as tpa
+
+    monkeypatch.setenv("LUCEBOX_TRITON", "1")
+    calls = []
+    kernel = tpa.paged_attention
+    monkeypatch.setattr(tpa, "paged_attention", lambda q, *a, **kw: calls.append(q.shape[0]) or kernel(q, *a, **kw))
+    rows = [(3, MAX_TREE_TOKENS, random_tree(MAX_TREE_TOKENS, random.Random(8))), (2, 1, None),
+            (1, prefill_attention.MIN_QUERY_LEN + 2, None)]
+    q, k, v, batch = make_case(rows)
+    got = paged_attention(q, k, v, batch, SCALE)
+    assert calls == [MAX_TREE_TOKENS + 1]
+    torch.testing.assert_close(got, dense_expected(q, k, v, batch, rows), rtol=1e-4, atol=1e-4)
