@@ -17,6 +17,7 @@ own slots (their block tables differ).
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 
 import torch
@@ -37,20 +38,20 @@ def compaction_slots(block_tables: list[list[int]], block_size: int, starts: lis
     for b, (table, start, path) in enumerate(zip(block_tables, starts, accepted)):
         if path and path[0] != 0:
             raise ValueError(f"sequence {b}: an accepted path starts at row 0 (the pending token), got {path}")
-        if any(later <= earlier for earlier, later in zip(path, path[1:])):
+        if any(later <= earlier for earlier, later in itertools.pairwise(path)):
             raise ValueError(f"sequence {b}: accepted rows must increase (DFS order), got {path}")
-
-        def slot(pos: int) -> int:
-            block = pos // block_size
-            if block >= len(table) or table[block] < 0:
-                raise ValueError(f"sequence {b}: position {pos} has no block in its table")
-            return table[block] * block_size + pos % block_size
-
         for k, row in enumerate(path):
             if row != k:
-                src.append(slot(start + row))
-                dst.append(slot(start + k))
+                src.append(_slot(table, block_size, start + row, b))
+                dst.append(_slot(table, block_size, start + k, b))
     return host_to_device(src, device, torch.long), host_to_device(dst, device, torch.long)
+
+
+def _slot(table: list[int], block_size: int, pos: int, seq: int) -> int:
+    block = pos // block_size
+    if block >= len(table) or table[block] < 0:
+        raise ValueError(f"sequence {seq}: position {pos} has no block in its table")
+    return table[block] * block_size + pos % block_size
 
 
 def compact_rows(caches: Iterable, src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -25,7 +25,9 @@ the new tokens among themselves) and, with a sliding window w, p - k < w. p is t
 position seq_len - q_len + i, never the rope position. Tree verify rows (ForwardBatch.tree_mask,
 TREE): each query row loads its int64 mask once, and a key of this step's row at offset j is
 visible only when bit j is set (offsets past 63 test bit 63: every bit of an ordinary row's -1);
-tiles wholly before the row skip the test, and without a tree mask it is not compiled in.
+tiles wholly before the row skip the test, and without a tree mask it is not compiled in. With a
+window, a tree token's window is measured from start + depth (depth = popcount(mask) - 1), as
+kernels/attention.tree_window_positions defines it.
 
 Rotated caches (PagedKVCache(rotate=True) stores x @ H with H an orthonormal Hadamard matrix):
 q.k = (q @ H).(k @ H), so q is rotated once instead of un-rotating every key, and the output
@@ -38,6 +40,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import next_pow2, num_sms, pdl_launch
+from .forward_batch import check_tree_window
 from .triton_pdl import wait_for_previous_kernel
 
 _KV_PLAIN, _KV_FP8, _KV_Q8_0, _KV_Q4_0 = range(4)
@@ -116,6 +119,18 @@ def _load_kv(v_ptr, s_ptr, slot, kmask, stride_slot, stride_s_slot, head_off, s_
 
 
 @triton.jit
+def _popcount64(x):
+    """Set bits of int64 x (SWAR; the masks drop what arithmetic shifts smear in from the sign)."""
+    x = x - ((x >> 1) & 0x5555555555555555)
+    x = (x & 0x3333333333333333) + ((x >> 2) & 0x3333333333333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F0F0F0F0F
+    x = x + (x >> 8)
+    x = x + (x >> 16)
+    x = x + (x >> 32)
+    return x & 0x7F
+
+
+@triton.jit
 def _paged_attn_kernel(
         q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, lse_ptr,
         qsl_ptr, seq_lens_ptr, bt_ptr, tree_ptr,
@@ -152,14 +167,21 @@ def _paged_attn_kernel(
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         if DOT_IEEE:
             q = q.to(tl.float32)
+        win_pos = q_pos  # where each query's window is measured from
         if TREE:  # visibility bits of each row's query token among this step's keys
             tree_bits = tl.load(tree_ptr + tok, mask=row_ok, other=-1)
+            if HAS_WINDOW:
+                depth = (_popcount64(tree_bits) - 1).to(tl.int32)
+                win_pos = tl.where(tree_bits == -1, q_pos, ctx0 + depth)
 
         # Keys this query tile can see: [lo, hi).
         hi = ctx0 + tl.minimum(q0 + BLOCK_Q, q_len)
         lo = 0
         if HAS_WINDOW:
-            lo = tl.maximum(ctx0 + q0 - window + 1, 0)
+            if TREE:  # a token's depth may be anything up to its index
+                lo = tl.maximum(ctx0 - window + 1, 0)
+            else:
+                lo = tl.maximum(ctx0 + q0 - window + 1, 0)
         per_split = tl.cdiv(tl.cdiv(hi - lo, num_splits), BLOCK_KV) * BLOCK_KV
         s_lo = lo + pid_s * per_split
         s_hi = tl.minimum(s_lo + per_split, hi)
@@ -189,7 +211,7 @@ def _paged_attn_kernel(
             s *= qk_scale
             visible = kmask[None, :] & (kpos[None, :] <= q_pos[:, None])
             if HAS_WINDOW:
-                visible &= (q_pos[:, None] - kpos[None, :]) < window
+                visible &= (win_pos[:, None] - kpos[None, :]) < window
             if TREE:
                 if start + BLOCK_KV > ctx0:  # the tile reaches this step's row
                     rel = kpos - ctx0
@@ -322,9 +344,8 @@ def paged_attention(q: torch.Tensor, k_cache, v_cache, batch, scale: float,
     if num_stages is not None:
         kwargs["num_stages"] = num_stages
     window = int(sliding_window) if sliding_window is not None else 0
+    check_tree_window(batch, sliding_window)
     tree = batch.tree_mask
-    if tree is not None and sliding_window is not None:
-        raise ValueError("tree verification (ForwardBatch.tree_mask) on a sliding-window layer is not supported yet")
     _paged_attn_kernel[(num_seqs * kv_heads, q_tiles, num_splits)](
         q, k_vals, v_vals, k_scales, v_scales, o_arg, lse,
         batch.query_start_loc, batch.seq_lens, batch.block_tables, tree if tree is not None else batch.seq_lens,

@@ -52,42 +52,58 @@ def ancestors(parents: list[int], i: int) -> set[int]:
     return seen
 
 
-def make_case(rows, cache_type="f32", seed=0, dtype=torch.float32):
-    """rows: (context length, q_len, parents or None) per sequence, on shuffled blocks of BLOCK.
-    Every position's K/V is written; returns (q, k_cache, v_cache, batch with tree masks)."""
+def make_case(rows, cache_type="f32", seed=0, dtype=torch.float32, window=None, block=BLOCK, heads=HEADS,
+              kv_heads=KV_HEADS, head_dim=HEAD_DIM):
+    """rows: (context length, q_len, parents or None) per sequence, on shuffled blocks. Every
+    position's K/V is written; with `window`, the blocks wholly behind each sequence's window
+    (before ctx - window + 1) are then released to a scratch block of NaNs, as the cache manager
+    may. Returns (q, k_cache, v_cache, batch with tree masks)."""
     g = torch.Generator().manual_seed(seed)
-    need = [-(-(ctx + q) // BLOCK) for ctx, q, _ in rows]
-    perm = torch.randperm(sum(need), generator=g).tolist()
+    need = [-(-(ctx + q) // block) for ctx, q, _ in rows]
+    scratch = sum(need)
+    perm = torch.randperm(scratch, generator=g).tolist()
     tables, at = [], 0
     for n in need:
         tables.append(perm[at:at + n])
         at += n
-    caches = [PagedKVCache(sum(need), BLOCK, KV_HEADS, HEAD_DIM, cache_type, dtype, DEVICE) for _ in range(2)]
-    whole = ForwardBatch.build([[0] * (ctx + q) for ctx, q, _ in rows], [0] * len(rows), tables, BLOCK, DEVICE)
+    caches = [PagedKVCache(scratch + 1, block, kv_heads, head_dim, cache_type, dtype, DEVICE) for _ in range(2)]
+    whole = ForwardBatch.build([[0] * (ctx + q) for ctx, q, _ in rows], [0] * len(rows), tables, block, DEVICE)
     for cache in caches:
-        cache.write(torch.randn(whole.num_tokens, KV_HEADS, HEAD_DIM, generator=g).to(DEVICE, dtype),
+        cache.write(torch.randn(whole.num_tokens, kv_heads, head_dim, generator=g).to(DEVICE, dtype),
                     whole.slot_mapping)
-    batch = ForwardBatch.build([[0] * q for _, q, _ in rows], [ctx for ctx, _, _ in rows], tables, BLOCK, DEVICE,
+    if window is not None:
+        for cache in caches:
+            cache.values[scratch] = float("nan")
+        tables = [[scratch if (i + 1) * block <= ctx - window + 1 else b for i, b in enumerate(t)]
+                  for t, (ctx, _, _) in zip(tables, rows)]
+        assert any(scratch in t for t in tables)
+    batch = ForwardBatch.build([[0] * q for _, q, _ in rows], [ctx for ctx, _, _ in rows], tables, block, DEVICE,
                                tree_parents=[p for _, _, p in rows])
-    q = torch.randn(batch.num_tokens, HEADS, HEAD_DIM, generator=g).to(DEVICE, dtype)
+    q = torch.randn(batch.num_tokens, heads, head_dim, generator=g).to(DEVICE, dtype)
     return q, caches[0], caches[1], batch
 
 
-def dense_expected(q, k_cache, v_cache, batch, rows):
-    """Each sequence's whole context (dequantised), a mask written from the parents, plain SDPA."""
+def dense_expected(q, k_cache, v_cache, batch, rows, window=None):
+    """Each sequence's context (dequantised), a mask written from the parents, plain SDPA. With a
+    window, a tree token at depth d sees committed keys k with ctx + d - k < window."""
+    heads, head_dim = q.shape[1:]
+    group = heads // k_cache.num_kv_heads
     out, start = [], 0
     for i, (ctx, q_len, parents) in enumerate(rows):
-        slots = batch.context_slots(i)
-        k = k_cache.gather(slots, torch.float32).repeat_interleave(HEADS // KV_HEADS, 1).transpose(0, 1)
-        v = v_cache.gather(slots, torch.float32).repeat_interleave(HEADS // KV_HEADS, 1).transpose(0, 1)
+        depths = tree_depths(parents) if parents is not None else range(q_len)
+        lo = max(0, ctx - window + 1) if window is not None else 0  # released before it
+        slots = batch.context_slots(i)[lo:]
+        k = k_cache.gather(slots, torch.float32).repeat_interleave(group, 1).transpose(0, 1)
+        v = v_cache.gather(slots, torch.float32).repeat_interleave(group, 1).transpose(0, 1)
         mask = torch.zeros(q_len, ctx + q_len, dtype=torch.bool)
         for t in range(q_len):
-            mask[t, :ctx] = True
+            for key in range(ctx):
+                mask[t, key] = window is None or ctx + depths[t] - key < window
             seen = ancestors(parents, t) if parents is not None else range(t + 1)
             for j in seen:
                 mask[t, ctx + j] = True
         qi = q[start:start + q_len].float().transpose(0, 1)
-        o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask.to(q.device), scale=SCALE)
+        o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask[:, lo:].to(q.device), scale=head_dim ** -0.5)
         out.append(o.transpose(0, 1))
         start += q_len
     return torch.cat(out).to(q.dtype)
@@ -179,12 +195,34 @@ def test_all_ones_masks_reproduce_plain_attention_bit_for_bit(monkeypatch):
     torch.testing.assert_close(paged_attention(q, k, v, as_device_only(batch, 6), SCALE), plain, rtol=0, atol=0)
 
 
-def test_tree_masks_on_sliding_window_layers_are_refused(monkeypatch):
+WINDOW = MAX_TREE_TOKENS
+
+
+def window_rows(rng: random.Random, q_len: int = 7):
+    """Contexts past the window: a tree row, an ordinary verify row, another tree row."""
+    return [(WINDOW + 13, q_len, random_tree(q_len, rng)), (WINDOW + 5, q_len, None),
+            (WINDOW + 20, q_len, random_tree(q_len, rng))]
+
+
+def test_sliding_windows_measure_a_tree_token_from_its_depth(monkeypatch):
+    """A node at depth d sees the committed keys a chain token at position start + d would see;
+    the blocks behind every window are released (NaN) and never read."""
+    monkeypatch.setenv("LUCEBOX_TRITON", "0")
+    rows = window_rows(random.Random(9))
+    assert any(d < i for d, i in zip(tree_depths(rows[0][2]), range(7)))  # the window bites differently
+    q, k, v, batch = make_case(rows, window=WINDOW)
+    want = dense_expected(q, k, v, batch, rows, WINDOW)
+    torch.testing.assert_close(paged_attention(q, k, v, batch, SCALE, WINDOW), want, rtol=1e-5, atol=1e-5)
+    got = paged_attention(q, k, v, as_device_only(batch, 7), SCALE, WINDOW)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_tree_masks_on_windows_shorter_than_a_tree_row_are_refused(monkeypatch):
     monkeypatch.setenv("LUCEBOX_TRITON", "0")
     rows = mixed_rows(random.Random(4))
     q, k, v, batch = make_case(rows)
-    with pytest.raises(ValueError, match="sliding-window"):
-        paged_attention(q, k, v, batch, SCALE, sliding_window=8)
+    with pytest.raises(ValueError, match="window of at least"):
+        paged_attention(q, k, v, batch, SCALE, sliding_window=MAX_TREE_TOKENS - 1)
 
 
 # ------------------------------------------------------------------ KV compaction
@@ -231,7 +269,7 @@ def test_compacted_tree_attends_like_the_chain_of_its_accepted_path(monkeypatch)
     monkeypatch.setenv("LUCEBOX_TRITON", "0")
     parents = [-1, 0, 1, 0, 3, 4]  # accepted path 0 -> 3 -> 4
     rows = [(6, 6, parents)]
-    q, k, v, batch = make_case(rows)
+    _, k, v, batch = make_case(rows)
     table = batch.block_tables[0].tolist()
     want_k = k.gather(batch.context_slots(0)[[0, 1, 2, 3, 4, 5, 6, 9, 10]], torch.float32)
     src, dst = compaction_slots([table], BLOCK, [6], [[0, 3, 4]], DEVICE)
@@ -294,3 +332,16 @@ def test_dispatch_splits_a_step_between_prefill_and_the_tree_masked_kernel(monke
     got = paged_attention(q, k, v, batch, SCALE)
     assert calls == [MAX_TREE_TOKENS + 1]
     torch.testing.assert_close(got, dense_expected(q, k, v, batch, rows), rtol=1e-4, atol=1e-4)
+
+
+@needs_triton
+@pytest.mark.parametrize("graph", [False, True])
+def test_triton_kernel_sliding_window_tree_rows(graph):
+    pytest.importorskip("triton")
+    from lucebox.kernels import triton_paged_attention as tpa
+
+    rows = window_rows(random.Random(10), q_len=5)
+    q, k, v, batch = make_case(rows, window=WINDOW)
+    run = as_device_only(batch, 5) if graph else batch
+    got = tpa.paged_attention(q, k, v, run, SCALE, WINDOW, num_splits=2, block_kv=16)
+    torch.testing.assert_close(got, dense_expected(q, k, v, batch, rows, WINDOW), rtol=1e-4, atol=1e-4)
