@@ -11,9 +11,11 @@ attention layer, values and quantisation scales alike) with one index_select + i
 tensor: the gather copies every source row out before any destination is written, so moves whose
 sources and destinations overlap (a_k = j for some later destination j) are safe. Both work on
 device tensors without reading their values, so a captured graph can replay them (pad unused
-entries with a move of a slot onto itself). KV-shared layers (Gemma 4) read their source layer's
-cache: pass each cache once. Layers of another KV cache group (sliding-window groups) need their
-own slots (their block tables differ).
+entries with moves of the scratch block's slot onto itself, never a live slot: a padding copy of
+a destination's old value could land after its real move). KV-shared layers (Gemma 4) read their
+source layer's cache and need nothing. Layers of another KV cache group (sliding-window groups)
+need their own slots (their block tables differ): one compaction_slots / compact_rows per group,
+e.g. over the runner's caches of that group.
 """
 from __future__ import annotations
 
@@ -55,8 +57,13 @@ def _slot(table: list[int], block_size: int, pos: int, seq: int) -> int:
 
 
 def compact_rows(caches: Iterable, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Copy slot src[i] onto slot dst[i] in every PagedKVCache of `caches` (values and scales)."""
+    """Copy slot src[i] onto slot dst[i] in every PagedKVCache of `caches` (values and scales).
+    A cache listed twice is moved once (moving again would shift overlapping rows a second time)."""
+    done = set()
     for cache in caches:
+        if id(cache) in done:
+            continue
+        done.add(id(cache))
         for t in (cache.values, cache.scales):
             if t is None:
                 continue

@@ -72,8 +72,9 @@ def make_case(rows, cache_type="f32", seed=0, dtype=torch.float32, window=None, 
         cache.write(torch.randn(whole.num_tokens, kv_heads, head_dim, generator=g).to(DEVICE, dtype),
                     whole.slot_mapping)
     if window is not None:
-        for cache in caches:
-            cache.values[scratch] = float("nan")
+        for t in (t for cache in caches for t in (cache.values, cache.scales) if t is not None):
+            if t.dtype.is_floating_point:  # q8_0 / q4_0: their NaN scales poison the block
+                t[scratch] = float("nan")
         tables = [[scratch if (i + 1) * block <= ctx - window + 1 else b for i, b in enumerate(t)]
                   for t, (ctx, _, _) in zip(tables, rows)]
         assert any(scratch in t for t in tables)
@@ -97,8 +98,7 @@ def dense_expected(q, k_cache, v_cache, batch, rows, window=None):
         v = v_cache.gather(slots, torch.float32).repeat_interleave(group, 1).transpose(0, 1)
         mask = torch.zeros(q_len, ctx + q_len, dtype=torch.bool)
         for t in range(q_len):
-            for key in range(ctx):
-                mask[t, key] = window is None or ctx + depths[t] - key < window
+            mask[t, :ctx] = True if window is None else ctx + depths[t] - torch.arange(ctx) < window
             seen = ancestors(parents, t) if parents is not None else range(t + 1)
             for j in seen:
                 mask[t, ctx + j] = True
@@ -116,7 +116,7 @@ def mixed_rows(rng: random.Random, tree_len: int = 9):
 
 def as_device_only(batch: ForwardBatch, q_len: int) -> ForwardBatch:
     return ForwardBatch.from_device(batch.input_ids, batch.positions, batch.seq_lens, batch.block_tables,
-                                    batch.slot_mapping, BLOCK, q_len, tree_mask=batch.tree_mask)
+                                    batch.slot_mapping, batch.block_size, q_len, tree_mask=batch.tree_mask)
 
 
 # ------------------------------------------------------------------ masks and the batch builder
@@ -245,7 +245,7 @@ def test_compaction_moves_exactly_the_accepted_rows(cache_type):
     moves = {slot(b, starts[b] + k): slot(b, starts[b] + row)
              for b in range(2) for k, row in enumerate(accepted[b]) if row != k}
     assert dict(zip(dst.tolist(), src.tolist())) == moves and len(moves) == 4
-    compact_rows(caches, src, dst)
+    compact_rows([*caches, caches[0]], src, dst)  # a cache listed twice moves once
     for cache, (values, scales) in zip(caches, before):
         for now, old in ((cache.values, values), (cache.scales, scales)):
             if old is None:
@@ -345,3 +345,22 @@ def test_triton_kernel_sliding_window_tree_rows(graph):
     run = as_device_only(batch, 5) if graph else batch
     got = tpa.paged_attention(q, k, v, run, SCALE, WINDOW, num_splits=2, block_kv=16)
     torch.testing.assert_close(got, dense_expected(q, k, v, batch, rows, WINDOW), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="model-sized shapes: compiled kernels on a GPU")
+@pytest.mark.parametrize("cache_type", ["bf16", "fp8", "q4_0"])
+@pytest.mark.parametrize("window", [None, 1024])
+def test_gpu_tree_verify_at_model_sizes(cache_type, window):
+    """qwen3-8b's attention geometry in bf16: 32- and 64-node trees next to a decode and a chain
+    verify, long contexts (split-K), through the dispatcher (the Triton kernel on a GPU)."""
+    rng = random.Random(11)
+    rows = [(1500, 32, random_tree(32, rng)), (3000, 1, None), (2200, 16, None),
+            (2900, MAX_TREE_TOKENS, random_tree(MAX_TREE_TOKENS, rng))]
+    dims = {"block": 16, "heads": 32, "kv_heads": 8, "head_dim": 128}
+    q, k, v, batch = make_case(rows, cache_type, dtype=torch.bfloat16, window=window, **dims)
+    got = paged_attention(q, k, v, batch, 128 ** -0.5, window)
+    torch.testing.assert_close(got, dense_expected(q, k, v, batch, rows, window), rtol=2e-2, atol=2e-2)
+    same = [(1500, 32, random_tree(32, rng)), (2500, 32, None), (700, 32, random_tree(32, rng))]
+    q, k, v, batch = make_case(same, cache_type, dtype=torch.bfloat16, window=window, **dims)
+    got = paged_attention(q, k, v, as_device_only(batch, 32), 128 ** -0.5, window)
+    torch.testing.assert_close(got, dense_expected(q, k, v, batch, same, window), rtol=2e-2, atol=2e-2)
