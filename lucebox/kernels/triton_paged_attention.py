@@ -170,6 +170,8 @@ def _paged_attn_kernel(
         win_pos = q_pos  # where each query's window is measured from
         if TREE:  # visibility bits of each row's query token among this step's keys
             tree_bits = tl.load(tree_ptr + tok, mask=row_ok, other=-1)
+            tree_lo = tree_bits.to(tl.int32)  # bits 0..31 (truncation)
+            tree_hi = (tree_bits >> 32).to(tl.int32)  # bits 32..63, arithmetic: -1 stays all ones
             if HAS_WINDOW:
                 depth = (_popcount64(tree_bits) - 1).to(tl.int32)
                 win_pos = tl.where(tree_bits == -1, q_pos, ctx0 + depth)
@@ -214,9 +216,10 @@ def _paged_attn_kernel(
                 visible &= (win_pos[:, None] - kpos[None, :]) < window
             if TREE:
                 if start + BLOCK_KV > ctx0:  # the tile reaches this step's row
-                    rel = kpos - ctx0
-                    shift = tl.minimum(tl.maximum(rel, 0), 63).to(tl.int64)
-                    bit = (tree_bits[:, None] >> shift[None, :]) & 1
+                    # bit min(rel, 63) of the row's mask, tested in 32-bit halves (cheaper than int64 shifts)
+                    rel = tl.minimum(kpos - ctx0, 63)
+                    word = tl.where(rel[None, :] < 32, tree_lo[:, None], tree_hi[:, None])
+                    bit = (word >> (rel[None, :] & 31)) & 1
                     visible &= (rel[None, :] < 0) | (bit != 0)
             s = tl.where(visible, s, float("-inf"))
 
