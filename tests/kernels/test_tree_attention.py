@@ -138,7 +138,8 @@ def test_tree_mask_bits_and_depths_of_a_hand_built_tree():
 def test_build_stores_tree_rows_by_row_index_and_rotates_them_by_depth():
     parents = [-1, 0, 1, 0]
     batch = ForwardBatch.build([[5, 6], [1, 2, 3, 4]], [3, 6], [[0, 1], [2, 3, 4]], BLOCK,
-                               tree_parents=[None, parents])
+                               tree_parents=[None, parents], group_tables=[[[5, 6], [7, 8, 9]]])
+    assert batch.group(1).tree_mask is batch.tree_mask  # a window group's view keeps the masks
     assert batch.positions.tolist() == [3, 4, 6, 7, 8, 7]
     assert batch.slot_mapping.tolist() == [3, 4, 14, 15, 16, 17]  # storage: start + row index
     assert batch.seq_lens.tolist() == [5, 10]
