@@ -61,6 +61,7 @@ class DrafterGraphs:
         self.block_visible = torch.ones(self.block, self.block, dtype=torch.bool, device=device)
         self.logits: torch.Tensor | None = None  # [B - 1, vocab], written by every draft
         self.tokens: torch.Tensor | None = None  # [B - 1] their argmax
+        self.hidden: torch.Tensor | None = None  # [B - 1, hidden] their final-normed states (DFlash2's selector)
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph | None] = {}
         self.pool = None
         self.replays = 0
@@ -187,7 +188,9 @@ class DrafterGraphs:
         if self.logits is None:  # first use is a warm-up, never inside a capture
             self.logits = torch.empty_like(logits)
             self.tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+            self.hidden = torch.empty_like(hidden[1:])
         self.logits.copy_(logits)
+        self.hidden.copy_(hidden[1:])
         torch.argmax(logits, dim=-1, out=self.tokens)  # greedy drafts whose logits nothing processes
 
     def _project_body(self, chunk: int) -> None:
