@@ -10,6 +10,12 @@ Layout, following the spelling DFlash GGUF drafters already use (general.archite
             dflash.is_causal when the config sets it (else sliding layers are the causal ones).
   tensors   dflash_fc.weight, dflash_hidden_norm.weight, output_norm.weight (the drafter's final
             norm) and blk.N.* with llama.cpp's layer names; no embedding and no LM head.
+DFlash2 drafters (dflash2_model.py) are written as general.architecture "dflash2-draft": the same
+keys under `dflash2-draft.`, plus dflash2.{conv_kernel_size, conv_group_size, selector_rank,
+selector_top_k}, and the extra tensors in the same style: blk.N.{attn,ffn}_conv_base (the
+[side, tap, channel] base kernels, F32) and blk.N.{attn,ffn}_conv_proj.weight (kernel_projection),
+dflash_selector_proj.weight, dflash_selector_pred and dflash_selector_succ (hidden_projection and
+the predecessor / successor codebooks).
 Matrices are F16 or Q8_0 (a matrix whose rows are not whole Q8_0 blocks stays F16, as in
 llama.cpp); norms are F32. q/k rows keep the HF order (Qwen3-style, no llama permutation).
 
@@ -45,21 +51,40 @@ from ..util import on_meta
 from ..weights.gguf import FLOAT_TYPES, check_tensors, logical_shape, open_gguf
 from ..weights.quant import QuantLinear, QuantTensor
 from ..weights.safetensors import safetensors_files
-from .dflash_model import DFlashConfig, DFlashDrafter, read_drafter_config
+from .dflash2_model import EXTRA_KEYS, DFlash2Config, build_drafter, read_config
+from .dflash_model import DFlashConfig, DFlashDrafter
 
 ARCH = "dflash-draft"
+ARCH2 = "dflash2-draft"
 OUTTYPES = {"f32": Q.F32, "f16": Q.F16, "q8_0": Q.Q8_0}
 FILE_TYPES = {Q.F32: LlamaFileType.ALL_F32, Q.F16: LlamaFileType.MOSTLY_F16, Q.Q8_0: LlamaFileType.MOSTLY_Q8_0}
 GLOBAL_NAMES = {"fc.weight": "dflash_fc.weight", "hidden_norm.weight": "dflash_hidden_norm.weight",
-                "norm.weight": "output_norm.weight"}
+                "norm.weight": "output_norm.weight",
+                "candidate_selector.hidden_projection.weight": "dflash_selector_proj.weight",
+                "candidate_selector.predecessor_codebook": "dflash_selector_pred",
+                "candidate_selector.successor_codebook": "dflash_selector_succ"}
 OUR_GLOBALS = {v: k for k, v in GLOBAL_NAMES.items()}
+CONV_NAMES = {"attention_conv.base_kernel": "attn_conv_base", "attention_conv.kernel_projection.weight":
+              "attn_conv_proj.weight", "mlp_conv.base_kernel": "ffn_conv_base",
+              "mlp_conv.kernel_projection.weight": "ffn_conv_proj.weight"}
+OUR_CONVS = {v: k for k, v in CONV_NAMES.items()}
+
+
+def arch_of(cfg: DFlashConfig) -> str:
+    return ARCH2 if isinstance(cfg, DFlash2Config) else ARCH
 
 
 def gguf_name(ours: str) -> str | None:
+    parts = ours.split(".", 2)
+    if len(parts) == 3 and parts[0] == "layers" and parts[2] in CONV_NAMES:
+        return f"blk.{parts[1]}.{CONV_NAMES[parts[2]]}"
     return GLOBAL_NAMES.get(ours) or to_gguf_name(ours)
 
 
 def our_name(theirs: str) -> str | None:
+    parts = theirs.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in OUR_CONVS:
+        return f"layers.{parts[1]}.{OUR_CONVS[parts[2]]}"
     return OUR_GLOBALS.get(theirs) or to_our_name(theirs)
 
 
@@ -74,10 +99,10 @@ def convert_drafter_to_gguf(src: str | Path, out_path: str | Path, outtype: str 
         raise CheckpointError(f"{src}: not a DFlash drafter directory (config.json + *.safetensors)")
     if not out_path.parent.is_dir():
         raise RequestError(f"{out_path}: the directory {out_path.parent} does not exist")
-    cfg = read_drafter_config(src)
+    cfg = read_config(src)
     want = OUTTYPES[outtype]
     plan = _plan(src, cfg, want)
-    with gguf_written(out_path, ARCH) as writer:
+    with gguf_written(out_path, arch_of(cfg)) as writer:
         _write_metadata(writer, cfg, src, want)
         for name, shape, qtype, _, _ in plan:
             writer.add_tensor_info(name, shape, np.dtype(np.float32), tensor_nbytes(shape, qtype), qtype)
@@ -96,7 +121,7 @@ def convert_drafter_to_gguf(src: str | Path, out_path: str | Path, outtype: str 
 def _plan(src: Path, cfg: DFlashConfig, want: Q) -> list[tuple[str, tuple[int, ...], Q, Path, str]]:
     """(GGUF name, shape, type, file, our name) per tensor, checked against the config first."""
     with on_meta():
-        expected = {n: tuple(p.shape) for n, p in DFlashDrafter(cfg).named_parameters()}
+        expected = {n: tuple(p.shape) for n, p in build_drafter(cfg).named_parameters()}
     plan = {}
     for file in safetensors_files(src):
         try:
@@ -111,7 +136,7 @@ def _plan(src: Path, cfg: DFlashConfig, want: Q) -> list[tuple[str, tuple[int, .
             if shape != expected[ours]:
                 raise CheckpointError(f"{file}: tensor {ours} has shape {list(shape)}, the config needs "
                                       f"{list(expected[ours])}")
-            qtype = Q.F32 if len(shape) < 2 else (want if shape[-1] % GGML_QUANT_SIZES[want][0] == 0 else Q.F16)
+            qtype = Q.F32 if len(shape) != 2 else (want if shape[-1] % GGML_QUANT_SIZES[want][0] == 0 else Q.F16)
             plan[ours] = (gguf_name(ours), shape, qtype, file, ours)
     missing = [n for n in expected if n not in plan]
     if missing:
@@ -124,26 +149,28 @@ def _layer(name: str) -> int:
 
 
 def _write_metadata(w: GGUFWriter, cfg: DFlashConfig, src: Path, want: Q) -> None:
-    m = cfg.model
+    m, arch = cfg.model, arch_of(cfg)
     write_shape_metadata(w, m, src.resolve().name, want)
-    _write_rope(w, m.rope, src)
+    _write_rope(w, m.rope, src, arch)
     windows = {x for x in m.sliding_windows if x}
     if len(windows) > 1:
         raise UnsupportedError(f"{src}: draft layers use different sliding windows {sorted(windows)}")
     if windows:
         w.add_sliding_window(windows.pop())
         w.add_sliding_window_pattern([bool(x) for x in m.sliding_windows])
-    w.add_array(f"{ARCH}.dflash.target_layer_ids", [int(t) for t in cfg.target_layer_ids])
-    w.add_uint32(f"{ARCH}.dflash.mask_token_id", cfg.mask_token_id)
-    w.add_uint32(f"{ARCH}.dflash.block_size", cfg.block_size)
-    w.add_uint32(f"{ARCH}.dflash.n_target_features", len(cfg.target_layer_ids) * m.hidden_size)
+    w.add_array(f"{arch}.dflash.target_layer_ids", [int(t) for t in cfg.target_layer_ids])
+    w.add_uint32(f"{arch}.dflash.mask_token_id", cfg.mask_token_id)
+    w.add_uint32(f"{arch}.dflash.block_size", cfg.block_size)
+    w.add_uint32(f"{arch}.dflash.n_target_features", len(cfg.target_layer_ids) * m.hidden_size)
     if cfg.num_target_layers is not None:
-        w.add_uint32(f"{ARCH}.dflash.n_target_layers", int(cfg.num_target_layers))
+        w.add_uint32(f"{arch}.dflash.n_target_layers", int(cfg.num_target_layers))
     if cfg.is_causal is not None:
-        w.add_bool(f"{ARCH}.dflash.is_causal", cfg.is_causal)
+        w.add_bool(f"{arch}.dflash.is_causal", cfg.is_causal)
+    for key in EXTRA_KEYS if arch == ARCH2 else ():
+        w.add_uint32(f"{arch}.dflash2.{key}", getattr(cfg, key))
 
 
-def _write_rope(w: GGUFWriter, rope: RopeConfig, src: Path) -> None:
+def _write_rope(w: GGUFWriter, rope: RopeConfig, src: Path, arch: str) -> None:
     if rope.type == "default":
         return
     if rope.mscale or rope.mscale_all_dim or not rope.truncate:
@@ -152,9 +179,9 @@ def _write_rope(w: GGUFWriter, rope: RopeConfig, src: Path) -> None:
     if rope.type in kinds:
         w.add_rope_scaling_type(kinds[rope.type])
     else:  # llama3 has no llama.cpp scaling type (it ships a rope_freqs tensor): spelled out here
-        w.add_string(f"{ARCH}.rope.scaling.type", rope.type)
-        w.add_float32(f"{ARCH}.rope.scaling.low_freq_factor", rope.low_freq_factor)
-        w.add_float32(f"{ARCH}.rope.scaling.high_freq_factor", rope.high_freq_factor)
+        w.add_string(f"{arch}.rope.scaling.type", rope.type)
+        w.add_float32(f"{arch}.rope.scaling.low_freq_factor", rope.low_freq_factor)
+        w.add_float32(f"{arch}.rope.scaling.high_freq_factor", rope.high_freq_factor)
     w.add_rope_scaling_factor(rope.factor)
     if rope.original_max_position_embeddings:
         w.add_rope_scaling_orig_ctx_len(rope.original_max_position_embeddings)
@@ -169,11 +196,12 @@ def _write_rope(w: GGUFWriter, rope: RopeConfig, src: Path) -> None:
 
 def read_gguf_config(meta: Metadata) -> DFlashConfig:
     arch = meta.need("general.architecture")
-    if arch != ARCH:
-        raise CheckpointError(f"{meta.path}: general.architecture is {arch!r}, not a DFlash drafter ({ARCH!r})")
+    if arch not in (ARCH, ARCH2):
+        raise CheckpointError(f"{meta.path}: general.architecture is {arch!r}, not a DFlash drafter ({ARCH!r} "
+                              f"or {ARCH2!r})")
 
     def key(suffix):
-        return f"{ARCH}.{suffix}"
+        return f"{arch}.{suffix}"
 
     layers = meta.integer(key("block_count"), required=True)
     heads = meta.integer(key("attention.head_count"), required=True)
@@ -193,20 +221,26 @@ def read_gguf_config(meta: Metadata) -> DFlashConfig:
             num_heads=heads, num_kv_heads=meta.integer(key("attention.head_count_kv"), heads),
             head_dim=meta.integer(key("attention.key_length"), None) or hidden // heads,
             rms_norm_eps=meta.number(key("attention.layer_norm_rms_epsilon"), required=True),
-            max_position_embeddings=meta.integer(key("context_length"), required=True), rope=_read_rope(meta),
+            max_position_embeddings=meta.integer(key("context_length"), required=True), rope=_read_rope(meta, arch),
             qk_norm=True, tie_word_embeddings=True, sliding_windows=windows)
     except CheckpointError as e:
         raise CheckpointError(f"{meta.path}: {e}") from None
     causal = meta.get(key("dflash.is_causal"))
     if causal is not None and not isinstance(causal, bool):
         raise CheckpointError(f"{meta.path}: {key('dflash.is_causal')} must be a bool, got {causal!r:.80}")
-    return DFlashConfig(model, [int(t) for t in taps], meta.integer(key("dflash.mask_token_id"), required=True),
-                        meta.integer(key("dflash.block_size"), 16), meta.integer(key("dflash.n_target_layers"), None),
-                        causal)
+    cfg = DFlashConfig(model, [int(t) for t in taps], meta.integer(key("dflash.mask_token_id"), required=True),
+                       meta.integer(key("dflash.block_size"), 16), meta.integer(key("dflash.n_target_layers"), None),
+                       causal)
+    if arch == ARCH2:
+        try:
+            cfg = DFlash2Config.of(cfg, **{k: meta.integer(key(f"dflash2.{k}"), required=True) for k in EXTRA_KEYS})
+        except CheckpointError as e:
+            raise CheckpointError(f"{meta.path}: {e}") from None
+    return cfg
 
 
-def _read_rope(meta: Metadata) -> RopeConfig:
-    p = f"{ARCH}.rope"
+def _read_rope(meta: Metadata, arch: str) -> RopeConfig:
+    p = f"{arch}.rope"
     rope = RopeConfig(theta=meta.number(f"{p}.freq_base", 10000.0))
     kind = meta.get(f"{p}.scaling.type")
     if kind in (None, "none"):
@@ -231,7 +265,7 @@ def load_drafter_gguf(path: str | Path, dtype: torch.dtype, device) -> tuple[DFl
     cfg = read_gguf_config(meta)
     check_tensors(reader, path)
     with on_meta():
-        drafter = DFlashDrafter(cfg).to(dtype)
+        drafter = build_drafter(cfg).to(dtype)
     expected = {n: tuple(p.shape) for n, p in drafter.named_parameters()}
 
     def tensors():
