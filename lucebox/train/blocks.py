@@ -93,15 +93,22 @@ def draft_hidden(drafter, embed, features: torch.Tensor, ids: torch.Tensor, anch
         attn = layer.self_attn
         if attn.sliding_window is not None:
             raise NotImplementedError("training sliding-window draft layers")
+        conv = getattr(layer, "attention_conv", None)  # DFlash2: block-local convs around each sub-layer
         h = _rms(x, layer.input_layernorm)
+        if conv is not None:
+            h, after = conv.prepare(h, B)
         k_c, v_c = _key_value(attn, c_flat, cos_c, sin_c)
         k_b, v_b = _key_value(attn, h, cos_b, sin_b)
         q = _rope(_rms(attn.q_proj(h).view(-1, attn.num_heads, attn.head_dim), attn.q_norm), cos_b, sin_b)
         o = _block_attention(q, k_c, v_c, k_b, v_b, visible, attn.scale, attn.causal)
-        x = x + attn.o_proj(o)
-        mlp = layer.mlp
+        o = attn.o_proj(o)
+        x = x + (conv.finish(o, after, B) if conv is not None else o)
+        mlp, conv = layer.mlp, getattr(layer, "mlp_conv", None)
         h = _rms(x, layer.post_attention_layernorm)
-        x = x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
+        if conv is not None:
+            h, after = conv.prepare(h, B)
+        o = mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
+        x = x + (conv.finish(o, after, B) if conv is not None else o)
     return _rms(x, drafter.norm).view(S, N, B, D)
 
 

@@ -34,6 +34,7 @@ from .args import TrainDrafterArgs
 from .data import Sample, collate, collect_files, load_samples
 from .prepare import TargetFeatures, drafter_config, init_drafter, lm_head
 from .regenerate import fingerprint, load_cached, regenerate, save_cached
+from .selector import selector_loss
 
 log = logging.getLogger("lucebox")
 
@@ -145,6 +146,10 @@ def train_drafter(args: TrainDrafterArgs) -> TrainResult:
             with autocast:
                 hidden = blocks.draft_hidden(drafter, target.embed_tokens, feats, ids, anchors, cfg.mask_token_id)
                 total, weight, correct = blocks.weighted_ce(head, hidden, labels, valid, weights, tcfg.vocab_size)
+                selector = getattr(drafter, "candidate_selector", None)  # DFlash2
+                if selector is not None:
+                    total = total + selector_loss(selector, head, hidden, ids.gather(1, anchors), labels, valid,
+                                                  weights, tcfg.vocab_size)
             optimizer.zero_grad(set_to_none=True)
             if total.requires_grad:  # a batch without any trainable slot leaves the weights alone
                 loss = total / weight
