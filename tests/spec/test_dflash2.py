@@ -267,3 +267,33 @@ def test_sampled_speculation_follows_the_target_distribution(tmp_path_factory, t
     rejected, stat, critical = chi_square_rejects(counts, exact_pair_distribution(target, PROMPT), SAMPLES)
     print(f"\ndflash2: chi-square {stat:.1f} (reject above {critical:.1f})")
     assert not rejected
+
+
+@pytest.mark.parametrize("graphs", ["static", pytest.param("captured", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_drafts_through_the_drafter_graphs_equal_the_eager_ones(graphs, temperature, target, tmp_path):
+    """The graph bodies hand the selector the same hidden states: greedy and seeded sampled drafts
+    (and so the output) equal the eager drafter's; greedy output equals plain decoding."""
+    from tests.spec.test_dflash_graphs import static_graphs
+    drafter = write_dflash2_drafter(target, tmp_path / "d", block_size=4, seed=6)
+    device = "cuda" if graphs == "captured" else "cpu"
+    prompts = [{"prompt_token_ids": [(7 * i + j) % 300 + 3 for j in range(n)]} for i, n in enumerate((5, 19, 33))]
+    params = SamplingParams(temperature=temperature, max_tokens=16, ignore_eos=True, seed=7)
+    runs = []
+    for use_graphs in (False, True):
+        llm = LLM(str(target), device=device, dtype="float32", block_size=4, cuda_graphs=use_graphs,
+                  kv_cache_memory=16 << 20,
+                  speculative_config={"method": "dflash", "model": str(drafter), "adaptive": False})
+        prop = llm.engine.speculator.proposer
+        if use_graphs and graphs == "static":
+            prop.graphs = static_graphs(prop, llm.engine.runner.num_blocks, llm.engine.max_model_len)
+        drafted = []
+        propose = prop.propose
+        prop.propose = lambda seqs, ks: [drafted.append(d.tokens) or d for d in propose(seqs, ks)]
+        runs.append(([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)], drafted))
+        assert (prop.graphs is not None and prop.graphs.replays > 0) == use_graphs
+    assert runs[0] == runs[1]
+    if temperature == 0:
+        plain = LLM(str(target), device=device, dtype="float32", block_size=4, kv_cache_memory=16 << 20)
+        assert runs[0][0] == [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]

@@ -100,7 +100,7 @@ def test_selector_loss_is_the_teacher_forced_top_k_cross_entropy(loaded):
             ph = sel.hidden_projection.weight @ hidden[0, n, k + 1]
             scores = unary + (sel.predecessor_codebook[pred] * ph * sel.successor_codebook[cand]).sum(-1)
             want += float(weights[k]) * -float(torch.log_softmax(scores.detach(), 0)[cand.tolist().index(y)])
-    assert math.isclose(float(got), SELECTOR_WEIGHT * want, rel_tol=1e-5)
+    assert math.isclose(float(got.detach()), SELECTOR_WEIGHT * want, rel_tol=1e-5)
     got.backward()
     assert sel.successor_codebook.grad.abs().sum() > 0 and sel.hidden_projection.weight.grad.abs().sum() > 0
 
