@@ -20,18 +20,21 @@ drawn from q_s, walk on; q_s (zero outside the candidates) is the draft probabil
 rejection sampling uses, so verification stays lossless.
 
 Sourced (public ports of the reference, z-lab/dflash `07ebd93`: QEfficient's DFlash-2, vLLM's
-Kimi DFlash2 and DFlash2 #52816, exllamav3 #334/#379, SGLang #35371, speculators #1006):
-the prepare/finish split and one projection feeding both sides; the [side, tap, group] order of
-the projection and base_kernel[side]; the sum over taps of (base + delta) times the row t back,
-zero-padded at the block start; the normed sub-layer input as the projection's input; the
-selector's score and greedy walk from the anchor with the post-final-norm hidden state of the
-scored slot; codebook tensor names without `.weight`.
-Assumptions (not settled by what was readable; each kept in one place here):
-  * T > 0 (`CandidateSelector.walk`): the transition term is divided by the temperature like the
-    logits, i.e. q_s = softmax((logit + transition) / T) over the candidates (the ports say "walk
-    by inverse CDF, q over the K candidates" without the formula). The unary term is the logits as
-    lucebox's Sampler processes them for the sequence (logit_bias, penalties, temperature, top-k/p,
-    min-p); filtered candidates get q = 0.
+DFlash2 #52816 and its Kimi and ARM-CPU adaptations, exllamav3 #334/#379, SGLang #35371,
+speculators #1006): the prepare/finish split and one projection feeding both sides; the
+[side, tap, group] order of the projection and base_kernel[side]; the sum over taps of
+(base + delta) times the row t back, zero at the block start; the normed sub-layer input as the
+projection's input; the selector's score and walk from the anchor with the post-final-norm hidden
+state of the scored slot; at T > 0, q = softmax((unary + transition) / T) over the candidates
+(a port's `select_stochastic_path`, "returns q over the K candidates" in SGLang #35371); codebook
+tensor names without `.weight`.
+Differences and assumptions (each in one place here):
+  * T > 0 draws (`CandidateSelector.walk`): by inverse CDF from the sequence's own generator; the
+    reference draws a keyed Gumbel argmax (same distribution, other random numbers).
+  * The unary term and the candidates are the logits as lucebox's Sampler processes them for the
+    sequence (logit_bias, penalties, temperature, top-k/p, min-p: the transition is then divided
+    by T separately). With temperature alone this is exactly the reference; filtered candidates
+    get q = 0.
   * selector_top_k larger than the vocabulary (tiny test models) keeps the whole vocabulary.
 """
 from __future__ import annotations
@@ -185,7 +188,7 @@ class CandidateSelector(nn.Module):
             row = logits[s] if isinstance(logits, torch.Tensor) else logits(s, drafted)
             unary, cand = row.float().topk(min(self.top_k, row.shape[-1]))
             step = self.transition(pred, projected[s:s + 1], cand[None])[0]
-            if temperature > 0:  # the module docstring's assumption: the transition at the logits' temperature
+            if temperature > 0:  # unary is already divided by T (the Sampler's processing)
                 q = torch.softmax(unary + step / temperature, -1)
                 where = generator.device if generator is not None else q.device  # a seeded sequence's own draws
                 u = torch.rand(1, device=where, generator=generator).to(q.device) * q.sum()

@@ -34,7 +34,7 @@ from .args import TrainDrafterArgs
 from .data import Sample, collate, collect_files, load_samples
 from .prepare import TargetFeatures, drafter_config, init_drafter, lm_head
 from .regenerate import fingerprint, load_cached, regenerate, save_cached
-from .selector import selector_loss
+from .selector import selector_drafts, selector_loss
 
 log = logging.getLogger("lucebox")
 
@@ -257,7 +257,11 @@ def _evaluate(drafter, target, head, features, held: list[Sample], cfg: DFlashCo
             with autocast:
                 hidden = blocks.draft_hidden(drafter, target.embed_tokens, feats, ids, anchors, cfg.mask_token_id)
                 total, w, _ = blocks.weighted_ce(head, hidden, labels, valid, weights, vocab)
-                acc, per_slot = blocks.acceptance(head, hidden, greedy, lengths, anchors, keep, vocab)
+                selector = getattr(drafter, "candidate_selector", None)  # DFlash2: its chain is the draft
+                drafted = None if selector is None else selector_drafts(selector, head, hidden, ids.gather(1, anchors),
+                                                                         vocab)
+                acc, per_slot = blocks.acceptance(head, hidden, greedy, lengths, anchors, keep, vocab,
+                                                  drafted=drafted)
             accepted_at[:, first:first + anchors.shape[1]] = acc.cpu()
             slots = per_slot if slots is None else slots + per_slot
             loss += float(total)

@@ -41,3 +41,24 @@ def selector_loss(selector, lm_head, hidden: torch.Tensor, anchor_ids: torch.Ten
         scores = unary + selector.transition(pred, selector.hidden_projection(h), candidates)
         total = total + (F.cross_entropy(scores, index, reduction="none") * w[start:start + chunk]).sum()
     return SELECTOR_WEIGHT * total
+
+
+@torch.no_grad()
+def selector_drafts(selector, lm_head, hidden: torch.Tensor, anchor_ids: torch.Tensor, vocab_size: int,
+                    budget_bytes: int = 1 << 28) -> torch.Tensor:
+    """The greedy chain the selector drafts for every block [S, N, B-1] (what the engine proposes),
+    so evaluation measures the selector's drafts rather than each slot's own argmax."""
+    S, N, B, D = hidden.shape
+    rows, anchors = hidden[:, :, 1:].reshape(S * N, B - 1, D), anchor_ids.reshape(-1)
+    top_k = min(selector.top_k, vocab_size)
+    chunk = max(1, budget_bytes // (4 * vocab_size))
+    out = torch.empty(S * N, B - 1, dtype=torch.int64, device=hidden.device)
+    for start in range(0, S * N, chunk):
+        pred = anchors[start:start + chunk]
+        for slot in range(B - 1):
+            h = rows[start:start + chunk, slot]
+            unary, candidates = lm_head(h).float().topk(top_k, dim=-1)
+            scores = unary + selector.transition(pred, selector.hidden_projection(h), candidates)
+            pred = candidates.gather(1, scores.argmax(-1, keepdim=True)).squeeze(1)
+            out[start:start + chunk, slot] = pred
+    return out.view(S, N, B - 1)

@@ -129,3 +129,24 @@ def test_two_step_run_writes_a_dflash2_checkpoint(hf_models, tmp_path):
 def test_arch_flag_is_checked():
     with pytest.raises(Exception, match="--arch"):
         TrainDrafterArgs(target="t", data=["x"], out="o", arch="dflash3").validate()
+
+
+def test_evaluation_drafts_are_the_selectors_chain(loaded):
+    """selector_drafts (batched over blocks, for tau at evaluation) equals the engine's walk per block."""
+    from lucebox.train.selector import selector_drafts
+    cfg = drafter_config(loaded.config, loaded.tokenizer, dflash2_args())
+    sel = init_drafter(cfg, "cpu", seed=2).candidate_selector
+    with torch.no_grad():
+        sel.successor_codebook.normal_(0, 1.0)
+        sel.hidden_projection.weight.normal_(0, 0.5)
+    V, D = loaded.config.vocab_size, loaded.config.hidden_size
+    g = torch.Generator().manual_seed(8)
+    head_w = torch.randn(V, D, generator=g) * 0.05
+    hidden, anchors = torch.randn(2, 3, 5, D, generator=g), torch.randint(0, V, (2, 3), generator=g)
+    got = selector_drafts(sel, lambda h: h @ head_w.T, hidden, anchors, V, budget_bytes=4 * V * 4)  # 4-block chunks
+    plain = (hidden[:, :, 1:] @ head_w.T).argmax(-1)
+    assert not torch.equal(got, plain)  # the transition changed some drafts
+    for s in range(2):
+        for n in range(3):
+            walk = sel.walk(hidden[s, n, 1:], anchors[s, n], hidden[s, n, 1:] @ head_w.T)
+            assert got[s, n].tolist() == walk.tokens.tolist()
