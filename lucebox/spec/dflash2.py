@@ -22,6 +22,8 @@ class DFlash2Proposer(DFlashProposer):
         logits, hidden = self._draft_pass(seq, k)
         out = list(seq.output_token_ids)
         params, generator = seq.params, seq.generator
+        if self.graphs is not None and params.is_greedy and params.keeps_argmax(len(out)):
+            return Draft(self.graphs.tokens[:k].tolist())  # the chain the graph walked over unprocessed logits
 
         def state(drafted: list[int]) -> SamplingState:
             return SamplingState(params, seq.prompt_token_ids, out + drafted, generator)
