@@ -242,15 +242,18 @@ def test_missing_selector_key_is_named(target, tmp_path):
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
 
-def test_greedy_speculation_is_token_identical_to_plain_decoding(target, tmp_path):
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                             repetition_penalty=1.3, logit_bias={7: 2.0})],
+                         ids=["plain", "reads its history"])
+def test_greedy_speculation_is_token_identical_to_plain_decoding(params, target, tmp_path):
     from tests.spec.test_spec import prompts
     drafter = write_dflash2_drafter(target, tmp_path / "d", block_size=4, top_k=16, seed=4)
-    plain = [o.outputs[0].token_ids for o in LLM(str(target), block_size=4).generate(prompts(4), GREEDY,
+    plain = [o.outputs[0].token_ids for o in LLM(str(target), block_size=4).generate(prompts(4), params,
                                                                                       use_tqdm=False)]
     llm = LLM(str(target), block_size=4, speculative_config={"method": "dflash", "model": str(drafter),
                                                              "adaptive": False})
     assert isinstance(llm.engine.speculator.proposer, DFlash2Proposer)
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts(4), GREEDY, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts(4), params, use_tqdm=False)]
     assert got == plain
     assert llm.engine.speculator.steps_by_source  # it did draft
 
