@@ -10,12 +10,12 @@ Layout, following the spelling DFlash GGUF drafters already use (general.archite
             dflash.is_causal when the config sets it (else sliding layers are the causal ones).
   tensors   dflash_fc.weight, dflash_hidden_norm.weight, output_norm.weight (the drafter's final
             norm) and blk.N.* with llama.cpp's layer names; no embedding and no LM head.
-DFlash2 drafters (dflash2_model.py) are written as general.architecture "dflash2-draft": the same
-keys under `dflash2-draft.`, plus dflash2.{conv_kernel_size, conv_group_size, selector_rank,
-selector_top_k}, and the extra tensors in the same style: blk.N.{attn,ffn}_conv_base (the
-[side, tap, channel] base kernels, F32) and blk.N.{attn,ffn}_conv_proj.weight (kernel_projection),
-dflash_selector_proj.weight, dflash_selector_pred and dflash_selector_succ (hidden_projection and
-the predecessor / successor codebooks).
+DFlash2 drafters (dflash2_model.py) use the same architecture with the names mainline llama.cpp's
+DFlash2 support gives their extra parts: dflash.{conv_kernel_size, conv_group_size, selector_rank,
+selector_top_k} (a file with dflash.selector_rank is a DFlash2 drafter), blk.N.{attn,ffn}_conv_base
+(the [side, tap, channel] base kernels, F32), blk.N.{attn,ffn}_conv_proj.weight (kernel_projection),
+selector_hidden.weight, selector_predecessor.weight and selector_successor.weight (hidden_projection
+and the two codebooks).
 Matrices are F16 or Q8_0 (a matrix whose rows are not whole Q8_0 blocks stays F16, as in
 llama.cpp); norms are F32. q/k rows keep the HF order (Qwen3-style, no llama permutation).
 
@@ -55,23 +55,18 @@ from .dflash2_model import EXTRA_KEYS, DFlash2Config, build_drafter, read_config
 from .dflash_model import DFlashConfig, DFlashDrafter
 
 ARCH = "dflash-draft"
-ARCH2 = "dflash2-draft"
 OUTTYPES = {"f32": Q.F32, "f16": Q.F16, "q8_0": Q.Q8_0}
 FILE_TYPES = {Q.F32: LlamaFileType.ALL_F32, Q.F16: LlamaFileType.MOSTLY_F16, Q.Q8_0: LlamaFileType.MOSTLY_Q8_0}
 GLOBAL_NAMES = {"fc.weight": "dflash_fc.weight", "hidden_norm.weight": "dflash_hidden_norm.weight",
                 "norm.weight": "output_norm.weight",
-                "candidate_selector.hidden_projection.weight": "dflash_selector_proj.weight",
-                "candidate_selector.predecessor_codebook": "dflash_selector_pred",
-                "candidate_selector.successor_codebook": "dflash_selector_succ"}
+                "candidate_selector.hidden_projection.weight": "selector_hidden.weight",
+                "candidate_selector.predecessor_codebook": "selector_predecessor.weight",
+                "candidate_selector.successor_codebook": "selector_successor.weight"}
 OUR_GLOBALS = {v: k for k, v in GLOBAL_NAMES.items()}
 CONV_NAMES = {"attention_conv.base_kernel": "attn_conv_base", "attention_conv.kernel_projection.weight":
               "attn_conv_proj.weight", "mlp_conv.base_kernel": "ffn_conv_base",
               "mlp_conv.kernel_projection.weight": "ffn_conv_proj.weight"}
 OUR_CONVS = {v: k for k, v in CONV_NAMES.items()}
-
-
-def arch_of(cfg: DFlashConfig) -> str:
-    return ARCH2 if isinstance(cfg, DFlash2Config) else ARCH
 
 
 def gguf_name(ours: str) -> str | None:
@@ -102,7 +97,7 @@ def convert_drafter_to_gguf(src: str | Path, out_path: str | Path, outtype: str 
     cfg = read_config(src)
     want = OUTTYPES[outtype]
     plan = _plan(src, cfg, want)
-    with gguf_written(out_path, arch_of(cfg)) as writer:
+    with gguf_written(out_path, ARCH) as writer:
         _write_metadata(writer, cfg, src, want)
         for name, shape, qtype, _, _ in plan:
             writer.add_tensor_info(name, shape, np.dtype(np.float32), tensor_nbytes(shape, qtype), qtype)
@@ -149,28 +144,29 @@ def _layer(name: str) -> int:
 
 
 def _write_metadata(w: GGUFWriter, cfg: DFlashConfig, src: Path, want: Q) -> None:
-    m, arch = cfg.model, arch_of(cfg)
+    m = cfg.model
     write_shape_metadata(w, m, src.resolve().name, want)
-    _write_rope(w, m.rope, src, arch)
+    _write_rope(w, m.rope, src)
     windows = {x for x in m.sliding_windows if x}
     if len(windows) > 1:
         raise UnsupportedError(f"{src}: draft layers use different sliding windows {sorted(windows)}")
     if windows:
         w.add_sliding_window(windows.pop())
         w.add_sliding_window_pattern([bool(x) for x in m.sliding_windows])
-    w.add_array(f"{arch}.dflash.target_layer_ids", [int(t) for t in cfg.target_layer_ids])
-    w.add_uint32(f"{arch}.dflash.mask_token_id", cfg.mask_token_id)
-    w.add_uint32(f"{arch}.dflash.block_size", cfg.block_size)
-    w.add_uint32(f"{arch}.dflash.n_target_features", len(cfg.target_layer_ids) * m.hidden_size)
+    w.add_array(f"{ARCH}.dflash.target_layer_ids", [int(t) for t in cfg.target_layer_ids])
+    w.add_uint32(f"{ARCH}.dflash.mask_token_id", cfg.mask_token_id)
+    w.add_uint32(f"{ARCH}.dflash.block_size", cfg.block_size)
+    w.add_uint32(f"{ARCH}.dflash.n_target_features", len(cfg.target_layer_ids) * m.hidden_size)
     if cfg.num_target_layers is not None:
-        w.add_uint32(f"{arch}.dflash.n_target_layers", int(cfg.num_target_layers))
+        w.add_uint32(f"{ARCH}.dflash.n_target_layers", int(cfg.num_target_layers))
     if cfg.is_causal is not None:
-        w.add_bool(f"{arch}.dflash.is_causal", cfg.is_causal)
-    for key in EXTRA_KEYS if arch == ARCH2 else ():
-        w.add_uint32(f"{arch}.dflash2.{key}", getattr(cfg, key))
+        w.add_bool(f"{ARCH}.dflash.is_causal", cfg.is_causal)
+    if isinstance(cfg, DFlash2Config):
+        for key in EXTRA_KEYS:
+            w.add_uint32(f"{ARCH}.dflash.{key}", getattr(cfg, key))
 
 
-def _write_rope(w: GGUFWriter, rope: RopeConfig, src: Path, arch: str) -> None:
+def _write_rope(w: GGUFWriter, rope: RopeConfig, src: Path) -> None:
     if rope.type == "default":
         return
     if rope.mscale or rope.mscale_all_dim or not rope.truncate:
@@ -179,9 +175,9 @@ def _write_rope(w: GGUFWriter, rope: RopeConfig, src: Path, arch: str) -> None:
     if rope.type in kinds:
         w.add_rope_scaling_type(kinds[rope.type])
     else:  # llama3 has no llama.cpp scaling type (it ships a rope_freqs tensor): spelled out here
-        w.add_string(f"{arch}.rope.scaling.type", rope.type)
-        w.add_float32(f"{arch}.rope.scaling.low_freq_factor", rope.low_freq_factor)
-        w.add_float32(f"{arch}.rope.scaling.high_freq_factor", rope.high_freq_factor)
+        w.add_string(f"{ARCH}.rope.scaling.type", rope.type)
+        w.add_float32(f"{ARCH}.rope.scaling.low_freq_factor", rope.low_freq_factor)
+        w.add_float32(f"{ARCH}.rope.scaling.high_freq_factor", rope.high_freq_factor)
     w.add_rope_scaling_factor(rope.factor)
     if rope.original_max_position_embeddings:
         w.add_rope_scaling_orig_ctx_len(rope.original_max_position_embeddings)
@@ -196,12 +192,11 @@ def _write_rope(w: GGUFWriter, rope: RopeConfig, src: Path, arch: str) -> None:
 
 def read_gguf_config(meta: Metadata) -> DFlashConfig:
     arch = meta.need("general.architecture")
-    if arch not in (ARCH, ARCH2):
-        raise CheckpointError(f"{meta.path}: general.architecture is {arch!r}, not a DFlash drafter ({ARCH!r} "
-                              f"or {ARCH2!r})")
+    if arch != ARCH:
+        raise CheckpointError(f"{meta.path}: general.architecture is {arch!r}, not a DFlash drafter ({ARCH!r})")
 
     def key(suffix):
-        return f"{arch}.{suffix}"
+        return f"{ARCH}.{suffix}"
 
     layers = meta.integer(key("block_count"), required=True)
     heads = meta.integer(key("attention.head_count"), required=True)
@@ -221,7 +216,7 @@ def read_gguf_config(meta: Metadata) -> DFlashConfig:
             num_heads=heads, num_kv_heads=meta.integer(key("attention.head_count_kv"), heads),
             head_dim=meta.integer(key("attention.key_length"), None) or hidden // heads,
             rms_norm_eps=meta.number(key("attention.layer_norm_rms_epsilon"), required=True),
-            max_position_embeddings=meta.integer(key("context_length"), required=True), rope=_read_rope(meta, arch),
+            max_position_embeddings=meta.integer(key("context_length"), required=True), rope=_read_rope(meta),
             qk_norm=True, tie_word_embeddings=True, sliding_windows=windows)
     except CheckpointError as e:
         raise CheckpointError(f"{meta.path}: {e}") from None
@@ -231,16 +226,16 @@ def read_gguf_config(meta: Metadata) -> DFlashConfig:
     cfg = DFlashConfig(model, [int(t) for t in taps], meta.integer(key("dflash.mask_token_id"), required=True),
                        meta.integer(key("dflash.block_size"), 16), meta.integer(key("dflash.n_target_layers"), None),
                        causal)
-    if arch == ARCH2:
+    if meta.get(key("dflash.selector_rank")) is not None:  # a DFlash2 drafter
         try:
-            cfg = DFlash2Config.of(cfg, **{k: meta.integer(key(f"dflash2.{k}"), required=True) for k in EXTRA_KEYS})
+            cfg = DFlash2Config.of(cfg, **{k: meta.integer(key(f"dflash.{k}"), required=True) for k in EXTRA_KEYS})
         except CheckpointError as e:
             raise CheckpointError(f"{meta.path}: {e}") from None
     return cfg
 
 
-def _read_rope(meta: Metadata, arch: str) -> RopeConfig:
-    p = f"{arch}.rope"
+def _read_rope(meta: Metadata) -> RopeConfig:
+    p = f"{ARCH}.rope"
     rope = RopeConfig(theta=meta.number(f"{p}.freq_base", 10000.0))
     kind = meta.get(f"{p}.scaling.type")
     if kind in (None, "none"):

@@ -29,10 +29,12 @@ def test_f16_file_reads_back_equal(drafter_dir, tmp_path):
     out = tmp_path / "d.gguf"
     assert main(["convert-drafter", str(drafter_dir), str(out), "--outtype", "f16"]) == 0
     reader = GGUFReader(out)
-    assert bytes(reader.fields["general.architecture"].parts[-1]).decode() == "dflash2-draft"
+    assert bytes(reader.fields["general.architecture"].parts[-1]).decode() == "dflash-draft"
+    assert int(reader.fields["dflash-draft.dflash.selector_top_k"].parts[-1][0]) == 6
     names = {t.name for t in reader.tensors}
-    assert {"blk.0.attn_conv_base", "blk.1.ffn_conv_proj.weight", "dflash_selector_pred", "dflash_selector_succ",
-            "dflash_selector_proj.weight"} <= names
+    # llama.cpp's DFlash2 names
+    assert {"blk.0.attn_conv_base", "blk.1.ffn_conv_proj.weight", "selector_predecessor.weight",
+            "selector_successor.weight", "selector_hidden.weight"} <= names
     ours, _ = load_drafter(drafter_dir, torch.float32, "cpu")
     back, _ = load_drafter(out, torch.float32, "cpu")
     assert isinstance(back, DFlash2Drafter)
