@@ -150,3 +150,22 @@ def test_evaluation_drafts_are_the_selectors_chain(loaded):
         for n in range(3):
             walk = sel.walk(hidden[s, n, 1:], anchors[s, n], hidden[s, n, 1:] @ head_w.T)
             assert got[s, n].tolist() == walk.tokens.tolist()
+
+
+def test_a_dflash_drafter_grows_into_dflash2_computing_the_same(loaded):
+    """--init-drafter DFLASH --arch dflash2: the trained DFlash weights, identity DFlash2 parts."""
+    v1_args = TrainDrafterArgs(target="", data=["x"], out="", layers=2, block_size=5, taps="0,1")
+    v1 = init_drafter(drafter_config(loaded.config, loaded.tokenizer, v1_args), "cpu", seed=9)
+    with torch.no_grad():
+        for p in v1.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    cfg = drafter_config(loaded.config, loaded.tokenizer, dflash2_args(), start=v1.config)
+    v2 = init_drafter(cfg, "cpu", seed=1, start=v1)
+    assert isinstance(v2, DFlash2Drafter) and cfg.selector_top_k == 4
+    d, a = loaded.config.hidden_size, 6
+    g = torch.Generator().manual_seed(3)
+    features, x = torch.randn(a, 2 * d, generator=g), torch.randn(5, d, generator=g)
+    with torch.no_grad():
+        want = v1.blocks(x, torch.arange(a, a + 5), v1.context_kv(features, torch.arange(a)), torch.arange(a))
+        got = v2.blocks(x, torch.arange(a, a + 5), v2.context_kv(features, torch.arange(a)), torch.arange(a))
+    torch.testing.assert_close(got, want)
