@@ -25,8 +25,8 @@ from ..sampling.acceptance import Draft
 from ..sampling.sampler import Sampler, SamplingState
 from ..util import host_to_device, on_meta
 from ..weights.safetensors import iter_safetensors
-from .dflash_graphs import DrafterGraphs
 from .dflash2_model import DFlash2Config, build_drafter, read_config
+from .dflash_graphs import DrafterGraphs
 from .dflash_model import DFlashConfig, DFlashDrafter
 from .proposer import Proposer
 

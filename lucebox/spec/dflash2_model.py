@@ -40,9 +40,9 @@ Differences and assumptions (each in one place here):
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -68,7 +68,7 @@ class DFlash2Config(DFlashConfig):
     selector_top_k: int = 16
 
     @classmethod
-    def from_dict(cls, raw: dict, where: str = "config.json") -> "DFlash2Config":
+    def from_dict(cls, raw: dict, where: str = "config.json") -> DFlash2Config:
         base = DFlashConfig.from_dict(raw, where)
         inner = raw.get("dflash_config") or {}
         extras = {}
@@ -83,7 +83,7 @@ class DFlash2Config(DFlashConfig):
         return cfg
 
     @classmethod
-    def of(cls, base: DFlashConfig, **extras) -> "DFlash2Config":
+    def of(cls, base: DFlashConfig, **extras) -> DFlash2Config:
         cfg = cls(**{k: v for k, v in vars(base).items() if k not in EXTRA_KEYS}, **extras)
         cfg.check("the DFlash2 drafter")
         return cfg

@@ -17,8 +17,13 @@ from lucebox.model.config import ModelConfig
 from lucebox.spec.dflash import load_drafter
 from lucebox.spec.dflash2 import DFlash2Proposer
 from lucebox.spec.dflash2_model import DFlash2Drafter
-
-from tests.spec.test_spec import chi_square_rejects, exact_pair_distribution, sample_pairs, PROMPT, SAMPLES
+from tests.spec.test_spec import (
+    PROMPT,
+    SAMPLES,
+    chi_square_rejects,
+    exact_pair_distribution,
+    sample_pairs,
+)
 from tests.spec_fixtures import peaked_model, small_vocab_tokenizer
 
 HEADS, KV_HEADS, HEAD_DIM, FFN, EPS, THETA = 4, 2, 16, 48, 1e-6, 10000.0
@@ -113,43 +118,48 @@ def ref_block_hidden(w, features, block_embeds, anchor, layers, group):
     """Final-normed hidden states of one block at positions anchor.. over the context 0..anchor-1."""
     c = ref_rms(features @ w["fc.weight"].T, w["hidden_norm.weight"])
     x = block_embeds.clone()
-    B = x.shape[0]
     for i in range(layers):
-        p = lambda name: w[f"layers.{i}.{name}"]  # noqa: E731
-
-        def kv(rows, start):
-            k = (rows @ p("self_attn.k_proj.weight").T).view(len(rows), KV_HEADS, HEAD_DIM)
-            v = (rows @ p("self_attn.v_proj.weight").T).view(len(rows), KV_HEADS, HEAD_DIM)
-            k = torch.stack([ref_rope(ref_rms(k[j], p("self_attn.k_norm.weight")), start + j) for j in range(len(rows))])
-            return k, v
-
-        def conv_pair(name, inp, sub_layer):
-            proj = (inp @ p(f"{name}.kernel_projection.weight").T).view(B, 2, 2, -1)  # [row, side, tap, group]
-            base = p(f"{name}.base_kernel")
-            y = sub_layer(ref_conv(inp, base[0], proj[:, 0], group))
-            return ref_conv(y, base[1], proj[:, 1], group)
-
-        def attention(h):
-            kc, vc = kv(c, 0)
-            kb, vb = kv(h, anchor)
-            keys, values = torch.cat([kc, kb]), torch.cat([vc, vb])
-            q = (h @ p("self_attn.q_proj.weight").T).view(B, HEADS, HEAD_DIM)
-            out = torch.zeros(B, HEADS, HEAD_DIM, dtype=h.dtype)
-            for r in range(B):
-                for hd in range(HEADS):
-                    qr = ref_rope(ref_rms(q[r, hd], p("self_attn.q_norm.weight")), anchor + r)
-                    kvh = hd // (HEADS // KV_HEADS)
-                    scores = keys[:, kvh] @ qr / math.sqrt(HEAD_DIM)
-                    out[r, hd] = torch.softmax(scores, 0) @ values[:, kvh]
-            return out.reshape(B, -1) @ p("self_attn.o_proj.weight").T
-
-        def mlp(h):
-            gate = h @ p("mlp.gate_proj.weight").T
-            return (gate * torch.sigmoid(gate) * (h @ p("mlp.up_proj.weight").T)) @ p("mlp.down_proj.weight").T
-
-        x = x + conv_pair("attention_conv", ref_rms(x, p("input_layernorm.weight")), attention)
-        x = x + conv_pair("mlp_conv", ref_rms(x, p("post_attention_layernorm.weight")), mlp)
+        x = ref_layer({k[len(f"layers.{i}."):]: v for k, v in w.items() if k.startswith(f"layers.{i}.")}, x, c,
+                      anchor, group)
     return ref_rms(x, w["norm.weight"])
+
+
+def ref_layer(p, x, c, anchor, group):
+    """One DFlash2 layer (p: its tensors by name) over the block rows x and the context c."""
+    B = x.shape[0]
+
+    def kv(rows, start):
+        k = (rows @ p["self_attn.k_proj.weight"].T).view(len(rows), KV_HEADS, HEAD_DIM)
+        v = (rows @ p["self_attn.v_proj.weight"].T).view(len(rows), KV_HEADS, HEAD_DIM)
+        k = torch.stack([ref_rope(ref_rms(k[j], p["self_attn.k_norm.weight"]), start + j) for j in range(len(rows))])
+        return k, v
+
+    def conv_pair(name, inp, sub_layer):
+        proj = (inp @ p[f"{name}.kernel_projection.weight"].T).view(B, 2, 2, -1)  # [row, side, tap, group]
+        base = p[f"{name}.base_kernel"]
+        y = sub_layer(ref_conv(inp, base[0], proj[:, 0], group))
+        return ref_conv(y, base[1], proj[:, 1], group)
+
+    def attention(h):
+        kc, vc = kv(c, 0)
+        kb, vb = kv(h, anchor)
+        keys, values = torch.cat([kc, kb]), torch.cat([vc, vb])
+        q = (h @ p["self_attn.q_proj.weight"].T).view(B, HEADS, HEAD_DIM)
+        out = torch.zeros(B, HEADS, HEAD_DIM, dtype=h.dtype)
+        for r in range(B):
+            for hd in range(HEADS):
+                qr = ref_rope(ref_rms(q[r, hd], p["self_attn.q_norm.weight"]), anchor + r)
+                kvh = hd // (HEADS // KV_HEADS)
+                scores = keys[:, kvh] @ qr / math.sqrt(HEAD_DIM)
+                out[r, hd] = torch.softmax(scores, 0) @ values[:, kvh]
+        return out.reshape(B, -1) @ p["self_attn.o_proj.weight"].T
+
+    def mlp(h):
+        gate = h @ p["mlp.gate_proj.weight"].T
+        return (gate * torch.sigmoid(gate) * (h @ p["mlp.up_proj.weight"].T)) @ p["mlp.down_proj.weight"].T
+
+    x = x + conv_pair("attention_conv", ref_rms(x, p["input_layernorm.weight"]), attention)
+    return x + conv_pair("mlp_conv", ref_rms(x, p["post_attention_layernorm.weight"]), mlp)
 
 
 def ref_greedy_walk(w, logits, hidden, anchor, top_k):
@@ -272,6 +282,13 @@ def test_sampled_speculation_follows_the_target_distribution(tmp_path_factory, t
     assert not rejected
 
 
+def record_drafts(prop) -> list[list[int]]:
+    """Every draft the proposer makes from now on, appended to the returned list."""
+    drafted, propose = [], prop.propose
+    prop.propose = lambda seqs, ks: [drafted.append(d.tokens) or d for d in propose(seqs, ks)]
+    return drafted
+
+
 @pytest.mark.parametrize("graphs", ["static", pytest.param("captured", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
@@ -291,9 +308,7 @@ def test_drafts_through_the_drafter_graphs_equal_the_eager_ones(graphs, temperat
         prop = llm.engine.speculator.proposer
         if use_graphs and graphs == "static":
             prop.graphs = static_graphs(prop, llm.engine.runner.num_blocks, llm.engine.max_model_len)
-        drafted = []
-        propose = prop.propose
-        prop.propose = lambda seqs, ks: [drafted.append(d.tokens) or d for d in propose(seqs, ks)]
+        drafted = record_drafts(prop)
         runs.append(([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)], drafted))
         assert (prop.graphs is not None and prop.graphs.replays > 0) == use_graphs
     assert runs[0] == runs[1]

@@ -12,7 +12,6 @@ from lucebox.cli import main
 from lucebox.spec.dflash import load_drafter
 from lucebox.spec.dflash2 import DFlash2Proposer
 from lucebox.spec.dflash2_model import DFlash2Drafter
-
 from tests.spec.test_dflash2 import write_dflash2_drafter
 
 

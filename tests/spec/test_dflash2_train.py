@@ -16,7 +16,6 @@ from lucebox.spec.dflash2_model import DFlash2Drafter
 from lucebox.train import TrainDrafterArgs, blocks
 from lucebox.train.prepare import drafter_config, init_drafter
 from lucebox.train.selector import SELECTOR_WEIGHT, selector_loss
-
 from tests.conftest import TRAINING_TEXT
 
 
@@ -79,7 +78,7 @@ def test_selector_loss_is_the_teacher_forced_top_k_cross_entropy(loaded):
     V, D, B = loaded.config.vocab_size, loaded.config.hidden_size, 3
     g = torch.Generator().manual_seed(4)
     head_w = torch.randn(V, D, generator=g)
-    head = lambda h: h @ head_w.T  # noqa: E731
+    head = lambda h: h @ head_w.T
     hidden = torch.randn(1, 2, B, D, generator=g)
     anchor_ids = torch.tensor([[11, 12]])
     logits = head(hidden[0, :, 1:])
