@@ -204,6 +204,21 @@ class CandidateSelector(nn.Module):
         return Walk(torch.cat(tokens), torch.stack(cands), torch.stack(qs) if qs else None)
 
 
+    def lattice(self, hidden: torch.Tensor, anchor: torch.Tensor | int, logits: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every transition score at once, for trees over one pass: candidates [k, K] and scores
+        [k, K, K], scores[s, p, c] = unary[s, c] + <A[pred] * P h_s, B[candidates[s, c]]> with pred
+        candidates[s - 1, p] (the anchor for every p at s = 0). Row p of slot s is what `walk`
+        scores at slot s after choosing candidate p at slot s - 1."""
+        unary, candidates = logits.float().topk(min(self.top_k, logits.shape[-1]), dim=-1)
+        k, K = candidates.shape
+        anchor = torch.as_tensor(anchor, device=hidden.device).view(1, 1).expand(1, K)
+        preds = torch.cat([anchor, candidates[:-1]])  # [k, K]
+        a = self.predecessor_codebook[preds].float() * self.hidden_projection(hidden).float()[:, None]
+        b = self.successor_codebook[candidates].float()
+        return candidates, unary[:, None, :] + torch.einsum("spr,scr->spc", a, b)
+
+
 class DFlash2Drafter(DFlashDrafter):
     def __init__(self, cfg: DFlash2Config):
         super().__init__(cfg)

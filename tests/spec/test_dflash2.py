@@ -315,3 +315,26 @@ def test_drafts_through_the_drafter_graphs_equal_the_eager_ones(graphs, temperat
     if temperature == 0:
         plain = LLM(str(target), device=device, dtype="float32", block_size=4, kv_cache_memory=16 << 20)
         assert runs[0][0] == [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+
+
+def test_the_lattice_holds_every_score_the_walks_use(target, tmp_path):
+    """For trees over one pass: following the lattice's best rows is the greedy walk, and its rows
+    over T are the sampled walk's q at each slot given the token chosen before."""
+    drafter, _ = load_drafter(write_dflash2_drafter(target, tmp_path / "d", top_k=5, seed=8), torch.float64, "cpu")
+    sel = drafter.candidate_selector
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(3, drafter.config.model.hidden_size, generator=g, dtype=torch.float64)
+    logits = torch.randn(3, drafter.config.model.vocab_size, generator=g, dtype=torch.float64)
+    candidates, scores = sel.lattice(hidden, 9, logits)
+    assert scores.shape == (3, 5, 5) and torch.equal(scores[0, 0], scores[0, 4])  # slot 1: the anchor before
+    chain, p = [], 0
+    for s in range(3):
+        c = int(scores[s, p].argmax())
+        chain.append(int(candidates[s, c]))
+        p = c
+    assert sel.walk(hidden, 9, logits).tokens.tolist() == chain
+    walk = sel.walk(hidden, 9, logits / 0.5, temperature=0.5, generator=torch.Generator().manual_seed(0))
+    p = 0
+    for s in range(3):
+        torch.testing.assert_close(walk.q[s], torch.softmax(scores[s, p] / 0.5, 0))
+        p = candidates[s].tolist().index(int(walk.tokens[s]))
