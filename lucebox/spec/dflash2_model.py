@@ -211,7 +211,7 @@ class CandidateSelector(nn.Module):
         candidates[s - 1, p] (the anchor for every p at s = 0). Row p of slot s is what `walk`
         scores at slot s after choosing candidate p at slot s - 1."""
         unary, candidates = logits.float().topk(min(self.top_k, logits.shape[-1]), dim=-1)
-        k, K = candidates.shape
+        K = candidates.shape[1]
         anchor = torch.as_tensor(anchor, device=hidden.device).view(1, 1).expand(1, K)
         preds = torch.cat([anchor, candidates[:-1]])  # [k, K]
         a = self.predecessor_codebook[preds].float() * self.hidden_projection(hidden).float()[:, None]
