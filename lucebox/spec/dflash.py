@@ -25,8 +25,9 @@ from ..sampling.acceptance import Draft
 from ..sampling.sampler import Sampler, SamplingState
 from ..util import host_to_device, on_meta
 from ..weights.safetensors import iter_safetensors
+from .dflash2_model import DFlash2Config, build_drafter, read_config
 from .dflash_graphs import DrafterGraphs
-from .dflash_model import DFlashConfig, DFlashDrafter, read_drafter_config
+from .dflash_model import DFlashConfig, DFlashDrafter
 from .proposer import Proposer
 
 log = logging.getLogger("lucebox")
@@ -45,9 +46,9 @@ def load_drafter(path: str | Path, dtype: torch.dtype, device) -> tuple[DFlashDr
         from .dflash_gguf import load_drafter_gguf
         return load_drafter_gguf(path, dtype, device)
     path = resolve_path(str(path))
-    cfg = read_drafter_config(path)
+    cfg = read_config(path)  # DFlash or DFlash2, by the config's architectures
     with on_meta():
-        drafter = DFlashDrafter(cfg)
+        drafter = build_drafter(cfg)
     drafter = drafter.to(dtype=dtype).to_empty(device=device)
     assign(drafter, iter_safetensors(path), str(path), dtype)
     return drafter.eval(), path
@@ -95,9 +96,12 @@ class DFlashProposer(Proposer):
         model = target.model
         if not str(path).endswith(".gguf"):  # check the config before reading any weights
             local = resolve_path(str(path))
-            check_fits_target(read_drafter_config(local), target, str(local))
+            check_fits_target(read_config(local), target, str(local))
         drafter, where = load_drafter(path, model.dtype, model.device)
         check_fits_target(drafter.config, target, str(where))
+        if isinstance(drafter.config, DFlash2Config):
+            from .dflash2 import DFlash2Proposer
+            return DFlash2Proposer(drafter, target)
         return cls(drafter, target)
 
     def cache_specs(self) -> list[PagedKVSpec]:
@@ -218,9 +222,14 @@ class DFlashProposer(Proposer):
 
     def _draft_logits(self, seq, k: int) -> torch.Tensor:
         """[k, vocab]: draft slot i predicts the token at anchor + i."""
+        return self._draft_pass(seq, k)[0]
+
+    def _draft_pass(self, seq, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits [k, vocab] and final-normed hidden states [k, hidden] of draft slots 1..k."""
         anchor = seq.num_tokens - 1  # the last committed token: its K/V and features are not known yet
         if self.graphs is not None:  # the queued features are projected inside the draft graph
-            return self.graphs.draft(seq.block_table, anchor, seq.last_token, *self._take_pending(seq))[:k]
+            logits = self.graphs.draft(seq.block_table, anchor, seq.last_token, *self._take_pending(seq))
+            return logits[:k], self.graphs.hidden[:k]
         self._project(seq)
         device = self.target.model.device
         slots = self._slots(seq, 0, anchor)
@@ -231,7 +240,8 @@ class DFlashProposer(Proposer):
         positions = torch.arange(anchor, anchor + self.block_size, device=device)
         hidden = self.drafter.blocks(x, positions, context, torch.arange(anchor, device=device),
                                      position_bound=anchor + self.block_size)
-        return self.drafter.logits(self.target.model.head_logits(hidden[1:1 + k]))
+        drafted = hidden[1:1 + k]
+        return self.drafter.logits(self.target.model.head_logits(drafted)), drafted
 
     def _draft_one(self, seq, k: int) -> Draft:
         """The argmax of the drafter's processed logits in every slot, at every temperature: a

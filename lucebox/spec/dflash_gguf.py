@@ -12,6 +12,12 @@ Layout, following the spelling DFlash GGUF drafters already use (general.archite
             dflash.hidden_act where set / not 1 / not silu.
   tensors   dflash_fc.weight, dflash_hidden_norm.weight, output_norm.weight (the drafter's final
             norm) and blk.N.* with llama.cpp's layer names; no embedding and no LM head.
+DFlash2 drafters (dflash2_model.py) use the same architecture with the names mainline llama.cpp's
+DFlash2 support gives their extra parts: dflash.{conv_kernel_size, conv_group_size, selector_rank,
+selector_top_k} (a file with dflash.selector_rank is a DFlash2 drafter), blk.N.{attn,ffn}_conv_base
+(the [side, tap, channel] base kernels, F32), blk.N.{attn,ffn}_conv_proj.weight (kernel_projection),
+selector_hidden.weight, selector_predecessor.weight and selector_successor.weight (hidden_projection
+and the two codebooks).
 Matrices are F16 or Q8_0 (a matrix whose rows are not whole Q8_0 blocks stays F16, as in
 llama.cpp); norms are F32. q/k rows keep the HF order (Qwen3-style, no llama permutation).
 
@@ -47,21 +53,35 @@ from ..util import on_meta
 from ..weights.gguf import FLOAT_TYPES, check_tensors, logical_shape, open_gguf
 from ..weights.quant import QuantLinear, QuantTensor
 from ..weights.safetensors import safetensors_files
-from .dflash_model import ACTIVATIONS, DFlashConfig, DFlashDrafter, read_drafter_config
+from .dflash2_model import EXTRA_KEYS, DFlash2Config, build_drafter, read_config
+from .dflash_model import ACTIVATIONS, DFlashConfig, DFlashDrafter
 
 ARCH = "dflash-draft"
 OUTTYPES = {"f32": Q.F32, "f16": Q.F16, "q8_0": Q.Q8_0}
 FILE_TYPES = {Q.F32: LlamaFileType.ALL_F32, Q.F16: LlamaFileType.MOSTLY_F16, Q.Q8_0: LlamaFileType.MOSTLY_Q8_0}
 GLOBAL_NAMES = {"fc.weight": "dflash_fc.weight", "hidden_norm.weight": "dflash_hidden_norm.weight",
-                "norm.weight": "output_norm.weight"}
+                "norm.weight": "output_norm.weight",
+                "candidate_selector.hidden_projection.weight": "selector_hidden.weight",
+                "candidate_selector.predecessor_codebook": "selector_predecessor.weight",
+                "candidate_selector.successor_codebook": "selector_successor.weight"}
 OUR_GLOBALS = {v: k for k, v in GLOBAL_NAMES.items()}
+CONV_NAMES = {"attention_conv.base_kernel": "attn_conv_base", "attention_conv.kernel_projection.weight":
+              "attn_conv_proj.weight", "mlp_conv.base_kernel": "ffn_conv_base",
+              "mlp_conv.kernel_projection.weight": "ffn_conv_proj.weight"}
+OUR_CONVS = {v: k for k, v in CONV_NAMES.items()}
 
 
 def gguf_name(ours: str) -> str | None:
+    parts = ours.split(".", 2)
+    if len(parts) == 3 and parts[0] == "layers" and parts[2] in CONV_NAMES:
+        return f"blk.{parts[1]}.{CONV_NAMES[parts[2]]}"
     return GLOBAL_NAMES.get(ours) or to_gguf_name(ours)
 
 
 def our_name(theirs: str) -> str | None:
+    parts = theirs.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in OUR_CONVS:
+        return f"layers.{parts[1]}.{OUR_CONVS[parts[2]]}"
     return OUR_GLOBALS.get(theirs) or to_our_name(theirs)
 
 
@@ -76,7 +96,7 @@ def convert_drafter_to_gguf(src: str | Path, out_path: str | Path, outtype: str 
         raise CheckpointError(f"{src}: not a DFlash drafter directory (config.json + *.safetensors)")
     if not out_path.parent.is_dir():
         raise RequestError(f"{out_path}: the directory {out_path.parent} does not exist")
-    cfg = read_drafter_config(src)
+    cfg = read_config(src)
     want = OUTTYPES[outtype]
     plan = _plan(src, cfg, want)
     with gguf_written(out_path, ARCH) as writer:
@@ -98,7 +118,7 @@ def convert_drafter_to_gguf(src: str | Path, out_path: str | Path, outtype: str 
 def _plan(src: Path, cfg: DFlashConfig, want: Q) -> list[tuple[str, tuple[int, ...], Q, Path, str]]:
     """(GGUF name, shape, type, file, our name) per tensor, checked against the config first."""
     with on_meta():
-        expected = {n: tuple(p.shape) for n, p in DFlashDrafter(cfg).named_parameters()}
+        expected = {n: tuple(p.shape) for n, p in build_drafter(cfg).named_parameters()}
     plan = {}
     for file in safetensors_files(src):
         try:
@@ -113,7 +133,7 @@ def _plan(src: Path, cfg: DFlashConfig, want: Q) -> list[tuple[str, tuple[int, .
             if shape != expected[ours]:
                 raise CheckpointError(f"{file}: tensor {ours} has shape {list(shape)}, the config needs "
                                       f"{list(expected[ours])}")
-            qtype = Q.F32 if len(shape) < 2 else (want if shape[-1] % GGML_QUANT_SIZES[want][0] == 0 else Q.F16)
+            qtype = Q.F32 if len(shape) != 2 else (want if shape[-1] % GGML_QUANT_SIZES[want][0] == 0 else Q.F16)
             plan[ours] = (gguf_name(ours), shape, qtype, file, ours)
     missing = [n for n in expected if n not in plan]
     if missing:
@@ -151,6 +171,9 @@ def _write_metadata(w: GGUFWriter, cfg: DFlashConfig, src: Path, want: Q) -> Non
         w.add_float32(f"{ARCH}.dflash.output_multiplier", cfg.output_multiplier)
     if cfg.activation != "silu":
         w.add_string(f"{ARCH}.dflash.hidden_act", cfg.activation)
+    if isinstance(cfg, DFlash2Config):
+        for key in EXTRA_KEYS:
+            w.add_uint32(f"{ARCH}.dflash.{key}", getattr(cfg, key))
 
 
 def _write_rope(w: GGUFWriter, rope: RopeConfig, src: Path) -> None:
@@ -213,12 +236,18 @@ def read_gguf_config(meta: Metadata) -> DFlashConfig:
     activation = meta.get(key("dflash.hidden_act")) or "silu"
     if activation not in ACTIVATIONS:
         raise CheckpointError(f"{meta.path}: {key('dflash.hidden_act')} {activation!r:.80} is not supported")
-    return DFlashConfig(model, [int(t) for t in taps], meta.integer(key("dflash.mask_token_id"), required=True),
-                        meta.integer(key("dflash.block_size"), 16), meta.integer(key("dflash.n_target_layers"), None),
-                        causal, input_embedding_scale=meta.number(key("dflash.input_embedding_scale"), None),
-                        output_multiplier=meta.number(key("dflash.output_multiplier"), 1.0),
-                        final_logit_softcapping=meta.number(key("final_logit_softcapping"), None),
-                        activation=ACTIVATIONS[activation])
+    cfg = DFlashConfig(model, [int(t) for t in taps], meta.integer(key("dflash.mask_token_id"), required=True),
+                       meta.integer(key("dflash.block_size"), 16), meta.integer(key("dflash.n_target_layers"), None),
+                       causal, input_embedding_scale=meta.number(key("dflash.input_embedding_scale"), None),
+                       output_multiplier=meta.number(key("dflash.output_multiplier"), 1.0),
+                       final_logit_softcapping=meta.number(key("final_logit_softcapping"), None),
+                       activation=ACTIVATIONS[activation])
+    if meta.get(key("dflash.selector_rank")) is not None:  # a DFlash2 drafter
+        try:
+            cfg = DFlash2Config.of(cfg, **{k: meta.integer(key(f"dflash.{k}"), required=True) for k in EXTRA_KEYS})
+        except CheckpointError as e:
+            raise CheckpointError(f"{meta.path}: {e}") from None
+    return cfg
 
 
 def _read_rope(meta: Metadata) -> RopeConfig:
@@ -247,7 +276,7 @@ def load_drafter_gguf(path: str | Path, dtype: torch.dtype, device) -> tuple[DFl
     cfg = read_gguf_config(meta)
     check_tensors(reader, path)
     with on_meta():
-        drafter = DFlashDrafter(cfg).to(dtype)
+        drafter = build_drafter(cfg).to(dtype)
     expected = {n: tuple(p.shape) for n, p in drafter.named_parameters()}
 
     def tensors():

@@ -60,7 +60,8 @@ class DrafterGraphs:
         self.context_positions = torch.arange(self.max_context, device=device)
         self.block_visible = torch.ones(self.block, self.block, dtype=torch.bool, device=device)
         self.logits: torch.Tensor | None = None  # [B - 1, vocab], written by every draft
-        self.tokens: torch.Tensor | None = None  # [B - 1] their argmax
+        self.tokens: torch.Tensor | None = None  # [B - 1] their argmax (DFlash2: the selector's greedy chain)
+        self.hidden: torch.Tensor | None = None  # [B - 1, hidden] their final-normed states (DFlash2's selector)
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph | None] = {}
         self.pool = None
         self.replays = 0
@@ -187,8 +188,14 @@ class DrafterGraphs:
         if self.logits is None:  # first use is a warm-up, never inside a capture
             self.logits = torch.empty_like(logits)
             self.tokens = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+            self.hidden = torch.empty_like(hidden[1:])
         self.logits.copy_(logits)
-        torch.argmax(logits, dim=-1, out=self.tokens)  # greedy drafts whose logits nothing processes
+        self.hidden.copy_(hidden[1:])
+        selector = getattr(self.drafter, "candidate_selector", None)  # DFlash2: the selector's greedy chain
+        if selector is None:
+            torch.argmax(logits, dim=-1, out=self.tokens)  # greedy drafts whose logits nothing processes
+        else:
+            self.tokens.copy_(selector.walk(hidden[1:], inputs[0], logits).tokens)
 
     def _project_body(self, chunk: int) -> None:
         self._write_context(self.features[:chunk], self.project_in.device[0, :chunk], self.project_in.device[1, :chunk])

@@ -281,17 +281,6 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
 
-def read_drafter_config(path: Path) -> DFlashConfig:
-    file = path / "config.json"
-    if not file.is_file():
-        raise CheckpointError(f"{file}: config.json not found (is {path} a DFlash drafter directory?)")
-    try:
-        raw = json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{file}: not valid JSON ({e})") from None
-    return DFlashConfig.from_dict(raw, str(file))
-
-
 def save_drafter(drafter: DFlashDrafter, out: Path, dtype: torch.dtype | None = None) -> None:
     """Write the published z-lab layout: config.json + unprefixed safetensors, no embedding or head,
     floating tensors in `dtype` (default: as they are). Written beside the destination first, so a

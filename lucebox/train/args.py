@@ -15,6 +15,9 @@ class TrainDrafterArgs:
     data: list[str]
     out: str
     layers: int = 2
+    arch: str = "dflash"  # or "dflash2": + grouped dynamic convs and the candidate selector
+    selector_rank: int = 256  # dflash2: the selector's codebook rank
+    selector_top_k: int = 16  # dflash2: candidates kept per slot
     block_size: int = 16
     taps: str = "auto"
     mask_token_id: str | int = "auto"
@@ -55,6 +58,9 @@ class TrainDrafterArgs:
         positive = {"layers": self.layers, "batch_size": self.batch_size, "seq_len": self.seq_len,
                     "anchors": self.anchors, "save_every": self.save_every, "regen_batch": self.regen_batch,
                     "eval_samples": self.eval_samples}
+        if self.arch not in ("dflash", "dflash2"):
+            raise RequestError(f"--arch {self.arch!r}: choose dflash or dflash2")
+        positive |= {"selector_rank": self.selector_rank, "selector_top_k": self.selector_top_k}
         for name in ("steps", "max_samples", "heads", "kv_heads", "head_dim", "intermediate_size", "prompt_len",
                      "regen_tokens"):
             if getattr(self, name) is not None:
@@ -101,6 +107,12 @@ def add_arguments(p) -> None:
                    help="text files, .jsonl files ({'text'} or {'messages'} records) or directories of them")
     p.add_argument("--out", required=True, default=argparse.SUPPRESS,
                    help="output directory: the drafter (z-lab layout) and training state")
+    p.add_argument("--arch", default=d.arch, choices=["dflash", "dflash2"],
+                   help="dflash, or dflash2 (DFlash2DraftModel: grouped dynamic convs around attention and MLP, "
+                        "a candidate selector trained with a teacher-forced top-K cross-entropy)")
+    p.add_argument("--selector-rank", type=int, default=d.selector_rank, help="dflash2: selector codebook rank")
+    p.add_argument("--selector-top-k", type=int, default=d.selector_top_k,
+                   help="dflash2: candidates the selector keeps per slot")
     p.add_argument("--layers", type=int, default=d.layers, help="draft layers")
     p.add_argument("--block-size", type=int, default=d.block_size, help="block width B (anchor + B-1 drafts)")
     p.add_argument("--taps", default=d.taps,

@@ -95,15 +95,22 @@ def draft_hidden(drafter, embed, features: torch.Tensor, ids: torch.Tensor, anch
         attn = layer.self_attn
         if attn.sliding_window is not None:
             raise NotImplementedError("training sliding-window draft layers")
+        conv = getattr(layer, "attention_conv", None)  # DFlash2: block-local convs around each sub-layer
         h = _rms(x, layer.input_layernorm)
+        if conv is not None:
+            h, after = conv.prepare(h, B)
         k_c, v_c = _key_value(attn, c_flat, cos_c, sin_c)
         k_b, v_b = _key_value(attn, h, cos_b, sin_b)
         q = _rope(_rms(attn.q_proj(h).view(-1, attn.num_heads, attn.head_dim), attn.q_norm), cos_b, sin_b)
         o = _block_attention(q, k_c, v_c, k_b, v_b, visible, attn.scale, attn.causal)
-        x = x + attn.o_proj(o)
-        mlp = layer.mlp
+        o = attn.o_proj(o)
+        x = x + (conv.finish(o, after, B) if conv is not None else o)
+        mlp, conv = layer.mlp, getattr(layer, "mlp_conv", None)
         h = _rms(x, layer.post_attention_layernorm)
-        x = x + mlp.down_proj(act(mlp.gate_proj(h)) * mlp.up_proj(h))
+        if conv is not None:
+            h, after = conv.prepare(h, B)
+        o = mlp.down_proj(act(mlp.gate_proj(h)) * mlp.up_proj(h))
+        x = x + (conv.finish(o, after, B) if conv is not None else o)
     return _rms(x, drafter.norm).view(S, N, B, D)
 
 
@@ -200,19 +207,21 @@ def weighted_ce(lm_head, hidden: torch.Tensor, labels: torch.Tensor, valid: torc
 
 @torch.no_grad()
 def acceptance(lm_head, hidden: torch.Tensor, greedy: torch.Tensor, lengths: torch.Tensor, anchors: torch.Tensor,
-               keep: torch.Tensor, vocab_size: int, budget_bytes: int = 1 << 28) -> tuple[torch.Tensor, torch.Tensor]:
+               keep: torch.Tensor, vocab_size: int, budget_bytes: int = 1 << 28,
+               drafted: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Offline greedy acceptance of each block. Slot k's draft (argmax) is accepted when it equals
     the target's greedy next token after position a+k-1 (greedy [S, T] = argmax of the target's
     logits at each position); a block commits its accepted prefix. On target-generated text
     (--regenerate) this is exactly what verification would accept.
 
     Returns (accepted prefix length per anchor [S, N], 0 where not kept; per-slot hits and
-    counts [2, B-1])."""
+    counts [2, B-1]). drafted [S, N, B-1]: the drafts when they are not each slot's argmax (DFlash2)."""
     S, N, B, D = hidden.shape
-    rows = hidden[:, :, 1:].reshape(-1, D)
-    chunk = max(1, budget_bytes // (4 * vocab_size))
-    drafted = torch.cat([lm_head(rows[i:i + chunk]).argmax(-1) for i in range(0, rows.shape[0], chunk)])
-    drafted = drafted.view(S, N, B - 1)
+    if drafted is None:
+        rows = hidden[:, :, 1:].reshape(-1, D)
+        chunk = max(1, budget_bytes // (4 * vocab_size))
+        drafted = torch.cat([lm_head(rows[i:i + chunk]).argmax(-1) for i in range(0, rows.shape[0], chunk)])
+        drafted = drafted.view(S, N, B - 1)
     pos = anchors[..., None] + torch.arange(1, B, device=hidden.device)  # token positions a+k
     inside = (pos < lengths[:, None, None]) & keep[..., None]
     target = greedy.gather(1, (pos - 1).clamp(max=greedy.shape[1] - 1).reshape(S, -1)).view_as(pos)

@@ -35,6 +35,7 @@ from .args import TrainDrafterArgs
 from .data import Sample, collate, collect_files, load_samples
 from .prepare import TargetFeatures, drafter_config, init_drafter, lm_head
 from .regenerate import fingerprint, load_cached, regenerate, save_cached
+from .selector import selector_drafts, selector_loss
 
 log = logging.getLogger("lucebox")
 
@@ -151,6 +152,10 @@ def train_drafter(args: TrainDrafterArgs) -> TrainResult:
             with autocast:
                 hidden = blocks.draft_hidden(drafter, embed, feats, ids, anchors, cfg.mask_token_id)
                 total, weight, correct = blocks.weighted_ce(head, hidden, labels, valid, weights, tcfg.vocab_size)
+                selector = getattr(drafter, "candidate_selector", None)  # DFlash2
+                if selector is not None:
+                    total = total + selector_loss(selector, head, hidden, ids.gather(1, anchors), labels, valid,
+                                                  weights, tcfg.vocab_size)
             optimizer.zero_grad(set_to_none=True)
             if total.requires_grad:  # a batch without any trainable slot leaves the weights alone
                 loss = total / weight
@@ -259,7 +264,11 @@ def _evaluate(drafter, target, head, features, held: list[Sample], cfg: DFlashCo
             with autocast:
                 hidden = blocks.draft_hidden(drafter, embed, feats, ids, anchors, cfg.mask_token_id)
                 total, w, _ = blocks.weighted_ce(head, hidden, labels, valid, weights, vocab)
-                acc, per_slot = blocks.acceptance(head, hidden, greedy, lengths, anchors, keep, vocab)
+                selector = getattr(drafter, "candidate_selector", None)  # DFlash2: its chain is the draft
+                drafted = None if selector is None else selector_drafts(selector, head, hidden, ids.gather(1, anchors),
+                                                                         vocab)
+                acc, per_slot = blocks.acceptance(head, hidden, greedy, lengths, anchors, keep, vocab,
+                                                  drafted=drafted)
             accepted_at[:, first:first + anchors.shape[1]] = acc.cpu()
             slots = per_slot if slots is None else slots + per_slot
             loss += float(total)

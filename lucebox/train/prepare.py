@@ -7,9 +7,10 @@ import dataclasses
 
 import torch
 
-from ..errors import RequestError
+from ..errors import CheckpointError, RequestError
 from ..model.config import ModelConfig
 from ..model.transformer import MLP, Attention
+from ..spec.dflash2_model import DFlash2Config, DFlash2Drafter, build_drafter
 from ..spec.dflash_model import DFlashConfig, DFlashDrafter
 from .args import TrainDrafterArgs
 from .lm import dense_forward
@@ -69,7 +70,20 @@ def drafter_config(target: ModelConfig, tokenizer, args: TrainDrafterArgs, start
     """Width = the target's hidden size (the drafter shares its embedding and LM head); attention and
     FFN shapes default to the target's. RoPE is the target's, scaling included: the drafter serves
     the target's whole context (a YaRN-extended target's 64K positions) at the same positions.
-    With `start` (--init-drafter), that drafter's shape, taps, block size and mask token are kept."""
+    With `start` (--init-drafter), that drafter's shape, taps, block size and mask token are kept.
+    --arch dflash2 makes it a DFlash2Config (the published conv sizes; the selector's flags)."""
+    cfg = _base_config(target, tokenizer, args, start)
+    if args.arch == "dflash2" and not isinstance(cfg, DFlash2Config):
+        try:
+            cfg = DFlash2Config.of(cfg, conv_kernel_size=2, conv_group_size=16, selector_rank=args.selector_rank,
+                                   selector_top_k=args.selector_top_k)
+        except CheckpointError as e:
+            raise RequestError(f"--arch dflash2: {e}") from None
+    return cfg
+
+
+def _base_config(target: ModelConfig, tokenizer, args: TrainDrafterArgs, start: DFlashConfig | None
+                 ) -> DFlashConfig:
     if start is not None:
         cfg = copy.deepcopy(start)
         cfg.model.rope = dataclasses.replace(target.rope)
@@ -98,19 +112,28 @@ def init_drafter(cfg: DFlashConfig, device, seed: int, target=None, start: DFlas
                  ) -> DFlashDrafter:
     """float32 master weights (bf16 compute comes from autocast); HF's initialiser: N(0, 0.02)
     matrices, unit norms. With `target`, the draft layers start as copies of its last layers
-    instead (init_from_target); with `start`, as that trained drafter's weights (--init-drafter)."""
+    instead (init_from_target); with `start`, as that trained drafter's weights (--init-drafter).
+    DFlash2's additions start as identities (reset_dflash2_parameters), so a DFlash `start` grows
+    into a DFlash2 drafter computing exactly what it did."""
     torch.manual_seed(seed)
-    drafter = DFlashDrafter(cfg)
+    drafter = build_drafter(cfg)
     with torch.no_grad():
         for name, p in drafter.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02)
+    if isinstance(drafter, DFlash2Drafter):
+        drafter.reset_dflash2_parameters()
     if target is not None:
         init_from_target(drafter, target)
     if start is not None:
-        drafter.load_state_dict({k: v.float() for k, v in start.state_dict().items()})
+        missing, unexpected = drafter.load_state_dict({k: v.float() for k, v in start.state_dict().items()},
+                                                      strict=False)
+        grown = isinstance(drafter, DFlash2Drafter) and not isinstance(start, DFlash2Drafter)
+        if unexpected or (missing and not grown):
+            raise RequestError(f"--init-drafter: its tensors do not fit the drafter to train (missing "
+                               f"{missing[:3]}, unexpected {unexpected[:3]})")
     return drafter.to(device)
 
 

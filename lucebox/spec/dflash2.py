@@ -1,0 +1,42 @@
+"""DFlash2 drafting: the DFlash proposer (context K/V, graphs, feature capture all shared) whose
+drafts are the candidate selector's chain instead of each slot's own argmax.
+
+Greedy sequences get the selector's argmax walk (deterministic drafts, one-hot q). Sampled ones
+get the walk drawn slot by slot from q over the candidates, and that q (zero outside them) goes to
+chain rejection sampling as the draft probabilities: accept d with probability min(1, p(d) / q(d)),
+else sample norm(max(0, p - q)), so the committed tokens follow the target exactly.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..sampling.acceptance import Draft
+from ..sampling.sampler import SamplingState
+from .dflash import DFlashProposer
+
+
+class DFlash2Proposer(DFlashProposer):
+    method = "dflash"
+
+    def _draft_one(self, seq, k: int) -> Draft:
+        logits, hidden = self._draft_pass(seq, k)
+        out = list(seq.output_token_ids)
+        params, generator = seq.params, seq.generator
+        if self.graphs is not None and params.is_greedy and params.keeps_argmax(len(out)):
+            return Draft(self.graphs.tokens[:k].tolist())  # the chain the graph walked over unprocessed logits
+
+        def state(drafted: list[int]) -> SamplingState:
+            return SamplingState(params, seq.prompt_token_ids, out + drafted, generator)
+
+        if params.reads_history(len(out)):  # each slot processed with the drafts before it
+            def rows(slot: int, drafted: list[int]) -> torch.Tensor:
+                return self.sampler.process_logits(logits[slot:slot + 1], [state(drafted)])[0]
+        else:
+            rows = self.sampler.process_logits(logits, [state([])] * k)
+        temperature = 0.0 if params.is_greedy else params.temperature
+        walk = self.drafter.candidate_selector.walk(hidden, seq.last_token, rows, temperature, generator)
+        tokens = walk.tokens.tolist()
+        if walk.q is None:
+            return Draft(tokens)
+        probs = torch.zeros(k, logits.shape[1], dtype=torch.float32, device=logits.device)
+        return Draft(tokens, probs.scatter_(1, walk.candidates, walk.q))
