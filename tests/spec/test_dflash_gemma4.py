@@ -159,12 +159,12 @@ def test_gguf_form_keeps_the_logit_and_input_settings(targets, tmp_path):
 ])
 def test_bad_drafter_settings_are_named(targets, tmp_path, change, message):
     from lucebox.errors import CheckpointError
-    from lucebox.spec.dflash_model import read_drafter_config
+    from lucebox.spec.dflash2_model import read_config
     out = tmp_path / "bad"
     out.mkdir()
     (out / "config.json").write_text(json.dumps(gemma_drafter_config(targets("gemma4"), **change)))
     with pytest.raises(CheckpointError, match=message):
-        read_drafter_config(out)
+        read_config(out)
 
 # ---------------------------------------------------------------------------------------------------
 # Drafter training (`lucebox train-drafter`) on these targets

@@ -14,7 +14,7 @@ from lucebox import LLM, SamplingParams
 from lucebox.errors import CheckpointError
 from lucebox.model.config import ModelConfig
 from lucebox.spec.dflash import DFlashProposer
-from lucebox.spec.dflash_model import read_drafter_config
+from lucebox.spec.dflash2_model import read_config
 from tests.conftest import build_hf_model
 from tests.model.test_qwen3_5 import BLOCK_SIZE, HYBRID
 
@@ -68,7 +68,7 @@ def test_the_published_config_reads_as_the_reference_does(drafter_dir, target):
     with safe_open(str(drafter_dir / "model.safetensors"), "pt") as f:
         names = set(f.keys())
     assert "fc.weight" in names and "layers.0.self_attn.q_proj.weight" in names and "embed_tokens.weight" not in names
-    cfg = read_drafter_config(drafter_dir)
+    cfg = read_config(drafter_dir)
     t = ModelConfig.from_hf_dir(target)
     assert cfg.target_layer_ids == TAPS and cfg.mask_token_id == t.vocab_size - 2 and cfg.block_size == BLOCK
     assert cfg.num_target_layers == t.num_layers
@@ -134,7 +134,7 @@ def test_bad_published_keys_are_named(target, tmp_path, change, message):
     out.mkdir()
     (out / "config.json").write_text(json.dumps(published_config(ModelConfig.from_hf_dir(target), **change)))
     with pytest.raises(CheckpointError, match=message):
-        read_drafter_config(out)
+        read_config(out)
 
 
 @pytest.mark.parametrize("is_causal", [None, False])

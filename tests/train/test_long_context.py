@@ -21,7 +21,8 @@ from lucebox.engine.runner import ModelRunner
 from lucebox.model.config import ModelConfig, with_yarn
 from lucebox.model.loader import load_model
 from lucebox.model.rope import RopeTable
-from lucebox.spec.dflash_model import DFlashDrafter, read_drafter_config, save_drafter
+from lucebox.spec.dflash2_model import read_config
+from lucebox.spec.dflash_model import DFlashDrafter, save_drafter
 from lucebox.train import TrainDrafterArgs
 from lucebox.train.lm import dense_forward
 from lucebox.train.prepare import drafter_config, init_drafter
@@ -95,7 +96,7 @@ def test_drafter_config_carries_the_targets_yarn_rope_through_save_and_load(yarn
     save_drafter(init_drafter(cfg, "cpu", 0), tmp_path)
     raw = json.loads((tmp_path / "config.json").read_text())
     assert raw["rope_scaling"] == {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64}
-    back = read_drafter_config(tmp_path)
+    back = read_config(tmp_path)
     assert back.model.rope == loaded.config.rope
     table, target_table = DFlashDrafter(back).rope, loaded.model.rope
     assert torch.equal(table.inv_freq, target_table.inv_freq) and table.scaling == target_table.scaling
