@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..sampling.tree_acceptance import tree_children
+
 BRANCHES = 8  # top-K tokens per depth when the budget allows branching
 MAX_TREE_TOKENS = 64  # a tree verify row: the pending token and up to 63 nodes (one int64 mask word)
 
@@ -32,14 +34,6 @@ class DraftTree:
     def __post_init__(self):
         if not self.children:
             self.children = tree_children(self.tokens, self.parents)
-
-
-def tree_children(tokens: list[int], parents: list[int]) -> list[dict[int, int]]:
-    """Per verify row (0: the pending token, then each node), its children's tokens -> their rows."""
-    children: list[dict[int, int]] = [{} for _ in range(len(tokens) + 1)]
-    for i, (token, parent) in enumerate(zip(tokens, parents)):
-        children[parent].setdefault(token, i + 1)
-    return children
 
 
 def branches(budget: int, depth: int) -> int:
