@@ -144,10 +144,18 @@ class Speculator:
         for (seq, n), draft in zip(chosen, drafts):
             if draft.tokens:
                 self.step_sources.add(source)
-                self.step_drafted += min(n, len(draft.tokens))
-                probs = draft.probs[:n] if draft.probs is not None else None
-                seq.draft = Draft(draft.tokens[:n], probs)
+                if draft.is_tree:  # the proposer sized it: n bounds its depth, not its nodes
+                    seq.draft = draft
+                else:
+                    probs = draft.probs[:n] if draft.probs is not None else None
+                    seq.draft = Draft(draft.tokens[:n], probs)
+                self.step_drafted += len(seq.draft.tokens)
                 self.source[id(seq)] = source
+
+    @property
+    def tree_budget(self) -> int | None:
+        """Nodes of the draft trees the proposer builds (DDTree); None: it drafts chains."""
+        return getattr(self.proposer, "tree_budget", None)
 
     def capture_every_step(self) -> None:
         """The target has recurrent layers: every step captures the taps, so that nothing is ever
