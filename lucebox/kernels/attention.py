@@ -12,6 +12,12 @@ sees only keys with q_pos - k_pos < window.
     (kernels/triton_paged_attention.py) where kernels/dispatch.py allows it, else the reference.
 A step mixing both splits its batch (ForwardBatch.select) and runs each part on its path.
 
+Tree verify rows (ForwardBatch.tree_mask, kernels/forward_batch.py): every path also hides the
+in-row keys whose bit is clear in the query's mask; causal bounds come from storage positions
+(seq_len - q_len + i), never from `positions`, which a tree row sets to start + depth. Rows a tree
+can fill never take the prefill path. Sliding-window layers refuse tree masks for now (a window
+measured in rope positions would differ from one in storage positions).
+
 A device-only batch (ForwardBatch.from_device, a CUDA graph's) has no host lengths: it goes to the
 Triton kernel, or to a reference that attends over the whole block-table width with masks, reading
 lengths only from device tensors. That one costs memory in proportion to max_seq_len, so it suits
@@ -30,6 +36,7 @@ from .forward_batch import ForwardBatch
 def paged_attention(q: torch.Tensor, k_cache, v_cache, batch: ForwardBatch, scale: float,
                     sliding_window: int | None = None) -> torch.Tensor:
     """q [T, heads, head_dim] -> [T, heads, head_dim]; the new K/V must already be written."""
+    check_tree_window(batch, sliding_window)
     triton = uses_triton(q, k_cache, v_cache)
     if batch.device_only:
         if triton:
@@ -40,7 +47,7 @@ def paged_attention(q: torch.Tensor, k_cache, v_cache, batch: ForwardBatch, scal
     if not prefill:
         return _short_steps(q, k_cache, v_cache, batch, scale, sliding_window, triton)
     out = pa.prefill_attention(q, k_cache, v_cache, batch, scale, sliding_window, seqs=prefill)
-    rest = [i for i, n in enumerate(batch.query_lens_host) if 0 < n < pa.MIN_QUERY_LEN]
+    rest = [i for i, n in enumerate(batch.query_lens_host) if n > 0 and i not in prefill]
     if rest:
         if triton:
             sub, rows = batch.select(rest)
@@ -53,8 +60,9 @@ def paged_attention(q: torch.Tensor, k_cache, v_cache, batch: ForwardBatch, scal
 def paged_attention_reference(q: torch.Tensor, k_cache, v_cache, batch: ForwardBatch, scale: float,
                               sliding_window: int | None = None) -> torch.Tensor:
     """The specification every path is tested against: per sequence, its whole context gathered
-    (dequantised) from the cache, a dense [q_len, ctx] causal (and window) mask, and SDPA with
-    grouped KV heads. Host lengths required."""
+    (dequantised) from the cache, a dense [q_len, ctx] causal (and window, and tree) mask, and SDPA
+    with grouped KV heads. Host lengths required."""
+    check_tree_window(batch, sliding_window)
     out = torch.empty_like(q)
     return _reference_into(out, q, k_cache, v_cache, batch, scale, sliding_window,
                            range(len(batch.query_lens_host)))
@@ -89,11 +97,28 @@ def _reference_into(out: torch.Tensor, q: torch.Tensor, k_cache, v_cache, batch:
             mask = k_pos <= q_pos
             if sliding_window is not None:
                 mask &= (q_pos - k_pos) < sliding_window
+            if batch.tree_mask is not None:
+                mask &= tree_visible(batch.tree_mask[start:start + q_len, None], k_pos - (ctx - q_len))
         qi = q[start:start + q_len].transpose(0, 1)  # [heads, q_len, d]
         # enable_gqa: query head h reads KV head h // (heads // kv_heads), without copying K and V.
         o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=heads != kv_heads)
         out[start:start + q_len] = o.transpose(0, 1)
     return out
+
+
+def check_tree_window(batch: ForwardBatch, sliding_window: int | None) -> None:
+    if batch.tree_mask is not None and sliding_window is not None:
+        raise ValueError("tree verification (ForwardBatch.tree_mask) on a sliding-window attention layer is not "
+                         "supported yet: verify chains on models with sliding-window layers (or pass tree_mask=None "
+                         "when the batch holds no tree row)")
+
+
+def tree_visible(masks: torch.Tensor, k_rel: torch.Tensor) -> torch.Tensor:
+    """Tree visibility: masks [..., 1] int64 (one per query), k_rel [..., K] key positions relative
+    to the row's first token. Keys before the row (k_rel < 0) are committed: visible. Bits past 63
+    repeat bit 63 (sign extension: every bit of -1, an ordinary row's mask)."""
+    bit = (masks >> k_rel.clamp(0, 63)) & 1
+    return (k_rel < 0) | (bit != 0)
 
 
 def uses_triton(q: torch.Tensor, k_cache, v_cache) -> bool:
@@ -120,6 +145,9 @@ def _device_only_reference(q: torch.Tensor, k_cache, v_cache, batch: ForwardBatc
     mask = k_pos[None, None, :] <= q_pos[:, :, None]
     if sliding_window is not None:
         mask &= (q_pos[:, :, None] - k_pos[None, None, :]) < sliding_window
+    if batch.tree_mask is not None:
+        rel = k_pos[None, None, :] - (batch.seq_lens[:, None, None] - q_len)  # [B, 1, width]
+        mask &= tree_visible(batch.tree_mask.view(num_seqs, q_len, 1), rel)
     # Keys no query sees are zeroed, not just weighted 0: a released block may hold anything (NaN * 0 is NaN).
     seen = mask.any(1)[:, None, :, None]  # [B, 1, width, 1]
 

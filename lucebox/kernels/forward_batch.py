@@ -11,6 +11,14 @@ and only static bounds (`max_query_len`, `max_seq_len`) are known to the host.
 KV cache groups (engine/cache_manager.py): a model mixing sliding-window and full attention keeps
 one block table per group; `block_tables` / `slot_mapping` are the primary group's, and
 `group(g)` is the batch a layer of group g attends with (group g's tables and slots).
+
+Tree verify rows (DDTree): a sequence's row of T <= MAX_TREE_TOKENS tokens, the pending token then a
+draft tree's nodes in DFS order (every parent before its children). Token i is STORED at position
+start + i (slot_mapping, seq_lens and every attention kernel's causal bound use the storage
+position ctx - q_len + i, never `positions`), but rotated at start + depth(i) (`positions`). Query
+i sees the committed keys [0, start) and the row's keys j with bit j of tree_mask[i] set (its
+ancestors and itself: tree_mask_bits). Tokens of ordinary rows carry -1 (every bit: plain causal;
+in-row keys past bit 63 count as visible when the mask is -1, the sign extension of bit 63).
 """
 from __future__ import annotations
 
@@ -21,6 +29,39 @@ from dataclasses import dataclass, field
 import torch
 
 from ..util import host_to_device
+
+# Longest tree verify row: one int64 of visibility bits per query token.
+MAX_TREE_TOKENS = 64
+
+
+def _check_parents(parents: list[int]) -> None:
+    if not 0 < len(parents) <= MAX_TREE_TOKENS:
+        raise ValueError(f"a tree verify row holds 1..{MAX_TREE_TOKENS} tokens, got {len(parents)}")
+    if parents[0] != -1:
+        raise ValueError(f"tree token 0 (the pending token) is the root: its parent must be -1, got {parents[0]}")
+    for i, p in enumerate(parents[1:], 1):
+        if not 0 <= p < i:
+            raise ValueError(f"tree token {i}: parent {p} must be an earlier token of the row (DFS order, 0 <= p < {i})")
+
+
+def tree_mask_bits(parents: list[int]) -> list[int]:
+    """Visibility masks of a tree verify row from parents[i] (the row index of token i's parent,
+    -1 for token 0): bit j of mask i is set when j is i or an ancestor of i. int64 values (bit 63
+    makes the value negative), ready for ForwardBatch.tree_mask."""
+    _check_parents(parents)
+    masks: list[int] = []
+    for i, p in enumerate(parents):
+        masks.append((masks[p] if p >= 0 else 0) | (1 << i))
+    return [m - (1 << 64) if m >= 1 << 63 else m for m in masks]
+
+
+def tree_depths(parents: list[int]) -> list[int]:
+    """Depth of each token of a tree verify row (0 for the pending token): its rope offset."""
+    _check_parents(parents)
+    depths: list[int] = []
+    for p in parents:
+        depths.append(depths[p] + 1 if p >= 0 else 0)
+    return depths
 
 
 @dataclass
@@ -55,6 +96,9 @@ class ForwardBatch:
     # KV cache groups 1.. (sliding-window groups of a mixed model): each one's block tables and slots.
     group_tables: tuple[torch.Tensor, ...] = ()
     group_slots: tuple[torch.Tensor, ...] = ()
+    # Tree verification: [T] int64 visibility bits per query token (module docstring), -1 for tokens
+    # of ordinary rows; None when the batch holds no tree row (every kernel then runs as before).
+    tree_mask: torch.Tensor | None = None
 
     def group(self, g: int) -> "ForwardBatch":
         """This batch as layers of KV cache group g see it: group g's block tables and slot mapping
@@ -134,20 +178,34 @@ class ForwardBatch:
                 query_start_loc=torch.tensor(sub_starts, dtype=self.query_start_loc.dtype, device=device),
                 seq_lens=self.seq_lens[idx], block_tables=self.block_tables[idx], slot_mapping=self.slot_mapping[rows],
                 block_size=self.block_size, query_lens_host=q_lens,
-                seq_lens_host=[self.seq_lens_host[i] for i in seqs])
+                seq_lens_host=[self.seq_lens_host[i] for i in seqs],
+                tree_mask=self.tree_mask[rows] if self.tree_mask is not None else None)
             cached[key] = (sub, rows)
         return cached[key]
 
     @classmethod
     def build(cls, token_ids: list[list[int]], start_positions: list[int], block_tables: list[list[int]],
               block_size: int, device: torch.device | str = "cpu", capture_layers: tuple[int, ...] = (),
-              group_tables: list[list[list[int]]] = ()) -> "ForwardBatch":
+              group_tables: list[list[list[int]]] = (),
+              tree_parents: list[list[int] | None] | None = None) -> "ForwardBatch":
         """token_ids[i] are the new tokens of sequence i, placed at start_positions[i]...;
-        group_tables[g - 1][i]: sequence i's table in KV cache group g (mixed windows)."""
-        ids, positions, starts = [], [], [0]
-        for toks, start in zip(token_ids, start_positions):
+        group_tables[g - 1][i]: sequence i's table in KV cache group g (mixed windows);
+        tree_parents[i], when given and not None, makes sequence i a tree verify row (parents as
+        tree_mask_bits takes them): rope positions start + depth, the tree's visibility masks."""
+        if tree_parents is not None and len(tree_parents) != len(token_ids):
+            raise ValueError(f"tree_parents has {len(tree_parents)} entries for {len(token_ids)} sequences")
+        ids, positions, starts, masks = [], [], [0], []
+        for i, (toks, start) in enumerate(zip(token_ids, start_positions)):
             ids.extend(toks)
-            positions.extend(range(start, start + len(toks)))
+            parents = tree_parents[i] if tree_parents is not None else None
+            if parents is None:
+                positions.extend(range(start, start + len(toks)))
+                masks.extend([-1] * len(toks))
+            else:
+                if len(parents) != len(toks):
+                    raise ValueError(f"sequence {i}: {len(parents)} tree parents for {len(toks)} tokens")
+                positions.extend(start + d for d in tree_depths(parents))
+                masks.extend(tree_mask_bits(parents))
             starts.append(starts[-1] + len(toks))
         seq_lens = [s + len(t) for s, t in zip(start_positions, token_ids)]
 
@@ -168,16 +226,19 @@ class ForwardBatch:
             input_ids=as_tensor(ids), positions=as_tensor(positions), query_start_loc=as_tensor(starts),
             seq_lens=as_tensor(seq_lens), block_tables=tables, slot_mapping=slots, block_size=block_size,
             capture_layers=tuple(capture_layers), query_lens_host=[len(t) for t in token_ids], seq_lens_host=seq_lens,
-            group_tables=tuple(t for t, _ in groups), group_slots=tuple(s for _, s in groups))
+            group_tables=tuple(t for t, _ in groups), group_slots=tuple(s for _, s in groups),
+            tree_mask=as_tensor(masks) if tree_parents is not None and any(p is not None for p in tree_parents)
+            else None)
 
     @classmethod
     def from_device(cls, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,
                     block_tables: torch.Tensor, slot_mapping: torch.Tensor, block_size: int, query_len: int,
                     query_start_loc: torch.Tensor | None = None, capture_layers: tuple[int, ...] = (),
-                    group_tables: tuple[torch.Tensor, ...] = (), group_slots: tuple[torch.Tensor, ...] = ()
-                    ) -> "ForwardBatch":
+                    group_tables: tuple[torch.Tensor, ...] = (), group_slots: tuple[torch.Tensor, ...] = (),
+                    tree_mask: torch.Tensor | None = None) -> "ForwardBatch":
         """A batch over existing device tensors where every sequence brings `query_len` tokens
-        (padding included); nothing here reads a tensor's values, so it can be captured in a graph."""
+        (padding included); nothing here reads a tensor's values, so it can be captured in a graph.
+        tree_mask: [T] int64 visibility bits (-1 for ordinary rows), or None for no tree rows."""
         num_seqs = int(seq_lens.shape[0])
         if query_start_loc is None:
             query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int64, device=input_ids.device) * query_len
@@ -185,4 +246,4 @@ class ForwardBatch:
                    block_tables=block_tables, slot_mapping=slot_mapping, block_size=block_size,
                    capture_layers=tuple(capture_layers), query_lens_host=None, seq_lens_host=None,
                    max_query_len=query_len, max_seq_len=int(block_tables.shape[1]) * block_size,
-                   group_tables=tuple(group_tables), group_slots=tuple(group_slots))
+                   group_tables=tuple(group_tables), group_slots=tuple(group_slots), tree_mask=tree_mask)

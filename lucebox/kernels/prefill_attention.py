@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .forward_batch import ForwardBatch
+from .forward_batch import MAX_TREE_TOKENS, ForwardBatch
 
 # Sequences bringing at least this many new tokens take this path. Below it (decode, speculative
 # verify of up to 32 tokens) the Triton kernel reads the paged cache in place, while this path
@@ -52,10 +52,13 @@ MIN_WINDOW_TILE = 128
 
 
 def prefill_sequences(batch: ForwardBatch) -> list[int]:
-    """Indices of the sequences of an eager (host-length) batch that take the prefill path."""
+    """Indices of the sequences of an eager (host-length) batch that take the prefill path. With a
+    tree mask, rows a tree could fill (<= MAX_TREE_TOKENS) stay on the masked short-step paths;
+    longer rows are ordinary (all -1), so plain causal attention here is theirs."""
     if batch.device_only:
         return []
-    return [i for i, n in enumerate(batch.query_lens_host) if n >= MIN_QUERY_LEN]
+    shortest = MIN_QUERY_LEN if batch.tree_mask is None else max(MIN_QUERY_LEN, MAX_TREE_TOKENS + 1)
+    return [i for i, n in enumerate(batch.query_lens_host) if n >= shortest]
 
 
 def prefill_attention(q: torch.Tensor, k_cache, v_cache, batch: ForwardBatch, scale: float,
