@@ -558,6 +558,9 @@ def compile_check(arch: str) -> None:
                     fb = ForwardBatch.build([[0] * q_len], [100], [list(range(blocks))], 16, "cpu")
                     q = torch.zeros(q_len, 32, 128, dtype=dtype)
                     tpa.paged_attention(q, kc, vc, fb, 0.1, window, num_splits=4 if q_len == 1 else 1)
+                    if q_len in (16, 32):  # the same as a tree verify row (ForwardBatch.tree_mask)
+                        fb.tree_mask = torch.full((q_len,), -1, dtype=torch.long)
+                        tpa.paged_attention(q, kc, vc, fb, 0.1, window, num_splits=2)
         for rows in (1, 64):
             x = torch.zeros(rows, 4096, dtype=torch.bfloat16)
             triton_norm.rms_norm_residual_triton(x, x, x[0], 1e-6)

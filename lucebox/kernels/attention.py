@@ -15,8 +15,9 @@ A step mixing both splits its batch (ForwardBatch.select) and runs each part on 
 Tree verify rows (ForwardBatch.tree_mask, kernels/forward_batch.py): every path also hides the
 in-row keys whose bit is clear in the query's mask; causal bounds come from storage positions
 (seq_len - q_len + i), never from `positions`, which a tree row sets to start + depth. Rows a tree
-can fill never take the prefill path. Sliding-window layers refuse tree masks for now (a window
-measured in rope positions would differ from one in storage positions).
+can fill never take the prefill path. On a sliding-window layer a query's window is measured from
+its depth (its distance from a committed key is start + depth - key, as if its path had been
+verified as a chain): tree_window_positions; windows shorter than a tree row are refused.
 
 A device-only batch (ForwardBatch.from_device, a CUDA graph's) has no host lengths: it goes to the
 Triton kernel, or to a reference that attends over the whole block-table width with masks, reading
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 
 from . import prefill_attention as pa
 from .dispatch import use_triton
-from .forward_batch import ForwardBatch
+from .forward_batch import ForwardBatch, check_tree_window
 
 
 def paged_attention(q: torch.Tensor, k_cache, v_cache, batch: ForwardBatch, scale: float,
@@ -95,10 +96,12 @@ def _reference_into(out: torch.Tensor, q: torch.Tensor, k_cache, v_cache, batch:
             q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
             k_pos = torch.arange(lo, ctx, device=q.device)[None, :]
             mask = k_pos <= q_pos
+            tree = batch.tree_mask[start:start + q_len, None] if batch.tree_mask is not None else None
             if sliding_window is not None:
-                mask &= (q_pos - k_pos) < sliding_window
-            if batch.tree_mask is not None:
-                mask &= tree_visible(batch.tree_mask[start:start + q_len, None], k_pos - (ctx - q_len))
+                win_pos = q_pos if tree is None else tree_window_positions(tree, q_pos)
+                mask &= (win_pos - k_pos) < sliding_window
+            if tree is not None:
+                mask &= tree_visible(tree, k_pos - (ctx - q_len))
         qi = q[start:start + q_len].transpose(0, 1)  # [heads, q_len, d]
         # enable_gqa: query head h reads KV head h // (heads // kv_heads), without copying K and V.
         o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale, enable_gqa=heads != kv_heads)
@@ -106,11 +109,14 @@ def _reference_into(out: torch.Tensor, q: torch.Tensor, k_cache, v_cache, batch:
     return out
 
 
-def check_tree_window(batch: ForwardBatch, sliding_window: int | None) -> None:
-    if batch.tree_mask is not None and sliding_window is not None:
-        raise ValueError("tree verification (ForwardBatch.tree_mask) on a sliding-window attention layer is not "
-                         "supported yet: verify chains on models with sliding-window layers (or pass tree_mask=None "
-                         "when the batch holds no tree row)")
+def tree_window_positions(masks: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+    """Where each query's sliding window is measured from: start + depth for a tree row's token
+    (depth = its ancestors, popcount(mask) - 1), its storage position q_pos for an ordinary row's
+    (-1). Windows are at least a row long (check_tree_window), so only committed keys can fall out."""
+    bits = (masks >> torch.arange(64, device=masks.device)) & 1
+    depth = bits.sum(-1, keepdim=True) - 1
+    row_start = q_pos - torch.arange(q_pos.shape[-2], device=q_pos.device)[:, None]
+    return torch.where(masks == -1, q_pos, row_start + depth)
 
 
 def tree_visible(masks: torch.Tensor, k_rel: torch.Tensor) -> torch.Tensor:
@@ -143,11 +149,13 @@ def _device_only_reference(q: torch.Tensor, k_cache, v_cache, batch: ForwardBatc
 
     q_pos = batch.seq_lens[:, None] - q_len + torch.arange(q_len, device=q.device)  # [B, q_len]
     mask = k_pos[None, None, :] <= q_pos[:, :, None]
+    tree = batch.tree_mask.view(num_seqs, q_len, 1) if batch.tree_mask is not None else None
     if sliding_window is not None:
-        mask &= (q_pos[:, :, None] - k_pos[None, None, :]) < sliding_window
-    if batch.tree_mask is not None:
+        win_pos = q_pos[:, :, None] if tree is None else tree_window_positions(tree, q_pos[:, :, None])
+        mask &= (win_pos - k_pos[None, None, :]) < sliding_window
+    if tree is not None:
         rel = k_pos[None, None, :] - (batch.seq_lens[:, None, None] - q_len)  # [B, 1, width]
-        mask &= tree_visible(batch.tree_mask.view(num_seqs, q_len, 1), rel)
+        mask &= tree_visible(tree, rel)
     # Keys no query sees are zeroed, not just weighted 0: a released block may hold anything (NaN * 0 is NaN).
     seen = mask.any(1)[:, None, :, None]  # [B, 1, width, 1]
 

@@ -55,6 +55,15 @@ def tree_mask_bits(parents: list[int]) -> list[int]:
     return [m - (1 << 64) if m >= 1 << 63 else m for m in masks]
 
 
+def check_tree_window(batch: "ForwardBatch", sliding_window: int | None) -> None:
+    """Tree rows on a sliding-window layer: windows shorter than a tree row are refused (an
+    ancestor could then fall out of a node's window, which the kernels do not model)."""
+    if batch.tree_mask is not None and sliding_window is not None and sliding_window < MAX_TREE_TOKENS:
+        raise ValueError(f"tree verification (ForwardBatch.tree_mask) on a sliding-window layer needs a window of at "
+                         f"least {MAX_TREE_TOKENS} positions (a tree row's length), this layer's is {sliding_window}: "
+                         f"verify chains on this model")
+
+
 def tree_depths(parents: list[int]) -> list[int]:
     """Depth of each token of a tree verify row (0 for the pending token): its rope offset."""
     _check_parents(parents)

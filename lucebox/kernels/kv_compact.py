@@ -11,12 +11,15 @@ attention layer, values and quantisation scales alike) with one index_select + i
 tensor: the gather copies every source row out before any destination is written, so moves whose
 sources and destinations overlap (a_k = j for some later destination j) are safe. Both work on
 device tensors without reading their values, so a captured graph can replay them (pad unused
-entries with a move of a slot onto itself). KV-shared layers (Gemma 4) read their source layer's
-cache: pass each cache once. Layers of another KV cache group (sliding-window groups) need their
-own slots (their block tables differ).
+entries with moves of the scratch block's slot onto itself, never a live slot: a padding copy of
+a destination's old value could land after its real move). KV-shared layers (Gemma 4) read their
+source layer's cache and need nothing. Layers of another KV cache group (sliding-window groups)
+need their own slots (their block tables differ): one compaction_slots / compact_rows per group,
+e.g. over the runner's caches of that group.
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 
 import torch
@@ -37,25 +40,30 @@ def compaction_slots(block_tables: list[list[int]], block_size: int, starts: lis
     for b, (table, start, path) in enumerate(zip(block_tables, starts, accepted)):
         if path and path[0] != 0:
             raise ValueError(f"sequence {b}: an accepted path starts at row 0 (the pending token), got {path}")
-        if any(later <= earlier for earlier, later in zip(path, path[1:])):
+        if any(later <= earlier for earlier, later in itertools.pairwise(path)):
             raise ValueError(f"sequence {b}: accepted rows must increase (DFS order), got {path}")
-
-        def slot(pos: int) -> int:
-            block = pos // block_size
-            if block >= len(table) or table[block] < 0:
-                raise ValueError(f"sequence {b}: position {pos} has no block in its table")
-            return table[block] * block_size + pos % block_size
-
         for k, row in enumerate(path):
             if row != k:
-                src.append(slot(start + row))
-                dst.append(slot(start + k))
+                src.append(_slot(table, block_size, start + row, b))
+                dst.append(_slot(table, block_size, start + k, b))
     return host_to_device(src, device, torch.long), host_to_device(dst, device, torch.long)
 
 
+def _slot(table: list[int], block_size: int, pos: int, seq: int) -> int:
+    block = pos // block_size
+    if block >= len(table) or table[block] < 0:
+        raise ValueError(f"sequence {seq}: position {pos} has no block in its table")
+    return table[block] * block_size + pos % block_size
+
+
 def compact_rows(caches: Iterable, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Copy slot src[i] onto slot dst[i] in every PagedKVCache of `caches` (values and scales)."""
+    """Copy slot src[i] onto slot dst[i] in every PagedKVCache of `caches` (values and scales).
+    A cache listed twice is moved once (moving again would shift overlapping rows a second time)."""
+    done = set()
     for cache in caches:
+        if id(cache) in done:
+            continue
+        done.add(id(cache))
         for t in (cache.values, cache.scales):
             if t is None:
                 continue

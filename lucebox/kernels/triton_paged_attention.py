@@ -21,7 +21,13 @@ true lengths from device tensors. Each split's range then comes from the true co
 on a short context the trailing splits are empty: they store lse = -inf and the merge weighs them 0.
 
 Masks: key k is visible to the query at absolute position p when k <= p (causal, which covers
-the new tokens among themselves) and, with a sliding window w, p - k < w.
+the new tokens among themselves) and, with a sliding window w, p - k < w. p is the storage
+position seq_len - q_len + i, never the rope position. Tree verify rows (ForwardBatch.tree_mask,
+TREE): each query row loads its int64 mask once, and a key of this step's row at offset j is
+visible only when bit j is set (offsets past 63 test bit 63: every bit of an ordinary row's -1);
+tiles wholly before the row skip the test, and without a tree mask it is not compiled in. With a
+window, a tree token's window is measured from start + depth (depth = popcount(mask) - 1), as
+kernels/attention.tree_window_positions defines it.
 
 Rotated caches (PagedKVCache(rotate=True) stores x @ H with H an orthonormal Hadamard matrix):
 q.k = (q @ H).(k @ H), so q is rotated once instead of un-rotating every key, and the output
@@ -34,6 +40,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import next_pow2, num_sms, pdl_launch
+from .forward_batch import check_tree_window
 from .triton_pdl import wait_for_previous_kernel
 
 _KV_PLAIN, _KV_FP8, _KV_Q8_0, _KV_Q4_0 = range(4)
@@ -112,9 +119,21 @@ def _load_kv(v_ptr, s_ptr, slot, kmask, stride_slot, stride_s_slot, head_off, s_
 
 
 @triton.jit
+def _popcount64(x):
+    """Set bits of int64 x (SWAR; the masks drop what arithmetic shifts smear in from the sign)."""
+    x = x - ((x >> 1) & 0x5555555555555555)
+    x = (x & 0x3333333333333333) + ((x >> 2) & 0x3333333333333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F0F0F0F0F
+    x = x + (x >> 8)
+    x = x + (x >> 16)
+    x = x + (x >> 32)
+    return x & 0x7F
+
+
+@triton.jit
 def _paged_attn_kernel(
         q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, lse_ptr,
-        qsl_ptr, seq_lens_ptr, bt_ptr,
+        qsl_ptr, seq_lens_ptr, bt_ptr, tree_ptr,
         qk_scale, window, num_splits,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
         stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
@@ -123,7 +142,7 @@ def _paged_attn_kernel(
         KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_Q: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_KV: tl.constexpr,
         K_FMT: tl.constexpr, V_FMT: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr,
-        DOT_IEEE: tl.constexpr, PDL: tl.constexpr = False):
+        DOT_IEEE: tl.constexpr, TREE: tl.constexpr = False, PDL: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
     pid_bh = tl.program_id(0)
     pid_q = tl.program_id(1)
@@ -148,12 +167,23 @@ def _paged_attn_kernel(
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         if DOT_IEEE:
             q = q.to(tl.float32)
+        win_pos = q_pos  # where each query's window is measured from
+        if TREE:  # visibility bits of each row's query token among this step's keys
+            tree_bits = tl.load(tree_ptr + tok, mask=row_ok, other=-1)
+            tree_lo = tree_bits.to(tl.int32)  # bits 0..31 (truncation)
+            tree_hi = (tree_bits >> 32).to(tl.int32)  # bits 32..63, arithmetic: -1 stays all ones
+            if HAS_WINDOW:
+                depth = (_popcount64(tree_bits) - 1).to(tl.int32)
+                win_pos = tl.where(tree_bits == -1, q_pos, ctx0 + depth)
 
         # Keys this query tile can see: [lo, hi).
         hi = ctx0 + tl.minimum(q0 + BLOCK_Q, q_len)
         lo = 0
         if HAS_WINDOW:
-            lo = tl.maximum(ctx0 + q0 - window + 1, 0)
+            if TREE:  # a token's depth may be anything up to its index
+                lo = tl.maximum(ctx0 - window + 1, 0)
+            else:
+                lo = tl.maximum(ctx0 + q0 - window + 1, 0)
         per_split = tl.cdiv(tl.cdiv(hi - lo, num_splits), BLOCK_KV) * BLOCK_KV
         s_lo = lo + pid_s * per_split
         s_hi = tl.minimum(s_lo + per_split, hi)
@@ -183,7 +213,14 @@ def _paged_attn_kernel(
             s *= qk_scale
             visible = kmask[None, :] & (kpos[None, :] <= q_pos[:, None])
             if HAS_WINDOW:
-                visible &= (q_pos[:, None] - kpos[None, :]) < window
+                visible &= (win_pos[:, None] - kpos[None, :]) < window
+            if TREE:
+                if start + BLOCK_KV > ctx0:  # the tile reaches this step's row
+                    # bit min(rel, 63) of the row's mask, tested in 32-bit halves (cheaper than int64 shifts)
+                    rel = tl.minimum(kpos - ctx0, 63)
+                    word = tl.where(rel[None, :] < 32, tree_lo[:, None], tree_hi[:, None])
+                    bit = (word >> (rel[None, :] & 31)) & 1
+                    visible &= (rel[None, :] < 0) | (bit != 0)
             s = tl.where(visible, s, float("-inf"))
 
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -310,9 +347,11 @@ def paged_attention(q: torch.Tensor, k_cache, v_cache, batch, scale: float,
     if num_stages is not None:
         kwargs["num_stages"] = num_stages
     window = int(sliding_window) if sliding_window is not None else 0
+    check_tree_window(batch, sliding_window)
+    tree = batch.tree_mask
     _paged_attn_kernel[(num_seqs * kv_heads, q_tiles, num_splits)](
         q, k_vals, v_vals, k_scales, v_scales, o_arg, lse,
-        batch.query_start_loc, batch.seq_lens, batch.block_tables,
+        batch.query_start_loc, batch.seq_lens, batch.block_tables, tree if tree is not None else batch.seq_lens,
         float(scale) * _LOG2E, window, num_splits,
         q.stride(0), q.stride(1), stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
         k_vals.stride(0), k_vals.stride(1), v_vals.stride(0), v_vals.stride(1),
@@ -322,7 +361,7 @@ def paged_attention(q: torch.Tensor, k_cache, v_cache, batch, scale: float,
         BLOCK_Q=block_q, BLOCK_R=block_r, BLOCK_KV=block_kv,
         K_FMT=_KV_FORMATS[k_cache.cache_type], V_FMT=_KV_FORMATS[v_cache.cache_type],
         HAS_WINDOW=sliding_window is not None, SPLIT=split, DOT_IEEE=q.dtype == torch.float32,
-        **kwargs, **pdl_launch(q.device))
+        TREE=tree is not None, **kwargs, **pdl_launch(q.device))
     if split:
         _merge_splits_kernel[(tokens, heads)](
             part, lse, final, num_splits,

@@ -41,3 +41,12 @@ mode_attention() {
     --cache-types bf16 --json "$out/attention.json"
   grep -E "^\| (kernel|paged_attention)" "$out/attention.log"
 }
+
+#: tree-attention  tree verify attention (DDTree): 16/22/32/64-node trees vs chains of the same length vs a
+#:              decode, bf16 and q8_0 KV at 512 / 4K / 32K (scripts/bench_tree_attention.py), after its tests
+mode_tree_attention() {
+  run_tests tree-attention-tests 120 tests/kernels/test_tree_attention.py
+  step tree-attention "${SECONDS_TREE_ATTENTION:-240}" python3 scripts/bench_tree_attention.py \
+    --cache-types bf16 q8_0 --json "$out/tree-attention.json"
+  grep "^|" "$out/tree-attention.log"
+}

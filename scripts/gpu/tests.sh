@@ -20,5 +20,5 @@ mode_check_new() {
     tests/kernels/test_triton_moe_models.py tests/spec/test_dflash_graphs.py tests/model/test_laguna_graphs.py \
     tests/model/test_qwen3_5_graphs.py \
     tests/engine/test_hybrid_prefix.py tests/model/test_gemma4.py tests/engine/test_sliding_window_mixed.py \
-    tests/kernels/test_block32_formats.py
+    tests/kernels/test_block32_formats.py tests/kernels/test_tree_attention.py
 }

@@ -52,42 +52,58 @@ def ancestors(parents: list[int], i: int) -> set[int]:
     return seen
 
 
-def make_case(rows, cache_type="f32", seed=0, dtype=torch.float32):
-    """rows: (context length, q_len, parents or None) per sequence, on shuffled blocks of BLOCK.
-    Every position's K/V is written; returns (q, k_cache, v_cache, batch with tree masks)."""
+def make_case(rows, cache_type="f32", seed=0, dtype=torch.float32, window=None, block=BLOCK, heads=HEADS,
+              kv_heads=KV_HEADS, head_dim=HEAD_DIM):
+    """rows: (context length, q_len, parents or None) per sequence, on shuffled blocks. Every
+    position's K/V is written; with `window`, the blocks wholly behind each sequence's window
+    (before ctx - window + 1) are then released to a scratch block of NaNs, as the cache manager
+    may. Returns (q, k_cache, v_cache, batch with tree masks)."""
     g = torch.Generator().manual_seed(seed)
-    need = [-(-(ctx + q) // BLOCK) for ctx, q, _ in rows]
-    perm = torch.randperm(sum(need), generator=g).tolist()
+    need = [-(-(ctx + q) // block) for ctx, q, _ in rows]
+    scratch = sum(need)
+    perm = torch.randperm(scratch, generator=g).tolist()
     tables, at = [], 0
     for n in need:
         tables.append(perm[at:at + n])
         at += n
-    caches = [PagedKVCache(sum(need), BLOCK, KV_HEADS, HEAD_DIM, cache_type, dtype, DEVICE) for _ in range(2)]
-    whole = ForwardBatch.build([[0] * (ctx + q) for ctx, q, _ in rows], [0] * len(rows), tables, BLOCK, DEVICE)
+    caches = [PagedKVCache(scratch + 1, block, kv_heads, head_dim, cache_type, dtype, DEVICE) for _ in range(2)]
+    whole = ForwardBatch.build([[0] * (ctx + q) for ctx, q, _ in rows], [0] * len(rows), tables, block, DEVICE)
     for cache in caches:
-        cache.write(torch.randn(whole.num_tokens, KV_HEADS, HEAD_DIM, generator=g).to(DEVICE, dtype),
+        cache.write(torch.randn(whole.num_tokens, kv_heads, head_dim, generator=g).to(DEVICE, dtype),
                     whole.slot_mapping)
-    batch = ForwardBatch.build([[0] * q for _, q, _ in rows], [ctx for ctx, _, _ in rows], tables, BLOCK, DEVICE,
+    if window is not None:
+        for t in (t for cache in caches for t in (cache.values, cache.scales) if t is not None):
+            if t.dtype.is_floating_point:  # q8_0 / q4_0: their NaN scales poison the block
+                t[scratch] = float("nan")
+        tables = [[scratch if (i + 1) * block <= ctx - window + 1 else b for i, b in enumerate(t)]
+                  for t, (ctx, _, _) in zip(tables, rows)]
+        assert any(scratch in t for t in tables)
+    batch = ForwardBatch.build([[0] * q for _, q, _ in rows], [ctx for ctx, _, _ in rows], tables, block, DEVICE,
                                tree_parents=[p for _, _, p in rows])
-    q = torch.randn(batch.num_tokens, HEADS, HEAD_DIM, generator=g).to(DEVICE, dtype)
+    q = torch.randn(batch.num_tokens, heads, head_dim, generator=g).to(DEVICE, dtype)
     return q, caches[0], caches[1], batch
 
 
-def dense_expected(q, k_cache, v_cache, batch, rows):
-    """Each sequence's whole context (dequantised), a mask written from the parents, plain SDPA."""
+def dense_expected(q, k_cache, v_cache, batch, rows, window=None):
+    """Each sequence's context (dequantised), a mask written from the parents, plain SDPA. With a
+    window, a tree token at depth d sees committed keys k with ctx + d - k < window."""
+    heads, head_dim = q.shape[1:]
+    group = heads // k_cache.num_kv_heads
     out, start = [], 0
     for i, (ctx, q_len, parents) in enumerate(rows):
-        slots = batch.context_slots(i)
-        k = k_cache.gather(slots, torch.float32).repeat_interleave(HEADS // KV_HEADS, 1).transpose(0, 1)
-        v = v_cache.gather(slots, torch.float32).repeat_interleave(HEADS // KV_HEADS, 1).transpose(0, 1)
+        depths = tree_depths(parents) if parents is not None else range(q_len)
+        lo = max(0, ctx - window + 1) if window is not None else 0  # released before it
+        slots = batch.context_slots(i)[lo:]
+        k = k_cache.gather(slots, torch.float32).repeat_interleave(group, 1).transpose(0, 1)
+        v = v_cache.gather(slots, torch.float32).repeat_interleave(group, 1).transpose(0, 1)
         mask = torch.zeros(q_len, ctx + q_len, dtype=torch.bool)
         for t in range(q_len):
-            mask[t, :ctx] = True
+            mask[t, :ctx] = True if window is None else ctx + depths[t] - torch.arange(ctx) < window
             seen = ancestors(parents, t) if parents is not None else range(t + 1)
             for j in seen:
                 mask[t, ctx + j] = True
         qi = q[start:start + q_len].float().transpose(0, 1)
-        o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask.to(q.device), scale=SCALE)
+        o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask[:, lo:].to(q.device), scale=head_dim ** -0.5)
         out.append(o.transpose(0, 1))
         start += q_len
     return torch.cat(out).to(q.dtype)
@@ -100,7 +116,7 @@ def mixed_rows(rng: random.Random, tree_len: int = 9):
 
 def as_device_only(batch: ForwardBatch, q_len: int) -> ForwardBatch:
     return ForwardBatch.from_device(batch.input_ids, batch.positions, batch.seq_lens, batch.block_tables,
-                                    batch.slot_mapping, BLOCK, q_len, tree_mask=batch.tree_mask)
+                                    batch.slot_mapping, batch.block_size, q_len, tree_mask=batch.tree_mask)
 
 
 # ------------------------------------------------------------------ masks and the batch builder
@@ -122,7 +138,8 @@ def test_tree_mask_bits_and_depths_of_a_hand_built_tree():
 def test_build_stores_tree_rows_by_row_index_and_rotates_them_by_depth():
     parents = [-1, 0, 1, 0]
     batch = ForwardBatch.build([[5, 6], [1, 2, 3, 4]], [3, 6], [[0, 1], [2, 3, 4]], BLOCK,
-                               tree_parents=[None, parents])
+                               tree_parents=[None, parents], group_tables=[[[5, 6], [7, 8, 9]]])
+    assert batch.group(1).tree_mask is batch.tree_mask  # a window group's view keeps the masks
     assert batch.positions.tolist() == [3, 4, 6, 7, 8, 7]
     assert batch.slot_mapping.tolist() == [3, 4, 14, 15, 16, 17]  # storage: start + row index
     assert batch.seq_lens.tolist() == [5, 10]
@@ -179,12 +196,34 @@ def test_all_ones_masks_reproduce_plain_attention_bit_for_bit(monkeypatch):
     torch.testing.assert_close(paged_attention(q, k, v, as_device_only(batch, 6), SCALE), plain, rtol=0, atol=0)
 
 
-def test_tree_masks_on_sliding_window_layers_are_refused(monkeypatch):
+WINDOW = MAX_TREE_TOKENS
+
+
+def window_rows(rng: random.Random, q_len: int = 7):
+    """Contexts past the window: a tree row, an ordinary verify row, another tree row."""
+    return [(WINDOW + 13, q_len, random_tree(q_len, rng)), (WINDOW + 5, q_len, None),
+            (WINDOW + 20, q_len, random_tree(q_len, rng))]
+
+
+def test_sliding_windows_measure_a_tree_token_from_its_depth(monkeypatch):
+    """A node at depth d sees the committed keys a chain token at position start + d would see;
+    the blocks behind every window are released (NaN) and never read."""
+    monkeypatch.setenv("LUCEBOX_TRITON", "0")
+    rows = window_rows(random.Random(9))
+    assert any(d < i for d, i in zip(tree_depths(rows[0][2]), range(7)))  # the window bites differently
+    q, k, v, batch = make_case(rows, window=WINDOW)
+    want = dense_expected(q, k, v, batch, rows, WINDOW)
+    torch.testing.assert_close(paged_attention(q, k, v, batch, SCALE, WINDOW), want, rtol=1e-5, atol=1e-5)
+    got = paged_attention(q, k, v, as_device_only(batch, 7), SCALE, WINDOW)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_tree_masks_on_windows_shorter_than_a_tree_row_are_refused(monkeypatch):
     monkeypatch.setenv("LUCEBOX_TRITON", "0")
     rows = mixed_rows(random.Random(4))
     q, k, v, batch = make_case(rows)
-    with pytest.raises(ValueError, match="sliding-window"):
-        paged_attention(q, k, v, batch, SCALE, sliding_window=8)
+    with pytest.raises(ValueError, match="window of at least"):
+        paged_attention(q, k, v, batch, SCALE, sliding_window=MAX_TREE_TOKENS - 1)
 
 
 # ------------------------------------------------------------------ KV compaction
@@ -207,7 +246,7 @@ def test_compaction_moves_exactly_the_accepted_rows(cache_type):
     moves = {slot(b, starts[b] + k): slot(b, starts[b] + row)
              for b in range(2) for k, row in enumerate(accepted[b]) if row != k}
     assert dict(zip(dst.tolist(), src.tolist())) == moves and len(moves) == 4
-    compact_rows(caches, src, dst)
+    compact_rows([*caches, caches[0]], src, dst)  # a cache listed twice moves once
     for cache, (values, scales) in zip(caches, before):
         for now, old in ((cache.values, values), (cache.scales, scales)):
             if old is None:
@@ -231,9 +270,98 @@ def test_compacted_tree_attends_like_the_chain_of_its_accepted_path(monkeypatch)
     monkeypatch.setenv("LUCEBOX_TRITON", "0")
     parents = [-1, 0, 1, 0, 3, 4]  # accepted path 0 -> 3 -> 4
     rows = [(6, 6, parents)]
-    q, k, v, batch = make_case(rows)
+    _, k, v, batch = make_case(rows)
     table = batch.block_tables[0].tolist()
     want_k = k.gather(batch.context_slots(0)[[0, 1, 2, 3, 4, 5, 6, 9, 10]], torch.float32)
     src, dst = compaction_slots([table], BLOCK, [6], [[0, 3, 4]], DEVICE)
     compact_rows([k, v], src, dst)
     torch.testing.assert_close(k.gather(batch.context_slots(0)[:9], torch.float32), want_k, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------ Triton kernel
+
+@needs_triton
+@pytest.mark.parametrize("cache_type,splits", [("f32", 1), ("q8_0", 2)])
+def test_triton_kernel_matches_dense_masked_attention(cache_type, splits):
+    pytest.importorskip("triton")
+    from lucebox.kernels import triton_paged_attention as tpa
+
+    rows = mixed_rows(random.Random(6), tree_len=7)
+    q, k, v, batch = make_case(rows, cache_type)
+    got = tpa.paged_attention(q, k, v, batch, SCALE, num_splits=splits, block_kv=16)
+    torch.testing.assert_close(got, dense_expected(q, k, v, batch, rows), rtol=1e-4, atol=1e-4)
+
+
+@needs_triton
+def test_triton_kernel_graph_mode_tree_rows():
+    pytest.importorskip("triton")
+    from lucebox.kernels import triton_paged_attention as tpa
+
+    rng = random.Random(7)
+    rows = [(9, 6, random_tree(6, rng)), (5, 6, None)]
+    q, k, v, batch = make_case(rows, "fp8")
+    got = tpa.paged_attention(q, k, v, as_device_only(batch, 6), SCALE, block_kv=16)
+    torch.testing.assert_close(got, dense_expected(q, k, v, batch, rows), rtol=1e-4, atol=1e-4)
+
+
+@needs_triton
+def test_triton_kernel_all_ones_masks_change_nothing():
+    pytest.importorskip("triton")
+    from lucebox.kernels import triton_paged_attention as tpa
+
+    rows = [(11, 6, None), (7, 1, None)]
+    q, k, v, batch = make_case(rows)
+    plain = tpa.paged_attention(q, k, v, batch, SCALE, block_kv=16)
+    batch.tree_mask = torch.full((batch.num_tokens,), -1, dtype=torch.long, device=DEVICE)
+    torch.testing.assert_close(tpa.paged_attention(q, k, v, batch, SCALE, block_kv=16), plain, rtol=0, atol=0)
+
+
+@needs_triton
+def test_dispatch_splits_a_step_between_prefill_and_the_tree_masked_kernel(monkeypatch):
+    """A full-size tree row goes to the Triton kernel (with its masks, through ForwardBatch.select)
+    while the long ordinary row of the same step takes the prefill path."""
+    pytest.importorskip("triton")
+    from lucebox.kernels import triton_paged_attention as tpa
+
+    monkeypatch.setenv("LUCEBOX_TRITON", "1")
+    calls = []
+    kernel = tpa.paged_attention
+    monkeypatch.setattr(tpa, "paged_attention", lambda q, *a, **kw: calls.append(q.shape[0]) or kernel(q, *a, **kw))
+    rows = [(3, MAX_TREE_TOKENS, random_tree(MAX_TREE_TOKENS, random.Random(8))), (2, 1, None),
+            (1, prefill_attention.MIN_QUERY_LEN + 2, None)]
+    q, k, v, batch = make_case(rows)
+    got = paged_attention(q, k, v, batch, SCALE)
+    assert calls == [MAX_TREE_TOKENS + 1]
+    torch.testing.assert_close(got, dense_expected(q, k, v, batch, rows), rtol=1e-4, atol=1e-4)
+
+
+@needs_triton
+@pytest.mark.parametrize("graph", [False, True])
+def test_triton_kernel_sliding_window_tree_rows(graph):
+    pytest.importorskip("triton")
+    from lucebox.kernels import triton_paged_attention as tpa
+
+    rows = window_rows(random.Random(10), q_len=5)
+    q, k, v, batch = make_case(rows, window=WINDOW)
+    run = as_device_only(batch, 5) if graph else batch
+    got = tpa.paged_attention(q, k, v, run, SCALE, WINDOW, num_splits=2, block_kv=16)
+    torch.testing.assert_close(got, dense_expected(q, k, v, batch, rows, WINDOW), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="model-sized shapes: compiled kernels on a GPU")
+@pytest.mark.parametrize("cache_type", ["bf16", "fp8", "q4_0"])
+@pytest.mark.parametrize("window", [None, 1024])
+def test_gpu_tree_verify_at_model_sizes(cache_type, window):
+    """qwen3-8b's attention geometry in bf16: 32- and 64-node trees next to a decode and a chain
+    verify, long contexts (split-K), through the dispatcher (the Triton kernel on a GPU)."""
+    rng = random.Random(11)
+    rows = [(1500, 32, random_tree(32, rng)), (3000, 1, None), (2200, 16, None),
+            (2900, MAX_TREE_TOKENS, random_tree(MAX_TREE_TOKENS, rng))]
+    dims = {"block": 16, "heads": 32, "kv_heads": 8, "head_dim": 128}
+    q, k, v, batch = make_case(rows, cache_type, dtype=torch.bfloat16, window=window, **dims)
+    got = paged_attention(q, k, v, batch, 128 ** -0.5, window)
+    torch.testing.assert_close(got, dense_expected(q, k, v, batch, rows, window), rtol=2e-2, atol=2e-2)
+    same = [(1500, 32, random_tree(32, rng)), (2500, 32, None), (700, 32, random_tree(32, rng))]
+    q, k, v, batch = make_case(same, cache_type, dtype=torch.bfloat16, window=window, **dims)
+    got = paged_attention(q, k, v, as_device_only(batch, 32), 128 ** -0.5, window)
+    torch.testing.assert_close(got, dense_expected(q, k, v, batch, same, window), rtol=2e-2, atol=2e-2)
