@@ -12,6 +12,7 @@ import pytest
 from lucebox import LLM, SamplingParams
 from lucebox.cli import build_parser, speculative_config
 from lucebox.config import SpeculativeConfig
+from lucebox.engine.cuda_graphs import CudaGraphRunner
 from lucebox.default_model import default_speculative_config
 from lucebox.errors import LuceboxError, RequestError, UnsupportedError
 
@@ -153,6 +154,33 @@ def test_many_rejected_trees_leave_the_pool_as_they_found_it(hf_models, tmp_path
     assert engine.scheduler.blocks.num_free_blocks == engine.runner.num_blocks
     plain = LLM(str(target), block_size=4)
     assert [outputs[str(i)].outputs[0].token_ids for i in range(5)] == token_ids(plain, prompts, params)
+
+
+def static_graphs(llm: LLM) -> CudaGraphRunner:
+    """The engine's graph buckets as static batches run eagerly (CPU), as tests/engine/test_cuda_graphs.py does."""
+    runner = llm.engine.runner
+    settings = replace(llm.engine._graph_settings(), capture=False)
+    runner.graphs = CudaGraphRunner(runner.model, 4, runner.scratch_block, settings)
+    return runner.graphs
+
+
+def test_tree_rows_never_replay_a_chain_graph(pair, plain_llm):
+    """Tree rows of 4 tokens fit the chain's verify bucket (3 drafts), which chain verifies replay: tree
+    rows must still run eagerly."""
+    target, drafter = pair
+    prompts = small_prompts(4, seed=2)
+    chain = LLM(str(target), block_size=4, device="cpu", cuda_graphs=True,
+                speculative_config={"method": "dflash", "model": str(drafter), "adaptive": False})
+    graphs = static_graphs(chain)
+    assert token_ids(chain, prompts, GREEDY) == token_ids(plain_llm, prompts, GREEDY)
+    assert any(q == 4 for (_, q) in graphs.replays)
+    llm = tree_llm(target, drafter, 3, device="cpu", cuda_graphs=True)
+    graphs = static_graphs(llm)
+    graph_run, trees_seen = graphs.run, []
+    graphs.run = lambda plan: (trees_seen.append(plan.has_trees), graph_run(plan))[1]
+    assert token_ids(llm, prompts, GREEDY) == token_ids(plain_llm, prompts, GREEDY)
+    assert trees_seen and not any(trees_seen) and not graphs.replays
+    assert llm.engine.step_counts["verify"] > 0
 
 
 SAMPLES = 4000
