@@ -144,8 +144,9 @@ class Speculator:
         for (seq, n), draft in zip(chosen, drafts):
             if draft.tokens:
                 self.step_sources.add(source)
-                if draft.is_tree:  # the proposer sized it: n bounds its depth, not its nodes
-                    seq.draft = draft
+                if draft.is_tree:  # n bounded its depth; its nodes are stored past the pending token
+                    keep = self.max_model_len - seq.num_tokens  # a DFS prefix is a tree
+                    seq.draft = Draft(draft.tokens[:keep], parents=draft.parents[:keep])
                 else:
                     probs = draft.probs[:n] if draft.probs is not None else None
                     seq.draft = Draft(draft.tokens[:n], probs)

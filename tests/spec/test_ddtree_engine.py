@@ -129,6 +129,44 @@ def test_stops_inside_a_tree_match_plain_decoding(pair, plain_llm, max_tokens):
     assert llm.engine.scheduler.blocks.num_free_blocks == llm.engine.runner.num_blocks
 
 
+def test_history_reading_params_and_logprobs_match_plain_decoding(pair, plain_llm):
+    """Penalties read each node's own path; the logprobs of committed tokens come from their nodes' rows."""
+    target, drafter = pair
+    prompts = small_prompts(3, seed=4)
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.8),
+              SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, frequency_penalty=0.7, logprobs=2),
+              SamplingParams(temperature=0, max_tokens=16, min_tokens=10, logprobs=1)]
+    llm = tree_llm(target, drafter, 16)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    want = plain_llm.generate(prompts, params, use_tqdm=False)
+    assert sum(o.metrics.num_accepted_tokens for o in got) > 0
+    for g, w in zip(got, want):
+        g, w = g.outputs[0], w.outputs[0]
+        assert g.token_ids == w.token_ids
+        if w.logprobs is None:
+            continue
+        assert [list(d) for d in g.logprobs] == [list(d) for d in w.logprobs]
+        for a, b in zip(g.logprobs, w.logprobs):
+            assert [v.logprob for v in a.values()] == pytest.approx([v.logprob for v in b.values()], abs=1e-4)
+
+
+def test_trees_near_the_context_end_stay_inside_it(pair):
+    """Near max_model_len a tree keeps only the nodes whose storage positions exist (a DFS prefix)."""
+    target, drafter = pair
+    prompts = small_prompts(4, seed=6)
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=None)
+    plain = LLM(str(target), block_size=4, max_model_len=24)
+    llm = tree_llm(target, drafter, 30, max_model_len=24)
+    runner, ends = llm.engine.runner, []
+    run_eager = runner.run_eager
+    runner.run_eager = lambda plan: (ends.extend(r.start + len(r.tokens) for r in plan.rows), run_eager(plan))[1]
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert max(ends) == 24  # storage reaches the window's last position, never past it
+    assert [o.outputs[0].token_ids for o in got] == token_ids(plain, prompts, params)
+    assert all(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) == 24 for o in got)
+    assert llm.engine.scheduler.blocks.num_free_blocks == llm.engine.runner.num_blocks
+
+
 def test_many_rejected_trees_leave_the_pool_as_they_found_it(hf_models, tmp_path):
     """A random drafter on a 387-token target: nearly every tree is rejected. Greedy output still equals
     plain decoding, and every block comes back, mid-run (held = what the committed tokens need) and at
