@@ -129,6 +129,19 @@ def test_stops_inside_a_tree_match_plain_decoding(pair, plain_llm, max_tokens):
     assert llm.engine.scheduler.blocks.num_free_blocks == llm.engine.runner.num_blocks
 
 
+def test_preempted_sequences_with_trees_recompute_to_the_same_tokens(pair, plain_llm):
+    """A pool too small for every sequence's tree rows at once: some are preempted and recomputed."""
+    target, drafter = pair
+    prompts = small_prompts(6, seed=8)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    llm = tree_llm(target, drafter, 20, max_model_len=48, kv_cache_memory=50_000)
+    engine = llm.engine
+    assert engine.runner.num_blocks < 6 * 12  # fewer than the sequences' blocks at their ends
+    assert token_ids(llm, prompts, params) == token_ids(plain_llm, prompts, params)
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.scheduler.blocks.num_free_blocks == engine.runner.num_blocks
+
+
 def test_history_reading_params_and_logprobs_match_plain_decoding(pair, plain_llm):
     """Penalties read each node's own path; the logprobs of committed tokens come from their nodes' rows."""
     target, drafter = pair
