@@ -19,8 +19,8 @@ from ..sampling import SamplingParams
 from ..sampling.sampler import Sampler, make_generator
 from ..spec.factory import make_speculator
 from ..text.stop import StopChecker
-from ..util import host_to_device
 from ..text.tokenizer import IncrementalDetokenizer
+from ..util import host_to_device
 from .build import args_and_model
 from .cache_manager import CacheManager
 from .cuda_graphs import GraphSettings

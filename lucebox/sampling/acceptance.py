@@ -25,8 +25,8 @@ import torch
 
 from ..kernels.dispatch import use_triton
 from ..util import host_to_device
-from .tree_acceptance import tree_choices, walk_tree
 from .sampler import Sampler, SamplingState, apply_min_p, apply_top_k_top_p, exponential_race, fill_exponential
+from .tree_acceptance import tree_choices, walk_tree
 
 # The Triton sampler's vocabularies: above this the torch reference was faster with top-k / top-p
 # (scripts/bench_sampler.py, H200, 2026-12-04, before the listed-candidate search, which is untimed).

@@ -14,7 +14,7 @@ are y_0, y_{r1}, ... each drawn from p at its own path, which is sampling the ta
 """
 from __future__ import annotations
 
-from typing import Sequence as Seq
+from collections.abc import Sequence as Seq
 
 import torch
 

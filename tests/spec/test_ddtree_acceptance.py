@@ -13,7 +13,6 @@ from lucebox.sampling import SamplingParams, acceptance
 from lucebox.sampling.acceptance import Draft, Verdict, accept_argmax, accept_batch
 from lucebox.sampling.sampler import Sampler
 from lucebox.sampling.tree_acceptance import tree_children, tree_row_states
-
 from tests.sampling.test_acceptance import Seq, seeded
 from tests.spec.test_spec import chi_square_rejects
 
@@ -49,7 +48,7 @@ def exact_outcomes(p: torch.Tensor) -> dict[tuple[int, ...], float]:
 
 
 SAMPLES = 3000
-PARAMS = [dict(temperature=1.0, top_k=-1), dict(temperature=0.7, top_k=3)]
+PARAMS = [{"temperature": 1.0, "top_k": -1}, {"temperature": 0.7, "top_k": 3}]
 
 
 def tree_batch(n: int, params: dict, chains: bool = True):

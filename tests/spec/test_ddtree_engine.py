@@ -12,12 +12,17 @@ import pytest
 from lucebox import LLM, SamplingParams
 from lucebox.cli import build_parser, speculative_config
 from lucebox.config import SpeculativeConfig
-from lucebox.engine.cuda_graphs import CudaGraphRunner
 from lucebox.default_model import default_speculative_config
+from lucebox.engine.cuda_graphs import CudaGraphRunner
 from lucebox.errors import LuceboxError, RequestError, UnsupportedError
-
 from tests.conftest import build_hf_model
-from tests.spec.test_spec import PROMPT, chi_square_rejects, exact_pair_distribution, sample_pairs, small_pair  # noqa: F401
+from tests.spec.test_spec import (  # noqa: F401
+    PROMPT,
+    chi_square_rejects,
+    exact_pair_distribution,
+    sample_pairs,
+    small_pair,
+)
 from tests.spec_fixtures import write_dflash_drafter
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
