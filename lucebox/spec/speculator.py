@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from ..sampling.acceptance import Draft
 from .adaptive import DraftLengthPolicy, SequenceAcceptance
 from .proposer import Proposer
+from .tree import tree_nodes
 
 LOOKUP, MODEL = "lookup", "model"
 MIN_LOOKUP_MATCH = 4  # tokens a lookup must find to be used (fewer: the drafter proposes instead)
@@ -38,6 +39,8 @@ class Speculator:
         self.max_model_len = max_model_len
         self.policy = DraftLengthPolicy(num_speculative_tokens, adaptive)
         self.policies = {MODEL: self.policy}
+        if getattr(proposer, "tree_budget", None) is not None:  # the drafter's rows are trees of up to budget nodes
+            self.policy.row_tokens = lambda k: 1 + tree_nodes(proposer.tree_budget, k)
         if lookup is not None:
             self.policies[LOOKUP] = DraftLengthPolicy(num_speculative_tokens, adaptive)
             # One target: one forward-cost table, one record of what plain steps deliver.

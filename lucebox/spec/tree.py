@@ -40,6 +40,12 @@ def branches(budget: int, depth: int) -> int:
     return BRANCHES if budget > depth else 1
 
 
+def tree_nodes(budget: int, depth: int) -> int:
+    """Nodes of a tree of this budget over `depth` slots (at most K^1 + ... + K^depth)."""
+    k = branches(budget, depth)
+    return min(budget, sum(k ** d for d in range(1, depth + 1)))
+
+
 def build_tree(log_probs: torch.Tensor, budget: int, chain_seed: bool = True) -> DraftTree:
     """log_probs: [D, vocab] per-slot log-probabilities (temperature 1) of one drafter pass; the tree's
     `budget` nodes (fewer when D and K allow fewer)."""

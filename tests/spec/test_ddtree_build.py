@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from lucebox.spec.tree import build_tree, depths_of, path_tokens, tree_children
+from lucebox.spec.tree import build_tree, depths_of, path_tokens, tree_children, tree_nodes
 
 
 def reference_tree(log_probs: torch.Tensor, budget: int, chain_seed: bool = True):
@@ -49,7 +49,7 @@ def test_tree_equals_the_brute_force_best_first_reference(seed, ties):
     for chain_seed in (True, False):
         tree = build_tree(log_probs, budget, chain_seed)
         assert (tree.tokens, tree.parents, tree.depths) == reference_tree(log_probs, budget, chain_seed)
-        assert len(tree.tokens) == min(budget, sum(8 ** d for d in range(1, depth + 1)))
+        assert len(tree.tokens) == min(budget, sum(8 ** d for d in range(1, depth + 1))) == tree_nodes(budget, depth)
 
 
 def test_budget_up_to_the_depth_count_is_the_top1_chain():

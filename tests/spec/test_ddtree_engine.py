@@ -89,6 +89,18 @@ def test_greedy_trees_equal_plain_decoding(pair, plain_llm, budget, batch):
     assert engine.scheduler.blocks.num_free_blocks == engine.runner.num_blocks  # every block back
 
 
+def test_the_adaptive_policy_prices_tree_rows_and_stays_lossless(pair, plain_llm):
+    """With adaptive drafting (the default) the policy weighs a draft of depth k at its tree's width."""
+    target, drafter = pair
+    config = {"method": "dflash", "model": str(drafter), "tree_budget": 20}
+    llm = LLM(str(target), block_size=4, speculative_config=config)
+    policy = llm.engine.speculator.policy
+    assert [policy.row_tokens(k) for k in (1, 2, 3)] == [1 + 8, 1 + 20, 1 + 20]
+    prompts = small_prompts(4, seed=12)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    assert token_ids(llm, prompts, params) == token_ids(plain_llm, prompts, params)
+
+
 def test_trees_chains_and_plain_rows_in_one_batch(pair, plain_llm):
     """n-gram lookups draft chains where the text repeats, the drafter trees elsewhere; a sequence whose
     max_tokens leaves no room decodes plainly beside them."""
