@@ -156,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--spec-method", default="dflash", help="method of --draft: dflash or draft_model")
     sp.add_argument("--spec-tokens", type=int, default=None, help="draft tokens per step (default: the method's)")
     sp.add_argument("--no-adaptive", action="store_true", help="always draft the full length")
+    sp.add_argument("--tree-budget", type=int, nargs="+", default=None,
+                    help="also measure dflash draft trees (DDTree) of these node budgets against the chain")
     sp.add_argument("--async-decode", action=argparse.BooleanOptionalAction, default=EngineArgs.async_decode,
                     help=EngineArgs.HELP["async_decode"] + " (every engine of the run)")
     sp.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="sampling temperatures")
