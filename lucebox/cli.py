@@ -5,6 +5,7 @@ import argparse
 import logging
 import sys
 import time
+from dataclasses import replace
 
 from .config import EngineArgs, SpeculativeConfig
 from .errors import LuceboxError
@@ -45,6 +46,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="draft tokens per step (default: block size - 1 for dflash, 4 draft_model, 5 ngram)")
     p.add_argument("--spec-ngram-first", action="store_true",
                    help="with --draft: n-gram prompt lookup drafts where the text repeats, the drafter elsewhere")
+    p.add_argument("--spec-tree-budget", type=int, default=None,
+                   help="dflash: verify a draft tree of this many nodes (DDTree, 1..63) built from each drafter "
+                        "pass instead of a chain (dense targets; without --draft: the default model's drafter)")
     p.add_argument("--no-spec", action="store_true",
                    help="plain decoding even for the default model (which otherwise speculates with its drafter)")
     p.add_argument("--no-spec-adaptive", dest="spec_adaptive", action="store_false",
@@ -152,6 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--spec-method", default="dflash", help="method of --draft: dflash or draft_model")
     sp.add_argument("--spec-tokens", type=int, default=None, help="draft tokens per step (default: the method's)")
     sp.add_argument("--no-adaptive", action="store_true", help="always draft the full length")
+    sp.add_argument("--tree-budget", type=int, nargs="+", default=None,
+                    help="also measure dflash draft trees (DDTree) of these node budgets against the chain")
     sp.add_argument("--async-decode", action=argparse.BooleanOptionalAction, default=EngineArgs.async_decode,
                     help=EngineArgs.HELP["async_decode"] + " (every engine of the run)")
     sp.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="sampling temperatures")
@@ -183,10 +189,25 @@ def speculative_config(args) -> SpeculativeConfig | None:
     """--draft / --spec-* / --no-spec -> EngineArgs.speculative_config. None (no flag): the default model
     speculates with its drafter, any other model does not; --no-spec alone: off for every model."""
     method = args.spec_method or ("dflash" if args.draft else None)
+    tree_budget = getattr(args, "spec_tree_budget", None)
     if method is None:
-        return SpeculativeConfig() if getattr(args, "no_spec", False) else None
+        if getattr(args, "no_spec", False):
+            return SpeculativeConfig()
+        if tree_budget is None:
+            return None
+        return _default_with_tree(args, tree_budget)
     return SpeculativeConfig(method=method, model=args.draft, num_speculative_tokens=args.spec_tokens,
-                             adaptive=args.spec_adaptive, ngram_first=args.spec_ngram_first)
+                             adaptive=args.spec_adaptive, ngram_first=args.spec_ngram_first, tree_budget=tree_budget)
+
+
+def _default_with_tree(args, tree_budget: int) -> SpeculativeConfig:
+    """--spec-tree-budget without --draft: the default model's speculation, its drafter drafting trees."""
+    from .default_model import default_speculative_config
+    default = default_speculative_config() if getattr(args, "model", None) is None else None
+    if default is None or default.method != "dflash":
+        raise LuceboxError("--spec-tree-budget needs a DFlash drafter: pass --draft (the default model's bundled "
+                           "drafter is used only without --model)")
+    return replace(default, tree_budget=tree_budget)
 
 
 def engine_args(args) -> EngineArgs:

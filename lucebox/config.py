@@ -100,6 +100,7 @@ class EngineArgs:
 SPEC_METHODS = ("dflash", "draft_model", "ngram")
 # Draft tokens per step when num_speculative_tokens is not given (dflash: its block's drafts, block - 1).
 DEFAULT_DRAFT_TOKENS = {"draft_model": 4, "ngram": 5}
+MAX_TREE_BUDGET = 63  # a tree verify row: the pending token and up to 63 nodes (spec/tree.py)
 DRAFT_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "half")  # the loader's names
 
 
@@ -114,6 +115,9 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 3  # n-gram lookup: the shortest suffix matched
     prompt_lookup_max: int = 5  # n-gram lookup: the longest suffix matched (tried first)
     draft_dtype: str | None = None  # draft_model's dtype; None: the target's
+    # dflash: verify a DDTree of this many nodes built from each drafter pass (spec/tree.py) instead of
+    # the chain; None: chains. Dense targets only for now.
+    tree_budget: int | None = None
 
     @classmethod
     def parse(cls, config: SpeculativeConfig | dict | None) -> SpeculativeConfig | None:
@@ -162,6 +166,14 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise RequestError(f"n-gram lookup needs prompt_lookup_min ({self.prompt_lookup_min}) <= "
                                f"prompt_lookup_max ({self.prompt_lookup_max})")
+        budget = self.tree_budget
+        if budget is not None:
+            if not isinstance(budget, int) or isinstance(budget, bool) or not 1 <= budget <= MAX_TREE_BUDGET:
+                raise RequestError(f"speculative_config['tree_budget'] must be an integer 1..{MAX_TREE_BUDGET} "
+                                   f"(draft tree nodes verified beside the pending token), got {budget!r}")
+            if self.method != "dflash":
+                raise RequestError(f"speculative_config['tree_budget'] builds draft trees from a DFlash drafter's "
+                                   f"pass; method {self.method!r} drafts chains only")
         if self.draft_dtype is not None and self.draft_dtype not in DRAFT_DTYPES:
             raise RequestError(f"speculative_config['draft_dtype'] {self.draft_dtype!r} is not one of "
                                f"{', '.join(DRAFT_DTYPES)}")

@@ -84,6 +84,8 @@ def run(args) -> dict:
     if args.draft:
         methods.append({"method": args.spec_method, "model": args.draft})
         methods.append({"method": args.spec_method, "model": args.draft, "ngram_first": True})
+        for budget in getattr(args, "tree_budget", None) or ():  # dflash draft trees beside the chain
+            methods.append({"method": args.spec_method, "model": args.draft, "tree_budget": budget})
     methods.append({"method": "ngram"})
     rows = []
     for temperature in args.temperatures:
@@ -95,7 +97,8 @@ def run(args) -> dict:
         # when nothing differs but the engine (the run's noise and bias, against which the bound of
         # 5% that speculation may cost is judged).
         configs = [("plain", None), ("plain again", None)] + [
-            (c["method"] + ("+ngram" if c.get("ngram_first") else ""), _spec_config(c, args)) for c in methods]
+            (c["method"] + ("+ngram" if c.get("ngram_first") else "")
+             + (f"+tree{c['tree_budget']}" if c.get("tree_budget") else ""), _spec_config(c, args)) for c in methods]
         # All engines live at once, each with the KV of one sequence (and room for a drafter's):
         # a share of the whole GPU each would leave the later ones nothing.
         tokens = (-(-max_len // EngineArgs.block_size) + 2) * EngineArgs.block_size

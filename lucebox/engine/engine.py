@@ -11,8 +11,8 @@ import torch
 
 from ..config import EngineArgs
 from ..errors import ContextLengthError, OverloadError, RequestError, UnsupportedError
-from ..model.cache_spec import (RecurrentSpec, bytes_per_sequence, bytes_per_token, plan_pools, pools_bytes_wanted,
-                                window_blocks)
+from ..model.cache_spec import (PagedKVSpec, RecurrentSpec, bytes_per_sequence, bytes_per_token, plan_pools,
+                                pools_bytes_wanted, window_blocks)
 from ..model.loader import LoadedModel
 from ..outputs import RequestOutput
 from ..sampling import SamplingParams
@@ -20,6 +20,7 @@ from ..sampling.sampler import Sampler, make_generator
 from ..spec.factory import make_speculator
 from ..text.stop import StopChecker
 from ..text.tokenizer import IncrementalDetokenizer
+from ..util import host_to_device
 from .build import args_and_model
 from .cache_manager import CacheManager
 from .cuda_graphs import GraphSettings
@@ -55,6 +56,7 @@ class LLMEngine:
             self.speculator.capture_every_step()
         specs += self.speculator.proposer.cache_specs() if self.speculator is not None else []
         groups = model_kv_groups(self.model, specs)  # layers sharing a block table: full, each sliding window
+        self._check_trees(specs)
         if self.speculator is not None and len(groups) > 1:
             # Window blocks behind the context are released: taps cannot be recomputed there either.
             self.speculator.capture_every_step()
@@ -109,6 +111,18 @@ class LLMEngine:
             log.info("KV pool of %d sliding-window layers (window %d): %d blocks (%.1f MiB), the windows of %d "
                      "decoding sequences at once, whatever their length", len(group.layers), group.window, blocks,
                      size / 2**20, blocks // window_blocks(group.window, args.block_size, 1))
+
+    def _check_trees(self, specs) -> None:
+        """Draft trees need every layer to follow a node's ancestors alone: dense full-attention targets."""
+        if self.speculator is None or self.speculator.tree_budget is None:
+            return
+        if any(isinstance(s, RecurrentSpec) for s in specs):
+            raise UnsupportedError("speculative_config['tree_budget'] (draft trees) is not supported on targets with "
+                                   "recurrent (Gated DeltaNet) layers yet: their state would have to follow each "
+                                   "node's ancestors; drop tree_budget to speculate with chains")
+        if any(isinstance(s, PagedKVSpec) and s.window is not None for s in specs):
+            raise UnsupportedError("speculative_config['tree_budget'] (draft trees) is not supported on models with "
+                                   "sliding-window attention layers yet; drop tree_budget to speculate with chains")
 
     @classmethod
     def from_args(cls, args: EngineArgs, loaded: LoadedModel | None = None) -> LLMEngine:
@@ -300,13 +314,29 @@ class LLMEngine:
             for row in verifies:
                 row.seq.draft = None
             verdicts, logprobs = out.verdicts(verifies, result, len(decodes))
+            self._compact_trees(verifies, verdicts)
             with self.scheduler.cache.commits_batched():  # recurrent state: every verify's in one launch a layer
                 for row, verdict, lps in zip(verifies, verdicts, logprobs):
                     seq = row.seq
-                    self.speculator.record(seq, len(row.draft.tokens), verdict.num_accepted)
-                    self._commit(seq, 1 + verdict.num_accepted, features, row.offset)  # the pending token + accepted
+                    # A tree's draft length is its depth: the chain it stands in for.
+                    drafted = max(row.depths) if row.depths is not None else len(row.draft.tokens)
+                    self.speculator.record(seq, drafted, verdict.num_accepted)
+                    taps, at = features, row.offset
+                    if verdict.rows is not None and features is not None:  # the accepted nodes' taps, in order
+                        taps, at = features[host_to_device([row.offset + r for r in verdict.rows], features.device,
+                                                           torch.long)], 0
+                    self._commit(seq, 1 + verdict.num_accepted, taps, at)  # the pending token + accepted
                     self.scheduler.cache.rollback(seq, seq.num_computed + 1, verdict.num_accepted)  # rejected drafts
                     out.append_tokens(seq, verdict.tokens, lps)
+
+    def _compact_trees(self, verifies, verdicts) -> None:
+        """Tree verifies stored node i at start + i: the accepted path's K/V move onto start + 0, 1, ...
+        (as if verified as a chain); what lies past them is rolled back like rejected chain drafts."""
+        moved = [(row, v.rows) for row, v in zip(verifies, verdicts)
+                 if v.rows is not None and v.rows != list(range(len(v.rows)))]
+        if moved:
+            self.runner.compact_tree_rows([row.block_table for row, _ in moved], [row.start for row, _ in moved],
+                                          [rows for _, rows in moved])
 
     def _commit(self, seq: Sequence, n: int, features, offset: int) -> None:
         """The next n positions of seq (their K/V written this step) are now committed."""

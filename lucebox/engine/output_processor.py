@@ -63,7 +63,7 @@ class OutputProcessor:
         rows, tokens, num = [], [], []
         for i in want:
             n = len(verdicts[i].tokens)
-            rows += range(starts[i], starts[i] + n)
+            rows += [starts[i] + r for r in (verdicts[i].rows or range(n))]  # a tree's: its accepted rows
             tokens += verdicts[i].tokens
             num += [seqs[i].params.logprobs] * n
         tensors = raw_logprobs(logits[rows], host_to_device(tokens, logits.device), num)

@@ -12,6 +12,7 @@ import torch
 
 from ..kernels.attention import uses_triton
 from ..kernels.forward_batch import ForwardBatch
+from ..kernels.kv_compact import compact_rows, compaction_slots
 from ..model.cache_spec import KVGroup, PagedKVSpec, RecurrentSpec, kv_groups, release_window
 from ..model.transformer import Transformer
 from ..util import host_to_device
@@ -155,7 +156,7 @@ class ModelRunner:
         if self.model.layers[self.paged_layers[0]].self_attn.k_cache is not self.caches[0][0]:
             self._install()
         self._group_tables(plan)
-        if self.graphs is not None:
+        if self.graphs is not None and not plan.has_trees:  # tree rows run eagerly (no tree buckets yet)
             result = self.graphs.run(plan)
             if result is not None:
                 return result
@@ -177,6 +178,17 @@ class ModelRunner:
         sequence's last new token, or the plan's logits_rows / all_logits (StepPlan's fields)."""
         return self.run(StepPlan.forward(token_ids, start_positions, block_tables, **choices)).logits
 
+    def compact_tree_rows(self, tables: list[list[int]], starts: list[int], accepted: list[list[int]]) -> None:
+        """After tree verifies: each sequence's accepted rows (accepted[b], from its tree row at starts[b])
+        move onto contiguous positions in every attention layer's K/V (one KV cache group: trees are
+        refused for models mixing windows)."""
+        if len(self.group_scratch):
+            raise RuntimeError("internal error: tree compaction on a model with several KV cache groups")
+        src, dst = compaction_slots(tables, self.block_size, starts, accepted, self.model.device)
+        if src.numel():
+            unique = {id(c): c for pair in self.caches for c in pair}
+            compact_rows(unique.values(), src, dst)
+
     def set_feature_ring(self, ring) -> None:
         """Graph steps write captured features into this FeatureRing (before any capture)."""
         if self.graphs is not None:
@@ -186,8 +198,9 @@ class ModelRunner:
     def run_eager(self, plan: StepPlan) -> StepResult:
         """`run` without graphs: the exact ragged batch, no padding."""
         capture_layers = plan.capture_layers
+        trees = [row.parents for row in plan.rows] if plan.has_trees else None
         batch = ForwardBatch.build(plan.token_ids, plan.start_positions, plan.block_tables, self.block_size,
-                                   self.model.device, capture_layers, self._group_tables(plan))
+                                   self.model.device, capture_layers, self._group_tables(plan), trees)
         if self.recurrent_layers:
             if not plan.write_kv:
                 raise RuntimeError("recomputing cached positions would advance recurrent state twice")

@@ -102,6 +102,8 @@ class Scheduler:
             seq.draft = None
         else:
             seq.draft.tokens = seq.draft.tokens[:keep]
+            if seq.draft.parents is not None:  # a DFS prefix of a tree is a tree
+                seq.draft.parents = seq.draft.parents[:keep]
             if seq.draft.probs is not None:
                 seq.draft.probs = seq.draft.probs[:keep]
 

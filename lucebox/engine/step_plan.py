@@ -18,6 +18,7 @@ import torch
 from ..model.feature_ring import RingRows
 from ..sampling.acceptance import Draft
 from ..sampling.graph_rows import GraphRow, argmax_only, graph_row, graph_samplable
+from ..spec.tree import depths_of
 
 # Catch-up graph lengths of the taps a dormant drafter missed while the target decoded plainly
 # (spec/speculator.py), beside the verify lengths; longer runs go in chunks of the last.
@@ -42,6 +43,10 @@ class PlanRow:
     draft: Draft | None = None  # a verify's drafts
     # Its tables in KV cache groups 1.. (a model mixing windows); default: the sequence's.
     window_tables: list[list[int]] | None = None
+    # A tree verify (spec/tree.py): each token's parent row (-1 for the pending token) and depth. Token
+    # i's K/V go to position start + i, its RoPE position is start + depths[i]; it sees its ancestors.
+    parents: list[int] | None = None
+    depths: list[int] | None = None
 
     def __post_init__(self):
         if self.window_tables is None:
@@ -98,6 +103,11 @@ class StepPlan:
         return [[row.window_tables[g] for row in self.rows] for g in range(groups)]
 
     @property
+    def has_trees(self) -> bool:
+        """Some row verifies a draft tree: the step runs eagerly (no CUDA-graph bucket holds tree rows yet)."""
+        return any(row.parents is not None for row in self.rows)
+
+    @property
     def total_tokens(self) -> int:
         return sum(len(row.tokens) for row in self.rows)
 
@@ -147,6 +157,9 @@ class StepPlanner:
                 row.kind = RowKind.CHUNK
             elif drafts:
                 row.kind, row.draft = RowKind.VERIFY, seq.draft
+                if seq.draft.is_tree:
+                    row.parents = [-1] + seq.draft.parents
+                    row.depths = [0] + depths_of(seq.draft.parents)
                 verify_rows.extend(range(offset + n - 1 - len(drafts), offset + n))
             else:
                 plain_rows.append(offset + n - 1)
@@ -164,7 +177,7 @@ class StepPlanner:
         # Simply sampled rows with deterministic drafts (or none): sampled and accepted in the graph.
         if (not plan.argmax and self.runner.graphs is not None and not chunks
                 and all(graph_samplable(r.seq.params, len(r.seq.output_token_ids)) for r in rows)
-                and all(r.draft.probs is None for r in verifies)):
+                and all(r.draft.probs is None and not r.draft.is_tree for r in verifies)):
             plan.sample = [graph_row(r.seq.params, self.vocab_size) for r in rows]
         if plan.capture_layers:
             plan.feature_rows = spec.proposer.feature_rows(batch.total_tokens)

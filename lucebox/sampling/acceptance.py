@@ -26,6 +26,7 @@ import torch
 from ..kernels.dispatch import use_triton
 from ..util import host_to_device
 from .sampler import Sampler, SamplingState, apply_min_p, apply_top_k_top_p, exponential_race, fill_exponential
+from .tree_acceptance import tree_choices, walk_tree
 
 # The Triton sampler's vocabularies: above this the torch reference was faster with top-k / top-p
 # (scripts/bench_sampler.py, H200, 2026-12-04, before the listed-candidate search, which is untimed).
@@ -36,12 +37,21 @@ TRITON_MAX_VOCAB = 1 << 13
 class Draft:
     tokens: list[int]
     probs: torch.Tensor | None = None  # [len(tokens), vocab] processed q, or None: deterministic drafts
+    # A draft tree (spec/tree.py): tokens in DFS order, each node's parent row (0: the pending token);
+    # None: a chain. Trees are deterministic (probs None) and accepted by sampling/tree_acceptance.py.
+    parents: list[int] | None = None
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None
 
 
 @dataclass
 class Verdict:
     tokens: list[int]  # committed: accepted drafts then the bonus / correction token
     num_accepted: int
+    # A tree's accepted verify rows [0, r1, ..., ra] (the pending token's row first); None: a chain's 0..a.
+    rows: list[int] | None = None
 
 
 def row_states(seq, drafts: list[int]) -> list[SamplingState]:
@@ -53,7 +63,44 @@ def row_states(seq, drafts: list[int]) -> list[SamplingState]:
 
 def accept_batch(sampler: Sampler, logits: torch.Tensor, seqs: Seq, drafts: Seq[Draft]) -> list[Verdict]:
     """logits: [sum(k_s + 1), vocab], the k_s + 1 rows of each sequence in order (k_s may be 0:
-    then the one row is sampled like a plain decode)."""
+    then the one row is sampled like a plain decode). Draft trees among them are walked
+    (tree_acceptance.py), chains accepted below."""
+    if not any(d.is_tree for d in drafts):
+        return _accept_chains(sampler, logits, seqs, drafts)
+    rows = {True: [], False: []}  # logits rows of the trees' and of the chains' sequences
+    row = 0
+    for d in drafts:
+        rows[d.is_tree].extend(range(row, row + len(d.tokens) + 1))
+        row += len(d.tokens) + 1
+    if logits.dim() != 2 or logits.shape[0] != row:
+        raise ValueError(f"logits {tuple(logits.shape)} do not match {row} verify rows")
+    verdicts: list[Verdict | None] = [None] * len(drafts)
+    for tree in (True, False):
+        which = [i for i, d in enumerate(drafts) if d.is_tree == tree]
+        if not which:
+            continue
+        part = logits[host_to_device(rows[tree], logits.device, torch.long)]
+        sub_seqs, sub_drafts = [seqs[i] for i in which], [drafts[i] for i in which]
+        if tree:
+            found = tree_verdicts(tree_choices(sampler, part, sub_seqs, sub_drafts), sub_drafts)
+        else:
+            found = _accept_chains(sampler, part, sub_seqs, sub_drafts)
+        for i, verdict in zip(which, found):
+            verdicts[i] = verdict
+    return verdicts
+
+
+def tree_verdicts(choices: Seq[int], drafts: Seq[Draft]) -> list[Verdict]:
+    """Each tree's verdict from the target's choice at each of its rows (drafts' rows in order)."""
+    verdicts, row = [], 0
+    for d in drafts:
+        rows, tokens = walk_tree(choices[row:row + len(d.tokens) + 1], d.tokens, d.parents)
+        verdicts.append(Verdict(tokens, len(rows) - 1, rows))
+        row += len(d.tokens) + 1
+    return verdicts
+
+
+def _accept_chains(sampler: Sampler, logits: torch.Tensor, seqs: Seq, drafts: Seq[Draft]) -> list[Verdict]:
     lengths = [len(d.tokens) for d in drafts]
     num_rows = sum(lengths) + len(lengths)
     if logits.dim() != 2 or logits.shape[0] != num_rows:
@@ -88,6 +135,10 @@ def accept_argmax(argmax: list[int], drafts: Seq[Draft]) -> list[Verdict]:
     for d in drafts:
         k = len(d.tokens)
         choice = argmax[row:row + k + 1]
+        if d.is_tree:
+            verdicts += tree_verdicts(choice, [d])
+            row += k + 1
+            continue
         n = 0
         while n < k and choice[n] == d.tokens[n]:
             n += 1

@@ -187,6 +187,8 @@ class DraftLengthPolicy:
         self.exploring = False  # the last choice measured a length rather than chose it
         self.stretch = 0  # plain steps still to come of a stretch measuring plain decoding
         self.catch_up = 0.0  # seconds a dormant drafter's catch-up took before its recent drafts (EMA)
+        # Tokens a sequence's verify row brings for drafts of length (depth) k: a draft tree's are its nodes.
+        self.row_tokens = lambda k: 1 + k
 
     def record_delivered(self, num_seqs: int, committed: int, seconds: float, drafted: bool) -> None:
         """A whole step (drafting included) of num_seqs decoding sequences committed `committed` tokens.
@@ -262,7 +264,7 @@ class DraftLengthPolicy:
             return unexplored
         best_k, best_rate, probe_k, probe_rate = 0, n / plain_cost, 0, 0.0
         for k in self.candidates:
-            size = batch_tokens + n * (1 + k)
+            size = batch_tokens + n * self.row_tokens(k)
             if self.forward.provisional(size) or self.draft.provisional(k):
                 self.exploring = True
                 return k  # measured once, maybe with a one-off cost (a graph capture): measure again
@@ -284,7 +286,7 @@ class DraftLengthPolicy:
             # With overlapped decoding the step after a verify runs in turn: its extra counts too.
             in_turn = self.in_turn.estimate(batch_tokens + n)
             probe_cost = (self.draft.estimate(probe_k) + self.catch_up
-                          + max(0.0, self.forward.estimate(batch_tokens + n * (1 + probe_k)) - plain_cost)
+                          + max(0.0, self.forward.estimate(batch_tokens + n * self.row_tokens(probe_k)) - plain_cost)
                           + max(0.0, (in_turn or plain_cost) - plain_cost))
             self.plain_query = (alphas, batch_tokens)
             self.next_probe = max(self.probe_interval, math.ceil(probe_cost / (PROBE_BUDGET * plain_cost)))
@@ -305,7 +307,7 @@ class DraftLengthPolicy:
         per step, not per token, so a line through the two narrowest forwards overprices wide ones,
         and a drafter whose long drafts pay would never be tried at length.)"""
         longest, shortest = self.candidates[-1], self.candidates[0]
-        if not (self.forward.settled_at_or_above(batch_tokens + n * (1 + longest)) and self.draft.settled(longest)):
+        if not (self.forward.settled_at_or_above(batch_tokens + n * self.row_tokens(longest)) and self.draft.settled(longest)):
             return longest
         if not self.draft.settled(shortest):
             return shortest

@@ -29,6 +29,7 @@ from .dflash2_model import DFlash2Config, build_drafter, read_config
 from .dflash_graphs import DrafterGraphs
 from .dflash_model import DFlashConfig, DFlashDrafter
 from .proposer import Proposer
+from .tree import build_tree
 
 log = logging.getLogger("lucebox")
 
@@ -90,6 +91,7 @@ class DFlashProposer(Proposer):
         self.feature_ring: FeatureRing | None = None
         self.ring_queue: deque = deque()  # (first row, rows, seq, queue token) in reservation order
         self._tokens = itertools.count()
+        self.tree_budget: int | None = None  # draft DDTrees of this many nodes (spec/tree.py); None: chains
 
     @classmethod
     def load(cls, path: str, target) -> "DFlashProposer":
@@ -249,6 +251,9 @@ class DFlashProposer(Proposer):
         verified inside the target's graph; sampling the drafts from q measured the same acceptance
         (bundled pair, T = 1)."""
         logits = self._draft_logits(seq, k)
+        if self.tree_budget is not None:  # from the drafter's own distributions, at temperature 1
+            tree = build_tree(logits.float().log_softmax(-1), self.tree_budget)
+            return Draft(tree.tokens, parents=tree.parents)
         out = list(seq.output_token_ids)
         if self.graphs is not None and seq.params.keeps_argmax(len(out)):
             return Draft(self.graphs.tokens[:k].tolist())  # the argmax the graph took

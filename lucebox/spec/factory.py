@@ -23,6 +23,7 @@ def make_speculator(config: SpeculativeConfig | None, target, max_model_len: int
         if k > proposer.block_size - 1:
             raise RequestError(f"num_speculative_tokens {k} exceeds the DFlash block ({proposer.block_size} "
                                f"slots: the anchor and {proposer.block_size - 1} drafts)")
+        proposer.tree_budget = config.tree_budget
     lookup = _lookup(config) if config.ngram_first else None
     return Speculator(proposer, k, max_model_len, adaptive=config.adaptive, lookup=lookup)
 

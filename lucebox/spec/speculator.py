@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from ..sampling.acceptance import Draft
 from .adaptive import DraftLengthPolicy, SequenceAcceptance
 from .proposer import Proposer
+from .tree import tree_nodes
 
 LOOKUP, MODEL = "lookup", "model"
 MIN_LOOKUP_MATCH = 4  # tokens a lookup must find to be used (fewer: the drafter proposes instead)
@@ -38,6 +39,8 @@ class Speculator:
         self.max_model_len = max_model_len
         self.policy = DraftLengthPolicy(num_speculative_tokens, adaptive)
         self.policies = {MODEL: self.policy}
+        if getattr(proposer, "tree_budget", None) is not None:  # the drafter's rows are trees of up to budget nodes
+            self.policy.row_tokens = lambda k: 1 + tree_nodes(proposer.tree_budget, k)
         if lookup is not None:
             self.policies[LOOKUP] = DraftLengthPolicy(num_speculative_tokens, adaptive)
             # One target: one forward-cost table, one record of what plain steps deliver.
@@ -144,10 +147,19 @@ class Speculator:
         for (seq, n), draft in zip(chosen, drafts):
             if draft.tokens:
                 self.step_sources.add(source)
-                self.step_drafted += min(n, len(draft.tokens))
-                probs = draft.probs[:n] if draft.probs is not None else None
-                seq.draft = Draft(draft.tokens[:n], probs)
+                if draft.is_tree:  # n bounded its depth; its nodes are stored past the pending token
+                    keep = self.max_model_len - seq.num_tokens  # a DFS prefix is a tree
+                    seq.draft = Draft(draft.tokens[:keep], parents=draft.parents[:keep])
+                else:
+                    probs = draft.probs[:n] if draft.probs is not None else None
+                    seq.draft = Draft(draft.tokens[:n], probs)
+                self.step_drafted += len(seq.draft.tokens)
                 self.source[id(seq)] = source
+
+    @property
+    def tree_budget(self) -> int | None:
+        """Nodes of the draft trees the proposer builds (DDTree); None: it drafts chains."""
+        return getattr(self.proposer, "tree_budget", None)
 
     def capture_every_step(self) -> None:
         """The target has recurrent layers: every step captures the taps, so that nothing is ever

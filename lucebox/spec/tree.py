@@ -1,0 +1,117 @@
+"""DDTree: a draft tree built from the per-slot distributions of one DFlash pass.
+
+Slot d of the drafter's block (d = 1..D) predicts the token at depth d below the pending token.
+Every depth keeps its top-K tokens (K = 8 when the node budget exceeds D, else 1: a plain chain),
+and a node is a path of ranks (r_1..r_d) scored by the cumulative log-probability of its tokens.
+The tree is the `budget` best nodes, best first: the top-1 chain is seeded first (chain_seed), then a
+max-heap pops the best candidate and pushes its next sibling and its first child. Ties go to the
+lexicographically smaller rank path, so the same distributions always give the same tree.
+
+The verify row is the pending token (row 0) then the nodes in DFS order (rows 1..budget): each
+node's parent comes before it, and its K/V sits at position start + row, its RoPE position at
+start + depth (kernels/forward_batch.py: tree_mask).
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import torch
+
+from ..sampling.tree_acceptance import tree_children
+
+BRANCHES = 8  # top-K tokens per depth when the budget allows branching
+MAX_TREE_TOKENS = 64  # a tree verify row: the pending token and up to 63 nodes (one int64 mask word)
+
+
+@dataclass
+class DraftTree:
+    tokens: list[int]  # node tokens, DFS order (row i + 1 of the verify row)
+    parents: list[int]  # each node's parent row (0: the pending token)
+    depths: list[int]  # each node's depth (1: a child of the pending token)
+    children: list[dict[int, int]] = field(default_factory=list)  # per row: token -> child row
+
+    def __post_init__(self):
+        if not self.children:
+            self.children = tree_children(self.tokens, self.parents)
+
+
+def branches(budget: int, depth: int) -> int:
+    return BRANCHES if budget > depth else 1
+
+
+def tree_nodes(budget: int, depth: int) -> int:
+    """Nodes of a tree of this budget over `depth` slots (at most K^1 + ... + K^depth)."""
+    k = branches(budget, depth)
+    return min(budget, sum(k ** d for d in range(1, depth + 1)))
+
+
+def build_tree(log_probs: torch.Tensor, budget: int, chain_seed: bool = True) -> DraftTree:
+    """log_probs: [D, vocab] per-slot log-probabilities (temperature 1) of one drafter pass; the tree's
+    `budget` nodes (fewer when D and K allow fewer)."""
+    if log_probs.dim() != 2 or log_probs.shape[0] == 0:
+        raise ValueError(f"tree construction needs [depths, vocab] log-probs, got {tuple(log_probs.shape)}")
+    if not 1 <= budget < MAX_TREE_TOKENS:
+        raise ValueError(f"tree budget {budget} must be 1..{MAX_TREE_TOKENS - 1}")
+    depth = log_probs.shape[0]
+    k = min(branches(budget, depth), log_probs.shape[1])
+    # A stable descending sort: equal log-probs rank by token id.
+    values, ids = torch.sort(log_probs.float(), dim=-1, descending=True, stable=True)
+    values, ids = values[:, :k].tolist(), ids[:, :k].tolist()
+    paths = best_first(values, budget, chain_seed)
+    return tree_of(sorted(paths), ids)
+
+
+def best_first(values: list[list[float]], budget: int, chain_seed: bool = True) -> list[tuple[int, ...]]:
+    """The rank paths of the best `budget` nodes over per-depth sorted log-probs values[d][r]."""
+    depth, k = len(values), len(values[0])
+    chosen: list[tuple[int, ...]] = []
+    heap: list[tuple[float, tuple[int, ...]]] = []
+
+    def push(path: tuple[int, ...], parent_score: float) -> None:
+        d, r = len(path) - 1, path[-1]
+        if d < depth and r < k:
+            heapq.heappush(heap, (-(parent_score + values[d][r]), path))
+
+    score = 0.0
+    if chain_seed:
+        chain: tuple[int, ...] = ()
+        for d in range(min(depth, budget)):
+            push(chain + (1,), score)  # each chain node's next sibling waits in the heap
+            chain += (0,)
+            score += values[d][0]
+            chosen.append(chain)
+    else:
+        push((0,), 0.0)
+    while heap and len(chosen) < budget:
+        neg, path = heapq.heappop(heap)
+        chosen.append(path)
+        parent_score = -neg - values[len(path) - 1][path[-1]]
+        push(path[:-1] + (path[-1] + 1,), parent_score)
+        push(path + (0,), -neg)
+    return chosen
+
+
+def tree_of(paths: list[tuple[int, ...]], ids: list[list[int]]) -> DraftTree:
+    """The tree of these rank paths, sorted (DFS order: a parent before its children, siblings by rank)."""
+    row = {path: i + 1 for i, path in enumerate(paths)}
+    tokens = [ids[len(p) - 1][p[-1]] for p in paths]
+    parents = [row[p[:-1]] if len(p) > 1 else 0 for p in paths]
+    return DraftTree(tokens, parents, [len(p) for p in paths])
+
+
+def depths_of(parents: list[int]) -> list[int]:
+    """Each node's depth from its parent row (parents precede children)."""
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(1 + (depths[parent - 1] if parent > 0 else 0))
+    return depths
+
+
+def path_tokens(tokens: list[int], parents: list[int], row: int) -> list[int]:
+    """The node tokens from the root down to verify row `row` (0: none)."""
+    out: list[int] = []
+    while row > 0:
+        out.append(tokens[row - 1])
+        row = parents[row - 1]
+    return out[::-1]
