@@ -19,6 +19,8 @@ class DFlash2Proposer(DFlashProposer):
     method = "dflash"
 
     def _draft_one(self, seq, k: int) -> Draft:
+        if self.tree_budget is not None:  # trees from the backbone's per-slot distributions (spec/tree.py)
+            return super()._draft_one(seq, k)
         logits, hidden = self._draft_pass(seq, k)
         out = list(seq.output_token_ids)
         params, generator = seq.params, seq.generator

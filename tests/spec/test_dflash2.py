@@ -268,6 +268,20 @@ def test_greedy_speculation_is_token_identical_to_plain_decoding(params, target,
     assert llm.engine.speculator.steps_by_source  # it did draft
 
 
+def test_trees_from_a_dflash2_drafter_are_token_identical_to_plain_decoding(target, tmp_path):
+    from tests.spec.test_spec import prompts
+    drafter = write_dflash2_drafter(target, tmp_path / "d", block_size=4, top_k=16, seed=4)
+    plain = [o.outputs[0].token_ids for o in LLM(str(target), block_size=4).generate(prompts(4), GREEDY,
+                                                                                      use_tqdm=False)]
+    llm = LLM(str(target), block_size=4, speculative_config={"method": "dflash", "model": str(drafter),
+                                                             "adaptive": False, "tree_budget": 8})
+    assert isinstance(llm.engine.speculator.proposer, DFlash2Proposer)
+    drafts = record_drafts(llm.engine.speculator.proposer)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts(4), GREEDY, use_tqdm=False)]
+    assert got == plain
+    assert any(len(d) > 3 for d in drafts)  # trees: more nodes than a block of 4 holds as a chain
+
+
 def test_sampled_speculation_follows_the_target_distribution(tmp_path_factory, tmp_path):
     tok = small_vocab_tokenizer(tmp_path_factory.mktemp("tok6"), ["a", "b", "c", "d", "e", "f"])
     target = peaked_model(tmp_path_factory.mktemp("t6"), tok, layers=2, seed=1)
