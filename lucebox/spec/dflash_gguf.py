@@ -48,7 +48,7 @@ from ..errors import CheckpointError, RequestError, UnsupportedError
 from ..kernels import dequant
 from ..model.assign import assign
 from ..model.config import ModelConfig, RopeConfig
-from ..model.gguf_config import Metadata, to_gguf_name, to_our_name
+from ..model.gguf_config import Metadata, to_gguf_name, to_our_name, yarn_mscale
 from ..util import on_meta
 from ..weights.gguf import FLOAT_TYPES, check_tensors, logical_shape, open_gguf
 from ..weights.quant import QuantLinear, QuantTensor
@@ -194,8 +194,8 @@ def _write_rope(w: GGUFWriter, rope: RopeConfig, src: Path) -> None:
     if rope.type == "yarn":
         w.add_rope_scaling_yarn_beta_fast(rope.beta_fast)
         w.add_rope_scaling_yarn_beta_slow(rope.beta_slow)
-        if rope.attention_factor is not None:
-            w.add_rope_scaling_attn_factors(rope.attention_factor)
+        if rope.attention_factor is not None:  # llama.cpp's convention, as convert.py writes it
+            w.add_rope_scaling_attn_factors(rope.attention_factor / yarn_mscale(rope.factor))
 
 
 # ------------------------------------------------------------------------------------------ read
@@ -265,7 +265,8 @@ def _read_rope(meta: Metadata) -> RopeConfig:
     rope.high_freq_factor = meta.number(f"{p}.scaling.high_freq_factor", rope.high_freq_factor)
     rope.beta_fast = meta.number(f"{p}.scaling.yarn_beta_fast", rope.beta_fast)
     rope.beta_slow = meta.number(f"{p}.scaling.yarn_beta_slow", rope.beta_slow)
-    rope.attention_factor = meta.number(f"{p}.scaling.attn_factor", None)
+    scale = meta.number(f"{p}.scaling.attn_factor", None)
+    rope.attention_factor = None if scale is None else scale * yarn_mscale(rope.factor)
     return rope
 
 

@@ -137,3 +137,28 @@ def test_bad_input_is_a_clear_error(drafter_dir, hf_models, tmp_path, capsys):
     target_gguf = convert_hf_to_gguf(hf_models["qwen3"], tmp_path / "target.gguf", "f16")
     with pytest.raises(CheckpointError, match="not a DFlash drafter"):
         load_drafter(target_gguf, torch.float32, "cpu")
+
+
+def test_yarn_attention_factor_follows_llama_cpp_and_reads_back(drafter_dir, tmp_path):
+    """llama.cpp multiplies rope.scaling.attn_factor by its own YaRN scale (0.1 ln(factor) + 1), so the
+    file holds HF's attention_factor divided by it, as `lucebox convert` writes targets."""
+    import json
+    import math
+    import shutil
+
+    from lucebox.model.gguf_config import Metadata
+    from lucebox.spec.dflash_gguf import read_gguf_config
+    yarn_dir = tmp_path / "yarn"
+    shutil.copytree(drafter_dir, yarn_dir)
+    raw = json.loads((yarn_dir / "config.json").read_text())
+    raw["rope_scaling"] = raw["rope_parameters"] = {"rope_type": "yarn", "factor": 8.0, "rope_theta": 10000.0,
+                                                    "original_max_position_embeddings": 1024,
+                                                    "attention_factor": 1.3}
+    (yarn_dir / "config.json").write_text(json.dumps(raw))
+    path = convert_drafter_to_gguf(yarn_dir, tmp_path / "y.gguf", "f16")
+    reader = GGUFReader(path)
+    stored = reader.fields["dflash-draft.rope.scaling.attn_factor"].contents()
+    assert stored == pytest.approx(1.3 / (0.1 * math.log(8.0) + 1.0), rel=1e-6)
+    rope = read_gguf_config(Metadata(reader, path)).model.rope
+    assert rope.type == "yarn" and rope.attention_factor == pytest.approx(1.3, rel=1e-6)
+    assert rope.factor == 8.0
