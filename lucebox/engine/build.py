@@ -25,7 +25,14 @@ def args_and_model(args: EngineArgs, loaded: LoadedModel | None = None) -> tuple
     """(args naming their model, the loaded model): `loaded` itself when given."""
     args = resolve_args(args, loaded)
     if loaded is None:
-        loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+        if args.device_map is not None:  # loaded on the host, then each part moved to its device
+            from .placement import load_dtype
+            loaded = load_model(args.model, dtype=load_dtype(args), device="cpu")
+        else:
+            loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    if args.device_map is not None:
+        from .placement import place
+        place(loaded, args)
     return args, loaded
 
 
