@@ -206,6 +206,13 @@ class Placement:
                     self._attend_on(attn, source)
         model.placement = self
 
+    def remove(self, model: nn.Module) -> None:
+        """Take the hooks out (the parts stay where they are): a bench places one model several ways."""
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
+        del model.placement
+
     def _attend_on(self, attn: nn.Module, segment: int) -> None:
         """A KV-shared attention reads its source's K/V where they are: it runs on that device."""
         device = self.segments[segment].device

@@ -188,7 +188,11 @@ class ModelRunner:
         src, dst = compaction_slots(tables, self.block_size, starts, accepted, self.model.device)
         if src.numel():
             unique = {id(c): c for pair in self.caches for c in pair}
-            compact_rows(unique.values(), src, dst)
+            by_device: dict = {}  # a split model's caches lie on their layers' devices
+            for cache in unique.values():
+                by_device.setdefault(cache.values.device, []).append(cache)
+            for device, caches in by_device.items():
+                compact_rows(caches, src.to(device), dst.to(device))
 
     def set_feature_ring(self, ring) -> None:
         """Graph steps write captured features into this FeatureRing (before any capture)."""

@@ -181,3 +181,19 @@ def test_placement_keeps_one_placement_per_loaded_model(models):
     loaded, placement = split_model(models("dense"), "cpu:0-1,cpu:2-3")
     again = place(loaded, EngineArgs(model="x", device_map="cpu:0-3"))
     assert again is placement and isinstance(again, Placement)
+
+
+def test_draft_trees_on_a_split_model_equal_plain_decoding(models, tmp_path):
+    """Tree verifies compact the accepted rows' K/V in every range's caches."""
+    path = models("dense")
+    drafter = write_dflash_drafter(path, tmp_path / "dflash", taps=(0, 2), block_size=4)
+    spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 3, "adaptive": False,
+            "tree_budget": 6}
+    batch = [{"prompt_token_ids": p} for p in prompts(300, [7, 12], seed=8)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(str(path), block_size=BLOCK, speculative_config={})
+            .generate(batch, params, use_tqdm=False)]
+    llm = LLM(str(path), block_size=BLOCK, speculative_config=spec, device_map="cpu:0-1,cpu:2-3")
+    outs = llm.generate(batch, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert sum(o.metrics.num_drafts for o in outs) > 0
