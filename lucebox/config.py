@@ -97,6 +97,9 @@ class EngineArgs:
             raise RequestError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise RequestError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.device_map is not None and self.device not in (None, "auto"):
+            raise RequestError(f"give --device ({self.device}) or --device-map ({self.device_map}), not both: the map "
+                               f"names every layer's device")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
 
     @classmethod

@@ -17,8 +17,11 @@ from lucebox.engine.placement import Placement, is_split, parse_device_map, plac
 from lucebox.engine.runner import ModelRunner
 from lucebox.errors import RequestError
 from lucebox.model.loader import load_model
+from lucebox.weights.quant import QuantLinear
 from tests.conftest import build_hf_model
+from lucebox.convert import convert_hf_to_gguf
 from tests.model.test_gemma4 import DENSE
+from tests.model.test_laguna import build_laguna
 from tests.model.test_qwen3_5 import HYBRID, prompts
 from tests.spec_fixtures import write_dflash_drafter
 
@@ -31,6 +34,9 @@ DENSE4 = dict(model_type="qwen3", head_dim=24, num_hidden_layers=4, tie_word_emb
 # family -> (config, device map); gemma4's layers 4-6 share the K/V of layers 2 and 3, across the boundary
 MODELS = {"dense": (DENSE4, "cpu:0-1,cpu:2-3"), "hybrid": (HYBRID, "cpu:0-1,cpu:2-3"),
           "moe": (MOE, "cpu:0,cpu:1-2,cpu:3"), "gemma4": (DENSE, "cpu:0-3,cpu:4-6")}
+# and the logits of Laguna (per-layer head counts, mixed windows) and a quantised GGUF (Q8_0 weights)
+MAPS = {**{family: device_map for family, (_, device_map) in MODELS.items()},
+        "laguna": "cpu:0-1,cpu:2-3", "q8_0": "cpu:0-2,cpu:3"}
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +45,13 @@ def models(tmp_path_factory, tokenizer_dir):
 
     def get(family: str):
         if family not in made:
-            made[family] = build_hf_model("qwen3", tmp_path_factory.mktemp(family), tokenizer_dir, **MODELS[family][0])
+            out = tmp_path_factory.mktemp(family)
+            if family == "laguna":
+                made[family] = build_laguna(out, tokenizer_dir)
+            elif family == "q8_0":
+                made[family] = convert_hf_to_gguf(get("dense"), out / "q8.gguf", "q8_0")
+            else:
+                made[family] = build_hf_model("qwen3", out, tokenizer_dir, **MODELS[family][0])
         return made[family]
     return get
 
@@ -71,12 +83,14 @@ def run_steps(loaded, batch):
     return torch.cat(out), runner
 
 
-@pytest.mark.parametrize("family", list(MODELS))
+@pytest.mark.parametrize("family", list(MAPS))
 def test_a_split_model_computes_the_whole_models_logits(family, models):
     path = models(family)
     whole = load_model(str(path), dtype="float32", device="cpu")
-    split, placement = split_model(path, MODELS[family][1])
-    assert is_split(split.model) and len(placement.segments) == MODELS[family][1].count(",") + 1
+    split, placement = split_model(path, MAPS[family])
+    assert is_split(split.model) and len(placement.segments) == MAPS[family].count(",") + 1
+    if family == "q8_0":  # its matrices moved as they are: still quantised on their devices
+        assert any(isinstance(m, QuantLinear) for m in split.model.layers[3].modules())
     batch = prompts(whole.config.vocab_size, [9, 14, 6], seed=4)
     want, _ = run_steps(whole, batch)
     got, runner = run_steps(split, batch)
@@ -197,3 +211,23 @@ def test_draft_trees_on_a_split_model_equal_plain_decoding(models, tmp_path):
     outs = llm.generate(batch, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want
     assert sum(o.metrics.num_drafts for o in outs) > 0
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+def test_the_cli_flags_reach_engine_args(command):
+    from lucebox.cli import build_parser, engine_args
+    got = engine_args(build_parser().parse_args([command, "--device-map", "cuda:0:0-27,cpu:28-35",
+                                                 "--draft-device", "cpu"]))
+    assert (got.device_map, got.draft_device) == ("cuda:0:0-27,cpu:28-35", "cpu")
+
+
+def test_an_absent_draft_device_is_refused(models):
+    if torch.cuda.device_count() > 5:
+        pytest.skip("this machine has a cuda:5")
+    with pytest.raises(RequestError, match="--draft-device: cuda:5 is absent"):
+        LLM(str(models("dense")), block_size=BLOCK, draft_device="cuda:5", speculative_config={"method": "ngram"})
+
+
+def test_a_device_and_a_device_map_together_are_refused():
+    with pytest.raises(RequestError, match="not both"):
+        EngineArgs(device="cpu", device_map="cpu:0-1,cpu:2-3")
