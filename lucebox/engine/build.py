@@ -39,5 +39,7 @@ def args_and_model(args: EngineArgs, loaded: LoadedModel | None = None) -> tuple
 def summary(engine) -> str:
     """The line the CLI and the server print once an engine is built: model, KV capacity and types, context."""
     k, v = engine.runner.cache_types
+    placement = getattr(engine.model, "placement", None)  # --device-map: where each layer went, each device's memory
+    where = "".join(f"\n  {line}" for line in placement.describe(engine.model)) if placement is not None else ""
     return (f"[{engine.loaded.source}: KV cache holds {engine.kv_capacity_tokens:,} tokens (K {k}, V {v}); "
-            f"context {engine.max_model_len:,}]")
+            f"context {engine.max_model_len:,}]{where}")

@@ -238,10 +238,22 @@ class Placement:
         lines = []
         for seg in self.segments:
             weights = sum(module_bytes(model.layers[i]) for i in seg.layers)
-            lines.append(f"layers {seg.first}-{seg.last} on {seg.device}: {weights / 2**20:.1f} MiB of weights")
+            caches = sum(cache_bytes(model.layers[i]) for i in seg.layers)
+            lines.append(f"layers {seg.first}-{seg.last} on {seg.device}: {weights / 2**20:.1f} MiB of weights, "
+                         f"{caches / 2**20:.1f} MiB of KV cache and state")
         for device in dict.fromkeys(s.device for s in self.segments):
             lines.append(f"{device}: {device_memory(device)}")
         return lines
+
+
+def cache_bytes(layer: nn.Module) -> int:
+    """Bytes of the K/V stores and recurrent state the runner installed in a layer (a KV-shared layer's: none)."""
+    attn = getattr(layer, "self_attn", None)
+    stores = [] if attn is None or getattr(attn, "shares", ()) else [attn.k_cache, attn.v_cache]
+    mixer = getattr(layer, "linear_attn", None)
+    stores += [mixer.state] if mixer is not None else []
+    return sum(t.numel() * t.element_size() for store in stores if store is not None
+               for t in vars(store).values() if isinstance(t, torch.Tensor))
 
 
 def device_memory(device: torch.device) -> str:

@@ -231,3 +231,12 @@ def test_an_absent_draft_device_is_refused(models):
 def test_a_device_and_a_device_map_together_are_refused():
     with pytest.raises(RequestError, match="not both"):
         EngineArgs(device="cpu", device_map="cpu:0-1,cpu:2-3")
+
+
+def test_the_summary_line_the_cli_and_server_print_names_each_range(models):
+    from lucebox.engine.build import summary
+    llm = LLM(str(models("hybrid")), block_size=BLOCK, device_map="cpu:0-2,cpu:3", speculative_config={})
+    text = summary(llm.engine)
+    assert "layers 0-2 on cpu" in text and "layers 3-3 on cpu" in text
+    kv = [float(line.split("weights, ")[1].split(" MiB")[0]) for line in text.splitlines() if "layers" in line]
+    assert all(size > 0 for size in kv)  # DeltaNet state in 0-2, paged K/V in 3
