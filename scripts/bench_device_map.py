@@ -32,19 +32,24 @@ from lucebox.sampling import SamplingParams  # noqa: E402
 from lucebox.spec.dflash_model import DFlashConfig, DFlashDrafter, save_drafter  # noqa: E402
 
 
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def timed_request(engine, prompt: list[int], tokens: int) -> tuple[float, float]:
     """(prefill seconds to the first token, seconds of the remaining tokens) of one greedy request."""
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    torch.cuda.synchronize()
+    sync()
     start = time.perf_counter()
     engine.add_request("bench", {"prompt_token_ids": prompt}, params)
     while not any(engine.step()):
         pass
-    torch.cuda.synchronize()
+    sync()
     first = time.perf_counter()
     while engine.has_unfinished():
         engine.step()
-    torch.cuda.synchronize()
+    sync()
     return first - start, time.perf_counter() - first
 
 
@@ -55,7 +60,8 @@ def random_drafter(target_cfg, out: Path) -> Path:
                     num_kv_heads=target_cfg.num_kv_heads, head_dim=target_cfg.head_dim,
                     max_position_embeddings=target_cfg.max_position_embeddings, qk_norm=True)
     n = target_cfg.num_layers
-    cfg = DFlashConfig(m, [1, n // 4, n // 2, 3 * n // 4, n - 3], target_cfg.vocab_size - 1, 16, n)
+    taps = sorted({min(n - 1, max(0, t)) for t in (1, n // 4, n // 2, 3 * n // 4, n - 3)})  # z-lab's: 1 9 18 27 33
+    cfg = DFlashConfig(m, taps, target_cfg.vocab_size - 1, 16, n)
     drafter = DFlashDrafter(cfg).to(torch.bfloat16)
     with torch.no_grad():
         for p in drafter.parameters():
@@ -76,7 +82,7 @@ def row(loaded, label: str, device_map: str, args, prompt, **engine_args) -> dic
     out = {"row": label, "device_map": device_map, "prefill_tok_s": len(prompt) / prefill,
            "decode_tok_s": (args.decode_tokens - 1) / decode, "host_layers": len(
                [i for i in range(layers) if placement.layer_device(i).type == "cpu"]),
-           "gpu_memory_gib": torch.cuda.memory_allocated(0) / 2**30}
+           "gpu_memory_gib": torch.cuda.memory_allocated(0) / 2**30 if torch.cuda.is_available() else 0.0}
     del engine
     placement.remove(loaded.model)
     gc.collect()
@@ -94,15 +100,16 @@ def main() -> int:
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--skip-drafter", action="store_true")
     p.add_argument("--json", type=Path)
+    p.add_argument("--gpu", default="cuda:0", help="the device of the first range (cpu: a smoke run of the script)")
     args = p.parse_args()
-    if not torch.cuda.is_available():
+    if args.gpu != "cpu" and not torch.cuda.is_available():
         raise SystemExit("bench_device_map.py measures a cuda:0 + cpu split: it needs a GPU")
     loaded = build_random_model(args.shape, args.quant, torch.device("cpu"), torch.bfloat16)
     layers = len(loaded.model.layers)
     prompt = torch.randint(0, loaded.config.vocab_size, (args.prompt_len,)).tolist()
     rows = []
     for n in args.gpu_layers:
-        device_map = f"cuda:0:0-{n - 1}" + (f",cpu:{n}-{layers - 1}" if n < layers else "")
+        device_map = f"{args.gpu}:0-{n - 1}" + (f",cpu:{n}-{layers - 1}" if n < layers else "")
         if n >= layers:
             rows.append(row(loaded, f"{n} on GPU, graphs", device_map, args, prompt, speculative_config={}))
             rows.append(row(loaded, f"{n} on GPU, eager", device_map, args, prompt, speculative_config={},
@@ -114,8 +121,8 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as tmp:
             drafter = random_drafter(loaded.config, Path(tmp) / "dflash")
             spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 15, "adaptive": False}
-            whole = f"cuda:0:0-{layers - 1}"
-            for where in ("cuda:0", "cpu"):
+            whole = f"{args.gpu}:0-{layers - 1}"
+            for where in (args.gpu, "cpu"):
                 rows.append(row(loaded, f"target on GPU, drafter on {where}", whole, args, prompt,
                                 speculative_config=spec, draft_device=where, cuda_graphs=False))
     print("| row | device map | prefill tok/s | decode tok/s | GPU GiB |")

@@ -184,6 +184,7 @@ class Placement:
 
     def apply(self, model: nn.Module) -> None:
         """Move the model's parts to their devices and install the boundary hooks."""
+        unfuse(model)
         first, last = self.segments[0].device, self.segments[-1].device
         tied = getattr(model.config, "tie_word_embeddings", False)
         for name, child in model.named_children():
@@ -244,6 +245,26 @@ class Placement:
         for device in dict.fromkeys(s.device for s in self.segments):
             lines.append(f"{device}: {device_memory(device)}")
         return lines
+
+
+def unfuse(model: nn.Module) -> None:
+    """Undo fuse_projections before the parts move (a fused projection is a plain object the move
+    would leave behind): each linear's weight becomes its own tensor again, so the fused tensor goes;
+    the engine fuses again on the new devices."""
+    for module in model.modules():
+        fused = [name for name in ("qkv", "qk", "gate_up") if getattr(module, name, None) is not None]
+        for name in fused:
+            setattr(module, name, None)
+        for child in module.children() if fused else ():
+            for name, tensor in [*child.named_parameters(recurse=False), *child.named_buffers(recurse=False)]:
+                if tensor is not None and not _owns_storage(tensor):  # a row slice of the fused tensor
+                    copy = tensor.detach().clone()
+                    setattr(child, name, nn.Parameter(copy, requires_grad=False) if
+                            isinstance(tensor, nn.Parameter) else copy)
+
+
+def _owns_storage(tensor: torch.Tensor) -> bool:
+    return tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
 
 
 def cache_bytes(layer: nn.Module) -> int:

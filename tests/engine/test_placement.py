@@ -240,3 +240,26 @@ def test_the_summary_line_the_cli_and_server_print_names_each_range(models):
     assert "layers 0-2 on cpu" in text and "layers 3-3 on cpu" in text
     kv = [float(line.split("weights, ")[1].split(" MiB")[0]) for line in text.splitlines() if "layers" in line]
     assert all(size > 0 for size in kv)  # DeltaNet state in 0-2, paged K/V in 3
+
+
+def test_a_fused_model_placed_again_computes_the_same_logits(models):
+    """A bench places one model several ways: fused projections are undone before the parts move."""
+    path = models("dense")
+    whole = load_model(str(path), dtype="float32", device="cpu")
+    batch = prompts(whole.config.vocab_size, [9, 6], seed=5)
+    want, _ = run_steps(whole, batch)
+    split, placement = split_model(path, "cpu:0-1,cpu:2-3")
+    split.model.fuse_projections()
+    assert split.model.layers[0].self_attn.qkv is not None
+    weight = split.model.layers[0].self_attn.q_proj.weight
+    assert weight.untyped_storage().nbytes() > weight.numel() * weight.element_size()  # a slice of the fused one
+    placement.remove(split.model)
+    again = Placement(parse_device_map("cpu:0,cpu:1-3", 4))
+    again.apply(split.model)
+    assert split.model.layers[0].self_attn.qkv is None and split.model.layers[0].mlp.gate_up is None
+    for linear in (split.model.layers[0].self_attn.q_proj, split.model.layers[3].mlp.up_proj):
+        weight = linear.weight  # its own storage again: the fused tensor is gone
+        assert weight.untyped_storage().nbytes() == weight.numel() * weight.element_size()
+    split.model.fuse_projections()
+    got, _ = run_steps(split, batch)
+    assert (got - want).abs().max().item() <= 1e-5 and again.crossings == 4 * 2
