@@ -27,6 +27,7 @@ from torch import nn
 
 from ..errors import RequestError
 from ..kernels.forward_batch import ForwardBatch
+from ..util import move
 
 log = logging.getLogger("lucebox")
 
@@ -134,22 +135,22 @@ def auto_segments(model: nn.Module, kv_bytes_per_layer: list[int], gpu_memory_ut
 
 
 def batch_copy(batch: ForwardBatch, device: torch.device) -> ForwardBatch:
-    """The batch's tensors on `device` (non-blocking copies; the host lists shared), sharing the
+    """The batch's tensors on `device` (util.move; the host lists shared), sharing the
     `captured` dict so every segment's taps land where the runner reads them."""
-    def move(value):
+    def field(value):
         if isinstance(value, torch.Tensor):
-            return value.to(device, non_blocking=True)
+            return move(value, device)
         if isinstance(value, tuple):
-            return tuple(move(v) for v in value)
+            return tuple(field(v) for v in value)
         return value
-    moved = {f.name: move(getattr(batch, f.name)) for f in dataclasses.fields(batch)
+    moved = {f.name: field(getattr(batch, f.name)) for f in dataclasses.fields(batch)
              if f.name not in ("captured", "layer_cache")}
     return ForwardBatch(**moved, captured=batch.captured, layer_cache={})
 
 
 def _move(value, device: torch.device, batch_of):
     if isinstance(value, torch.Tensor):
-        return value.to(device, non_blocking=True)
+        return move(value, device)
     if isinstance(value, ForwardBatch):
         return batch_of(value)
     if isinstance(value, dict):  # Laguna's RoPE rows per layer kind
@@ -185,6 +186,10 @@ class Placement:
     def apply(self, model: nn.Module) -> None:
         """Move the model's parts to their devices and install the boundary hooks."""
         unfuse(model)
+        model.placement = self
+        if not self.split:  # one range: the whole model on its device, nothing crosses
+            model.to(self.segments[0].device)
+            return
         first, last = self.segments[0].device, self.segments[-1].device
         tied = getattr(model.config, "tie_word_embeddings", False)
         for name, child in model.named_children():
@@ -205,7 +210,6 @@ class Placement:
                 source = self.segment_of[attn.source]
                 if source != self.segment_of[i]:
                     self._attend_on(attn, source)
-        model.placement = self
 
     def remove(self, model: nn.Module) -> None:
         """Take the hooks out (the parts stay where they are): a bench places one model several ways."""
@@ -225,7 +229,7 @@ class Placement:
             return tuple(_move(a, device, self._batch_for(segment, device)) for a in args)
 
         def output(module, args, out):
-            return out.to(home["device"], non_blocking=True)
+            return move(out, home["device"])
         self.hooks += [attn.register_forward_pre_hook(inputs), attn.register_forward_hook(output)]
 
     @staticmethod

@@ -23,7 +23,7 @@ from ..model.kv_cache import PagedKVCache
 from ..model.loader import resolve_path
 from ..sampling.acceptance import Draft
 from ..sampling.sampler import Sampler, SamplingState
-from ..util import host_to_device, on_meta
+from ..util import host_to_device, move, on_meta
 from ..weights.safetensors import iter_safetensors
 from .dflash2_model import DFlash2Config, build_drafter, read_config
 from .dflash_graphs import DrafterGraphs
@@ -172,7 +172,7 @@ class DFlashProposer(Proposer):
             self.ring_queue.append((features.first, features.count, seq, self.queue_token[id(seq)]))
             row_bytes = self.feature_ring.row_bytes
         else:
-            features = features.to(self.device, non_blocking=True)  # the drafter's device (a no-op on the target's)
+            features = move(features, self.device)  # the drafter's device (a no-op on the target's)
             covers_storage = features.untyped_storage().nbytes() == features.numel() * features.element_size()
             queue.append((start, features if covers_storage else features.clone()))  # not a view pinning a batch
             row_bytes = features.shape[1] * features.element_size()
@@ -243,12 +243,12 @@ class DFlashProposer(Proposer):
         dtype = self.target.model.dtype
         context = [(kc.gather(slots, dtype), vc.gather(slots, dtype)) for kc, vc in self.caches]
         ids = host_to_device([seq.last_token] + [self.mask_token_id] * (self.block_size - 1), target.device)
-        x = self.drafter.block_input(target, ids).to(device, non_blocking=True)
+        x = move(self.drafter.block_input(target, ids), device)
         positions = torch.arange(anchor, anchor + self.block_size, device=device)
         hidden = self.drafter.blocks(x, positions, context, torch.arange(anchor, device=device),
                                      position_bound=anchor + self.block_size)
         drafted = hidden[1:1 + k]
-        return self.drafter.logits(target.head_logits(drafted.to(target.device, non_blocking=True))), drafted
+        return self.drafter.logits(target.head_logits(move(drafted, target.device))), drafted
 
     def _draft_one(self, seq, k: int) -> Draft:
         """The argmax of the drafter's processed logits in every slot, at every temperature: a

@@ -16,7 +16,7 @@ from ..errors import CheckpointError
 from ..model.loader import load_model
 from ..sampling.acceptance import Draft, row_states
 from ..sampling.sampler import Sampler, exponential_race
-from ..util import common_prefix
+from ..util import common_prefix, move
 from .proposer import Proposer
 
 
@@ -97,7 +97,7 @@ class DraftModelProposer(Proposer):
                 feed[i] = [tokens[row]]
         for i in active:
             if probs[i]:
-                drafts[i].probs = torch.stack(probs[i]).to(self.target.model.device, non_blocking=True)
+                drafts[i].probs = move(torch.stack(probs[i]), self.target.model.device)
         return drafts
 
     def _reserve(self, seq, k: int) -> int:
