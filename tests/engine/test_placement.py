@@ -174,21 +174,43 @@ def test_the_startup_line_says_where_each_layer_went(models, caplog):
     assert "layers 0-2 on cpu" in text and "layers 3-3 on cpu" in text and "CUDA graphs off" in text
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: a cuda:0 + cpu split")
-def test_a_gpu_and_cpu_split_equals_the_gpu_alone(models, tmp_path):
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: a cuda:0 + cpu split")
+
+
+@gpu
+@pytest.mark.parametrize("family", ["hybrid", "gemma4"])
+def test_a_gpu_and_cpu_split_computes_the_gpu_models_logits(family, models):
+    """Triton kernels on the GPU range, torch references on the host range: float32 agreement."""
+    path = models(family)
+    whole = load_model(str(path), dtype="float32", device="cuda")
+    split, placement = split_model(path, "cuda:0:0-1,cpu:2-3" if family == "hybrid" else "cuda:0:0-3,cpu:4-6")
+    assert [s.device.type for s in placement.segments] == ["cuda", "cpu"]
+    assert split.model.layers[0].input_layernorm.weight.is_cuda and not split.model.norm.weight.is_cuda
+    batch = prompts(whole.config.vocab_size, [9, 14, 6], seed=4)
+    want, _ = run_steps(whole, batch)
+    got, _ = run_steps(split, batch)
+    assert (got.cpu() - want.cpu()).abs().max().item() <= 2e-3
+
+
+@gpu
+@pytest.mark.parametrize("device_map", ["cuda:0:0-1,cpu:2-3", None])
+def test_a_drafter_on_the_cpu_keeps_greedy_output_on_a_gpu_target(device_map, models, tmp_path):
+    """DFlash with its drafter on the CPU (taps cross to the host, drafts back) equals the same
+    target's plain decoding: split over cuda:0 + cpu, or whole on the GPU."""
     path = models("hybrid")
     batch = [{"prompt_token_ids": p} for p in prompts(300, [7, 12], seed=2)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    where = {"device_map": device_map} if device_map else {"device": "cuda"}
+    want = [o.outputs[0].token_ids for o in LLM(str(path), block_size=BLOCK, dtype="float32", speculative_config={},
+                                                  **where).generate(batch, params, use_tqdm=False)]
     drafter = write_dflash_drafter(path, tmp_path / "dflash", taps=(0, 2), block_size=4)
     spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 3, "adaptive": False}
-    want = [o.outputs[0].token_ids for o in LLM(str(path), block_size=BLOCK, dtype="float32", device="cuda",
-                                                  speculative_config=spec).generate(batch, params, use_tqdm=False)]
-    llm = LLM(str(path), block_size=BLOCK, dtype="float32", device_map="cuda:0:0-1,cpu:2-3", draft_device="cpu",
-              speculative_config=spec)
-    placement = placement_of(llm.engine.model)
-    assert [s.device.type for s in placement.segments] == ["cuda", "cpu"]
-    assert llm.engine.model.layers[0].input_layernorm.weight.is_cuda
-    assert [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)] == want
+    llm = LLM(str(path), block_size=BLOCK, dtype="float32", draft_device="cpu", speculative_config=spec, **where)
+    assert llm.engine.speculator.proposer.device == torch.device("cpu")
+    assert llm.engine.speculator.proposer.own_device
+    outs = llm.generate(batch, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert sum(o.metrics.num_drafts for o in outs) > 0
 
 
 def test_placement_keeps_one_placement_per_loaded_model(models):
