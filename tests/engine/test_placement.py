@@ -16,6 +16,7 @@ from lucebox.engine.block_manager import BlockManager
 from lucebox.engine.placement import Placement, is_split, parse_device_map, place, placement_of
 from lucebox.engine.runner import ModelRunner
 from lucebox.errors import RequestError
+from lucebox.model.config import ModelConfig
 from lucebox.model.loader import load_model
 from lucebox.weights.quant import QuantLinear
 from tests.conftest import build_hf_model
@@ -106,10 +107,10 @@ def test_a_split_model_computes_the_whole_models_logits(family, models):
     assert len(runner.caches) == len(runner.paged_layers)  # one K/V store per paged layer, on its segment
 
 
-@pytest.mark.parametrize("family", list(MODELS))
+@pytest.mark.parametrize("family", [*MODELS, "laguna"])
 def test_greedy_dflash_speculation_on_a_split_model_equals_plain_decoding(family, models, tmp_path):
     path = models(family)
-    layers = MODELS[family][0]["num_hidden_layers"]
+    layers = ModelConfig.from_hf_dir(path).num_layers
     drafter = write_dflash_drafter(path, tmp_path / "dflash", taps=(0, layers - 2), block_size=4)
     spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 3, "adaptive": False}
     batch = [{"prompt_token_ids": p} for p in prompts(300, [7, 12, 5], seed=2)]
@@ -117,7 +118,7 @@ def test_greedy_dflash_speculation_on_a_split_model_equals_plain_decoding(family
     plain = LLM(str(path), block_size=BLOCK, max_num_seqs=4, speculative_config={})
     want = [o.outputs[0].token_ids for o in plain.generate(batch, params, use_tqdm=False)]
     del plain
-    llm = LLM(str(path), block_size=BLOCK, max_num_seqs=4, speculative_config=spec, device_map=MODELS[family][1],
+    llm = LLM(str(path), block_size=BLOCK, max_num_seqs=4, speculative_config=spec, device_map=MAPS[family],
               draft_device="cpu")
     placement = placement_of(llm.engine.model)
     before = placement.crossings
