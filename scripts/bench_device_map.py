@@ -76,7 +76,7 @@ def row(loaded, label: str, device_map: str, args, prompt, **engine_args) -> dic
     placement.apply(loaded.model)
     engine = LLMEngine.from_args(EngineArgs(model="random", device_map=device_map, dtype="bfloat16",
                                             max_model_len=args.prompt_len + args.decode_tokens + 32, max_num_seqs=1,
-                                            **engine_args), loaded)
+                                            kv_cache_memory=1 << 30, **engine_args), loaded)
     timed_request(engine, prompt[:32], 4)  # warm-up: kernels compiled, graphs captured
     prefill, decode = timed_request(engine, prompt, args.decode_tokens)
     out = {"row": label, "device_map": device_map, "prefill_tok_s": len(prompt) / prefill,
@@ -84,6 +84,11 @@ def row(loaded, label: str, device_map: str, args, prompt, **engine_args) -> dic
                [i for i in range(layers) if placement.layer_device(i).type == "cpu"]),
            "gpu_memory_gib": torch.cuda.memory_allocated(0) / 2**30 if torch.cuda.is_available() else 0.0}
     del engine
+    for layer in loaded.model.layers:  # the runner installed its caches in the layers: they go with it
+        for module in layer.modules():
+            for name in ("k_cache", "v_cache", "state"):
+                if not isinstance(getattr(module, name, None), torch.Tensor) and hasattr(module, name):
+                    setattr(module, name, None)
     placement.remove(loaded.model)
     gc.collect()
     torch.cuda.empty_cache()
