@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import re
 from dataclasses import dataclass
 
@@ -285,12 +286,12 @@ def device_memory(device: torch.device) -> str:
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         return f"{(total - free) / 2**30:.2f} GiB used of {total / 2**30:.2f} GiB"
-    try:
-        import psutil
-        mem = psutil.virtual_memory()
-        return f"{(mem.total - mem.available) / 2**30:.2f} GiB used of {mem.total / 2**30:.2f} GiB host memory"
-    except ImportError:
+    try:  # POSIX: the host's pages, without a dependency
+        page = os.sysconf("SC_PAGE_SIZE")
+        total, free = os.sysconf("SC_PHYS_PAGES") * page, os.sysconf("SC_AVPHYS_PAGES") * page
+    except (AttributeError, ValueError, OSError):
         return "host memory"
+    return f"{(total - free) / 2**30:.2f} GiB used of {total / 2**30:.2f} GiB host memory"
 
 
 def placement_of(model) -> Placement | None:

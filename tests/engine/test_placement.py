@@ -286,3 +286,21 @@ def test_a_fused_model_placed_again_computes_the_same_logits(models):
     split.model.fuse_projections()
     got, _ = run_steps(split, batch)
     assert (got - want).abs().max().item() <= 1e-5 and again.crossings == 4 * 2
+
+
+def test_auto_fills_the_first_gpu_then_puts_the_rest_on_the_host(models, monkeypatch):
+    """auto's arithmetic, with the GPU's free memory given: the embeddings and head first, then each
+    layer's weights and KV until the next would not fit (a second GPU takes the rest when present)."""
+    from lucebox.engine.placement import auto_segments, module_bytes
+    model = load_model(str(models("dense")), dtype="float32", device="cpu").model
+    fixed = sum(module_bytes(m) for name, m in model.named_children() if name != "layers")
+    layer, kv = module_bytes(model.layers[0]), 1000
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=0: ((fixed + 2.5 * (layer + kv)) / 0.5, 1 << 40))
+    for gpus, rest in ((1, "cpu"), (2, "cuda:1")):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+        segments = auto_segments(model, [kv] * 4, 0.5)
+        assert [(str(s.device), s.first, s.last) for s in segments] == [("cuda:0", 0, 1), (rest, 2, 3)]
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=0: (fixed / 0.5, 1 << 40))
+    with pytest.raises(RequestError, match="not even one layer fits"):
+        auto_segments(model, [kv] * 4, 0.5)
