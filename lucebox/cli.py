@@ -27,7 +27,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     types = {"model": str, "dtype": str, "device": str, "max_model_len": int, "block_size": int,
              "max_num_seqs": int, "max_num_batched_tokens": int, "max_queue": int, "kv_cache_memory": int,
              "gpu_memory_utilization": float, "cache_type_k": str, "cache_type_v": str, "cuda_graph_max_batch": int,
-             "recurrent_prefix_snapshots": int}
+             "recurrent_prefix_snapshots": int, "device_map": str, "draft_device": str}
     for name, kind in types.items():
         p.add_argument("--" + name.replace("_", "-"), type=kind, default=getattr(defaults, name),
                        help=EngineArgs.HELP[name])

@@ -15,6 +15,9 @@ class EngineArgs:
     model: str | None = None  # HF dir, .gguf file or hub id; None = the default model
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
+    # Layer ranges on devices, e.g. "cuda:0:0-27,cpu:28-35", or "auto" (engine/placement.py); None: all on `device`.
+    device_map: str | None = None
+    draft_device: str | None = None  # the drafter's (DFlash or draft model) device; None: the target's
     max_model_len: int | None = None  # default: the model's context length
     block_size: int = 16  # tokens per KV block
     max_num_seqs: int = 64  # sequences in one batch
@@ -51,6 +54,10 @@ class EngineArgs:
         "dtype": "activation / weight dtype: auto, float32, bfloat16 or float16 (auto: float32 on CPU, "
                  "the checkpoint's dtype on GPU)",
         "device": "auto, cpu, cuda or cuda:N",
+        "device_map": "layer ranges on devices, e.g. cuda:0:0-27,cpu:28-35 (inclusive ranges), or auto (fill the "
+                      "first GPU from its free memory, the rest on the next device); split models run eagerly",
+        "draft_device": "device of the speculative drafter (DFlash drafter or draft model), e.g. cpu or cuda:1 "
+                        "(default: the target's)",
         "max_model_len": "context window in tokens (default: the model's)",
         "block_size": "tokens per paged KV block",
         "max_num_seqs": "most sequences batched in one step",
@@ -90,6 +97,9 @@ class EngineArgs:
             raise RequestError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise RequestError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.device_map is not None and self.device not in (None, "auto"):
+            raise RequestError(f"give --device ({self.device}) or --device-map ({self.device_map}), not both: the map "
+                               f"names every layer's device")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
 
     @classmethod

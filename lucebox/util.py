@@ -52,6 +52,13 @@ def host_to_device(values, device, dtype: torch.dtype | None = None) -> torch.Te
     return t.to(device)
 
 
+def move(t: torch.Tensor, device) -> torch.Tensor:
+    """t on `device` (itself when there already): asynchronous towards a GPU (ordered on its stream),
+    blocking towards the host, whose next op would not wait for an asynchronous copy to land."""
+    device = torch.device(device)
+    return t.to(device, non_blocking=device.type == "cuda")
+
+
 def smallest_at_least(n: int, sizes) -> int | None:
     return next((s for s in sorted(sizes) if s >= n), None)
 

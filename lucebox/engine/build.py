@@ -25,12 +25,21 @@ def args_and_model(args: EngineArgs, loaded: LoadedModel | None = None) -> tuple
     """(args naming their model, the loaded model): `loaded` itself when given."""
     args = resolve_args(args, loaded)
     if loaded is None:
-        loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+        if args.device_map is not None:  # loaded on the host, then each part moved to its device
+            from .placement import load_dtype
+            loaded = load_model(args.model, dtype=load_dtype(args), device="cpu")
+        else:
+            loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    if args.device_map is not None:
+        from .placement import place
+        place(loaded, args)
     return args, loaded
 
 
 def summary(engine) -> str:
     """The line the CLI and the server print once an engine is built: model, KV capacity and types, context."""
     k, v = engine.runner.cache_types
+    placement = getattr(engine.model, "placement", None)  # --device-map: where each layer went, each device's memory
+    where = "".join(f"\n  {line}" for line in placement.describe(engine.model)) if placement is not None else ""
     return (f"[{engine.loaded.source}: KV cache holds {engine.kv_capacity_tokens:,} tokens (K {k}, V {v}); "
-            f"context {engine.max_model_len:,}]")
+            f"context {engine.max_model_len:,}]{where}")

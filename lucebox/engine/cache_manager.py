@@ -96,14 +96,20 @@ class CacheManager:
         """The recurrent-state snapshot pool's bytes (hybrids' prefix reuse)."""
         return snapshot_bytes(self.recurrent, self.snapshot_capacity)
 
-    def build_recurrent(self, device: torch.device | str) -> list[RecurrentState]:
-        """The storage of every recurrent spec, one slot per sequence the pool admits (and a scratch slot)."""
+    def build_recurrent(self, device: torch.device | str, layer_devices: list | None = None) -> list[RecurrentState]:
+        """The storage of every recurrent spec, one slot per sequence the pool admits (and a scratch slot);
+        layer_devices: each spec's device (a model split across devices), else all on `device`."""
         num_slots = len(self.free_slots) + len(self.slots)
-        if self.recurrent and len(set(self.recurrent)) == 1:  # one shape (Qwen 3.5): one pool, commits at once
-            self.pools = [self.recurrent[0].build(num_slots, self.verify_positions, device, len(self.recurrent))]
-            self.states = [self.pools[0].layer(i) for i in range(len(self.recurrent))]
+        devices = list(layer_devices) if layer_devices is not None else [device] * len(self.recurrent)
+        if self.recurrent and len(set(self.recurrent)) == 1:  # one shape (Qwen 3.5): a pool a device, commits at once
+            self.pools, self.states = [], [None] * len(self.recurrent)
+            for where in dict.fromkeys(devices):
+                mine = [i for i, d in enumerate(devices) if d == where]
+                self.pools.append(self.recurrent[0].build(num_slots, self.verify_positions, where, len(mine)))
+                for j, i in enumerate(mine):
+                    self.states[i] = self.pools[-1].layer(j)
         else:
-            self.states = [s.build(num_slots, self.verify_positions, device) for s in self.recurrent]
+            self.states = [s.build(num_slots, self.verify_positions, d) for s, d in zip(self.recurrent, devices)]
             self.pools = self.states
         if self.snapshot_capacity and self.blocks.enable_prefix_caching:
             self.snapshots = StateSnapshots(self.pools, self.snapshot_capacity)

@@ -26,6 +26,7 @@ from .cache_manager import CacheManager
 from .cuda_graphs import GraphSettings
 from .output_processor import OutputProcessor
 from .overlap import Overlap
+from .placement import check_device, is_split, layer_device, split_kv_budget
 from .progress import PrefillProgress
 from .runner import ModelRunner, model_kv_groups
 from .scheduler import Scheduler
@@ -46,7 +47,8 @@ class LLMEngine:
         if self.max_model_len > cfg.max_position_embeddings:
             log.warning("max_model_len %d exceeds the model's %d positions", self.max_model_len,
                         cfg.max_position_embeddings)
-        self.speculator = make_speculator(args.speculative_config, loaded, self.max_model_len)
+        draft_device = check_device(args.draft_device, "--draft-device") if args.draft_device else None
+        self.speculator = make_speculator(args.speculative_config, loaded, self.max_model_len, draft_device)
         self.model.fuse_projections()  # q/k/v and gate/up as one GEMV each (idempotent)
         self.model.split_quant_rows()  # the GPU decode kernels' Q8_0 / Q6_K layout (idempotent)
         # The state every layer and the proposer keep per sequence: the planner and cache manager read it.
@@ -70,7 +72,8 @@ class LLMEngine:
         cache = CacheManager(specs, pools, args.block_size, args.enable_prefix_caching, args.max_num_seqs,
                              self._recurrent_snapshots(specs), groups, self._prefix_snapshots())
         if cache.recurrent:
-            self.runner.install_recurrent(cache.build_recurrent(self.model.device), cache.slot)
+            devices = [layer_device(self.model, i) for i in self.runner.recurrent_layers]
+            self.runner.install_recurrent(cache.build_recurrent(self.model.device, devices), cache.slot)
             if self.model.device.type == "cuda":
                 self._warm_up_prefill()
         self.scheduler = Scheduler(cache, args.max_num_seqs, args.max_num_batched_tokens)
@@ -80,8 +83,9 @@ class LLMEngine:
             if proposer.runs_model is not None:
                 # The target's graph buckets fit a draft model: a catch-up feed is at most 1 + k tokens,
                 # then 1 a step. Drafts are sampled on the host (verification needs their q): no sampling graphs.
+                own = proposer.runs_model.device != self.model.device  # --draft-device: eager there
                 runner = ModelRunner(proposer.runs_model, num_blocks, args.block_size,
-                                     graphs=replace(graphs, sample=False) if graphs is not None else None)
+                                     graphs=replace(graphs, sample=False) if graphs is not None and not own else None)
             proposer.allocate(num_blocks, args.block_size, self.scheduler.blocks, graphs, runner)
             if proposer.feature_ring is not None:
                 self.runner.set_feature_ring(proposer.feature_ring)
@@ -138,6 +142,9 @@ class LLMEngine:
     def _graph_settings(self) -> GraphSettings | None:
         """CUDA-graph buckets: decodes (1 token), and verifies of every draft length the policy picks."""
         enabled = self.args.cuda_graphs
+        if is_split(self.model):
+            log.info("CUDA graphs off: the model is split across devices (--device-map); every step runs eagerly")
+            return None
         if not (self.model.device.type == "cuda" if enabled is None else enabled):
             return None
         query_lens = (1,)
@@ -174,19 +181,28 @@ class LLMEngine:
     def _plan_kv_blocks(self, specs, groups) -> list[int]:
         """Blocks of each KV cache group's pool (model/cache_spec.plan_pools); the primary's first."""
         args = self.args
+        draft_device = getattr(self.speculator.proposer, "device", None) if self.speculator is not None else None
         blocks_per_seq = -(-self.max_model_len // args.block_size)
         # fixed-size state (recurrent layers) and its per-draft snapshots, for every sequence at once
         fixed = bytes_per_sequence(specs, self._recurrent_snapshots(specs)) * args.max_num_seqs
         fixed += snapshot_bytes(specs, self._prefix_snapshots())  # hybrids' prefix-reuse states
-        if self.model.device.type == "cuda":
-            torch.cuda.empty_cache()  # memory the caching allocator holds but no tensor uses counts as free
-            free, total = torch.cuda.mem_get_info(self.model.device)
-            used = total - free
-            budget = args.kv_cache_memory or int(total * args.gpu_memory_utilization) - used
-        else:
+
+        def device_budget(device: torch.device) -> int:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # memory the caching allocator holds but no tensor uses counts as free
+                free, total = torch.cuda.mem_get_info(device)
+                return int(total * args.gpu_memory_utilization) - (total - free)
             wanted = pools_bytes_wanted(specs, groups, args.block_size, args.max_num_seqs,
                                         args.max_num_batched_tokens, self.max_model_len)
-            budget = args.kv_cache_memory or min(CPU_KV_CAP, wanted + fixed)
+            return min(CPU_KV_CAP, wanted + fixed)
+        if args.kv_cache_memory:
+            budget = args.kv_cache_memory
+        elif is_split(self.model) or draft_device not in (None, self.model.device):
+            layers = len(self.model.layers)  # each device's caches: its layers', the drafter's on its own
+            devices = [layer_device(self.model, i) if i < layers else draft_device for i in range(len(specs))]
+            budget = split_kv_budget(specs, devices, device_budget)
+        else:
+            budget = device_budget(self.model.device)
         budget -= fixed
         pools = plan_pools(specs, groups, budget, args.block_size, args.max_num_seqs, args.max_num_batched_tokens,
                            self.max_model_len)

@@ -17,6 +17,7 @@ from ..model.cache_spec import KVGroup, PagedKVSpec, RecurrentSpec, kv_groups, r
 from ..model.transformer import Transformer
 from ..util import host_to_device
 from .cuda_graphs import CudaGraphRunner, GraphSettings
+from .placement import layer_device
 from .step_plan import RowKind, StepPlan, StepResult
 
 log = logging.getLogger("lucebox")
@@ -61,12 +62,12 @@ class ModelRunner:
             self.layer_group.update((i, g) for i in group.layers if i in self.layer_group)
         self.group_scratch = tuple(group_blocks)  # scratch block of groups 1.. = their pool size
         pools = [num_blocks, *self.group_scratch]
-        self.caches = [self.cache_specs[i].build(pools[self.layer_group[i]] + 1, block_size, model.dtype, model.device)
-                       for i in self.paged_layers]
+        self.caches = [self.cache_specs[i].build(pools[self.layer_group[i]] + 1, block_size, model.dtype,
+                                                 layer_device(model, i)) for i in self.paged_layers]
         self.recurrent_layers = [i for i, s in enumerate(self.cache_specs) if isinstance(s, RecurrentSpec)]
         # Bare forwards (tests, benches) get a small pool of their own; an engine installs its
         # CacheManager's (install_recurrent), whose slots follow the sequences.
-        self.recurrent_states = [self.cache_specs[i].build(state_slots, 0, model.device)
+        self.recurrent_states = [self.cache_specs[i].build(state_slots, 0, layer_device(model, i))
                                  for i in self.recurrent_layers]
         self.state_slot = None  # engine: Sequence -> its slot
         self._install()
@@ -81,7 +82,7 @@ class ModelRunner:
         """Bare forwards: these slots start new sequences (zero recurrent state)."""
         index = torch.tensor(slots, dtype=torch.long, device=self.model.device)
         for state in self.recurrent_states:
-            state.reset(index)
+            state.reset(index.to(state.state.device))
 
     def _install(self) -> None:
         """Point the model's attention layers at this runner's KV caches (and DeltaNet layers at its
@@ -187,7 +188,11 @@ class ModelRunner:
         src, dst = compaction_slots(tables, self.block_size, starts, accepted, self.model.device)
         if src.numel():
             unique = {id(c): c for pair in self.caches for c in pair}
-            compact_rows(unique.values(), src, dst)
+            by_device: dict = {}  # a split model's caches lie on their layers' devices
+            for cache in unique.values():
+                by_device.setdefault(cache.values.device, []).append(cache)
+            for device, caches in by_device.items():
+                compact_rows(caches, src.to(device), dst.to(device))
 
     def set_feature_ring(self, ring) -> None:
         """Graph steps write captured features into this FeatureRing (before any capture)."""
@@ -216,7 +221,9 @@ class ModelRunner:
         elif not plan.all_logits:
             hidden = hidden[batch.query_start_loc[1:] - 1]
         logits = self.model.compute_logits(hidden)
-        features = torch.cat([batch.captured[i] for i in capture_layers], dim=-1) if capture_layers else None
+        # taps of a split model's layers come from their devices: gathered where the logits are
+        features = torch.cat([batch.captured[i].to(hidden.device) for i in capture_layers], dim=-1) \
+            if capture_layers else None
         if plan.argmax:
             return StepResult(tokens=logits.argmax(-1).tolist(), features=features)
         return StepResult(logits=logits, features=features)

@@ -62,6 +62,7 @@ class RecurrentState:
 
     def reset(self, slots: torch.Tensor) -> None:
         """A new sequence's slots start from the zero state (no history)."""
+        slots = slots.to(self.state.device)  # a split model's pools lie on their layers' devices
         self.state[slots] = 0
         self.conv[slots] = 0
 
@@ -82,6 +83,9 @@ class RecurrentState:
         where a prefix snapshot is taken in between)."""
         if self.positions == 0:
             raise RuntimeError("this recurrent pool keeps no verify stash (built with 0 positions)")
+        device = self.state.device  # a split model's pools lie on their layers' devices
+        slots, accepted = slots.to(device), accepted.to(device)
+        skip = skip.to(device) if skip is not None else None
         layer = torch.arange(self.layers, device=slots.device)[:, None]  # a pool: every layer in one launch
         skip = torch.zeros_like(accepted) if skip is None else skip
         count = (accepted + 1 - skip).repeat(self.layers)
@@ -117,5 +121,6 @@ class RecurrentState:
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy the live state of slots src[i] -> dst[i] (a forked sequence, e.g. n > 1 samples)."""
+        src, dst = src.to(self.state.device), dst.to(self.state.device)
         self.state[dst] = self.state[src]
         self.conv[dst] = self.conv[src]

@@ -23,7 +23,7 @@ from ..model.kv_cache import PagedKVCache
 from ..model.loader import resolve_path
 from ..sampling.acceptance import Draft
 from ..sampling.sampler import Sampler, SamplingState
-from ..util import host_to_device, on_meta
+from ..util import host_to_device, move, on_meta
 from ..weights.safetensors import iter_safetensors
 from .dflash2_model import DFlash2Config, build_drafter, read_config
 from .dflash_graphs import DrafterGraphs
@@ -78,6 +78,10 @@ class DFlashProposer(Proposer):
 
     def __init__(self, drafter: DFlashDrafter, target):
         self.drafter, self.target = drafter, target
+        # --draft-device: the drafter, its context K/V and its passes on their own device (eager there);
+        # taps cross once a projection, the block's embeddings and final hidden states once a draft
+        self.device = drafter.fc.weight.device
+        self.own_device = self.device != target.model.device
         cfg = drafter.config
         self.capture_layers = tuple(cfg.target_layer_ids)
         self.block_size, self.mask_token_id = cfg.block_size, cfg.mask_token_id
@@ -94,12 +98,12 @@ class DFlashProposer(Proposer):
         self.tree_budget: int | None = None  # draft DDTrees of this many nodes (spec/tree.py); None: chains
 
     @classmethod
-    def load(cls, path: str, target) -> "DFlashProposer":
+    def load(cls, path: str, target, device=None) -> "DFlashProposer":
         model = target.model
         if not str(path).endswith(".gguf"):  # check the config before reading any weights
             local = resolve_path(str(path))
             check_fits_target(read_config(local), target, str(local))
-        drafter, where = load_drafter(path, model.dtype, model.device)
+        drafter, where = load_drafter(path, model.dtype, device or model.device)
         check_fits_target(drafter.config, target, str(where))
         if isinstance(drafter.config, DFlash2Config):
             from .dflash2 import DFlash2Proposer
@@ -115,9 +119,9 @@ class DFlashProposer(Proposer):
     def allocate(self, num_blocks: int, block_size: int, block_manager=None, graphs=None, runner=None) -> None:
         model = self.target.model
         # One block more than the scheduler hands out: graph padding writes its K/V there.
-        self.caches = [spec.build(num_blocks + 1, block_size, model.dtype, model.device) for spec in self.cache_specs()]
+        self.caches = [spec.build(num_blocks + 1, block_size, model.dtype, self.device) for spec in self.cache_specs()]
         self.block_tokens = block_size
-        if graphs is not None and (model.device.type == "cuda" or not graphs.capture):
+        if graphs is not None and not self.own_device and (model.device.type == "cuda" or not graphs.capture):
             self.graphs = DrafterGraphs(self.drafter, model, self.caches, block_size, num_blocks,
                                         graphs.max_model_len, self.mask_token_id, graphs.capture)
             width = len(self.capture_layers) * self.target.config.hidden_size
@@ -149,7 +153,7 @@ class DFlashProposer(Proposer):
         pos = torch.arange(start, end)
         table = torch.tensor(seq.block_table, dtype=torch.long)
         return host_to_device(table[pos // self.block_tokens] * self.block_tokens + pos % self.block_tokens,
-                              self.target.model.device)
+                              self.device)
 
     def observe(self, seq, start: int, features: torch.Tensor) -> None:
         """Queue the features of newly committed positions; they are projected into the context
@@ -168,6 +172,7 @@ class DFlashProposer(Proposer):
             self.ring_queue.append((features.first, features.count, seq, self.queue_token[id(seq)]))
             row_bytes = self.feature_ring.row_bytes
         else:
+            features = move(features, self.device)  # the drafter's device (a no-op on the target's)
             covers_storage = features.untyped_storage().nbytes() == features.numel() * features.element_size()
             queue.append((start, features if covers_storage else features.clone()))  # not a view pinning a batch
             row_bytes = features.shape[1] * features.element_size()
@@ -233,17 +238,17 @@ class DFlashProposer(Proposer):
             logits = self.graphs.draft(seq.block_table, anchor, seq.last_token, *self._take_pending(seq))
             return logits[:k], self.graphs.hidden[:k]
         self._project(seq)
-        device = self.target.model.device
+        device, target = self.device, self.target.model
         slots = self._slots(seq, 0, anchor)
         dtype = self.target.model.dtype
         context = [(kc.gather(slots, dtype), vc.gather(slots, dtype)) for kc, vc in self.caches]
-        ids = host_to_device([seq.last_token] + [self.mask_token_id] * (self.block_size - 1), device)
-        x = self.drafter.block_input(self.target.model, ids)
+        ids = host_to_device([seq.last_token] + [self.mask_token_id] * (self.block_size - 1), target.device)
+        x = move(self.drafter.block_input(target, ids), device)
         positions = torch.arange(anchor, anchor + self.block_size, device=device)
         hidden = self.drafter.blocks(x, positions, context, torch.arange(anchor, device=device),
                                      position_bound=anchor + self.block_size)
         drafted = hidden[1:1 + k]
-        return self.drafter.logits(self.target.model.head_logits(drafted)), drafted
+        return self.drafter.logits(target.head_logits(move(drafted, target.device))), drafted
 
     def _draft_one(self, seq, k: int) -> Draft:
         """The argmax of the drafter's processed logits in every slot, at every temperature: a

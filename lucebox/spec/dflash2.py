@@ -12,6 +12,7 @@ import torch
 
 from ..sampling.acceptance import Draft
 from ..sampling.sampler import SamplingState
+from ..util import move
 from .dflash import DFlashProposer
 
 
@@ -22,6 +23,7 @@ class DFlash2Proposer(DFlashProposer):
         if self.tree_budget is not None:  # trees from the backbone's per-slot distributions (spec/tree.py)
             return super()._draft_one(seq, k)
         logits, hidden = self._draft_pass(seq, k)
+        logits = move(logits, hidden.device)  # --draft-device: the walk runs beside the drafter's selector
         out = list(seq.output_token_ids)
         params, generator = seq.params, seq.generator
         if self.graphs is not None and params.is_greedy and params.keeps_argmax(len(out)):
@@ -41,4 +43,4 @@ class DFlash2Proposer(DFlashProposer):
         if walk.q is None:
             return Draft(tokens)
         probs = torch.zeros(k, logits.shape[1], dtype=torch.float32, device=logits.device)
-        return Draft(tokens, probs.scatter_(1, walk.candidates, walk.q))
+        return Draft(tokens, move(probs.scatter_(1, walk.candidates, walk.q), self.target.model.device))

@@ -16,7 +16,7 @@ from ..errors import CheckpointError
 from ..model.loader import load_model
 from ..sampling.acceptance import Draft, row_states
 from ..sampling.sampler import Sampler, exponential_race
-from ..util import common_prefix
+from ..util import common_prefix, move
 from .proposer import Proposer
 
 
@@ -26,6 +26,7 @@ class DraftModelProposer(Proposer):
     def __init__(self, draft, target):
         self.draft, self.target = draft, target
         self.vocab = target.config.vocab_size
+        self.device = draft.model.device  # --draft-device: its runner, K/V and logits there
         self.sampler = Sampler(set(target.tokenizer.eos_token_ids) | set(target.config.eos_token_ids))
         self.runner = None  # the engine's ModelRunner of the draft model (allocate)
         self.blocks = None
@@ -35,8 +36,8 @@ class DraftModelProposer(Proposer):
         self.synced: dict[int, int] = {}
 
     @classmethod
-    def load(cls, path: str, target, dtype=None) -> "DraftModelProposer":
-        draft = load_model(path, dtype=dtype or target.model.dtype, device=str(target.model.device))
+    def load(cls, path: str, target, dtype=None, device=None) -> "DraftModelProposer":
+        draft = load_model(path, dtype=dtype or target.model.dtype, device=str(device or target.model.device))
         _check_same_vocabulary(draft, target, path)
         return cls(draft, target)
 
@@ -96,7 +97,7 @@ class DraftModelProposer(Proposer):
                 feed[i] = [tokens[row]]
         for i in active:
             if probs[i]:
-                drafts[i].probs = torch.stack(probs[i])
+                drafts[i].probs = move(torch.stack(probs[i]), self.target.model.device)
         return drafts
 
     def _reserve(self, seq, k: int) -> int:

@@ -6,19 +6,20 @@ from ..errors import RequestError
 from .speculator import Speculator
 
 
-def make_speculator(config: SpeculativeConfig | None, target, max_model_len: int):
-    """target: the LoadedModel being served. Returns None when speculation is off (None or no method)."""
+def make_speculator(config: SpeculativeConfig | None, target, max_model_len: int, device=None):
+    """target: the LoadedModel being served; device: the drafter's (--draft-device; None: the target's).
+    Returns None when speculation is off (None or no method)."""
     if config is None or not config.enabled:
         return None
     if config.method == "ngram":
         proposer, k = _lookup(config), config.draft_tokens()
     elif config.method == "draft_model":
         from .draft_model import DraftModelProposer
-        proposer = DraftModelProposer.load(config.model, target, config.draft_dtype)
+        proposer = DraftModelProposer.load(config.model, target, config.draft_dtype, device)
         k = config.draft_tokens()
     else:
         from .dflash import DFlashProposer
-        proposer = DFlashProposer.load(config.model, target)
+        proposer = DFlashProposer.load(config.model, target, device)
         k = config.draft_tokens(proposer.block_size)
         if k > proposer.block_size - 1:
             raise RequestError(f"num_speculative_tokens {k} exceeds the DFlash block ({proposer.block_size} "

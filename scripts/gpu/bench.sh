@@ -8,6 +8,14 @@ mode_bench() {
   bench 06b-bf16 90 --shape qwen3-0.6b --quant bf16 --prompt-lens 512 --contexts 512
 }
 
+#: device-map   issue 31: qwen3-8b bf16 split cuda:0 + cpu at several split points (prefill and decode rates,
+#:              beside the whole model through graphs and eagerly), and a DFlash drafter on the CPU (~6 min)
+mode_device_map() {
+  step device-map "${SECONDS_DEVICE_MAP:-560}" python3 scripts/bench_device_map.py --json "$out/device-map.json" \
+    ${DEVICE_MAP_ARGS:-}
+  sed -n '/^| row/,$p' "$out/device-map.log"
+}
+
 #: spec         bench spec on the bundled pair (models/default + default-dflash), 15 repeats (~100 s: 120
 #:              requests a row, what the per-request interval needs to resolve the 5% bound); SPEC_ARGS adds
 #:              flags, e.g. SPEC_ARGS=--no-adaptive
