@@ -24,6 +24,7 @@ per token and per sequence, never a layer's tensors:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 
 import torch
@@ -226,7 +227,7 @@ class CacheManager:
         if accepted is not None and self.states:
             slot = self.slots[id(seq)]
             if path is not None:
-                if len(path) != accepted + 1 or path[0] != 0 or any(b <= a for a, b in zip(path, path[1:])):
+                if len(path) != accepted + 1 or path[0] != 0 or any(b <= a for a, b in itertools.pairwise(path)):
                     raise ValueError(f"rollback: an accepted tree path of {accepted} drafts is {accepted + 1} "
                                      f"increasing rows from 0, got {path}")
                 if path[-1] >= self.verify_positions:

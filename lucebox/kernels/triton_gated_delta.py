@@ -196,7 +196,7 @@ def _kernel():
         tile = state + slot * stride_sn + h * stride_sh + rows[:, None] * stride_sk + cols[None, :]
         s = tl.load(tile, mask=tile_ok, other=0.0)
         kh = h // GROUP
-        for i in range(0, j + 1):
+        for i in range(j + 1):
             on_path = (bits == -1) | (((bits >> tl.minimum(i, 63)) & 1) == 1)
             if on_path:
                 r = first + i

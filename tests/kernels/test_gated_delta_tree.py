@@ -16,9 +16,13 @@ INTERPRETABLE = ON_GPU or os.environ.get("TRITON_INTERPRET") == "1" or "triton" 
 if not ON_GPU and INTERPRETABLE:
     os.environ["TRITON_INTERPRET"] = "1"
 
-from lucebox.kernels.forward_batch import tree_mask_bits  # noqa: E402
-from lucebox.kernels.gated_delta import conv_steps, l2_normalize, recurrent_gated_delta_rule  # noqa: E402
-from lucebox.kernels.gated_delta_tree import gated_delta_tree, tree_links  # noqa: E402
+from lucebox.kernels.forward_batch import tree_mask_bits
+from lucebox.kernels.gated_delta import (
+    conv_steps,
+    l2_normalize,
+    recurrent_gated_delta_rule,
+)
+from lucebox.kernels.gated_delta_tree import gated_delta_tree, tree_links
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 K_HEADS, V_HEADS, DK, DV = 2, 6, 16, 24  # GVA; dv not a power of two
@@ -41,7 +45,7 @@ def layout(device=DEVICE):
         seq += [b] * len(parents)
         local += list(range(len(parents)))
         masks += tree_mask_bits(parents) if b in (0, 3) else [-1] * len(parents)
-    as_t = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
+    as_t = lambda x: torch.tensor(x, dtype=torch.long, device=device)
     return as_t(starts[:-1]), as_t(starts[1:]), as_t(seq), as_t(local), as_t(masks)
 
 
@@ -67,7 +71,7 @@ def recurrence_case(seed=0):
 
 def run_tree(case, scale=DK ** -0.5):
     q, k, v, decay, beta, state = case
-    starts, ends, seq, local, masks = layout()
+    starts, _, seq, local, masks = layout()
     state = state.clone()
     out = gated_delta_tree(q, k, v, decay, beta, state, torch.tensor(SLOTS, device=DEVICE), starts, seq, local,
                            masks, torch.tensor(ADVANCE, device=DEVICE), max(map(len, ROWS)), normalize=True,
