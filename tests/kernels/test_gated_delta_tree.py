@@ -181,3 +181,30 @@ def test_chain_rows_with_links_equal_the_plain_conv(monkeypatch):
     args = (qkv, conv.clone(), weight, torch.tensor(SLOTS, device=DEVICE), starts, torch.zeros(4, dtype=torch.long,
             device=DEVICE), seq, local)
     assert torch.equal(conv_steps(*args, tree=links), conv_steps(*args))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the Qwen3.6-27B shape compiled on a GPU")
+def test_triton_tree_at_the_qwen36_27b_shape():
+    """Hk=16, Hv=48, dk=dv=128: a 32-node draft tree (DFS order, several branches) beside a decode;
+    raw q/k normalised in the kernel; the verify's slot untouched, the decode's advanced."""
+    from lucebox.kernels.gated_delta_tree import gated_delta_tree_reference
+    from lucebox.kernels.triton_gated_delta import gated_delta_tree_triton
+    parents = [-1, 0, 1, 2, 3, 4, 5, 6, 7] + [i // 3 for i in range(3, 27)]  # a spine, then bushes
+    g = torch.Generator(device="cuda").manual_seed(0)
+    k_heads, v_heads, d = 16, 48, 128
+    t = 1 + len(parents)
+    q, k = (torch.randn(t, k_heads, d, generator=g, device="cuda") for _ in range(2))
+    v = torch.randn(t, v_heads, d, generator=g, device="cuda")
+    decay = -torch.rand(t, v_heads, generator=g, device="cuda") * 0.3
+    beta = torch.rand(t, v_heads, generator=g, device="cuda")
+    state = torch.randn(3, v_heads, d, d, generator=g, device="cuda") * 0.1
+    as_t = lambda x: torch.tensor(x, device="cuda")  # noqa: E731
+    masks = as_t([-1] + tree_mask_bits(parents))
+    args = (as_t([2, 0]), as_t([0, 1]), as_t([0] + [1] * len(parents)), as_t([0] + list(range(len(parents)))),
+            masks, as_t([1, 0]))
+    want_state = state.clone()
+    want = gated_delta_tree_reference(q, k, v, decay, beta, want_state, *args, len(parents), normalize=True,
+                                      scale=d ** -0.5)
+    got = gated_delta_tree_triton(q, k, v, decay, beta, state, *args, normalize=True, scale=d ** -0.5)
+    assert (got - want).abs().max() <= 1e-3 * want.abs().max()
+    assert (state - want_state).abs().max() <= 1e-3 * want_state.abs().max()

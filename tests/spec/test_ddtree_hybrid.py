@@ -19,15 +19,17 @@ from tests.model.test_qwen3_5 import (
     reference_logits,
     runner_for,
 )
+from tests.model.test_qwen3_5_moe import HYBRID_MOE
 from tests.spec_fixtures import write_dflash_drafter
 
 TREE = [-1, 0, 1, 2, 1, 0, 5, 6, 6, 0]  # pending token + 9 nodes in DFS order
 TAPS = (0, 2)
 
 
-@pytest.fixture(scope="module")
-def hybrid_path(tmp_path_factory, tokenizer_dir):
-    return build_hf_model("qwen3", tmp_path_factory.mktemp("ddtree_hybrid"), tokenizer_dir, **HYBRID)
+@pytest.fixture(scope="module", params=["qwen3_5", "qwen3_5_moe"])
+def hybrid_path(request, tmp_path_factory, tokenizer_dir):
+    layout = HYBRID if request.param == "qwen3_5" else HYBRID_MOE
+    return build_hf_model("qwen3", tmp_path_factory.mktemp(request.param), tokenizer_dir, **layout)
 
 
 @pytest.fixture(scope="module")
