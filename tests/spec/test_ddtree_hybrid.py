@@ -211,3 +211,21 @@ def test_greedy_tree_speculation_on_a_hybrid_equals_plain_decoding(hybrid_path, 
     assert greedy(spec, longer, 10) == want_longer
     assert cache.snapshots.loaded > loaded_before
     assert engine.scheduler.blocks.num_free_blocks == engine.runner.num_blocks
+
+
+def test_sampled_trees_follow_the_hybrid_target_distribution(tmp_path):
+    """tests/spec/test_spec.py's chi-square test of speculative sampling with draft trees verified on a
+    peaked hybrid target (fewer samples, as tests/model/test_qwen3_5_spec.py's chain version)."""
+    from tests.spec.test_spec import PROMPT, chi_square_rejects, exact_pair_distribution, sample_pairs
+    from tests.spec_fixtures import peaked_model, small_vocab_tokenizer
+    tok = small_vocab_tokenizer(tmp_path / "tok", ["a", "b", "c", "d", "e", "f"])
+    layout = {k: v for k, v in HYBRID.items() if k not in ("model_type", "num_hidden_layers", "head_dim")}
+    target = peaked_model(tmp_path / "t", tok, layers=4, seed=1, model_type="qwen3_5_text", **layout)
+    drafter = write_dflash_drafter(target, tmp_path / "d", taps=TAPS, block_size=3)
+    config = {"method": "dflash", "model": str(drafter), "tree_budget": 6, "adaptive": False}
+    llm = LLM(str(target), speculative_config=config, max_num_seqs=1024, max_num_batched_tokens=8192)
+    samples = 1000
+    counts = sample_pairs(llm, PROMPT, samples)
+    rejected, stat, critical = chi_square_rejects(counts, exact_pair_distribution(target, PROMPT), samples)
+    assert not rejected, (stat, critical)
+    assert llm.engine.speculator.overall["model"].alpha > 0  # trees were accepted, not just drafted
