@@ -15,8 +15,9 @@ DFS rows). Two pieces, both without host syncs (graph-safe):
 
 Verify rows write no state (stash and recompute, model/recurrent_state.py): the commit after the
 verdict advances the slot over the accepted path's stash rows (CacheManager.rollback(path=...)).
-Rows with advance > 0 (decodes sharing the batch) write their state back: such a sequence must
-bring a single row (its row's program would race with its other rows' reads on the GPU).
+A sequence with advance > 0 (a decode sharing the batch) gets the state after its row advance - 1
+written back. Eager steps give such a sequence one row; in a padded graph batch its later rows are
+padding, whose programs may read the slot before or after that write (their outputs are discarded).
 """
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ def gated_delta_tree(q, k, v, g, beta, state, slots, starts, seq, local, tree_ma
     """Row t (of sequence seq[t], index local[t] among its rows starts[seq]..) -> o[t] from
     state[slots[seq]] advanced over the row tokens j <= local[t] with bit j of tree_mask[t] set (its
     path; all earlier ones for -1). q/k [T, Hk, dk], v [T, Hv, dv], g/beta [T, Hv]; returns o [T, Hv,
-    dv] float32. A sequence with advance[b] > 0 (one row) gets the state after it written back.
+    dv] float32. A sequence with advance[b] > 0 gets the state after its row advance[b] - 1 written
+    back (rows after it: padding, see the module docstring).
     max_len bounds a sequence's rows (host). normalize: as gated_delta_steps."""
     if state.dtype != torch.float32 or state.dim() != 4 or state.stride(-1) != 1:
         raise ValueError(f"gated_delta_tree: state must be contiguous float32 [slots, Hv, dk, dv], got "
@@ -85,7 +87,7 @@ def gated_delta_tree_reference(q, k, v, g, beta, state, slots, starts, seq, loca
         current = torch.where(on_path[:, None, None, None], decayed + k_j[..., :, None] * delta[..., None, :], current)
     q_t = q.float().repeat_interleave(group, dim=1)
     out = torch.einsum("thk,thkv->thv", q_t, current)
-    last = (starts + advance - 1).clamp(0, max(rows - 1, 0))  # each advancing sequence's (one) row
+    last = (starts + advance - 1).clamp(0, max(rows - 1, 0))  # each advancing sequence's row advance - 1
     kept = torch.where((advance > 0)[:, None, None, None], current.index_select(0, last), state.index_select(0, slots))
     state.index_copy_(0, slots, kept)  # slots not advanced get their own state back
     return out

@@ -93,10 +93,8 @@ class StepRows:
             return host_to_device(values, device, torch.long)
 
         tree_mask = batch.tree_mask
-        if tree_mask is not None:
-            if any(n > 1 and batch.state_advance_host[i] for i, n in zip(seqs, lens)):
-                raise ValueError("a batch with tree rows: DeltaNet rows that advance the state must be single tokens")
-            tree_mask = tree_mask if rows is None else tree_mask[rows]
+        if tree_mask is not None and rows is not None:
+            tree_mask = tree_mask[rows]
         return cls(rows, as_device(starts[:-1]), as_device(starts[1:]),
                    as_device([batch.state_slots_host[i] for i in seqs]),
                    as_device([batch.state_advance_host[i] for i in seqs]), as_device(seq), as_device(local),

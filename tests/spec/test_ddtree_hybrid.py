@@ -176,23 +176,43 @@ def branch_oracle(monkeypatch, speculator, want: dict, vocab: int):
     monkeypatch.setattr(speculator.proposer, "propose", oracle)
 
 
-def test_greedy_tree_speculation_on_a_hybrid_equals_plain_decoding(hybrid_path, drafter, monkeypatch):
+def assert_snapshots_match(spec, plain, batch, outputs):
+    """Prefix snapshots the tree run took (after committed paths) hold plain decoding's states of the
+    same prefixes, among them states at block boundaries inside the generated tokens."""
+    from lucebox.engine.block_manager import prefix_chunks
+    generated = {h for p, out in zip(batch, outputs)
+                 for i, (h, _) in enumerate(prefix_chunks(p + out, BLOCK_SIZE)) if (i + 1) * BLOCK_SIZE > len(p)}
+    common = [key for key in spec.entries if key in plain.entries]
+    for key in common:
+        for got, want in zip(spec.storage, plain.storage):
+            for a, b in zip(got, want):
+                assert (a[spec.entries[key]] - b[plain.entries[key]]).abs().max().item() <= 1e-5
+    assert any(key in generated for key in common)
+
+
+@pytest.mark.parametrize("budget", [{}, {"max_num_batched_tokens": 24}])
+def test_greedy_tree_speculation_on_a_hybrid_equals_plain_decoding(hybrid_path, drafter, monkeypatch, budget):
     """A continuous batch of tree verifies (plus a sequence decoding plainly), accepted paths off the
     top-1 chain of every length; then prompts extending the first ones hit the prefix cache (state
-    snapshots) and still match plain decoding."""
+    snapshots) and still match plain decoding. A small token budget puts prompt chunks beside tree
+    rows and cuts trees to DFS prefixes."""
     plain = LLM(str(hybrid_path), block_size=BLOCK_SIZE, max_num_seqs=4)
     vocab = plain.engine.loaded.config.vocab_size
     a, b, c = prompts(vocab, [9, 6, 13], seed=21)
     batch = [a, b, c, a[:5]]
     want = greedy(plain, batch, 16)
     config = {"method": "dflash", "model": str(drafter), "tree_budget": 20, "adaptive": False}
-    spec = LLM(str(hybrid_path), block_size=BLOCK_SIZE, max_num_seqs=4, speculative_config=config)
+    spec = LLM(str(hybrid_path), block_size=BLOCK_SIZE, max_num_seqs=4, speculative_config=config, **budget)
     engine = spec.engine
     oracle_want = {tuple(p): w for p, w in zip(batch, want)}
     branch_oracle(monkeypatch, engine.speculator, oracle_want, vocab)
     moved = []
     compact = engine.runner.compact_tree_rows
     monkeypatch.setattr(engine.runner, "compact_tree_rows", lambda t, s, acc: (moved.extend(acc), compact(t, s, acc)))
+    mixed = []  # steps with a prompt chunk beside a tree row
+    run_eager = engine.runner.run_eager
+    monkeypatch.setattr(engine.runner, "run_eager", lambda plan: (
+        mixed.append(plan.has_trees and any(r.kind is RowKind.CHUNK for r in plan.rows)), run_eager(plan))[1])
     params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)] * 3 + [
         SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)]
     outs = spec.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
@@ -201,8 +221,10 @@ def test_greedy_tree_speculation_on_a_hybrid_equals_plain_decoding(hybrid_path, 
     assert engine.step_counts["verify"] > 0 and moved  # accepted paths left the top-1 chain
     assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
     assert len({len(p) for p in moved}) > 1  # several accepted lengths
+    assert any(mixed) == bool(budget)
     cache = engine.scheduler.cache
     assert len(cache.free_slots) == 4 and cache.snapshots is not None
+    assert_snapshots_match(cache.snapshots, plain.engine.scheduler.cache.snapshots, batch, want)
     # Next turns: the prompts plus their outputs, served from cached blocks and a state snapshot.
     longer = [p + w[:10] for p, w in zip(batch[:3], want[:3])]
     want_longer = greedy(plain, longer, 10)
