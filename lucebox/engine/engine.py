@@ -154,8 +154,9 @@ class LLMEngine:
         log.info("prefill kernels ready in %.1f s", time.perf_counter() - start)
 
     def _recurrent_snapshots(self, specs) -> int:
-        """Recurrent stash rows per sequence: one per position of the longest verify (the pending token
-        and max_k drafts), from which a commit advances the state over the accepted positions."""
+        """Recurrent stash rows per sequence: one per position of the longest verify row (the pending token
+        and max_k drafts, or a draft tree's nodes), from which a commit advances the state over the
+        accepted positions."""
         if not any(isinstance(s, RecurrentSpec) for s in specs):
             return 0
         if self.speculator is None:

@@ -251,3 +251,19 @@ def test_sampled_trees_follow_the_hybrid_target_distribution(tmp_path):
     rejected, stat, critical = chi_square_rejects(counts, exact_pair_distribution(target, PROMPT), samples)
     assert not rejected, (stat, critical)
     assert llm.engine.speculator.overall["model"].alpha > 0  # trees were accepted, not just drafted
+
+
+def test_trees_beside_lookup_chains_on_a_hybrid(hybrid_path, drafter):
+    """n-gram lookups draft chains where the text repeats, the drafter trees elsewhere: chain verify
+    rows and tree rows share DeltaNet steps (and their commits) and the output stays plain decoding's."""
+    plain = LLM(str(hybrid_path), block_size=BLOCK_SIZE, max_num_seqs=4)
+    vocab = plain.engine.loaded.config.vocab_size
+    a, b, c = prompts(vocab, [5, 3, 7], seed=11)
+    batch = [a * 4, b * 5 + a, c, a + c * 2]
+    want = greedy(plain, batch, 16)
+    config = {"method": "dflash", "model": str(drafter), "tree_budget": 10, "adaptive": False,
+              "ngram_first": True, "prompt_lookup_min": 1}
+    spec = LLM(str(hybrid_path), block_size=BLOCK_SIZE, max_num_seqs=4, speculative_config=config)
+    assert greedy(spec, batch, 16) == want
+    steps = spec.engine.speculator.steps_by_source
+    assert steps["model"] > 0 and steps["lookup"] > 0
