@@ -54,7 +54,7 @@ def verify(runner, tokens, start, table, slot, parents=None):
 def setup(loaded, positions: int = 10):  # the stash holds a TREE row
     runner, blocks = runner_for(loaded)
     layers = [loaded.model.layers[i].linear_attn for i in runner.recurrent_layers]
-    states = [layer.cache_spec().build(4, positions, "cpu") for layer in layers]
+    states = [layer.cache_spec().build(4, positions, loaded.model.device) for layer in layers]
     runner.install_recurrent(states, None)
     return runner, blocks, states
 
@@ -98,11 +98,12 @@ def test_commit_along_the_accepted_path_leaves_plain_decodings_state(loaded, hyb
     verify(runner, tokens, len(prompt), table, 1, TREE)
     path = path_of(TREE, leaf)
     runner.compact_tree_rows([table], [len(prompt)], [path])
+    device = loaded.model.device
     moves = [(len(TREE) + row, len(TREE) + k) for k, row in enumerate(path) if row != k]  # slot 1's stash rows
     for state in states:
         if moves:
-            state.compact_stash(*(torch.tensor(rows) for rows in zip(*moves)))
-        state.commit(torch.tensor([1]), torch.tensor([len(path) - 1]))
+            state.compact_stash(*(torch.tensor(rows, device=device) for rows in zip(*moves)))
+        state.commit(torch.tensor([1], device=device), torch.tensor([len(path) - 1], device=device))
     kept = prompt + [tokens[i] for i in path]
     runner.forward([kept], [0], [plain_table], state_slots=[3])
     for state in states:
@@ -111,7 +112,7 @@ def test_commit_along_the_accepted_path_leaves_plain_decodings_state(loaded, hyb
     nxt = (kept[-1] + 7) % vocab
     got = runner.forward([[nxt]], [len(kept)], [table], state_slots=[1])
     reference = AutoModelForCausalLM.from_pretrained(hybrid_path, dtype=torch.float32).eval()
-    assert (got[0] - reference_logits(reference, kept + [nxt])[-1]).abs().max().item() <= 1e-4
+    assert (got[0].cpu() - reference_logits(reference, kept + [nxt])[-1]).abs().max().item() <= 1e-4
 
 
 def test_rollback_checks_the_path(loaded):
@@ -120,7 +121,7 @@ def test_rollback_checks_the_path(loaded):
     runner, _, _ = setup(loaded)
     specs = [loaded.model.layers[i].linear_attn.cache_spec() for i in runner.recurrent_layers]
     cache = CacheManager(specs, 8, BLOCK_SIZE, num_slots=2, verify_positions=4)
-    cache.build_recurrent("cpu")
+    cache.build_recurrent(loaded.model.device)
     seq = Sequence("r", 0, [1, 2, 3], SamplingParams())
     cache.admit(seq, [])
     for bad in ([0, 2, 1], [1, 2, 3], [0, 1]):
