@@ -92,7 +92,9 @@ def _kernel():
         s = tl.load(seq + t)
         j = tl.load(local + t).to(tl.int64)
         slot = tl.load(slots + s).to(tl.int64)
-        d = tl.load(depths + t).to(tl.int64) if TREE else j  # inputs of t's own path before it
+        d = j  # inputs of t's own path before it
+        if TREE:
+            d = tl.load(depths + t).to(tl.int64)
         at = tl.zeros([BC], dtype=tl.int64) + d  # as a vector for masks
         acc = tl.zeros([BC], dtype=tl.float32)
         row = t  # the input `back` steps up t's path (TREE: its back-th ancestor)
