@@ -140,7 +140,7 @@ def conv_steps(qkv, conv, weight, slots, starts, advance, seq, local, stash=None
     sequence with advance > 0 then gets the window ending at its input advance - 1. stash: (raw,
     mixed) [slots * positions + 1, channels] float32 stores, row slot * positions + local, that keep
     each row's input and output (rows past `positions`, never a verify's, are dropped: the last row
-    is a trash row). tree: (parent row or -1, depth) per row (kernels/gated_delta_tree.tree_links):
+    is a trash row). tree: per row its parent row (-1: none) and depth (gated_delta_tree.TreeLinks):
     a tree verify row's taps read its ancestors, then the window (default: row t - 1, depth local).
     Returns [T, channels] in qkv's dtype. No host sync."""
     if routing.gated_delta_route("conv", triton=use_triton(qkv, conv)) == routing.TRITON_CONV:
@@ -166,7 +166,7 @@ def conv_steps_reference(qkv, conv, weight, slots, starts, advance, seq, local, 
         pos = local[:, None] + w - width  # the tap's input position in its sequence (< 0: the old window)
         rows = torch.arange(tokens, device=qkv.device)[:, None] + w - width
     else:  # tap `back` rows up reads the back-th ancestor (a depth below back: the window)
-        parent, depth = tree
+        parent, depth = tree[:2]
         pos = depth[:, None] + w - width
         chain = [torch.arange(tokens, device=qkv.device)]
         for _ in range(width):

@@ -6,20 +6,25 @@ row, every earlier token). Node i's DeltaNet output must come from the slot's st
 its root-to-node path only, and its causal conv must read its ancestors' inputs (not the previous
 DFS rows). Two pieces, both without host syncs (graph-safe):
 
-  tree_links         per row: the row of its parent (-1: the slot's window comes next) and its
-                     depth, from the masks; kernels.gated_delta.conv_steps takes them for the conv.
-  gated_delta_tree   per row: the state recomputed along the row's path from the slot's state
-                     (one program per row, head and value block on the GPU: a node costs depth + 1
-                     steps and no state memory beyond its registers; the torch reference keeps one
-                     running state per row for one layer at a time).
+  tree_links         per row: the row of its parent (-1: the slot's window comes next), its depth,
+                     and where a run ends: a run is rows r, r + 1, ... each the child of the one
+                     before (a chain row is one run; in DFS order a run ends at a leaf, so a tree
+                     has as many runs as leaves). kernels.gated_delta.conv_steps takes parent/depth.
+  gated_delta_tree   per row: the state advanced along the row's root-to-node path from the slot's
+                     state. Triton: one program per run (and head and value block), which steps its
+                     first row's ancestors, then its rows in order, writing each one's output: a
+                     tree costs sum over leaves of (depth of its run's start) + rows steps, a chain
+                     its length, and no state memory beyond registers. The torch reference keeps
+                     one running state per row for one layer at a time.
 
 Verify rows write no state (stash and recompute, model/recurrent_state.py): the commit after the
 verdict advances the slot over the accepted path's stash rows (CacheManager.rollback(path=...)).
-A sequence with advance > 0 (a decode sharing the batch) gets the state after its row advance - 1
-written back. Eager steps give such a sequence one row; in a padded graph batch its later rows are
-padding, whose programs may read the slot before or after that write (their outputs are discarded).
+A sequence with advance > 0 (a decode sharing the batch, a chain) gets the state after its row
+advance - 1 written back, by the one program of its run.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -30,10 +35,15 @@ from .gated_delta import l2_normalize
 MASK_BITS = 64  # one int64 word of visibility bits per row
 
 
-def tree_links(tree_mask: torch.Tensor, starts: torch.Tensor, seq: torch.Tensor,
-               local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(parent row or -1, depth) of each row: rows are a sequence's starts[seq]..; local[t] its index
-    there; tree_mask[t] its visibility bits (-1: chain semantics, parent t - 1)."""
+class TreeLinks(NamedTuple):
+    parent: torch.Tensor  # [T] the row of each row's parent, -1 where the slot's state / window come first
+    depth: torch.Tensor  # [T] rows above it on its path
+    run_end: torch.Tensor  # [T] for a run's first row, the run's last row; -1 for other rows
+
+
+def tree_links(tree_mask: torch.Tensor, starts: torch.Tensor, seq: torch.Tensor, local: torch.Tensor) -> TreeLinks:
+    """TreeLinks of each row: rows are a sequence's starts[seq]..; local[t] its index there;
+    tree_mask[t] its visibility bits (-1: chain semantics, parent t - 1)."""
     bit = torch.arange(MASK_BITS, device=tree_mask.device)
     ancestors = ((tree_mask[:, None] >> bit) & 1).bool() & (bit <= local[:, None])
     tree_parent = torch.where(ancestors & (bit < local[:, None]), bit, -1).amax(1)
@@ -41,30 +51,35 @@ def tree_links(tree_mask: torch.Tensor, starts: torch.Tensor, seq: torch.Tensor,
     parent_local = torch.where(chain, local - 1, tree_parent)
     depth = torch.where(chain, local, ancestors.sum(1) - 1)
     parent = torch.where(parent_local >= 0, starts[seq] + parent_local, -1)
-    return parent, depth
+    rows = torch.arange(tree_mask.shape[0], device=tree_mask.device)
+    first = (parent < 0) | (parent != rows - 1)  # a run starts where a row does not continue the one before
+    run = first.long().cumsum(0) - 1
+    last = torch.zeros_like(rows).scatter_reduce(0, run, rows, "amax")
+    return TreeLinks(parent, depth, torch.where(first, last.index_select(0, run), -1))
 
 
 def gated_delta_tree(q, k, v, g, beta, state, slots, starts, seq, local, tree_mask, advance, max_len: int,
-                     normalize: bool = False, scale: float = 1.0) -> torch.Tensor:
+                     run_end: torch.Tensor, normalize: bool = False, scale: float = 1.0) -> torch.Tensor:
     """Row t (of sequence seq[t], index local[t] among its rows starts[seq]..) -> o[t] from
     state[slots[seq]] advanced over the row tokens j <= local[t] with bit j of tree_mask[t] set (its
     path; all earlier ones for -1). q/k [T, Hk, dk], v [T, Hv, dv], g/beta [T, Hv]; returns o [T, Hv,
-    dv] float32. A sequence with advance[b] > 0 gets the state after its row advance[b] - 1 written
-    back (rows after it: padding, see the module docstring).
+    dv] float32. A sequence with advance[b] > 0 (a chain) gets the state after its row advance[b] - 1
+    written back. run_end: tree_links' (the runs the Triton kernel walks; the reference needs none).
     max_len bounds a sequence's rows (host). normalize: as gated_delta_steps."""
     if state.dtype != torch.float32 or state.dim() != 4 or state.stride(-1) != 1:
         raise ValueError(f"gated_delta_tree: state must be contiguous float32 [slots, Hv, dk, dv], got "
                          f"{tuple(state.shape)} {state.dtype}")
     if routing.gated_delta_route("steps", triton=use_triton(q, k, v, state)) == routing.TRITON_STEPS:
         from .triton_gated_delta import gated_delta_tree_triton
-        return gated_delta_tree_triton(q, k, v, g, beta, state, slots, starts, seq, local, tree_mask, advance,
+        return gated_delta_tree_triton(q, k, v, g, beta, state, slots, starts, seq, tree_mask, advance, run_end,
                                        normalize, scale)
     return gated_delta_tree_reference(q, k, v, g, beta, state, slots, starts, seq, local, tree_mask, advance,
-                                      max_len, normalize, scale)
+                                      max_len, run_end, normalize, scale)
 
 
 def gated_delta_tree_reference(q, k, v, g, beta, state, slots, starts, seq, local, tree_mask, advance,
-                               max_len: int, normalize: bool = False, scale: float = 1.0) -> torch.Tensor:
+                               max_len: int, run_end=None, normalize: bool = False,
+                               scale: float = 1.0) -> torch.Tensor:
     """gated_delta_tree in torch: one running state per row, step j applied where j is on its path."""
     if normalize:
         k = l2_normalize(k.float())

@@ -175,33 +175,37 @@ def _kernel():
         tl.store(out + r * stride_o + cols, (scaled * (z / (1.0 + tl.exp(-z)))).to(ty), mask=ok)
 
     @triton.jit
-    def _gated_delta_tree(q, k, v, g, beta, out, state, slots, starts, seq, local, masks, advance,
+    def _gated_delta_tree(q, k, v, g, beta, out, state, slots, starts, seq, masks, run_end, advance,
                           stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
                           stride_ot, stride_oh, stride_sn, stride_sh, stride_sk,
                           scale, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
                           BV: tl.constexpr, NORMALIZE: tl.constexpr, PDL: tl.constexpr = False):
-        """Row t: the slot's [dk, BV] tile stepped over the row tokens on t's path (bit i of
-        masks[t]; -1: every earlier one), then t's output; written back for an advancing
-        sequence's row (its only one)."""
+        """Row t, when it starts a run (run_end[t] >= 0): the slot's [dk, BV] tile stepped over t's
+        ancestors (bit i of masks[t]; -1: every earlier row), then over rows t..run_end[t] in order,
+        each one's output stored; the tile written back after row advance - 1 of an advancing
+        sequence. Other rows' programs do nothing (the grid stays one program per row)."""
         wait_for_previous_kernel(PDL)
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         cols = tl.program_id(2) * BV + tl.arange(0, BV)
         rows = tl.arange(0, BK)
         row_ok, col_ok = rows < DK, cols < DV
-        tile_ok = row_ok[:, None] & col_ok[None, :]
+        last = tl.load(run_end + t).to(tl.int64)
+        live = last >= 0
+        starts_run = (tl.zeros([BV], dtype=tl.int64) + last) >= 0  # as a vector: masks want tensors
+        tile_ok = row_ok[:, None] & (col_ok & starts_run)[None, :]
         b = tl.load(seq + t)
-        j = tl.load(local + t).to(tl.int64)
         first = tl.load(starts + b).to(tl.int64)
         slot = tl.load(slots + b).to(tl.int64)
         bits = tl.load(masks + t)
+        keep = tl.zeros([BV], dtype=tl.int64) + tl.load(advance + b).to(tl.int64)  # as a vector: masks want tensors
         tile = state + slot * stride_sn + h * stride_sh + rows[:, None] * stride_sk + cols[None, :]
         s = tl.load(tile, mask=tile_ok, other=0.0)
         kh = h // GROUP
-        for i in range(j + 1):
-            on_path = (bits == -1) | (((bits >> tl.minimum(i, 63)) & 1) == 1)
-            if on_path:
-                r = first + i
+        for r in range(first, tl.where(live, last + 1, first)):
+            i = r - first
+            on_path = (r >= t) | (bits == -1) | (((bits >> tl.minimum(i, 63)) & 1) == 1)
+            if on_path:  # an ancestor of t, or a row of its run
                 k_i = tl.load(k + r * stride_kt + kh * stride_kh + rows, mask=row_ok, other=0.0).to(tl.float32)
                 if NORMALIZE:
                     k_i = k_i * (1.0 / tl.sqrt(tl.sum(k_i * k_i, axis=0) + 1e-6))
@@ -211,12 +215,13 @@ def _kernel():
                 s = s * tl.exp(g_i)
                 predicted = tl.sum(k_i[:, None] * s, axis=0)
                 s = s + k_i[:, None] * ((v_i - predicted) * beta_i)[None, :]
-        q_t = tl.load(q + t * stride_qt + kh * stride_qh + rows, mask=row_ok, other=0.0).to(tl.float32)
-        if NORMALIZE:
-            q_t = q_t * (scale / tl.sqrt(tl.sum(q_t * q_t, axis=0) + 1e-6))
-        tl.store(out + t * stride_ot + h * stride_oh + cols, tl.sum(q_t[:, None] * s, axis=0), mask=col_ok)
-        keep = tl.zeros([BV], dtype=tl.int64) + tl.load(advance + b).to(tl.int64)  # as a vector: masks want tensors
-        tl.store(tile, s, mask=tile_ok & (keep == j + 1)[None, :])
+                if r >= t:
+                    q_i = tl.load(q + r * stride_qt + kh * stride_qh + rows, mask=row_ok, other=0.0).to(tl.float32)
+                    if NORMALIZE:
+                        q_i = q_i * (scale / tl.sqrt(tl.sum(q_i * q_i, axis=0) + 1e-6))
+                    tl.store(out + r * stride_ot + h * stride_oh + cols, tl.sum(q_i[:, None] * s, axis=0),
+                             mask=col_ok)
+                    tl.store(tile, s, mask=tile_ok & (keep == i + 1)[None, :])
 
     return _gated_delta_steps, _conv_steps, _conv_windows, _gates, _gated_norm, _gated_delta_tree
 
@@ -250,7 +255,7 @@ def gated_delta_steps_triton(q, k, v, g, beta, state, slots, starts, ends, advan
     return out
 
 
-def gated_delta_tree_triton(q, k, v, g, beta, state, slots, starts, seq, local, masks, advance,
+def gated_delta_tree_triton(q, k, v, g, beta, state, slots, starts, seq, masks, advance, run_end,
                             normalize: bool = False, scale: float = 1.0) -> torch.Tensor:
     """kernels.gated_delta_tree.gated_delta_tree on the Triton kernel (same contract)."""
     q, k, v = (_rows(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
@@ -263,7 +268,7 @@ def gated_delta_tree_triton(q, k, v, g, beta, state, slots, starts, seq, local, 
     block_v = min(BLOCK_V, next_pow2(dv))
     kernel = _kernel()[5]
     kernel[(tokens, v_heads, triton.cdiv(dv, block_v))](
-        q, k, v, g, beta, out, state, slots, starts, seq, local, masks, advance,
+        q, k, v, g, beta, out, state, slots, starts, seq, masks, run_end, advance,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         out.stride(0), out.stride(1), state.stride(0), state.stride(1), state.stride(2), float(scale),
         GROUP=v_heads // k.shape[1], DK=dk, DV=dv, BK=next_pow2(dk), BV=block_v, NORMALIZE=normalize,
@@ -281,7 +286,7 @@ def conv_steps_triton(qkv, conv, weight, slots, starts, advance, seq, local, sta
     out = torch.empty_like(qkv)
     block = min(BLOCK_C, next_pow2(channels))
     raw, mixed = stash if stash is not None else (conv, conv)  # never written without STASH
-    parents, depths = tree if tree is not None else (local, local)  # never read without TREE
+    parents, depths = tree[:2] if tree is not None else (local, local)  # never read without TREE
     kernel = _kernel()[1]
     if tokens:
         kernel[(tokens, triton.cdiv(channels, block))](

@@ -43,7 +43,7 @@ from ..kernels.gated_delta import (  # noqa: F401  (the references, re-exported 
     recurrent_gated_delta_rule,
     stash_rows,
 )
-from ..kernels.gated_delta_tree import gated_delta_tree, tree_links
+from ..kernels.gated_delta_tree import TreeLinks, gated_delta_tree, tree_links
 from ..util import host_to_device
 from .cache_spec import RecurrentSpec
 from .transformer import fuse_linears
@@ -65,7 +65,7 @@ class StepRows:
     device_only: bool
     stash_index: dict = field(default_factory=dict)  # (positions, trash) -> each row's stash row
     tree_mask: torch.Tensor | None = None  # per row, its visibility bits when the batch holds tree rows
-    _links: tuple | None = None
+    _links: TreeLinks | None = None
 
     @classmethod
     def of_device_batch(cls, batch: ForwardBatch) -> "StepRows":
@@ -108,8 +108,8 @@ class StepRows:
         return self.stash_index[key]
 
     @property
-    def tree(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(parent row or -1, depth) per row when the batch holds tree rows (kernels/gated_delta_tree.py)."""
+    def tree(self) -> TreeLinks | None:
+        """Each row's parent, depth and run when the batch holds tree rows (kernels/gated_delta_tree.py)."""
         if self.tree_mask is not None and self._links is None:
             self._links = tree_links(self.tree_mask, self.starts, self.seq, self.local)
         return self._links
@@ -224,14 +224,15 @@ class GatedDeltaNet(nn.Module):
                                    f"{rows.max_len} stash positions, the pool keeps {state.positions}")
             stash = state.conv_stash
             state.stash_gates(rows.stash_rows(state.positions, state.trash), g, beta)
+        tree = rows.tree
         mixed = conv_steps(qkv, state.conv, self.conv1d.weight[:, 0, :], rows.slots, rows.starts, rows.advance,
-                           rows.seq, rows.local, stash, state.positions, rows.tree)
+                           rows.seq, rows.local, stash, state.positions, tree)
         q = mixed[:, :self.key_dim].view(-1, self.num_k_heads, self.head_k_dim)
         k = mixed[:, self.key_dim:2 * self.key_dim].view(-1, self.num_k_heads, self.head_k_dim)
         v = mixed[:, 2 * self.key_dim:].view(-1, self.num_v_heads, self.head_v_dim)
-        if rows.tree_mask is not None:  # each node from the state after its ancestors only
+        if tree is not None:  # each node from the state after its ancestors only
             return gated_delta_tree(q, k, v, g, beta, state.state, rows.slots, rows.starts, rows.seq, rows.local,
-                                    rows.tree_mask, rows.advance, rows.max_len, normalize=True,
+                                    rows.tree_mask, rows.advance, rows.max_len, tree.run_end, normalize=True,
                                     scale=self.head_k_dim ** -0.5)
         return gated_delta_steps(q, k, v, g, beta, state.state, rows.slots, rows.starts, rows.ends, rows.advance,
                                  rows.max_len, normalize=True, scale=self.head_k_dim ** -0.5)

@@ -73,21 +73,31 @@ def run_tree(case, scale=DK ** -0.5):
     q, k, v, decay, beta, state = case
     starts, _, seq, local, masks = layout()
     state = state.clone()
+    runs = tree_links(masks, starts, seq, local).run_end
     out = gated_delta_tree(q, k, v, decay, beta, state, torch.tensor(SLOTS, device=DEVICE), starts, seq, local,
-                           masks, torch.tensor(ADVANCE, device=DEVICE), max(map(len, ROWS)), normalize=True,
+                           masks, torch.tensor(ADVANCE, device=DEVICE), max(map(len, ROWS)), runs, normalize=True,
                            scale=scale)
     return out, state
 
 
 def test_tree_links_follow_the_parents():
+    """Parents and depths per row; runs (rows each the child of the one before) start at roots and
+    at rows whose parent is not the row before, and end at leaves: one per leaf, a chain one run."""
     starts, _, seq, local, masks = layout("cpu")
-    parent, depth = tree_links(masks, starts, seq, local)
-    want_parent, want_depth, base = [], [], 0
+    parent, depth, run_end = tree_links(masks, starts, seq, local)
+    want_parent, want_depth, want_runs, base = [], [], [], 0
     for parents in ROWS:
         want_parent += [p + base if p >= 0 else -1 for p in parents]
         want_depth += [len(path_of(parents, i)) - 1 for i in range(len(parents))]
+        for i, p in enumerate(parents):
+            end = i
+            while end + 1 < len(parents) and parents[end + 1] == end:
+                end += 1
+            want_runs.append(end + base if p != i - 1 or i == 0 else -1)
         base += len(parents)
     assert parent.tolist() == want_parent and depth.tolist() == want_depth
+    assert run_end.tolist() == want_runs
+    assert run_end[:len(TREE_A)].tolist() == [3, -1, -1, -1, 4, 7, -1, -1, 8, 9]  # 5 leaves, 5 runs
 
 
 @pytest.mark.parametrize("kernel", ["torch", pytest.param("triton", marks=pytest.mark.skipif(
@@ -188,7 +198,6 @@ def test_triton_tree_at_the_qwen36_27b_shape():
     """Hk=16, Hv=48, dk=dv=128: a 32-node draft tree (DFS order, several branches) beside a decode;
     raw q/k normalised in the kernel; the verify's slot untouched, the decode's advanced."""
     from lucebox.kernels.gated_delta_tree import gated_delta_tree_reference
-    from lucebox.kernels.triton_gated_delta import gated_delta_tree_triton
     parents = [-1, 0, 1, 2, 3, 4, 5, 6, 7] + [i // 3 for i in range(3, 27)]  # a spine, then bushes
     g = torch.Generator(device="cuda").manual_seed(0)
     k_heads, v_heads, d = 16, 48, 128
@@ -200,11 +209,13 @@ def test_triton_tree_at_the_qwen36_27b_shape():
     state = torch.randn(3, v_heads, d, d, generator=g, device="cuda") * 0.1
     as_t = lambda x: torch.tensor(x, device="cuda")  # noqa: E731
     masks = as_t([-1] + tree_mask_bits(parents))
-    args = (as_t([2, 0]), as_t([0, 1]), as_t([0] + [1] * len(parents)), as_t([0] + list(range(len(parents)))),
-            masks, as_t([1, 0]))
+    starts, seq, local = as_t([0, 1]), as_t([0] + [1] * len(parents)), as_t([0] + list(range(len(parents))))
+    runs = tree_links(masks, starts, seq, local).run_end
+    args = (as_t([2, 0]), starts, seq, local, masks, as_t([1, 0]))
     want_state = state.clone()
-    want = gated_delta_tree_reference(q, k, v, decay, beta, want_state, *args, len(parents), normalize=True,
+    want = gated_delta_tree_reference(q, k, v, decay, beta, want_state, *args, len(parents), runs, normalize=True,
                                       scale=d ** -0.5)
-    got = gated_delta_tree_triton(q, k, v, decay, beta, state, *args, normalize=True, scale=d ** -0.5)
+    got = gated_delta_tree(q, k, v, decay, beta, state, *args, len(parents), runs, normalize=True,
+                           scale=d ** -0.5)  # Triton on a GPU
     assert (got - want).abs().max() <= 1e-3 * want.abs().max()
     assert (state - want_state).abs().max() <= 1e-3 * want_state.abs().max()
