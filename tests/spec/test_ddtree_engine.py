@@ -16,7 +16,6 @@ from lucebox.config import SpeculativeConfig
 from lucebox.default_model import default_speculative_config
 from lucebox.engine.cuda_graphs import CudaGraphRunner
 from lucebox.errors import LuceboxError, RequestError, UnsupportedError
-from tests.conftest import build_hf_model
 from tests.spec.test_spec import (  # noqa: F401
     PROMPT,
     chi_square_rejects,
