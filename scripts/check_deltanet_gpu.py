@@ -157,6 +157,7 @@ def timings(rows: list, iters: int, batch_size: int) -> None:
         static = device_batch(batch_size, q_len, advance)
         replay = in_graph(lambda: layer(h, static))
         rows.append((f"{name} x{batch_size}, CUDA graph", f"{timed(replay, iters):.3f} ms"))
+    tree_timings(rows, iters, batch_size)
     commit = lambda: layer.state.commit(commit_slots, accepted)  # noqa: E731
     rows.append((f"commit 16 of verify x{batch_size}, eager", f"{timed(commit, iters):.3f} ms"))
     rows.append((f"commit 16 of verify x{batch_size}, CUDA graph", f"{timed(in_graph(commit), iters):.3f} ms"))
@@ -165,6 +166,29 @@ def timings(rows: list, iters: int, batch_size: int) -> None:
     pool_commit = lambda: pool.commit(commit_slots, accepted)  # noqa: E731
     rows.append((f"commit 16 of verify x{batch_size}, 48-layer pool (whole model)",
                  f"{timed(pool_commit, iters):.3f} ms"))
+
+
+# A 32-node draft tree: a 15-node top-1 spine, then bushes under its first nodes (DFS order).
+TREE_PARENTS = [-1] + list(range(15)) + [1, 16, 16, 18, 2, 20, 21, 3, 23, 4, 25, 0, 27, 28, 0, 30, 31][:17]
+
+
+@torch.inference_mode()
+def tree_timings(rows: list, iters: int, batch_size: int) -> None:
+    """A 33-token tree verify row (kernels/gated_delta_tree.py) beside a 33-token chain verify."""
+    layer, n = layer_and_state(positions=len(TREE_PARENTS)), len(TREE_PARENTS)
+    h = torch.randn(batch_size * n, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    tables = [list(range(-(-n // BLOCK)))] * batch_size
+    eager = ForwardBatch.build([[0] * n] * batch_size, [0] * batch_size, tables, BLOCK, "cuda",
+                               tree_parents=[TREE_PARENTS] * batch_size)
+    eager.set_state_rows(list(range(batch_size)), [0] * batch_size)
+    rows.append((f"tree verify {n} x{batch_size}, eager", f"{timed(lambda: layer(h, eager), iters):.3f} ms"))
+    static = device_batch(batch_size, n, 0)
+    static.tree_mask = eager.tree_mask
+    rows.append((f"tree verify {n} x{batch_size}, CUDA graph",
+                 f"{timed(in_graph(lambda: layer(h, static)), iters):.3f} ms"))
+    chain = device_batch(batch_size, n, 0)
+    rows.append((f"chain verify {n} x{batch_size}, CUDA graph",
+                 f"{timed(in_graph(lambda: layer(h, chain)), iters):.3f} ms"))
 
 
 def main() -> None:

@@ -15,7 +15,8 @@ per token and per sequence, never a layer's tensors:
                      which reads only positions inside the window, never sees them.
   recurrent state    one slot per sequence in a pool; a verify leaves the state alone and stashes its
                      tokens' inputs, and the rollback after its verdict advances the state over
-                     the accepted ones (model/recurrent_state.RecurrentState.commit). Prefix
+                     the accepted ones (model/recurrent_state.RecurrentState.commit; a tree's
+                     accepted path is compacted onto the first stash rows first). Prefix
                      reuse needs the state after exactly the cached prefix: snapshots kept at block
                      boundaries (engine/state_snapshots.py); a hit counts only up to the longest
                      boundary that has both its blocks cached and a snapshot (recurrent_prefix_hit).
@@ -23,6 +24,7 @@ per token and per sequence, never a layer's tensors:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 
 import torch
@@ -81,6 +83,7 @@ class CacheManager:
         self.free_slots = list(range(num_slots - 1, -1, -1)) if self.recurrent else []
         self.slots: dict[int, int] = {}  # id(seq) -> its recurrent slot
         self._pending_commits: list[tuple[int, int]] = []  # (slot, accepted) of rollbacks not applied yet
+        self._pending_moves: list[tuple[int, int]] = []  # (from, to) stash rows of accepted tree paths
         self._batching = False
 
     @property
@@ -218,14 +221,27 @@ class CacheManager:
             for pool, table, _ in self._tables(seq):
                 pool.register(table, start, chunks)
 
-    def rollback(self, seq: Sequence, num_tokens: int, accepted: int | None = None) -> None:
+    def rollback(self, seq: Sequence, num_tokens: int, accepted: int | None = None,
+                 path: list[int] | None = None) -> None:
         """Forget what lies past num_tokens tokens (rejected drafts); with `accepted` (a of k drafts,
         after a verify), recurrent state advances over the pending token and the accepted drafts
-        (at once, or at the end of a `commits_batched` block)."""
+        (at once, or at the end of a `commits_batched` block). path: a tree verify's accepted rows
+        a_0 = 0 < a_1 < ... < a_accepted (None: a chain's, 0..accepted); their stashed inputs are
+        what the state advances over."""
         for pool, table, _ in self._tables(seq):
             pool.truncate(table, num_tokens)
         if accepted is not None and self.states:
-            self._pending_commits.append((self.slots[id(seq)], accepted))
+            slot = self.slots[id(seq)]
+            if path is not None:
+                if len(path) != accepted + 1 or path[0] != 0 or any(b <= a for a, b in itertools.pairwise(path)):
+                    raise ValueError(f"rollback: an accepted tree path of {accepted} drafts is {accepted + 1} "
+                                     f"increasing rows from 0, got {path}")
+                if path[-1] >= self.verify_positions:
+                    raise ValueError(f"rollback: tree row {path[-1]} lies past the {self.verify_positions} "
+                                     "stashed verify positions")
+                self._pending_moves.extend((slot * self.verify_positions + row, slot * self.verify_positions + k)
+                                           for k, row in enumerate(path) if row != k)
+            self._pending_commits.append((slot, accepted))
             self._split_at_boundary(seq, accepted)
             if not self._batching:
                 self._apply_commits()
@@ -249,6 +265,12 @@ class CacheManager:
             self._apply_commits()
 
     def _apply_commits(self) -> None:
+        if self._pending_moves:  # accepted tree paths onto stash rows 0, 1, ... (then committed as chains)
+            device = self.states[0].state.device
+            src, dst = (host_to_device(list(rows), device, torch.long) for rows in zip(*self._pending_moves))
+            self._pending_moves.clear()
+            for pool in self.pools:
+                pool.compact_stash(src, dst)
         if self._pending_commits:
             self._advance_pending()
         if self._pending_snapshots:

@@ -117,13 +117,10 @@ class LLMEngine:
                      size / 2**20, blocks // window_blocks(group.window, args.block_size, 1))
 
     def _check_trees(self, specs) -> None:
-        """Draft trees need every layer to follow a node's ancestors alone: dense full-attention targets."""
+        """Draft trees need every layer to follow a node's ancestors alone: full attention (tree mask) and
+        Gated DeltaNet (kernels/gated_delta_tree.py); not yet sliding windows."""
         if self.speculator is None or self.speculator.tree_budget is None:
             return
-        if any(isinstance(s, RecurrentSpec) for s in specs):
-            raise UnsupportedError("speculative_config['tree_budget'] (draft trees) is not supported on targets with "
-                                   "recurrent (Gated DeltaNet) layers yet: their state would have to follow each "
-                                   "node's ancestors; drop tree_budget to speculate with chains")
         if any(isinstance(s, PagedKVSpec) and s.window is not None for s in specs):
             raise UnsupportedError("speculative_config['tree_budget'] (draft trees) is not supported on models with "
                                    "sliding-window attention layers yet; drop tree_budget to speculate with chains")
@@ -164,15 +161,16 @@ class LLMEngine:
         log.info("prefill kernels ready in %.1f s", time.perf_counter() - start)
 
     def _recurrent_snapshots(self, specs) -> int:
-        """Recurrent stash rows per sequence: one per position of the longest verify (the pending token
-        and max_k drafts), from which a commit advances the state over the accepted positions."""
+        """Recurrent stash rows per sequence: one per position of the longest verify row (the pending token
+        and max_k drafts, or a draft tree's nodes), from which a commit advances the state over the
+        accepted positions."""
         if not any(isinstance(s, RecurrentSpec) for s in specs):
             return 0
         if self.speculator is None:
             return 1  # a decode step launched ahead stashes its token until it is used (engine/overlap.py)
         if any(isinstance(s, RecurrentSpec) for s in self.speculator.proposer.cache_specs()):
             raise UnsupportedError("a draft model with recurrent (Gated DeltaNet) layers is not supported yet")
-        return 1 + self.speculator.policy.max_k
+        return self.speculator.policy.row_tokens(self.speculator.policy.max_k)  # a chain's 1 + k, a tree's row
 
     def _prefix_snapshots(self) -> int:
         """Entries of the recurrent-state snapshot pool (engine/state_snapshots.py): none without prefix caching."""
@@ -342,7 +340,8 @@ class LLMEngine:
                         taps, at = features[host_to_device([row.offset + r for r in verdict.rows], features.device,
                                                            torch.long)], 0
                     self._commit(seq, 1 + verdict.num_accepted, taps, at)  # the pending token + accepted
-                    self.scheduler.cache.rollback(seq, seq.num_computed + 1, verdict.num_accepted)  # rejected drafts
+                    self.scheduler.cache.rollback(seq, seq.num_computed + 1, verdict.num_accepted,  # rejected drafts
+                                                  verdict.rows)  # a tree's accepted rows: the state follows them
                     out.append_tokens(seq, verdict.tokens, lps)
 
     def _compact_trees(self, verifies, verdicts) -> None:

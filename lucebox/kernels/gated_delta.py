@@ -132,18 +132,21 @@ def gated_delta_steps_reference(q, k, v, g, beta, state, slots, starts, ends, ad
     return out[:rows] if outputs else None
 
 
-def conv_steps(qkv, conv, weight, slots, starts, advance, seq, local, stash=None, positions: int = 0) -> torch.Tensor:
+def conv_steps(qkv, conv, weight, slots, starts, advance, seq, local, stash=None, positions: int = 0,
+               tree=None) -> torch.Tensor:
     """The causal depthwise conv of decode / verify rows, then silu: qkv [T, channels] are the rows
     (row t is input local[t] of sequence seq[t], whose rows begin at starts[seq]); inputs before
     the step come from the window conv[slots[seq]] [channels, K-1]; weight [channels, K]. Each
     sequence with advance > 0 then gets the window ending at its input advance - 1. stash: (raw,
     mixed) [slots * positions + 1, channels] float32 stores, row slot * positions + local, that keep
     each row's input and output (rows past `positions`, never a verify's, are dropped: the last row
-    is a trash row). Returns [T, channels] in qkv's dtype. No host sync."""
+    is a trash row). tree: per row its parent row (-1: none) and depth (gated_delta_tree.TreeLinks):
+    a tree verify row's taps read its ancestors, then the window (default: row t - 1, depth local).
+    Returns [T, channels] in qkv's dtype. No host sync."""
     if routing.gated_delta_route("conv", triton=use_triton(qkv, conv)) == routing.TRITON_CONV:
         from .triton_gated_delta import conv_steps_triton
-        return conv_steps_triton(qkv, conv, weight, slots, starts, advance, seq, local, stash, positions)
-    return conv_steps_reference(qkv, conv, weight, slots, starts, advance, seq, local, stash, positions)
+        return conv_steps_triton(qkv, conv, weight, slots, starts, advance, seq, local, stash, positions, tree)
+    return conv_steps_reference(qkv, conv, weight, slots, starts, advance, seq, local, stash, positions, tree)
 
 
 def stash_rows(slots, seq, local, positions: int, trash: int) -> torch.Tensor:
@@ -152,15 +155,23 @@ def stash_rows(slots, seq, local, positions: int, trash: int) -> torch.Tensor:
 
 
 def conv_steps_reference(qkv, conv, weight, slots, starts, advance, seq, local, stash=None,
-                         positions: int = 0) -> torch.Tensor:
+                         positions: int = 0, tree=None) -> torch.Tensor:
     """conv_steps in torch: gathers from [the rows; each sequence's old window]."""
     tokens, channels = qkv.shape
     width = weight.shape[1] - 1
     old = conv.index_select(0, slots).transpose(1, 2).reshape(-1, channels)
     inputs = torch.cat([qkv, old.to(qkv.dtype)])
     w = torch.arange(width + 1, device=qkv.device)
-    pos = local[:, None] + w - width  # the tap's input position in its sequence (< 0: the old window)
-    rows = torch.arange(tokens, device=qkv.device)[:, None] + w - width
+    if tree is None:
+        pos = local[:, None] + w - width  # the tap's input position in its sequence (< 0: the old window)
+        rows = torch.arange(tokens, device=qkv.device)[:, None] + w - width
+    else:  # tap `back` rows up reads the back-th ancestor (a depth below back: the window)
+        parent, depth = tree[:2]
+        pos = depth[:, None] + w - width
+        chain = [torch.arange(tokens, device=qkv.device)]
+        for _ in range(width):
+            chain.append(torch.where(chain[-1] >= 0, parent.index_select(0, chain[-1].clamp(min=0)), -1))
+        rows = torch.stack(chain[::-1], dim=1)
     taps = torch.where(pos >= 0, rows, tokens + seq[:, None] * width + pos + width)
     mixed = F.silu((inputs[taps] * weight.t().to(qkv.dtype)).sum(1))
     conv_windows_reference(qkv, conv, slots, starts, advance)

@@ -77,12 +77,14 @@ def _kernel():
             tl.store(tile, s, mask=tile_ok & (step == keep - 1)[None, :])
 
     @triton.jit
-    def _conv_steps(qkv, conv, weight, out, slots, seq, local, stash_raw, stash_mixed, channels,
+    def _conv_steps(qkv, conv, weight, out, slots, seq, local, stash_raw, stash_mixed, parents, depths, channels,
                     stride_xt, stride_cn, stride_cc, stride_ot, stride_st, positions,
-                    KERNEL: tl.constexpr, BC: tl.constexpr, STASH: tl.constexpr, PDL: tl.constexpr = False):
+                    KERNEL: tl.constexpr, BC: tl.constexpr, STASH: tl.constexpr, TREE: tl.constexpr,
+                    PDL: tl.constexpr = False):
         """Row t: silu of the causal depthwise conv over its sequence's inputs, the ones before the
         step read from the slot's window; with STASH, the raw and convolved rows kept at
-        stash row slot * positions + (index of t in its sequence)."""
+        stash row slot * positions + (index of t in its sequence). TREE: the inputs are t's
+        ancestors (parents[t], ...), the window below depth depths[t]."""
         wait_for_previous_kernel(PDL)
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -90,12 +92,21 @@ def _kernel():
         s = tl.load(seq + t)
         j = tl.load(local + t).to(tl.int64)
         slot = tl.load(slots + s).to(tl.int64)
-        at = tl.zeros([BC], dtype=tl.int64) + j  # the row's index in its sequence, as a vector for masks
+        d = j  # inputs of t's own path before it
+        if TREE:
+            d = tl.load(depths + t).to(tl.int64)
+        at = tl.zeros([BC], dtype=tl.int64) + d  # as a vector for masks
         acc = tl.zeros([BC], dtype=tl.float32)
-        for w in tl.static_range(KERNEL):
-            back = KERNEL - 1 - w  # this tap reads the input `back` rows before t
-            x_row = tl.load(qkv + (t - back) * stride_xt + cols, mask=ok & (at >= back), other=0.0)
-            x_old = tl.load(conv + slot * stride_cn + cols * stride_cc + (KERNEL - 1 + j - back),
+        row = t  # the input `back` steps up t's path (TREE: its back-th ancestor)
+        for back in tl.static_range(KERNEL):
+            w = KERNEL - 1 - back
+            if back > 0:
+                if TREE:
+                    row = tl.load(parents + tl.maximum(row, 0)).to(tl.int64)
+                else:
+                    row = t - back
+            x_row = tl.load(qkv + tl.maximum(row, 0) * stride_xt + cols, mask=ok & (at >= back), other=0.0)
+            x_old = tl.load(conv + slot * stride_cn + cols * stride_cc + (KERNEL - 1 + d - back),
                             mask=ok & (at < back), other=0.0)
             x = x_row.to(tl.float32) + x_old.to(tl.float32)
             acc += tl.load(weight + cols * KERNEL + w, mask=ok, other=0.0).to(tl.float32) * x
@@ -163,7 +174,56 @@ def _kernel():
         z = tl.load(gate + r * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
         tl.store(out + r * stride_o + cols, (scaled * (z / (1.0 + tl.exp(-z)))).to(ty), mask=ok)
 
-    return _gated_delta_steps, _conv_steps, _conv_windows, _gates, _gated_norm
+    @triton.jit
+    def _gated_delta_tree(q, k, v, g, beta, out, state, slots, starts, seq, masks, run_end, advance,
+                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
+                          stride_ot, stride_oh, stride_sn, stride_sh, stride_sk,
+                          scale, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
+                          BV: tl.constexpr, NORMALIZE: tl.constexpr, PDL: tl.constexpr = False):
+        """Row t, when it starts a run (run_end[t] >= 0): the slot's [dk, BV] tile stepped over t's
+        ancestors (bit i of masks[t]; -1: every earlier row), then over rows t..run_end[t] in order,
+        each one's output stored; the tile written back after row advance - 1 of an advancing
+        sequence. Other rows' programs do nothing (the grid stays one program per row)."""
+        wait_for_previous_kernel(PDL)
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        cols = tl.program_id(2) * BV + tl.arange(0, BV)
+        rows = tl.arange(0, BK)
+        row_ok, col_ok = rows < DK, cols < DV
+        last = tl.load(run_end + t).to(tl.int64)
+        live = last >= 0
+        starts_run = (tl.zeros([BV], dtype=tl.int64) + last) >= 0  # as a vector: masks want tensors
+        tile_ok = row_ok[:, None] & (col_ok & starts_run)[None, :]
+        b = tl.load(seq + t)
+        first = tl.load(starts + b).to(tl.int64)
+        slot = tl.load(slots + b).to(tl.int64)
+        bits = tl.load(masks + t)
+        keep = tl.zeros([BV], dtype=tl.int64) + tl.load(advance + b).to(tl.int64)  # as a vector: masks want tensors
+        tile = state + slot * stride_sn + h * stride_sh + rows[:, None] * stride_sk + cols[None, :]
+        s = tl.load(tile, mask=tile_ok, other=0.0)
+        kh = h // GROUP
+        for r in range(first, tl.where(live, last + 1, first)):
+            i = r - first
+            on_path = (r >= t) | (bits == -1) | (((bits >> tl.minimum(i, 63)) & 1) == 1)
+            if on_path:  # an ancestor of t, or a row of its run
+                k_i = tl.load(k + r * stride_kt + kh * stride_kh + rows, mask=row_ok, other=0.0).to(tl.float32)
+                if NORMALIZE:
+                    k_i = k_i * (1.0 / tl.sqrt(tl.sum(k_i * k_i, axis=0) + 1e-6))
+                v_i = tl.load(v + r * stride_vt + h * stride_vh + cols, mask=col_ok, other=0.0).to(tl.float32)
+                g_i = tl.load(g + r * stride_gt + h).to(tl.float32)
+                beta_i = tl.load(beta + r * stride_bt + h).to(tl.float32)
+                s = s * tl.exp(g_i)
+                predicted = tl.sum(k_i[:, None] * s, axis=0)
+                s = s + k_i[:, None] * ((v_i - predicted) * beta_i)[None, :]
+                if r >= t:
+                    q_i = tl.load(q + r * stride_qt + kh * stride_qh + rows, mask=row_ok, other=0.0).to(tl.float32)
+                    if NORMALIZE:
+                        q_i = q_i * (scale / tl.sqrt(tl.sum(q_i * q_i, axis=0) + 1e-6))
+                    tl.store(out + r * stride_ot + h * stride_oh + cols, tl.sum(q_i[:, None] * s, axis=0),
+                             mask=col_ok)
+                    tl.store(tile, s, mask=tile_ok & (keep == i + 1)[None, :])
+
+    return _gated_delta_steps, _conv_steps, _conv_windows, _gates, _gated_norm, _gated_delta_tree
 
 
 def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -195,8 +255,29 @@ def gated_delta_steps_triton(q, k, v, g, beta, state, slots, starts, ends, advan
     return out
 
 
+def gated_delta_tree_triton(q, k, v, g, beta, state, slots, starts, seq, masks, advance, run_end,
+                            normalize: bool = False, scale: float = 1.0) -> torch.Tensor:
+    """kernels.gated_delta_tree.gated_delta_tree on the Triton kernel (same contract)."""
+    q, k, v = (_rows(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    if g.stride(-1) != 1 or beta.stride(-1) != 1:
+        raise ValueError("gated_delta_tree: g and beta need unit stride per head")
+    tokens, (v_heads, dk, dv) = v.shape[0], state.shape[1:]
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    if tokens == 0:
+        return out
+    block_v = min(BLOCK_V, next_pow2(dv))
+    kernel = _kernel()[5]
+    kernel[(tokens, v_heads, triton.cdiv(dv, block_v))](
+        q, k, v, g, beta, out, state, slots, starts, seq, masks, run_end, advance,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+        out.stride(0), out.stride(1), state.stride(0), state.stride(1), state.stride(2), float(scale),
+        GROUP=v_heads // k.shape[1], DK=dk, DV=dv, BK=next_pow2(dk), BV=block_v, NORMALIZE=normalize,
+        **pdl_launch(v.device))
+    return out
+
+
 def conv_steps_triton(qkv, conv, weight, slots, starts, advance, seq, local, stash=None,
-                      positions: int = 0) -> torch.Tensor:
+                      positions: int = 0, tree=None) -> torch.Tensor:
     """kernels.gated_delta.conv_steps on the Triton kernels (same contract)."""
     tokens, channels = qkv.shape
     taps = weight.shape[1]
@@ -205,12 +286,13 @@ def conv_steps_triton(qkv, conv, weight, slots, starts, advance, seq, local, sta
     out = torch.empty_like(qkv)
     block = min(BLOCK_C, next_pow2(channels))
     raw, mixed = stash if stash is not None else (conv, conv)  # never written without STASH
+    parents, depths = tree[:2] if tree is not None else (local, local)  # never read without TREE
     kernel = _kernel()[1]
     if tokens:
         kernel[(tokens, triton.cdiv(channels, block))](
-            qkv, conv, weight, out, slots, seq, local, raw, mixed, channels,
+            qkv, conv, weight, out, slots, seq, local, raw, mixed, parents, depths, channels,
             qkv.stride(0), conv.stride(0), conv.stride(1), out.stride(0), raw.stride(0), positions,
-            KERNEL=taps, BC=block, STASH=stash is not None, **pdl_launch(qkv.device))
+            KERNEL=taps, BC=block, STASH=stash is not None, TREE=tree is not None, **pdl_launch(qkv.device))
     conv_windows_triton(qkv, conv, slots, starts, advance)
     return out
 

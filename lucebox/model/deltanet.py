@@ -17,7 +17,9 @@ Rows take one of two paths (the recurrence itself is kernels/gated_delta.py):
            normalised in it, the gates and the output norm); slots, lengths and `state_advance`
            are device tensors, so nothing syncs with the host. A decode row advances its slot in
            place; a verify row (advance 0) leaves state and window alone and stashes its inputs
-           for the commit (model/recurrent_state.py).
+           for the commit (model/recurrent_state.py). In a batch with tree verify rows
+           (ForwardBatch.tree_mask), each row's conv reads its ancestors and its recurrence
+           runs along its root-to-node path (kernels/gated_delta_tree.py).
   chunks   prefill chunks (eager): the conv per sequence, the chunked rule over all of them,
            each chunk's final state written back, so the next chunk continues where it stopped.
 """
@@ -41,6 +43,7 @@ from ..kernels.gated_delta import (  # noqa: F401  (the references, re-exported 
     recurrent_gated_delta_rule,
     stash_rows,
 )
+from ..kernels.gated_delta_tree import TreeLinks, gated_delta_tree, tree_links
 from ..util import host_to_device
 from .cache_spec import RecurrentSpec
 from .transformer import fuse_linears
@@ -61,6 +64,8 @@ class StepRows:
     max_len: int
     device_only: bool
     stash_index: dict = field(default_factory=dict)  # (positions, trash) -> each row's stash row
+    tree_mask: torch.Tensor | None = None  # per row, its visibility bits when the batch holds tree rows
+    _links: TreeLinks | None = None
 
     @classmethod
     def of_device_batch(cls, batch: ForwardBatch) -> "StepRows":
@@ -69,7 +74,7 @@ class StepRows:
         every = torch.arange(batch.num_tokens, device=qsl.device)
         seq = torch.searchsorted(qsl[1:], every, right=True)
         return cls(None, qsl[:-1], qsl[1:], batch.state_slots, batch.state_advance, seq, every - qsl[seq],
-                   batch.max_query_len, True)
+                   batch.max_query_len, True, tree_mask=batch.tree_mask)
 
     @classmethod
     def of_host(cls, batch: ForwardBatch, seqs: list[int], everything: bool) -> "StepRows":
@@ -87,10 +92,13 @@ class StepRows:
         def as_device(values):
             return host_to_device(values, device, torch.long)
 
+        tree_mask = batch.tree_mask
+        if tree_mask is not None and rows is not None:
+            tree_mask = tree_mask[rows]
         return cls(rows, as_device(starts[:-1]), as_device(starts[1:]),
                    as_device([batch.state_slots_host[i] for i in seqs]),
                    as_device([batch.state_advance_host[i] for i in seqs]), as_device(seq), as_device(local),
-                   max(lens, default=0), False)
+                   max(lens, default=0), False, tree_mask=tree_mask)
 
     def stash_rows(self, positions: int, trash: int) -> torch.Tensor:
         """Each row's stash row: slot * positions + its index (rows past the stash: `trash`)."""
@@ -98,6 +106,13 @@ class StepRows:
         if key not in self.stash_index:
             self.stash_index[key] = stash_rows(self.slots, self.seq, self.local, positions, trash)
         return self.stash_index[key]
+
+    @property
+    def tree(self) -> TreeLinks | None:
+        """Each row's parent, depth and run when the batch holds tree rows (kernels/gated_delta_tree.py)."""
+        if self.tree_mask is not None and self._links is None:
+            self._links = tree_links(self.tree_mask, self.starts, self.seq, self.local)
+        return self._links
 
 
 class GatedRMSNorm(nn.Module):
@@ -209,11 +224,16 @@ class GatedDeltaNet(nn.Module):
                                    f"{rows.max_len} stash positions, the pool keeps {state.positions}")
             stash = state.conv_stash
             state.stash_gates(rows.stash_rows(state.positions, state.trash), g, beta)
+        tree = rows.tree
         mixed = conv_steps(qkv, state.conv, self.conv1d.weight[:, 0, :], rows.slots, rows.starts, rows.advance,
-                           rows.seq, rows.local, stash, state.positions)
+                           rows.seq, rows.local, stash, state.positions, tree)
         q = mixed[:, :self.key_dim].view(-1, self.num_k_heads, self.head_k_dim)
         k = mixed[:, self.key_dim:2 * self.key_dim].view(-1, self.num_k_heads, self.head_k_dim)
         v = mixed[:, 2 * self.key_dim:].view(-1, self.num_v_heads, self.head_v_dim)
+        if tree is not None:  # each node from the state after its ancestors only
+            return gated_delta_tree(q, k, v, g, beta, state.state, rows.slots, rows.starts, rows.seq, rows.local,
+                                    rows.tree_mask, rows.advance, rows.max_len, tree.run_end, normalize=True,
+                                    scale=self.head_k_dim ** -0.5)
         return gated_delta_steps(q, k, v, g, beta, state.state, rows.slots, rows.starts, rows.ends, rows.advance,
                                  rows.max_len, normalize=True, scale=self.head_k_dim ** -0.5)
 

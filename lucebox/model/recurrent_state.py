@@ -18,6 +18,9 @@ and makes the conv window the K-1 raw inputs ending at the last of them. A stash
 Prefix snapshots (engine/state_snapshots.py): a slot's state and conv window in every layer of the
 pool copied out to (`save`) or in from (`load`) an entry of snapshot storage [entries, layers, ...];
 two copies each, eager between steps (CUDA graphs read the slot tensors in place, never these).
+
+Tree verifies (DDTree) stash node i at row i like any verify; the accepted path's rows a_0 = 0 <
+a_1 < ... move onto rows 0, 1, ... first (`compact_stash`), and the commit is then a chain's.
 """
 from __future__ import annotations
 
@@ -75,6 +78,15 @@ class RecurrentState:
         """Keep tokens' g and beta at stash rows `rows` (slot * positions + index in the verify)."""
         self.stash_g.index_copy_(0, rows, g.to(self.stash_g.dtype))
         self.stash_beta.index_copy_(0, rows, beta.to(self.stash_beta.dtype))
+
+    def compact_stash(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Stash row slot * positions + src[i] moves onto slot * positions + dst[i] in every layer
+        (flat per-layer stash rows): a tree verify's accepted path becomes stash rows 0, 1, ..., what
+        `commit` advances over. The gather reads every source before any destination is written."""
+        layer = (torch.arange(self.layers, device=src.device) * self.rows_per_layer)[:, None]
+        src, dst = (layer + src).reshape(-1), (layer + dst).reshape(-1)
+        for t in (self.stash_raw, self.stash_mixed, self.stash_g, self.stash_beta):
+            t.index_copy_(0, dst, t.index_select(0, src))
 
     def commit(self, slots: torch.Tensor, accepted: torch.Tensor, skip: torch.Tensor | None = None) -> None:
         """After a verify of `slots` (device tensors, one entry a sequence): advance each state over

@@ -21,6 +21,6 @@ mode_check_new() {
     tests/model/test_qwen3_5_graphs.py \
     tests/engine/test_hybrid_prefix.py tests/model/test_gemma4.py tests/engine/test_sliding_window_mixed.py \
     tests/spec/test_spec_gemma4_laguna.py::test_greedy_speculation_through_graphs_equals_plain_decoding \
-    tests/kernels/test_block32_formats.py tests/kernels/test_tree_attention.py \
-    tests/engine/test_placement.py
+    tests/kernels/test_block32_formats.py tests/kernels/test_tree_attention.py tests/kernels/test_gated_delta_tree.py \
+    tests/spec/test_ddtree_hybrid.py tests/engine/test_placement.py
 }

@@ -1,7 +1,8 @@
 """Draft trees through the engine (speculative_config tree_budget): greedy output token-identical to
 plain decoding across batch shapes, prefix-cache hits and stop positions; the accepted path's K/V
 compacted (the cached blocks serve later prompts correctly); blocks back to baseline after many
-rejected trees; sampled output with the target's distribution; hybrids and windows refused."""
+rejected trees; sampled output with the target's distribution; sliding windows refused (hybrid
+targets: tests/spec/test_ddtree_hybrid.py)."""
 from __future__ import annotations
 
 import random
@@ -15,7 +16,6 @@ from lucebox.config import SpeculativeConfig
 from lucebox.default_model import default_speculative_config
 from lucebox.engine.cuda_graphs import CudaGraphRunner
 from lucebox.errors import LuceboxError, RequestError, UnsupportedError
-from tests.conftest import build_hf_model
 from tests.spec.test_spec import (  # noqa: F401
     PROMPT,
     chi_square_rejects,
@@ -295,10 +295,3 @@ def test_sliding_window_targets_refuse_trees(hf_models, tmp_path):
     with pytest.raises(UnsupportedError, match="sliding-window"):
         tree_llm(target, drafter, 8)
 
-
-def test_hybrid_targets_refuse_trees(tokenizer_dir, tmp_path):
-    from tests.model.test_qwen3_5 import HYBRID
-    target = build_hf_model("qwen3", tmp_path / "h", tokenizer_dir, **HYBRID)
-    drafter = write_dflash_drafter(target, tmp_path / "d", block_size=4)
-    with pytest.raises(UnsupportedError, match="Gated DeltaNet"):
-        tree_llm(target, drafter, 8)
