@@ -156,7 +156,7 @@ class ModelRunner:
         if self.model.layers[self.paged_layers[0]].self_attn.k_cache is not self.caches[0][0]:
             self._install()
         self._group_tables(plan)
-        if self.graphs is not None and not plan.has_trees:  # tree rows run eagerly (no tree buckets yet)
+        if self.graphs is not None:  # tree steps through tree buckets (CudaGraphRunner), never a chain's
             result = self.graphs.run(plan)
             if result is not None:
                 return result
@@ -178,16 +178,18 @@ class ModelRunner:
         sequence's last new token, or the plan's logits_rows / all_logits (StepPlan's fields)."""
         return self.run(StepPlan.forward(token_ids, start_positions, block_tables, **choices)).logits
 
-    def compact_tree_rows(self, tables: list[list[int]], starts: list[int], accepted: list[list[int]]) -> None:
+    def compact_tree_rows(self, tables: list[list[int]], starts: list[int], accepted: list[list[int]],
+                          window_tables: list[list[list[int]]] = ()) -> None:
         """After tree verifies: each sequence's accepted rows (accepted[b], from its tree row at starts[b])
-        move onto contiguous positions in every attention layer's K/V (one KV cache group: trees are
-        refused for models mixing windows)."""
-        if len(self.group_scratch):
-            raise RuntimeError("internal error: tree compaction on a model with several KV cache groups")
-        src, dst = compaction_slots(tables, self.block_size, starts, accepted, self.model.device)
-        if src.numel():
-            unique = {id(c): c for pair in self.caches for c in pair}
-            compact_rows(unique.values(), src, dst)
+        move onto contiguous positions in every attention layer's K/V; window_tables[b][g - 1]: sequence
+        b's table in KV cache group g (models mixing windows), whose layers move through it."""
+        groups = [tables] + [[seq[g] for seq in window_tables] for g in range(len(self.group_scratch))]
+        for g, group in enumerate(groups):
+            src, dst = compaction_slots(group, self.block_size, starts, accepted, self.model.device)
+            if src.numel():
+                unique = {id(c): c for layer, pair in zip(self.paged_layers, self.caches)
+                          if self.layer_group[layer] == g for c in pair}
+                compact_rows(unique.values(), src, dst)
 
     def set_feature_ring(self, ring) -> None:
         """Graph steps write captured features into this FeatureRing (before any capture)."""
