@@ -332,7 +332,10 @@ class LLMEngine:
                     seq = row.seq
                     # A tree's draft length is its depth: the chain it stands in for.
                     drafted = max(row.depths) if row.depths is not None else len(row.draft.tokens)
-                    self.speculator.record(seq, drafted, verdict.num_accepted)
+                    # a tree's top-1 chain is rows 1, 2, ... (seeded first, first in DFS order)
+                    chain = (next((j for j, r in enumerate(verdict.rows) if r != j), len(verdict.rows)) - 1
+                             if verdict.rows is not None else None)
+                    self.speculator.record(seq, drafted, verdict.num_accepted, chain)
                     taps, at = features, row.offset
                     if verdict.rows is not None and isinstance(features, RingRows):  # a graph step's ring rows
                         self._compact_ring_rows(features, row.offset, verdict.rows)
