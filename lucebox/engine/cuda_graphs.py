@@ -227,9 +227,10 @@ class CudaGraphRunner:
         return StepResult(logits=logits.index_select(0, select_dev), features=features)
 
     @torch.inference_mode()  # as run(): outside it the model's ops take their autograd-safe references
-    def capture_all(self, capture_layers: tuple[int, ...] = ()) -> None:
+    def capture_all(self, capture_layers: tuple[int, ...] = (), trees: bool = True) -> None:
         """Capture every bucket now (the engine does at start): a bucket first used mid-stream
-        would stall that step by its capture, tens to hundreds of milliseconds."""
+        would stall that step by its capture, tens to hundreds of milliseconds. trees=False: not
+        the tree buckets (a dormant drafter's tap-less steps never verify trees)."""
         if not self.settings.capture:
             return
         started = time.perf_counter()
@@ -238,7 +239,7 @@ class CudaGraphRunner:
             keys += [(b, q, capture_layers, True, False) for b in self.batch_sizes for q in self.query_lens]
         if capture_layers:
             keys += [(1, q, capture_layers, False, False) for q in self.catch_up_lens]
-        if self.state_rows is None:
+        if trees and self.state_rows is None:
             keys += [(b, q, capture_layers, False, True) for b, q in sorted(self.tree_buckets)]
         for key in keys:
             if key not in self.graphs:

@@ -129,11 +129,11 @@ class ModelRunner:
         padded static batches a graph would replay, eagerly)."""
         self.graphs = self._graph_runner(settings)
 
-    def capture_graphs(self, capture_layers: tuple[int, ...] = ()) -> None:
-        """Capture every CUDA-graph bucket now (a no-op without graphs)."""
+    def capture_graphs(self, capture_layers: tuple[int, ...] = (), trees: bool = True) -> None:
+        """Capture every CUDA-graph bucket now (a no-op without graphs); trees: tree buckets too."""
         if self.graphs is not None:
             self._install()  # a graph keeps reading the caches installed when it was captured
-            self.graphs.capture_all(tuple(capture_layers))
+            self.graphs.capture_all(tuple(capture_layers), trees)
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepResult:

@@ -35,6 +35,8 @@ from __future__ import annotations
 import math
 from bisect import bisect_left, insort
 
+from .tree import tree_nodes
+
 PRIOR_ACCEPTED, PRIOR_REJECTED = 2.0, 1.0  # a mild prior: alpha = 2/3 before any evidence
 DECAY = 0.9  # recent steps weigh more: acceptance drifts as the text changes
 PROBE_EVERY = 16  # steps of plain decoding before the first probe with drafts
@@ -225,7 +227,6 @@ class DraftLengthPolicy:
     def row_tokens(self, k: int, width: int | None = -1) -> int:
         """Tokens a sequence's verify row brings for drafts of depth k: 1 + k for a chain, the pending
         token and the nodes for a tree of budget `width` (default: the widest width)."""
-        from .tree import tree_nodes  # spec/tree imports torch; this module stays light
         width = self.widths[-1] if width == -1 else width
         return 1 + (k if width is None else tree_nodes(width, k))
 

@@ -175,7 +175,8 @@ class Speculator:
         """Tokens of every tree verify row the policy may choose (the graphs' tree buckets): the
         pending token and a tree's nodes, for every tree width and draft depth."""
         policy = self.policy
-        return sorted({policy.row_tokens(k, w) for w in policy.widths if w is not None for k in policy.candidates})
+        widths = policy.widths if policy.adaptive else policy.widths[-1:]  # fixed: the configured budget only
+        return sorted({policy.row_tokens(k, w) for w in widths if w is not None for k in policy.candidates})
 
     def capture_every_step(self) -> None:
         """The target has recurrent layers: every step captures the taps, so that nothing is ever
