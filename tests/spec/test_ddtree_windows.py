@@ -1,5 +1,5 @@
-"""Draft trees on models mixing sliding-window and full attention (Qwen2 `layer_types` here; Gemma 4
-and Laguna read their groups' tables the same way): windows of at least a tree row (64) take trees.
+"""Draft trees on models mixing sliding-window and full attention (Qwen2 `layer_types`, Gemma 4 with
+KV-shared layers, Laguna): windows of at least a tree row (64) take trees.
 Each KV cache group's K/V is compacted through its own tables, the window blocks behind the window
 are released exactly as after chain steps, and greedy output equals plain decoding (and transformers)
 through the window's edge, eagerly and through the tree buckets' padded static batches."""
@@ -174,3 +174,70 @@ def test_windows_shorter_than_a_tree_row_are_refused(tokenizer_dir, tmp_path):
         tree_llm(target, drafter, 8)
     assert LLM(target, block_size=BLOCK, kv_cache_memory=KV_MEMORY, speculative_config={
         "method": "dflash", "model": str(drafter)}).engine.speculator.tree_budget is None  # chains still work
+
+
+# ----------------------------------------------------------------------------- Gemma 4 and Laguna
+
+def off_chain_oracle(spec, want: dict, vocab: int) -> list[int]:
+    """The drafter runs as usual, then each draft becomes a tree whose first three children are wrong
+    and whose fourth starts the plain run's continuation (wrong again at a place moving step to step):
+    accepted paths leave the top-1 chain, so every accepting verify compacts K/V (in every group).
+    Returns the list of accepted-path lengths seen by the engine's compaction."""
+    from lucebox.sampling.acceptance import Draft
+    propose = spec.proposer.propose
+
+    def oracle(seqs, ks):
+        drafts = propose(seqs, ks)
+        out = []
+        for i, (seq, k, draft) in enumerate(zip(seqs, ks, drafts)):
+            n = len(seq.output_token_ids)
+            right = list(want[tuple(seq.prompt_token_ids)][n:n + k])
+            if not right:
+                out.append(draft)
+                continue
+            wrong_at = (n + i) % (len(right) + 1)
+            if wrong_at < len(right):
+                right[wrong_at] = (right[wrong_at] + 1) % vocab
+            # rows 1-3: wrong children (row 1 the top-1 chain's); rows 4..: the path
+            tokens = [(right[0] + j) % vocab for j in (2, 3, 4)] + right
+            out.append(Draft(tokens, parents=[0, 0, 0, 0] + list(range(4, len(tokens)))))
+        return out
+    spec.proposer.propose = oracle
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "static-batches"])
+@pytest.mark.parametrize("family", ["gemma4", "laguna"])
+def test_greedy_trees_on_gemma4_and_laguna_with_64_token_windows(family, graphs, tokenizer_dir, tmp_path_factory):
+    """Gemma 4 (KV-shared layers reading their source's compacted cache, per-layer inputs) and Laguna
+    with windows of 64: trees whose accepted paths leave the top-1 chain, past the window, in a batch;
+    eagerly and through the tree buckets' padded static batches (every group's tables)."""
+    from tests.model.test_gemma4 import DENSE, build
+    from tests.model.test_laguna import build_laguna
+    if family == "gemma4":
+        target = build(tmp_path_factory, tokenizer_dir, "gemma4-w64", dict(DENSE, sliding_window=WINDOW))[0]
+    else:
+        target = build_laguna(tmp_path_factory.mktemp("laguna-w64"), tokenizer_dir, sliding_window=WINDOW)
+    drafter = write_dflash_drafter(Path(target), tmp_path_factory.mktemp("d"), taps=(0, 2), block_size=4)
+    plain = LLM(str(target), block_size=BLOCK, kv_cache_memory=KV_MEMORY, enable_prefix_caching=False)
+    vocab = plain.engine.loaded.config.vocab_size
+    g = random.Random(4)
+    batch = [[g.randrange(vocab) for _ in range(g.randint(50, 70))] for _ in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    want = {tuple(p): o.outputs[0].token_ids
+            for p, o in zip(batch, plain.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False))}
+    llm = tree_llm(str(target), drafter, 8, **({"device": "cpu", "cuda_graphs": True} if graphs else {}))
+    if graphs:
+        llm.engine.runner.attach_graphs(replace(llm.engine._graph_settings(), capture=False))
+    assert llm.engine.scheduler.cache.windows  # a mixed-window model: window groups beside the full one
+    off_chain_oracle(llm.engine.speculator, want, vocab)
+    moved = []
+    compact = llm.engine.runner.compact_tree_rows
+    llm.engine.runner.compact_tree_rows = lambda *a: (moved.extend(a[2]), compact(*a))[1]
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [want[tuple(p)] for p in batch]
+    assert len(moved) >= 10 and sum(o.metrics.num_accepted_tokens for o in outs) >= 20
+    if graphs:
+        assert sum(llm.engine.runner.graphs.tree_replays.values()) > 0
+    cache = llm.engine.scheduler.cache
+    for pool in [cache.blocks, *cache.window_pools]:
+        assert pool.num_free_blocks == pool.num_blocks
