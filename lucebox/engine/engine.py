@@ -12,14 +12,8 @@ import torch
 from ..config import EngineArgs
 from ..errors import ContextLengthError, OverloadError, RequestError, UnsupportedError
 from ..kernels.forward_batch import MAX_TREE_TOKENS
-from ..model.cache_spec import (
-    RecurrentSpec,
-    bytes_per_sequence,
-    bytes_per_token,
-    plan_pools,
-    pools_bytes_wanted,
-    window_blocks,
-)
+from ..model.cache_spec import (RecurrentSpec, bytes_per_sequence, bytes_per_token, plan_pools, pools_bytes_wanted,
+                                window_blocks)
 from ..model.feature_ring import RingRows
 from ..model.loader import LoadedModel
 from ..outputs import RequestOutput
@@ -131,9 +125,9 @@ class LLMEngine:
                                    "node's ancestors; drop tree_budget to speculate with chains")
         short = sorted({w for s in specs if (w := getattr(s, "window", None)) is not None and w < MAX_TREE_TOKENS})
         if short:
-            raise UnsupportedError(f"speculative_config['tree_budget'] (draft trees) needs sliding-window layers' windows of at least "
-                                   f"{MAX_TREE_TOKENS} positions (a tree verify row), this model has window(s) "
-                                   f"{short}; drop tree_budget to speculate with chains")
+            raise UnsupportedError(f"speculative_config['tree_budget'] (draft trees) needs sliding-window layers' "
+                                   f"windows of at least {MAX_TREE_TOKENS} positions (a tree verify row), this "
+                                   f"model has window(s) {short}; drop tree_budget to speculate with chains")
 
     @classmethod
     def from_args(cls, args: EngineArgs, loaded: LoadedModel | None = None) -> LLMEngine:

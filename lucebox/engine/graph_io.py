@@ -16,9 +16,9 @@ class StaticInputs:
     One int64 buffer holds ids | positions | slots | seq_lens | selected rows | real rows | feature
     ring rows | top_k | greedy | drafts | noise seed | recurrent-state slots | state advance (tokens
     that advance each sequence's recurrent state: 0 for verifies) | tree masks (ForwardBatch.tree_mask:
-    -1 for ordinary and padding rows) | the slots of KV cache groups 1.. (mixed windows), so a step costs two host-to-device copies (that and the block tables of every group,
-    [seqs, groups, width]) whatever its size (three when it samples in the graph: the float sampling
-    parameters)."""
+    -1 for ordinary and padding rows) | the slots of KV cache groups 1.. (mixed windows), so a step
+    costs two host-to-device copies (that and the block tables of every group, [seqs, groups, width])
+    whatever its size (three when it samples in the graph: the float sampling parameters)."""
 
     def __init__(self, max_tokens: int, max_seqs: int, width: int, device: torch.device, groups: int = 1):
         t, b = max_tokens, max_seqs
