@@ -186,3 +186,34 @@ def test_adaptive_trees_through_the_engine_equal_plain_decoding(pair, plain_llm)
     assert token_ids(llm, prompts, params) == token_ids(plain_llm, prompts, params)
     assert {None, 8, 16, 20} <= set(widths)
     assert llm.engine.scheduler.blocks.num_free_blocks == llm.engine.runner.num_blocks
+
+
+def test_a_tree_verify_also_records_what_its_top_1_chain_would_have_accepted(pair, plain_llm):
+    """Through the engine: a tree whose accepted path leaves the chain after one node counts 1 accepted
+    draft for the chain at the tree's depth, the whole path for the tree's width."""
+    target, drafter = pair
+    llm = LLM(str(target), block_size=4, speculative_config={"method": "dflash", "model": str(drafter),
+                                                             "tree_budget": 8})
+    spec = llm.engine.speculator
+
+    class Metrics:
+        num_drafts = num_draft_tokens = num_accepted_tokens = 0
+        accepted_per_position: list = []
+    seq = type("Seq", (), {"metrics": Metrics()})()
+    spec.source[id(seq)] = ("model", 8)
+    before_chain, before_tree = spec._acceptance(seq, "model", None), spec._acceptance(seq, "model", 8)
+    chain_alpha, tree_alpha = before_chain.alpha, before_tree.alpha
+    spec.record(seq, 3, 3, chain_accepted=1)
+    assert spec._acceptance(seq, "model", 8).alpha > tree_alpha  # all 3 accepted
+    assert spec._acceptance(seq, "model", None).alpha < chain_alpha  # the chain stopped after 1 of 3
+    assert spec.policy.width_steps[8] == 1 and spec.policy.width_steps[None] == 0
+    # the engine derives chain_accepted from the accepted rows: rows 1, 2, ... are the top-1 chain
+    record = spec.record
+    seen = []
+    spec.record = lambda s, k, a, chain=None: (seen.append((k, a, chain)), record(s, k, a, chain))[1]
+    prompts = small_prompts(3, seed=2)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    assert token_ids(llm, prompts, params) == token_ids(plain_llm, prompts, params)
+    trees = [(k, a, c) for k, a, c in seen if c is not None]
+    assert trees and all(0 <= c <= a <= k for k, a, c in trees)
+    assert any(c < a for _, a, c in trees)  # some accepted paths left the chain
