@@ -173,7 +173,7 @@ def test_greedy_trees_through_tree_buckets_equal_plain_decoding(pair, plain_llm,
     could not tell, trees being lossless whatever the drafter sees)."""
     target, drafter = pair
     prompts = small_prompts(5, seed=11)
-    eager = tree_llm(target, drafter, 12)
+    eager = tree_llm(target, drafter, 12, device="cpu")
     want_taps = projected_taps(eager)
     want = eager.generate(prompts, GREEDY, use_tqdm=False)
     llm = tree_llm(target, drafter, 12, device="cpu", cuda_graphs=True)

@@ -81,7 +81,8 @@ class MixedRunner:
         for layer, (k, v) in zip(self.runner.paged_layers, self.runner.caches):
             g = self.runner.layer_group[layer]
             table = self.seq.block_table if g == 0 else self.seq.window_tables[g - 1]
-            slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, start + n)])
+            slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, start + n)],
+                                 device=k.values.device)
             out += [k.gather(slots, torch.float32), v.gather(slots, torch.float32)]
         return out
 
@@ -141,9 +142,10 @@ def watch_window_tables(llm) -> list[tuple[int, list[int]]]:
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "static-batches"])
 def test_greedy_trees_on_a_mixed_window_model_equal_plain_decoding(mixed, graphs):
     target, drafter = mixed
-    plain = LLM(target, block_size=BLOCK, kv_cache_memory=KV_MEMORY)
+    device = {"device": "cpu"} if graphs else {}  # static batches: the CPU's; else a GPU's real graphs if any
+    plain = LLM(target, block_size=BLOCK, kv_cache_memory=KV_MEMORY, **device)
     want = ids(plain.generate(prompts(), GREEDY, use_tqdm=False))
-    llm = tree_llm(target, drafter, 12, **({"device": "cpu", "cuda_graphs": True} if graphs else {}))
+    llm = tree_llm(target, drafter, 12, **device, **({"cuda_graphs": True} if graphs else {}))
     if graphs:
         runner = llm.engine.runner
         runner.graphs = CudaGraphRunner(runner.model, BLOCK, runner.scratch_block,
@@ -218,14 +220,15 @@ def test_greedy_trees_on_gemma4_and_laguna_with_64_token_windows(family, graphs,
     else:
         target = build_laguna(tmp_path_factory.mktemp("laguna-w64"), tokenizer_dir, sliding_window=WINDOW)
     drafter = write_dflash_drafter(Path(target), tmp_path_factory.mktemp("d"), taps=(0, 2), block_size=4)
-    plain = LLM(str(target), block_size=BLOCK, kv_cache_memory=KV_MEMORY, enable_prefix_caching=False)
+    device = {"device": "cpu"} if graphs else {}  # static batches: the CPU's; else a GPU's real graphs if any
+    plain = LLM(str(target), block_size=BLOCK, kv_cache_memory=KV_MEMORY, enable_prefix_caching=False, **device)
     vocab = plain.engine.loaded.config.vocab_size
     g = random.Random(4)
     batch = [[g.randrange(vocab) for _ in range(g.randint(50, 70))] for _ in range(3)]
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     want = {tuple(p): o.outputs[0].token_ids
             for p, o in zip(batch, plain.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False))}
-    llm = tree_llm(str(target), drafter, 8, **({"device": "cpu", "cuda_graphs": True} if graphs else {}))
+    llm = tree_llm(str(target), drafter, 8, **device, **({"cuda_graphs": True} if graphs else {}))
     if graphs:
         llm.engine.runner.attach_graphs(replace(llm.engine._graph_settings(), capture=False))
     assert llm.engine.scheduler.cache.windows  # a mixed-window model: window groups beside the full one
