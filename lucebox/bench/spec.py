@@ -53,6 +53,18 @@ def decode_runs(engine: LLMEngine, prompts: list[list[int]], params: SamplingPar
     return _totals([decode_one(engine, p, params, f"s{i}") for i, p in enumerate(prompts)])
 
 
+def verify_costs(engine: LLMEngine) -> dict[int, float]:
+    """The engine step's measured cost by the tokens in it (batch 1: the pending token and the drafts,
+    or a tree's nodes), over a plain step's: the verify cost per node count (the adaptive policy's
+    table, drafting excluded; settled sizes only)."""
+    spec = engine.speculator
+    table = spec.policy.forward if spec is not None else None
+    plain = table.values.get(1) if table is not None else None
+    if not plain:
+        return {}
+    return {n: seconds / plain for n, seconds in sorted(table.values.items()) if n > 1 and table.settled(n)}
+
+
 def _spec_config(config: dict, args) -> dict:
     spec = dict(config, adaptive=not args.no_adaptive)
     if args.spec_tokens:
@@ -135,7 +147,8 @@ def run(args) -> dict:
             rows.append({"method": name, "temperature": temperature, **median_of(runs[name]),
                          "speedup": ratios[len(ratios) // 2], "speedup_range": [ratios[0], ratios[-1]],
                          "per_request_vs_control": median, "per_request_interval": [low, high],
-                         "repeats": args.repeats, "steps": dict(dict(engines)[name].step_counts)})
+                         "repeats": args.repeats, "steps": dict(dict(engines)[name].step_counts),
+                         "verify_cost": verify_costs(dict(engines)[name])})
         control = next(r["speedup"] for r in rows[-len(engines):] if r["method"] == "plain again")
         for r in rows[-len(engines):]:
             r["vs_control"] = r["speedup"] / control  # the speedup judged against the run's own noise
@@ -164,6 +177,13 @@ def main(args) -> int:
         print(f"| {r['method']} | {r['temperature']:g} | {tau} | {acc} | {r['tok_s']:.1f} "
               f"| {r['speedup']:.2f}x{spread} | {r['vs_control']:.2f}x "
               f"| {r['per_request_vs_control']:.3f}x ({low:.3f}-{high:.3f}) | {mix} |")
+    costs = [r for r in result["rows"] if r["verify_cost"]]
+    if costs:
+        print("\n| method | T | step cost by tokens verified (pending + drafts or tree nodes), x a plain step |\n"
+              "|---|---:|---|")
+        for r in costs:
+            cells = ", ".join(f"{n}: {c:.2f}x" for n, c in r["verify_cost"].items())
+            print(f"| {r['method']} | {r['temperature']:g} | {cells} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

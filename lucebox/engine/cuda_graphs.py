@@ -21,6 +21,17 @@ int64 buffer plus one of the block tables); outputs are static buffers from whic
 gathered, so a step has no host sync of its own. The engine captures every bucket when it starts (capture_all),
 into one shared memory pool, after the KV pool exists; a bucket not captured yet is captured the
 first time it is used.
+
+Tree verify steps (a row holding a draft tree: PlanRow.parents) have buckets of their own, keyed by
+(B, Q) with Q = 1 + a tree's node count (`tree_lens`: the node counts of the tree budgets in use).
+Their graphs read a static tree-mask buffer (ForwardBatch.tree_mask) and depth-based positions;
+every other row of the step (chain verifies, decodes) shares the bucket with mask -1, which is
+plain causal attention, and padding rows are -1 too (they come after every real token). Chain
+steps never replay a tree graph (the tree mask would cost them the kernel's mask path), and tree
+steps never a chain graph. Tree buckets hold at most as many tokens as the largest chain bucket
+(or one tree row): the static buffers, logits above all, keep their size; wider tree steps run
+eagerly. Models with recurrent layers run tree steps eagerly (their state must follow each
+node's parents, which the static state inputs do not describe).
 """
 from __future__ import annotations
 
@@ -56,6 +67,8 @@ class GraphSettings:
     # Query lengths of one sequence whose taps a dormant drafter has missed, recomputed without
     # writing K/V (StepPlan.write_kv=False); captured with taps only, besides query_lens.
     catch_up_lens: tuple[int, ...] = ()
+    # Query lengths of tree verify buckets: 1 + the node count of every tree shape the policy may draft.
+    tree_lens: tuple[int, ...] = ()
     # False: run the padded static batches eagerly instead of replaying graphs. The padding and the
     # static buffers are then exercised on any device (how CPU tests check them).
     capture: bool = True
@@ -82,9 +95,12 @@ class CudaGraphRunner:
         groups = 1 + len(self.group_scratch)
         self.query_lens = sorted(set(settings.query_lens))
         self.catch_up_lens = sorted(set(settings.catch_up_lens) | set(self.query_lens))
+        self.tree_lens = sorted(set(settings.tree_lens))
         self.batch_sizes = batch_buckets(settings.max_batch)
-        self.width = -(-(settings.max_model_len + self.query_lens[-1]) // block_size)
-        step_tokens = self.batch_sizes[-1] * self.query_lens[-1]
+        self.width = -(-(settings.max_model_len + max(self.query_lens + self.tree_lens)) // block_size)
+        step_tokens = max([self.batch_sizes[-1] * self.query_lens[-1], *self.tree_lens[-1:]])
+        # (B, Q) tree buckets: no wider than a chain step (or one tree row), as the module docstring says
+        self.tree_buckets = {(b, q) for b in self.batch_sizes for q in self.tree_lens if b == 1 or b * q <= step_tokens}
         self.max_tokens = max(step_tokens, self.catch_up_lens[-1])
         self.inputs = StaticInputs(step_tokens, self.batch_sizes[-1], self.width, model.device, groups)
         # Catch-ups longer than any step get their own buffers: decode steps keep uploading the
@@ -97,6 +113,7 @@ class CudaGraphRunner:
         self.outputs: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]] = {}
         self.pool = None
         self.replays: Counter = Counter()  # (B, Q) -> steps run through that bucket
+        self.tree_replays: Counter = Counter()  # (B, Q) -> tree steps run through that tree bucket
         self.feature_ring = None  # a FeatureRing: captured features are written there (set before capture)
         self._host_buffers = HostBuffers(self.max_tokens, model.device)  # deferred steps' results
         # Models with recurrent layers: plan -> (slot, advance) per row, and the pool's scratch slot
@@ -105,19 +122,26 @@ class CudaGraphRunner:
         self.scratch_slot = lambda: 0
         model.rope.reserve(self.width * block_size, model.device)
 
-    def _inputs(self, query_len: int) -> "StaticInputs":
-        return self.catch_up_inputs if self.catch_up_inputs and query_len > self.query_lens[-1] else self.inputs
+    def _inputs(self, query_len: int, tree: bool = False) -> "StaticInputs":
+        """The catch-up buffers for catch-ups longer than any step (tree buckets are steps)."""
+        if self.catch_up_inputs and not tree and query_len > self.query_lens[-1]:
+            return self.catch_up_inputs
+        return self.inputs
 
     def bucket(self, token_ids: list[list[int]], start_positions: list[int],
-               block_tables: list[list[int]], catch_up: bool = False) -> tuple[int, int] | None:
+               block_tables: list[list[int]], catch_up: bool = False, tree: bool = False) -> tuple[int, int] | None:
         """(B, Q) of the bucket this step fits, or None to run it eagerly; catch_up: one sequence
-        recomputing taps, which also fits the catch-up lengths."""
+        recomputing taps, which also fits the catch-up lengths; tree: some row is a tree verify
+        (a tree bucket)."""
         q_lens = [len(t) for t in token_ids]
-        if not q_lens or min(q_lens) < 1 or (catch_up and len(q_lens) > 1):
+        if not q_lens or min(q_lens) < 1 or (catch_up and len(q_lens) > 1) or (tree and self.state_rows is not None):
             return None
+        lens = self.tree_lens if tree else self.catch_up_lens if catch_up else self.query_lens
         num_seqs = smallest_at_least(len(q_lens), self.batch_sizes)
-        query_len = smallest_at_least(max(q_lens), self.catch_up_lens if catch_up else self.query_lens)
+        query_len = smallest_at_least(max(q_lens), lens)
         if num_seqs is None or query_len is None or num_seqs * query_len > MAX_PADDING * sum(q_lens):
+            return None
+        if tree and (num_seqs, query_len) not in self.tree_buckets:
             return None
         limit = self.width * self.block_size
         if any(s + query_len > limit for s in start_positions) or any(len(t) > self.width for t in block_tables):
@@ -137,23 +161,26 @@ class CudaGraphRunner:
         from such a step's device_tokens instead of the rows' tokens."""
         token_ids, block_tables, capture_layers = plan.token_ids, plan.block_tables, tuple(plan.capture_layers)
         start_positions, feature_rows, logits_rows = plan.start_positions, plan.feature_rows, plan.logits_rows
-        shape = self.bucket(token_ids, start_positions, block_tables, catch_up=not plan.write_kv)
+        tree = plan.has_trees
+        shape = self.bucket(token_ids, start_positions, block_tables, catch_up=not plan.write_kv, tree=tree)
         ring = self.feature_ring is not None and bool(capture_layers)
         if shape is None or (ring and feature_rows is None):
             return None
         num_seqs, query_len = shape
-        sampled = plan.sample is not None and self.settings.sample  # else: logits come back
-        key = (num_seqs, query_len, capture_layers, sampled)
+        # else logits come back; tree steps never sample in the graph (StepPlanner keeps plan.sample off)
+        sampled = plan.sample is not None and self.settings.sample and not tree
+        key = (num_seqs, query_len, capture_layers, sampled, tree)
         if key not in self.graphs:
             self._prepare(*key)
         graph, query_start_loc = self.graphs[key]
-        inputs = self._inputs(query_len)
+        inputs = self._inputs(query_len, tree)
         state_rows = None
         if self.state_rows is not None:
             slots, advance = self.state_rows(plan)
             state_rows = (slots, advance if plan.write_kv else [0] * len(advance))  # catch-ups leave state alone
         real = inputs.fill(token_ids, start_positions, block_tables, num_seqs, query_len, self.block_size,
-                           self.scratch_block, state_rows, self.scratch_slot(), plan.group_tables, self.group_scratch)
+                           self.scratch_block, state_rows, self.scratch_slot(), plan.group_tables, self.group_scratch,
+                           [row.parents for row in plan.rows] if tree else None)
         if not plan.write_kv:  # attention still reads the cached K/V of these positions
             inputs.scratch_all_slots(num_seqs * query_len, self.block_size, [self.scratch_block, *self.group_scratch])
         if logits_rows is not None:
@@ -181,7 +208,7 @@ class CudaGraphRunner:
             graph.replay()
         else:
             self._forward(*key, query_start_loc)
-        self.replays[shape] += 1
+        (self.tree_replays if tree else self.replays)[shape] += 1
         logits, features, tokens, verdicts = self.outputs[key[2]]
         if ring:
             features = RingRows(feature_rows, len(real))
@@ -200,32 +227,37 @@ class CudaGraphRunner:
         return StepResult(logits=logits.index_select(0, select_dev), features=features)
 
     @torch.inference_mode()  # as run(): outside it the model's ops take their autograd-safe references
-    def capture_all(self, capture_layers: tuple[int, ...] = ()) -> None:
+    def capture_all(self, capture_layers: tuple[int, ...] = (), trees: bool = True) -> None:
         """Capture every bucket now (the engine does at start): a bucket first used mid-stream
-        would stall that step by its capture, tens to hundreds of milliseconds."""
+        would stall that step by its capture, tens to hundreds of milliseconds. trees=False: not
+        the tree buckets (a dormant drafter's tap-less steps never verify trees)."""
         if not self.settings.capture:
             return
         started = time.perf_counter()
-        keys = [(b, q, capture_layers, False) for b in self.batch_sizes for q in self.query_lens]
+        keys = [(b, q, capture_layers, False, False) for b in self.batch_sizes for q in self.query_lens]
         if self.settings.sample:
-            keys += [(b, q, capture_layers, True) for b in self.batch_sizes for q in self.query_lens]
+            keys += [(b, q, capture_layers, True, False) for b in self.batch_sizes for q in self.query_lens]
         if capture_layers:
-            keys += [(1, q, capture_layers, False) for q in self.catch_up_lens]
+            keys += [(1, q, capture_layers, False, False) for q in self.catch_up_lens]
+        if trees and self.state_rows is None:
+            keys += [(b, q, capture_layers, False, True) for b, q in sorted(self.tree_buckets)]
         for key in keys:
             if key not in self.graphs:
                 self._prepare(*key)
         log.info("captured %d CUDA graphs in %.1f s", len(self.graphs), time.perf_counter() - started)
 
-    def _prepare(self, num_seqs: int, query_len: int, capture_layers: tuple[int, ...], sampled: bool) -> None:
+    def _prepare(self, num_seqs: int, query_len: int, capture_layers: tuple[int, ...], sampled: bool,
+                 tree: bool) -> None:
         device = self.model.device
         query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int64, device=device) * query_len
         graph = None
         if self.settings.capture:
             started = time.perf_counter()
             # An all-padding batch: warm-up and capture write nothing but the scratch block.
-            inputs = self._inputs(query_len)
+            inputs = self._inputs(query_len, tree)
             inputs.fill([], [], [], num_seqs, query_len, self.block_size, self.scratch_block,
-                        scratch_slot=self.scratch_slot(), group_scratch=self.group_scratch)
+                        scratch_slot=self.scratch_slot(), group_scratch=self.group_scratch,
+                        tree_parents=[] if tree else None)  # masks -1: every padding query sees itself
             inputs.set_sampling([], num_seqs)
             inputs.set_drafts([], num_seqs, query_len)
             inputs.upload(num_seqs)
@@ -233,28 +265,29 @@ class CudaGraphRunner:
             stream = torch.cuda.Stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
-                self._forward(num_seqs, query_len, capture_layers, sampled, query_start_loc)
+                self._forward(num_seqs, query_len, capture_layers, sampled, tree, query_start_loc)
             torch.cuda.current_stream(device).wait_stream(stream)
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             # thread_local: a server thread touching CUDA meanwhile must not invalidate the capture
             with _collector_paused(), torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                self._forward(num_seqs, query_len, capture_layers, sampled, query_start_loc)
+                self._forward(num_seqs, query_len, capture_layers, sampled, tree, query_start_loc)
             log.debug("captured a CUDA graph for %d sequences x %d tokens in %.0f ms", num_seqs, query_len,
                      1e3 * (time.perf_counter() - started))
-        self.graphs[(num_seqs, query_len, capture_layers, sampled)] = (graph, query_start_loc)
+        self.graphs[(num_seqs, query_len, capture_layers, sampled, tree)] = (graph, query_start_loc)
 
-    def _forward(self, num_seqs: int, query_len: int, capture_layers: tuple[int, ...], sampled: bool,
+    def _forward(self, num_seqs: int, query_len: int, capture_layers: tuple[int, ...], sampled: bool, tree: bool,
                  query_start_loc: torch.Tensor) -> None:
         """The captured body: static inputs -> logits (and taps) of every padded row, into the static outputs."""
-        inputs = self._inputs(query_len)
+        inputs = self._inputs(query_len, tree)
         tokens, view = num_seqs * query_len, inputs.view
         batch = ForwardBatch.from_device(view("ids", tokens), view("positions", tokens), view("seq_lens", num_seqs),
                                          inputs.tables[:num_seqs], view("slots", tokens), self.block_size,
                                          query_len, query_start_loc, capture_layers,
                                          tuple(t[:num_seqs] for t in inputs.group_tables),
-                                         tuple(inputs.group_slots(g, tokens) for g in range(1, inputs.groups)))
+                                         tuple(inputs.group_slots(g, tokens) for g in range(1, inputs.groups)),
+                                         tree_mask=view("tree_mask", tokens) if tree else None)
         batch.state_slots, batch.state_advance = view("state_slots", num_seqs), view("state_advance", num_seqs)
         logits = self.model.compute_logits(self.model(batch))
         features = torch.cat([batch.captured[i] for i in capture_layers], dim=-1) if capture_layers else None

@@ -11,8 +11,10 @@ import torch
 
 from ..config import EngineArgs
 from ..errors import ContextLengthError, OverloadError, RequestError, UnsupportedError
-from ..model.cache_spec import (PagedKVSpec, RecurrentSpec, bytes_per_sequence, bytes_per_token, plan_pools,
-                                pools_bytes_wanted, window_blocks)
+from ..kernels.forward_batch import MAX_TREE_TOKENS
+from ..model.cache_spec import (RecurrentSpec, bytes_per_sequence, bytes_per_token, plan_pools, pools_bytes_wanted,
+                                window_blocks)
+from ..model.feature_ring import RingRows
 from ..model.loader import LoadedModel
 from ..outputs import RequestOutput
 from ..sampling import SamplingParams
@@ -95,7 +97,7 @@ class LLMEngine:
         taps = self.speculator.capture_layers if self.speculator is not None else ()
         self.runner.capture_graphs(taps)
         if taps and not self.speculator.every_step:
-            self.runner.capture_graphs(())
+            self.runner.capture_graphs((), trees=False)  # tree verifies always capture the taps
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(cfg.eos_token_ids)
         self.requests: dict[str, tuple[str | None, list[Sequence]]] = {}
         self.progress = PrefillProgress(args.max_num_batched_tokens)
@@ -117,13 +119,16 @@ class LLMEngine:
                      size / 2**20, blocks // window_blocks(group.window, args.block_size, 1))
 
     def _check_trees(self, specs) -> None:
-        """Draft trees need every layer to follow a node's ancestors alone: full attention (tree mask) and
-        Gated DeltaNet (kernels/gated_delta_tree.py); not yet sliding windows."""
+        """Draft trees need every layer to follow a node's ancestors alone: attention layers (tree mask), whose
+        sliding windows (if any) span a whole tree row (kernels/forward_batch.check_tree_window), and Gated
+        DeltaNet layers (kernels/gated_delta_tree.py)."""
         if self.speculator is None or self.speculator.tree_budget is None:
             return
-        if any(isinstance(s, PagedKVSpec) and s.window is not None for s in specs):
-            raise UnsupportedError("speculative_config['tree_budget'] (draft trees) is not supported on models with "
-                                   "sliding-window attention layers yet; drop tree_budget to speculate with chains")
+        short = sorted({w for s in specs if (w := getattr(s, "window", None)) is not None and w < MAX_TREE_TOKENS})
+        if short:
+            raise UnsupportedError(f"speculative_config['tree_budget'] (draft trees) needs sliding-window layers' "
+                                   f"windows of at least {MAX_TREE_TOKENS} positions (a tree verify row), this "
+                                   f"model has window(s) {short}; drop tree_budget to speculate with chains")
 
     @classmethod
     def from_args(cls, args: EngineArgs, loaded: LoadedModel | None = None) -> LLMEngine:
@@ -149,8 +154,9 @@ class LLMEngine:
             query_lens += tuple(k + 1 for k in self.speculator.policy.candidates)
         spec = self.speculator
         catch_up = CATCH_UP_LENS if spec is not None and spec.capture_layers and not spec.every_step else ()
+        tree_lens = tuple(spec.tree_row_lens()) if spec is not None else ()
         return GraphSettings(self.max_model_len, min(self.args.cuda_graph_max_batch, self.args.max_num_seqs),
-                             query_lens, catch_up_lens=catch_up)
+                             query_lens, catch_up_lens=catch_up, tree_lens=tree_lens)
 
     def _warm_up_prefill(self) -> None:
         """fla-core's prefill kernels autotune and compile on first use (minutes on a cold Triton cache):
@@ -334,9 +340,14 @@ class LLMEngine:
                     seq = row.seq
                     # A tree's draft length is its depth: the chain it stands in for.
                     drafted = max(row.depths) if row.depths is not None else len(row.draft.tokens)
-                    self.speculator.record(seq, drafted, verdict.num_accepted)
+                    # a tree's top-1 chain is rows 1, 2, ... (seeded first, first in DFS order)
+                    chain = (next((j for j, r in enumerate(verdict.rows) if r != j), len(verdict.rows)) - 1
+                             if verdict.rows is not None else None)
+                    self.speculator.record(seq, drafted, verdict.num_accepted, chain)
                     taps, at = features, row.offset
-                    if verdict.rows is not None and features is not None:  # the accepted nodes' taps, in order
+                    if verdict.rows is not None and isinstance(features, RingRows):  # a graph step's ring rows
+                        self._compact_ring_rows(features, row.offset, verdict.rows)
+                    elif verdict.rows is not None and features is not None:  # the accepted nodes' taps, in order
                         taps, at = features[host_to_device([row.offset + r for r in verdict.rows], features.device,
                                                            torch.long)], 0
                     self._commit(seq, 1 + verdict.num_accepted, taps, at)  # the pending token + accepted
@@ -351,7 +362,18 @@ class LLMEngine:
                  if v.rows is not None and v.rows != list(range(len(v.rows)))]
         if moved:
             self.runner.compact_tree_rows([row.block_table for row, _ in moved], [row.start for row, _ in moved],
-                                          [rows for _, rows in moved])
+                                          [rows for _, rows in moved], [row.window_tables for row, _ in moved])
+
+    def _compact_ring_rows(self, features: RingRows, offset: int, accepted: list[int]) -> None:
+        """A tree verify through a graph wrote its taps to feature-ring rows: the accepted nodes' rows
+        move onto the row's first ones, in order (one gather before the writes, as kv_compact does)."""
+        if accepted == list(range(len(accepted))):
+            return
+        ring = self.speculator.proposer.feature_ring.rows
+        first = features.first + offset
+        src = host_to_device([first + r for r in accepted], ring.device, torch.long)
+        dst = host_to_device(list(range(first, first + len(accepted))), ring.device, torch.long)
+        ring.index_copy_(0, dst, ring.index_select(0, src))
 
     def _commit(self, seq: Sequence, n: int, features, offset: int) -> None:
         """The next n positions of seq (their K/V written this step) are now committed."""

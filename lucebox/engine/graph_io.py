@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..kernels.forward_batch import tree_depths, tree_mask_bits
 from ..util import StagedBuffer
 from .step_plan import StepResult
 
@@ -14,19 +15,20 @@ class StaticInputs:
 
     One int64 buffer holds ids | positions | slots | seq_lens | selected rows | real rows | feature
     ring rows | top_k | greedy | drafts | noise seed | recurrent-state slots | state advance (tokens
-    that advance each sequence's recurrent state: 0 for verifies) | the slots of KV cache groups 1.. (mixed
-    windows), so a step costs two host-to-device copies (that and the block tables of every group,
-    [seqs, groups, width]) whatever its size (three when it samples in the graph: the float sampling
-    parameters)."""
+    that advance each sequence's recurrent state: 0 for verifies) | tree masks (ForwardBatch.tree_mask:
+    -1 for ordinary and padding rows) | the slots of KV cache groups 1.. (mixed windows), so a step
+    costs two host-to-device copies (that and the block tables of every group, [seqs, groups, width])
+    whatever its size (three when it samples in the graph: the float sampling parameters)."""
 
     def __init__(self, max_tokens: int, max_seqs: int, width: int, device: torch.device, groups: int = 1):
         t, b = max_tokens, max_seqs
         self.offsets = {"ids": 0, "positions": t, "slots": 2 * t, "seq_lens": 3 * t, "select": 3 * t + b,
                         "real": 4 * t + b, "ring": 5 * t + b, "top_k": 6 * t + b, "greedy": 6 * t + 2 * b,
                         "draft": 6 * t + 3 * b, "seed": 7 * t + 3 * b, "state_slots": 7 * t + 3 * b + 1,
-                        "state_advance": 7 * t + 4 * b + 1, "group_slots": 7 * t + 5 * b + 1}
+                        "state_advance": 7 * t + 4 * b + 1, "tree_mask": 7 * t + 5 * b + 1,
+                        "group_slots": 8 * t + 5 * b + 1}
         self.max_tokens, self.groups = t, groups
-        self._flat = StagedBuffer(7 * t + 5 * b + 1 + (groups - 1) * t, torch.int64, device)
+        self._flat = StagedBuffer(8 * t + 5 * b + 1 + (groups - 1) * t, torch.int64, device)
         self._tables = StagedBuffer((max_seqs, groups, width), torch.int32, device)
         self.sampling = StagedBuffer((3, max_seqs), torch.float32, device)  # temperature, top_p, min_p
         self.flat, self.tables = self._flat.device, self._tables.device[:, 0]
@@ -88,12 +90,16 @@ class StaticInputs:
     def fill(self, token_ids: list[list[int]], start_positions: list[int], block_tables: list[list[int]],
              num_seqs: int, query_len: int, block_size: int, scratch_block: int,
              state_rows: tuple[list[int], list[int]] | None = None, scratch_slot: int = 0,
-             group_tables: list[list[list[int]]] = (), group_scratch: list[int] = ()) -> list[int]:
+             group_tables: list[list[list[int]]] = (), group_scratch: list[int] = (),
+             tree_parents: list[list[int] | None] | None = None) -> list[int]:
         """Write the padded layout of a step into the host staging; returns the padded row of each
         real token, in input order. state_rows: each sequence's recurrent slot and advance
         (models with recurrent layers); padding sequences use `scratch_slot` and advance nothing.
         group_tables[g - 1] / group_scratch[g - 1]: each sequence's table in KV cache group g and
-        that group's scratch block (models mixing sliding-window and full attention)."""
+        that group's scratch block (models mixing sliding-window and full attention).
+        tree_parents[i] (not None): sequence i is a tree verify row (ForwardBatch.build's meaning): its
+        tokens are stored at start + i as ever, rotated at start + depth, with their visibility masks
+        in "tree_mask"; every other row, padding included, is -1 there (plain causal)."""
         self._flat.staging()
         tokens = num_seqs * query_len
         ids, positions = self.host("ids", tokens), self.host("positions", tokens)
@@ -106,11 +112,21 @@ class StaticInputs:
         state_slots[:], advance[:] = scratch_slot, 0
         if state_rows is not None:
             state_slots[:len(state_rows[0])], advance[:len(state_rows[1])] = state_rows
+        masks = self.host("tree_mask", tokens) if tree_parents is not None else None
+        if masks is not None:
+            masks[:] = -1
         real: list[int] = []
         for i, (toks, start) in enumerate(zip(token_ids, start_positions)):
             n, base = len(toks), i * query_len
             ids[base:base + n] = toks
-            positions[base:base + n] = np.arange(start, start + n)
+            parents = tree_parents[i] if tree_parents is not None else None
+            if parents is None:
+                positions[base:base + n] = np.arange(start, start + n)
+            else:
+                if len(parents) != n:
+                    raise ValueError(f"sequence {i}: {len(parents)} tree parents for {n} tokens")
+                positions[base:base + n] = start + np.asarray(tree_depths(parents))
+                masks[base:base + n] = tree_mask_bits(parents)
             seq_lens[i] = start + query_len
             real.extend(range(base, base + n))
         groups = [block_tables, *group_tables] + [[]] * (len(group_scratch) - len(group_tables))

@@ -130,11 +130,11 @@ class ModelRunner:
         padded static batches a graph would replay, eagerly)."""
         self.graphs = self._graph_runner(settings)
 
-    def capture_graphs(self, capture_layers: tuple[int, ...] = ()) -> None:
-        """Capture every CUDA-graph bucket now (a no-op without graphs)."""
+    def capture_graphs(self, capture_layers: tuple[int, ...] = (), trees: bool = True) -> None:
+        """Capture every CUDA-graph bucket now (a no-op without graphs); trees: tree buckets too."""
         if self.graphs is not None:
             self._install()  # a graph keeps reading the caches installed when it was captured
-            self.graphs.capture_all(tuple(capture_layers))
+            self.graphs.capture_all(tuple(capture_layers), trees)
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepResult:
@@ -157,7 +157,7 @@ class ModelRunner:
         if self.model.layers[self.paged_layers[0]].self_attn.k_cache is not self.caches[0][0]:
             self._install()
         self._group_tables(plan)
-        if self.graphs is not None and not plan.has_trees:  # tree rows run eagerly (no tree buckets yet)
+        if self.graphs is not None:  # tree steps through tree buckets (CudaGraphRunner), never a chain's
             result = self.graphs.run(plan)
             if result is not None:
                 return result
@@ -179,15 +179,18 @@ class ModelRunner:
         sequence's last new token, or the plan's logits_rows / all_logits (StepPlan's fields)."""
         return self.run(StepPlan.forward(token_ids, start_positions, block_tables, **choices)).logits
 
-    def compact_tree_rows(self, tables: list[list[int]], starts: list[int], accepted: list[list[int]]) -> None:
+    def compact_tree_rows(self, tables: list[list[int]], starts: list[int], accepted: list[list[int]],
+                          window_tables: list[list[list[int]]] = ()) -> None:
         """After tree verifies: each sequence's accepted rows (accepted[b], from its tree row at starts[b])
-        move onto contiguous positions in every attention layer's K/V (one KV cache group: trees are
-        refused for models mixing windows)."""
-        if len(self.group_scratch):
-            raise RuntimeError("internal error: tree compaction on a model with several KV cache groups")
-        src, dst = compaction_slots(tables, self.block_size, starts, accepted, self.model.device)
-        if src.numel():
-            unique = {id(c): c for pair in self.caches for c in pair}
+        move onto contiguous positions in every attention layer's K/V; window_tables[b][g - 1]: sequence
+        b's table in KV cache group g (models mixing windows), whose layers move through it."""
+        groups = [tables] + [[seq[g] for seq in window_tables] for g in range(len(self.group_scratch))]
+        for g, group in enumerate(groups):
+            src, dst = compaction_slots(group, self.block_size, starts, accepted, self.model.device)
+            if not src.numel():
+                continue
+            unique = {id(c): c for layer, pair in zip(self.paged_layers, self.caches)
+                      if self.layer_group[layer] == g for c in pair}
             by_device: dict = {}  # a split model's caches lie on their layers' devices
             for cache in unique.values():
                 by_device.setdefault(cache.values.device, []).append(cache)

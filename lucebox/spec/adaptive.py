@@ -15,11 +15,27 @@ swing; a cost table holds few samples of a width), so what drafting delivered is
 seconds per committed token of the steps a source drafted, against plain decoding steps of the
 same number of sequences. While drafting has measured slower, only probes draft (and their
 outcomes can lift the veto): speculation must not make a request slower than plain decoding.
+
+Widths (draft trees, spec/tree.py): a drafter that builds DDTrees drafts either a chain (width None)
+or a tree of one of the budgets in `widths`; each width has its own acceptance (alpha per depth,
+measured on its own verifies: a tree of depth k accepts more than a chain of k), its own draft costs
+(building a tree costs host time) and its own delivered rate, and a tree row of depth k is priced at
+its node count, 1 + tree_nodes(budget, k), on the forward-cost table keyed by the step's tokens:
+the measured verify cost per node count. (On a MoE target that cost already includes the extra
+experts a wide verify routes to: the table measures whole steps.) The step's (width, k) is the one
+of most committed tokens per second, plain decoding included, a tree's discounted by TREE_MARGIN;
+a tree verify also tells what the chain of its depth would have accepted (its top-1 chain is
+seeded first), so the chain's acceptance stays current while trees run. A tree width whose
+drafted steps have delivered tokens slower than chains' (per committed token, same batch) is left
+out while that holds. Simulated, trees then never cost more than 5% against the best of plain and
+chain (tests/spec/test_adaptive_trees.py).
 """
 from __future__ import annotations
 
 import math
 from bisect import bisect_left, insort
+
+from .tree import tree_nodes
 
 PRIOR_ACCEPTED, PRIOR_REJECTED = 2.0, 1.0  # a mild prior: alpha = 2/3 before any evidence
 DECAY = 0.9  # recent steps weigh more: acceptance drifts as the text changes
@@ -45,6 +61,12 @@ REEVALUATE_PLAIN_EVERY = 32
 DELIVERED_DECAY = 0.9  # per step, of the sums behind seconds per committed token
 MIN_REALIZED = 4  # drafted steps measured before what they delivered can veto the model's choice
 STALL_CLIP = 3.0  # a step counts for at most this many mean steps in what was delivered
+MIN_WIDTH_STEPS = 4  # verifies of a width measured (its acceptance) before the model judges it
+TREE_BUDGETS = (8, 16, 32)  # the tree budgets tried below the configured one
+# A tree must promise this much more than chains and plain steps to be chosen: its acceptance is
+# estimated from few recent verifies, and the best of several noisy estimates is biased upwards
+# (tests/spec/test_adaptive_trees.py simulates trees that accept no deeper than the chain).
+TREE_MARGIN = 0.05
 
 
 class TimingTable:
@@ -160,6 +182,14 @@ class SequenceAcceptance:
         return self.accepted / (self.accepted + self.rejected)
 
 
+def tree_widths(budget: int | None) -> list[int | None]:
+    """The widths a drafter of this configured tree budget chooses among: chains (None), then the
+    TREE_BUDGETS below the budget, then the budget itself. None: chains only."""
+    if budget is None:
+        return [None]
+    return [None, *sorted({b for b in TREE_BUDGETS if b < budget} | {budget})]
+
+
 def expected_tokens(alpha: float, k: int) -> float:
     if alpha >= 1.0:
         return k + 1.0
@@ -167,13 +197,18 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 
 class DraftLengthPolicy:
-    def __init__(self, max_k: int, adaptive: bool = True):
+    def __init__(self, max_k: int, adaptive: bool = True, tree_budget: int | None = None):
+        """tree_budget: the drafter builds trees of up to this many nodes (widths: tree_widths)."""
         self.max_k, self.adaptive = max_k, adaptive
+        self.widths = tree_widths(tree_budget)
+        self.width: int | None = self.widths[-1]  # of the last choice (None: a chain)
         self.forward = TimingTable()  # engine-step seconds besides drafting, by tokens in the batch
         # Plain steps run in turn where plain steps of their size also overlap (Speculator.record_step):
         # what a step costs that cannot overlap, the one after a verify.
         self.in_turn = TimingTable()
-        self.draft = TimingTable()  # proposer seconds by draft length
+        self.drafts = {w: TimingTable() for w in self.widths}  # proposer seconds by draft length, per width
+        self.draft = self.drafts[None]  # a chain's
+        self.width_steps = dict.fromkeys(self.widths, 0)  # verifies of each width recorded
         self.plain_steps = 0
         self.speculated_steps = 0  # since the last plain step
         self.probe_interval = PROBE_EVERY
@@ -182,30 +217,55 @@ class DraftLengthPolicy:
         self.candidates = sorted({k for k in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32) if k <= max_k} | {max_k})
         # Seconds per committed token as delivered, by decoding sequences in the step: of the steps
         # this source drafted, and of plain steps (one table shared by every source of an engine).
-        self.delivered = DeliveredRate()
+        self.delivered_by_width = {w: DeliveredRate() for w in self.widths}
+        self.delivered = self.delivered_by_width[self.widths[-1]]  # the default width's
         self.delivered_plain = DeliveredRate()
         self.exploring = False  # the last choice measured a length rather than chose it
         self.stretch = 0  # plain steps still to come of a stretch measuring plain decoding
         self.catch_up = 0.0  # seconds a dormant drafter's catch-up took before its recent drafts (EMA)
-        # Tokens a sequence's verify row brings for drafts of length (depth) k: a draft tree's are its nodes.
-        self.row_tokens = lambda k: 1 + k
 
-    def record_delivered(self, num_seqs: int, committed: int, seconds: float, drafted: bool) -> None:
-        """A whole step (drafting included) of num_seqs decoding sequences committed `committed` tokens.
-        Drafted steps that only measured a length (the shortest, whose fixed drafting cost buys one
-        or two tokens) say nothing about the lengths the model picks, and are left out."""
+    def row_tokens(self, k: int, width: int | None = -1) -> int:
+        """Tokens a sequence's verify row brings for drafts of depth k: 1 + k for a chain, the pending
+        token and the nodes for a tree of budget `width` (default: the widest width)."""
+        width = self.widths[-1] if width == -1 else width
+        return 1 + (k if width is None else tree_nodes(width, k))
+
+    def record_width(self, width: int | None) -> None:
+        """A verify of this width was judged (its acceptance is in the sequence's record of it)."""
+        self.width_steps[width] = self.width_steps.get(width, 0) + 1
+
+    def record_delivered(self, num_seqs: int, committed: int, seconds: float, drafted: bool,
+                         width: int | None = -1) -> None:
+        """A whole step (drafting included) of num_seqs decoding sequences committed `committed` tokens
+        (drafted: at `width`, default the last choice's). Drafted steps that only measured a length
+        (the shortest, whose fixed drafting cost buys one or two tokens) say nothing about the lengths
+        the model picks, and are left out."""
         if drafted and self.exploring:
             return
         if drafted:
             self.plain_query = None  # new evidence on drafting (a probe's outcome): choose afresh next step
-        (self.delivered if drafted else self.delivered_plain).add(num_seqs, committed, seconds)
+            width = self.width if width == -1 else width
+            self.delivered_by_width[width].add(num_seqs, committed, seconds)
+        else:
+            self.delivered_plain.add(num_seqs, committed, seconds)
 
-    def drafting_loses(self, num_seqs: int) -> bool:
-        """Drafted steps of this many sequences have delivered tokens slower than plain steps."""
-        spec = self.delivered.seconds_per_token(num_seqs)
+    def drafting_loses(self, num_seqs: int, width: int | None = -1) -> bool:
+        """Drafted steps (of this width; default: the widest) of this many sequences have delivered
+        tokens slower than plain steps."""
+        delivered = self.delivered_by_width[self.widths[-1] if width == -1 else width]
+        spec = delivered.seconds_per_token(num_seqs)
         plain = self.delivered_plain.seconds_per_token(num_seqs)
-        return (spec is not None and plain is not None and self.delivered.steps(num_seqs) >= MIN_REALIZED
+        return (spec is not None and plain is not None and delivered.steps(num_seqs) >= MIN_REALIZED
                 and spec > plain)
+
+    def tree_loses(self, width: int | None, num_seqs: int) -> bool:
+        """Trees of this width have delivered tokens slower than chains (each over MIN_REALIZED steps
+        of this many sequences): left out while that holds."""
+        if width is None:
+            return False
+        tree, chain = self.delivered_by_width[width], self.delivered_by_width[None]
+        return (tree.steps(num_seqs) >= MIN_REALIZED and chain.steps(num_seqs) >= MIN_REALIZED
+                and tree.seconds_per_token(num_seqs) > chain.seconds_per_token(num_seqs))
 
     def record_catch_up(self, seconds: float) -> None:
         """Before a draft, the drafter's missed taps took `seconds` to recompute: part of a probe's cost."""
@@ -238,9 +298,13 @@ class DraftLengthPolicy:
         if self.adaptive and not self.stretch and due:
             self.plain_steps = 0
 
-    def choose(self, alphas: list[float], batch_tokens: int) -> int:
-        """One k for this step: `alphas` of the decoding sequences, `batch_tokens` other new tokens."""
+    def choose(self, alphas: list[float] | dict, batch_tokens: int) -> int:
+        """One k for this step (and its width: self.width): `alphas` of the decoding sequences (a list,
+        or per width a list), `batch_tokens` other new tokens."""
         self.exploring = False
+        by_width = alphas if isinstance(alphas, dict) else dict.fromkeys(self.widths, alphas)
+        alphas = by_width[self.widths[-1]]
+        self.width = self.widths[-1]
         if not self.adaptive or not alphas:
             return self.max_k
         if self.stretch:
@@ -258,26 +322,34 @@ class DraftLengthPolicy:
             # then, since a stale baseline (a slow early step) would keep a losing drafter on.
             self.speculated_steps, self.stretch = 0, PLAIN_STRETCH - 1
             return 0
-        unexplored = self._unexplored(batch_tokens, n)
-        if unexplored:
-            self.exploring = True
-            return unexplored
+        for width in self.widths:
+            unexplored = self._unexplored(batch_tokens, n, width)
+            if unexplored:
+                self.exploring, self.width = True, width
+                return unexplored
         best_k, best_rate, probe_k, probe_rate = 0, n / plain_cost, 0, 0.0
-        for k in self.candidates:
-            size = batch_tokens + n * self.row_tokens(k)
-            if self.forward.provisional(size) or self.draft.provisional(k):
-                self.exploring = True
-                return k  # measured once, maybe with a one-off cost (a graph capture): measure again
-            # A wider forward never costs less than the plain step: without this floor, one slow
-            # plain step (a load spike), never re-measured while speculation runs, would keep a
-            # useless drafter on.
-            rate = sum(expected_tokens(a, k) for a in alphas) / (max(self.forward.estimate(size), plain_cost)
-                                                                 + self.draft.estimate(k))
-            if rate > best_rate:
-                best_k, best_rate = k, rate
-            if rate > probe_rate:
-                probe_k, probe_rate = k, rate
-        if best_k and self.drafting_loses(n):
+        best_w = probe_w = self.widths[0]
+        for width in self.widths:
+            if self.tree_loses(width, n):
+                continue
+            draft = self.drafts[width]
+            for k in self.candidates:
+                size = batch_tokens + n * self.row_tokens(k, width)
+                if self.forward.provisional(size) or draft.provisional(k):
+                    self.exploring, self.width = True, width
+                    return k  # measured once, maybe with a one-off cost (a graph capture): measure again
+                # A wider forward never costs less than the plain step: without this floor, one slow
+                # plain step (a load spike), never re-measured while speculation runs, would keep a
+                # useless drafter on.
+                rate = sum(expected_tokens(a, k) for a in by_width[width]) / (
+                    max(self.forward.estimate(size), plain_cost) + draft.estimate(k))
+                if width is not None:
+                    rate /= 1 + TREE_MARGIN
+                if rate > best_rate:
+                    best_k, best_w, best_rate = k, width, rate
+                if rate > probe_rate:
+                    probe_k, probe_w, probe_rate = k, width, rate
+        if best_k and self.drafting_loses(n, best_w):
             best_k = 0  # the model says it pays, the measurements say it has not: probes only
         if best_k == 0:
             # Probes re-try the most promising length now and then, so a text that turns predictable
@@ -285,8 +357,9 @@ class DraftLengthPolicy:
             # probes themselves cannot make plain decoding measurably slower.
             # With overlapped decoding the step after a verify runs in turn: its extra counts too.
             in_turn = self.in_turn.estimate(batch_tokens + n)
-            probe_cost = (self.draft.estimate(probe_k) + self.catch_up
-                          + max(0.0, self.forward.estimate(batch_tokens + n * self.row_tokens(probe_k)) - plain_cost)
+            probe_size = batch_tokens + n * self.row_tokens(probe_k, probe_w)
+            probe_cost = (self.drafts[probe_w].estimate(probe_k) + self.catch_up
+                          + max(0.0, self.forward.estimate(probe_size) - plain_cost)
                           + max(0.0, (in_turn or plain_cost) - plain_cost))
             self.plain_query = (alphas, batch_tokens)
             self.next_probe = max(self.probe_interval, math.ceil(probe_cost / (PROBE_BUDGET * plain_cost)))
@@ -294,21 +367,28 @@ class DraftLengthPolicy:
             if self.plain_steps >= self.next_probe:
                 self.plain_steps = 0
                 self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
+                self.width = probe_w
                 return probe_k
             return 0
         self.plain_steps, self.probe_interval, self.next_probe = 0, PROBE_EVERY, PROBE_EVERY
         self.speculated_steps += 1
+        self.width = best_w
         return best_k
 
-    def _unexplored(self, batch_tokens: int, n: int) -> int:
+    def _unexplored(self, batch_tokens: int, n: int, width: int | None = None) -> int:
         """A draft length to measure before any is judged (0: none). The longest first, then the
         shortest, each until settled: the lengths between are interpolated from them. (Extrapolating
         from short drafts upwards would not do: a verify's extra cost over a plain step is mostly
         per step, not per token, so a line through the two narrowest forwards overprices wide ones,
-        and a drafter whose long drafts pay would never be tried at length.)"""
-        longest, shortest = self.candidates[-1], self.candidates[0]
-        if not (self.forward.settled_at_or_above(batch_tokens + n * self.row_tokens(longest)) and self.draft.settled(longest)):
+        and a drafter whose long drafts pay would never be tried at length.) A tree width is also
+        drafted (at the longest length) until MIN_WIDTH_STEPS of its verifies were judged: its
+        acceptance is its own."""
+        longest, shortest, draft = self.candidates[-1], self.candidates[0], self.drafts[width]
+        if not (self.forward.settled_at_or_above(batch_tokens + n * self.row_tokens(longest, width))
+                and draft.settled(longest)):
             return longest
-        if not self.draft.settled(shortest):
+        if not draft.settled(shortest):
             return shortest
+        if width is not None and self.width_steps.get(width, 0) < MIN_WIDTH_STEPS:
+            return longest
         return 0

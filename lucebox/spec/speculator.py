@@ -14,7 +14,6 @@ from collections.abc import Iterable
 from ..sampling.acceptance import Draft
 from .adaptive import DraftLengthPolicy, SequenceAcceptance
 from .proposer import Proposer
-from .tree import tree_nodes
 
 LOOKUP, MODEL = "lookup", "model"
 MIN_LOOKUP_MATCH = 4  # tokens a lookup must find to be used (fewer: the drafter proposes instead)
@@ -37,20 +36,23 @@ class Speculator:
         self.lookup = lookup  # an NgramProposer tried first, or None
         self.capture_layers = proposer.capture_layers
         self.max_model_len = max_model_len
-        self.policy = DraftLengthPolicy(num_speculative_tokens, adaptive)
+        # A drafter building trees (DDTree): its policy chooses among chains and tree budgets up to this one.
+        self.configured_budget = getattr(proposer, "tree_budget", None)
+        self.policy = DraftLengthPolicy(num_speculative_tokens, adaptive, self.configured_budget)
         self.policies = {MODEL: self.policy}
-        if getattr(proposer, "tree_budget", None) is not None:  # the drafter's rows are trees of up to budget nodes
-            self.policy.row_tokens = lambda k: 1 + tree_nodes(proposer.tree_budget, k)
         if lookup is not None:
             self.policies[LOOKUP] = DraftLengthPolicy(num_speculative_tokens, adaptive)
             # One target: one forward-cost table, one record of what plain steps deliver.
             self.policies[LOOKUP].forward = self.policy.forward
             self.policies[LOOKUP].delivered_plain = self.policy.delivered_plain
             self.policies[LOOKUP].in_turn = self.policy.in_turn
-        self.acceptance: dict[tuple[int, str], SequenceAcceptance] = {}
-        # Across sequences, per source: the prior of new sequences.
+        # Per (sequence, source, width): a tree of depth k accepts more than a chain of k (adaptive.py).
+        self.acceptance: dict[tuple[int, str, int | None], SequenceAcceptance] = {}
+        # Across sequences, per source: the prior of new sequences (every width's verifies); per
+        # (source, width): the prior of a width's own record.
         self.overall = {source: SequenceAcceptance(decay=0.99) for source in self.policies}
-        self.source: dict[int, str] = {}  # the source of each sequence's pending draft
+        self.overall_width = {(MODEL, w): SequenceAcceptance(decay=0.99) for w in self.policy.widths}
+        self.source: dict[int, tuple[str, int | None]] = {}  # the source and width of each sequence's pending draft
         self.steps_by_source = {source: 0 for source in self.policies}  # sequence-steps drafted by each
         self.draft_seconds = 0.0  # the last propose()'s drafting time: the rest of the step is the step's
         # This step, for what drafting delivered: decoding sequences, the sources that drafted, draft
@@ -125,7 +127,11 @@ class Speculator:
         self._assign(MODEL, chosen, k, self.proposer.propose)
 
     def _choose(self, source: str, seqs: list, other_tokens: int) -> int:
-        return self.policies[source].choose([self._acceptance(s, source).alpha for s in seqs], other_tokens)
+        widths = self.policies[source].widths
+        if len(widths) == 1:
+            return self.policies[source].choose([self._acceptance(s, source).alpha for s in seqs], other_tokens)
+        return self.policies[source].choose({w: [self._acceptance(s, source, w).alpha for s in seqs] for w in widths},
+                                            other_tokens)
 
     def _chosen(self, seqs: list, k: int) -> list[tuple[object, int]]:
         """(seq, draft length) for each of seqs with room for a draft of up to k tokens."""
@@ -138,10 +144,14 @@ class Speculator:
         if not chosen:
             return
         self.step_chose.add(source)
+        policy = self.policies[source]
+        width = policy.width if len(policy.widths) > 1 else None
+        if source == MODEL and self.configured_budget is not None:
+            self.proposer.tree_budget = width  # this step's width: a tree of that budget, or a chain (None)
         started = time.perf_counter()
         drafts = propose([s for s, _ in chosen], [n for _, n in chosen])
         seconds = time.perf_counter() - started
-        self.policies[source].draft.add(k, seconds)
+        policy.drafts[width].add(k, seconds)
         self.draft_seconds += seconds
         self.steps_by_source[source] += len(chosen)
         for (seq, n), draft in zip(chosen, drafts):
@@ -154,12 +164,19 @@ class Speculator:
                     probs = draft.probs[:n] if draft.probs is not None else None
                     seq.draft = Draft(draft.tokens[:n], probs)
                 self.step_drafted += len(seq.draft.tokens)
-                self.source[id(seq)] = source
+                self.source[id(seq)] = (source, width)
 
     @property
     def tree_budget(self) -> int | None:
-        """Nodes of the draft trees the proposer builds (DDTree); None: it drafts chains."""
-        return getattr(self.proposer, "tree_budget", None)
+        """Nodes of the widest draft trees the proposer builds (DDTree); None: it drafts chains only."""
+        return self.configured_budget
+
+    def tree_row_lens(self) -> list[int]:
+        """Tokens of every tree verify row the policy may choose (the graphs' tree buckets): the
+        pending token and a tree's nodes, for every tree width and draft depth."""
+        policy = self.policy
+        widths = policy.widths if policy.adaptive else policy.widths[-1:]  # fixed: the configured budget only
+        return sorted({policy.row_tokens(k, w) for w in widths if w is not None for k in policy.candidates})
 
     def capture_every_step(self) -> None:
         """The target has recurrent layers: every step captures the taps, so that nothing is ever
@@ -231,7 +248,7 @@ class Speculator:
             self.policy.forward.add(num_tokens, max(0.0, seconds - self.draft_seconds))
         # Only steps that decoded and verified alone (no prefill beside), chosen by one source or none.
         if n and num_tokens == n + self.step_drafted and len(self.step_chose) <= 1:
-            if self.step_chose:
+            if self.step_chose:  # at the width its policy chose this step
                 self.policies[next(iter(self.step_chose))].record_delivered(n, n + self.step_accepted, seconds, True)
             elif not stale:
                 self.policy.record_delivered(n, n, seconds, False)
@@ -257,10 +274,11 @@ class Speculator:
             room = min(room, seq.params.max_tokens - len(seq.output_token_ids) - 1)
         return room
 
-    def _acceptance(self, seq, source: str = MODEL) -> SequenceAcceptance:
-        key = (id(seq), source)
+    def _acceptance(self, seq, source: str = MODEL, width: int | None = None) -> SequenceAcceptance:
+        key = (id(seq), source, width)
         if key not in self.acceptance:
-            self.acceptance[key] = self.overall[source].prior()
+            overall = self.overall_width.get((source, width), self.overall[source])
+            self.acceptance[key] = overall.prior()
         return self.acceptance[key]
 
     def observe(self, seq, start: int, features) -> None:
@@ -268,11 +286,20 @@ class Speculator:
             return  # its queue must stay contiguous: the catch-up recomputes these positions too
         self.proposer.observe(seq, start, features)
 
-    def record(self, seq, num_drafts: int, num_accepted: int) -> None:
-        source = self.source.pop(id(seq), MODEL)
+    def record(self, seq, num_drafts: int, num_accepted: int, chain_accepted: int | None = None) -> None:
+        """A verify of num_drafts drafts (a tree's: its depth) accepted num_accepted; chain_accepted:
+        a tree's accepted nodes along its top-1 chain (seeded first), which is what the chain of
+        that depth would have accepted: the chain's record stays current while trees are drafted."""
+        source, width = self.source.pop(id(seq), (MODEL, None))
         self.step_accepted += num_accepted
-        self._acceptance(seq, source).update(num_drafts, num_accepted)
+        self._acceptance(seq, source, width).update(num_drafts, num_accepted)
         self.overall[source].update(num_drafts, num_accepted)
+        if (source, width) in self.overall_width:
+            self.overall_width[(source, width)].update(num_drafts, num_accepted)
+            if width is not None and chain_accepted is not None:
+                self._acceptance(seq, source, None).update(num_drafts, chain_accepted)
+                self.overall_width[(source, None)].update(num_drafts, chain_accepted)
+        self.policies[source].record_width(width)
         m = seq.metrics
         m.num_drafts += 1
         m.num_draft_tokens += num_drafts
@@ -292,5 +319,6 @@ class Speculator:
         if self.lookup is not None:
             self.lookup.release(seq, finished)
         if finished:
-            for source in self.policies:
-                self.acceptance.pop((id(seq), source), None)
+            for source, policy in self.policies.items():
+                for width in policy.widths:
+                    self.acceptance.pop((id(seq), source, width), None)

@@ -13,7 +13,8 @@ mode_check() {
 }
 
 #: check-new    the GPU tests of hybrids (Qwen 3.5/3.6, MoE), mixed windows (Gemma 4, Laguna) and DFlash
-#:              graphs, fastest first, then the fused kernels' 32-value block formats (Q4_1/Q5_0/Q5_1/IQ4_NL)
+#:              graphs, fastest first, then the fused kernels' 32-value block formats (Q4_1/Q5_0/Q5_1/IQ4_NL),
+#:              tree attention, tree verify graph buckets and trees on mixed windows
 #:              at Gemma 4 26B-A4B's sizes (SECONDS_CHECK; FLA=1: with fla-core's prefill kernels)
 mode_check_new() {
   run_tests gpu-tests-new "${SECONDS_CHECK:-540}" tests/kernels/test_gated_delta.py tests/kernels/test_triton_moe.py \
@@ -22,5 +23,6 @@ mode_check_new() {
     tests/engine/test_hybrid_prefix.py tests/model/test_gemma4.py tests/engine/test_sliding_window_mixed.py \
     tests/spec/test_spec_gemma4_laguna.py::test_greedy_speculation_through_graphs_equals_plain_decoding \
     tests/kernels/test_block32_formats.py tests/kernels/test_tree_attention.py tests/kernels/test_gated_delta_tree.py \
-    tests/spec/test_ddtree_hybrid.py tests/engine/test_placement.py
+    tests/spec/test_ddtree_hybrid.py tests/engine/test_placement.py tests/engine/test_tree_graphs.py \
+    tests/spec/test_ddtree_windows.py
 }

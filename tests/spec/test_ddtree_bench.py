@@ -19,3 +19,6 @@ def test_bench_spec_reports_trees_beside_the_chain(hf_models, tmp_path):
     assert {"dflash", "dflash+tree6", "dflash+tree12"} <= set(rows)
     for name in ("dflash+tree6", "dflash+tree12"):
         assert rows[name]["tokens"] == 2 * 5 and rows[name]["tau"] >= 1 and rows[name]["steps"]["verify"] > 0
+    # the verify cost per node count: the tree rows' sizes (1 + nodes) measured against a plain step
+    assert all(float(c) > 0 for c in rows["dflash+tree12"]["verify_cost"].values())
+    assert set(map(int, rows["dflash+tree12"]["verify_cost"])) & {1 + 12}

@@ -63,9 +63,9 @@ class CompactionSpy:
         runner = llm.engine.runner
         compact = runner.compact_tree_rows
 
-        def spy(tables, starts, accepted):
+        def spy(tables, starts, accepted, *windows):
             self.moved += len(accepted)
-            compact(tables, starts, accepted)
+            compact(tables, starts, accepted, *windows)
 
         runner.compact_tree_rows = spy
 
@@ -234,7 +234,7 @@ def static_graphs(llm: LLM) -> CudaGraphRunner:
 
 def test_tree_rows_never_replay_a_chain_graph(pair, plain_llm):
     """Tree rows of 4 tokens fit the chain's verify bucket (3 drafts), which chain verifies replay: tree
-    rows must still run eagerly."""
+    rows must take a tree bucket (tests/engine/test_tree_graphs.py), never that one."""
     target, drafter = pair
     prompts = small_prompts(4, seed=2)
     chain = LLM(str(target), block_size=4, device="cpu", cuda_graphs=True,
@@ -247,7 +247,7 @@ def test_tree_rows_never_replay_a_chain_graph(pair, plain_llm):
     graph_run, trees_seen = graphs.run, []
     graphs.run = lambda plan: (trees_seen.append(plan.has_trees), graph_run(plan))[1]
     assert token_ids(llm, prompts, GREEDY) == token_ids(plain_llm, prompts, GREEDY)
-    assert trees_seen and not any(trees_seen) and not graphs.replays
+    assert any(trees_seen) and not graphs.replays and sum(graphs.tree_replays.values()) == sum(trees_seen)
     assert llm.engine.step_counts["verify"] > 0
 
 
@@ -289,9 +289,10 @@ def test_cli_flag_sets_the_tree_budget():
             speculative_config(serve)
 
 
-def test_sliding_window_targets_refuse_trees(hf_models, tmp_path):
+def test_sliding_windows_shorter_than_a_tree_row_refuse_trees(hf_models, tmp_path):
+    """Windows of 64 and more take trees (tests/spec/test_ddtree_windows.py); this one's is 7."""
     target = hf_models["mistral"]
     drafter = write_dflash_drafter(target, tmp_path / "d", block_size=4)
-    with pytest.raises(UnsupportedError, match="sliding-window"):
+    with pytest.raises(UnsupportedError, match=r"sliding-window layers' windows of at least 64 .* \[7\]"):
         tree_llm(target, drafter, 8)
 

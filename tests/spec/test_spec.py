@@ -311,8 +311,8 @@ def test_a_dormant_drafter_recomputes_its_taps_before_drafting_again(target, con
             runner.graphs = CudaGraphRunner(runner.model, runner.block_size, runner.scratch_block,
                                             replace(engine._graph_settings(), capture=False))
             bucket, graph_catch_ups = runner.graphs.bucket, []
-            monkeypatch.setattr(runner.graphs, "bucket", lambda *a, catch_up=False: (
-                shape := bucket(*a, catch_up=catch_up), catch_up and graph_catch_ups.append(shape))[0])
+            monkeypatch.setattr(runner.graphs, "bucket", lambda *a, catch_up=False, **kw: (
+                shape := bucket(*a, catch_up=catch_up, **kw), catch_up and graph_catch_ups.append(shape))[0])
         steps, drafts, catch_ups = itertools.count(), [], []
         choose, propose, late = spec._choose, spec.proposer.propose, spec.choose
         monkeypatch.setattr(spec, "_choose", lambda *a: choose(*a) if next(steps) % every == 0 else 0)
