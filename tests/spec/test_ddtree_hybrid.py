@@ -209,7 +209,8 @@ def test_greedy_tree_speculation_on_a_hybrid_equals_plain_decoding(hybrid_path, 
     branch_oracle(monkeypatch, engine.speculator, oracle_want, vocab)
     moved = []
     compact = engine.runner.compact_tree_rows
-    monkeypatch.setattr(engine.runner, "compact_tree_rows", lambda t, s, acc: (moved.extend(acc), compact(t, s, acc)))
+    monkeypatch.setattr(engine.runner, "compact_tree_rows",
+                        lambda t, s, acc, *rest: (moved.extend(acc), compact(t, s, acc, *rest)))
     mixed = []  # steps with a prompt chunk beside a tree row
     run_eager = engine.runner.run_eager
     monkeypatch.setattr(engine.runner, "run_eager", lambda plan: (
