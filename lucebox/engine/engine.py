@@ -11,8 +11,15 @@ import torch
 
 from ..config import EngineArgs
 from ..errors import ContextLengthError, OverloadError, RequestError, UnsupportedError
-from ..model.cache_spec import (PagedKVSpec, RecurrentSpec, bytes_per_sequence, bytes_per_token, plan_pools,
-                                pools_bytes_wanted, window_blocks)
+from ..model.cache_spec import (
+    PagedKVSpec,
+    RecurrentSpec,
+    bytes_per_sequence,
+    bytes_per_token,
+    plan_pools,
+    pools_bytes_wanted,
+    window_blocks,
+)
 from ..model.loader import LoadedModel
 from ..outputs import RequestOutput
 from ..sampling import SamplingParams
@@ -133,6 +140,9 @@ class LLMEngine:
             return launch(args, loaded)
         args, loaded = args_and_model(args, loaded)
         return cls(loaded, args)
+
+    def shutdown(self) -> None:
+        """Stop what this engine started besides itself (tensor parallelism: the other ranks); idempotent."""
 
     def _draft_target(self, loaded: LoadedModel) -> LoadedModel:
         """The target as the speculator sees it (tensor parallelism: with its vocabulary unsharded)."""

@@ -25,13 +25,29 @@ import torch.distributed as dist
 from ..config import EngineArgs
 from ..errors import LuceboxError, RequestError
 from ..model.config import ModelConfig
-from ..model.loader import LoadedModel, load_model, resolve_device, resolve_dtype, resolve_path
+from ..model.loader import (
+    LoadedModel,
+    load_model,
+    resolve_device,
+    resolve_dtype,
+    resolve_path,
+)
 from ..model.tensor_parallel import FullVocab, FullVocabView, shard_model
 from .build import resolve_args
 from .engine import LLMEngine
 from .runner import ModelRunner
 from .tp_plan import pack_compaction, pack_plan, unpack_compaction, unpack_plan
-from .tp_ranks import COMPACT, INIT, RUN, STOP, Ranks, TensorParallelError, form_group, join, read_payload
+from .tp_ranks import (
+    COMPACT,
+    INIT,
+    RUN,
+    STOP,
+    Ranks,
+    TensorParallelError,
+    form_group,
+    join,
+    read_payload,
+)
 
 log = logging.getLogger("lucebox")
 

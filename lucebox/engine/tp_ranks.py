@@ -174,8 +174,8 @@ class Ranks:
         if self.failure is None and self.channel is not None and all(p.poll() is None for p in self.procs):
             try:
                 self.channel.send(STOP)
-            except Exception:  # a rank died meanwhile: killed below
-                pass
+            except Exception as e:  # a rank died meanwhile: killed below
+                log.info("tensor-parallel stop: %s", e)
         for proc in self.procs:
             try:
                 proc.wait(10)

@@ -105,7 +105,7 @@ def check_shardable(model: nn.Module, size: int) -> None:
         raise UnsupportedError(f"tensor parallelism supports dense Llama, Mistral, Qwen2 and Qwen3 models for now; "
                                f"this is a {kind}{cfg.family} model ({type(model).__name__}): run it with "
                                f"--tensor-parallel-size 1")
-    for what, count in (("num_attention_heads", cfg.num_heads), ("num_key_value_heads", cfg.num_kv_heads),
+    for what, count in (("num_key_value_heads", cfg.num_kv_heads), ("num_attention_heads", cfg.num_heads),
                         ("intermediate_size", cfg.intermediate_size)):
         if count % size:
             raise UnsupportedError(f"--tensor-parallel-size {size} does not divide the model's {what} ({count}): "
