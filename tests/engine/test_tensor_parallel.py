@@ -32,6 +32,8 @@ from lucebox.errors import UnsupportedError
 from lucebox.weights.quant import QuantEmbedding, QuantLinear
 from tests.conftest import build_hf_model
 from tests.model.test_gguf import random_blocks, rewrite_gguf
+from tests.spec.test_ddtree_engine import CompactionSpy
+from tests.spec.test_spec import small_pair  # noqa: F401
 from tests.spec_fixtures import write_dflash_drafter
 
 PROMPTS = ["def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b",
@@ -110,6 +112,29 @@ def test_qwen3_tied_head_tp2_equals_tp1_with_dflash_on_rank0(hf_models, tmp_path
     target = hf_models["qwen3"]
     drafter = write_dflash_drafter(target, tmp_path / "dflash", taps=(0, 1), block_size=4)
     assert_tp2_matches(str(target), {"method": "dflash", "model": str(drafter)})
+
+
+def test_dflash_trees_compact_every_ranks_kv_and_stay_token_identical(small_pair, tmp_path):
+    # the 7-token peaked target: trees accept off the top-1 chain, so accepted rows move on each rank's
+    # KV (compact_tree_rows, broadcast); 7 rows over 2 ranks also pads the last vocabulary shard
+    target, _ = small_pair
+    drafter = write_dflash_drafter(target, tmp_path / "dflash", block_size=4)
+    prompts = [{"prompt_token_ids": [i % 6, (i * 5) % 6, 3, (i + 2) % 6]} for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(str(target), block_size=4).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(str(target), block_size=4, tensor_parallel_size=2,
+              speculative_config={"method": "dflash", "model": str(drafter), "tree_budget": 12, "adaptive": False})
+    try:
+        spy = CompactionSpy(llm)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == plain
+        assert spy.moved > 0
+    finally:
+        llm.engine.shutdown()
+
+
+def test_llama_tp2_equals_tp1_with_a_draft_model_on_rank0(hf_models):
+    assert_tp2_matches(str(hf_models["llama"]), {"method": "draft_model", "model": str(hf_models["llama"]),
+                                                 "num_speculative_tokens": 3})
 
 
 def test_llama_biases_tp2_equals_tp1_plainly(hf_models):
