@@ -83,7 +83,7 @@ def launch(args: EngineArgs, loaded: LoadedModel | None = None) -> TensorParalle
         raise
     except Exception as e:
         raise ranks.fail(e) from e
-    atexit.register(engine.shutdown)
+    atexit.register(ranks.stop)  # the ranks, not the engine: a shut-down engine's memory is not held to exit
     return engine
 
 

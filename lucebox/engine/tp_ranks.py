@@ -13,6 +13,7 @@ import datetime
 import logging
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -182,6 +183,8 @@ class Ranks:
             except subprocess.TimeoutExpired:
                 proc.kill()
         self.kill()
+        if self.failure is None and all(p.returncode == 0 for p in self.procs):
+            shutil.rmtree(self.logs[0].parent, ignore_errors=True)  # kept when something went wrong
 
     def kill(self) -> None:
         self.stopped = True
