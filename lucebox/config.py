@@ -76,7 +76,7 @@ class EngineArgs:
         "async_decode": "launch each plain decode step before the previous one's tokens are read (through "
                         "CUDA graphs; --no-async-decode waits for each step's tokens first)",
         "tensor_parallel_size": "split the model over this many ranks (one process each, started by lucebox: "
-                                "cuda:0..N-1, or CPU processes over gloo); dense Llama/Mistral/Qwen2/Qwen3 models",
+                                "cuda:0..N-1, or CPU processes over gloo); Llama/Mistral/Qwen2/Qwen3/Qwen3-MoE models",
         "cuda_graph_max_batch": "largest batch of sequences whose decode / verify steps replay a CUDA graph "
                                 "(larger batches run eagerly)",
     }

@@ -32,7 +32,7 @@ from ..model.loader import (
     resolve_dtype,
     resolve_path,
 )
-from ..model.tensor_parallel import FullVocab, FullVocabView, shard_model
+from ..model.tensor_parallel import FullVocab, FullVocabView, move_quantised_experts, shard_model
 from .build import resolve_args
 from .engine import LLMEngine
 from .runner import ModelRunner
@@ -112,6 +112,7 @@ def load_shard(args: EngineArgs, rank: int, keep_full_vocab: bool = False) -> tu
     loaded = load_model(args.model, dtype=dtype, device="cpu")
     full = shard_model(loaded.model, rank, args.tensor_parallel_size, keep_full_vocab)
     loaded.model.to(device)
+    move_quantised_experts(loaded.model, device)
     if full is not None:
         full = FullVocab(full.embed_tokens.to(device), full.lm_head.to(device) if full.lm_head is not None else None)
     return loaded, full

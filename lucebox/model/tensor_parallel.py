@@ -1,10 +1,11 @@
-"""Tensor parallelism, the model's side: one rank's shard of a dense Transformer (Llama, Mistral, Qwen2, Qwen3).
+"""Tensor parallelism, the model's side: one rank's shard of a Transformer (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE).
 
 Megatron's layout: q/k/v and gate/up column-parallel (each rank keeps whole heads -- query heads of
 its own KV heads, so GQA groups stay together -- and a slice of the MLP width), o_proj and down_proj
 row-parallel (each rank multiplies its slice of the input features; one all-reduce sums the
 partials), the embedding and LM head vocabulary-parallel (a masked lookup plus an all-reduce; each
-rank's logits of its vocabulary slice, all-gathered). Everything else (norms, RoPE) is replicated, so
+rank's logits of its vocabulary slice, all-gathered). MoE experts keep a slice of their intermediate
+width on every rank (the router replicated), their summed output one all-reduce. Everything else (norms, RoPE) is replicated, so
 the residual stream is the same on every rank after each all-reduce.
 
 The projections are sharded before fuse_projections, so a fused q/k/v or gate/up is the fusion of
@@ -25,6 +26,7 @@ from torch import nn
 from ..errors import UnsupportedError
 from ..kernels.linear import linear
 from ..weights.quant import QuantEmbedding, QuantLinear, QuantTensor
+from .moe import SparseMoE
 from .transformer import MLP, Attention, DecoderLayer, Transformer
 
 
@@ -49,6 +51,27 @@ class RowParallel(nn.Module):
         y = linear(x, self.local)
         dist.all_reduce(y)
         return y if self.bias is None else y + self.bias
+
+
+class ParallelMoE(nn.Module):
+    """A SparseMoE whose experts keep a slice of their intermediate width (router replicated, so every
+    rank routes alike); each rank's output is a partial sum, and one all-reduce adds them."""
+
+    def __init__(self, moe: SparseMoE):
+        super().__init__()
+        self.moe = moe
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.moe(x)
+        dist.all_reduce(y)
+        return y
+
+    def fuse(self) -> None:
+        self.moe.fuse()
+
+    def after_norm(self, norm, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h, residual = norm(x, residual)
+        return self(h), residual
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -96,17 +119,23 @@ def gather_vocab(local: torch.Tensor, shard_rows: int, vocab_size: int) -> torch
 
 
 def check_shardable(model: nn.Module, size: int) -> None:
-    """UnsupportedError unless `model` splits over `size` ranks: a dense Transformer whose query
-    heads, KV heads and MLP width divide by size (quantised column slices are checked as they are cut)."""
+    """UnsupportedError unless `model` splits over `size` ranks: a Transformer whose query heads, KV
+    heads and MLP / expert widths divide by size (quantised column slices are checked as they are cut)."""
     cfg = model.config
-    if type(model) is not Transformer or not all(type(layer) is DecoderLayer and type(layer.mlp) is MLP
+    if type(model) is not Transformer or not all(type(layer) is DecoderLayer and type(layer.mlp) in (MLP, SparseMoE)
                                                  for layer in model.layers):
-        kind = "mixture-of-experts " if any(cfg.moe_layers) else ""
-        raise UnsupportedError(f"tensor parallelism supports dense Llama, Mistral, Qwen2 and Qwen3 models for now; "
-                               f"this is a {kind}{cfg.family} model ({type(model).__name__}): run it with "
+        raise UnsupportedError(f"tensor parallelism supports Llama, Mistral, Qwen2, Qwen3 and Qwen3-MoE models for "
+                               f"now; this is a {cfg.family} model ({type(model).__name__}): run it with "
                                f"--tensor-parallel-size 1")
-    for what, count in (("num_key_value_heads", cfg.num_kv_heads), ("num_attention_heads", cfg.num_heads),
-                        ("intermediate_size", cfg.intermediate_size)):
+    widths = [("num_key_value_heads", cfg.num_kv_heads), ("num_attention_heads", cfg.num_heads)]
+    if not all(cfg.moe_layers):
+        widths.append(("intermediate_size", cfg.intermediate_size))
+    if any(cfg.moe_layers):
+        if cfg.shared_expert_intermediate_size:
+            raise UnsupportedError("tensor parallelism does not split shared experts yet: run this model with "
+                                   "--tensor-parallel-size 1")
+        widths.append(("moe_intermediate_size", cfg.moe_intermediate_size))
+    for what, count in widths:
         if count % size:
             raise UnsupportedError(f"--tensor-parallel-size {size} does not divide the model's {what} ({count}): "
                                    f"each rank keeps whole attention heads (KV heads are not replicated) and an equal "
@@ -117,12 +146,16 @@ def shard_model(model: Transformer, rank: int, size: int, keep_full_vocab: bool 
     """Replace model's projections, embedding and LM head by rank's shards, in place (before
     fuse_projections). keep_full_vocab: return the unsharded embedding and head (FullVocab)."""
     check_shardable(model, size)
-    if any(layer.self_attn.qkv is not None or layer.self_attn.qk is not None or layer.mlp.gate_up is not None
-           for layer in model.layers):
+    fused = (layer.self_attn.qkv or layer.self_attn.qk or getattr(layer.mlp, "gate_up", None) for layer in model.layers)
+    if any(f is not None for f in fused):
         raise RuntimeError("shard_model: shard the projections before fuse_projections")
     for layer in model.layers:
         _shard_attention(layer.self_attn, rank, size)
-        _shard_mlp(layer.mlp, rank, size)
+        if isinstance(layer.mlp, SparseMoE):
+            _shard_experts(layer.mlp.experts, rank, size)
+            layer.mlp = ParallelMoE(layer.mlp)
+        else:
+            _shard_mlp(layer.mlp, rank, size)
     cfg = model.config
     full = FullVocab(model.embed_tokens, getattr(model, "lm_head", None)) if keep_full_vocab else None
     shard = -(-cfg.vocab_size // size)
@@ -152,6 +185,39 @@ def _shard_mlp(mlp: MLP, rank: int, size: int) -> None:
     mlp.down_proj = row_parallel(mlp.down_proj, rank * width, (rank + 1) * width)
 
 
+def _shard_experts(experts: nn.Module, rank: int, size: int) -> None:
+    """Each expert's gate and up rows of this rank's slice of the intermediate width, and those columns of
+    its down projection: [E, 2I, H] -> [E, 2I/N, H] (gate slice, then up slice), [E, H, I] -> [E, H, I/N]."""
+    width = experts.intermediate_size // size
+    gate = torch.arange(rank * width, (rank + 1) * width)
+    rows = torch.cat([gate, gate + experts.intermediate_size])
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    if isinstance(gate_up, QuantTensor):
+        count, out, _ = gate_up.shape
+        raw = gate_up.data.view(count, out, -1)[:, rows].reshape(count * len(rows), -1)
+        new_gate_up = QuantTensor(raw.clone(), gate_up.qtype, (count, len(rows), gate_up.shape[2]), gate_up.name)
+    else:
+        new_gate_up = nn.Parameter(gate_up.detach()[:, rows].clone(), requires_grad=False)
+    if isinstance(down, QuantTensor):
+        start, end = _block_columns(down.name, down.qtype, down.shape[2], rank * width, (rank + 1) * width)
+        new_down = QuantTensor(down.data[:, start:end].clone(), down.qtype, (*down.shape[:2], width), down.name)
+    else:
+        new_down = nn.Parameter(down.detach()[:, :, rank * width:(rank + 1) * width].clone(), requires_grad=False)
+    for name, value in (("gate_up_proj", new_gate_up), ("down_proj", new_down)):
+        delattr(experts, name)
+        setattr(experts, name, value)
+    experts.intermediate_size = width
+
+
+def move_quantised_experts(model: nn.Module, device: torch.device) -> None:
+    """Stacked experts kept quantised are plain QuantTensor attributes, which module.to() does not move."""
+    for module in model.modules():
+        for name in ("gate_up_proj", "down_proj"):
+            value = getattr(module, name, None)
+            if isinstance(value, QuantTensor):
+                setattr(module, name, value.to(device))
+
+
 def rows_of(module: nn.Module, start: int, end: int) -> nn.Module:
     """A copy of output rows [start, end) of a linear or embedding table (float or quantised)."""
     if isinstance(module, nn.Embedding):
@@ -175,19 +241,24 @@ def row_parallel(module: nn.Module, start: int, end: int) -> RowParallel:
         return RowParallel(local, module.bias.detach().clone() if module.bias is not None else None)
     if type(module) is not QuantLinear:
         raise UnsupportedError(f"tensor parallelism cannot shard a {type(module).__name__}")
-    block, type_size = GGML_QUANT_SIZES[module.qtype]
-    if start % block or end % block:
-        cut = start if start % block else end
-        raise UnsupportedError(
-            f"tensor {module.name!r} ({module.qtype.name}, {module.in_features} input features): a "
-            f"tensor-parallel shard would cut its rows at column {cut}, inside a {block}-value quantisation "
-            f"block; quantised weights are split along whole blocks only (each rank's share of "
-            f"{module.in_features} must be a multiple of {block}): use a smaller --tensor-parallel-size or a "
-            f"GGUF with a smaller block type (Q8_0, Q4_0: 32)")
-    raw = module.weight.data[:, start // block * type_size:end // block * type_size].clone()
+    first, last = _block_columns(module.name, module.qtype, module.in_features, start, end)
+    raw = module.weight.data[:, first:last].clone()
     local = QuantLinear(QuantTensor(raw, module.qtype, (module.out_features, end - start), module.name),
                         None, module.chunk_bytes)
     return RowParallel(local, module.bias.clone() if module.bias is not None else None)
+
+
+def _block_columns(name: str, qtype, in_features: int, start: int, end: int) -> tuple[int, int]:
+    """The byte range of input features [start, end) in a quantised row; refused inside a block."""
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    if start % block or end % block:
+        cut = start if start % block else end
+        raise UnsupportedError(
+            f"tensor {name!r} ({qtype.name}, {in_features} input features): a tensor-parallel shard would "
+            f"cut its rows at column {cut}, inside a {block}-value quantisation block; quantised weights are "
+            f"split along whole blocks only (each rank's share of {in_features} must be a multiple of {block}): "
+            f"use a smaller --tensor-parallel-size or a GGUF with a smaller block type (Q8_0, Q4_0: 32)")
+    return start // block * type_size, end // block * type_size
 
 
 def _quant(weight: QuantTensor, rows: torch.Tensor, count: int) -> QuantTensor:

@@ -29,9 +29,10 @@ from lucebox.engine.tp_plan import (
 )
 from lucebox.engine.tp_ranks import TensorParallelError
 from lucebox.errors import UnsupportedError
-from lucebox.weights.quant import QuantEmbedding, QuantLinear
+from lucebox.weights.quant import QuantEmbedding, QuantLinear, QuantTensor
 from tests.conftest import build_hf_model
 from tests.model.test_gguf import random_blocks, rewrite_gguf
+from tests.model.test_qwen3_5 import HYBRID
 from tests.spec.test_ddtree_engine import CompactionSpy
 from tests.spec.test_spec import small_pair  # noqa: F401
 from tests.spec_fixtures import write_dflash_drafter
@@ -164,6 +165,22 @@ def test_quantised_shards_stay_quantised_in_whole_blocks(kquant_gguf):
         llm.engine.shutdown()
 
 
+def test_qwen3_moe_experts_split_by_intermediate_width_tp2_equals_tp1(tokenizer_dir, tmp_path):
+    # 8 experts of width 32: 16 a rank; the dense first layer (mlp_only_layers) splits as before
+    hf_dir = build_hf_model("qwen3_moe", tmp_path / "moe", tokenizer_dir)
+    assert_tp2_matches(str(hf_dir), {"method": "ngram", "num_speculative_tokens": 3})
+
+
+def test_q8_0_qwen3moe_gguf_experts_stay_quantised_and_tp2_equals_tp1(tokenizer_dir, tmp_path):
+    # expert width 64: 32 a rank, one Q8_0 block of each expert's down rows
+    hf_dir = build_hf_model("qwen3_moe", tmp_path / "moe", tokenizer_dir, moe_intermediate_size=64)
+    path = convert_hf_to_gguf(hf_dir, tmp_path / "moe-q8.gguf", "q8_0")
+    llm = assert_tp2_matches(str(path), {})
+    experts = llm.engine.model.layers[1].mlp.moe.experts
+    assert isinstance(experts.down_proj, QuantTensor) and experts.down_proj.shape == (8, 64, 32)
+    assert experts.gate_up_proj.shape == (8, 64, 64)
+
+
 # ------------------------------------------------------------------------------------- clear refusals
 
 def test_three_ranks_over_two_kv_heads_are_refused(hf_models):
@@ -180,9 +197,9 @@ def test_a_k_shard_inside_a_quant_block_is_refused(tokenizer_dir, tmp_path):
         LLM(str(path), speculative_config={}, tensor_parallel_size=2, **engine_kwargs())
 
 
-def test_a_mixture_of_experts_model_is_refused(tokenizer_dir, tmp_path):
-    hf_dir = build_hf_model("qwen3_moe", tmp_path / "moe", tokenizer_dir)
-    with pytest.raises(UnsupportedError, match="dense Llama, Mistral, Qwen2 and Qwen3 .* mixture-of-experts qwen3_moe"):
+def test_a_hybrid_model_is_refused(tokenizer_dir, tmp_path):
+    hf_dir = build_hf_model("qwen3", tmp_path / "hybrid", tokenizer_dir, **HYBRID)
+    with pytest.raises(UnsupportedError, match=r"Qwen3 and Qwen3-MoE models for now; this is a qwen3_5 model"):
         LLM(str(hf_dir), speculative_config={}, tensor_parallel_size=2, **engine_kwargs())
 
 
