@@ -127,7 +127,13 @@ def check_shardable(model: nn.Module, size: int) -> None:
         raise UnsupportedError(f"tensor parallelism supports Llama, Mistral, Qwen2, Qwen3 and Qwen3-MoE models for "
                                f"now; this is a {cfg.family} model ({type(model).__name__}): run it with "
                                f"--tensor-parallel-size 1")
-    widths = [("num_key_value_heads", cfg.num_kv_heads), ("num_attention_heads", cfg.num_heads)]
+    kv = cfg.num_kv_heads
+    if kv % size and size % kv:
+        raise UnsupportedError(f"--tensor-parallel-size {size} does not fit the model's {kv} KV heads "
+                               f"(num_key_value_heads): each rank keeps whole KV heads, either a share of them "
+                               f"(the size divides {kv}) or one replicated over size / {kv} ranks (the size is a "
+                               f"multiple of {kv}); choose such a size")
+    widths = [("num_attention_heads", cfg.num_heads)]
     if not all(cfg.moe_layers):
         widths.append(("intermediate_size", cfg.intermediate_size))
     if any(cfg.moe_layers):
@@ -138,8 +144,8 @@ def check_shardable(model: nn.Module, size: int) -> None:
     for what, count in widths:
         if count % size:
             raise UnsupportedError(f"--tensor-parallel-size {size} does not divide the model's {what} ({count}): "
-                                   f"each rank keeps whole attention heads (KV heads are not replicated) and an equal "
-                                   f"share of the MLP; choose a size that divides {what}")
+                                   f"each rank keeps whole attention heads and an equal share of the MLP; choose a "
+                                   f"size that divides {what}")
 
 
 def shard_model(model: Transformer, rank: int, size: int, keep_full_vocab: bool = False) -> FullVocab | None:
@@ -170,10 +176,16 @@ def shard_model(model: Transformer, rank: int, size: int, keep_full_vocab: bool 
 
 
 def _shard_attention(attn: Attention, rank: int, size: int) -> None:
-    q_heads, kv_heads, d = attn.num_heads // size, attn.num_kv_heads // size, attn.head_dim
+    """Query heads split evenly; KV heads split too, or (more ranks than KV heads) each KV head kept by the
+    size / num_kv_heads consecutive ranks whose query heads read it, so GQA groups never straddle ranks."""
+    q_heads, d = attn.num_heads // size, attn.head_dim
+    if attn.num_kv_heads >= size:
+        kv_heads, first_kv = attn.num_kv_heads // size, rank * (attn.num_kv_heads // size)
+    else:
+        kv_heads, first_kv = 1, rank // (size // attn.num_kv_heads)
     attn.q_proj = rows_of(attn.q_proj, rank * q_heads * d, (rank + 1) * q_heads * d)
-    attn.k_proj = rows_of(attn.k_proj, rank * kv_heads * d, (rank + 1) * kv_heads * d)
-    attn.v_proj = rows_of(attn.v_proj, rank * kv_heads * d, (rank + 1) * kv_heads * d)
+    attn.k_proj = rows_of(attn.k_proj, first_kv * d, (first_kv + kv_heads) * d)
+    attn.v_proj = rows_of(attn.v_proj, first_kv * d, (first_kv + kv_heads) * d)
     attn.o_proj = row_parallel(attn.o_proj, rank * q_heads * d, (rank + 1) * q_heads * d)
     attn.num_heads, attn.num_kv_heads = q_heads, kv_heads
 

@@ -69,7 +69,7 @@ def assert_tp2_matches(model: str, speculative_config: dict) -> LLM:
     llm = LLM(model, speculative_config=speculative_config, tensor_parallel_size=2, **engine_kwargs())
     try:
         cfg, attn = llm.engine.loaded.config, llm.engine.model.layers[0].self_attn
-        assert (attn.num_heads, attn.num_kv_heads) == (cfg.num_heads // 2, cfg.num_kv_heads // 2)  # a shard
+        assert (attn.num_heads, attn.num_kv_heads) == (cfg.num_heads // 2, max(1, cfg.num_kv_heads // 2))  # a shard
         got = all_logits(llm, ids)
         assert got.shape == logits.shape
         assert (got - logits).abs().max().item() <= 1e-4
@@ -138,6 +138,12 @@ def test_llama_tp2_equals_tp1_with_a_draft_model_on_rank0(hf_models):
                                                  "num_speculative_tokens": 3})
 
 
+def test_one_kv_head_is_replicated_on_both_ranks(tokenizer_dir, tmp_path):
+    # multi-query attention: each rank keeps the one KV head and half the query heads
+    hf_dir = build_hf_model("llama", tmp_path / "mqa", tokenizer_dir, num_key_value_heads=1)
+    assert_tp2_matches(str(hf_dir), {"method": "ngram", "num_speculative_tokens": 3})
+
+
 def test_llama_biases_tp2_equals_tp1_plainly(hf_models):
     # attention and MLP biases: a row-parallel bias is added once, after the all-reduce
     assert_tp2_matches(str(hf_models["llama-linear-bias"]), {})
@@ -184,7 +190,7 @@ def test_q8_0_qwen3moe_gguf_experts_stay_quantised_and_tp2_equals_tp1(tokenizer_
 # ------------------------------------------------------------------------------------- clear refusals
 
 def test_three_ranks_over_two_kv_heads_are_refused(hf_models):
-    with pytest.raises(UnsupportedError, match=r"--tensor-parallel-size 3 does not divide .*num_key_value_heads \(2\)"):
+    with pytest.raises(UnsupportedError, match=r"--tensor-parallel-size 3 does not fit the model's 2 KV heads"):
         LLM(str(hf_models["llama"]), speculative_config={}, tensor_parallel_size=3, **engine_kwargs())
 
 
