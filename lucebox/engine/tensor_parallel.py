@@ -146,6 +146,7 @@ class ShardedRunner(ModelRunner):
             raise TensorParallelError(self.ranks.failure)
         try:
             self.ranks.check_alive()
+            self.ranks.busy = op != INIT
             self.ranks.channel.send(op, payload)
         except Exception as e:
             raise self.ranks.fail(e) from e
@@ -153,9 +154,11 @@ class ShardedRunner(ModelRunner):
     def run(self, plan):
         self._send(RUN, pack_plan(plan))
         try:
-            return super().run(plan)
+            result = super().run(plan)
         except Exception as e:
             raise self.ranks.fail(e) from e
+        self.ranks.busy = False  # not on an interrupt (KeyboardInterrupt): shutdown then kills the others
+        return result
 
     def compact_tree_rows(self, tables, starts, accepted) -> None:
         self._send(COMPACT, pack_compaction(tables, starts, accepted))
@@ -163,6 +166,7 @@ class ShardedRunner(ModelRunner):
             super().compact_tree_rows(tables, starts, accepted)
         except Exception as e:
             raise self.ranks.fail(e) from e
+        self.ranks.busy = False
 
 
 class TensorParallelEngine(LLMEngine):

@@ -84,6 +84,7 @@ class Ranks:
         self.channel: Channel | None = None
         self.stopped = False
         self.failure: str | None = None
+        self.busy = False  # inside a step: the others may wait in a collective a STOP would be matched against
 
     @classmethod
     def start(cls, size: int, device: str, payload: bytes) -> Ranks:
@@ -91,7 +92,7 @@ class Ranks:
         pickled engine arguments -- on stdin) and form the group with them."""
         if dist.is_initialized():
             raise TensorParallelError("a tensor-parallel engine is running in this process already (one at a time: "
-                                      "shut it down first)")
+                                      "shut it down first: llm.engine.shutdown())")
         backend = backend_for(device)
         store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=JOIN_TIMEOUT, wait_for_workers=False)
         root = Path(__file__).resolve().parents[2]
@@ -112,7 +113,8 @@ class Ranks:
             ranks._wait_joined(store)
             dist.init_process_group(backend, store=store, rank=0, world_size=size, timeout=COLLECTIVE_TIMEOUT)
             ranks.channel = Channel(_control_group(backend))
-        except BaseException:
+        except BaseException as e:
+            ranks.failure = f"the ranks did not form a group: {e}"  # their logs are kept
             ranks.kill()
             raise
         ranks._watch()
@@ -172,21 +174,18 @@ class Ranks:
         """Tell the others to exit, wait for them (killed after 10 s), leave the group."""
         if self.stopped:
             return
-        if self.failure is None and self.channel is not None and all(p.poll() is None for p in self.procs):
+        if (self.failure is None and not self.busy and self.channel is not None
+                and all(p.poll() is None for p in self.procs)):
             try:
                 self.channel.send(STOP)
-            except Exception as e:  # a rank died meanwhile: killed below
+                for proc in self.procs:
+                    proc.wait(10)
+            except Exception as e:  # a rank died meanwhile, or did not exit: killed below
                 log.info("tensor-parallel stop: %s", e)
-        for proc in self.procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
         self.kill()
-        if self.failure is None and all(p.returncode == 0 for p in self.procs):
-            shutil.rmtree(self.logs[0].parent, ignore_errors=True)  # kept when something went wrong
 
     def kill(self) -> None:
+        """End the others now (no goodbye), leave the group; their logs are kept only after a failure."""
         self.stopped = True
         for proc in self.procs:
             if proc.poll() is None:
@@ -194,6 +193,8 @@ class Ranks:
                 proc.wait()
         if dist.is_initialized():
             dist.destroy_process_group()
+        if self.failure is None:
+            shutil.rmtree(self.logs[0].parent, ignore_errors=True)
 
 
 def join() -> tuple[int, int, dict]:

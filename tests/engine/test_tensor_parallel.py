@@ -243,6 +243,21 @@ def test_a_rank_dying_mid_step_fails_the_step(hf_models, monkeypatch):
         llm.engine.shutdown()
 
 
+def test_shutdown_after_an_interrupted_step_kills_the_other_ranks_at_once(hf_models, monkeypatch):
+    from lucebox.engine.runner import ModelRunner
+    llm = LLM(str(hf_models["llama"]), speculative_config={}, tensor_parallel_size=2, **engine_kwargs())
+    worker = llm.engine.ranks.procs[0]
+
+    def interrupted(self, plan):  # Ctrl-C on rank 0 after the plan went out: rank 1 waits in a collective
+        raise KeyboardInterrupt
+    monkeypatch.setattr(ModelRunner, "run_eager", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
+    started = time.monotonic()
+    llm.engine.shutdown()
+    assert worker.poll() is not None and time.monotonic() - started < 5
+
+
 RANK0_SCRIPT = """
 import sys, time
 from lucebox import LLM
