@@ -9,6 +9,7 @@ its parent does (a watchdog thread), and rank 0 kills the others when a step fai
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -97,19 +98,20 @@ class Ranks:
         store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=JOIN_TIMEOUT, wait_for_workers=False)
         root = Path(__file__).resolve().parents[2]
         logdir = Path(tempfile.mkdtemp(prefix="lucebox-tp-"))
-        procs, logs = [], []
-        for rank in range(1, size):
-            env = child_environment(root, RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank),
-                                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port))
-            logs.append(logdir / f"rank{rank}.log")
-            with open(logs[-1], "wb") as out:
-                proc = subprocess.Popen([sys.executable, "-m", "lucebox.engine.tensor_parallel"], env=env,
-                                        stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT)
-            proc.stdin.write(payload)
-            proc.stdin.close()
-            procs.append(proc)
-        ranks = cls(size, backend, procs, logs)
+        ranks = cls(size, backend, [], [logdir / f"rank{rank}.log" for rank in range(1, size)])
         try:
+            for rank, log_file in enumerate(ranks.logs, 1):
+                env = child_environment(root, RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=str(rank),
+                                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port))
+                with open(log_file, "wb") as out:
+                    proc = subprocess.Popen([sys.executable, "-m", "lucebox.engine.tensor_parallel"], env=env,
+                                            stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT)
+                ranks.procs.append(proc)
+                with contextlib.suppress(BrokenPipeError):  # it exited at once: _wait_joined reports it
+                    try:
+                        proc.stdin.write(payload)
+                    finally:
+                        proc.stdin.close()
             ranks._wait_joined(store)
             dist.init_process_group(backend, store=store, rank=0, world_size=size, timeout=COLLECTIVE_TIMEOUT)
             ranks.channel = Channel(_control_group(backend))

@@ -243,6 +243,17 @@ def test_a_rank_dying_mid_step_fails_the_step(hf_models, monkeypatch):
         llm.engine.shutdown()
 
 
+def test_a_rank_that_cannot_start_fails_the_launch_with_its_output(hf_models, tmp_path, monkeypatch):
+    shim = tmp_path / "python"  # what a rank started with a broken interpreter or environment would do
+    shim.write_text("#!/bin/sh\necho 'rank cannot start: no CUDA driver' >&2\nexit 3\n")
+    shim.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(shim))
+    started = time.monotonic()
+    with pytest.raises(TensorParallelError, match=r"rank 1 exited \(code 3\):\nrank cannot start: no CUDA driver"):
+        LLM(str(hf_models["llama"]), speculative_config={}, tensor_parallel_size=2, **engine_kwargs())
+    assert time.monotonic() - started < 10
+
+
 def test_shutdown_after_an_interrupted_step_kills_the_other_ranks_at_once(hf_models, monkeypatch):
     from lucebox.engine.runner import ModelRunner
     llm = LLM(str(hf_models["llama"]), speculative_config={}, tensor_parallel_size=2, **engine_kwargs())
