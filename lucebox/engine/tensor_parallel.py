@@ -63,6 +63,8 @@ def launch(args: EngineArgs, loaded: LoadedModel | None = None) -> TensorParalle
     args = replace(args, cuda_graphs=False)
     size = args.tensor_parallel_size
     device = rank_device(args, 0)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL's communicator of rank 0 on cuda:0
     ranks = Ranks.start(size, device.type, pickle.dumps(args))
     try:
         error, loaded, full, budget = None, None, None, None

@@ -109,6 +109,18 @@ def test_llama_tp2_equals_tp1_with_ngram_speculation(hf_models):
     assert_tp2_matches(str(hf_models["llama"]), {"method": "ngram", "num_speculative_tokens": 3})
 
 
+def test_prefix_cache_hits_reuse_every_ranks_kv(hf_models):
+    _, tokens, _ = reference(str(hf_models["llama"]))
+    llm = LLM(str(hf_models["llama"]), speculative_config={}, tensor_parallel_size=2, **engine_kwargs())
+    try:
+        assert greedy_tokens(llm) == tokens
+        again = llm.generate(PROMPTS, GREEDY, use_tqdm=False)  # the prompts' full blocks come from the cache
+        assert all(out.num_cached_tokens > 0 for out in again)
+        assert [out.outputs[0].token_ids for out in again] == tokens
+    finally:
+        llm.engine.shutdown()
+
+
 def test_qwen3_tied_head_tp2_equals_tp1_with_dflash_on_rank0(hf_models, tmp_path):
     target = hf_models["qwen3"]
     drafter = write_dflash_drafter(target, tmp_path / "dflash", taps=(0, 1), block_size=4)
