@@ -32,7 +32,7 @@ from ..model.loader import (
     resolve_dtype,
     resolve_path,
 )
-from ..model.tensor_parallel import FullVocab, FullVocabView, move_quantised_experts, shard_model
+from ..model.tensor_parallel import FullVocab, FullVocabView, check_config, move_quantised_experts, shard_model
 from .build import resolve_args
 from .engine import LLMEngine
 from .runner import ModelRunner
@@ -62,6 +62,9 @@ def launch(args: EngineArgs, loaded: LoadedModel | None = None) -> TensorParalle
         log.info("CUDA graphs are off under tensor parallelism (steps run eagerly)")
     args = replace(args, cuda_graphs=False)
     size = args.tensor_parallel_size
+    path = resolve_path(args.model)
+    if path.is_dir():  # refused before any rank starts (a GGUF's config is checked once loaded)
+        check_config(ModelConfig.from_hf_dir(path), size)
     device = rank_device(args, 0)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL's communicator of rank 0 on cuda:0

@@ -26,6 +26,7 @@ from torch import nn
 from ..errors import UnsupportedError
 from ..kernels.linear import linear
 from ..weights.quant import QuantEmbedding, QuantLinear, QuantTensor
+from .assign import model_class
 from .moe import SparseMoE
 from .transformer import MLP, Attention, DecoderLayer, Transformer
 
@@ -119,14 +120,20 @@ def gather_vocab(local: torch.Tensor, shard_rows: int, vocab_size: int) -> torch
 
 
 def check_shardable(model: nn.Module, size: int) -> None:
-    """UnsupportedError unless `model` splits over `size` ranks: a Transformer whose query heads, KV
-    heads and MLP / expert widths divide by size (quantised column slices are checked as they are cut)."""
-    cfg = model.config
+    """check_config, and the modules are the ones shard_model knows."""
+    check_config(model.config, size)
     if type(model) is not Transformer or not all(type(layer) is DecoderLayer and type(layer.mlp) in (MLP, SparseMoE)
                                                  for layer in model.layers):
+        raise UnsupportedError(f"tensor parallelism cannot split a {type(model).__name__}")
+
+
+def check_config(cfg, size: int) -> None:
+    """UnsupportedError unless a model of this config splits over `size` ranks: a Transformer whose query
+    heads, KV heads and MLP / expert widths fit size (quantised column slices are checked as they are cut).
+    Needs the config alone, so a launch can refuse before any rank starts."""
+    if model_class(cfg) is not Transformer:
         raise UnsupportedError(f"tensor parallelism supports Llama, Mistral, Qwen2, Qwen3 and Qwen3-MoE models for "
-                               f"now; this is a {cfg.family} model ({type(model).__name__}): run it with "
-                               f"--tensor-parallel-size 1")
+                               f"now; this is a {cfg.family} model: run it with --tensor-parallel-size 1")
     kv = cfg.num_kv_heads
     if kv % size and size % kv:
         raise UnsupportedError(f"--tensor-parallel-size {size} does not fit the model's {kv} KV heads "
