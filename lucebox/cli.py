@@ -27,7 +27,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     types = {"model": str, "dtype": str, "device": str, "max_model_len": int, "block_size": int,
              "max_num_seqs": int, "max_num_batched_tokens": int, "max_queue": int, "kv_cache_memory": int,
              "gpu_memory_utilization": float, "cache_type_k": str, "cache_type_v": str, "cuda_graph_max_batch": int,
-             "recurrent_prefix_snapshots": int, "device_map": str, "draft_device": str}
+             "recurrent_prefix_snapshots": int, "device_map": str, "draft_device": str,
+             "tensor_parallel_size": int}
     for name, kind in types.items():
         p.add_argument("--" + name.replace("_", "-"), type=kind, default=getattr(defaults, name),
                        help=EngineArgs.HELP[name])
@@ -257,6 +258,13 @@ def cmd_serve(args) -> int:
 
 def cmd_generate(args) -> int:
     engine = _build_engine(args)
+    try:
+        return _generate(engine, args)
+    finally:
+        engine.shutdown()  # tensor-parallel ranks exit with the command
+
+
+def _generate(engine, args) -> int:
     params = _sampling_params(args)
     prompt = args.prompt
     if args.chat_template:
@@ -271,6 +279,13 @@ def cmd_generate(args) -> int:
 
 def cmd_chat(args) -> int:
     engine = _build_engine(args)
+    try:
+        return _chat(engine, args)
+    finally:
+        engine.shutdown()
+
+
+def _chat(engine, args) -> int:
     params = _sampling_params(args)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     print("lucebox chat: type a message; /reset clears the conversation, /exit or Ctrl-D quits.", file=sys.stderr)

@@ -48,6 +48,9 @@ class EngineArgs:
     # (bench speed --async-decode / --no-async-decode, H200, 2026-12-03). Plain decode steps through
     # CUDA graphs, including a speculator's while its policy decodes plainly (Speculator.plain_run).
     async_decode: bool = True
+    # Ranks of tensor parallelism (engine/tensor_parallel.py): one process each, started by lucebox; rank r on
+    # cuda:r (or the CPU, over gloo); rank 0 schedules, samples and serves.
+    tensor_parallel_size: int = 1
 
     HELP = {
         "model": "HF model directory, .gguf file or hub id (default: the bundled default model)",
@@ -79,12 +82,15 @@ class EngineArgs:
         "enforce_eager": "run every step eagerly: no CUDA graphs (slower at small batches; for debugging)",
         "async_decode": "launch each plain decode step before the previous one's tokens are read (through "
                         "CUDA graphs; --no-async-decode waits for each step's tokens first)",
+        "tensor_parallel_size": "split the model over this many ranks (one process each, started by lucebox: "
+                                "cuda:0..N-1, or CPU processes over gloo); Llama/Mistral/Qwen2/Qwen3/Qwen3-MoE models",
         "cuda_graph_max_batch": "largest batch of sequences whose decode / verify steps replay a CUDA graph "
                                 "(larger batches run eagerly)",
     }
 
     def __post_init__(self):
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_queue", "cuda_graph_max_batch"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_queue", "cuda_graph_max_batch",
+                     "tensor_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise RequestError(f"{name} must be a positive integer, got {value!r}")
@@ -100,6 +106,9 @@ class EngineArgs:
         if self.device_map is not None and self.device not in (None, "auto"):
             raise RequestError(f"give --device ({self.device}) or --device-map ({self.device_map}), not both: the map "
                                f"names every layer's device")
+        if self.tensor_parallel_size > 1 and (self.device_map is not None or self.draft_device is not None):
+            raise RequestError(f"tensor_parallel_size {self.tensor_parallel_size} with --device-map / --draft-device "
+                               "is not supported: tensor parallelism places every rank's shard on its own device")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
 
     @classmethod
@@ -260,6 +269,14 @@ def child_environment(package_root: str | Path, **extra: str) -> dict[str, str]:
     `package_root` first on PYTHONPATH so that the child imports this same lucebox."""
     path = os.pathsep.join(filter(None, [str(package_root), os.environ.get("PYTHONPATH")]))
     return dict(os.environ, PYTHONPATH=path) | extra
+
+
+def rank_environment() -> dict[str, str] | None:
+    """torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), which lucebox sets for
+    the tensor-parallel ranks it starts (engine/tensor_parallel.py); None when any is missing."""
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    values = {name: os.environ.get(name) for name in names}
+    return None if None in values.values() else values
 
 
 def client_environment(**extra: str) -> dict[str, str]:

@@ -50,7 +50,8 @@ class LLMEngine:
             log.warning("max_model_len %d exceeds the model's %d positions", self.max_model_len,
                         cfg.max_position_embeddings)
         draft_device = check_device(args.draft_device, "--draft-device") if args.draft_device else None
-        self.speculator = make_speculator(args.speculative_config, loaded, self.max_model_len, draft_device)
+        self.speculator = make_speculator(args.speculative_config, self._draft_target(loaded), self.max_model_len,
+                                          draft_device)
         self.model.fuse_projections()  # q/k/v and gate/up as one GEMV each (idempotent)
         self.model.split_quant_rows()  # the GPU decode kernels' Q8_0 / Q6_K layout (idempotent)
         # The state every layer and the proposer keep per sequence: the planner and cache manager read it.
@@ -67,7 +68,7 @@ class LLMEngine:
         pools = self._plan_kv_blocks(specs, groups)
         num_blocks = pools[0]
         graphs = self._graph_settings()
-        self.runner = ModelRunner(self.model, num_blocks, args.block_size, args.cache_type_k, args.cache_type_v,
+        self.runner = self._make_runner(self.model, num_blocks, args.block_size, args.cache_type_k, args.cache_type_v,
                                   args.cache_rotate_k, graphs=graphs, state_slots=0, groups=groups,
                                   group_blocks=pools[1:])
         # Recurrent layers (hybrids): one state slot per running sequence, prefix reuse through state snapshots.
@@ -134,8 +135,22 @@ class LLMEngine:
     def from_args(cls, args: EngineArgs, loaded: LoadedModel | None = None) -> LLMEngine:
         """The one way to build an engine (CLI, LLM, server, benches): the bundled default pair when
         args.model is None, the model loaded unless `loaded` is given (engines may share one)."""
+        if args.tensor_parallel_size > 1:  # one process a rank, this one rank 0 (engine/tensor_parallel.py)
+            from .tensor_parallel import launch
+            return launch(args, loaded)
         args, loaded = args_and_model(args, loaded)
         return cls(loaded, args)
+
+    def shutdown(self) -> None:
+        """Stop what this engine started besides itself (tensor parallelism: the other ranks); idempotent."""
+
+    def _draft_target(self, loaded: LoadedModel) -> LoadedModel:
+        """The target as the speculator sees it (tensor parallelism: with its vocabulary unsharded)."""
+        return loaded
+
+    def _make_runner(self, *args, **kwargs) -> ModelRunner:
+        """The target's ModelRunner (tensor parallelism: one that broadcasts each step to the other ranks)."""
+        return ModelRunner(*args, **kwargs)
 
     @property
     def kv_capacity_tokens(self) -> int:

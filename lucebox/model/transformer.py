@@ -284,6 +284,6 @@ class Transformer(nn.Module):
         head = self.embed_tokens if self.config.tie_word_embeddings else self.lm_head
         if isinstance(head, nn.Embedding):
             return F.linear(hidden, head.weight).float()
-        if isinstance(head, QuantEmbedding):  # tied head over the quantised table
+        if hasattr(head, "project"):  # tied head over a quantised (QuantEmbedding) or vocab-parallel table
             return head.project(hidden).float()
         return head(hidden).float()

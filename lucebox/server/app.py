@@ -250,6 +250,7 @@ def serve(engine_args: EngineArgs, config: ServerConfig, verbose: bool = False, 
                                              log_level="info" if verbose else "warning"),
                               on_exit=lambda: engine.begin_shutdown(config.graceful_timeout))
     server.run()
+    llm_engine.shutdown()  # tensor-parallel ranks exit with the server
     return 0
 
 

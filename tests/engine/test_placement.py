@@ -256,6 +256,13 @@ def test_a_device_and_a_device_map_together_are_refused():
         EngineArgs(device="cpu", device_map="cpu:0-1,cpu:2-3")
 
 
+def test_tensor_parallel_with_a_device_map_or_draft_device_is_refused():
+    with pytest.raises(RequestError, match="tensor_parallel_size 2 with --device-map"):
+        EngineArgs(tensor_parallel_size=2, device_map="cpu:0-1,cpu:2-3")
+    with pytest.raises(RequestError, match="tensor_parallel_size 2 with --device-map"):
+        EngineArgs(tensor_parallel_size=2, draft_device="cpu")
+
+
 def test_the_summary_line_the_cli_and_server_print_names_each_range(models):
     from lucebox.engine.build import summary
     llm = LLM(str(models("hybrid")), block_size=BLOCK, device_map="cpu:0-2,cpu:3", speculative_config={})

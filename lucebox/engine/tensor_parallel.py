@@ -1,0 +1,250 @@
+"""Tensor parallelism (`--tensor-parallel-size N`): the engine on rank 0, a forward loop on the others.
+
+Rank 0 (this process) runs the whole engine -- scheduler, speculator, sampling, server -- over its
+shard of the model (model/tensor_parallel.py). Its runner (ShardedRunner) broadcasts each step's
+plan as one packed int64 tensor (engine/tp_plan.py) before running it; every other rank
+(`python -m lucebox.engine.tensor_parallel`, started by tp_ranks.Ranks) unpacks it and runs the
+same forward over its own shard and KV cache (its KV heads only), taking part in the all-reduces
+and the LM head's all-gather, and discards the result. A DFlash drafter lives on rank 0 alone: its
+taps are the residual stream, the same on every rank, and it embeds and projects through an
+unsharded copy of the embedding and LM head (FullVocabView). CUDA graphs are off under tensor
+parallelism for now (steps run eagerly).
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import pickle
+import sys
+import traceback
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+from ..config import EngineArgs
+from ..errors import LuceboxError, RequestError
+from ..model.config import ModelConfig
+from ..model.loader import (
+    LoadedModel,
+    load_model,
+    resolve_device,
+    resolve_dtype,
+    resolve_path,
+)
+from ..model.tensor_parallel import FullVocab, FullVocabView, check_config, move_quantised_experts, shard_model
+from .build import resolve_args
+from .engine import LLMEngine
+from .runner import ModelRunner
+from .tp_plan import pack_compaction, pack_plan, unpack_compaction, unpack_plan
+from .tp_ranks import (
+    COMPACT,
+    INIT,
+    RUN,
+    STOP,
+    Ranks,
+    TensorParallelError,
+    form_group,
+    join,
+    read_payload,
+)
+
+log = logging.getLogger("lucebox")
+
+
+def launch(args: EngineArgs, loaded: LoadedModel | None = None) -> TensorParallelEngine:
+    """Rank 0: start the other ranks, load this rank's shard, build the engine (LLMEngine.from_args)."""
+    if loaded is not None:
+        raise RequestError("tensor parallelism loads each rank's shard itself: give the model by name, "
+                           "not a loaded model")
+    args = resolve_args(args)
+    if args.cuda_graphs:
+        log.info("CUDA graphs are off under tensor parallelism (steps run eagerly)")
+    args = replace(args, cuda_graphs=False)
+    size = args.tensor_parallel_size
+    path = resolve_path(args.model)
+    if path.is_dir():  # refused before any rank starts (a GGUF's config is checked once loaded)
+        check_config(ModelConfig.from_hf_dir(path), size)
+    device = rank_device(args, 0)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL's communicator of rank 0 on cuda:0
+    ranks = Ranks.start(size, device.type, pickle.dumps(args))
+    try:
+        error, loaded, full, budget = None, None, None, None
+        try:
+            keep_vocab = args.speculative_config is not None and args.speculative_config.method == "dflash"
+            loaded, full = load_shard(args, 0, keep_vocab)
+        except LuceboxError as e:
+            error = e
+        statuses = _exchange_status(ranks.channel.group, size, str(error) if error else None, budget)
+        if error is not None:
+            raise error
+        for rank, (message, _) in enumerate(statuses):
+            if message is not None:
+                raise TensorParallelError(f"tensor-parallel rank {rank} failed to start: {message}")
+        engine = TensorParallelEngine(loaded, args, ranks, full, [b for _, b in statuses[1:] if b is not None])
+    except LuceboxError:
+        ranks.kill()
+        raise
+    except Exception as e:
+        raise ranks.fail(e) from e
+    atexit.register(ranks.stop)  # the ranks, not the engine: a shut-down engine's memory is not held to exit
+    return engine
+
+
+def rank_device(args: EngineArgs, rank: int) -> torch.device:
+    """cuda:rank when the engine runs on CUDA (device cuda or auto), else the CPU."""
+    size = args.tensor_parallel_size
+    device = resolve_device(args.device)
+    if device.type == "cpu":
+        return device
+    if args.device not in ("auto", "cuda"):
+        raise RequestError(f"--tensor-parallel-size {size} puts rank r on cuda:r; give --device cuda (or auto), "
+                           f"not {args.device}")
+    if size > torch.cuda.device_count():
+        raise RequestError(f"--tensor-parallel-size {size} needs {size} CUDA devices; this machine has "
+                           f"{torch.cuda.device_count()}")
+    return torch.device("cuda", rank)
+
+
+def load_shard(args: EngineArgs, rank: int, keep_full_vocab: bool = False) -> tuple[LoadedModel, FullVocab | None]:
+    """This rank's shard, on its device: the checkpoint is read on the CPU, sharded, then moved."""
+    device = rank_device(args, rank)
+    dtype = args.dtype
+    if device.type == "cuda" and dtype in (None, "auto"):  # the checkpoint's dtype, as loading on the GPU keeps it
+        path = resolve_path(args.model)
+        dtype = resolve_dtype("auto", ModelConfig.from_hf_dir(path).torch_dtype if path.is_dir() else None, device)
+    loaded = load_model(args.model, dtype=dtype, device="cpu")
+    full = shard_model(loaded.model, rank, args.tensor_parallel_size, keep_full_vocab)
+    loaded.model.to(device)
+    move_quantised_experts(loaded.model, device)
+    if full is not None:
+        full = FullVocab(full.embed_tokens.to(device), full.lm_head.to(device) if full.lm_head is not None else None)
+    return loaded, full
+
+
+def _kv_budget(device: torch.device, utilization: float) -> int | None:
+    """Bytes this rank may give its KV pool (the engine's formula), None on the CPU."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    return int(total * utilization) - (total - free)
+
+
+def _exchange_status(group, size: int, error: str | None, budget: int | None) -> list:
+    statuses = [None] * size
+    dist.all_gather_object(statuses, (error, budget), group=group)
+    return statuses
+
+
+class ShardedRunner(ModelRunner):
+    """Rank 0's runner: every forward and KV compaction is broadcast to the other ranks first."""
+
+    def __init__(self, ranks: Ranks, model, *args, **kwargs):
+        self.ranks = ranks
+        self._send(INIT, pickle.dumps((args, kwargs)))
+        super().__init__(model, *args, **kwargs)
+
+    def _send(self, op: int, payload) -> None:
+        if self.ranks.failure is not None:
+            raise TensorParallelError(self.ranks.failure)
+        try:
+            self.ranks.check_alive()
+            self.ranks.busy = op != INIT
+            self.ranks.channel.send(op, payload)
+        except Exception as e:
+            raise self.ranks.fail(e) from e
+
+    def run(self, plan):
+        self._send(RUN, pack_plan(plan))
+        try:
+            result = super().run(plan)
+        except Exception as e:
+            raise self.ranks.fail(e) from e
+        self.ranks.busy = False  # not on an interrupt (KeyboardInterrupt): shutdown then kills the others
+        return result
+
+    def compact_tree_rows(self, tables, starts, accepted) -> None:
+        self._send(COMPACT, pack_compaction(tables, starts, accepted))
+        try:
+            super().compact_tree_rows(tables, starts, accepted)
+        except Exception as e:
+            raise self.ranks.fail(e) from e
+        self.ranks.busy = False
+
+
+class TensorParallelEngine(LLMEngine):
+    """LLMEngine on rank 0 of a tensor-parallel group; `shutdown` stops the other ranks."""
+
+    def __init__(self, loaded: LoadedModel, args: EngineArgs, ranks: Ranks, full_vocab: FullVocab | None,
+                 worker_budgets: list[int]):
+        self.ranks, self._full_vocab, self._worker_budgets = ranks, full_vocab, worker_budgets
+        super().__init__(loaded, args)
+        log.info("tensor parallel over %d ranks (%s): rank 0 keeps %d of %d query heads and %d of %d KV heads a layer",
+                 ranks.size, ranks.backend, self.model.layers[0].self_attn.num_heads, loaded.config.num_heads,
+                 self.model.layers[0].self_attn.num_kv_heads, loaded.config.num_kv_heads)
+
+    def _draft_target(self, loaded: LoadedModel) -> LoadedModel:
+        if self._full_vocab is None:
+            return loaded
+        return replace(loaded, model=FullVocabView(loaded.model, self._full_vocab))
+
+    def _make_runner(self, *args, **kwargs) -> ModelRunner:
+        return ShardedRunner(self.ranks, *args, **kwargs)
+
+    def _plan_kv_blocks(self, specs, groups) -> list[int]:
+        """Every rank gets the same pool (its own heads): the smallest budget any rank has."""
+        own = _kv_budget(self.model.device, self.args.gpu_memory_utilization)
+        if own is not None and self.args.kv_cache_memory is None:
+            self.args = replace(self.args, kv_cache_memory=max(1, min([own, *self._worker_budgets])))
+        return super()._plan_kv_blocks(specs, groups)
+
+    def shutdown(self) -> None:
+        """Stop the other ranks and leave the process group (idempotent)."""
+        self.ranks.stop()
+
+
+def worker_main() -> int:
+    """A rank other than 0: load and shard, then run the forwards rank 0 broadcasts until told to stop."""
+    rank, size, env = join()
+    args = read_payload()
+    logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(levelname)s %(message)s")
+    device = rank_device(args, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    channel = form_group(rank, size, env, device.type)
+    error, budget, model = None, None, None
+    try:
+        loaded, _ = load_shard(args, rank)
+        model = loaded.model
+        model.fuse_projections()  # as LLMEngine does on rank 0
+        model.split_quant_rows()
+        budget = _kv_budget(device, args.gpu_memory_utilization)
+    except Exception as e:
+        traceback.print_exc()
+        error = f"{type(e).__name__}: {e}"
+    statuses = _exchange_status(channel.group, size, error, budget)
+    if any(message is not None for message, _ in statuses):
+        dist.destroy_process_group()
+        return 1
+    runner = None
+    while True:
+        op, payload = channel.receive()
+        if op == STOP:
+            break
+        if op == INIT:
+            run_args, run_kwargs = pickle.loads(payload)
+            runner = ModelRunner(model, *run_args, **run_kwargs)
+        elif op == RUN:
+            runner.run_eager(unpack_plan(payload))
+        elif op == COMPACT:
+            runner.compact_tree_rows(*unpack_compaction(payload))
+        else:
+            raise RuntimeError(f"unknown tensor-parallel op {op}")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main())

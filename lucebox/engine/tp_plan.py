@@ -1,0 +1,81 @@
+"""A step plan as one int64 tensor: what rank 0 broadcasts so every tensor-parallel rank runs the same forward.
+
+The ranks other than 0 only need the forward's inputs (token ids, positions, block tables, the tables
+of KV cache groups 1.., tree parents, whether K/V are written) and which rows reach the LM head,
+whose vocabulary-parallel product they take part in. Layout:
+
+    [rows, groups, write_kv, all_logits, logits rows (-1: None), trees]
+    per row: [tokens, start, table length, *tokens, *table, per group: (length, *table),
+              if trees: (has parents, *parents)]
+    then the logits rows.
+"""
+from __future__ import annotations
+
+import torch
+
+from .step_plan import PlanRow, StepPlan
+
+
+def pack_plan(plan: StepPlan) -> torch.Tensor:
+    groups = len(plan.rows[0].window_tables) if plan.rows else 0
+    trees = plan.has_trees
+    rows = plan.logits_rows
+    out = [len(plan.rows), groups, int(plan.write_kv), int(plan.all_logits), -1 if rows is None else len(rows),
+           int(trees)]
+    for row in plan.rows:
+        out += [len(row.tokens), row.start, len(row.block_table), *row.tokens, *row.block_table]
+        for table in row.window_tables:
+            out += [len(table), *table]
+        if trees:
+            out += [0] if row.parents is None else [1, *row.parents]
+    out += rows or []
+    return torch.tensor(out, dtype=torch.int64)
+
+
+def unpack_plan(packed: torch.Tensor) -> StepPlan:
+    """The plan pack_plan packed, as far as a forward reads it (no sequences, no taps)."""
+    values = packed.tolist()
+    num_rows, groups, write_kv, all_logits, num_logits, trees = values[:6]
+    at, rows, offset = 6, [], 0
+    for index in range(num_rows):
+        n, start, t = values[at:at + 3]
+        at += 3
+        tokens, table = values[at:at + n], values[at + n:at + n + t]
+        at += n + t
+        windows = []
+        for _ in range(groups):
+            m = values[at]
+            windows.append(values[at + 1:at + 1 + m])
+            at += 1 + m
+        row = PlanRow(tokens, start, table, offset=offset, index=index, window_tables=windows)
+        if trees:
+            if values[at]:
+                row.parents = values[at + 1:at + 1 + n]
+                at += n
+            at += 1
+        rows.append(row)
+        offset += n
+    logits_rows = None if num_logits < 0 else values[at:at + num_logits]
+    return StepPlan(rows, logits_rows=logits_rows, all_logits=bool(all_logits), write_kv=bool(write_kv))
+
+
+def pack_compaction(tables: list[list[int]], starts: list[int], accepted: list[list[int]]) -> torch.Tensor:
+    """ModelRunner.compact_tree_rows' arguments: [sequences, per sequence: start, table, accepted rows]."""
+    out = [len(tables)]
+    for table, start, rows in zip(tables, starts, accepted):
+        out += [start, len(table), *table, len(rows), *rows]
+    return torch.tensor(out, dtype=torch.int64)
+
+
+def unpack_compaction(packed: torch.Tensor) -> tuple[list[list[int]], list[int], list[list[int]]]:
+    values = packed.tolist()
+    tables, starts, accepted, at = [], [], [], 1
+    for _ in range(values[0]):
+        start, t = values[at:at + 2]
+        tables.append(values[at + 2:at + 2 + t])
+        at += 2 + t
+        a = values[at]
+        accepted.append(values[at + 1:at + 1 + a])
+        starts.append(start)
+        at += 1 + a
+    return tables, starts, accepted
