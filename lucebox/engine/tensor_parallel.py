@@ -165,10 +165,10 @@ class ShardedRunner(ModelRunner):
         self.ranks.busy = False  # not on an interrupt (KeyboardInterrupt): shutdown then kills the others
         return result
 
-    def compact_tree_rows(self, tables, starts, accepted) -> None:
-        self._send(COMPACT, pack_compaction(tables, starts, accepted))
+    def compact_tree_rows(self, tables, starts, accepted, window_tables=()) -> None:
+        self._send(COMPACT, pack_compaction(tables, starts, accepted, window_tables))
         try:
-            super().compact_tree_rows(tables, starts, accepted)
+            super().compact_tree_rows(tables, starts, accepted, window_tables)
         except Exception as e:
             raise self.ranks.fail(e) from e
         self.ranks.busy = False

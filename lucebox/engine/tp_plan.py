@@ -59,23 +59,33 @@ def unpack_plan(packed: torch.Tensor) -> StepPlan:
     return StepPlan(rows, logits_rows=logits_rows, all_logits=bool(all_logits), write_kv=bool(write_kv))
 
 
-def pack_compaction(tables: list[list[int]], starts: list[int], accepted: list[list[int]]) -> torch.Tensor:
-    """ModelRunner.compact_tree_rows' arguments: [sequences, per sequence: start, table, accepted rows]."""
-    out = [len(tables)]
-    for table, start, rows in zip(tables, starts, accepted):
+def pack_compaction(tables: list[list[int]], starts: list[int], accepted: list[list[int]],
+                    window_tables: list[list[list[int]]] = ()) -> torch.Tensor:
+    """ModelRunner.compact_tree_rows' arguments: [sequences, groups beyond the first, per sequence: start,
+    table, accepted rows, then each window group's table]."""
+    groups = len(window_tables[0]) if len(window_tables) else 0
+    out = [len(tables), groups]
+    for b, (table, start, rows) in enumerate(zip(tables, starts, accepted)):
         out += [start, len(table), *table, len(rows), *rows]
+        for window_table in window_tables[b] if groups else ():
+            out += [len(window_table), *window_table]
     return torch.tensor(out, dtype=torch.int64)
 
 
-def unpack_compaction(packed: torch.Tensor) -> tuple[list[list[int]], list[int], list[list[int]]]:
+def unpack_compaction(packed: torch.Tensor) -> tuple[list[list[int]], list[int], list[list[int]], list]:
     values = packed.tolist()
-    tables, starts, accepted, at = [], [], [], 1
+    tables, starts, accepted, windows, at = [], [], [], [], 2
+
+    def take() -> list[int]:
+        nonlocal at
+        n = values[at]
+        at += 1 + n
+        return values[at - n:at]
+
     for _ in range(values[0]):
-        start, t = values[at:at + 2]
-        tables.append(values[at + 2:at + 2 + t])
-        at += 2 + t
-        a = values[at]
-        accepted.append(values[at + 1:at + 1 + a])
-        starts.append(start)
-        at += 1 + a
-    return tables, starts, accepted
+        starts.append(values[at])
+        at += 1
+        tables.append(take())
+        accepted.append(take())
+        windows.append([take() for _ in range(values[1])])
+    return tables, starts, accepted, windows if values[1] else []

@@ -329,7 +329,10 @@ def test_a_plan_survives_packing_with_groups_trees_and_logits_rows():
     plain = unpack_plan(pack_plan(StepPlan.forward([[1, 2]], [0], [[0]], all_logits=True)))
     assert plain.logits_rows is None and plain.all_logits and plain.write_kv and not plain.has_trees
     assert unpack_compaction(pack_compaction([[1, 2], [3]], [4, 5], [[0, 2], []])) == ([[1, 2], [3]], [4, 5],
-                                                                                        [[0, 2], []])
+                                                                                        [[0, 2], []], [])
+    windows = [[[7], [8, 9]], [[], [6]]]  # per sequence, the tables of KV cache groups 1 and 2
+    assert unpack_compaction(pack_compaction([[1, 2], [3]], [4, 5], [[0, 2], [0]], windows)) == (
+        [[1, 2], [3]], [4, 5], [[0, 2], [0]], windows)
 
 
 def test_engine_args_refuse_a_nonpositive_tensor_parallel_size():
