@@ -56,9 +56,9 @@ def record_window_rollbacks(monkeypatch, cache) -> list:
     seen = []
     rollback = cache.rollback
 
-    def recording(seq, num_tokens, accepted=None):
+    def recording(seq, num_tokens, accepted=None, path=None):
         before = [list(t) for t in seq.window_tables]
-        rollback(seq, num_tokens, accepted)
+        rollback(seq, num_tokens, accepted, path)
         if accepted is not None:  # after a verify
             released = sum(t.count(pool.released) for t, pool in zip(before, cache.window_pools))
             dropped = any(len(a) > len(b) for a, b in zip(before, seq.window_tables))
