@@ -27,7 +27,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     types = {"model": str, "dtype": str, "device": str, "max_model_len": int, "block_size": int,
              "max_num_seqs": int, "max_num_batched_tokens": int, "max_queue": int, "kv_cache_memory": int,
              "gpu_memory_utilization": float, "cache_type_k": str, "cache_type_v": str, "cuda_graph_max_batch": int,
-             "recurrent_prefix_snapshots": int, "device_map": str, "draft_device": str}
+             "recurrent_prefix_snapshots": int, "device_map": str, "draft_device": str,
+             "prefill_keep_ratio": float, "prefill_min_tokens": int, "prefill_scorer": str}
     for name, kind in types.items():
         p.add_argument("--" + name.replace("_", "-"), type=kind, default=getattr(defaults, name),
                        help=EngineArgs.HELP[name])

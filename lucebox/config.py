@@ -48,6 +48,11 @@ class EngineArgs:
     # (bench speed --async-decode / --no-async-decode, H200, 2026-12-03). Plain decode steps through
     # CUDA graphs, including a speculator's while its policy decodes plainly (Speculator.plain_run).
     async_decode: bool = True
+    # PFlash speculative prefill (engine/pflash, lossy): None keeps every prompt exact; a ratio in (0, 1]
+    # prefills that share of a long prompt's 32-token chunks, picked by the scorer's tail attention.
+    prefill_keep_ratio: float | None = None
+    prefill_min_tokens: int = 8192  # shorter prompts are always prefilled exactly
+    prefill_scorer: str | None = None  # the scoring model (its own tokenizer); None: the target scores itself
 
     HELP = {
         "model": "HF model directory, .gguf file or hub id (default: the bundled default model)",
@@ -79,6 +84,10 @@ class EngineArgs:
         "enforce_eager": "run every step eagerly: no CUDA graphs (slower at small batches; for debugging)",
         "async_decode": "launch each plain decode step before the previous one's tokens are read (through "
                         "CUDA graphs; --no-async-decode waits for each step's tokens first)",
+        "prefill_keep_ratio": "speculative prefill (PFlash, LOSSY; default off): prefill only this share (0..1] of "
+                              "a long prompt's chunks, chosen by a scorer model's attention",
+        "prefill_min_tokens": "speculative prefill: prompts shorter than this many tokens stay exact",
+        "prefill_scorer": "speculative prefill: the scoring model (HF dir, .gguf or hub id; default: the target)",
         "cuda_graph_max_batch": "largest batch of sequences whose decode / verify steps replay a CUDA graph "
                                 "(larger batches run eagerly)",
     }
@@ -101,10 +110,19 @@ class EngineArgs:
             raise RequestError(f"give --device ({self.device}) or --device-map ({self.device_map}), not both: the map "
                                f"names every layer's device")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        check_keep_ratio(self.prefill_keep_ratio, "prefill_keep_ratio")
+        if not isinstance(self.prefill_min_tokens, int) or self.prefill_min_tokens < 1:
+            raise RequestError(f"prefill_min_tokens must be a positive integer, got {self.prefill_min_tokens!r}")
 
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+
+def check_keep_ratio(value, name: str) -> None:
+    """A speculative-prefill keep ratio: None (exact prefill) or a number in (0, 1]."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1):
+        raise RequestError(f"{name} must be a number in (0, 1] (the share of prompt chunks kept), got {value!r}")
 
 
 SPEC_METHODS = ("dflash", "draft_model", "ngram")

@@ -133,7 +133,8 @@ class AsyncEngine:
             text = prompt.get("prompt")
         if not isinstance(text, str):
             return prompt
-        return {"prompt": text, "prompt_token_ids": await asyncio.to_thread(self.engine.tokenizer.encode, text)}
+        extra = prompt if isinstance(prompt, dict) else {}  # e.g. prefill_keep_ratio
+        return {**extra, "prompt": text, "prompt_token_ids": await asyncio.to_thread(self.engine.tokenizer.encode, text)}
 
     def _check_accepting(self) -> None:
         problem = self.health_problem

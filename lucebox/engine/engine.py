@@ -9,11 +9,11 @@ from dataclasses import replace
 
 import torch
 
-from ..config import EngineArgs
+from ..config import EngineArgs, check_keep_ratio
 from ..errors import ContextLengthError, OverloadError, RequestError, UnsupportedError
 from ..model.cache_spec import (PagedKVSpec, RecurrentSpec, bytes_per_sequence, bytes_per_token, plan_pools,
                                 pools_bytes_wanted, window_blocks)
-from ..model.loader import LoadedModel
+from ..model.loader import LoadedModel, load_model
 from ..outputs import RequestOutput
 from ..sampling import SamplingParams
 from ..sampling.sampler import Sampler, make_generator
@@ -26,6 +26,7 @@ from .cache_manager import CacheManager
 from .cuda_graphs import GraphSettings
 from .output_processor import OutputProcessor
 from .overlap import Overlap
+from .pflash.prefill import SpeculativePrefill
 from .placement import check_device, is_split, layer_device, split_kv_budget
 from .progress import PrefillProgress
 from .runner import ModelRunner, model_kv_groups
@@ -108,6 +109,7 @@ class LLMEngine:
         self.step_counts: collections.Counter = collections.Counter()
         self.overlap = Overlap(self.runner, self.scheduler, self.speculator, self.max_model_len, self.step_counts)
         self._arrivals = itertools.count()
+        self._prefill: SpeculativePrefill | None = None  # PFlash, built on first use (engine/pflash)
         log.info("KV pool: %d blocks of %d tokens = %d tokens%s", num_blocks, args.block_size,
                  num_blocks * args.block_size, " (full-attention layers)" if len(groups) > 1 else "")
         for group, blocks in zip(groups[1:], pools[1:]):
@@ -238,10 +240,14 @@ class LLMEngine:
             raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
         params.verify_token_ids(vocab)
         params = params.with_defaults(self.loaded.generation_defaults)
+        compression = self._compress(ids, prompt.get("prefill_keep_ratio") if isinstance(prompt, dict) else None)
+        stored = compression.kept_ids if compression is not None else ids
         seqs = []
         for index in range(params.n):
-            seq = Sequence(request_id, index, list(ids), params, arrival=next(self._arrivals))
+            seq = Sequence(request_id, index, list(stored), params, arrival=next(self._arrivals),
+                           compression=compression)
             seq.metrics.arrival_time = time.monotonic()
+            seq.metrics.prompt_tokens_kept = len(stored) if compression is not None else None
             seq.generator = make_generator(params.seed, self.model.device, index)
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens,
                                                      context_ids=ids[-4:])
@@ -251,6 +257,28 @@ class LLMEngine:
         self.requests[request_id] = (text, seqs)
         for seq in seqs:
             self.scheduler.add(seq)
+
+    def _compress(self, ids: list[int], keep_ratio) -> object:
+        """PFlash (lossy): the kept part of a long prompt, or None to prefill it exactly."""
+        check_keep_ratio(keep_ratio, "prefill_keep_ratio")
+        ratio = keep_ratio if keep_ratio is not None else self.args.prefill_keep_ratio
+        if ratio is None or len(ids) < self.args.prefill_min_tokens:
+            return None
+        return self.speculative_prefill().compress(ids, ratio)
+
+    def speculative_prefill(self) -> SpeculativePrefill:
+        """The PFlash scorer: --prefill-scorer's model, else the target scoring its own prompts."""
+        if self._prefill is None:
+            scorer = self.loaded
+            if self.args.prefill_scorer is not None:
+                scorer = load_model(self.args.prefill_scorer, dtype=self.args.dtype, device=str(self.model.device))
+            try:
+                self._prefill = SpeculativePrefill(scorer.model, scorer.tokenizer, self.tokenizer, self.max_model_len,
+                                                   self.args.prefill_min_tokens, self.args.prefill_keep_ratio,
+                                                   block_size=self.args.block_size)
+            except ValueError as e:
+                raise UnsupportedError(f"speculative prefill: {e}; name one with --prefill-scorer") from None
+        return self._prefill
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

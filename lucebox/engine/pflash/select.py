@@ -100,15 +100,20 @@ def kept_token_spans(chunks: list[int], chunk: int, num_tokens: int) -> list[tup
     return spans
 
 
-def char_ends(tokenizer, token_ids: list[int]) -> list[int]:
-    """Each token's end offset in the decoded text (a token that completes no character ends where the
+def decoded_with_ends(tokenizer, token_ids: list[int]) -> tuple[str, list[int]]:
+    """(the decoded text, each token's end offset in it: a token completing no character ends where the
     text so far ends), in one incremental pass."""
     detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
-    ends, length = [], 0
+    pieces, ends, length = [], [], 0
     for t in token_ids:
-        length += len(detok.push(t))
+        pieces.append(detok.push(t))
+        length += len(pieces[-1])
         ends.append(length)
-    return ends
+    return "".join(pieces), ends
+
+
+def char_ends(tokenizer, token_ids: list[int]) -> list[int]:
+    return decoded_with_ends(tokenizer, token_ids)[1]
 
 
 def map_spans(spans: list[tuple[int, int]], source_ends: list[int], target_ends: list[int]) -> list[int]:
