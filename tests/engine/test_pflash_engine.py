@@ -87,3 +87,23 @@ def test_bad_keep_ratios_are_refused(qwen3_path, prompt, ratio):
         llm.generate({"prompt_token_ids": prompt, "prefill_keep_ratio": ratio}, GREEDY, use_tqdm=False)
     with pytest.raises(RequestError, match="prefill_keep_ratio"):
         LLM(str(qwen3_path), prefill_keep_ratio=ratio)
+
+
+@pytest.mark.parametrize("spec", ["ngram", "dflash", "dflash-tree"])
+def test_speculation_over_a_compressed_prompt_is_lossless(qwen3_path, prompt, tmp_path, spec):
+    """Greedy verification with drafts (chains and trees) rotates them past the kept prompt like plain decoding."""
+    from tests.spec_fixtures import write_dflash_drafter
+    kwargs = dict(block_size=4, prefill_keep_ratio=0.5, prefill_min_tokens=16)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = LLM(str(qwen3_path), **kwargs).generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+    config = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
+    if spec != "ngram":
+        drafter = write_dflash_drafter(qwen3_path, tmp_path / "drafter", taps=(0, 1), block_size=4)
+        config = {"method": "dflash", "model": str(drafter), "adaptive": False}
+        if spec == "dflash-tree":
+            config["tree_budget"] = 6
+    llm = LLM(str(qwen3_path), speculative_config=config, **kwargs)
+    out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert out.metrics.prompt_tokens_kept == plain.metrics.prompt_tokens_kept < len(prompt)
+    assert out.metrics.num_drafts > 0
