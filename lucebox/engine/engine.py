@@ -13,7 +13,7 @@ from ..config import EngineArgs, check_keep_ratio
 from ..errors import ContextLengthError, OverloadError, RequestError, UnsupportedError
 from ..model.cache_spec import (PagedKVSpec, RecurrentSpec, bytes_per_sequence, bytes_per_token, plan_pools,
                                 pools_bytes_wanted, window_blocks)
-from ..model.loader import LoadedModel, load_model
+from ..model.loader import LoadedModel
 from ..outputs import RequestOutput
 from ..sampling import SamplingParams
 from ..sampling.sampler import Sampler, make_generator
@@ -26,7 +26,7 @@ from .cache_manager import CacheManager
 from .cuda_graphs import GraphSettings
 from .output_processor import OutputProcessor
 from .overlap import Overlap
-from .pflash.prefill import SpeculativePrefill
+from .pflash.prefill import SpeculativePrefill, for_engine
 from .placement import check_device, is_split, layer_device, split_kv_budget
 from .progress import PrefillProgress
 from .runner import ModelRunner, model_kv_groups
@@ -258,26 +258,19 @@ class LLMEngine:
         for seq in seqs:
             self.scheduler.add(seq)
 
-    def _compress(self, ids: list[int], keep_ratio) -> object:
-        """PFlash (lossy): the kept part of a long prompt, or None to prefill it exactly."""
+    def _compress(self, ids: list[int], keep_ratio):
+        """PFlash (lossy): the kept part of a long prompt (a PromptCompression), or None to prefill it exactly."""
         check_keep_ratio(keep_ratio, "prefill_keep_ratio")
         ratio = keep_ratio if keep_ratio is not None else self.args.prefill_keep_ratio
         if ratio is None or len(ids) < self.args.prefill_min_tokens:
             return None
         return self.speculative_prefill().compress(ids, ratio)
 
-    def speculative_prefill(self) -> SpeculativePrefill:
-        """The PFlash scorer: --prefill-scorer's model, else the target scoring its own prompts."""
+    def speculative_prefill(self, scorer: LoadedModel | None = None, same_vocab: bool = False) -> SpeculativePrefill:
+        """The PFlash scorer, built on first use (engine/pflash/prefill.for_engine); `scorer` and
+        `same_vocab` (benches) apply then."""
         if self._prefill is None:
-            scorer = self.loaded
-            if self.args.prefill_scorer is not None:
-                scorer = load_model(self.args.prefill_scorer, dtype=self.args.dtype, device=str(self.model.device))
-            try:
-                self._prefill = SpeculativePrefill(scorer.model, scorer.tokenizer, self.tokenizer, self.max_model_len,
-                                                   self.args.prefill_min_tokens, self.args.prefill_keep_ratio,
-                                                   block_size=self.args.block_size)
-            except ValueError as e:
-                raise UnsupportedError(f"speculative prefill: {e}; name one with --prefill-scorer") from None
+            self._prefill = for_engine(self, scorer, same_vocab)
         return self._prefill
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:

@@ -46,6 +46,8 @@ def test_anchors_force_the_neighbourhood_of_quoted_ngrams():
     kept = select_chunks(flat_scores(100, {60: 9.0}), ids, 0.4, RULES)  # budget 10
     # tail, head, the anchors, the best-scored chunk, then ties in prompt order
     assert kept == [0, 1, 2, 8, 9, 10, 11, 12, 15, 24]
+    # anchors are forced past a budget the head and tail fill
+    assert select_chunks(flat_scores(100, {60: 9.0}), ids, 0.08, RULES) == [0, 8, 9, 10, 11, 12, 24]
     # a 3-gram match is no anchor
     ids[43] = 11
     assert anchor_chunks(ids, RULES, 25) == []

@@ -7,6 +7,8 @@ import logging
 import time
 
 from ...config import check_keep_ratio
+from ...errors import UnsupportedError
+from ...model.loader import LoadedModel, load_model
 from .positions import PromptCompression
 from .score import TailAttentionScorer
 from .select import SelectionRules, decoded_with_ends, kept_token_spans, map_spans, select_chunks
@@ -25,7 +27,8 @@ class SpeculativePrefill:
 
     @property
     def same_tokenizer(self) -> bool:
-        return self.scorer_tokenizer is self.target_tokenizer
+        """The scorer reads the target's token ids as they are (None: the same vocabulary, e.g. random shapes)."""
+        return self.scorer_tokenizer is None or self.scorer_tokenizer is self.target_tokenizer
 
     def compress(self, ids: list[int], keep_ratio: float | None = None) -> PromptCompression | None:
         """The kept tokens of a prompt (keep_ratio: the request's, else the engine's default); None when
@@ -56,3 +59,20 @@ class SpeculativePrefill:
         log.info("speculative prefill: %d of %d prompt tokens kept (ratio %.3f) in %.2f s", len(kept), len(ids),
                  ratio, self.last_seconds)
         return PromptCompression(list(ids), kept)
+
+
+def for_engine(engine, scorer: LoadedModel | None = None, same_vocab: bool = False) -> SpeculativePrefill:
+    """An engine's SpeculativePrefill: `scorer`, else --prefill-scorer's model, else the target scoring its
+    own prompts; a KV pool of the engine's max_model_len. same_vocab: score the target's token ids as
+    they are (benchmarks of random shapes), not re-tokenised text."""
+    args = engine.args
+    if scorer is None:
+        scorer = engine.loaded
+        if args.prefill_scorer is not None:
+            scorer = load_model(args.prefill_scorer, dtype=args.dtype, device=str(engine.model.device))
+    try:
+        return SpeculativePrefill(scorer.model, None if same_vocab else scorer.tokenizer, engine.tokenizer,
+                                  engine.max_model_len, args.prefill_min_tokens, args.prefill_keep_ratio,
+                                  block_size=args.block_size)
+    except ValueError as e:
+        raise UnsupportedError(f"speculative prefill: {e}; name another scorer with --prefill-scorer") from None

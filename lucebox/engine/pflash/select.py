@@ -61,7 +61,8 @@ def anchor_chunks(token_ids: list[int], rules: SelectionRules, num_chunks: int) 
 def select_chunks(scores: torch.Tensor, token_ids: list[int], keep_ratio: float,
                   rules: SelectionRules = SelectionRules()) -> list[int]:
     """Indices of the kept chunks, ascending: max(1, floor(chunks * keep_ratio)) of them, forced head and
-    tail first (shrunk in proportion when they alone exceed the budget), then anchors, then by score."""
+    tail first (shrunk in proportion when they alone exceed the budget), then anchors (forced, even past
+    the budget), then by score while the budget lasts."""
     if not 0 < keep_ratio <= 1:
         raise ValueError(f"keep_ratio must be in (0, 1], got {keep_ratio}")
     if scores.shape[0] != len(token_ids):
@@ -75,16 +76,17 @@ def select_chunks(scores: torch.Tensor, token_ids: list[int], keep_ratio: float,
         head = budget - tail
     kept: list[int] = []
 
-    def take(chunks) -> None:
+    def take(chunks, limit: int) -> None:
         for c in chunks:
-            if len(kept) >= budget:
+            if len(kept) >= limit:
                 return
             if c not in kept:
                 kept.append(c)
-    take(range(num_chunks - 1, max(-1, num_chunks - 1 - tail), -1))
-    take(range(min(head, num_chunks)))
-    take(anchor_chunks(token_ids, rules, num_chunks))
-    take(torch.argsort(means, descending=True, stable=True).tolist())
+    take(range(num_chunks - 1, max(-1, num_chunks - 1 - tail), -1), budget)
+    take(range(min(head, num_chunks)), budget)
+    # anchors are forced even past the budget (at most max hits x (2 radius + 1) chunks): what the question quotes
+    take(anchor_chunks(token_ids, rules, num_chunks), num_chunks)
+    take(torch.argsort(means, descending=True, stable=True).tolist(), budget)
     return sorted(kept)
 
 
