@@ -107,3 +107,23 @@ def test_speculation_over_a_compressed_prompt_is_lossless(qwen3_path, prompt, tm
     assert out.outputs[0].token_ids == plain.outputs[0].token_ids
     assert out.metrics.prompt_tokens_kept == plain.metrics.prompt_tokens_kept < len(prompt)
     assert out.metrics.num_drafts > 0
+
+
+def test_a_hybrid_target_with_a_separate_scorer(qwen3_path, prompt, tmp_path_factory, tokenizer_dir):
+    """A Gated DeltaNet target cannot score itself: a plain scorer (its own tokenizer, re-tokenised text)
+    picks its kept tokens; ratio 1.0 stays token-identical to exact prefill, prefix caching on or not."""
+    from tests.model.test_qwen3_5 import HYBRID
+    hybrid = build_hf_model("qwen3", tmp_path_factory.mktemp("hybrid-target"), tokenizer_dir, **HYBRID)
+    text = " ".join(f"item{i}" for i in range(60))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    exact = LLM(str(hybrid), block_size=4).generate(text, params, use_tqdm=False)[0]
+    with pytest.raises(Exception, match="name another scorer with --prefill-scorer"):
+        LLM(str(hybrid), block_size=4, prefill_min_tokens=16).generate(
+            {"prompt": text, "prefill_keep_ratio": 0.5}, params, use_tqdm=False)
+    llm = LLM(str(hybrid), block_size=4, prefill_min_tokens=16, prefill_scorer=str(qwen3_path))
+    same = llm.generate({"prompt": text, "prefill_keep_ratio": 1.0}, params, use_tqdm=False)[0]
+    assert same.outputs[0].token_ids == exact.outputs[0].token_ids
+    assert same.metrics.prompt_tokens_kept == len(exact.prompt_token_ids)
+    half = llm.generate({"prompt": text, "prefill_keep_ratio": 0.5}, params, use_tqdm=False)[0]
+    assert half.metrics.prompt_tokens_kept < 0.75 * len(exact.prompt_token_ids)
+    assert len(half.outputs[0].token_ids) == 6 and half.num_cached_tokens == 0
