@@ -2,7 +2,10 @@
 validated, and the kept prompt tokens reported in OpenAI's usage.prompt_tokens_details."""
 from __future__ import annotations
 
+import json
+
 import anthropic
+import httpx
 import openai
 import pytest
 
@@ -46,3 +49,20 @@ def test_anthropic_extra_body_is_accepted_and_validated(server):
     assert reply.usage.output_tokens == 3 or reply.stop_reason == "end_turn"
     with pytest.raises(anthropic.BadRequestError, match="prefill_keep_ratio"):
         client.messages.create(model="tiny", max_tokens=3, messages=MESSAGES, extra_body={"prefill_keep_ratio": 0})
+
+
+def test_anthropic_stream_reports_no_cache_reads_for_a_compressed_prompt(server):
+    reads = []
+    body = {"model": "tiny", "max_tokens": 2, "stream": True, "messages": MESSAGES}
+    for extra in ({}, {}, {"prefill_keep_ratio": 0.25}):  # the second exact request finds the first's blocks
+        usages = []
+        with httpx.stream("POST", server.url + "/v1/messages", json=body | extra, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    event = json.loads(line[6:])
+                    if event["type"] in ("message_start", "message_delta"):
+                        usages.append(event.get("usage") or event["message"]["usage"])
+        start, delta = usages[0], usages[-1]
+        assert start["cache_read_input_tokens"] == delta["cache_read_input_tokens"]
+        reads.append(delta["cache_read_input_tokens"])
+    assert reads[1] > 0 and reads[2] == 0
