@@ -205,6 +205,7 @@ class StepPlanner:
             plan = StepPlan.forward([seq.token_slice(begin, end)], [begin], [seq.block_table],
                                     [seq.window_tables], logits_rows=[], capture_layers=spec.capture_layers,
                                     feature_rows=spec.proposer.feature_rows(end - begin), write_kv=False)
-            if seq.compression is not None:
-                plan.rows[0].positions = seq.compression.positions(begin, end - begin)
+            compression = getattr(seq, "compression", None)  # a duck-typed sequence may lack it
+            if compression is not None:
+                plan.rows[0].positions = compression.positions(begin, end - begin)
             yield begin, plan
