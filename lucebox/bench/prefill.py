@@ -16,6 +16,7 @@ import torch
 from ..config import EngineArgs
 from ..engine.engine import LLMEngine
 from ..errors import RequestError
+from ..model.cache_spec import bytes_per_sequence, kv_groups, pools_bytes_wanted
 from ..model.loader import load_model, resolve_device
 from ..sampling import SamplingParams
 from . import shapes
@@ -68,8 +69,13 @@ def run(args) -> dict:
     target, quant = shapes.load_under_test(args.model, args.shape, args.quant, args.dtype, device, args.seed)
     scorer, random_scorer = load_scorer(args.scorer, args, device)
     same_vocab = random_scorer and args.shape is not None  # both random: token ids read as they are
+    max_len = max(args.prompt_lens) + 8
+    # the target's KV pool holds one prompt, leaving the device's memory to the scorer (built after it)
+    specs = target.model.cache_specs()
+    kv_bytes = pools_bytes_wanted(specs, kv_groups(specs), 16, 1, args.max_num_batched_tokens, max_len) + \
+        bytes_per_sequence(specs, 1)
     engine = LLMEngine.from_args(EngineArgs(
-        model=target.source, max_model_len=max(args.prompt_lens) + 8, max_num_seqs=1, speculative_config={},
+        model=target.source, max_model_len=max_len, max_num_seqs=1, speculative_config={}, kv_cache_memory=kv_bytes,
         enable_prefix_caching=False, prefill_min_tokens=1, max_num_batched_tokens=args.max_num_batched_tokens),
         loaded=target)
     prefill = engine.speculative_prefill(scorer, same_vocab)

@@ -50,6 +50,10 @@ class LLMEngine:
                         cfg.max_position_embeddings)
         draft_device = check_device(args.draft_device, "--draft-device") if args.draft_device else None
         self.speculator = make_speculator(args.speculative_config, loaded, self.max_model_len, draft_device)
+        # PFlash's scorer and its KV pool before the target's pool is sized from what memory is left
+        self._prefill: SpeculativePrefill | None = None
+        if args.prefill_keep_ratio is not None or args.prefill_scorer is not None:
+            self._prefill = for_engine(self)
         self.model.fuse_projections()  # q/k/v and gate/up as one GEMV each (idempotent)
         self.model.split_quant_rows()  # the GPU decode kernels' Q8_0 / Q6_K layout (idempotent)
         # The state every layer and the proposer keep per sequence: the planner and cache manager read it.
@@ -109,7 +113,6 @@ class LLMEngine:
         self.step_counts: collections.Counter = collections.Counter()
         self.overlap = Overlap(self.runner, self.scheduler, self.speculator, self.max_model_len, self.step_counts)
         self._arrivals = itertools.count()
-        self._prefill: SpeculativePrefill | None = None  # PFlash, built on first use (engine/pflash)
         log.info("KV pool: %d blocks of %d tokens = %d tokens%s", num_blocks, args.block_size,
                  num_blocks * args.block_size, " (full-attention layers)" if len(groups) > 1 else "")
         for group, blocks in zip(groups[1:], pools[1:]):
@@ -267,8 +270,9 @@ class LLMEngine:
         return self.speculative_prefill().compress(ids, ratio)
 
     def speculative_prefill(self, scorer: LoadedModel | None = None, same_vocab: bool = False) -> SpeculativePrefill:
-        """The PFlash scorer, built on first use (engine/pflash/prefill.for_engine); `scorer` and
-        `same_vocab` (benches) apply then."""
+        """The PFlash scorer: built at start with --prefill-keep-ratio or --prefill-scorer (its memory
+        planned before the KV pool's), else on first use (engine/pflash/prefill.for_engine); `scorer`
+        and `same_vocab` (benches) apply when it is built."""
         if self._prefill is None:
             self._prefill = for_engine(self, scorer, same_vocab)
         return self._prefill
