@@ -72,8 +72,9 @@ class TailAttentionScorer:
         slots = torch.tensor(table, device=pos.device)[pos // self.block_size] * self.block_size + pos % self.block_size
         best = torch.zeros(tail, s, dtype=torch.float32, device=pos.device)
         for attn, (k_cache, _), q in zip(self._attns(), self.runner.caches, self._captured):
-            keys = k_cache.gather(slots, torch.float32)  # [S, Hkv, D], rotated
-            best = torch.maximum(best, self._tail_probs(q, keys, attn.scale))
+            # [S, Hkv, D], rotated; a split model's layers keep theirs on their own devices
+            keys = k_cache.gather(slots.to(k_cache.values.device), torch.float32).to(best.device)
+            best = torch.maximum(best, self._tail_probs(q.to(best.device), keys, attn.scale))
         return pool_scores(best.mean(0), self.pool_window)
 
     def _tail_probs(self, q: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
