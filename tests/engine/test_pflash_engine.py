@@ -127,3 +127,19 @@ def test_a_hybrid_target_with_a_separate_scorer(qwen3_path, prompt, tmp_path_fac
     half = llm.generate({"prompt": text, "prefill_keep_ratio": 0.5}, params, use_tqdm=False)[0]
     assert half.metrics.prompt_tokens_kept < 0.75 * len(exact.prompt_token_ids)
     assert len(half.outputs[0].token_ids) == 6 and half.num_cached_tokens == 0
+
+
+def test_compressed_sequences_survive_preemption_in_a_continuous_batch(qwen3_path, prompt):
+    """Two compressed prompts in a pool too small for both: the newest is preempted and recomputed from its
+    kept tokens at their positions, and each output equals the one it gets alone."""
+    kwargs = dict(block_size=4, prefill_keep_ratio=0.9, prefill_min_tokens=16, max_model_len=256)
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    prompts = [{"prompt_token_ids": prompt[:200]}, {"prompt_token_ids": prompt[::-1][:200]}]  # 6 of 7 chunks kept
+    alone = [LLM(str(qwen3_path), **kwargs).generate(p, params, use_tqdm=False)[0].outputs[0].token_ids
+             for p in prompts]
+    per_token = LLM(str(qwen3_path), **kwargs).engine.runner.caches[0][0].bytes_per_token * 2 * 2  # K+V, 2 layers
+    llm = LLM(str(qwen3_path), kv_cache_memory=per_token * 264, max_num_batched_tokens=32, **kwargs)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == alone
+    assert all(o.metrics.prompt_tokens_kept == 32 * 5 + 8 for o in outs)  # the short last chunk among them
