@@ -19,7 +19,7 @@ from ..errors import RequestError
 from ..model.cache_spec import bytes_per_sequence, kv_groups, pools_bytes_wanted
 from ..model.loader import load_model, resolve_device
 from ..sampling import SamplingParams
-from . import shapes
+from . import prefill_needle, shapes
 
 FIRST_TOKEN = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
@@ -37,6 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help=EngineArgs.HELP["max_num_batched_tokens"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results here too")
+    p.add_argument("--needle", action="store_true", help="report needle recall of the selection per keep ratio "
+                                                         "instead of timing (real checkpoints: --model, --scorer)")
 
 
 def first_token_seconds(engine: LLMEngine, prompt: dict, ids=itertools.count()) -> float:
@@ -69,7 +71,7 @@ def run(args) -> dict:
     target, quant = shapes.load_under_test(args.model, args.shape, args.quant, args.dtype, device, args.seed)
     scorer, random_scorer = load_scorer(args.scorer, args, device)
     same_vocab = random_scorer and args.shape is not None  # both random: token ids read as they are
-    max_len = max(args.prompt_lens) + 8
+    max_len = max(args.prompt_lens) + 8 if not args.needle else 2 * max(args.prompt_lens) + 256  # prose: approximate
     # the target's KV pool holds one prompt, leaving the device's memory to the scorer (built after it)
     specs = target.model.cache_specs()
     kv_bytes = pools_bytes_wanted(specs, kv_groups(specs), 16, 1, args.max_num_batched_tokens, max_len) + \
@@ -79,6 +81,11 @@ def run(args) -> dict:
         enable_prefix_caching=False, prefill_min_tokens=1, max_num_batched_tokens=args.max_num_batched_tokens),
         loaded=target)
     prefill = engine.speculative_prefill(scorer, same_vocab)
+    if args.needle:
+        if args.shape is not None or random_scorer:
+            raise RequestError("--needle needs real checkpoints (--model, --scorer): random shapes read no text")
+        return {"target": target.source, "scorer": args.scorer or "the target",
+                "needle": prefill_needle.recall(engine, args.prompt_lens, args.keep_ratio, seed=args.seed)}
     vocab = min(target.config.vocab_size, scorer.config.vocab_size if scorer is not None else target.config.vocab_size)
     g = torch.Generator().manual_seed(args.seed)
     rows = []
@@ -116,7 +123,10 @@ def print_report(result: dict) -> None:
 
 def main(args) -> int:
     result = run(args)
-    print_report(result)
+    if "needle" in result:
+        prefill_needle.print_recall(result["needle"])
+    else:
+        print_report(result)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -22,3 +22,15 @@ def test_bench_prefill_reports_each_ratio(tmp_path, capsys):
 def test_bench_prefill_refuses_bad_ratios(capsys):
     assert main(["bench", "prefill", "--shape", "tiny", "--device", "cpu", "--keep-ratio", "1.5"]) == 1
     assert "--keep-ratio" in capsys.readouterr().err
+
+
+def test_bench_prefill_needle_recall_on_the_default_model(tmp_path, capsys):
+    out = tmp_path / "needle.json"
+    assert main(["bench", "prefill", "--needle", "--device", "cpu", "--prompt-lens", "1024", "--keep-ratio", "0.1",
+                 "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["needle"]
+    assert row["needles"] == 5 and row["recalled"] == 5  # the question quotes the needle: anchors keep it
+    assert 0 < row["kept_share"] < 1
+    assert "recall" in capsys.readouterr().out
+    assert main(["bench", "prefill", "--needle", "--shape", "tiny", "--device", "cpu"]) == 1
+    assert "--needle needs real checkpoints" in capsys.readouterr().err
