@@ -143,3 +143,22 @@ def test_compressed_sequences_survive_preemption_in_a_continuous_batch(qwen3_pat
     assert llm.engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == alone
     assert all(o.metrics.prompt_tokens_kept == 32 * 5 + 8 for o in outs)  # the short last chunk among them
+
+
+def test_gemma4_target_keeps_original_positions(tmp_path_factory, tokenizer_dir, qwen3_path, prompt):
+    """A family with its own RoPE tables and sliding windows (Gemma 4): ratio 1.0 is exact, and a compressed
+    prompt decodes as transformers does with position_ids on the kept tokens (windows over what is stored)."""
+    from tests.model.test_gemma4 import DENSE, build
+    path, _ = build(tmp_path_factory, tokenizer_dir, "gemma4-pflash", DENSE)
+    ids = LLM(str(qwen3_path)).tokenizer.encode(" ".join(f"item{i}" for i in range(60)))  # re-tokenised alike
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    exact = LLM(str(path), block_size=4).generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+    llm = LLM(str(path), block_size=4, prefill_min_tokens=16, prefill_scorer=str(qwen3_path))
+    same = llm.generate({"prompt_token_ids": ids, "prefill_keep_ratio": 1.0}, params, use_tqdm=False)[0]
+    assert same.outputs[0].token_ids == exact.outputs[0].token_ids
+    half = llm.generate({"prompt_token_ids": ids, "prefill_keep_ratio": 0.5}, params, use_tqdm=False)[0]
+    compression = llm.engine.speculative_prefill().compress(ids, 0.5)
+    assert half.metrics.prompt_tokens_kept == len(compression.kept_positions) < len(ids)
+    tokens, logprobs = reference_greedy(path, compression.kept_ids, compression.kept_positions, 6)
+    assert half.outputs[0].token_ids == tokens
+    assert got_logprobs(half.outputs[0]) == pytest.approx(logprobs, abs=1e-4)
