@@ -26,7 +26,8 @@ FIRST_TOKEN = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="target checkpoint (default: --shape, else the default model)")
-    p.add_argument("--shape", default=None, help=f"target: random weights of a named shape ({', '.join(shapes.SHAPES)})")
+    p.add_argument("--shape", default=None,
+                   help=f"target: random weights of a named shape ({', '.join(shapes.SHAPES)})")
     p.add_argument("--scorer", default=None, help="scorer: a named shape or a checkpoint (default: the target itself)")
     p.add_argument("--quant", default=None, help="weights of --shape (default bf16)")
     p.add_argument("--dtype", default="auto", help=EngineArgs.HELP["dtype"])
@@ -57,7 +58,8 @@ def load_scorer(name: str | None, args, device):
     if name is None:
         return None, False
     if name in shapes.SHAPES:
-        return shapes.build_random_model(name, shapes.check_quant(args.quant or "bf16"), device, seed=args.seed + 1), True
+        quant = shapes.check_quant(args.quant or "bf16")
+        return shapes.build_random_model(name, quant, device, seed=args.seed + 1), True
     return load_model(name, dtype=args.dtype, device=str(device)), False
 
 
@@ -117,7 +119,8 @@ def print_report(result: dict) -> None:
           f"{'speedup':>8}")
     for row in result["rows"]:
         for s in row["scored"]:
-            print(f"{row['prompt_tokens']:>8} {s['keep_ratio']:>6.3f} {s['kept_tokens']:>8} {row['exact_ttft_s']:>9.3f} "
+            print(f"{row['prompt_tokens']:>8} {s['keep_ratio']:>6.3f} {s['kept_tokens']:>8} "
+                  f"{row['exact_ttft_s']:>9.3f} "
                   f"{s['ttft_s']:>9.3f} {s['scoring_s']:>8.3f} {s['target_s']:>8.3f} {s['speedup']:>7.2f}x")
 
 

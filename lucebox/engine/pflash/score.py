@@ -98,7 +98,7 @@ class TailAttentionScorer:
     def _attns(self) -> list[Attention]:
         return [layer.self_attn for layer in self.model.layers]
 
-    def _capture_queries(self, first_row: int) -> list:
+    def _capture_queries(self, first_row: int) -> None:
         """Wrap each layer's attend to keep its rotated queries of rows first_row.. (the tail)."""
         self._captured = []
         for attn in self._attns():
@@ -109,7 +109,6 @@ class TailAttentionScorer:
                 self._captured.append(apply_rope(rows, cos[first_row:], sin[first_row:]))
                 return original(q, k, v, cos, sin, batch)
             attn.attend = attend
-        return self._captured
 
     def _release_queries(self) -> None:
         for attn in self._attns():
