@@ -28,7 +28,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
              "max_num_seqs": int, "max_num_batched_tokens": int, "max_queue": int, "kv_cache_memory": int,
              "gpu_memory_utilization": float, "cache_type_k": str, "cache_type_v": str, "cuda_graph_max_batch": int,
              "recurrent_prefix_snapshots": int, "device_map": str, "draft_device": str,
-             "tensor_parallel_size": int}
+             "tensor_parallel_size": int, "prefill_keep_ratio": float, "prefill_min_tokens": int,
+             "prefill_scorer": str}
     for name, kind in types.items():
         p.add_argument("--" + name.replace("_", "-"), type=kind, default=getattr(defaults, name),
                        help=EngineArgs.HELP[name])
@@ -169,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--dtype", default="auto", help=EngineArgs.HELP["dtype"])
     sp.add_argument("--device", default="auto", help=EngineArgs.HELP["device"])
     sp.add_argument("--json", default=None, help="also write the results to this JSON file")
+    from .bench.prefill import add_arguments as prefill_arguments
+    prefill_arguments(bench_sub.add_parser(
+        "prefill", help="speculative prefill (PFlash): TTFT of exact vs scored prefill, scoring and target time"))
     kq = bench_sub.add_parser("kv-quality", help="greedy agreement and perplexity of each KV cache type",
                               formatter_class=fmt)
     kq.add_argument("--model", default=None, help="model to measure (default: the default model)")
@@ -337,11 +341,13 @@ def cmd_convert_drafter(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import kv_quality, serve, spec, speed, throughput
+    from .bench import kv_quality, prefill, serve, spec, speed, throughput
     if args.bench == "serve":  # serve picks its own model: --url, --model or the default model
         return serve.main(args)
     if args.bench in (None, "speed"):  # speed picks its own model: --model, --shape or the default model
         return speed.main(args if args.bench else build_parser().parse_args(["bench", "speed"]))
+    if args.bench == "prefill":  # as speed: --model, --shape or the default model
+        return prefill.main(args)
     if args.model is None:
         from .default_model import default_model_path
         args.model = str(default_model_path())

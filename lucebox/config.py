@@ -51,6 +51,11 @@ class EngineArgs:
     # Ranks of tensor parallelism (engine/tensor_parallel.py): one process each, started by lucebox; rank r on
     # cuda:r (or the CPU, over gloo); rank 0 schedules, samples and serves.
     tensor_parallel_size: int = 1
+    # PFlash speculative prefill (engine/pflash, lossy): None keeps every prompt exact; a ratio in (0, 1]
+    # prefills that share of a long prompt's 32-token chunks, picked by the scorer's tail attention.
+    prefill_keep_ratio: float | None = None
+    prefill_min_tokens: int = 8192  # shorter prompts are always prefilled exactly
+    prefill_scorer: str | None = None  # the scoring model (its own tokenizer); None: the target scores itself
 
     HELP = {
         "model": "HF model directory, .gguf file or hub id (default: the bundled default model)",
@@ -84,6 +89,10 @@ class EngineArgs:
                         "CUDA graphs; --no-async-decode waits for each step's tokens first)",
         "tensor_parallel_size": "split the model over this many ranks (one process each, started by lucebox: "
                                 "cuda:0..N-1, or CPU processes over gloo); Llama/Mistral/Qwen2/Qwen3/Qwen3-MoE models",
+        "prefill_keep_ratio": "speculative prefill (PFlash, LOSSY; default off): prefill only this share (0..1] of "
+                              "a long prompt's chunks, chosen by a scorer model's attention",
+        "prefill_min_tokens": "speculative prefill: prompts shorter than this many tokens stay exact",
+        "prefill_scorer": "speculative prefill: the scoring model (HF dir, .gguf or hub id; default: the target)",
         "cuda_graph_max_batch": "largest batch of sequences whose decode / verify steps replay a CUDA graph "
                                 "(larger batches run eagerly)",
     }
@@ -109,11 +118,23 @@ class EngineArgs:
         if self.tensor_parallel_size > 1 and (self.device_map is not None or self.draft_device is not None):
             raise RequestError(f"tensor_parallel_size {self.tensor_parallel_size} with --device-map / --draft-device "
                                "is not supported: tensor parallelism places every rank's shard on its own device")
+        if self.tensor_parallel_size > 1 and (self.prefill_keep_ratio is not None or self.prefill_scorer is not None):
+            raise RequestError(f"tensor_parallel_size {self.tensor_parallel_size} with speculative prefill "
+                               "(--prefill-keep-ratio / --prefill-scorer) is not supported yet")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        check_keep_ratio(self.prefill_keep_ratio, "prefill_keep_ratio")
+        if not isinstance(self.prefill_min_tokens, int) or self.prefill_min_tokens < 1:
+            raise RequestError(f"prefill_min_tokens must be a positive integer, got {self.prefill_min_tokens!r}")
 
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+
+def check_keep_ratio(value, name: str) -> None:
+    """A speculative-prefill keep ratio: None (exact prefill) or a number in (0, 1]."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1):
+        raise RequestError(f"{name} must be a number in (0, 1] (the share of prompt chunks kept), got {value!r}")
 
 
 SPEC_METHODS = ("dflash", "draft_model", "ngram")

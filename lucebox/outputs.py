@@ -28,6 +28,7 @@ class RequestMetrics:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # [i]: drafts accepted at position i
+    prompt_tokens_kept: int | None = None  # PFlash: prompt tokens the target prefilled (None: all, exact)
 
     @property
     def mean_accepted_length(self) -> float:

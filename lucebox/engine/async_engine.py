@@ -133,7 +133,8 @@ class AsyncEngine:
             text = prompt.get("prompt")
         if not isinstance(text, str):
             return prompt
-        return {"prompt": text, "prompt_token_ids": await asyncio.to_thread(self.engine.tokenizer.encode, text)}
+        extra = prompt if isinstance(prompt, dict) else {}  # e.g. prefill_keep_ratio
+        return {**extra, "prompt": text, "prompt_token_ids": await asyncio.to_thread(self.engine.tokenizer.encode, text)}
 
     def _check_accepting(self) -> None:
         problem = self.health_problem
@@ -204,9 +205,14 @@ class AsyncEngine:
                            snapshot_hits=snapshots.loaded if snapshots is not None else 0,
                            snapshot_hit_tokens=snapshots.loaded_tokens if snapshots is not None else 0)
 
-    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
+    def cached_prefix_tokens(self, token_ids: list[int], prefill_keep_ratio: float | None = None) -> int:
         """Prompt tokens the prefix cache holds now (read without the lock: a lookup, no change);
-        what the request will be served from cache unless blocks are evicted before it starts."""
+        what the request will be served from cache unless blocks are evicted before it starts; 0
+        for a prompt speculative prefill compresses (it bypasses the cache)."""
+        args = self.engine.args
+        ratio = prefill_keep_ratio if prefill_keep_ratio is not None else args.prefill_keep_ratio
+        if ratio is not None and len(token_ids) >= args.prefill_min_tokens:
+            return 0
         cache = self.engine.scheduler.cache  # hybrids: only up to a recurrent-state snapshot
         return len(cache.match_prefix(token_ids)) * cache.block_size
 

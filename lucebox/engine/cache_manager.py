@@ -125,7 +125,8 @@ class CacheManager:
         """The cached blocks a prompt starts from (seq: the scheduler's lookup before admitting it):
         the primary group's, shortened to where a recurrent snapshot exists (recurrent_prefix_hit)
         and to what every window group can serve (window_hit; a CachedPrefix then carries their blocks)."""
-        found = self.blocks.match_prefix(token_ids)
+        # a PFlash-compressed prompt neither reuses nor offers cached blocks: its K/V are not the exact prompt's
+        found = self.blocks.match_prefix(token_ids) if seq is None or seq.compression is None else []
         if self.recurrent:
             if seq is not None and self.snapshots is not None:
                 # Where the prompt leaves another's cached blocks (the end of a shared system prompt, say):
@@ -212,7 +213,7 @@ class CacheManager:
         """Hash seq's newly full blocks for prefix sharing, in every group. A verify commits its
         accepted drafts before they join the sequence's tokens: only blocks whose tokens are known
         (the rest at the next commit, or when freed)."""
-        if not self.blocks.enable_prefix_caching:
+        if not self.blocks.enable_prefix_caching or seq.compression is not None:
             return
         start = len(seq.block_hashes)
         chunks = extend_hashes(seq.block_hashes, seq.token_slice, min(seq.num_computed, seq.num_tokens),

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import torch
 
-from ..config import EngineArgs
+from ..config import EngineArgs, check_keep_ratio
 from ..errors import ContextLengthError, OverloadError, RequestError, UnsupportedError
 from ..kernels.forward_batch import MAX_TREE_TOKENS
 from ..model.cache_spec import (RecurrentSpec, bytes_per_sequence, bytes_per_token, plan_pools, pools_bytes_wanted,
@@ -28,6 +28,7 @@ from .cache_manager import CacheManager
 from .cuda_graphs import GraphSettings
 from .output_processor import OutputProcessor
 from .overlap import Overlap
+from .pflash.prefill import SpeculativePrefill, for_engine
 from .placement import check_device, is_split, layer_device, split_kv_budget
 from .progress import PrefillProgress
 from .runner import ModelRunner, model_kv_groups
@@ -52,6 +53,10 @@ class LLMEngine:
         draft_device = check_device(args.draft_device, "--draft-device") if args.draft_device else None
         self.speculator = make_speculator(args.speculative_config, self._draft_target(loaded), self.max_model_len,
                                           draft_device)
+        # PFlash's scorer and its KV pool before the target's pool is sized from what memory is left
+        self._prefill: SpeculativePrefill | None = None
+        if args.prefill_keep_ratio is not None or args.prefill_scorer is not None:
+            self._prefill = for_engine(self)
         self.model.fuse_projections()  # q/k/v and gate/up as one GEMV each (idempotent)
         self.model.split_quant_rows()  # the GPU decode kernels' Q8_0 / Q6_K layout (idempotent)
         # The state every layer and the proposer keep per sequence: the planner and cache manager read it.
@@ -259,10 +264,14 @@ class LLMEngine:
             raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
         params.verify_token_ids(vocab)
         params = params.with_defaults(self.loaded.generation_defaults)
+        compression = self._compress(ids, prompt.get("prefill_keep_ratio") if isinstance(prompt, dict) else None)
+        stored = compression.kept_ids if compression is not None else ids
         seqs = []
         for index in range(params.n):
-            seq = Sequence(request_id, index, list(ids), params, arrival=next(self._arrivals))
+            seq = Sequence(request_id, index, list(stored), params, arrival=next(self._arrivals),
+                           compression=compression)
             seq.metrics.arrival_time = time.monotonic()
+            seq.metrics.prompt_tokens_kept = len(stored) if compression is not None else None
             seq.generator = make_generator(params.seed, self.model.device, index)
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens,
                                                      context_ids=ids[-4:])
@@ -272,6 +281,25 @@ class LLMEngine:
         self.requests[request_id] = (text, seqs)
         for seq in seqs:
             self.scheduler.add(seq)
+
+    def _compress(self, ids: list[int], keep_ratio):
+        """PFlash (lossy): the kept part of a long prompt (a PromptCompression), or None to prefill it exactly."""
+        check_keep_ratio(keep_ratio, "prefill_keep_ratio")
+        ratio = keep_ratio if keep_ratio is not None else self.args.prefill_keep_ratio
+        if ratio is None or len(ids) < self.args.prefill_min_tokens:
+            return None
+        if self.args.tensor_parallel_size > 1:  # the ranks' packed plans carry no position maps
+            raise UnsupportedError("prefill_keep_ratio (speculative prefill) is not supported under tensor "
+                                   "parallelism yet")
+        return self.speculative_prefill().compress(ids, ratio)
+
+    def speculative_prefill(self, scorer: LoadedModel | None = None, same_vocab: bool = False) -> SpeculativePrefill:
+        """The PFlash scorer: built at start with --prefill-keep-ratio or --prefill-scorer (its memory
+        planned before the KV pool's), else on first use (engine/pflash/prefill.for_engine); `scorer`
+        and `same_vocab` (benches) apply when it is built."""
+        if self._prefill is None:
+            self._prefill = for_engine(self, scorer, same_vocab)
+        return self._prefill
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

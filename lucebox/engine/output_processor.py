@@ -170,7 +170,7 @@ class OutputProcessor:
         finished = all(s.is_finished for s in seqs)
         if finished:
             del requests[request_id]
-        return RequestOutput(request_id, text, seqs[0].prompt_token_ids, outputs, finished,
+        return RequestOutput(request_id, text, seqs[0].request_prompt_ids, outputs, finished,
                              seqs[0].num_cached_tokens or 0, merge_metrics([s.metrics for s in seqs]))
 
 
@@ -182,7 +182,8 @@ def merge_metrics(per_seq: list[RequestMetrics]) -> RequestMetrics:
     """One request's metrics: timing of its first sample, speculative counters summed over its n samples."""
     first = per_seq[0]
     merged = RequestMetrics(first.arrival_time, first.first_token_time,
-                            max((m.finished_time for m in per_seq if m.finished_time), default=None))
+                            max((m.finished_time for m in per_seq if m.finished_time), default=None),
+                            prompt_tokens_kept=first.prompt_tokens_kept)
     for m in per_seq:
         merged.num_drafts += m.num_drafts
         merged.num_draft_tokens += m.num_draft_tokens

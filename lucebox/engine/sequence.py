@@ -8,6 +8,7 @@ import torch
 
 from ..outputs import RequestMetrics
 from ..sampling import SamplingParams
+from .pflash.positions import PromptCompression
 
 
 class Status(enum.Enum):
@@ -40,6 +41,13 @@ class Sequence:
     stop_checker: object = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     draft: object = None  # spec.proposer.Draft for this step, or None
+    # PFlash: prompt_token_ids are the kept tokens, rotated at their original positions (never prefix-cached)
+    compression: PromptCompression | None = None
+
+    @property
+    def request_prompt_ids(self) -> list[int]:
+        """The prompt as the request sent it (prompt_token_ids: what the KV cache holds)."""
+        return self.compression.original_ids if self.compression is not None else self.prompt_token_ids
 
     @property
     def token_ids(self) -> list[int]:

@@ -47,6 +47,8 @@ class PlanRow:
     # i's K/V go to position start + i, its RoPE position is start + depths[i]; it sees its ancestors.
     parents: list[int] | None = None
     depths: list[int] | None = None
+    # RoPE positions of the tokens when they differ from their storage positions (a PFlash-compressed prompt)
+    positions: list[int] | None = None
 
     def __post_init__(self):
         if self.window_tables is None:
@@ -108,6 +110,11 @@ class StepPlan:
         return any(row.parents is not None for row in self.rows)
 
     @property
+    def has_position_maps(self) -> bool:
+        """Some row is rotated apart from its storage positions: the step runs eagerly (graphs fill start + i)."""
+        return any(row.positions is not None for row in self.rows)
+
+    @property
     def total_tokens(self) -> int:
         return sum(len(row.tokens) for row in self.rows)
 
@@ -163,6 +170,8 @@ class StepPlanner:
                 verify_rows.extend(range(offset + n - 1 - len(drafts), offset + n))
             else:
                 plain_rows.append(offset + n - 1)
+            if seq.compression is not None:
+                row.positions = seq.compression.positions(start, len(tokens), row.depths)
             prefilling = prefilling or (not drafts and (n > 1 or end < committed))
             rows.append(row)
             offset += n
@@ -175,13 +184,14 @@ class StepPlanner:
         plan.argmax = all(argmax_only(r.seq.params, len(r.seq.output_token_ids)) for r in rows if r.kind is not
                           RowKind.CHUNK)
         # Simply sampled rows with deterministic drafts (or none): sampled and accepted in the graph.
-        if (not plan.argmax and self.runner.graphs is not None and not chunks
+        if (not plan.argmax and self.runner.graphs is not None and not chunks and not plan.has_position_maps
                 and all(graph_samplable(r.seq.params, len(r.seq.output_token_ids)) for r in rows)
                 and all(r.draft.probs is None and not r.draft.is_tree for r in verifies)):
             plan.sample = [graph_row(r.seq.params, self.vocab_size) for r in rows]
         if plan.capture_layers:
             plan.feature_rows = spec.proposer.feature_rows(batch.total_tokens)
-        plan.defer = self.async_decode and not chunks and not verifies and not plan.capture_layers
+        plan.defer = (self.async_decode and not chunks and not verifies and not plan.capture_layers
+                      and not plan.has_position_maps)
         return plan
 
     def catch_up(self, seq, start: int):
@@ -192,7 +202,10 @@ class StepPlanner:
         spec = self.speculator
         for begin in range(start, seq.num_computed, CATCH_UP_LENS[-1]):
             end = min(begin + CATCH_UP_LENS[-1], seq.num_computed)
-            yield begin, StepPlan.forward([seq.token_slice(begin, end)], [begin], [seq.block_table],
-                                          [seq.window_tables], logits_rows=[],
-                                          capture_layers=spec.capture_layers,
-                                          feature_rows=spec.proposer.feature_rows(end - begin), write_kv=False)
+            plan = StepPlan.forward([seq.token_slice(begin, end)], [begin], [seq.block_table],
+                                    [seq.window_tables], logits_rows=[], capture_layers=spec.capture_layers,
+                                    feature_rows=spec.proposer.feature_rows(end - begin), write_kv=False)
+            compression = getattr(seq, "compression", None)  # a duck-typed sequence may lack it
+            if compression is not None:
+                plan.rows[0].positions = compression.positions(begin, end - begin)
+            yield begin, plan

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import UnsupportedError
 from .step_plan import PlanRow, StepPlan
 
 
 def pack_plan(plan: StepPlan) -> torch.Tensor:
+    if plan.has_position_maps:  # the ranks would rotate at storage positions
+        raise UnsupportedError("speculative prefill (prefill_keep_ratio) is not supported under tensor parallelism yet")
     groups = len(plan.rows[0].window_tables) if plan.rows else 0
     trees = plan.has_trees
     rows = plan.logits_rows

@@ -108,6 +108,8 @@ class ForwardBatch:
     # Tree verification: [T] int64 visibility bits per query token (module docstring), -1 for tokens
     # of ordinary rows; None when the batch holds no tree row (every kernel then runs as before).
     tree_mask: torch.Tensor | None = None
+    # Rows rotated apart from their storage positions (PFlash): every rope position is below this.
+    rope_bound: int | None = None
 
     def group(self, g: int) -> "ForwardBatch":
         """This batch as layers of KV cache group g see it: group g's block tables and slot mapping
@@ -131,7 +133,7 @@ class ForwardBatch:
     def position_bound(self) -> int:
         """Every position of the batch is below this, known on the host without a device sync."""
         if self.seq_lens_host:
-            return max(self.seq_lens_host)
+            return max(max(self.seq_lens_host), self.rope_bound or 0)
         return self.max_seq_len if self.max_seq_len is not None else 0
 
     @property
@@ -188,7 +190,7 @@ class ForwardBatch:
                 seq_lens=self.seq_lens[idx], block_tables=self.block_tables[idx], slot_mapping=self.slot_mapping[rows],
                 block_size=self.block_size, query_lens_host=q_lens,
                 seq_lens_host=[self.seq_lens_host[i] for i in seqs],
-                tree_mask=self.tree_mask[rows] if self.tree_mask is not None else None)
+                tree_mask=self.tree_mask[rows] if self.tree_mask is not None else None, rope_bound=self.rope_bound)
             cached[key] = (sub, rows)
         return cached[key]
 
@@ -196,11 +198,14 @@ class ForwardBatch:
     def build(cls, token_ids: list[list[int]], start_positions: list[int], block_tables: list[list[int]],
               block_size: int, device: torch.device | str = "cpu", capture_layers: tuple[int, ...] = (),
               group_tables: list[list[list[int]]] = (),
-              tree_parents: list[list[int] | None] | None = None) -> "ForwardBatch":
+              tree_parents: list[list[int] | None] | None = None,
+              rope_positions: list[list[int] | None] | None = None) -> "ForwardBatch":
         """token_ids[i] are the new tokens of sequence i, placed at start_positions[i]...;
         group_tables[g - 1][i]: sequence i's table in KV cache group g (mixed windows);
         tree_parents[i], when given and not None, makes sequence i a tree verify row (parents as
-        tree_mask_bits takes them): rope positions start + depth, the tree's visibility masks."""
+        tree_mask_bits takes them): rope positions start + depth, the tree's visibility masks;
+        rope_positions[i], when given and not None: sequence i's tokens' RoPE positions (a PFlash
+        prompt kept at its original positions), which replace start + i / start + depth."""
         if tree_parents is not None and len(tree_parents) != len(token_ids):
             raise ValueError(f"tree_parents has {len(tree_parents)} entries for {len(token_ids)} sequences")
         ids, positions, starts, masks = [], [], [0], []
@@ -215,8 +220,14 @@ class ForwardBatch:
                     raise ValueError(f"sequence {i}: {len(parents)} tree parents for {len(toks)} tokens")
                 positions.extend(start + d for d in tree_depths(parents))
                 masks.extend(tree_mask_bits(parents))
+            rope = rope_positions[i] if rope_positions is not None else None
+            if rope is not None:
+                if len(rope) != len(toks):
+                    raise ValueError(f"sequence {i}: {len(rope)} rope positions for {len(toks)} tokens")
+                positions[len(positions) - len(toks):] = rope
             starts.append(starts[-1] + len(toks))
         seq_lens = [s + len(t) for s, t in zip(start_positions, token_ids)]
+        rope_bound = max(positions) + 1 if rope_positions is not None and positions else None
 
         def as_tensor(values, dtype=torch.int64):
             return host_to_device(values, device, dtype)
@@ -237,7 +248,7 @@ class ForwardBatch:
             capture_layers=tuple(capture_layers), query_lens_host=[len(t) for t in token_ids], seq_lens_host=seq_lens,
             group_tables=tuple(t for t, _ in groups), group_slots=tuple(s for _, s in groups),
             tree_mask=as_tensor(masks) if tree_parents is not None and any(p is not None for p in tree_parents)
-            else None)
+            else None, rope_bound=rope_bound)
 
     @classmethod
     def from_device(cls, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,

@@ -160,9 +160,10 @@ async def messages(state, request: Request, req: MessagesRequest):
                              top_k=req.top_k, stop=req.stop_sequences, processors=processors,
                              skip_special=skip_special_tokens(state))
     rid = request_id("msg_")
-    agen = generate(state, prepared, params, rid)
+    agen = generate(state, prepared, params, rid, prefill_keep_ratio=req.prefill_keep_ratio)
     if req.stream:
-        cached = state.engine.cached_prefix_tokens(prepared.prompt_ids)  # before this request fills the cache
+        # before this request fills the cache
+        cached = state.engine.cached_prefix_tokens(prepared.prompt_ids, req.prefill_keep_ratio)
         first = await first_item(agen)
         return StreamingResponse(_stream(agen, first, rid, req.model, len(prepared.prompt_ids), cached),
                                  media_type="text/event-stream", headers=SSE_HEADERS)

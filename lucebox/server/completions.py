@@ -50,7 +50,7 @@ async def completions(state, request: Request, req: CompletionRequest):
         logit_bias=req.logit_bias, logprobs=req.logprobs, logprobs_param="logprobs",
         processors=state.extra_processors("completions", req.model_dump()))
     rid, model, created = request_id("cmpl-"), state.model_name(req.model), int(time.time())
-    agen = generate(state, Prepared(text, ids, None), params, rid)
+    agen = generate(state, Prepared(text, ids, None), params, rid, prefill_keep_ratio=req.prefill_keep_ratio)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         first = await first_item(agen)

@@ -80,11 +80,14 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    kept_tokens: int | None = None  # PFlash: prompt tokens prefilled (None: exact prefill)
 
     def openai(self, reasoning_tokens: int | None = None) -> dict:
         out = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                "total_tokens": self.prompt_tokens + self.completion_tokens,
                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        if self.kept_tokens is not None:
+            out["prompt_tokens_details"]["kept_tokens"] = self.kept_tokens
         if reasoning_tokens is not None:
             out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
         return out
@@ -275,10 +278,13 @@ def max_tokens_for(state, prompt_len: int, requested: int | None) -> int:
     return requested
 
 
-async def generate(state, prepared: Prepared, params: SamplingParams, rid: str) -> AsyncIterator:
+async def generate(state, prepared: Prepared, params: SamplingParams, rid: str,
+                   prefill_keep_ratio: float | None = None) -> AsyncIterator:
     """Yields ChoiceUpdate, KEEPALIVE, and finally the Usage. Raises APIError."""
     cfg = state.config
     prompt = {"prompt": prepared.prompt_text, "prompt_token_ids": prepared.prompt_ids}
+    if prefill_keep_ratio is not None:
+        prompt["prefill_keep_ratio"] = prefill_keep_ratio
     prompt_len = len(prepared.prompt_ids)
     max_tokens = params.max_tokens if params.max_tokens is not None else state.engine.max_model_len - prompt_len
     # A request that cannot fit the context is the engine's to refuse, in the context error's wording.
@@ -347,7 +353,9 @@ async def generate(state, prepared: Prepared, params: SamplingParams, rid: str) 
             if out.finished:
                 break
         state.metrics.observe_request(last, _reason(last))
-        yield Usage(len(last.prompt_token_ids), sum(len(o.token_ids) for o in last.outputs), last.num_cached_tokens)
+        kept = last.metrics.prompt_tokens_kept if last.metrics is not None else None
+        yield Usage(len(last.prompt_token_ids), sum(len(o.token_ids) for o in last.outputs), last.num_cached_tokens,
+                    kept)
         last = None
     finally:
         state.work.release(work)

@@ -126,7 +126,7 @@ async def chat_completions(state, request: Request, req: ChatCompletionRequest):
     rid = request_id("chatcmpl-")
     model = state.model_name(req.model)
     created = int(time.time())
-    agen = generate(state, prepared, params, rid)
+    agen = generate(state, prepared, params, rid, prefill_keep_ratio=req.prefill_keep_ratio)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         first = await first_item(agen)  # errors before the first byte still get a proper status code

@@ -165,6 +165,7 @@ class SamplingFields(Lenient):
     min_tokens: int = Field(0, ge=0, le=INT64)
     logit_bias: Annotated[dict[str, Bias], AfterValidator(_bias_in_vocab)] | None = None
     n: int = Field(1, ge=1, le=INT64)
+    prefill_keep_ratio: float | None = Field(None, gt=0, le=1)  # PFlash speculative prefill (lossy)
 
 
 def _template_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -273,6 +274,7 @@ class ResponsesRequest(Lenient):
     text: AsDict[TextConfig] | None = None
     include: list[str] | None = None
     previous_response_id: str | None = None
+    prefill_keep_ratio: float | None = Field(None, gt=0, le=1)
 
 
 # ---------------------------------------------------------------- Anthropic Messages
@@ -330,6 +332,7 @@ class MessagesRequest(CountTokensRequest):
     temperature: float | None = Field(None, ge=0, le=1)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1, le=INT64)
+    prefill_keep_ratio: float | None = Field(None, gt=0, le=1)
 
 
 REQUEST_MODELS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,

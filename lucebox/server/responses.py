@@ -148,7 +148,7 @@ async def responses(state, request: Request, req: ResponsesRequest):
                              skip_special=skip_special_tokens(state))
     rid = request_id("resp_")
     builder = _Builder(rid, state.model_name(req.model), req, custom)
-    agen = generate(state, prepared, params, rid)
+    agen = generate(state, prepared, params, rid, prefill_keep_ratio=req.prefill_keep_ratio)
     if req.stream:
         first = await first_item(agen)
         return StreamingResponse(builder.stream(agen, first), media_type="text/event-stream", headers=SSE_HEADERS)

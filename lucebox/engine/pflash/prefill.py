@@ -1,0 +1,78 @@
+"""SpeculativePrefill: the engine's entry to PFlash. compress(prompt ids, keep ratio) scores the
+prompt with the scorer (re-tokenised for it when its tokenizer is not the target's), selects chunks,
+and returns the PromptCompression the target prefills, or None for a prompt kept exact."""
+from __future__ import annotations
+
+import logging
+import time
+
+from ...config import check_keep_ratio
+from ...errors import UnsupportedError
+from ...model.loader import LoadedModel, load_model
+from .positions import PromptCompression
+from .score import TailAttentionScorer
+from .select import SelectionRules, decoded_with_ends, kept_token_spans, map_spans, select_chunks
+
+log = logging.getLogger("lucebox")
+
+
+class SpeculativePrefill:
+    def __init__(self, scorer_model, scorer_tokenizer, target_tokenizer, max_tokens: int, min_tokens: int,
+                 default_ratio: float | None, rules: SelectionRules = SelectionRules(), **scorer_options):
+        check_keep_ratio(default_ratio, "prefill_keep_ratio")
+        self.scorer = TailAttentionScorer(scorer_model, max_tokens, **scorer_options)
+        self.scorer_tokenizer, self.target_tokenizer = scorer_tokenizer, target_tokenizer
+        self.min_tokens, self.default_ratio, self.rules = min_tokens, default_ratio, rules
+        self.last_seconds = 0.0  # the last compress's scoring time (benchmarks)
+
+    @property
+    def same_tokenizer(self) -> bool:
+        """The scorer reads the target's token ids as they are (None: the same vocabulary, e.g. random shapes)."""
+        return self.scorer_tokenizer is None or self.scorer_tokenizer is self.target_tokenizer
+
+    def compress(self, ids: list[int], keep_ratio: float | None = None) -> PromptCompression | None:
+        """The kept tokens of a prompt (keep_ratio: the request's, else the engine's default); None when
+        it stays exact (no ratio, or shorter than min_tokens)."""
+        ratio = keep_ratio if keep_ratio is not None else self.default_ratio
+        check_keep_ratio(ratio, "prefill_keep_ratio")
+        if ratio is None or len(ids) < self.min_tokens:
+            return None
+        started = time.perf_counter()
+        if self.same_tokenizer:
+            scorer_ids = ids
+        else:
+            text, target_ends = decoded_with_ends(self.target_tokenizer, ids)
+            scorer_ids = self.scorer_tokenizer.encode(text, add_special_tokens=False)
+            if len(scorer_ids) > self.scorer.max_tokens:  # another tokenizer may need more tokens
+                log.warning("speculative prefill skipped: the scorer's tokenisation (%d tokens) exceeds its %d",
+                            len(scorer_ids), self.scorer.max_tokens)
+                return None
+        chunks = select_chunks(self.scorer.score(scorer_ids), scorer_ids, ratio, self.rules)
+        spans = kept_token_spans(chunks, self.rules.chunk, len(scorer_ids))
+        if self.same_tokenizer:
+            kept = [i for a, b in spans for i in range(a, b)]
+        else:
+            kept = map_spans(spans, decoded_with_ends(self.scorer_tokenizer, scorer_ids)[1], target_ends)
+            if not kept or kept[-1] != len(ids) - 1:  # the prompt's last token always (it decodes next)
+                kept.append(len(ids) - 1)
+        self.last_seconds = time.perf_counter() - started
+        log.info("speculative prefill: %d of %d prompt tokens kept (ratio %.3f) in %.2f s", len(kept), len(ids),
+                 ratio, self.last_seconds)
+        return PromptCompression(list(ids), kept)
+
+
+def for_engine(engine, scorer: LoadedModel | None = None, same_vocab: bool = False) -> SpeculativePrefill:
+    """An engine's SpeculativePrefill: `scorer`, else --prefill-scorer's model, else the target scoring its
+    own prompts; a KV pool of the engine's max_model_len. same_vocab: score the target's token ids as
+    they are (benchmarks of random shapes), not re-tokenised text."""
+    args = engine.args
+    if scorer is None:
+        scorer = engine.loaded
+        if args.prefill_scorer is not None:
+            scorer = load_model(args.prefill_scorer, dtype=args.dtype, device=str(engine.model.device))
+    try:
+        return SpeculativePrefill(scorer.model, None if same_vocab else scorer.tokenizer, engine.tokenizer,
+                                  engine.max_model_len, args.prefill_min_tokens, args.prefill_keep_ratio,
+                                  block_size=args.block_size)
+    except ValueError as e:
+        raise UnsupportedError(f"speculative prefill: {e}; name another scorer with --prefill-scorer") from None
