@@ -5,16 +5,11 @@ gemma4 vocabulary), then one metadata key or tensor changed per case. Each case'
 the key or tensor at fault."""
 from __future__ import annotations
 
-import random
-import tempfile
-from functools import lru_cache
-from pathlib import Path
-
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
-from gguf.quants import quantize
+from gguf import GGUFValueType
 
-from tests.mutations import MERGES, TOKENS, VOCAB, Case, parse_gguf
+from tests.family_mutations import ArchFiles
+from tests.mutations import MERGES, TOKENS, VOCAB, Case
 
 ARCH = "gemma4"
 HIDDEN, HEADS, SWA_DIM, FULL_DIM, FFN, EXPERTS, EXPERT_FFN, PER_LAYER = 32, 2, 8, 16, 64, 4, 32, 8
@@ -78,43 +73,12 @@ def tensors(seed: int = 0) -> dict[str, np.ndarray]:
     return out
 
 
-def write_gemma4_gguf(path: Path, meta=None, values=None) -> Path:
-    w = GGUFWriter(str(path), ARCH)
-    for key, (value, vtype, sub) in (meta or metadata()).items():
-        w.add_key_value(key, value, vtype, sub_type=sub)
-    for name, array in (values or tensors()).items():
-        if "_exps.weight" in name:
-            w.add_tensor(name, quantize(array, GGMLQuantizationType.Q8_0), raw_dtype=GGMLQuantizationType.Q8_0)
-        else:
-            w.add_tensor(name, array)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
-def _meta_case(case_id: str, key: str, value, expected: str, vtype=U32, sub=None) -> Case:
-    def build(directory: Path) -> Path:
-        meta = metadata()
-        if value is None:
-            del meta[f"{ARCH}.{key}"]
-        else:
-            meta[f"{ARCH}.{key}"] = (value, vtype, sub)
-        return write_gemma4_gguf(directory / f"{case_id}.gguf", meta)
-    return Case(case_id, build, expected)
-
-
-def _tensor_case(case_id: str, edit, expected: str) -> Case:
-    def build(directory: Path) -> Path:
-        values = tensors()
-        edit(values)
-        return write_gemma4_gguf(directory / f"{case_id}.gguf", values=values)
-    return Case(case_id, build, expected)
+FILES = ArchFiles(ARCH, metadata, tensors, "gemma4")
+write_gemma4_gguf = FILES.write
 
 
 def gemma4_cases() -> list[Case]:
-    m, t, i32, b = _meta_case, _tensor_case, GGUFValueType.INT32, GGUFValueType.BOOL
+    m, t, i32, b = FILES.meta_case, FILES.tensor_case, GGUFValueType.INT32, GGUFValueType.BOOL
     return [
         m("gemma4_expert_count_6", "expert_count", 6, r"blk\.0\.ffn_down_exps\.scale has shape \[4\], but "
                                                       r"gemma4\.expert_count \(6\)"),
@@ -158,27 +122,5 @@ def gemma4_cases() -> list[Case]:
     ]
 
 
-@lru_cache(maxsize=1)
-def valid_gemma4_bytes() -> bytes:
-    with tempfile.TemporaryDirectory() as directory:
-        return write_gemma4_gguf(Path(directory) / "valid.gguf").read_bytes()
-
-
 def gemma4_flip_cases(count: int = 30, seed: int = 8642) -> list[Case]:
-    """Random byte flips, mostly in the header: a clean load or a LuceboxError, nothing else."""
-    rng = random.Random(seed)
-    cases = []
-    for i in range(count):
-        flips = [(rng.random(), rng.randrange(256)) for _ in range(rng.choice((1, 1, 2, 4)))]
-        in_header = rng.random() < 0.85
-
-        def build(directory: Path, flips=flips, in_header=in_header, i=i) -> Path:
-            data = bytearray(valid_gemma4_bytes())
-            span = parse_gguf(bytes(data)).header_end if in_header else len(data)
-            for where, value in flips:
-                data[int(where * span)] = value
-            out = directory / f"gemma4_flip_{i:03d}.gguf"
-            out.write_bytes(bytes(data))
-            return out
-        cases.append(Case(f"gemma4_flip_{i:03d}", build, None))
-    return cases
+    return FILES.flip_cases(count, seed)

@@ -4,16 +4,11 @@ Q8_0 experts, a shared expert), then one metadata key or tensor changed per case
 LuceboxError must name the key or tensor at fault."""
 from __future__ import annotations
 
-import random
-import tempfile
-from functools import lru_cache
-from pathlib import Path
-
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
-from gguf.quants import quantize
+from gguf import GGUFValueType
 
-from tests.mutations import MERGES, TOKENS, VOCAB, Case, parse_gguf
+from tests.family_mutations import ArchFiles
+from tests.mutations import MERGES, TOKENS, VOCAB, Case
 
 ARCH = "qwen35moe"
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, EXPERTS, EXPERT_FFN, SHARED_FFN = 32, 2, 1, 16, 4, 32, 32
@@ -72,43 +67,12 @@ def tensors(seed: int = 0) -> dict[str, np.ndarray]:
     return out
 
 
-def write_hybrid_gguf(path: Path, meta=None, values=None) -> Path:
-    w = GGUFWriter(str(path), ARCH)
-    for key, (value, vtype, sub) in (meta or metadata()).items():
-        w.add_key_value(key, value, vtype, sub_type=sub)
-    for name, array in (values or tensors()).items():
-        if "_exps." in name:
-            w.add_tensor(name, quantize(array, GGMLQuantizationType.Q8_0), raw_dtype=GGMLQuantizationType.Q8_0)
-        else:
-            w.add_tensor(name, array)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
-def _meta_case(case_id: str, key: str, value, expected: str, vtype=U32, sub=None) -> Case:
-    def build(directory: Path) -> Path:
-        meta = metadata()
-        if value is None:
-            del meta[f"{ARCH}.{key}"]
-        else:
-            meta[f"{ARCH}.{key}"] = (value, vtype, sub)
-        return write_hybrid_gguf(directory / f"{case_id}.gguf", meta)
-    return Case(case_id, build, expected)
-
-
-def _tensor_case(case_id: str, edit, expected: str) -> Case:
-    def build(directory: Path) -> Path:
-        values = tensors()
-        edit(values)
-        return write_hybrid_gguf(directory / f"{case_id}.gguf", values=values)
-    return Case(case_id, build, expected)
+FILES = ArchFiles(ARCH, metadata, tensors, "hybrid")
+write_hybrid_gguf = FILES.write
 
 
 def hybrid_cases() -> list[Case]:
-    m, t = _meta_case, _tensor_case
+    m, t = FILES.meta_case, FILES.tensor_case
     return [
         m("hybrid_expert_count_6", "expert_count", 6,
           r"blk\.0\.ffn_gate_inp\.weight has shape \[4, 32\], but qwen35moe\.expert_count \(6\)"),
@@ -141,27 +105,5 @@ def hybrid_cases() -> list[Case]:
     ]
 
 
-@lru_cache(maxsize=1)
-def valid_hybrid_bytes() -> bytes:
-    with tempfile.TemporaryDirectory() as directory:
-        return write_hybrid_gguf(Path(directory) / "valid.gguf").read_bytes()
-
-
 def hybrid_flip_cases(count: int = 40, seed: int = 4321) -> list[Case]:
-    """Random byte flips, mostly in the header: a clean load or a LuceboxError, nothing else."""
-    rng = random.Random(seed)
-    cases = []
-    for i in range(count):
-        flips = [(rng.random(), rng.randrange(256)) for _ in range(rng.choice((1, 1, 2, 4)))]
-        in_header = rng.random() < 0.85
-
-        def build(directory: Path, flips=flips, in_header=in_header, i=i) -> Path:
-            data = bytearray(valid_hybrid_bytes())
-            span = parse_gguf(bytes(data)).header_end if in_header else len(data)
-            for where, value in flips:
-                data[int(where * span)] = value
-            out = directory / f"hybrid_flip_{i:03d}.gguf"
-            out.write_bytes(bytes(data))
-            return out
-        cases.append(Case(f"hybrid_flip_{i:03d}", build, None))
-    return cases
+    return FILES.flip_cases(count, seed)
