@@ -6,23 +6,29 @@
 mode_check() {
   run_tests gpu-tests "${SECONDS_CHECK:-540}" tests/engine/test_cuda_graphs.py tests/kernels \
     --ignore=tests/kernels/test_gated_delta.py --ignore=tests/kernels/test_triton_moe.py \
-    --ignore=tests/kernels/test_triton_moe_models.py \
+    --ignore=tests/kernels/test_triton_moe_models.py --ignore=tests/kernels/test_block32_formats.py \
+    --ignore=tests/kernels/test_tree_attention.py --ignore=tests/kernels/test_gated_delta_tree.py \
     tests/model/test_model.py tests/train/test_dense_lm.py tests/sampling/test_acceptance.py \
-    tests/engine/test_step_plan.py tests/engine/test_sliding_window.py tests/weights/test_quant.py \
-    --ignore=tests/kernels/test_block32_formats.py
+    tests/engine/test_step_plan.py tests/engine/test_sliding_window.py tests/weights/test_quant.py
 }
 
 #: check-new    the GPU tests of hybrids (Qwen 3.5/3.6, MoE), mixed windows (Gemma 4, Laguna) and DFlash
-#:              graphs, fastest first, then the fused kernels' 32-value block formats (Q4_1/Q5_0/Q5_1/IQ4_NL),
-#:              tree attention, tree verify graph buckets and trees on mixed windows
-#:              at Gemma 4 26B-A4B's sizes (SECONDS_CHECK; FLA=1: with fla-core's prefill kernels)
+#:              graphs, fastest first (SECONDS_CHECK; FLA=1: with fla-core's prefill kernels)
 mode_check_new() {
   run_tests gpu-tests-new "${SECONDS_CHECK:-540}" tests/kernels/test_gated_delta.py tests/kernels/test_triton_moe.py \
-    tests/kernels/test_triton_moe_models.py tests/spec/test_dflash_graphs.py tests/model/test_laguna_graphs.py \
-    tests/model/test_qwen3_5_graphs.py \
-    tests/engine/test_hybrid_prefix.py tests/model/test_gemma4.py tests/engine/test_sliding_window_mixed.py \
+    tests/spec/test_dflash_graphs.py tests/model/test_laguna_graphs.py tests/model/test_qwen3_5_graphs.py \
+    tests/engine/test_hybrid_prefix.py tests/model/test_gemma4.py tests/engine/test_sliding_window_mixed.py
+}
+
+#: check-trees  the GPU tests written without a GPU in the eighteenth session: GeGLU / weights-on-input
+#:              experts, the 32-value block formats (Q4_1/Q5_0/Q5_1/IQ4_NL) at Gemma 4 26B-A4B's sizes, tree
+#:              attention, DeltaNet tree kernels, tree graph buckets, trees on windows and hybrids, a
+#:              cuda:0 + cpu layer split, Gemma 4 / Laguna speculation graphs, DFlash2 captured walks
+mode_check_trees() {
+  run_tests gpu-tests-trees "${SECONDS_CHECK:-540}" tests/kernels/test_triton_moe_models.py \
+    tests/kernels/test_tree_attention.py tests/kernels/test_gated_delta_tree.py tests/engine/test_tree_graphs.py \
+    tests/spec/test_ddtree_windows.py tests/spec/test_ddtree_hybrid.py tests/engine/test_placement.py \
     tests/spec/test_spec_gemma4_laguna.py::test_greedy_speculation_through_graphs_equals_plain_decoding \
-    tests/kernels/test_block32_formats.py tests/kernels/test_tree_attention.py tests/kernels/test_gated_delta_tree.py \
-    tests/spec/test_ddtree_hybrid.py tests/engine/test_placement.py tests/engine/test_tree_graphs.py \
-    tests/spec/test_ddtree_windows.py
+    "tests/spec/test_dflash2.py::test_drafts_through_the_drafter_graphs_equal_the_eager_ones" \
+    tests/kernels/test_block32_formats.py
 }
