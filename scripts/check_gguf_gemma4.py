@@ -16,7 +16,6 @@ Exits non-zero on any failure.
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -25,12 +24,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from lucebox.convert import convert_hf_to_gguf  # noqa: E402
-from lucebox.model.loader import load_model  # noqa: E402
-from scripts.check_gguf_hybrid import llama_logits_agree, tokenizer  # noqa: E402
+from scripts.check_gguf_hybrid import check_converted, llama_bench_runs, tokenizer  # noqa: E402
 from tests.conftest import build_hf_model  # noqa: E402
 from tests.model.test_gguf_gemma4 import SPECS  # noqa: E402
-from tests.model.test_gguf_hybrid import lucebox_logits, prompt_for, reference_logits  # noqa: E402
 
 # Q8_0 moves these tiny Gemma 4 models' logits by about their own size (~0.5: normalised q and k at scale 1
 # make attention peaked); F16 by a few thousandths; a layout mistake shows at F32/F16.
@@ -52,29 +48,11 @@ def main() -> int:
     for kind, spec in SPECS.items():
         hf_dir = build_hf_model("qwen3", work / kind, tok, **spec)
         reference = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-        for qtype in ("f32", "f16", "q8_0"):
-            path = convert_hf_to_gguf(hf_dir, work / f"gemma4-{kind}-{qtype}.gguf", qtype)
-            files.append(path)
-            if args.llama_logits:
-                failures += not llama_logits_agree(args.llama_logits, path, reference, qtype)
-            for dtype in (torch.float32, torch.bfloat16):
-                if (qtype, dtype) not in LIMITS:
-                    continue
-                loaded = load_model(str(path), dtype=dtype, device=args.device)
-                prompt = prompt_for(loaded.config.vocab_size, length=40)
-                diff = (lucebox_logits(loaded, prompt).float().cpu() - reference_logits(reference, prompt)).abs().max()
-                ok = diff.item() <= LIMITS[qtype, dtype]
-                failures += not ok
-                print(f"{'ok  ' if ok else 'FAIL'} gemma4 {kind:5} {qtype:4} {str(dtype):14} on {args.device}: "
-                      f"max |logit - transformers| = {diff.item():.4f} (limit {LIMITS[qtype, dtype]})")
+        converted, bad = check_converted(f"gemma4 {kind}", hf_dir, reference, work / f"gemma4-{kind}", args, LIMITS)
+        files += converted
+        failures += bad
     if args.llama_bench:
-        for path in files:
-            run = subprocess.run([args.llama_bench, "-m", str(path), "-p", "32", "-n", "8", "-r", "1", "--repack", "0"],
-                                 capture_output=True, text=True, timeout=600)
-            failures += run.returncode != 0
-            tail = (run.stdout + run.stderr).strip().splitlines()[-3:]
-            print(f"{'ok  ' if run.returncode == 0 else 'FAIL'} llama-bench {path.name}: rc {run.returncode}")
-            print("     " + "\n     ".join(tail))
+        failures += llama_bench_runs(args.llama_bench, files)
     return 1 if failures else 0
 
 

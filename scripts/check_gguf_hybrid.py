@@ -72,6 +72,42 @@ def llama_logits_agree(binary: str, path: Path, reference, qtype: str) -> bool:
     return ok
 
 
+def check_converted(label: str, hf_dir: Path, reference, stem: Path, args, limits: dict) -> tuple[list[Path], int]:
+    """`lucebox convert` of hf_dir at F32 / F16 / Q8_0 (files stem-QTYPE.gguf): llama.cpp's logits against
+    transformers' with args.llama_logits, and lucebox's on args.device for every (qtype, dtype) in
+    `limits`. Returns the files and the failures."""
+    files, failures = [], 0
+    for qtype in ("f32", "f16", "q8_0"):
+        path = convert_hf_to_gguf(hf_dir, stem.parent / f"{stem.name}-{qtype}.gguf", qtype)
+        files.append(path)
+        if args.llama_logits:
+            failures += not llama_logits_agree(args.llama_logits, path, reference, qtype)
+        for dtype in (torch.float32, torch.bfloat16):
+            if (qtype, dtype) not in limits:
+                continue
+            loaded = load_model(str(path), dtype=dtype, device=args.device)
+            prompt = prompt_for(loaded.config.vocab_size, length=40)
+            diff = (lucebox_logits(loaded, prompt).float().cpu() - reference_logits(reference, prompt)).abs().max()
+            ok = diff.item() <= limits[qtype, dtype]
+            failures += not ok
+            print(f"{'ok  ' if ok else 'FAIL'} {label:16} {qtype:4} {str(dtype):14} on {args.device}: "
+                  f"max |logit - transformers| = {diff.item():.4f} (limit {limits[qtype, dtype]})")
+    return files, failures
+
+
+def llama_bench_runs(binary: str, files: list[Path]) -> int:
+    """llama-bench on each file (--repack 0: this CPU build's repacking crashes on tiny Q8_0 shapes); failures."""
+    failures = 0
+    for path in files:
+        run = subprocess.run([binary, "-m", str(path), "-p", "32", "-n", "8", "-r", "1", "--repack", "0"],
+                             capture_output=True, text=True, timeout=600)
+        failures += run.returncode != 0
+        tail = (run.stdout + run.stderr).strip().splitlines()[-3:]
+        print(f"{'ok  ' if run.returncode == 0 else 'FAIL'} llama-bench {path.name}: rc {run.returncode}")
+        print("     " + "\n     ".join(tail))
+    return failures
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
@@ -87,29 +123,11 @@ def main() -> int:
     for arch, spec in ARCHS.items():
         hf_dir = build_hf_model("qwen3", work / arch, tok, **spec)
         reference = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-        for qtype in ("f32", "f16", "q8_0"):
-            path = convert_hf_to_gguf(hf_dir, work / f"{arch}-{qtype}.gguf", qtype)
-            files.append(path)
-            if args.llama_logits:
-                failures += not llama_logits_agree(args.llama_logits, path, reference, qtype)
-            if qtype == "f32":
-                continue
-            for dtype in (torch.float32, torch.bfloat16):
-                loaded = load_model(str(path), dtype=dtype, device=args.device)
-                prompt = prompt_for(loaded.config.vocab_size, length=40)
-                diff = (lucebox_logits(loaded, prompt).float().cpu() - reference_logits(reference, prompt)).abs().max()
-                ok = diff.item() <= LIMITS[qtype, dtype]
-                failures += not ok
-                print(f"{'ok  ' if ok else 'FAIL'} {arch:9} {qtype:4} {str(dtype):14} on {args.device}: "
-                      f"max |logit - transformers| = {diff.item():.4f} (limit {LIMITS[qtype, dtype]})")
+        converted, bad = check_converted(arch, hf_dir, reference, work / arch, args, LIMITS)
+        files += converted
+        failures += bad
     if args.llama_bench:
-        for path in files:
-            run = subprocess.run([args.llama_bench, "-m", str(path), "-p", "32", "-n", "8", "-r", "1", "--repack", "0"],
-                                 capture_output=True, text=True, timeout=600)
-            failures += run.returncode != 0
-            tail = (run.stdout + run.stderr).strip().splitlines()[-3:]
-            print(f"{'ok  ' if run.returncode == 0 else 'FAIL'} llama-bench {path.name}: rc {run.returncode}")
-            print("     " + "\n     ".join(tail))
+        failures += llama_bench_runs(args.llama_bench, files)
     return 1 if failures else 0
 
 

@@ -29,11 +29,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from check_gguf_hybrid import LIMITS, llama_logits_agree, tokenizer  # noqa: E402
+from check_gguf_hybrid import LIMITS, check_converted, llama_bench_runs, tokenizer  # noqa: E402
 
 from lucebox.convert import convert_hf_to_gguf  # noqa: E402
 from lucebox.model.loader import load_model  # noqa: E402
-from tests.model.test_gguf_hybrid import lucebox_logits, prompt_for, reference_logits  # noqa: E402
 from tests.model.test_gguf_laguna import VARIANTS  # noqa: E402
 from tests.model.test_laguna import build_laguna  # noqa: E402
 
@@ -54,29 +53,11 @@ def main() -> int:
     for name, spec in VARIANTS.items():
         hf_dir = build_laguna(work / name, tok, **dict(spec, moe_router_logit_softcapping=0.0))
         reference = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-        for qtype in ("f32", "f16", "q8_0"):
-            path = convert_hf_to_gguf(hf_dir, work / f"{name}-{qtype}.gguf", qtype)
-            files.append(path)
-            if args.llama_logits:
-                failures += not llama_logits_agree(args.llama_logits, path, reference, qtype)
-            if qtype == "f32":
-                continue
-            for dtype in (torch.float32, torch.bfloat16):
-                loaded = load_model(str(path), dtype=dtype, device=args.device)
-                prompt = prompt_for(loaded.config.vocab_size, length=40)
-                diff = (lucebox_logits(loaded, prompt).float().cpu() - reference_logits(reference, prompt)).abs().max()
-                ok = diff.item() <= LIMITS[qtype, dtype]
-                failures += not ok
-                print(f"{'ok  ' if ok else 'FAIL'} laguna {name:11} {qtype:4} {str(dtype):14} on {args.device}: "
-                      f"max |logit - transformers| = {diff.item():.4f} (limit {LIMITS[qtype, dtype]})")
+        converted, bad = check_converted(f"laguna {name}", hf_dir, reference, work / name, args, LIMITS)
+        files += converted
+        failures += bad
     if args.llama_bench:
-        for path in files:
-            run = subprocess.run([args.llama_bench, "-m", str(path), "-p", "32", "-n", "8", "-r", "1", "--repack", "0"],
-                                 capture_output=True, text=True, timeout=600)
-            failures += run.returncode != 0
-            tail = (run.stdout + run.stderr).strip().splitlines()[-3:]
-            print(f"{'ok  ' if run.returncode == 0 else 'FAIL'} llama-bench {path.name}: rc {run.returncode}")
-            print("     " + "\n     ".join(tail))
+        failures += llama_bench_runs(args.llama_bench, files)
     if args.llama_tokenize:
         failures += not tokenizations_agree(args.llama_tokenize, tok, work)
     return 1 if failures else 0
