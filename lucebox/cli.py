@@ -29,11 +29,12 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
              "gpu_memory_utilization": float, "cache_type_k": str, "cache_type_v": str, "cuda_graph_max_batch": int,
              "recurrent_prefix_snapshots": int, "device_map": str, "draft_device": str,
              "tensor_parallel_size": int, "prefill_keep_ratio": float, "prefill_min_tokens": int,
-             "prefill_scorer": str}
+             "prefill_scorer": str, "kv_pool_tokens": int, "kv_reselect_interval": int, "kv_pool_host_memory": int}
     for name, kind in types.items():
         p.add_argument("--" + name.replace("_", "-"), type=kind, default=getattr(defaults, name),
                        help=EngineArgs.HELP[name])
     p.add_argument("--cache-rotate-k", action="store_true", help=EngineArgs.HELP["cache_rotate_k"])
+    p.add_argument("--kv-pool-target", action="store_true", help=EngineArgs.HELP["kv_pool_target"])
     p.add_argument("--async-decode", action=argparse.BooleanOptionalAction, default=EngineArgs.async_decode,
                    help=EngineArgs.HELP["async_decode"])
     p.add_argument("--enforce-eager", dest="cuda_graphs", action="store_const", const=False, default=None,

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from .errors import RequestError
 
+KV_POOL_CHUNK = 64  # KVFlash's unit of residency, in tokens
+
 
 @dataclass
 class EngineArgs:
@@ -56,6 +58,13 @@ class EngineArgs:
     prefill_keep_ratio: float | None = None
     prefill_min_tokens: int = 8192  # shorter prompts are always prefilled exactly
     prefill_scorer: str | None = None  # the scoring model (its own tokenizer); None: the target scores itself
+    # KVFlash (engine/kv_pool.py, LOSSY on the target): a pooled sequence keeps at most kv_pool_tokens of
+    # KV resident on the device (sinks, tail, best-scored 64-token chunks, reselected every
+    # kv_reselect_interval tokens), the whole of it in host memory; 0: off.
+    kv_pool_tokens: int = 0
+    kv_pool_target: bool = False  # pool every request's target KV unless it says kv_pool: false
+    kv_reselect_interval: int = 64
+    kv_pool_host_memory: int | None = None  # bytes of host backing; default: max_num_seqs full contexts, capped
 
     HELP = {
         "model": "HF model directory, .gguf file or hub id (default: the bundled default model)",
@@ -93,6 +102,13 @@ class EngineArgs:
                               "a long prompt's chunks, chosen by a scorer model's attention",
         "prefill_min_tokens": "speculative prefill: prompts shorter than this many tokens stay exact",
         "prefill_scorer": "speculative prefill: the scoring model (HF dir, .gguf or hub id; default: the target)",
+        "kv_pool_tokens": "KVFlash: resident KV tokens per pooled sequence (multiple of 64; the rest in host memory; "
+                          "0: off); contexts past GPU KV capacity need it",
+        "kv_pool_target": "KVFlash (LOSSY): pool every request's target KV by default (a request's kv_pool field "
+                          "overrides)",
+        "kv_reselect_interval": "KVFlash: tokens between choices of the resident chunks",
+        "kv_pool_host_memory": "KVFlash: bytes of host memory backing pooled KV (default: max_num_seqs full "
+                               "contexts, at most half the host's available memory)",
         "cuda_graph_max_batch": "largest batch of sequences whose decode / verify steps replay a CUDA graph "
                                 "(larger batches run eagerly)",
     }
@@ -121,10 +137,28 @@ class EngineArgs:
         if self.tensor_parallel_size > 1 and (self.prefill_keep_ratio is not None or self.prefill_scorer is not None):
             raise RequestError(f"tensor_parallel_size {self.tensor_parallel_size} with speculative prefill "
                                "(--prefill-keep-ratio / --prefill-scorer) is not supported yet")
+        self._check_kv_pool()
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         check_keep_ratio(self.prefill_keep_ratio, "prefill_keep_ratio")
         if not isinstance(self.prefill_min_tokens, int) or self.prefill_min_tokens < 1:
             raise RequestError(f"prefill_min_tokens must be a positive integer, got {self.prefill_min_tokens!r}")
+
+    def _check_kv_pool(self) -> None:
+        for name in ("kv_pool_tokens", "kv_reselect_interval"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < (0 if name == "kv_pool_tokens" else 1):
+                raise RequestError(f"{name} must be a{' non-negative' if name == 'kv_pool_tokens' else ' positive'} "
+                                   f"integer, got {value!r}")
+        if self.kv_pool_tokens % KV_POOL_CHUNK:
+            raise RequestError(f"kv_pool_tokens must be a multiple of {KV_POOL_CHUNK} (the pool's chunk), got "
+                               f"{self.kv_pool_tokens}")
+        if self.kv_pool_host_memory is not None and self.kv_pool_host_memory <= 0:
+            raise RequestError(f"kv_pool_host_memory must be a positive number of bytes, got "
+                               f"{self.kv_pool_host_memory!r}")
+        if self.kv_pool_target and not self.kv_pool_tokens:
+            raise RequestError("kv_pool_target needs kv_pool_tokens (the resident pool's size)")
+        if self.kv_pool_tokens and self.tensor_parallel_size > 1:
+            raise RequestError("kv_pool_tokens (KVFlash) with tensor parallelism is not supported yet")
 
     @classmethod
     def field_names(cls) -> list[str]:

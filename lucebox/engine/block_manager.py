@@ -142,6 +142,19 @@ class BlockManager:
             block.ref_count = 1
             block_table.append(block_id)
 
+    def take(self, n: int) -> list[int]:
+        """n free blocks for a table's existing entries (KVFlash paging a block back in)."""
+        taken: list[int] = []
+        self.allocate(taken, n * self.block_size)
+        return taken
+
+    def evict(self, block_table: list[int], indices: list[int]) -> None:
+        """Give back the blocks at these entries of the table, which keeps its length (KVFlash: their K/V
+        live on in host memory); the entries become `released`, never read."""
+        for index in indices:
+            self._release(block_table[index])
+            block_table[index] = self.released
+
     def truncate(self, block_table: list[int], num_tokens: int) -> None:
         """Release the blocks past `num_tokens` tokens (preemption, speculative rollback)."""
         keep = self.blocks_for(num_tokens)

@@ -85,6 +85,7 @@ class CacheManager:
         self._pending_commits: list[tuple[int, int]] = []  # (slot, accepted) of rollbacks not applied yet
         self._pending_moves: list[tuple[int, int]] = []  # (from, to) stash rows of accepted tree paths
         self._batching = False
+        self.kv_pool = None  # KVFlash's KVPool (engine/kv_pool.py): pooled sequences enrol at admission
 
     @property
     def bytes_per_token(self) -> int:
@@ -157,10 +158,12 @@ class CacheManager:
                              "CacheManager.match_prefix (a CachedPrefix with every group's blocks)")
         return hits if hits is not None else [(0, [])] * len(self.window_pools)
 
-    def can_admit(self, cached: list[int], num_tokens: int) -> bool:
-        """Whether a new sequence starting from `cached` blocks fits: blocks of every group, and a
-        slot if recurrent."""
+    def can_admit(self, cached: list[int], num_tokens: int, seq: Sequence | None = None) -> bool:
+        """Whether a new sequence starting from `cached` blocks fits: blocks of every group, a slot if
+        recurrent, and (a pooled seq) host memory for its whole length."""
         if self.recurrent and not self.free_slots:
+            return False
+        if seq is not None and seq.kv_pool and self.kv_pool is not None and not self.kv_pool.can_enroll(seq):
             return False
         return self.blocks.can_admit(cached, num_tokens) and all(
             pool.can_admit(ids, num_tokens, skipped)
@@ -168,6 +171,8 @@ class CacheManager:
 
     def admit(self, seq: Sequence, cached: list[int]) -> None:
         self.blocks.admit(seq.block_table, cached)
+        if seq.kv_pool and self.kv_pool is not None:
+            self.kv_pool.enroll(seq)
         seq.window_tables = [[] for _ in self.window_pools]
         for pool, table, (skipped, ids) in zip(self.window_pools, seq.window_tables, self._window_hits(cached)):
             pool.admit(table, ids, skipped)
@@ -294,6 +299,8 @@ class CacheManager:
             self._register(seq)
         for pool, table, _ in self._tables(seq):
             pool.free_table(table)
+        if self.kv_pool is not None:
+            self.kv_pool.release(seq)
         slot = self.slots.pop(id(seq), None)
         if slot is not None:
             self.free_slots.append(slot)

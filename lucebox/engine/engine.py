@@ -26,6 +26,7 @@ from ..util import host_to_device
 from .build import args_and_model
 from .cache_manager import CacheManager
 from .cuda_graphs import GraphSettings
+from .kv_pool import KVPool, default_host_bytes, device_tokens_per_sequence
 from .output_processor import OutputProcessor
 from .overlap import Overlap
 from .pflash.prefill import SpeculativePrefill, for_engine
@@ -67,8 +68,8 @@ class LLMEngine:
         specs += self.speculator.proposer.cache_specs() if self.speculator is not None else []
         groups = model_kv_groups(self.model, specs)  # layers sharing a block table: full, each sliding window
         self._check_trees(specs)
-        if self.speculator is not None and len(groups) > 1:
-            # Window blocks behind the context are released: taps cannot be recomputed there either.
+        if self.speculator is not None and (len(groups) > 1 or args.kv_pool_tokens):
+            # Window blocks behind the context, and pooled blocks, are released: taps cannot be recomputed there.
             self.speculator.capture_every_step()
         pools = self._plan_kv_blocks(specs, groups)
         num_blocks = pools[0]
@@ -98,6 +99,8 @@ class LLMEngine:
             if proposer.feature_ring is not None:
                 self.runner.set_feature_ring(proposer.feature_ring)
             proposer.capture_graphs()
+        self.kv_pool = self._make_kv_pool(specs, groups) if args.kv_pool_tokens else None
+        cache.kv_pool = self.kv_pool
         # Every bucket now: one first used mid-stream would stall its step by the capture. With taps,
         # also without them: a dormant drafter's decode steps take those.
         taps = self.speculator.capture_layers if self.speculator is not None else ()
@@ -107,7 +110,7 @@ class LLMEngine:
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(cfg.eos_token_ids)
         self.requests: dict[str, tuple[str | None, list[Sequence]]] = {}
         self.progress = PrefillProgress(args.max_num_batched_tokens)
-        self.planner = StepPlanner(self.speculator, self.runner, cfg.vocab_size, args.async_decode)
+        self.planner = StepPlanner(self.speculator, self.runner, cfg.vocab_size, args.async_decode, self.kv_pool)
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len,
                                        Sampler(self.eos_token_ids), self._release)
         # Steps by kind, for benchmarks: "verify" (some sequence verified drafts), "plain" (decodes only,
@@ -123,6 +126,23 @@ class LLMEngine:
             log.info("KV pool of %d sliding-window layers (window %d): %d blocks (%.1f MiB), the windows of %d "
                      "decoding sequences at once, whatever their length", len(group.layers), group.window, blocks,
                      size / 2**20, blocks // window_blocks(group.window, args.block_size, 1))
+
+    def _make_kv_pool(self, specs, groups) -> KVPool:
+        """KVFlash's pool over the primary KV cache group: the target's full-attention layers' caches and a
+        proposer's on the same block table, host-backed."""
+        args, runner = self.args, self.runner
+        if self.speculator is not None and self.speculator.proposer.runs_model is not None:
+            raise UnsupportedError("kv_pool_tokens (KVFlash) with a draft model (method draft_model) is not supported "
+                                   "yet; use dflash or ngram speculation")
+        target = [pair for layer, pair in zip(runner.paged_layers, runner.caches) if runner.layer_group[layer] == 0]
+        proposer = list(getattr(self.speculator.proposer, "caches", ())) if self.speculator is not None else []
+        caches = [c for pair in target + proposer for c in pair]
+        primary = [specs[i] for i in groups[0].layers] if groups else specs
+        host = args.kv_pool_host_memory or default_host_bytes(bytes_per_token(primary), args.max_num_seqs,
+                                                              self.max_model_len)
+        windows = tuple(g.window for g in groups[1:])
+        return KVPool(self.scheduler.cache, caches, [k for k, _ in target], args.kv_pool_tokens,
+                      args.kv_reselect_interval, host, self.max_model_len, windows)
 
     def _check_trees(self, specs) -> None:
         """Draft trees need every layer to follow a node's ancestors alone: attention layers (tree mask), whose
@@ -206,7 +226,11 @@ class LLMEngine:
         """Blocks of each KV cache group's pool (model/cache_spec.plan_pools); the primary's first."""
         args = self.args
         draft_device = getattr(self.speculator.proposer, "device", None) if self.speculator is not None else None
-        blocks_per_seq = -(-self.max_model_len // args.block_size)
+        seq_tokens = self.max_model_len
+        if args.kv_pool_tokens:  # a pooled sequence holds its pool; only unpooled ones need a whole context
+            seq_tokens = min(seq_tokens, device_tokens_per_sequence(args.kv_pool_tokens, args.max_num_batched_tokens,
+                                                                    args.kv_reselect_interval))
+        blocks_per_seq = -(-seq_tokens // args.block_size)
         # fixed-size state (recurrent layers) and its per-draft snapshots, for every sequence at once
         fixed = bytes_per_sequence(specs, self._recurrent_snapshots(specs)) * args.max_num_seqs
         fixed += snapshot_bytes(specs, self._prefix_snapshots())  # hybrids' prefix-reuse states
@@ -217,7 +241,7 @@ class LLMEngine:
                 free, total = torch.cuda.mem_get_info(device)
                 return int(total * args.gpu_memory_utilization) - (total - free)
             wanted = pools_bytes_wanted(specs, groups, args.block_size, args.max_num_seqs,
-                                        args.max_num_batched_tokens, self.max_model_len)
+                                        args.max_num_batched_tokens, seq_tokens)
             return min(CPU_KV_CAP, wanted + fixed)
         if args.kv_cache_memory:
             budget = args.kv_cache_memory
@@ -232,10 +256,12 @@ class LLMEngine:
                            self.max_model_len)
         num_blocks = pools[0]
         if num_blocks < blocks_per_seq:
+            needed = (f"one pooled sequence ({seq_tokens} tokens: --kv-pool-tokens and a step's tokens)"
+                      if args.kv_pool_tokens else f"one sequence of max_model_len={self.max_model_len}")
             raise RequestError(
                 f"the KV cache budget ({budget / 2**20:.1f} MiB) holds {num_blocks * args.block_size} tokens, "
-                f"less than one sequence of max_model_len={self.max_model_len}; lower --max-model-len or "
-                f"raise --kv-cache-memory / --gpu-memory-utilization")
+                f"less than {needed}; lower --max-model-len (or --kv-pool-tokens) or raise --kv-cache-memory / "
+                f"--gpu-memory-utilization")
         return pools
 
     # ------------------------------------------------------------------ requests
@@ -264,12 +290,14 @@ class LLMEngine:
             raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
         params.verify_token_ids(vocab)
         params = params.with_defaults(self.loaded.generation_defaults)
+        pooled = self._pooled(prompt.get("kv_pool") if isinstance(prompt, dict) else None)
+        params = self._check_kv_room(len(ids), params, pooled)
         compression = self._compress(ids, prompt.get("prefill_keep_ratio") if isinstance(prompt, dict) else None)
         stored = compression.kept_ids if compression is not None else ids
         seqs = []
         for index in range(params.n):
             seq = Sequence(request_id, index, list(stored), params, arrival=next(self._arrivals),
-                           compression=compression)
+                           compression=compression, kv_pool=pooled)
             seq.metrics.arrival_time = time.monotonic()
             seq.metrics.prompt_tokens_kept = len(stored) if compression is not None else None
             seq.generator = make_generator(params.seed, self.model.device, index)
@@ -281,6 +309,30 @@ class LLMEngine:
         self.requests[request_id] = (text, seqs)
         for seq in seqs:
             self.scheduler.add(seq)
+
+    def _pooled(self, requested) -> bool:
+        """Whether a request's target KV is pooled (KVFlash, lossy): its kv_pool field, else --kv-pool-target."""
+        if requested is not None and not isinstance(requested, bool):
+            raise RequestError(f"kv_pool must be true or false, got {requested!r}")
+        if requested and self.kv_pool is None:
+            raise UnsupportedError("kv_pool (KVFlash) needs the engine started with --kv-pool-tokens N")
+        return self.args.kv_pool_target if requested is None else requested
+
+    def _check_kv_room(self, prompt_len: int, params: SamplingParams, pooled: bool) -> SamplingParams:
+        """A pooled request must fit the pool's host memory, an unpooled one the device's KV (with a pool,
+        either may hold less than max_model_len: output then stops where it runs out)."""
+        if self.kv_pool is None:
+            return params
+        wanted = prompt_len + (params.max_tokens if params.max_tokens is not None else 0)
+        if pooled:
+            room, where = self.kv_pool.host_capacity_tokens, "the KV pool's host memory (--kv-pool-host-memory) holds"
+        else:
+            room, where = self.kv_capacity_tokens, "the device holds, for a request without kv_pool (lossy),"
+        if wanted > room or prompt_len >= room:
+            raise ContextLengthError(f"the prompt ({prompt_len} tokens) plus max_tokens exceeds the {room} tokens of "
+                                     f"KV {where}", prompt_len, params.max_tokens, room)
+        return params if params.max_tokens is not None or room >= self.max_model_len else replace(
+            params, max_tokens=room - prompt_len)
 
     def _compress(self, ids: list[int], keep_ratio):
         """PFlash (lossy): the kept part of a long prompt (a PromptCompression), or None to prefill it exactly."""
@@ -397,6 +449,8 @@ class LLMEngine:
                     self.scheduler.cache.rollback(seq, seq.num_computed + 1, verdict.num_accepted,  # rejected drafts
                                                   verdict.rows)  # a tree's accepted rows: the state follows them
                     out.append_tokens(seq, verdict.tokens, lps)
+        if self.kv_pool is not None:  # host copies of the step's full blocks, then resident sets re-chosen
+            self.kv_pool.finish_step(result.queries, {id(row.seq): row.index for row in plan.rows})
 
     def _compact_trees(self, verifies, verdicts) -> None:
         """Tree verifies stored node i at start + i: the accepted path's K/V move onto start + 0, 1, ...
@@ -427,6 +481,8 @@ class LLMEngine:
             spec.missed(seq, seq.num_computed)  # a dormant drafter's step (a run's: told already; every_step: raises)
         seq.num_computed += n
         self.scheduler.cache.commit(seq)
+        if self.kv_pool is not None:
+            self.kv_pool.committed(seq, n)
 
     def _recompute_taps(self, late: list[tuple[Sequence, int]]):
         """(seq, start, features) chunks of the drafter's taps each late sequence missed from start,

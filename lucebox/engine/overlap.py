@@ -92,8 +92,8 @@ class Overlap:
         (guesses_plain) that the step neither drafts nor captures taps. A sequence that this step's
         token finishes (or a draft after all, on a guess) makes the launched step go unused."""
         seqs, sample = [row.seq for row in plan.rows], plan.sample
-        if self.scheduler.waiting or any(len(row.tokens) != 1 for row in plan.rows):
-            return None
+        if self.scheduler.waiting or any(len(row.tokens) != 1 or row.seq.kv_pool for row in plan.rows):
+            return None  # a pooled sequence's next row depends on its resident set, chosen at the commit
         cache = self.scheduler.cache
         if any(s.num_tokens + 1 >= self.max_model_len or not cache.can_grow(s, s.num_computed + 2) for s in seqs):
             return None

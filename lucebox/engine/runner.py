@@ -159,7 +159,7 @@ class ModelRunner:
         self._group_tables(plan)
         # tree steps through tree buckets (CudaGraphRunner), never a chain's; rows rotated apart from storage
         # (PFlash) run eagerly: no bucket holds them yet
-        if self.graphs is not None and not plan.has_position_maps:
+        if self.graphs is not None and not plan.has_position_maps and not plan.capture_queries:
             result = self.graphs.run(plan)
             if result is not None:
                 return result
@@ -212,6 +212,8 @@ class ModelRunner:
         rope = [row.positions for row in plan.rows] if plan.has_position_maps else None
         batch = ForwardBatch.build(plan.token_ids, plan.start_positions, plan.block_tables, self.block_size,
                                    self.model.device, capture_layers, self._group_tables(plan), trees, rope)
+        if plan.capture_queries:
+            batch.query_capture = {}
         if self.recurrent_layers:
             if not plan.write_kv:
                 raise RuntimeError("recomputing cached positions would advance recurrent state twice")
@@ -230,6 +232,7 @@ class ModelRunner:
         # taps of a split model's layers come from their devices: gathered where the logits are
         features = torch.cat([batch.captured[i].to(hidden.device) for i in capture_layers], dim=-1) \
             if capture_layers else None
+        queries = batch.query_capture
         if plan.argmax:
-            return StepResult(tokens=logits.argmax(-1).tolist(), features=features)
-        return StepResult(logits=logits, features=features)
+            return StepResult(tokens=logits.argmax(-1).tolist(), features=features, queries=queries)
+        return StepResult(logits=logits, features=features, queries=queries)

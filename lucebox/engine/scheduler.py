@@ -80,7 +80,7 @@ class Scheduler:
             cached = self.cache.match_prefix(seq.token_ids, seq)
             start = len(cached) * self.blocks.block_size
             n = self.cache.prefill_cut(seq, start, min(seq.num_tokens - start, budget))
-            if not self.cache.can_admit(cached, start + n):
+            if not self.cache.can_admit(cached, start + n, seq):
                 break
             self.waiting.popleft()
             self.cache.admit(seq, cached)

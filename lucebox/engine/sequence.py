@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..model.kv_pool.view import KVView
 from ..outputs import RequestMetrics
 from ..sampling import SamplingParams
 from .pflash.positions import PromptCompression
@@ -43,6 +44,9 @@ class Sequence:
     draft: object = None  # spec.proposer.Draft for this step, or None
     # PFlash: prompt_token_ids are the kept tokens, rotated at their original positions (never prefix-cached)
     compression: PromptCompression | None = None
+    # KVFlash (engine/kv_pool.py): whether its KV is pooled, and the resident part attention reads (None: all)
+    kv_pool: bool = False
+    kv_view: KVView | None = None
 
     @property
     def request_prompt_ids(self) -> list[int]:

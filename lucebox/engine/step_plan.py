@@ -72,6 +72,7 @@ class StepPlan:
     ids_from: torch.Tensor | None = None  # a previous step's device tokens as this step's input ids
     prefilling: bool = False  # some prompt tokens are in this step
     state_slots: list[int] | None = None  # a bare forward's recurrent slots, one a row (engine: from seq)
+    capture_queries: bool = False  # KVFlash: every paged layer's last-token queries come back (an eager step)
     _kinds: dict | None = field(default=None, repr=False, compare=False)
 
     @classmethod
@@ -138,6 +139,18 @@ class StepResult:
     verdicts: list[list[int]] | None = None  # [drafts accepted, next token] per plan row
     features: torch.Tensor | RingRows | None = None
     deferred: object = None  # a graph_io.DeferredStep
+    queries: dict | None = None  # capture_queries: id(k_cache) -> [rows, heads, head_dim] (ForwardBatch.query_capture)
+
+
+def through_view(row: PlanRow, view) -> None:
+    """A pooled sequence's row as attention reads it (model/kv_pool/view.py): the compact table of its
+    resident blocks, its tokens at their storage positions there, rotated at their logical ones."""
+    if row.positions is None:
+        offsets = row.depths if row.depths is not None else range(len(row.tokens))
+        row.positions = [row.start + d for d in offsets]
+    row.block_table = view.table(row.block_table)
+    row.window_tables = [view.table(t) for t in row.window_tables]
+    row.start = view.storage(row.start)
 
 
 @dataclass
@@ -148,6 +161,7 @@ class StepPlanner:
     runner: object
     vocab_size: int
     async_decode: bool
+    kv_pool: object = None  # the engine's KVPool (KVFlash), or None
 
     def plan(self, batch, in_run: bool) -> StepPlan:
         """in_run: the step is one of a plain run the speculator promised (it captures no taps unless
@@ -172,6 +186,8 @@ class StepPlanner:
                 plain_rows.append(offset + n - 1)
             if seq.compression is not None:
                 row.positions = seq.compression.positions(start, len(tokens), row.depths)
+            if seq.kv_view is not None:
+                through_view(row, seq.kv_view)
             prefilling = prefilling or (not drafts and (n > 1 or end < committed))
             rows.append(row)
             offset += n
@@ -190,8 +206,10 @@ class StepPlanner:
             plan.sample = [graph_row(r.seq.params, self.vocab_size) for r in rows]
         if plan.capture_layers:
             plan.feature_rows = spec.proposer.feature_rows(batch.total_tokens)
+        pool = self.kv_pool
+        plan.capture_queries = pool is not None and any(pool.wants_queries(r.seq, len(r.tokens)) for r in rows)
         plan.defer = (self.async_decode and not chunks and not verifies and not plan.capture_layers
-                      and not plan.has_position_maps)
+                      and not plan.has_position_maps and not plan.capture_queries)
         return plan
 
     def catch_up(self, seq, start: int):

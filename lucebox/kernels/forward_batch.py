@@ -110,6 +110,9 @@ class ForwardBatch:
     tree_mask: torch.Tensor | None = None
     # Rows rotated apart from their storage positions (PFlash): every rope position is below this.
     rope_bound: int | None = None
+    # KVFlash's chunk scores: each paged layer's post-RoPE queries of every row's last token, keyed by
+    # id(k_cache) ([rows, heads, head_dim]); None: not captured (eager steps only).
+    query_capture: dict | None = None
 
     def group(self, g: int) -> "ForwardBatch":
         """This batch as layers of KV cache group g see it: group g's block tables and slot mapping

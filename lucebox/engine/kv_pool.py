@@ -1,0 +1,224 @@
+"""KVPool: KVFlash on the target -- a pooled sequence keeps a bounded set of KV blocks on the device.
+
+Every full block a pooled sequence commits is copied to host memory (model/kv_pool/host_store.py),
+and every complete 64-token chunk gets a key summary per layer (model/kv_pool/score.py). Once the
+sequence holds more than the pool's blocks, it is re-chosen (model/kv_pool/choose.py) after a prompt
+chunk and every `interval` committed tokens: the sink chunk, the tail and the chunks scoring best
+against the last token's queries (captured by the step before) stay; the rest go back to the block
+pool (entries `released`, host copies kept) and chosen chunks come back from host memory. Attention
+reads the resident blocks through a KVView (seq.kv_view; None while everything is resident), so
+its output is exact over what is resident and ignores the rest: LOSSY once anything is evicted.
+Host blocks for a sequence's whole possible length are reserved at admission, so a pooled sequence
+never runs out of backing mid-way.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import KV_POOL_CHUNK
+from ..errors import RequestError
+from ..model.kv_pool.choose import Protection, choose_chunks
+from ..model.kv_pool.host_store import HostKVStore
+from ..model.kv_pool.score import ChunkSummaries, chunk_summary
+from ..model.kv_pool.view import KVView
+from ..util import host_to_device
+
+log = logging.getLogger("lucebox")
+
+TAIL_TOKENS = 256  # the recent tail never evicted (at least a sliding window's span more on mixed models)
+
+
+@dataclass
+class Residency:
+    """One pooled sequence's bookkeeping."""
+    host: list[int]  # the host block of every logical block it may reach
+    saved: int = 0  # its logical blocks [0, saved) are in host memory
+    summaries: ChunkSummaries = field(default_factory=ChunkSummaries)
+    since: int = 0  # tokens committed since its resident set was last chosen
+    queries: torch.Tensor | None = None  # the last captured [layers, heads, head_dim]
+
+
+class KVPool:
+    def __init__(self, cache, caches: list, score_caches: list, pool_tokens: int, interval: int,
+                 host_bytes: int, max_model_len: int, windows: tuple[int, ...] = ()):
+        """cache: the engine's CacheManager; caches: every PagedKVCache on the primary block table (the
+        target's and a proposer's); score_caches: the target layers' K caches scored; host_bytes: host
+        memory for the backing store."""
+        self.cache, self.blocks = cache, cache.blocks
+        bs = cache.block_size
+        if KV_POOL_CHUNK % bs and bs % KV_POOL_CHUNK:
+            raise RequestError(f"kv_pool_tokens needs a block size dividing {KV_POOL_CHUNK} (or a multiple of it), "
+                               f"not {bs}")
+        self.chunk_blocks = max(1, KV_POOL_CHUNK // bs)
+        chunk_tokens = self.chunk_blocks * bs
+        tail = max(TAIL_TOKENS, max(windows, default=0) + chunk_tokens)  # a window's keys all in the tail
+        self.protection = Protection(sink_chunks=1, tail_chunks=-(-tail // chunk_tokens))
+        self.budget_chunks = pool_tokens // chunk_tokens
+        if self.budget_chunks < self.protection.min_chunks:
+            raise RequestError(f"kv_pool_tokens={pool_tokens} is below this model's smallest pool, "
+                               f"{self.protection.min_chunks * chunk_tokens} tokens (a sink chunk, a tail of "
+                               f"{self.protection.tail_chunks * chunk_tokens} tokens and room to choose)")
+        self.pool_tokens, self.interval, self.max_model_len = pool_tokens, interval, max_model_len
+        self.score_caches = score_caches
+        block_bytes = HostKVStore.bytes_per_block(caches)
+        host_blocks = host_bytes // block_bytes
+        if host_blocks < cache.blocks.blocks_for(pool_tokens):
+            raise RequestError(f"the KV pool's host memory ({host_bytes / 2**20:.1f} MiB) holds {host_blocks} blocks, "
+                               f"less than one pool; raise kv_pool_host_memory")
+        self.store = HostKVStore(caches, host_blocks)
+        self.members: dict[int, Residency] = {}
+        self._saves: list[tuple[int, int]] = []  # (device block, host block) to copy at the step's end
+        self._reselect: list = []  # sequences to re-choose at the step's end
+        log.info("KVFlash: pooled sequences keep %d tokens of KV resident (chunks of %d; sink %d, tail %d tokens), "
+                 "backed by %.1f GiB of host memory (%d tokens)", pool_tokens, chunk_tokens, chunk_tokens,
+                 self.protection.tail_chunks * chunk_tokens, host_blocks * block_bytes / 2**30, host_blocks * bs)
+
+    @property
+    def host_capacity_tokens(self) -> int:
+        return self.store.num_host_blocks * self.cache.block_size
+
+    @property
+    def budget_blocks(self) -> int:
+        return self.budget_chunks * self.chunk_blocks
+
+    # ------------------------------------------------------------------ membership
+    def host_blocks_for(self, seq) -> int:
+        longest = self.max_model_len if seq.params.max_tokens is None else min(
+            self.max_model_len, seq.num_tokens + seq.params.max_tokens)
+        return self.blocks.blocks_for(longest)
+
+    def can_enroll(self, seq) -> bool:
+        return self.store.num_free >= self.host_blocks_for(seq)
+
+    def enroll(self, seq) -> None:
+        self.members[id(seq)] = Residency(self.store.allocate(self.host_blocks_for(seq)))
+        seq.kv_view = None
+
+    def release(self, seq) -> None:
+        """seq finished or was preempted (its device blocks are freed by the cache manager)."""
+        member = self.members.pop(id(seq), None)
+        if member is not None:
+            mine = set(member.host)
+            self._saves = [(d, h) for d, h in self._saves if h not in mine]  # nothing left to keep
+            self.store.free(member.host)
+        seq.kv_view = None
+        self._reselect = [s for s in self._reselect if s is not seq]
+
+    def is_member(self, seq) -> bool:
+        return id(seq) in self.members
+
+    # ------------------------------------------------------------------ per step
+    def resident_blocks(self, seq) -> int:
+        view = seq.kv_view
+        table = len(seq.block_table)
+        return table if view is None else len(view.selected) + table - view.tail_from
+
+    def wants_queries(self, seq, new_tokens: int) -> bool:
+        """Whether seq's resident set is chosen after a step bringing new_tokens (the step captures queries)."""
+        member = self.members.get(id(seq))
+        if member is None:
+            return False
+        grown = self.resident_blocks(seq) + self.blocks.blocks_for(seq.num_computed + new_tokens) - len(seq.block_table)
+        return grown > self.budget_blocks and (member.since + new_tokens >= self.interval
+                                                or seq.num_computed + new_tokens < seq.num_tokens)
+
+    def committed(self, seq, n: int) -> None:
+        """seq's next n positions were committed: queue its newly full blocks' host copies, summarise its
+        newly complete chunks, and mark it for re-choosing when due."""
+        member = self.members.get(id(seq))
+        if member is None:
+            return
+        bs = self.cache.block_size
+        full = seq.num_computed // bs
+        self._saves += [(seq.block_table[i], member.host[i]) for i in range(member.saved, full)]
+        member.saved = max(member.saved, full)
+        chunks = seq.num_computed // (self.chunk_blocks * bs)
+        if chunks > member.summaries.count:
+            self._summarise(seq, member, member.summaries.count, chunks)
+        member.since += n
+        prefilling = seq.num_computed < seq.num_tokens
+        if self.resident_blocks(seq) > self.budget_blocks and (member.since >= self.interval or prefilling):
+            if seq not in self._reselect:
+                self._reselect.append(seq)
+
+    def _summarise(self, seq, member: Residency, first: int, end: int) -> None:
+        bs, cb = self.cache.block_size, self.chunk_blocks
+        blocks = [seq.block_table[i] for i in range(first * cb, end * cb)]
+        device = self.score_caches[0].values.device
+        slots = (host_to_device(blocks, device, torch.long)[:, None] * bs + torch.arange(bs, device=device)).flatten()
+        keys = [k.gather(slots.to(k.values.device), torch.float32).view(end - first, cb * bs, k.num_kv_heads, -1)
+                .to(device) for k in self.score_caches]
+        for c in range(end - first):
+            member.summaries.append(chunk_summary([k[c] for k in keys]))
+
+    def finish_step(self, queries: dict | None, rows: dict[int, int]) -> None:
+        """After the step's commits: issue its host copies, then re-choose the due sequences' resident
+        sets with the queries the step captured (rows: id(seq) -> its row in them)."""
+        if self._saves:
+            device_blocks, host_blocks = zip(*self._saves)
+            self.store.save(list(device_blocks), list(host_blocks))
+            self._saves = []
+        due, self._reselect = self._reselect, []
+        for seq in due:
+            member = self.members.get(id(seq))
+            if member is None:
+                continue
+            row = rows.get(id(seq))
+            if queries is not None and row is not None:
+                member.queries = torch.stack([queries[id(k)][row] for k in self.score_caches])
+            self._choose(seq, member)
+
+    def _choose(self, seq, member: Residency) -> None:
+        cb, table, released = self.chunk_blocks, seq.block_table, self.blocks.released
+        num_chunks = -(-len(table) // cb)
+        scores = member.summaries.scores(member.queries) if member.queries is not None else None
+        chunks, tail_chunk = choose_chunks(num_chunks, self.budget_chunks, self.protection, scores)
+        tail_from = tail_chunk * cb
+        wanted = [b for c in chunks for b in range(c * cb, (c + 1) * cb)]
+        keep = set(wanted)
+        evict = [i for i in range(tail_from) if table[i] != released and i not in keep]
+        enter = [i for i in wanted if table[i] == released]
+        if evict:
+            self.blocks.evict(table, evict)
+            self.store.fence()  # their host copies are complete before the blocks are written again
+        if enter:
+            enter = enter[:self.blocks.num_free_blocks]  # never short in practice: it just gave blocks back
+            taken = self.blocks.take(len(enter))
+            self.store.load([member.host[i] for i in enter], taken)
+            for i, block in zip(enter, taken):
+                table[i] = block
+        selected = tuple(i for i in range(tail_from) if table[i] != released)
+        view = KVView(selected, tail_from, self.cache.block_size)
+        seq.kv_view = None if len(selected) == tail_from else view
+        member.since = 0
+
+
+def host_memory_available() -> int:
+    """Bytes of host memory available now (Linux: MemAvailable; elsewhere free pages), 0 when unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def default_host_bytes(bytes_per_token: int, max_num_seqs: int, max_model_len: int) -> int:
+    """max_num_seqs full contexts, at most half the host's available memory."""
+    wanted = bytes_per_token * max_num_seqs * max_model_len
+    available = host_memory_available()
+    return min(wanted, available // 2) if available else wanted
+
+
+def device_tokens_per_sequence(pool_tokens: int, step_tokens: int, interval: int) -> int:
+    """Device KV a pooled sequence may hold at once: its pool, then what a prompt chunk or an interval adds."""
+    return pool_tokens + max(step_tokens, interval) + KV_POOL_CHUNK

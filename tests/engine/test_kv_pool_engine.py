@@ -1,0 +1,140 @@
+"""KVFlash through the engine: a pool as large as the context changes nothing; a smaller one decodes exactly
+what transformers decodes when the evicted positions are masked out of every step (the resident set the
+engine chose before that step); host-backed blocks come back bit-exact; bad settings are refused clearly."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lucebox import LLM, SamplingParams
+from lucebox.errors import ContextLengthError, RequestError, UnsupportedError
+
+from tests.conftest import build_hf_model
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def qwen3_path(tmp_path_factory, tokenizer_dir):
+    return build_hf_model("qwen3", tmp_path_factory.mktemp("pool-target"), tokenizer_dir, seed=3,
+                          max_position_embeddings=4096)
+
+
+@pytest.fixture(scope="module")
+def prompt() -> list[int]:
+    return torch.randint(0, 380, (700,), generator=torch.Generator().manual_seed(7)).tolist()
+
+
+def pooled_llm(path, **kw) -> LLM:
+    args = dict(block_size=BLOCK, max_model_len=2048, kv_pool_tokens=512, kv_pool_target=True,
+                kv_reselect_interval=16, max_num_batched_tokens=1024, speculative_config={})
+    args.update(kw)
+    return LLM(str(path), **args)
+
+
+def run_recording_views(llm: LLM, ids: list[int], params: SamplingParams):
+    """Step the engine; per generated token, the logical positions attention read for it (None: all)."""
+    engine = llm.engine
+    engine.add_request("r", {"prompt_token_ids": ids}, params)
+    seq = engine.requests["r"][1][0]
+    resident, views = [], []
+    while engine.has_unfinished():
+        view = seq.kv_view
+        table_len = -(-(seq.num_computed + 1) // BLOCK)
+        blocks = None if view is None else view.blocks(table_len)
+        resident.append(None if blocks is None else {b * BLOCK + o for b in blocks for o in range(BLOCK)})
+        views.append(view)
+        done = [o for o in engine.step() if o.finished]
+    return done[0], resident, views
+
+
+def masked_reference(path, ids: list[int], resident: list, new_tokens: int):
+    """transformers: the prompt prefilled exactly, then each token decoded with the positions outside that
+    step's resident set masked out (eager attention, explicit 2D mask)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.cache_utils import DynamicCache
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    tokens, logprobs = [], []
+    with torch.no_grad():
+        cache = DynamicCache()
+        logits = model(torch.tensor([ids]), past_key_values=cache, use_cache=True).logits[0, -1]
+        for i in range(new_tokens):
+            token = int(logits.argmax())
+            tokens.append(token)
+            logprobs.append(float(logits.log_softmax(-1)[token]))
+            if i + 1 == new_tokens:
+                break
+            length = len(ids) + i + 1
+            keep = resident[i + 1]
+            mask = torch.tensor([[1 if keep is None or p in keep or p == length - 1 else 0 for p in range(length)]])
+            logits = model(torch.tensor([[token]]), past_key_values=cache, attention_mask=mask,
+                           position_ids=torch.tensor([[length - 1]]), use_cache=True).logits[0, -1]
+    return tokens, logprobs
+
+
+def test_a_pool_as_large_as_the_context_is_token_identical(qwen3_path, prompt):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = LLM(str(qwen3_path), block_size=BLOCK, max_model_len=2048, speculative_config={})
+    want = plain.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0].token_ids
+    llm = pooled_llm(qwen3_path, kv_pool_tokens=1024)
+    got = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == want
+
+
+def test_pooled_decode_equals_attention_over_the_resident_positions(qwen3_path, prompt):
+    steps = 40  # intervals of 16: the resident set is chosen again twice, blocks come back from host memory
+    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, logprobs=0)
+    out, resident, views = run_recording_views(pooled_llm(qwen3_path), prompt, params)
+    completion = out.outputs[0]
+    for v in views: print(None if v is None else (v.selected, v.tail_from))
+    assert resident[0] is None  # the first token comes from the exact prefill (one chunk)
+    evicted = [set(range(len(prompt))) - r for r in resident[1:] if r is not None]
+    assert evicted and all(len(e) >= len(prompt) - 512 for e in evicted)
+    # some position left the resident set and came back: a host round trip fed later steps
+    assert any(p in later for i, e in enumerate(evicted) for p in e for later in resident[i + 2:] if later is not None)
+    tokens, logprobs = masked_reference(qwen3_path, prompt, resident, steps)
+    assert completion.token_ids == tokens
+    got = [entry[t].logprob for t, entry in zip(completion.token_ids, completion.logprobs)]
+    assert got == pytest.approx(logprobs, abs=2e-4)
+
+
+def test_chunked_prefill_evicts_as_it_goes_and_the_device_holds_only_the_pool(qwen3_path, prompt):
+    llm = pooled_llm(qwen3_path, max_num_batched_tokens=128)
+    engine = llm.engine
+    engine.add_request("r", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=4,
+                                                                          ignore_eos=True))
+    seq = engine.requests["r"][1][0]
+    held = []
+    while engine.has_unfinished():
+        engine.step()
+        held.append(engine.scheduler.cache.held_blocks(seq) if not seq.is_finished else 0)
+    # the pool (32 blocks), the interval's and a prompt chunk's blocks at most, never the whole prompt (44)
+    assert 0 < max(held) <= 512 // BLOCK + 128 // BLOCK + 64 // BLOCK < len(prompt) // BLOCK
+
+
+def test_unpooled_requests_are_bounded_by_the_device_kv(qwen3_path, prompt):
+    llm = pooled_llm(qwen3_path, kv_pool_target=False, max_model_len=4096, kv_cache_memory=600 * 1024)
+    room = llm.engine.kv_capacity_tokens
+    assert room < 4096
+    long = (prompt * 8)[:room + 10]
+    with pytest.raises(ContextLengthError, match="kv_pool"):
+        llm.generate({"prompt_token_ids": long}, SamplingParams(max_tokens=4), use_tqdm=False)
+    out = llm.generate({"prompt_token_ids": long, "kv_pool": True},
+                       SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 4
+
+
+def test_bad_pool_settings_are_refused_with_their_names(qwen3_path):
+    with pytest.raises(RequestError, match="multiple of 64"):
+        pooled_llm(qwen3_path, kv_pool_tokens=500)
+    with pytest.raises(RequestError, match="smallest pool"):
+        pooled_llm(qwen3_path, kv_pool_tokens=256)
+    with pytest.raises(RequestError, match="kv_pool_target needs kv_pool_tokens"):
+        pooled_llm(qwen3_path, kv_pool_tokens=0)
+    plain = LLM(str(qwen3_path), block_size=BLOCK, max_model_len=1024, speculative_config={})
+    with pytest.raises(UnsupportedError, match="--kv-pool-tokens"):
+        plain.generate({"prompt_token_ids": [1, 2, 3], "kv_pool": True}, SamplingParams(max_tokens=2),
+                       use_tqdm=False)
+    with pytest.raises(RequestError, match="kv_pool must be true or false"):
+        plain.generate({"prompt_token_ids": [1, 2, 3], "kv_pool": "yes"}, SamplingParams(max_tokens=2),
+                       use_tqdm=False)
