@@ -148,7 +148,8 @@ class HostKVStore:
     def save(self, device_blocks: list[int], host_blocks: list[int]) -> None:
         """Copy whole device blocks to host blocks (asynchronous on CUDA: call fence() before the device
         blocks are overwritten, synchronize() before the host reads the mirrors)."""
-        self._check(device_blocks, host_blocks, destinations=host_blocks)
+        if not self._check(device_blocks, host_blocks, destinations=host_blocks):
+            return
         for group, host in zip(self._groups, self._host):
             with self._side_stream(group.device) as side:
                 ids = host_to_device(device_blocks, group.device, torch.long)
@@ -163,7 +164,8 @@ class HostKVStore:
 
     def load(self, host_blocks: list[int], device_blocks: list[int]) -> None:
         """Copy host blocks into device blocks; the current stream's later work sees them."""
-        self._check(device_blocks, host_blocks, destinations=device_blocks)
+        if not self._check(device_blocks, host_blocks, destinations=device_blocks):
+            return
         for group, host in zip(self._groups, self._host):
             with self._side_stream(group.device) as side:
                 ids = host_to_device(device_blocks, group.device, torch.long)
@@ -196,7 +198,8 @@ class HostKVStore:
         with torch.cuda.stream(side):
             yield side
 
-    def _check(self, device_blocks: list[int], host_blocks: list[int], destinations: list[int]) -> None:
+    def _check(self, device_blocks: list[int], host_blocks: list[int], destinations: list[int]) -> bool:
+        """Raise on bad block ids; False when there is nothing to copy."""
         if len(device_blocks) != len(host_blocks):
             raise ValueError(f"HostKVStore: {len(device_blocks)} device blocks but {len(host_blocks)} host blocks")
         bad_device = [b for b in device_blocks if not 0 <= b < self._num_device_blocks]
@@ -205,3 +208,4 @@ class HostKVStore:
             raise ValueError(f"HostKVStore: device blocks {bad_device} out of range "
                              f"(0..{self._num_device_blocks - 1}), host blocks {bad_host} not allocated, "
                              f"or repeated destinations in {destinations}")
+        return bool(device_blocks)
