@@ -29,3 +29,7 @@ class ContextLengthError(RequestError):
 
 class OverloadError(LuceboxError):
     """The engine's waiting queue is full; the request was not accepted (retry later)."""
+
+
+class HostKVFullError(OverloadError):
+    """Every block of the host KV store (KVFlash's host backing) is taken (retry once others finish)."""
