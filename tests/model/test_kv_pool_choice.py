@@ -1,0 +1,81 @@
+"""KVFlash's pieces on their own: the compact view of resident blocks, the choice of resident chunks (protection,
+budget, ranking, recency) and the chunk scores (against a brute-force cosine)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lucebox.model.kv_pool.choose import Protection, choose_chunks
+from lucebox.model.kv_pool.score import ChunkSummaries, chunk_summary
+from lucebox.model.kv_pool.view import KVView
+
+
+def test_the_view_lists_resident_entries_in_order_and_maps_positions_to_storage():
+    view = KVView(selected=(0, 3, 4), tail_from=7, block_size=16)
+    table = list(range(100, 110))
+    assert view.table(table) == [100, 103, 104, 107, 108, 109]
+    assert view.blocks(10) == [0, 3, 4, 7, 8, 9]
+    assert view.storage(3 * 16 + 1) == 16 + 1  # block 3 is the view's second entry
+    assert view.storage(7 * 16 + 5) == 3 * 16 + 5  # the tail starts after the three selected blocks
+    assert view.shift == (7 - 3) * 16 and not view.is_identity
+    with pytest.raises(ValueError, match="block 2"):
+        view.storage(2 * 16)
+    assert KVView.identity(16).storage(77) == 77 and KVView.identity(16).is_identity
+
+
+def test_sinks_and_tail_are_kept_and_the_best_scores_fill_the_rest():
+    protection = Protection(sink_chunks=1, tail_chunks=4)
+    scores = torch.zeros(20)
+    scores[[3, 9, 12]] = torch.tensor([0.9, 0.5, 0.7])
+    chosen, tail = choose_chunks(20, 8, protection, scores)
+    assert tail == 15  # the last chunk (partial) and the four before it
+    assert chosen == [0, 3, 12]  # the sink, then the two best of 1..14
+    assert len(chosen) + 20 - tail == 8
+
+
+def test_without_scores_the_chunks_nearest_the_tail_stay():
+    chosen, tail = choose_chunks(20, 8, Protection(1, 4))
+    assert (chosen, tail) == ([0, 13, 14], 15)
+
+
+def test_ties_keep_the_more_recent_chunk():
+    chosen, _ = choose_chunks(20, 7, Protection(1, 4), torch.ones(20))
+    assert chosen == [0, 14]
+
+
+def test_a_short_sequence_keeps_everything():
+    for n in range(1, 9):
+        chosen, tail = choose_chunks(n, 8, Protection(1, 4), torch.rand(n))
+        assert sorted(chosen + list(range(tail, n))) == list(range(n))
+
+
+def test_a_pool_smaller_than_its_protections_is_refused():
+    with pytest.raises(ValueError, match="smaller than the sinks, tail and one chosen chunk"):
+        choose_chunks(20, 6, Protection(1, 4))
+
+
+def test_scores_are_the_layer_mean_of_the_best_head_cosine():
+    torch.manual_seed(0)
+    layers, kv_heads, group, dim, tokens = 3, 2, 2, 8, 64
+    chunks = [[torch.randn(tokens, kv_heads, dim) for _ in range(layers)] for _ in range(5)]
+    summaries = ChunkSummaries(dtype=torch.float32)
+    for keys in chunks:
+        summaries.append(chunk_summary(keys))
+    q = torch.randn(layers, kv_heads * group, dim)
+    want = []
+    for keys in chunks:
+        per_layer = []
+        for layer in range(layers):
+            mean = keys[layer].mean(0)  # [kv_heads, dim]
+            cos = [torch.nn.functional.cosine_similarity(q[layer, h], mean[h // group], dim=0)
+                   for h in range(kv_heads * group)]
+            per_layer.append(max(cos))
+        want.append(sum(per_layer) / layers)
+    assert summaries.scores(q) == pytest.approx(torch.stack(want), abs=1e-5)
+
+
+def test_summaries_grow_past_their_first_buffer():
+    summaries = ChunkSummaries()
+    for i in range(40):
+        summaries.append(torch.full((1, 1, 4), float(i)))
+    assert summaries.count == 40 and summaries.buffer[39, 0, 0, 0] == 39
