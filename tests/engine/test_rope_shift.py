@@ -107,6 +107,59 @@ def test_a_padded_static_step_with_shifts_gives_the_eager_logits_of_its_position
     assert rel_err(unshifted.logits, want.logits) > 1e-3  # the shift does change what is computed
 
 
+def test_catch_up_past_a_compressed_prompt_recomputes_its_taps_through_a_catch_up_bucket():
+    """A dormant drafter's missed taps (StepPlanner.catch_up, write_kv=False) past the kept prompt: a shifted
+    row through the padded catch-up bucket gives the taps the first (mapped, eager) pass captured; a pass
+    reaching into the prompt keeps its position map."""
+    from types import SimpleNamespace
+
+    from lucebox.engine.block_manager import BlockManager
+    from lucebox.engine.runner import ModelRunner
+    from lucebox.engine.step_plan import StepPlanner
+    settings = GraphSettings(64, max_batch=2, query_lens=(1, 4), catch_up_lens=(8, 16), capture=False)
+    runner = ModelRunner(tiny_model(), 16, BLOCK, graphs=settings)
+    tokens = [(5 * j) % 90 + 1 for j in range(30)]
+    table: list[int] = []
+    BlockManager(16, BLOCK).allocate(table, len(tokens))
+    compression = PromptCompression(list(range(50)), list(range(10)) + list(range(30, 40)))  # 20 of 50 kept
+    first = StepPlan.forward([tokens], [0], [table], all_logits=True, capture_layers=(0,))
+    first.rows[0].positions = compression.positions(0, len(tokens))  # 0..9, 30..39, then 50..59
+    want = runner.run_eager(first).features
+    spec = SimpleNamespace(capture_layers=(0,), proposer=SimpleNamespace(feature_rows=lambda n: None))
+    planner = StepPlanner(spec, runner, 96, async_decode=False)
+    seq = SimpleNamespace(num_computed=30, token_slice=lambda a, b: tokens[a:b], block_table=table,
+                          window_tables=[], compression=compression)
+    [(begin, plan)] = list(planner.catch_up(seq, 20))
+    assert begin == 20 and plan.rows[0].rope_shift == 30 and plan.rows[0].positions is None
+    got = runner.run(plan).features
+    assert dict(runner.graphs.replays) == {(1, 16): 1}
+    torch.testing.assert_close(got, want[20:], atol=2e-5, rtol=1e-4)
+    [(_, mapped)] = list(planner.catch_up(seq, 15))
+    assert mapped.rows[0].rope_shift == 0 and mapped.rows[0].positions == compression.positions(15, 15)
+    assert mapped.has_position_maps
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs")
+def test_a_captured_graph_replays_shifted_rows_as_the_eager_map_computes_them():
+    settings = GraphSettings(64, max_batch=4, query_lens=(1, 4))
+    runner, tables, lens = prefilled(tiny_model("cuda"), settings, 3)
+    padded_eagerly = CudaGraphRunner(runner.model, BLOCK, runner.scratch_block, replace(settings, capture=False))
+    shifts = [9, 0, 23]
+
+    def plan(map_positions: bool) -> StepPlan:
+        p = StepPlan.forward(step_tokens([1, 1, 1]), lens, tables, all_logits=True)
+        for row, shift in zip(p.rows, shifts):
+            if map_positions:
+                row.positions = [row.start + shift]
+            else:
+                row.rope_shift = shift
+        return p
+
+    got, padded, want = runner.run(plan(False)), padded_eagerly.run(plan(False)), runner.run_eager(plan(True))
+    assert runner.graphs.graphs[(4, 1, (), False, False)][0] is not None  # a real graph replayed it
+    assert rel_err(got.logits, padded.logits) <= 1e-6 and rel_err(got.logits, want.logits) <= 1e-4
+
+
 # ----------------------------------------------------------------------------- plans
 
 def test_tensor_parallel_packing_carries_the_shift():
