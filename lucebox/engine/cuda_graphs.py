@@ -10,6 +10,10 @@ drafts). A step fits a bucket when it has at most B sequences each bringing at m
 prefill chunks); it is padded up to exactly B x Q tokens:
   - missing sequences and the tokens a short sequence lacks are padding; their K/V go to a scratch
     block the scheduler never hands out, and their positions are 0 (only RoPE reads them);
+  - a row rotated a constant past its storage (PlanRow.rope_shift: decoding past a PFlash-compressed
+    prompt, a KVFlash view's tail) has start + i + shift staged in the static positions (storage,
+    slots and lengths stay start + i), so the same graph serves it; rows with a map of positions
+    (a compressed prompt's chunks) run eagerly;
   - a sequence's context length counts its padding (seq_len = start + Q), so the kernels see a
     uniform layout; causality keeps padding invisible to real tokens, which all come first;
   - block tables are `width` = ceil((max_model_len + max Q) / block_size) wide, filled with the
@@ -129,10 +133,12 @@ class CudaGraphRunner:
         return self.inputs
 
     def bucket(self, token_ids: list[list[int]], start_positions: list[int],
-               block_tables: list[list[int]], catch_up: bool = False, tree: bool = False) -> tuple[int, int] | None:
+               block_tables: list[list[int]], catch_up: bool = False, tree: bool = False,
+               rope_shifts: list[int] | None = None) -> tuple[int, int] | None:
         """(B, Q) of the bucket this step fits, or None to run it eagerly; catch_up: one sequence
         recomputing taps, which also fits the catch-up lengths; tree: some row is a tree verify
-        (a tree bucket)."""
+        (a tree bucket); rope_shifts: each row's PlanRow.rope_shift (its rotated positions must stay
+        inside the RoPE table reserved at capture)."""
         q_lens = [len(t) for t in token_ids]
         if not q_lens or min(q_lens) < 1 or (catch_up and len(q_lens) > 1) or (tree and self.state_rows is not None):
             return None
@@ -145,6 +151,9 @@ class CudaGraphRunner:
             return None
         limit = self.width * self.block_size
         if any(s + query_len > limit for s in start_positions) or any(len(t) > self.width for t in block_tables):
+            return None
+        if rope_shifts is not None and any(s + shift < 0 or s + shift + query_len > limit
+                                           for s, shift in zip(start_positions, rope_shifts)):
             return None
         return num_seqs, query_len
 
@@ -162,7 +171,9 @@ class CudaGraphRunner:
         token_ids, block_tables, capture_layers = plan.token_ids, plan.block_tables, tuple(plan.capture_layers)
         start_positions, feature_rows, logits_rows = plan.start_positions, plan.feature_rows, plan.logits_rows
         tree = plan.has_trees
-        shape = self.bucket(token_ids, start_positions, block_tables, catch_up=not plan.write_kv, tree=tree)
+        rope_shifts = plan.rope_shifts
+        shape = self.bucket(token_ids, start_positions, block_tables, catch_up=not plan.write_kv, tree=tree,
+                            rope_shifts=rope_shifts)
         ring = self.feature_ring is not None and bool(capture_layers)
         if shape is None or (ring and feature_rows is None):
             return None
@@ -180,7 +191,7 @@ class CudaGraphRunner:
             state_rows = (slots, advance if plan.write_kv else [0] * len(advance))  # catch-ups leave state alone
         real = inputs.fill(token_ids, start_positions, block_tables, num_seqs, query_len, self.block_size,
                            self.scratch_block, state_rows, self.scratch_slot(), plan.group_tables, self.group_scratch,
-                           [row.parents for row in plan.rows] if tree else None)
+                           [row.parents for row in plan.rows] if tree else None, rope_shifts)
         if not plan.write_kv:  # attention still reads the cached K/V of these positions
             inputs.scratch_all_slots(num_seqs * query_len, self.block_size, [self.scratch_block, *self.group_scratch])
         if logits_rows is not None:

@@ -91,7 +91,7 @@ class StaticInputs:
              num_seqs: int, query_len: int, block_size: int, scratch_block: int,
              state_rows: tuple[list[int], list[int]] | None = None, scratch_slot: int = 0,
              group_tables: list[list[list[int]]] = (), group_scratch: list[int] = (),
-             tree_parents: list[list[int] | None] | None = None) -> list[int]:
+             tree_parents: list[list[int] | None] | None = None, rope_shifts: list[int] | None = None) -> list[int]:
         """Write the padded layout of a step into the host staging; returns the padded row of each
         real token, in input order. state_rows: each sequence's recurrent slot and advance
         (models with recurrent layers); padding sequences use `scratch_slot` and advance nothing.
@@ -99,7 +99,9 @@ class StaticInputs:
         that group's scratch block (models mixing sliding-window and full attention).
         tree_parents[i] (not None): sequence i is a tree verify row (ForwardBatch.build's meaning): its
         tokens are stored at start + i as ever, rotated at start + depth, with their visibility masks
-        in "tree_mask"; every other row, padding included, is -1 there (plain causal)."""
+        in "tree_mask"; every other row, padding included, is -1 there (plain causal).
+        rope_shifts[i]: added to sequence i's rotated positions (PlanRow.rope_shift), never to its
+        storage (slots, seq_lens); padding rows are rotated at 0."""
         self._flat.staging()
         tokens = num_seqs * query_len
         ids, positions = self.host("ids", tokens), self.host("positions", tokens)
@@ -120,12 +122,13 @@ class StaticInputs:
             n, base = len(toks), i * query_len
             ids[base:base + n] = toks
             parents = tree_parents[i] if tree_parents is not None else None
+            rotated = start + (rope_shifts[i] if rope_shifts is not None else 0)
             if parents is None:
-                positions[base:base + n] = np.arange(start, start + n)
+                positions[base:base + n] = np.arange(rotated, rotated + n)
             else:
                 if len(parents) != n:
                     raise ValueError(f"sequence {i}: {len(parents)} tree parents for {n} tokens")
-                positions[base:base + n] = start + np.asarray(tree_depths(parents))
+                positions[base:base + n] = rotated + np.asarray(tree_depths(parents))
                 masks[base:base + n] = tree_mask_bits(parents)
             seq_lens[i] = start + query_len
             real.extend(range(base, base + n))

@@ -20,8 +20,10 @@ RUN_TIMED_STEPS = 8
 class AheadStep:
     """A decode step launched before its turn (Overlap.launch_ahead), and what it assumed."""
 
-    def __init__(self, seqs: list, starts: list[int], argmax: bool, sample: list | None, step):
+    def __init__(self, seqs: list, starts: list[int], argmax: bool, sample: list | None, step,
+                 shifts: list[int] | None = None):
         self.seqs, self.starts, self.argmax, self.sample, self.step = list(seqs), starts, argmax, sample, step
+        self.shifts = shifts or [0] * len(self.seqs)  # each row's PlanRow.rope_shift
 
     def covers(self, plan: StepPlan) -> bool:
         """This step is exactly the one the planner now asks for."""
@@ -29,6 +31,7 @@ class AheadStep:
         return (len(rows) == len(self.seqs) and all(r.seq is s for r, s in zip(rows, self.seqs))
                 and all(len(r.tokens) == 1 for r in rows)
                 and [r.start for r in rows] == self.starts
+                and [r.rope_shift for r in rows] == self.shifts  # rotated where the plan rotates it
                 and plan.argmax == self.argmax and (plan.argmax or plan.sample == self.sample))
 
 
@@ -92,8 +95,8 @@ class Overlap:
         (guesses_plain) that the step neither drafts nor captures taps. A sequence that this step's
         token finishes (or a draft after all, on a guess) makes the launched step go unused."""
         seqs, sample = [row.seq for row in plan.rows], plan.sample
-        if self.scheduler.waiting or any(len(row.tokens) != 1 or row.seq.kv_pool for row in plan.rows):
-            return None  # a pooled sequence's next row depends on its resident set, chosen at the commit
+        if self.scheduler.waiting or any(len(row.tokens) != 1 for row in plan.rows):
+            return None
         cache = self.scheduler.cache
         if any(s.num_tokens + 1 >= self.max_model_len or not cache.can_grow(s, s.num_computed + 2) for s in seqs):
             return None
@@ -102,9 +105,12 @@ class Overlap:
                                                      for s in seqs)):
             return None
         next_sample = None if argmax else sample
-        starts = [s.num_computed + 1 for s in seqs]
-        tables = [s.block_table for s in seqs]
-        if self.runner.graphs.bucket([[0]] * len(seqs), starts, tables) is None:
+        # a pooled sequence's row reads its resident blocks (a new choice at the commit leaves the step unused)
+        starts = [s.num_computed + 1 if s.kv_view is None else s.kv_view.storage(s.num_computed + 1) for s in seqs]
+        tables = [s.block_table if s.kv_view is None else s.kv_view.table(s.block_table) for s in seqs]
+        # the next token keeps this one's shift (a plan that shifts it otherwise leaves the step unused: covers)
+        shifts = [row.rope_shift for row in plan.rows]
+        if self.runner.graphs.bucket([[0]] * len(seqs), starts, tables, rope_shifts=shifts) is None:
             return None
         if self.speculator is not None and not self.run_left:  # last: a promise binds
             self.run_left = self.speculator.plain_run(seqs)
@@ -112,10 +118,14 @@ class Overlap:
                 return None
         for s in seqs:
             cache.grow(s, s.num_computed + 2)
-        rows = [PlanRow([0], start, table, seq=s, offset=i, index=i)
-                for i, (s, start, table) in enumerate(zip(seqs, starts, tables))]
+        rows = [PlanRow([0], start, s.block_table, seq=s, offset=i, index=i, rope_shift=shift)
+                for i, (s, start, shift) in enumerate(zip(seqs, starts, shifts))]
+        for row, s in zip(rows, seqs):
+            if s.kv_view is not None:
+                row.block_table = s.kv_view.table(s.block_table)
+                row.window_tables = [s.kv_view.table(t) for t in s.window_tables]
         launched = self.runner.run(StepPlan(rows, logits_rows=list(range(len(seqs))), argmax=argmax,
                                             sample=next_sample, ids_from=step.device_tokens, defer=True))
         if launched.deferred is None:  # graphs without in-graph sampling: logits, already read
             return None
-        return AheadStep(seqs, starts, argmax, next_sample, launched.deferred)
+        return AheadStep(seqs, starts, argmax, next_sample, launched.deferred, shifts)

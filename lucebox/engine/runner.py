@@ -157,8 +157,9 @@ class ModelRunner:
         if self.model.layers[self.paged_layers[0]].self_attn.k_cache is not self.caches[0][0]:
             self._install()
         self._group_tables(plan)
-        # tree steps through tree buckets (CudaGraphRunner), never a chain's; rows rotated apart from storage
-        # (PFlash) run eagerly: no bucket holds them yet
+        # tree steps through tree buckets (CudaGraphRunner), never a chain's; rows with a map of RoPE positions
+        # (a compressed prompt's chunks) run eagerly, rows shifted by a constant (PlanRow.rope_shift) in graphs;
+        # a step capturing KVFlash's queries eagerly
         if self.graphs is not None and not plan.has_position_maps and not plan.capture_queries:
             result = self.graphs.run(plan)
             if result is not None:
@@ -211,7 +212,8 @@ class ModelRunner:
         trees = [row.parents for row in plan.rows] if plan.has_trees else None
         rope = [row.positions for row in plan.rows] if plan.has_position_maps else None
         batch = ForwardBatch.build(plan.token_ids, plan.start_positions, plan.block_tables, self.block_size,
-                                   self.model.device, capture_layers, self._group_tables(plan), trees, rope)
+                                   self.model.device, capture_layers, self._group_tables(plan), trees, rope,
+                                   plan.rope_shifts)
         if plan.capture_queries:
             batch.query_capture = {}
         if self.recurrent_layers:

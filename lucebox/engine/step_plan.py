@@ -47,7 +47,10 @@ class PlanRow:
     # i's K/V go to position start + i, its RoPE position is start + depths[i]; it sees its ancestors.
     parents: list[int] | None = None
     depths: list[int] | None = None
-    # RoPE positions of the tokens when they differ from their storage positions (a PFlash-compressed prompt)
+    # RoPE position minus storage position, alike for every token (decoding past a PFlash-compressed
+    # prompt; a KVFlash view's tail): token i is rotated at start + i (tree rows: start + depths[i]) + rope_shift
+    rope_shift: int = 0
+    # RoPE positions of the tokens when they are no constant shift of storage (a compressed prompt's chunks)
     positions: list[int] | None = None
 
     def __post_init__(self):
@@ -96,6 +99,12 @@ class StepPlan:
         return [row.start for row in self.rows]
 
     @property
+    def rope_shifts(self) -> list[int] | None:
+        """Each row's rope_shift, or None when every row is rotated at its storage positions."""
+        shifts = [row.rope_shift for row in self.rows]
+        return shifts if any(shifts) else None
+
+    @property
     def block_tables(self) -> list[list[int]]:
         return [row.block_table for row in self.rows]
 
@@ -112,7 +121,8 @@ class StepPlan:
 
     @property
     def has_position_maps(self) -> bool:
-        """Some row is rotated apart from its storage positions: the step runs eagerly (graphs fill start + i)."""
+        """Some row has a map of RoPE positions (not a constant shift): the step runs eagerly (graphs fill
+        start + i + rope_shift)."""
         return any(row.positions is not None for row in self.rows)
 
     @property
@@ -145,12 +155,12 @@ class StepResult:
 def through_view(row: PlanRow, view) -> None:
     """A pooled sequence's row as attention reads it (model/kv_pool/view.py): the compact table of its
     resident blocks, its tokens at their storage positions there, rotated at their logical ones."""
-    if row.positions is None:
-        offsets = row.depths if row.depths is not None else range(len(row.tokens))
-        row.positions = [row.start + d for d in offsets]
+    start = view.storage(row.start)
+    if row.positions is None:  # rotated at storage + shift: graph buckets take it
+        row.rope_shift += row.start - start
     row.block_table = view.table(row.block_table)
     row.window_tables = [view.table(t) for t in row.window_tables]
-    row.start = view.storage(row.start)
+    row.start = start
 
 
 @dataclass
@@ -184,8 +194,12 @@ class StepPlanner:
                 verify_rows.extend(range(offset + n - 1 - len(drafts), offset + n))
             else:
                 plain_rows.append(offset + n - 1)
-            if seq.compression is not None:
-                row.positions = seq.compression.positions(start, len(tokens), row.depths)
+            if seq.compression is not None:  # past the kept prompt: a constant shift, which graphs take
+                shift = seq.compression.shift_of(start)
+                if shift is None:
+                    row.positions = seq.compression.positions(start, len(tokens), row.depths)
+                else:
+                    row.rope_shift += shift
             if seq.kv_view is not None:
                 through_view(row, seq.kv_view)
             prefilling = prefilling or (not drafts and (n > 1 or end < committed))
@@ -225,5 +239,9 @@ class StepPlanner:
                                     feature_rows=spec.proposer.feature_rows(end - begin), write_kv=False)
             compression = getattr(seq, "compression", None)  # a duck-typed sequence may lack it
             if compression is not None:
-                plan.rows[0].positions = compression.positions(begin, end - begin)
+                shift = compression.shift_of(begin)
+                if shift is None:
+                    plan.rows[0].positions = compression.positions(begin, end - begin)
+                else:
+                    plan.rows[0].rope_shift = shift
             yield begin, plan

@@ -1,11 +1,11 @@
 """A step plan as one int64 tensor: what rank 0 broadcasts so every tensor-parallel rank runs the same forward.
 
-The ranks other than 0 only need the forward's inputs (token ids, positions, block tables, the tables
+The ranks other than 0 only need the forward's inputs (token ids, positions and RoPE shifts, block tables, the tables
 of KV cache groups 1.., tree parents, whether K/V are written) and which rows reach the LM head,
 whose vocabulary-parallel product they take part in. Layout:
 
     [rows, groups, write_kv, all_logits, logits rows (-1: None), trees]
-    per row: [tokens, start, table length, *tokens, *table, per group: (length, *table),
+    per row: [tokens, start, rope shift, table length, *tokens, *table, per group: (length, *table),
               if trees: (has parents, *parents)]
     then the logits rows.
 """
@@ -26,7 +26,7 @@ def pack_plan(plan: StepPlan) -> torch.Tensor:
     out = [len(plan.rows), groups, int(plan.write_kv), int(plan.all_logits), -1 if rows is None else len(rows),
            int(trees)]
     for row in plan.rows:
-        out += [len(row.tokens), row.start, len(row.block_table), *row.tokens, *row.block_table]
+        out += [len(row.tokens), row.start, row.rope_shift, len(row.block_table), *row.tokens, *row.block_table]
         for table in row.window_tables:
             out += [len(table), *table]
         if trees:
@@ -41,8 +41,8 @@ def unpack_plan(packed: torch.Tensor) -> StepPlan:
     num_rows, groups, write_kv, all_logits, num_logits, trees = values[:6]
     at, rows, offset = 6, [], 0
     for index in range(num_rows):
-        n, start, t = values[at:at + 3]
-        at += 3
+        n, start, shift, t = values[at:at + 4]
+        at += 4
         tokens, table = values[at:at + n], values[at + n:at + n + t]
         at += n + t
         windows = []
@@ -50,7 +50,7 @@ def unpack_plan(packed: torch.Tensor) -> StepPlan:
             m = values[at]
             windows.append(values[at + 1:at + 1 + m])
             at += 1 + m
-        row = PlanRow(tokens, start, table, offset=offset, index=index, window_tables=windows)
+        row = PlanRow(tokens, start, table, offset=offset, index=index, window_tables=windows, rope_shift=shift)
         if trees:
             if values[at]:
                 row.parents = values[at + 1:at + 1 + n]

@@ -202,26 +202,32 @@ class ForwardBatch:
               block_size: int, device: torch.device | str = "cpu", capture_layers: tuple[int, ...] = (),
               group_tables: list[list[list[int]]] = (),
               tree_parents: list[list[int] | None] | None = None,
-              rope_positions: list[list[int] | None] | None = None) -> "ForwardBatch":
+              rope_positions: list[list[int] | None] | None = None,
+              rope_shifts: list[int] | None = None) -> "ForwardBatch":
         """token_ids[i] are the new tokens of sequence i, placed at start_positions[i]...;
         group_tables[g - 1][i]: sequence i's table in KV cache group g (mixed windows);
         tree_parents[i], when given and not None, makes sequence i a tree verify row (parents as
         tree_mask_bits takes them): rope positions start + depth, the tree's visibility masks;
         rope_positions[i], when given and not None: sequence i's tokens' RoPE positions (a PFlash
-        prompt kept at its original positions), which replace start + i / start + depth."""
+        prompt kept at its original positions), which replace start + i / start + depth;
+        rope_shifts[i], when given: added to sequence i's start + i / start + depth (decoding past a
+        compressed prompt, a KVFlash view's tail), storage unchanged."""
         if tree_parents is not None and len(tree_parents) != len(token_ids):
             raise ValueError(f"tree_parents has {len(tree_parents)} entries for {len(token_ids)} sequences")
+        if rope_shifts is not None and len(rope_shifts) != len(token_ids):
+            raise ValueError(f"rope_shifts has {len(rope_shifts)} entries for {len(token_ids)} sequences")
         ids, positions, starts, masks = [], [], [0], []
         for i, (toks, start) in enumerate(zip(token_ids, start_positions)):
             ids.extend(toks)
             parents = tree_parents[i] if tree_parents is not None else None
+            rotated = start + (rope_shifts[i] if rope_shifts is not None else 0)
             if parents is None:
-                positions.extend(range(start, start + len(toks)))
+                positions.extend(range(rotated, rotated + len(toks)))
                 masks.extend([-1] * len(toks))
             else:
                 if len(parents) != len(toks):
                     raise ValueError(f"sequence {i}: {len(parents)} tree parents for {len(toks)} tokens")
-                positions.extend(start + d for d in tree_depths(parents))
+                positions.extend(rotated + d for d in tree_depths(parents))
                 masks.extend(tree_mask_bits(parents))
             rope = rope_positions[i] if rope_positions is not None else None
             if rope is not None:
@@ -230,7 +236,8 @@ class ForwardBatch:
                 positions[len(positions) - len(toks):] = rope
             starts.append(starts[-1] + len(toks))
         seq_lens = [s + len(t) for s, t in zip(start_positions, token_ids)]
-        rope_bound = max(positions) + 1 if rope_positions is not None and positions else None
+        apart = rope_positions is not None or (rope_shifts is not None and any(rope_shifts))
+        rope_bound = max(positions) + 1 if apart and positions else None
 
         def as_tensor(values, dtype=torch.int64):
             return host_to_device(values, device, dtype)

@@ -26,6 +26,12 @@ class PromptCompression:
         """RoPE position minus storage position past the prompt."""
         return len(self.original_ids) - len(self.kept_positions)
 
+    def shift_of(self, start: int) -> int | None:
+        """The constant RoPE shift of a row stored from `start` on when the row lies wholly past the
+        kept prompt (its positions are storage + shift, a graph bucket's PlanRow.rope_shift); None
+        when some of it is prompt, whose positions follow the kept map (`positions`)."""
+        return self.shift if start >= len(self.kept_positions) else None
+
     def positions(self, start: int, n: int, depths: list[int] | None = None) -> list[int]:
         """RoPE positions of the tokens stored at start..start+n-1; depths: a tree verify row's (token i
         rotated at the position of start + depths[i])."""
