@@ -3,10 +3,13 @@ what transformers decodes when the evicted positions are masked out of every ste
 engine chose before that step); host-backed blocks come back bit-exact; bad settings are refused clearly."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from lucebox import LLM, SamplingParams
+from lucebox.engine.cuda_graphs import CudaGraphRunner
 from lucebox.errors import ContextLengthError, RequestError, UnsupportedError
 from lucebox.model.kv_pool.score import ChunkSummaries
 
@@ -142,3 +145,21 @@ def test_bad_pool_settings_are_refused_with_their_names(qwen3_path):
     with pytest.raises(RequestError, match="kv_pool must be true or false"):
         plain.generate({"prompt_token_ids": [1, 2, 3], "kv_pool": "yes"}, SamplingParams(max_tokens=2),
                        use_tqdm=False)
+
+
+def test_pooled_rows_run_in_graph_buckets_and_overlapped_steps_as_eagerly(qwen3_path, prompt):
+    runs = {}
+    for logprobs in (0, None):  # logprobs: logits come back; none: argmax in the graph, steps launched ahead
+        params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, logprobs=logprobs)
+        for graphs in (False, True):
+            llm = pooled_llm(qwen3_path, cuda_graphs=graphs)
+            if graphs:  # on the CPU: the padded static batches a graph replays, uncaptured
+                runner = llm.engine.runner
+                runner.graphs = CudaGraphRunner(runner.model, BLOCK, runner.scratch_block,
+                                                replace(llm.engine._graph_settings(), capture=False))
+            out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
+            lps = [e[t].logprob for t, e in zip(out.token_ids, out.logprobs)] if logprobs is not None else None
+            runs[logprobs, graphs] = (out.token_ids, lps, dict(llm.engine.step_counts))
+    assert runs[0, True][0] == runs[0, False][0] == runs[None, True][0] == runs[None, False][0]
+    assert runs[0, True][1] == pytest.approx(runs[0, False][1], abs=1e-5)
+    assert runs[None, True][2].get("overlapped", 0) > 10  # launched ahead through the resident view
