@@ -116,11 +116,13 @@ class DFlashProposer(Proposer):
         return cls(drafter, target)
 
     def enable_pool(self, pool_tokens: int) -> None:
-        """Bound every draft pass's context to pool_tokens positions (0: off). Before the engine captures
-        graphs: the query hooks must be inside them."""
+        """Bound every draft pass's context to pool_tokens positions (0: off); the engine calls it
+        before capturing graphs (the query hooks must be inside them)."""
         self.pool_tokens = pool_tokens
         if pool_tokens and self.query_tap is None:
             self.query_tap = QueryTap(self.drafter)
+            if self.graphs is not None:  # captured without the hooks: captured again when next used
+                self.graphs.graphs.clear()
         self.pool = self._make_pool() if self.caches else None
 
     def _make_pool(self) -> DraftPool | None:

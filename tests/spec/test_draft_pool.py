@@ -24,6 +24,7 @@ from lucebox.spec.factory import make_speculator
 from tests.spec_fixtures import write_dflash_drafter
 
 BLOCK = 4  # KV block: a 64-token chunk is 16 blocks
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 POOL = 320  # the smallest pool: sink chunk, a three-chunk tail, one chosen chunk
 
 
@@ -190,22 +191,29 @@ def greedy(llm, prompts, max_tokens: int):
     return llm.generate(prompts, params, use_tqdm=False)
 
 
-def test_graph_style_generation_with_a_small_pool_equals_plain_decoding(hf_models, tmp_path, monkeypatch):
+@pytest.mark.parametrize("graphs", ["static", pytest.param("captured", marks=gpu)])
+def test_graph_generation_with_a_small_pool_equals_plain_decoding(graphs, hf_models, tmp_path, monkeypatch):
+    """Static: the graph bodies run eagerly on the CPU. Captured: the pool is enabled after the engine
+    captured its drafter graphs, which are then captured again with the query hooks inside."""
     monkeypatch.setattr(draft_pool, "RESELECT_INTERVAL", 16)  # reselect several times in 40 tokens
     target = hf_models["qwen3"]
     drafter = write_dflash_drafter(target, tmp_path / "dflash")
     prompts = [{"prompt_token_ids": [(7 * i + j * j) % 300 + 3 for j in range(n)]} for i, n in enumerate((90, 400, 700))]
-    common = dict(device="cpu", dtype="float32", block_size=BLOCK, max_model_len=1024, kv_cache_memory=64 << 20)
+    common = dict(device="cuda" if graphs == "captured" else "cpu", dtype="float32", block_size=BLOCK,
+                  max_model_len=1024, kv_cache_memory=64 << 20)
     want = [o.outputs[0].token_ids for o in greedy(LLM(str(target), **common), prompts, 40)]
     llm = LLM(str(target), cuda_graphs=True, **common,
               speculative_config={"method": "dflash", "model": str(drafter), "adaptive": False})
     prop = llm.engine.speculator.proposer
+    if graphs == "static":
+        prop.graphs = static_graphs(prop, llm.engine.runner.num_blocks)
     prop.enable_pool(POOL)
-    prop.graphs = static_graphs(prop, llm.engine.runner.num_blocks)
     outs = greedy(llm, prompts, 40)
     assert [o.outputs[0].token_ids for o in outs] == want
     assert prop.pool.selections > 4 and not prop.pool.sequences  # released with their sequences
-    assert max(size for kind, size in prop.graphs.graphs if kind == "draft") == 512
+    drafts = {size: graph for (kind, size), graph in prop.graphs.graphs.items() if kind == "draft"}
+    assert max(drafts) == 512  # never the 1024 bucket of the longest context
+    assert all((graph is not None) == (graphs == "captured") for graph in drafts.values())
 
 
 @pytest.mark.skipif(not (BUNDLED_DRAFTER / "config.json").is_file(), reason="the drafter is not bundled")
