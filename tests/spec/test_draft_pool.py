@@ -239,3 +239,28 @@ def test_bundled_pair_with_a_small_drafter_pool_is_lossless():
     print(f"\nbundled pair, T = 0, a ~520-token prompt: tau full drafter context {taus[0]:.2f}, "
           f"{POOL}-token drafter pool {taus[POOL]:.2f}")
     assert taus[POOL] > 1.0
+
+
+def test_a_dflash2_drafter_drafts_alike_through_graphs_and_eagerly_with_a_pool(hf_models, tmp_path, monkeypatch):
+    """DFlash2 reuses the DFlash passes: with the pool its greedy drafts are the same eagerly and
+    through the graph bodies, and the output equals plain decoding."""
+    from tests.spec.test_dflash2 import record_drafts, write_dflash2_drafter
+    monkeypatch.setattr(draft_pool, "RESELECT_INTERVAL", 16)
+    target = hf_models["qwen3"]
+    drafter = write_dflash2_drafter(target, tmp_path / "d", block_size=4, seed=6)
+    prompts = [{"prompt_token_ids": [(5 * i + j * j) % 300 + 3 for j in range(n)]} for i, n in enumerate((350, 600))]
+    common = dict(device="cpu", dtype="float32", block_size=BLOCK, max_model_len=1024, kv_cache_memory=64 << 20)
+    plain = [o.outputs[0].token_ids for o in greedy(LLM(str(target), **common), prompts, 24)]
+    runs = []
+    for use_graphs in (False, True):
+        llm = LLM(str(target), cuda_graphs=use_graphs, **common,
+                  speculative_config={"method": "dflash", "model": str(drafter), "adaptive": False})
+        prop = llm.engine.speculator.proposer
+        if use_graphs:
+            prop.graphs = static_graphs(prop, llm.engine.runner.num_blocks)
+        prop.enable_pool(POOL)
+        drafted = record_drafts(prop)
+        runs.append(([o.outputs[0].token_ids for o in greedy(llm, prompts, 24)], drafted))
+        assert prop.pool.selections > 2
+    assert runs[0] == runs[1]
+    assert runs[0][0] == plain
