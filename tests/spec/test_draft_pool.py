@@ -77,8 +77,8 @@ def resident_positions(view: KVView, anchor: int) -> list[int]:
 def test_flag_validation_names_what_is_wrong():
     assert EngineArgs().draft_kv_pool_tokens == 0
     assert EngineArgs(draft_kv_pool_tokens=4096).draft_kv_pool_tokens == 4096
-    for value, message in ((100, "not a multiple of the pool's 64-token chunk"), (256, "below the smallest pool of 320"),
-                           (-64, "integer >= 0"), (True, "integer >= 0"), ("512", "integer >= 0")):
+    for value, message in ((100, "not a multiple of the pool's 64-token chunk"), (-64, "integer >= 0"),
+                           (256, "below the smallest pool of 320"), (True, "integer >= 0"), ("512", "integer >= 0")):
         with pytest.raises(RequestError, match=message):
             EngineArgs(draft_kv_pool_tokens=value)
     from lucebox.cli import build_parser, engine_args
@@ -152,7 +152,8 @@ def test_the_drafters_own_queries_pick_the_chunk_that_matches_them(proposer):
     pool = prop.pool
     with torch.inference_mode():
         recency = pool.reselect(seq, anchor)
-        assert recency.selected == tuple(range(0, 16)) + tuple(range(16 * 12, 16 * 13))  # sink, the chunk before the tail
+        # the sink and the chunk just before the tail
+        assert recency.selected == tuple(range(0, 16)) + tuple(range(16 * 12, 16 * 13))
         torch.manual_seed(3)
         direction = torch.randn(len(cache_k), kv_heads, dim)
         pos = torch.arange(matched * CHUNK_TOKENS, (matched + 1) * CHUNK_TOKENS)
@@ -198,7 +199,8 @@ def test_graph_generation_with_a_small_pool_equals_plain_decoding(graphs, hf_mod
     monkeypatch.setattr(draft_pool, "RESELECT_INTERVAL", 16)  # reselect several times in 40 tokens
     target = hf_models["qwen3"]
     drafter = write_dflash_drafter(target, tmp_path / "dflash")
-    prompts = [{"prompt_token_ids": [(7 * i + j * j) % 300 + 3 for j in range(n)]} for i, n in enumerate((90, 400, 700))]
+    prompts = [{"prompt_token_ids": [(7 * i + j * j) % 300 + 3 for j in range(n)]}
+               for i, n in enumerate((90, 400, 700))]
     common = dict(device="cuda" if graphs == "captured" else "cpu", dtype="float32", block_size=BLOCK,
                   max_model_len=1024, kv_cache_memory=64 << 20)
     want = [o.outputs[0].token_ids for o in greedy(LLM(str(target), **common), prompts, 40)]
