@@ -39,6 +39,10 @@ class EngineArgs:
     # construction. None: the default model speculates with its drafter, any other model does not;
     # {} (or SpeculativeConfig()): off.
     speculative_config: SpeculativeConfig | dict | None = None
+    # KVFlash on the DFlash drafter's side (spec/draft_pool.py; lossless, the target verifies over its whole
+    # context): each draft pass reads at most this many context positions (sink, recent tail and the
+    # best-scored 64-token chunks); 0: every position, as without a pool.
+    draft_kv_pool_tokens: int = 0
     max_queue: int = 1024  # waiting sequences (a request counts its n) before new ones are refused
     # CUDA graphs for decode / verify steps. None: on for CUDA devices (an eager step there is several
     # times slower), off on CPU; True on CPU runs the padded static batches without capture (how CPU
@@ -87,6 +91,9 @@ class EngineArgs:
         "cache_type_v": "KV cache type of values: auto (the model dtype), f32, f16, bf16, fp8, q8_0 or q4_0",
         "cache_rotate_k": "rotate keys with a Walsh-Hadamard transform before quantising (tames outlier channels)",
         "speculative_config": "speculative decoding settings",
+        "draft_kv_pool_tokens": "DFlash drafter KV pool (lossless): each draft pass attends to at most this many "
+                                "context tokens (sink, recent tail, best-scored 64-token chunks; a multiple of 64, "
+                                "at least 320); 0: the whole context",
         "enable_prefix_caching": "reuse the KV of shared prompt prefixes across requests",
         "recurrent_prefix_snapshots": "hybrid (Gated DeltaNet) models: recurrent-state snapshots kept at block "
                                       "boundaries for prefix reuse, least recently used evicted (each one "
@@ -139,6 +146,7 @@ class EngineArgs:
                                "(--prefill-keep-ratio / --prefill-scorer) is not supported yet")
         self._check_kv_pool()
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        check_draft_pool_tokens(self.draft_kv_pool_tokens)
         check_keep_ratio(self.prefill_keep_ratio, "prefill_keep_ratio")
         if not isinstance(self.prefill_min_tokens, int) or self.prefill_min_tokens < 1:
             raise RequestError(f"prefill_min_tokens must be a positive integer, got {self.prefill_min_tokens!r}")
@@ -163,6 +171,25 @@ class EngineArgs:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+
+# The drafter-side pool's chunk and its smallest size: one sink chunk, a tail of the partial chunk and the
+# two before it, and two chunks to choose (spec/draft_pool.py's Protection).
+DRAFT_POOL_CHUNK_TOKENS = 64
+DRAFT_POOL_MIN_TOKENS = 5 * DRAFT_POOL_CHUNK_TOKENS
+
+
+def check_draft_pool_tokens(value) -> None:
+    """draft_kv_pool_tokens: 0 (off) or a multiple of the chunk, at least the protected minimum."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise RequestError(f"draft_kv_pool_tokens must be an integer >= 0 (0: off), got {value!r}")
+    if value and value % DRAFT_POOL_CHUNK_TOKENS:
+        below = max(value // DRAFT_POOL_CHUNK_TOKENS * DRAFT_POOL_CHUNK_TOKENS, DRAFT_POOL_MIN_TOKENS)
+        raise RequestError(f"draft_kv_pool_tokens {value} is not a multiple of the pool's {DRAFT_POOL_CHUNK_TOKENS}-"
+                           f"token chunk (e.g. {below})")
+    if value and value < DRAFT_POOL_MIN_TOKENS:
+        raise RequestError(f"draft_kv_pool_tokens {value} is below the smallest pool of {DRAFT_POOL_MIN_TOKENS} "
+                           f"tokens (a sink chunk, the recent tail and two chosen chunks)")
 
 
 def check_keep_ratio(value, name: str) -> None:

@@ -53,7 +53,7 @@ class LLMEngine:
                         cfg.max_position_embeddings)
         draft_device = check_device(args.draft_device, "--draft-device") if args.draft_device else None
         self.speculator = make_speculator(args.speculative_config, self._draft_target(loaded), self.max_model_len,
-                                          draft_device)
+                                          draft_device, args.draft_kv_pool_tokens)
         # PFlash's scorer and its KV pool before the target's pool is sized from what memory is left
         self._prefill: SpeculativePrefill | None = None
         if args.prefill_keep_ratio is not None or args.prefill_scorer is not None:

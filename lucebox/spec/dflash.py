@@ -28,6 +28,7 @@ from ..weights.safetensors import iter_safetensors
 from .dflash2_model import DFlash2Config, build_drafter, read_config
 from .dflash_graphs import DrafterGraphs
 from .dflash_model import DFlashConfig, DFlashDrafter
+from .draft_pool import DraftPool, QueryTap, resident_context
 from .proposer import Proposer
 from .tree import build_tree
 
@@ -96,6 +97,10 @@ class DFlashProposer(Proposer):
         self.ring_queue: deque = deque()  # (first row, rows, seq, queue token) in reservation order
         self._tokens = itertools.count()
         self.tree_budget: int | None = None  # draft DDTrees of this many nodes (spec/tree.py); None: chains
+        # --draft-kv-pool-tokens (spec/draft_pool.py): each pass reads at most this many context positions
+        self.pool_tokens = 0
+        self.pool: DraftPool | None = None
+        self.query_tap: QueryTap | None = None
 
     @classmethod
     def load(cls, path: str, target, device=None) -> "DFlashProposer":
@@ -110,6 +115,21 @@ class DFlashProposer(Proposer):
             return DFlash2Proposer(drafter, target)
         return cls(drafter, target)
 
+    def enable_pool(self, pool_tokens: int) -> None:
+        """Bound every draft pass's context to pool_tokens positions (0: off); the engine calls it
+        before capturing graphs (the query hooks must be inside them)."""
+        self.pool_tokens = pool_tokens
+        if pool_tokens and self.query_tap is None:
+            self.query_tap = QueryTap(self.drafter)
+            if self.graphs is not None:  # captured without the hooks: captured again when next used
+                self.graphs.graphs.clear()
+        self.pool = self._make_pool() if self.caches else None
+
+    def _make_pool(self) -> DraftPool | None:
+        if not self.pool_tokens:
+            return None
+        return DraftPool(self.drafter, self.caches, self.pool_tokens, self.block_tokens, self.query_tap)
+
     def cache_specs(self) -> list[PagedKVSpec]:
         """The drafter's context K/V per layer, in the model dtype. Unbounded even for its sliding
         layers: features are projected into it after the fact, at positions behind the target's."""
@@ -121,6 +141,7 @@ class DFlashProposer(Proposer):
         # One block more than the scheduler hands out: graph padding writes its K/V there.
         self.caches = [spec.build(num_blocks + 1, block_size, model.dtype, self.device) for spec in self.cache_specs()]
         self.block_tokens = block_size
+        self.pool = self._make_pool()
         if graphs is not None and not self.own_device and (model.device.type == "cuda" or not graphs.capture):
             self.graphs = DrafterGraphs(self.drafter, model, self.caches, block_size, num_blocks,
                                         graphs.max_model_len, self.mask_token_id, graphs.capture)
@@ -222,6 +243,8 @@ class DFlashProposer(Proposer):
             self._project(seq)
         self.pending.pop(id(seq), None)
         self.queue_token.pop(id(seq), None)
+        if self.pool is not None:
+            self.pool.release(seq)
 
     @torch.inference_mode()
     def propose(self, seqs: list, num_tokens: list[int]) -> list[Draft]:
@@ -234,21 +257,46 @@ class DFlashProposer(Proposer):
     def _draft_pass(self, seq, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The logits [k, vocab] and final-normed hidden states [k, hidden] of draft slots 1..k."""
         anchor = seq.num_tokens - 1  # the last committed token: its K/V and features are not known yet
+        view = self._context_view(seq, anchor)
         if self.graphs is not None:  # the queued features are projected inside the draft graph
-            logits = self.graphs.draft(seq.block_table, anchor, seq.last_token, *self._take_pending(seq))
+            logits = self.graphs.draft(seq.block_table, anchor, seq.last_token, *self._take_pending(seq), view=view)
+            self._observe_pass(seq, anchor)
             return logits[:k], self.graphs.hidden[:k]
         self._project(seq)
         device, target = self.device, self.target.model
-        slots = self._slots(seq, 0, anchor)
+        if view is None:
+            slots, context_positions = self._slots(seq, 0, anchor), torch.arange(anchor, device=device)
+        else:
+            slots, context_positions = (host_to_device(t, device) for t in
+                                        resident_context(view, seq.block_table, anchor, self.block_tokens))
         dtype = self.target.model.dtype
         context = [(kc.gather(slots, dtype), vc.gather(slots, dtype)) for kc, vc in self.caches]
         ids = host_to_device([seq.last_token] + [self.mask_token_id] * (self.block_size - 1), target.device)
         x = move(self.drafter.block_input(target, ids), device)
         positions = torch.arange(anchor, anchor + self.block_size, device=device)
-        hidden = self.drafter.blocks(x, positions, context, torch.arange(anchor, device=device),
+        hidden = self.drafter.blocks(x, positions, context, context_positions,
                                      position_bound=anchor + self.block_size)
+        self._observe_pass(seq, anchor)
         drafted = hidden[1:1 + k]
         return self.drafter.logits(target.head_logits(move(drafted, target.device))), drafted
+
+    def _context_view(self, seq, anchor: int):
+        """What a pass at `anchor` reads of the drafter's context: the target's resident view when its
+        KV is bounded (seq.kv_view; blocks outside it are not resident at all), else this drafter's own
+        pool's, else all of it (None)."""
+        view = getattr(seq, "kv_view", None)
+        if view is not None:
+            return None if view.is_identity else view
+        if self.pool is None:
+            return None
+        if self.pool.due(seq, anchor):
+            self._project(seq)  # chunk keys are pooled from the cache: every position before the anchor in it
+            return self.pool.reselect(seq, anchor)
+        return self.pool.view(seq, anchor)
+
+    def _observe_pass(self, seq, anchor: int) -> None:
+        if self.pool is not None and getattr(seq, "kv_view", None) is None:
+            self.pool.observe_pass(seq, anchor)
 
     def _draft_one(self, seq, k: int) -> Draft:
         """The argmax of the drafter's processed logits in every slot, at every temperature: a

@@ -7,11 +7,15 @@ graphs, the pass costs the GPU time of its kernels plus one launch.
 Draft (one sequence; the engine drafts its sequences one after another): first the features
 still queued for the sequence (up to B positions: what the last verify committed) are projected
 into the drafter's cache, then the block [anchor token, MASK x (B-1)] at positions anchor..
-attends to the context positions 0..anchor-1, read from that paged cache. A graph is captured per
-context bucket L (a power of two, at least MIN_CONTEXT): the sequence's block table is padded with
-the scratch block to L / block_size entries and context columns at or past the anchor are masked
-out. Its input is one int64 buffer [anchor token, anchor, B projected positions, their B slots,
-block table]; its outputs the logits of the B - 1 draft slots and their argmax.
+attends to the context positions before the anchor, read from that paged cache: all of them, or the
+resident ones of a KVView (a bounded pool, spec/draft_pool.py: a compact table of resident blocks;
+storage positions 0..length-1, whose keys were rotated at their logical positions). A graph is
+captured per context bucket L (a power of two, at least MIN_CONTEXT, covering the view's length):
+the (compact) block table is padded with the scratch block to L / block_size entries and context
+columns at or past the length are masked out. Its input is one int64 buffer [anchor token, anchor
+(the block's RoPE position), context length (storage), B projected positions, their B slots, block
+table, each table entry's logical block (windows and causal masks measure logical distances)]; its
+outputs the logits of the B - 1 draft slots and their argmax.
 
 Projection alone (a longer queue, a finishing sequence): queued target features -> the drafter's
 context K/V, in chunks of a bucketed size (PROJECT_CHUNKS). Padding rows write to the scratch block.
@@ -31,6 +35,7 @@ from ..util import StagedBuffer, smallest_at_least
 
 log = logging.getLogger("lucebox")
 
+HEAD = 3  # draft inputs before the projected positions: anchor token, anchor, context length
 MIN_CONTEXT = 256  # smallest context bucket of a draft graph (positions)
 PROJECT_CHUNKS = (16, 64, 256, 1024)  # projection graph sizes (positions)
 
@@ -51,7 +56,7 @@ class DrafterGraphs:
         # RoPE tables are read in place by captured graphs: sized once, before any capture.
         self.position_bound = self.max_context + self.block
         drafter.rope.reserve(self.position_bound, device)
-        self.draft_in = StagedBuffer(2 + 2 * self.block + self.max_context // block_size, torch.int64, device)
+        self.draft_in = StagedBuffer(HEAD + 2 * self.block + 2 * (self.max_context // block_size), torch.int64, device)
         self.project_in = StagedBuffer((2, PROJECT_CHUNKS[-1]), torch.int64, device)  # positions, slots
         taps = len(drafter.config.target_layer_ids) * drafter.config.model.hidden_size
         self.features = torch.zeros(PROJECT_CHUNKS[-1], taps, dtype=target_model.dtype, device=device)
@@ -68,22 +73,34 @@ class DrafterGraphs:
 
     # ------------------------------------------------------------------ host side
     def draft(self, block_table: list[int], anchor: int, anchor_token: int, start: int,
-              features: torch.Tensor | None) -> torch.Tensor:
+              features: torch.Tensor | None, view=None) -> torch.Tensor:
         """Logits [B - 1, vocab] of the draft slots after `anchor` (valid until the next draft), after
-        projecting the queued features of positions start..anchor-1 (None: nothing queued)."""
+        projecting the queued features of positions start..anchor-1 (None: nothing queued). view: the
+        resident context (a KVView; None: every position before the anchor)."""
         rows = 0 if features is None else features.shape[0]
         if rows > self.block:  # all but the last B positions through the projection graphs
             self.project(block_table, start, features[:rows - self.block])
             start, features, rows = start + rows - self.block, features[rows - self.block:], self.block
-        context = context_bucket(anchor)
+        if view is None:
+            length, table, logical = anchor, block_table, None
+        else:
+            length = view.storage(anchor - 1) + 1 if anchor else 0
+            table, logical = view.table(block_table), view.blocks(len(block_table))
+        context = context_bucket(length)
         width, b = context // self.block_size, self.block
         staging = self.draft_in.staging()
-        staging[0], staging[1] = anchor_token, anchor
-        self._stage_slots(staging[2:2 + b], staging[2 + b:2 + 2 * b], block_table, start, rows)
-        table = block_table[:width]
-        staging[2 + 2 * b:2 + 2 * b + len(table)] = table
-        staging[2 + 2 * b + len(table):2 + 2 * b + width] = self.scratch_block
-        self.draft_in.upload(2 + 2 * b + width)
+        staging[0], staging[1], staging[2] = anchor_token, anchor, length
+        self._stage_slots(staging[HEAD:HEAD + b], staging[HEAD + b:HEAD + 2 * b], block_table, start, rows)
+        tables = staging[HEAD + 2 * b:HEAD + 2 * b + 2 * width].reshape(2, width)
+        table = table[:width]
+        tables[0, :len(table)] = table
+        tables[0, len(table):] = self.scratch_block
+        if logical is None:  # storage = logical
+            tables[1] = np.arange(width)
+        else:
+            tables[1, :len(table)] = logical[:width]
+            tables[1, len(table):] = 0  # masked columns
+        self.draft_in.upload(HEAD + 2 * b + 2 * width)
         if rows:
             self.features[:rows].copy_(features)
         self._replay(("draft", context))
@@ -120,9 +137,9 @@ class DrafterGraphs:
             return
         # Captures run their bodies once: token 0 at position 0, every write to the scratch block.
         staging, b = self.draft_in.staging(), self.block
-        staging[:2] = 0
-        self._stage_slots(staging[2:2 + b], staging[2 + b:2 + 2 * b], [], 0, 0)
-        staging[2 + 2 * b:] = self.scratch_block
+        staging[:HEAD] = 0
+        self._stage_slots(staging[HEAD:HEAD + b], staging[HEAD + b:HEAD + 2 * b], [], 0, 0)
+        staging[HEAD + 2 * b:] = self.scratch_block
         self.draft_in.upload()
         staging = self.project_in.staging()
         self._stage_slots(staging[0], staging[1], [], 0, 0)
@@ -174,16 +191,18 @@ class DrafterGraphs:
 
     def _draft_body(self, context: int) -> None:
         inputs, bs, b = self.draft_in.device, self.block_size, self.block
-        self._write_context(self.features[:b], inputs[2:2 + b], inputs[2 + b:2 + 2 * b])
-        anchor = inputs[1]
-        table = inputs[2 + 2 * b:2 + 2 * b + context // bs]
+        self._write_context(self.features[:b], inputs[HEAD:HEAD + b], inputs[HEAD + b:HEAD + 2 * b])
+        anchor, length = inputs[1], inputs[2]
+        tables = inputs[HEAD + 2 * b:HEAD + 2 * b + 2 * (context // bs)].view(2, context // bs)
         ctx_pos = self.context_positions[:context]
-        slots = table[ctx_pos // bs] * bs + ctx_pos % bs
+        entry, offset = ctx_pos // bs, ctx_pos % bs
+        slots = tables[0][entry] * bs + offset
+        logical = tables[1][entry] * bs + offset  # the keys' positions (rotated there when written)
         dtype = self.target.dtype
         kv = [(k.gather(slots, dtype), v.gather(slots, dtype)) for k, v in self.caches]
         x = self.drafter.block_input(self.target, torch.cat([inputs[:1], self.mask_ids]))
-        mask = torch.cat([(ctx_pos < anchor).expand(self.block, context), self.block_visible], dim=1)
-        hidden = self.drafter.blocks(x, anchor + self.offsets, kv, ctx_pos, mask, self.position_bound)
+        mask = torch.cat([(ctx_pos < length).expand(self.block, context), self.block_visible], dim=1)
+        hidden = self.drafter.blocks(x, anchor + self.offsets, kv, logical, mask, self.position_bound)
         logits = self.drafter.logits(self.target.head_logits(hidden[1:]))
         if self.logits is None:  # first use is a warm-up, never inside a capture
             self.logits = torch.empty_like(logits)

@@ -40,7 +40,7 @@ def choose_chunks(num_chunks: int, budget: int, protection: Protection,
     if scores is None:  # recency: the chunks nearest the tail
         chosen = candidates[len(candidates) - room:] if room > 0 else []
     else:
-        ranked = scores[len(sinks):tail_from].float()
-        order = sorted(range(len(candidates)), key=lambda i: (float(ranked[i]), i), reverse=True)
+        ranked = scores[len(sinks):tail_from].float().tolist()
+        order = sorted(range(len(candidates)), key=lambda i: (ranked[i], i), reverse=True)
         chosen = sorted(candidates[i] for i in order[:max(0, room)])
     return sinks + chosen, tail_from
