@@ -39,7 +39,7 @@ class Residency:
     saved: int = 0  # its logical blocks [0, saved) are in host memory
     summaries: ChunkSummaries = field(default_factory=ChunkSummaries)
     since: int = 0  # tokens committed since its resident set was last chosen
-    queries: torch.Tensor | None = None  # the last captured [layers, heads, head_dim]
+    queries: list[torch.Tensor] | None = None  # the last captured, per scored layer [heads, head_dim]
 
 
 class KVPool:
@@ -169,7 +169,7 @@ class KVPool:
                 continue
             row = rows.get(id(seq))
             if queries is not None and row is not None:
-                member.queries = torch.stack([queries[id(k)][row] for k in self.score_caches])
+                member.queries = [queries[id(k)][row] for k in self.score_caches]
             self._choose(seq, member)
 
     def _choose(self, seq, member: Residency) -> None:

@@ -163,3 +163,18 @@ def test_pooled_rows_run_in_graph_buckets_and_overlapped_steps_as_eagerly(qwen3_
     assert runs[0, True][0] == runs[0, False][0] == runs[None, True][0] == runs[None, False][0]
     assert runs[0, True][1] == pytest.approx(runs[0, False][1], abs=1e-5)
     assert runs[None, True][2].get("overlapped", 0) > 10  # launched ahead through the resident view
+
+
+def test_dflash_speculates_on_a_pooled_target(prompt):
+    """The bundled pair: the drafter's own K/V are host-backed with the target's and read through its view."""
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    ids = [t % 1000 + 10 for t in prompt * 2]
+    plain = LLM(max_model_len=2048, block_size=BLOCK, kv_pool_tokens=2048, speculative_config={})
+    want = plain.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0].token_ids
+    whole = LLM(max_model_len=2048, block_size=BLOCK, kv_pool_tokens=2048, kv_pool_target=True)
+    assert whole.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0].token_ids == want
+    llm = LLM(max_model_len=2048, block_size=BLOCK, kv_pool_tokens=512, kv_pool_target=True, kv_reselect_interval=32)
+    out = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 48
+    assert llm.engine.kv_pool.members == {} and llm.engine.kv_pool.store.num_free == llm.engine.kv_pool.store.num_host_blocks
+    assert llm.engine.step_counts["verify"] > 0

@@ -61,7 +61,7 @@ def test_scores_are_the_layer_mean_of_the_best_head_cosine():
     summaries = ChunkSummaries(dtype=torch.float32)
     for keys in chunks:
         summaries.append(chunk_summary(keys))
-    q = torch.randn(layers, kv_heads * group, dim)
+    q = torch.randn(layers, kv_heads * group, dim)  # per layer [heads, dim]
     want = []
     for keys in chunks:
         per_layer = []
@@ -71,11 +71,19 @@ def test_scores_are_the_layer_mean_of_the_best_head_cosine():
                    for h in range(kv_heads * group)]
             per_layer.append(max(cos))
         want.append(sum(per_layer) / layers)
-    assert summaries.scores(q) == pytest.approx(torch.stack(want), abs=1e-5)
+    assert summaries.scores(list(q)) == pytest.approx(torch.stack(want), abs=1e-5)
 
 
 def test_summaries_grow_past_their_first_buffer():
     summaries = ChunkSummaries()
     for i in range(40):
-        summaries.append(torch.full((1, 1, 4), float(i)))
-    assert summaries.count == 40 and summaries.buffer[39, 0, 0, 0] == 39
+        summaries.append([torch.full((1, 4), float(i)), torch.full((2, 8), -float(i))])
+    assert summaries.count == 40 and summaries.buffers[0][39, 0, 0] == 39 and summaries.buffers[1][39, 1, 7] == -39
+
+
+def test_layers_of_different_head_shapes_are_scored_each_on_its_own():
+    summaries = ChunkSummaries(dtype=torch.float32)
+    keys = [torch.randn(64, 1, 8), torch.randn(64, 2, 16)]
+    summaries.append(chunk_summary(keys))
+    q = [keys[0].mean(0).repeat(4, 1), -keys[1].mean(0).repeat_interleave(3, 0)]  # cosine 1 and -1
+    assert summaries.scores(q).item() == pytest.approx(0.0, abs=1e-5)

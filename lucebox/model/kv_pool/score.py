@@ -2,46 +2,47 @@
 
 When a chunk of a sequence is complete, each pooled layer's keys over it (post-RoPE, as stored) are
 mean-pooled per KV head and L2-normalised: one summary vector per (layer, KV head), 1/chunk of the
-keys' size. A chunk's score against the latest queries q [layers, heads, head_dim] (the last token's,
-captured in the step before a reselect) is the cosine of each query head with its KV head's
-summary, max over the heads, mean over the layers: a chunk any layer attends to strongly ranks high.
+keys' size. A chunk's score against the latest queries (the last token's, per layer [heads, head_dim],
+captured in the step before a reselect) is the cosine of each query head with its KV head's summary,
+max over the heads, mean over the layers: a chunk any layer attends to strongly ranks high. Layers may
+differ in head counts and sizes (Laguna, Gemma 4), so each keeps its own buffer.
 """
 from __future__ import annotations
 
 import torch
 
 
-def chunk_summary(keys: list[torch.Tensor]) -> torch.Tensor:
-    """keys: per pooled layer [chunk tokens, kv_heads, head_dim] -> [layers, kv_heads, head_dim], unit rows."""
-    pooled = torch.stack([k.float().mean(0) for k in keys])
-    return torch.nn.functional.normalize(pooled, dim=-1)
+def chunk_summary(keys: list[torch.Tensor]) -> list[torch.Tensor]:
+    """keys: per pooled layer [chunk tokens, kv_heads, head_dim] -> per layer [kv_heads, head_dim], unit rows."""
+    return [torch.nn.functional.normalize(k.float().mean(0), dim=-1) for k in keys]
 
 
 class ChunkSummaries:
-    """One sequence's summaries, chunk after chunk, in a buffer grown by doubling (on its cache's device)."""
+    """One sequence's summaries, chunk after chunk, in per-layer buffers grown by doubling (on the keys' device)."""
 
     def __init__(self, dtype: torch.dtype = torch.float16):
         self.dtype = dtype
-        self.buffer: torch.Tensor | None = None
+        self.buffers: list[torch.Tensor] = []
         self.count = 0
 
-    def append(self, summary: torch.Tensor) -> None:
-        if self.buffer is None:
-            self.buffer = torch.empty(16, *summary.shape, dtype=self.dtype, device=summary.device)
-        elif self.count == self.buffer.shape[0]:
-            grown = torch.empty(2 * self.count, *self.buffer.shape[1:], dtype=self.dtype, device=self.buffer.device)
-            grown[:self.count] = self.buffer
-            self.buffer = grown
-        self.buffer[self.count] = summary.to(self.dtype)
+    def append(self, summary: list[torch.Tensor]) -> None:
+        if not self.buffers:
+            self.buffers = [torch.empty(16, *s.shape, dtype=self.dtype, device=s.device) for s in summary]
+        elif self.count == self.buffers[0].shape[0]:
+            self.buffers = [torch.cat([b, torch.empty_like(b)]) for b in self.buffers]
+        for buffer, s in zip(self.buffers, summary):
+            buffer[self.count] = s.to(self.dtype)
         self.count += 1
 
-    def scores(self, queries: torch.Tensor) -> torch.Tensor:
-        """[chunks] float32 of queries [layers, heads, head_dim] (heads a multiple of kv_heads)."""
+    def scores(self, queries: list[torch.Tensor]) -> torch.Tensor:
+        """[chunks] float32 of per-layer queries [heads, head_dim] (heads a multiple of the layer's kv_heads)."""
         if self.count == 0:
             return torch.empty(0)
-        summaries = self.buffer[:self.count].float()  # [C, L, KVH, D]
-        layers, kv_heads, dim = summaries.shape[1:]
-        q = torch.nn.functional.normalize(queries.float().to(summaries.device), dim=-1)
-        q = q.view(layers, kv_heads, -1, dim)  # query heads grouped by their KV head
-        cos = torch.einsum("clkd,lkgd->clkg", summaries, q)
-        return cos.flatten(2).amax(-1).mean(-1).cpu()
+        total = None
+        for buffer, q in zip(self.buffers, queries):
+            summaries = buffer[:self.count].float()  # [C, KVH, D]
+            kv_heads, dim = summaries.shape[1:]
+            q = torch.nn.functional.normalize(q.float().to(summaries.device), dim=-1).view(kv_heads, -1, dim)
+            best = torch.einsum("ckd,kgd->ckg", summaries, q).flatten(1).amax(-1)
+            total = best if total is None else total + best
+        return (total / len(self.buffers)).cpu()
