@@ -56,12 +56,11 @@ def masked_reference(path, ids: list[int], resident: list, new_tokens: int):
     """transformers: the prompt prefilled exactly, then each token decoded with the positions outside that
     step's resident set masked out (eager attention, explicit 2D mask)."""
     from transformers import AutoModelForCausalLM
-    from transformers.cache_utils import DynamicCache
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     tokens, logprobs = [], []
     with torch.no_grad():
-        cache = DynamicCache()
-        logits = model(torch.tensor([ids]), past_key_values=cache, use_cache=True).logits[0, -1]
+        first = model(torch.tensor([ids]), use_cache=True)  # the model's own cache kind (hybrids: recurrent state)
+        logits, cache = first.logits[0, -1], first.past_key_values
         for i in range(new_tokens):
             token = int(logits.argmax())
             tokens.append(token)
