@@ -54,7 +54,7 @@ def test_a_pool_smaller_than_its_protections_is_refused():
         choose_chunks(20, 6, Protection(1, 4))
 
 
-def test_scores_are_the_layer_mean_of_the_best_head_cosine():
+def test_scores_are_the_layer_mean_of_the_standardised_best_head_bound():
     torch.manual_seed(0)
     layers, kv_heads, group, dim, tokens = 3, 2, 2, 8, 64
     chunks = [[torch.randn(tokens, kv_heads, dim) for _ in range(layers)] for _ in range(5)]
@@ -62,28 +62,41 @@ def test_scores_are_the_layer_mean_of_the_best_head_cosine():
     for keys in chunks:
         summaries.append(chunk_summary(keys))
     q = torch.randn(layers, kv_heads * group, dim)  # per layer [heads, dim]
-    want = []
-    for keys in chunks:
-        per_layer = []
+    per_layer = torch.zeros(layers, len(chunks))
+    for c, keys in enumerate(chunks):
         for layer in range(layers):
-            mean = keys[layer].mean(0)  # [kv_heads, dim]
-            cos = [torch.nn.functional.cosine_similarity(q[layer, h], mean[h // group], dim=0)
-                   for h in range(kv_heads * group)]
-            per_layer.append(max(cos))
-        want.append(sum(per_layer) / layers)
-    assert summaries.scores(list(q)) == pytest.approx(torch.stack(want), abs=1e-5)
+            low, high = keys[layer].amin(0), keys[layer].amax(0)  # [kv_heads, dim]
+            bounds = [torch.maximum(q[layer, h] * low[h // group], q[layer, h] * high[h // group]).sum()
+                      for h in range(kv_heads * group)]
+            per_layer[layer, c] = max(bounds)
+            # the bound holds: no key of the chunk reaches past it
+            assert (keys[layer][:, 0] @ q[layer, 0]).max() <= bounds[0] + 1e-5
+    z = (per_layer - per_layer.mean(1, keepdim=True)) / per_layer.std(1, keepdim=True)
+    assert summaries.scores(list(q)) == pytest.approx(z.mean(0), abs=1e-4)
+
+
+def test_a_chunk_holding_a_key_aligned_with_the_query_ranks_first():
+    torch.manual_seed(1)
+    q = torch.randn(4, 16)
+    summaries = ChunkSummaries(dtype=torch.float32)
+    for c in range(8):
+        keys = torch.randn(64, 2, 16) * 0.3
+        if c == 5:
+            keys[17, 0] = q[0] * 2  # one token matching query head 0 (KV head 0)
+        summaries.append(chunk_summary([keys]))
+    assert int(summaries.scores([q]).argmax()) == 5
 
 
 def test_summaries_grow_past_their_first_buffer():
     summaries = ChunkSummaries()
     for i in range(40):
-        summaries.append([torch.full((1, 4), float(i)), torch.full((2, 8), -float(i))])
-    assert summaries.count == 40 and summaries.buffers[0][39, 0, 0] == 39 and summaries.buffers[1][39, 1, 7] == -39
+        summaries.append([torch.full((2, 1, 4), float(i)), torch.full((2, 2, 8), -float(i))])
+    assert summaries.count == 40 and summaries.buffers[0][39, 0, 0, 0] == 39 and summaries.buffers[1][39, 1, 1, 7] == -39
 
 
 def test_layers_of_different_head_shapes_are_scored_each_on_its_own():
     summaries = ChunkSummaries(dtype=torch.float32)
-    keys = [torch.randn(64, 1, 8), torch.randn(64, 2, 16)]
-    summaries.append(chunk_summary(keys))
-    q = [keys[0].mean(0).repeat(4, 1), -keys[1].mean(0).repeat_interleave(3, 0)]  # cosine 1 and -1
-    assert summaries.scores(q).item() == pytest.approx(0.0, abs=1e-5)
+    for _ in range(3):
+        summaries.append(chunk_summary([torch.randn(64, 1, 8), torch.randn(64, 2, 16)]))
+    scores = summaries.scores([torch.randn(4, 8), torch.randn(6, 16)])
+    assert scores.shape == (3,) and torch.isfinite(scores).all()
