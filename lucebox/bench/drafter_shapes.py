@@ -14,16 +14,23 @@ from ..spec.dflash_model import DFlashConfig, DFlashDrafter, save_drafter
 
 # target families lucebox speculates on with DFlash drafters (spec tests: dense, MoE, hybrid, gemma4, laguna)
 DFLASH_FAMILIES = ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "gemma4", "laguna")
+LAYERS = 5
 
 
 def has_dflash_shape(target: ModelConfig) -> bool:
     return target.family in DFLASH_FAMILIES
 
 
-def random_dflash_drafter(target: ModelConfig, out: Path, layers: int = 5, seed: int = 0) -> Path:
+def kv_bytes_per_token(target: ModelConfig, dtype: torch.dtype, layers: int = LAYERS) -> int:
+    """KV bytes a context token costs random_dflash_drafter's drafter (K and V of every layer in dtype)."""
+    return layers * 2 * target.num_kv_heads * target.head_dim * dtype.itemsize
+
+
+def random_dflash_drafter(target: ModelConfig, out: Path, layers: int = LAYERS, seed: int = 0) -> Path:
     """Write a random drafter for `target` to the directory `out` (config.json + safetensors)."""
     if not has_dflash_shape(target):
-        raise RequestError(f"no DFlash drafter shape for a {target.family} target (known: {', '.join(DFLASH_FAMILIES)})")
+        raise RequestError(f"no DFlash drafter shape for a {target.family} target (known: "
+                           f"{', '.join(DFLASH_FAMILIES)})")
     m = ModelConfig(family="qwen3", vocab_size=target.vocab_size, hidden_size=target.hidden_size,
                     intermediate_size=target.intermediate_size, num_layers=layers, num_heads=target.num_heads,
                     num_kv_heads=target.num_kv_heads, head_dim=target.head_dim,

@@ -17,6 +17,7 @@ drafter's drafts are rarely accepted, so the rows compare the steps' cost.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import sys
@@ -28,13 +29,12 @@ from tqdm import tqdm
 
 from ..config import EngineArgs
 from ..engine.engine import LLMEngine
-from ..engine.kv_pool import device_tokens_per_sequence
+from ..engine.kv_pool import device_tokens_per_sequence, host_memory_available
 from ..errors import RequestError
 from ..model.cache_spec import kv_bytes_per_token
 from ..model.loader import resolve_device
 from ..sampling import SamplingParams
-from . import kv_tables, shapes
-from .drafter_shapes import has_dflash_shape, random_dflash_drafter
+from . import drafter_shapes, kv_tables, shapes
 from .speed import Clock, engine_args
 
 DEFAULT_CONTEXTS = (8192, 32768, 131072, 262144)
@@ -81,13 +81,8 @@ def _check(args) -> None:
         raise RequestError("--full-contexts and --draft-contexts must be among --contexts")
     if args.pool_tokens < 1:
         raise RequestError(f"--pool-tokens must be positive, got {args.pool_tokens}")
-
-
-def draft_pool_missing() -> str | None:
-    """Why the drafter rows cannot run on this lucebox (None: they can)."""
-    if "draft_kv_pool_tokens" not in EngineArgs.field_names():
-        return "drafter rows skipped: this lucebox has no EngineArgs.draft_kv_pool_tokens (drafter-side KVFlash) yet"
-    return None
+    if args.draft_contexts and args.draft_pool_tokens is None:
+        raise RequestError("--draft-contexts needs --draft-pool-tokens (the drafter rows' pool)")
 
 
 def timed_request(engine: LLMEngine, clock: Clock, prompt: list[int], tokens: int, pooled: bool) -> dict:
@@ -137,7 +132,8 @@ def run_engine(loaded, eargs: EngineArgs, contexts: list[int], prompts: dict, ar
     try:
         memory = engine_memory(engine)
         bar.set_description(f"{label}: warm-up")
-        timed_request(engine, clock, prompts[min(contexts)], args.reselect_interval + 8, pooled)
+        warm = prompts[max(contexts)][:2 * args.pool_tokens]  # past the pool: prefill and decode reselect
+        timed_request(engine, clock, warm, args.reselect_interval + 8, pooled)
         rows = []
         for n in contexts:
             bar.set_description(f"{label} at {n:,}")
@@ -149,24 +145,57 @@ def run_engine(loaded, eargs: EngineArgs, contexts: list[int], prompts: dict, ar
         kv_tables.drop_caches(loaded.model)
 
 
-def full_fits(loaded, specs, n: int, args, device) -> bool:
+def max_len(contexts: list[int], args) -> int:
+    """Positions an engine's sequence may reach: the longest context, the tokens decoded after it (the
+    warm-up's included) and a verify step's drafts."""
+    return max(contexts) + max(args.decode_tokens, args.reselect_interval + 8) + 2 * (DRAFT_TOKENS + 1) + 8
+
+
+def full_fits(loaded, specs, n: int, args, device, extra: int = 0) -> bool:
+    """Whether a context's whole KV (and `extra` bytes: a drafter's) fits the device's free memory now."""
     if device.type != "cuda":
         return True
     free = torch.cuda.mem_get_info(device)[0] - DEVICE_RESERVE
-    return kv_tables.pool_bytes(loaded.model, specs, n + args.decode_tokens + 8, EngineArgs.block_size,
-                                EngineArgs.max_num_batched_tokens) < free
+    return kv_tables.pool_bytes(loaded.model, specs, max_len([n], args), EngineArgs.block_size,
+                                EngineArgs.max_num_batched_tokens) + extra < free
 
 
-def draft_rows(loaded, args, contexts, prompts, clock, bar) -> list[dict]:
+def pooled_engine_args(loaded, specs, contexts: list[int], args) -> EngineArgs:
+    """Device KV for one pooled sequence (its pool, a prompt chunk, an interval), host KV for one whole context."""
+    longest = max_len(contexts, args)
+    resident = device_tokens_per_sequence(args.pool_tokens, args.max_num_batched_tokens, args.reselect_interval)
+    host = kv_tables.pool_bytes(loaded.model, specs, longest, EngineArgs.block_size, 1)
+    available = host_memory_available()
+    if available and host > available * 0.8:
+        raise RequestError(f"the pool's host KV for {longest:,} positions needs {host / 2**30:.1f} GiB, more than "
+                           f"80% of the {available / 2**30:.1f} GiB of host memory available: lower --contexts")
+    return engine_args(args, longest, loaded, kv_len=min(longest, resident), speculative_config={},
+                       kv_pool_tokens=args.pool_tokens, kv_reselect_interval=args.reselect_interval,
+                       kv_pool_host_memory=host, max_num_batched_tokens=args.max_num_batched_tokens)
+
+
+def draft_rows(loaded, specs, args, contexts, prompts, clock, bar, notes) -> list[dict]:
     """Speculative rate at each context: the drafter's KV whole, then pooled to --draft-pool-tokens."""
-    longest = max(contexts) + args.decode_tokens + 2 * (DRAFT_TOKENS + 1) + 8
-    rows = []
+    # the drafter's KV for every position beside the target's (its blocks share the target's table)
+    per_token = drafter_shapes.kv_bytes_per_token(loaded.config, loaded.model.dtype)
+    fitting = [n for n in contexts if full_fits(loaded, specs, n, args, loaded.model.device,
+                                                per_token * max_len([n], args))]
+    if fitting != contexts:
+        notes.append(f"drafter rows skipped at {[n for n in contexts if n not in fitting]}: the target's whole KV "
+                     f"and the drafter's do not fit the device")
+    bar.total -= 2 * (len(contexts) - len(fitting))
+    if not fitting:
+        return []
+    contexts, rows = fitting, []
+    longest = max_len(contexts, args)
+    drafter_kv = per_token * (longest + 64)
     with tempfile.TemporaryDirectory() as tmp:
-        drafter = random_dflash_drafter(loaded.config, Path(tmp) / "dflash", seed=args.seed)
+        drafter = drafter_shapes.random_dflash_drafter(loaded.config, Path(tmp) / "dflash", seed=args.seed)
         spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": DRAFT_TOKENS, "adaptive": False}
         for label, extra in (("drafter full", {}), ("drafter pool", {"draft_kv_pool_tokens": args.draft_pool_tokens})):
-            eargs = engine_args(args, longest, loaded, kv_factor=1.5, speculative_config=spec,
+            eargs = engine_args(args, longest, loaded, speculative_config=spec,
                                 max_num_batched_tokens=args.max_num_batched_tokens, **extra)
+            eargs = dataclasses.replace(eargs, kv_cache_memory=eargs.kv_cache_memory + drafter_kv)
             rows += run_engine(loaded, eargs, contexts, prompts, args, clock, bar, label)[1]
     full = {r["context"]: r["tok_s"] for r in rows if r["kv"] == "drafter full"}
     for r in rows:
@@ -195,18 +224,13 @@ def run(args: argparse.Namespace) -> dict:
               "engines": {}, "pooled": [], "full": [], "draft": [], "notes": notes}
     draft_contexts = []
     if args.draft_pool_tokens is not None:
-        why = draft_pool_missing() or (None if has_dflash_shape(loaded.config) else
-                                       f"drafter rows skipped: no DFlash drafter shape for a {loaded.config.family} target")
+        why = None if drafter_shapes.has_dflash_shape(loaded.config) else \
+            f"drafter rows skipped: no DFlash drafter shape for a {loaded.config.family} target"
         draft_contexts = [] if why else sorted(set(args.draft_contexts or full_wanted[-1:] or contexts[-1:]))
         notes += [why] if why else []
     with tqdm(total=2 * len(contexts) + 2 * len(draft_contexts), file=sys.stderr, disable=args.no_progress,
               unit="run") as bar:
-        longest = max(contexts) + args.decode_tokens + 8
-        resident = device_tokens_per_sequence(args.pool_tokens, args.max_num_batched_tokens, args.reselect_interval)
-        host = kv_tables.pool_bytes(loaded.model, specs, longest, EngineArgs.block_size, 1)  # one whole context
-        eargs = engine_args(args, longest, loaded, kv_len=min(longest, resident), speculative_config={},
-                            kv_pool_tokens=args.pool_tokens, kv_reselect_interval=args.reselect_interval,
-                            kv_pool_host_memory=host, max_num_batched_tokens=args.max_num_batched_tokens)
+        eargs = pooled_engine_args(loaded, specs, contexts, args)
         result["engines"]["pool"], result["pooled"] = run_engine(loaded, eargs, contexts, prompts, args, clock, bar,
                                                                  "pool", pooled=True)
         full = [n for n in full_wanted if full_fits(loaded, specs, n, args, device)]
@@ -214,12 +238,12 @@ def run(args: argparse.Namespace) -> dict:
             notes.append(f"full KV skipped at {[n for n in full_wanted if n not in full]}: it does not fit the device")
         bar.total -= len(contexts) - len(full)
         if full:
-            eargs = engine_args(args, max(full) + args.decode_tokens + 8, loaded, speculative_config={},
+            eargs = engine_args(args, max_len(full, args), loaded, speculative_config={},
                                 max_num_batched_tokens=args.max_num_batched_tokens)
             result["engines"]["full"], result["full"] = run_engine(loaded, eargs, full, prompts, args, clock, bar,
                                                                    "full")
         if draft_contexts:
-            result["draft"] = draft_rows(loaded, args, draft_contexts, prompts, clock, bar)
+            result["draft"] = draft_rows(loaded, specs, args, draft_contexts, prompts, clock, bar, notes)
     base = result["pooled"][0]["tok_s"]
     by_full = {r["context"]: r["tok_s"] for r in result["full"]}
     for r in result["pooled"]:
@@ -262,7 +286,8 @@ def print_report(r: dict) -> None:
         print(f"| {x['context']:,} | {x['kv']} | {x['prefill_s']:.2f} | {x['tok_s']:,.1f} | {ratio} | {vs} | "
               f"{_mib(x['device_kv_bytes'])} | {_mib(x['peak_above_start_bytes'])} | {_mib(x['host_kv_bytes'])} |")
     if r["draft"]:
-        print("\n| context | speculation (DFlash, random drafter) | tok/s | tau | / drafter full |\n|---:|---|---:|---:|---:|")
+        print("\n| context | speculation (DFlash, random drafter) | tok/s | tau | / drafter full |\n"
+              "|---:|---|---:|---:|---:|")
         for x in r["draft"]:
             tau = f"{x['tau']:.2f}" if x["tau"] else "-"
             print(f"| {x['context']:,} | {x['kv']} | {x['tok_s']:,.1f} | {tau} | {x['vs_drafter_full']:.2f}x |")
