@@ -137,8 +137,10 @@ def run_engine(loaded, eargs: EngineArgs, contexts: list[int], prompts: dict, ar
         rows = []
         for n in contexts:
             bar.set_description(f"{label} at {n:,}")
-            rows.append(dict(timed_request(engine, clock, prompts[n], args.decode_tokens, pooled), kv=label))
+            rows.append(x := dict(timed_request(engine, clock, prompts[n], args.decode_tokens, pooled), kv=label))
             bar.update()
+            tqdm.write(f"[bench kv-pool] {label} at {n:,}: prefill {x['prefill_s']:.2f} s, decode {x['tok_s']:,.1f} "
+                       f"tok/s, device KV {_mib(x['device_kv_bytes'])} MiB", file=sys.stderr)  # a cut-off run keeps it
         return memory, rows
     finally:
         del engine
@@ -211,7 +213,8 @@ def run(args: argparse.Namespace) -> dict:
     specs = loaded.model.cache_specs(args.cache_type_k, args.cache_type_v)
     contexts = sorted(set(args.contexts))
     full_wanted = sorted(set(contexts if args.full_contexts is None else args.full_contexts))
-    notes = ["prompts are random token ids: decode speed does not depend on them"]
+    notes = ["prompts are random token ids: decode speed does not depend on them",
+             "a pooled prompt's chunks attend to the resident pool too (prefill bounded and lossy, like decode)"]
     if max(contexts) > loaded.config.max_position_embeddings:
         notes.append(f"contexts beyond the model's {loaded.config.max_position_embeddings:,} positions: RoPE "
                      f"simply continues (speed is what it would be with a longer-context model)")
