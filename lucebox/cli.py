@@ -175,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench.prefill import add_arguments as prefill_arguments
     prefill_arguments(bench_sub.add_parser(
         "prefill", help="speculative prefill (PFlash): TTFT of exact vs scored prefill, scoring and target time"))
+    from .bench.kv_pool import add_arguments as kv_pool_arguments
+    kv_pool_arguments(bench_sub.add_parser(
+        "kv-pool", help="KVFlash: decode tok/s and device KV memory at 8K-256K contexts, bounded pool vs full KV"))
     kq = bench_sub.add_parser("kv-quality", help="greedy agreement and perplexity of each KV cache type",
                               formatter_class=fmt)
     kq.add_argument("--model", default=None, help="model to measure (default: the default model)")
@@ -343,13 +346,13 @@ def cmd_convert_drafter(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import kv_quality, prefill, serve, spec, speed, throughput
+    from .bench import kv_pool, kv_quality, prefill, serve, spec, speed, throughput
     if args.bench == "serve":  # serve picks its own model: --url, --model or the default model
         return serve.main(args)
     if args.bench in (None, "speed"):  # speed picks its own model: --model, --shape or the default model
         return speed.main(args if args.bench else build_parser().parse_args(["bench", "speed"]))
-    if args.bench == "prefill":  # as speed: --model, --shape or the default model
-        return prefill.main(args)
+    if args.bench in ("prefill", "kv-pool"):  # as speed: --model or --shape
+        return (prefill if args.bench == "prefill" else kv_pool).main(args)
     if args.model is None:
         from .default_model import default_model_path
         args.model = str(default_model_path())

@@ -12,7 +12,6 @@ DFlash drafter of the qwen3-8b target's width, 15 drafts a step, on cuda:0 and o
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 import tempfile
@@ -23,13 +22,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from lucebox.bench.drafter_shapes import random_dflash_drafter  # noqa: E402
+from lucebox.bench.kv_tables import drop_caches  # noqa: E402
 from lucebox.bench.shapes import build_random_model  # noqa: E402
 from lucebox.config import EngineArgs  # noqa: E402
 from lucebox.engine.engine import LLMEngine  # noqa: E402
 from lucebox.engine.placement import Placement, parse_device_map  # noqa: E402
-from lucebox.model.config import ModelConfig  # noqa: E402
 from lucebox.sampling import SamplingParams  # noqa: E402
-from lucebox.spec.dflash_model import DFlashConfig, DFlashDrafter, save_drafter  # noqa: E402
 
 
 def sync() -> None:
@@ -53,23 +52,6 @@ def timed_request(engine, prompt: list[int], tokens: int) -> tuple[float, float]
     return first - start, time.perf_counter() - first
 
 
-def random_drafter(target_cfg, out: Path) -> Path:
-    """A random DFlash drafter of the z-lab Qwen3-8B layout (5 layers, block 16, five taps)."""
-    m = ModelConfig(family="qwen3", vocab_size=target_cfg.vocab_size, hidden_size=target_cfg.hidden_size,
-                    intermediate_size=target_cfg.intermediate_size, num_layers=5, num_heads=target_cfg.num_heads,
-                    num_kv_heads=target_cfg.num_kv_heads, head_dim=target_cfg.head_dim,
-                    max_position_embeddings=target_cfg.max_position_embeddings, qk_norm=True)
-    n = target_cfg.num_layers
-    taps = sorted({min(n - 1, max(0, t)) for t in (1, n // 4, n // 2, 3 * n // 4, n - 3)})  # z-lab's: 1 9 18 27 33
-    cfg = DFlashConfig(m, taps, target_cfg.vocab_size - 1, 16, n)
-    drafter = DFlashDrafter(cfg).to(torch.bfloat16)
-    with torch.no_grad():
-        for p in drafter.parameters():
-            p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0)
-    save_drafter(drafter, out)
-    return out
-
-
 def row(loaded, label: str, device_map: str, args, prompt, **engine_args) -> dict:
     layers = len(loaded.model.layers)
     placement = Placement(parse_device_map(device_map, layers))
@@ -84,14 +66,8 @@ def row(loaded, label: str, device_map: str, args, prompt, **engine_args) -> dic
                [i for i in range(layers) if placement.layer_device(i).type == "cpu"]),
            "gpu_memory_gib": torch.cuda.memory_allocated(0) / 2**30 if torch.cuda.is_available() else 0.0}
     del engine
-    for layer in loaded.model.layers:  # the runner installed its caches in the layers: they go with it
-        for module in layer.modules():
-            for name in ("k_cache", "v_cache", "state"):
-                if not isinstance(getattr(module, name, None), torch.Tensor) and hasattr(module, name):
-                    setattr(module, name, None)
+    drop_caches(loaded.model)  # the runner installed its caches in the layers: they go with it
     placement.remove(loaded.model)
-    gc.collect()
-    torch.cuda.empty_cache()
     print(json.dumps(out), flush=True)
     return out
 
@@ -124,7 +100,7 @@ def main() -> int:
                             speculative_config={}))
     if not args.skip_drafter:
         with tempfile.TemporaryDirectory() as tmp:
-            drafter = random_drafter(loaded.config, Path(tmp) / "dflash")
+            drafter = random_dflash_drafter(loaded.config, Path(tmp) / "dflash")
             spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 15, "adaptive": False}
             whole = f"{args.gpu}:0-{layers - 1}"
             for where in (args.gpu, "cpu"):

@@ -278,19 +278,20 @@ def spec_phase(loaded, args, rng) -> dict:
             "speedup": spec["tok_s"] / plain["tok_s"]}
 
 
-def engine_args(args, max_len: int, loaded, kv_factor: int = 1, **extra) -> EngineArgs:
+def engine_args(args, max_len: int, loaded, kv_factor: float = 1, kv_len: int | None = None, **extra) -> EngineArgs:
     """Batch 1, no prefix caching (every run must prefill), a KV pool of one context so the rest of the
     memory stays free (the peer needs it): sliding-window groups only their window (kv_tables.pool_bytes);
-    kv_factor > 1 leaves room for a drafter's KV."""
+    kv_factor > 1 leaves room for a drafter's KV; kv_len: positions the pool holds (default max_len)."""
     specs = loaded.model.cache_specs(args.cache_type_k, args.cache_type_v)
-    kv = kv_tables.pool_bytes(loaded.model, specs, max_len, EngineArgs.block_size, EngineArgs.max_num_batched_tokens)
+    kv = kv_tables.pool_bytes(loaded.model, specs, kv_len or max_len, EngineArgs.block_size,
+                              EngineArgs.max_num_batched_tokens)
     # the recurrent state of one sequence (hybrids) and a verify's per-position snapshots of it
     state = bytes_per_sequence(specs, 1 + VERIFY_TOKENS)
     return EngineArgs(model=loaded.source, max_model_len=max_len, max_num_seqs=1, enable_prefix_caching=False,
                       cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
                       cuda_graphs=getattr(args, "cuda_graphs", None),
                       async_decode=getattr(args, "async_decode", EngineArgs.async_decode),
-                      kv_cache_memory=kv_factor * (kv + state), **extra)
+                      kv_cache_memory=int(kv_factor * (kv + state)), **extra)
 
 
 def run(args: argparse.Namespace) -> dict:

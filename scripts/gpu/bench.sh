@@ -8,6 +8,26 @@ mode_bench() {
   bench 06b-bf16 90 --shape qwen3-0.6b --quant bf16 --prompt-lens 512 --contexts 512
 }
 
+#: kv-pool      issue 30 (KVFlash): bench kv-pool, qwen3-8b bf16, an 8192-token pool against the full KV at
+#:              8K / 32K / 128K and the pool alone at 256K: prefill s, decode tok/s, device and host KV (~5 min);
+#:              KV_POOL_ARGS adds or overrides flags, e.g. "--shape qwen3.6-27b --quant q4_k_m"
+mode_kv_pool() {
+  step kv-pool "${SECONDS_KV_POOL:-540}" python3 -m lucebox.cli bench kv-pool --shape qwen3-8b --quant bf16 \
+    --contexts 8192 32768 131072 262144 --full-contexts 8192 32768 131072 --pool-tokens 8192 --no-progress \
+    --json "$out/kv-pool.json" ${KV_POOL_ARGS:-}
+  sed -n '/^| context/,$p' "$out/kv-pool.log"
+}
+
+#: kv-pool-draft  issue 30's drafter row: bench kv-pool, qwen3-8b bf16 with a random 5-layer DFlash drafter,
+#:              speculative tok/s at 8K and 128K with --draft-kv-pool-tokens 4096 and without (target KV
+#:              whole: lossless), beside the target pool at 8K / 128K (~5 min); KV_POOL_ARGS as kv-pool
+mode_kv_pool_draft() {
+  step kv-pool-draft "${SECONDS_KV_POOL:-540}" python3 -m lucebox.cli bench kv-pool --shape qwen3-8b --quant bf16 \
+    --contexts 8192 131072 --full-contexts --draft-pool-tokens 4096 --draft-contexts 8192 131072 --no-progress \
+    --json "$out/kv-pool-draft.json" ${KV_POOL_ARGS:-}
+  sed -n '/^| context/,$p' "$out/kv-pool-draft.log"
+}
+
 #: device-map   issue 31: qwen3-8b bf16 split cuda:0 + cpu at several split points (prefill and decode rates,
 #:              beside the whole model through graphs and eagerly), and a DFlash drafter on the CPU (~6 min)
 mode_device_map() {
