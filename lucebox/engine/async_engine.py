@@ -28,6 +28,7 @@ from ..errors import LuceboxError
 from ..outputs import RequestOutput
 from ..sampling import SamplingParams
 from .engine import LLMEngine
+from .kv_pool import KVFlashStats
 
 log = logging.getLogger("lucebox")
 
@@ -71,6 +72,7 @@ class EngineStats:
     snapshots_in_use: int = 0  # entries holding a prefix's state
     snapshot_hits: int = 0  # admissions whose recurrent state was loaded from a snapshot
     snapshot_hit_tokens: int = 0  # prefix tokens those admissions did not compute
+    kv_flash: KVFlashStats | None = None  # KVFlash's pool (engine/kv_pool.py); None: started without one
 
     @property
     def kv_usage(self) -> float:
@@ -203,7 +205,18 @@ class AsyncEngine:
                            snapshots=snapshots.capacity if snapshots is not None else 0,
                            snapshots_in_use=len(snapshots) if snapshots is not None else 0,
                            snapshot_hits=snapshots.loaded if snapshots is not None else 0,
-                           snapshot_hit_tokens=snapshots.loaded_tokens if snapshots is not None else 0)
+                           snapshot_hit_tokens=snapshots.loaded_tokens if snapshots is not None else 0,
+                           kv_flash=self.engine.kv_pool.stats() if self.engine.kv_pool is not None else None)
+
+    def kv_room(self, kv_pool: bool | None = None) -> int:
+        """Tokens of context a request may reach: max_model_len, or with KVFlash what its KV's home holds
+        (the pool's host memory for a pooled request, the device's KV for another; LLMEngine._check_kv_room)."""
+        engine = self.engine
+        if engine.kv_pool is None:
+            return engine.max_model_len
+        pooled = engine.args.kv_pool_target if kv_pool is None else kv_pool
+        room = engine.kv_pool.host_capacity_tokens if pooled else engine.kv_capacity_tokens
+        return min(engine.max_model_len, room)
 
     def cached_prefix_tokens(self, token_ids: list[int], prefill_keep_ratio: float | None = None) -> int:
         """Prompt tokens the prefix cache holds now (read without the lock: a lookup, no change);

@@ -220,6 +220,8 @@ class CacheManager:
         (the rest at the next commit, or when freed)."""
         if not self.blocks.enable_prefix_caching or seq.compression is not None:
             return
+        if seq.kv_view is not None:  # KVFlash evicted some of its KV: blocks computed since are lossy, not shared
+            return
         start = len(seq.block_hashes)
         chunks = extend_hashes(seq.block_hashes, seq.token_slice, min(seq.num_computed, seq.num_tokens),
                                self.block_size)

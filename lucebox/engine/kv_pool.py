@@ -42,6 +42,18 @@ class Residency:
     queries: list[torch.Tensor] | None = None  # the last captured, per scored layer [heads, head_dim]
 
 
+@dataclass(frozen=True)
+class KVFlashStats:
+    """The pool's state for /metrics: counters count since the engine started."""
+    pool_tokens: int  # resident KV tokens per pooled sequence
+    sequences: int  # pooled sequences holding host blocks (admitted, not finished)
+    host_blocks: int  # blocks of the host backing store
+    host_blocks_used: int  # reserved by pooled sequences (each for its whole possible length)
+    reselects: int  # resident sets chosen
+    paged_in: int  # blocks copied back from host memory into the device
+    evicted: int  # device blocks given back (their KV kept in host memory)
+
+
 class KVPool:
     def __init__(self, cache, caches: list, score_caches: list, pool_tokens: int, interval: int,
                  host_bytes: int, max_model_len: int, windows: tuple[int, ...] = ()):
@@ -73,6 +85,7 @@ class KVPool:
         self.members: dict[int, Residency] = {}
         self._saves: list[tuple[int, int]] = []  # (device block, host block) to copy at the step's end
         self._reselect: list = []  # sequences to re-choose at the step's end
+        self.reselects = self.paged_in = self.evicted = 0  # since start, for /metrics
         log.info("KVFlash: pooled sequences keep %d tokens of KV resident (chunks of %d; sink %d, tail %d tokens), "
                  "backed by %.1f GiB of host memory (%d tokens)", pool_tokens, chunk_tokens, chunk_tokens,
                  self.protection.tail_chunks * chunk_tokens, host_blocks * block_bytes / 2**30, host_blocks * bs)
@@ -84,6 +97,12 @@ class KVPool:
     @property
     def budget_blocks(self) -> int:
         return self.budget_chunks * self.chunk_blocks
+
+    def stats(self) -> KVFlashStats:
+        """Read from the server thread without a lock: figures may lag a step."""
+        store = self.store
+        return KVFlashStats(self.pool_tokens, len(self.members), store.num_host_blocks,
+                            store.num_host_blocks - store.num_free, self.reselects, self.paged_in, self.evicted)
 
     # ------------------------------------------------------------------ membership
     def host_blocks_for(self, seq) -> int:
@@ -195,6 +214,9 @@ class KVPool:
         view = KVView(selected, tail_from, self.cache.block_size)
         seq.kv_view = None if len(selected) == tail_from else view
         member.since = 0
+        self.reselects += 1
+        self.evicted += len(evict)
+        self.paged_in += len(enter)
 
 
 def host_memory_available() -> int:

@@ -160,7 +160,8 @@ async def messages(state, request: Request, req: MessagesRequest):
                              top_k=req.top_k, stop=req.stop_sequences, processors=processors,
                              skip_special=skip_special_tokens(state))
     rid = request_id("msg_")
-    agen = generate(state, prepared, params, rid, prefill_keep_ratio=req.prefill_keep_ratio)
+    agen = generate(state, prepared, params, rid, prefill_keep_ratio=req.prefill_keep_ratio,
+                    kv_pool=req.kv_pool)
     if req.stream:
         # before this request fills the cache
         cached = state.engine.cached_prefix_tokens(prepared.prompt_ids, req.prefill_keep_ratio)

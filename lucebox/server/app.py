@@ -43,7 +43,11 @@ class ServerState:
         self.tool_format = tool_format(self.tokenizer.chat_templates)
         self.turn_end = TurnEnd.of(self.tokenizer)
         self._request_processors = request_processors
-        self.work = WorkLedger(config, engine.stats().kv_capacity_tokens)
+        stats = engine.stats()
+        capacity = stats.kv_capacity_tokens
+        if stats.kv_flash is not None:  # KVFlash: a pooled context lives in host memory, its pool on the device
+            capacity = max(capacity, engine.kv_room(True))
+        self.work = WorkLedger(config, capacity)
 
     def model_name(self, requested: str | None) -> str:
         return self.model_id

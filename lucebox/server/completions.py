@@ -43,14 +43,15 @@ async def completions(state, request: Request, req: CompletionRequest):
     if not ids:
         raise APIError(400, "the prompt is empty", param="prompt")
     params = sampling_params(
-        state, max_tokens=max_tokens_for(state, len(ids), req.max_tokens), n=req.n, temperature=req.temperature,
-        top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty, seed=req.seed,
-        stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens,
-        logit_bias=req.logit_bias, logprobs=req.logprobs, logprobs_param="logprobs",
-        processors=state.extra_processors("completions", req.model_dump()))
+        state, max_tokens=max_tokens_for(state, len(ids), req.max_tokens, req.kv_pool), n=req.n,
+        temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty, seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
+        ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, logit_bias=req.logit_bias, logprobs=req.logprobs,
+        logprobs_param="logprobs", processors=state.extra_processors("completions", req.model_dump()))
     rid, model, created = request_id("cmpl-"), state.model_name(req.model), int(time.time())
-    agen = generate(state, Prepared(text, ids, None), params, rid, prefill_keep_ratio=req.prefill_keep_ratio)
+    agen = generate(state, Prepared(text, ids, None), params, rid, prefill_keep_ratio=req.prefill_keep_ratio,
+                    kv_pool=req.kv_pool)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         first = await first_item(agen)

@@ -47,7 +47,7 @@ class ServerConfig:
         "max_stop_sequences": "most stop strings one request may give",
         "max_top_logprobs": "most top logprobs per token one request may ask for",
         "max_request_tokens": "most tokens of work one request may ask for: n x (prompt + max_tokens) "
-                              "(default: the KV pool's capacity)",
+                              "(default: the KV cache's capacity; with --kv-pool-tokens, a pooled context's)",
         "max_pending_tokens": "most tokens of work admitted at once, all requests together; more are refused "
                               "with 503 (default: 8 x --max-request-tokens)",
     }

@@ -225,8 +225,9 @@ def check_n(state, n) -> None:
 class WorkLedger:
     """Admission by work: a request's tokens of work are n x (prompt + max_tokens), the KV its
     sequences can hold at once. One request may take at most --max-request-tokens (default: the KV
-    pool), all admitted requests together --max-pending-tokens (default: 8 pools); so one client's
-    huge request is refused (400) rather than filling the queue that others then find full (503).
+    cache's capacity, or with KVFlash a pooled context's), all admitted requests together
+    --max-pending-tokens (default: 8 times that); so one client's huge request is refused (400) rather
+    than filling the queue that others then find full (503).
     Used on the event loop only: no lock."""
 
     def __init__(self, config, kv_capacity_tokens: int):
@@ -266,25 +267,31 @@ def skip_special_tokens(state) -> bool:
     return True
 
 
-def max_tokens_for(state, prompt_len: int, requested: int | None) -> int:
-    """No max_tokens: --default-max-tokens, or up to the context window (never truncating the prompt)."""
-    room = state.engine.max_model_len - prompt_len
+def max_tokens_for(state, prompt_len: int, requested: int | None, kv_pool: bool | None = None) -> int:
+    """No max_tokens: --default-max-tokens, or up to the context window (never truncating the prompt) or,
+    with KVFlash, up to what the request's KV may hold (the engine refuses a prompt past that, in its words)."""
+    context = state.engine.max_model_len
+    room = state.engine.kv_room(kv_pool) - prompt_len
     if requested is None:
         cap = state.config.default_max_tokens
-        if room < 1:
+        if prompt_len >= context:
             raise context_error(f"the prompt has {prompt_len} tokens; the model's maximum context length is "
-                                f"{state.engine.max_model_len} tokens", prompt_len, None, state.engine.max_model_len)
+                                f"{context} tokens", prompt_len, None, context)
+        room = max(room, 1)
         return min(room, cap) if cap else room
     return requested
 
 
 async def generate(state, prepared: Prepared, params: SamplingParams, rid: str,
-                   prefill_keep_ratio: float | None = None) -> AsyncIterator:
-    """Yields ChoiceUpdate, KEEPALIVE, and finally the Usage. Raises APIError."""
+                   prefill_keep_ratio: float | None = None, kv_pool: bool | None = None) -> AsyncIterator:
+    """Yields ChoiceUpdate, KEEPALIVE, and finally the Usage. Raises APIError. prefill_keep_ratio (PFlash)
+    and kv_pool (KVFlash), both lossy: the request's own setting, None for the server's default."""
     cfg = state.config
     prompt = {"prompt": prepared.prompt_text, "prompt_token_ids": prepared.prompt_ids}
     if prefill_keep_ratio is not None:
         prompt["prefill_keep_ratio"] = prefill_keep_ratio
+    if kv_pool is not None:
+        prompt["kv_pool"] = kv_pool
     prompt_len = len(prepared.prompt_ids)
     max_tokens = params.max_tokens if params.max_tokens is not None else state.engine.max_model_len - prompt_len
     # A request that cannot fit the context is the engine's to refuse, in the context error's wording.

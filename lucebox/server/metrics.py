@@ -2,7 +2,8 @@
 
 Figures vLLM has no name for are prefixed `lucebox:`: each KV cache group's pool (models mixing
 sliding-window and full attention keep one per window; vLLM's kv_cache_usage_perc is the primary,
-full-attention group's), and hybrid models' recurrent-state pool and prefix snapshots.
+full-attention group's), hybrid models' recurrent-state pool and prefix snapshots, and KVFlash's bounded
+KV pool (`lucebox:kvflash_*`, only on a server started with --kv-pool-tokens).
 Counters carry prometheus_client's `_total` suffix, as vLLM's do on the wire
 (e.g. `vllm:spec_decode_num_drafts_total`, `vllm:spec_decode_num_accepted_tokens_per_pos_total`).
 """
@@ -74,6 +75,25 @@ class Metrics:
                     self.accepted_per_pos.append(0)
                 self.accepted_per_pos[i] += n
 
+    def _kv_flash(self, metric, pool) -> None:
+        """KVFlash (--kv-pool-tokens): pooled sequences, the host backing store, and resident-set churn."""
+        L = self.labels
+        metric("lucebox:kvflash_pool_tokens", "gauge", "KV tokens a pooled sequence keeps on the device.",
+               [f"lucebox:kvflash_pool_tokens{{{L}}} {pool.pool_tokens}"])
+        metric("lucebox:kvflash_sequences", "gauge", "Sequences whose KV is pooled (admitted, not finished).",
+               [f"lucebox:kvflash_sequences{{{L}}} {pool.sequences}"])
+        metric("lucebox:kvflash_host_blocks", "gauge", "KV blocks of the host memory backing pooled sequences.",
+               [f"lucebox:kvflash_host_blocks{{{L}}} {pool.host_blocks}"])
+        metric("lucebox:kvflash_host_blocks_in_use", "gauge", "Host KV blocks reserved by pooled sequences (each "
+               "for its whole possible length).",
+               [f"lucebox:kvflash_host_blocks_in_use{{{L}}} {pool.host_blocks_used}"])
+        metric("lucebox:kvflash_reselects", "counter", "Resident sets chosen for sequences outgrowing the pool.",
+               [f"lucebox:kvflash_reselects_total{{{L}}} {pool.reselects}"])
+        metric("lucebox:kvflash_blocks_evicted", "counter", "Device KV blocks given back (kept in host memory).",
+               [f"lucebox:kvflash_blocks_evicted_total{{{L}}} {pool.evicted}"])
+        metric("lucebox:kvflash_blocks_paged_in", "counter", "KV blocks copied back from host memory to the device.",
+               [f"lucebox:kvflash_blocks_paged_in_total{{{L}}} {pool.paged_in}"])
+
     def render(self, stats) -> str:
         """`stats`: the engine's EngineStats (AsyncEngine.stats()) beside this server's request counts."""
         L = self.labels
@@ -121,6 +141,8 @@ class Metrics:
                 metric("lucebox:recurrent_prefix_snapshot_hit_tokens", "counter", "Prefix tokens those admissions "
                        "did not compute.",
                        [f"lucebox:recurrent_prefix_snapshot_hit_tokens_total{{{L}}} {stats.snapshot_hit_tokens}"])
+            if stats.kv_flash is not None:
+                self._kv_flash(metric, stats.kv_flash)
             metric("vllm:prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache.",
                    [f"vllm:prefix_cache_queries_total{{{L}}} {stats.prefix_cache_queries}"])
             metric("vllm:prefix_cache_hits", "counter", "Prompt tokens served from the prefix cache.",

@@ -116,7 +116,8 @@ async def chat_completions(state, request: Request, req: ChatCompletionRequest):
     processors = await build_processors(state, prepared, req.n)
     processors += state.extra_processors("chat", req.model_dump())
     params = sampling_params(
-        state, max_tokens=max_tokens_for(state, len(prepared.prompt_ids), req.max_completion_tokens or req.max_tokens),
+        state, max_tokens=max_tokens_for(state, len(prepared.prompt_ids), req.max_completion_tokens or req.max_tokens,
+                                         req.kv_pool),
         n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty, seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
@@ -126,7 +127,8 @@ async def chat_completions(state, request: Request, req: ChatCompletionRequest):
     rid = request_id("chatcmpl-")
     model = state.model_name(req.model)
     created = int(time.time())
-    agen = generate(state, prepared, params, rid, prefill_keep_ratio=req.prefill_keep_ratio)
+    agen = generate(state, prepared, params, rid, prefill_keep_ratio=req.prefill_keep_ratio,
+                    kv_pool=req.kv_pool)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         first = await first_item(agen)  # errors before the first byte still get a proper status code

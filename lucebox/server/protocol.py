@@ -166,6 +166,7 @@ class SamplingFields(Lenient):
     logit_bias: Annotated[dict[str, Bias], AfterValidator(_bias_in_vocab)] | None = None
     n: int = Field(1, ge=1, le=INT64)
     prefill_keep_ratio: float | None = Field(None, gt=0, le=1)  # PFlash speculative prefill (lossy)
+    kv_pool: bool | None = None  # KVFlash: pool this request's KV (lossy); None: the server's --kv-pool-target
 
 
 def _template_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -275,6 +276,7 @@ class ResponsesRequest(Lenient):
     include: list[str] | None = None
     previous_response_id: str | None = None
     prefill_keep_ratio: float | None = Field(None, gt=0, le=1)
+    kv_pool: bool | None = None
 
 
 # ---------------------------------------------------------------- Anthropic Messages
@@ -333,6 +335,7 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1, le=INT64)
     prefill_keep_ratio: float | None = Field(None, gt=0, le=1)
+    kv_pool: bool | None = None
 
 
 REQUEST_MODELS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,

@@ -143,12 +143,14 @@ async def responses(state, request: Request, req: ResponsesRequest):
     prepared = await prepare_chat(state, job)
     processors = await build_processors(state, prepared, 1)
     processors += state.extra_processors("responses", req.model_dump())
-    params = sampling_params(state, max_tokens=max_tokens_for(state, len(prepared.prompt_ids), req.max_output_tokens),
-                             temperature=req.temperature, top_p=req.top_p, processors=processors,
+    max_tokens = max_tokens_for(state, len(prepared.prompt_ids), req.max_output_tokens, req.kv_pool)
+    params = sampling_params(state, max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                             processors=processors,
                              skip_special=skip_special_tokens(state))
     rid = request_id("resp_")
     builder = _Builder(rid, state.model_name(req.model), req, custom)
-    agen = generate(state, prepared, params, rid, prefill_keep_ratio=req.prefill_keep_ratio)
+    agen = generate(state, prepared, params, rid, prefill_keep_ratio=req.prefill_keep_ratio,
+                    kv_pool=req.kv_pool)
     if req.stream:
         first = await first_item(agen)
         return StreamingResponse(builder.stream(agen, first), media_type="text/event-stream", headers=SSE_HEADERS)
