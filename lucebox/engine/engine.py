@@ -26,7 +26,7 @@ from ..util import host_to_device
 from .build import args_and_model
 from .cache_manager import CacheManager
 from .cuda_graphs import GraphSettings
-from .kv_pool import KVPool, default_host_bytes, device_tokens_per_sequence
+from .kv_pool import KVPool, device_tokens_per_sequence
 from .output_processor import OutputProcessor
 from .overlap import Overlap
 from .pflash.prefill import SpeculativePrefill, for_engine
@@ -137,12 +137,10 @@ class LLMEngine:
         target = [pair for layer, pair in zip(runner.paged_layers, runner.caches) if runner.layer_group[layer] == 0]
         proposer = list(getattr(self.speculator.proposer, "caches", ())) if self.speculator is not None else []
         caches = [c for pair in target + proposer for c in pair]
-        primary = [specs[i] for i in groups[0].layers] if groups else specs
-        host = args.kv_pool_host_memory or default_host_bytes(bytes_per_token(primary), args.max_num_seqs,
-                                                              self.max_model_len)
         windows = tuple(g.window for g in groups[1:])
         return KVPool(self.scheduler.cache, caches, [k for k, _ in target], args.kv_pool_tokens,
-                      args.kv_reselect_interval, host, self.max_model_len, windows)
+                      args.kv_reselect_interval, args.kv_pool_host_memory, self.max_model_len, windows,
+                      args.max_num_seqs)
 
     def _check_trees(self, specs) -> None:
         """Draft trees need every layer to follow a node's ancestors alone: attention layers (tree mask), whose

@@ -56,10 +56,10 @@ class KVFlashStats:
 
 class KVPool:
     def __init__(self, cache, caches: list, score_caches: list, pool_tokens: int, interval: int,
-                 host_bytes: int, max_model_len: int, windows: tuple[int, ...] = ()):
+                 host_bytes: int | None, max_model_len: int, windows: tuple[int, ...] = (), max_num_seqs: int = 1):
         """cache: the engine's CacheManager; caches: every PagedKVCache on the primary block table (the
         target's and a proposer's); score_caches: the target layers' K caches scored; host_bytes: host
-        memory for the backing store."""
+        memory for the backing store (None: max_num_seqs whole contexts, at most half the available memory)."""
         self.cache, self.blocks = cache, cache.blocks
         bs = cache.block_size
         if KV_POOL_CHUNK % bs and bs % KV_POOL_CHUNK:
@@ -77,6 +77,8 @@ class KVPool:
         self.pool_tokens, self.interval, self.max_model_len = pool_tokens, interval, max_model_len
         self.score_caches = score_caches
         block_bytes = HostKVStore.bytes_per_block(caches)
+        if host_bytes is None:
+            host_bytes = default_host_bytes(block_bytes, cache.blocks.blocks_for(max_model_len) * max_num_seqs)
         host_blocks = host_bytes // block_bytes
         if host_blocks < cache.blocks.blocks_for(pool_tokens):
             raise RequestError(f"the KV pool's host memory ({host_bytes / 2**20:.1f} MiB) holds {host_blocks} blocks, "
@@ -234,9 +236,9 @@ def host_memory_available() -> int:
         return 0
 
 
-def default_host_bytes(bytes_per_token: int, max_num_seqs: int, max_model_len: int) -> int:
-    """max_num_seqs full contexts, at most half the host's available memory."""
-    wanted = bytes_per_token * max_num_seqs * max_model_len
+def default_host_bytes(block_bytes: int, blocks: int) -> int:
+    """`blocks` host blocks (whole contexts), at most half the host's available memory."""
+    wanted = block_bytes * blocks
     available = host_memory_available()
     return min(wanted, available // 2) if available else wanted
 
