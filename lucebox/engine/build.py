@@ -41,5 +41,8 @@ def summary(engine) -> str:
     k, v = engine.runner.cache_types
     placement = getattr(engine.model, "placement", None)  # --device-map: where each layer went, each device's memory
     where = "".join(f"\n  {line}" for line in placement.describe(engine.model)) if placement is not None else ""
+    pool = engine.kv_pool
+    pooled = (f"; KVFlash: {pool.pool_tokens:,} resident tokens a pooled sequence, host memory for "
+              f"{pool.host_capacity_tokens:,}" if pool is not None else "")
     return (f"[{engine.loaded.source}: KV cache holds {engine.kv_capacity_tokens:,} tokens (K {k}, V {v}); "
-            f"context {engine.max_model_len:,}]{where}")
+            f"context {engine.max_model_len:,}{pooled}]{where}")

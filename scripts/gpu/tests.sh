@@ -32,3 +32,13 @@ mode_check_trees() {
     "tests/spec/test_dflash2.py::test_drafts_through_the_drafter_graphs_equal_the_eager_ones" \
     tests/kernels/test_block32_formats.py
 }
+
+#: check-kvflash  the GPU tests written without a GPU in the nineteenth session (KVFlash, RoPE-shift graph
+#:              buckets): host-store copies on side streams, pooled engines on cuda (Triton attention over
+#:              compact views), shifted rows through captured graphs, the drafter pool's captured drafts
+mode_check_kvflash() {
+  run_tests gpu-tests-kvflash "${SECONDS_CHECK:-540}" tests/model/test_kv_host_store.py \
+    tests/engine/test_rope_shift.py tests/engine/test_kv_pool_engine.py tests/engine/test_kv_pool_families.py \
+    tests/spec/test_draft_pool.py
+  step kv-host-store-gpu 120 python3 scripts/check_kv_host_store_gpu.py
+}

@@ -177,3 +177,20 @@ def test_dflash_speculates_on_a_pooled_target(prompt):
     assert len(out.outputs[0].token_ids) == 48
     assert llm.engine.kv_pool.members == {} and llm.engine.kv_pool.store.num_free == llm.engine.kv_pool.store.num_host_blocks
     assert llm.engine.step_counts["verify"] > 0
+
+
+def test_draft_trees_verify_through_a_pooled_view(prompt):
+    from lucebox.default_model import BUNDLED_DRAFTER
+    trees = {"method": "dflash", "model": str(BUNDLED_DRAFTER), "tree_budget": 16}
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ids = [t % 1000 + 10 for t in prompt * 2]
+    plain = LLM(max_model_len=2048, block_size=BLOCK, speculative_config={})
+    want = plain.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0].token_ids
+    whole = LLM(max_model_len=2048, block_size=BLOCK, kv_pool_tokens=2048, kv_pool_target=True,
+                speculative_config=trees)
+    assert whole.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0].token_ids == want
+    llm = LLM(max_model_len=2048, block_size=BLOCK, kv_pool_tokens=512, kv_pool_target=True, kv_reselect_interval=32,
+              speculative_config=trees)
+    out = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 40 and llm.engine.kv_pool.reselects > 1
+    assert llm.engine.step_counts["verify"] > 0
