@@ -212,11 +212,7 @@ class AsyncEngine:
         """Tokens of context a request may reach: max_model_len, or with KVFlash what its KV's home holds
         (the pool's host memory for a pooled request, the device's KV for another; LLMEngine._check_kv_room)."""
         engine = self.engine
-        if engine.kv_pool is None:
-            return engine.max_model_len
-        pooled = engine.args.kv_pool_target if kv_pool is None else kv_pool
-        room = engine.kv_pool.host_capacity_tokens if pooled else engine.kv_capacity_tokens
-        return min(engine.max_model_len, room)
+        return engine.kv_room(engine.args.kv_pool_target if kv_pool is None else kv_pool)
 
     def cached_prefix_tokens(self, token_ids: list[int], prefill_keep_ratio: float | None = None) -> int:
         """Prompt tokens the prefix cache holds now (read without the lock: a lookup, no change);

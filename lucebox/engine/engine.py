@@ -12,8 +12,7 @@ import torch
 from ..config import EngineArgs, check_keep_ratio
 from ..errors import ContextLengthError, OverloadError, RequestError, UnsupportedError
 from ..kernels.forward_batch import MAX_TREE_TOKENS
-from ..model.cache_spec import (RecurrentSpec, bytes_per_sequence, bytes_per_token, plan_pools, pools_bytes_wanted,
-                                window_blocks)
+from ..model.cache_spec import RecurrentSpec, bytes_per_token, window_blocks
 from ..model.feature_ring import RingRows
 from ..model.loader import LoadedModel
 from ..outputs import RequestOutput
@@ -26,20 +25,18 @@ from ..util import host_to_device
 from .build import args_and_model
 from .cache_manager import CacheManager
 from .cuda_graphs import GraphSettings
-from .kv_pool import KVPool, device_tokens_per_sequence
+from .memory_plan import make_kv_pool, plan_kv_blocks, stash_rows
 from .output_processor import OutputProcessor
 from .overlap import Overlap
 from .pflash.prefill import SpeculativePrefill, for_engine
-from .placement import check_device, is_split, layer_device, split_kv_budget
+from .placement import check_device, is_split, layer_device
 from .progress import PrefillProgress
 from .runner import ModelRunner, model_kv_groups
 from .scheduler import Scheduler
 from .sequence import Sequence
-from .state_snapshots import snapshot_bytes
 from .step_plan import CATCH_UP_LENS, RowKind, StepPlan, StepPlanner, StepResult
 
 log = logging.getLogger("lucebox")
-CPU_KV_CAP = 2 << 30
 
 
 class LLMEngine:
@@ -71,7 +68,7 @@ class LLMEngine:
         if self.speculator is not None and (len(groups) > 1 or args.kv_pool_tokens):
             # Window blocks behind the context, and pooled blocks, are released: taps cannot be recomputed there.
             self.speculator.capture_every_step()
-        pools = self._plan_kv_blocks(specs, groups)
+        pools = plan_kv_blocks(self, specs, groups)
         num_blocks = pools[0]
         graphs = self._graph_settings()
         self.runner = self._make_runner(self.model, num_blocks, args.block_size, args.cache_type_k, args.cache_type_v,
@@ -79,7 +76,7 @@ class LLMEngine:
                                   group_blocks=pools[1:])
         # Recurrent layers (hybrids): one state slot per running sequence, prefix reuse through state snapshots.
         cache = CacheManager(specs, pools, args.block_size, args.enable_prefix_caching, args.max_num_seqs,
-                             self._recurrent_snapshots(specs), groups, self._prefix_snapshots())
+                             stash_rows(self.speculator, specs), groups, self._prefix_snapshots())
         if cache.recurrent:
             devices = [layer_device(self.model, i) for i in self.runner.recurrent_layers]
             self.runner.install_recurrent(cache.build_recurrent(self.model.device, devices), cache.slot)
@@ -99,7 +96,7 @@ class LLMEngine:
             if proposer.feature_ring is not None:
                 self.runner.set_feature_ring(proposer.feature_ring)
             proposer.capture_graphs()
-        self.kv_pool = self._make_kv_pool(specs, groups) if args.kv_pool_tokens else None
+        self.kv_pool = make_kv_pool(self, specs, groups) if args.kv_pool_tokens else None
         cache.kv_pool = self.kv_pool
         # Every bucket now: one first used mid-stream would stall its step by the capture. With taps,
         # also without them: a dormant drafter's decode steps take those.
@@ -126,21 +123,6 @@ class LLMEngine:
             log.info("KV pool of %d sliding-window layers (window %d): %d blocks (%.1f MiB), the windows of %d "
                      "decoding sequences at once, whatever their length", len(group.layers), group.window, blocks,
                      size / 2**20, blocks // window_blocks(group.window, args.block_size, 1))
-
-    def _make_kv_pool(self, specs, groups) -> KVPool:
-        """KVFlash's pool over the primary KV cache group: the target's full-attention layers' caches and a
-        proposer's on the same block table, host-backed."""
-        args, runner = self.args, self.runner
-        if self.speculator is not None and self.speculator.proposer.runs_model is not None:
-            raise UnsupportedError("kv_pool_tokens (KVFlash) with a draft model (method draft_model) is not supported "
-                                   "yet; use dflash or ngram speculation")
-        target = [pair for layer, pair in zip(runner.paged_layers, runner.caches) if runner.layer_group[layer] == 0]
-        proposer = list(getattr(self.speculator.proposer, "caches", ())) if self.speculator is not None else []
-        caches = [c for pair in target + proposer for c in pair]
-        windows = tuple(g.window for g in groups[1:])
-        return KVPool(self.scheduler.cache, caches, [k for k, _ in target], args.kv_pool_tokens,
-                      args.kv_reselect_interval, args.kv_pool_host_memory, self.max_model_len, windows,
-                      args.max_num_seqs)
 
     def _check_trees(self, specs) -> None:
         """Draft trees need every layer to follow a node's ancestors alone: attention layers (tree mask), whose
@@ -204,63 +186,9 @@ class LLMEngine:
         self.model.warm_up()
         log.info("prefill kernels ready in %.1f s", time.perf_counter() - start)
 
-    def _recurrent_snapshots(self, specs) -> int:
-        """Recurrent stash rows per sequence: one per position of the longest verify row (the pending token
-        and max_k drafts, or a draft tree's nodes), from which a commit advances the state over the
-        accepted positions."""
-        if not any(isinstance(s, RecurrentSpec) for s in specs):
-            return 0
-        if self.speculator is None:
-            return 1  # a decode step launched ahead stashes its token until it is used (engine/overlap.py)
-        if any(isinstance(s, RecurrentSpec) for s in self.speculator.proposer.cache_specs()):
-            raise UnsupportedError("a draft model with recurrent (Gated DeltaNet) layers is not supported yet")
-        return self.speculator.policy.row_tokens(self.speculator.policy.max_k)  # a chain's 1 + k, a tree's row
-
     def _prefix_snapshots(self) -> int:
         """Entries of the recurrent-state snapshot pool (engine/state_snapshots.py): none without prefix caching."""
         return self.args.recurrent_prefix_snapshots if self.args.enable_prefix_caching else 0
-
-    def _plan_kv_blocks(self, specs, groups) -> list[int]:
-        """Blocks of each KV cache group's pool (model/cache_spec.plan_pools); the primary's first."""
-        args = self.args
-        draft_device = getattr(self.speculator.proposer, "device", None) if self.speculator is not None else None
-        seq_tokens = self.max_model_len
-        if args.kv_pool_tokens:  # a pooled sequence holds its pool; only unpooled ones need a whole context
-            seq_tokens = min(seq_tokens, device_tokens_per_sequence(args.kv_pool_tokens, args.max_num_batched_tokens,
-                                                                    args.kv_reselect_interval))
-        blocks_per_seq = -(-seq_tokens // args.block_size)
-        # fixed-size state (recurrent layers) and its per-draft snapshots, for every sequence at once
-        fixed = bytes_per_sequence(specs, self._recurrent_snapshots(specs)) * args.max_num_seqs
-        fixed += snapshot_bytes(specs, self._prefix_snapshots())  # hybrids' prefix-reuse states
-
-        def device_budget(device: torch.device) -> int:
-            if device.type == "cuda":
-                torch.cuda.empty_cache()  # memory the caching allocator holds but no tensor uses counts as free
-                free, total = torch.cuda.mem_get_info(device)
-                return int(total * args.gpu_memory_utilization) - (total - free)
-            wanted = pools_bytes_wanted(specs, groups, args.block_size, args.max_num_seqs,
-                                        args.max_num_batched_tokens, seq_tokens)
-            return min(CPU_KV_CAP, wanted + fixed)
-        if args.kv_cache_memory:
-            budget = args.kv_cache_memory
-        elif is_split(self.model) or draft_device not in (None, self.model.device):
-            layers = len(self.model.layers)  # each device's caches: its layers', the drafter's on its own
-            devices = [layer_device(self.model, i) if i < layers else draft_device for i in range(len(specs))]
-            budget = split_kv_budget(specs, devices, device_budget)
-        else:
-            budget = device_budget(self.model.device)
-        budget -= fixed
-        pools = plan_pools(specs, groups, budget, args.block_size, args.max_num_seqs, args.max_num_batched_tokens,
-                           self.max_model_len)
-        num_blocks = pools[0]
-        if num_blocks < blocks_per_seq:
-            needed = (f"one pooled sequence ({seq_tokens} tokens: --kv-pool-tokens and a step's tokens)"
-                      if args.kv_pool_tokens else f"one sequence of max_model_len={self.max_model_len}")
-            raise RequestError(
-                f"the KV cache budget ({budget / 2**20:.1f} MiB) holds {num_blocks * args.block_size} tokens, "
-                f"less than {needed}; lower --max-model-len (or --kv-pool-tokens) or raise --kv-cache-memory / "
-                f"--gpu-memory-utilization")
-        return pools
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams) -> None:
@@ -316,21 +244,26 @@ class LLMEngine:
             raise UnsupportedError("kv_pool (KVFlash) needs the engine started with --kv-pool-tokens N")
         return self.args.kv_pool_target if requested is None else requested
 
+    def kv_room(self, pooled: bool) -> int:
+        """Tokens of context a request may reach: max_model_len, or with KVFlash what its KV's home holds
+        (the pool's host memory for a pooled request, the device's KV for another)."""
+        if self.kv_pool is None:
+            return self.max_model_len
+        return min(self.max_model_len, self.kv_pool.host_capacity_tokens if pooled else self.kv_capacity_tokens)
+
     def _check_kv_room(self, prompt_len: int, params: SamplingParams, pooled: bool) -> SamplingParams:
         """A pooled request must fit the pool's host memory, an unpooled one the device's KV (with a pool,
         either may hold less than max_model_len: output then stops where it runs out)."""
-        if self.kv_pool is None:
-            return params
+        room = self.kv_room(pooled)
+        if room == self.max_model_len:
+            return params  # add_request checked it against max_model_len
         wanted = prompt_len + (params.max_tokens if params.max_tokens is not None else 0)
-        if pooled:
-            room, where = self.kv_pool.host_capacity_tokens, "the KV pool's host memory (--kv-pool-host-memory) holds"
-        else:
-            room, where = self.kv_capacity_tokens, "the device holds, for a request without kv_pool (lossy),"
         if wanted > room or prompt_len >= room:
+            where = ("the KV pool's host memory (--kv-pool-host-memory) holds" if pooled else
+                     "the device holds, for a request without kv_pool (lossy),")
             raise ContextLengthError(f"the prompt ({prompt_len} tokens) plus max_tokens exceeds the {room} tokens of "
                                      f"KV {where}", prompt_len, params.max_tokens, room)
-        return params if params.max_tokens is not None or room >= self.max_model_len else replace(
-            params, max_tokens=room - prompt_len)
+        return params if params.max_tokens is not None else replace(params, max_tokens=room - prompt_len)
 
     def _compress(self, ids: list[int], keep_ratio):
         """PFlash (lossy): the kept part of a long prompt (a PromptCompression), or None to prefill it exactly."""
