@@ -80,6 +80,9 @@ class GraphSettings:
     # graph-samplable rows with deterministic drafts copies back (accepted, token) per sequence, not
     # logits to process with the host's launches.
     sample: bool = True
+    # KVFlash: graphs that also hand back each row's last-token queries of every paged layer
+    # (StepPlan.capture_queries, before a pooled sequence's resident set is chosen), beside the others.
+    queries: bool = False
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -118,6 +121,7 @@ class CudaGraphRunner:
         self.pool = None
         self.replays: Counter = Counter()  # (B, Q) -> steps run through that bucket
         self.tree_replays: Counter = Counter()  # (B, Q) -> tree steps run through that tree bucket
+        self.query_out: dict[int, torch.Tensor] = {}  # KVFlash: id(k_cache) -> [max batch, heads, head_dim]
         self.feature_ring = None  # a FeatureRing: captured features are written there (set before capture)
         self._host_buffers = HostBuffers(self.max_tokens, model.device)  # deferred steps' results
         # Models with recurrent layers: plan -> (slot, advance) per row, and the pool's scratch slot
@@ -170,17 +174,17 @@ class CudaGraphRunner:
         from such a step's device_tokens instead of the rows' tokens."""
         token_ids, block_tables, capture_layers = plan.token_ids, plan.block_tables, tuple(plan.capture_layers)
         start_positions, feature_rows, logits_rows = plan.start_positions, plan.feature_rows, plan.logits_rows
-        tree = plan.has_trees
+        tree, queries = plan.has_trees, plan.capture_queries
         rope_shifts = plan.rope_shifts
         shape = self.bucket(token_ids, start_positions, block_tables, catch_up=not plan.write_kv, tree=tree,
                             rope_shifts=rope_shifts)
         ring = self.feature_ring is not None and bool(capture_layers)
-        if shape is None or (ring and feature_rows is None):
+        if shape is None or (ring and feature_rows is None) or (queries and not self.settings.queries):
             return None
         num_seqs, query_len = shape
         # else logits come back; tree steps never sample in the graph (StepPlanner keeps plan.sample off)
         sampled = plan.sample is not None and self.settings.sample and not tree
-        key = (num_seqs, query_len, capture_layers, sampled, tree)
+        key = (num_seqs, query_len, capture_layers, sampled, tree, queries)
         if key not in self.graphs:
             self._prepare(*key)
         graph, query_start_loc = self.graphs[key]
@@ -221,6 +225,7 @@ class CudaGraphRunner:
             self._forward(*key, query_start_loc)
         (self.tree_replays if tree else self.replays)[shape] += 1
         logits, features, tokens, verdicts = self.outputs[key[2]]
+        captured = {k: buffer[:num_seqs] for k, buffer in self.query_out.items()} if queries else None
         if ring:
             features = RingRows(feature_rows, len(real))
         elif capture_layers:
@@ -230,12 +235,12 @@ class CudaGraphRunner:
                 verdicts[:len(token_ids)] if sampled else tokens[:num_seqs * query_len],
                 None if sampled else select, features, self._host_buffers))
         if sampled:  # the step's one device-to-host copy: two numbers a sequence
-            return StepResult(verdicts=verdicts[:len(token_ids)].tolist(), features=features)
+            return StepResult(verdicts=verdicts[:len(token_ids)].tolist(), features=features, queries=captured)
         if plan.argmax:  # the step's one device-to-host copy: every padded row's argmax, a few bytes
             padded = tokens[:num_seqs * query_len].tolist()
-            return StepResult(tokens=[padded[r] for r in select], features=features)
+            return StepResult(tokens=[padded[r] for r in select], features=features, queries=captured)
         # index_select copies: the caller may keep the result past the next replay
-        return StepResult(logits=logits.index_select(0, select_dev), features=features)
+        return StepResult(logits=logits.index_select(0, select_dev), features=features, queries=captured)
 
     @torch.inference_mode()  # as run(): outside it the model's ops take their autograd-safe references
     def capture_all(self, capture_layers: tuple[int, ...] = (), trees: bool = True) -> None:
@@ -245,20 +250,22 @@ class CudaGraphRunner:
         if not self.settings.capture:
             return
         started = time.perf_counter()
-        keys = [(b, q, capture_layers, False, False) for b in self.batch_sizes for q in self.query_lens]
+        keys = [(b, q, capture_layers, False, False, False) for b in self.batch_sizes for q in self.query_lens]
         if self.settings.sample:
-            keys += [(b, q, capture_layers, True, False) for b in self.batch_sizes for q in self.query_lens]
+            keys += [(b, q, capture_layers, True, False, False) for b in self.batch_sizes for q in self.query_lens]
         if capture_layers:
-            keys += [(1, q, capture_layers, False, False) for q in self.catch_up_lens]
+            keys += [(1, q, capture_layers, False, False, False) for q in self.catch_up_lens]
         if trees and self.state_rows is None:
-            keys += [(b, q, capture_layers, False, True) for b, q in sorted(self.tree_buckets)]
+            keys += [(b, q, capture_layers, False, True, False) for b, q in sorted(self.tree_buckets)]
+        if self.settings.queries:  # the steps before a resident-set choice: decodes and verifies, argmax or logits
+            keys += [(b, q, capture_layers, False, False, True) for b in self.batch_sizes for q in self.query_lens]
         for key in keys:
             if key not in self.graphs:
                 self._prepare(*key)
         log.info("captured %d CUDA graphs in %.1f s", len(self.graphs), time.perf_counter() - started)
 
     def _prepare(self, num_seqs: int, query_len: int, capture_layers: tuple[int, ...], sampled: bool,
-                 tree: bool) -> None:
+                 tree: bool, queries: bool) -> None:
         device = self.model.device
         query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int64, device=device) * query_len
         graph = None
@@ -276,20 +283,20 @@ class CudaGraphRunner:
             stream = torch.cuda.Stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
-                self._forward(num_seqs, query_len, capture_layers, sampled, tree, query_start_loc)
+                self._forward(num_seqs, query_len, capture_layers, sampled, tree, queries, query_start_loc)
             torch.cuda.current_stream(device).wait_stream(stream)
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             # thread_local: a server thread touching CUDA meanwhile must not invalidate the capture
             with _collector_paused(), torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                self._forward(num_seqs, query_len, capture_layers, sampled, tree, query_start_loc)
+                self._forward(num_seqs, query_len, capture_layers, sampled, tree, queries, query_start_loc)
             log.debug("captured a CUDA graph for %d sequences x %d tokens in %.0f ms", num_seqs, query_len,
                      1e3 * (time.perf_counter() - started))
-        self.graphs[(num_seqs, query_len, capture_layers, sampled, tree)] = (graph, query_start_loc)
+        self.graphs[(num_seqs, query_len, capture_layers, sampled, tree, queries)] = (graph, query_start_loc)
 
     def _forward(self, num_seqs: int, query_len: int, capture_layers: tuple[int, ...], sampled: bool, tree: bool,
-                 query_start_loc: torch.Tensor) -> None:
+                 queries: bool, query_start_loc: torch.Tensor) -> None:
         """The captured body: static inputs -> logits (and taps) of every padded row, into the static outputs."""
         inputs = self._inputs(query_len, tree)
         tokens, view = num_seqs * query_len, inputs.view
@@ -300,7 +307,12 @@ class CudaGraphRunner:
                                          tuple(inputs.group_slots(g, tokens) for g in range(1, inputs.groups)),
                                          tree_mask=view("tree_mask", tokens) if tree else None)
         batch.state_slots, batch.state_advance = view("state_slots", num_seqs), view("state_advance", num_seqs)
+        batch.query_capture = {} if queries else None
         logits = self.model.compute_logits(self.model(batch))
+        for k, q in (batch.query_capture or {}).items():  # static buffers, allocated by the warm-up (never in a capture)
+            if k not in self.query_out:
+                self.query_out[k] = q.new_empty(self.inputs.tables.shape[0], *q.shape[1:])
+            self.query_out[k][:num_seqs].copy_(q)
         features = torch.cat([batch.captured[i] for i in capture_layers], dim=-1) if capture_layers else None
         if capture_layers not in self.outputs:  # first use is a warm-up, never inside a capture
             rows = self.max_tokens

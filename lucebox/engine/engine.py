@@ -176,7 +176,8 @@ class LLMEngine:
         catch_up = CATCH_UP_LENS if spec is not None and spec.capture_layers and not spec.every_step else ()
         tree_lens = tuple(spec.tree_row_lens()) if spec is not None else ()
         return GraphSettings(self.max_model_len, min(self.args.cuda_graph_max_batch, self.args.max_num_seqs),
-                             query_lens, catch_up_lens=catch_up, tree_lens=tree_lens)
+                             query_lens, catch_up_lens=catch_up, tree_lens=tree_lens,
+                             queries=self.args.kv_pool_tokens > 0)
 
     def _warm_up_prefill(self) -> None:
         """fla-core's prefill kernels autotune and compile on first use (minutes on a cold Triton cache):

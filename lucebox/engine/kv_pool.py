@@ -190,7 +190,7 @@ class KVPool:
                 continue
             row = rows.get(id(seq))
             if queries is not None and row is not None:
-                member.queries = [queries[id(k)][row] for k in self.score_caches]
+                member.queries = [queries[id(k)][row].clone() for k in self.score_caches]  # graph buffers get reused
             self._choose(seq, member)
 
     def _choose(self, seq, member: Residency) -> None:

@@ -158,9 +158,8 @@ class ModelRunner:
             self._install()
         self._group_tables(plan)
         # tree steps through tree buckets (CudaGraphRunner), never a chain's; rows with a map of RoPE positions
-        # (a compressed prompt's chunks) run eagerly, rows shifted by a constant (PlanRow.rope_shift) in graphs;
-        # a step capturing KVFlash's queries eagerly
-        if self.graphs is not None and not plan.has_position_maps and not plan.capture_queries:
+        # (a compressed prompt's chunks) run eagerly, rows shifted by a constant (PlanRow.rope_shift) in graphs
+        if self.graphs is not None and not plan.has_position_maps:
             result = self.graphs.run(plan)
             if result is not None:
                 return result

@@ -38,9 +38,9 @@ def paged_attention(q: torch.Tensor, k_cache, v_cache, batch: ForwardBatch, scal
                     sliding_window: int | None = None) -> torch.Tensor:
     """q [T, heads, head_dim] -> [T, heads, head_dim]; the new K/V must already be written."""
     check_tree_window(batch, sliding_window)
-    if batch.query_capture is not None:
-        last = [start - 1 for start in batch.query_starts_host[1:]]
-        batch.query_capture[id(k_cache)] = q[last]
+    if batch.query_capture is not None:  # each row's last token (a graph's rows: max_query_len tokens each)
+        batch.query_capture[id(k_cache)] = (q.view(-1, batch.max_query_len, *q.shape[1:])[:, -1] if batch.device_only
+                                             else q[[start - 1 for start in batch.query_starts_host[1:]]])
     triton = uses_triton(q, k_cache, v_cache)
     if batch.device_only:
         if triton:

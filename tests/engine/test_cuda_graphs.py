@@ -441,7 +441,7 @@ def test_graph_replay_matches_eager_logits(q_lens):
         for g, s, w in ([getattr(r, f) for r in results] for f in fields):
             assert rel_err(g, s) <= 1e-6  # the graph replays exactly the padded batch
             assert rel_err(g, w) <= 1e-4  # which computes the eager step (other kernel shapes: rounding)
-    graph, _ = runner.graphs.graphs[runner.graphs.bucket(*args) + ((0, 1), False, False)]
+    graph, _ = runner.graphs.graphs[runner.graphs.bucket(*args) + ((0, 1), False, False, False)]
     assert graph is not None
 
 
@@ -723,7 +723,7 @@ def test_the_engine_accepts_n_gram_drafts_in_the_graph(hf_models):
     assert out[0].outputs[0].token_ids == reference.outputs[0].token_ids
     assert out[0].metrics.num_accepted_tokens > 0
     assert len(out[1].outputs[0].token_ids) == 12
-    assert any(q > 1 and in_graph for _, q, _, in_graph, _ in runner.graphs.graphs)
+    assert any(q > 1 and in_graph for _, q, _, in_graph, _, _ in runner.graphs.graphs)
 
 
 # ----------------------------------------------------------------------------- programmatic dependent launch

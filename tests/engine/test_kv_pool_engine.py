@@ -159,6 +159,10 @@ def test_pooled_rows_run_in_graph_buckets_and_overlapped_steps_as_eagerly(qwen3_
             out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
             lps = [e[t].logprob for t, e in zip(out.token_ids, out.logprobs)] if logprobs is not None else None
             runs[logprobs, graphs] = (out.token_ids, lps, dict(llm.engine.step_counts))
+            if graphs:  # every decode through a bucket, those capturing queries for a resident-set choice too
+                graph_runner = llm.engine.runner.graphs
+                assert sum(graph_runner.replays.values()) >= 59 and llm.engine.kv_pool.reselects >= 2
+                assert any(key[5] for key in graph_runner.graphs)  # a bucket that hands back queries
     assert runs[0, True][0] == runs[0, False][0] == runs[None, True][0] == runs[None, False][0]
     assert runs[0, True][1] == pytest.approx(runs[0, False][1], abs=1e-5)
     assert runs[None, True][2].get("overlapped", 0) > 10  # launched ahead through the resident view

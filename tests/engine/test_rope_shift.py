@@ -156,7 +156,7 @@ def test_a_captured_graph_replays_shifted_rows_as_the_eager_map_computes_them():
         return p
 
     got, padded, want = runner.run(plan(False)), padded_eagerly.run(plan(False)), runner.run_eager(plan(True))
-    assert runner.graphs.graphs[(4, 1, (), False, False)][0] is not None  # a real graph replayed it
+    assert runner.graphs.graphs[(4, 1, (), False, False, False)][0] is not None  # a real graph replayed it
     assert rel_err(got.logits, padded.logits) <= 1e-6 and rel_err(got.logits, want.logits) <= 1e-4
 
 
