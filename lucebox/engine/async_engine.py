@@ -300,7 +300,8 @@ class AsyncEngine:
                 continue
             if output.finished:
                 del self._streams[output.request_id]
-            _call_soon(target[0], target[1].put_nowait, output)
+            # a request that failed alone (RequestOutput.error): its stream raises the error
+            _call_soon(target[0], target[1].put_nowait, output.error if output.error is not None else output)
 
     def _fail_all(self, error: EngineDeadError) -> None:
         """Every admitted request ends with `error` (its stream raises it)."""
