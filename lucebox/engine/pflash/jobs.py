@@ -92,6 +92,9 @@ class ScoringQueue:
     def __iter__(self):
         return iter(list(self._jobs))  # request ids, oldest first
 
+    def __getitem__(self, request_id: str) -> ScoringJob:
+        return self._jobs[request_id]
+
     def add(self, request_id: str, job: ScoringJob) -> None:
         self._jobs[request_id] = job
 

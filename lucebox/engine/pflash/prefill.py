@@ -8,7 +8,7 @@ import logging
 from collections.abc import Generator
 
 from ...config import check_keep_ratio
-from ...errors import UnsupportedError
+from ...errors import RequestError, UnsupportedError
 from ...model.loader import LoadedModel, load_model
 from .jobs import ScoringJob
 from .positions import PromptCompression
@@ -61,6 +61,7 @@ class SpeculativePrefill:
                             len(scorer_ids), self.scorer.max_tokens)
                 return None
             yield None
+        self._check_scorer_ids(scorer_ids)
         scores = yield from self.scorer.steps(scorer_ids)
         chunks = select_chunks(scores, scorer_ids, ratio, self.rules)
         spans = kept_token_spans(chunks, self.rules.chunk, len(scorer_ids))
@@ -72,6 +73,17 @@ class SpeculativePrefill:
             if not kept or kept[-1] != len(ids) - 1:  # the prompt's last token always (it decodes next)
                 kept.append(len(ids) - 1)
         return PromptCompression(list(ids), kept)
+
+
+    def _check_scorer_ids(self, scorer_ids: list[int]) -> None:
+        """Ids past the scorer's embedding (a tokenizer with more tokens than its model, or the target's ids read
+        as they are) would fail its forward, on a GPU for every request: this prompt's error alone instead."""
+        vocab = self.scorer.model.config.vocab_size
+        bad = next((t for t in scorer_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"speculative prefill cannot score this prompt: the scorer's tokenisation holds token "
+                               f"id {bad}, outside the scorer's vocabulary (0..{vocab - 1}); send it without "
+                               f"prefill_keep_ratio, or name a scorer that reads the target's tokens (--prefill-scorer)")
 
 
 def for_engine(engine, scorer: LoadedModel | None = None, same_vocab: bool = False) -> SpeculativePrefill:
