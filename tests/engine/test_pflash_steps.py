@@ -153,7 +153,8 @@ def test_scoring_logs_its_progress(qwen3_path, prompt, caplog):
     finish(engine)
     lines = [r.getMessage() for r in caplog.records if r.name == "lucebox.prefill"]
     assert lines[0] == "scoring long: 40 / 240 prompt tokens"
-    assert [line.split(":")[1].split("/")[0].strip() for line in lines] == ["40", "80", "120", "160", "200", "232", "240"]
+    done = [int(line.split(":")[1].split("/")[0]) for line in lines]
+    assert done == [40, 80, 120, 160, 200, 232, 240]
     assert "(100%)" in lines[-1] and "tok/s" in lines[-1] and engine.progress.started == {}
 
 

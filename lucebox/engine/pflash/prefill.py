@@ -83,7 +83,8 @@ class SpeculativePrefill:
         if bad is not None:
             raise RequestError(f"speculative prefill cannot score this prompt: the scorer's tokenisation holds token "
                                f"id {bad}, outside the scorer's vocabulary (0..{vocab - 1}); send it without "
-                               f"prefill_keep_ratio, or name a scorer that reads the target's tokens (--prefill-scorer)")
+                               f"prefill_keep_ratio, or name a scorer that reads the target's tokens "
+                               f"(--prefill-scorer)")
 
 
 def for_engine(engine, scorer: LoadedModel | None = None, same_vocab: bool = False) -> SpeculativePrefill:

@@ -114,7 +114,8 @@ def decoded_with_ends(tokenizer, token_ids: list[int]) -> tuple[str, list[int]]:
             return done.value
 
 
-def decoded_with_ends_steps(tokenizer, token_ids: list[int], per_step: int) -> Generator[None, None, tuple[str, list[int]]]:
+def decoded_with_ends_steps(tokenizer, token_ids: list[int],
+                            per_step: int) -> Generator[None, None, tuple[str, list[int]]]:
     """decoded_with_ends resumable: yields after every `per_step` tokens (a scoring job's unit of work)."""
     detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
     pieces, ends, length = [], [], 0
