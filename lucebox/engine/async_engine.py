@@ -194,7 +194,9 @@ class AsyncEngine:
         sched = self.engine.scheduler
         blocks, cache = sched.blocks, sched.cache
         snapshots = cache.snapshots
-        return EngineStats(running=len(sched.running), waiting=len(sched.waiting), kv_blocks=blocks.num_blocks,
+        # sequences being scored (PFlash) wait too
+        return EngineStats(running=len(sched.running), waiting=len(sched.waiting) + self.engine.scoring.num_sequences,
+                           kv_blocks=blocks.num_blocks,
                            kv_blocks_free=blocks.num_free_blocks, kv_capacity_tokens=self.engine.kv_capacity_tokens,
                            prefix_cache_queries=blocks.queries, prefix_cache_hits=blocks.hits,
                            preemptions=sched.num_preemptions,

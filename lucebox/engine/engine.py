@@ -271,7 +271,7 @@ class LLMEngine:
         text, ids = self._tokenize(prompt)
         if not ids:
             raise RequestError("the prompt is empty")
-        waiting = len(self.scheduler.waiting) + sum(len(self.requests[r][1]) for r in self.scoring)
+        waiting = len(self.scheduler.waiting) + self.scoring.num_sequences
         if waiting + params.n > self.args.max_queue:  # sequences, not requests: n=1000 is 1000 of them
             raise OverloadError(f"the server is busy: {waiting} sequences are waiting and this request adds "
                                 f"{params.n} (--max-queue {self.args.max_queue}); retry later")
@@ -305,7 +305,7 @@ class LLMEngine:
             seqs.append(seq)
         self.requests[request_id] = (text, seqs)
         if scoring is not None:  # its sequences wait for the scorer (step: _advance_scoring), then the scheduler
-            self.scoring.add(request_id, scoring)
+            self.scoring.add(request_id, scoring, len(seqs))
             return
         for seq in seqs:
             self.scheduler.add(seq)

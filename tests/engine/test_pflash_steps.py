@@ -146,6 +146,19 @@ def test_prompts_are_scored_first_in_first_out(qwen3_path, prompt):
         assert outs[rid].metrics.prompt_tokens_kept == alone[rid].metrics.prompt_tokens_kept
 
 
+def test_sequences_being_scored_count_against_the_queue_limit(qwen3_path, prompt):
+    engine = scoring_llm(qwen3_path, max_queue=3).engine
+    engine.add_request("two", squeezed(prompt), SamplingParams(n=2, max_tokens=2))
+    assert engine.scoring.num_sequences == 2 and not engine.scheduler.waiting
+    with pytest.raises(OverloadError, match="2 sequences are waiting and this request adds 2"):
+        engine.add_request("more", squeezed(prompt), SamplingParams(n=2, max_tokens=2))
+    engine.abort("two")
+    assert engine.scoring.num_sequences == 0
+    engine.add_request("more", squeezed(prompt), SamplingParams(n=2, max_tokens=2))
+    outs = finish(engine)
+    assert [len(o.token_ids) for o in outs["more"].outputs] == [2, 2] and engine.scoring.num_sequences == 0
+
+
 def test_scoring_logs_its_progress(qwen3_path, prompt, caplog):
     engine = scoring_llm(qwen3_path).engine
     caplog.set_level(logging.INFO, logger="lucebox.prefill")

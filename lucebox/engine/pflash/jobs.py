@@ -81,7 +81,8 @@ class ScoringQueue:
     """Requests whose prompts are being scored, oldest first; only the oldest advances."""
 
     def __init__(self):
-        self._jobs: dict[str, ScoringJob] = {}  # insertion-ordered: FIFO
+        self._jobs: dict[str, tuple[ScoringJob, int]] = {}  # insertion-ordered (FIFO): the job, its sequences
+        self.num_sequences = 0  # of every request being scored (the engine's queue limit, /metrics)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._jobs
@@ -93,21 +94,26 @@ class ScoringQueue:
         return iter(list(self._jobs))  # request ids, oldest first
 
     def __getitem__(self, request_id: str) -> ScoringJob:
-        return self._jobs[request_id]
+        return self._jobs[request_id][0]
 
-    def add(self, request_id: str, job: ScoringJob) -> None:
-        self._jobs[request_id] = job
+    def add(self, request_id: str, job: ScoringJob, num_sequences: int) -> None:
+        self._jobs[request_id] = job, num_sequences
+        self.num_sequences += num_sequences
 
     def cancel(self, request_id: str) -> None:
-        job = self._jobs.pop(request_id, None)
-        if job is not None:
-            job.cancel()
+        if request_id in self._jobs:
+            self._remove(request_id).cancel()
+
+    def _remove(self, request_id: str) -> ScoringJob:
+        job, n = self._jobs.pop(request_id)
+        self.num_sequences -= n
+        return job
 
     def advance(self) -> tuple[str, ScoringJob] | None:
         """One unit of the oldest job: (its request id, the job), which leaves the queue once done; None when empty."""
         if not self._jobs:
             return None
-        request_id, job = next(iter(self._jobs.items()))
+        request_id, (job, _) = next(iter(self._jobs.items()))
         if job.advance():
-            del self._jobs[request_id]
+            self._remove(request_id)
         return request_id, job
