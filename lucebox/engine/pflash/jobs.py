@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Generator
+from typing import TypeVar
 
 import torch
 
@@ -15,6 +16,16 @@ from ...errors import LuceboxError, OverloadError, RequestError
 from .positions import PromptCompression
 
 log = logging.getLogger("lucebox")
+T = TypeVar("T")
+
+
+def drain(steps: Generator[object, None, T]) -> T:
+    """The value a step generator (a unit of work per next()) returns, its units run at once."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 class ScoringJob:

@@ -74,7 +74,6 @@ class SpeculativePrefill:
                 kept.append(len(ids) - 1)
         return PromptCompression(list(ids), kept)
 
-
     def _check_scorer_ids(self, scorer_ids: list[int]) -> None:
         """Ids past the scorer's embedding (a tokenizer with more tokens than its model, or the target's ids read
         as they are) would fail its forward, on a GPU for every request: this prompt's error alone instead."""

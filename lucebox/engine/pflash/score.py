@@ -16,6 +16,7 @@ from ...kernels.rope import apply_rope
 from ...model.transformer import Attention
 from ..runner import ModelRunner
 from ..step_plan import StepPlan
+from .jobs import drain
 
 LOOKAHEAD = 8
 POOL_WINDOW = 13
@@ -57,12 +58,7 @@ class TailAttentionScorer:
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """float32 [S] scores of the scorer-tokenised prompt, at once."""
-        steps = self.steps(token_ids)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value
+        return drain(self.steps(token_ids))
 
     def steps(self, token_ids: list[int]) -> Generator[tuple[int, int] | None, None, torch.Tensor]:
         """score() resumable: each next() runs one scorer prefill chunk (yielding (tokens prefilled, S)),

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ...text.tokenizer import IncrementalDetokenizer
+from .jobs import drain
 
 
 @dataclass(frozen=True)
@@ -106,12 +107,7 @@ def kept_token_spans(chunks: list[int], chunk: int, num_tokens: int) -> list[tup
 def decoded_with_ends(tokenizer, token_ids: list[int]) -> tuple[str, list[int]]:
     """(the decoded text, each token's end offset in it: a token completing no character ends where the
     text so far ends), in one incremental pass."""
-    steps = decoded_with_ends_steps(tokenizer, token_ids, len(token_ids) + 1)
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value
+    return drain(decoded_with_ends_steps(tokenizer, token_ids, len(token_ids) + 1))
 
 
 def decoded_with_ends_steps(tokenizer, token_ids: list[int],
