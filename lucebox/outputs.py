@@ -11,7 +11,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: list[dict] | None = None  # per generated token: {token_id: Logprob}
-    finish_reason: str | None = None  # "stop" | "length" | "abort"; None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"; None while running
     stop_reason: int | str | None = None  # the stop token id or string that ended it
 
     def finished(self) -> bool:
@@ -45,3 +45,6 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # why the request failed after it was accepted (PFlash scoring: a LuceboxError); its outputs then end
+    # with finish_reason "error", and AsyncEngine's stream raises it
+    error: Exception | None = None

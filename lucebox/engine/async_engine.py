@@ -194,7 +194,9 @@ class AsyncEngine:
         sched = self.engine.scheduler
         blocks, cache = sched.blocks, sched.cache
         snapshots = cache.snapshots
-        return EngineStats(running=len(sched.running), waiting=len(sched.waiting), kv_blocks=blocks.num_blocks,
+        # sequences being scored (PFlash) wait too
+        return EngineStats(running=len(sched.running), waiting=len(sched.waiting) + self.engine.scoring.num_sequences,
+                           kv_blocks=blocks.num_blocks,
                            kv_blocks_free=blocks.num_free_blocks, kv_capacity_tokens=self.engine.kv_capacity_tokens,
                            prefix_cache_queries=blocks.queries, prefix_cache_hits=blocks.hits,
                            preemptions=sched.num_preemptions,
@@ -296,7 +298,8 @@ class AsyncEngine:
                 continue
             if output.finished:
                 del self._streams[output.request_id]
-            _call_soon(target[0], target[1].put_nowait, output)
+            # a request that failed alone (RequestOutput.error): its stream raises the error
+            _call_soon(target[0], target[1].put_nowait, output.error if output.error is not None else output)
 
     def _fail_all(self, error: EngineDeadError) -> None:
         """Every admitted request ends with `error` (its stream raises it)."""

@@ -28,6 +28,7 @@ from .cuda_graphs import GraphSettings
 from .memory_plan import make_kv_pool, plan_kv_blocks, stash_rows
 from .output_processor import OutputProcessor
 from .overlap import Overlap
+from .pflash.jobs import ScoringJob, ScoringQueue
 from .pflash.prefill import SpeculativePrefill, for_engine
 from .placement import check_device, is_split, layer_device
 from .progress import PrefillProgress
@@ -106,6 +107,7 @@ class LLMEngine:
             self.runner.capture_graphs((), trees=False)  # tree verifies always capture the taps
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(cfg.eos_token_ids)
         self.requests: dict[str, tuple[str | None, list[Sequence]]] = {}
+        self.scoring = ScoringQueue()  # PFlash: requests whose prompts are being scored
         self.progress = PrefillProgress(args.max_num_batched_tokens)
         self.planner = StepPlanner(self.speculator, self.runner, cfg.vocab_size, args.async_decode, self.kv_pool)
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len,
@@ -198,7 +200,7 @@ class LLMEngine:
         text, ids = self._tokenize(prompt)
         if not ids:
             raise RequestError("the prompt is empty")
-        waiting = len(self.scheduler.waiting)
+        waiting = len(self.scheduler.waiting) + self.scoring.num_sequences
         if waiting + params.n > self.args.max_queue:  # sequences, not requests: n=1000 is 1000 of them
             raise OverloadError(f"the server is busy: {waiting} sequences are waiting and this request adds "
                                 f"{params.n} (--max-queue {self.args.max_queue}); retry later")
@@ -219,14 +221,11 @@ class LLMEngine:
         params = params.with_defaults(self.loaded.generation_defaults)
         pooled = self._pooled(prompt.get("kv_pool") if isinstance(prompt, dict) else None)
         params = self._check_kv_room(len(ids), params, pooled)
-        compression = self._compress(ids, prompt.get("prefill_keep_ratio") if isinstance(prompt, dict) else None)
-        stored = compression.kept_ids if compression is not None else ids
+        scoring = self._compress(ids, prompt.get("prefill_keep_ratio") if isinstance(prompt, dict) else None)
         seqs = []
         for index in range(params.n):
-            seq = Sequence(request_id, index, list(stored), params, arrival=next(self._arrivals),
-                           compression=compression, kv_pool=pooled)
+            seq = Sequence(request_id, index, list(ids), params, arrival=next(self._arrivals), kv_pool=pooled)
             seq.metrics.arrival_time = time.monotonic()
-            seq.metrics.prompt_tokens_kept = len(stored) if compression is not None else None
             seq.generator = make_generator(params.seed, self.model.device, index)
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=params.skip_special_tokens,
                                                      context_ids=ids[-4:])
@@ -234,6 +233,9 @@ class LLMEngine:
             seq.logprobs = [] if params.logprobs is not None else None
             seqs.append(seq)
         self.requests[request_id] = (text, seqs)
+        if scoring is not None:  # its sequences wait for the scorer (step: _advance_scoring), then the scheduler
+            self.scoring.add(request_id, scoring, len(seqs))
+            return
         for seq in seqs:
             self.scheduler.add(seq)
 
@@ -266,8 +268,8 @@ class LLMEngine:
                                      f"KV {where}", prompt_len, params.max_tokens, room)
         return params if params.max_tokens is not None else replace(params, max_tokens=room - prompt_len)
 
-    def _compress(self, ids: list[int], keep_ratio):
-        """PFlash (lossy): the kept part of a long prompt (a PromptCompression), or None to prefill it exactly."""
+    def _compress(self, ids: list[int], keep_ratio) -> ScoringJob | None:
+        """PFlash (lossy): the job scoring a long prompt for its kept part, or None to prefill it exactly."""
         check_keep_ratio(keep_ratio, "prefill_keep_ratio")
         ratio = keep_ratio if keep_ratio is not None else self.args.prefill_keep_ratio
         if ratio is None or len(ids) < self.args.prefill_min_tokens:
@@ -275,7 +277,37 @@ class LLMEngine:
         if self.args.tensor_parallel_size > 1:  # the ranks' packed plans carry no position maps
             raise UnsupportedError("prefill_keep_ratio (speculative prefill) is not supported under tensor "
                                    "parallelism yet")
-        return self.speculative_prefill().compress(ids, ratio)
+        return self.speculative_prefill().job(ids, ratio)
+
+    def _advance_scoring(self) -> list[RequestOutput]:
+        """PFlash: one unit of the oldest prompt being scored (engine/pflash/jobs.py). Once scored, its
+        sequences join the waiting queue (arriving now); if scoring failed, its request alone ends with
+        the error (RequestOutput.error), the others untouched."""
+        advanced = self.scoring.advance()
+        if advanced is None:
+            return []
+        request_id, job = advanced
+        if job.progress is not None:
+            self.progress.scoring_done(request_id, *job.progress, job.chunk)
+        if not job.done:
+            return []
+        seqs = self.requests[request_id][1]
+        if job.error is None:
+            for seq in seqs:
+                if job.result is not None:
+                    seq.prompt_token_ids, seq.compression = job.result.kept_ids, job.result
+                    seq.metrics.prompt_tokens_kept = len(seq.prompt_token_ids)
+                seq.arrival = next(self._arrivals)
+                self.scheduler.add(seq)
+            return []
+        error = job.request_error
+        log.warning("request %s failed: %s", request_id, error)
+        for seq in seqs:
+            seq.finish_reason, seq.metrics.finished_time = "error", time.monotonic()
+            self._release(seq)
+        output = self.outputs.request_output(self.requests, request_id)
+        output.error = error
+        return [output]
 
     def speculative_prefill(self, scorer: LoadedModel | None = None, same_vocab: bool = False) -> SpeculativePrefill:
         """The PFlash scorer: built at start with --prefill-keep-ratio or --prefill-scorer (its memory
@@ -302,6 +334,7 @@ class LLMEngine:
         entry = self.requests.pop(request_id, None)
         if entry is None:
             return
+        self.scoring.cancel(request_id)  # mid-scoring: the scorer's KV blocks go back
         for seq in entry[1]:
             if not seq.is_finished:
                 seq.finish_reason = "abort"
@@ -315,7 +348,8 @@ class LLMEngine:
         """plan -> run -> commit: the speculator drafts (unless in a promised plain run), the scheduler
         picks the batch, the planner makes its StepPlan, the runner (or the step launched ahead for
         it) brings back its StepResult, and each row's tokens are committed and processed."""
-        step_started = time.perf_counter()
+        failed = self._advance_scoring()  # PFlash: at most one scorer chunk a step, between the others' steps
+        step_started = time.perf_counter()  # the speculator's step cost: the batch's alone
         spec, overlap = self.speculator, self.overlap
         if spec is not None and not overlap.continues_run():
             spec.propose(self._recompute_taps(spec.choose(self.scheduler.running)))
@@ -325,7 +359,7 @@ class LLMEngine:
         if not batch.seqs:
             if self.scheduler.has_work():
                 raise RuntimeError("scheduler made no progress (KV pool too small for any waiting sequence)")
-            return []
+            return failed
         plan = self.planner.plan(batch, overlap.in_run)
         result, overlapped = overlap.run(plan)
         verifying = plan.of(RowKind.VERIFY)
@@ -333,7 +367,7 @@ class LLMEngine:
                          else "plain"] += 1
         self._commit_step(plan, result)
         touched = dict.fromkeys(row.seq.request_id for row in plan.of(RowKind.DECODE) + verifying)
-        outputs = self.outputs.collect(self.requests, touched)
+        outputs = failed + self.outputs.collect(self.requests, touched)
         if spec is not None:  # the step's full cost, outputs too
             seconds = time.perf_counter() - step_started
             if overlap.in_run:

@@ -32,7 +32,7 @@ class Sequence:
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache at admission
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks
     status: Status = Status.WAITING
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     text: str = ""  # emitted text (stop strings removed)
     logprobs: list[dict] | None = None

@@ -6,6 +6,7 @@ inside the prompt)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Generator
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +16,7 @@ from ...kernels.rope import apply_rope
 from ...model.transformer import Attention
 from ..runner import ModelRunner
 from ..step_plan import StepPlan
+from .jobs import drain
 
 LOOKAHEAD = 8
 POOL_WINDOW = 13
@@ -48,30 +50,64 @@ class TailAttentionScorer:
         self.num_blocks = -(-max_tokens // block_size)
         self.max_tokens = self.num_blocks * block_size
         self.runner = ModelRunner(model, self.num_blocks, block_size)
+        self._free_blocks = list(range(self.num_blocks))
 
-    @torch.inference_mode()
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free_blocks)
+
     def score(self, token_ids: list[int]) -> torch.Tensor:
-        """float32 [S] scores of the scorer-tokenised prompt."""
+        """float32 [S] scores of the scorer-tokenised prompt, at once."""
+        return drain(self.steps(token_ids))
+
+    def steps(self, token_ids: list[int]) -> Generator[tuple[int, int] | None, None, torch.Tensor]:
+        """score() resumable: each next() runs one scorer prefill chunk (yielding (tokens prefilled, S)),
+        then the tail scores over every layer (yielding None); returns the [S] scores. Holds its KV blocks
+        from the first next() until it ends or is closed (an aborted request)."""
         s = len(token_ids)
         if not 0 < s <= self.max_tokens:
             raise ValueError(f"the scorer holds 1..{self.max_tokens} tokens, the prompt has {s}")
-        table = list(range(-(-s // self.block_size)))
-        tail = min(self.lookahead, s)
-        # the last forward holds the whole tail: its queries are taken there
-        bounds = sorted({*range(0, s - tail, self.chunk), s - tail})
-        for start, end in zip(bounds, bounds[1:] + [s]):
-            last = end == s
-            if last:
-                self._capture_queries(end - start - tail)
-            try:
-                self.runner.run(StepPlan.forward([token_ids[start:end]], [start], [table], logits_rows=[]))
-            finally:
-                if last:
-                    self._release_queries()
+        table = self._take_blocks(-(-s // self.block_size))
+        try:
+            tail = min(self.lookahead, s)
+            # the last forward holds the whole tail: its queries are taken there
+            bounds = sorted({*range(0, s - tail, self.chunk), s - tail})
+            queries: list[torch.Tensor] = []
+            for start, end in zip(bounds, bounds[1:] + [s]):
+                with torch.inference_mode():
+                    self._prefill_chunk(token_ids[start:end], start, table, queries if end == s else None)
+                yield end, s
+            with torch.inference_mode():
+                scores = self._tail_scores(queries, table, s)
+            yield None
+            return scores
+        finally:
+            self._free_blocks = sorted(self._free_blocks + table)
+
+    def _take_blocks(self, n: int) -> list[int]:
+        if n > len(self._free_blocks):  # one prompt at a time holds the pool (ScoringQueue: FIFO)
+            raise RuntimeError(f"internal error: the scorer's KV pool has {len(self._free_blocks)} free blocks, "
+                               f"a prompt needs {n}: is another prompt being scored?")
+        table, self._free_blocks = self._free_blocks[:n], self._free_blocks[n:]
+        return table
+
+    def _prefill_chunk(self, token_ids: list[int], start: int, table: list[int],
+                       queries: list[torch.Tensor] | None) -> None:
+        """One scorer forward over token_ids at `start`; `queries`: the last one, whose tail queries it takes."""
+        if queries is not None:
+            self._capture_queries(len(token_ids) - min(self.lookahead, start + len(token_ids)), queries)
+        try:
+            self.runner.run(StepPlan.forward([token_ids], [start], [table], logits_rows=[]))
+        finally:
+            if queries is not None:
+                self._release_queries()
+
+    def _tail_scores(self, queries: list[torch.Tensor], table: list[int], s: int) -> torch.Tensor:
+        """Each layer's tail-query probabilities over the cached keys: max over layers, mean over the tail, pooled."""
         pos = torch.arange(s, device=self.model.device)
         slots = torch.tensor(table, device=pos.device)[pos // self.block_size] * self.block_size + pos % self.block_size
-        best = torch.zeros(tail, s, dtype=torch.float32, device=pos.device)
-        for attn, (k_cache, _), q in zip(self._attns(), self.runner.caches, self._captured):
+        best = torch.zeros(min(self.lookahead, s), s, dtype=torch.float32, device=pos.device)
+        for attn, (k_cache, _), q in zip(self._attns(), self.runner.caches, queries):
             # [S, Hkv, D], rotated; a split model's layers keep theirs on their own devices
             keys = k_cache.gather(slots.to(k_cache.values.device), torch.float32).to(best.device)
             best = torch.maximum(best, self._tail_probs(q.to(best.device), keys, attn.scale))
@@ -98,15 +134,14 @@ class TailAttentionScorer:
     def _attns(self) -> list[Attention]:
         return [layer.self_attn for layer in self.model.layers]
 
-    def _capture_queries(self, first_row: int) -> None:
-        """Wrap each layer's attend to keep its rotated queries of rows first_row.. (the tail)."""
-        self._captured = []
+    def _capture_queries(self, first_row: int, captured: list[torch.Tensor]) -> None:
+        """Wrap each layer's attend to append its rotated queries of rows first_row.. (the tail) to `captured`."""
         for attn in self._attns():
             def attend(q, k, v, cos, sin, batch, attn=attn, original=attn.attend):
                 rows = q[first_row:].reshape(-1, attn.num_heads, attn.head_dim)
                 if attn.qk_norm:
                     rows = rms_norm_reference(rows, attn.q_norm.weight, attn.q_norm.eps)
-                self._captured.append(apply_rope(rows, cos[first_row:], sin[first_row:]))
+                captured.append(apply_rope(rows, cos[first_row:], sin[first_row:]))
                 return original(q, k, v, cos, sin, batch)
             attn.attend = attend
 

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Generator
 from dataclasses import dataclass
 
 import torch
 
 from ...text.tokenizer import IncrementalDetokenizer
+from .jobs import drain
 
 
 @dataclass(frozen=True)
@@ -105,12 +107,20 @@ def kept_token_spans(chunks: list[int], chunk: int, num_tokens: int) -> list[tup
 def decoded_with_ends(tokenizer, token_ids: list[int]) -> tuple[str, list[int]]:
     """(the decoded text, each token's end offset in it: a token completing no character ends where the
     text so far ends), in one incremental pass."""
+    return drain(decoded_with_ends_steps(tokenizer, token_ids, len(token_ids) + 1))
+
+
+def decoded_with_ends_steps(tokenizer, token_ids: list[int],
+                            per_step: int) -> Generator[None, None, tuple[str, list[int]]]:
+    """decoded_with_ends resumable: yields after every `per_step` tokens (a scoring job's unit of work)."""
     detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
     pieces, ends, length = [], [], 0
-    for t in token_ids:
+    for i, t in enumerate(token_ids, 1):
         pieces.append(detok.push(t))
         length += len(pieces[-1])
         ends.append(length)
+        if i % per_step == 0 and i < len(token_ids):
+            yield
     return "".join(pieces), ends
 
 
