@@ -1,4 +1,5 @@
-"""Tensor parallelism, the model's side: one rank's shard of a Transformer (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE).
+"""Tensor parallelism, the model's side: one rank's shard of a Transformer (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE;
+the Qwen 3.5 / 3.6 hybrids' DeltaNet, gated attention and shared experts: model/tensor_parallel_hybrid.py).
 
 Megatron's layout: q/k/v and gate/up column-parallel (each rank keeps whole heads -- query heads of
 its own KV heads, so GQA groups stay together -- and a slice of the MLP width), o_proj and down_proj
@@ -25,9 +26,17 @@ from torch import nn
 
 from ..errors import UnsupportedError
 from ..kernels.linear import linear
-from ..weights.quant import QuantEmbedding, QuantLinear, QuantTensor
+from ..weights.quant import (
+    PermutedInputQuantLinear,
+    QuantEmbedding,
+    QuantLinear,
+    QuantTensor,
+)
 from .assign import model_class
+from .deltanet import GatedDeltaNet
+from .gated_attention import GatedAttention
 from .moe import SparseMoE
+from .qwen3_5 import HybridDecoderLayer, HybridTransformer
 from .transformer import MLP, Attention, DecoderLayer, Transformer
 
 
@@ -122,18 +131,20 @@ def gather_vocab(local: torch.Tensor, shard_rows: int, vocab_size: int) -> torch
 def check_shardable(model: nn.Module, size: int) -> None:
     """check_config, and the modules are the ones shard_model knows."""
     check_config(model.config, size)
-    if type(model) is not Transformer or not all(type(layer) is DecoderLayer and type(layer.mlp) in (MLP, SparseMoE)
-                                                 for layer in model.layers):
+    layers = {Transformer: DecoderLayer, HybridTransformer: HybridDecoderLayer}.get(type(model))
+    if layers is None or not all(type(layer) is layers and type(layer.mlp) in (MLP, SparseMoE)
+                                 for layer in model.layers):
         raise UnsupportedError(f"tensor parallelism cannot split a {type(model).__name__}")
 
 
 def check_config(cfg, size: int) -> None:
-    """UnsupportedError unless a model of this config splits over `size` ranks: a Transformer whose query
-    heads, KV heads and MLP / expert widths fit size (quantised column slices are checked as they are cut).
-    Needs the config alone, so a launch can refuse before any rank starts."""
-    if model_class(cfg) is not Transformer:
-        raise UnsupportedError(f"tensor parallelism supports Llama, Mistral, Qwen2, Qwen3 and Qwen3-MoE models for "
-                               f"now; this is a {cfg.family} model: run it with --tensor-parallel-size 1")
+    """UnsupportedError unless a model of this config splits over `size` ranks: a Transformer or a Qwen 3.5
+    hybrid whose query heads, KV heads, DeltaNet heads and MLP / expert widths fit size (quantised column
+    slices are checked as they are cut). Needs the config alone, so a launch can refuse before any rank starts."""
+    if model_class(cfg) not in (Transformer, HybridTransformer):
+        raise UnsupportedError(f"tensor parallelism supports Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE and the "
+                               f"Qwen 3.5 / 3.6 hybrids for now; this is a {cfg.family} model: run it with "
+                               f"--tensor-parallel-size 1")
     kv = cfg.num_kv_heads
     if kv % size and size % kv:
         raise UnsupportedError(f"--tensor-parallel-size {size} does not fit the model's {kv} KV heads "
@@ -141,17 +152,19 @@ def check_config(cfg, size: int) -> None:
                                f"(the size divides {kv}) or one replicated over size / {kv} ranks (the size is a "
                                f"multiple of {kv}); choose such a size")
     widths = [("num_attention_heads", cfg.num_heads)]
+    if model_class(cfg) is HybridTransformer:  # Gated DeltaNet: whole key heads, their value heads with them
+        widths += [("linear_num_key_heads", cfg.linear_num_key_heads),
+                   ("linear_num_value_heads", cfg.linear_num_value_heads)]
     if not all(cfg.moe_layers):
         widths.append(("intermediate_size", cfg.intermediate_size))
     if any(cfg.moe_layers):
-        if cfg.shared_expert_intermediate_size:
-            raise UnsupportedError("tensor parallelism does not split shared experts yet: run this model with "
-                                   "--tensor-parallel-size 1")
         widths.append(("moe_intermediate_size", cfg.moe_intermediate_size))
+        if cfg.shared_expert_intermediate_size:
+            widths.append(("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size))
     for what, count in widths:
         if count % size:
             raise UnsupportedError(f"--tensor-parallel-size {size} does not divide the model's {what} ({count}): "
-                                   f"each rank keeps whole attention heads and an equal share of the MLP; choose a "
+                                   f"each rank keeps whole heads and an equal share of each MLP; choose a "
                                    f"size that divides {what}")
 
 
@@ -159,16 +172,27 @@ def shard_model(model: Transformer, rank: int, size: int, keep_full_vocab: bool 
     """Replace model's projections, embedding and LM head by rank's shards, in place (before
     fuse_projections). keep_full_vocab: return the unsharded embedding and head (FullVocab)."""
     check_shardable(model, size)
-    fused = (layer.self_attn.qkv or layer.self_attn.qk or getattr(layer.mlp, "gate_up", None) for layer in model.layers)
-    if any(f is not None for f in fused):
+    from . import (
+        tensor_parallel_hybrid as hybrid,  # (it builds on this module's helpers)
+    )
+    fused = ("qkv", "qk", "gate_up", "projections")
+    if any(getattr(m, name, None) is not None for m in model.layers.modules() for name in fused):
         raise RuntimeError("shard_model: shard the projections before fuse_projections")
     for layer in model.layers:
-        _shard_attention(layer.self_attn, rank, size)
+        mixer = layer.mixer if isinstance(layer, HybridDecoderLayer) else layer.self_attn
+        if isinstance(mixer, GatedDeltaNet):
+            hybrid.shard_deltanet(mixer, rank, size)
+        elif isinstance(mixer, GatedAttention):
+            hybrid.shard_gated_attention(mixer, rank, size)
+        else:
+            _shard_attention(mixer, rank, size)
         if isinstance(layer.mlp, SparseMoE):
             _shard_experts(layer.mlp.experts, rank, size)
+            if layer.mlp.shared_expert is not None:
+                hybrid.shard_shared_expert(layer.mlp, rank, size)
             layer.mlp = ParallelMoE(layer.mlp)
         else:
-            _shard_mlp(layer.mlp, rank, size)
+            shard_mlp(layer.mlp, rank, size)
     cfg = model.config
     full = FullVocab(model.embed_tokens, getattr(model, "lm_head", None)) if keep_full_vocab else None
     shard = -(-cfg.vocab_size // size)
@@ -182,14 +206,18 @@ def shard_model(model: Transformer, rank: int, size: int, keep_full_vocab: bool 
     return full
 
 
+def attention_heads(num_heads: int, num_kv_heads: int, rank: int, size: int) -> tuple[int, int, int]:
+    """(query heads, KV heads, first KV head) of rank: query heads split evenly; KV heads split too, or (more
+    ranks than KV heads) each KV head kept by the size / num_kv_heads consecutive ranks whose query heads
+    read it, so GQA groups never straddle ranks."""
+    if num_kv_heads >= size:
+        return num_heads // size, num_kv_heads // size, rank * (num_kv_heads // size)
+    return num_heads // size, 1, rank // (size // num_kv_heads)
+
+
 def _shard_attention(attn: Attention, rank: int, size: int) -> None:
-    """Query heads split evenly; KV heads split too, or (more ranks than KV heads) each KV head kept by the
-    size / num_kv_heads consecutive ranks whose query heads read it, so GQA groups never straddle ranks."""
-    q_heads, d = attn.num_heads // size, attn.head_dim
-    if attn.num_kv_heads >= size:
-        kv_heads, first_kv = attn.num_kv_heads // size, rank * (attn.num_kv_heads // size)
-    else:
-        kv_heads, first_kv = 1, rank // (size // attn.num_kv_heads)
+    q_heads, kv_heads, first_kv = attention_heads(attn.num_heads, attn.num_kv_heads, rank, size)
+    d = attn.head_dim
     attn.q_proj = rows_of(attn.q_proj, rank * q_heads * d, (rank + 1) * q_heads * d)
     attn.k_proj = rows_of(attn.k_proj, first_kv * d, (first_kv + kv_heads) * d)
     attn.v_proj = rows_of(attn.v_proj, first_kv * d, (first_kv + kv_heads) * d)
@@ -197,7 +225,7 @@ def _shard_attention(attn: Attention, rank: int, size: int) -> None:
     attn.num_heads, attn.num_kv_heads = q_heads, kv_heads
 
 
-def _shard_mlp(mlp: MLP, rank: int, size: int) -> None:
+def shard_mlp(mlp: MLP, rank: int, size: int) -> None:
     width = mlp.gate_proj.out_features // size
     mlp.gate_proj = rows_of(mlp.gate_proj, rank * width, (rank + 1) * width)
     mlp.up_proj = rows_of(mlp.up_proj, rank * width, (rank + 1) * width)
@@ -239,32 +267,55 @@ def move_quantised_experts(model: nn.Module, device: torch.device) -> None:
 
 def rows_of(module: nn.Module, start: int, end: int) -> nn.Module:
     """A copy of output rows [start, end) of a linear or embedding table (float or quantised)."""
+    return rows_at(module, [(start, end)])
+
+
+def rows_at(module: nn.Module, ranges: list[tuple[int, int]]) -> nn.Module:
+    """A copy of output rows [start, end) of each range, one after another, of a linear or embedding table."""
+    index = torch.cat([torch.arange(start, end) for start, end in ranges])
     if isinstance(module, nn.Embedding):
-        return nn.Embedding.from_pretrained(module.weight.detach()[start:end].clone(), freeze=True)
+        return nn.Embedding.from_pretrained(module.weight.detach()[index].clone(), freeze=True)
     if isinstance(module, nn.Linear):
-        bias = module.bias.detach()[start:end].clone() if module.bias is not None else None
-        return _float_linear(module.weight.detach()[start:end].clone(), bias)
+        bias = module.bias.detach()[index].clone() if module.bias is not None else None
+        return _float_linear(module.weight.detach()[index].clone(), bias)
     if isinstance(module, QuantEmbedding):
-        return QuantEmbedding(_quant(module.weight, module.qweight[start:end], end - start), module.dtype,
+        return QuantEmbedding(_quant(module.weight, module.qweight[index], len(index)), module.dtype,
                               module.chunk_bytes)
     if isinstance(module, QuantLinear) and type(module) is QuantLinear:
-        bias = module.bias[start:end].clone() if module.bias is not None else None
-        return QuantLinear(_quant(module.weight, module.qweight[start:end], end - start), bias, module.chunk_bytes)
+        bias = module.bias[index].clone() if module.bias is not None else None
+        return QuantLinear(_quant(module.weight, module.qweight[index], len(index)), bias, module.chunk_bytes)
     raise UnsupportedError(f"tensor parallelism cannot shard a {type(module).__name__}")
 
 
 def row_parallel(module: nn.Module, start: int, end: int) -> RowParallel:
     """Input features [start, end) of a linear, as a RowParallel (its bias added once, after the sum)."""
+    bias = module.bias.detach().clone() if module.bias is not None else None
     if isinstance(module, nn.Linear):
-        local = _float_linear(module.weight.detach()[:, start:end].clone(), None)
-        return RowParallel(local, module.bias.detach().clone() if module.bias is not None else None)
+        return RowParallel(_float_linear(module.weight.detach()[:, start:end].clone(), None), bias)
+    if type(module) is PermutedInputQuantLinear:
+        return RowParallel(_permuted_columns(module, start, end), bias)
     if type(module) is not QuantLinear:
         raise UnsupportedError(f"tensor parallelism cannot shard a {type(module).__name__}")
     first, last = _block_columns(module.name, module.qtype, module.in_features, start, end)
     raw = module.weight.data[:, first:last].clone()
     local = QuantLinear(QuantTensor(raw, module.qtype, (module.out_features, end - start), module.name),
                         None, module.chunk_bytes)
-    return RowParallel(local, module.bias.clone() if module.bias is not None else None)
+    return RowParallel(local, bias)
+
+
+def _permuted_columns(module: PermutedInputQuantLinear, start: int, end: int) -> PermutedInputQuantLinear:
+    """The stored columns that read input features [start, end) (llama.cpp's tiled value heads: several
+    runs), each run cut on whole quantisation blocks, and their input order within the slice."""
+    order = module.input_order.cpu()
+    columns = torch.nonzero((order >= start) & (order < end)).flatten()
+    breaks = torch.nonzero(columns.diff() != 1).flatten() + 1
+    pieces = []
+    for run in torch.tensor_split(columns, breaks):
+        first, last = _block_columns(module.name, module.qtype, module.in_features, int(run[0]), int(run[-1]) + 1)
+        pieces.append(module.weight.data[:, first:last])
+    weight = QuantTensor(torch.cat(pieces, dim=1).clone(), module.qtype, (module.out_features, end - start),
+                         module.name)
+    return PermutedInputQuantLinear(weight, order[columns] - start, None, module.chunk_bytes)
 
 
 def _block_columns(name: str, qtype, in_features: int, start: int, end: int) -> tuple[int, int]:

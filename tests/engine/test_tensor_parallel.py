@@ -32,7 +32,7 @@ from lucebox.errors import UnsupportedError
 from lucebox.weights.quant import QuantEmbedding, QuantLinear, QuantTensor
 from tests.conftest import build_hf_model
 from tests.model.test_gguf import random_blocks, rewrite_gguf
-from tests.model.test_qwen3_5 import HYBRID
+from tests.model.test_laguna import build_laguna
 from tests.spec.test_ddtree_engine import CompactionSpy
 from tests.spec.test_spec import small_pair  # noqa: F401
 from tests.spec_fixtures import write_dflash_drafter
@@ -215,9 +215,9 @@ def test_a_k_shard_inside_a_quant_block_is_refused(tokenizer_dir, tmp_path):
         LLM(str(path), speculative_config={}, tensor_parallel_size=2, **engine_kwargs())
 
 
-def test_a_hybrid_model_is_refused(tokenizer_dir, tmp_path):
-    hf_dir = build_hf_model("qwen3", tmp_path / "hybrid", tokenizer_dir, **HYBRID)
-    with pytest.raises(UnsupportedError, match=r"Qwen3 and Qwen3-MoE models for now; this is a qwen3_5 model"):
+def test_a_laguna_model_is_refused(tokenizer_dir, tmp_path):
+    hf_dir = build_laguna(tmp_path / "laguna", tokenizer_dir)
+    with pytest.raises(UnsupportedError, match=r"Qwen 3.5 / 3.6 hybrids for now; this is a laguna model"):
         LLM(str(hf_dir), speculative_config={}, tensor_parallel_size=2, **engine_kwargs())
 
 
