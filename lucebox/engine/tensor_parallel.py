@@ -7,9 +7,9 @@ plan as one packed int64 tensor (engine/tp_plan.py) before running it; every oth
 same forward over its own shard and KV cache (its KV heads only), taking part in the all-reduces
 and the LM head's all-gather, and discards the result. Hybrids' recurrent state lives on every rank
 (each its own DeltaNet heads): rank 0's cache manager changes its slots, the other ranks follow
-(engine/tp_state.py). A DFlash drafter lives on rank 0 alone: its taps are the residual stream, the same on every rank, and it embeds and projects through an
-unsharded copy of the embedding and LM head (FullVocabView). CUDA graphs are off under tensor
-parallelism for now (steps run eagerly).
+(engine/tp_state.py). A DFlash drafter lives on rank 0 alone: its taps are the residual stream, the
+same on every rank, and it embeds and projects through an unsharded copy of the embedding and LM
+head (FullVocabView). CUDA graphs are off under tensor parallelism for now (steps run eagerly).
 """
 from __future__ import annotations
 

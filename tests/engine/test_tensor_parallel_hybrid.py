@@ -13,9 +13,12 @@ import torch
 
 from lucebox import LLM, SamplingParams
 from lucebox.engine.step_plan import PlanRow, RowKind, StepPlan
+from lucebox.convert import convert_hf_to_gguf
 from lucebox.errors import UnsupportedError
+from lucebox.weights.quant import PermutedInputQuantLinear, QuantLinear
 from tests.conftest import build_hf_model
 from tests.engine.test_tensor_parallel import PROMPTS, engine_kwargs
+from tests.model.test_gguf_hybrid import ARCHS
 from tests.model.test_qwen3_5 import HYBRID
 from tests.model.test_qwen3_5_moe import HYBRID_MOE
 from tests.spec_fixtures import write_dflash_drafter
@@ -124,6 +127,29 @@ def test_each_rank_compacts_its_stash_onto_an_accepted_tree_path(models):
     try:
         assert llm.engine.scheduler.cache.verify_positions >= len(tree)
         assert (tree_then_decode(llm, prompt, tree, path) - expected).abs().max().item() <= 1e-4
+    finally:
+        llm.engine.shutdown()
+
+
+def test_q8_0_hybrid_moe_gguf_shards_on_whole_blocks_and_tp2_equals_tp1(tokenizer_dir, tmp_path):
+    # three value heads a key head, tiled by llama.cpp: ssm_out's stored columns of rank r's six value heads are
+    # three runs of two 32-value heads, gathered in whole Q8_0 blocks and read in another order than stored;
+    # experts and shared expert 32 wide a rank
+    spec = ARCHS["qwen35moe"] | {"linear_num_key_heads": 4, "linear_num_value_heads": 12, "linear_value_head_dim": 32,
+                                 "moe_intermediate_size": 64}
+    hf_dir = build_hf_model("qwen3", tmp_path / "hf", tokenizer_dir, **spec)
+    model = str(convert_hf_to_gguf(hf_dir, tmp_path / "q8.gguf", "q8_0"))
+    plain = LLM(model, speculative_config={}, **hybrid_kwargs())
+    ids = plain.tokenizer.encode(PROMPTS[0])
+    logits, tokens = all_logits(plain, ids), outputs(plain)
+    llm = LLM(model, speculative_config={}, tensor_parallel_size=2, **hybrid_kwargs())
+    try:
+        layer = llm.engine.model.layers[0]
+        out_proj, shared = layer.linear_attn.out_proj.local, layer.mlp.moe.shared_expert
+        assert isinstance(out_proj, PermutedInputQuantLinear) and out_proj.in_features == 6 * 32
+        assert isinstance(shared.down_proj, QuantLinear) and shared.down_proj.in_features == 32
+        assert (all_logits(llm, ids) - logits).abs().max().item() <= 1e-4
+        assert outputs(llm) == tokens
     finally:
         llm.engine.shutdown()
 
