@@ -154,6 +154,32 @@ def test_q8_0_hybrid_moe_gguf_shards_on_whole_blocks_and_tp2_equals_tp1(tokenize
         llm.engine.shutdown()
 
 
+def test_a_preempted_hybrid_sequence_resumes_token_identical_on_both_ranks(models):
+    # a pool too small for the batch: a preempted sequence's slot is freed and, readmitted, reset on every rank
+    from tests.engine.test_hybrid_preemption import MAX_LEN, POOL_BLOCKS, SEQS
+    from tests.engine.test_hybrid_preemption import engine as single
+    from tests.model.test_qwen3_5 import prompts
+    model = models["dense"]
+    roomy = single(model)
+    requests = [{"prompt_token_ids": p} for p in prompts(roomy.engine.loaded.config.vocab_size, [9, 6, 11], seed=4)]
+    params = SamplingParams(temperature=0, max_tokens=26, ignore_eos=True, logprobs=0)
+    reference = roomy.generate(requests, params, use_tqdm=False)
+    cache = roomy.engine.scheduler.cache  # each rank keeps half the heads: half the bytes for the same blocks
+    budget = cache.bytes_per_sequence * SEQS + cache.snapshot_bytes + cache.bytes_per_token * BLOCK * POOL_BLOCKS
+    llm = LLM(str(model), block_size=BLOCK, max_model_len=MAX_LEN, max_num_seqs=SEQS, max_num_batched_tokens=32,
+              speculative_config={}, kv_cache_memory=budget // 2, tensor_parallel_size=2)
+    try:
+        assert llm.engine.runner.num_blocks == POOL_BLOCKS
+        outs = llm.generate(requests, params, use_tqdm=False)
+        assert llm.engine.scheduler.num_preemptions > 0
+        for out, ref in zip(outs, reference):
+            assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+            got = [v.logprob for d in out.outputs[0].logprobs for v in d.values()]
+            assert got == pytest.approx([v.logprob for d in ref.outputs[0].logprobs for v in d.values()], abs=1e-4)
+    finally:
+        llm.engine.shutdown()
+
+
 @pytest.mark.parametrize("spec, count", [(HYBRID | {"linear_num_key_heads": 3, "linear_num_value_heads": 6},
                                           "linear_num_key_heads (3)"),
                                          (HYBRID_MOE | {"shared_expert_intermediate_size": 49},
