@@ -1,13 +1,14 @@
-"""Tensor parallelism, the model's side: one rank's shard of a Transformer (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE;
-the Qwen 3.5 / 3.6 hybrids' DeltaNet, gated attention and shared experts: model/tensor_parallel_hybrid.py).
+"""Tensor parallelism, the model's side: one rank's shard of a model (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE here;
+the Qwen 3.5 / 3.6 hybrids' DeltaNet, gated attention and shared experts in model/tensor_parallel_hybrid.py,
+Gemma 4's and Laguna's layers in model/tensor_parallel_gemma4_laguna.py).
 
 Megatron's layout: q/k/v and gate/up column-parallel (each rank keeps whole heads -- query heads of
 its own KV heads, so GQA groups stay together -- and a slice of the MLP width), o_proj and down_proj
 row-parallel (each rank multiplies its slice of the input features; one all-reduce sums the
 partials), the embedding and LM head vocabulary-parallel (a masked lookup plus an all-reduce; each
 rank's logits of its vocabulary slice, all-gathered). MoE experts keep a slice of their intermediate
-width on every rank (the router replicated), their summed output one all-reduce. Everything else (norms, RoPE) is replicated, so
-the residual stream is the same on every rank after each all-reduce.
+width on every rank (the router replicated), their summed output one all-reduce. Everything else
+(norms, RoPE) is replicated, so the residual stream is the same on every rank after each all-reduce.
 
 The projections are sharded before fuse_projections, so a fused q/k/v or gate/up is the fusion of
 this rank's shards. Quantised (GGUF) weights are sliced in whole quantisation blocks: row slices
@@ -35,6 +36,8 @@ from ..weights.quant import (
 from .assign import model_class
 from .deltanet import GatedDeltaNet
 from .gated_attention import GatedAttention
+from .gemma4 import GeGLU, Gemma4DecoderLayer, Gemma4Model
+from .laguna import LagunaAttention, LagunaDecoderLayer, LagunaTransformer
 from .moe import SparseMoE
 from .qwen3_5 import HybridDecoderLayer, HybridTransformer
 from .transformer import MLP, Attention, DecoderLayer, Transformer
@@ -128,34 +131,39 @@ def gather_vocab(local: torch.Tensor, shard_rows: int, vocab_size: int) -> torch
     return torch.cat(parts, dim=-1)[..., :vocab_size]
 
 
+LAYERS = {Transformer: DecoderLayer, HybridTransformer: HybridDecoderLayer, LagunaTransformer: LagunaDecoderLayer,
+          Gemma4Model: Gemma4DecoderLayer}  # the models shard_model splits, and their layers
+
+
 def check_shardable(model: nn.Module, size: int) -> None:
     """check_config, and the modules are the ones shard_model knows."""
     check_config(model.config, size)
-    layers = {Transformer: DecoderLayer, HybridTransformer: HybridDecoderLayer}.get(type(model))
-    if layers is None or not all(type(layer) is layers and type(layer.mlp) in (MLP, SparseMoE)
+    layers = LAYERS.get(type(model))
+    if layers is None or not all(type(layer) is layers and type(layer.mlp) in (MLP, SparseMoE, GeGLU)
                                  for layer in model.layers):
         raise UnsupportedError(f"tensor parallelism cannot split a {type(model).__name__}")
 
 
 def check_config(cfg, size: int) -> None:
-    """UnsupportedError unless a model of this config splits over `size` ranks: a Transformer or a Qwen 3.5
-    hybrid whose query heads, KV heads, DeltaNet heads and MLP / expert widths fit size (quantised column
+    """UnsupportedError unless a model of this config splits over `size` ranks: its query heads (every
+    layer's), KV heads (every layer's), DeltaNet heads and MLP / expert widths fit size (quantised column
     slices are checked as they are cut). Needs the config alone, so a launch can refuse before any rank starts."""
-    if model_class(cfg) not in (Transformer, HybridTransformer):
-        raise UnsupportedError(f"tensor parallelism supports Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE and the "
-                               f"Qwen 3.5 / 3.6 hybrids for now; this is a {cfg.family} model: run it with "
-                               f"--tensor-parallel-size 1")
-    kv = cfg.num_kv_heads
-    if kv % size and size % kv:
-        raise UnsupportedError(f"--tensor-parallel-size {size} does not fit the model's {kv} KV heads "
-                               f"(num_key_value_heads): each rank keeps whole KV heads, either a share of them "
-                               f"(the size divides {kv}) or one replicated over size / {kv} ranks (the size is a "
-                               f"multiple of {kv}); choose such a size")
+    family = model_class(cfg)
+    if family not in LAYERS:
+        raise UnsupportedError(f"tensor parallelism does not split {family.__name__} models ({cfg.family}) yet: "
+                               f"run it with --tensor-parallel-size 1")
+    for kv in sorted(set(getattr(cfg, "layer_kv_heads", None) or [cfg.num_kv_heads])):
+        if kv % size and size % kv:
+            raise UnsupportedError(f"--tensor-parallel-size {size} does not fit the model's {kv} KV heads "
+                                   f"(num_key_value_heads): each rank keeps whole KV heads, either a share of them "
+                                   f"(the size divides {kv}) or one replicated over size / {kv} ranks (the size "
+                                   f"is a multiple of {kv}); choose such a size")
     widths = [("num_attention_heads", cfg.num_heads)]
-    if model_class(cfg) is HybridTransformer:  # Gated DeltaNet: whole key heads, their value heads with them
+    widths += [(f"num_attention_heads_per_layer[{i}]", n) for i, n in enumerate(getattr(cfg, "heads_per_layer", ()))]
+    if family is HybridTransformer:  # Gated DeltaNet: whole key heads, their value heads with them
         widths += [("linear_num_key_heads", cfg.linear_num_key_heads),
                    ("linear_num_value_heads", cfg.linear_num_value_heads)]
-    if not all(cfg.moe_layers):
+    if not all(cfg.moe_layers) or family is Gemma4Model:  # Gemma 4's MoE block runs beside a dense MLP
         widths.append(("intermediate_size", cfg.intermediate_size))
     if any(cfg.moe_layers):
         widths.append(("moe_intermediate_size", cfg.moe_intermediate_size))
@@ -172,27 +180,11 @@ def shard_model(model: Transformer, rank: int, size: int, keep_full_vocab: bool 
     """Replace model's projections, embedding and LM head by rank's shards, in place (before
     fuse_projections). keep_full_vocab: return the unsharded embedding and head (FullVocab)."""
     check_shardable(model, size)
-    from . import (
-        tensor_parallel_hybrid as hybrid,  # (it builds on this module's helpers)
-    )
-    fused = ("qkv", "qk", "gate_up", "projections")
+    fused = ("qkv", "qk", "qkvg", "gate_up", "projections")
     if any(getattr(m, name, None) is not None for m in model.layers.modules() for name in fused):
         raise RuntimeError("shard_model: shard the projections before fuse_projections")
     for layer in model.layers:
-        mixer = layer.mixer if isinstance(layer, HybridDecoderLayer) else layer.self_attn
-        if isinstance(mixer, GatedDeltaNet):
-            hybrid.shard_deltanet(mixer, rank, size)
-        elif isinstance(mixer, GatedAttention):
-            hybrid.shard_gated_attention(mixer, rank, size)
-        else:
-            _shard_attention(mixer, rank, size)
-        if isinstance(layer.mlp, SparseMoE):
-            _shard_experts(layer.mlp.experts, rank, size)
-            if layer.mlp.shared_expert is not None:
-                hybrid.shard_shared_expert(layer.mlp, rank, size)
-            layer.mlp = ParallelMoE(layer.mlp)
-        else:
-            shard_mlp(layer.mlp, rank, size)
+        _shard_layer(layer, rank, size)
     cfg = model.config
     full = FullVocab(model.embed_tokens, getattr(model, "lm_head", None)) if keep_full_vocab else None
     shard = -(-cfg.vocab_size // size)
@@ -204,6 +196,31 @@ def shard_model(model: Transformer, rank: int, size: int, keep_full_vocab: bool 
     if not cfg.tie_word_embeddings:
         model.lm_head = VocabParallelHead(rows_of(model.lm_head, start, end), cfg.vocab_size, shard)
     return full
+
+
+def _shard_layer(layer: nn.Module, rank: int, size: int) -> None:
+    # the other families' modules build on this module's helpers: imported here, not at the top
+    from . import tensor_parallel_gemma4_laguna as gemma4_laguna
+    from . import tensor_parallel_hybrid as hybrid
+    if isinstance(layer, Gemma4DecoderLayer):
+        gemma4_laguna.shard_gemma4_layer(layer, rank, size)
+        return
+    mixer = layer.mixer if isinstance(layer, HybridDecoderLayer) else layer.self_attn
+    if isinstance(mixer, GatedDeltaNet):
+        hybrid.shard_deltanet(mixer, rank, size)
+    elif isinstance(mixer, GatedAttention):
+        hybrid.shard_gated_attention(mixer, rank, size)
+    elif isinstance(mixer, LagunaAttention):
+        gemma4_laguna.shard_laguna_attention(mixer, rank, size)
+    else:
+        _shard_attention(mixer, rank, size)
+    if isinstance(layer.mlp, SparseMoE):
+        shard_experts(layer.mlp.experts, rank, size)
+        if layer.mlp.shared_expert is not None:
+            hybrid.shard_shared_expert(layer.mlp, rank, size)
+        layer.mlp = ParallelMoE(layer.mlp)
+    else:
+        shard_mlp(layer.mlp, rank, size)
 
 
 def attention_heads(num_heads: int, num_kv_heads: int, rank: int, size: int) -> tuple[int, int, int]:
@@ -232,7 +249,7 @@ def shard_mlp(mlp: MLP, rank: int, size: int) -> None:
     mlp.down_proj = row_parallel(mlp.down_proj, rank * width, (rank + 1) * width)
 
 
-def _shard_experts(experts: nn.Module, rank: int, size: int) -> None:
+def shard_experts(experts: nn.Module, rank: int, size: int) -> None:
     """Each expert's gate and up rows of this rank's slice of the intermediate width, and those columns of
     its down projection: [E, 2I, H] -> [E, 2I/N, H] (gate slice, then up slice), [E, H, I] -> [E, H, I/N]."""
     width = experts.intermediate_size // size

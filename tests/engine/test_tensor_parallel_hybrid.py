@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from lucebox import LLM, SamplingParams
-from lucebox.engine.step_plan import PlanRow, RowKind, StepPlan
 from lucebox.convert import convert_hf_to_gguf
+from lucebox.engine.step_plan import PlanRow, RowKind, StepPlan
 from lucebox.errors import UnsupportedError
 from lucebox.weights.quant import PermutedInputQuantLinear, QuantLinear
 from tests.conftest import build_hf_model
@@ -32,15 +32,19 @@ def hybrid_kwargs(**extra) -> dict:
 
 
 def all_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
-    """Logits of every position of one bare forward from a fresh recurrent slot (reset on every rank)."""
+    """Logits of every position of one bare forward (the last blocks of each KV cache group's pool), from a
+    fresh recurrent slot where the model has recurrent layers (reset on every rank)."""
     engine = llm.engine
     cache, runner = engine.scheduler.cache, engine.runner
-    slot = cache.free_slots[0]
-    for state in cache.states:
-        state.reset(torch.tensor([slot]))
+    slots = None
+    if cache.recurrent:
+        slots = [cache.free_slots[0]]
+        for state in cache.states:
+            state.reset(torch.tensor(slots))
     blocks = -(-len(ids) // runner.block_size)
-    table = list(range(runner.num_blocks - blocks, runner.num_blocks))
-    return runner.run(StepPlan.forward([ids], [0], [table], all_logits=True, state_slots=[slot])).logits
+    table, *windows = [list(range(pool - blocks, pool)) for pool in (runner.num_blocks, *runner.group_scratch)]
+    plan = StepPlan.forward([ids], [0], [table], window_tables=[windows], all_logits=True, state_slots=slots)
+    return runner.run(plan).logits
 
 
 def outputs(llm: LLM, prompts=PROMPTS) -> list[list[int]]:
