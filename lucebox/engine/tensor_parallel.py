@@ -5,10 +5,11 @@ shard of the model (model/tensor_parallel.py). Its runner (ShardedRunner) broadc
 plan as one packed int64 tensor (engine/tp_plan.py) before running it; every other rank
 (`python -m lucebox.engine.tensor_parallel`, started by tp_ranks.Ranks) unpacks it and runs the
 same forward over its own shard and KV cache (its KV heads only), taking part in the all-reduces
-and the LM head's all-gather, and discards the result. A DFlash drafter lives on rank 0 alone: its
-taps are the residual stream, the same on every rank, and it embeds and projects through an
-unsharded copy of the embedding and LM head (FullVocabView). CUDA graphs are off under tensor
-parallelism for now (steps run eagerly).
+and the LM head's all-gather, and discards the result. Hybrids' recurrent state lives on every rank
+(each its own DeltaNet heads): rank 0's cache manager changes its slots, the other ranks follow
+(engine/tp_state.py). A DFlash drafter lives on rank 0 alone: its taps are the residual stream, the
+same on every rank, and it embeds and projects through an unsharded copy of the embedding and LM
+head (FullVocabView). CUDA graphs are off under tensor parallelism for now (steps run eagerly).
 """
 from __future__ import annotations
 
@@ -32,15 +33,29 @@ from ..model.loader import (
     resolve_dtype,
     resolve_path,
 )
-from ..model.tensor_parallel import FullVocab, FullVocabView, check_config, move_quantised_experts, shard_model
+from ..model.tensor_parallel import (
+    FullVocab,
+    FullVocabView,
+    check_config,
+    move_quantised_experts,
+    shard_model,
+)
 from .build import resolve_args
 from .engine import LLMEngine
 from .runner import ModelRunner
-from .tp_plan import pack_compaction, pack_plan, unpack_compaction, unpack_plan
+from .tp_plan import (
+    RankPlan,
+    pack_compaction,
+    pack_plan,
+    unpack_compaction,
+    unpack_plan,
+)
 from .tp_ranks import (
     COMPACT,
     INIT,
+    RECURRENT,
     RUN,
+    STATE,
     STOP,
     Ranks,
     TensorParallelError,
@@ -48,6 +63,7 @@ from .tp_ranks import (
     join,
     read_payload,
 )
+from .tp_state import RankStates, StateLog, mirror_cache
 
 log = logging.getLogger("lucebox")
 
@@ -143,8 +159,14 @@ class ShardedRunner(ModelRunner):
 
     def __init__(self, ranks: Ranks, model, *args, **kwargs):
         self.ranks = ranks
+        self.state_log: StateLog | None = None  # recurrent-state changes the other ranks still have to make
         self._send(INIT, pickle.dumps((args, kwargs)))
         super().__init__(model, *args, **kwargs)
+
+    def mirror_recurrent(self, cache) -> None:
+        """The other ranks build recurrent pools like the cache manager's and follow its changes to them."""
+        self.state_log, build = mirror_cache(cache)
+        self._send(RECURRENT, torch.tensor(build, dtype=torch.int64))
 
     def _send(self, op: int, payload) -> None:
         if self.ranks.failure is not None:
@@ -152,12 +174,15 @@ class ShardedRunner(ModelRunner):
         try:
             self.ranks.check_alive()
             self.ranks.busy = op != INIT
+            changes = self.state_log.take() if self.state_log is not None else None
+            if changes is not None:  # the slots' changes since the last message, before what follows them
+                self.ranks.channel.send(STATE, changes)
             self.ranks.channel.send(op, payload)
         except Exception as e:
             raise self.ranks.fail(e) from e
 
     def run(self, plan):
-        self._send(RUN, pack_plan(plan))
+        self._send(RUN, pack_plan(plan, self.state_rows(plan) if self.recurrent_layers else None))
         try:
             result = super().run(plan)
         except Exception as e:
@@ -181,9 +206,12 @@ class TensorParallelEngine(LLMEngine):
                  worker_budgets: list[int]):
         self.ranks, self._full_vocab, self._worker_budgets = ranks, full_vocab, worker_budgets
         super().__init__(loaded, args)
+        if self.scheduler.cache.recurrent:
+            self.runner.mirror_recurrent(self.scheduler.cache)
+        attn = self.model.layers[self.runner.paged_layers[0]].self_attn
         log.info("tensor parallel over %d ranks (%s): rank 0 keeps %d of %d query heads and %d of %d KV heads a layer",
-                 ranks.size, ranks.backend, self.model.layers[0].self_attn.num_heads, loaded.config.num_heads,
-                 self.model.layers[0].self_attn.num_kv_heads, loaded.config.num_kv_heads)
+                 ranks.size, ranks.backend, attn.num_heads, loaded.config.num_heads, attn.num_kv_heads,
+                 loaded.config.num_kv_heads)
 
     def _draft_target(self, loaded: LoadedModel) -> LoadedModel:
         if self._full_vocab is None:
@@ -203,6 +231,13 @@ class TensorParallelEngine(LLMEngine):
     def shutdown(self) -> None:
         """Stop the other ranks and leave the process group (idempotent)."""
         self.ranks.stop()
+
+
+class RankRunner(ModelRunner):
+    """The runner of a rank other than 0: no sequences here, so recurrent slots and advances come in the plan."""
+
+    def state_rows(self, plan: RankPlan) -> tuple[list[int], list[int]]:
+        return plan.state_slots, plan.state_advance
 
 
 def worker_main() -> int:
@@ -228,14 +263,22 @@ def worker_main() -> int:
     if any(message is not None for message, _ in statuses):
         dist.destroy_process_group()
         return 1
-    runner = None
+    runner, states = None, None
     while True:
         op, payload = channel.receive()
         if op == STOP:
             break
         if op == INIT:
             run_args, run_kwargs = pickle.loads(payload)
-            runner = ModelRunner(model, *run_args, **run_kwargs)
+            runner = RankRunner(model, *run_args, **run_kwargs)
+        elif op == RECURRENT:
+            states = RankStates(payload.tolist(), [runner.cache_specs[i] for i in runner.recurrent_layers],
+                                device)
+            runner.install_recurrent(states.states, None)
+            if device.type == "cuda":
+                model.warm_up()  # the prefill kernels at this rank's head counts
+        elif op == STATE:
+            states.apply(payload)
         elif op == RUN:
             runner.run_eager(unpack_plan(payload))
         elif op == COMPACT:

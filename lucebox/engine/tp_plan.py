@@ -2,14 +2,17 @@
 
 The ranks other than 0 only need the forward's inputs (token ids, positions and RoPE shifts, block tables, the tables
 of KV cache groups 1.., tree parents, whether K/V are written) and which rows reach the LM head,
-whose vocabulary-parallel product they take part in. Layout:
+whose vocabulary-parallel product they take part in; with recurrent layers (hybrids), each row's state slot
+and how many of its tokens advance the state (ModelRunner.state_rows: rank 0 knows the sequences). Layout:
 
-    [rows, groups, write_kv, all_logits, logits rows (-1: None), trees]
+    [rows, groups, write_kv, all_logits, logits rows (-1: None), trees, states]
     per row: [tokens, start, rope shift, table length, *tokens, *table, per group: (length, *table),
-              if trees: (has parents, *parents)]
+              if trees: (has parents, *parents), if states: (slot, advance)]
     then the logits rows.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -17,29 +20,38 @@ from ..errors import UnsupportedError
 from .step_plan import PlanRow, StepPlan
 
 
-def pack_plan(plan: StepPlan) -> torch.Tensor:
+@dataclass
+class RankPlan(StepPlan):
+    """A plan as another rank gets it: with recurrent layers, each row's advance next to its slot."""
+    state_advance: list[int] | None = None
+
+
+def pack_plan(plan: StepPlan, state_rows: tuple[list[int], list[int]] | None = None) -> torch.Tensor:
+    """state_rows: (slots, advances) of the plan's rows (ModelRunner.state_rows), for recurrent layers."""
     if plan.has_position_maps:  # the ranks would rotate at storage positions
         raise UnsupportedError("speculative prefill (prefill_keep_ratio) is not supported under tensor parallelism yet")
     groups = len(plan.rows[0].window_tables) if plan.rows else 0
     trees = plan.has_trees
     rows = plan.logits_rows
     out = [len(plan.rows), groups, int(plan.write_kv), int(plan.all_logits), -1 if rows is None else len(rows),
-           int(trees)]
-    for row in plan.rows:
+           int(trees), int(state_rows is not None)]
+    for index, row in enumerate(plan.rows):
         out += [len(row.tokens), row.start, row.rope_shift, len(row.block_table), *row.tokens, *row.block_table]
         for table in row.window_tables:
             out += [len(table), *table]
         if trees:
             out += [0] if row.parents is None else [1, *row.parents]
+        if state_rows is not None:
+            out += [state_rows[0][index], state_rows[1][index]]
     out += rows or []
     return torch.tensor(out, dtype=torch.int64)
 
 
-def unpack_plan(packed: torch.Tensor) -> StepPlan:
+def unpack_plan(packed: torch.Tensor) -> RankPlan:
     """The plan pack_plan packed, as far as a forward reads it (no sequences, no taps)."""
     values = packed.tolist()
-    num_rows, groups, write_kv, all_logits, num_logits, trees = values[:6]
-    at, rows, offset = 6, [], 0
+    num_rows, groups, write_kv, all_logits, num_logits, trees, states = values[:7]
+    at, rows, offset, slots, advance = 7, [], 0, [], []
     for index in range(num_rows):
         n, start, shift, t = values[at:at + 4]
         at += 4
@@ -56,10 +68,15 @@ def unpack_plan(packed: torch.Tensor) -> StepPlan:
                 row.parents = values[at + 1:at + 1 + n]
                 at += n
             at += 1
+        if states:
+            slots.append(values[at])
+            advance.append(values[at + 1])
+            at += 2
         rows.append(row)
         offset += n
     logits_rows = None if num_logits < 0 else values[at:at + num_logits]
-    return StepPlan(rows, logits_rows=logits_rows, all_logits=bool(all_logits), write_kv=bool(write_kv))
+    return RankPlan(rows, logits_rows=logits_rows, all_logits=bool(all_logits), write_kv=bool(write_kv),
+                    state_slots=slots if states else None, state_advance=advance if states else None)
 
 
 def pack_compaction(tables: list[list[int]], starts: list[int], accepted: list[list[int]],

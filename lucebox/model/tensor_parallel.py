@@ -1,12 +1,14 @@
-"""Tensor parallelism, the model's side: one rank's shard of a Transformer (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE).
+"""Tensor parallelism, the model's side: one rank's shard of a model (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE here;
+the Qwen 3.5 / 3.6 hybrids' DeltaNet, gated attention and shared experts in model/tensor_parallel_hybrid.py,
+Gemma 4's and Laguna's layers in model/tensor_parallel_gemma4_laguna.py).
 
 Megatron's layout: q/k/v and gate/up column-parallel (each rank keeps whole heads -- query heads of
 its own KV heads, so GQA groups stay together -- and a slice of the MLP width), o_proj and down_proj
 row-parallel (each rank multiplies its slice of the input features; one all-reduce sums the
 partials), the embedding and LM head vocabulary-parallel (a masked lookup plus an all-reduce; each
 rank's logits of its vocabulary slice, all-gathered). MoE experts keep a slice of their intermediate
-width on every rank (the router replicated), their summed output one all-reduce. Everything else (norms, RoPE) is replicated, so
-the residual stream is the same on every rank after each all-reduce.
+width on every rank (the router replicated), their summed output one all-reduce. Everything else
+(norms, RoPE) is replicated, so the residual stream is the same on every rank after each all-reduce.
 
 The projections are sharded before fuse_projections, so a fused q/k/v or gate/up is the fusion of
 this rank's shards. Quantised (GGUF) weights are sliced in whole quantisation blocks: row slices
@@ -25,9 +27,19 @@ from torch import nn
 
 from ..errors import UnsupportedError
 from ..kernels.linear import linear
-from ..weights.quant import QuantEmbedding, QuantLinear, QuantTensor
+from ..weights.quant import (
+    PermutedInputQuantLinear,
+    QuantEmbedding,
+    QuantLinear,
+    QuantTensor,
+)
 from .assign import model_class
+from .deltanet import GatedDeltaNet
+from .gated_attention import GatedAttention
+from .gemma4 import GeGLU, Gemma4DecoderLayer, Gemma4Model
+from .laguna import LagunaAttention, LagunaDecoderLayer, LagunaTransformer
 from .moe import SparseMoE
+from .qwen3_5 import HybridDecoderLayer, HybridTransformer
 from .transformer import MLP, Attention, DecoderLayer, Transformer
 
 
@@ -119,39 +131,48 @@ def gather_vocab(local: torch.Tensor, shard_rows: int, vocab_size: int) -> torch
     return torch.cat(parts, dim=-1)[..., :vocab_size]
 
 
+LAYERS = {Transformer: DecoderLayer, HybridTransformer: HybridDecoderLayer, LagunaTransformer: LagunaDecoderLayer,
+          Gemma4Model: Gemma4DecoderLayer}  # the models shard_model splits, and their layers
+
+
 def check_shardable(model: nn.Module, size: int) -> None:
     """check_config, and the modules are the ones shard_model knows."""
     check_config(model.config, size)
-    if type(model) is not Transformer or not all(type(layer) is DecoderLayer and type(layer.mlp) in (MLP, SparseMoE)
-                                                 for layer in model.layers):
+    layers = LAYERS.get(type(model))
+    if layers is None or not all(type(layer) is layers and type(layer.mlp) in (MLP, SparseMoE, GeGLU)
+                                 for layer in model.layers):
         raise UnsupportedError(f"tensor parallelism cannot split a {type(model).__name__}")
 
 
 def check_config(cfg, size: int) -> None:
-    """UnsupportedError unless a model of this config splits over `size` ranks: a Transformer whose query
-    heads, KV heads and MLP / expert widths fit size (quantised column slices are checked as they are cut).
-    Needs the config alone, so a launch can refuse before any rank starts."""
-    if model_class(cfg) is not Transformer:
-        raise UnsupportedError(f"tensor parallelism supports Llama, Mistral, Qwen2, Qwen3 and Qwen3-MoE models for "
-                               f"now; this is a {cfg.family} model: run it with --tensor-parallel-size 1")
-    kv = cfg.num_kv_heads
-    if kv % size and size % kv:
-        raise UnsupportedError(f"--tensor-parallel-size {size} does not fit the model's {kv} KV heads "
-                               f"(num_key_value_heads): each rank keeps whole KV heads, either a share of them "
-                               f"(the size divides {kv}) or one replicated over size / {kv} ranks (the size is a "
-                               f"multiple of {kv}); choose such a size")
+    """UnsupportedError unless a model of this config splits over `size` ranks: its query heads (every
+    layer's), KV heads (every layer's), DeltaNet heads and MLP / expert widths fit size (quantised column
+    slices are checked as they are cut). Needs the config alone, so a launch can refuse before any rank starts."""
+    family = model_class(cfg)
+    if family not in LAYERS:
+        raise UnsupportedError(f"tensor parallelism does not split {family.__name__} models ({cfg.family}) yet: "
+                               f"run it with --tensor-parallel-size 1")
+    for kv in sorted(set(getattr(cfg, "layer_kv_heads", None) or [cfg.num_kv_heads])):
+        if kv % size and size % kv:
+            raise UnsupportedError(f"--tensor-parallel-size {size} does not fit the model's {kv} KV heads "
+                                   f"(num_key_value_heads): each rank keeps whole KV heads, either a share of them "
+                                   f"(the size divides {kv}) or one replicated over size / {kv} ranks (the size "
+                                   f"is a multiple of {kv}); choose such a size")
     widths = [("num_attention_heads", cfg.num_heads)]
-    if not all(cfg.moe_layers):
+    widths += [(f"num_attention_heads_per_layer[{i}]", n) for i, n in enumerate(getattr(cfg, "heads_per_layer", ()))]
+    if family is HybridTransformer:  # Gated DeltaNet: whole key heads, their value heads with them
+        widths += [("linear_num_key_heads", cfg.linear_num_key_heads),
+                   ("linear_num_value_heads", cfg.linear_num_value_heads)]
+    if not all(cfg.moe_layers) or family is Gemma4Model:  # Gemma 4's MoE block runs beside a dense MLP
         widths.append(("intermediate_size", cfg.intermediate_size))
     if any(cfg.moe_layers):
-        if cfg.shared_expert_intermediate_size:
-            raise UnsupportedError("tensor parallelism does not split shared experts yet: run this model with "
-                                   "--tensor-parallel-size 1")
         widths.append(("moe_intermediate_size", cfg.moe_intermediate_size))
+        if cfg.shared_expert_intermediate_size:
+            widths.append(("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size))
     for what, count in widths:
         if count % size:
             raise UnsupportedError(f"--tensor-parallel-size {size} does not divide the model's {what} ({count}): "
-                                   f"each rank keeps whole attention heads and an equal share of the MLP; choose a "
+                                   f"each rank keeps whole heads and an equal share of each MLP; choose a "
                                    f"size that divides {what}")
 
 
@@ -159,16 +180,11 @@ def shard_model(model: Transformer, rank: int, size: int, keep_full_vocab: bool 
     """Replace model's projections, embedding and LM head by rank's shards, in place (before
     fuse_projections). keep_full_vocab: return the unsharded embedding and head (FullVocab)."""
     check_shardable(model, size)
-    fused = (layer.self_attn.qkv or layer.self_attn.qk or getattr(layer.mlp, "gate_up", None) for layer in model.layers)
-    if any(f is not None for f in fused):
+    fused = ("qkv", "qk", "qkvg", "gate_up", "projections")
+    if any(getattr(m, name, None) is not None for m in model.layers.modules() for name in fused):
         raise RuntimeError("shard_model: shard the projections before fuse_projections")
     for layer in model.layers:
-        _shard_attention(layer.self_attn, rank, size)
-        if isinstance(layer.mlp, SparseMoE):
-            _shard_experts(layer.mlp.experts, rank, size)
-            layer.mlp = ParallelMoE(layer.mlp)
-        else:
-            _shard_mlp(layer.mlp, rank, size)
+        _shard_layer(layer, rank, size)
     cfg = model.config
     full = FullVocab(model.embed_tokens, getattr(model, "lm_head", None)) if keep_full_vocab else None
     shard = -(-cfg.vocab_size // size)
@@ -182,14 +198,43 @@ def shard_model(model: Transformer, rank: int, size: int, keep_full_vocab: bool 
     return full
 
 
-def _shard_attention(attn: Attention, rank: int, size: int) -> None:
-    """Query heads split evenly; KV heads split too, or (more ranks than KV heads) each KV head kept by the
-    size / num_kv_heads consecutive ranks whose query heads read it, so GQA groups never straddle ranks."""
-    q_heads, d = attn.num_heads // size, attn.head_dim
-    if attn.num_kv_heads >= size:
-        kv_heads, first_kv = attn.num_kv_heads // size, rank * (attn.num_kv_heads // size)
+def _shard_layer(layer: nn.Module, rank: int, size: int) -> None:
+    # the other families' modules build on this module's helpers: imported here, not at the top
+    from . import tensor_parallel_gemma4_laguna as gemma4_laguna
+    from . import tensor_parallel_hybrid as hybrid
+    if isinstance(layer, Gemma4DecoderLayer):
+        gemma4_laguna.shard_gemma4_layer(layer, rank, size)
+        return
+    mixer = layer.mixer if isinstance(layer, HybridDecoderLayer) else layer.self_attn
+    if isinstance(mixer, GatedDeltaNet):
+        hybrid.shard_deltanet(mixer, rank, size)
+    elif isinstance(mixer, GatedAttention):
+        hybrid.shard_gated_attention(mixer, rank, size)
+    elif isinstance(mixer, LagunaAttention):
+        gemma4_laguna.shard_laguna_attention(mixer, rank, size)
     else:
-        kv_heads, first_kv = 1, rank // (size // attn.num_kv_heads)
+        _shard_attention(mixer, rank, size)
+    if isinstance(layer.mlp, SparseMoE):
+        shard_experts(layer.mlp.experts, rank, size)
+        if layer.mlp.shared_expert is not None:
+            hybrid.shard_shared_expert(layer.mlp, rank, size)
+        layer.mlp = ParallelMoE(layer.mlp)
+    else:
+        shard_mlp(layer.mlp, rank, size)
+
+
+def attention_heads(num_heads: int, num_kv_heads: int, rank: int, size: int) -> tuple[int, int, int]:
+    """(query heads, KV heads, first KV head) of rank: query heads split evenly; KV heads split too, or (more
+    ranks than KV heads) each KV head kept by the size / num_kv_heads consecutive ranks whose query heads
+    read it, so GQA groups never straddle ranks."""
+    if num_kv_heads >= size:
+        return num_heads // size, num_kv_heads // size, rank * (num_kv_heads // size)
+    return num_heads // size, 1, rank // (size // num_kv_heads)
+
+
+def _shard_attention(attn: Attention, rank: int, size: int) -> None:
+    q_heads, kv_heads, first_kv = attention_heads(attn.num_heads, attn.num_kv_heads, rank, size)
+    d = attn.head_dim
     attn.q_proj = rows_of(attn.q_proj, rank * q_heads * d, (rank + 1) * q_heads * d)
     attn.k_proj = rows_of(attn.k_proj, first_kv * d, (first_kv + kv_heads) * d)
     attn.v_proj = rows_of(attn.v_proj, first_kv * d, (first_kv + kv_heads) * d)
@@ -197,14 +242,14 @@ def _shard_attention(attn: Attention, rank: int, size: int) -> None:
     attn.num_heads, attn.num_kv_heads = q_heads, kv_heads
 
 
-def _shard_mlp(mlp: MLP, rank: int, size: int) -> None:
+def shard_mlp(mlp: MLP, rank: int, size: int) -> None:
     width = mlp.gate_proj.out_features // size
     mlp.gate_proj = rows_of(mlp.gate_proj, rank * width, (rank + 1) * width)
     mlp.up_proj = rows_of(mlp.up_proj, rank * width, (rank + 1) * width)
     mlp.down_proj = row_parallel(mlp.down_proj, rank * width, (rank + 1) * width)
 
 
-def _shard_experts(experts: nn.Module, rank: int, size: int) -> None:
+def shard_experts(experts: nn.Module, rank: int, size: int) -> None:
     """Each expert's gate and up rows of this rank's slice of the intermediate width, and those columns of
     its down projection: [E, 2I, H] -> [E, 2I/N, H] (gate slice, then up slice), [E, H, I] -> [E, H, I/N]."""
     width = experts.intermediate_size // size
@@ -239,32 +284,55 @@ def move_quantised_experts(model: nn.Module, device: torch.device) -> None:
 
 def rows_of(module: nn.Module, start: int, end: int) -> nn.Module:
     """A copy of output rows [start, end) of a linear or embedding table (float or quantised)."""
+    return rows_at(module, [(start, end)])
+
+
+def rows_at(module: nn.Module, ranges: list[tuple[int, int]]) -> nn.Module:
+    """A copy of output rows [start, end) of each range, one after another, of a linear or embedding table."""
+    index = torch.cat([torch.arange(start, end) for start, end in ranges])
     if isinstance(module, nn.Embedding):
-        return nn.Embedding.from_pretrained(module.weight.detach()[start:end].clone(), freeze=True)
+        return nn.Embedding.from_pretrained(module.weight.detach()[index].clone(), freeze=True)
     if isinstance(module, nn.Linear):
-        bias = module.bias.detach()[start:end].clone() if module.bias is not None else None
-        return _float_linear(module.weight.detach()[start:end].clone(), bias)
+        bias = module.bias.detach()[index].clone() if module.bias is not None else None
+        return _float_linear(module.weight.detach()[index].clone(), bias)
     if isinstance(module, QuantEmbedding):
-        return QuantEmbedding(_quant(module.weight, module.qweight[start:end], end - start), module.dtype,
+        return QuantEmbedding(_quant(module.weight, module.qweight[index], len(index)), module.dtype,
                               module.chunk_bytes)
     if isinstance(module, QuantLinear) and type(module) is QuantLinear:
-        bias = module.bias[start:end].clone() if module.bias is not None else None
-        return QuantLinear(_quant(module.weight, module.qweight[start:end], end - start), bias, module.chunk_bytes)
+        bias = module.bias[index].clone() if module.bias is not None else None
+        return QuantLinear(_quant(module.weight, module.qweight[index], len(index)), bias, module.chunk_bytes)
     raise UnsupportedError(f"tensor parallelism cannot shard a {type(module).__name__}")
 
 
 def row_parallel(module: nn.Module, start: int, end: int) -> RowParallel:
     """Input features [start, end) of a linear, as a RowParallel (its bias added once, after the sum)."""
+    bias = module.bias.detach().clone() if module.bias is not None else None
     if isinstance(module, nn.Linear):
-        local = _float_linear(module.weight.detach()[:, start:end].clone(), None)
-        return RowParallel(local, module.bias.detach().clone() if module.bias is not None else None)
+        return RowParallel(_float_linear(module.weight.detach()[:, start:end].clone(), None), bias)
+    if type(module) is PermutedInputQuantLinear:
+        return RowParallel(_permuted_columns(module, start, end), bias)
     if type(module) is not QuantLinear:
         raise UnsupportedError(f"tensor parallelism cannot shard a {type(module).__name__}")
     first, last = _block_columns(module.name, module.qtype, module.in_features, start, end)
     raw = module.weight.data[:, first:last].clone()
     local = QuantLinear(QuantTensor(raw, module.qtype, (module.out_features, end - start), module.name),
                         None, module.chunk_bytes)
-    return RowParallel(local, module.bias.clone() if module.bias is not None else None)
+    return RowParallel(local, bias)
+
+
+def _permuted_columns(module: PermutedInputQuantLinear, start: int, end: int) -> PermutedInputQuantLinear:
+    """The stored columns that read input features [start, end) (llama.cpp's tiled value heads: several
+    runs), each run cut on whole quantisation blocks, and their input order within the slice."""
+    order = module.input_order.cpu()
+    columns = torch.nonzero((order >= start) & (order < end)).flatten()
+    breaks = torch.nonzero(columns.diff() != 1).flatten() + 1
+    pieces = []
+    for run in torch.tensor_split(columns, breaks):
+        first, last = _block_columns(module.name, module.qtype, module.in_features, int(run[0]), int(run[-1]) + 1)
+        pieces.append(module.weight.data[:, first:last])
+    weight = QuantTensor(torch.cat(pieces, dim=1).clone(), module.qtype, (module.out_features, end - start),
+                         module.name)
+    return PermutedInputQuantLinear(weight, order[columns] - start, None, module.chunk_bytes)
 
 
 def _block_columns(name: str, qtype, in_features: int, start: int, end: int) -> tuple[int, int]:

@@ -6,6 +6,7 @@ speculation (n-gram, DFlash on rank 0)."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -32,7 +33,7 @@ from lucebox.errors import UnsupportedError
 from lucebox.weights.quant import QuantEmbedding, QuantLinear, QuantTensor
 from tests.conftest import build_hf_model
 from tests.model.test_gguf import random_blocks, rewrite_gguf
-from tests.model.test_qwen3_5 import HYBRID
+from tests.model.test_laguna import build_laguna
 from tests.spec.test_ddtree_engine import CompactionSpy
 from tests.spec.test_spec import small_pair  # noqa: F401
 from tests.spec_fixtures import write_dflash_drafter
@@ -215,10 +216,12 @@ def test_a_k_shard_inside_a_quant_block_is_refused(tokenizer_dir, tmp_path):
         LLM(str(path), speculative_config={}, tensor_parallel_size=2, **engine_kwargs())
 
 
-def test_a_hybrid_model_is_refused(tokenizer_dir, tmp_path):
-    hf_dir = build_hf_model("qwen3", tmp_path / "hybrid", tokenizer_dir, **HYBRID)
-    with pytest.raises(UnsupportedError, match=r"Qwen3 and Qwen3-MoE models for now; this is a qwen3_5 model"):
-        LLM(str(hf_dir), speculative_config={}, tensor_parallel_size=2, **engine_kwargs())
+def test_a_laguna_layer_whose_heads_do_not_split_is_refused_naming_it(tokenizer_dir, tmp_path):
+    # query heads [4, 6, 2, 8] a layer: 4 ranks (each of the 2 KV heads kept by two) cannot split layer 1's 6
+    hf_dir = build_laguna(tmp_path / "laguna", tokenizer_dir)
+    with pytest.raises(UnsupportedError, match=re.escape("--tensor-parallel-size 4 does not divide the model's "
+                                                         "num_attention_heads_per_layer[1] (6)")):
+        LLM(str(hf_dir), speculative_config={}, tensor_parallel_size=4, **engine_kwargs())
 
 
 # ------------------------------------------------------------------------------------------- failures
