@@ -27,6 +27,7 @@ from pathlib import Path
 from ..errors import LuceboxError
 from ..outputs import RequestOutput
 from ..sampling import SamplingParams
+from . import admission
 from .engine import LLMEngine
 from .kv_pool import KVFlashStats
 
@@ -212,9 +213,9 @@ class AsyncEngine:
 
     def kv_room(self, kv_pool: bool | None = None) -> int:
         """Tokens of context a request may reach: max_model_len, or with KVFlash what its KV's home holds
-        (the pool's host memory for a pooled request, the device's KV for another; LLMEngine._check_kv_room)."""
+        (the pool's host memory for a pooled request, the device's KV for another: engine/admission.py)."""
         engine = self.engine
-        return engine.kv_room(engine.args.kv_pool_target if kv_pool is None else kv_pool)
+        return admission.kv_room(engine, engine.args.kv_pool_target if kv_pool is None else kv_pool)
 
     def cached_prefix_tokens(self, token_ids: list[int], prefill_keep_ratio: float | None = None) -> int:
         """Prompt tokens the prefix cache holds now (read without the lock: a lookup, no change);

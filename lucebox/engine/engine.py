@@ -10,7 +10,7 @@ from dataclasses import replace
 import torch
 
 from ..config import EngineArgs, check_keep_ratio
-from ..errors import ContextLengthError, OverloadError, RequestError, UnsupportedError
+from ..errors import OverloadError, RequestError, UnsupportedError
 from ..kernels.forward_batch import MAX_TREE_TOKENS
 from ..model.cache_spec import RecurrentSpec, bytes_per_token, window_blocks
 from ..model.feature_ring import RingRows
@@ -22,6 +22,7 @@ from ..spec.factory import make_speculator
 from ..text.stop import StopChecker
 from ..text.tokenizer import IncrementalDetokenizer
 from ..util import host_to_device
+from . import admission
 from .build import args_and_model
 from .cache_manager import CacheManager
 from .cuda_graphs import GraphSettings
@@ -197,30 +198,15 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams) -> None:
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already running")
-        text, ids = self._tokenize(prompt)
-        if not ids:
-            raise RequestError("the prompt is empty")
+        text, ids = admission.tokenize(self.tokenizer, prompt)
         waiting = len(self.scheduler.waiting) + self.scoring.num_sequences
         if waiting + params.n > self.args.max_queue:  # sequences, not requests: n=1000 is 1000 of them
             raise OverloadError(f"the server is busy: {waiting} sequences are waiting and this request adds "
                                 f"{params.n} (--max-queue {self.args.max_queue}); retry later")
-        if len(ids) >= self.max_model_len:
-            raise ContextLengthError(
-                f"the prompt has {len(ids)} tokens; the context window (max_model_len) is {self.max_model_len}, "
-                f"which leaves no room for output", len(ids), None, self.max_model_len)
-        if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
-            raise ContextLengthError(
-                f"the prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the context "
-                f"window (max_model_len {self.max_model_len}); lower max_tokens to at most "
-                f"{self.max_model_len - len(ids)}", len(ids), params.max_tokens, self.max_model_len)
-        vocab = self.model.config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
-        params.verify_token_ids(vocab)
+        admission.check_prompt(ids, params, self.max_model_len, self.model.config.vocab_size)
         params = params.with_defaults(self.loaded.generation_defaults)
-        pooled = self._pooled(prompt.get("kv_pool") if isinstance(prompt, dict) else None)
-        params = self._check_kv_room(len(ids), params, pooled)
+        pooled = admission.pooled(self, prompt.get("kv_pool") if isinstance(prompt, dict) else None)
+        params = admission.fit_kv_room(self, len(ids), params, pooled)
         scoring = self._compress(ids, prompt.get("prefill_keep_ratio") if isinstance(prompt, dict) else None)
         seqs = []
         for index in range(params.n):
@@ -238,35 +224,6 @@ class LLMEngine:
             return
         for seq in seqs:
             self.scheduler.add(seq)
-
-    def _pooled(self, requested) -> bool:
-        """Whether a request's target KV is pooled (KVFlash, lossy): its kv_pool field, else --kv-pool-target."""
-        if requested is not None and not isinstance(requested, bool):
-            raise RequestError(f"kv_pool must be true or false, got {requested!r}")
-        if requested and self.kv_pool is None:
-            raise UnsupportedError("kv_pool (KVFlash) needs the engine started with --kv-pool-tokens N")
-        return self.args.kv_pool_target if requested is None else requested
-
-    def kv_room(self, pooled: bool) -> int:
-        """Tokens of context a request may reach: max_model_len, or with KVFlash what its KV's home holds
-        (the pool's host memory for a pooled request, the device's KV for another)."""
-        if self.kv_pool is None:
-            return self.max_model_len
-        return min(self.max_model_len, self.kv_pool.host_capacity_tokens if pooled else self.kv_capacity_tokens)
-
-    def _check_kv_room(self, prompt_len: int, params: SamplingParams, pooled: bool) -> SamplingParams:
-        """A pooled request must fit the pool's host memory, an unpooled one the device's KV (with a pool,
-        either may hold less than max_model_len: output then stops where it runs out)."""
-        room = self.kv_room(pooled)
-        if room == self.max_model_len:
-            return params  # add_request checked it against max_model_len
-        wanted = prompt_len + (params.max_tokens if params.max_tokens is not None else 0)
-        if wanted > room or prompt_len >= room:
-            where = ("the KV pool's host memory (--kv-pool-host-memory) holds" if pooled else
-                     "the device holds, for a request without kv_pool (lossy),")
-            raise ContextLengthError(f"the prompt ({prompt_len} tokens) plus max_tokens exceeds the {room} tokens of "
-                                     f"KV {where}", prompt_len, params.max_tokens, room)
-        return params if params.max_tokens is not None else replace(params, max_tokens=room - prompt_len)
 
     def _compress(self, ids: list[int], keep_ratio) -> ScoringJob | None:
         """PFlash (lossy): the job scoring a long prompt for its kept part, or None to prefill it exactly."""
@@ -316,19 +273,6 @@ class LLMEngine:
         if self._prefill is None:
             self._prefill = for_engine(self, scorer, same_vocab)
         return self._prefill
-
-    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
-            raise RequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
-        raise RequestError(f"a prompt is a string, a list of token ids or a dict, not {type(prompt).__name__}")
 
     def abort(self, request_id: str) -> None:
         entry = self.requests.pop(request_id, None)
