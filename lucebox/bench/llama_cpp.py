@@ -250,8 +250,10 @@ def work_dir(given: str | None, need: int) -> Path:
 
 
 def peer_phase(args, cfg: ModelConfig, quant: str, gguf: str | None, prefill: list[dict], decode: list[dict],
-               say) -> dict:
-    """llama-bench on the same shape and mix (or the --model GGUF itself), and the lucebox / llama.cpp ratios."""
+               say, prefix: list[dict] = ()) -> dict:
+    """llama-bench on the same shape and mix (or the --model GGUF itself), and the lucebox / llama.cpp ratios;
+    with cached-prefix rows (bench/prefix.py) a second llama-bench run times pp N at depth P (`-p N -n 0 -d P`:
+    N tokens on top of P positions of KV), under "prefix"."""
     binary = Path(args.llama_bench)
     if not binary.is_file():
         return {"skipped": f"no llama-bench at {binary} (scripts/build_llama_cpp.sh builds or unpacks it)"}
@@ -271,6 +273,14 @@ def peer_phase(args, cfg: ModelConfig, quant: str, gguf: str | None, prefill: li
                                 shlex.split(args.peer_args))
         say("llama.cpp peer: " + " ".join(command))
         done = subprocess.run(command, capture_output=True, text=True, timeout=args.peer_timeout, check=False)
+        on_prefix = None
+        if prefix and done.returncode == 0:
+            on_prefix = bench_command(binary, gguf or written, sorted({x["suffix_len"] for x in prefix}), 0,
+                                      [], args.repeats, shlex.split(args.peer_args))
+            on_prefix[on_prefix.index("-d") + 1] = ",".join(str(d) for d in sorted({x["prefix_len"] for x in prefix}))
+            say("llama.cpp peer, cached-prefix rows: " + " ".join(on_prefix))
+            on_prefix = subprocess.run(on_prefix, capture_output=True, text=True, timeout=args.peer_timeout,
+                                       check=False)
     except (OSError, ValueError, subprocess.TimeoutExpired) as e:
         return {"skipped": f"llama.cpp peer: {e}"}
     finally:
@@ -281,6 +291,9 @@ def peer_phase(args, cfg: ModelConfig, quant: str, gguf: str | None, prefill: li
         return {"skipped": f"llama-bench exited {done.returncode}: {done.stderr.strip()[-1500:]}", "command": command}
     result = dict(parse_bench_json(done.stdout), command=command, gguf_bytes=None if gguf else size,
                   write_seconds=None if gguf else seconds)
+    if on_prefix is not None:
+        result["prefix"] = (parse_bench_json(on_prefix.stdout)["prefill"] if on_prefix.returncode == 0 else [])
+        result["prefix_error"] = on_prefix.stderr.strip()[-1500:] if on_prefix.returncode else None
     return dict(result, ratios=ratios(prefill, decode, result))
 
 

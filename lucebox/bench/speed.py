@@ -3,10 +3,13 @@
 One process, one model (a checkpoint, or random weights of a named real shape: bench/shapes.py):
   reference   a large GEMV (the bandwidth a decode step can hope for) and a large matmul (TFLOP/s)
   prefill     TTFT and tok/s per prompt length; its FLOPs over the measured matmul rate
+  prefix      --prefix-lens P.. --suffix-lens N..: TTFT of N new tokens on a cached prefix of P tokens
+              beside a fresh N-token prompt (bench/prefix.py); llama-bench's pp N at depth P as its peer
   decode      tok/s per context through LLMEngine steps; weight (MoE: routed experts), recurrent state
               and KV bytes per token (bench/limits.py; sliding-window layers read at most their window),
               GB/s and % of the GEMV bandwidth; the KV memory the sequence holds (all KV cache groups:
-              bench/kv_tables.py); the runner's forward alone too, to show the engine's overhead
+              bench/kv_tables.py); the runner's forward alone too, to show the engine's overhead;
+              joules per token from NVML power samples during the timed decode (bench/energy.py)
   verify      one 16-token forward against one decode forward (speculation pays only near 1x); hybrids
               run it as a verify row, keeping each position's DeltaNet state
   forced      speculation with drafts forced to be accepted (bench/forced.py), against its bound
@@ -19,6 +22,7 @@ Each point is run once untimed (kernel compilation), then --repeats times; the m
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import random
@@ -37,7 +41,7 @@ from ..errors import RequestError
 from ..model.cache_spec import bytes_per_sequence, kv_bytes_per_token
 from ..model.loader import resolve_device
 from ..sampling import SamplingParams
-from . import kv_tables, limits, llama_cpp, shapes, transformers_peer
+from . import energy, kv_tables, limits, llama_cpp, prefix, shapes, transformers_peer
 from .forced import forced_phase
 from .speed_report import print_report
 
@@ -56,6 +60,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     for flag, what in (("--prompt-lens", "prefill prompt lengths"), ("--contexts", "decode contexts")):
         p.add_argument(flag, type=int, nargs="+", default=None,
                        help=f"{what} (default: those of 512 4096 32768 that fit the model and memory)")
+    p.add_argument("--prefix-lens", type=int, nargs="+", default=[],
+                   help="cached prefixes: time --suffix-lens new tokens on top of each, served from the prefix cache")
+    p.add_argument("--suffix-lens", type=int, nargs="+", default=[128, 256, 512],
+                   help="new tokens on top of each --prefix-lens prefix")
     p.add_argument("--decode-tokens", type=int, default=128, help="tokens decoded per measured run")
     p.add_argument("--async-decode", action=argparse.BooleanOptionalAction, default=EngineArgs.async_decode,
                    help=EngineArgs.HELP["async_decode"])
@@ -154,9 +162,9 @@ def _lengths(given, name: str, limit: int, fits, notes: list[str]) -> list[int]:
 
 
 def _request(engine: LLMEngine, clock: Clock, prompt: list[int],
-             max_tokens: int) -> tuple[float, float, list[int], int]:
-    """One greedy request to the end: (time to first token, time of the remaining tokens, output ids,
-    KV bytes the sequence held after its prompt, every KV cache group; read between the two timings)."""
+             max_tokens: int) -> tuple[float, tuple[float, float], list[int], int]:
+    """One greedy request to the end: (time to first token, (start, end) stamps of the remaining tokens,
+    output ids, KV bytes the sequence held after its prompt, every KV cache group; read between the two)."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     start, out = clock.now(), None
     engine.add_request("bench", {"prompt_token_ids": prompt}, params)
@@ -167,7 +175,7 @@ def _request(engine: LLMEngine, clock: Clock, prompt: list[int],
     resume = clock.now()
     while engine.has_unfinished():
         out = next(iter(engine.step()), out)
-    return first - start, clock.now() - resume, out.outputs[0].token_ids, held
+    return first - start, (resume, clock.now()), out.outputs[0].token_ids, held
 
 
 def _graph_replays(engine: LLMEngine) -> int | None:
@@ -184,8 +192,10 @@ def _bandwidth_row(row: dict, ref: dict | None) -> dict:
     return row
 
 
-def engine_phase(engine, loaded, args, prompt_lens, contexts, kv: int, ref, clock, rng) -> tuple[list, list, dict]:
-    """Prefill and decode through the engine. Returns the rows and, per length, its last (prompt, output)."""
+def engine_phase(engine, loaded, args, prompt_lens, contexts, kv: int, ref, clock, rng,
+                 meter=None) -> tuple[list, list, dict]:
+    """Prefill and decode through the engine. Returns the rows and, per length, its last (prompt, output);
+    with a power meter (bench/energy.py) running, decode rows carry the joules of their timed decode."""
     wbytes = limits.weight_bytes_per_token(loaded.model)
     state = limits.state_bytes_per_token(loaded.model)
     specs = loaded.model.cache_specs(args.cache_type_k, args.cache_type_v)
@@ -194,18 +204,19 @@ def engine_phase(engine, loaded, args, prompt_lens, contexts, kv: int, ref, cloc
         runs = []
         for r in range(args.repeats + 1):  # run 0 warms up the kernels for this length's shapes
             prompt = [rng.randrange(loaded.config.vocab_size) for _ in range(length)]
-            ttft, rest, ids, held = _request(engine, clock, prompt,
-                                             1 + args.decode_tokens if length in contexts else 1)
-            runs += [(ttft, rest)] if r else []
+            ttft, (t0, t1), ids, held = _request(engine, clock, prompt,
+                                                 1 + args.decode_tokens if length in contexts else 1)
+            joules = meter.joules(t0, t1)["joules"] if meter and length in contexts else None
+            runs += [(ttft, t1 - t0, joules)] if r else []
         last[length] = (prompt, ids)
         if length in prompt_lens:
-            ttft, flops = statistics.median(t for t, _ in runs), limits.prefill_flops(loaded.config, length)
+            ttft, flops = statistics.median(t for t, _, _ in runs), limits.prefill_flops(loaded.config, length)
             row = {"prompt_len": length, "ttft_s": ttft, "tok_s": length / ttft, "flops": flops,
                    "tflops": flops / ttft / 1e12}
             prefill.append(dict(row, pct_matmul=100 * row["tflops"] / ref["matmul_tflops"]) if ref else row)
             _say(f"prefill {length}: {row['tok_s']:,.0f} tok/s, TTFT {1e3 * ttft:.1f} ms")
         if length in contexts:
-            seconds = statistics.median(s for _, s in runs)
+            seconds = statistics.median(s for _, s, _ in runs)
             # Decode step i (1..n) reads the KV of length + i positions: length + (n + 1)/2 on average
             # (a sliding-window layer at most its window).
             kv_read = limits.kv_read_bytes(specs, length + (args.decode_tokens + 1) / 2)
@@ -214,6 +225,8 @@ def engine_phase(engine, loaded, args, prompt_lens, contexts, kv: int, ref, cloc
                                           "state_bytes_per_token": state, "kv_bytes_per_token": kv,
                                           "kv_read_bytes": kv_read, "kv_held_bytes": held,
                                           "bytes_per_token": wbytes + state + kv_read}, ref))
+            if meter:  # energy of the median run's tokens: joules over each run's decode, the median
+                decode[-1]["joules_per_token"] = statistics.median(j for _, _, j in runs) / args.decode_tokens
             _say(f"decode at {length}: {decode[-1]['tok_s']:,.1f} tok/s, KV held {held / 2**20:,.1f} MiB")
     return prefill, decode, last
 
@@ -300,8 +313,9 @@ def run(args: argparse.Namespace) -> dict:
         raise RequestError("--decode-tokens must be at least 2 and --repeats at least 1")
     device = resolve_device(args.device)
     clock, rng, notes = Clock(device), random.Random(args.seed), []
-    result = dict(meta=shapes.run_metadata(args, device), model=None, reference=None, prefill=[], decode=[],
-                  verify=None, forced=None, spec=None, peer=None, peak_memory_bytes=None, notes=notes)
+    result = dict(meta=shapes.run_metadata(args, device), model=None, reference=None, prefill=[], prefix=[],
+                  decode=[], energy=None, verify=None, forced=None, spec=None, peer=None, peak_memory_bytes=None,
+                  notes=notes)
     # The model first: a bad --model / --shape / --quant fails before anything is measured.
     loaded, quant = shapes.load_under_test(args.model, args.shape, args.quant, args.dtype, device, args.seed)
     _say(f"{loaded.source} on {result['meta']['device']}")
@@ -324,16 +338,25 @@ def run(args: argparse.Namespace) -> dict:
         total = n + args.decode_tokens + VERIFY_TOKENS
         return total <= limit and kv_tables.pool_bytes(loaded.model, specs, total, EngineArgs.block_size,
                                                        EngineArgs.max_num_batched_tokens) < free
+    for n in [*args.prefix_lens, *args.suffix_lens]:
+        if n < 1 or n + 2 * max(args.suffix_lens) + 64 > limit:
+            raise RequestError(f"--prefix-lens / --suffix-lens {n} does not fit: lengths are positive and a prefix "
+                               f"with two of the longest suffixes fits the model's {limit} positions")
     prompt_lens = [] if "prefill" in skip else _lengths(args.prompt_lens, "prompt-lens", limit, fits, notes)
     contexts = [] if "decode" in skip else _lengths(args.contexts, "contexts", limit, fits, notes)
     longest = max([64, *prompt_lens, *contexts]) + args.decode_tokens + VERIFY_TOKENS
     engine = LLMEngine.from_args(engine_args(args, longest, loaded), loaded)
     _request(engine, clock, [1] * 32, 4)  # first-call costs (kernel compilation) stay out of every figure
-    result["prefill"], result["decode"], last = engine_phase(engine, loaded, args, prompt_lens, contexts, kv,
-                                                             result["reference"], clock, rng)
+    meter, why = energy.open_meter(device)
+    result["energy"] = {"skipped": why} if why else {"source": "NVML power", "interval_s": energy.INTERVAL_S}
+    with meter or contextlib.nullcontext():
+        result["prefill"], result["decode"], last = engine_phase(engine, loaded, args, prompt_lens, contexts, kv,
+                                                                 result["reference"], clock, rng, meter)
     result["model"]["cuda_graph_replays"] = _graph_replays(engine)  # how many engine steps replayed a graph
     at = 512 if 512 in contexts else min(contexts or [512])
     del engine  # each engine's runner installs its own KV caches in the model: this one is done
+    if args.prefix_lens:
+        result["prefix"] = prefix.prefix_phase(loaded, args, engine_args, clock, rng, _say)
     if "verify" not in skip:
         result["verify"] = verify_phase(loaded, args, at, kv, result["reference"], clock)
         _say(f"verify {VERIFY_TOKENS} tokens / decode step: {result['verify']['ratio']:.2f}x")
@@ -356,7 +379,9 @@ def run(args: argparse.Namespace) -> dict:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        result["peer"] = llama_cpp.peer_phase(args, cfg, quant, gguf, result["prefill"], result["decode"], _say)
+        result["peer"] = llama_cpp.peer_phase(args, cfg, quant, gguf, result["prefill"], result["decode"], _say,
+                                              result["prefix"])
+        prefix.peer_ratios(result["prefix"], (result["peer"] or {}).get("prefix", []))
     notes += [f"{key}: {result[key]['skipped']}" for key in ("peer", "spec") if "skipped" in (result[key] or {})]
     return result
 

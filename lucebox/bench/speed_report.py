@@ -1,6 +1,8 @@
 """The table `lucebox bench speed` prints: each figure beside its limit or peer, and the goal it is held to."""
 from __future__ import annotations
 
+from .prefix import report_rows as prefix_rows
+
 # Issue 7's targets (H200, batch 1): % of the measured limit, or a ratio, or tok/s.
 GOALS = {"decode_512": 90.0, "decode_32768": 80.0, "q8_0": 80.0, "q4_k_m": 75.0, "prefill_4096": 60.0,
          "verify_ratio": 1.3, "peer_ratio": 2.5, "qwen3-0.6b_tok_s": 2000.0, "forced_of_bound": 85.0,
@@ -38,13 +40,17 @@ def report_rows(r: dict) -> list[tuple[str, str, str, str, str]]:
         goal = _goal(p.get("pct_matmul"), GOALS["prefill_4096"]) if p["prompt_len"] == 4096 and bf16 else ""
         rows.append((f"prefill {p['prompt_len']:,} tokens", f"{_n(p['tok_s'])} tok/s, TTFT {_n(1e3 * p['ttft_s'])} ms",
                      f"{_n(p['tflops'])} of {mm}", _pct(p, "pct_matmul"), goal))
+    rows += prefix_rows(r, _n)
     for d in r["decode"]:
         bound = GOALS.get(f"decode_{d['context']}" if bf16 else m["quant"])
         goals = [_goal(d.get("pct_bandwidth"), bound)] if bound and (bf16 or d["context"] == 512) else []
         if m["shape"] == "qwen3-0.6b" and bf16 and d["context"] == 512:
             goals.append(_goal(d["tok_s"], GOALS["qwen3-0.6b_tok_s"], " tok/s"))
         held = f"; KV held {_n(d['kv_held_bytes'] / 2**20)} MiB" if d.get("kv_held_bytes") is not None else ""
-        rows.append((f"decode at context {d['context']:,}", f"{_n(d['tok_s'])} tok/s, {_n(d['ms_per_token'])} ms{held}",
+        joules = (f"{d['joules_per_token']:.3g} J/token" if "joules_per_token" in d
+                  else (r.get("energy") or {}).get("skipped", "n/a (no NVML)").split(":")[0])
+        rows.append((f"decode at context {d['context']:,}",
+                     f"{_n(d['tok_s'])} tok/s, {_n(d['ms_per_token'])} ms, {joules}{held}",
                      f"{_n(d['gb_s'])} of {bw}; {_n(d['bytes_per_token'] / 1e9)} GB/token", _pct(d, "pct_bandwidth"),
                      "; ".join(goals)))
     if r["verify"]:
