@@ -144,15 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve_bench_arguments(bench_sub.add_parser(
         "serve", formatter_class=fmt, help="load-test a server (--url, or --model started for the run): throughput, "
                                            "TTFT/TPOT/ITL percentiles, prefix-cache hits, acceptance (vLLM's names)"))
-    tp = bench_sub.add_parser("throughput", help="batched decode tok/s, KV bytes per token, prefix-cache hits",
-                              formatter_class=fmt)
-    tp.add_argument("--model", default=None, help="model to measure (default: the default model)")
-    tp.add_argument("--dtype", default="auto", help=EngineArgs.HELP["dtype"])
-    tp.add_argument("--device", default="auto", help=EngineArgs.HELP["device"])
-    tp.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64], help="sequences decoded at once")
-    tp.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per sequence")
-    tp.add_argument("--output-len", type=int, default=64, help="output tokens per sequence")
-    tp.add_argument("--json", default=None, help="also write the results to this JSON file")
+    from .bench.throughput import add_arguments as throughput_arguments
+    throughput_arguments(bench_sub.add_parser(
+        "throughput", formatter_class=fmt, help="batched decode tok/s against the batch's bandwidth limit (--shape "
+                                                "/ --quant or --model), speculating too; KV bytes, prefix-cache hits"))
     sp = bench_sub.add_parser("spec", help="speculative decoding: tau, tok/s and speedup over plain decoding",
                               formatter_class=fmt)
     sp.add_argument("--model", default=None, help="target model (default: the default model)")
@@ -351,12 +346,12 @@ def cmd_bench(args) -> int:
         return serve.main(args)
     if args.bench in (None, "speed"):  # speed picks its own model: --model, --shape or the default model
         return speed.main(args if args.bench else build_parser().parse_args(["bench", "speed"]))
-    if args.bench in ("prefill", "kv-pool"):  # as speed: --model or --shape
-        return (prefill if args.bench == "prefill" else kv_pool).main(args)
+    if args.bench in ("prefill", "kv-pool", "throughput"):  # as speed: --model or --shape
+        return {"prefill": prefill, "kv-pool": kv_pool, "throughput": throughput}[args.bench].main(args)
     if args.model is None:
         from .default_model import default_model_path
         args.model = str(default_model_path())
-    return {"throughput": throughput, "kv-quality": kv_quality, "spec": spec}[args.bench].main(args)
+    return {"kv-quality": kv_quality, "spec": spec}[args.bench].main(args)
 
 
 COMMANDS = {"serve": cmd_serve, "generate": cmd_generate, "chat": cmd_chat, "convert": cmd_convert, "bench": cmd_bench}

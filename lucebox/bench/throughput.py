@@ -1,10 +1,14 @@
-"""`lucebox bench throughput`: batched decode throughput, KV bytes per token, prefix-cache hit rate.
+"""`lucebox bench throughput`: batched decode throughput against the batch's bandwidth limit, KV bytes per
+token, prefix-cache hit rate.
 
-Output tok/s at several concurrency levels is reported with its ratio to one sequence, measured
-in the same run, so the figure says how much continuous batching buys on this machine.
+Output tok/s at several concurrency levels (a checkpoint, or random weights of a named --shape / --quant
+like `bench speed`), with its ratio to one sequence measured in the same run, and the limit of that batch
+(bench/batch_limits.py): the weights read once a step plus every sequence's KV (and recurrent state) read a
+step, at the GEMV bandwidth measured in the same run. With --spec-method each level runs speculating too.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import time
@@ -13,29 +17,54 @@ import torch
 
 from ..config import EngineArgs
 from ..engine.engine import LLMEngine
+from ..errors import RequestError
 from ..model.cache_spec import kv_bytes_per_token
 from ..model.kv_cache import CACHE_TYPES
-from ..model.loader import load_model
+from ..model.loader import resolve_device
 from ..sampling import SamplingParams
+from . import batch_limits, shapes
 
 
-def _run_batch(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[int, float]:
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="checkpoint to measure (default: --shape, else the default model)")
+    p.add_argument("--shape", default=None, help=f"random weights of a named shape: {', '.join(shapes.SHAPES)}")
+    p.add_argument("--quant", default=None, help=f"weights of --shape: {', '.join(shapes.QUANTS)} (default bf16)")
+    p.add_argument("--dtype", default="auto", help=EngineArgs.HELP["dtype"])
+    p.add_argument("--device", default="auto", help=EngineArgs.HELP["device"])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64, 128], help="sequences decoded at once")
+    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per sequence")
+    p.add_argument("--output-len", type=int, default=64, help="output tokens per sequence")
+    p.add_argument("--spec-method", default=None, choices=["dflash", "draft_model", "ngram"],
+                   help="also measure each level speculating (ngram needs no --draft)")
+    p.add_argument("--draft", default=None, help="drafter of --spec-method dflash / draft_model")
+    p.add_argument("--spec-tokens", type=int, default=None, help="draft tokens per step (default: the method's)")
+    p.add_argument("--cuda-graph-max-batch", type=int, default=EngineArgs.cuda_graph_max_batch,
+                   help=EngineArgs.HELP["cuda_graph_max_batch"])
+    p.add_argument("--no-reference", action="store_true", help="skip the GEMV bandwidth (and so the limits)")
+    p.add_argument("--no-hit-rate", action="store_true", help="skip the multi-turn prefix-cache hit rate")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
+    p.add_argument("--json", default=None, help="also write the results to this JSON file")
+
+
+def _run_batch(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[int, float, int]:
+    """(tokens decoded once every prompt was prefilled, their seconds, sequence-steps that produced them)."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"b{i}", {"prompt_token_ids": p}, params)
     # Time decode only: run until every prompt is prefilled, then count the tokens produced after.
-    produced, start = 0, None
+    start, before, done, advanced = None, 0, 0, 0
     while engine.has_unfinished():
         outs = engine.step()
-        if start is None and all(s.num_computed >= len(s.prompt_token_ids) for s in engine.scheduler.running) \
+        done += sum(len(o.outputs[0].token_ids) for o in outs if o.finished)
+        if start is not None:
+            advanced += len(outs)  # sequences that advanced this step (speculating: by one token or more)
+        elif all(s.num_computed >= len(s.prompt_token_ids) for s in engine.scheduler.running) \
                 and not engine.scheduler.waiting:
             _sync(engine)
-            start, produced = time.perf_counter(), 0
-            continue
-        if start is not None:
-            produced += len(outs)  # one token per sequence per decode step
+            start = time.perf_counter()
+            before = done + sum(len(s.output_token_ids) for s in engine.scheduler.running)
     _sync(engine)
-    return produced, time.perf_counter() - start
+    return done - before, time.perf_counter() - start, advanced
 
 
 def _sync(engine):
@@ -64,29 +93,64 @@ def multi_turn_hit_rate(engine: LLMEngine, conversations: int, turns: int, rng: 
     return cached / prompt_tokens
 
 
+def _engine(loaded, args, **extra) -> LLMEngine:
+    return LLMEngine.from_args(EngineArgs(
+        model=loaded.source, max_num_seqs=max(args.concurrency), max_model_len=args.prompt_len + args.output_len + 64,
+        enable_prefix_caching=False, cuda_graph_max_batch=args.cuda_graph_max_batch, **extra), loaded)
+
+
+def _measure(engine: LLMEngine, n: int, args, rng: random.Random) -> dict:
+    vocab = engine.model.config.vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(n)]
+    _run_batch(engine, prompts, 4)  # warm-up: this batch size's shapes compiled, its graphs captured
+    tokens, seconds, advanced = _run_batch(engine, prompts, args.output_len)
+    return {"output_tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
+            "tokens_per_sequence_step": tokens / advanced if advanced else None}
+
+
+def _spec_config(args) -> dict | None:
+    if args.spec_method is None:
+        return None
+    if args.spec_method != "ngram" and not args.draft:
+        raise RequestError(f"--spec-method {args.spec_method} needs --draft")
+    config = {"method": args.spec_method, **({"model": args.draft} if args.draft else {})}
+    return dict(config, num_speculative_tokens=args.spec_tokens) if args.spec_tokens else config
+
+
 def run(args) -> dict:
-    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
-    engine_args = EngineArgs(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=max(args.concurrency),
-                             max_model_len=args.prompt_len + args.output_len + 64, enable_prefix_caching=False)
-    engine = LLMEngine.from_args(engine_args, loaded)
-    rng = random.Random(0)
-    vocab = loaded.config.vocab_size
+    if min(args.concurrency) < 1 or args.prompt_len < 1 or args.output_len < 2:
+        raise RequestError("--concurrency values and --prompt-len must be positive, --output-len at least 2")
+    spec = _spec_config(args)
+    device = resolve_device(args.device)
+    loaded, quant = shapes.load_under_test(args.model, args.shape, args.quant, args.dtype, device, args.seed)
+    from .speed import Clock, reference
+    ref = None if args.no_reference else reference(device, Clock(device))
+    rng = random.Random(args.seed)
     rows = []
+    engine = _engine(loaded, args)
     for n in args.concurrency:
-        prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(n)]
-        _run_batch(engine, prompts[:1], 4)  # warm-up
-        tokens, seconds = _run_batch(engine, prompts, args.output_len)
-        rows.append({"concurrency": n, "output_tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds})
+        rows.append(dict(_measure(engine, n, args, rng), concurrency=n, spec=None))
+    del engine
+    if spec is not None:
+        engine = _engine(loaded, args, speculative_config=spec)
+        for row in rows:
+            row["spec"] = _measure(engine, row["concurrency"], args, rng)
+        del engine
     base = rows[0]["tok_s"]
     for row in rows:
         row["ratio_to_1"] = row["tok_s"] / base
+        row.update(batch_limits.limit(loaded.model, row["concurrency"], args.prompt_len, args.output_len, ref))
+        if "limit_tok_s" in row:
+            row["pct_limit"] = 100 * row["tok_s"] / row["limit_tok_s"]
     cfg, dtype = loaded.config, loaded.model.dtype
     kv = {t: kv_bytes_per_token(loaded.model, t, t) for t in CACHE_TYPES[1:] if _supported(t, cfg.head_dim)}
-    cached_engine = LLMEngine.from_args(EngineArgs(model=args.model, dtype=args.dtype, device=args.device,
-                                                   max_model_len=2048), loaded)
-    hit = multi_turn_hit_rate(cached_engine, conversations=8, turns=4, rng=rng)
-    return {"model": args.model, "device": str(loaded.model.device), "dtype": str(dtype).replace("torch.", ""),
-            "prompt_len": args.prompt_len, "output_len": args.output_len, "throughput": rows,
+    hit = None
+    if not args.no_hit_rate:
+        cached_engine = LLMEngine.from_args(EngineArgs(model=loaded.source, max_model_len=2048), loaded)
+        hit = multi_turn_hit_rate(cached_engine, conversations=8, turns=4, rng=rng)
+    return {"model": loaded.source, "shape": args.shape, "quant": quant, "device": str(loaded.model.device),
+            "dtype": str(dtype).replace("torch.", ""), "meta": shapes.run_metadata(args, device), "reference": ref,
+            "prompt_len": args.prompt_len, "output_len": args.output_len, "spec_config": spec, "throughput": rows,
             "kv_bytes_per_token": kv, "multi_turn_prefix_hit_rate": hit}
 
 
@@ -94,17 +158,34 @@ def _supported(cache_type: str, head_dim: int) -> bool:
     return cache_type not in ("q8_0", "q4_0") or head_dim % 32 == 0
 
 
+def _fmt(x: float) -> str:
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+
 def print_report(result: dict) -> None:
-    print(f"model {result['model']} on {result['device']} ({result['dtype']}), "
-          f"prompt {result['prompt_len']} tokens, {result['output_len']} output tokens per sequence\n")
-    print("| concurrent sequences | output tok/s | ratio to 1 |\n|---:|---:|---:|")
+    ref = result["reference"]
+    quant = "" if result["quant"] in result["model"] else f" ({result['quant']})"
+    print(f"model {result['model']}{quant} on {result['device']} ({result['dtype']}), prompt "
+          f"{result['prompt_len']} tokens, {result['output_len']} output tokens per sequence"
+          + (f"; GEMV bandwidth {_fmt(ref['gemv_gb_s'])} GB/s" if ref else "") + "\n")
+    spec = result["spec_config"]
+    print("| concurrent sequences | output tok/s | ratio to 1 | GB a step (weights + KV) | limit tok/s | % of limit |"
+          + (f" speculative ({spec['method']}) tok/s | tokens a sequence-step |" if spec else "")
+          + "\n|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if spec else ""))
     for row in result["throughput"]:
-        print(f"| {row['concurrency']} | {row['tok_s']:.1f} | {row['ratio_to_1']:.2f}x |")
+        limit = (f"{_fmt(row['limit_tok_s'])} | {row['pct_limit']:.1f}%" if "limit_tok_s" in row else "- | -")
+        line = (f"| {row['concurrency']} | {_fmt(row['tok_s'])} | {row['ratio_to_1']:.2f}x | "
+                f"{_fmt(row['weight_bytes_per_step'] / 1e9)} + {_fmt(row['kv_bytes_per_step'] / 1e9)} | {limit} |")
+        if row["spec"]:
+            s = row["spec"]
+            line += f" {_fmt(s['tok_s'])} | {s['tokens_per_sequence_step'] or 0:.2f} |"
+        print(line)
     print("\n| KV cache type (K and V) | bytes per token |\n|---|---:|")
     for name, size in result["kv_bytes_per_token"].items():
         print(f"| {name} | {size:,.0f} |")
-    print(f"\nprefix-cache hit rate, 8 conversations x 4 turns sharing a system prompt: "
-          f"{100 * result['multi_turn_prefix_hit_rate']:.1f}% of prompt tokens")
+    if result["multi_turn_prefix_hit_rate"] is not None:
+        print(f"\nprefix-cache hit rate, 8 conversations x 4 turns sharing a system prompt: "
+              f"{100 * result['multi_turn_prefix_hit_rate']:.1f}% of prompt tokens")
 
 
 def main(args) -> int:
@@ -112,5 +193,5 @@ def main(args) -> int:
     print_report(result)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+            json.dump(result, f, indent=2, default=str)
     return 0
