@@ -112,7 +112,7 @@ def tensor_bytes(shape: tuple[int, ...], qtype: Q) -> int:
 
 
 def _metadata(w: GGUFWriter, cfg: ModelConfig, quant: str, arch: str) -> None:
-    want = FLOAT_TYPES.get(quant) or shapes.QUANT_MIXES[quant][0]
+    want = FLOAT_TYPES[quant] if quant in FLOAT_TYPES else shapes.QUANT_MIXES[quant][0]  # Q.F32 is 0: falsy
     write_shape_metadata(w, cfg, f"random {cfg.family} for lucebox bench speed", want, FILE_TYPES[quant])
     if arch == gguf_gemma4_config.ARCH:
         gguf_gemma4_config.write_gemma4_keys(w, cfg)

@@ -338,10 +338,11 @@ def run(args: argparse.Namespace) -> dict:
         total = n + args.decode_tokens + VERIFY_TOKENS
         return total <= limit and kv_tables.pool_bytes(loaded.model, specs, total, EngineArgs.block_size,
                                                        EngineArgs.max_num_batched_tokens) < free
-    for n in [*args.prefix_lens, *args.suffix_lens]:
-        if n < 1 or n + 2 * max(args.suffix_lens) + 64 > limit:
-            raise RequestError(f"--prefix-lens / --suffix-lens {n} does not fit: lengths are positive and a prefix "
-                               f"with two of the longest suffixes fits the model's {limit} positions")
+    longest_turn = max(args.prefix_lens, default=0) + 2 * max(args.suffix_lens) + 64  # prefix_engine's pool
+    if min([*args.prefix_lens, *args.suffix_lens]) < 1 or (args.prefix_lens and longest_turn > limit):
+        raise RequestError(f"--prefix-lens {args.prefix_lens} / --suffix-lens {args.suffix_lens} do not fit: lengths "
+                           f"are positive and the longest prefix with two of the longest suffixes (and 64) fits the "
+                           f"model's {limit} positions")
     prompt_lens = [] if "prefill" in skip else _lengths(args.prompt_lens, "prompt-lens", limit, fits, notes)
     contexts = [] if "decode" in skip else _lengths(args.contexts, "contexts", limit, fits, notes)
     longest = max([64, *prompt_lens, *contexts]) + args.decode_tokens + VERIFY_TOKENS
