@@ -10,6 +10,7 @@ is None and the report says "n/a (no NVML)".
 from __future__ import annotations
 
 import bisect
+import itertools
 import threading
 import time
 
@@ -35,7 +36,7 @@ def integrate(samples: list[tuple[float, float]], t0: float, t1: float) -> float
         return pa + (pb - pa) * (t - ta) / (tb - ta)
     inside = [(t, p) for t, p in samples if t0 < t < t1]
     points = [(t0, power_at(t0)), *inside, (t1, power_at(t1))]
-    return sum((tb - ta) * (pa + pb) / 2 for (ta, pa), (tb, pb) in zip(points, points[1:]))
+    return sum((tb - ta) * (pa + pb) / 2 for (ta, pa), (tb, pb) in itertools.pairwise(points))
 
 
 class PowerMeter:
@@ -61,7 +62,7 @@ class PowerMeter:
             self._read()
             self._stop.wait(self.interval)
 
-    def __enter__(self) -> "PowerMeter":
+    def __enter__(self) -> PowerMeter:
         self._read()
         self._thread.start()
         return self

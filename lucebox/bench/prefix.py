@@ -91,9 +91,8 @@ def report_rows(r: dict, n) -> list[tuple[str, str, str, str, str]]:
         peer = (f"; llama.cpp {n(1e3 * x['llama_cpp_ttft_s'])} ms" if "llama_cpp_ttft_s" in x
                 else "; llama.cpp not measured")
         ratio = f"{x['llama_cpp_ttft_ratio']:.2f}x llama.cpp" if "llama_cpp_ttft_ratio" in x else ""
-        rows.append((f"{x['suffix_len']:,} tokens on a cached {x['prefix_len']:,}-token prefix "
-                     f"({x['cached_tokens']:,} cached)",
-                     f"TTFT {n(1e3 * x['ttft_s'])} ms, {n(x['tok_s'])} tok/s",
-                     f"fresh {x['suffix_len']:,}-token prompt {n(1e3 * x['fresh_ttft_s'])} ms; fresh prefix "
-                     f"{n(1e3 * x['fresh_prefix_ttft_s'])} ms{peer}", ratio, ""))
+        measure = f"{x['suffix_len']:,} tokens on a cached {x['prefix_len']:,}-token prefix ({x['cached_tokens']:,} cached)"
+        beside = (f"fresh {x['suffix_len']:,}-token prompt {n(1e3 * x['fresh_ttft_s'])} ms; fresh prefix "
+                  f"{n(1e3 * x['fresh_prefix_ttft_s'])} ms{peer}")
+        rows.append((measure, f"TTFT {n(1e3 * x['ttft_s'])} ms, {n(x['tok_s'])} tok/s", beside, ratio, ""))
     return rows

@@ -133,3 +133,39 @@ mode_compare() {
     done
   done
 }
+
+#: short-prefill  issue 33 item 1: bench speed TTFT of 128/256/512 new tokens fresh and on a cached 4K / 16K
+#:              prefix (its cached-token count checked), decode at 512 with joules per token, on qwen3-8b bf16
+#:              and q4_k_m and qwen3-0.6b bf16; then scripts/profile_prefill.py of one 256-token suffix on a
+#:              cached 16K prefix (8b) and one fresh 512-token prompt (0.6b): top ops, syncs (~8 min; PEER=1
+#:              adds llama-bench's pp N at depth P, needs .llama/bin/llama-bench carried, and more time)
+mode_short_prefill() {
+  local sq peer=(--skip verify forced spec peer)
+  [ "${PEER:-0}" = 1 ] && peer=(--skip verify forced spec --peer llama.cpp)
+  for sq in qwen3-8b:bf16:130 qwen3-8b:q4_k_m:130 qwen3-0.6b:bf16:80; do  # shape:quant:seconds
+    IFS=: read -r shape quant seconds <<< "$sq"
+    set -- $shape $quant
+    bench "short-prefill-$1-$2" "$seconds" --shape $1 --quant $2 --prompt-lens 128 256 512 \
+      --contexts 512 --prefix-lens 4096 16384 --suffix-lens 128 256 512 "${peer[@]}"
+  done
+  for sq in qwen3-8b:bf16:16384:256 qwen3-8b:q4_k_m:16384:256 qwen3-0.6b:bf16:0:512; do
+    IFS=: read -r shape quant prefix tokens <<< "$sq"
+    step "profile-prefill-$shape-$quant" 55 python3 scripts/profile_prefill.py --shape $shape --quant $quant \
+      --prefix-len $prefix --tokens $tokens --rows 15
+    sed -n '1p;/top operators by device time/,/^$/p;/host-device syncs/,$p' \
+      "$out/profile-prefill-$shape-$quant.log" | cut -c1-200 | head -n 45
+  done
+}
+
+#: throughput   issue 33 item 6: bench throughput on qwen3-8b bf16 and q4_k_m at 1/8/32/64 sequences (prompt
+#:              128, 64 out), plain and with n-gram speculation, against each batch's bandwidth limit (~8 min);
+#:              THROUGHPUT_ARGS adds flags, e.g. "--concurrency 1 8 32 64 128"
+mode_throughput() {
+  local quant
+  for quant in bf16 q4_k_m; do
+    step "throughput-8b-$quant" "${SECONDS_THROUGHPUT:-250}" python3 -m lucebox.cli bench throughput \
+      --shape qwen3-8b --quant $quant --concurrency 1 8 32 64 --cuda-graph-max-batch 64 --spec-method ngram \
+      --no-hit-rate --json "$out/throughput-8b-$quant.json" ${THROUGHPUT_ARGS:-}
+    sed -n '/^model /p;/^| concurrent/,/^$/p' "$out/throughput-8b-$quant.log"
+  done
+}

@@ -75,7 +75,7 @@ def test_llama_bench_times_the_suffix_at_the_prefix_depth_as_the_peer(tmp_path):
     prefix.peer_ratios(rows, result["peer"]["prefix"])
     assert rows[0]["llama_cpp_ttft_s"] == pytest.approx(4096 / 2925.71)
     assert rows[0]["llama_cpp_ttft_ratio"] == pytest.approx(2.0 / (4096 / 2925.71))
-    table = dict((r[0], r) for r in prefix.report_rows({"prefix": rows}, speed_report._n))
+    table = {r[0]: r for r in prefix.report_rows({"prefix": rows}, speed_report._n)}
     assert table["4,096 tokens on a cached 512-token prefix (64 cached)"][3] == \
         f"{2.0 / (4096 / 2925.71):.2f}x llama.cpp"
 
