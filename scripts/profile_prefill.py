@@ -25,9 +25,10 @@ from lucebox.bench.speed import Clock, default_args, engine_args
 
 # Host calls that wait for the device (on CUDA); counted by call site in the profiled step.
 SYNCING_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__")
-# Profiler events that are (or imply) a host wait: CUDA runtime syncs, blocking copies, .item()'s op.
-SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
-               "aten::_local_scalar_dense")
+# Profiler events that are a host wait: CUDA runtime syncs and .item()'s op (bool(), int() too) ...
+SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense")
+# ... and the runtime's copies (device-to-host ones wait; host-to-device ones from pinned memory do not).
+COPY_EVENTS = ("cudaMemcpy",)
 
 
 @contextlib.contextmanager
@@ -99,9 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         print(events.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=70))
     print("\ntop operators by host time:")
     print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=70))
-    syncs = {e.key: e.count for e in events if any(e.key.startswith(name) for name in SYNC_EVENTS)}
-    print("host-device syncs in the step (profiler events): "
-          + (", ".join(f"{k} x{v}" for k, v in sorted(syncs.items())) or "none seen"))
+    for label, names in (("host-device syncs", SYNC_EVENTS), ("runtime copies", COPY_EVENTS)):
+        seen = {e.key: e.count for e in events if e.key.startswith(names)}
+        print(f"{label} in the step (profiler events): "
+              + (", ".join(f"{k} x{v}" for k, v in sorted(seen.items())) or "none seen"))
     print(f"syncing tensor calls (item / tolist / cpu / numpy / bool / int / float): {sum(calls.values())} in all")
     for site, n in calls.most_common(args.rows):
         print(f"  {n:5d}  {site}")

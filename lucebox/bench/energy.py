@@ -95,8 +95,9 @@ def open_meter(device) -> tuple[PowerMeter | None, str | None]:
     try:
         import torch
         pynvml.nvmlInit()
-        uuid = str(torch.cuda.get_device_properties(device).uuid)
-        handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+        uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", ""))
+        handle = (pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}") if uuid
+                  else pynvml.nvmlDeviceGetHandleByIndex(device.index or 0))
         pynvml.nvmlDeviceGetPowerUsage(handle)
     except Exception as e:  # noqa: BLE001 - any NVML failure means no energy figure, never a failed bench
         return None, f"n/a (no NVML): {e}"

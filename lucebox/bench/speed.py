@@ -206,7 +206,7 @@ def engine_phase(engine, loaded, args, prompt_lens, contexts, kv: int, ref, cloc
             prompt = [rng.randrange(loaded.config.vocab_size) for _ in range(length)]
             ttft, (t0, t1), ids, held = _request(engine, clock, prompt,
                                                  1 + args.decode_tokens if length in contexts else 1)
-            joules = meter.joules(t0, t1)["joules"] if meter and length in contexts else None
+            joules = meter.joules(t0, t1) if meter and length in contexts else None
             runs += [(ttft, t1 - t0, joules)] if r else []
         last[length] = (prompt, ids)
         if length in prompt_lens:
@@ -225,8 +225,11 @@ def engine_phase(engine, loaded, args, prompt_lens, contexts, kv: int, ref, cloc
                                           "state_bytes_per_token": state, "kv_bytes_per_token": kv,
                                           "kv_read_bytes": kv_read, "kv_held_bytes": held,
                                           "bytes_per_token": wbytes + state + kv_read}, ref))
-            if meter:  # energy of the median run's tokens: joules over each run's decode, the median
-                decode[-1]["joules_per_token"] = statistics.median(j for _, _, j in runs) / args.decode_tokens
+            if meter:  # the median over runs of each decode's joules; the board's counter too, where kept
+                decode[-1]["joules_per_token"] = statistics.median(j["joules"] for *_, j in runs) / args.decode_tokens
+                counted = [j["counter_joules"] for *_, j in runs if j["counter_joules"] is not None]
+                decode[-1]["counter_joules_per_token"] = (statistics.median(counted) / args.decode_tokens
+                                                          if counted else None)
             _say(f"decode at {length}: {decode[-1]['tok_s']:,.1f} tok/s, KV held {held / 2**20:,.1f} MiB")
     return prefill, decode, last
 

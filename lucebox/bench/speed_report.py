@@ -47,7 +47,8 @@ def report_rows(r: dict) -> list[tuple[str, str, str, str, str]]:
         if m["shape"] == "qwen3-0.6b" and bf16 and d["context"] == 512:
             goals.append(_goal(d["tok_s"], GOALS["qwen3-0.6b_tok_s"], " tok/s"))
         held = f"; KV held {_n(d['kv_held_bytes'] / 2**20)} MiB" if d.get("kv_held_bytes") is not None else ""
-        joules = (f"{d['joules_per_token']:.3g} J/token" if "joules_per_token" in d
+        counter = f" (counter {d['counter_joules_per_token']:.3g})" if d.get("counter_joules_per_token") else ""
+        joules = (f"{d['joules_per_token']:.3g} J/token{counter}" if "joules_per_token" in d
                   else (r.get("energy") or {}).get("skipped", "n/a (no NVML)").split(":")[0])
         rows.append((f"decode at context {d['context']:,}",
                      f"{_n(d['tok_s'])} tok/s, {_n(d['ms_per_token'])} ms, {joules}{held}",

@@ -85,15 +85,17 @@ def test_decode_rows_carry_joules_per_token_of_their_timed_decode(monkeypatch):
             pass
 
         def joules(self, t0, t1):
-            return {"joules": 2.0 * (t1 - t0), "counter_joules": None, "samples": 1}
+            return {"joules": 2.0 * (t1 - t0), "counter_joules": 3.0 * (t1 - t0), "samples": 1}
     monkeypatch.setattr(energy, "open_meter", lambda device: (Steady(), None))
     result = speed.run(speed.default_args(shape="tiny", quant="f32", device="cpu", prompt_lens=[16], contexts=[16, 32],
                                           decode_tokens=4, repeats=1, skip=["verify", "forced", "spec", "peer"]))
     for d in result["decode"]:
         assert d["joules_per_token"] == pytest.approx(2.0 / d["tok_s"])
+        assert d["counter_joules_per_token"] == pytest.approx(3.0 / d["tok_s"])
     assert result["energy"]["source"] == "NVML power"
     row = next(r for r in speed_report.report_rows(result) if r[0] == "decode at context 16")
-    assert f"{2.0 / result['decode'][0]['tok_s']:.3g} J/token" in row[1]
+    tok_s = result["decode"][0]["tok_s"]
+    assert f"{2.0 / tok_s:.3g} J/token (counter {3.0 / tok_s:.3g})" in row[1]
 
 
 # ------------------------------------------------------------------------------------------- throughput

@@ -94,7 +94,7 @@ def test_profile_prefill_runs_on_cpu_and_prints_ops_and_syncs_by_call_site(capsy
     out = capsys.readouterr().out
     assert "32 new tokens on a 64-token prefix (64 served from the prefix cache)" in out
     assert "top operators by host time:" in out and "aten::mm" in out
-    assert "host-device syncs in the step (profiler events):" in out
+    assert "host-device syncs in the step (profiler events):" in out and "runtime copies in the step" in out
     lines = out.split("syncing tensor calls")[1].splitlines()
     total = int(lines[0].split(":")[1].split()[0])
     sites = [int(line.split()[0]) for line in lines[1:] if "Tensor." in line]
