@@ -35,6 +35,7 @@ from ..model.cache_spec import kv_bytes_per_token
 from ..model.loader import resolve_device
 from ..sampling import SamplingParams
 from . import drafter_shapes, kv_tables, shapes
+from .flags import add_model_flags, add_run_flags
 from .speed import Clock, engine_args
 
 DEFAULT_CONTEXTS = (8192, 32768, 131072, 262144)
@@ -45,12 +46,7 @@ MIB = 2 ** 20
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="checkpoint to measure instead of --shape")
-    p.add_argument("--shape", default=None, help=f"random weights of a named shape (default qwen3-8b): "
-                                                 f"{', '.join(shapes.SHAPES)}")
-    p.add_argument("--quant", default=None, help=f"weights of --shape: {', '.join(shapes.QUANTS)} (default bf16)")
-    p.add_argument("--dtype", default="auto", help=EngineArgs.HELP["dtype"])
-    p.add_argument("--device", default="auto", help=EngineArgs.HELP["device"])
+    add_model_flags(p, shape_default="qwen3-8b")
     p.add_argument("--contexts", type=int, nargs="+", default=list(DEFAULT_CONTEXTS), help="prompt lengths")
     p.add_argument("--full-contexts", type=int, nargs="*", default=None,
                    help="contexts also run with the full KV (default: all of --contexts; none if given empty)")
@@ -64,12 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also time DFlash speculation with the drafter's KV pooled to this many tokens and without")
     p.add_argument("--draft-contexts", type=int, nargs="+", default=None,
                    help="contexts of the drafter rows (default: the longest full-KV context)")
-    p.add_argument("--cache-type-k", default="auto", help=EngineArgs.HELP["cache_type_k"])
-    p.add_argument("--cache-type-v", default="auto", help=EngineArgs.HELP["cache_type_v"])
-    p.add_argument("--enforce-eager", dest="cuda_graphs", action="store_const", const=False, default=None,
-                   help=EngineArgs.HELP["enforce_eager"])
-    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
-    p.add_argument("--json", default=None, help="also write every figure and the run's metadata to this JSON file")
+    add_run_flags(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

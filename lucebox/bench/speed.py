@@ -42,6 +42,7 @@ from ..model.cache_spec import bytes_per_sequence, kv_bytes_per_token
 from ..model.loader import resolve_device
 from ..sampling import SamplingParams
 from . import energy, kv_tables, limits, llama_cpp, prefix, shapes, transformers_peer
+from .flags import add_model_flags, add_run_flags
 from .forced import forced_phase
 from .speed_report import print_report
 
@@ -52,11 +53,7 @@ PEERS = ("transformers", "llama.cpp")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="checkpoint to measure (default: --shape, else the default model)")
-    p.add_argument("--shape", default=None, help=f"random weights of a named shape: {', '.join(shapes.SHAPES)}")
-    p.add_argument("--quant", default=None, help=f"weights of --shape: {', '.join(shapes.QUANTS)} (default bf16)")
-    p.add_argument("--dtype", default="auto", help=EngineArgs.HELP["dtype"])
-    p.add_argument("--device", default="auto", help=EngineArgs.HELP["device"])
+    add_model_flags(p)
     for flag, what in (("--prompt-lens", "prefill prompt lengths"), ("--contexts", "decode contexts")):
         p.add_argument(flag, type=int, nargs="+", default=None,
                        help=f"{what} (default: those of 512 4096 32768 that fit the model and memory)")
@@ -83,12 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-method", default=None, choices=["dflash", "draft_model", "ngram"],
                    help="speculative method (default: dflash with --draft; ngram needs no --draft)")
     p.add_argument("--spec-tokens", type=int, default=None, help="draft tokens per step (default: the method's)")
-    p.add_argument("--cache-type-k", default="auto", help=EngineArgs.HELP["cache_type_k"])
-    p.add_argument("--cache-type-v", default="auto", help=EngineArgs.HELP["cache_type_v"])
-    p.add_argument("--enforce-eager", dest="cuda_graphs", action="store_const", const=False, default=None,
-                   help=EngineArgs.HELP["enforce_eager"])
-    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
-    p.add_argument("--json", default=None, help="also write every figure and the run's metadata to this JSON file")
+    add_run_flags(p)
 
 
 def default_args(**overrides) -> argparse.Namespace:

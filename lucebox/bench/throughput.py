@@ -23,14 +23,11 @@ from ..model.kv_cache import CACHE_TYPES
 from ..model.loader import resolve_device
 from ..sampling import SamplingParams
 from . import batch_limits, shapes
+from .flags import add_model_flags
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="checkpoint to measure (default: --shape, else the default model)")
-    p.add_argument("--shape", default=None, help=f"random weights of a named shape: {', '.join(shapes.SHAPES)}")
-    p.add_argument("--quant", default=None, help=f"weights of --shape: {', '.join(shapes.QUANTS)} (default bf16)")
-    p.add_argument("--dtype", default="auto", help=EngineArgs.HELP["dtype"])
-    p.add_argument("--device", default="auto", help=EngineArgs.HELP["device"])
+    add_model_flags(p)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64, 128], help="sequences decoded at once")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per sequence")
     p.add_argument("--output-len", type=int, default=64, help="output tokens per sequence")
