@@ -169,3 +169,13 @@ mode_throughput() {
     sed -n '/^model /p;/^| concurrent/,/^$/p' "$out/throughput-8b-$quant.log"
   done
 }
+
+#: pflash       issue 29: bench prefill (exact vs scored TTFT, scorer qwen3-0.6b, target qwen3-8b bf16, 32K / 128K,
+#:              keep 0.1 / 0.2), then scripts/check_pflash_interleave.py (decode stall of a running request while a
+#:              128K prompt scores) (~8 min; PFLASH_ARGS adds bench prefill flags)
+mode_pflash() {
+  step pflash-prefill 380 python3 -m lucebox.cli bench prefill --scorer qwen3-0.6b --shape qwen3-8b --quant bf16 \
+    --prompt-lens 32768 131072 --keep-ratio 0.1 0.2 --json "$out/pflash-prefill.json" ${PFLASH_ARGS:-}
+  step pflash-interleave 150 python3 scripts/check_pflash_interleave.py --shape qwen3-8b --scorer qwen3-0.6b \
+    --prompt-len 131072
+}
