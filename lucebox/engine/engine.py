@@ -433,12 +433,9 @@ class LLMEngine:
                     seq = row.seq
                     # A tree's draft length is its depth: the chain it stands in for.
                     drafted = max(row.depths) if row.depths is not None else len(row.draft.tokens)
-                    # a tree's top-1 chain is rows 1..draft.chain (first in DFS order); past its last node
-                    # in the tree the chain's fate is unknown: counted as rejected there (a lower bound)
+                    # a tree's top-1 chain is rows 1..depth (best-first takes it first at each depth; DFS order)
                     chain = (next((j for j, r in enumerate(verdict.rows) if r != j), len(verdict.rows)) - 1
                              if verdict.rows is not None else None)
-                    if chain is not None and row.draft.chain is not None:
-                        chain = min(chain, row.draft.chain)
                     self.speculator.record(seq, drafted, verdict.num_accepted, chain)
                     taps, at = features, row.offset
                     if verdict.rows is not None and isinstance(features, RingRows):  # a graph step's ring rows

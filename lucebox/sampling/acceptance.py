@@ -40,7 +40,6 @@ class Draft:
     # A draft tree (spec/tree.py): tokens in DFS order, each node's parent row (0: the pending token);
     # None: a chain. Trees are deterministic (probs None) and accepted by sampling/tree_acceptance.py.
     parents: list[int] | None = None
-    chain: int | None = None  # a tree's rows 1..chain are its top-1 chain's nodes (None: every leading row)
 
     @property
     def is_tree(self) -> bool:

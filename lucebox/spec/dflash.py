@@ -306,7 +306,7 @@ class DFlashProposer(Proposer):
         logits = self._draft_logits(seq, k)
         if self.tree_budget is not None:  # from the drafter's own distributions, at temperature 1
             tree = build_tree(logits.float().log_softmax(-1), self.tree_budget)
-            return Draft(tree.tokens, parents=tree.parents, chain=tree.chain)
+            return Draft(tree.tokens, parents=tree.parents)
         out = list(seq.output_token_ids)
         if self.graphs is not None and seq.params.keeps_argmax(len(out)):
             return Draft(self.graphs.tokens[:k].tolist())  # the argmax the graph took

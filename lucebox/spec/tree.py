@@ -4,7 +4,8 @@ Slot d of the drafter's block (d = 1..D) predicts the token at depth d below the
 Every depth keeps its top-K tokens (K = BRANCHES), and a node is a path of ranks (r_1..r_d) scored by
 the cumulative log-probability of its tokens. The tree is the `budget` best nodes, best first: a
 max-heap pops the best candidate and pushes its next sibling and its first child (with chain_seed the
-whole top-1 chain is taken first). Ties go to the lexicographically smaller rank path, so the same
+whole top-1 chain is taken first). Either way the top-1 chain reaches the tree's depth (its node is the
+best of each depth, and ties go to it), so rows 1..depth are the chain (the adaptive policy's record). Ties go to the lexicographically smaller rank path, so the same
 distributions always give the same tree.
 
 Measured on the bundled pair (CPU, T = 0, scripts/tree_tau.py; docs/benchmarks-log.md): plain best-first
@@ -38,7 +39,6 @@ class DraftTree:
     parents: list[int]  # each node's parent row (0: the pending token)
     depths: list[int]  # each node's depth (1: a child of the pending token)
     children: list[dict[int, int]] = field(default_factory=list)  # per row: token -> child row
-    chain: int = 0  # rows 1..chain are the top-1 chain's first nodes (DFS order puts them first)
 
     def __post_init__(self):
         if not self.children:
@@ -100,10 +100,7 @@ def tree_of(paths: list[tuple[int, ...]], ids: list[list[int]]) -> DraftTree:
     row = {path: i + 1 for i, path in enumerate(paths)}
     tokens = [ids[len(p) - 1][p[-1]] for p in paths]
     parents = [row[p[:-1]] if len(p) > 1 else 0 for p in paths]
-    chain = 0
-    while chain < len(paths) and paths[chain] == (0,) * (chain + 1):
-        chain += 1
-    return DraftTree(tokens, parents, [len(p) for p in paths], chain=chain)
+    return DraftTree(tokens, parents, [len(p) for p in paths])
 
 
 def depths_of(parents: list[int]) -> list[int]:

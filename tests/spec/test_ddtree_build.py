@@ -52,9 +52,9 @@ def test_tree_equals_the_brute_force_best_first_reference(seed, ties):
         k = min(BRANCHES, vocab)
         assert len(tree.tokens) == min(budget, sum(k ** d for d in range(1, depth + 1)))
         assert tree_nodes(budget, depth) == min(budget, sum(BRANCHES ** d for d in range(1, depth + 1)))
-        spine = tree.chain
-        assert tree.tokens[:spine] == log_probs.argmax(-1)[:spine].tolist() and tree.depths[:spine] == list(range(1, spine + 1))
-        assert spine == depth or (0,) * (spine + 1) not in _rank_paths(log_probs, tree)
+        # rows 1..depth are the top-1 chain (the engine's chain record reads them)
+        spine = max(tree.depths)
+        assert _rank_paths(log_probs, tree)[:spine] == [(0,) * d for d in range(1, spine + 1)]
 
 
 def _rank_paths(log_probs, tree):
@@ -69,7 +69,7 @@ def _rank_paths(log_probs, tree):
 def test_seeded_budget_up_to_the_depth_is_the_top1_chain():
     log_probs = random_log_probs(3, 6, 20)
     tree = build_tree(log_probs, 4, chain_seed=True)
-    assert tree.parents == [0, 1, 2, 3] and tree.depths == [1, 2, 3, 4] and tree.chain == 4
+    assert tree.parents == [0, 1, 2, 3] and tree.depths == [1, 2, 3, 4]
     assert tree.tokens == log_probs.argmax(-1)[:4].tolist()
     assert build_tree(log_probs, 6, chain_seed=True).tokens == log_probs.argmax(-1).tolist()
 
@@ -80,7 +80,7 @@ def test_unseeded_small_budgets_branch_where_the_chain_is_unlikely():
     log_probs[0, 4], log_probs[0, 7] = -0.69, -0.70
     log_probs[1, 2], log_probs[2, 5] = 0.0, -2.0
     tree = build_tree(log_probs, 3)
-    assert (tree.tokens, tree.parents, tree.depths, tree.chain) == ([4, 2, 7], [0, 1, 0], [1, 2, 1], 2)
+    assert (tree.tokens, tree.parents, tree.depths) == ([4, 2, 7], [0, 1, 0], [1, 2, 1])
 
 
 def test_chain_seed_keeps_the_whole_top1_chain_even_when_siblings_score_higher():
