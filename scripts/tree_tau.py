@@ -19,13 +19,13 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from lucebox import LLM, SamplingParams  # noqa: E402
-from lucebox.default_model import BUNDLED, BUNDLED_DRAFTER  # noqa: E402
-from lucebox.sampling.acceptance import Draft  # noqa: E402
-from lucebox.spec import tree as tree_mod  # noqa: E402
-from lucebox.spec.dflash import DFlashProposer  # noqa: E402
+from lucebox import LLM, SamplingParams
+from lucebox.default_model import BUNDLED, BUNDLED_DRAFTER
+from lucebox.sampling.acceptance import Draft
+from lucebox.spec import tree as tree_mod
+from lucebox.spec.dflash import DFlashProposer
 
 # The prompts of tests/spec/test_ddtree_bundled.py (the figure), and others the choices were checked on.
 HELD_OUT = ["def fibonacci(n):", "import numpy as np\n\ndef softmax(x):", "class Stack:\n    def __init__(self):",
@@ -56,11 +56,11 @@ def record(prompts: list[str], tokens: int) -> list[tuple[list[int], torch.Tenso
     finally:
         DFlashProposer._draft_one = original
     data = []
-    for p in outs:
-        missing = [n for n in range(1, tokens) if (p, n) not in seen]
+    for prompt, out in outs.items():
+        missing = [n for n in range(1, tokens) if (prompt, n) not in seen]
         if missing:
             raise RuntimeError(f"no drafter pass recorded at output lengths {missing[:5]}")
-        data.append((outs[p], torch.stack([seen[(p, n)] for n in range(1, tokens)])))
+        data.append((out, torch.stack([seen[(prompt, n)] for n in range(1, tokens)])))
     return data
 
 
