@@ -4,13 +4,13 @@ Slot d of the drafter's block (d = 1..D) predicts the token at depth d below the
 Every depth keeps its top-K tokens (K = BRANCHES), and a node is a path of ranks (r_1..r_d) scored by
 the cumulative log-probability of its tokens. The tree is the `budget` best nodes, best first: a
 max-heap pops the best candidate and pushes its next sibling and its first child (with chain_seed the
-whole top-1 chain is taken first). Either way the top-1 chain reaches the tree's depth (its node is the
-best of each depth, and ties go to it), so rows 1..depth are the chain (the adaptive policy's record). Ties go to the lexicographically smaller rank path, so the same
-distributions always give the same tree.
+whole top-1 chain is taken first). Ties go to the lexicographically smaller rank path, so the same
+distributions always give the same tree, and the top-1 chain reaches the tree's depth (its node is the
+best of each depth): rows 1..depth are the chain the adaptive policy's chain record reads.
 
 Measured on the bundled pair (CPU, T = 0, scripts/tree_tau.py; docs/benchmarks-log.md): plain best-first
 beats the seeded chain at every budget (22 nodes: tau 3.44 against 3.27; the seed spends 15 of them on
-a spine that rarely survives past depth 5), K = 16 beats K = 8 from 32 nodes on (equal below), and
+a spine that rarely survives past depth 5), K = 16 beats K = 8 from 32 nodes on (ten prompts), and
 branching pays at budgets below the depth too (8 nodes: 1.09x the chain). A temperature on the
 log-probs, a learned calibration of them, candidates from the neighbouring slots and a second drafter
 pass over the block with a branch's tokens filled in all measured within noise of this.
