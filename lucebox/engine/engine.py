@@ -345,7 +345,7 @@ class LLMEngine:
                     seq = row.seq
                     # A tree's draft length is its depth: the chain it stands in for.
                     drafted = max(row.depths) if row.depths is not None else len(row.draft.tokens)
-                    # a tree's top-1 chain is rows 1, 2, ... (seeded first, first in DFS order)
+                    # a tree's top-1 chain is rows 1..depth (best-first takes it first at each depth; DFS order)
                     chain = (next((j for j, r in enumerate(verdict.rows) if r != j), len(verdict.rows)) - 1
                              if verdict.rows is not None else None)
                     self.speculator.record(seq, drafted, verdict.num_accepted, chain)

@@ -1,11 +1,19 @@
 """DDTree: a draft tree built from the per-slot distributions of one DFlash pass.
 
 Slot d of the drafter's block (d = 1..D) predicts the token at depth d below the pending token.
-Every depth keeps its top-K tokens (K = 8 when the node budget exceeds D, else 1: a plain chain),
-and a node is a path of ranks (r_1..r_d) scored by the cumulative log-probability of its tokens.
-The tree is the `budget` best nodes, best first: the top-1 chain is seeded first (chain_seed), then a
-max-heap pops the best candidate and pushes its next sibling and its first child. Ties go to the
-lexicographically smaller rank path, so the same distributions always give the same tree.
+Every depth keeps its top-K tokens (K = BRANCHES), and a node is a path of ranks (r_1..r_d) scored by
+the cumulative log-probability of its tokens. The tree is the `budget` best nodes, best first: a
+max-heap pops the best candidate and pushes its next sibling and its first child (with chain_seed the
+whole top-1 chain is taken first). Ties go to the lexicographically smaller rank path, so the same
+distributions always give the same tree, and the top-1 chain reaches the tree's depth (its node is the
+best of each depth): rows 1..depth are the chain the adaptive policy's chain record reads.
+
+Measured on the bundled pair (CPU, T = 0, scripts/tree_tau.py; docs/benchmarks-log.md): plain best-first
+beats the seeded chain at every budget (22 nodes: tau 3.44 against 3.27; the seed spends 15 of them on
+a spine that rarely survives past depth 5), K = 16 beats K = 8 from 32 nodes on (ten prompts), and
+branching pays at budgets below the depth too (8 nodes: 1.09x the chain). A temperature on the
+log-probs, a learned calibration of them, candidates from the neighbouring slots and a second drafter
+pass over the block with a branch's tokens filled in all measured within noise of this.
 
 The verify row is the pending token (row 0) then the nodes in DFS order (rows 1..budget): each
 node's parent comes before it, and its K/V sits at position start + row, its RoPE position at
@@ -20,7 +28,8 @@ import torch
 
 from ..sampling.tree_acceptance import tree_children
 
-BRANCHES = 8  # top-K tokens per depth when the budget allows branching
+BRANCHES = 16  # top-K tokens per depth
+CHAIN_SEED = False  # take the whole top-1 chain first (measured worse on the bundled pair; module note)
 MAX_TREE_TOKENS = 64  # a tree verify row: the pending token and up to 63 nodes (one int64 mask word)
 
 
@@ -36,25 +45,19 @@ class DraftTree:
             self.children = tree_children(self.tokens, self.parents)
 
 
-def branches(budget: int, depth: int) -> int:
-    return BRANCHES if budget > depth else 1
-
-
 def tree_nodes(budget: int, depth: int) -> int:
     """Nodes of a tree of this budget over `depth` slots (at most K^1 + ... + K^depth)."""
-    k = branches(budget, depth)
-    return min(budget, sum(k ** d for d in range(1, depth + 1)))
+    return min(budget, sum(BRANCHES ** d for d in range(1, depth + 1)))
 
 
-def build_tree(log_probs: torch.Tensor, budget: int, chain_seed: bool = True) -> DraftTree:
+def build_tree(log_probs: torch.Tensor, budget: int, chain_seed: bool = CHAIN_SEED) -> DraftTree:
     """log_probs: [D, vocab] per-slot log-probabilities (temperature 1) of one drafter pass; the tree's
     `budget` nodes (fewer when D and K allow fewer)."""
     if log_probs.dim() != 2 or log_probs.shape[0] == 0:
         raise ValueError(f"tree construction needs [depths, vocab] log-probs, got {tuple(log_probs.shape)}")
     if not 1 <= budget < MAX_TREE_TOKENS:
         raise ValueError(f"tree budget {budget} must be 1..{MAX_TREE_TOKENS - 1}")
-    depth = log_probs.shape[0]
-    k = min(branches(budget, depth), log_probs.shape[1])
+    k = min(BRANCHES, log_probs.shape[1])
     # A stable descending sort: equal log-probs rank by token id.
     values, ids = torch.sort(log_probs.float(), dim=-1, descending=True, stable=True)
     values, ids = values[:, :k].tolist(), ids[:, :k].tolist()
@@ -62,7 +65,7 @@ def build_tree(log_probs: torch.Tensor, budget: int, chain_seed: bool = True) ->
     return tree_of(sorted(paths), ids)
 
 
-def best_first(values: list[list[float]], budget: int, chain_seed: bool = True) -> list[tuple[int, ...]]:
+def best_first(values: list[list[float]], budget: int, chain_seed: bool = CHAIN_SEED) -> list[tuple[int, ...]]:
     """The rank paths of the best `budget` nodes over per-depth sorted log-probs values[d][r]."""
     depth, k = len(values), len(values[0])
     chosen: list[tuple[int, ...]] = []

@@ -179,7 +179,7 @@ def test_greedy_trees_through_tree_buckets_equal_plain_decoding(pair, plain_llm,
     llm = tree_llm(target, drafter, 12, device="cpu", cuda_graphs=True)
     graphs = static_tree_graphs(llm, ring)
     taps = projected_taps(llm)
-    assert graphs.tree_lens == [9, 13]  # depth 1: 8 nodes; depth 2 and 3: the budget's 12
+    assert graphs.tree_lens == [13]  # every depth: the budget's 12 (top-16 per depth)
     moved = []
     compact = llm.engine._compact_ring_rows
     llm.engine._compact_ring_rows = lambda f, at, rows: (moved.append(rows != list(range(len(rows)))),

@@ -22,7 +22,7 @@ def test_widths_are_chains_then_tree_budgets_up_to_the_configured_one():
     assert tree_widths(63) == [None, 8, 16, 32, 63]
     policy = DraftLengthPolicy(3, tree_budget=22)
     assert [policy.row_tokens(k, None) for k in (1, 2, 3)] == [2, 3, 4]
-    assert [policy.row_tokens(k, 22) for k in (1, 2, 3)] == [1 + tree_nodes(22, k) for k in (1, 2, 3)] == [9, 23, 23]
+    assert [policy.row_tokens(k, 22) for k in (1, 2, 3)] == [1 + tree_nodes(22, k) for k in (1, 2, 3)] == [17, 23, 23]
     assert policy.row_tokens(2) == 23  # default: the widest
 
 

@@ -1,5 +1,5 @@
 """DDTree construction equals a brute-force best-first reference: every node of the top-K rank tree
-enumerated, scored by cumulative log-prob, sorted, and the best `budget` taken (the top-1 chain first)."""
+enumerated, scored by cumulative log-prob, sorted, and the best `budget` taken (seeded: the top-1 chain first)."""
 from __future__ import annotations
 
 import itertools
@@ -7,12 +7,12 @@ import itertools
 import pytest
 import torch
 
-from lucebox.spec.tree import build_tree, depths_of, path_tokens, tree_children, tree_nodes
+from lucebox.spec.tree import BRANCHES, build_tree, depths_of, path_tokens, tree_children, tree_nodes
 
 
 def reference_tree(log_probs: torch.Tensor, budget: int, chain_seed: bool = True):
     depth = log_probs.shape[0]
-    k = min(8 if budget > depth else 1, log_probs.shape[1])
+    k = min(BRANCHES, log_probs.shape[1])
     values, ids = torch.sort(log_probs.float(), dim=-1, descending=True, stable=True)
     values, ids = values[:, :k].tolist(), ids[:, :k].tolist()
     nodes = []
@@ -49,15 +49,38 @@ def test_tree_equals_the_brute_force_best_first_reference(seed, ties):
     for chain_seed in (True, False):
         tree = build_tree(log_probs, budget, chain_seed)
         assert (tree.tokens, tree.parents, tree.depths) == reference_tree(log_probs, budget, chain_seed)
-        assert len(tree.tokens) == min(budget, sum(8 ** d for d in range(1, depth + 1))) == tree_nodes(budget, depth)
+        k = min(BRANCHES, vocab)
+        assert len(tree.tokens) == min(budget, sum(k ** d for d in range(1, depth + 1)))
+        assert tree_nodes(budget, depth) == min(budget, sum(BRANCHES ** d for d in range(1, depth + 1)))
+        # rows 1..depth are the top-1 chain (the engine's chain record reads them)
+        spine = max(tree.depths)
+        assert _rank_paths(log_probs, tree)[:spine] == [(0,) * d for d in range(1, spine + 1)]
 
 
-def test_budget_up_to_the_depth_count_is_the_top1_chain():
+def _rank_paths(log_probs, tree):
+    order = torch.sort(log_probs.float(), dim=-1, descending=True, stable=True).indices.tolist()
+    paths = []
+    for row in range(1, len(tree.tokens) + 1):
+        path = tuple(order[d].index(t) for d, t in enumerate(path_tokens(tree.tokens, tree.parents, row)))
+        paths.append(path)
+    return paths
+
+
+def test_seeded_budget_up_to_the_depth_is_the_top1_chain():
     log_probs = random_log_probs(3, 6, 20)
-    tree = build_tree(log_probs, 4)
+    tree = build_tree(log_probs, 4, chain_seed=True)
     assert tree.parents == [0, 1, 2, 3] and tree.depths == [1, 2, 3, 4]
     assert tree.tokens == log_probs.argmax(-1)[:4].tolist()
-    assert build_tree(log_probs, 6).tokens == log_probs.argmax(-1).tolist()
+    assert build_tree(log_probs, 6, chain_seed=True).tokens == log_probs.argmax(-1).tolist()
+
+
+def test_unseeded_small_budgets_branch_where_the_chain_is_unlikely():
+    # Depth 1 is a near tie, depth 2 certain: best-first takes both depth-1 tokens before the spine's depth 3.
+    log_probs = torch.full((3, 10), -20.0)
+    log_probs[0, 4], log_probs[0, 7] = -0.69, -0.70
+    log_probs[1, 2], log_probs[2, 5] = 0.0, -2.0
+    tree = build_tree(log_probs, 3)
+    assert (tree.tokens, tree.parents, tree.depths) == ([4, 2, 7], [0, 1, 0], [1, 2, 1])
 
 
 def test_chain_seed_keeps_the_whole_top1_chain_even_when_siblings_score_higher():
@@ -65,7 +88,7 @@ def test_chain_seed_keeps_the_whole_top1_chain_even_when_siblings_score_higher()
     log_probs = torch.zeros(4, 10)
     log_probs[:, 3] = 0.1  # the top-1 of every slot
     log_probs = log_probs.log_softmax(-1)
-    seeded, unseeded = build_tree(log_probs, 5), build_tree(log_probs, 5, chain_seed=False)
+    seeded, unseeded = build_tree(log_probs, 5, chain_seed=True), build_tree(log_probs, 5, chain_seed=False)
     assert seeded.tokens[:4] == [3, 3, 3, 3] and seeded.depths == [1, 2, 3, 4, 1]
     assert unseeded.depths == [1, 1, 1, 1, 1]  # the five best single tokens
 

@@ -1,5 +1,5 @@
 """Draft trees on the bundled pair (models/default + its DFlash drafter) at T = 0: the same tokens as the
-chain, and at least the chain's tokens per target pass (tau), printed for the record."""
+chain, and more tokens per target pass (tau), printed for the record (scripts/tree_tau.py: all budgets)."""
 from __future__ import annotations
 
 import pytest
@@ -23,9 +23,9 @@ def tau_and_tokens(tree_budget: int | None) -> tuple[float, list[list[int]]]:
 
 
 @pytest.mark.skipif(not (BUNDLED_DRAFTER / "config.json").is_file(), reason="the drafter is not bundled")
-def test_trees_commit_at_least_the_chains_tokens_per_pass():
+def test_trees_commit_more_tokens_per_pass_than_the_chain():
     chain_tau, chain_tokens = tau_and_tokens(None)
     tree_tau, tree_tokens = tau_and_tokens(32)
     print(f"\nbundled pair, T = 0: tau chain {chain_tau:.2f}, tree (32 nodes) {tree_tau:.2f}")
     assert tree_tokens == chain_tokens
-    assert tree_tau >= chain_tau
+    assert tree_tau >= 1.2 * chain_tau  # 3.59 against 2.74 (2026-12-05); the seeded top-8 trees had 3.44
