@@ -257,8 +257,10 @@ class CudaGraphRunner:
             keys += [(1, q, capture_layers, False, False, False) for q in self.catch_up_lens]
         if trees and self.state_rows is None:
             keys += [(b, q, capture_layers, False, True, False) for b, q in sorted(self.tree_buckets)]
-        if self.settings.queries:  # the steps before a resident-set choice: decodes and verifies, argmax or logits
-            keys += [(b, q, capture_layers, False, False, True) for b in self.batch_sizes for q in self.query_lens]
+        if self.settings.queries:  # the steps before a resident-set choice: decodes and verifies, sampled or not
+            for sampled in (False, True) if self.settings.sample else (False,):
+                keys += [(b, q, capture_layers, sampled, False, True)
+                         for b in self.batch_sizes for q in self.query_lens]
         for key in keys:
             if key not in self.graphs:
                 self._prepare(*key)
@@ -309,7 +311,7 @@ class CudaGraphRunner:
         batch.state_slots, batch.state_advance = view("state_slots", num_seqs), view("state_advance", num_seqs)
         batch.query_capture = {} if queries else None
         logits = self.model.compute_logits(self.model(batch))
-        for k, q in (batch.query_capture or {}).items():  # static buffers, allocated by the warm-up (never in a capture)
+        for k, q in (batch.query_capture or {}).items():  # static buffers, made by the warm-up (never in a capture)
             if k not in self.query_out:
                 self.query_out[k] = q.new_empty(self.inputs.tables.shape[0], *q.shape[1:])
             self.query_out[k][:num_seqs].copy_(q)
