@@ -14,7 +14,7 @@ from ..errors import OverloadError, RequestError, UnsupportedError
 from ..kernels.forward_batch import MAX_TREE_TOKENS
 from ..model.cache_spec import RecurrentSpec, bytes_per_token, window_blocks
 from ..model.feature_ring import RingRows
-from ..model.loader import LoadedModel
+from ..model.loader import LoadedModel, check_device
 from ..outputs import RequestOutput
 from ..sampling import SamplingParams
 from ..sampling.sampler import Sampler, make_generator
@@ -31,7 +31,7 @@ from .output_processor import OutputProcessor
 from .overlap import Overlap
 from .pflash.jobs import ScoringJob, ScoringQueue
 from .pflash.prefill import SpeculativePrefill, for_engine
-from .placement import check_device, is_split, layer_device
+from .placement import is_split, layer_device
 from .progress import PrefillProgress
 from .runner import ModelRunner, model_kv_groups
 from .scheduler import Scheduler

@@ -28,6 +28,7 @@ from torch import nn
 
 from ..errors import RequestError
 from ..kernels.forward_batch import ForwardBatch
+from ..model.loader import check_device
 from ..util import move
 
 log = logging.getLogger("lucebox")
@@ -47,25 +48,6 @@ class Segment:
         return range(self.first, self.last + 1)
 
 
-def check_device(text: str, where: str = "--device-map") -> torch.device:
-    """The device named `text`, which must exist on this machine."""
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        raise RequestError(f"{where}: {text!r} is not a device (use cpu, cuda or cuda:N)") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise RequestError(f"{where}: {text} is absent: CUDA is not available on this machine")
-        index = device.index or 0
-        if index >= torch.cuda.device_count():
-            raise RequestError(f"{where}: {text} is absent: this machine has {torch.cuda.device_count()} CUDA "
-                               f"device(s) (cuda:0..cuda:{torch.cuda.device_count() - 1})")
-        return torch.device("cuda", index)
-    if device.type != "cpu":
-        raise RequestError(f"{where}: {text!r}: use cpu, cuda or cuda:N")
-    return torch.device("cpu")
-
-
 def parse_device_map(text: str, num_layers: int) -> list[Segment]:
     """`DEVICE:FIRST-LAST,...` (inclusive layer ranges, every layer placed exactly once) -> the
     segments in layer order."""
@@ -83,7 +65,7 @@ def parse_device_map(text: str, num_layers: int) -> list[Segment]:
         if last >= num_layers:
             raise RequestError(f"--device-map entry {entry!r}: layer {last} does not exist (the model has "
                                f"{num_layers} layers, 0-{num_layers - 1})")
-        segments.append(Segment(check_device(match["device"]), first, last))
+        segments.append(Segment(check_device(match["device"], "--device-map"), first, last))
     segments.sort(key=lambda s: s.first)
     for before, after in zip(segments, segments[1:]):
         if after.first <= before.last:

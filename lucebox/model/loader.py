@@ -72,20 +72,29 @@ class LoadedModel:
 
 
 def resolve_device(device: str | None) -> torch.device:
+    """--device: auto (the first GPU, else the CPU) or a device that exists on this machine."""
     if device in (None, "auto"):
         return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    return check_device(device, "--device")
+
+
+def check_device(text: str, where: str) -> torch.device:
+    """The device named `text` (cpu, cuda or cuda:N), which must exist on this machine; `where` names the flag."""
     try:
-        dev = torch.device(device)
+        device = torch.device(text)
     except RuntimeError:
-        raise RequestError(f"--device {device!r} is not a device (use cpu, cuda or cuda:N)") from None
-    if dev.type == "cuda":
+        raise RequestError(f"{where}: {text!r} is not a device (use cpu, cuda or cuda:N)") from None
+    if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise RequestError(f"--device {device}: CUDA is not available on this machine")
-        if (dev.index or 0) >= torch.cuda.device_count():
-            raise RequestError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s)")
-    elif dev.type != "cpu":
-        raise RequestError(f"--device {device!r}: use cpu, cuda or cuda:N")
-    return dev
+            raise RequestError(f"{where}: {text} is absent: CUDA is not available on this machine")
+        index = device.index or 0
+        if index >= torch.cuda.device_count():
+            raise RequestError(f"{where}: {text} is absent: this machine has {torch.cuda.device_count()} CUDA "
+                               f"device(s) (cuda:0..cuda:{torch.cuda.device_count() - 1})")
+        return torch.device("cuda", index)
+    if device.type != "cpu":
+        raise RequestError(f"{where}: {text!r}: use cpu, cuda or cuda:N")
+    return torch.device("cpu")
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
