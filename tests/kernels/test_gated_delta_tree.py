@@ -23,6 +23,7 @@ from lucebox.kernels.gated_delta import (
     recurrent_gated_delta_rule,
 )
 from lucebox.kernels.gated_delta_tree import gated_delta_tree, tree_links
+from tests.tree_paths import path_of
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 K_HEADS, V_HEADS, DK, DV = 2, 6, 16, 24  # GVA; dv not a power of two
@@ -47,14 +48,6 @@ def layout(device=DEVICE):
         masks += tree_mask_bits(parents) if b in (0, 3) else [-1] * len(parents)
     as_t = lambda x: torch.tensor(x, dtype=torch.long, device=device)
     return as_t(starts[:-1]), as_t(starts[1:]), as_t(seq), as_t(local), as_t(masks)
-
-
-def path_of(parents: list[int], i: int) -> list[int]:
-    path = []
-    while i >= 0:
-        path.append(i)
-        i = parents[i]
-    return path[::-1]
 
 
 def recurrence_case(seed=0):

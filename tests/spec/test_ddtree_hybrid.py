@@ -21,6 +21,7 @@ from tests.model.test_qwen3_5 import (
 )
 from tests.model.test_qwen3_5_moe import HYBRID_MOE
 from tests.spec_fixtures import write_dflash_drafter
+from tests.tree_paths import path_of
 
 TREE = [-1, 0, 1, 2, 1, 0, 5, 6, 6, 0]  # pending token + 9 nodes in DFS order
 TAPS = (0, 2)
@@ -35,14 +36,6 @@ def hybrid_path(request, tmp_path_factory, tokenizer_dir):
 @pytest.fixture(scope="module")
 def loaded(hybrid_path):
     return load_model(str(hybrid_path), dtype="float32")
-
-
-def path_of(parents: list[int], i: int) -> list[int]:
-    path = []
-    while i >= 0:
-        path.append(i)
-        i = parents[i]
-    return path[::-1]
 
 
 def verify(runner, tokens, start, table, slot, parents=None):
