@@ -2,6 +2,8 @@
 KVFlash's pool (device blocks a pooled sequence holds, host backing)."""
 from __future__ import annotations
 
+import gc
+
 import torch
 
 from ..errors import RequestError, UnsupportedError
@@ -46,6 +48,7 @@ def plan_kv_blocks(engine, specs, groups) -> list[int]:
 
     def device_budget(device: torch.device) -> int:
         if device.type == "cuda":
+            gc.collect()  # an engine dropped in a reference cycle still holds its KV pool until collected
             torch.cuda.empty_cache()  # memory the caching allocator holds but no tensor uses counts as free
             free, total = torch.cuda.mem_get_info(device)
             return int(total * args.gpu_memory_utilization) - (total - free)

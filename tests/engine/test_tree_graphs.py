@@ -236,7 +236,9 @@ def test_tree_graph_replay_matches_eager_logits():
     runner, tables = prefilled(model, settings, lens)
     runner.capture_graphs()
     assert any(key[4] and graph is not None for key, (graph, _) in runner.graphs.graphs.items())
-    plan = mixed_step(tables, lens, [TREE, TREE[:4], None])
+    # 7 + 6 + 3 tokens in the (4, 8) bucket: within the padding bound (MAX_PADDING), so it replays
+    plan = mixed_step(tables, lens, [TREE, TREE[:6], None])
+    assert runner.graphs.bucket(plan.token_ids, plan.start_positions, plan.block_tables, tree=True) == (4, 8)
     want = runner.run_eager(plan).logits
     got = runner.run(plan)
     assert sum(runner.graphs.tree_replays.values()) == 1
