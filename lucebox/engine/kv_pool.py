@@ -23,7 +23,7 @@ from ..config import KV_POOL_CHUNK
 from ..errors import RequestError
 from ..model.kv_pool.choose import Protection, choose_chunks
 from ..model.kv_pool.host_store import HostKVStore
-from ..model.kv_pool.score import ChunkSummaries, chunk_summary
+from ..model.kv_pool.score import ChunkSummaries, chunk_bounds
 from ..model.kv_pool.view import KVView
 from ..util import host_to_device
 
@@ -162,19 +162,19 @@ class KVPool:
             self._summarise(seq, member, member.summaries.count, chunks)
         member.since += n
         prefilling = seq.num_computed < seq.num_tokens
-        if self.resident_blocks(seq) > self.budget_blocks and (member.since >= self.interval or prefilling):
-            if seq not in self._reselect:
-                self._reselect.append(seq)
+        due = self.resident_blocks(seq) > self.budget_blocks and (member.since >= self.interval or prefilling)
+        if due and seq not in self._reselect:
+            self._reselect.append(seq)
 
     def _summarise(self, seq, member: Residency, first: int, end: int) -> None:
+        """Summarise chunks first..end-1 in one pass a layer (one layer's float32 keys live at a time)."""
         bs, cb = self.cache.block_size, self.chunk_blocks
         blocks = [seq.block_table[i] for i in range(first * cb, end * cb)]
         device = self.score_caches[0].values.device
         slots = (host_to_device(blocks, device, torch.long)[:, None] * bs + torch.arange(bs, device=device)).flatten()
-        keys = [k.gather(slots.to(k.values.device), torch.float32).view(end - first, cb * bs, k.num_kv_heads, -1)
-                .to(device) for k in self.score_caches]
-        for c in range(end - first):
-            member.summaries.append(chunk_summary([k[c] for k in keys]))
+        bounds = [chunk_bounds(k.gather(slots.to(k.values.device), torch.float32)
+                               .view(end - first, cb * bs, k.num_kv_heads, -1)).to(device) for k in self.score_caches]
+        member.summaries.extend(bounds)
 
     def finish_step(self, queries: dict | None, rows: dict[int, int]) -> None:
         """After the step's commits: issue its host copies, then re-choose the due sequences' resident

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lucebox.model.kv_pool.choose import Protection, choose_chunks
-from lucebox.model.kv_pool.score import ChunkSummaries, chunk_summary
+from lucebox.model.kv_pool.score import ChunkSummaries, chunk_bounds
 from lucebox.model.kv_pool.view import KVView
 
 
@@ -59,8 +59,9 @@ def test_scores_are_the_layer_mean_of_the_standardised_best_head_bound():
     layers, kv_heads, group, dim, tokens = 3, 2, 2, 8, 64
     chunks = [[torch.randn(tokens, kv_heads, dim) for _ in range(layers)] for _ in range(5)]
     summaries = ChunkSummaries(dtype=torch.float32)
-    for keys in chunks:
-        summaries.append(chunk_summary(keys))
+    summaries.extend([chunk_bounds(torch.stack([c[layer] for c in chunks[:2]])) for layer in range(layers)])
+    for keys in chunks[2:]:  # batches of any size append alike
+        summaries.extend([chunk_bounds(k[None]) for k in keys])
     q = torch.randn(layers, kv_heads * group, dim)  # per layer [heads, dim]
     per_layer = torch.zeros(layers, len(chunks))
     for c, keys in enumerate(chunks):
@@ -83,20 +84,23 @@ def test_a_chunk_holding_a_key_aligned_with_the_query_ranks_first():
         keys = torch.randn(64, 2, 16) * 0.3
         if c == 5:
             keys[17, 0] = q[0] * 2  # one token matching query head 0 (KV head 0)
-        summaries.append(chunk_summary([keys]))
+        summaries.extend([chunk_bounds(keys[None])])
     assert int(summaries.scores([q]).argmax()) == 5
 
 
 def test_summaries_grow_past_their_first_buffer():
     summaries = ChunkSummaries()
     for i in range(40):
-        summaries.append([torch.full((2, 1, 4), float(i)), torch.full((2, 2, 8), -float(i))])
-    assert summaries.count == 40 and summaries.buffers[0][39, 0, 0, 0] == 39 and summaries.buffers[1][39, 1, 1, 7] == -39
+        summaries.extend([torch.full((1, 2, 1, 4), float(i)), torch.full((1, 2, 2, 8), -float(i))])
+    summaries.extend([torch.arange(40, 140.).view(100, 1, 1, 1).expand(100, 2, 1, 4),
+                      torch.zeros(100, 2, 2, 8)])  # one batch past twice the buffer
+    assert summaries.count == 140 and summaries.buffers[0][39, 0, 0, 0] == 39 and summaries.buffers[1][39, 1, 1, 7] == -39
+    assert summaries.buffers[0][:140, 1, 0, 3].tolist() == list(range(140))
 
 
 def test_layers_of_different_head_shapes_are_scored_each_on_its_own():
     summaries = ChunkSummaries(dtype=torch.float32)
     for _ in range(3):
-        summaries.append(chunk_summary([torch.randn(64, 1, 8), torch.randn(64, 2, 16)]))
+        summaries.extend([chunk_bounds(torch.randn(1, 64, 1, 8)), chunk_bounds(torch.randn(1, 64, 2, 16))])
     scores = summaries.scores([torch.randn(4, 8), torch.randn(6, 16)])
     assert scores.shape == (3,) and torch.isfinite(scores).all()

@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 
 
-def chunk_summary(keys: list[torch.Tensor]) -> list[torch.Tensor]:
-    """keys: per pooled layer [chunk tokens, kv_heads, head_dim] -> per layer [2, kv_heads, head_dim] (min, max)."""
-    return [torch.stack([k.float().amin(0), k.float().amax(0)]) for k in keys]
+def chunk_bounds(keys: torch.Tensor) -> torch.Tensor:
+    """One layer's keys [chunks, chunk tokens, kv_heads, head_dim] -> [chunks, 2, kv_heads, head_dim] (min, max)."""
+    return torch.stack([keys.amin(1), keys.amax(1)], dim=1).float()
 
 
 def key_bound(summaries: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -37,14 +37,19 @@ class ChunkSummaries:
         self.buffers: list[torch.Tensor] = []
         self.count = 0
 
-    def append(self, summary: list[torch.Tensor]) -> None:
+    def extend(self, bounds: list[torch.Tensor]) -> None:
+        """Append chunks: per layer their chunk_bounds [n, 2, kv_heads, head_dim] (n alike in every layer)."""
+        n = bounds[0].shape[0]
         if not self.buffers:
-            self.buffers = [torch.empty(16, *s.shape, dtype=self.dtype, device=s.device) for s in summary]
-        elif self.count == self.buffers[0].shape[0]:
-            self.buffers = [torch.cat([b, torch.empty_like(b)]) for b in self.buffers]
-        for buffer, s in zip(self.buffers, summary):
-            buffer[self.count] = s.to(self.dtype)
-        self.count += 1
+            self.buffers = [torch.empty(max(16, n), *b.shape[1:], dtype=self.dtype, device=b.device) for b in bounds]
+        size = self.buffers[0].shape[0]
+        if self.count + n > size:
+            size = max(2 * size, self.count + n)
+            self.buffers = [torch.cat([b[:self.count], b.new_empty(size - self.count, *b.shape[1:])])
+                            for b in self.buffers]
+        for buffer, b in zip(self.buffers, bounds):
+            buffer[self.count:self.count + n] = b.to(self.dtype)
+        self.count += n
 
     def scores(self, queries: list[torch.Tensor]) -> torch.Tensor:
         """[chunks] float32 of per-layer queries [heads, head_dim] (heads a multiple of the layer's kv_heads)."""
