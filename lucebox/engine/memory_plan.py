@@ -20,6 +20,14 @@ from .state_snapshots import snapshot_bytes
 CPU_KV_CAP = 2 << 30  # bytes of KV on the CPU when --kv-cache-memory does not say
 
 
+def cuda_kv_budget(device: torch.device, utilization: float) -> int:
+    """Bytes a KV pool on this GPU may take: `utilization` of the card less what is in use now."""
+    gc.collect()  # an engine dropped in a reference cycle still holds its KV pool until collected
+    torch.cuda.empty_cache()  # memory the caching allocator holds but no tensor uses counts as free
+    free, total = torch.cuda.mem_get_info(device)
+    return int(total * utilization) - (total - free)
+
+
 def stash_rows(speculator, specs) -> int:
     """Recurrent stash rows per sequence: one per position of the longest verify row (the pending token
     and max_k drafts, or a draft tree's nodes), from which a commit advances the state over the
@@ -48,10 +56,7 @@ def plan_kv_blocks(engine, specs, groups) -> list[int]:
 
     def device_budget(device: torch.device) -> int:
         if device.type == "cuda":
-            gc.collect()  # an engine dropped in a reference cycle still holds its KV pool until collected
-            torch.cuda.empty_cache()  # memory the caching allocator holds but no tensor uses counts as free
-            free, total = torch.cuda.mem_get_info(device)
-            return int(total * args.gpu_memory_utilization) - (total - free)
+            return cuda_kv_budget(device, args.gpu_memory_utilization)
         wanted = pools_bytes_wanted(specs, groups, args.block_size, args.max_num_seqs,
                                     args.max_num_batched_tokens, seq_tokens)
         return min(CPU_KV_CAP, wanted + fixed)

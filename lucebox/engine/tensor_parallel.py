@@ -42,6 +42,7 @@ from ..model.tensor_parallel import (
 )
 from .build import resolve_args
 from .engine import LLMEngine
+from .memory_plan import cuda_kv_budget
 from .runner import ModelRunner
 from .tp_plan import (
     RankPlan,
@@ -141,11 +142,7 @@ def load_shard(args: EngineArgs, rank: int, keep_full_vocab: bool = False) -> tu
 
 def _kv_budget(device: torch.device, utilization: float) -> int | None:
     """Bytes this rank may give its KV pool (the engine's formula), None on the CPU."""
-    if device.type != "cuda":
-        return None
-    torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info(device)
-    return int(total * utilization) - (total - free)
+    return cuda_kv_budget(device, utilization) if device.type == "cuda" else None
 
 
 def _exchange_status(group, size: int, error: str | None, budget: int | None) -> list:
