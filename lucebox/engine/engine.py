@@ -19,6 +19,7 @@ from ..outputs import RequestOutput
 from ..sampling import SamplingParams
 from ..sampling.sampler import Sampler, make_generator
 from ..spec.factory import make_speculator
+from ..spec.tree import top_chain
 from ..text.stop import StopChecker
 from ..text.tokenizer import IncrementalDetokenizer
 from ..util import host_to_device
@@ -345,9 +346,7 @@ class LLMEngine:
                     seq = row.seq
                     # A tree's draft length is its depth: the chain it stands in for.
                     drafted = max(row.depths) if row.depths is not None else len(row.draft.tokens)
-                    # a tree's top-1 chain is rows 1..depth (best-first takes it first at each depth; DFS order)
-                    chain = (next((j for j, r in enumerate(verdict.rows) if r != j), len(verdict.rows)) - 1
-                             if verdict.rows is not None else None)
+                    chain = top_chain(row.depths, verdict.rows) if verdict.rows is not None else None
                     self.speculator.record(seq, drafted, verdict.num_accepted, chain)
                     taps, at = features, row.offset
                     if verdict.rows is not None and isinstance(features, RingRows):  # a graph step's ring rows

@@ -1,5 +1,6 @@
 """DFlash2 drafting: the DFlash proposer (context K/V, graphs, feature capture all shared) whose
-drafts are the candidate selector's chain instead of each slot's own argmax.
+drafts are the candidate selector's chain instead of each slot's own argmax, and whose trees grow
+over the selector's lattice: a node's children are scored given the node's own token.
 
 Greedy sequences get the selector's argmax walk (deterministic drafts, one-hot q). Sampled ones
 get the walk drawn slot by slot from q over the candidates, and that q (zero outside them) goes to
@@ -14,16 +15,19 @@ from ..sampling.acceptance import Draft
 from ..sampling.sampler import SamplingState
 from ..util import move
 from .dflash import DFlashProposer
+from .tree import build_lattice_tree
 
 
 class DFlash2Proposer(DFlashProposer):
     method = "dflash"
 
     def _draft_one(self, seq, k: int) -> Draft:
-        if self.tree_budget is not None:  # trees from the backbone's per-slot distributions (spec/tree.py)
-            return super()._draft_one(seq, k)
         logits, hidden = self._draft_pass(seq, k)
         logits = move(logits, hidden.device)  # --draft-device: the walk runs beside the drafter's selector
+        if self.tree_budget is not None:  # over the selector's conditional scores, temperature 1 (deterministic)
+            candidates, log_probs = self.drafter.candidate_selector.tree_log_probs(hidden, seq.last_token, logits)
+            tree = build_lattice_tree(candidates, log_probs, self.tree_budget)
+            return Draft(tree.tokens, parents=tree.parents)
         out = list(seq.output_token_ids)
         params, generator = seq.params, seq.generator
         if self.graphs is not None and params.is_greedy and params.keeps_argmax(len(out)):

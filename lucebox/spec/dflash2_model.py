@@ -218,6 +218,16 @@ class CandidateSelector(nn.Module):
         b = self.successor_codebook[candidates].float()
         return candidates, unary[:, None, :] + torch.einsum("spr,scr->spc", a, b)
 
+    def tree_log_probs(self, hidden: torch.Tensor, anchor: torch.Tensor | int, logits: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The lattice as conditional log-probs for a draft tree (spec/tree.py build_lattice_tree):
+        candidates [k, K] and [k, K, K] = log softmax over the K candidates of the lattice's scores
+        (the selector's q at temperature 1) + log of the slot's top-K share of the drafter's own
+        distribution (the chance the token is a candidate at all)."""
+        candidates, scores = self.lattice(hidden, anchor, logits)
+        covered = logits.float().log_softmax(-1).gather(1, candidates).logsumexp(-1)
+        return candidates, scores.log_softmax(-1) + covered[:, None, None]
+
 
 class DFlash2Drafter(DFlashDrafter):
     def __init__(self, cfg: DFlash2Config):

@@ -286,19 +286,19 @@ class Speculator:
             return  # its queue must stay contiguous: the catch-up recomputes these positions too
         self.proposer.observe(seq, start, features)
 
-    def record(self, seq, num_drafts: int, num_accepted: int, chain_accepted: int | None = None) -> None:
-        """A verify of num_drafts drafts (a tree's: its depth) accepted num_accepted; chain_accepted:
-        a tree's accepted nodes along its top-1 chain (seeded first), which is what the chain of
-        that depth would have accepted: the chain's record stays current while trees are drafted."""
+    def record(self, seq, num_drafts: int, num_accepted: int, chain: tuple[int, int] | None = None) -> None:
+        """A verify of num_drafts drafts (a tree's: its depth) accepted num_accepted; chain: a tree's
+        (nodes, accepted nodes) along its top-1 chain, which is what a chain of that many drafts would
+        have accepted: the chain's record stays current while trees are drafted."""
         source, width = self.source.pop(id(seq), (MODEL, None))
         self.step_accepted += num_accepted
         self._acceptance(seq, source, width).update(num_drafts, num_accepted)
         self.overall[source].update(num_drafts, num_accepted)
         if (source, width) in self.overall_width:
             self.overall_width[(source, width)].update(num_drafts, num_accepted)
-            if width is not None and chain_accepted is not None:
-                self._acceptance(seq, source, None).update(num_drafts, chain_accepted)
-                self.overall_width[(source, None)].update(num_drafts, chain_accepted)
+            if width is not None and chain is not None:
+                self._acceptance(seq, source, None).update(*chain)
+                self.overall_width[(source, None)].update(*chain)
         self.policies[source].record_width(width)
         m = seq.metrics
         m.num_drafts += 1

@@ -6,7 +6,9 @@ the cumulative log-probability of its tokens. The tree is the `budget` best node
 max-heap pops the best candidate and pushes its next sibling and its first child (with chain_seed the
 whole top-1 chain is taken first). Ties go to the lexicographically smaller rank path, so the same
 distributions always give the same tree, and the top-1 chain reaches the tree's depth (its node is the
-best of each depth): rows 1..depth are the chain the adaptive policy's chain record reads.
+best of each depth): rows 1..depth are the chain the adaptive policy's chain record reads (top_chain).
+A DFlash2 drafter's tree grows over its selector's lattice instead (build_lattice_tree): the same
+best-first search where a node's children are ranked by their scores given the node's own token.
 
 Measured on the bundled pair (CPU, T = 0, scripts/tree_tau.py; docs/benchmarks-log.md): plain best-first
 beats the seeded chain at every budget (22 nodes: tau 3.44 against 3.27; the seed spends 15 of them on
@@ -22,6 +24,7 @@ start + depth (kernels/forward_batch.py: tree_mask).
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -55,8 +58,7 @@ def build_tree(log_probs: torch.Tensor, budget: int, chain_seed: bool = CHAIN_SE
     `budget` nodes (fewer when D and K allow fewer)."""
     if log_probs.dim() != 2 or log_probs.shape[0] == 0:
         raise ValueError(f"tree construction needs [depths, vocab] log-probs, got {tuple(log_probs.shape)}")
-    if not 1 <= budget < MAX_TREE_TOKENS:
-        raise ValueError(f"tree budget {budget} must be 1..{MAX_TREE_TOKENS - 1}")
+    _check_budget(budget)
     k = min(BRANCHES, log_probs.shape[1])
     # A stable descending sort: equal log-probs rank by token id.
     values, ids = torch.sort(log_probs.float(), dim=-1, descending=True, stable=True)
@@ -65,31 +67,66 @@ def build_tree(log_probs: torch.Tensor, budget: int, chain_seed: bool = CHAIN_SE
     return tree_of(sorted(paths), ids)
 
 
+def build_lattice_tree(candidates: torch.Tensor, log_probs: torch.Tensor, budget: int,
+                       chain_seed: bool = CHAIN_SEED) -> DraftTree:
+    """A tree over conditional scores (a DFlash2 selector's lattice): candidates [D, K] each depth's
+    tokens; log_probs [D, K, K], log_probs[d, p, c] the score of candidate c at depth d + 1 below
+    candidate p at depth d (row 0 at depth 1, below the pending token). Rank r of a node is its place
+    among its siblings by that score, so the all-zero rank path is the greedy walk over the lattice."""
+    if candidates.dim() != 2 or log_probs.shape != (*candidates.shape, candidates.shape[1]) or not len(candidates):
+        raise ValueError(f"a lattice tree needs candidates [D, K] and log-probs [D, K, K], got "
+                         f"{tuple(candidates.shape)} and {tuple(log_probs.shape)}")
+    _check_budget(budget)
+    values, order = torch.sort(log_probs.float(), dim=-1, descending=True, stable=True)
+    values, order, tokens = values.tolist(), order.tolist(), candidates.tolist()
+
+    def candidate(path: tuple[int, ...]) -> int:  # the candidate index a rank path ends on (0: the root)
+        c = 0
+        for d, r in enumerate(path):
+            c = order[d][c][r]
+        return c
+
+    paths = sorted(ranked_best_first(lambda d, parent: values[d][candidate(parent)], len(values), budget,
+                                     chain_seed))
+    return _tree(paths, [tokens[len(p) - 1][candidate(p)] for p in paths])
+
+
+def _check_budget(budget: int) -> None:
+    if not 1 <= budget < MAX_TREE_TOKENS:
+        raise ValueError(f"tree budget {budget} must be 1..{MAX_TREE_TOKENS - 1}")
+
+
 def best_first(values: list[list[float]], budget: int, chain_seed: bool = CHAIN_SEED) -> list[tuple[int, ...]]:
     """The rank paths of the best `budget` nodes over per-depth sorted log-probs values[d][r]."""
-    depth, k = len(values), len(values[0])
+    return ranked_best_first(lambda d, parent: values[d], len(values), budget, chain_seed)
+
+
+def ranked_best_first(children: Callable[[int, tuple[int, ...]], list[float]], depth: int, budget: int,
+                      chain_seed: bool = CHAIN_SEED) -> list[tuple[int, ...]]:
+    """The rank paths of the best `budget` nodes of a tree `depth` deep, where children(d, parent) gives the
+    sorted (descending) log-probs of the depth-d children of the node at rank path `parent` (() for the root)."""
     chosen: list[tuple[int, ...]] = []
     heap: list[tuple[float, tuple[int, ...]]] = []
 
     def push(path: tuple[int, ...], parent_score: float) -> None:
         d, r = len(path) - 1, path[-1]
-        if d < depth and r < k:
-            heapq.heappush(heap, (-(parent_score + values[d][r]), path))
+        if d < depth and r < len(row := children(d, path[:-1])):
+            heapq.heappush(heap, (-(parent_score + row[r]), path))
 
     score = 0.0
     if chain_seed:
         chain: tuple[int, ...] = ()
         for d in range(min(depth, budget)):
             push(chain + (1,), score)  # each chain node's next sibling waits in the heap
+            score += children(d, chain)[0]
             chain += (0,)
-            score += values[d][0]
             chosen.append(chain)
     else:
         push((0,), 0.0)
     while heap and len(chosen) < budget:
         neg, path = heapq.heappop(heap)
         chosen.append(path)
-        parent_score = -neg - values[len(path) - 1][path[-1]]
+        parent_score = -neg - children(len(path) - 1, path[:-1])[path[-1]]
         push(path[:-1] + (path[-1] + 1,), parent_score)
         push(path + (0,), -neg)
     return chosen
@@ -97,10 +134,24 @@ def best_first(values: list[list[float]], budget: int, chain_seed: bool = CHAIN_
 
 def tree_of(paths: list[tuple[int, ...]], ids: list[list[int]]) -> DraftTree:
     """The tree of these rank paths, sorted (DFS order: a parent before its children, siblings by rank)."""
+    return _tree(paths, [ids[len(p) - 1][p[-1]] for p in paths])
+
+
+def _tree(paths: list[tuple[int, ...]], tokens: list[int]) -> DraftTree:
     row = {path: i + 1 for i, path in enumerate(paths)}
-    tokens = [ids[len(p) - 1][p[-1]] for p in paths]
     parents = [row[p[:-1]] if len(p) > 1 else 0 for p in paths]
     return DraftTree(tokens, parents, [len(p) for p in paths])
+
+
+def top_chain(row_depths: list[int], accepted_rows: list[int]) -> tuple[int, int]:
+    """A tree's top-1 chain and how much of it a verify accepted: (its nodes, those accepted). Every
+    node's first child in DFS order is its rank-0 child (a sibling is pushed only when the one ranked
+    before it is taken), so the chain is the leading rows whose depth is their row. It reaches the
+    tree's depth in per-slot trees; a lattice tree may cut it shorter. row_depths and accepted_rows
+    start with row 0 (the pending token)."""
+    nodes = next((r for r in range(1, len(row_depths)) if row_depths[r] != r), len(row_depths)) - 1
+    accepted = next((j for j, r in enumerate(accepted_rows) if r != j), len(accepted_rows)) - 1
+    return nodes, accepted
 
 
 def depths_of(parents: list[int]) -> list[int]:

@@ -203,11 +203,11 @@ def test_a_tree_verify_also_records_what_its_top_1_chain_would_have_accepted(pai
     spec.source[id(seq)] = ("model", 8)
     before_chain, before_tree = spec._acceptance(seq, "model", None), spec._acceptance(seq, "model", 8)
     chain_alpha, tree_alpha = before_chain.alpha, before_tree.alpha
-    spec.record(seq, 3, 3, chain_accepted=1)
+    spec.record(seq, 3, 3, chain=(3, 1))
     assert spec._acceptance(seq, "model", 8).alpha > tree_alpha  # all 3 accepted
     assert spec._acceptance(seq, "model", None).alpha < chain_alpha  # the chain stopped after 1 of 3
     assert spec.policy.width_steps[8] == 1 and spec.policy.width_steps[None] == 0
-    # the engine derives chain_accepted from the accepted rows: rows 1, 2, ... are the top-1 chain
+    # the engine derives the chain's record from the accepted rows: rows 1, 2, ... are the top-1 chain
     record = spec.record
     seen = []
     spec.record = lambda s, k, a, chain=None: (seen.append((k, a, chain)), record(s, k, a, chain))[1]
@@ -215,5 +215,5 @@ def test_a_tree_verify_also_records_what_its_top_1_chain_would_have_accepted(pai
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     assert token_ids(llm, prompts, params) == token_ids(plain_llm, prompts, params)
     trees = [(k, a, c) for k, a, c in seen if c is not None]
-    assert trees and all(0 <= c <= a <= k for k, a, c in trees)
-    assert any(c < a for _, a, c in trees)  # some accepted paths left the chain
+    assert trees and all(0 <= accepted <= a <= k and nodes == k for k, a, (nodes, accepted) in trees)
+    assert any(accepted < a for _, a, (_, accepted) in trees)  # some accepted paths left the chain

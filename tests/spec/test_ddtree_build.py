@@ -7,7 +7,8 @@ import itertools
 import pytest
 import torch
 
-from lucebox.spec.tree import BRANCHES, build_tree, depths_of, path_tokens, tree_children, tree_nodes
+from lucebox.spec.tree import (BRANCHES, build_lattice_tree, build_tree, depths_of, path_tokens, top_chain,
+                               tree_children, tree_nodes)
 
 
 def reference_tree(log_probs: torch.Tensor, budget: int, chain_seed: bool = True):
@@ -120,3 +121,112 @@ def _ancestors(parents, row):
 def test_bad_budget_is_named():
     with pytest.raises(ValueError, match="budget 64"):
         build_tree(random_log_probs(0, 3, 8), 64)
+
+
+def reference_lattice_tree(candidates: torch.Tensor, log_probs: torch.Tensor, budget: int, chain_seed: bool):
+    """Every candidate path enumerated with its rank path (each node's place among its siblings by its
+    conditional log-prob, ties to the lower candidate index), the best `budget` by cumulative score."""
+    depth, k = candidates.shape
+    nodes = {}  # rank path -> (score, token path)
+    for d in range(1, depth + 1):
+        for path in itertools.product(range(k), repeat=d):  # candidate indices
+            score, ranks, parent = 0.0, [], 0
+            for i, c in enumerate(path):
+                row = log_probs[i, parent].tolist()
+                ranks.append(sorted(range(k), key=lambda j: (-row[j], j)).index(c))
+                score += row[c]
+                parent = c
+            nodes[tuple(ranks)] = (score, [int(candidates[i, c]) for i, c in enumerate(path)])
+    ordered = sorted(nodes, key=lambda p: (-nodes[p][0], p))
+    chain = [tuple([0] * d) for d in range(1, min(depth, budget) + 1)] if chain_seed else []
+    chosen = sorted(chain + [p for p in ordered if p not in set(chain)][:budget - len(chain)])
+    row = {p: i + 1 for i, p in enumerate(chosen)}
+    return ([nodes[p][1][-1] for p in chosen], [row[p[:-1]] if len(p) > 1 else 0 for p in chosen],
+            [len(p) for p in chosen])
+
+
+def random_lattice(seed: int, depth: int, k: int, vocab: int, ties: bool = False):
+    g = torch.Generator().manual_seed(seed)
+    candidates = torch.stack([torch.randperm(vocab, generator=g)[:k] for _ in range(depth)])
+    scores = torch.randn(depth, k, k, generator=g) * 2
+    scores[0] = scores[0, 0]  # depth 1 sits below the pending token: one row
+    if ties:
+        scores = scores.round()
+    return candidates, scores.log_softmax(-1)
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("ties", [False, True])
+def test_lattice_tree_equals_the_brute_force_reference_over_conditional_scores(seed, ties):
+    depth, k = [(2, 5), (3, 4), (4, 3)][seed % 3]
+    budget = [depth, 6, 13, 40][seed % 4]
+    candidates, log_probs = random_lattice(seed, depth, k, 50, ties)
+    for chain_seed in (True, False):
+        tree = build_lattice_tree(candidates, log_probs, budget, chain_seed)
+        assert (tree.tokens, tree.parents, tree.depths) == reference_lattice_tree(candidates, log_probs, budget,
+                                                                                  chain_seed)
+        assert len(tree.tokens) == min(budget, sum(k ** d for d in range(1, depth + 1)))
+        assert all(p < i + 1 for i, p in enumerate(tree.parents))
+
+
+def test_a_lattice_whose_rows_agree_grows_the_marginal_tree():
+    """Scores that ignore the parent are per-slot distributions: the same tree as build_tree's."""
+    log_probs = random_log_probs(4, 4, 40)
+    values, ids = torch.sort(log_probs, dim=-1, descending=True, stable=True)
+    k = BRANCHES
+    lattice = values[:, None, :k].expand(4, k, k)
+    for budget in (3, 9, 30):
+        a, b = build_lattice_tree(ids[:, :k], lattice, budget), build_tree(log_probs, budget)
+        assert (a.tokens, a.parents, a.depths) == (b.tokens, b.parents, b.depths)
+
+
+def test_lattice_children_follow_their_parent_token():
+    # Depth 2 after candidate 0 prefers candidate 1, after candidate 1 prefers candidate 0.
+    candidates = torch.tensor([[10, 11], [20, 21]])
+    log_probs = torch.log(torch.tensor([[[0.6, 0.4], [0.6, 0.4]], [[0.1, 0.9], [0.8, 0.2]]]))
+    tree = build_lattice_tree(candidates, log_probs, 4)  # 10: 0.6, 10-21: 0.54, 11: 0.4, 11-20: 0.32
+    assert (tree.tokens, tree.parents, tree.depths) == ([10, 21, 11, 20], [0, 1, 0, 3], [1, 2, 1, 2])
+
+
+def test_bad_lattice_shapes_are_named():
+    with pytest.raises(ValueError, match=r"\[D, K, K\]"):
+        build_lattice_tree(torch.zeros(3, 4, dtype=torch.long), torch.zeros(3, 4, 5), 5)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_top_chain_is_the_rank_0_walk_the_tree_holds(seed):
+    """Per-slot trees hold the top-1 chain to their depth; a lattice tree may hold less of its walk."""
+    tree = build_tree(random_log_probs(seed, 5, 30), [4, 9, 25][seed % 3])
+    rows = [0] + tree.depths
+    assert top_chain(rows, [0]) == (max(tree.depths), 0)
+    candidates, log_probs = random_lattice(seed, 4, 4, 50)
+    budget = [3, 7, 12][seed % 3]
+    tree = build_lattice_tree(candidates, log_probs, budget)
+    ranks = _lattice_rank_paths(candidates, log_probs, budget)
+    walk = max(d for d in range(5) if all((0,) * i in ranks for i in range(1, d + 1)))
+    assert top_chain([0] + tree.depths, [0])[0] == walk
+    for j in range(walk + 1):  # accepted along the walk's first j nodes, then (maybe) elsewhere
+        assert top_chain([0] + tree.depths, list(range(j + 1)))[1] == j
+
+
+def _lattice_rank_paths(candidates, log_probs, budget):
+    tokens, parents, _ = reference_lattice_tree(candidates, log_probs, budget, False)
+    paths = {}
+    for row, (token, parent) in enumerate(zip(tokens, parents), 1):
+        d = len(paths.get(parent, ()))
+        below = paths.get(parent, ())
+        prev = candidates[d - 1].tolist().index(tokens[parent - 1]) if parent else 0
+        order = sorted(range(candidates.shape[1]), key=lambda j: (-log_probs[d, prev, j].item(), j))
+        paths[row] = below + (order.index(candidates[d].tolist().index(token)),)
+    return set(paths.values())
+
+
+def test_top_chain_stops_where_a_lattice_tree_leaves_its_walk():
+    # The walk's first token leads nowhere sure (0.25 each); the runner-up's child is near certain.
+    candidates = torch.tensor([[10, 11, 12, 13]] * 2)
+    after = torch.full((4, 4), 0.25)
+    after[1] = torch.tensor([0.97, 0.01, 0.01, 0.01])
+    log_probs = torch.stack([torch.tensor([0.55, 0.40, 0.03, 0.02]).expand(4, 4), after]).log()
+    tree = build_lattice_tree(candidates, log_probs, 3)  # 10: .55, 11: .40, 11-10: .388; 10-*: .1375
+    assert (tree.tokens, tree.parents) == ([10, 11, 10], [0, 0, 2])
+    assert top_chain([0] + tree.depths, [0, 1]) == (1, 1)  # the walk is row 1 alone, though the tree is 2 deep
