@@ -14,7 +14,8 @@
 # block here anchors within the first 128 tokens the target writes, as in serving.
 # Env: SAMPLES (regenerated sequences, default 65536), BATCH (default 64), EVAL_EVERY (default 250),
 # ARCH (dflash or dflash2; default dflash), LAYERS (default 2), INIT_FROM_TARGET=1 (draft layers
-# start as copies of the target's last ones),
+# start as copies of the target's last ones), INIT_DRAFTER (start from this drafter: a DFlash one grows
+# into DFlash2 computing what it did), LR (default 6e-4),
 # DATA (corpus directory; it and "$DATA-eval" are each written if empty, reused otherwise: runs
 # sharing them can share REGEN_FROM, another run's regenerated.pt, whose key includes the data and
 # eval files' paths). TAPS (default 3,4,5,6,7): the deeper half of the 8 layers; at equal CPU steps
@@ -49,9 +50,9 @@ PY
 timeout --signal=INT $((seconds + 300)) python3 -m lucebox.cli train-drafter --target models/default \
   --data "$data" --eval-data "$eval" --out "$out" --layers "${LAYERS:-2}" --block-size 16 \
   --taps "${TAPS:-3,4,5,6,7}" --batch-size "${BATCH:-64}" --seq-len 256 --prompt-len 128 --anchors 128 \
-  --lr 6e-4 --regenerate --max-samples "${SAMPLES:-65536}" --regen-batch 2048 --max-seconds "$seconds" \
+  --lr "${LR:-6e-4}" --regenerate --max-samples "${SAMPLES:-65536}" --regen-batch 2048 --max-seconds "$seconds" \
   --eval-every "${EVAL_EVERY:-250}" --save-every 1000000 --seed 0 ${INIT_FROM_TARGET:+--init-from-target} \
-  ${ARCH:+--arch "$ARCH"} \
+  ${ARCH:+--arch "$ARCH"} ${INIT_DRAFTER:+--init-drafter "$INIT_DRAFTER"} \
   2>&1 | tee "$out/training.log"
 # stats.json for the model card: the trainer's figures and tau in the engine on the test's snippets.
 python3 scripts/drafter_stats.py "$out" --target models/default

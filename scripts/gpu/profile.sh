@@ -24,6 +24,19 @@ mode_drafter() {
   tr '\r' '\n' < "$out/drafter.log" | grep -E "tau|steps|wrote|Error|error" | tail -n 20
 }
 
+#: drafter2     the default drafter grown into DFlash2 (selector trained from models/default-dflash), then
+#:              tree tau over its lattice against the per-slot trees (scripts/tree_tau.py; ~9 min)
+mode_drafter2() {
+  ARCH=dflash2 INIT_DRAFTER=models/default-dflash LR=${LR:-3e-4} \
+    step drafter 450 bash scripts/train_default_drafter.sh "$out/default-dflash2" "${SECONDS_TRAIN:-240}"
+  rm -f "$out/default-dflash2/train_state.pt" "$out/default-dflash2/regenerated.pt"
+  tr '\r' '\n' < "$out/drafter.log" | grep -E "tau|steps|wrote|Error|error" | tail -n 20
+  step tree-tau 120 python3 scripts/tree_tau.py --drafter "$out/default-dflash2" --budgets 8 16 22 32 63
+  step tree-tau-calibration 120 python3 scripts/tree_tau.py --drafter "$out/default-dflash2" --calibration \
+    --tokens 96 --budgets 8 16 22 32 63
+  tail -n 9 "$out/tree-tau.log" "$out/tree-tau-calibration.log"
+}
+
 #: profile-verify  where a hybrid verify's time goes: scripts/profile_decode.py at 1 and 16 tokens (eager
 #:              tables + graph replay) on qwen3.6-27b and qwen3.6-35b-a3b q4_k_m (SHAPES, QUANT override)
 mode_profile_verify() {
