@@ -397,8 +397,11 @@ class CacheManager:
         return sum(self.held_by_group(seq))
 
     def held_by_group(self, seq: Sequence) -> list[int]:
-        """Pool blocks seq holds in each KV cache group (primary first)."""
-        return [pool.held(table) for pool, table, _ in self._tables(seq)]
+        """Pool blocks seq holds in each KV cache group (primary first), a KVFlash page-in's in flight too."""
+        held = [pool.held(table) for pool, table, _ in self._tables(seq)]
+        if self.kv_pool is not None:
+            held[0] += self.kv_pool.in_flight(seq)
+        return held
 
     def slot(self, seq: Sequence) -> int:
         return self.slots[id(seq)]

@@ -296,6 +296,8 @@ class LLMEngine:
         failed = self._advance_scoring()  # PFlash: at most one scorer chunk a step, between the others' steps
         step_started = time.perf_counter()  # the speculator's step cost: the batch's alone
         spec, overlap = self.speculator, self.overlap
+        if self.kv_pool is not None:  # resident sets whose page-ins landed take over before anything reads them
+            self.kv_pool.land()
         if spec is not None and not overlap.continues_run():
             spec.propose(self._recompute_taps(spec.choose(self.scheduler.running)))
         batch = self.scheduler.schedule()

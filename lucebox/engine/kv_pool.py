@@ -5,7 +5,9 @@ and every complete 64-token chunk gets a key summary per layer (model/kv_pool/sc
 sequence holds more than the pool's blocks, it is re-chosen (model/kv_pool/choose.py) after a prompt
 chunk and every `interval` committed tokens: the sink chunk, the tail and the chunks scoring best
 against the last token's queries (captured by the step before) stay; the rest go back to the block
-pool (entries `released`, host copies kept) and chosen chunks come back from host memory. Attention
+pool (entries `released`, host copies kept) and chosen chunks come back from host memory: during
+decode on side streams while the old set keeps serving the steps launched meanwhile, the new set taking
+over before the first step planned after the copies landed (`land`); after a prompt chunk at once. Attention
 reads the resident blocks through a KVView (seq.kv_view; None while everything is resident), so
 its output is exact over what is resident and ignores the rest: LOSSY once anything is evicted.
 Host blocks for a sequence's whole possible length are reserved at admission, so a pooled sequence
@@ -22,7 +24,7 @@ import torch
 from ..config import KV_POOL_CHUNK
 from ..errors import RequestError
 from ..model.kv_pool.choose import Protection, choose_chunks
-from ..model.kv_pool.host_store import HostKVStore
+from ..model.kv_pool.host_store import HostKVStore, Loading
 from ..model.kv_pool.score import ChunkSummaries, chunk_bounds
 from ..model.kv_pool.view import KVView
 from ..util import host_to_device
@@ -33,13 +35,27 @@ TAIL_TOKENS = 256  # the recent tail never evicted (at least a sliding window's 
 
 
 @dataclass
+class PageIn:
+    """A resident set chosen during decode whose new chunks are still coming from host memory: the old
+    set serves the steps launched meanwhile, and it takes over once the copies have landed."""
+    enter: list[int]  # logical blocks coming in
+    blocks: list[int]  # their device blocks (taken from the pool, not yet in the table)
+    evict: list[int]  # logical blocks leaving when it takes over
+    tail_from: int
+    loading: Loading
+
+
+@dataclass
 class Residency:
     """One pooled sequence's bookkeeping."""
+    seq: object
     host: list[int]  # the host block of every logical block it may reach
     saved: int = 0  # its logical blocks [0, saved) are in host memory
     summaries: ChunkSummaries = field(default_factory=ChunkSummaries)
     since: int = 0  # tokens committed since its resident set was last chosen
     queries: list[torch.Tensor] | None = None  # the last captured, per scored layer [heads, head_dim]
+    prefilling: bool = False  # its last commit was a prompt chunk with more to come
+    pending: PageIn | None = None
 
 
 @dataclass(frozen=True)
@@ -56,10 +72,12 @@ class KVFlashStats:
 
 class KVPool:
     def __init__(self, cache, caches: list, score_caches: list, pool_tokens: int, interval: int,
-                 host_bytes: int | None, max_model_len: int, windows: tuple[int, ...] = (), max_num_seqs: int = 1):
+                 host_bytes: int | None, max_model_len: int, windows: tuple[int, ...] = (), max_num_seqs: int = 1,
+                 step_tokens: int = 0):
         """cache: the engine's CacheManager; caches: every PagedKVCache on the primary block table (the
         target's and a proposer's); score_caches: the target layers' K caches scored; host_bytes: host
-        memory for the backing store (None: max_num_seqs whole contexts, at most half the available memory)."""
+        memory for the backing store (None: max_num_seqs whole contexts, at most half the available memory);
+        step_tokens: the most tokens a step brings (the memory plan's room for a pooled sequence)."""
         self.cache, self.blocks = cache, cache.blocks
         bs = cache.block_size
         if KV_POOL_CHUNK % bs and bs % KV_POOL_CHUNK:
@@ -75,6 +93,8 @@ class KVPool:
                                f"{self.protection.min_chunks * chunk_tokens} tokens (a sink chunk, a tail of "
                                f"{self.protection.tail_chunks * chunk_tokens} tokens and room to choose)")
         self.pool_tokens, self.interval, self.max_model_len = pool_tokens, interval, max_model_len
+        # what the memory plan gives a pooled sequence: a page-in in flight fits in what decoding leaves of it
+        self.planned_blocks = cache.blocks.blocks_for(device_tokens_per_sequence(pool_tokens, step_tokens, interval))
         self.score_caches = score_caches
         block_bytes = HostKVStore.bytes_per_block(caches)
         if host_bytes is None:
@@ -116,18 +136,26 @@ class KVPool:
         return self.store.num_free >= self.host_blocks_for(seq)
 
     def enroll(self, seq) -> None:
-        self.members[id(seq)] = Residency(self.store.allocate(self.host_blocks_for(seq)))
+        self.members[id(seq)] = Residency(seq, self.store.allocate(self.host_blocks_for(seq)))
         seq.kv_view = None
 
     def release(self, seq) -> None:
         """seq finished or was preempted (its device blocks are freed by the cache manager)."""
         member = self.members.pop(id(seq), None)
         if member is not None:
+            if member.pending is not None:  # blocks being loaded go back once the copies are ordered first
+                member.pending.loading.join()
+                self.blocks.truncate(member.pending.blocks, 0)
             mine = set(member.host)
             self._saves = [(d, h) for d, h in self._saves if h not in mine]  # nothing left to keep
             self.store.free(member.host)
         seq.kv_view = None
         self._reselect = [s for s in self._reselect if s is not seq]
+
+    def in_flight(self, seq) -> int:
+        """Device blocks seq's page-in holds outside its table until it lands."""
+        member = self.members.get(id(seq))
+        return 0 if member is None or member.pending is None else len(member.pending.blocks)
 
     def is_member(self, seq) -> bool:
         return id(seq) in self.members
@@ -161,7 +189,7 @@ class KVPool:
         if chunks > member.summaries.count:
             self._summarise(seq, member, member.summaries.count, chunks)
         member.since += n
-        prefilling = seq.num_computed < seq.num_tokens
+        member.prefilling = prefilling = seq.num_computed < seq.num_tokens  # more of the prompt to come
         due = self.resident_blocks(seq) > self.budget_blocks and (member.since >= self.interval or prefilling)
         if due and seq not in self._reselect:
             self._reselect.append(seq)
@@ -193,7 +221,16 @@ class KVPool:
                 member.queries = [queries[id(k)][row].clone() for k in self.score_caches]  # graph buffers get reused
             self._choose(seq, member)
 
+    def land(self) -> None:
+        """Pooled sequences whose page-ins have landed switch to their new resident sets (called before
+        a step is planned or launched ahead, so each step reads one set throughout)."""
+        for member in self.members.values():
+            if member.pending is not None and member.pending.loading.done():
+                self._switch(member)
+
     def _choose(self, seq, member: Residency) -> None:
+        if member.pending is not None:  # chosen again before the last choice landed: it takes over first
+            self._switch(member)
         cb, table, released = self.chunk_blocks, seq.block_table, self.blocks.released
         num_chunks = -(-len(table) // cb)
         scores = member.summaries.scores(member.queries) if member.queries is not None else None
@@ -203,6 +240,16 @@ class KVPool:
         keep = set(wanted)
         evict = [i for i in range(tail_from) if table[i] != released and i not in keep]
         enter = [i for i in wanted if table[i] == released]
+        member.since = 0
+        self.reselects += 1
+        # Decoding, within the blocks the plan gives the sequence: the copies overlap the next steps, which
+        # read the old set. A prompt chunk needs its room for the next chunk: the old set goes first.
+        if (enter and not member.prefilling and self.blocks.num_free_blocks >= len(enter)
+                and self.blocks.held(table) + len(enter) <= self.planned_blocks):
+            taken = self.blocks.take(len(enter))
+            loading = self.store.load([member.host[i] for i in enter], taken, wait=False)
+            member.pending = PageIn(enter, taken, evict, tail_from, loading)
+            return
         if evict:
             self.blocks.evict(table, evict)
             self.store.fence()  # their host copies are complete before the blocks are written again
@@ -212,13 +259,28 @@ class KVPool:
             self.store.load([member.host[i] for i in enter], taken)
             for i, block in zip(enter, taken):
                 table[i] = block
-        selected = tuple(i for i in range(tail_from) if table[i] != released)
+        self._view(seq, tail_from, len(evict), len(enter))
+
+    def _switch(self, member: Residency) -> None:
+        """A page-in's resident set takes over: its blocks join the table, the leaving ones go back."""
+        page, seq = member.pending, member.seq
+        member.pending = None
+        page.loading.join()
+        table = seq.block_table
+        for i, block in zip(page.enter, page.blocks):
+            table[i] = block
+        if page.evict:
+            self.blocks.evict(table, page.evict)
+            self.store.fence()
+        self._view(seq, page.tail_from, len(page.evict), len(page.enter))
+
+    def _view(self, seq, tail_from: int, evicted: int, entered: int) -> None:
+        released = self.blocks.released
+        selected = tuple(i for i in range(tail_from) if seq.block_table[i] != released)
         view = KVView(selected, tail_from, self.cache.block_size)
         seq.kv_view = None if len(selected) == tail_from else view
-        member.since = 0
-        self.reselects += 1
-        self.evicted += len(evict)
-        self.paged_in += len(enter)
+        self.evicted += evicted
+        self.paged_in += entered
 
 
 def host_memory_available() -> int:

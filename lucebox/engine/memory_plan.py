@@ -95,4 +95,4 @@ def make_kv_pool(engine, specs, groups) -> KVPool:
     windows = tuple(g.window for g in groups[1:])
     return KVPool(engine.scheduler.cache, caches, [k for k, _ in target], args.kv_pool_tokens,
                   args.kv_reselect_interval, args.kv_pool_host_memory, engine.max_model_len, windows,
-                  args.max_num_seqs)
+                  args.max_num_seqs, args.max_num_batched_tokens)

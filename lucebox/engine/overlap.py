@@ -105,6 +105,8 @@ class Overlap:
                                                      for s in seqs)):
             return None
         next_sample = None if argmax else sample
+        if cache.kv_pool is not None:  # landed page-ins switch now, so the step launched ahead reads the new set
+            cache.kv_pool.land()
         # a pooled sequence's row reads its resident blocks (a new choice at the commit leaves the step unused)
         starts = [s.num_computed + 1 if s.kv_view is None else s.kv_view.storage(s.num_computed + 1) for s in seqs]
         tables = [s.block_table if s.kv_view is None else s.kv_view.table(s.block_table) for s in seqs]

@@ -24,10 +24,10 @@ def test_pool_keeps_device_kv_bounded_as_the_context_grows(tmp_path, capsys):
     for n in (1024, 2048):
         p, f = pooled[n], full[n]
         assert p["decode_tokens"] == f["decode_tokens"] == 32 and p["tok_s"] > 0 and p["prefill_s"] > 0
-        # the full KV holds the context and what was decoded; the pool at most its tokens and one reselect
-        # interval's growth (64 tokens), whatever the context
+        # the full KV holds the context and what was decoded; the pool at most the room the plan gives a
+        # pooled sequence (its tokens, a step's and a chunk's: page-ins in flight use it), whatever the context
         assert (n + 32) * per_token <= f["device_kv_bytes"] <= (n + 34 + BLOCK) * per_token
-        assert 512 * per_token <= p["device_kv_bytes"] <= (512 + 64 + BLOCK) * per_token
+        assert 512 * per_token <= p["device_kv_bytes"] <= (512 + 256 + 64) * per_token
         # every full block of the pooled sequence is copied to host memory; the unpooled one keeps none there
         assert (n + 32) // BLOCK * BLOCK * per_token <= p["host_kv_bytes"] <= (n + 34 + BLOCK) * per_token
         assert f["host_kv_bytes"] == 0 and p["peak_above_start_bytes"] is None  # CPU: no device allocator

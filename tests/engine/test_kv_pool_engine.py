@@ -43,6 +43,7 @@ def run_recording_views(llm: LLM, ids: list[int], params: SamplingParams):
     seq = engine.requests["r"][1][0]
     resident, views = [], []
     while engine.has_unfinished():
+        engine.kv_pool.land()  # what the step lands first: the resident set it reads
         view = seq.kv_view
         table_len = -(-(seq.num_computed + 1) // BLOCK)
         blocks = None if view is None else view.blocks(table_len)

@@ -28,6 +28,7 @@ def recall(pool_tokens: int) -> float:
                                                                           ignore_eos=True))
         seq = engine.requests["r"][1][0]
         engine.step()  # the exact prefill, then the resident set chosen with its last token's queries
+        engine.kv_pool.land()  # as the next step does first
         resident = set(seq.kv_view.blocks(len(seq.block_table))) if seq.kv_view is not None else None
         found += sum(resident is None or p // block in resident for p in needle)
         total += len(needle)

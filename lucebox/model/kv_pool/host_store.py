@@ -10,8 +10,9 @@ per run of consecutive host ids (allocate hands out the lowest free ids, so runs
 On CUDA the host rows are page-locked with cudaHostRegister (pinned tensors from torch's caching
 host allocator round up to a power of two: a 20 GiB store would pin 32 GiB) and every copy runs on
 a side stream per device: save waits for the current stream (the blocks were just written), load
-makes the current stream wait for it (the next forward reads them), and `fence` makes the current
-stream wait for pending saves before saved device blocks are overwritten. On CPU all is synchronous.
+waits for it too and makes the current stream wait for the copies (or hands back a Loading to join
+later: the copies overlap the steps launched meanwhile), and `fence` makes the current stream wait
+for pending saves before saved device blocks are overwritten. On CPU all is synchronous.
 """
 from __future__ import annotations
 
@@ -81,6 +82,22 @@ def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
             runs.append((start, ids[start], i - start))
             start = i
     return runs
+
+
+@dataclass
+class Loading:
+    """Copies into device blocks running on side streams: an event a device (none on the CPU, where
+    copies are done when load returns)."""
+    events: list[tuple[torch.device, torch.cuda.Event]]
+
+    def done(self) -> bool:
+        """Whether every copy has finished (no wait)."""
+        return all(event.query() for _, event in self.events)
+
+    def join(self) -> None:
+        """The current streams' later work sees the blocks (a device-side wait, no host sync)."""
+        for device, event in self.events:
+            torch.cuda.current_stream(device).wait_event(event)
 
 
 class HostKVStore:
@@ -162,10 +179,12 @@ class HostKVStore:
                     self._saved[group.device] = torch.cuda.Event()
                     self._saved[group.device].record(side)
 
-    def load(self, host_blocks: list[int], device_blocks: list[int]) -> None:
-        """Copy host blocks into device blocks; the current stream's later work sees them."""
+    def load(self, host_blocks: list[int], device_blocks: list[int], wait: bool = True) -> Loading:
+        """Copy host blocks into device blocks. wait: the current stream's later work sees them; else the
+        copies run on beside it (after the work queued so far) until the returned Loading is joined."""
+        loading = Loading([])
         if not self._check(device_blocks, host_blocks, destinations=device_blocks):
-            return
+            return loading
         for group, host in zip(self._groups, self._host):
             with self._side_stream(group.device) as side:
                 ids = host_to_device(device_blocks, group.device, torch.long)
@@ -174,8 +193,12 @@ class HostKVStore:
                     staging[at:at + n].copy_(host[first:first + n], non_blocking=True)
                 for s in group.segments:
                     s.rows.index_copy_(0, ids, staging[:, s.offset:s.offset + s.rows.shape[1]])
-            if side is not None:
-                torch.cuda.current_stream(group.device).wait_stream(side)
+                if side is not None:
+                    loading.events.append((group.device, torch.cuda.Event()))
+                    loading.events[-1][1].record(side)
+        if wait:
+            loading.join()
+        return loading
 
     def fence(self) -> None:
         """The current stream waits for every pending save (no host sync)."""
