@@ -29,6 +29,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out", help="the drafter directory (config.json, training_log.jsonl, training.log)")
     p.add_argument("--target", default="models/default")
+    p.add_argument("--recipe", help="how it was trained, when not by the script's defaults (for the card)")
     args = p.parse_args()
     out = Path(args.out)
     config = json.loads((out / "config.json").read_text())
@@ -37,6 +38,9 @@ def main() -> None:
     rate = re.search(r"([\d.]+) s/step, training (\d+) steps", log)
     wrote = re.search(r"steps \d+\.\.(\d+), (\d+) s\)", log)
     stats = {
+        "arch": "dflash2" if "DFlash2DraftModel" in config.get("architectures", ()) else "dflash",
+        "recipe": args.recipe,
+        "selector_rank": config["dflash_config"].get("selector_rank"),
         "layers": config["num_hidden_layers"], "block_size": config["block_size"],
         "taps": config["dflash_config"]["target_layer_ids"], "hidden_size": config["hidden_size"],
         "steps": history[-1]["step"], "seconds_per_step": float(rate.group(1)) if rate else None,

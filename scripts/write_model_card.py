@@ -87,6 +87,7 @@ def main() -> int:
         "```bash",
         "python scripts/train_default_model.py --out models/default      # ~8 min on one H200",
         "bash scripts/train_default_drafter.sh models/default-dflash 330   # the drafter (one H200, ~7 min)",
+        "ARCH=dflash2 INIT_DRAFTER=models/default-dflash LR=3e-4 bash scripts/train_default_drafter.sh OUT  # grown into DFlash2",
         "STAGE=target bash scripts/extend_default_context.sh OUT; STAGE=drafter ...  # YaRN to 64K (two H200 calls, ~6 min each)",
         "lucebox convert models/default models/default-q8_0.gguf --outtype q8_0",
         "python scripts/write_model_card.py",
@@ -132,8 +133,13 @@ def drafter_section(d: dict) -> list[str]:
     e = d["engine_tau"]
     speed = (f", {d['steps']:,} steps in {d['train_seconds']} s ({d['seconds_per_step']} s/step)"
              if d.get("train_seconds") else f", {d['steps']:,} steps")
+    dflash2 = d.get("arch") == "dflash2"
+    grown = ([f"A DFlash2 drafter: grouped dynamic convolutions around each sub-layer and a candidate selector "
+              f"(rank-{d.get('selector_rank', 256)} predecessor / successor codebooks over the top-16 candidates) "
+              "whose walk is the draft chain and whose lattice grows the draft trees. " + (d.get("recipe") or ""), ""]
+             if dflash2 else [])
     return [
-        "## DFlash drafter (`models/default-dflash`)", "",
+        "## DFlash drafter (`models/default-dflash`)", "", *grown,
         f"{d['layers']} DFlash layers (hidden {d['hidden_size']}), block {d['block_size']}, mask token `<|mask|>`, "
         f"reading the target's layers {', '.join(map(str, d['taps']))}; no embedding or LM head of its own (the "
         "target's are shared); bfloat16, in the published z-lab layout. Trained by "
