@@ -24,8 +24,8 @@ mode_drafter() {
   tr '\r' '\n' < "$out/drafter.log" | grep -E "tau|steps|wrote|Error|error" | tail -n 20
 }
 
-#: drafter2     the default drafter grown into DFlash2 (selector trained from models/default-dflash), then
-#:              tree tau over its lattice against the per-slot trees (scripts/tree_tau.py; ~9 min)
+#: drafter2     the bundled DFlash2 drafter (grown from the DFlash one on a CPU) trained further with the H200
+#:              recipe (65K samples, batch 64), then tree tau over its lattice (scripts/tree_tau.py; ~9 min)
 mode_drafter2() {
   ARCH=dflash2 INIT_DRAFTER=models/default-dflash LR=${LR:-3e-4} \
     step drafter 450 bash scripts/train_default_drafter.sh "$out/default-dflash2" "${SECONDS_TRAIN:-240}"
