@@ -45,9 +45,11 @@ mode_check_kvflash() {
 
 #: recheck      the GPU tests the twentieth session fixed after their first GPU run (dead engines' KV counted
 #:              as used, a tree step past the padding bound, a split target's drafter): KVFlash engines, tree
-#:              graph buckets, trees on hybrids, device placement (~4 min; SECONDS_CHECK)
+#:              graph buckets, trees on hybrids, device placement; and the twenty-first's: page-ins on side
+#:              streams, DFlash2 lattice trees (~5 min; SECONDS_CHECK)
 mode_recheck() {
   run_tests gpu-tests-recheck "${SECONDS_CHECK:-300}" tests/engine/test_kv_pool_engine.py \
+    tests/engine/test_kv_pool_page_in.py tests/spec/test_dflash2_trees.py \
     tests/engine/test_kv_pool_families.py tests/engine/test_tree_graphs.py tests/spec/test_ddtree_hybrid.py \
     tests/engine/test_placement.py
 }

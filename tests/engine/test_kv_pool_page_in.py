@@ -35,7 +35,9 @@ def test_a_decode_page_in_takes_over_at_the_next_step_and_blocks_come_back(qwen3
         view, table = seq.kv_view, list(seq.block_table)
         assert all(table[i] == pool.blocks.released for i in page.enter)  # not yet in the table
         assert not set(page.blocks) & set(table)
-        pool.land()  # copies done on the CPU: the new set takes over, the leaving blocks go back
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the side stream's copies done (on the CPU they are when load returns)
+        pool.land()  # the new set takes over, the leaving blocks go back
         assert member.pending is None and seq.kv_view != view
         assert [seq.block_table[i] for i in page.enter] == page.blocks
         assert all(seq.block_table[i] == pool.blocks.released for i in page.evict)
