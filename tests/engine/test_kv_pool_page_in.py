@@ -16,16 +16,22 @@ def shuffled_scores(monkeypatch):
     monkeypatch.setattr(ChunkSummaries, "scores", lambda self, q: torch.rand(self.count, generator=generator))
 
 
-def test_a_decode_page_in_takes_over_at_the_next_step_and_blocks_come_back(qwen3_path, prompt, monkeypatch):
+def started(path, prompt, monkeypatch, **kw):
+    """A pooled engine with shuffled scores, one request of 200 greedy tokens admitted and prefilled:
+    (engine, pool, seq, its Residency)."""
     shuffled_scores(monkeypatch)
-    llm = pooled_llm(qwen3_path)
-    engine, pool = llm.engine, llm.engine.kv_pool
-    free = pool.blocks.num_free_blocks
+    engine = pooled_llm(path, **kw).engine
     engine.add_request("r", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=200,
                                                                          ignore_eos=True))
     seq = engine.requests["r"][1][0]
     engine.step()  # admitted (enrolled) and prefilled
-    member, page_ins = pool.members[id(seq)], 0
+    return engine, engine.kv_pool, seq, engine.kv_pool.members[id(seq)]
+
+
+def test_a_decode_page_in_takes_over_at_the_next_step_and_blocks_come_back(qwen3_path, prompt, monkeypatch):
+    engine, pool, seq, member = started(qwen3_path, prompt, monkeypatch)
+    free = pool.blocks.num_free_blocks + pool.blocks.held(seq.block_table) + pool.in_flight(seq)  # before admission
+    page_ins = 0
     while engine.has_unfinished():
         engine.step()
         page = member.pending
@@ -61,15 +67,8 @@ def test_prompt_chunks_switch_at_once(qwen3_path, prompt, monkeypatch):
 
 
 def test_a_sequence_leaving_mid_page_in_gives_its_blocks_back(qwen3_path, prompt, monkeypatch):
-    shuffled_scores(monkeypatch)
-    llm = pooled_llm(qwen3_path)
-    engine, pool = llm.engine, llm.engine.kv_pool
-    free = pool.blocks.num_free_blocks
-    engine.add_request("r", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=200,
-                                                                         ignore_eos=True))
-    seq = engine.requests["r"][1][0]
-    engine.step()
-    member = pool.members[id(seq)]
+    engine, pool, seq, member = started(qwen3_path, prompt, monkeypatch)
+    free = pool.blocks.num_free_blocks + pool.blocks.held(seq.block_table) + pool.in_flight(seq)  # before admission
     while member.pending is None:
         engine.step()
     engine.abort("r")
@@ -78,14 +77,7 @@ def test_a_sequence_leaving_mid_page_in_gives_its_blocks_back(qwen3_path, prompt
 
 
 def test_blocks_in_flight_count_as_held(qwen3_path, prompt, monkeypatch):
-    shuffled_scores(monkeypatch)
-    llm = pooled_llm(qwen3_path)
-    engine, pool = llm.engine, llm.engine.kv_pool
-    engine.add_request("r", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=200,
-                                                                         ignore_eos=True))
-    seq = engine.requests["r"][1][0]
-    engine.step()
-    member = pool.members[id(seq)]
+    engine, pool, seq, member = started(qwen3_path, prompt, monkeypatch)
     while member.pending is None:
         engine.step()
     cache = engine.scheduler.cache
@@ -94,13 +86,8 @@ def test_blocks_in_flight_count_as_held(qwen3_path, prompt, monkeypatch):
 
 
 def test_page_ins_stay_within_the_blocks_the_plan_gives_a_sequence(qwen3_path, prompt, monkeypatch):
-    shuffled_scores(monkeypatch)
-    llm = pooled_llm(qwen3_path, max_num_batched_tokens=128)  # room for 512 + 128 + 64 tokens a sequence
-    engine, pool = llm.engine, llm.engine.kv_pool
-    engine.add_request("r", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=200,
-                                                                         ignore_eos=True))
-    seq = engine.requests["r"][1][0]
-    engine.step()
+    # room for 512 + 128 + 64 tokens a sequence
+    engine, pool, seq, _ = started(qwen3_path, prompt, monkeypatch, max_num_batched_tokens=128)
     paged, in_flight = pool.paged_in, 0
     while engine.has_unfinished():
         engine.step()
