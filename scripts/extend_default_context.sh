@@ -17,7 +17,6 @@
 #   PACK=DIR: also write OUT_DIR as DIR/extended.tar.* pieces of 15 MB (a GPU command returns at most
 #   8 files of 16 MB: `cat extended.tar.* | tar -x` puts default/ and default-dflash/ back).
 # Then: rm -rf models/default models/default-dflash && cp -r OUT_DIR/default OUT_DIR/default-dflash models/
-#       lucebox convert models/default models/default-q8_0.gguf --outtype q8_0
 #       python scripts/write_model_card.py
 set -euo pipefail
 out=${1:?usage: scripts/extend_default_context.sh OUT_DIR [TARGET_SECONDS] [DRAFTER_SECONDS]}

@@ -1,15 +1,16 @@
 """The bundled default model pair: all three artifacts load offline and agree with each other."""
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from lucebox import LLM, SamplingParams
 from lucebox.bench.prompts import held_out_texts
+from lucebox.convert import convert_hf_to_gguf
 from lucebox.default_model import BUNDLED, BUNDLED_DRAFTER, MODELS
 
-GGUF = MODELS / "default-q8_0.gguf"
 pytestmark = pytest.mark.skipif(not (BUNDLED / "config.json").is_file(), reason="models/ is not in this checkout")
 
 
@@ -28,15 +29,27 @@ def test_bundle_stays_within_the_size_limit():
     assert total <= 64 * 2**20, f"models/ holds {total / 2**20:.1f} MiB"
 
 
+def test_tracked_tree_leaves_room_for_the_device_wheels():
+    """The GPU machine takes the tracked tree plus the carried wheels (~2 MiB) up to 64 MiB in all."""
+    root = Path(MODELS).parent
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    total = sum((root / name).stat().st_size for name in listed.decode().split("\0") if (root / name).is_file())
+    assert total <= 60 * 2**20, f"the tracked tree holds {total / 2**20:.1f} MiB"
+
+
 def test_default_model_writes_code(hf):
     out = hf.generate("def add(a, b):\n", SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
     assert "return" in out.outputs[0].text
 
 
-def test_q8_0_gguf_agrees_with_the_hf_weights(hf, snippets):
+def test_q8_0_gguf_agrees_with_the_hf_weights(hf, snippets, tmp_path):
     """Teacher-forced over held-out code, the Q8_0 model's argmax equals the bf16 model's almost
-    everywhere (quantisation moves only near-ties), and greedy continuations agree on average."""
-    gguf = LLM(str(GGUF), speculative_config=None)
+    everywhere (quantisation moves only near-ties), and greedy continuations agree on average.
+    The GGUF is converted here (2 s) rather than shipped: it would push the bundle past its limit."""
+    gguf = LLM(str(convert_hf_to_gguf(BUNDLED, tmp_path / "default-q8_0.gguf", "q8_0")), speculative_config=None)
     same = total = 0
     for text in snippets:
         ids = hf.tokenizer.encode(text, add_special_tokens=False)
