@@ -6,6 +6,7 @@ drafter runs at every anchor) gives the drafter's per-slot logits at every ancho
 then replayed offline: build the tree at the anchor, descend while greedy's next token is a child, advance
 by the accepted nodes + 1 (room and depth capped like spec/speculator.py: max_tokens - output - 1).
 `--engine` also runs the real engine for the chain and the default trees (the replay must agree).
+The ceiling line: what an unbounded tree holding each slot's top-k could accept.
 `--drafter` names another drafter; a DFlash2 one also records its selector's lattice, for the trees over
 its conditional scores (spec/tree.py build_lattice_tree) and its own chain (the selector's walk).
 
@@ -106,6 +107,25 @@ def replay(data, build, tokens: int) -> float:
     return 1 + accepted / verifies
 
 
+def coverage_ceiling(data, k: int, tokens: int) -> float:
+    """tau of an unbounded tree holding the drafter's top-k at every slot under every node: the most any
+    tree over these per-slot distributions can accept before the truth leaves the top-k."""
+    verifies = accepted = 0
+    for out, passes in data:
+        n = 1
+        while n < tokens:
+            room = tokens - n - 1
+            if room <= 0:
+                n += 1
+                continue
+            top = passes[n - 1].log_probs[:min(passes[n - 1].log_probs.shape[0], room)].topk(k, -1).indices
+            a = 0
+            while a < top.shape[0] and out[n + a] in top[a].tolist():
+                a += 1
+            verifies, accepted, n = verifies + 1, accepted + a, n + a + 1
+    return 1 + accepted / verifies
+
+
 def engine_tau(prompts: list[str], tokens: int, budget: int | None, drafter: str) -> float:
     config = {"method": "dflash", "model": drafter, "adaptive": False}
     if budget is not None:
@@ -193,6 +213,8 @@ def main() -> None:
             tau = replay(data, construction(b), args.tokens)
             cells.append(f"{tau:.2f} ({tau / base:.2f}x)")
         print(f"| {name:30s} | {base:.2f}  | " + " | ".join(cells) + " |")
+    ceilings = ", ".join(f"top-{k} {coverage_ceiling(data, k, args.tokens) / base:.2f}x" for k in (2, 4, 8, 16))
+    print(f"ceiling of any tree over the per-slot distributions (top-k at every slot, unbounded nodes): {ceilings}")
     if args.engine:
         cells = [f"{engine_tau(prompts, args.tokens, b, args.drafter):.2f}" for b in [None] + args.budgets]
         print(f"| {'engine (default construction)':30s} | {cells[0]}  | " + " | ".join(f"{c:>11s}" for c in cells[1:]) + " |")
