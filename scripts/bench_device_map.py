@@ -23,11 +23,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from lucebox.bench.drafter_shapes import random_dflash_drafter  # noqa: E402
-from lucebox.bench.kv_tables import drop_caches  # noqa: E402
 from lucebox.bench.shapes import build_random_model  # noqa: E402
 from lucebox.config import EngineArgs  # noqa: E402
 from lucebox.engine.engine import LLMEngine  # noqa: E402
 from lucebox.engine.placement import Placement, parse_device_map  # noqa: E402
+from lucebox.engine.runner import release_installed_caches  # noqa: E402
 from lucebox.sampling import SamplingParams  # noqa: E402
 
 
@@ -59,14 +59,14 @@ def row(loaded, label: str, device_map: str, args, prompt, **engine_args) -> dic
     engine = LLMEngine.from_args(EngineArgs(model="random", device_map=device_map, dtype="bfloat16",
                                             max_model_len=args.prompt_len + args.decode_tokens + 32, max_num_seqs=1,
                                             kv_cache_memory=1 << 30, **engine_args), loaded)
-    timed_request(engine, prompt[:32], 4)  # warm-up: kernels compiled, graphs captured
+    timed_request(engine, prompt, 4)  # warm-up at the timed length: its prefill kernels compiled, graphs captured
     prefill, decode = timed_request(engine, prompt, args.decode_tokens)
     out = {"row": label, "device_map": device_map, "prefill_tok_s": len(prompt) / prefill,
            "decode_tok_s": (args.decode_tokens - 1) / decode, "host_layers": len(
                [i for i in range(layers) if placement.layer_device(i).type == "cpu"]),
            "gpu_memory_gib": torch.cuda.memory_allocated(0) / 2**30 if torch.cuda.is_available() else 0.0}
     del engine
-    drop_caches(loaded.model)  # the runner installed its caches in the layers: they go with it
+    release_installed_caches(loaded.model)  # its KV goes before the GPU memory of the next row is read
     placement.remove(loaded.model)
     print(json.dumps(out), flush=True)
     return out

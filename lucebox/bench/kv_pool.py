@@ -30,6 +30,7 @@ from tqdm import tqdm
 from ..config import EngineArgs
 from ..engine.engine import LLMEngine
 from ..engine.kv_pool import device_tokens_per_sequence, host_memory_available
+from ..engine.runner import release_installed_caches
 from ..errors import RequestError
 from ..model.cache_spec import kv_bytes_per_token
 from ..model.loader import resolve_device
@@ -135,7 +136,7 @@ def run_engine(loaded, eargs: EngineArgs, contexts: list[int], prompts: dict, ar
         return memory, rows
     finally:
         del engine
-        kv_tables.drop_caches(loaded.model)
+        release_installed_caches(loaded.model)  # its KV goes now, before the next engine's memory is read
 
 
 def max_len(contexts: list[int], args) -> int:

@@ -9,8 +9,6 @@ KV memory a running sequence holds in all groups.
 """
 from __future__ import annotations
 
-import gc
-
 import torch
 
 from ..engine.runner import model_kv_groups
@@ -92,15 +90,3 @@ def all_logits(engine, ids: list[int], chunk: int) -> torch.Tensor:
     finally:
         free(engine, table, windows)
     return torch.cat(out)
-
-
-def drop_caches(model) -> None:
-    """Forget the caches an engine's runner installed in the model's layers (K/V, recurrent state), so the
-    memory goes with the engine rather than when the next engine's runner replaces them."""
-    for module in model.modules():
-        for name in ("k_cache", "v_cache", "state"):
-            if hasattr(module, name) and not isinstance(getattr(module, name), torch.Tensor):
-                setattr(module, name, None)
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()

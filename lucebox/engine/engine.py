@@ -34,7 +34,7 @@ from .pflash.jobs import ScoringJob, ScoringQueue
 from .pflash.prefill import SpeculativePrefill, for_engine
 from .placement import is_split, layer_device
 from .progress import PrefillProgress
-from .runner import ModelRunner, model_kv_groups
+from .runner import ModelRunner, model_kv_groups, release_installed_caches
 from .scheduler import Scheduler
 from .sequence import Sequence
 from .step_plan import CATCH_UP_LENS, RowKind, StepPlan, StepPlanner, StepResult
@@ -71,6 +71,7 @@ class LLMEngine:
         if self.speculator is not None and (len(groups) > 1 or args.kv_pool_tokens):
             # Window blocks behind the context, and pooled blocks, are released: taps cannot be recomputed there.
             self.speculator.capture_every_step()
+        release_installed_caches(self.model)  # an earlier engine's KV on this loaded model goes first
         pools = plan_kv_blocks(self, specs, groups)
         num_blocks = pools[0]
         graphs = self._graph_settings()

@@ -2,13 +2,18 @@
 from __future__ import annotations
 
 import ast
+import gc
+import weakref
 from pathlib import Path
 
 from lucebox.config import EngineArgs
 from lucebox.default_model import default_model_path, default_speculative_config
+from lucebox.engine import engine as engine_module
 from lucebox.engine.build import resolve_args
 from lucebox.engine.engine import LLMEngine
+from lucebox.engine.memory_plan import plan_kv_blocks
 from lucebox.model.loader import load_model
+from lucebox.sampling import SamplingParams
 
 PACKAGE = Path(__file__).resolve().parents[2] / "lucebox"
 
@@ -37,6 +42,28 @@ def test_engines_built_from_one_loaded_model_share_it(hf_models):
     second = LLMEngine.from_args(EngineArgs(max_model_len=128, speculative_config={"method": "ngram"}), loaded)
     assert first.loaded is loaded and second.model is loaded.model
     assert second.args.model == loaded.source and second.speculator is not None and first.speculator is None
+
+
+def test_a_new_engine_frees_the_kv_an_earlier_one_left_in_the_shared_model(hf_models, monkeypatch):
+    """The runner installs its K/V in the model's layers; a dropped engine's pool must be gone when the next
+    engine sizes its own (on a GPU from the free memory: it would find almost none)."""
+    loaded = load_model(str(hf_models["qwen3"]))
+    first = LLMEngine.from_args(EngineArgs(model=loaded.source, max_model_len=128, speculative_config={}), loaded)
+    first.add_request("a", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(temperature=0, max_tokens=2))
+    while first.has_unfinished():
+        first.step()  # its runner installs its caches in the layers
+    k_cache = weakref.ref(first.runner.caches[0][0])
+    del first
+    gc.collect()
+    assert k_cache() is not None  # the model's layers still hold it
+    alive_when_planned = []
+
+    def planning(*args):
+        alive_when_planned.append(k_cache() is not None)
+        return plan_kv_blocks(*args)
+    monkeypatch.setattr(engine_module, "plan_kv_blocks", planning)
+    LLMEngine.from_args(EngineArgs(max_model_len=128, speculative_config={}), loaded)
+    assert alive_when_planned == [False]
 
 
 def test_from_args_loads_the_named_model(hf_models):

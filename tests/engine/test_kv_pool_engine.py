@@ -16,6 +16,12 @@ from lucebox.model.kv_pool.score import ChunkSummaries
 from tests.conftest import build_hf_model
 
 BLOCK = 16
+# For tests that keep several engines alive at once: each bounds its KV (on a GPU an engine's default pool
+# is 90% of the card less what is in use, which leaves the next engine none).
+BESIDE = {"kv_cache_memory": 256 << 20}
+# The bundled model is bf16 on a GPU, where a verify's and a decode's kernels round differently and greedy
+# can part at a near-tie: token identity is asserted in float32 (the CPU's dtype anyway).
+EXACT = {"dtype": "float32"}
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +84,7 @@ def masked_reference(path, ids: list[int], resident: list, new_tokens: int):
 
 def test_a_pool_as_large_as_the_context_is_token_identical(qwen3_path, prompt):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    plain = LLM(str(qwen3_path), block_size=BLOCK, max_model_len=2048, speculative_config={})
+    plain = LLM(str(qwen3_path), block_size=BLOCK, max_model_len=2048, speculative_config={}, **BESIDE)
     want = plain.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0].token_ids
     llm = pooled_llm(qwen3_path, kv_pool_tokens=1024)
     got = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0].token_ids
@@ -152,7 +158,7 @@ def test_pooled_rows_run_in_graph_buckets_and_overlapped_steps_as_eagerly(qwen3_
     for logprobs in (0, None):  # logprobs: logits come back; none: argmax in the graph, steps launched ahead
         params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, logprobs=logprobs)
         for graphs in (False, True):
-            llm = pooled_llm(qwen3_path, cuda_graphs=graphs)
+            llm = pooled_llm(qwen3_path, cuda_graphs=graphs, **BESIDE)
             if graphs:  # on the CPU: the padded static batches a graph replays, uncaptured
                 runner = llm.engine.runner
                 runner.graphs = CudaGraphRunner(runner.model, BLOCK, runner.scratch_block,
@@ -173,9 +179,9 @@ def test_dflash_speculates_on_a_pooled_target(prompt):
     """The bundled pair: the drafter's own K/V are host-backed with the target's and read through its view."""
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     ids = [t % 1000 + 10 for t in prompt * 2]
-    plain = LLM(max_model_len=2048, block_size=BLOCK, kv_pool_tokens=2048, speculative_config={})
+    plain = LLM(max_model_len=2048, block_size=BLOCK, kv_pool_tokens=2048, speculative_config={}, **EXACT, **BESIDE)
     want = plain.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0].token_ids
-    whole = LLM(max_model_len=2048, block_size=BLOCK, kv_pool_tokens=2048, kv_pool_target=True)
+    whole = LLM(max_model_len=2048, block_size=BLOCK, kv_pool_tokens=2048, kv_pool_target=True, **EXACT, **BESIDE)
     assert whole.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0].token_ids == want
     llm = LLM(max_model_len=2048, block_size=BLOCK, kv_pool_tokens=512, kv_pool_target=True, kv_reselect_interval=32)
     out = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
@@ -189,10 +195,10 @@ def test_draft_trees_verify_through_a_pooled_view(prompt):
     trees = {"method": "dflash", "model": str(BUNDLED_DRAFTER), "tree_budget": 16}
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     ids = [t % 1000 + 10 for t in prompt * 2]
-    plain = LLM(max_model_len=2048, block_size=BLOCK, speculative_config={})
+    plain = LLM(max_model_len=2048, block_size=BLOCK, speculative_config={}, **EXACT, **BESIDE)
     want = plain.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0].token_ids
     whole = LLM(max_model_len=2048, block_size=BLOCK, kv_pool_tokens=2048, kv_pool_target=True,
-                speculative_config=trees)
+                speculative_config=trees, **EXACT, **BESIDE)
     assert whole.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0].token_ids == want
     llm = LLM(max_model_len=2048, block_size=BLOCK, kv_pool_tokens=512, kv_pool_target=True, kv_reselect_interval=32,
               speculative_config=trees)
