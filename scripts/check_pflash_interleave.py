@@ -34,15 +34,20 @@ def main() -> int:
     from lucebox.bench import shapes
     from lucebox.config import EngineArgs
     from lucebox.engine.engine import LLMEngine
+    from lucebox.model.cache_spec import kv_bytes_per_token
     from lucebox.model.loader import resolve_device
 
     device = resolve_device(args.device)
     target = shapes.build_random_model(args.shape, "bf16" if device.type == "cuda" else "f32", device, seed=0)
     scorer = shapes.build_random_model(args.scorer, "bf16" if device.type == "cuda" else "f32", device, seed=1)
     max_len = args.prompt_len + 64
+    # the scorer is attached after the engine: the target's KV is bounded to two sequences, so memory is left
+    # for the scorer's (by default the target's pool would take 90% of the card)
     engine = LLMEngine.from_args(EngineArgs(model=target.source, max_model_len=max_len, max_num_seqs=2,
                                             speculative_config={}, enable_prefix_caching=False, prefill_min_tokens=1,
-                                            max_num_batched_tokens=8192), loaded=target)
+                                            max_num_batched_tokens=8192,
+                                            kv_cache_memory=2 * max_len * kv_bytes_per_token(target.model)),
+                                 loaded=target)
     prefill = engine.speculative_prefill(scorer, same_vocab=True)
     vocab = min(target.config.vocab_size, scorer.config.vocab_size)
     ids = torch.randint(0, vocab, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lucebox import LLM, SamplingParams
-from lucebox.errors import RequestError
+from lucebox.errors import RequestError, UnsupportedError
 
 from tests.conftest import build_hf_model
 
@@ -78,6 +78,22 @@ def test_compressed_prompts_never_touch_the_prefix_cache(qwen3_path, prompt):
     assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == exact.outputs[0].token_ids
     short = llm.generate({"prompt_token_ids": prompt[:10], "prefill_keep_ratio": 0.5}, GREEDY, use_tqdm=False)[0]
     assert short.metrics.prompt_tokens_kept is None  # under prefill_min_tokens: exact
+
+
+def test_a_scorer_that_does_not_fit_beside_the_pool_is_a_clear_error(qwen3_path, prompt, monkeypatch):
+    """Not planned at start, the scorer is built on the first request that asks for PFlash: on a GPU the KV
+    pool has taken the card by then. That request gets an error naming the flags; the engine goes on."""
+    from lucebox.engine.pflash import prefill
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+    llm = LLM(str(qwen3_path), block_size=4, prefill_min_tokens=16)
+    monkeypatch.setattr(prefill.SpeculativePrefill, "__init__", out_of_memory)
+    with pytest.raises(UnsupportedError, match="--prefill-keep-ratio or --prefill-scorer"):
+        llm.generate({"prompt_token_ids": prompt, "prefill_keep_ratio": 0.5}, GREEDY, use_tqdm=False)
+    monkeypatch.undo()
+    out = llm.generate({"prompt_token_ids": prompt, "prefill_keep_ratio": 0.5}, GREEDY, use_tqdm=False)[0]
+    assert out.metrics.prompt_tokens_kept < len(prompt) and len(out.outputs[0].token_ids) == GREEDY.max_tokens
 
 
 @pytest.mark.parametrize("ratio", [0, 1.5, "half", True])

@@ -4,8 +4,11 @@ work at a time (a ScoringJob, which the engine advances between its steps); its 
 PromptCompression the target prefills, or None for a prompt kept exact. compress runs one at once."""
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Generator
+
+import torch
 
 from ...config import check_keep_ratio
 from ...errors import RequestError, UnsupportedError
@@ -101,3 +104,11 @@ def for_engine(engine, scorer: LoadedModel | None = None, same_vocab: bool = Fal
                                   block_size=args.block_size)
     except ValueError as e:
         raise UnsupportedError(f"speculative prefill: {e}; name another scorer with --prefill-scorer") from None
+    except torch.OutOfMemoryError:
+        # built on a first request after the KV pool took the card: what was allocated goes, nothing else moves
+        gc.collect()
+        torch.cuda.empty_cache()
+        raise UnsupportedError("speculative prefill (prefill_keep_ratio): the scorer's KV does not fit beside "
+                               "the engine's KV pool; start the engine with --prefill-keep-ratio or "
+                               "--prefill-scorer so its memory is planned first, or lower "
+                               "--gpu-memory-utilization") from None
