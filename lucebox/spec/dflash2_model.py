@@ -180,6 +180,8 @@ class CandidateSelector(nn.Module):
         """The chain over slots 1..k. hidden [k, d]: the slots' final-normed hidden states; logits:
         the slots' processed logits [k, vocab], or a function (slot, tokens drafted before it) ->
         [vocab] for processing that reads the draft's own history. temperature 0: greedy."""
+        if temperature > 0 and isinstance(logits, torch.Tensor):
+            return self._sampled_walk(hidden, anchor, logits, temperature, generator)
         k = hidden.shape[0]
         projected = self.hidden_projection(hidden)
         pred = torch.as_tensor(anchor, device=hidden.device).view(1)
@@ -211,12 +213,40 @@ class CandidateSelector(nn.Module):
         candidates[s - 1, p] (the anchor for every p at s = 0). Row p of slot s is what `walk`
         scores at slot s after choosing candidate p at slot s - 1."""
         unary, candidates = logits.float().topk(min(self.top_k, logits.shape[-1]), dim=-1)
+        return candidates, unary[:, None, :] + self._transitions(hidden, anchor, candidates)
+
+    def _transitions(self, hidden: torch.Tensor, anchor: torch.Tensor | int, candidates: torch.Tensor
+                     ) -> torch.Tensor:
+        """[k, K, K] float32: [s, p, c] = <A[pred] * P h_s, B[candidates[s, c]]>, pred = candidates[s - 1, p]
+        (the anchor for every p at s = 0)."""
         K = candidates.shape[1]
         anchor = torch.as_tensor(anchor, device=hidden.device).view(1, 1).expand(1, K)
         preds = torch.cat([anchor, candidates[:-1]])  # [k, K]
         a = self.predecessor_codebook[preds].float() * self.hidden_projection(hidden).float()[:, None]
-        b = self.successor_codebook[candidates].float()
-        return candidates, unary[:, None, :] + torch.einsum("spr,scr->spc", a, b)
+        return torch.einsum("spr,scr->spc", a, self.successor_codebook[candidates].float())
+
+    def _sampled_walk(self, hidden: torch.Tensor, anchor: torch.Tensor | int, logits: torch.Tensor,
+                      temperature: float, generator: torch.Generator | None) -> Walk:
+        """`walk` at temperature > 0 from the whole lattice at once: each slot's q given every predecessor
+        and one uniform a slot on the device, the path through them on the host after one copy (slot by
+        slot it took a dozen launches a slot, which a small target's step cannot hide)."""
+        unary, candidates = logits.float().topk(min(self.top_k, logits.shape[-1]), dim=-1)
+        # unary is already divided by T (the Sampler's processing)
+        q = torch.softmax(unary[:, None, :] + self._transitions(hidden, anchor, candidates) / temperature, -1)
+        k = q.shape[0]
+        where = generator.device if generator is not None else q.device  # a seeded sequence's own draws
+        u = torch.rand(k, device=where, generator=generator).to(q.device)
+        cdf = q.cumsum(-1)
+        cdf_host, u_host = cdf.cpu(), u.cpu()
+        picks, row = [], 0  # at slot 0 every row is the anchor's
+        for s in range(k):
+            threshold = u_host[s:s + 1] * cdf_host[s, row, -1]
+            row = int(torch.searchsorted(cdf_host[s, row], threshold).clamp_(max=q.shape[-1] - 1))
+            picks.append(row)
+        slots = torch.arange(k, device=q.device)
+        chosen = torch.tensor(picks, device=q.device)
+        before = torch.tensor([0] + picks[:-1], device=q.device)
+        return Walk(candidates[slots, chosen], candidates, q[slots, before])
 
     def tree_log_probs(self, hidden: torch.Tensor, anchor: torch.Tensor | int, logits: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor]:
