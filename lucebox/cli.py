@@ -29,7 +29,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
              "gpu_memory_utilization": float, "cache_type_k": str, "cache_type_v": str, "cuda_graph_max_batch": int,
              "recurrent_prefix_snapshots": int, "device_map": str, "draft_device": str,
              "tensor_parallel_size": int, "prefill_keep_ratio": float, "prefill_min_tokens": int,
-             "prefill_scorer": str, "kv_pool_tokens": int, "kv_reselect_interval": int, "kv_pool_host_memory": int,
+             "prefill_scorer": str, "prefill_scorer_window": int, "kv_pool_tokens": int, "kv_reselect_interval": int,
+             "kv_pool_host_memory": int,
              "draft_kv_pool_tokens": int}
     for name, kind in types.items():
         p.add_argument("--" + name.replace("_", "-"), type=kind, default=getattr(defaults, name),

@@ -62,6 +62,7 @@ class EngineArgs:
     prefill_keep_ratio: float | None = None
     prefill_min_tokens: int = 8192  # shorter prompts are always prefilled exactly
     prefill_scorer: str | None = None  # the scoring model (its own tokenizer); None: the target scores itself
+    prefill_scorer_window: int = 4096  # keys each prompt position attends to in the scorer's pass; 0: all
     # KVFlash (engine/kv_pool.py, LOSSY on the target): a pooled sequence keeps at most kv_pool_tokens of
     # KV resident on the device (sinks, tail, best-scored 64-token chunks, reselected every
     # kv_reselect_interval tokens), the whole of it in host memory; 0: off.
@@ -109,6 +110,8 @@ class EngineArgs:
                               "a long prompt's chunks, chosen by a scorer model's attention",
         "prefill_min_tokens": "speculative prefill: prompts shorter than this many tokens stay exact",
         "prefill_scorer": "speculative prefill: the scoring model (HF dir, .gguf or hub id; default: the target)",
+        "prefill_scorer_window": "speculative prefill: keys each prompt position attends to in the scorer's pass "
+                                 "(0: all; the question's last tokens always see the whole prompt)",
         "kv_pool_tokens": "KVFlash: resident KV tokens per pooled sequence (multiple of 64; the rest in host memory; "
                           "0: off); contexts past GPU KV capacity need it",
         "kv_pool_target": "KVFlash (LOSSY): pool every request's target KV by default (a request's kv_pool field "
@@ -150,6 +153,10 @@ class EngineArgs:
         check_keep_ratio(self.prefill_keep_ratio, "prefill_keep_ratio")
         if not isinstance(self.prefill_min_tokens, int) or self.prefill_min_tokens < 1:
             raise RequestError(f"prefill_min_tokens must be a positive integer, got {self.prefill_min_tokens!r}")
+        window = self.prefill_scorer_window
+        if not isinstance(window, int) or isinstance(window, bool) or window < 0:
+            raise RequestError(f"prefill_scorer_window must be a non-negative integer (0: the whole prompt), "
+                               f"got {window!r}")
 
     def _check_kv_pool(self) -> None:
         for name in ("kv_pool_tokens", "kv_reselect_interval"):

@@ -36,6 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-ratio", type=float, nargs="+", default=[0.1, 0.2], help="keep ratios to time")
     p.add_argument("--repeats", type=int, default=1, help="timed runs per point (the median is reported)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help=EngineArgs.HELP["max_num_batched_tokens"])
+    p.add_argument("--scorer-window", type=int, default=EngineArgs.prefill_scorer_window,
+                   help=EngineArgs.HELP["prefill_scorer_window"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results here too")
     p.add_argument("--needle", action="store_true", help="report needle recall of the selection per keep ratio "
@@ -80,7 +82,8 @@ def run(args) -> dict:
         bytes_per_sequence(specs, 1)
     engine = LLMEngine.from_args(EngineArgs(
         model=target.source, max_model_len=max_len, max_num_seqs=1, speculative_config={}, kv_cache_memory=kv_bytes,
-        enable_prefix_caching=False, prefill_min_tokens=1, max_num_batched_tokens=args.max_num_batched_tokens),
+        enable_prefix_caching=False, prefill_min_tokens=1, max_num_batched_tokens=args.max_num_batched_tokens,
+        prefill_scorer_window=args.scorer_window),
         loaded=target)
     prefill = engine.speculative_prefill(scorer, same_vocab)
     if args.needle:
@@ -110,11 +113,13 @@ def run(args) -> dict:
                                   "scoring_share_of_exact": scoring / exact})
         rows.append(row)
     return {"target": target.source, "quant": quant, "scorer": args.scorer or "the target", "device": str(device),
-            "rows": rows}
+            "scorer_window": args.scorer_window, "rows": rows}
 
 
 def print_report(result: dict) -> None:
-    print(f"speculative prefill: target {result['target']}, scorer {result['scorer']}, {result['device']}")
+    window = result["scorer_window"]
+    print(f"speculative prefill: target {result['target']}, scorer {result['scorer']} "
+          f"({f'attending to {window} keys' if window else 'dense'} before the tail), {result['device']}")
     print(f"{'prompt':>8} {'ratio':>6} {'kept':>8} {'exact s':>9} {'scored s':>9} {'scoring':>8} {'target':>8} "
           f"{'speedup':>8}")
     for row in result["rows"]:

@@ -105,6 +105,12 @@ def test_bad_keep_ratios_are_refused(qwen3_path, prompt, ratio):
         LLM(str(qwen3_path), prefill_keep_ratio=ratio)
 
 
+@pytest.mark.parametrize("window", [-1, 2.5, True])
+def test_bad_scorer_windows_are_refused(qwen3_path, window):
+    with pytest.raises(RequestError, match="prefill_scorer_window must be a non-negative integer"):
+        LLM(str(qwen3_path), prefill_scorer_window=window)
+
+
 @pytest.mark.parametrize("spec", ["ngram", "dflash", "dflash-tree"])
 def test_speculation_over_a_compressed_prompt_is_lossless(qwen3_path, prompt, tmp_path, spec):
     """Greedy verification with drafts (chains and trees) rotates them past the kept prompt like plain decoding."""

@@ -101,7 +101,7 @@ def for_engine(engine, scorer: LoadedModel | None = None, same_vocab: bool = Fal
     try:
         return SpeculativePrefill(scorer.model, None if same_vocab else scorer.tokenizer, engine.tokenizer,
                                   engine.max_model_len, args.prefill_min_tokens, args.prefill_keep_ratio,
-                                  block_size=args.block_size)
+                                  block_size=args.block_size, window=args.prefill_scorer_window or None)
     except ValueError as e:
         raise UnsupportedError(f"speculative prefill: {e}; name another scorer with --prefill-scorer") from None
     except torch.OutOfMemoryError:
