@@ -43,13 +43,14 @@ mode_check_kvflash() {
   step kv-host-store-gpu 120 python3 scripts/check_kv_host_store_gpu.py
 }
 
-#: recheck      the GPU tests the twentieth session fixed after their first GPU run (dead engines' KV counted
-#:              as used, a tree step past the padding bound, a split target's drafter): KVFlash engines, tree
-#:              graph buckets, trees on hybrids, device placement; and the twenty-first's: page-ins on side
-#:              streams, DFlash2 lattice trees (~5 min; SECONDS_CHECK)
+#: recheck      the GPU tests fixed or written without a GPU since their last GPU run, fastest-to-fail first:
+#:              KVFlash engines (bounded KV beside each other, float32 identities), page-ins on side streams, an
+#:              engine freeing a dropped one's KV, PFlash's windowed scorer pass, DFlash2's sampled walk and
+#:              lattice trees, device placement, then tree graph buckets, trees on hybrids, pooled families
+#:              (~6 min; SECONDS_CHECK)
 mode_recheck() {
   run_tests gpu-tests-recheck "${SECONDS_CHECK:-300}" tests/engine/test_kv_pool_engine.py \
-    tests/engine/test_kv_pool_page_in.py tests/spec/test_dflash2_trees.py \
-    tests/engine/test_kv_pool_families.py tests/engine/test_tree_graphs.py tests/spec/test_ddtree_hybrid.py \
-    tests/engine/test_placement.py
+    tests/engine/test_kv_pool_page_in.py tests/engine/test_engine_build.py tests/engine/test_pflash_score.py \
+    tests/spec/test_dflash2.py tests/spec/test_dflash2_trees.py tests/engine/test_placement.py \
+    tests/engine/test_tree_graphs.py tests/spec/test_ddtree_hybrid.py tests/engine/test_kv_pool_families.py
 }
