@@ -47,6 +47,10 @@ from ..model.config import ModelConfig, hf_rope, hf_sliding_windows, rope_to_hf
 from ..model.rope import RopeTable
 from ..model.transformer import MLP, RMSNorm
 
+# Drafter attention over more keys than this (long contexts) goes in key slices (split_key_attention).
+SPLIT_KEYS_ABOVE = 8192
+KEY_SPLIT = 16384
+
 
 @dataclass
 class DFlashConfig:
@@ -188,11 +192,43 @@ class DraftAttention(nn.Module):
         mask [n, m] bool (True = may attend) or None (all)."""
         q = self.q_norm(self.q_proj(x).view(-1, self.num_heads, self.head_dim))
         q = apply_rope(q, cos, sin).transpose(0, 1)
-        groups = self.num_heads // self.num_kv_heads
-        k = keys.transpose(0, 1).repeat_interleave(groups, 0)
-        v = values.transpose(0, 1).repeat_interleave(groups, 0)
-        o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=self.scale)
+        if keys.shape[0] > SPLIT_KEYS_ABOVE:
+            o = split_key_attention(q, keys, values, mask, self.scale).to(q.dtype)
+        else:
+            groups = self.num_heads // self.num_kv_heads
+            k = keys.transpose(0, 1).repeat_interleave(groups, 0)
+            v = values.transpose(0, 1).repeat_interleave(groups, 0)
+            o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=self.scale)
         return self.o_proj(o.transpose(0, 1).reshape(x.shape[0], -1))
+
+
+def split_key_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+                        scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale) v over many keys for a block of few queries, in float32: q [heads, n, d],
+    keys/values [m, kv_heads, d], mask [n, m] (True = may attend; every row some key) -> [heads, n, d].
+    SDPA runs a handful of queries as one tile per head, each walking every key (~20 ms a layer at
+    256K keys on an H200), after the heads' K/V were repeated for it; here each query head group shares
+    its K/V head and the keys go in KEY_SPLIT slices merged by their running max and sum."""
+    heads, n, d = q.shape
+    kv_heads = keys.shape[1]
+    rows = q.reshape(kv_heads, heads // kv_heads * n, d).float()  # head h reads K/V head h // groups
+    row_mask = None if mask is None else mask.repeat(heads // kv_heads, 1)  # row j * n + i is query i's
+    best = torch.full((kv_heads, rows.shape[1], 1), float("-inf"), device=q.device)
+    total = torch.zeros_like(best)
+    out = torch.zeros_like(rows)
+    for a in range(0, keys.shape[0], KEY_SPLIT):
+        k = keys[a:a + KEY_SPLIT].transpose(0, 1).float()
+        scores = torch.bmm(rows, k.transpose(1, 2)) * scale
+        if row_mask is not None:
+            scores = scores.masked_fill(~row_mask[:, a:a + KEY_SPLIT], float("-inf"))
+        new_best = torch.maximum(best, scores.amax(-1, keepdim=True))
+        safe = torch.where(torch.isinf(new_best), torch.zeros_like(new_best), new_best)  # a row masked so far
+        p = torch.exp(scores - safe)
+        keep = torch.exp(best - safe)
+        total = total * keep + p.sum(-1, keepdim=True)
+        out = out * keep + torch.bmm(p, values[a:a + KEY_SPLIT].transpose(0, 1).float())
+        best = new_best
+    return (out / total).reshape(heads, n, d)
 
 
 class DraftMLP(MLP):

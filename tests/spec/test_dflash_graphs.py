@@ -12,7 +12,7 @@ import torch
 
 from lucebox import LLM, SamplingParams
 from lucebox.model.feature_ring import FeatureRing, RingRows
-from lucebox.spec import dflash_graphs
+from lucebox.spec import dflash_graphs, dflash_model
 from lucebox.spec.dflash_graphs import DrafterGraphs, context_bucket
 
 from tests.spec_fixtures import write_dflash_drafter
@@ -80,6 +80,45 @@ def test_padded_draft_logits_equal_the_eager_drafter(proposer, anchor, queued, m
     assert got.shape == want.shape
     assert rel_err(got, want) <= 1e-5
     assert id(seq) not in prop.pending
+
+
+@pytest.mark.parametrize("anchor", [17, 63])
+def test_long_context_key_slices_equal_the_eager_drafter(proposer, anchor, monkeypatch):
+    """Past SPLIT_KEYS_ABOVE keys a draft attends in key slices (padded graph bodies: masked columns in
+    whole slices too); both sides are sliced here, the graph's over its padded bucket."""
+    monkeypatch.setattr(dflash_graphs, "MIN_CONTEXT", 16)
+    prop, num_blocks = proposer
+    seq = a_sequence(num_blocks, anchor + 1, seed=anchor)
+    with torch.inference_mode():
+        prop.pending[id(seq)] = []
+        whole = prop._draft_logits(seq, prop.block_size - 1)
+        monkeypatch.setattr(dflash_model, "SPLIT_KEYS_ABOVE", 8)
+        monkeypatch.setattr(dflash_model, "KEY_SPLIT", 5)
+        prop.pending[id(seq)] = []
+        want = prop._draft_logits(seq, prop.block_size - 1)
+        prop.graphs = static_graphs(prop, num_blocks)
+        prop.pending[id(seq)] = []
+        got = prop._draft_logits(seq, prop.block_size - 1)
+    assert rel_err(want, whole) <= 1e-5 and rel_err(got, want) <= 1e-5
+
+
+@pytest.mark.parametrize("groups", [1, 4])
+@pytest.mark.parametrize("split", [7, 11, 64])
+def test_split_key_attention_equals_sdpa(groups, split, monkeypatch):
+    monkeypatch.setattr(dflash_model, "KEY_SPLIT", split)
+    g = torch.Generator().manual_seed(groups)
+    heads, n, m, d = 4 * groups, 6, 50, 8
+    q = torch.randn(heads, n, d, generator=g, dtype=torch.float64)
+    keys, values = (torch.randn(m, 4, d, generator=g, dtype=torch.float64) for _ in range(2))
+    mask = torch.rand(n, m, generator=g) < 0.6
+    mask[:, :11] = False  # a whole slice no query may read
+    mask[:, -1] = True
+    for attn_mask in (mask, None):
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q, keys.transpose(0, 1).repeat_interleave(groups, 0), values.transpose(0, 1).repeat_interleave(groups, 0),
+            attn_mask=attn_mask, scale=0.3)
+        got = dflash_model.split_key_attention(q, keys, values, attn_mask, 0.3)
+        torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-6)
 
 
 def test_chunked_projection_writes_what_the_eager_projection_writes(proposer):
