@@ -50,3 +50,12 @@ mode_tree_attention() {
     --cache-types bf16 q8_0 --json "$out/tree-attention.json"
   grep "^|" "$out/tree-attention.log"
 }
+
+#: draft-attention  a DFlash draft block's attention over 2K-256K keys: SDPA against split_key_attention at
+#:              8K / 16K / 32K-key slices, as graph replays (scripts/bench_draft_attention.py; ~2 min): are
+#:              SPLIT_KEYS_ABOVE and KEY_SPLIT right?
+mode_draft_attention() {
+  step draft-attention "${SECONDS_DRAFT_ATTENTION:-180}" python3 scripts/bench_draft_attention.py \
+    --json "$out/draft-attention.json"
+  grep "^|" "$out/draft-attention.log"
+}
