@@ -204,21 +204,21 @@ class DraftAttention(nn.Module):
 
 def split_key_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
                         scale: float) -> torch.Tensor:
-    """softmax(q k^T * scale) v over many keys for a block of few queries, in float32: q [heads, n, d],
-    keys/values [m, kv_heads, d], mask [n, m] (True = may attend; every row some key) -> [heads, n, d].
-    SDPA runs a handful of queries as one tile per head, each walking every key (~20 ms a layer at
-    256K keys on an H200), after the heads' K/V were repeated for it; here each query head group shares
-    its K/V head and the keys go in KEY_SPLIT slices merged by their running max and sum."""
+    """softmax(q k^T * scale) v over many keys for a block of few queries, products summed and softmax
+    taken in float32: q [heads, n, d], keys/values [m, kv_heads, d], mask [n, m] (True = may attend;
+    every row some key) -> [heads, n, d] float32. SDPA runs a handful of queries as one tile per head,
+    each walking every key (~20 ms a layer at 256K keys on an H200), after the heads' K/V were repeated
+    for it; here each query head group shares its K/V head and the keys go in KEY_SPLIT slices merged
+    by their running max and sum."""
     heads, n, d = q.shape
     kv_heads = keys.shape[1]
-    rows = q.reshape(kv_heads, heads // kv_heads * n, d).float()  # head h reads K/V head h // groups
+    rows = q.reshape(kv_heads, heads // kv_heads * n, d).to(keys.dtype)  # head h reads K/V head h // groups
     row_mask = None if mask is None else mask.repeat(heads // kv_heads, 1)  # row j * n + i is query i's
     best = torch.full((kv_heads, rows.shape[1], 1), float("-inf"), device=q.device)
     total = torch.zeros_like(best)
-    out = torch.zeros_like(rows)
+    out = torch.zeros(rows.shape, dtype=torch.float32, device=q.device)
     for a in range(0, keys.shape[0], KEY_SPLIT):
-        k = keys[a:a + KEY_SPLIT].transpose(0, 1).float()
-        scores = torch.bmm(rows, k.transpose(1, 2)) * scale
+        scores = _bmm_float32(rows, keys[a:a + KEY_SPLIT].permute(1, 2, 0)) * scale
         if row_mask is not None:
             scores = scores.masked_fill(~row_mask[:, a:a + KEY_SPLIT], float("-inf"))
         new_best = torch.maximum(best, scores.amax(-1, keepdim=True))
@@ -226,9 +226,30 @@ def split_key_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
         p = torch.exp(scores - safe)
         keep = torch.exp(best - safe)
         total = total * keep + p.sum(-1, keepdim=True)
-        out = out * keep + torch.bmm(p, values[a:a + KEY_SPLIT].transpose(0, 1).float())
+        out = out * keep + _bmm_float32(p.to(values.dtype), values[a:a + KEY_SPLIT].transpose(0, 1))
         best = new_best
     return (out / total).reshape(heads, n, d)
+
+
+_MIXED_BMM: dict[torch.device, bool] = {}  # per device: bmm takes out_dtype=float32 for 16-bit inputs
+
+
+def _bmm_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b (batched) as float32: 16-bit inputs multiplied as they are with float32 sums where torch can
+    (CUDA's bmm out_dtype: tensor cores), else converted first. Probed on first use, which for a draft
+    graph is its warm-up, never inside a capture."""
+    if a.dtype in (torch.float16, torch.bfloat16):
+        mixed = _MIXED_BMM.get(a.device)
+        if mixed is None:
+            try:
+                torch.bmm(a[:1, :1], b[:1, :, :1], out_dtype=torch.float32)
+                mixed = True
+            except (TypeError, RuntimeError):
+                mixed = False
+            _MIXED_BMM[a.device] = mixed
+        if mixed:
+            return torch.bmm(a, b, out_dtype=torch.float32)
+    return torch.bmm(a.float(), b.float())
 
 
 class DraftMLP(MLP):
