@@ -180,8 +180,10 @@ class CandidateSelector(nn.Module):
         """The chain over slots 1..k. hidden [k, d]: the slots' final-normed hidden states; logits:
         the slots' processed logits [k, vocab], or a function (slot, tokens drafted before it) ->
         [vocab] for processing that reads the draft's own history. temperature 0: greedy."""
-        if temperature > 0 and isinstance(logits, torch.Tensor):
-            return self._sampled_walk(hidden, anchor, logits, temperature, generator)
+        if isinstance(logits, torch.Tensor):
+            if temperature > 0:
+                return self._sampled_walk(hidden, anchor, logits, temperature, generator)
+            return self._greedy_walk(hidden, anchor, logits)
         k = hidden.shape[0]
         projected = self.hidden_projection(hidden)
         pred = torch.as_tensor(anchor, device=hidden.device).view(1)
@@ -224,6 +226,19 @@ class CandidateSelector(nn.Module):
         preds = torch.cat([anchor, candidates[:-1]])  # [k, K]
         a = self.predecessor_codebook[preds].float() * self.hidden_projection(hidden).float()[:, None]
         return torch.einsum("spr,scr->spc", a, self.successor_codebook[candidates].float())
+
+    def _greedy_walk(self, hidden: torch.Tensor, anchor: torch.Tensor | int, logits: torch.Tensor) -> Walk:
+        """`walk` at temperature 0 over the lattice computed at once: a slot's choice is the argmax of the
+        lattice row of the one before it, two launches a slot and no host sync (it runs inside the draft
+        graphs), where the slot-by-slot walk took a top-k over the vocabulary and a transition each."""
+        candidates, scores = self.lattice(hidden, anchor, logits)  # row 0 of slot 0: the anchor's, as every row
+        pick = torch.zeros(1, dtype=torch.long, device=scores.device)
+        picks = []
+        for s in range(scores.shape[0]):
+            pick = scores[s].index_select(0, pick).argmax(-1)
+            picks.append(pick)
+        chosen = torch.cat(picks)
+        return Walk(candidates.gather(1, chosen[:, None])[:, 0], candidates, None)
 
     def _sampled_walk(self, hidden: torch.Tensor, anchor: torch.Tensor | int, logits: torch.Tensor,
                       temperature: float, generator: torch.Generator | None) -> Walk:
