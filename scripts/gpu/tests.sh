@@ -46,8 +46,8 @@ mode_check_kvflash() {
 #: recheck      the GPU tests fixed or written without a GPU since their last GPU run, fastest-to-fail first:
 #:              KVFlash engines (bounded KV beside each other, float32 identities), page-ins on side streams, an
 #:              engine freeing a dropped one's KV, PFlash's windowed scorer pass, DFlash2's walks and lattice
-#:              trees, the drafter's key slices in captured graphs, device placement, then tree graph buckets, trees on hybrids, pooled families
-#:              (~6 min; SECONDS_CHECK)
+#:              trees, the drafter's key slices in captured graphs, device placement, then tree graph
+#:              buckets, trees on hybrids, pooled families (~6 min; SECONDS_CHECK)
 mode_recheck() {
   run_tests gpu-tests-recheck "${SECONDS_CHECK:-300}" tests/engine/test_kv_pool_engine.py \
     tests/engine/test_kv_pool_page_in.py tests/engine/test_engine_build.py tests/engine/test_pflash_score.py \
