@@ -1,7 +1,7 @@
 """A DFlash draft block's attention over its context: SDPA (the path at or below SPLIT_KEYS_ABOVE keys)
 against split_key_attention (above it) at each context length, timed through CUDA graph replays as the
 draft graphs run them, per layer call. Checks the two agree; the fastest split of each length and where
-SDPA stops winning say whether SPLIT_KEYS_ABOVE and KEY_SPLIT (lucebox/spec/dflash_model.py) are right.
+SDPA stops winning say whether SPLIT_KEYS_ABOVE and KEY_SPLIT (lucebox/spec/draft_attention.py) are right.
 
     python scripts/bench_draft_attention.py                  # qwen3-8b geometry, bf16, 16 queries
     python scripts/bench_draft_attention.py --contexts 4096 65536 --splits 8192 32768 --json out.json
@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from lucebox.spec import dflash_model  # noqa: E402
+from lucebox.spec import draft_attention  # noqa: E402
 
 
 def sdpa(q, keys, values, mask, scale):
@@ -30,13 +30,16 @@ def sdpa(q, keys, values, mask, scale):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
-def split(size: int):
+def split(size: int, queries: int):
+    """The key slices as a draft pass runs them: the context's slices, then the block's own K/V."""
     def attend(q, keys, values, mask, scale):
-        saved, dflash_model.KEY_SPLIT = dflash_model.KEY_SPLIT, size
+        saved, draft_attention.KEY_SPLIT = draft_attention.KEY_SPLIT, size
         try:
-            return dflash_model.split_key_attention(q, keys, values, mask, scale).to(q.dtype)
+            parts = draft_attention.key_slices((keys[:-queries], values[:-queries]), keys[-queries:],
+                                               values[-queries:], mask)
+            return draft_attention.split_key_attention(q, parts, scale).to(q.dtype)
         finally:
-            dflash_model.KEY_SPLIT = saved
+            draft_attention.KEY_SPLIT = saved
     return attend
 
 
@@ -84,8 +87,8 @@ def main() -> int:
     g = torch.Generator(device=device).manual_seed(0)
     rows = []
     print(f"draft attention, {args.heads} heads / {args.kv_heads} K/V heads x {args.head_dim}, {args.queries} "
-          f"queries, {dtype}, {device}; SPLIT_KEYS_ABOVE = {dflash_model.SPLIT_KEYS_ABOVE}, "
-          f"KEY_SPLIT = {dflash_model.KEY_SPLIT}")
+          f"queries, {dtype}, {device}; SPLIT_KEYS_ABOVE = {draft_attention.SPLIT_KEYS_ABOVE}, "
+          f"KEY_SPLIT = {draft_attention.KEY_SPLIT}")
     print("| keys | path | ms a layer | K/V GB/s | max abs diff vs SDPA |")
     print("|---:|---|---:|---:|---:|")
     for m in args.contexts:
@@ -97,7 +100,7 @@ def main() -> int:
         scale = args.head_dim ** -0.5
         want = sdpa(q, keys, values, mask, scale).float()
         kv_bytes = 2 * keys.numel() * keys.element_size()
-        for name, fn in [("sdpa", sdpa)] + [(f"split {s}", split(s)) for s in args.splits]:
+        for name, fn in [("sdpa", sdpa)] + [(f"split {s}", split(s, args.queries)) for s in args.splits]:
             diff = (fn(q, keys, values, mask, scale).float() - want).abs().max().item()
             ms = timed_ms(fn, (q, keys, values, mask, scale), args.repeats, device)
             rows.append({"keys": m, "path": name, "ms": ms, "kv_gb_s": kv_bytes / ms / 1e6, "max_abs_diff": diff})

@@ -28,6 +28,7 @@ from ..weights.safetensors import iter_safetensors
 from .dflash2_model import DFlash2Config, build_drafter, read_config
 from .dflash_graphs import DrafterGraphs
 from .dflash_model import DFlashConfig, DFlashDrafter
+from .draft_attention import PagedContext
 from .draft_pool import DraftPool, QueryTap, resident_context
 from .proposer import Proposer
 from .tree import build_tree
@@ -270,7 +271,7 @@ class DFlashProposer(Proposer):
             slots, context_positions = (host_to_device(t, device) for t in
                                         resident_context(view, seq.block_table, anchor, self.block_tokens))
         dtype = self.target.model.dtype
-        context = [(kc.gather(slots, dtype), vc.gather(slots, dtype)) for kc, vc in self.caches]
+        context = [PagedContext(kc, vc, slots, dtype) for kc, vc in self.caches]
         ids = host_to_device([seq.last_token] + [self.mask_token_id] * (self.block_size - 1), target.device)
         x = move(self.drafter.block_input(target, ids), device)
         positions = torch.arange(anchor, anchor + self.block_size, device=device)

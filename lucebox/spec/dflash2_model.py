@@ -49,7 +49,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import CheckpointError
-from .dflash_model import DFlashConfig, DFlashDrafter
+from .dflash_model import DFlashConfig, DFlashDrafter, layer_mask
+from .draft_attention import Context
 
 ARCHITECTURE = "DFlash2DraftModel"
 EXTRA_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
@@ -298,33 +299,20 @@ class DFlash2Drafter(DFlashDrafter):
             sel.successor_codebook.zero_()
             sel.hidden_projection.weight.normal_(0.0, std)
 
-    def blocks(self, x: torch.Tensor, positions: torch.Tensor, context: list[tuple[torch.Tensor, torch.Tensor]],
+    def blocks(self, x: torch.Tensor, positions: torch.Tensor, context: list[Context],
                context_positions: torch.Tensor, mask: torch.Tensor | None = None,
                position_bound: int | None = None) -> torch.Tensor:
         """DFlashDrafter.blocks with the convolutions; x holds whole blocks of block_size rows."""
         block = self.config.block_size
         cos, sin = self.rope.lookup(positions, x.dtype, position_bound)
         key_positions = torch.cat([context_positions, positions])
-        for layer, (ctx_k, ctx_v) in zip(self.layers, context):
+        for layer, ctx in zip(self.layers, context):
             attn = layer.self_attn
             h, after = layer.attention_conv.prepare(layer.input_layernorm(x), block)
             k, v = attn.key_value(h, cos, sin)
-            keys, values = torch.cat([ctx_k.to(k.dtype), k]), torch.cat([ctx_v.to(v.dtype), v])
-            layer_mask = _layer_mask(attn, mask, positions, key_positions)
-            x = x + layer.attention_conv.finish(attn(h, cos, sin, keys, values, layer_mask), after, block)
+            o = attn.over_context(h, cos, sin, ctx, k, v, layer_mask(attn, mask, positions, key_positions))
+            x = x + layer.attention_conv.finish(o, after, block)
             h, after = layer.mlp_conv.prepare(layer.post_attention_layernorm(x), block)
             x = x + layer.mlp_conv.finish(layer.mlp(h), after, block)
         return self.norm(x)
 
-
-def _layer_mask(attn, mask: torch.Tensor | None, positions: torch.Tensor, key_positions: torch.Tensor
-                ) -> torch.Tensor | None:
-    """The layer's mask as DFlashDrafter.blocks builds it: sliding windows, causal layers."""
-    if attn.sliding_window is not None:
-        distance = positions[:, None] - key_positions[None, :]
-        near = (distance < attn.sliding_window) & (attn.causal or -distance < attn.sliding_window)
-        mask = near if mask is None else mask & near
-    if attn.causal:
-        before = key_positions[None, :] <= positions[:, None]
-        mask = before if mask is None else mask & before
-    return mask

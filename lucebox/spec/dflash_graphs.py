@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from ..util import StagedBuffer, smallest_at_least
+from .draft_attention import PagedContext
 
 log = logging.getLogger("lucebox")
 
@@ -199,7 +200,7 @@ class DrafterGraphs:
         slots = tables[0][entry] * bs + offset
         logical = tables[1][entry] * bs + offset  # the keys' positions (rotated there when written)
         dtype = self.target.dtype
-        kv = [(k.gather(slots, dtype), v.gather(slots, dtype)) for k, v in self.caches]
+        kv = [PagedContext(k, v, slots, dtype) for k, v in self.caches]  # read by the layers as they need it
         x = self.drafter.block_input(self.target, torch.cat([inputs[:1], self.mask_ids]))
         mask = torch.cat([(ctx_pos < length).expand(self.block, context), self.block_visible], dim=1)
         hidden = self.drafter.blocks(x, anchor + self.offsets, kv, logical, mask, self.position_bound)

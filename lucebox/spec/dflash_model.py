@@ -46,10 +46,7 @@ from ..kernels.rope import apply_rope
 from ..model.config import ModelConfig, hf_rope, hf_sliding_windows, rope_to_hf
 from ..model.rope import RopeTable
 from ..model.transformer import MLP, RMSNorm
-
-# Drafter attention over more keys than this (long contexts) goes in key slices (split_key_attention).
-SPLIT_KEYS_ABOVE = 8192
-KEY_SPLIT = 16384
+from . import draft_attention
 
 
 @dataclass
@@ -190,66 +187,30 @@ class DraftAttention(nn.Module):
                 mask: torch.Tensor | None) -> torch.Tensor:
         """x [n, hidden] queries; keys/values [m, kv_heads, d] (context then the queries' own K/V);
         mask [n, m] bool (True = may attend) or None (all)."""
-        q = self.q_norm(self.q_proj(x).view(-1, self.num_heads, self.head_dim))
-        q = apply_rope(q, cos, sin).transpose(0, 1)
-        if keys.shape[0] > SPLIT_KEYS_ABOVE:
-            o = split_key_attention(q, keys, values, mask, self.scale).to(q.dtype)
-        else:
-            groups = self.num_heads // self.num_kv_heads
-            k = keys.transpose(0, 1).repeat_interleave(groups, 0)
-            v = values.transpose(0, 1).repeat_interleave(groups, 0)
-            o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=self.scale)
+        q = self._queries(x, cos, sin)
+        groups = self.num_heads // self.num_kv_heads
+        k = keys.transpose(0, 1).repeat_interleave(groups, 0)
+        v = values.transpose(0, 1).repeat_interleave(groups, 0)
+        o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=self.scale)
         return self.o_proj(o.transpose(0, 1).reshape(x.shape[0], -1))
 
+    def over_context(self, x: torch.Tensor, cos, sin, context: draft_attention.Context, own_k: torch.Tensor,
+                     own_v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """forward over the context's K/V then the queries' own (mask [n, m + n]): past
+        SPLIT_KEYS_ABOVE keys in slices read from the context as they come (spec/draft_attention.py)."""
+        if draft_attention.context_length(context) + own_k.shape[0] <= draft_attention.SPLIT_KEYS_ABOVE:
+            ctx_k, ctx_v = draft_attention.read_context(context)
+            keys, values = torch.cat([ctx_k.to(own_k.dtype), own_k]), torch.cat([ctx_v.to(own_v.dtype), own_v])
+            return self(x, cos, sin, keys, values, mask)
+        q = self._queries(x, cos, sin)
+        o = draft_attention.split_key_attention(q, draft_attention.key_slices(context, own_k, own_v, mask),
+                                                self.scale).to(q.dtype)
+        return self.o_proj(o.transpose(0, 1).reshape(x.shape[0], -1))
 
-def split_key_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-                        scale: float) -> torch.Tensor:
-    """softmax(q k^T * scale) v over many keys for a block of few queries, products summed and softmax
-    taken in float32: q [heads, n, d], keys/values [m, kv_heads, d], mask [n, m] (True = may attend;
-    every row some key) -> [heads, n, d] float32. SDPA runs a handful of queries as one tile per head,
-    each walking every key (~20 ms a layer at 256K keys on an H200), after the heads' K/V were repeated
-    for it; here each query head group shares its K/V head and the keys go in KEY_SPLIT slices merged
-    by their running max and sum."""
-    heads, n, d = q.shape
-    kv_heads = keys.shape[1]
-    rows = q.reshape(kv_heads, heads // kv_heads * n, d).to(keys.dtype)  # head h reads K/V head h // groups
-    row_mask = None if mask is None else mask.repeat(heads // kv_heads, 1)  # row j * n + i is query i's
-    best = torch.full((kv_heads, rows.shape[1], 1), float("-inf"), device=q.device)
-    total = torch.zeros_like(best)
-    out = torch.zeros(rows.shape, dtype=torch.float32, device=q.device)
-    for a in range(0, keys.shape[0], KEY_SPLIT):
-        scores = _bmm_float32(rows, keys[a:a + KEY_SPLIT].permute(1, 2, 0)) * scale
-        if row_mask is not None:
-            scores = scores.masked_fill(~row_mask[:, a:a + KEY_SPLIT], float("-inf"))
-        new_best = torch.maximum(best, scores.amax(-1, keepdim=True))
-        safe = torch.where(torch.isinf(new_best), torch.zeros_like(new_best), new_best)  # a row masked so far
-        p = torch.exp(scores - safe)
-        keep = torch.exp(best - safe)
-        total = total * keep + p.sum(-1, keepdim=True)
-        out = out * keep + _bmm_float32(p.to(values.dtype), values[a:a + KEY_SPLIT].transpose(0, 1))
-        best = new_best
-    return (out / total).reshape(heads, n, d)
-
-
-_MIXED_BMM: dict[torch.device, bool] = {}  # per device: bmm takes out_dtype=float32 for 16-bit inputs
-
-
-def _bmm_float32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b (batched) as float32: 16-bit inputs multiplied as they are with float32 sums where torch can
-    (CUDA's bmm out_dtype: tensor cores), else converted first. Probed on first use, which for a draft
-    graph is its warm-up, never inside a capture."""
-    if a.dtype in (torch.float16, torch.bfloat16):
-        mixed = _MIXED_BMM.get(a.device)
-        if mixed is None:
-            try:
-                torch.bmm(a[:1, :1], b[:1, :, :1], out_dtype=torch.float32)
-                mixed = True
-            except (TypeError, RuntimeError):
-                mixed = False
-            _MIXED_BMM[a.device] = mixed
-        if mixed:
-            return torch.bmm(a, b, out_dtype=torch.float32)
-    return torch.bmm(a.float(), b.float())
+    def _queries(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
+        """[heads, n, d], normed and rotated."""
+        q = self.q_norm(self.q_proj(x).view(-1, self.num_heads, self.head_dim))
+        return apply_rope(q, cos, sin).transpose(0, 1)
 
 
 class DraftMLP(MLP):
@@ -312,7 +273,7 @@ class DFlashDrafter(nn.Module):
         cos, sin = self.rope.lookup(positions, c.dtype, position_bound)
         return [layer.self_attn.key_value(c, cos, sin) for layer in self.layers]
 
-    def blocks(self, x: torch.Tensor, positions: torch.Tensor, context: list[tuple[torch.Tensor, torch.Tensor]],
+    def blocks(self, x: torch.Tensor, positions: torch.Tensor, context: list[draft_attention.Context],
                context_positions: torch.Tensor, mask: torch.Tensor | None = None,
                position_bound: int | None = None) -> torch.Tensor:
         """Run the block rows x [n, hidden] (target embeddings) at `positions` over cached context
@@ -321,21 +282,27 @@ class DFlashDrafter(nn.Module):
         from the query (behind it; ahead of it too unless causal); causal layers keys past it. Returns the normed hidden states [n, hidden]. position_bound: as in context_kv."""
         cos, sin = self.rope.lookup(positions, x.dtype, position_bound)
         key_positions = torch.cat([context_positions, positions])
-        for layer, (ctx_k, ctx_v) in zip(self.layers, context):
+        for layer, ctx in zip(self.layers, context):
             h = layer.input_layernorm(x)
-            k, v = layer.self_attn.key_value(h, cos, sin)
-            keys, values = torch.cat([ctx_k.to(k.dtype), k]), torch.cat([ctx_v.to(v.dtype), v])
-            layer_mask, attn = mask, layer.self_attn
-            if attn.sliding_window is not None:  # both ways unless causal, as in the reference
-                distance = positions[:, None] - key_positions[None, :]
-                near = (distance < attn.sliding_window) & (attn.causal or -distance < attn.sliding_window)
-                layer_mask = near if layer_mask is None else layer_mask & near
-            if attn.causal:
-                before = key_positions[None, :] <= positions[:, None]
-                layer_mask = before if layer_mask is None else layer_mask & before
-            x = x + layer.self_attn(h, cos, sin, keys, values, layer_mask)
+            attn = layer.self_attn
+            k, v = attn.key_value(h, cos, sin)
+            x = x + attn.over_context(h, cos, sin, ctx, k, v, layer_mask(attn, mask, positions, key_positions))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)
+
+
+def layer_mask(attn: DraftAttention, mask: torch.Tensor | None, positions: torch.Tensor,
+               key_positions: torch.Tensor) -> torch.Tensor | None:
+    """A layer's mask over the keys: `mask`, sliding windows (both ways unless causal, as in the
+    reference), causal layers."""
+    if attn.sliding_window is not None:
+        distance = positions[:, None] - key_positions[None, :]
+        near = (distance < attn.sliding_window) & (attn.causal or -distance < attn.sliding_window)
+        mask = near if mask is None else mask & near
+    if attn.causal:
+        before = key_positions[None, :] <= positions[:, None]
+        mask = before if mask is None else mask & before
+    return mask
 
 
 def save_drafter(drafter: DFlashDrafter, out: Path, dtype: torch.dtype | None = None) -> None:

@@ -12,7 +12,7 @@ import torch
 
 from lucebox import LLM, SamplingParams
 from lucebox.model.feature_ring import FeatureRing, RingRows
-from lucebox.spec import dflash_graphs, dflash_model
+from lucebox.spec import dflash_graphs, draft_attention
 from lucebox.spec.dflash_graphs import DrafterGraphs, context_bucket
 
 from tests.spec_fixtures import write_dflash_drafter
@@ -92,8 +92,8 @@ def test_long_context_key_slices_equal_the_eager_drafter(proposer, anchor, monke
     with torch.inference_mode():
         prop.pending[id(seq)] = []
         whole = prop._draft_logits(seq, prop.block_size - 1)
-        monkeypatch.setattr(dflash_model, "SPLIT_KEYS_ABOVE", 8)
-        monkeypatch.setattr(dflash_model, "KEY_SPLIT", 5)
+        monkeypatch.setattr(draft_attention, "SPLIT_KEYS_ABOVE", 8)
+        monkeypatch.setattr(draft_attention, "KEY_SPLIT", 5)
         prop.pending[id(seq)] = []
         want = prop._draft_logits(seq, prop.block_size - 1)
         prop.graphs = static_graphs(prop, num_blocks)
@@ -105,7 +105,7 @@ def test_long_context_key_slices_equal_the_eager_drafter(proposer, anchor, monke
 @pytest.mark.parametrize("groups", [1, 4])
 @pytest.mark.parametrize("split", [7, 11, 64])
 def test_split_key_attention_equals_sdpa(groups, split, monkeypatch):
-    monkeypatch.setattr(dflash_model, "KEY_SPLIT", split)
+    monkeypatch.setattr(draft_attention, "KEY_SPLIT", split)
     g = torch.Generator().manual_seed(groups)
     heads, n, m, d = 4 * groups, 6, 50, 8
     q = torch.randn(heads, n, d, generator=g, dtype=torch.float64)
@@ -117,7 +117,8 @@ def test_split_key_attention_equals_sdpa(groups, split, monkeypatch):
         want = torch.nn.functional.scaled_dot_product_attention(
             q, keys.transpose(0, 1).repeat_interleave(groups, 0), values.transpose(0, 1).repeat_interleave(groups, 0),
             attn_mask=attn_mask, scale=0.3)
-        got = dflash_model.split_key_attention(q, keys, values, attn_mask, 0.3)
+        got = draft_attention.split_key_attention(q, draft_attention.key_slices(
+            (keys[:-6], values[:-6]), keys[-6:], values[-6:], attn_mask), 0.3)
         torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-6)
 
 
