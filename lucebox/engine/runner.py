@@ -6,7 +6,6 @@ scratch block) and read group g's tables (`Attention.kv_group`). Without groups 
 is in one group of num_blocks (bare forwards, draft models)."""
 from __future__ import annotations
 
-import gc
 import logging
 
 import torch
@@ -26,16 +25,14 @@ log = logging.getLogger("lucebox")
 
 def release_installed_caches(model) -> None:
     """Forget the caches a runner installed in the model's layers (K/V, recurrent state; ModelRunner._install).
-    A new engine calls this before sizing its KV from the free memory: an engine dropped earlier on the same
-    loaded model would otherwise keep its pool alive through the layers. A live engine on the model loses
-    nothing: its runner reinstalls its own caches at its next step."""
+    A new engine calls this before sizing its KV from the free memory (memory_plan.cuda_kv_budget collects
+    what this lets go): an engine dropped earlier on the same loaded model would otherwise keep its pool
+    alive through the layers. A live engine on the model loses nothing: its runner reinstalls its own
+    caches at its next step."""
     for module in model.modules():
         for name in ("k_cache", "v_cache", "state"):
             if hasattr(module, name) and not isinstance(getattr(module, name), torch.Tensor):
                 setattr(module, name, None)
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def model_kv_groups(model, specs) -> list[KVGroup]:
