@@ -27,7 +27,6 @@ from lucebox.bench.shapes import build_random_model  # noqa: E402
 from lucebox.config import EngineArgs  # noqa: E402
 from lucebox.engine.engine import LLMEngine  # noqa: E402
 from lucebox.engine.placement import Placement, parse_device_map  # noqa: E402
-from lucebox.engine.runner import release_installed_caches  # noqa: E402
 from lucebox.sampling import SamplingParams  # noqa: E402
 
 
@@ -65,8 +64,7 @@ def row(loaded, label: str, device_map: str, args, prompt, **engine_args) -> dic
            "decode_tok_s": (args.decode_tokens - 1) / decode, "host_layers": len(
                [i for i in range(layers) if placement.layer_device(i).type == "cpu"]),
            "gpu_memory_gib": torch.cuda.memory_allocated(0) / 2**30 if torch.cuda.is_available() else 0.0}
-    del engine
-    release_installed_caches(loaded.model)  # its KV goes before the GPU memory of the next row is read
+    del engine  # the next row's engine frees the KV this one left in the model's layers
     placement.remove(loaded.model)
     print(json.dumps(out), flush=True)
     return out

@@ -30,7 +30,6 @@ from tqdm import tqdm
 from ..config import EngineArgs
 from ..engine.engine import LLMEngine
 from ..engine.kv_pool import device_tokens_per_sequence, host_memory_available
-from ..engine.runner import release_installed_caches
 from ..errors import RequestError
 from ..model.cache_spec import kv_bytes_per_token
 from ..model.loader import resolve_device
@@ -120,23 +119,19 @@ def engine_memory(engine: LLMEngine) -> dict:
 def run_engine(loaded, eargs: EngineArgs, contexts: list[int], prompts: dict, args, clock, bar,
                label: str, pooled: bool = False) -> tuple[dict, list[dict]]:
     """One engine, a warm-up request (kernels, graphs, a reselection), then one timed run per context."""
-    engine = LLMEngine.from_args(eargs, loaded)
-    try:
-        memory = engine_memory(engine)
-        bar.set_description(f"{label}: warm-up")
-        warm = prompts[max(contexts)][:2 * args.pool_tokens]  # past the pool: prefill and decode reselect
-        timed_request(engine, clock, warm, args.reselect_interval + 8, pooled)
-        rows = []
-        for n in contexts:
-            bar.set_description(f"{label} at {n:,}")
-            rows.append(x := dict(timed_request(engine, clock, prompts[n], args.decode_tokens, pooled), kv=label))
-            bar.update()
-            tqdm.write(f"[bench kv-pool] {label} at {n:,}: prefill {x['prefill_s']:.2f} s, decode {x['tok_s']:,.1f} "
-                       f"tok/s, device KV {_mib(x['device_kv_bytes'])} MiB", file=sys.stderr)  # a cut-off run keeps it
-        return memory, rows
-    finally:
-        del engine
-        release_installed_caches(loaded.model)  # its KV goes now, before the next engine's memory is read
+    engine = LLMEngine.from_args(eargs, loaded)  # it frees the KV the previous engine left in the model
+    memory = engine_memory(engine)
+    bar.set_description(f"{label}: warm-up")
+    warm = prompts[max(contexts)][:2 * args.pool_tokens]  # past the pool: prefill and decode reselect
+    timed_request(engine, clock, warm, args.reselect_interval + 8, pooled)
+    rows = []
+    for n in contexts:
+        bar.set_description(f"{label} at {n:,}")
+        rows.append(x := dict(timed_request(engine, clock, prompts[n], args.decode_tokens, pooled), kv=label))
+        bar.update()
+        tqdm.write(f"[bench kv-pool] {label} at {n:,}: prefill {x['prefill_s']:.2f} s, decode {x['tok_s']:,.1f} "
+                   f"tok/s, device KV {_mib(x['device_kv_bytes'])} MiB", file=sys.stderr)  # a cut-off run keeps it
+    return memory, rows
 
 
 def max_len(contexts: list[int], args) -> int:
