@@ -41,7 +41,7 @@ from ..errors import RequestError
 from ..model.cache_spec import bytes_per_sequence, kv_bytes_per_token
 from ..model.loader import resolve_device
 from ..sampling import SamplingParams
-from . import energy, kv_tables, limits, llama_cpp, prefix, shapes, transformers_peer
+from . import energy, kv_tables, limits, llama_cpp, prefix, shapes, transformers_peer, tree_verify
 from .flags import add_model_flags, add_run_flags
 from .forced import forced_phase
 from .speed_report import print_report
@@ -61,6 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="cached prefixes: time --suffix-lens new tokens on top of each, served from the prefix cache")
     p.add_argument("--suffix-lens", type=int, nargs="+", default=[128, 256, 512],
                    help="new tokens on top of each --prefix-lens prefix")
+    p.add_argument("--tree-nodes", type=int, nargs="+", default=[],
+                   help="also time a DDTree verify of N nodes against the decode forward (verify phase), e.g. 22 32 63")
     p.add_argument("--decode-tokens", type=int, default=128, help="tokens decoded per measured run")
     p.add_argument("--async-decode", action=argparse.BooleanOptionalAction, default=EngineArgs.async_decode,
                    help=EngineArgs.HELP["async_decode"])
@@ -232,13 +234,15 @@ def verify_phase(loaded, args, context: int, kv: int, ref, clock) -> dict:
     like a speculating engine, it keeps CUDA-graph buckets for verify steps too. The K/V read is
     whatever the pool holds: the timing does not depend on it."""
     spec = {"method": "ngram", "num_speculative_tokens": VERIFY_TOKENS - 1, "adaptive": False}
-    engine = LLMEngine.from_args(engine_args(args, context + 2 * VERIFY_TOKENS, loaded, speculative_config=spec),
-                                 loaded)
-    tables = kv_tables.allocate(engine, context + VERIFY_TOKENS, context)
+    row_len = max([VERIFY_TOKENS, *(n + 1 for n in args.tree_nodes)])
+    engine = LLMEngine.from_args(engine_args(args, context + 2 * row_len, loaded, speculative_config=spec), loaded)
+    tables = kv_tables.allocate(engine, context + row_len, context)
     calls = 4 * args.repeats
     try:
         one = clock.per_call(bare_forward(engine.runner, [1], context, *tables), calls)
         many = clock.per_call(bare_forward(engine.runner, list(range(1, VERIFY_TOKENS + 1)), context, *tables), calls)
+        trees = tree_verify.tree_rows(engine.runner, args.tree_nodes, context, tables, one,
+                                      lambda fn: clock.per_call(fn, calls))
     finally:
         kv_tables.free(engine, *tables)
     specs = loaded.model.cache_specs(args.cache_type_k, args.cache_type_v)
@@ -246,7 +250,8 @@ def verify_phase(loaded, args, context: int, kv: int, ref, clock) -> dict:
                  + limits.kv_read_bytes(specs, context + 1))
     forward = _bandwidth_row({"context": context, "tok_s": 1 / one, "bytes_per_token": per_token}, ref)
     return {"context": context, "q_len": VERIFY_TOKENS, "decode_step_s": one, "verify_step_s": many,
-            "ratio": many / one, "decode_forward": forward, "cuda_graph_replays": _graph_replays(engine)}
+            "ratio": many / one, "decode_forward": forward, "cuda_graph_replays": _graph_replays(engine),
+            "trees": trees}
 
 
 def bare_forward(runner, tokens: list[int], context: int, table: list[int], windows: list[list[int]]):

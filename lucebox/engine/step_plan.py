@@ -116,7 +116,7 @@ class StepPlan:
 
     @property
     def has_trees(self) -> bool:
-        """Some row verifies a draft tree: the step runs eagerly (no CUDA-graph bucket holds tree rows yet)."""
+        """Some row verifies a draft tree: the step takes a tree bucket (engine/cuda_graphs.py) or runs eagerly."""
         return any(row.parents is not None for row in self.rows)
 
     @property

@@ -36,6 +36,16 @@ mode_device_map() {
   sed -n '/^| row/,$p' "$out/device-map.log"
 }
 
+#: tree-verify  issue 28's bound: bench speed's verify phase with DDTree verifies of 16/22/32/63 nodes (CUDA-graph
+#:              tree buckets) against the decode forward, qwen3-8b bf16 and q4_k_m at 512 (~3 min)
+mode_tree_verify() {
+  local quant
+  for quant in bf16 q4_k_m; do
+    bench "tree-verify-$quant" 200 --shape qwen3-8b --quant $quant --contexts 512 --prompt-lens 512 \
+      --skip prefill forced spec peer --tree-nodes 16 22 32 63
+  done
+}
+
 #: spec         bench spec on the bundled pair (models/default + default-dflash), 15 repeats (~100 s: 120
 #:              requests a row, what the per-request interval needs to resolve the 5% bound); SPEC_ARGS adds
 #:              flags, e.g. SPEC_ARGS=--no-adaptive
