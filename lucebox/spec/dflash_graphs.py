@@ -10,7 +10,7 @@ into the drafter's cache, then the block [anchor token, MASK x (B-1)] at positio
 attends to the context positions before the anchor, read from that paged cache: all of them, or the
 resident ones of a KVView (a bounded pool, spec/draft_pool.py: a compact table of resident blocks;
 storage positions 0..length-1, whose keys were rotated at their logical positions). A graph is
-captured per context bucket L (a power of two, at least MIN_CONTEXT, covering the view's length):
+captured per context bucket L (context_bucket: at least MIN_CONTEXT, covering the view's length):
 the (compact) block table is padded with the scratch block to L / block_size entries and context
 columns at or past the length are masked out. Its input is one int64 buffer [anchor token, anchor
 (the block's RoPE position), context length (storage), B projected positions, their B slots, block
@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from ..util import StagedBuffer, smallest_at_least
-from .draft_attention import PagedContext
+from .draft_attention import KEY_SPLIT, PagedContext
 
 log = logging.getLogger("lucebox")
 
@@ -42,8 +42,10 @@ PROJECT_CHUNKS = (16, 64, 256, 1024)  # projection graph sizes (positions)
 
 
 def context_bucket(anchor: int) -> int:
-    """Context positions a draft graph spans for a block anchored at `anchor` (>= anchor)."""
-    return max(MIN_CONTEXT, 1 << max(0, anchor - 1).bit_length())
+    """Context positions a draft graph spans for a block anchored at `anchor` (>= anchor): a power of two
+    up to one key slice, then whole slices (past it a power of two would read up to twice the keys)."""
+    bucket = max(MIN_CONTEXT, 1 << max(0, anchor - 1).bit_length())
+    return bucket if bucket <= KEY_SPLIT else -(-anchor // KEY_SPLIT) * KEY_SPLIT
 
 
 class DrafterGraphs:

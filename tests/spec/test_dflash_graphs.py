@@ -14,6 +14,7 @@ from lucebox import LLM, SamplingParams
 from lucebox.model.feature_ring import FeatureRing, RingRows
 from lucebox.spec import dflash_graphs, draft_attention
 from lucebox.spec.dflash_graphs import DrafterGraphs, context_bucket
+from lucebox.spec.draft_attention import KEY_SPLIT
 
 from tests.spec_fixtures import write_dflash_drafter
 
@@ -54,8 +55,10 @@ def a_sequence(num_blocks: int, num_tokens: int, seed: int):
                            output_token_ids=[], prompt_token_ids=[])
 
 
-def test_context_buckets_are_powers_of_two_covering_the_anchor():
+def test_context_buckets_are_powers_of_two_covering_the_anchor_then_whole_key_slices():
     assert [context_bucket(a) for a in (0, 1, 256, 257, 1000, 1024, 1025)] == [256, 256, 256, 512, 1024, 1024, 2048]
+    assert KEY_SPLIT == 16384 and context_bucket(16384) == 16384 and context_bucket(16385) == 32768
+    assert context_bucket(131_072 + 9) == 9 * KEY_SPLIT  # a power of two would span 262,144 positions
 
 
 @pytest.mark.parametrize("anchor, queued", [(1, 0), (5, 3), (16, 1), (17, 0), (40, 12), (63, 8)])
