@@ -15,7 +15,6 @@ from lucebox.model.feature_ring import FeatureRing, RingRows
 from lucebox.spec import dflash_graphs, draft_attention
 from lucebox.spec.dflash_graphs import DrafterGraphs, context_bucket
 from lucebox.spec.draft_attention import KEY_SPLIT
-
 from tests.spec_fixtures import write_dflash_drafter
 
 BLOCK = 4
