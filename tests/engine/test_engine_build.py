@@ -38,8 +38,10 @@ def test_a_named_model_gets_no_default_speculation():
 
 def test_engines_built_from_one_loaded_model_share_it(hf_models):
     loaded = load_model(str(hf_models["qwen3"]))
-    first = LLMEngine.from_args(EngineArgs(model=loaded.source, max_model_len=128), loaded)
-    second = LLMEngine.from_args(EngineArgs(max_model_len=128, speculative_config={"method": "ngram"}), loaded)
+    beside = {"kv_cache_memory": 64 << 20}  # both stay alive: on a GPU the first would take 90% of the card
+    first = LLMEngine.from_args(EngineArgs(model=loaded.source, max_model_len=128, **beside), loaded)
+    second = LLMEngine.from_args(EngineArgs(max_model_len=128, speculative_config={"method": "ngram"}, **beside),
+                                 loaded)
     assert first.loaded is loaded and second.model is loaded.model
     assert second.args.model == loaded.source and second.speculator is not None and first.speculator is None
 
