@@ -2,11 +2,11 @@
 key and the block's own.
 
 Up to SPLIT_KEYS_ABOVE keys the context K/V are gathered whole and SDPA runs. Past it SDPA is the wrong
-kernel: it runs the handful of queries as one tile per head that walks every key (~20 ms a layer at 256K
-keys on an H200) after each K/V head is repeated for its query heads. There the keys go in KEY_SPLIT
-slices, each gathered from the paged cache only when its turn comes (no whole-context copy, in a draft
-graph's memory pool or anywhere), merged by their running max and sum; each query head group reads its
-K/V head in place, products in 16-bit with float32 sums where torch can.
+kernel: it runs the handful of queries as one tile per head that walks every key after each K/V head is
+repeated for its query heads (slower than the slices from 2,048 keys on: docs/benchmarks-log.md). There the keys
+go in KEY_SPLIT slices, each gathered from the paged cache only when its turn comes (no whole-context
+copy, in a draft graph's memory pool or anywhere), merged by their running max and sum; each query head
+group reads its K/V head in place, products in 16-bit with float32 sums where torch can.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import torch
 
-SPLIT_KEYS_ABOVE = 8192
+SPLIT_KEYS_ABOVE = 2048  # the shortest context scripts/bench_draft_attention.py times; below it SDPA stays
 KEY_SPLIT = 16384
 
 
