@@ -46,8 +46,10 @@ from .forward_batch import MAX_TREE_TOKENS, ForwardBatch
 # queries amortises. Not yet tuned on a GPU: scripts/bench_kernels.py --only prefill times both
 # sides of it.
 MIN_QUERY_LEN = 64
-# Smallest query tile of a sliding-window layer (a tile is max(window, this) queries): large
-# enough that a small window does not mean many tiny SDPA calls.
+# A sliding-window layer's query tile is window / WINDOW_TILES queries (at least MIN_WINDOW_TILE, so a
+# small window does not mean many tiny SDPA calls): a tile computes its queries against tile + window - 1
+# keys, so a tile as long as the window would compute twice the products its window keeps.
+WINDOW_TILES = 4
 MIN_WINDOW_TILE = 128
 
 
@@ -127,7 +129,7 @@ def _windowed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, w
     of k, v [Hkv, m, D]; key p is visible to query position t when p <= t and t - p < window."""
     heads, q_len, _ = q.shape
     group = heads // k.shape[0]
-    tile = max(window, MIN_WINDOW_TILE)
+    tile = max(window // WINDOW_TILES, MIN_WINDOW_TILE)
     out = torch.empty_like(q)
     for a in range(0, q_len, tile):
         b = min(a + tile, q_len)

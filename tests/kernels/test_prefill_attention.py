@@ -96,6 +96,14 @@ def test_sliding_windows_match_the_reference(window):
     assert max_err(got, paged_attention_reference(q, kc, vc, batch, 0.2, window)) <= F32_TOL
 
 
+def test_query_tiles_shorter_than_a_wide_window_match_the_reference():
+    """A 600-position window over 1,300 queries after 400 cached: tiles of window / WINDOW_TILES queries."""
+    assert 600 // pa.WINDOW_TILES > pa.MIN_WINDOW_TILE
+    q, kc, vc, batch = paged_case("f32", torch.float32, [1300], [400], heads=4, kv_heads=2)
+    got = pa.prefill_attention(q, kc, vc, batch, 0.2, 600)
+    assert max_err(got, paged_attention_reference(q, kc, vc, batch, 0.2, 600)) <= F32_TOL
+
+
 def test_a_mixed_step_sends_only_its_long_chunks_to_the_prefill_path(prefill_calls):
     q_lens, cached = [1, 80, 0, 3, 64, 1], [20, 0, 9, 33, 100, 5]
     q, kc, vc, batch = paged_case("fp8", torch.float32, q_lens, cached)
