@@ -25,6 +25,7 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=131072)
     p.add_argument("--keep-ratio", type=float, default=0.1)
     p.add_argument("--decode-before", type=int, default=16, help="decode steps timed before the long prompt")
+    p.add_argument("--rounds", type=int, default=2, help="long prompts scored one after another")
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
@@ -76,33 +77,39 @@ def main() -> int:
     for _ in range(4):  # prefill + warm decode steps
         timed_step()
     plain = [timed_step()[0] for _ in range(args.decode_before)]
-    engine.add_request("long", {"prompt_token_ids": ids, "prefill_keep_ratio": args.keep_ratio},
-                       SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-    long_seq = engine.requests["long"][1][0]
-    scoring, tokens = [], []
-    while "long" in engine.scoring:
-        seconds, emitted = timed_step()
-        scoring.append(seconds)
-        tokens.append(emitted)
-    job_seconds = prefill.last_seconds
-    same = long_seq.compression is not None and long_seq.compression.kept_positions == want.kept_positions
+    rounds = []
+    for r in range(args.rounds):  # a second round shows what the first paid once (kernels compiled on first use)
+        request = f"long{r}"
+        engine.add_request(request, {"prompt_token_ids": ids, "prefill_keep_ratio": args.keep_ratio},
+                           SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        long_seq = engine.requests[request][1][0]
+        scoring, tokens, after = [], [], []
+        while request in engine.scoring:
+            seconds, emitted = timed_step()
+            scoring.append(seconds)
+            tokens.append(emitted)
+        while not long_seq.is_finished:  # the kept tokens' prefill, chunked beside the decoder
+            after.append(timed_step()[0])
+        same = long_seq.compression is not None and long_seq.compression.kept_positions == want.kept_positions
+        rounds.append({
+            "interleaved_scoring_s": prefill.last_seconds, "scoring_steps": len(scoring),
+            "decode_step_ms_during_median": 1e3 * statistics.median(scoring),
+            "decode_step_ms_during_max": 1e3 * max(scoring),
+            "a_token_every_step": all(n == 1 for n in tokens), "same_kept_positions": same,
+            "scoring_step_ms": [round(1e3 * s, 1) for s in scoring],
+            "kept_prefill_step_ms": [round(1e3 * s, 1) for s in after]})
     engine.abort("decoder")
-    engine.abort("long")
     result = {
         "device": str(device), "target": args.shape, "scorer": args.scorer, "prompt_tokens": args.prompt_len,
-        "keep_ratio": args.keep_ratio, "kept_tokens": len(want.kept_positions),
-        "sync_compress_s": sync_seconds, "interleaved_scoring_s": job_seconds, "scoring_steps": len(scoring),
-        "decode_step_ms_before": 1e3 * statistics.median(plain),
-        "decode_step_ms_during_median": 1e3 * statistics.median(scoring),
-        "decode_step_ms_during_max": 1e3 * max(scoring),
-        "a_token_every_step": all(n == 1 for n in tokens), "same_kept_positions": same,
-        "scoring_step_ms": [round(1e3 * s, 1) for s in scoring],
+        "keep_ratio": args.keep_ratio, "kept_tokens": len(want.kept_positions), "sync_compress_s": sync_seconds,
+        "decode_step_ms_before": 1e3 * statistics.median(plain), "rounds": rounds,
     }
+    ok = all(r["a_token_every_step"] and r["same_kept_positions"] for r in rounds)
     print(json.dumps(result, indent=2))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
-    return 0 if result["a_token_every_step"] and same else 1
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
