@@ -51,6 +51,8 @@ def attach_tree_buckets(runner, nodes: list[int]) -> None:
 def tree_rows(runner, nodes: list[int], context: int, tables, decode_step_s: float, timer) -> list[dict]:
     """Per node count: the tree's depth, its verify forward's time (timer(fn) -> seconds a call) and its
     ratio to `decode_step_s`; the graph replays show whether it ran through a tree bucket."""
+    if not nodes:
+        return []
     attach_tree_buckets(runner, nodes)
     rows = []
     recurrent = bool(runner.recurrent_layers)
