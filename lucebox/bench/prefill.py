@@ -15,6 +15,7 @@ import torch
 
 from ..config import EngineArgs
 from ..engine.engine import LLMEngine
+from ..engine.pflash.score import SCORER_CHUNK
 from ..errors import RequestError
 from ..model.cache_spec import bytes_per_sequence, kv_groups, pools_bytes_wanted
 from ..model.loader import load_model, resolve_device
@@ -38,6 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help=EngineArgs.HELP["max_num_batched_tokens"])
     p.add_argument("--scorer-window", type=int, default=EngineArgs.prefill_scorer_window,
                    help=EngineArgs.HELP["prefill_scorer_window"])
+    p.add_argument("--scorer-chunk", type=int, default=SCORER_CHUNK,
+                   help="scorer prompt tokens a forward (a step, when interleaved with other requests)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results here too")
     p.add_argument("--needle", action="store_true", help="report needle recall of the selection per keep ratio "
@@ -69,8 +72,8 @@ def run(args) -> dict:
     for r in args.keep_ratio:
         if not 0 < r <= 1:
             raise RequestError(f"--keep-ratio values must be in (0, 1], got {r}")
-    if min(args.prompt_lens) < 64 or args.repeats < 1:
-        raise RequestError("--prompt-lens must be at least 64 tokens and --repeats at least 1")
+    if min(args.prompt_lens) < 64 or args.repeats < 1 or args.scorer_chunk < 1:
+        raise RequestError("--prompt-lens must be at least 64 tokens, --repeats and --scorer-chunk at least 1")
     device = resolve_device(args.device)
     target, quant = shapes.load_under_test(args.model, args.shape, args.quant, args.dtype, device, args.seed)
     scorer, random_scorer = load_scorer(args.scorer, args, device)
@@ -86,6 +89,7 @@ def run(args) -> dict:
         prefill_scorer_window=args.scorer_window),
         loaded=target)
     prefill = engine.speculative_prefill(scorer, same_vocab)
+    prefill.scorer.chunk = args.scorer_chunk
     if args.needle:
         if args.shape is not None or random_scorer:
             raise RequestError("--needle needs real checkpoints (--model, --scorer): random shapes read no text")
@@ -113,13 +117,14 @@ def run(args) -> dict:
                                   "scoring_share_of_exact": scoring / exact})
         rows.append(row)
     return {"target": target.source, "quant": quant, "scorer": args.scorer or "the target", "device": str(device),
-            "scorer_window": args.scorer_window, "rows": rows}
+            "scorer_window": args.scorer_window, "scorer_chunk": args.scorer_chunk, "rows": rows}
 
 
 def print_report(result: dict) -> None:
     window = result["scorer_window"]
     print(f"speculative prefill: target {result['target']}, scorer {result['scorer']} "
-          f"({f'attending to {window} keys' if window else 'dense'} before the tail), {result['device']}")
+          f"({f'attending to {window} keys' if window else 'dense'} before the tail, "
+          f"{result.get('scorer_chunk', SCORER_CHUNK)} tokens a forward), {result['device']}")
     print(f"{'prompt':>8} {'ratio':>6} {'kept':>8} {'exact s':>9} {'scored s':>9} {'scoring':>8} {'target':>8} "
           f"{'speedup':>8}")
     for row in result["rows"]:

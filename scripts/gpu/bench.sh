@@ -181,14 +181,16 @@ mode_throughput() {
 }
 
 #: pflash       issue 29: bench prefill (exact vs scored TTFT, scorer qwen3-0.6b, target qwen3-8b bf16, 32K / 128K,
-#:              keep 0.1 / 0.2; the scorer's default window), the same at 128K keep 0.1 with a dense scorer pass,
-#:              then scripts/check_pflash_interleave.py (decode stall of a running request while a 128K prompt
-#:              scores) (~8 min; PFLASH_ARGS adds bench prefill flags)
+#:              keep 0.1 / 0.2; the scorer's default window), the same at 128K keep 0.1 with a dense scorer pass
+#:              and with 16K-token scorer forwards, then scripts/check_pflash_interleave.py (decode stall of a
+#:              running request while a 128K prompt scores, two rounds) (~5 min; PFLASH_ARGS adds bench prefill flags)
 mode_pflash() {
   step pflash-prefill 300 python3 -m lucebox.cli bench prefill --scorer qwen3-0.6b --shape qwen3-8b --quant bf16 \
     --prompt-lens 32768 131072 --keep-ratio 0.1 0.2 --json "$out/pflash-prefill.json" ${PFLASH_ARGS:-}
   step pflash-dense 120 python3 -m lucebox.cli bench prefill --scorer qwen3-0.6b --shape qwen3-8b --quant bf16 \
     --prompt-lens 131072 --keep-ratio 0.1 --scorer-window 0 --json "$out/pflash-dense.json" ${PFLASH_ARGS:-}
-  step pflash-interleave 150 python3 scripts/check_pflash_interleave.py --shape qwen3-8b --scorer qwen3-0.6b \
+  step pflash-chunk 120 python3 -m lucebox.cli bench prefill --scorer qwen3-0.6b --shape qwen3-8b --quant bf16 \
+    --prompt-lens 131072 --keep-ratio 0.1 --scorer-chunk 16384 --json "$out/pflash-chunk.json" ${PFLASH_ARGS:-}
+  step pflash-interleave 200 python3 scripts/check_pflash_interleave.py --shape qwen3-8b --scorer qwen3-0.6b \
     --prompt-len 131072
 }

@@ -22,6 +22,29 @@ def test_bench_prefill_reports_each_ratio(tmp_path, capsys):
 def test_bench_prefill_refuses_bad_ratios(capsys):
     assert main(["bench", "prefill", "--shape", "tiny", "--device", "cpu", "--keep-ratio", "1.5"]) == 1
     assert "--keep-ratio" in capsys.readouterr().err
+    assert main(["bench", "prefill", "--shape", "tiny", "--device", "cpu", "--scorer-chunk", "0"]) == 1
+    assert "--scorer-chunk" in capsys.readouterr().err
+
+
+def test_the_scorer_chunk_sets_its_forwards_not_what_is_kept(tmp_path, monkeypatch):
+    from lucebox.engine.pflash.score import TailAttentionScorer
+    forwards = []
+    original = TailAttentionScorer._prefill_chunk
+    monkeypatch.setattr(TailAttentionScorer, "_prefill_chunk", lambda self, ids, *rest: (forwards.append(len(ids)),
+                                                                                    original(self, ids, *rest)))
+    kept = {}
+    for chunk in (64, 4096):
+        out = tmp_path / f"prefill-{chunk}.json"
+        forwards.clear()
+        assert main(["bench", "prefill", "--shape", "tiny", "--scorer", "tiny", "--device", "cpu", "--prompt-lens",
+                     "320", "--keep-ratio", "0.5", "--scorer-chunk", str(chunk), "--json", str(out)]) == 0
+        result = json.loads(out.read_text())
+        # 320 tokens: the 312 before the 8-token tail in forwards of at most `chunk`, then the tail's own
+        one_scoring = [64, 64, 64, 64, 56, 8] if chunk == 64 else [312, 8]
+        assert result["scorer_chunk"] == chunk and forwards[:len(one_scoring)] == one_scoring
+        assert len(forwards) % len(one_scoring) == 0
+        kept[chunk] = result["rows"][0]["scored"][0]["kept_tokens"]
+    assert kept[64] == kept[4096] == 160
 
 
 def test_bench_prefill_needle_recall_on_the_default_model(tmp_path, capsys):
