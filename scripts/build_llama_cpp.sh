@@ -3,8 +3,10 @@
 #   scripts/build_llama_cpp.sh [DEST]   -> DEST/bin/llama-bench (default .llama)
 # Source: the llama.cpp tree vendored in the llama-cpp-python sdist (PyPI), trimmed to what the build reads
 # and packed as .whl/llama-cpp-src.tar.xz (git-ignored, carried to the device). A built tree packed as
-# .whl/llama-bench-sm90.tar.xz is unpacked instead of building (~6 min saved); with $OUT set, a fresh build
-# is packed there in 15 MB pieces (files come back at most 16 MiB): `cat llama-bench-sm90.tar.xz.* > ...`.
+# .whl/llama-bench-sm90.tar.xz is unpacked instead of building (~6 min saved); with PACK_LLAMA=1 and $OUT set,
+# a fresh build is packed there in 15 MB pieces (files come back at most 16 MiB): `cat llama-bench-sm90.tar.xz.*
+# > ...`. Off by default: its ~40 MiB crowd a call's results out of the 64 MiB that come back, and it cannot
+# travel beside the tracked tree anyway.
 set -euo pipefail
 dest=${1:-.llama}
 if [ -x "$dest/bin/llama-bench" ]; then echo "llama-bench: $dest/bin/llama-bench"; exit 0; fi
@@ -21,7 +23,7 @@ cmake -S "$src/lltrim" -B "$src/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGM
 cmake --build "$src/build" --target llama-bench -j "$(nproc)" > "$src/build.log" 2>&1 || { tail -n 40 "$src/build.log"; exit 1; }
 mkdir -p "$dest/bin" && cp "$src/build/bin/llama-bench" "$dest/bin/"
 echo "llama-bench: built $dest/bin/llama-bench ($(du -h "$dest/bin/llama-bench" | cut -f1))"
-if [ -n "${OUT:-}" ]; then
+if [ "${PACK_LLAMA:-0}" = 1 ] && [ -n "${OUT:-}" ]; then
   tar cJf "$src/llama-bench-sm90.tar.xz" -C "$dest" bin
   split -b 15M -d "$src/llama-bench-sm90.tar.xz" "$OUT/llama-bench-sm90.tar.xz."
 fi
