@@ -104,6 +104,24 @@ def test_long_context_key_slices_equal_the_eager_drafter(proposer, anchor, monke
     assert rel_err(want, whole) <= 1e-5 and rel_err(got, want) <= 1e-5
 
 
+def test_buckets_of_whole_key_slices_equal_the_eager_drafter(proposer, monkeypatch):
+    """Past one key slice a graph spans whole slices (here 3 x 32 positions for an anchor at 70, not 128)."""
+    monkeypatch.setattr(dflash_graphs, "MIN_CONTEXT", 16)
+    monkeypatch.setattr(dflash_graphs, "KEY_SPLIT", 32)
+    monkeypatch.setattr(draft_attention, "KEY_SPLIT", 32)
+    monkeypatch.setattr(draft_attention, "SPLIT_KEYS_ABOVE", 8)
+    assert dflash_graphs.context_bucket(70) == 96
+    prop, num_blocks = proposer
+    seq = a_sequence(num_blocks, 71, seed=5)
+    with torch.inference_mode():
+        prop.pending[id(seq)] = []
+        want = prop._draft_logits(seq, prop.block_size - 1)
+        prop.graphs = static_graphs(prop, num_blocks)
+        prop.pending[id(seq)] = []
+        got = prop._draft_logits(seq, prop.block_size - 1)
+    assert ("draft", 96) in prop.graphs.graphs and rel_err(got, want) <= 1e-5
+
+
 @pytest.mark.parametrize("groups", [1, 4])
 @pytest.mark.parametrize("split", [7, 11, 64])
 def test_split_key_attention_equals_sdpa(groups, split, monkeypatch):
