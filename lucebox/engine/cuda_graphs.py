@@ -36,6 +36,14 @@ steps never a chain graph. Tree buckets hold at most as many tokens as the large
 (or one tree row): the static buffers, logits above all, keep their size; wider tree steps run
 eagerly. Models with recurrent layers run tree steps eagerly (their state must follow each
 node's parents, which the static state inputs do not describe).
+
+Prefill buckets (GraphSettings.prefill_lens, EngineArgs.prefill_graphs): a step of one sequence
+bringing more tokens than any step bucket (a short prompt, a prompt's last chunk, a turn on top of a
+cached prefix) is padded to the smallest prefill length that holds it (within MAX_PADDING), so an
+eager prefill's hundreds of launches become one replay. Attention takes the Triton kernel's
+graph-safe mode; the LM head runs over the selected row only (the last token), into row 0 of the
+logits. Steps that want other rows, taps or queries, and models with recurrent layers (their
+prefill runs in chunks), stay eager.
 """
 from __future__ import annotations
 
@@ -73,6 +81,9 @@ class GraphSettings:
     catch_up_lens: tuple[int, ...] = ()
     # Query lengths of tree verify buckets: 1 + the node count of every tree shape the policy may draft.
     tree_lens: tuple[int, ...] = ()
+    # Query lengths of one-sequence prefill buckets (a short prompt, or a chunk's remainder, longer than
+    # any step): the forward's launches in one replay, only the last token's logits (module docstring).
+    prefill_lens: tuple[int, ...] = ()
     # False: run the padded static batches eagerly instead of replaying graphs. The padding and the
     # static buffers are then exercised on any device (how CPU tests check them).
     capture: bool = True
@@ -103,6 +114,7 @@ class CudaGraphRunner:
         self.query_lens = sorted(set(settings.query_lens))
         self.catch_up_lens = sorted(set(settings.catch_up_lens) | set(self.query_lens))
         self.tree_lens = sorted(set(settings.tree_lens))
+        self.prefill_lens = sorted(q for q in set(settings.prefill_lens) if q > self.query_lens[-1])
         self.batch_sizes = batch_buckets(settings.max_batch)
         self.width = -(-(settings.max_model_len + max(self.query_lens + self.tree_lens)) // block_size)
         step_tokens = max([self.batch_sizes[-1] * self.query_lens[-1], *self.tree_lens[-1:]])
@@ -110,10 +122,11 @@ class CudaGraphRunner:
         self.tree_buckets = {(b, q) for b in self.batch_sizes for q in self.tree_lens if b == 1 or b * q <= step_tokens}
         self.max_tokens = max(step_tokens, self.catch_up_lens[-1])
         self.inputs = StaticInputs(step_tokens, self.batch_sizes[-1], self.width, model.device, groups)
-        # Catch-ups longer than any step get their own buffers: decode steps keep uploading the
-        # few hundred bytes their buffers span.
-        self.catch_up_inputs = (StaticInputs(self.catch_up_lens[-1], 1, self.width, model.device, groups)
-                                if self.catch_up_lens[-1] > step_tokens else None)
+        # Catch-ups and prefills longer than any step get their own buffers: decode steps keep uploading
+        # the few hundred bytes their buffers span.
+        longest = max([self.catch_up_lens[-1], *self.prefill_lens[-1:]])
+        self.long_inputs = (StaticInputs(longest, 1, self.width, model.device, groups)
+                            if longest > step_tokens else None)
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph | None, torch.Tensor]] = {}
         # per capture_layers: logits, features (or None) and argmax token of every padded row, and
         # the verdict of every sequence of a sampling graph
@@ -131,9 +144,9 @@ class CudaGraphRunner:
         model.rope.reserve(self.width * block_size, model.device)
 
     def _inputs(self, query_len: int, tree: bool = False) -> "StaticInputs":
-        """The catch-up buffers for catch-ups longer than any step (tree buckets are steps)."""
-        if self.catch_up_inputs and not tree and query_len > self.query_lens[-1]:
-            return self.catch_up_inputs
+        """The long buffers for catch-ups and prefills longer than any step (tree buckets are steps)."""
+        if self.long_inputs and not tree and query_len > self.query_lens[-1]:
+            return self.long_inputs
         return self.inputs
 
     def bucket(self, token_ids: list[list[int]], start_positions: list[int],
@@ -147,6 +160,10 @@ class CudaGraphRunner:
         if not q_lens or min(q_lens) < 1 or (catch_up and len(q_lens) > 1) or (tree and self.state_rows is not None):
             return None
         lens = self.tree_lens if tree else self.catch_up_lens if catch_up else self.query_lens
+        if lens is self.query_lens and max(q_lens) > lens[-1]:  # a prefill: one plain sequence (recurrent
+            if len(q_lens) > 1 or self.state_rows is not None:  # layers prefill in chunks, eagerly)
+                return None
+            lens = self.prefill_lens
         num_seqs = smallest_at_least(len(q_lens), self.batch_sizes)
         query_len = smallest_at_least(max(q_lens), lens)
         if num_seqs is None or query_len is None or num_seqs * query_len > MAX_PADDING * sum(q_lens):
@@ -182,9 +199,12 @@ class CudaGraphRunner:
         if shape is None or (ring and feature_rows is None) or (queries and not self.settings.queries):
             return None
         num_seqs, query_len = shape
-        # else logits come back; tree steps never sample in the graph (StepPlanner keeps plan.sample off)
-        sampled = plan.sample is not None and self.settings.sample and not tree
-        key = (num_seqs, query_len, capture_layers, sampled, tree, queries)
+        prefill = plan.write_kv and not tree and query_len > self.query_lens[-1]
+        if prefill and (capture_layers or queries or plan.all_logits or not _last_token_only(plan)):
+            return None  # a prefill graph hands back one row's logits, and no taps or queries
+        # else logits come back; tree and prefill steps never sample in the graph (the host samples them)
+        sampled = plan.sample is not None and self.settings.sample and not tree and not prefill
+        key = (num_seqs, query_len, capture_layers, sampled, tree, queries, prefill)
         if key not in self.graphs:
             self._prepare(*key)
         graph, query_start_loc = self.graphs[key]
@@ -230,6 +250,10 @@ class CudaGraphRunner:
             features = RingRows(feature_rows, len(real))
         elif capture_layers:
             features = features.index_select(0, real_dev)
+        if prefill:  # the graph computed the selected row's logits alone, into row 0
+            if plan.argmax:
+                return StepResult(tokens=tokens[:1].tolist())
+            return StepResult(logits=logits[:1].clone())
         if plan.defer and (sampled or plan.argmax):
             return StepResult(deferred=DeferredStep(
                 verdicts[:len(token_ids)] if sampled else tokens[:num_seqs * query_len],
@@ -250,16 +274,19 @@ class CudaGraphRunner:
         if not self.settings.capture:
             return
         started = time.perf_counter()
-        keys = [(b, q, capture_layers, False, False, False) for b in self.batch_sizes for q in self.query_lens]
+        keys = [(b, q, capture_layers, False, False, False, False) for b in self.batch_sizes for q in self.query_lens]
         if self.settings.sample:
-            keys += [(b, q, capture_layers, True, False, False) for b in self.batch_sizes for q in self.query_lens]
+            keys += [(b, q, capture_layers, True, False, False, False)
+                     for b in self.batch_sizes for q in self.query_lens]
         if capture_layers:
-            keys += [(1, q, capture_layers, False, False, False) for q in self.catch_up_lens]
+            keys += [(1, q, capture_layers, False, False, False, False) for q in self.catch_up_lens]
         if trees and self.state_rows is None:
-            keys += [(b, q, capture_layers, False, True, False) for b, q in sorted(self.tree_buckets)]
+            keys += [(b, q, capture_layers, False, True, False, False) for b, q in sorted(self.tree_buckets)]
+        if self.state_rows is None:  # prefill steps capture no taps: their graphs have none
+            keys += [(1, q, (), False, False, False, True) for q in self.prefill_lens]
         if self.settings.queries:  # the steps before a resident-set choice: decodes and verifies, sampled or not
             for sampled in (False, True) if self.settings.sample else (False,):
-                keys += [(b, q, capture_layers, sampled, False, True)
+                keys += [(b, q, capture_layers, sampled, False, True, False)
                          for b in self.batch_sizes for q in self.query_lens]
         for key in keys:
             if key not in self.graphs:
@@ -267,7 +294,7 @@ class CudaGraphRunner:
         log.info("captured %d CUDA graphs in %.1f s", len(self.graphs), time.perf_counter() - started)
 
     def _prepare(self, num_seqs: int, query_len: int, capture_layers: tuple[int, ...], sampled: bool,
-                 tree: bool, queries: bool) -> None:
+                 tree: bool, queries: bool, prefill: bool) -> None:
         device = self.model.device
         query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int64, device=device) * query_len
         graph = None
@@ -285,21 +312,22 @@ class CudaGraphRunner:
             stream = torch.cuda.Stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
-                self._forward(num_seqs, query_len, capture_layers, sampled, tree, queries, query_start_loc)
+                self._forward(num_seqs, query_len, capture_layers, sampled, tree, queries, prefill, query_start_loc)
             torch.cuda.current_stream(device).wait_stream(stream)
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             # thread_local: a server thread touching CUDA meanwhile must not invalidate the capture
             with _collector_paused(), torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                self._forward(num_seqs, query_len, capture_layers, sampled, tree, queries, query_start_loc)
+                self._forward(num_seqs, query_len, capture_layers, sampled, tree, queries, prefill, query_start_loc)
             log.debug("captured a CUDA graph for %d sequences x %d tokens in %.0f ms", num_seqs, query_len,
                      1e3 * (time.perf_counter() - started))
-        self.graphs[(num_seqs, query_len, capture_layers, sampled, tree, queries)] = (graph, query_start_loc)
+        self.graphs[(num_seqs, query_len, capture_layers, sampled, tree, queries, prefill)] = (graph, query_start_loc)
 
     def _forward(self, num_seqs: int, query_len: int, capture_layers: tuple[int, ...], sampled: bool, tree: bool,
-                 queries: bool, query_start_loc: torch.Tensor) -> None:
-        """The captured body: static inputs -> logits (and taps) of every padded row, into the static outputs."""
+                 queries: bool, prefill: bool, query_start_loc: torch.Tensor) -> None:
+        """The captured body: static inputs -> logits (and taps) of every padded row, into the static outputs;
+        a prefill's: the logits of its selected row alone, into row 0."""
         inputs = self._inputs(query_len, tree)
         tokens, view = num_seqs * query_len, inputs.view
         batch = ForwardBatch.from_device(view("ids", tokens), view("positions", tokens), view("seq_lens", num_seqs),
@@ -310,7 +338,10 @@ class CudaGraphRunner:
                                          tree_mask=view("tree_mask", tokens) if tree else None)
         batch.state_slots, batch.state_advance = view("state_slots", num_seqs), view("state_advance", num_seqs)
         batch.query_capture = {} if queries else None
-        logits = self.model.compute_logits(self.model(batch))
+        hidden = self.model(batch)
+        if prefill:  # the LM head over one row, not the bucket's padded hundreds
+            hidden, tokens = hidden.index_select(0, view("select", 1)), 1
+        logits = self.model.compute_logits(hidden)
         for k, q in (batch.query_capture or {}).items():  # static buffers, made by the warm-up (never in a capture)
             if k not in self.query_out:
                 self.query_out[k] = q.new_empty(self.inputs.tables.shape[0], *q.shape[1:])
@@ -340,6 +371,12 @@ class CudaGraphRunner:
             self.feature_ring.rows.index_copy_(0, view("ring", tokens), features)
         elif features is not None:
             out_features[:tokens].copy_(features)
+
+
+def _last_token_only(plan: StepPlan) -> bool:
+    """The step wants one row's logits: its last token's (a prefill's, as the engine plans them)."""
+    last = len(plan.rows[0].tokens) - 1
+    return plan.logits_rows is None or list(plan.logits_rows) == [last]
 
 
 @contextlib.contextmanager

@@ -37,7 +37,14 @@ from .progress import PrefillProgress
 from .runner import ModelRunner, model_kv_groups, release_installed_caches
 from .scheduler import Scheduler
 from .sequence import Sequence
-from .step_plan import CATCH_UP_LENS, RowKind, StepPlan, StepPlanner, StepResult
+from .step_plan import (
+    CATCH_UP_LENS,
+    PREFILL_GRAPH_LENS,
+    RowKind,
+    StepPlan,
+    StepPlanner,
+    StepResult,
+)
 
 log = logging.getLogger("lucebox")
 
@@ -182,6 +189,7 @@ class LLMEngine:
         tree_lens = tuple(spec.tree_row_lens()) if spec is not None else ()
         return GraphSettings(self.max_model_len, min(self.args.cuda_graph_max_batch, self.args.max_num_seqs),
                              query_lens, catch_up_lens=catch_up, tree_lens=tree_lens,
+                             prefill_lens=PREFILL_GRAPH_LENS if self.args.prefill_graphs else (),
                              queries=self.args.kv_pool_tokens > 0)
 
     def _warm_up_prefill(self) -> None:

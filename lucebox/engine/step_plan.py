@@ -23,6 +23,8 @@ from ..spec.tree import depths_of
 # Catch-up graph lengths of the taps a dormant drafter missed while the target decoded plainly
 # (spec/speculator.py), beside the verify lengths; longer runs go in chunks of the last.
 CATCH_UP_LENS = (32, 64, 128, 256)
+# Prefill graph lengths (EngineArgs.prefill_graphs): one sequence's new tokens, padded up to one of these.
+PREFILL_GRAPH_LENS = (64, 128, 256, 512)
 
 
 class RowKind(enum.Enum):

@@ -167,6 +167,20 @@ mode_short_prefill() {
   done
 }
 
+#: prefill-graphs  issue 33 item 1: one-sequence prefill through CUDA graphs (--prefill-graphs) against eager,
+#:              alternating in one call: TTFT of 128/256/512-token prompts and of 128/256 tokens on a cached
+#:              4K prefix, qwen3-0.6b bf16 and qwen3-8b bf16 / q4_k_m, after its GPU test (~6 min)
+mode_prefill_graphs() {
+  local sq graphs
+  run_tests prefill-graphs-tests 90 tests/engine/test_prefill_graphs.py
+  for sq in qwen3-0.6b:bf16 qwen3-8b:bf16 qwen3-8b:q4_k_m; do
+    for graphs in "" --prefill-graphs; do
+      bench "prefill-graphs-${sq/:/-}${graphs:+-on}" 70 --shape ${sq%%:*} --quant ${sq##*:} --prompt-lens 128 256 512 \
+        --contexts 512 --prefix-lens 4096 --suffix-lens 128 256 --skip verify forced spec peer $graphs
+    done
+  done
+}
+
 #: throughput   issue 33 item 6: bench throughput on qwen3-8b bf16 and q4_k_m at 1/8/32/64 sequences (prompt
 #:              128, 64 out), plain and with n-gram speculation, against each batch's bandwidth limit (~8 min);
 #:              THROUGHPUT_ARGS adds flags, e.g. "--concurrency 1 8 32 64 128"
