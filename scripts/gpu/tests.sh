@@ -43,15 +43,15 @@ mode_check_kvflash() {
   step kv-host-store-gpu 120 python3 scripts/check_kv_host_store_gpu.py
 }
 
-#: recheck      the GPU tests fixed or written without a GPU since their last GPU run, fastest-to-fail first:
-#:              KVFlash engines (bounded KV beside each other, float32 identities), page-ins on side streams, an
-#:              engine freeing a dropped one's KV, PFlash's windowed scorer pass, DFlash2's walks and lattice
-#:              trees, the drafter's key slices in captured graphs, device placement, then tree graph
-#:              buckets, trees on hybrids, pooled families (~6 min; SECONDS_CHECK)
+#: recheck      the GPU tests fixed or written without a GPU since their last GPU run, those never run there
+#:              first: two engines sharing a model, prefill graph buckets, device placement, trees on hybrids,
+#:              pooled families, whole-slice draft buckets; then the ones that passed on the H100 in the
+#:              twenty-third session (KVFlash engines and page-ins, PFlash's windowed scorer, DFlash2, tree
+#:              graph buckets) (~6 min; SECONDS_CHECK)
 mode_recheck() {
-  run_tests gpu-tests-recheck "${SECONDS_CHECK:-300}" tests/engine/test_kv_pool_engine.py \
-    tests/engine/test_kv_pool_page_in.py tests/engine/test_engine_build.py tests/engine/test_pflash_score.py \
-    tests/spec/test_dflash2.py tests/spec/test_dflash2_trees.py tests/spec/test_dflash_graphs.py \
-    tests/engine/test_placement.py \
-    tests/engine/test_tree_graphs.py tests/spec/test_ddtree_hybrid.py tests/engine/test_kv_pool_families.py
+  run_tests gpu-tests-recheck "${SECONDS_CHECK:-300}" tests/engine/test_engine_build.py \
+    tests/engine/test_prefill_graphs.py tests/engine/test_placement.py tests/spec/test_ddtree_hybrid.py \
+    tests/engine/test_kv_pool_families.py tests/spec/test_dflash_graphs.py tests/engine/test_kv_pool_engine.py \
+    tests/engine/test_kv_pool_page_in.py tests/engine/test_pflash_score.py tests/spec/test_dflash2.py \
+    tests/spec/test_dflash2_trees.py tests/engine/test_tree_graphs.py
 }
