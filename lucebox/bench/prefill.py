@@ -124,7 +124,7 @@ def print_report(result: dict) -> None:
     window = result["scorer_window"]
     print(f"speculative prefill: target {result['target']}, scorer {result['scorer']} "
           f"({f'attending to {window} keys' if window else 'dense'} before the tail, "
-          f"{result.get('scorer_chunk', SCORER_CHUNK)} tokens a forward), {result['device']}")
+          f"{result['scorer_chunk']} tokens a forward), {result['device']}")
     print(f"{'prompt':>8} {'ratio':>6} {'kept':>8} {'exact s':>9} {'scored s':>9} {'scoring':>8} {'target':>8} "
           f"{'speedup':>8}")
     for row in result["rows"]:
