@@ -37,7 +37,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                        help=EngineArgs.HELP[name])
     p.add_argument("--cache-rotate-k", action="store_true", help=EngineArgs.HELP["cache_rotate_k"])
     p.add_argument("--kv-pool-target", action="store_true", help=EngineArgs.HELP["kv_pool_target"])
-    p.add_argument("--prefill-graphs", action="store_true", help=EngineArgs.HELP["prefill_graphs"])
+    p.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=EngineArgs.prefill_graphs,
+                   help=EngineArgs.HELP["prefill_graphs"])
     p.add_argument("--async-decode", action=argparse.BooleanOptionalAction, default=EngineArgs.async_decode,
                    help=EngineArgs.HELP["async_decode"])
     p.add_argument("--enforce-eager", dest="cuda_graphs", action="store_const", const=False, default=None,

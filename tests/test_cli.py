@@ -82,8 +82,8 @@ def test_no_speculation_flag_leaves_the_default_and_no_spec_turns_it_off():
     assert _engine_args("--no-spec", "--spec-method", "ngram").speculative_config.method == "ngram"
 
 
-def test_prefill_graphs_are_off_unless_asked():
-    assert not _engine_args().prefill_graphs and _engine_args("--prefill-graphs").prefill_graphs
+def test_prefill_graphs_are_on_unless_turned_off():
+    assert _engine_args().prefill_graphs and not _engine_args("--no-prefill-graphs").prefill_graphs
 
 
 def test_a_bad_speculation_flag_is_an_error_without_traceback(hf_models, capsys):

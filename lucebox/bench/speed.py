@@ -61,7 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="cached prefixes: time --suffix-lens new tokens on top of each, served from the prefix cache")
     p.add_argument("--suffix-lens", type=int, nargs="+", default=[128, 256, 512],
                    help="new tokens on top of each --prefix-lens prefix")
-    p.add_argument("--prefill-graphs", action="store_true", help=EngineArgs.HELP["prefill_graphs"])
+    p.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=EngineArgs.prefill_graphs,
+                   help=EngineArgs.HELP["prefill_graphs"])
     p.add_argument("--tree-nodes", type=int, nargs="+", default=[],
                    help="also time a DDTree verify of N nodes against the decode forward (verify phase), e.g. 22 32 63")
     p.add_argument("--decode-tokens", type=int, default=128, help="tokens decoded per measured run")
@@ -304,7 +305,7 @@ def engine_args(args, max_len: int, loaded, kv_factor: float = 1, kv_len: int | 
     return EngineArgs(model=loaded.source, max_model_len=max_len, max_num_seqs=1, enable_prefix_caching=False,
                       cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
                       cuda_graphs=getattr(args, "cuda_graphs", None),
-                      prefill_graphs=getattr(args, "prefill_graphs", False),
+                      prefill_graphs=getattr(args, "prefill_graphs", EngineArgs.prefill_graphs),
                       async_decode=getattr(args, "async_decode", EngineArgs.async_decode),
                       kv_cache_memory=int(kv_factor * (kv + state)), **extra)
 

@@ -110,14 +110,22 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype, in_features: int
         raise ValueError(f"quant_matmul: the elementwise path multiplies one row, got {m}")
     block_m = 1 if mode == 0 else max(16, next_pow2(m))
     decode_block_n, decode_warps = DECODE_LAUNCH.get(fmt, (32, 4))
+    wide = mode == 1 and block_m >= 64
     if block_n is None:
-        block_n = decode_block_n if mode == 0 else 64
+        # 64-row tiles reload and convert the activation tile once per weight tile: wider weight
+        # tiles halve that work (the 33-64 row sweep's best on Q4_K, Q8_0 and Q6_K split rows)
+        block_n = decode_block_n if mode == 0 else 128 if wide else 64
     programs_n = triton.cdiv(n, block_n)
-    if split_k is None:
+    sms = num_sms(x.device)
+    if split_k is None and wide:
+        # four K slices unless the output alone would leave SMs idle (then one wave) or already
+        # fills four waves (then fewer)
+        split_k = max(1, min(n_units // 2, max(min(4, 4 * sms // programs_n), sms // programs_n)))
+    elif split_k is None:
         # Loads are not software-pipelined across loop iterations here, so latency is hidden by
         # many resident programs: aim for several per SM, each keeping at least two units of K.
         waves = 8 if mode == 0 else 4
-        split_k = max(1, min(waves * num_sms(x.device) // programs_n, n_units // 2))
+        split_k = max(1, min(waves * sms // programs_n, n_units // 2))
     split_k = max(1, min(split_k, n_units))
     per = triton.cdiv(n_units, split_k)
     split_k = triton.cdiv(n_units, per)

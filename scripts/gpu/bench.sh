@@ -174,8 +174,8 @@ mode_prefill_graphs() {
   local sq graphs
   run_tests prefill-graphs-tests 90 tests/engine/test_prefill_graphs.py
   for sq in qwen3-0.6b:bf16 qwen3-8b:bf16 qwen3-8b:q4_k_m; do
-    for graphs in "" --prefill-graphs; do
-      bench "prefill-graphs-${sq/:/-}${graphs:+-on}" 70 --shape ${sq%%:*} --quant ${sq##*:} --prompt-lens 128 256 512 \
+    for graphs in --no-prefill-graphs --prefill-graphs; do
+      bench "prefill-graphs-${sq/:/-}$([ $graphs = --prefill-graphs ] && echo -on)" 70 --shape ${sq%%:*} --quant ${sq##*:} --prompt-lens 128 256 512 \
         --contexts 512 --prefix-lens 4096 --suffix-lens 128 256 --skip verify forced spec peer $graphs
     done
   done
