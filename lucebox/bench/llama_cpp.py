@@ -99,7 +99,7 @@ def tensor_plan(cfg: ModelConfig, quant: str) -> list[tuple[str, str, tuple[int,
     for theirs, shape, ours, our_shape in _layout(cfg):
         if shapes.is_quantised(ours, our_shape):
             qtype = (FLOAT_TYPES[quant] if quant in FLOAT_TYPES
-                     else shapes.weight_type(ours, quant, cfg.tie_word_embeddings))
+                     else shapes.weight_type(ours, quant, cfg.tie_word_embeddings, our_shape[-1]))
         else:
             qtype = Q.F32  # llama.cpp keeps routers, convs, the DeltaNet's a / b and 1-D tensors in float32
         plan.append((ours, theirs, shape, qtype))

@@ -189,6 +189,8 @@ _RMS_INT8 = _uniform_rms(range(-128, 128))
 _LAYOUT = {
     Q.Q8_0: (0, _RMS_INT8, None, 0.0),
     Q.Q4_0: (0, _uniform_rms(range(-8, 8)), None, 0.0),
+    Q.Q5_0: (0, _uniform_rms(range(-16, 16)), None, 0.0),
+    Q.IQ4_NL: (0, _uniform_rms(IQ4_KVALUES), None, 0.0),
     Q.Q4_K: (0, _k_quant_std(16), 2, 7.5),
     Q.Q5_K: (0, _k_quant_std(32), 2, 15.5),
     Q.Q6_K: (208, _RMS_INT8 * _uniform_rms(range(-32, 32)), None, 0.0),
@@ -231,11 +233,19 @@ def is_quantised(name: str, shape: tuple[int, ...]) -> bool:
     return len(shape) >= 2 and not name.endswith(FLOAT_MATRICES)
 
 
-def weight_type(name: str, quant: str, tied: bool) -> Q:
-    """The GGUF type of a quantised weight in the `quant` mix."""
+# llama.cpp's quantiser stores a row that is not a whole number of 256-value super-blocks (Gemma 4
+# 26B-A4B's 2,112-wide expert rows) in a 32-value type of about the same size
+_ROW_FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_0, Q.Q6_K: Q.Q8_0, Q.IQ4_XS: Q.IQ4_NL}
+
+
+def weight_type(name: str, quant: str, tied: bool, cols: int) -> Q:
+    """The GGUF type of a quantised weight of `cols` columns in the `quant` mix."""
     main, special = QUANT_MIXES[quant]
     head = name == "lm_head.weight" or (tied and name == "embed_tokens.weight")
-    return special if head or name.endswith(SPECIAL_MATRICES) else main
+    qtype = special if head or name.endswith(SPECIAL_MATRICES) else main
+    if cols % GGML_QUANT_SIZES[qtype][0]:
+        return _ROW_FALLBACK.get(qtype, qtype)
+    return qtype
 
 
 def _random_tokenizer(vocab_size: int):
@@ -288,7 +298,7 @@ def _random_quant_tensors(model, cfg: ModelConfig, quant: str, device, dtype):
     for name, p in list(model.named_parameters()):  # assign replaces parameters while this runs
         if is_quantised(name, tuple(p.shape)):
             rows, cols = math.prod(p.shape[:-1]), p.shape[-1]
-            qt = random_quant_tensor(weight_type(name, quant, cfg.tie_word_embeddings), rows, cols, device, name)
+            qt = random_quant_tensor(weight_type(name, quant, cfg.tie_word_embeddings, cols), rows, cols, device, name)
             if p.dim() > 2:  # stacked experts: (E, out, in) over [E * out, row bytes]
                 yield name, QuantTensor(qt.data, qt.qtype, tuple(p.shape), name)
             else:

@@ -160,3 +160,20 @@ def test_kv_shared_layers_read_their_source_cache_and_project_no_kv(monkeypatch)
     # two own sliding and two own full layers, and layers 4 and 5 read layer 2's (windowed) and 3's KV again
     assert limits.kv_read_bytes(specs, 500) == round(3 * (own[0] * 64 + own[1] * 500))
     assert limits.kv_unbounded_bytes_per_token(specs) == round(3 * own[1])
+
+
+def test_rows_of_no_whole_super_block_take_llama_cpps_32_value_fallback(monkeypatch):
+    # Gemma 4 26B-A4B's expert rows are 2,112 wide: Q4_K_M stores them as Q5_0 / Q8_0, as llama.cpp does
+    assert shapes.weight_type("layers.0.mlp.experts.down_proj", "q4_k_m", False, 2112).name == "Q8_0"
+    assert shapes.weight_type("layers.0.mlp.experts.gate_up_proj", "q4_k_m", False, 2112).name == "Q5_0"
+    assert shapes.weight_type("layers.0.mlp.experts.gate_up_proj", "iq4_xs", False, 2112).name == "IQ4_NL"
+    assert shapes.weight_type("layers.0.mlp.experts.gate_up_proj", "q4_k_m", False, 2048).name == "Q4_K"
+    monkeypatch.setitem(shapes.SHAPES, "tiny-gemma4-odd", dict(shapes.SHAPES["tiny-gemma4-moe"], moe_intermediate_size=352))
+    loaded = shapes.build_random_model("tiny-gemma4-odd", "q4_k_m", CPU)
+    down = [v for m in loaded.model.modules() for v in vars(m).values()
+            if isinstance(v, QuantTensor) and v.name.endswith("experts.down_proj")]
+    assert down and all(v.qtype.name == "Q8_0" and v.shape[-1] == 352 for v in down)
+    engine = LLMEngine.from_args(EngineArgs(model=loaded.source, max_model_len=128, enable_prefix_caching=False,
+                                            max_num_seqs=1, kv_cache_memory=8 << 20), loaded)
+    logits = kv_tables.all_logits(engine, list(range(1, 40)), 16)
+    assert logits.shape == (39, loaded.config.vocab_size) and torch.isfinite(logits).all()
