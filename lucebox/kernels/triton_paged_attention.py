@@ -313,8 +313,9 @@ def paged_attention(q: torch.Tensor, k_cache, v_cache, batch, scale: float,
 
     block_d = max(32, next_pow2(head_dim))
     # Rows per program: a whole verify step (<= 32 tokens x GROUP heads) in one tile up to 128 rows,
-    # so its KV is read once; prefill chunks take 64-row tiles.
-    rows = 128 if max_q <= 32 else 64
+    # so its KV is read once; a prefill chunk's tiles each read the whole cached prefix, so they are
+    # as tall too (half the KV traffic of 64-row tiles on a long prefix).
+    rows = 128
     block_q = max(1, min(next_pow2(max_q), rows // next_pow2(group)))
     block_r = max(16, next_pow2(block_q * group))
     if block_kv is None:
