@@ -42,8 +42,9 @@ bringing more tokens than any step bucket (a short prompt, a prompt's last chunk
 cached prefix) is padded to the smallest prefill length that holds it (within MAX_PADDING), so an
 eager prefill's hundreds of launches become one replay. Attention takes the Triton kernel's
 graph-safe mode; the LM head runs over the selected row only (the last token), into row 0 of the
-logits. Steps that want other rows, taps or queries, and models with recurrent layers (their
-prefill runs in chunks), stay eager.
+logits; a drafter's taps go to the feature ring like a decode step's. Steps that want other rows,
+queries or taps without a ring (a drafter on its own device), and models with recurrent layers
+(their prefill runs in chunks), stay eager.
 """
 from __future__ import annotations
 
@@ -200,8 +201,8 @@ class CudaGraphRunner:
             return None
         num_seqs, query_len = shape
         prefill = plan.write_kv and not tree and query_len > self.query_lens[-1]
-        if prefill and (capture_layers or queries or plan.all_logits or not _last_token_only(plan)):
-            return None  # a prefill graph hands back one row's logits, and no taps or queries
+        if prefill and ((capture_layers and not ring) or queries or plan.all_logits or not _last_token_only(plan)):
+            return None  # a prefill graph hands back one row's logits, taps through the ring only, no queries
         # else logits come back; tree and prefill steps never sample in the graph (the host samples them)
         sampled = plan.sample is not None and self.settings.sample and not tree and not prefill
         key = (num_seqs, query_len, capture_layers, sampled, tree, queries, prefill)
@@ -252,8 +253,8 @@ class CudaGraphRunner:
             features = features.index_select(0, real_dev)
         if prefill:  # the graph computed the selected row's logits alone, into row 0
             if plan.argmax:
-                return StepResult(tokens=tokens[:1].tolist())
-            return StepResult(logits=logits[:1].clone())
+                return StepResult(tokens=tokens[:1].tolist(), features=features)
+            return StepResult(logits=logits[:1].clone(), features=features)
         if plan.defer and (sampled or plan.argmax):
             return StepResult(deferred=DeferredStep(
                 verdicts[:len(token_ids)] if sampled else tokens[:num_seqs * query_len],
@@ -267,10 +268,11 @@ class CudaGraphRunner:
         return StepResult(logits=logits.index_select(0, select_dev), features=features, queries=captured)
 
     @torch.inference_mode()  # as run(): outside it the model's ops take their autograd-safe references
-    def capture_all(self, capture_layers: tuple[int, ...] = (), trees: bool = True) -> None:
+    def capture_all(self, capture_layers: tuple[int, ...] = (), trees: bool = True, prefill: bool = True) -> None:
         """Capture every bucket now (the engine does at start): a bucket first used mid-stream
-        would stall that step by its capture, tens to hundreds of milliseconds. trees=False: not
-        the tree buckets (a dormant drafter's tap-less steps never verify trees)."""
+        would stall that step by its capture, tens to hundreds of milliseconds. trees / prefill=False:
+        not the tree or prefill buckets (a dormant drafter's tap-less steps are neither: prompts
+        always capture the taps)."""
         if not self.settings.capture:
             return
         started = time.perf_counter()
@@ -282,8 +284,8 @@ class CudaGraphRunner:
             keys += [(1, q, capture_layers, False, False, False, False) for q in self.catch_up_lens]
         if trees and self.state_rows is None:
             keys += [(b, q, capture_layers, False, True, False, False) for b, q in sorted(self.tree_buckets)]
-        if self.state_rows is None:  # prefill steps capture no taps: their graphs have none
-            keys += [(1, q, (), False, False, False, True) for q in self.prefill_lens]
+        if prefill and self.state_rows is None and (not capture_layers or self.feature_ring is not None):
+            keys += [(1, q, capture_layers, False, False, False, True) for q in self.prefill_lens]
         if self.settings.queries:  # the steps before a resident-set choice: decodes and verifies, sampled or not
             for sampled in (False, True) if self.settings.sample else (False,):
                 keys += [(b, q, capture_layers, sampled, False, True, False)
@@ -339,8 +341,9 @@ class CudaGraphRunner:
         batch.state_slots, batch.state_advance = view("state_slots", num_seqs), view("state_advance", num_seqs)
         batch.query_capture = {} if queries else None
         hidden = self.model(batch)
+        heads = tokens  # rows through the LM head
         if prefill:  # the LM head over one row, not the bucket's padded hundreds
-            hidden, tokens = hidden.index_select(0, view("select", 1)), 1
+            hidden, heads = hidden.index_select(0, view("select", 1)), 1
         logits = self.model.compute_logits(hidden)
         for k, q in (batch.query_capture or {}).items():  # static buffers, made by the warm-up (never in a capture)
             if k not in self.query_out:
@@ -360,9 +363,9 @@ class CudaGraphRunner:
                 tokens_out, verdicts_out)
         out_logits, out_features, out_tokens, out_verdicts = self.outputs[capture_layers]
         if not sampled:  # a sampling graph hands back verdicts only: its logits are never read
-            out_logits[:tokens].copy_(logits)
+            out_logits[:heads].copy_(logits)
         # Greedy steps whose logits nothing processes take these tokens and never touch the logits.
-        torch.argmax(logits, dim=-1, out=out_tokens[:tokens])
+        torch.argmax(logits, dim=-1, out=out_tokens[:heads])
         if sampled:  # each sequence's drafts checked and its next token drawn with its own parameters
             floats = inputs.sampling.device[:, :num_seqs]
             accept_in_graph(logits, view("draft", tokens), out_tokens[:tokens], floats[0], view("top_k", num_seqs),

@@ -114,7 +114,7 @@ class LLMEngine:
         taps = self.speculator.capture_layers if self.speculator is not None else ()
         self.runner.capture_graphs(taps)
         if taps and not self.speculator.every_step:
-            self.runner.capture_graphs((), trees=False)  # tree verifies always capture the taps
+            self.runner.capture_graphs((), trees=False, prefill=False)  # trees and prompts always capture the taps
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | set(cfg.eos_token_ids)
         self.requests: dict[str, tuple[str | None, list[Sequence]]] = {}
         self.scoring = ScoringQueue()  # PFlash: requests whose prompts are being scored

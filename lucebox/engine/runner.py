@@ -142,11 +142,11 @@ class ModelRunner:
         padded static batches a graph would replay, eagerly)."""
         self.graphs = self._graph_runner(settings)
 
-    def capture_graphs(self, capture_layers: tuple[int, ...] = (), trees: bool = True) -> None:
-        """Capture every CUDA-graph bucket now (a no-op without graphs); trees: tree buckets too."""
+    def capture_graphs(self, capture_layers: tuple[int, ...] = (), trees: bool = True, prefill: bool = True) -> None:
+        """Capture every CUDA-graph bucket now (a no-op without graphs); trees / prefill: those buckets too."""
         if self.graphs is not None:
             self._install()  # a graph keeps reading the caches installed when it was captured
-            self.graphs.capture_all(tuple(capture_layers), trees)
+            self.graphs.capture_all(tuple(capture_layers), trees, prefill)
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepResult:

@@ -148,7 +148,9 @@ class DFlashProposer(Proposer):
                                         graphs.max_model_len, self.mask_token_id, graphs.capture)
             width = len(self.capture_layers) * self.target.config.hidden_size
             step_tokens = graphs.max_batch * max(graphs.query_lens)
-            rows = max(RING_BYTES // (width * model.dtype.itemsize), 4 * step_tokens)
+            # a prefill bucket's taps take at most half the ring (FeatureRing.reserve)
+            rows = max(RING_BYTES // (width * model.dtype.itemsize), 4 * step_tokens,
+                       2 * max(graphs.prefill_lens, default=0))
             self.feature_ring = FeatureRing(rows, width, model.dtype, model.device)
 
     def feature_rows(self, n: int) -> int | None:

@@ -233,7 +233,8 @@ def test_features_through_the_ring_keep_greedy_output_identical(ring_bytes, hf_m
               kv_cache_memory=16 << 20, speculative_config={"method": "dflash", "model": str(drafter),
                                                             "adaptive": False})  # a ring of 4 x 4 x 8 rows
     engine = llm.engine
-    settings = replace(engine._graph_settings(), capture=False)  # the static batches, run eagerly
+    # the static batches, run eagerly; prompts eagerly too (a prefill bucket's taps would size the ring up)
+    settings = replace(engine._graph_settings(), capture=False, prefill_lens=())
     runner, prop = engine.runner, engine.speculator.proposer
     runner.graphs = CudaGraphRunner(runner.model, BLOCK, runner.scratch_block, settings)
     prop.allocate(runner.num_blocks, BLOCK, engine.scheduler.blocks, settings)
