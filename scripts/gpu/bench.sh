@@ -130,7 +130,9 @@ mode_quant() {
 
 #: compare      bench speed (prefill 512 / 4K, decode and verify at 512) of the tree in .before/ (e.g.
 #:              `git archive COMMIT lucebox | tar -x -C .before`, carried) against this one, alternating in
-#:              one call; COMPARE picks shape:quant pairs (default 0.6b bf16, 8b q4_k_m, 8b bf16; ~8 min)
+#:              one call; COMPARE picks shape:quant pairs (default 0.6b bf16, 8b q4_k_m, 8b bf16; ~8 min);
+#:              COMPARE_ARGS replaces the bench flags, e.g. "--prompt-lens 512 --prefix-lens 4096 16384
+#:              --suffix-lens 256 --skip verify forced spec peer" (a turn on a cached prefix)
 mode_compare() {
   local sq tree dir
   ln -sfn ../models .before/models
@@ -138,8 +140,9 @@ mode_compare() {
     set -- ${sq/:/ }
     for tree in before after; do
       dir=.; [ $tree = before ] && dir=.before
-      (cd $dir && bench "$1-$2-$tree" 150 --shape $1 --quant $2 --prompt-lens 512 4096 --contexts 512 \
-        --skip forced spec peer)
+      # shellcheck disable=SC2086  # COMPARE_ARGS is a list of flags
+      (cd $dir && bench "$1-$2-$tree" 150 --shape $1 --quant $2 --contexts 512 \
+        ${COMPARE_ARGS:---prompt-lens 512 4096 --skip forced spec peer})
     done
   done
 }
