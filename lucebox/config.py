@@ -125,7 +125,7 @@ class EngineArgs:
         "cuda_graph_max_batch": "largest batch of sequences whose decode / verify steps replay a CUDA graph "
                                 "(larger batches run eagerly)",
         "prefill_graphs": "replay one-sequence prefill steps of up to 512 new tokens through CUDA graphs too "
-                          "(short prompts; not with hybrid models, KVFlash or a drafter on its own device: those run eagerly)",
+                          "(short prompts; not with KVFlash or a drafter on its own device: those run eagerly)",
     }
 
     def __post_init__(self):

@@ -42,9 +42,10 @@ bringing more tokens than any step bucket (a short prompt, a prompt's last chunk
 cached prefix) is padded to the smallest prefill length that holds it (within MAX_PADDING), so an
 eager prefill's hundreds of launches become one replay. Attention takes the Triton kernel's
 graph-safe mode; the LM head runs over the selected row only (the last token), into row 0 of the
-logits; a drafter's taps go to the feature ring like a decode step's. Steps that want other rows,
-queries or taps without a ring (a drafter on its own device), and models with recurrent layers
-(their prefill runs in chunks), stay eager.
+logits; a drafter's taps go to the feature ring like a decode step's; recurrent (DeltaNet) layers
+take the steps path token by token, their slot advanced over the real tokens only (padding comes
+after them). Steps that want other rows, queries or taps without a ring (a drafter on its own
+device) stay eager.
 """
 from __future__ import annotations
 
@@ -161,8 +162,8 @@ class CudaGraphRunner:
         if not q_lens or min(q_lens) < 1 or (catch_up and len(q_lens) > 1) or (tree and self.state_rows is not None):
             return None
         lens = self.tree_lens if tree else self.catch_up_lens if catch_up else self.query_lens
-        if lens is self.query_lens and max(q_lens) > lens[-1]:  # a prefill: one plain sequence (recurrent
-            if len(q_lens) > 1 or self.state_rows is not None:  # layers prefill in chunks, eagerly)
+        if lens is self.query_lens and max(q_lens) > lens[-1]:  # a prefill: one plain sequence
+            if len(q_lens) > 1:
                 return None
             lens = self.prefill_lens
         num_seqs = smallest_at_least(len(q_lens), self.batch_sizes)
@@ -201,7 +202,7 @@ class CudaGraphRunner:
             return None
         num_seqs, query_len = shape
         prefill = plan.write_kv and not tree and query_len > self.query_lens[-1]
-        if prefill and ((capture_layers and not ring) or queries or plan.all_logits or not _last_token_only(plan)):
+        if prefill and ((capture_layers and not ring) or queries or plan.all_logits or not _last_token_at_most(plan)):
             return None  # a prefill graph hands back one row's logits, taps through the ring only, no queries
         # else logits come back; tree and prefill steps never sample in the graph (the host samples them)
         sampled = plan.sample is not None and self.settings.sample and not tree and not prefill
@@ -225,7 +226,8 @@ class CudaGraphRunner:
             select = real
         else:
             select = [i * query_len + len(t) - 1 for i, t in enumerate(token_ids)]
-        select_dev = inputs.set_rows("select", select)
+        # a prefill bucket's head reads one row: a chunk's (none wanted) reads a real one, never a stale index
+        select_dev = inputs.set_rows("select", select if select or not prefill else [0])
         if ring:  # each real token's features go to its ring row, padding's to the trash row
             rows = inputs.host("ring", num_seqs * query_len)
             rows[:] = self.feature_ring.trash
@@ -251,10 +253,11 @@ class CudaGraphRunner:
             features = RingRows(feature_rows, len(real))
         elif capture_layers:
             features = features.index_select(0, real_dev)
-        if prefill:  # the graph computed the selected row's logits alone, into row 0
+        if prefill:  # the graph computed the selected row's logits alone, into row 0 (none wanted: a chunk's)
+            rows = len(select)
             if plan.argmax:
-                return StepResult(tokens=tokens[:1].tolist(), features=features)
-            return StepResult(logits=logits[:1].clone(), features=features)
+                return StepResult(tokens=tokens[:rows].tolist(), features=features)
+            return StepResult(logits=logits[:rows].clone(), features=features)
         if plan.defer and (sampled or plan.argmax):
             return StepResult(deferred=DeferredStep(
                 verdicts[:len(token_ids)] if sampled else tokens[:num_seqs * query_len],
@@ -284,7 +287,7 @@ class CudaGraphRunner:
             keys += [(1, q, capture_layers, False, False, False, False) for q in self.catch_up_lens]
         if trees and self.state_rows is None:
             keys += [(b, q, capture_layers, False, True, False, False) for b, q in sorted(self.tree_buckets)]
-        if prefill and self.state_rows is None and (not capture_layers or self.feature_ring is not None):
+        if prefill and (not capture_layers or self.feature_ring is not None):
             keys += [(1, q, capture_layers, False, False, False, True) for q in self.prefill_lens]
         if self.settings.queries:  # the steps before a resident-set choice: decodes and verifies, sampled or not
             for sampled in (False, True) if self.settings.sample else (False,):
@@ -376,10 +379,10 @@ class CudaGraphRunner:
             out_features[:tokens].copy_(features)
 
 
-def _last_token_only(plan: StepPlan) -> bool:
-    """The step wants one row's logits: its last token's (a prefill's, as the engine plans them)."""
+def _last_token_at_most(plan: StepPlan) -> bool:
+    """The step wants its last token's logits (a prompt's end) or none (a chunk short of it)."""
     last = len(plan.rows[0].tokens) - 1
-    return plan.logits_rows is None or list(plan.logits_rows) == [last]
+    return plan.logits_rows is None or list(plan.logits_rows) in ([last], [])
 
 
 @contextlib.contextmanager

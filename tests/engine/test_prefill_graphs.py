@@ -56,7 +56,19 @@ def test_a_prefill_bucket_gives_the_eager_last_token_logits(new_tokens, argmax):
         assert got.logits.shape == want.logits.shape == (1, 96) and rel_err(got.logits, want.logits) <= 1e-5
 
 
-@pytest.mark.parametrize("choice", [{"logits_rows": []}, {"all_logits": True}, {"capture_layers": (0,)}])
+@pytest.mark.parametrize("argmax", [False, True])
+def test_a_chunk_short_of_the_prompts_end_takes_a_bucket_and_brings_nothing_back(argmax):
+    runner, tables, lens = prefilled(tiny_model(), SETTINGS, 1, room=80)
+    tokens = step_tokens([60])
+    chunk = runner.run(StepPlan.forward([tokens[0][:30]], lens, tables, logits_rows=[], argmax=argmax))
+    assert runner.graphs.replays[(1, 32)] == 1
+    assert chunk.tokens == [] if argmax else chunk.logits.shape == (0, 96)
+    got = runner.run(StepPlan.forward([tokens[0][30:]], [lens[0] + 30], tables)).logits  # the rest reads its K/V
+    want = runner.run_eager(StepPlan.forward(tokens, lens, tables)).logits
+    assert rel_err(got, want) <= 1e-5
+
+
+@pytest.mark.parametrize("choice", [{"logits_rows": [3]}, {"all_logits": True}, {"capture_layers": (0,)}])
 def test_prefills_wanting_other_rows_or_taps_without_a_ring_run_eagerly(choice):
     runner, tables, lens = prefilled(tiny_model(), SETTINGS, 1, room=80)
     plan = StepPlan.forward(step_tokens([30]), lens, tables, **choice)
