@@ -50,7 +50,7 @@ class EngineArgs:
     cuda_graphs: bool | None = None
     cuda_graph_max_batch: int = 32  # largest batch (in sequences) replayed through a CUDA graph
     # One-sequence prefill steps of up to PREFILL_GRAPH_LENS[-1] tokens through CUDA graphs too (short
-    # prompts, agents' turns on a cached prefix): off until measured on a GPU (engine/cuda_graphs.py).
+    # prompts, agents' turns on a cached prefix; engine/cuda_graphs.py).
     prefill_graphs: bool = True
     # Overlapped decoding: the next decode step is launched (its input tokens fed on the device)
     # before the current one's tokens are read, so the host's work hides behind the GPU's
@@ -124,8 +124,9 @@ class EngineArgs:
                                "contexts, at most half the host's available memory)",
         "cuda_graph_max_batch": "largest batch of sequences whose decode / verify steps replay a CUDA graph "
                                 "(larger batches run eagerly)",
-        "prefill_graphs": "replay one-sequence prefill steps of up to 512 new tokens through CUDA graphs too "
-                          "(short prompts; not with KVFlash or a drafter on its own device: those run eagerly)",
+        "prefill_graphs": "replay one-sequence prefill steps of up to 2,048 new tokens (512 on hybrids) through "
+                          "CUDA graphs too (short prompts; not with KVFlash or a drafter on its own device: those "
+                          "run eagerly)",
     }
 
     def __post_init__(self):

@@ -40,6 +40,7 @@ from .sequence import Sequence
 from .step_plan import (
     CATCH_UP_LENS,
     PREFILL_GRAPH_LENS,
+    RECURRENT_PREFILL_GRAPH_MAX,
     RowKind,
     StepPlan,
     StepPlanner,
@@ -187,9 +188,11 @@ class LLMEngine:
         spec = self.speculator
         catch_up = CATCH_UP_LENS if spec is not None and spec.capture_layers and not spec.every_step else ()
         tree_lens = tuple(spec.tree_row_lens()) if spec is not None else ()
+        recurrent = any(isinstance(s, RecurrentSpec) for s in self.model.cache_specs())
+        longest = RECURRENT_PREFILL_GRAPH_MAX if recurrent else PREFILL_GRAPH_LENS[-1]
+        prefill_lens = tuple(q for q in PREFILL_GRAPH_LENS if q <= longest) if self.args.prefill_graphs else ()
         return GraphSettings(self.max_model_len, min(self.args.cuda_graph_max_batch, self.args.max_num_seqs),
-                             query_lens, catch_up_lens=catch_up, tree_lens=tree_lens,
-                             prefill_lens=PREFILL_GRAPH_LENS if self.args.prefill_graphs else (),
+                             query_lens, catch_up_lens=catch_up, tree_lens=tree_lens, prefill_lens=prefill_lens,
                              queries=self.args.kv_pool_tokens > 0)
 
     def _warm_up_prefill(self) -> None:

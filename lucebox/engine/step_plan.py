@@ -23,8 +23,11 @@ from ..spec.tree import depths_of
 # Catch-up graph lengths of the taps a dormant drafter missed while the target decoded plainly
 # (spec/speculator.py), beside the verify lengths; longer runs go in chunks of the last.
 CATCH_UP_LENS = (32, 64, 128, 256)
-# Prefill graph lengths (EngineArgs.prefill_graphs): one sequence's new tokens, padded up to one of these.
-PREFILL_GRAPH_LENS = (64, 128, 256, 512)
+# Prefill graph lengths (EngineArgs.prefill_graphs): one sequence's new tokens, padded up to one of these
+# (past 512 a step pads by at most half its tokens: prefill there is compute-bound).
+PREFILL_GRAPH_LENS = (64, 128, 256, 512, 768, 1024, 1536, 2048)
+# A graph steps recurrent (DeltaNet) layers token by token: hybrids' prefill buckets stop here.
+RECURRENT_PREFILL_GRAPH_MAX = 512
 
 
 class RowKind(enum.Enum):

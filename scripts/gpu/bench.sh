@@ -171,7 +171,7 @@ mode_short_prefill() {
 }
 
 #: prefill-graphs  issue 33 item 1: one-sequence prefill through CUDA graphs (--prefill-graphs) against eager,
-#:              alternating in one call: TTFT of 128/256/512-token prompts and of 128/256 tokens on a cached
+#:              alternating in one call: TTFT of 128/512/1K/2K-token prompts and of 128/256 tokens on a cached
 #:              4K prefix, qwen3-0.6b bf16 and qwen3-8b bf16 / q4_k_m, after its GPU test (~6 min); RUNS picks
 #:              shape:quant pairs, e.g. RUNS="qwen3.6-27b:q4_k_m qwen3.6-35b-a3b:q4_k_m" (hybrids: DeltaNet token by token)
 mode_prefill_graphs() {
@@ -179,7 +179,7 @@ mode_prefill_graphs() {
   run_tests prefill-graphs-tests 90 tests/engine/test_prefill_graphs.py tests/model/test_qwen3_5_prefill_graphs.py
   for sq in ${RUNS:-qwen3-0.6b:bf16 qwen3-8b:bf16 qwen3-8b:q4_k_m}; do
     for graphs in --no-prefill-graphs --prefill-graphs; do
-      bench "prefill-graphs-${sq/:/-}$([ $graphs = --prefill-graphs ] && echo -on)" 70 --shape ${sq%%:*} --quant ${sq##*:} --prompt-lens 128 256 512 \
+      bench "prefill-graphs-${sq/:/-}$([ $graphs = --prefill-graphs ] && echo -on)" 80 --shape ${sq%%:*} --quant ${sq##*:} --prompt-lens 128 512 1024 2048 \
         --contexts 512 --prefix-lens 4096 --suffix-lens 128 256 --skip verify forced spec peer $graphs
     done
   done

@@ -119,7 +119,7 @@ def test_greedy_dflash_speculation_with_prefill_graphs_equals_plain_decoding(hf_
 
 
 def test_greedy_generation_with_prefill_graphs_equals_eager(hf_models):
-    """Prompts that take a prefill bucket, a prompt too short for one, one too long (eager), and a
+    """Prompts that take a prefill bucket (one past 512 tokens), a prompt too short for one, and a
     repeated prompt whose remainder after the prefix-cache hit takes a bucket."""
     prompts = [[(5 * i + 3 * j) % 200 + 10 for j in range(n)] for i, n in enumerate((40, 100, 7, 700, 100))]
     prompts[4] = prompts[1][:64] + prompts[4][:36]  # 64 cached tokens, 36 new
@@ -128,12 +128,14 @@ def test_greedy_generation_with_prefill_graphs_equals_eager(hf_models):
     for graphs in (False, True):
         llm = LLM(str(hf_models["qwen3"]), device="cpu", max_model_len=1024, block_size=16,
                   cuda_graphs=True, prefill_graphs=graphs, speculative_config={})
-        llm.engine.runner.attach_graphs(replace(llm.engine._graph_settings(), capture=False))
+        settings = llm.engine._graph_settings()
+        assert settings.prefill_lens[-1:] == ((2048,) if graphs else ())
+        llm.engine.runner.attach_graphs(replace(settings, capture=False))
         # one at a time: a prefill bucket holds one sequence
         outputs[graphs] = [llm.generate([{"prompt_token_ids": p}], params)[0].outputs[0].token_ids for p in prompts]
         replays = llm.engine.runner.graphs.replays
     assert outputs[True] == outputs[False]
-    assert replays[(1, 64)] >= 1 and replays[(1, 128)] >= 1  # 40 and 36 new tokens; 100
+    assert replays[(1, 64)] >= 1 and replays[(1, 128)] >= 1 and replays[(1, 768)] == 1  # 40 and 36 new; 100; 700
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs")

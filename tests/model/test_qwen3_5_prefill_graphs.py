@@ -71,7 +71,9 @@ def test_greedy_hybrid_generation_with_prefill_graphs_equals_eager(hybrid_path):
         llm = LLM(str(hybrid_path), block_size=BLOCK_SIZE, max_num_seqs=2, cuda_graphs=True, speculative_config={},
                   prefill_graphs=graphs)
         runner = llm.engine.runner
-        runner.attach_graphs(replace(llm.engine._graph_settings(), capture=False))
+        settings = llm.engine._graph_settings()
+        assert settings.prefill_lens == ((64, 128, 256, 512) if graphs else ())  # DeltaNet steps token by token
+        runner.attach_graphs(replace(settings, capture=False))
         outputs[graphs] = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0].token_ids
                            for p in batch]
         replays = runner.graphs.replays
