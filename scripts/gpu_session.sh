@@ -5,7 +5,7 @@
 #   scripts/gpu_session.sh help     every mode with what it runs and how long it takes
 # The modes live in scripts/gpu/*.sh as mode_NAME functions (NAME with - as _), each under `#:` lines
 # that `help` prints; the helpers they share (step, bench, run_tests) are here.
-# The device lacks the gguf package: keep its wheel in .whl/ (git-ignored) and pass carry [".whl"].
+# The device lacks the gguf package: scripts/device_wheels.sh fills .whl/ (git-ignored); pass carry [".whl"].
 # fla-core (.whl/fla_core*.whl) is opt-in: FLA=1 installs it, so hybrid prefill chunks take its kernels
 # (which compile for minutes on a cold Triton cache); without it they take the torch chunk path.
 set -uo pipefail
