@@ -3,8 +3,8 @@ kernels/gated_delta.py).
 
 One program per (sequence, value head, block of BV value columns): it loads its [dk, BV] tile of
 the state from the sequence's slot, steps the sequence's tokens (rows starts[b]..ends[b]-1) in
-registers, writes each token's output, and stores the tile back after token advance[b] - 1 (a
-masked store per token: no branch on device values). Slots, bounds and advance are read on the
+registers, writes each token's output, and stores the tile back once, after token advance[b] - 1
+(the token loop is split there; its bounds are device values, no branch reads them). Slots, bounds and advance are read on the
 device and the grid depends only on shapes, so a launch is the same inside a CUDA graph for any
 lengths. GVA: value head h reads q/k head h // (Hv / Hk). With NORMALIZE, q and k are the conv's
 raw outputs and the kernel l2-normalises them (q also scaled), so no normalised copy is made.
@@ -31,11 +31,32 @@ BLOCK_C = 256  # conv channels per program (design choice, not measured)
 @functools.cache
 def _kernel():
     """Defined on first use: importing this module must not import Triton (see triton_norm)."""
-    global triton, tl, wait_for_previous_kernel
+    global triton, tl, wait_for_previous_kernel, _delta_step
     import triton
     import triton.language as tl
 
     from .triton_pdl import wait_for_previous_kernel
+
+    @triton.jit
+    def _delta_step(s, t, q, k, v, g, beta, out, h, kh, rows, cols, row_ok, col_ok,
+                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
+                    stride_ot, stride_oh, scale, OUTPUTS: tl.constexpr, NORMALIZE: tl.constexpr):
+        """The state tile s after token t (and t's output written)."""
+        k_t = tl.load(k + t * stride_kt + kh * stride_kh + rows, mask=row_ok, other=0.0).to(tl.float32)
+        if NORMALIZE:  # k / |k| (eps 1e-6, as kernels.gated_delta.l2_normalize)
+            k_t = k_t * (1.0 / tl.sqrt(tl.sum(k_t * k_t, axis=0) + 1e-6))
+        v_t = tl.load(v + t * stride_vt + h * stride_vh + cols, mask=col_ok, other=0.0).to(tl.float32)
+        g_t = tl.load(g + t * stride_gt + h).to(tl.float32)
+        beta_t = tl.load(beta + t * stride_bt + h).to(tl.float32)
+        s = s * tl.exp(g_t)
+        predicted = tl.sum(k_t[:, None] * s, axis=0)
+        s = s + k_t[:, None] * ((v_t - predicted) * beta_t)[None, :]
+        if OUTPUTS:
+            q_t = tl.load(q + t * stride_qt + kh * stride_qh + rows, mask=row_ok, other=0.0).to(tl.float32)
+            if NORMALIZE:
+                q_t = q_t * (scale / tl.sqrt(tl.sum(q_t * q_t, axis=0) + 1e-6))
+            tl.store(out + t * stride_ot + h * stride_oh + cols, tl.sum(q_t[:, None] * s, axis=0), mask=col_ok)
+        return s
 
     @triton.jit
     def _gated_delta_steps(q, k, v, g, beta, out, state, slots, starts, ends, advance,
@@ -58,23 +79,19 @@ def _kernel():
         tile = state + slot * stride_sn + h * stride_sh + rows[:, None] * stride_sk + cols[None, :]
         s = tl.load(tile, mask=tile_ok, other=0.0)
         kh = h // GROUP
-        for t in range(first, last):
-            k_t = tl.load(k + t * stride_kt + kh * stride_kh + rows, mask=row_ok, other=0.0).to(tl.float32)
-            if NORMALIZE:  # k / |k| (eps 1e-6, as kernels.gated_delta.l2_normalize)
-                k_t = k_t * (1.0 / tl.sqrt(tl.sum(k_t * k_t, axis=0) + 1e-6))
-            v_t = tl.load(v + t * stride_vt + h * stride_vh + cols, mask=col_ok, other=0.0).to(tl.float32)
-            g_t = tl.load(g + t * stride_gt + h).to(tl.float32)
-            beta_t = tl.load(beta + t * stride_bt + h).to(tl.float32)
-            s = s * tl.exp(g_t)
-            predicted = tl.sum(k_t[:, None] * s, axis=0)
-            s = s + k_t[:, None] * ((v_t - predicted) * beta_t)[None, :]
-            if OUTPUTS:
-                q_t = tl.load(q + t * stride_qt + kh * stride_qh + rows, mask=row_ok, other=0.0).to(tl.float32)
-                if NORMALIZE:
-                    q_t = q_t * (scale / tl.sqrt(tl.sum(q_t * q_t, axis=0) + 1e-6))
-                tl.store(out + t * stride_ot + h * stride_oh + cols, tl.sum(q_t[:, None] * s, axis=0), mask=col_ok)
-            step = tl.zeros([BV], dtype=tl.int64) + (t - first)  # as a vector: masks want tensors
-            tl.store(tile, s, mask=tile_ok & (step == keep - 1)[None, :])
+        # the first `keep` tokens, the tile stored after them (once), then the rest (a verify's drafts,
+        # a graph bucket's padding): bounds are device values, so no branch depends on them
+        split = tl.minimum(first + keep, last)
+        for t in range(first, split):
+            s = _delta_step(s, t, q, k, v, g, beta, out, h, kh, rows, cols, row_ok, col_ok,
+                            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
+                            stride_ot, stride_oh, scale, OUTPUTS, NORMALIZE)
+        kept = tl.zeros([BV], dtype=tl.int64) + keep  # as a vector: masks want tensors
+        tl.store(tile, s, mask=tile_ok & ((kept > 0) & (first + kept <= last))[None, :])
+        for t in range(split, last):
+            s = _delta_step(s, t, q, k, v, g, beta, out, h, kh, rows, cols, row_ok, col_ok,
+                            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
+                            stride_ot, stride_oh, scale, OUTPUTS, NORMALIZE)
 
     @triton.jit
     def _conv_steps(qkv, conv, weight, out, slots, seq, local, stash_raw, stash_mixed, parents, depths, channels,
