@@ -166,7 +166,7 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype, in_features: int
     assert kernel == DEQUANT_MATMUL, kernel
     out_features = qweight.shape[0]
     bias = None if bias is None else bias.to(x.dtype)
-    chunk = max(1, chunk_bytes // (4 * in_features))
+    chunk = dequant_chunk_rows(chunk_bytes, in_features, x.device)
     if chunk >= out_features:
         return F.linear(x, dequantize_rows(qweight, qtype, in_features, x.dtype, split_rows), bias)
     out = x.new_empty(*x.shape[:-1], out_features)
@@ -176,6 +176,19 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype, in_features: int
     if bias is not None:
         out += bias
     return out
+
+
+# On a GPU each dequantised chunk is three launches (graph nodes in a prefill bucket) and a transient of
+# at most half this (16-bit values): whole projections but an LM head, however small chunk_bytes is.
+GPU_DEQUANT_BYTES = 256 << 20
+
+
+def dequant_chunk_rows(chunk_bytes: int, in_features: int, device: torch.device) -> int:
+    """Output rows dequantised at a time: chunk_bytes (float32-equivalent) of them; on a GPU at least
+    GPU_DEQUANT_BYTES."""
+    if device.type != "cpu":
+        chunk_bytes = max(chunk_bytes, GPU_DEQUANT_BYTES)
+    return max(1, chunk_bytes // (4 * in_features))
 
 
 def dequantize_rows(qweight: torch.Tensor, qtype, in_features: int, dtype: torch.dtype,

@@ -195,3 +195,10 @@ def test_quant_linear_keeps_weight_quantised_as_a_buffer():
     layer.to(torch.float64)  # float casts must not touch the raw bytes
     assert dict(layer.named_buffers())["qweight"].dtype == torch.uint8
     assert layer.weight.shape == (4, 256)
+
+
+def test_a_gpu_dequantises_whole_projections_a_cpu_its_chunks():
+    from lucebox.kernels.linear import GPU_DEQUANT_BYTES, dequant_chunk_rows
+    assert dequant_chunk_rows(3 * 64 * 4, 64, torch.device("cpu")) == 3
+    # an 8B shape's gate_up (24,576 x 4,096) in two launches of dequantised rows, not twelve
+    assert dequant_chunk_rows(32 << 20, 4096, torch.device("cuda", 0)) == GPU_DEQUANT_BYTES // (4 * 4096) == 16384
