@@ -61,7 +61,7 @@ class LLM:
         prompts = [self.tokenizer.apply_chat_template(c, tools=tools, add_generation_prompt=add_generation_prompt,
                                                       **template_kwargs) for c in conversations]
         # The template already holds any BOS token: do not add a second one.
-        token_prompts = [{"prompt": p, "prompt_token_ids": self.tokenizer.encode(p, add_special_tokens=False)}
+        token_prompts = [{"prompt": p, "prompt_token_ids": self.tokenizer.encode_prompt(p)}
                          for p in prompts]
         return self.generate(token_prompts, sampling_params, use_tqdm)
 

@@ -140,7 +140,7 @@ def render_chat(state, job: ChatJob) -> Prepared:
                                            **job.template_kwargs)
         except LuceboxError as again:
             raise APIError(400, str(again), param="messages") from again
-    ids = tok.encode(text, add_special_tokens=False)
+    ids = tok.encode_prompt(text)
     # A template that opens <think> itself (thinking models) starts the output inside reasoning.
     in_reasoning, after_reasoning = opens_reasoning(text), closes_reasoning(text)
     schemas = param_schemas(job.tools)

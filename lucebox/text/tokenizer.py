@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import operator
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,8 +18,10 @@ import tokenizers
 
 from ..errors import CheckpointError, RequestError
 from .chat_template import render_chat_template
+from .prompt_encoder import PromptEncoder
 
 logger = logging.getLogger(__name__)
+_ENCODER_LOCK = threading.Lock()  # one PromptEncoder per tokenizer, made by the first thread that asks
 
 # The named special tokens transformers passes to chat templates (its SPECIAL_TOKENS_ATTRIBUTES).
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -46,6 +49,7 @@ class Tokenizer:
         name: str = "<in-memory tokenizer>",
     ):
         self.backend = tok
+        self._prompt_encoder: PromptEncoder | None = None  # made on first use
         self.name = name
         self.special_tokens = {k: v for k, v in (special_tokens or {}).items() if v is not None}
         if isinstance(chat_template, str):
@@ -189,6 +193,17 @@ class Tokenizer:
             if self.add_eos_token and (eos := self.eos_token_id) is not None:
                 ids.append(eos)
         return ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """encode(text, add_special_tokens=False) of a rendered chat prompt, reusing the ids of a recent
+        prompt it extends (text/prompt_encoder.py): an agent's next turn encodes only what is new."""
+        if not isinstance(text, str):
+            raise RequestError(f"a prompt to encode must be a string, got {type(text).__name__}")
+        if self._prompt_encoder is None:
+            with _ENCODER_LOCK:
+                if self._prompt_encoder is None:
+                    self._prompt_encoder = PromptEncoder(self.backend)
+        return self._prompt_encoder.encode(text)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         # int(): ids may come as numpy / torch integers, which the Rust side does not take
