@@ -16,7 +16,8 @@ from lucebox.text.prompt_encoder import PromptEncoder, common_prefix
 from lucebox.text.tokenizer import Tokenizer as LuceboxTokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
-WORDS = "def class return import self value token cache block graph prefill decode the a of to in".split()
+# non-ASCII words too: the pieces' offsets must be characters, not bytes
+WORDS = "def class return import self value token cache block graph prefill decode the a of to in wörld 日本語 😀".split()
 
 
 def words(rng: random.Random, n: int) -> str:
