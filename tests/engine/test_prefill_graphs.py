@@ -161,11 +161,12 @@ def test_captured_prefill_graphs_feed_a_dflash_drafter_what_eager_prefills_do(hf
     drafter = write_dflash_drafter(target, tmp_path / "dflash")
     prompts = [{"prompt_token_ids": [(5 * i + 3 * j) % 300 + 3 for j in range(n)]} for i, n in enumerate((40, 300))]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    plain = LLM(str(target), device="cuda", dtype="float32", kv_cache_memory=64 << 20, speculative_config={})
+    plain = LLM(str(target), device="cuda", dtype="float32", max_model_len=1024, kv_cache_memory=64 << 20,
+                speculative_config={})
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     del plain
-    llm = LLM(str(target), device="cuda", dtype="float32", kv_cache_memory=64 << 20, max_num_seqs=1,
-              speculative_config={"method": "dflash", "model": str(drafter), "adaptive": False})
+    llm = LLM(str(target), device="cuda", dtype="float32", max_model_len=1024, kv_cache_memory=64 << 20,
+              max_num_seqs=1, speculative_config={"method": "dflash", "model": str(drafter), "adaptive": False})
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     graphs = llm.engine.runner.graphs
     assert got == want
