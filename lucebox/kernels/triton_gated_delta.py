@@ -4,8 +4,8 @@ kernels/gated_delta.py).
 One program per (sequence, value head, block of BV value columns): it loads its [dk, BV] tile of
 the state from the sequence's slot, steps the sequence's tokens (rows starts[b]..ends[b]-1) in
 registers, writes each token's output, and stores the tile back once, after token advance[b] - 1
-(the token loop is split there; its bounds are device values, no branch reads them). Slots, bounds and advance are read on the
-device and the grid depends only on shapes, so a launch is the same inside a CUDA graph for any
+(the token loop is split there; no branch reads a device value). Slots, bounds and advance are read
+on the device and the grid depends only on shapes, so a launch is the same inside a CUDA graph for any
 lengths. GVA: value head h reads q/k head h // (Hv / Hk). With NORMALIZE, q and k are the conv's
 raw outputs and the kernel l2-normalises them (q also scaled), so no normalised copy is made.
 
@@ -31,17 +31,16 @@ BLOCK_C = 256  # conv channels per program (design choice, not measured)
 @functools.cache
 def _kernel():
     """Defined on first use: importing this module must not import Triton (see triton_norm)."""
-    global triton, tl, wait_for_previous_kernel, _delta_step
+    global triton, tl, wait_for_previous_kernel, _delta_update, _delta_output, _delta_step
     import triton
     import triton.language as tl
 
     from .triton_pdl import wait_for_previous_kernel
 
     @triton.jit
-    def _delta_step(s, t, q, k, v, g, beta, out, h, kh, rows, cols, row_ok, col_ok,
-                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
-                    stride_ot, stride_oh, scale, OUTPUTS: tl.constexpr, NORMALIZE: tl.constexpr):
-        """The state tile s after token t (and t's output written)."""
+    def _delta_update(s, t, k, v, g, beta, h, kh, rows, cols, row_ok, col_ok,
+                      stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt, NORMALIZE: tl.constexpr):
+        """The state tile s after token t."""
         k_t = tl.load(k + t * stride_kt + kh * stride_kh + rows, mask=row_ok, other=0.0).to(tl.float32)
         if NORMALIZE:  # k / |k| (eps 1e-6, as kernels.gated_delta.l2_normalize)
             k_t = k_t * (1.0 / tl.sqrt(tl.sum(k_t * k_t, axis=0) + 1e-6))
@@ -50,12 +49,27 @@ def _kernel():
         beta_t = tl.load(beta + t * stride_bt + h).to(tl.float32)
         s = s * tl.exp(g_t)
         predicted = tl.sum(k_t[:, None] * s, axis=0)
-        s = s + k_t[:, None] * ((v_t - predicted) * beta_t)[None, :]
+        return s + k_t[:, None] * ((v_t - predicted) * beta_t)[None, :]
+
+    @triton.jit
+    def _delta_output(s, t, q, out, h, kh, rows, cols, row_ok, col_ok, stride_qt, stride_qh, stride_ot, stride_oh,
+                      scale, NORMALIZE: tl.constexpr):
+        """Token t's output from the state tile after it."""
+        q_t = tl.load(q + t * stride_qt + kh * stride_qh + rows, mask=row_ok, other=0.0).to(tl.float32)
+        if NORMALIZE:
+            q_t = q_t * (scale / tl.sqrt(tl.sum(q_t * q_t, axis=0) + 1e-6))
+        tl.store(out + t * stride_ot + h * stride_oh + cols, tl.sum(q_t[:, None] * s, axis=0), mask=col_ok)
+
+    @triton.jit
+    def _delta_step(s, t, q, k, v, g, beta, out, h, kh, rows, cols, row_ok, col_ok,
+                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
+                    stride_ot, stride_oh, scale, OUTPUTS: tl.constexpr, NORMALIZE: tl.constexpr):
+        """The state tile s after token t (and t's output written)."""
+        s = _delta_update(s, t, k, v, g, beta, h, kh, rows, cols, row_ok, col_ok,
+                          stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt, NORMALIZE)
         if OUTPUTS:
-            q_t = tl.load(q + t * stride_qt + kh * stride_qh + rows, mask=row_ok, other=0.0).to(tl.float32)
-            if NORMALIZE:
-                q_t = q_t * (scale / tl.sqrt(tl.sum(q_t * q_t, axis=0) + 1e-6))
-            tl.store(out + t * stride_ot + h * stride_oh + cols, tl.sum(q_t[:, None] * s, axis=0), mask=col_ok)
+            _delta_output(s, t, q, out, h, kh, rows, cols, row_ok, col_ok, stride_qt, stride_qh, stride_ot, stride_oh,
+                          scale, NORMALIZE)
         return s
 
     @triton.jit
@@ -223,21 +237,11 @@ def _kernel():
             i = r - first
             on_path = (r >= t) | (bits == -1) | (((bits >> tl.minimum(i, 63)) & 1) == 1)
             if on_path:  # an ancestor of t, or a row of its run
-                k_i = tl.load(k + r * stride_kt + kh * stride_kh + rows, mask=row_ok, other=0.0).to(tl.float32)
-                if NORMALIZE:
-                    k_i = k_i * (1.0 / tl.sqrt(tl.sum(k_i * k_i, axis=0) + 1e-6))
-                v_i = tl.load(v + r * stride_vt + h * stride_vh + cols, mask=col_ok, other=0.0).to(tl.float32)
-                g_i = tl.load(g + r * stride_gt + h).to(tl.float32)
-                beta_i = tl.load(beta + r * stride_bt + h).to(tl.float32)
-                s = s * tl.exp(g_i)
-                predicted = tl.sum(k_i[:, None] * s, axis=0)
-                s = s + k_i[:, None] * ((v_i - predicted) * beta_i)[None, :]
+                s = _delta_update(s, r, k, v, g, beta, h, kh, rows, cols, row_ok, col_ok,
+                                  stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt, NORMALIZE)
                 if r >= t:
-                    q_i = tl.load(q + r * stride_qt + kh * stride_qh + rows, mask=row_ok, other=0.0).to(tl.float32)
-                    if NORMALIZE:
-                        q_i = q_i * (scale / tl.sqrt(tl.sum(q_i * q_i, axis=0) + 1e-6))
-                    tl.store(out + r * stride_ot + h * stride_oh + cols, tl.sum(q_i[:, None] * s, axis=0),
-                             mask=col_ok)
+                    _delta_output(s, r, q, out, h, kh, rows, cols, row_ok, col_ok, stride_qt, stride_qh,
+                                  stride_ot, stride_oh, scale, NORMALIZE)
                     tl.store(tile, s, mask=tile_ok & (keep == i + 1)[None, :])
 
     return _gated_delta_steps, _conv_steps, _conv_windows, _gates, _gated_norm, _gated_delta_tree
