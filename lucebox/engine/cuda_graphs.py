@@ -116,9 +116,11 @@ class CudaGraphRunner:
         self.query_lens = sorted(set(settings.query_lens))
         self.catch_up_lens = sorted(set(settings.catch_up_lens) | set(self.query_lens))
         self.tree_lens = sorted(set(settings.tree_lens))
-        self.prefill_lens = sorted(q for q in set(settings.prefill_lens) if q > self.query_lens[-1])
         self.batch_sizes = batch_buckets(settings.max_batch)
         self.width = -(-(settings.max_model_len + max(self.query_lens + self.tree_lens)) // block_size)
+        # a padding sequence's keys are its whole bucket: past its block table, they would be garbage pages
+        self.prefill_lens = sorted(q for q in set(settings.prefill_lens)
+                                   if self.query_lens[-1] < q <= self.width * block_size)
         step_tokens = max([self.batch_sizes[-1] * self.query_lens[-1], *self.tree_lens[-1:]])
         # (B, Q) tree buckets: no wider than a chain step (or one tree row), as the module docstring says
         self.tree_buckets = {(b, q) for b in self.batch_sizes for q in self.tree_lens if b == 1 or b * q <= step_tokens}

@@ -189,7 +189,9 @@ class LLMEngine:
         catch_up = CATCH_UP_LENS if spec is not None and spec.capture_layers and not spec.every_step else ()
         tree_lens = tuple(spec.tree_row_lens()) if spec is not None else ()
         recurrent = any(isinstance(s, RecurrentSpec) for s in self.model.cache_specs())
-        longest = RECURRENT_PREFILL_GRAPH_MAX if recurrent else PREFILL_GRAPH_LENS[-1]
+        # A bucket's padding sequence spans its whole length: no longer than a sequence or a step may be
+        longest = min(RECURRENT_PREFILL_GRAPH_MAX if recurrent else PREFILL_GRAPH_LENS[-1], self.max_model_len,
+                      self.args.max_num_batched_tokens)
         prefill_lens = tuple(q for q in PREFILL_GRAPH_LENS if q <= longest) if self.args.prefill_graphs else ()
         return GraphSettings(self.max_model_len, min(self.args.cuda_graph_max_batch, self.args.max_num_seqs),
                              query_lens, catch_up_lens=catch_up, tree_lens=tree_lens, prefill_lens=prefill_lens,

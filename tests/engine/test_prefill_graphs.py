@@ -41,6 +41,14 @@ def test_a_prefill_takes_the_smallest_prefill_bucket_that_holds_it(q_lens, bucke
     assert graphs.bucket(step_tokens(q_lens), [5] * len(q_lens), tables) == bucket
 
 
+def test_no_prefill_bucket_is_longer_than_a_block_table_holds():
+    """A bucket's padding sequence reads keys over its whole length through its block table: past the
+    table's width they would be whatever lies beyond it (an illegal address on a GPU)."""
+    settings = replace(SETTINGS, max_model_len=40)
+    graphs = CudaGraphRunner(tiny_model(), BLOCK, 0, settings)
+    assert graphs.width * BLOCK < 64 and graphs.prefill_lens == [16, 32]
+
+
 @pytest.mark.parametrize("new_tokens", [12, 30, 50])
 @pytest.mark.parametrize("argmax", [False, True])
 def test_a_prefill_bucket_gives_the_eager_last_token_logits(new_tokens, argmax):
@@ -129,7 +137,7 @@ def test_greedy_generation_with_prefill_graphs_equals_eager(hf_models):
         llm = LLM(str(hf_models["qwen3"]), device="cpu", max_model_len=1024, block_size=16,
                   cuda_graphs=True, prefill_graphs=graphs, speculative_config={})
         settings = llm.engine._graph_settings()
-        assert settings.prefill_lens[-1:] == ((2048,) if graphs else ())
+        assert settings.prefill_lens[-1:] == ((1024,) if graphs else ())  # none longer than max_model_len
         llm.engine.runner.attach_graphs(replace(settings, capture=False))
         # one at a time: a prefill bucket holds one sequence
         outputs[graphs] = [llm.generate([{"prompt_token_ids": p}], params)[0].outputs[0].token_ids for p in prompts]
