@@ -31,7 +31,7 @@ def states(layers):
 @pytest.mark.parametrize("cached", [0, 9], ids=["fresh", "on-a-cached-context"])
 @pytest.mark.parametrize("new_tokens", [12, 30, 50])
 def test_a_hybrid_prefill_bucket_gives_the_eager_logits_and_state(hybrid_path, cached, new_tokens):
-    loaded = load_model(str(hybrid_path), dtype="float32")
+    loaded = load_model(str(hybrid_path), dtype="float32", device="cpu")  # states built on the CPU
     runner, blocks = runner_for(loaded)
     layers = [loaded.model.layers[i].linear_attn for i in runner.recurrent_layers]
     runner.install_recurrent([layer.cache_spec().build(4, 4, "cpu") for layer in layers], None)
@@ -68,11 +68,12 @@ def test_greedy_hybrid_generation_with_prefill_graphs_equals_eager(hybrid_path):
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     outputs, replays = {}, None
     for graphs in (False, True):
-        llm = LLM(str(hybrid_path), block_size=BLOCK_SIZE, max_num_seqs=2, cuda_graphs=True, speculative_config={},
-                  prefill_graphs=graphs)
+        llm = LLM(str(hybrid_path), device="cpu", block_size=BLOCK_SIZE, max_num_seqs=2, cuda_graphs=True,
+                  speculative_config={}, prefill_graphs=graphs)
         runner = llm.engine.runner
         settings = llm.engine._graph_settings()
-        assert settings.prefill_lens == ((64, 128, 256, 512) if graphs else ())  # DeltaNet steps token by token
+        # DeltaNet steps token by token (<= 512), and no bucket outgrows the tiny model's 256 positions
+        assert settings.prefill_lens == ((64, 128, 256) if graphs else ())
         runner.attach_graphs(replace(settings, capture=False))
         outputs[graphs] = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0].token_ids
                            for p in batch]
