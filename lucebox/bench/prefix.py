@@ -14,6 +14,7 @@ import itertools
 import statistics
 
 from ..engine.engine import LLMEngine
+from ..engine.state_snapshots import snapshot_bytes
 from ..sampling import SamplingParams
 
 FIRST_TOKEN = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -36,7 +37,10 @@ def prefix_engine(loaded, args, engine_args, prefix_lens, suffix_lens) -> LLMEng
     prefix's finished request and the timed one)."""
     longest = max(prefix_lens) + 2 * max(suffix_lens) + 64
     given = engine_args(args, longest, loaded)
-    return LLMEngine.from_args(dataclasses.replace(given, enable_prefix_caching=True), loaded)
+    # prefix caching keeps recurrent-state snapshots (hybrids) beside the pool
+    specs = loaded.model.cache_specs(args.cache_type_k, args.cache_type_v)
+    memory = given.kv_cache_memory + snapshot_bytes(specs, given.recurrent_prefix_snapshots)
+    return LLMEngine.from_args(dataclasses.replace(given, enable_prefix_caching=True, kv_cache_memory=memory), loaded)
 
 
 def prefix_phase(loaded, args, engine_args, clock, rng, say) -> list[dict]:

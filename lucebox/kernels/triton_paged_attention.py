@@ -314,8 +314,9 @@ def paged_attention(q: torch.Tensor, k_cache, v_cache, batch, scale: float,
     block_d = max(32, next_pow2(head_dim))
     # Rows per program: a whole verify step (<= 32 tokens x GROUP heads) in one tile up to 128 rows,
     # so its KV is read once; a prefill chunk's tiles each read the whole cached prefix, so they are
-    # as tall too (half the KV traffic of 64-row tiles on a long prefix).
-    rows = 128
+    # as tall too (half the KV traffic of 64-row tiles on a long prefix). Wider heads (Gemma 4's 512)
+    # keep the tile's area, so its q tile and K/V stages fit shared memory.
+    rows = 128 * 128 // max(128, block_d)
     block_q = max(1, min(next_pow2(max_q), rows // next_pow2(group)))
     block_r = max(16, next_pow2(block_q * group))
     if block_kv is None:
@@ -345,8 +346,8 @@ def paged_attention(q: torch.Tensor, k_cache, v_cache, batch, scale: float,
         stride_lt = stride_lh = 0
     # 8 warps for the tall tiles of verify/prefill keeps the q8_0/q4_0 unpacking out of local memory
     kwargs = {"num_warps": num_warps or (8 if block_r >= 64 else 4)}
-    if num_stages is not None:
-        kwargs["num_stages"] = num_stages
+    if num_stages is not None or block_d > 256:
+        kwargs["num_stages"] = num_stages or 2  # 3 stages of 512-wide K and V tiles overflow shared memory
     window = int(sliding_window) if sliding_window is not None else 0
     check_tree_window(batch, sliding_window)
     tree = batch.tree_mask

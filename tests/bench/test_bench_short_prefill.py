@@ -37,6 +37,16 @@ def test_suffix_on_a_cached_prefix_is_served_from_the_prefix_cache_beside_fresh_
     assert "fresh 40-token prompt" in table and "llama.cpp not measured" in table
 
 
+def test_a_hybrids_prefix_engine_has_room_for_its_state_snapshots(tmp_path):
+    """Prefix caching on a hybrid keeps recurrent-state snapshots beside the KV pool of one context."""
+    code = main(["bench", "speed", "--shape", "tiny-hybrid", "--quant", "f32", "--device", "cpu", "--prompt-lens",
+                 "16", "--contexts", "16", "--decode-tokens", "4", "--repeats", "1", "--skip", "reference", "verify",
+                 "forced", "spec", "peer", "--prefix-lens", "64", "--suffix-lens", "16", "--json", str(tmp_path / "r.json")])
+    assert code == 0
+    [row] = json.loads((tmp_path / "r.json").read_text())["prefix"]
+    assert row["cached_tokens"] == 64 and row["ttft_s"] > 0
+
+
 def test_a_prefix_that_misses_the_cache_is_an_error_not_a_figure(monkeypatch):
     """Prefix caching off under the phase: the cached-token check must refuse the row."""
     made = prefix.prefix_engine
