@@ -318,6 +318,8 @@ def bench_attention(args, shape, peak, device) -> list:
     table = []
     ctxs = [40] if SMOKE else [512, 4096, 32768]
     jobs = [(c, ql, b, ct) for ct in args.cache_types for c in ctxs for ql in (1, 16) for b in (1, 8)]
+    # a prefill bucket's chunk on a cached prefix (an agent's turn): the tall tiles
+    jobs += [(c, 256, 1, ct) for ct in args.cache_types for c in ([40] if SMOKE else [4096, 16384, 32768])]
     for ctx, q_len, batch, cache_type in tqdm(jobs, desc="paged attention"):
         q, kc, vc, fb, nbytes = attention_case(shape, ctx, q_len, batch, cache_type, args.dtype, device)
         scale = shape["head_dim"] ** -0.5
@@ -339,19 +341,24 @@ def bench_attention(args, shape, peak, device) -> list:
 
 
 def sweep_attention(q, kc, vc, fb, scale, device) -> dict:
+    """The fastest launch: splits of the keys, key tile, warps, and (steps of many queries: prefill
+    chunks) query rows a program and pipeline stages."""
     best = None
-    for splits in (1, 2, 4, 8, 16, 32, 64):
-        for block_kv in (32, 64, 128):
-            for warps in (4, 8):
-                try:
-                    t = bench(lambda: tpa.paged_attention(q, kc, vc, fb, scale, num_splits=splits,
-                                                          block_kv=block_kv, num_warps=warps), device)
-                except Exception:
-                    continue
-                if best is None or t < best[0]:
-                    best = (t, splits, block_kv, warps)
-    return {"best_us": best[0] * 1e3, "best_splits": best[1], "best_block_kv": best[2],
-            "best_warps": best[3]} if best else {}
+    tall = q.shape[0] > 32
+    for config in itertools.product((1, 2, 4, 8, 16, 32, 64), (32, 64, 128), (4, 8),
+                                    (64, 128) if tall else (None,), (2, 3) if tall else (None,)):
+        splits, block_kv, warps, rows, stages = config
+        try:
+            t = bench(lambda: tpa.paged_attention(q, kc, vc, fb, scale, num_splits=splits, block_kv=block_kv,
+                                                  num_warps=warps, rows=rows, num_stages=stages), device)
+        except Exception:  # a launch that does not fit the GPU (shared memory, registers)
+            continue
+        if best is None or t < best[0]:
+            best = (t, *config)
+    if best is None:
+        return {}
+    names = ("best_us", "best_splits", "best_block_kv", "best_warps", "best_rows", "best_stages")
+    return dict(zip(names, (best[0] * 1e3, *best[1:])))
 
 
 # ----------------------------------------------------------------------------- prefill attention

@@ -290,9 +290,10 @@ def _storage(cache):
 def paged_attention(q: torch.Tensor, k_cache, v_cache, batch, scale: float,
                     sliding_window: int | None = None, *, num_splits: int | None = None,
                     block_kv: int | None = None, num_warps: int | None = None,
-                    num_stages: int | None = None) -> torch.Tensor:
+                    num_stages: int | None = None, rows: int | None = None) -> torch.Tensor:
     """Same contract as kernels.attention.paged_attention: q [T, heads, head_dim] -> same shape;
-    this step's K/V must already be written."""
+    this step's K/V must already be written. The keyword launch settings (splits of the keys, key
+    tile, warps, stages, query rows a program) override the heuristics: for sweeps."""
     tokens, heads, head_dim = q.shape
     kv_heads = k_cache.num_kv_heads
     group = heads // kv_heads
@@ -316,7 +317,7 @@ def paged_attention(q: torch.Tensor, k_cache, v_cache, batch, scale: float,
     # so its KV is read once; a prefill chunk's tiles each read the whole cached prefix, so they are
     # as tall too (half the KV traffic of 64-row tiles on a long prefix). Wider heads (Gemma 4's 512)
     # keep the tile's area, so its q tile and K/V stages fit shared memory.
-    rows = 128 * 128 // max(128, block_d)
+    rows = rows or 128 * 128 // max(128, block_d)
     block_q = max(1, min(next_pow2(max_q), rows // next_pow2(group)))
     block_r = max(16, next_pow2(block_q * group))
     if block_kv is None:

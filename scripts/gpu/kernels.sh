@@ -35,9 +35,10 @@ mode_sampler() {
 }
 
 #: attention    paged attention (bf16 KV) at 512 / 4K / 32K with its launch swept: is the split heuristic
-#:              (>= 256 tokens a split) right at short contexts?
+#:              (>= 256 tokens a split) right at short contexts? And 256-query prefill chunks on a cached
+#:              4K / 16K / 32K (query rows a program and stages swept too): issue 33's 16K agent turn (~6 min)
 mode_attention() {
-  step attention "${SECONDS_ATTENTION:-240}" python3 scripts/bench_kernels.py --only attention --sweep \
+  step attention "${SECONDS_ATTENTION:-360}" python3 scripts/bench_kernels.py --only attention --sweep \
     --cache-types bf16 --json "$out/attention.json"
   grep -E "^\| (kernel|paged_attention)" "$out/attention.log"
 }

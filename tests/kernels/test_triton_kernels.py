@@ -505,6 +505,10 @@ ATTENTION_CASES = {
     "q8_0-bf16-split": ("q8_0", torch.bfloat16, [1, 3], [40, 9], {}, {"num_splits": 4, "block_kv": 16}, 2e-2),
     "q8_0-f32-rotated": ("q8_0", torch.float32, [2, 3], [40, 9], {"rotate": True}, {}, 1e-5),
     "q4_0-f32-window": ("q4_0", torch.float32, [1, 3], [40, 9], {}, {"sliding_window": 16}, 1e-5),
+    # a prefill chunk on a cached context, in several query tiles of a sweep's launch
+    "prefill-rows-64-f32": ("f32", torch.float32, [70], [50], {"heads": 8, "kv_heads": 2},
+                            {"rows": 64, "num_stages": 2, "block_kv": 16}, 1e-5),
+    "wide-heads-512-f32": ("f32", torch.float32, [1, 40], [9, 20], {"head_dim": 512, "block_size": 16}, {}, 1e-5),
 }
 
 
