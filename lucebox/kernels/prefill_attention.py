@@ -19,7 +19,8 @@ Per sequence, K/V are gathered once out of the paged cache into contiguous [n, k
     key): queries go in tiles; each tile attends only to the keys its window can reach, with a
     small [tile, tile + w - 1] mask. Keys a window hides from every query are never gathered.
 GQA: enable_gqa, so K/V heads are not repeated; the masked window tiles do repeat them, so CUDA's
-memory-efficient kernel (which takes masks) accepts them on every torch version.
+memory-efficient kernel (which takes masks) accepts them on every torch version. Heads wider than
+the fused kernels take with enable_gqa (Gemma 4's 512) go as one batch entry a K/V head instead.
 
 The chunk's own K/V are read back from the cache too (rope_and_write_kv has just written them),
 not taken fresh from the projection. With a quantised cache the chunk therefore attends to the
@@ -51,6 +52,9 @@ MIN_QUERY_LEN = 64
 # keys, so a tile as long as the window would compute twice the products its window keeps.
 WINDOW_TILES = 4
 MIN_WINDOW_TILE = 128
+# The widest head that torch's fused SDPA kernels (FlashAttention, cuDNN) take with enable_gqa; Gemma 4's
+# full-attention layers have 512.
+FUSED_GQA_MAX_HEAD_DIM = 256
 
 
 def prefill_sequences(batch: ForwardBatch) -> list[int]:
@@ -108,8 +112,24 @@ def attend_one(q: torch.Tensor, k_cache, v_cache, slots: torch.Tensor, scale: fl
 def _causal_lower_right(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, gqa: bool) -> torch.Tensor:
     """q [H, q_len, D] at the last q_len of the m key positions of k, v [Hkv, m, D]: query j sees
     keys 0..m - q_len + j."""
-    q_len, m = q.shape[1], k.shape[1]
-    q, k, v = q[None], k[None], v[None]
+    heads, q_len, head_dim = q.shape
+    m = k.shape[1]
+    if gqa and head_dim > FUSED_GQA_MAX_HEAD_DIM:
+        # No fused kernel broadcasts K/V heads this wide (enable_gqa would fall back to the math
+        # kernel and its [heads, q_len, m] scores): each K/V head is a batch entry of its query
+        # group, its K/V views expanded without copies, which the memory-efficient kernel takes.
+        kv_heads = k.shape[0]
+        group = heads // kv_heads
+        q = q.reshape(kv_heads, group, q_len, head_dim)
+        k = k[:, None].expand(kv_heads, group, m, head_dim)
+        v = v[:, None].expand(kv_heads, group, m, v.shape[-1])
+        return _sdpa_lower_right(q, k, v, scale, False).reshape(heads, q_len, -1)
+    return _sdpa_lower_right(q[None], k[None], v[None], scale, gqa)[0]
+
+
+def _sdpa_lower_right(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, gqa: bool) -> torch.Tensor:
+    """_causal_lower_right's SDPA call on [B, H, L, D] tensors."""
+    q_len, m = q.shape[2], k.shape[2]
     if q_len == m:  # no context: the plain causal square
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     elif q_len == 1:  # a single query sees every key
@@ -121,7 +141,7 @@ def _causal_lower_right(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     else:
         mask = torch.ones(q_len, m, dtype=torch.bool, device=q.device).tril_(m - q_len)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-    return o[0]
+    return o
 
 
 def _windowed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int, q0: int) -> torch.Tensor:

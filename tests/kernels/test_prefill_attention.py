@@ -87,6 +87,26 @@ def test_grouped_query_heads_match_the_reference(heads, kv_heads):
     assert max_err(got, paged_attention_reference(q, kc, vc, batch, 0.2)) <= F32_TOL
 
 
+def test_heads_wider_than_fused_gqa_take_a_batch_entry_a_kv_head(monkeypatch):
+    """Gemma 4's 512-wide full-attention heads with shared K/V heads: SDPA is never asked to broadcast
+    K/V heads (no fused kernel does at that width; the math kernel would hold [heads, q, keys] scores),
+    and the result is the reference's, fresh and on a cached context."""
+    q, kc, vc, batch = paged_case("f32", torch.float32, [70, 65], [0, 30], heads=8, kv_heads=2, head_dim=512,
+                                  block_size=16)
+    asked = []
+    real = pa.F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs.get("enable_gqa", False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pa.F, "scaled_dot_product_attention", spy)
+    got = pa.prefill_attention(q, kc, vc, batch, 0.2)
+    monkeypatch.undo()
+    assert asked == [False, False]
+    assert max_err(got, paged_attention_reference(q, kc, vc, batch, 0.2)) <= F32_TOL
+
+
 @pytest.mark.parametrize("window", [1, 7, 64, 200, 1000])
 def test_sliding_windows_match_the_reference(window):
     """Windows smaller than a query tile, spanning several tiles (300 queries), reaching into the
