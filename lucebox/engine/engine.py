@@ -93,7 +93,7 @@ class LLMEngine:
             devices = [layer_device(self.model, i) for i in self.runner.recurrent_layers]
             self.runner.install_recurrent(cache.build_recurrent(self.model.device, devices), cache.slot)
             if self.model.device.type == "cuda":
-                self._warm_up_prefill()
+                self.model.warm_up()  # fla-core's prefill kernels compile now, not in the first request
         self.scheduler = Scheduler(cache, args.max_num_seqs, args.max_num_batched_tokens)
         if self.speculator is not None:
             proposer = self.speculator.proposer
@@ -196,14 +196,6 @@ class LLMEngine:
         return GraphSettings(self.max_model_len, min(self.args.cuda_graph_max_batch, self.args.max_num_seqs),
                              query_lens, catch_up_lens=catch_up, tree_lens=tree_lens, prefill_lens=prefill_lens,
                              queries=self.args.kv_pool_tokens > 0)
-
-    def _warm_up_prefill(self) -> None:
-        """fla-core's prefill kernels autotune and compile on first use (minutes on a cold Triton cache):
-        pay that at start, not in the first request."""
-        start = time.perf_counter()
-        log.info("compiling the Gated DeltaNet prefill kernels (a cold Triton cache takes minutes once)")
-        self.model.warm_up()
-        log.info("prefill kernels ready in %.1f s", time.perf_counter() - start)
 
     def _prefix_snapshots(self) -> int:
         """Entries of the recurrent-state snapshot pool (engine/state_snapshots.py): none without prefix caching."""

@@ -19,12 +19,16 @@ Two entry points, picked by the caller per row kind (routing.gated_delta_route s
 from __future__ import annotations
 
 import functools
+import logging
+import time
 
 import torch
 import torch.nn.functional as F
 
 from . import routing
 from .dispatch import use_triton
+
+log = logging.getLogger(__name__)
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -275,10 +279,18 @@ def gated_delta_chunk(q, k, v, g, beta, state, slots: list[int], starts: list[in
 def warm_up_chunk(num_k_heads: int, num_v_heads: int, dk: int, dv: int, dtype: torch.dtype,
                   device: torch.device) -> None:
     """Run the prefill chunk kernel once at these head sizes (fla-core autotunes and compiles on its first
-    call: minutes on a machine whose Triton cache is cold)."""
+    call: minutes on a machine whose Triton cache is cold); without fla-core on a GPU, say what that costs."""
+    if fla_chunk() is None:
+        if device.type == "cuda":
+            log.warning("fla-core is not installed: Gated DeltaNet prefill chunks take the torch reference, "
+                        "many times slower on a GPU; pip install 'lucebox[gpu]' (flash-linear-attention)")
+        return
+    start = time.perf_counter()
+    log.info("compiling the Gated DeltaNet prefill kernels (a cold Triton cache takes minutes once)")
     tokens = 64
     q, k = (l2_normalize(torch.randn(tokens, num_k_heads, dk, device=device)) for _ in range(2))
     v = torch.randn(tokens, num_v_heads, dv, device=device)
     g, beta = -torch.rand(tokens, num_v_heads, device=device), torch.rand(tokens, num_v_heads, device=device)
     state = torch.zeros(1, num_v_heads, dk, dv, device=device)
     gated_delta_chunk(q, k, v, g, beta, state, [0], [0, tokens], dtype)
+    log.info("prefill kernels ready in %.1f s", time.perf_counter() - start)

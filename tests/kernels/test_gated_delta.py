@@ -4,6 +4,7 @@ TRITON_INTERPRET=1 on the CPU), and the chunked prefill path, each with GVA, rag
 slots in any order, and states written back only where asked."""
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -16,6 +17,7 @@ INTERPRETABLE = ON_GPU or os.environ.get("TRITON_INTERPRET") == "1" or "triton" 
 if not ON_GPU and INTERPRETABLE:
     os.environ["TRITON_INTERPRET"] = "1"
 
+from lucebox.kernels import gated_delta as gd
 from lucebox.kernels import routing
 from lucebox.kernels.gated_delta import (
     gated_delta_chunk,
@@ -275,3 +277,14 @@ def test_triton_gated_rms_norm_matches_the_reference(dtype, monkeypatch):
     assert got.dtype == dtype and got.shape == x.shape
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     assert (got.float() - want.float()).abs().max() <= tol * want.float().abs().max()
+
+
+def test_a_gpu_without_fla_core_is_told_what_its_hybrid_prefill_costs(monkeypatch, caplog):
+    """Nothing to compile without fla-core: the warm-up names the missing extra instead (and touches no device)."""
+    monkeypatch.setattr(gd, "fla_chunk", lambda: None)
+    with caplog.at_level(logging.WARNING, logger=gd.__name__):
+        gd.warm_up_chunk(2, 4, 16, 16, torch.bfloat16, torch.device("cuda"))
+    assert "pip install 'lucebox[gpu]'" in caplog.text
+    caplog.clear()
+    gd.warm_up_chunk(2, 4, 16, 16, torch.float32, torch.device("cpu"))  # a CPU run needs no kernels: silent
+    assert caplog.text == ""
