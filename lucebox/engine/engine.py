@@ -102,8 +102,11 @@ class LLMEngine:
                 # The target's graph buckets fit a draft model: a catch-up feed is at most 1 + k tokens,
                 # then 1 a step. Drafts are sampled on the host (verification needs their q): no sampling graphs.
                 own = proposer.runs_model.device != self.model.device  # --draft-device: eager there
-                runner = ModelRunner(proposer.runs_model, num_blocks, args.block_size,
-                                     graphs=replace(graphs, sample=False) if graphs is not None and not own else None)
+                slots = proposer.state_slots(args.max_num_seqs)
+                draft_graphs = None if graphs is None or own else replace(graphs, sample=False, prefill_lens=tuple(
+                    q for q in graphs.prefill_lens if not slots or q <= RECURRENT_PREFILL_GRAPH_MAX))
+                runner = ModelRunner(proposer.runs_model, num_blocks, args.block_size, graphs=draft_graphs,
+                                     **({"state_slots": slots} if slots else {}))
             proposer.allocate(num_blocks, args.block_size, self.scheduler.blocks, graphs, runner)
             if proposer.feature_ring is not None:
                 self.runner.set_feature_ring(proposer.feature_ring)

@@ -36,8 +36,6 @@ def stash_rows(speculator, specs) -> int:
         return 0
     if speculator is None:
         return 1  # a decode step launched ahead stashes its token until it is used (engine/overlap.py)
-    if any(isinstance(s, RecurrentSpec) for s in speculator.proposer.cache_specs()):
-        raise UnsupportedError("a draft model with recurrent (Gated DeltaNet) layers is not supported yet")
     return speculator.policy.row_tokens(speculator.policy.max_k)  # a chain's 1 + k, a tree's row
 
 
@@ -53,6 +51,8 @@ def plan_kv_blocks(engine, specs, groups) -> list[int]:
     # fixed-size state (recurrent layers) and its per-draft snapshots, for every sequence at once
     fixed = bytes_per_sequence(specs, stash_rows(engine.speculator, specs)) * args.max_num_seqs
     fixed += snapshot_bytes(specs, engine._prefix_snapshots())  # hybrids' prefix-reuse states
+    if engine.speculator is not None:  # a recurrent draft model's state slots
+        fixed += engine.speculator.proposer.fixed_bytes(args.max_num_seqs)
 
     def device_budget(device: torch.device) -> int:
         if device.type == "cuda":

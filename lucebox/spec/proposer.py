@@ -46,6 +46,14 @@ class Proposer:
         """The sequence finished or was aborted (finished=True; called before its blocks are freed)
         or was preempted (called after the scheduler's step that preempted it): drop per-sequence state."""
 
+    def state_slots(self, max_num_seqs: int) -> int:
+        """Recurrent state slots the runner of `runs_model` needs (0: none)."""
+        return 0
+
+    def fixed_bytes(self, max_num_seqs: int) -> int:
+        """Device bytes the proposer keeps outside its cache_specs (the memory plan counts them)."""
+        return 0
+
     def cache_specs(self) -> list:
         """The state the proposer keeps per sequence next to the target's (model/cache_spec.py specs;
         none by default). Paged specs share the target's block tables."""

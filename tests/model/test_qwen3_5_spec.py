@@ -219,11 +219,71 @@ def test_draft_model_speculation_is_token_identical_to_plain_decoding(hybrid_pat
     assert sum(o.metrics.num_draft_tokens for o in outs) > 0
 
 
-@pytest.mark.parametrize("method", ["draft_model", "dflash"])
+HYBRID_DRAFT = dict(HYBRID, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], seed=5)
+
+
+def test_a_hybrid_draft_model_drafts_its_own_greedy_continuation_across_rejections(hybrid_path, tmp_path,
+                                                                                  tokenizer_dir, monkeypatch):
+    """A Qwen 3.5 hybrid drafting for its family: its recurrent state rolls back to the snapshot after
+    rejected drafts, so every draft is what the draft model itself (transformers) continues the
+    sequence with, and the output is plain decoding's."""
+    from transformers import AutoModelForCausalLM
+
+    from lucebox.spec.draft_model import DraftModelProposer
+    draft = build_hf_model("qwen3", tmp_path / "draft", tokenizer_dir, **HYBRID_DRAFT)
+    oracle = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).eval()
+    plain = LLM(str(hybrid_path), block_size=BLOCK_SIZE, max_num_seqs=4)
+    batch = repetitive_prompts(plain.engine.loaded.config.vocab_size)
+    want = [o.outputs[0].token_ids for o in greedy(plain, batch, 16)]
+    checked, real = [], DraftModelProposer.propose
+
+    def propose(self, seqs, num_tokens):
+        drafts = real(self, seqs, num_tokens)
+        for seq, d in zip(seqs, drafts):
+            tokens = list(seq.token_ids)
+            for t in d.tokens:
+                assert t == reference_logits(oracle, tokens)[-1].argmax().item()
+                tokens.append(t)
+            checked.append(len(d.tokens))
+        return drafts
+
+    monkeypatch.setattr(DraftModelProposer, "propose", propose)
+    config = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3, "adaptive": False}
+    spec = LLM(str(hybrid_path), block_size=BLOCK_SIZE, max_num_seqs=4, speculative_config=config)
+    outs = greedy(spec, batch, 16)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    drafted = sum(o.metrics.num_draft_tokens for o in outs)
+    accepted = sum(o.metrics.num_accepted_tokens for o in outs)
+    assert sum(checked) == drafted > accepted  # drafts were rejected: the snapshot path ran
+    proposer = spec.engine.speculator.proposer
+    assert proposer.slots == {}  # finished sequences gave their slots back
+    assert proposer.runner.recurrent_states[0].num_slots == 2 * 4  # a live and a snapshot slot a sequence
+    assert proposer.fixed_bytes(4) > 0  # counted by the memory plan
+
+
+def test_a_hybrid_draft_model_through_graph_buckets_is_token_identical(hybrid_path, tmp_path, tokenizer_dir):
+    """The draft runner's static batches (what its CUDA graphs replay, run eagerly on the CPU) read and
+    advance the draft's state slots named by its steps."""
+    from dataclasses import replace
+    draft = build_hf_model("qwen3", tmp_path / "draft", tokenizer_dir, **HYBRID_DRAFT)
+    plain = LLM(str(hybrid_path), block_size=BLOCK_SIZE, max_num_seqs=4)
+    batch = repetitive_prompts(plain.engine.loaded.config.vocab_size)
+    want = [o.outputs[0].token_ids for o in greedy(plain, batch, 12)]
+    config = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3, "adaptive": False}
+    spec = LLM(str(hybrid_path), block_size=BLOCK_SIZE, max_num_seqs=4, speculative_config=config, cuda_graphs=True)
+    settings = replace(spec.engine._graph_settings(), capture=False)
+    spec.engine.runner.attach_graphs(settings)
+    runner = spec.engine.speculator.proposer.runner
+    runner.attach_graphs(replace(settings, sample=False, prefill_lens=()))
+    assert [o.outputs[0].token_ids for o in greedy(spec, batch, 12)] == want
+    assert sum(runner.graphs.replays.values()) > 0
+
+
+@pytest.mark.parametrize("method", ["draft_model", "hybrid_draft_model", "dflash"])
 def test_sampled_tokens_follow_the_hybrid_target_distribution(method, tmp_path):
-    """tests/spec/test_spec.py's chi-square test of speculative sampling (a sampling draft model, or
-    a DFlash drafter's deterministic drafts), on a hybrid target; fewer samples (the DeltaNet
-    reference steps sequences one by one)."""
+    """tests/spec/test_spec.py's chi-square test of speculative sampling (a sampling draft model, dense
+    or hybrid, or a DFlash drafter's deterministic drafts), on a hybrid target; fewer samples (the
+    DeltaNet reference steps sequences one by one)."""
     from tests.spec.test_spec import (
         PROMPT,
         chi_square_rejects,
@@ -235,8 +295,12 @@ def test_sampled_tokens_follow_the_hybrid_target_distribution(method, tmp_path):
     layout = {k: v for k, v in HYBRID.items() if k not in ("model_type", "num_hidden_layers", "head_dim")}
     target = peaked_model(tmp_path / "t", tok, layers=4, seed=1, model_type="qwen3_5_text", **layout)
     drafter = {"draft_model": lambda: peaked_model(tmp_path / "d", tok, layers=1, seed=2),
+               "hybrid_draft_model": lambda: peaked_model(tmp_path / "d", tok, layers=2, seed=2,
+                                                          model_type="qwen3_5_text", **dict(
+                                                              layout, layer_types=HYBRID_DRAFT["layer_types"])),
                "dflash": lambda: write_dflash_drafter(target, tmp_path / "d", taps=TAPS, block_size=3)}[method]()
-    config = {"method": method, "num_speculative_tokens": 2, "adaptive": False, "model": str(drafter)}
+    config = {"method": method.removeprefix("hybrid_"), "num_speculative_tokens": 2, "adaptive": False,
+              "model": str(drafter)}
     llm = LLM(str(target), speculative_config=config, max_num_seqs=1024, max_num_batched_tokens=8192)
     samples = 1000
     counts = sample_pairs(llm, PROMPT, samples)
