@@ -13,6 +13,8 @@
                                                           # checks the script runs, times nothing real
     python scripts/bench_kernels.py --compile-only        # no GPU needed: compile every kernel
                                                           # variant the wrappers launch for sm_90
+                                                          # (registers, spills, shared memory vs the
+                                                          # arch's limit); --kernels REGEX: some only
 
 Quantised and fused float GEMV rows are timed inside a CUDA graph over copies of the weights (no launch overhead,
 no L2 reuse: as decode runs them); the other rows time each launch from Python (triton's do_bench).
@@ -526,7 +528,7 @@ class Recorder:
         return lambda *a, **kw: self.launches.append((self.fn, a, kw))
 
 
-def compile_check(arch: str) -> None:
+def compile_check(arch: str, kernels: str | None = None) -> None:
     """Compile, for a GPU this machine need not have, every kernel variant that the Python wrappers
     launch for qwen3-8b-like shapes: the interpreter used by the CPU tests never lowers a kernel,
     so this is what catches code that only the GPU compiler rejects. Prints registers and spills
@@ -557,13 +559,15 @@ def compile_check(arch: str) -> None:
                 for dtype in (torch.bfloat16, torch.float32):
                     tqm.quant_matmul(torch.zeros(m, 4096, dtype=dtype), raw, qtype, 4096, split_k=1)
             tqm.dequantize(raw, qtype, 4096, torch.bfloat16)
-        for cache_type in ("bf16", "fp8", "q8_0", "q4_0"):
+        # head sizes: the Llama/Qwen 128, Gemma 4's 256 (sliding) and 512 (full attention, 16 heads a K/V head)
+        for cache_type, head_dim, group in itertools.product(("bf16", "fp8", "q8_0", "q4_0"), (128, 256, 512), (4,)):
+            group = 16 if head_dim == 512 else group
             for q_len, window in ((1, None), (16, None), (32, 4096), (512, None)):
                 for dtype in (torch.bfloat16, torch.float32) if q_len == 1 else (torch.bfloat16,):
                     blocks = math.ceil((100 + q_len) / 16)
-                    kc, vc = (PagedKVCache(blocks, 16, 8, 128, cache_type, dtype, "cpu") for _ in range(2))
+                    kc, vc = (PagedKVCache(blocks, 16, 2, head_dim, cache_type, dtype, "cpu") for _ in range(2))
                     fb = ForwardBatch.build([[0] * q_len], [100], [list(range(blocks))], 16, "cpu")
-                    q = torch.zeros(q_len, 32, 128, dtype=dtype)
+                    q = torch.zeros(q_len, 2 * group, head_dim, dtype=dtype)
                     tpa.paged_attention(q, kc, vc, fb, 0.1, window, num_splits=4 if q_len == 1 else 1)
                     if q_len in (16, 32):  # the same as a tree verify row (ForwardBatch.tree_mask)
                         fb.tree_mask = torch.full((q_len,), -1, dtype=torch.long)
@@ -622,12 +626,18 @@ def compile_check(arch: str) -> None:
         for module, make in zip(lazy, lazy_real):
             module._kernel = make
         triton_sampling._kernels = sampling_real
-    compile_launches(launches, arch)
+    compile_launches(launches, arch, kernels)
 
 
-def compile_launches(launches: list, arch: str) -> None:
-    """Compile every distinct variant among recorded launches for `arch` (e.g. 90, or gfx942); exit 1
-    if any fails."""
+# Shared memory one block may take (bytes, opt-in maximum) by CUDA compute capability: a variant asking
+# more compiles but fails at launch (triton's OutOfResources).
+SHARED_LIMIT = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
+
+
+def compile_launches(launches: list, arch: str, kernels: str | None = None) -> None:
+    """Compile every distinct variant among recorded launches for `arch` (e.g. 90, or gfx942), those of
+    kernels whose name matches the regex `kernels` if given; exit 1 if any fails or asks more shared
+    memory than the arch has."""
     import re
     import subprocess
     import tempfile
@@ -639,7 +649,10 @@ def compile_launches(launches: list, arch: str) -> None:
     target = GPUTarget("cuda", int(arch), 32) if arch.isdigit() else GPUTarget("hip", arch, 64)
     cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
     seen, failures = set(), 0
+    shared_limit = SHARED_LIMIT.get(int(arch)) if arch.isdigit() else None
     for fn, args, kw in tqdm(launches, desc="compile"):
+        if kernels and not re.search(kernels, fn.__name__):
+            continue
         names = fn.arg_names
         bound = dict(zip(names, args)) | {k: v for k, v in kw.items() if k in names}
         bound |= {n: p.default for n, p in zip(names, fn.params) if n not in bound}  # defaulted constexprs
@@ -687,6 +700,10 @@ def compile_launches(launches: list, arch: str) -> None:
                 out = subprocess.run([str(cuobjdump), "-res-usage", f.name], capture_output=True, text=True).stdout
             found = re.search(r"REG:(\d+) STACK:(\d+)", out)
             usage = f"regs={found.group(1)} stack={found.group(2)}B" if found else ""
+        if shared_limit is not None and compiled.metadata.shared > shared_limit:
+            failures += 1
+            tqdm.write(f"FAIL {label} {usage} smem={compiled.metadata.shared} > {shared_limit} (sm_{arch}'s limit)")
+            continue
         tqdm.write(f"ok   {label} {usage} smem={compiled.metadata.shared}")
     print(f"\n{len(seen) - failures} variants compiled for {target.backend} {target.arch}, {failures} failed")
     if failures:
@@ -720,9 +737,10 @@ def main() -> None:
                    help="no GPU needed: compile every kernel variant for --arch and report registers")
     p.add_argument("--arch", default="90", help="for --compile-only: CUDA compute capability (90) or "
                                                 "an AMD target (gfx942)")
+    p.add_argument("--kernels", help="for --compile-only: only kernels whose name matches this regex")
     args = p.parse_args()
     if args.compile_only:
-        compile_check(args.arch)
+        compile_check(args.arch, args.kernels)
         return
     args.dtype = getattr(torch, args.dtype)
     if SMOKE:

@@ -345,8 +345,9 @@ def paged_attention(q: torch.Tensor, k_cache, v_cache, batch, scale: float,
         lse = q  # unused
         o_arg, stride_ot, stride_oh, stride_os = final, final.stride(0), final.stride(1), 0
         stride_lt = stride_lh = 0
-    # 8 warps for the tall tiles of verify/prefill keeps the q8_0/q4_0 unpacking out of local memory
-    kwargs = {"num_warps": num_warps or (8 if block_r >= 64 else 4)}
+    # 8 warps for the tall (or wide) tiles of verify/prefill keep the float32 accumulator and the q8_0/q4_0
+    # unpacking out of local memory
+    kwargs = {"num_warps": num_warps or (8 if block_r * block_d >= 64 * 128 else 4)}
     if num_stages is not None or block_d > 256:
         kwargs["num_stages"] = num_stages or 2  # 3 stages of 512-wide K and V tiles overflow shared memory
     window = int(sliding_window) if sliding_window is not None else 0
