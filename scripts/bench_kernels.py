@@ -635,9 +635,9 @@ SHARED_LIMIT = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100:
 
 
 def compile_launches(launches: list, arch: str, kernels: str | None = None) -> None:
-    """Compile every distinct variant among recorded launches for `arch` (e.g. 90, or gfx942), those of
-    kernels whose name matches the regex `kernels` if given; exit 1 if any fails or asks more shared
-    memory than the arch has."""
+    """Compile every distinct variant among recorded launches for `arch` (e.g. 90, or gfx942), those whose
+    label (kernel name, then its constexprs as NAME=value) matches the regex `kernels` if given; exit 1
+    if any fails or asks more shared memory than the arch has."""
     import re
     import subprocess
     import tempfile
@@ -648,11 +648,9 @@ def compile_launches(launches: list, arch: str, kernels: str | None = None) -> N
 
     target = GPUTarget("cuda", int(arch), 32) if arch.isdigit() else GPUTarget("hip", arch, 64)
     cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
-    seen, failures = set(), 0
+    seen, failures, done = set(), 0, 0
     shared_limit = SHARED_LIMIT.get(int(arch)) if arch.isdigit() else None
     for fn, args, kw in tqdm(launches, desc="compile"):
-        if kernels and not re.search(kernels, fn.__name__):
-            continue
         names = fn.arg_names
         bound = dict(zip(names, args)) | {k: v for k, v in kw.items() if k in names}
         bound |= {n: p.default for n, p in zip(names, fn.params) if n not in bound}  # defaulted constexprs
@@ -685,6 +683,8 @@ def compile_launches(launches: list, arch: str, kernels: str | None = None) -> N
         seen.add(key)
         label = f"{fn.__name__} " + " ".join(f"{k}={v}" for k, v in constexprs.items()
                                               if k.isupper()) + f" {sig[names[0]]} {options}"
+        if kernels and not re.search(kernels, label):
+            continue
         try:
             compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
                                       target=target, options=options)
@@ -704,8 +704,9 @@ def compile_launches(launches: list, arch: str, kernels: str | None = None) -> N
             failures += 1
             tqdm.write(f"FAIL {label} {usage} smem={compiled.metadata.shared} > {shared_limit} (sm_{arch}'s limit)")
             continue
+        done += 1
         tqdm.write(f"ok   {label} {usage} smem={compiled.metadata.shared}")
-    print(f"\n{len(seen) - failures} variants compiled for {target.backend} {target.arch}, {failures} failed")
+    print(f"\n{done} variants compiled for {target.backend} {target.arch}, {failures} failed")
     if failures:
         sys.exit(1)
 
@@ -737,7 +738,8 @@ def main() -> None:
                    help="no GPU needed: compile every kernel variant for --arch and report registers")
     p.add_argument("--arch", default="90", help="for --compile-only: CUDA compute capability (90) or "
                                                 "an AMD target (gfx942)")
-    p.add_argument("--kernels", help="for --compile-only: only kernels whose name matches this regex")
+    p.add_argument("--kernels", help="for --compile-only: only variants whose label (kernel name, then "
+                                     "NAME=value constexprs) matches this regex")
     args = p.parse_args()
     if args.compile_only:
         compile_check(args.arch, args.kernels)
