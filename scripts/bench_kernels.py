@@ -11,10 +11,8 @@
     python scripts/bench_kernels.py --json out.json
     python scripts/bench_kernels.py --smoke               # CPU, Triton interpreter, tiny shapes:
                                                           # checks the script runs, times nothing real
-    python scripts/bench_kernels.py --compile-only        # no GPU needed: compile every kernel
-                                                          # variant the wrappers launch for sm_90
-                                                          # (registers, spills, shared memory vs the
-                                                          # arch's limit); --kernels REGEX: some only
+
+Compiling every kernel variant for sm_90 without a GPU: scripts/compile_kernels.py.
 
 Quantised and fused float GEMV rows are timed inside a CUDA graph over copies of the weights (no launch overhead,
 no L2 reuse: as decode runs them); the other rows time each launch from Python (triton's do_bench).
@@ -511,29 +509,13 @@ def bench_gemv(args, shape, peak, device) -> list:
     return table
 
 
-# ----------------------------------------------------------------------------- compile check
+# ----------------------------------------------------------------------------- launches to compile
 
-_SIG_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.uint8: "u8",
-              torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64",
-              torch.float8_e4m3fn: "fp8e4nv"}
+def record_dense(launches: list) -> None:
+    """Record (scripts/compile_kernels.py) every dense kernel variant the Python wrappers launch at
+    qwen3-8b-like shapes and Gemma 4's wide heads."""
+    from compile_kernels import Recorder
 
-
-class Recorder:
-    """Stands in for a kernel: records each launch (kernel, args, kwargs) in `launches` instead of running it."""
-
-    def __init__(self, fn, launches: list):
-        self.fn, self.launches = fn, launches
-
-    def __getitem__(self, grid):
-        return lambda *a, **kw: self.launches.append((self.fn, a, kw))
-
-
-def compile_check(arch: str, kernels: str | None = None) -> None:
-    """Compile, for a GPU this machine need not have, every kernel variant that the Python wrappers
-    launch for qwen3-8b-like shapes: the interpreter used by the CPU tests never lowers a kernel,
-    so this is what catches code that only the GPU compiler rejects. Prints registers and spills
-    (from cuobjdump, when Triton ships it) per variant."""
-    launches = []
     Capture = lambda fn: Recorder(fn, launches)  # noqa: E731
 
     real = (tqm._qmm_kernel, tor._sum_splits_kernel, tpa._paged_attn_kernel, tpa._merge_splits_kernel,
@@ -626,89 +608,6 @@ def compile_check(arch: str, kernels: str | None = None) -> None:
         for module, make in zip(lazy, lazy_real):
             module._kernel = make
         triton_sampling._kernels = sampling_real
-    compile_launches(launches, arch, kernels)
-
-
-# Shared memory one block may take (bytes, opt-in maximum) by CUDA compute capability: a variant asking
-# more compiles but fails at launch (triton's OutOfResources).
-SHARED_LIMIT = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
-
-
-def compile_launches(launches: list, arch: str, kernels: str | None = None) -> None:
-    """Compile every distinct variant among recorded launches for `arch` (e.g. 90, or gfx942), those whose
-    label (kernel name, then its constexprs as NAME=value) matches the regex `kernels` if given; exit 1
-    if any fails or asks more shared memory than the arch has."""
-    import re
-    import subprocess
-    import tempfile
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    target = GPUTarget("cuda", int(arch), 32) if arch.isdigit() else GPUTarget("hip", arch, 64)
-    cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
-    seen, failures, done = set(), 0, 0
-    shared_limit = SHARED_LIMIT.get(int(arch)) if arch.isdigit() else None
-    for fn, args, kw in tqdm(launches, desc="compile"):
-        names = fn.arg_names
-        bound = dict(zip(names, args)) | {k: v for k, v in kw.items() if k in names}
-        bound |= {n: p.default for n, p in zip(names, fn.params) if n not in bound}  # defaulted constexprs
-        options = {k: v for k, v in kw.items() if k not in names}
-        if "PDL" in names and target.backend == "cuda":  # as launched on Hopper (dispatch.pdl_launch)
-            bound["PDL"], options["launch_pdl"] = True, True
-        if "ASM" in names and target.backend == "hip":  # as an AMD GPU launches the dp4a GEMVs (no PTX)
-            bound["ASM"] = False
-        constexprs = {n: bound[n] for n, p in zip(names, fn.params) if p.is_constexpr}
-        sig, attrs = {}, {}
-        for i, n in enumerate(names):
-            v = bound[n]
-            if n in constexprs:
-                sig[n] = "constexpr"
-            elif isinstance(v, torch.Tensor):
-                sig[n] = "*" + _SIG_TYPES[v.dtype]
-                attrs[(i,)] = [["tt.divisibility", 16]]  # torch allocations are 256-byte aligned
-            elif isinstance(v, bool):
-                sig[n] = "i1"
-            elif isinstance(v, int):
-                sig[n] = "i32" if -2**31 <= v < 2**31 else "i64"
-                if v % 16 == 0:  # Triton specialises such ints the same way at launch
-                    attrs[(i,)] = [["tt.divisibility", 16]]
-            else:
-                sig[n] = "fp32"
-        key = (fn.__name__, tuple(sorted(sig.items())), tuple(sorted(constexprs.items())),
-               tuple(sorted(options.items())), tuple(sorted(attrs)))
-        if key in seen:
-            continue
-        seen.add(key)
-        label = f"{fn.__name__} " + " ".join(f"{k}={v}" for k, v in constexprs.items()
-                                              if k.isupper()) + f" {sig[names[0]]} {options}"
-        if kernels and not re.search(kernels, label):
-            continue
-        try:
-            compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
-                                      target=target, options=options)
-        except Exception as e:  # report every failing variant, not just the first
-            failures += 1
-            tqdm.write(f"FAIL {label}\n  {type(e).__name__}: {str(e)[-600:]}")
-            continue
-        usage = ""
-        if "cubin" in compiled.asm and cuobjdump.exists():
-            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-                f.write(compiled.asm["cubin"])
-                f.flush()
-                out = subprocess.run([str(cuobjdump), "-res-usage", f.name], capture_output=True, text=True).stdout
-            found = re.search(r"REG:(\d+) STACK:(\d+)", out)
-            usage = f"regs={found.group(1)} stack={found.group(2)}B" if found else ""
-        if shared_limit is not None and compiled.metadata.shared > shared_limit:
-            failures += 1
-            tqdm.write(f"FAIL {label} {usage} smem={compiled.metadata.shared} > {shared_limit} (sm_{arch}'s limit)")
-            continue
-        done += 1
-        tqdm.write(f"ok   {label} {usage} smem={compiled.metadata.shared}")
-    print(f"\n{done} variants compiled for {target.backend} {target.arch}, {failures} failed")
-    if failures:
-        sys.exit(1)
 
 
 def markdown(table: list) -> str:
@@ -734,16 +633,7 @@ def main() -> None:
     p.add_argument("--slow-ref", action="store_true", help="time the torch attention reference at 32K too")
     p.add_argument("--json", help="write all rows and the measured bandwidth here")
     p.add_argument("--smoke", action="store_true", help="CPU + Triton interpreter, tiny shapes")
-    p.add_argument("--compile-only", action="store_true",
-                   help="no GPU needed: compile every kernel variant for --arch and report registers")
-    p.add_argument("--arch", default="90", help="for --compile-only: CUDA compute capability (90) or "
-                                                "an AMD target (gfx942)")
-    p.add_argument("--kernels", help="for --compile-only: only variants whose label (kernel name, then "
-                                     "NAME=value constexprs) matches this regex")
     args = p.parse_args()
-    if args.compile_only:
-        compile_check(args.arch, args.kernels)
-        return
     args.dtype = getattr(torch, args.dtype)
     if SMOKE:
         device, shape, args.dtype = torch.device("cpu"), SHAPES["smoke"], torch.float32

@@ -246,12 +246,12 @@ def sweep(x, sets, gate_up, down, tokens, nbytes, old, device, args, where: dict
 def compile_only(arch: str) -> None:
     """Compile, for a GPU this machine need not have, every kernel variant the wrappers launch at
     the benchmark's shapes (bf16 and float32 activations, each weight type)."""
-    from bench_kernels import Recorder, compile_launches
+    from compile_kernels import Recorder, compile_launches
 
     from lucebox.kernels import triton_moe, triton_moe_align, triton_one_row
 
     launches = []
-    names = {triton_moe: ("_pairs_gate_up_kernel", "_silu_mul_splits_kernel", "_pairs_down_kernel",
+    names = {triton_moe: ("_pairs_gate_up_kernel", "_act_mul_splits_kernel", "_pairs_down_kernel",
                           "_grouped_gate_up_kernel", "_grouped_down_kernel", "_sum_top_k_kernel"),
              triton_moe_align: ("_count_kernel", "_offsets_kernel", "_scatter_kernel"),
              triton_one_row: ("_sum_splits_kernel",)}

@@ -1,0 +1,168 @@
+"""Compile lucebox's Triton kernels for a GPU this machine need not have (no GPU needed).
+
+    python scripts/compile_kernels.py                  # every variant the wrappers launch, for sm_90
+    python scripts/compile_kernels.py --kernels REGEX  # only variants whose label matches
+    python scripts/compile_kernels.py --arch gfx942    # an AMD target
+
+The interpreter the CPU tests use never lowers a kernel, so this is what catches code that only
+the GPU compiler rejects: each variant's registers and spills (cuobjdump, when Triton ships it) and
+its shared memory against the arch's limit (a launch asking more fails with OutOfResources). The
+launches are recorded by running the Python wrappers on CPU tensors of real shapes with every
+kernel replaced by a Recorder: the dense kernels at qwen3-8b-like shapes and Gemma 4's wide heads
+(bench_kernels.record_dense), the Gated DeltaNet kernels at Qwen3.6-27B's (record_gated_delta);
+scripts/bench_moe.py --compile-only records the MoE expert kernels.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+_SIG_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.uint8: "u8",
+              torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64",
+              torch.float8_e4m3fn: "fp8e4nv"}
+
+
+class Recorder:
+    """Stands in for a kernel: records each launch (kernel, args, kwargs) in `launches` instead of running it."""
+
+    def __init__(self, fn, launches: list):
+        self.fn, self.launches = fn, launches
+
+    def __getitem__(self, grid):
+        return lambda *a, **kw: self.launches.append((self.fn, a, kw))
+
+
+# Shared memory one block may take (bytes, opt-in maximum) by CUDA compute capability: a variant asking
+# more compiles but fails at launch (triton's OutOfResources).
+SHARED_LIMIT = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
+
+
+def compile_launches(launches: list, arch: str, kernels: str | None = None) -> None:
+    """Compile every distinct variant among recorded launches for `arch` (e.g. 90, or gfx942), those whose
+    label (kernel name, then its constexprs as NAME=value) matches the regex `kernels` if given; exit 1
+    if any fails or asks more shared memory than the arch has."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    target = GPUTarget("cuda", int(arch), 32) if arch.isdigit() else GPUTarget("hip", arch, 64)
+    cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+    seen, failures, done = set(), 0, 0
+    shared_limit = SHARED_LIMIT.get(int(arch)) if arch.isdigit() else None
+    for fn, args, kw in tqdm(launches, desc="compile"):
+        names = fn.arg_names
+        bound = dict(zip(names, args)) | {k: v for k, v in kw.items() if k in names}
+        bound |= {n: p.default for n, p in zip(names, fn.params) if n not in bound}  # defaulted constexprs
+        options = {k: v for k, v in kw.items() if k not in names}
+        if "PDL" in names and target.backend == "cuda":  # as launched on Hopper (dispatch.pdl_launch)
+            bound["PDL"], options["launch_pdl"] = True, True
+        if "ASM" in names and target.backend == "hip":  # as an AMD GPU launches the dp4a GEMVs (no PTX)
+            bound["ASM"] = False
+        constexprs = {n: bound[n] for n, p in zip(names, fn.params) if p.is_constexpr}
+        sig, attrs = {}, {}
+        for i, n in enumerate(names):
+            v = bound[n]
+            if n in constexprs:
+                sig[n] = "constexpr"
+            elif isinstance(v, torch.Tensor):
+                sig[n] = "*" + _SIG_TYPES[v.dtype]
+                attrs[(i,)] = [["tt.divisibility", 16]]  # torch allocations are 256-byte aligned
+            elif isinstance(v, bool):
+                sig[n] = "i1"
+            elif isinstance(v, int):
+                sig[n] = "i32" if -2**31 <= v < 2**31 else "i64"
+                if v % 16 == 0:  # Triton specialises such ints the same way at launch
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+            else:
+                sig[n] = "fp32"
+        key = (fn.__name__, tuple(sorted(sig.items())), tuple(sorted(constexprs.items())),
+               tuple(sorted(options.items())), tuple(sorted(attrs)))
+        if key in seen:
+            continue
+        seen.add(key)
+        label = f"{fn.__name__} " + " ".join(f"{k}={v}" for k, v in constexprs.items()
+                                              if k.isupper()) + f" {sig[names[0]]} {options}"
+        if kernels and not re.search(kernels, label):
+            continue
+        try:
+            compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
+                                      target=target, options=options)
+        except Exception as e:  # report every failing variant, not just the first
+            failures += 1
+            tqdm.write(f"FAIL {label}\n  {type(e).__name__}: {str(e)[-600:]}")
+            continue
+        usage = ""
+        if "cubin" in compiled.asm and cuobjdump.exists():
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(compiled.asm["cubin"])
+                f.flush()
+                out = subprocess.run([str(cuobjdump), "-res-usage", f.name], capture_output=True, text=True).stdout
+            found = re.search(r"REG:(\d+) STACK:(\d+)", out)
+            usage = f"regs={found.group(1)} stack={found.group(2)}B" if found else ""
+        if shared_limit is not None and compiled.metadata.shared > shared_limit:
+            failures += 1
+            tqdm.write(f"FAIL {label} {usage} smem={compiled.metadata.shared} > {shared_limit} (sm_{arch}'s limit)")
+            continue
+        done += 1
+        tqdm.write(f"ok   {label} {usage} smem={compiled.metadata.shared}")
+    print(f"\n{done} variants compiled for {target.backend} {target.arch}, {failures} failed")
+    if failures:
+        sys.exit(1)
+
+
+def record_gated_delta(launches: list) -> None:
+    """The Gated DeltaNet kernels' launches at Qwen3.6-27B's heads (16 key heads, 48 value heads,
+    128 x 128 states, a 4-tap conv over 10,240 channels): decode/verify steps with and without outputs,
+    a commit's normalised steps, tree verifies, the conv with and without a stash or a tree, gates, norm."""
+    from lucebox.kernels import triton_gated_delta as tgd
+
+    real = tgd._kernel
+    tgd._kernel = lambda kernels=real(): tuple(Recorder(k, launches) for k in kernels)
+    try:
+        tokens, seqs, kh, vh, d, channels, taps = 16, 2, 16, 48, 128, 2 * 16 * 128 + 48 * 128, 4
+        idx = torch.zeros(seqs, dtype=torch.long)
+        q, k = (torch.zeros(tokens, kh, d, dtype=torch.bfloat16) for _ in range(2))
+        v = torch.zeros(tokens, vh, d, dtype=torch.bfloat16)
+        g, beta = torch.zeros(tokens, vh), torch.zeros(tokens, vh)
+        state = torch.zeros(seqs + 1, vh, d, d)
+        for outputs, normalize in ((True, False), (False, True)):
+            tgd.gated_delta_steps_triton(q, k, v, g, beta, state, idx, idx, idx, idx, outputs, normalize)
+        rows = torch.zeros(tokens, dtype=torch.long)
+        tgd.gated_delta_tree_triton(q, k, v, g, beta, state, idx, idx, rows, rows, idx, rows)
+        qkv = torch.zeros(tokens, channels, dtype=torch.bfloat16)
+        conv = torch.zeros(seqs + 1, channels, taps - 1, dtype=torch.bfloat16)
+        weight = torch.zeros(channels, taps, dtype=torch.bfloat16)
+        stash = (torch.zeros(64, channels, dtype=torch.bfloat16),) * 2
+        for extra in ({}, {"stash": stash, "positions": 8}, {"stash": stash, "positions": 8, "tree": (rows, rows)}):
+            tgd.conv_steps_triton(qkv, conv, weight, idx, idx, idx, rows, rows, **extra)
+        tgd.gates_triton(torch.zeros(tokens, vh, dtype=torch.bfloat16), torch.zeros(tokens, vh, dtype=torch.bfloat16),
+                         torch.zeros(vh), torch.zeros(vh))
+        tgd.gated_rms_norm_triton(v.float(), v, torch.zeros(d), 1e-6, torch.bfloat16)
+    finally:
+        tgd._kernel = real
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", default="90", help="CUDA compute capability (90) or an AMD target (gfx942)")
+    p.add_argument("--kernels", help="only variants whose label (kernel name, then NAME=value constexprs) "
+                                     "matches this regex")
+    args = p.parse_args()
+    from bench_kernels import record_dense
+
+    launches: list = []
+    record_dense(launches)
+    record_gated_delta(launches)
+    compile_launches(launches, args.arch, args.kernels)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    main()
