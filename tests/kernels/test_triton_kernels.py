@@ -509,6 +509,9 @@ ATTENTION_CASES = {
     "prefill-rows-64-f32": ("f32", torch.float32, [70], [50], {"heads": 8, "kv_heads": 2},
                             {"rows": 64, "num_stages": 2, "block_kv": 16}, 1e-5),
     "wide-heads-512-f32": ("f32", torch.float32, [1, 40], [9, 20], {"head_dim": 512, "block_size": 16}, {}, 1e-5),
+    # Gemma 4's full-attention layers as launched: 512-wide heads, 16 query heads a K/V head, 16-bit
+    "gemma4-global-bf16": ("bf16", torch.bfloat16, [1, 40], [9, 20],
+                           {"head_dim": 512, "heads": 32, "kv_heads": 2, "block_size": 16}, {}, 2e-2),
 }
 
 
