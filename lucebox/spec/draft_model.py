@@ -79,8 +79,7 @@ class DraftModelProposer(Proposer):
         self.runner = runner
         self.blocks = block_manager
         if runner is not None and runner.recurrent_layers:
-            live = runner.recurrent_states[0].num_slots // 2  # slot s's snapshot is slot s + live
-            self.free_slots = list(range(live - 1, -1, -1))
+            self.free_slots = list(range(self._live - 1, -1, -1))
 
     def capture_graphs(self) -> None:
         self.runner.capture_graphs()
@@ -119,16 +118,16 @@ class DraftModelProposer(Proposer):
             self.synced[id(seq)] = seq.num_tokens  # fed will hold all of them after this step
         if restore:
             self._copy_states([s + self._live for s in restore], restore)
-        slots = {i: [self.slots[id(seqs[i])]] for i in active} if recurrent else {}
+        slot = {i: self.slots[id(seqs[i])] for i in active} if recurrent else {}
         for step in range(max((ks[i] for i in active), default=0)):
             rows = [i for i in active if len(drafts[i].tokens) < ks[i]]
             if not rows:
                 break
             logits = self.runner.forward([feed[i] for i in rows], [len(self.fed[id(seqs[i])]) for i in rows],
                                          [seqs[i].block_table for i in rows],
-                                         **({"state_slots": [slots[i][0] for i in rows]} if recurrent else {}))
+                                         **({"state_slots": [slot[i] for i in rows]} if recurrent else {}))
             if recurrent and step == 0:  # the committed tokens are in: snapshot before any draft goes in
-                self._copy_states([slots[i][0] for i in rows], [slots[i][0] + self._live for i in rows])
+                self._copy_states([slot[i] for i in rows], [slot[i] + self._live for i in rows])
                 for i in rows:
                     self.snapshot_at[id(seqs[i])] = seqs[i].num_tokens
             logits = _fit_vocab(logits, self.vocab)
