@@ -6,6 +6,7 @@
 # The modes live in scripts/gpu/*.sh as mode_NAME functions (NAME with - as _), each under `#:` lines
 # that `help` prints; the helpers they share (step, bench, run_tests) are here.
 # The device lacks the gguf package: scripts/device_wheels.sh fills .whl/ (git-ignored); pass carry [".whl"].
+# A call brings back at most 8 files: a mode leaving more packs them into one MODE-HHMMSS.tgz.
 # fla-core (.whl/fla_core*.whl) is opt-in: FLA=1 installs it, so hybrid prefill chunks take its kernels
 # (which compile for minutes on a cold Triton cache); without it they take the torch chunk path.
 set -uo pipefail
@@ -66,11 +67,20 @@ done
 usage() {
   for part in "${parts[@]}"; do grep '^#:' "$here/$part.sh" | cut -c4-; done
 }
+pack() {  # a device call brings back at most 8 files: past 7 loose ones, they go into one MODE-TIME.tgz
+  local loose
+  loose=$(find "$out" -maxdepth 1 -type f ! -name '*.tgz' -printf '%f\n' | sort)
+  [ "$(printf '%s' "$loose" | grep -c .)" -gt 7 ] || return 0
+  # shellcheck disable=SC2086  # file names are letters, digits, '.', '_' and '-'
+  (cd "$out" && tar czf "$1-$(date +%H%M%S).tgz" $loose && rm -f $loose)
+  echo "== packed $(printf '%s' "$loose" | grep -c .) files into $out/$1-*.tgz (tar xzf it here)"
+}
 mode=${1:-check}
 if [ "$mode" = help ]; then
   usage
 elif declare -F "mode_${mode//-/_}" > /dev/null; then
   "mode_${mode//-/_}"
+  pack "$mode"
 else
   echo "unknown mode '$mode'; the modes:" >&2
   usage >&2
