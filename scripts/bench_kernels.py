@@ -594,7 +594,7 @@ def record_dense(launches: list) -> None:
                     if k <= 4096:
                         triton_gemv.gemv(x, w, None, prologue, x if prologue == triton_gemv.NORM else None,
                                          norm_w, 1e-6, config=(2, triton_gemv.next_pow2(k), 4, 264))
-        for vocab, rows in ((8192, 1), (8192, 16), (151936, 16)):  # in-graph sampling: decode, verify
+        for vocab, rows in ((8192, 1), (8192, 16), (151936, 16), (262144, 16)):  # in-graph sampling (262K: Gemma 4)
             row = torch.zeros(1)
             for search in triton_sampling.SEARCHES:
                 triton_sampling.accept_rows_triton(torch.zeros(rows, vocab), torch.zeros(rows, dtype=torch.long),
