@@ -345,6 +345,7 @@ class CudaGraphRunner:
                                          tree_mask=view("tree_mask", tokens) if tree else None)
         batch.state_slots, batch.state_advance = view("state_slots", num_seqs), view("state_advance", num_seqs)
         batch.query_capture = {} if queries else None
+        batch.prefill_bucket = prefill
         hidden = self.model(batch)
         heads = tokens  # rows through the LM head
         if prefill:  # the LM head over one row, not the bucket's padded hundreds

@@ -93,6 +93,8 @@ class ForwardBatch:
     # longer than max_seq_len (the block-table width in tokens) -- what fixes a kernel's grid.
     max_query_len: int | None = None
     max_seq_len: int | None = None
+    # A prefill graph bucket's batch: one sequence, its real rows first, then padding.
+    prefill_bucket: bool = False
     # Models with Gated DeltaNet layers, per sequence: its recurrent-state slot, and how many of its
     # tokens advance the state in place (its length; 0 for a verify, whose drafts wait for the
     # verdict: model/recurrent_state.py). Device tensors; eager steps also carry the host lists.

@@ -276,6 +276,31 @@ def gated_delta_chunk(q, k, v, g, beta, state, slots: list[int], starts: list[in
     return out
 
 
+def gated_delta_chunk_slot(q, k, v, g, beta, state, slot: torch.Tensor,
+                           fla_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """One sequence's rows through the chunked rule with every length and index on the device (a
+    prefill graph bucket): it starts from state[slot] (slot: a device tensor [1]) and writes its final
+    state back there. Rows whose g and beta are 0 (a bucket's padding) neither decay nor write the
+    state. Shapes as gated_delta_chunk's; returns o [T, Hv, dv]."""
+    dk, dv = k.shape[-1], v.shape[-1]
+    use_fla = (all(t.is_cuda for t in (q, state)) and use_triton(q, state) and fla_chunk() is not None
+               and dk % 16 == 0 and dv % 16 == 0 and dk <= 256)
+    initial = state.index_select(0, slot)
+    if routing.gated_delta_route("chunk", fla=use_fla) == routing.FLA_CHUNK:
+        if fla_dtype is not None:
+            q, k, v = (x.to(fla_dtype) for x in (q, k, v))
+        o, final = fla_chunk()(q[None], k[None], v[None], g[None].float(), beta[None].float(), scale=1.0,
+                               initial_state=initial, output_final_state=True)
+        state.index_copy_(0, slot, final.float())
+        return o[0]
+    group = v.shape[1] // k.shape[1]
+    qh, kh = (x.float().repeat_interleave(group, dim=1).transpose(0, 1) for x in (q, k))
+    o, final = chunked_gated_delta_rule(qh, kh, v.float().transpose(0, 1), g.float().t(), beta.float().t(),
+                                        initial[0])
+    state.index_copy_(0, slot, final[None])
+    return o.transpose(0, 1)
+
+
 def warm_up_chunk(num_k_heads: int, num_v_heads: int, dk: int, dv: int, dtype: torch.dtype,
                   device: torch.device) -> None:
     """Run the prefill chunk kernel once at these head sizes (fla-core autotunes and compiles on its first

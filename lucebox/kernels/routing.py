@@ -29,6 +29,8 @@ DEQUANT_MATMUL); int8 entries of QUANT_ROUTES apply where int8 activations are a
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from gguf import GGMLQuantizationType as Q
 
@@ -84,6 +86,13 @@ def gated_delta_route(op: str, triton: bool = False, fla: bool = False) -> str:
     and the tensors are on CUDA."""
     device, reference = GATED_DELTA_ROUTES[op]
     return device if (fla if op == "chunk" else triton) else reference
+
+
+def bucket_chunks() -> bool:
+    """A prefill graph bucket's DeltaNet rows through the chunked rule (fla-core's kernel on CUDA, the
+    torch reference elsewhere) instead of the steps kernel token by token: opt-in (LUCEBOX_BUCKET_CHUNKS=1)
+    until a GPU measures it against the steps path, and shows fla-core's kernel captures in a graph."""
+    return os.environ.get("LUCEBOX_BUCKET_CHUNKS", "0") == "1"
 
 
 def rows_kind(rows: int) -> str:

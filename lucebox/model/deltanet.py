@@ -32,10 +32,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.forward_batch import ForwardBatch
+from ..kernels import routing
 from ..kernels.gated_delta import (  # noqa: F401  (the references, re-exported for tests)
     chunked_gated_delta_rule,
     conv_steps,
+    conv_windows,
     gated_delta_chunk,
+    gated_delta_chunk_slot,
     gated_delta_steps,
     gated_rms_norm,
     gates,
@@ -47,6 +50,9 @@ from ..kernels.gated_delta_tree import TreeLinks, gated_delta_tree, tree_links
 from ..util import host_to_device
 from .cache_spec import RecurrentSpec
 from .transformer import fuse_linears
+
+
+BUCKET = "prefill bucket"  # `_split`'s answer for a prefill graph bucket's rows under routing.bucket_chunks
 
 
 @dataclass
@@ -180,7 +186,9 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = self._project(h)
         g, beta = gates(a, b, self.A_log, self.dt_bias)
         steps, chunks = self._split(batch)
-        if chunks is None and steps is not None:
+        if steps is BUCKET:
+            out = self._bucket_chunk(qkv, beta, g, batch)
+        elif chunks is None and steps is not None:
             out = self._steps(qkv, beta, g, steps)
         else:
             out = torch.zeros(h.shape[0], self.num_v_heads, self.head_v_dim, dtype=torch.float32, device=h.device)
@@ -195,7 +203,9 @@ class GatedDeltaNet(nn.Module):
     def _split(batch: ForwardBatch) -> tuple[StepRows | None, list[int] | None]:
         """(the steps path's rows, the sequences of prefill chunks or None); the same for every layer."""
         if "deltanet" not in batch.layer_cache:
-            if batch.device_only:
+            if batch.prefill_bucket and routing.bucket_chunks():
+                split = BUCKET, None
+            elif batch.device_only:
                 split = StepRows.of_device_batch(batch), None
             else:
                 lens, advance = batch.query_lens_host, batch.state_advance_host
@@ -236,6 +246,20 @@ class GatedDeltaNet(nn.Module):
                                     scale=self.head_k_dim ** -0.5)
         return gated_delta_steps(q, k, v, g, beta, state.state, rows.slots, rows.starts, rows.ends, rows.advance,
                                  rows.max_len, normalize=True, scale=self.head_k_dim ** -0.5)
+
+    def _bucket_chunk(self, qkv, beta, g, batch: ForwardBatch) -> torch.Tensor:
+        """A prefill graph bucket's one sequence through the chunked rule, on the device only: its first
+        state_advance rows are real, the rest padding, which g = beta = 0 keeps out of the state; the conv
+        window moves to the raw inputs ending at the last real row. o [Q, Hv, dv] float32."""
+        state, slot, advance = self.state, batch.state_slots[:1], batch.state_advance[:1]
+        real = (torch.arange(qkv.shape[0], device=qkv.device) < advance)[:, None]
+        window = torch.cat([state.conv.index_select(0, slot)[0].to(qkv.dtype), qkv.t()], dim=1)
+        mixed = F.silu(F.conv1d(window[None], self.conv1d.weight.to(qkv.dtype), groups=self.conv_dim)[0]).t()
+        conv_windows(qkv, state.conv, slot, torch.zeros_like(slot), advance)
+        q, k, v = self._qkv_heads(mixed)
+        o = gated_delta_chunk_slot(q, k, v, torch.where(real, g, 0), torch.where(real, beta, 0), state.state, slot,
+                                   qkv.dtype)
+        return o.float()
 
     def _chunks(self, qkv, beta, g, batch: ForwardBatch, seqs: list[int], out: torch.Tensor) -> None:
         """Prefill chunks of sequences `seqs` (eager): conv per sequence from its window, then the

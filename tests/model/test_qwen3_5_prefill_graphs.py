@@ -12,6 +12,7 @@ import torch
 from lucebox import LLM, SamplingParams
 from lucebox.engine.cuda_graphs import GraphSettings
 from lucebox.engine.step_plan import StepPlan
+from lucebox.model.deltanet import GatedDeltaNet
 from lucebox.model.loader import load_model
 from tests.conftest import build_hf_model
 from tests.model.test_qwen3_5 import BLOCK_SIZE, HYBRID, prompts, runner_for
@@ -28,9 +29,17 @@ def states(layers):
     return [(layer.state.state.clone(), layer.state.conv.clone()) for layer in layers]
 
 
+@pytest.mark.parametrize("route", ["steps", "chunks"])
 @pytest.mark.parametrize("cached", [0, 9], ids=["fresh", "on-a-cached-context"])
 @pytest.mark.parametrize("new_tokens", [12, 30, 50])
-def test_a_hybrid_prefill_bucket_gives_the_eager_logits_and_state(hybrid_path, cached, new_tokens):
+def test_a_hybrid_prefill_bucket_gives_the_eager_logits_and_state(hybrid_path, cached, new_tokens, route,
+                                                                  monkeypatch):
+    """Either route of the bucket's DeltaNet rows: token by token (steps), or the chunked rule over the
+    padded bucket whose padding g = beta = 0 keeps out of the state (LUCEBOX_BUCKET_CHUNKS=1)."""
+    monkeypatch.setenv("LUCEBOX_BUCKET_CHUNKS", "1" if route == "chunks" else "0")
+    calls = []
+    real = GatedDeltaNet._bucket_chunk
+    monkeypatch.setattr(GatedDeltaNet, "_bucket_chunk", lambda self, *a: calls.append(1) or real(self, *a))
     loaded = load_model(str(hybrid_path), dtype="float32", device="cpu")  # states built on the CPU
     runner, blocks = runner_for(loaded)
     layers = [loaded.model.layers[i].linear_attn for i in runner.recurrent_layers]
@@ -51,6 +60,7 @@ def test_a_hybrid_prefill_bucket_gives_the_eager_logits_and_state(hybrid_path, c
         layer.state.conv.copy_(conv)
     got = runner.run(plan).logits
     assert sum(n for (b, q), n in runner.graphs.replays.items() if q >= 16) == 1  # a prefill bucket took it
+    assert bool(calls) == (route == "chunks")
     assert got.shape == want.shape == (1, vocab) and (got - want).abs().max().item() <= 1e-4
     for layer, (state, conv), (eager_state, _) in zip(layers, eager, before):
         assert (layer.state.state[1] - state[1]).abs().max() <= 1e-5  # the chunk path's final state
@@ -59,9 +69,11 @@ def test_a_hybrid_prefill_bucket_gives_the_eager_logits_and_state(hybrid_path, c
         assert not torch.equal(state[1], eager_state[1])
 
 
-def test_greedy_hybrid_generation_with_prefill_graphs_equals_eager(hybrid_path):
+@pytest.mark.parametrize("route", ["steps", "chunks"])
+def test_greedy_hybrid_generation_with_prefill_graphs_equals_eager(hybrid_path, route, monkeypatch):
     """Fresh prompts in one bucket each, and prompts repeating a cached prefix (a recurrent-state
-    snapshot loaded, the remainder through a bucket)."""
+    snapshot loaded, the remainder through a bucket); the buckets' DeltaNet rows either route."""
+    monkeypatch.setenv("LUCEBOX_BUCKET_CHUNKS", "1" if route == "chunks" else "0")
     vocab = 96
     base = prompts(vocab, [60], seed=7)[0]
     batch = [base[:40], base, base[:44] + prompts(vocab, [20], seed=8)[0], prompts(vocab, [100], seed=9)[0]]
@@ -85,7 +97,10 @@ def test_greedy_hybrid_generation_with_prefill_graphs_equals_eager(hybrid_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs")
-def test_captured_hybrid_prefill_buckets_generate_what_eager_prefills_do(hybrid_path):
+@pytest.mark.parametrize("route", ["steps", "chunks"])
+def test_captured_hybrid_prefill_buckets_generate_what_eager_prefills_do(hybrid_path, route, monkeypatch):
+    """chunks: the chunked rule (fla-core's kernel where installed) captured in the buckets."""
+    monkeypatch.setenv("LUCEBOX_BUCKET_CHUNKS", "1" if route == "chunks" else "0")
     batch = [prompts(96, [n], seed=10 + n)[0] for n in (40, 300)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outputs = {}
