@@ -40,11 +40,11 @@ from .sequence import Sequence
 from .step_plan import (
     CATCH_UP_LENS,
     PREFILL_GRAPH_LENS,
-    RECURRENT_PREFILL_GRAPH_MAX,
     RowKind,
     StepPlan,
     StepPlanner,
     StepResult,
+    recurrent_prefill_graph_max,
 )
 
 log = logging.getLogger("lucebox")
@@ -104,7 +104,7 @@ class LLMEngine:
                 own = proposer.runs_model.device != self.model.device  # --draft-device: eager there
                 slots = proposer.state_slots(args.max_num_seqs)
                 draft_graphs = None if graphs is None or own else replace(graphs, sample=False, prefill_lens=tuple(
-                    q for q in graphs.prefill_lens if not slots or q <= RECURRENT_PREFILL_GRAPH_MAX))
+                    q for q in graphs.prefill_lens if not slots or q <= recurrent_prefill_graph_max()))
                 runner = ModelRunner(proposer.runs_model, num_blocks, args.block_size, graphs=draft_graphs,
                                      **({"state_slots": slots} if slots else {}))
             proposer.allocate(num_blocks, args.block_size, self.scheduler.blocks, graphs, runner)
@@ -193,7 +193,7 @@ class LLMEngine:
         tree_lens = tuple(spec.tree_row_lens()) if spec is not None else ()
         recurrent = any(isinstance(s, RecurrentSpec) for s in self.model.cache_specs())
         # A bucket's padding sequence spans its whole length: no longer than a sequence or a step may be
-        longest = min(RECURRENT_PREFILL_GRAPH_MAX if recurrent else PREFILL_GRAPH_LENS[-1], self.max_model_len,
+        longest = min(recurrent_prefill_graph_max() if recurrent else PREFILL_GRAPH_LENS[-1], self.max_model_len,
                       self.args.max_num_batched_tokens)
         prefill_lens = tuple(q for q in PREFILL_GRAPH_LENS if q <= longest) if self.args.prefill_graphs else ()
         return GraphSettings(self.max_model_len, min(self.args.cuda_graph_max_batch, self.args.max_num_seqs),

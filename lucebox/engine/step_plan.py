@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..kernels import routing
 from ..model.feature_ring import RingRows
 from ..sampling.acceptance import Draft
 from ..sampling.graph_rows import GraphRow, argmax_only, graph_row, graph_samplable
@@ -26,8 +27,14 @@ CATCH_UP_LENS = (32, 64, 128, 256)
 # Prefill graph lengths (EngineArgs.prefill_graphs): one sequence's new tokens, padded up to one of these
 # (past 512 a step pads by at most half its tokens: prefill there is compute-bound).
 PREFILL_GRAPH_LENS = (64, 128, 256, 512, 768, 1024, 1536, 2048)
-# A graph steps recurrent (DeltaNet) layers token by token: hybrids' prefill buckets stop here.
+# A graph steps recurrent (DeltaNet) layers token by token: hybrids' prefill buckets stop here (unless
+# routing.bucket_chunks sends them through the chunked rule).
 RECURRENT_PREFILL_GRAPH_MAX = 512
+
+
+def recurrent_prefill_graph_max() -> int:
+    """The longest prefill bucket of a model with recurrent layers."""
+    return PREFILL_GRAPH_LENS[-1] if routing.bucket_chunks() else RECURRENT_PREFILL_GRAPH_MAX
 
 
 class RowKind(enum.Enum):

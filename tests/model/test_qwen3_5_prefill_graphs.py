@@ -11,7 +11,7 @@ import torch
 
 from lucebox import LLM, SamplingParams
 from lucebox.engine.cuda_graphs import GraphSettings
-from lucebox.engine.step_plan import StepPlan
+from lucebox.engine.step_plan import StepPlan, recurrent_prefill_graph_max
 from lucebox.model.deltanet import GatedDeltaNet
 from lucebox.model.loader import load_model
 from tests.conftest import build_hf_model
@@ -74,6 +74,7 @@ def test_greedy_hybrid_generation_with_prefill_graphs_equals_eager(hybrid_path, 
     """Fresh prompts in one bucket each, and prompts repeating a cached prefix (a recurrent-state
     snapshot loaded, the remainder through a bucket); the buckets' DeltaNet rows either route."""
     monkeypatch.setenv("LUCEBOX_BUCKET_CHUNKS", "1" if route == "chunks" else "0")
+    assert recurrent_prefill_graph_max() == (2048 if route == "chunks" else 512)  # chunks: every bucket length
     vocab = 96
     base = prompts(vocab, [60], seed=7)[0]
     batch = [base[:40], base, base[:44] + prompts(vocab, [20], seed=8)[0], prompts(vocab, [100], seed=9)[0]]
