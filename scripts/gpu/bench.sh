@@ -185,6 +185,27 @@ mode_prefill_graphs() {
   done
 }
 
+#: hybrid-buckets  hybrids' prefill: eager, graph buckets whose DeltaNet rows step token by token, and buckets
+#:              taking the chunked rule (LUCEBOX_BUCKET_CHUNKS=1), in one call: TTFT of 128/512/1K/2K-token
+#:              prompts and 256 tokens on a cached 4K prefix, qwen3.6-27b q4_k_m (RUNS picks shape:quant
+#:              pairs); run with FLA=1 for fla-core's chunk kernel (~6 min + fla's first compile)
+mode_hybrid_buckets() {
+  local sq
+  run_tests hybrid-buckets-tests 120 tests/model/test_qwen3_5_prefill_graphs.py
+  for sq in ${RUNS:-qwen3.6-27b:q4_k_m}; do
+    for how in eager steps chunks; do
+      local flags=(--prefill-graphs) chunks=0
+      [ $how = eager ] && flags=(--no-prefill-graphs)
+      [ $how = chunks ] && chunks=1
+      export LUCEBOX_BUCKET_CHUNKS=$chunks
+      bench "hybrid-buckets-${sq/:/-}-$how" 150 --shape ${sq%%:*} --quant ${sq##*:} \
+        --prompt-lens 128 512 1024 2048 --contexts 512 --decode-tokens 32 --prefix-lens 4096 --suffix-lens 256 \
+        --skip verify forced spec peer "${flags[@]}"
+    done
+  done
+  unset LUCEBOX_BUCKET_CHUNKS
+}
+
 #: throughput   issue 33 item 6: bench throughput on qwen3-8b bf16 and q4_k_m at 1/8/32/64 sequences (prompt
 #:              128, 64 out), plain and with n-gram speculation, against each batch's bandwidth limit (~8 min);
 #:              THROUGHPUT_ARGS adds flags, e.g. "--concurrency 1 8 32 64 128"
