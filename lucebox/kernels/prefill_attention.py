@@ -52,8 +52,8 @@ MIN_QUERY_LEN = 64
 # keys, so a tile as long as the window would compute twice the products its window keeps.
 WINDOW_TILES = 4
 MIN_WINDOW_TILE = 128
-# The widest head that torch's fused SDPA kernels (FlashAttention, cuDNN) take with enable_gqa; Gemma 4's
-# full-attention layers have 512.
+# The widest head that torch's fused SDPA kernels (FlashAttention, cuDNN: 16-bit only) take with enable_gqa;
+# Gemma 4's full-attention layers have 512.
 FUSED_GQA_MAX_HEAD_DIM = 256
 
 
@@ -114,10 +114,10 @@ def _causal_lower_right(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     keys 0..m - q_len + j."""
     heads, q_len, head_dim = q.shape
     m = k.shape[1]
-    if gqa and head_dim > FUSED_GQA_MAX_HEAD_DIM:
-        # No fused kernel broadcasts K/V heads this wide (enable_gqa would fall back to the math
-        # kernel and its [heads, q_len, m] scores): each K/V head is a batch entry of its query
-        # group, its K/V views expanded without copies, which the memory-efficient kernel takes.
+    if gqa and (head_dim > FUSED_GQA_MAX_HEAD_DIM or (q.is_cuda and q.dtype == torch.float32)):
+        # No fused kernel broadcasts K/V heads this wide, or in float32 on CUDA (enable_gqa would fall
+        # back to the math kernel and its [heads, q_len, m] scores): each K/V head is a batch entry of
+        # its query group, its K/V views expanded without copies, which the memory-efficient kernel takes.
         kv_heads = k.shape[0]
         group = heads // kv_heads
         q = q.reshape(kv_heads, group, q_len, head_dim)
