@@ -67,9 +67,12 @@ class DraftModelProposer(Proposer):
         return 2 * max_num_seqs if self._recurrent_specs() else 0
 
     def fixed_bytes(self, max_num_seqs: int) -> int:
-        """Device bytes of those slots (and the scratch slot), for the memory plan."""
+        """Bytes of those slots (and the scratch slot) on the target's device, for the memory plan
+        (none when the draft runs elsewhere: --draft-device)."""
         slots = self.state_slots(max_num_seqs)
-        return (slots + 1) * bytes_per_sequence(self._recurrent_specs()) if slots else 0
+        if not slots or self.device != self.target.model.device:
+            return 0
+        return (slots + 1) * bytes_per_sequence(self._recurrent_specs())
 
     @property
     def runs_model(self):

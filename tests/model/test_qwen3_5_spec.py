@@ -259,6 +259,8 @@ def test_a_hybrid_draft_model_drafts_its_own_greedy_continuation_across_rejectio
     assert proposer.slots == {}  # finished sequences gave their slots back
     assert proposer.runner.recurrent_states[0].num_slots == 2 * 4  # a live and a snapshot slot a sequence
     assert proposer.fixed_bytes(4) > 0  # counted by the memory plan
+    proposer.device = torch.device("meta")  # a draft on another device (--draft-device): not the target's bytes
+    assert proposer.fixed_bytes(4) == 0
 
 
 def test_a_hybrid_draft_model_through_graph_buckets_is_token_identical(hybrid_path, tmp_path, tokenizer_dir):
