@@ -346,6 +346,13 @@ def pdl_tiles() -> bool:
     return _switch(os.environ.get("LUCEBOX_PDL_TILES")) is True
 
 
+def bucket_chunks_setting() -> bool:
+    """LUCEBOX_BUCKET_CHUNKS (0 | 1; default 0): 1 sends a hybrid's prefill graph buckets' Gated DeltaNet
+    rows through the chunked rule instead of token by token (kernels/routing.bucket_chunks). Read at
+    engine build and at each bucket's capture."""
+    return _switch(os.environ.get("LUCEBOX_BUCKET_CHUNKS")) is True
+
+
 def int8_activations_setting() -> bool | None:
     """LUCEBOX_INT8_ACTIVATIONS (0 | 1; default unset): whether quantised decode and verify products
     may round their activation rows to int8 where that is faster. Unset (None): yes on CUDA, no on

@@ -137,5 +137,6 @@ def test_readme_documents_every_variable_config_reads():
     read = set(re.findall(r'os\.environ\.get\("(LUCEBOX_\w+)"', (PACKAGE / "config.py").read_text()))
     table = [line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `LUCEBOX_")]
     documented = {re.match(r"\| `(LUCEBOX_\w+)`", line).group(1) for line in table}
-    assert read == {"LUCEBOX_TRITON", "LUCEBOX_PDL", "LUCEBOX_PDL_TILES", "LUCEBOX_INT8_ACTIVATIONS", "LUCEBOX_CACHE"}
+    assert read == {"LUCEBOX_TRITON", "LUCEBOX_PDL", "LUCEBOX_PDL_TILES", "LUCEBOX_INT8_ACTIVATIONS", "LUCEBOX_CACHE",
+                    "LUCEBOX_BUCKET_CHUNKS"}
     assert documented == read

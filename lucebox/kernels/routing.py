@@ -29,11 +29,10 @@ DEQUANT_MATMUL); int8 entries of QUANT_ROUTES apply where int8 activations are a
 """
 from __future__ import annotations
 
-import os
-
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from ..config import bucket_chunks_setting
 from .dispatch import int8_activations, use_triton
 from .norm import needs_grad
 
@@ -92,7 +91,7 @@ def bucket_chunks() -> bool:
     """A prefill graph bucket's DeltaNet rows through the chunked rule (fla-core's kernel on CUDA, the
     torch reference elsewhere) instead of the steps kernel token by token: opt-in (LUCEBOX_BUCKET_CHUNKS=1)
     until a GPU measures it against the steps path, and shows fla-core's kernel captures in a graph."""
-    return os.environ.get("LUCEBOX_BUCKET_CHUNKS", "0") == "1"
+    return bucket_chunks_setting()
 
 
 def rows_kind(rows: int) -> str:
