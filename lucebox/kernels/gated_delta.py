@@ -242,16 +242,20 @@ def fla_chunk():
     return chunk_gated_delta_rule
 
 
+def _fla_applies(q, k, v, state) -> bool:
+    """fla-core's chunk kernel can take these: CUDA tensors Triton may run on, head sizes its tiles are made for."""
+    dk, dv = k.shape[-1], v.shape[-1]
+    return (all(t.is_cuda for t in (q, state)) and use_triton(q, state) and fla_chunk() is not None
+            and dk % 16 == 0 and dv % 16 == 0 and dk <= 256)
+
+
 def gated_delta_chunk(q, k, v, g, beta, state, slots: list[int], starts: list[int],
                       fla_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Prefill chunks: sequence i's tokens are rows starts[i]..starts[i+1]-1 of q/k [T, Hk, dk]
     (normalised, q scaled), v [T, Hv, dv], g/beta [T, Hv]; it starts from state[slots[i]] and its
     final state is written back there. Returns o [T, Hv, dv] (float32 on the torch path). fla_dtype:
     what fla's kernels read q/k/v in (the model's dtype; the state stays float32)."""
-    dk, dv = k.shape[-1], v.shape[-1]
-    use_fla = (all(t.is_cuda for t in (q, state)) and use_triton(q, state) and fla_chunk() is not None
-               and dk % 16 == 0 and dv % 16 == 0 and dk <= 256)  # head sizes fla's tiles are made for
-    if routing.gated_delta_route("chunk", fla=use_fla) == routing.FLA_CHUNK:
+    if routing.gated_delta_route("chunk", fla=_fla_applies(q, k, v, state)) == routing.FLA_CHUNK:
         if fla_dtype is not None:
             q, k, v = (x.to(fla_dtype) for x in (q, k, v))
         index = torch.tensor(slots, dtype=torch.long).to(state.device, non_blocking=True)
@@ -282,11 +286,8 @@ def gated_delta_chunk_slot(q, k, v, g, beta, state, slot: torch.Tensor,
     prefill graph bucket): it starts from state[slot] (slot: a device tensor [1]) and writes its final
     state back there. Rows whose g and beta are 0 (a bucket's padding) neither decay nor write the
     state. Shapes as gated_delta_chunk's; returns o [T, Hv, dv]."""
-    dk, dv = k.shape[-1], v.shape[-1]
-    use_fla = (all(t.is_cuda for t in (q, state)) and use_triton(q, state) and fla_chunk() is not None
-               and dk % 16 == 0 and dv % 16 == 0 and dk <= 256)
     initial = state.index_select(0, slot)
-    if routing.gated_delta_route("chunk", fla=use_fla) == routing.FLA_CHUNK:
+    if routing.gated_delta_route("chunk", fla=_fla_applies(q, k, v, state)) == routing.FLA_CHUNK:
         if fla_dtype is not None:
             q, k, v = (x.to(fla_dtype) for x in (q, k, v))
         o, final = fla_chunk()(q[None], k[None], v[None], g[None].float(), beta[None].float(), scale=1.0,

@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.forward_batch import ForwardBatch
 from ..kernels import routing
+from ..kernels.forward_batch import ForwardBatch
 from ..kernels.gated_delta import (  # noqa: F401  (the references, re-exported for tests)
     chunked_gated_delta_rule,
     conv_steps,

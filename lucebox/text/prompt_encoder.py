@@ -16,6 +16,8 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from ..util import common_prefix
+
 # Prompts shorter than this are encoded whole and not kept: the search would cost what it saves.
 MIN_CHARS = 2048
 ENTRIES = 16  # recent prompts kept (one per conversation an agent or a user keeps going)
@@ -28,18 +30,6 @@ class _Encoded:
     ids: list[int]
     starts: list[int]  # character offset of each special token's start, ascending
     before: list[int]  # ids before that special token
-
-
-def common_prefix(a: str, b: str) -> int:
-    """Length of the longest common prefix of a and b (slices compared in C, 4K characters at a time)."""
-    n, i, step = min(len(a), len(b)), 0, 4096
-    while i + step <= n and a[i:i + step] == b[i:i + step]:
-        i += step
-    while step > 1:  # then halves of what is left
-        step //= 2
-        if i + step <= n and a[i:i + step] == b[i:i + step]:
-            i += step
-    return i
 
 
 class PromptEncoder:

@@ -12,7 +12,8 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from lucebox.text import prompt_encoder
-from lucebox.text.prompt_encoder import PromptEncoder, common_prefix
+from lucebox.text.prompt_encoder import PromptEncoder
+from lucebox.util import common_prefix
 from lucebox.text.tokenizer import Tokenizer as LuceboxTokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -132,6 +133,7 @@ def test_the_kept_prompts_stay_within_their_bounds(bundled):
 
 
 @pytest.mark.parametrize("a, b, n", [("", "abc", 0), ("abc", "abc", 3), ("abcx", "abcy", 3),
-                                     ("a" * 10000 + "b", "a" * 10000 + "c", 10000), ("a" * 9000, "a" * 5000, 5000)])
+                                     ("a" * 10000 + "b", "a" * 10000 + "c", 10000), ("a" * 9000, "a" * 5000, 5000),
+                                     ([1, 2, 3], [1, 2, 4], 2), (list(range(9000)), list(range(7000)) + [0], 7000)])
 def test_common_prefix(a, b, n):
     assert common_prefix(a, b) == n
