@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from lucebox.bench.prompts import held_out_texts  # noqa: E402
 from lucebox.bench.spec import decode_one  # noqa: E402
 from lucebox.config import EngineArgs  # noqa: E402
+from lucebox.engine.commit import StepCommitter  # noqa: E402
 from lucebox.engine.engine import LLMEngine  # noqa: E402
 from lucebox.engine.output_processor import OutputProcessor  # noqa: E402
 from lucebox.engine.runner import ModelRunner  # noqa: E402
@@ -39,7 +40,7 @@ from lucebox.sampling.sampler import Sampler  # noqa: E402
 from lucebox.spec.dflash import DFlashProposer  # noqa: E402
 from lucebox.spec.speculator import Speculator  # noqa: E402
 
-SECTIONS = [(LLMEngine, "step"), (ModelRunner, "run"), (Sampler, "__call__"), (LLMEngine, "_commit"),
+SECTIONS = [(LLMEngine, "step"), (ModelRunner, "run"), (Sampler, "__call__"), (StepCommitter, "commit"),
             (OutputProcessor, "verdicts"), (OutputProcessor, "append"), (Speculator, "choose"),
             (Speculator, "propose"), (Speculator, "record_step"), (DFlashProposer, "propose"),
             (DFlashProposer, "_project"), (DFlashProposer, "_draft_logits"), (OutputProcessor, "collect")]

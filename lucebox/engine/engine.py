@@ -7,25 +7,22 @@ import logging
 import time
 from dataclasses import replace
 
-import torch
 
 from ..config import EngineArgs, check_keep_ratio
 from ..errors import OverloadError, RequestError, UnsupportedError
 from ..kernels.forward_batch import MAX_TREE_TOKENS
 from ..model.cache_spec import RecurrentSpec, bytes_per_token, window_blocks
-from ..model.feature_ring import RingRows
 from ..model.loader import LoadedModel, check_device
 from ..outputs import RequestOutput
 from ..sampling import SamplingParams
 from ..sampling.sampler import Sampler, make_generator
 from ..spec.factory import make_speculator
-from ..spec.tree import top_chain
 from ..text.stop import StopChecker
 from ..text.tokenizer import IncrementalDetokenizer
-from ..util import host_to_device
 from . import admission
 from .build import args_and_model
 from .cache_manager import CacheManager
+from .commit import StepCommitter
 from .cuda_graphs import GraphSettings
 from .memory_plan import make_kv_pool, plan_kv_blocks, stash_rows
 from .output_processor import OutputProcessor
@@ -41,9 +38,7 @@ from .step_plan import (
     CATCH_UP_LENS,
     PREFILL_GRAPH_LENS,
     RowKind,
-    StepPlan,
     StepPlanner,
-    StepResult,
     recurrent_prefill_graph_max,
 )
 
@@ -131,6 +126,8 @@ class LLMEngine:
         # it), and "unused ahead" (launched ahead, then not what the scheduler asked for).
         self.step_counts: collections.Counter = collections.Counter()
         self.overlap = Overlap(self.runner, self.scheduler, self.speculator, self.max_model_len, self.step_counts)
+        self.committer = StepCommitter(self.scheduler, self.runner, self.speculator, self.outputs, self.progress,
+                                       self.overlap, self.kv_pool)
         self._arrivals = itertools.count()
         log.info("KV pool: %d blocks of %d tokens = %d tokens%s", num_blocks, args.block_size,
                  num_blocks * args.block_size, " (full-attention layers)" if len(groups) > 1 else "")
@@ -321,7 +318,7 @@ class LLMEngine:
         verifying = plan.of(RowKind.VERIFY)
         self.step_counts["prefill" if plan.prefilling else "verify" if verifying else "overlapped" if overlapped
                          else "plain"] += 1
-        self._commit_step(plan, result)
+        self.committer.commit_step(plan, result)
         touched = dict.fromkeys(row.seq.request_id for row in plan.of(RowKind.DECODE) + verifying)
         outputs = failed + self.outputs.collect(self.requests, touched)
         if spec is not None:  # the step's full cost, outputs too
@@ -331,78 +328,6 @@ class LLMEngine:
             else:
                 spec.record_step(batch.total_tokens, seconds, overlapped)
         return outputs
-
-    def _commit_step(self, plan: StepPlan, result: StepResult) -> None:
-        """Commit every row's positions, then process what it brought back: decodes' logits rows
-        come first, then each verify's k + 1."""
-        features, out = result.features, self.outputs
-        for row in plan.of(RowKind.CHUNK):
-            self._commit(row.seq, len(row.tokens), features, row.offset)
-            self.progress.chunk_done(row.seq)
-        decodes, verifies = plan.of(RowKind.DECODE), plan.of(RowKind.VERIFY)
-        if decodes:
-            tokens, logprobs = out.decode_tokens(decodes, result)
-            for row, token, lp in zip(decodes, tokens, logprobs):
-                seq = row.seq
-                self._commit(seq, seq.num_tokens - seq.num_computed, features, row.offset)
-                self.progress.prompt_done(seq)
-                out.append(seq, token, lp)
-        if verifies:
-            for row in verifies:
-                row.seq.draft = None
-            verdicts, logprobs = out.verdicts(verifies, result, len(decodes))
-            self._compact_trees(verifies, verdicts)
-            with self.scheduler.cache.commits_batched():  # recurrent state: every verify's in one launch a layer
-                for row, verdict, lps in zip(verifies, verdicts, logprobs):
-                    seq = row.seq
-                    # A tree's draft length is its depth: the chain it stands in for.
-                    drafted = max(row.depths) if row.depths is not None else len(row.draft.tokens)
-                    chain = top_chain(row.depths, verdict.rows) if verdict.rows is not None else None
-                    self.speculator.record(seq, drafted, verdict.num_accepted, chain)
-                    taps, at = features, row.offset
-                    if verdict.rows is not None and isinstance(features, RingRows):  # a graph step's ring rows
-                        self._compact_ring_rows(features, row.offset, verdict.rows)
-                    elif verdict.rows is not None and features is not None:  # the accepted nodes' taps, in order
-                        taps, at = features[host_to_device([row.offset + r for r in verdict.rows], features.device,
-                                                           torch.long)], 0
-                    self._commit(seq, 1 + verdict.num_accepted, taps, at)  # the pending token + accepted
-                    self.scheduler.cache.rollback(seq, seq.num_computed + 1, verdict.num_accepted,  # rejected drafts
-                                                  verdict.rows)  # a tree's accepted rows: the state follows them
-                    out.append_tokens(seq, verdict.tokens, lps)
-        if self.kv_pool is not None:  # host copies of the step's full blocks, then resident sets re-chosen
-            self.kv_pool.finish_step(result.queries, {id(row.seq): row.index for row in plan.rows})
-
-    def _compact_trees(self, verifies, verdicts) -> None:
-        """Tree verifies stored node i at start + i: the accepted path's K/V move onto start + 0, 1, ...
-        (as if verified as a chain); what lies past them is rolled back like rejected chain drafts."""
-        moved = [(row, v.rows) for row, v in zip(verifies, verdicts)
-                 if v.rows is not None and v.rows != list(range(len(v.rows)))]
-        if moved:
-            self.runner.compact_tree_rows([row.block_table for row, _ in moved], [row.start for row, _ in moved],
-                                          [rows for _, rows in moved], [row.window_tables for row, _ in moved])
-
-    def _compact_ring_rows(self, features: RingRows, offset: int, accepted: list[int]) -> None:
-        """A tree verify through a graph wrote its taps to feature-ring rows: the accepted nodes' rows
-        move onto the row's first ones, in order (one gather before the writes, as kv_compact does)."""
-        if accepted == list(range(len(accepted))):
-            return
-        ring = self.speculator.proposer.feature_ring.rows
-        first = features.first + offset
-        src = host_to_device([first + r for r in accepted], ring.device, torch.long)
-        dst = host_to_device(list(range(first, first + len(accepted))), ring.device, torch.long)
-        ring.index_copy_(0, dst, ring.index_select(0, src))
-
-    def _commit(self, seq: Sequence, n: int, features, offset: int) -> None:
-        """The next n positions of seq (their K/V written this step) are now committed."""
-        spec = self.speculator
-        if features is not None:
-            spec.observe(seq, seq.num_computed, features[offset:offset + n])
-        elif spec is not None and spec.capture_layers and (spec.every_step or not self.overlap.in_run):
-            spec.missed(seq, seq.num_computed)  # a dormant drafter's step (a run's: told already; every_step: raises)
-        seq.num_computed += n
-        self.scheduler.cache.commit(seq)
-        if self.kv_pool is not None:
-            self.kv_pool.committed(seq, n)
 
     def _recompute_taps(self, late: list[tuple[Sequence, int]]):
         """(seq, start, features) chunks of the drafter's taps each late sequence missed from start,

@@ -181,9 +181,9 @@ def test_greedy_trees_through_tree_buckets_equal_plain_decoding(pair, plain_llm,
     taps = projected_taps(llm)
     assert graphs.tree_lens == [13]  # every depth: the budget's 12 (top-16 per depth)
     moved = []
-    compact = llm.engine._compact_ring_rows
-    llm.engine._compact_ring_rows = lambda f, at, rows: (moved.append(rows != list(range(len(rows)))),
-                                                         compact(f, at, rows))
+    compact = llm.engine.committer.compact_ring_rows
+    llm.engine.committer.compact_ring_rows = lambda f, at, rows: (moved.append(rows != list(range(len(rows)))),
+                                                                   compact(f, at, rows))
     outs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == token_ids(plain_llm, prompts, GREEDY)
     assert sum(graphs.tree_replays.values()) > 0 and sum(o.metrics.num_accepted_tokens for o in outs) > 0
