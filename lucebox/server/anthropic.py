@@ -16,11 +16,11 @@ from .generate import (
     generate,
     prepare_chat,
     request_id,
-    sampling_params,
     skip_special_tokens,
 )
 from .openai_chat import first_item
 from .protocol import CountTokensRequest, MessagesRequest
+from .request_limits import sampling_params
 from .sse import SSE_HEADERS, anthropic_error_event, sse
 from .tools import ToolSpec, assistant_tool_call, call_id, check_tools, parse_arguments
 

@@ -22,10 +22,10 @@ from . import dashboard, protocol
 from .body import read_json, validate
 from .constrain import GrammarFactory
 from .errors import APIError, api_of, refused
-from .generate import WorkLedger
 from .config import ServerConfig
 from .metrics import Metrics
 from .openapi import openapi_schema
+from .request_limits import WorkLedger
 from .tools import tool_format
 from .turn_end import TurnEnd
 

@@ -7,20 +7,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from .errors import APIError
-from .generate import (
-    KEEPALIVE,
-    Prepared,
-    Usage,
-    drain,
-    generate,
-    max_tokens_for,
-    off_loop,
-    request_id,
-    sampling_params,
-    token_text,
-)
+from .generate import KEEPALIVE, Prepared, Usage, drain, generate, off_loop, request_id, token_text
 from .openai_chat import first_item
 from .protocol import CompletionRequest
+from .request_limits import max_tokens_for, sampling_params
 from .sse import SSE_HEADERS, openai_error_event, sse
 
 

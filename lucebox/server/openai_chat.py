@@ -17,14 +17,13 @@ from .generate import (
     build_processors,
     drain,
     generate,
-    max_tokens_for,
     prepare_chat,
     request_id,
-    sampling_params,
     skip_special_tokens,
     token_text,
 )
 from .protocol import ChatCompletionRequest
+from .request_limits import max_tokens_for, sampling_params
 from .sse import SSE_HEADERS, openai_error_event, sse
 from .tools import ToolSpec, assistant_tool_call, call_id, check_tools
 

@@ -19,14 +19,13 @@ from .generate import (
     build_processors,
     drain,
     generate,
-    max_tokens_for,
     prepare_chat,
     request_id,
-    sampling_params,
     skip_special_tokens,
 )
 from .openai_chat import first_item
 from .protocol import ResponsesRequest
+from .request_limits import max_tokens_for, sampling_params
 from .sse import SSE_HEADERS, sse
 from .tools import CUSTOM_SCHEMA, ToolSpec, assistant_tool_call, call_id, check_tools
 
