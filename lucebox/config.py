@@ -353,6 +353,13 @@ def bucket_chunks_setting() -> bool:
     return _switch(os.environ.get("LUCEBOX_BUCKET_CHUNKS")) is True
 
 
+def dp4a_runs_setting() -> bool:
+    """LUCEBOX_DP4A_RUNS (0 | 1; default 0): 1 sends one-row int8 GEMVs (Q4_K, split Q8_0 / Q6_K) to the
+    kernels that keep each thread's sums apart until the end (kernels/triton_dp4a.py, "runs"). Read at
+    each product (kernels/routing.dp4a_runs)."""
+    return _switch(os.environ.get("LUCEBOX_DP4A_RUNS")) is True
+
+
 def int8_activations_setting() -> bool | None:
     """LUCEBOX_INT8_ACTIVATIONS (0 | 1; default unset): whether quantised decode and verify products
     may round their activation rows to int8 where that is faster. Unset (None): yes on CUDA, no on

@@ -179,10 +179,11 @@ def bench_quant(args, shape, peak, device) -> list:
         t_dense = bench_in_graph(lambda w: F.linear(x, w), copies(w16), device)
         best = {}
         if args.sweep and device.type == "cuda":
-            best = sweep_quant(x, raws, qtype, k, m, device)
-            if qtype in layout.SPLIT_TYPES:
+            paths = args.sweep_paths
+            best = sweep_quant(x, raws, qtype, k, m, device) if "float" in paths else {}
+            if qtype in layout.SPLIT_TYPES and "split" in paths:
                 best |= sweep_split_rows(x, raws, qtype, k, m, ref, device)
-            if qtype in (Q.Q4_K, Q.Q8_0, Q.Q6_K):
+            if qtype in (Q.Q4_K, Q.Q8_0, Q.Q6_K) and "int8" in paths:
                 best |= sweep_int8(x, raws, qtype, k, m, ref, device)
         row(table, kernel="quant_matmul", qtype=qtype.name, layer=name, N=n, K=k, M=m, rel_err=err,
             us=t_tri * 1e3, GBps=gbps(nbytes, t_tri), pct_peak=100 * gbps(nbytes, t_tri) / peak,
@@ -247,7 +248,8 @@ def sweep_split_rows(x, raws, qtype, k, m, ref, device) -> dict:
 def sweep_int8(x, raws, qtype, k, m, ref, device) -> dict:
     """The product on int8 activations (kernels/triton_quant_int8.py; the rounding launch inside the
     time): the dp4a GEMV at M = 1, integer tensor cores above; Q4_K on ggml rows, Q8_0 and Q6_K on
-    split rows. Its error against the float product, the default launch and the best of a grid."""
+    split rows. Its error against the float product, the default launch and the best of a grid; at
+    M = 1 also the kernel that keeps each thread's sums apart (triton_dp4a runs=True) where one exists."""
     split_rows = qtype != Q.Q4_K
     weights = [layout.split_rows(w, qtype) for w in raws] if split_rows else raws
 
@@ -256,7 +258,24 @@ def sweep_int8(x, raws, qtype, k, m, ref, device) -> dict:
     err = rel_err(product(weights[0]), ref)
     default = bench_in_graph(product, weights, device)
     best_t, best = best_launch(product, weights, m, (32, 64), device)
-    return {"int8_rel_err": err, "int8_default_us": default * 1e3, "int8_best_us": best_t * 1e3, "int8_best": best}
+    found = {"int8_rel_err": err, "int8_default_us": default * 1e3, "int8_best_us": best_t * 1e3, "int8_best": best}
+    if m == 1 and (qtype, split_rows) in tdp._RUNS_KERNELS:
+        def runs(w, **launch):
+            return tdp.gemv(x, w, qtype, split_rows, k, runs=True, **launch)
+        at_default = bench_in_graph(runs, weights, device)
+        grid = itertools.product((16, 32, 64, 128), (4, 8), (None, 1, 2, 4, 16), (1, 2))
+        best = (math.inf, "none ran")
+        for block_n, warps, split_k, unroll in grid:
+            launch = {"block_n": block_n, "num_warps": warps, "split_k": split_k, "unroll": unroll}
+            try:
+                t = bench_in_graph(lambda w: runs(w, **launch), weights, device)
+            except Exception:  # e.g. out of registers for a config: skip it
+                continue
+            if t < best[0]:
+                best = (t, f"{block_n}x{warps}w split {split_k} unroll {unroll}")
+        found |= {"runs_rel_err": rel_err(runs(weights[0]), ref), "runs_default_us": at_default * 1e3,
+                  "runs_best_us": best[0] * 1e3, "runs_best": best[1]}
+    return found
 
 
 def best_launch(product, weights, m, one_row_block_ns, device) -> tuple[float, str]:
@@ -522,8 +541,9 @@ def record_dense(launches: list) -> None:
             tdp._quantize_rows_kernel)
     tqm._qmm_kernel, tor._sum_splits_kernel = Capture(real[0]), Capture(real[1])
     tdp._quantize_rows_kernel = Capture(real[4])
-    dp4a_kernels, int8_kernels = dict(tdp._KERNELS), dict(tqi._KERNELS)
+    dp4a_kernels, int8_kernels, runs_kernels = dict(tdp._KERNELS), dict(tqi._KERNELS), dict(tdp._RUNS_KERNELS)
     tdp._KERNELS = {key: Capture(kernel) for key, kernel in dp4a_kernels.items()}
+    tdp._RUNS_KERNELS = {key: Capture(kernel) for key, kernel in runs_kernels.items()}
     tqi._KERNELS = {key: Capture(kernel) for key, kernel in int8_kernels.items()}
     split_gemvs = dict(tsr._GEMV)
     tsr._GEMV = {qtype: (Capture(kernel), *rest) for qtype, (kernel, *rest) in split_gemvs.items()}
@@ -567,6 +587,10 @@ def record_dense(launches: list) -> None:
             for stages in (2, 3):  # the one-row GEMV's loop software-pipelined (an option of the sweep)
                 tqi.matmul(torch.zeros(1, 4096, dtype=torch.bfloat16), raw, qtype, split, 4096, split_k=1,
                            stages=stages)
+            if (qtype, split) in tdp._RUNS_KERNELS:  # the per-run layout (an option of the sweep)
+                for unroll, warps in itertools.product((1, 2), (4, 8)):
+                    tdp.gemv(torch.zeros(1, 4096, dtype=torch.bfloat16), raw, qtype, split, 4096, split_k=1,
+                             runs=True, unroll=unroll, num_warps=warps)
         for qtype in layout.SPLIT_TYPES:  # split rows: the GEMV, the fused kernel (verify), the dequantiser (prefill)
             raw = torch.zeros(64, 4096 // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1], dtype=torch.uint8)
             for stages in (1, 2, 3):
@@ -604,7 +628,7 @@ def record_dense(launches: list) -> None:
     finally:
         tqm._qmm_kernel, tor._sum_splits_kernel, tpa._paged_attn_kernel, tpa._merge_splits_kernel = real[:4]
         tsr._GEMV, tdp._quantize_rows_kernel = split_gemvs, real[4]
-        tdp._KERNELS, tqi._KERNELS = dp4a_kernels, int8_kernels
+        tdp._KERNELS, tqi._KERNELS, tdp._RUNS_KERNELS = dp4a_kernels, int8_kernels, runs_kernels
         for module, make in zip(lazy, lazy_real):
             module._kernel = make
         triton_sampling._kernels = sampling_real
@@ -630,6 +654,8 @@ def main() -> None:
     p.add_argument("--cache-types", nargs="+", default=["bf16", "fp8", "q8_0"])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--sweep", action="store_true", help="also time a grid of launch configs per row")
+    p.add_argument("--sweep-paths", nargs="+", choices=["float", "split", "int8"], default=["float", "split", "int8"],
+                   help="the quant products --sweep covers: float kernels, split rows, int8 activations")
     p.add_argument("--slow-ref", action="store_true", help="time the torch attention reference at 32K too")
     p.add_argument("--json", help="write all rows and the measured bandwidth here")
     p.add_argument("--smoke", action="store_true", help="CPU + Triton interpreter, tiny shapes")

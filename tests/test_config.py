@@ -138,5 +138,5 @@ def test_readme_documents_every_variable_config_reads():
     table = [line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `LUCEBOX_")]
     documented = {re.match(r"\| `(LUCEBOX_\w+)`", line).group(1) for line in table}
     assert read == {"LUCEBOX_TRITON", "LUCEBOX_PDL", "LUCEBOX_PDL_TILES", "LUCEBOX_INT8_ACTIVATIONS", "LUCEBOX_CACHE",
-                    "LUCEBOX_BUCKET_CHUNKS"}
+                    "LUCEBOX_BUCKET_CHUNKS", "LUCEBOX_DP4A_RUNS"}
     assert documented == read

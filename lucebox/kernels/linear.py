@@ -156,7 +156,8 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype, in_features: int
     kernel = kernel or routing.quant_route(x, qweight, qtype, in_features, split_rows)
     if kernel in INT8:
         from . import triton_quant_int8
-        return triton_quant_int8.matmul(x, qweight, qtype, split_rows, in_features, bias, quantized=rows)
+        return triton_quant_int8.matmul(x, qweight, qtype, split_rows, in_features, bias, quantized=rows,
+                                        runs=routing.dp4a_runs())
     if kernel == SPLIT_GEMV:
         from . import triton_split_rows
         return triton_split_rows.gemv(x, qweight, qtype, in_features, bias)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from ..config import bucket_chunks_setting
+from ..config import bucket_chunks_setting, dp4a_runs_setting
 from .dispatch import int8_activations, use_triton
 from .norm import needs_grad
 
@@ -92,6 +92,12 @@ def bucket_chunks() -> bool:
     torch reference elsewhere) instead of the steps kernel token by token: opt-in (LUCEBOX_BUCKET_CHUNKS=1)
     until a GPU measures it against the steps path, and shows fla-core's kernel captures in a graph."""
     return bucket_chunks_setting()
+
+
+def dp4a_runs() -> bool:
+    """One-row int8 GEMVs through triton_dp4a's runs kernels (no reduction across threads inside the
+    loop): opt-in (LUCEBOX_DP4A_RUNS=1) until a GPU measures them against the default kernels."""
+    return dp4a_runs_setting()
 
 
 def rows_kind(rows: int) -> str:

@@ -155,11 +155,11 @@ assert all(key in _KERNELS for key, kernels in QUANT_ROUTES.items() if INT8.inte
 
 def matmul(x: torch.Tensor, weights: torch.Tensor, qtype, split_rows: bool, in_features: int,
            bias: torch.Tensor | None = None, *, quantized: torch.Tensor | None = None, block_n: int = 64,
-           split_k: int | None = None, num_warps: int = 4, stages: int = 1) -> torch.Tensor:
+           split_k: int | None = None, num_warps: int = 4, stages: int = 1, runs: bool = False) -> torch.Tensor:
     """x [..., K] @ W.T (+ bias) on int8 activations for rows that serves() accepts, M = prod(x.shape[:-1])
     up to MAX_FUSED_M: one row on the dp4a GEMV, more on integer tensor cores. Output in x.dtype.
     quantized: x's rows as quantize_rows gives them, when already rounded (shared by products of one
-    input); else rounded here. stages: the one-row GEMV's (triton_one_row.one_row_gemv)."""
+    input); else rounded here. stages, runs: the one-row GEMV's (triton_dp4a.gemv)."""
     if not serves(qtype, split_rows):
         raise ValueError(f"no int8 product reads {Q(qtype).name} rows{' (split)' if split_rows else ''}")
     if in_features % SUPER:
@@ -178,7 +178,7 @@ def matmul(x: torch.Tensor, weights: torch.Tensor, qtype, split_rows: bool, in_f
     if m == 1:
         return triton_dp4a.gemv(x2, weights, qtype, split_rows, in_features, bias, quantized=quantized,
                                 block_n=block_n, split_k=split_k, num_warps=num_warps,
-                                stages=stages).reshape(*lead, n)
+                                stages=stages, runs=runs).reshape(*lead, n)
     n_units = in_features // SUPER
     programs_n = triton.cdiv(n, block_n)
     if split_k is None:  # as the float verify kernel: about four programs an SM, two units each at least

@@ -11,6 +11,26 @@ mode_kernels() {
   done
 }
 
+#: dp4a-runs    one-row int8 GEMVs: triton_dp4a's runs kernels (no reduction across threads in the loop)
+#:              against the default ones, per qwen3-8b matrix with launch grids (Q4_K, split Q6_K / Q8_0),
+#:              then decode at 512 on qwen3-8b q4_k_m and q8_0 with LUCEBOX_DP4A_RUNS=0 / 1 alternating (~7 min)
+mode_dp4a_runs() {
+  local quant runs turn
+  step kernels-runs "${SECONDS_KERNELS:-240}" python3 scripts/bench_kernels.py --only quant --ms 1 --sweep \
+    --sweep-paths int8 --qtypes Q4_K Q6_K Q8_0 --json "$out/kernels-runs.json"
+  grep -E "^\| (kernel|quant_matmul)" "$out/kernels-runs.log" | cut -c1-900
+  for quant in q4_k_m q8_0; do
+    turn=0
+    for runs in 0 1 0 1; do
+      export LUCEBOX_DP4A_RUNS=$runs
+      turn=$((turn + 1))
+      bench "dp4a-runs-$quant-$turn-runs$runs" 60 --shape qwen3-8b --quant $quant --prompt-lens 128 --contexts 512 \
+        --skip verify forced spec peer
+    done
+  done
+  unset LUCEBOX_DP4A_RUNS
+}
+
 #: gemv         decode GEMVs with their fused prologues vs the unfused kernels (0.6b and 8b matrices, launch
 #:              configs swept), decode-vs-verify logit agreement (scripts/check_decode_numerics.py), then
 #:              bench speed 0.6b and 8b at 512

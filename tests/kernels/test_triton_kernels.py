@@ -222,6 +222,10 @@ def test_int8_products_are_the_float_products_of_the_rounded_activations_alone_o
         one = tqi.matmul(x[:1], weights, qtype, split, k, split_k=split_k)
         assert rel_err(one, want[:1]) <= 1e-5
         assert torch.equal(tqi.matmul(x[:1], weights, qtype, split, k, split_k=split_k, stages=2), one)  # pipelined
+        if (qtype, split) in tdp._RUNS_KERNELS:  # the same product in another layout, one or two units a step
+            for unroll in (1, 2):
+                runs = tdp.gemv(x[:1], weights, qtype, split, k, bias, split_k=split_k, runs=True, unroll=unroll)
+                assert rel_err(runs, want[:1] + bias) <= 1e-5
         assert rel_err(tqi.matmul(x[:1], weights, qtype, split, k, bias, split_k=split_k), want[:1] + bias) <= 1e-5
         rows = tqi.matmul(x, weights, qtype, split, k, bias, split_k=split_k)
         assert rows.shape == (5, n) and rel_err(rows, want + bias) <= 1e-5
@@ -262,6 +266,25 @@ def test_int8_activations_take_the_products_they_are_faster_for_unless_turned_of
     monkeypatch.setenv("LUCEBOX_INT8_ACTIVATIONS", "0")
     assert rel_err(q4(x[:1]), x[:1] @ w4.T) <= 1e-5 and rel_err(q8(x), x @ w8.T) <= 1e-5
     assert calls == [Q.Q4_K, Q.Q8_0]
+
+
+def test_the_runs_kernels_take_one_row_int8_products_when_switched_on(monkeypatch):
+    """LUCEBOX_DP4A_RUNS=1 (an experiment until measured): a Q4_K linear's decode product goes to
+    triton_dp4a's runs kernel, with the same result; off by default."""
+    from lucebox.kernels import triton_dp4a as tdp
+    monkeypatch.setenv("LUCEBOX_TRITON", "1")
+    monkeypatch.delenv("LUCEBOX_INT8_ACTIVATIONS", raising=False)
+    launched = []
+    real = tdp.one_row_gemv
+    monkeypatch.setattr(tdp, "one_row_gemv", lambda kernel, *a, **kw: launched.append(kernel) or real(kernel, *a, **kw))
+    k = 256
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(25)).to(DEVICE)
+    q4 = QuantLinear(QuantTensor(quant_rows(Q.Q4_K, 24, k, seed=26), Q.Q4_K, (24, k)))
+    monkeypatch.delenv("LUCEBOX_DP4A_RUNS", raising=False)
+    default = q4(x)
+    monkeypatch.setenv("LUCEBOX_DP4A_RUNS", "1")
+    assert rel_err(q4(x), default) <= 1e-6
+    assert launched == [tdp._KERNELS[(Q.Q4_K, False)], tdp._RUNS_KERNELS[(Q.Q4_K, False)]]
 
 
 def test_int8_activations_are_opt_in_on_rocm(monkeypatch):
