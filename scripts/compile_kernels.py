@@ -3,6 +3,8 @@
     python scripts/compile_kernels.py                  # every variant the wrappers launch, for sm_90
     python scripts/compile_kernels.py --kernels REGEX  # only variants whose label matches
     python scripts/compile_kernels.py --arch gfx942    # an AMD target
+    python scripts/compile_kernels.py --kernels dp4a --sass /tmp/sass  # also each variant's SASS, with
+                                                       # its loops' barriers, shuffles and loads counted
 
 The interpreter the CPU tests use never lowers a kernel, so this is what catches code that only
 the GPU compiler rejects: each variant's registers and spills (cuobjdump, when Triton ships it) and
@@ -44,16 +46,35 @@ class Recorder:
 SHARED_LIMIT = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
 
 
-def compile_launches(launches: list, arch: str, kernels: str | None = None) -> None:
+def loop_stats(sass: str) -> str:
+    """What the loops of a kernel's SASS (nvdisasm) hold: instructions, barriers, shuffles and global
+    loads by width, summed over every backward branch's body. A barrier or shuffle inside a GEMV's
+    loop over K says partial sums cross threads every iteration; a wide load moves 16 bytes."""
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\.L\w+):", line))}
+    body = []
+    for i, line in enumerate(lines):
+        m = re.search(r"\bBRA\b.*`\((\.L\w+)\)", line)
+        if m and labels.get(m.group(1), i) < i:
+            body += lines[labels[m.group(1)]:i + 1]
+    ops = [m.group(1) for line in body if (m := re.match(r"\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", line))]
+    count = lambda prefix: sum(op.startswith(prefix) for op in ops)  # noqa: E731
+    return (f"loops: {len(ops)} instr, {count('BAR')} BAR, {count('SHFL')} SHFL, "
+            f"{count('LDG.E.128')} LDG.128 / {count('LDG') - count('LDG.E.128')} narrower")
+
+
+def compile_launches(launches: list, arch: str, kernels: str | None = None, sass_dir: str | None = None) -> None:
     """Compile every distinct variant among recorded launches for `arch` (e.g. 90, or gfx942), those whose
     label (kernel name, then its constexprs as NAME=value) matches the regex `kernels` if given; exit 1
-    if any fails or asks more shared memory than the arch has."""
+    if any fails or asks more shared memory than the arch has. sass_dir: also write each variant's SASS
+    there (NVIDIA) and print its loop_stats."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     target = GPUTarget("cuda", int(arch), 32) if arch.isdigit() else GPUTarget("hip", arch, 64)
     cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+    nvdisasm = cuobjdump.with_name("nvdisasm")
     seen, failures, done = set(), 0, 0
     shared_limit = SHARED_LIMIT.get(int(arch)) if arch.isdigit() else None
     for fn, args, kw in tqdm(launches, desc="compile"):
@@ -104,8 +125,14 @@ def compile_launches(launches: list, arch: str, kernels: str | None = None) -> N
                 f.write(compiled.asm["cubin"])
                 f.flush()
                 out = subprocess.run([str(cuobjdump), "-res-usage", f.name], capture_output=True, text=True).stdout
+                sass = (subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True).stdout
+                        if sass_dir and nvdisasm.exists() else "")
             found = re.search(r"REG:(\d+) STACK:(\d+)", out)
             usage = f"regs={found.group(1)} stack={found.group(2)}B" if found else ""
+            if sass:
+                name = re.sub(r"[^\w=.-]+", "_", label).strip("_")[:180]
+                (Path(sass_dir) / f"{name}.sass").write_text(sass)
+                usage += " " + loop_stats(sass)
         if shared_limit is not None and compiled.metadata.shared > shared_limit:
             failures += 1
             tqdm.write(f"FAIL {label} {usage} smem={compiled.metadata.shared} > {shared_limit} (sm_{arch}'s limit)")
@@ -154,13 +181,16 @@ def main() -> None:
     p.add_argument("--arch", default="90", help="CUDA compute capability (90) or an AMD target (gfx942)")
     p.add_argument("--kernels", help="only variants whose label (kernel name, then NAME=value constexprs) "
                                      "matches this regex")
+    p.add_argument("--sass", metavar="DIR", help="write each variant's SASS into DIR and count what its loops hold")
     args = p.parse_args()
     from bench_kernels import record_dense
 
     launches: list = []
     record_dense(launches)
     record_gated_delta(launches)
-    compile_launches(launches, args.arch, args.kernels)
+    if args.sass:
+        Path(args.sass).mkdir(parents=True, exist_ok=True)
+    compile_launches(launches, args.arch, args.kernels, args.sass)
 
 
 if __name__ == "__main__":
