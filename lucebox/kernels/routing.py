@@ -77,6 +77,8 @@ QUANT_ROUTES = {
     (Q.Q6_K, True): (INT8_GEMV, QUANT_TILES),
     (Q.Q8_0, True): (SPLIT_GEMV, INT8_TILES),
 }
+# Rows triton_dp4a's runs kernels read: with dp4a_runs() on, their decode products all take INT8_GEMV.
+DP4A_RUNS_TYPES = frozenset({(Q.Q4_K, False), (Q.Q6_K, True), (Q.Q8_0, True)})
 
 
 def gated_delta_route(op: str, triton: bool = False, fla: bool = False) -> str:
@@ -125,6 +127,8 @@ def quant_kernel(qtype, split_rows: bool, rows: int, *, fused: bool, int8: bool)
         return DEQUANT_MATMUL
     default = (SPLIT_GEMV if split_rows else QUANT_GEMV, QUANT_TILES)
     decode, verify = QUANT_ROUTES.get((qtype, split_rows), default) if int8 else default
+    if kind == DECODE and int8 and (qtype, split_rows) in DP4A_RUNS_TYPES and dp4a_runs():
+        return INT8_GEMV
     return decode if kind == DECODE else verify
 
 

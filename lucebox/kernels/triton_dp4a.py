@@ -28,6 +28,7 @@ import triton.language as tl
 from gguf import GGMLQuantizationType as Q
 
 from .dispatch import interpreting, pdl_launch
+from .routing import DP4A_RUNS_TYPES
 from .triton_one_row import f16, one_row_gemv, one_row_program, store_one_row
 from .triton_pdl import wait_for_previous_kernel
 
@@ -350,6 +351,7 @@ BLOCK_N, MAX_UNITS = 64, 4
 # Kernels of the same product with another layout (gemv's runs=True): options of the sweep until measured.
 _RUNS_KERNELS = {(Q.Q4_K, False): _q4_k_dp4a_runs_kernel, (Q.Q8_0, True): _q8_0_split_dp4a_runs_kernel,
                  (Q.Q6_K, True): _q6_k_split_dp4a_runs_kernel}
+assert _RUNS_KERNELS.keys() == DP4A_RUNS_TYPES
 
 
 def serves(qtype, split_rows: bool) -> bool:

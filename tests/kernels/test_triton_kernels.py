@@ -270,7 +270,8 @@ def test_int8_activations_take_the_products_they_are_faster_for_unless_turned_of
 
 def test_the_runs_kernels_take_one_row_int8_products_when_switched_on(monkeypatch):
     """LUCEBOX_DP4A_RUNS=1 (an experiment until measured): a Q4_K linear's decode product goes to
-    triton_dp4a's runs kernel, with the same result; off by default."""
+    triton_dp4a's runs kernel, and a split Q8_0 one (float split-row GEMV by default) to int8
+    activations and its runs kernel, each equal to the float product of the rounded row; off by default."""
     from lucebox.kernels import triton_dp4a as tdp
     monkeypatch.setenv("LUCEBOX_TRITON", "1")
     monkeypatch.delenv("LUCEBOX_INT8_ACTIVATIONS", raising=False)
@@ -279,12 +280,17 @@ def test_the_runs_kernels_take_one_row_int8_products_when_switched_on(monkeypatc
     monkeypatch.setattr(tdp, "one_row_gemv", lambda kernel, *a, **kw: launched.append(kernel) or real(kernel, *a, **kw))
     k = 256
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(25)).to(DEVICE)
+    rounded = rounded_rows(tdp.quantize_rows(x), k)
     q4 = QuantLinear(QuantTensor(quant_rows(Q.Q4_K, 24, k, seed=26), Q.Q4_K, (24, k)))
+    q8 = QuantLinear(QuantTensor(quant_rows(Q.Q8_0, 16, k, seed=27), Q.Q8_0, (16, k)))
+    w4, w8 = dequant.dequantize(q4.qweight, Q.Q4_K), dequant.dequantize(q8.qweight, Q.Q8_0)
+    q8.use_split_rows()
     monkeypatch.delenv("LUCEBOX_DP4A_RUNS", raising=False)
-    default = q4(x)
+    assert rel_err(q4(x), rounded @ w4.T) <= 1e-5 and rel_err(q8(x), x @ w8.T) <= 1e-5
+    assert launched == [tdp._KERNELS[(Q.Q4_K, False)]]  # Q8_0: the float split-row GEMV
     monkeypatch.setenv("LUCEBOX_DP4A_RUNS", "1")
-    assert rel_err(q4(x), default) <= 1e-6
-    assert launched == [tdp._KERNELS[(Q.Q4_K, False)], tdp._RUNS_KERNELS[(Q.Q4_K, False)]]
+    assert rel_err(q4(x), rounded @ w4.T) <= 1e-5 and rel_err(q8(x), rounded @ w8.T) <= 1e-5
+    assert launched[1:] == [tdp._RUNS_KERNELS[(Q.Q4_K, False)], tdp._RUNS_KERNELS[(Q.Q8_0, True)]]
 
 
 def test_int8_activations_are_opt_in_on_rocm(monkeypatch):
