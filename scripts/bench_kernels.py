@@ -49,6 +49,7 @@ from tqdm import tqdm  # noqa: E402
 from lucebox.model.kv_cache import PagedKVCache  # noqa: E402
 from lucebox.kernels import dequant, triton_activation, triton_gemv, triton_norm, triton_rope_kv  # noqa: E402
 from lucebox.kernels import triton_dp4a as tdp  # noqa: E402
+from lucebox.kernels import triton_dp4a_runs as tdr  # noqa: E402
 from lucebox.kernels import triton_one_row as tor  # noqa: E402
 from lucebox.kernels import triton_sampling  # noqa: E402
 from lucebox.kernels import prefill_attention as pa  # noqa: E402
@@ -183,7 +184,7 @@ def bench_quant(args, shape, peak, device) -> list:
             best = sweep_quant(x, raws, qtype, k, m, device) if "float" in paths else {}
             if qtype in layout.SPLIT_TYPES and "split" in paths:
                 best |= sweep_split_rows(x, raws, qtype, k, m, ref, device)
-            if qtype in (Q.Q4_K, Q.Q8_0, Q.Q6_K) and "int8" in paths:
+            if qtype in (Q.Q4_K, Q.Q8_0, Q.Q6_K, Q.IQ4_XS) and "int8" in paths:
                 best |= sweep_int8(x, raws, qtype, k, m, ref, device)
         row(table, kernel="quant_matmul", qtype=qtype.name, layer=name, N=n, K=k, M=m, rel_err=err,
             us=t_tri * 1e3, GBps=gbps(nbytes, t_tri), pct_peak=100 * gbps(nbytes, t_tri) / peak,
@@ -249,17 +250,19 @@ def sweep_int8(x, raws, qtype, k, m, ref, device) -> dict:
     """The product on int8 activations (kernels/triton_quant_int8.py; the rounding launch inside the
     time): the dp4a GEMV at M = 1, integer tensor cores above; Q4_K on ggml rows, Q8_0 and Q6_K on
     split rows. Its error against the float product, the default launch and the best of a grid; at
-    M = 1 also the kernel that keeps each thread's sums apart (triton_dp4a runs=True) where one exists."""
-    split_rows = qtype != Q.Q4_K
+    M = 1 also the kernels that keep each thread's sums apart (triton_dp4a_runs, also IQ4_XS)."""
+    split_rows = qtype in (Q.Q8_0, Q.Q6_K)
     weights = [layout.split_rows(w, qtype) for w in raws] if split_rows else raws
-
-    def product(w, **launch):
-        return tqi.matmul(x, w, qtype, split_rows, k, **launch)
-    err = rel_err(product(weights[0]), ref)
-    default = bench_in_graph(product, weights, device)
-    best_t, best = best_launch(product, weights, m, (32, 64), device)
-    found = {"int8_rel_err": err, "int8_default_us": default * 1e3, "int8_best_us": best_t * 1e3, "int8_best": best}
-    if m == 1 and (qtype, split_rows) in tdp._RUNS_KERNELS:
+    found = {}
+    if (qtype, split_rows) in tqi._KERNELS:
+        def product(w, **launch):
+            return tqi.matmul(x, w, qtype, split_rows, k, **launch)
+        err = rel_err(product(weights[0]), ref)
+        default = bench_in_graph(product, weights, device)
+        best_t, best = best_launch(product, weights, m, (32, 64), device)
+        found = {"int8_rel_err": err, "int8_default_us": default * 1e3, "int8_best_us": best_t * 1e3,
+                 "int8_best": best}
+    if m == 1 and (qtype, split_rows) in tdr.RUNS_KERNELS:
         def runs(w, **launch):
             return tdp.gemv(x, w, qtype, split_rows, k, runs=True, **launch)
         at_default = bench_in_graph(runs, weights, device)
@@ -541,9 +544,9 @@ def record_dense(launches: list) -> None:
             tdp._quantize_rows_kernel)
     tqm._qmm_kernel, tor._sum_splits_kernel = Capture(real[0]), Capture(real[1])
     tdp._quantize_rows_kernel = Capture(real[4])
-    dp4a_kernels, int8_kernels, runs_kernels = dict(tdp._KERNELS), dict(tqi._KERNELS), dict(tdp._RUNS_KERNELS)
+    dp4a_kernels, int8_kernels, runs_kernels = dict(tdp._KERNELS), dict(tqi._KERNELS), dict(tdr.RUNS_KERNELS)
     tdp._KERNELS = {key: Capture(kernel) for key, kernel in dp4a_kernels.items()}
-    tdp._RUNS_KERNELS = {key: Capture(kernel) for key, kernel in runs_kernels.items()}
+    tdr.RUNS_KERNELS = {key: Capture(kernel) for key, kernel in runs_kernels.items()}
     tqi._KERNELS = {key: Capture(kernel) for key, kernel in int8_kernels.items()}
     split_gemvs = dict(tsr._GEMV)
     tsr._GEMV = {qtype: (Capture(kernel), *rest) for qtype, (kernel, *rest) in split_gemvs.items()}
@@ -587,10 +590,11 @@ def record_dense(launches: list) -> None:
             for stages in (2, 3):  # the one-row GEMV's loop software-pipelined (an option of the sweep)
                 tqi.matmul(torch.zeros(1, 4096, dtype=torch.bfloat16), raw, qtype, split, 4096, split_k=1,
                            stages=stages)
-            if (qtype, split) in tdp._RUNS_KERNELS:  # the per-run layout (an option of the sweep)
-                for unroll, warps in itertools.product((1, 2), (4, 8)):
-                    tdp.gemv(torch.zeros(1, 4096, dtype=torch.bfloat16), raw, qtype, split, 4096, split_k=1,
-                             runs=True, unroll=unroll, num_warps=warps)
+        for qtype, split in tdr.RUNS_KERNELS:  # one-row int8 GEMVs in runs (options of the sweep)
+            raw = torch.zeros(64, 4096 // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1], dtype=torch.uint8)
+            for unroll, warps in itertools.product((1, 2), (4, 8)):
+                tdp.gemv(torch.zeros(1, 4096, dtype=torch.bfloat16), raw, qtype, split, 4096, split_k=1,
+                         runs=True, unroll=unroll, num_warps=warps)
         for qtype in layout.SPLIT_TYPES:  # split rows: the GEMV, the fused kernel (verify), the dequantiser (prefill)
             raw = torch.zeros(64, 4096 // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1], dtype=torch.uint8)
             for stages in (1, 2, 3):
@@ -628,7 +632,7 @@ def record_dense(launches: list) -> None:
     finally:
         tqm._qmm_kernel, tor._sum_splits_kernel, tpa._paged_attn_kernel, tpa._merge_splits_kernel = real[:4]
         tsr._GEMV, tdp._quantize_rows_kernel = split_gemvs, real[4]
-        tdp._KERNELS, tqi._KERNELS, tdp._RUNS_KERNELS = dp4a_kernels, int8_kernels, runs_kernels
+        tdp._KERNELS, tqi._KERNELS, tdr.RUNS_KERNELS = dp4a_kernels, int8_kernels, runs_kernels
         for module, make in zip(lazy, lazy_real):
             module._kernel = make
         triton_sampling._kernels = sampling_real

@@ -117,7 +117,9 @@ def compile_launches(launches: list, arch: str, kernels: str | None = None, sass
                                       target=target, options=options)
         except Exception as e:  # report every failing variant, not just the first
             failures += 1
-            tqdm.write(f"FAIL {label}\n  {type(e).__name__}: {str(e)[-600:]}")
+            while e.__cause__ is not None:  # a jit helper's error: its own message names the line
+                e = e.__cause__
+            tqdm.write(f"FAIL {label}\n  {type(e).__name__}: {str(e)[-900:]}")
             continue
         usage = ""
         if "cubin" in compiled.asm and cuobjdump.exists():

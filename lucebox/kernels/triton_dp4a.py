@@ -35,11 +35,11 @@ from .triton_pdl import wait_for_previous_kernel
 QK = 32  # values per activation scale (and per Q4_K sub-block)
 SUPER = 256  # values per Q4_K super-block; the kernel spells both as literals
 # PTX dp4a when compiled for NVIDIA; byte arithmetic under the interpreter and on AMD (no PTX there)
-_ASM = not interpreting() and torch.version.hip is None
+PTX_DP4A = not interpreting() and torch.version.hip is None
 
 
 @triton.jit
-def _dp4a(a, b, c, ASM: tl.constexpr):
+def dp4a(a, b, c, ASM: tl.constexpr):
     """c + the dot product of the four signed bytes of a and of b (int32 tensors)."""
     if ASM:
         out = tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
@@ -125,7 +125,7 @@ def quantize_rows(x: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _q4_k_dp4a_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_per_prog,
                       stride_os, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      ASM: tl.constexpr = _ASM, STAGES: tl.constexpr = 1, PDL: tl.constexpr = False):
+                      ASM: tl.constexpr = PTX_DP4A, STAGES: tl.constexpr = 1, PDL: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
     rn, row, u0, u1 = one_row_program(w_ptr, N, row_bytes, n_units, units_per_prog, BLOCK_N)
     xq = x_ptr.to(tl.pointer_type(tl.int32))  # quantize_rows' row: int8 values as words,
@@ -143,8 +143,8 @@ def _q4_k_dp4a_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_p
         w1, w2, w3 = tl.load(sw), tl.load(sw + 1), tl.load(sw + 2)
         q = tl.load((base + 16).to(tl.pointer_type(tl.int32))[:, None, None] + word[None])  # [BLOCK_N, 4, 8]
         zero = tl.zeros_like(q)
-        lo = tl.sum(_dp4a(q & 0x0F0F0F0F, tl.load(xq + u * 64 + x_word)[None], zero, ASM), axis=2)
-        hi = tl.sum(_dp4a((q >> 4) & 0x0F0F0F0F, tl.load(xq + u * 64 + 8 + x_word)[None], zero, ASM), axis=2)
+        lo = tl.sum(dp4a(q & 0x0F0F0F0F, tl.load(xq + u * 64 + x_word)[None], zero, ASM), axis=2)
+        hi = tl.sum(dp4a((q >> 4) & 0x0F0F0F0F, tl.load(xq + u * 64 + 8 + x_word)[None], zero, ASM), axis=2)
         sc_lo, m_lo = scales_mins(w1, w2, w3, 2 * g)  # sub-blocks 2g (low nibbles) and 2g + 1
         sc_hi, m_hi = scales_mins(w1, w2, w3, 2 * g + 1)
         xd_lo, xd_hi = tl.load(xd + u * 8 + 2 * g)[None, :], tl.load(xd + u * 8 + 2 * g + 1)[None, :]
@@ -156,56 +156,9 @@ def _q4_k_dp4a_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_p
 
 
 @triton.jit
-def _q4_k_dp4a_runs_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_per_prog,
-                           stride_os, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           ASM: tl.constexpr = _ASM, STAGES: tl.constexpr = 1, PDL: tl.constexpr = False,
-                           UNROLL: tl.constexpr = 1):
-    """_q4_k_dp4a_kernel's product with nothing reduced across threads inside the loop: a super-block
-    row is 8 runs of 4 nibble words (16 bytes, one vector load), run t holding half of sub-blocks 2j and
-    2j + 1 (j = t // 2), and each run's scaled sums stay in its own accumulator until the end; the
-    16-byte header (d, dmin, 12 scale bytes) is one vector load too. The layout Triton gives the other
-    kernel reduces within a super-block and moves partials through shared memory (a barrier) every
-    unit."""
-    wait_for_previous_kernel(PDL)
-    rn, row, u0, u1 = one_row_program(w_ptr, N, row_bytes, n_units, units_per_prog, BLOCK_N)
-    words = row.to(tl.pointer_type(tl.int32))[:, None, None]  # 36 words a super-block: 4 of header, 32 nibble
-    xq = x_ptr.to(tl.pointer_type(tl.int32))  # quantize_rows' row: int8 values as words,
-    xd = (x_ptr + n_units * 256).to(tl.pointer_type(tl.float32))  # then the scales,
-    xs = xd + n_units * 8  # then the scaled sums
-    t = tl.arange(0, 8)
-    c = tl.arange(0, 4)
-    run = 4 * t[:, None] + c[None, :]  # [8, 4]: nibble word 4t + c
-    x_lo = 16 * (t // 2)[:, None] + 4 * (t % 2)[:, None] + c[None, :]  # its low nibbles' activation word; +8: high
-    j = t // 2
-    header = c[None, None, :] + 0 * t[None, :, None]  # [1, 8, 4]: each run reads its row's header words
-    pick = c[None, None, :]
-    even = (t % 2 == 0).to(tl.float32)[None, :]  # the even run of a pair adds its sub-blocks' min terms
-    acc = tl.zeros([BLOCK_N, 8], dtype=tl.float32)
-    for u in tl.range(u0, u1, num_stages=STAGES, loop_unroll_factor=UNROLL):
-        h = tl.load(words + u * 36 + header)  # [BLOCK_N, 8, 4]
-        q = tl.load(words + u * 36 + 4 + run[None])  # [BLOCK_N, 8, 4]
-        zero = tl.zeros_like(q)
-        lo = tl.sum(_dp4a(q & 0x0F0F0F0F, tl.load(xq + u * 64 + x_lo)[None], zero, ASM), axis=2)  # [BLOCK_N, 8]
-        hi = tl.sum(_dp4a((q >> 4) & 0x0F0F0F0F, tl.load(xq + u * 64 + 8 + x_lo)[None], zero, ASM), axis=2)
-        w0 = tl.sum(tl.where(pick == 0, h, 0), axis=2)
-        w1 = tl.sum(tl.where(pick == 1, h, 0), axis=2)
-        w2 = tl.sum(tl.where(pick == 2, h, 0), axis=2)
-        w3 = tl.sum(tl.where(pick == 3, h, 0), axis=2)
-        d = (w0 & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        dmin = ((w0 >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        sc_lo, m_lo = scale_min(w1, w2, w3, 2 * j[None, :])
-        sc_hi, m_hi = scale_min(w1, w2, w3, 2 * j[None, :] + 1)
-        xd_lo, xd_hi = tl.load(xd + u * 8 + 2 * j)[None, :], tl.load(xd + u * 8 + 2 * j + 1)[None, :]
-        xs_lo, xs_hi = tl.load(xs + u * 8 + 2 * j)[None, :], tl.load(xs + u * 8 + 2 * j + 1)[None, :]
-        acc += d * (sc_lo * xd_lo * lo.to(tl.float32) + sc_hi * xd_hi * hi.to(tl.float32)) \
-            - dmin * even * (m_lo * xs_lo + m_hi * xs_hi)
-    store_one_row(tl.sum(acc, axis=1), rn, N, o_ptr, stride_os, b_ptr, HAS_BIAS)
-
-
-@triton.jit
 def _q8_0_split_dp4a_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_per_prog,
                             stride_os, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
-                            ASM: tl.constexpr = _ASM, STAGES: tl.constexpr = 1, PDL: tl.constexpr = False):
+                            ASM: tl.constexpr = PTX_DP4A, STAGES: tl.constexpr = 1, PDL: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
     rn, row, u0, u1 = one_row_program(w_ptr, N, row_bytes, n_units, units_per_prog, BLOCK_N)
     # split rows: the K int8 values, then K/32 fp16 scales
@@ -218,7 +171,7 @@ def _q8_0_split_dp4a_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, u
     acc = tl.zeros([BLOCK_N, 8], dtype=tl.float32)
     for u in tl.range(u0, u1, num_stages=STAGES):
         q = tl.load(values[:, None, None] + u * 64 + word[None])  # [BLOCK_N, 8, 8]
-        dots = tl.sum(_dp4a(q, tl.load(xq + u * 64 + word)[None], tl.zeros_like(q), ASM), axis=2)  # [BLOCK_N, 8]
+        dots = tl.sum(dp4a(q, tl.load(xq + u * 64 + word)[None], tl.zeros_like(q), ASM), axis=2)  # [BLOCK_N, 8]
         d = tl.load(scales[:, None] + u * 8 + blk[None, :]).to(tl.float32)
         acc += dots.to(tl.float32) * d * tl.load(xd + u * 8 + blk)[None, :]
     store_one_row(tl.sum(acc, axis=1), rn, N, o_ptr, stride_os, b_ptr, HAS_BIAS)
@@ -227,7 +180,7 @@ def _q8_0_split_dp4a_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, u
 @triton.jit
 def _q6_k_split_dp4a_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_per_prog,
                             stride_os, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
-                            ASM: tl.constexpr = _ASM, STAGES: tl.constexpr = 1, PDL: tl.constexpr = False):
+                            ASM: tl.constexpr = PTX_DP4A, STAGES: tl.constexpr = 1, PDL: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
     rn, row, u0, u1 = one_row_program(w_ptr, N, row_bytes, n_units, units_per_prog, BLOCK_N)
     # split rows (triton_split_rows): every unit's 128 ql bytes, then 64 qh bytes, 16 scales, d
@@ -256,8 +209,8 @@ def _q6_k_split_dp4a_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, u
         for h in tl.static_range(2):
             q = ((ql >> (4 * h)) & 0x0F0F0F0F) | (((qh >> (4 * h + 2 * a[None])) & 0x03030303) << 4)
             xw = tl.load(xq + u * 64 + 16 * h + x_at)  # [2, 2, 2, 4]
-            dots = tl.sum(_dp4a(q, xw[None], tl.zeros_like(q), ASM), axis=4)  # [BLOCK_N, 2, 2, 2]
-            sums = tl.sum(_dp4a(ones, xw, tl.zeros_like(xw), ASM), axis=3)  # [2, 2, 2]: sum(qx) a group
+            dots = tl.sum(dp4a(q, xw[None], tl.zeros_like(q), ASM), axis=4)  # [BLOCK_N, 2, 2, 2]
+            sums = tl.sum(dp4a(ones, xw, tl.zeros_like(xw), ASM), axis=3)  # [2, 2, 2]: sum(qx) a group
             sc = tl.load(scales[:, None, None, None] + u * 16 + 4 * h + sc_at[None]).to(tl.float32)
             xds = tl.load(xd + u * 8 + 2 * h + xd_at)  # [2, 2, 2]
             total += sc * (xds[None] * (dots - 32 * sums[None]).to(tl.float32))
@@ -266,98 +219,19 @@ def _q6_k_split_dp4a_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, u
     store_one_row(acc, rn, N, o_ptr, stride_os, b_ptr, HAS_BIAS)
 
 
-@triton.jit
-def _q8_0_split_dp4a_runs_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_per_prog,
-                                 stride_os, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
-                                 ASM: tl.constexpr = _ASM, STAGES: tl.constexpr = 1, PDL: tl.constexpr = False,
-                                 UNROLL: tl.constexpr = 1):
-    """_q8_0_split_dp4a_kernel's product in runs (see _q4_k_dp4a_runs_kernel): a unit's 64 value words
-    are 16 runs of 4, run t half of block t // 2, each with its own accumulator until the end."""
-    wait_for_previous_kernel(PDL)
-    rn, row, u0, u1 = one_row_program(w_ptr, N, row_bytes, n_units, units_per_prog, BLOCK_N)
-    values = row.to(tl.pointer_type(tl.int32))[:, None, None]  # split rows: the K int8 values,
-    scales = (row + n_units * 256).to(tl.pointer_type(tl.float16))[:, None]  # then K/32 fp16 scales
-    xq = x_ptr.to(tl.pointer_type(tl.int32))
-    xd = (x_ptr + n_units * 256).to(tl.pointer_type(tl.float32))
-    t = tl.arange(0, 16)
-    run = 4 * t[:, None] + tl.arange(0, 4)[None, :]  # [16, 4]: value word 4t + c
-    acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
-    for u in tl.range(u0, u1, num_stages=STAGES, loop_unroll_factor=UNROLL):
-        q = tl.load(values + u * 64 + run[None])  # [BLOCK_N, 16, 4]
-        dots = tl.sum(_dp4a(q, tl.load(xq + u * 64 + run)[None], tl.zeros_like(q), ASM), axis=2)  # [BLOCK_N, 16]
-        d = tl.load(scales + u * 8 + (t // 2)[None, :]).to(tl.float32)
-        acc += dots.to(tl.float32) * d * tl.load(xd + u * 8 + t // 2)[None, :]
-    store_one_row(tl.sum(acc, axis=1), rn, N, o_ptr, stride_os, b_ptr, HAS_BIAS)
-
-
-@triton.jit
-def _q6_k_run_half(ql, qh, a, scale_words, xq, x_at, xd, xd_at, H: tl.constexpr, ASM: tl.constexpr):
-    """Nibble H of every run of a Q6_K unit (see _q6_k_split_dp4a_runs_kernel): its [BLOCK_N, 8] scaled
-    sums, computed in the layout of the runs' words so that nothing moves between threads. The unit's
-    16 scale bytes come as 4 words [BLOCK_N, 8, 4]: run r = 4n + 2a + g takes byte 2a + g of word 2n + H."""
-    q = ((ql >> (4 * H)) & 0x0F0F0F0F) | (((qh >> (4 * H + 2 * a[None])) & 0x03030303) << 4)
-    xw = tl.load(xq + 16 * H + x_at)[None]  # [1, 8, 4]
-    dots = tl.sum(_dp4a(q, xw, tl.zeros_like(q), ASM), axis=2)  # [BLOCK_N, 8]
-    sums = tl.sum(_dp4a(tl.full(xw.shape, 0x01010101, tl.int32), xw, tl.zeros_like(xw), ASM), axis=2)  # sum(qx)
-    r = tl.arange(0, 8)[None, :]
-    c = tl.arange(0, 4)[None, None, :]
-    word = tl.sum(tl.where(c == 2 * (r // 4)[:, :, None] + H, scale_words, 0), axis=2)
-    sc = ((word << (24 - 8 * (r % 4))) >> 24).to(tl.float32)  # the signed byte
-    return sc * tl.load(xd + 2 * H + xd_at)[None, :] * (dots - 32 * sums).to(tl.float32)
-
-
-@triton.jit
-def _q6_k_split_dp4a_runs_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_per_prog,
-                                 stride_os, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
-                                 ASM: tl.constexpr = _ASM, STAGES: tl.constexpr = 1, PDL: tl.constexpr = False,
-                                 UNROLL: tl.constexpr = 1):
-    """_q6_k_split_dp4a_kernel's product in runs (see _q4_k_dp4a_runs_kernel): run r = 4n + 2a + g of a
-    unit is the 4 low-nibble words 16n + 8a + 4g + w, which with the bit pairs of qh words 8n + 4g + w
-    hold values 128n + 64h + 32a + 16g + 4w + byte for both nibbles h (as in that kernel), a 16-value
-    scale group each; each run keeps its sums in its own accumulator until the end."""
-    wait_for_previous_kernel(PDL)
-    rn, row, u0, u1 = one_row_program(w_ptr, N, row_bytes, n_units, units_per_prog, BLOCK_N)
-    # split rows (triton_split_rows): every unit's 128 ql bytes, then 64 qh bytes, 16 scales, d
-    ql_words = row.to(tl.pointer_type(tl.int32))[:, None, None]
-    qh_words = (row + n_units * 128).to(tl.pointer_type(tl.int32))[:, None, None]
-    scale_words = (row + n_units * 192).to(tl.pointer_type(tl.int32))[:, None, None]
-    xq = x_ptr.to(tl.pointer_type(tl.int32))
-    xd = (x_ptr + n_units * 256).to(tl.pointer_type(tl.float32))
-    r = tl.arange(0, 8)
-    d_base = (row + n_units * 208).to(tl.pointer_type(tl.float16))[:, None] + 0 * r[None, :]  # every run reads d
-    w = tl.arange(0, 4)[None, :]
-    n, a, g = r // 4, (r // 2) % 2, r % 2
-    ql_at = (16 * n + 8 * a + 4 * g)[:, None] + w  # [8, 4]
-    qh_at = (8 * n + 4 * g)[:, None] + w
-    x_at = (32 * n + 8 * a + 4 * g)[:, None] + w  # +16h
-    xd_at = 4 * n + a  # [8]: +2h
-    a = a[:, None]
-    acc = tl.zeros([BLOCK_N, 8], dtype=tl.float32)
-    for u in tl.range(u0, u1, num_stages=STAGES, loop_unroll_factor=UNROLL):
-        ql = tl.load(ql_words + u * 32 + ql_at[None])  # [BLOCK_N, 8, 4]
-        qh = tl.load(qh_words + u * 16 + qh_at[None])
-        sw = tl.load(scale_words + u * 4 + tl.arange(0, 4)[None, None, :] + 0 * ql_at[None])  # [BLOCK_N, 8, 4]
-        total = _q6_k_run_half(ql, qh, a, sw, xq + u * 64, x_at, xd + u * 8, xd_at, 0, ASM) \
-            + _q6_k_run_half(ql, qh, a, sw, xq + u * 64, x_at, xd + u * 8, xd_at, 1, ASM)
-        acc += tl.load(d_base + u).to(tl.float32) * total
-    store_one_row(tl.sum(acc, axis=1), rn, N, o_ptr, stride_os, b_ptr, HAS_BIAS)
-
-
 # (ggml type, split rows) -> kernel. Launch: 64 rows x 4 warps, at most 4 units of K a program.
 # scripts/bench_kernels.py --only quant --ms 1 --sweep, H200, qwen3-8b shapes in CUDA graphs, 2026-12-04
 _KERNELS = {(Q.Q4_K, False): _q4_k_dp4a_kernel, (Q.Q8_0, True): _q8_0_split_dp4a_kernel,
             (Q.Q6_K, True): _q6_k_split_dp4a_kernel}
 BLOCK_N, MAX_UNITS = 64, 4
-# Kernels of the same product with another layout (gemv's runs=True): options of the sweep until measured.
-_RUNS_KERNELS = {(Q.Q4_K, False): _q4_k_dp4a_runs_kernel, (Q.Q8_0, True): _q8_0_split_dp4a_runs_kernel,
-                 (Q.Q6_K, True): _q6_k_split_dp4a_runs_kernel}
-assert _RUNS_KERNELS.keys() == DP4A_RUNS_TYPES
 
 
-def serves(qtype, split_rows: bool) -> bool:
-    """Whether a dp4a GEMV reads these rows: Q4_K in ggml's layout, Q8_0 / Q6_K in split rows (NVIDIA:
-    the PTX instruction; the interpreter spells it out)."""
-    return torch.version.hip is None and (qtype, split_rows) in _KERNELS
+def serves(qtype, split_rows: bool, runs: bool = False) -> bool:
+    """Whether a dp4a GEMV reads these rows: Q4_K in ggml's layout, Q8_0 / Q6_K in split rows; with
+    runs, also the formats only a runs kernel reads (routing.DP4A_RUNS_TYPES) (NVIDIA: the PTX
+    instruction; the interpreter spells it out)."""
+    return torch.version.hip is None and ((qtype, split_rows) in _KERNELS
+                                          or runs and (qtype, split_rows) in DP4A_RUNS_TYPES)
 
 
 def gemv(x: torch.Tensor, weights: torch.Tensor, qtype, split_rows: bool, in_features: int,
@@ -366,19 +240,22 @@ def gemv(x: torch.Tensor, weights: torch.Tensor, qtype, split_rows: bool, in_fea
          unroll: int = 1) -> torch.Tensor:
     """x [1, K] @ W.T (+ bias) for rows that serves() accepts, x rounded to int8 per 32 values
     (quantize_rows, unless given as `quantized`), then the GEMV through one_row_gemv; output in
-    x.dtype. stages: see triton_one_row.one_row_gemv; runs: the kernel that keeps each thread's sums
-    apart until the end (_q4_k_dp4a_runs_kernel), for the formats that have one, with `unroll` units
-    an iteration."""
-    if not serves(qtype, split_rows):
+    x.dtype. stages: see triton_one_row.one_row_gemv; runs: the kernels that keep each thread's sums
+    apart until the end (triton_dp4a_runs), with `unroll` units an iteration."""
+    if not serves(qtype, split_rows, runs):
         raise ValueError(f"no dp4a GEMV reads {Q(qtype).name} rows{' (split)' if split_rows else ''}")
     what = f"{Q(qtype).name} dp4a"
     if in_features % SUPER:
         raise ValueError(f"the {what} GEMV needs in_features a multiple of {SUPER}, got {in_features}")
     if x.numel() != in_features:
         raise ValueError(f"the {what} GEMV multiplies one row of {in_features}, got {tuple(x.shape)}")
-    kernel = _RUNS_KERNELS.get((qtype, split_rows)) if runs else None
-    if unroll > 1 and kernel is None:
+    if unroll > 1 and not runs:
         raise ValueError("unroll applies to the runs kernels (runs=True) only")
-    return one_row_gemv(kernel or _KERNELS[(qtype, split_rows)], x, weights, in_features, SUPER, bias, what,
+    if runs:
+        from .triton_dp4a_runs import RUNS_KERNELS
+        kernel = RUNS_KERNELS[(qtype, split_rows)]
+    else:
+        kernel = _KERNELS[(qtype, split_rows)]
+    return one_row_gemv(kernel, x, weights, in_features, SUPER, bias, what,
                         block_n=block_n, split_k=split_k, num_warps=num_warps, max_units=MAX_UNITS, stages=stages,
                         operand=quantize_rows(x) if quantized is None else quantized, unroll=unroll)

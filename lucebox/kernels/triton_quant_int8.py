@@ -160,7 +160,7 @@ def matmul(x: torch.Tensor, weights: torch.Tensor, qtype, split_rows: bool, in_f
     up to MAX_FUSED_M: one row on the dp4a GEMV, more on integer tensor cores. Output in x.dtype.
     quantized: x's rows as quantize_rows gives them, when already rounded (shared by products of one
     input); else rounded here. stages, runs: the one-row GEMV's (triton_dp4a.gemv)."""
-    if not serves(qtype, split_rows):
+    if not serves(qtype, split_rows, runs=runs and x.numel() == in_features):
         raise ValueError(f"no int8 product reads {Q(qtype).name} rows{' (split)' if split_rows else ''}")
     if in_features % SUPER:
         raise ValueError(f"int8 products need in_features a multiple of {SUPER}, got {in_features}")

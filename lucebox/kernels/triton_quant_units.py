@@ -60,7 +60,8 @@ def _pack4(vals) -> int:
     return word - (1 << 32) if word >= 1 << 31 else word
 
 
-_IQ4_T0, _IQ4_T1, _IQ4_T2, _IQ4_T3 = (tl.constexpr(_pack4(IQ4_KVALUES[i:i + 4])) for i in range(0, 16, 4))
+IQ4_TABLE_WORDS = tuple(_pack4(IQ4_KVALUES[i:i + 4]) for i in range(0, 16, 4))
+_IQ4_T0, _IQ4_T1, _IQ4_T2, _IQ4_T3 = (tl.constexpr(word) for word in IQ4_TABLE_WORDS)
 
 
 # ----------------------------------------------------------------------------- device helpers
@@ -98,10 +99,15 @@ def _k_scale_min(w1, w2, w3, J: tl.constexpr):
 
 
 @triton.jit
-def _iq4_value(q):
+def iq4_byte(q):
+    """The codebook entries of indices q (an int32 tile of 0..15) as bytes (0..255, two's complement)."""
     t = tl.where(q < 8, tl.where(q < 4, _IQ4_T0, _IQ4_T1), tl.where(q < 12, _IQ4_T2, _IQ4_T3))
-    b = (t >> ((q & 3) * 8)) & 0xFF
-    return ((b ^ 0x80) - 0x80).to(tl.float32)
+    return (t >> ((q & 3) * 8)) & 0xFF
+
+
+@triton.jit
+def _iq4_value(q):
+    return ((iq4_byte(q) ^ 0x80) - 0x80).to(tl.float32)
 
 
 @triton.jit

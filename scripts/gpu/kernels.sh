@@ -11,15 +11,16 @@ mode_kernels() {
   done
 }
 
-#: dp4a-runs    one-row int8 GEMVs: triton_dp4a's runs kernels (no reduction across threads in the loop)
-#:              against the default ones, per qwen3-8b matrix with launch grids (Q4_K, split Q6_K / Q8_0),
-#:              then decode at 512 on qwen3-8b q4_k_m and q8_0 with LUCEBOX_DP4A_RUNS=0 / 1 alternating (~7 min)
+#: dp4a-runs    one-row int8 GEMVs: triton_dp4a_runs' kernels (no reduction across threads in the loop)
+#:              against the default ones, per qwen3-8b matrix with launch grids (Q4_K, split Q6_K / Q8_0,
+#:              IQ4_XS against its float kernel), then decode at 512 on qwen3-8b q4_k_m, q8_0 and iq4_xs
+#:              with LUCEBOX_DP4A_RUNS=0 / 1 alternating (~9 min; QUANTS picks the decode runs)
 mode_dp4a_runs() {
   local quant runs turn
   step kernels-runs "${SECONDS_KERNELS:-240}" python3 scripts/bench_kernels.py --only quant --ms 1 --sweep \
-    --sweep-paths int8 --qtypes Q4_K Q6_K Q8_0 --json "$out/kernels-runs.json"
+    --sweep-paths int8 --qtypes Q4_K Q6_K Q8_0 IQ4_XS --json "$out/kernels-runs.json"
   grep -E "^\| (kernel|quant_matmul)" "$out/kernels-runs.log" | cut -c1-900
-  for quant in q4_k_m q8_0; do
+  for quant in ${QUANTS:-q4_k_m q8_0 iq4_xs}; do
     turn=0
     for runs in 0 1 0 1; do
       export LUCEBOX_DP4A_RUNS=$runs

@@ -222,10 +222,6 @@ def test_int8_products_are_the_float_products_of_the_rounded_activations_alone_o
         one = tqi.matmul(x[:1], weights, qtype, split, k, split_k=split_k)
         assert rel_err(one, want[:1]) <= 1e-5
         assert torch.equal(tqi.matmul(x[:1], weights, qtype, split, k, split_k=split_k, stages=2), one)  # pipelined
-        if (qtype, split) in tdp._RUNS_KERNELS:  # the same product in another layout, one or two units a step
-            for unroll in (1, 2):
-                runs = tdp.gemv(x[:1], weights, qtype, split, k, bias, split_k=split_k, runs=True, unroll=unroll)
-                assert rel_err(runs, want[:1] + bias) <= 1e-5
         assert rel_err(tqi.matmul(x[:1], weights, qtype, split, k, bias, split_k=split_k), want[:1] + bias) <= 1e-5
         rows = tqi.matmul(x, weights, qtype, split, k, bias, split_k=split_k)
         assert rows.shape == (5, n) and rel_err(rows, want + bias) <= 1e-5
@@ -239,6 +235,26 @@ def test_int8_products_are_the_float_products_of_the_rounded_activations_alone_o
         tqi.matmul(x.repeat(13, 1), weights, qtype, split, k)
     with pytest.raises(ValueError, match="Q5_K"):
         tqi.matmul(x, quant_rows(Q.Q5_K, n, k, seed=1), Q.Q5_K, False, k)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0, Q.Q6_K, Q.IQ4_XS], ids=["Q4_K", "Q8_0-split", "Q6_K-split", "IQ4_XS"])
+def test_runs_kernels_are_the_float_products_of_the_rounded_row(qtype):
+    """kernels/triton_dp4a_runs.py: the one-row int8 product in runs (split Q8_0 / Q6_K rows, ggml's
+    Q4_K and IQ4_XS rows) equals the rounded row times the exact weights, whatever the split of K,
+    the units an iteration and the bias."""
+    from lucebox.kernels import triton_dp4a as tdp
+    k, n = 768, 40  # three super-blocks: an odd one out for unroll 2
+    raw = quant_rows(qtype, n, k, seed=31)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(32)).to(DEVICE)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(33)).to(DEVICE)
+    want = rounded_rows(tdp.quantize_rows(x), k) @ dequant.dequantize(raw, qtype).T
+    split = qtype in (Q.Q8_0, Q.Q6_K)
+    weights = layout.split_rows(raw, qtype) if split else raw
+    for split_k, unroll in ((1, 1), (1, 2), (2, 1)):
+        got = tdp.gemv(x, weights, qtype, split, k, bias, split_k=split_k, runs=True, unroll=unroll)
+        assert rel_err(got, want + bias) <= 1e-5
+    with pytest.raises(ValueError, match="runs kernels" if (qtype, split) in tdp._KERNELS else "no dp4a GEMV reads IQ4_XS"):
+        tdp.gemv(x, weights, qtype, split, k, unroll=2)  # IQ4_XS: only a runs kernel reads it
 
 
 def test_int8_activations_take_the_products_they_are_faster_for_unless_turned_off(monkeypatch):
@@ -270,27 +286,32 @@ def test_int8_activations_take_the_products_they_are_faster_for_unless_turned_of
 
 def test_the_runs_kernels_take_one_row_int8_products_when_switched_on(monkeypatch):
     """LUCEBOX_DP4A_RUNS=1 (an experiment until measured): a Q4_K linear's decode product goes to
-    triton_dp4a's runs kernel, and a split Q8_0 one (float split-row GEMV by default) to int8
-    activations and its runs kernel, each equal to the float product of the rounded row; off by default."""
+    triton_dp4a_runs' kernel, a split Q8_0 one (float split-row GEMV by default) and an IQ4_XS one
+    (float kernel by default) to int8 activations and theirs, each equal to the float product of the
+    rounded row; off by default."""
     from lucebox.kernels import triton_dp4a as tdp
+    from lucebox.kernels import triton_dp4a_runs as tdr
     monkeypatch.setenv("LUCEBOX_TRITON", "1")
     monkeypatch.delenv("LUCEBOX_INT8_ACTIVATIONS", raising=False)
     launched = []
     real = tdp.one_row_gemv
     monkeypatch.setattr(tdp, "one_row_gemv", lambda kernel, *a, **kw: launched.append(kernel) or real(kernel, *a, **kw))
-    k = 256
+    k = 512
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(25)).to(DEVICE)
     rounded = rounded_rows(tdp.quantize_rows(x), k)
-    q4 = QuantLinear(QuantTensor(quant_rows(Q.Q4_K, 24, k, seed=26), Q.Q4_K, (24, k)))
-    q8 = QuantLinear(QuantTensor(quant_rows(Q.Q8_0, 16, k, seed=27), Q.Q8_0, (16, k)))
-    w4, w8 = dequant.dequantize(q4.qweight, Q.Q4_K), dequant.dequantize(q8.qweight, Q.Q8_0)
-    q8.use_split_rows()
+    linears = {qtype: QuantLinear(QuantTensor(quant_rows(qtype, 24, k, seed=26 + i), qtype, (24, k)))
+               for i, qtype in enumerate((Q.Q4_K, Q.Q8_0, Q.IQ4_XS))}
+    weights = {qtype: dequant.dequantize(lin.qweight, qtype) for qtype, lin in linears.items()}
+    linears[Q.Q8_0].use_split_rows()
     monkeypatch.delenv("LUCEBOX_DP4A_RUNS", raising=False)
-    assert rel_err(q4(x), rounded @ w4.T) <= 1e-5 and rel_err(q8(x), x @ w8.T) <= 1e-5
-    assert launched == [tdp._KERNELS[(Q.Q4_K, False)]]  # Q8_0: the float split-row GEMV
+    for qtype, lin in linears.items():
+        assert rel_err(lin(x), (rounded if qtype == Q.Q4_K else x) @ weights[qtype].T) <= 1e-5
+    assert launched == [tdp._KERNELS[(Q.Q4_K, False)]]  # Q8_0 and IQ4_XS: float kernels
     monkeypatch.setenv("LUCEBOX_DP4A_RUNS", "1")
-    assert rel_err(q4(x), rounded @ w4.T) <= 1e-5 and rel_err(q8(x), rounded @ w8.T) <= 1e-5
-    assert launched[1:] == [tdp._RUNS_KERNELS[(Q.Q4_K, False)], tdp._RUNS_KERNELS[(Q.Q8_0, True)]]
+    for qtype, lin in linears.items():
+        assert rel_err(lin(x), rounded @ weights[qtype].T) <= 1e-5
+    assert launched[1:] == [tdr.RUNS_KERNELS[key] for key in ((Q.Q4_K, False), (Q.Q8_0, True), (Q.IQ4_XS, False))]
+    assert rel_err(lin(x.repeat(3, 1)), x.repeat(3, 1) @ weights[Q.IQ4_XS].T) <= 1e-5  # verify: the float kernel
 
 
 def test_int8_activations_are_opt_in_on_rocm(monkeypatch):
