@@ -354,8 +354,8 @@ def bucket_chunks_setting() -> bool:
 
 
 def dp4a_runs_setting() -> bool:
-    """LUCEBOX_DP4A_RUNS (0 | 1; default 0): 1 sends one-row products of Q4_K, split Q8_0 / Q6_K and
-    IQ4_XS rows to int8 activations and the kernels that keep each thread's sums apart until the end
+    """LUCEBOX_DP4A_RUNS (0 | 1; default 0): 1 sends one-row products of Q4_K, Q5_K, split Q8_0 / Q6_K
+    and IQ4_XS rows to int8 activations and the kernels that keep each thread's sums apart until the end
     (kernels/triton_dp4a_runs.py). Read at each product (kernels/routing.dp4a_runs)."""
     return _switch(os.environ.get("LUCEBOX_DP4A_RUNS")) is True
 

@@ -184,7 +184,7 @@ def bench_quant(args, shape, peak, device) -> list:
             best = sweep_quant(x, raws, qtype, k, m, device) if "float" in paths else {}
             if qtype in layout.SPLIT_TYPES and "split" in paths:
                 best |= sweep_split_rows(x, raws, qtype, k, m, ref, device)
-            if qtype in (Q.Q4_K, Q.Q8_0, Q.Q6_K, Q.IQ4_XS) and "int8" in paths:
+            if qtype in (Q.Q4_K, Q.Q5_K, Q.Q8_0, Q.Q6_K, Q.IQ4_XS) and "int8" in paths:
                 best |= sweep_int8(x, raws, qtype, k, m, ref, device)
         row(table, kernel="quant_matmul", qtype=qtype.name, layer=name, N=n, K=k, M=m, rel_err=err,
             us=t_tri * 1e3, GBps=gbps(nbytes, t_tri), pct_peak=100 * gbps(nbytes, t_tri) / peak,
@@ -250,7 +250,7 @@ def sweep_int8(x, raws, qtype, k, m, ref, device) -> dict:
     """The product on int8 activations (kernels/triton_quant_int8.py; the rounding launch inside the
     time): the dp4a GEMV at M = 1, integer tensor cores above; Q4_K on ggml rows, Q8_0 and Q6_K on
     split rows. Its error against the float product, the default launch and the best of a grid; at
-    M = 1 also the kernels that keep each thread's sums apart (triton_dp4a_runs, also IQ4_XS)."""
+    M = 1 also the kernels that keep each thread's sums apart (triton_dp4a_runs, also Q5_K and IQ4_XS)."""
     split_rows = qtype in (Q.Q8_0, Q.Q6_K)
     weights = [layout.split_rows(w, qtype) for w in raws] if split_rows else raws
     found = {}

@@ -78,8 +78,8 @@ QUANT_ROUTES = {
     (Q.Q8_0, True): (SPLIT_GEMV, INT8_TILES),
 }
 # Rows triton_dp4a_runs' kernels read: with dp4a_runs() on, their decode products all take INT8_GEMV
-# (IQ4_XS has no other int8 kernel: its verify stays on QUANT_TILES).
-DP4A_RUNS_TYPES = frozenset({(Q.Q4_K, False), (Q.Q6_K, True), (Q.Q8_0, True), (Q.IQ4_XS, False)})
+# (Q5_K and IQ4_XS have no other int8 kernel: their verify stays on QUANT_TILES).
+DP4A_RUNS_TYPES = frozenset({(Q.Q4_K, False), (Q.Q5_K, False), (Q.Q6_K, True), (Q.Q8_0, True), (Q.IQ4_XS, False)})
 
 
 def gated_delta_route(op: str, triton: bool = False, fla: bool = False) -> str:

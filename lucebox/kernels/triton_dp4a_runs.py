@@ -23,19 +23,18 @@ from .triton_pdl import wait_for_previous_kernel
 
 
 @triton.jit
-def _q4_k_dp4a_runs_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_per_prog,
-                           stride_os, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           ASM: tl.constexpr = PTX_DP4A, STAGES: tl.constexpr = 1, PDL: tl.constexpr = False,
-                           UNROLL: tl.constexpr = 1):
+def _k_quant_runs(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_per_prog, stride_os,
+                  BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr, STAGES: tl.constexpr,
+                  PDL: tl.constexpr, UNROLL: tl.constexpr, FIFTH_BIT: tl.constexpr):
     """_q4_k_dp4a_kernel's product with nothing reduced across threads inside the loop: a super-block
     row is 8 runs of 4 nibble words (16 bytes, one vector load), run t holding half of sub-blocks 2j and
     2j + 1 (j = t // 2), and each run's scaled sums stay in its own accumulator until the end; the
-    16-byte header (d, dmin, 12 scale bytes) is one vector load too. The layout Triton gives the other
-    kernel reduces within a super-block and moves partials through shared memory (a barrier) every
-    unit."""
+    16-byte header (d, dmin, 12 scale bytes) is one vector load too. FIFTH_BIT: Q5_K, whose 32 qh bytes
+    after the header hold each value's fifth bit (bit s of byte k: value k of sub-block s)."""
     wait_for_previous_kernel(PDL)
     rn, row, u0, u1 = one_row_program(w_ptr, N, row_bytes, n_units, units_per_prog, BLOCK_N)
-    words = row.to(tl.pointer_type(tl.int32))[:, None, None]  # 36 words a super-block: 4 of header, 32 nibble
+    UNIT: tl.constexpr = 44 if FIFTH_BIT else 36  # words a super-block: 4 of header[, 8 of qh], 32 of nibbles
+    words = row.to(tl.pointer_type(tl.int32))[:, None, None]
     xq = x_ptr.to(tl.pointer_type(tl.int32))  # quantize_rows' row: int8 values as words,
     xd = (x_ptr + n_units * 256).to(tl.pointer_type(tl.float32))  # then the scales,
     xs = xd + n_units * 8  # then the scaled sums
@@ -49,11 +48,18 @@ def _q4_k_dp4a_runs_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, un
     even = (t % 2 == 0).to(tl.float32)[None, :]  # the even run of a pair adds its sub-blocks' min terms
     acc = tl.zeros([BLOCK_N, 8], dtype=tl.float32)
     for u in tl.range(u0, u1, num_stages=STAGES, loop_unroll_factor=UNROLL):
-        h = tl.load(words + u * 36 + header)  # [BLOCK_N, 8, 4]
-        q = tl.load(words + u * 36 + 4 + run[None])  # [BLOCK_N, 8, 4]
+        h = tl.load(words + u * UNIT + header)  # [BLOCK_N, 8, 4]
+        q = tl.load(words + u * UNIT + UNIT - 32 + run[None])  # [BLOCK_N, 8, 4]
+        q_lo = q & 0x0F0F0F0F
+        q_hi = (q >> 4) & 0x0F0F0F0F
+        if FIFTH_BIT:  # qh words 4 (t % 2) + c: bytes 16 (t % 2) + 4c.., bits 2j (low nibbles) and 2j + 1
+            qh = tl.load(words + u * UNIT + 4 + (4 * (t % 2))[None, :, None] + c[None, None, :])
+            shift = 2 * j[None, :, None]
+            q_lo |= ((qh >> shift) & 0x01010101) << 4
+            q_hi |= ((qh >> (shift + 1)) & 0x01010101) << 4
         zero = tl.zeros_like(q)
-        lo = tl.sum(dp4a(q & 0x0F0F0F0F, tl.load(xq + u * 64 + x_lo)[None], zero, ASM), axis=2)  # [BLOCK_N, 8]
-        hi = tl.sum(dp4a((q >> 4) & 0x0F0F0F0F, tl.load(xq + u * 64 + 8 + x_lo)[None], zero, ASM), axis=2)
+        lo = tl.sum(dp4a(q_lo, tl.load(xq + u * 64 + x_lo)[None], zero, ASM), axis=2)  # [BLOCK_N, 8]
+        hi = tl.sum(dp4a(q_hi, tl.load(xq + u * 64 + 8 + x_lo)[None], zero, ASM), axis=2)
         w0 = tl.sum(tl.where(pick == 0, h, 0), axis=2)
         w1 = tl.sum(tl.where(pick == 1, h, 0), axis=2)
         w2 = tl.sum(tl.where(pick == 2, h, 0), axis=2)
@@ -67,6 +73,24 @@ def _q4_k_dp4a_runs_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, un
         acc += d * (sc_lo * xd_lo * lo.to(tl.float32) + sc_hi * xd_hi * hi.to(tl.float32)) \
             - dmin * even * (m_lo * xs_lo + m_hi * xs_hi)
     store_one_row(tl.sum(acc, axis=1), rn, N, o_ptr, stride_os, b_ptr, HAS_BIAS)
+
+
+@triton.jit
+def _q4_k_dp4a_runs_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_per_prog,
+                           stride_os, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+                           ASM: tl.constexpr = PTX_DP4A, STAGES: tl.constexpr = 1, PDL: tl.constexpr = False,
+                           UNROLL: tl.constexpr = 1):
+    _k_quant_runs(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_per_prog, stride_os,
+                  BLOCK_N, HAS_BIAS, ASM, STAGES, PDL, UNROLL, False)
+
+
+@triton.jit
+def _q5_k_dp4a_runs_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_per_prog,
+                           stride_os, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+                           ASM: tl.constexpr = PTX_DP4A, STAGES: tl.constexpr = 1, PDL: tl.constexpr = False,
+                           UNROLL: tl.constexpr = 1):
+    _k_quant_runs(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_per_prog, stride_os,
+                  BLOCK_N, HAS_BIAS, ASM, STAGES, PDL, UNROLL, True)
 
 
 @triton.jit
@@ -213,5 +237,6 @@ def _iq4_xs_dp4a_runs_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, 
 
 
 RUNS_KERNELS = {(Q.Q4_K, False): _q4_k_dp4a_runs_kernel, (Q.Q8_0, True): _q8_0_split_dp4a_runs_kernel,
-                (Q.Q6_K, True): _q6_k_split_dp4a_runs_kernel, (Q.IQ4_XS, False): _iq4_xs_dp4a_runs_kernel}
+                (Q.Q6_K, True): _q6_k_split_dp4a_runs_kernel, (Q.IQ4_XS, False): _iq4_xs_dp4a_runs_kernel,
+                (Q.Q5_K, False): _q5_k_dp4a_runs_kernel}
 assert RUNS_KERNELS.keys() == DP4A_RUNS_TYPES

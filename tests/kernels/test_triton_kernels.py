@@ -237,10 +237,11 @@ def test_int8_products_are_the_float_products_of_the_rounded_activations_alone_o
         tqi.matmul(x, quant_rows(Q.Q5_K, n, k, seed=1), Q.Q5_K, False, k)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0, Q.Q6_K, Q.IQ4_XS], ids=["Q4_K", "Q8_0-split", "Q6_K-split", "IQ4_XS"])
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q8_0, Q.Q6_K, Q.IQ4_XS],
+                         ids=["Q4_K", "Q5_K", "Q8_0-split", "Q6_K-split", "IQ4_XS"])
 def test_runs_kernels_are_the_float_products_of_the_rounded_row(qtype):
     """kernels/triton_dp4a_runs.py: the one-row int8 product in runs (split Q8_0 / Q6_K rows, ggml's
-    Q4_K and IQ4_XS rows) equals the rounded row times the exact weights, whatever the split of K,
+    Q4_K, Q5_K and IQ4_XS rows) equals the rounded row times the exact weights, whatever the split of K,
     the units an iteration and the bias."""
     from lucebox.kernels import triton_dp4a as tdp
     k, n = 768, 40  # three super-blocks: an odd one out for unroll 2
@@ -253,8 +254,8 @@ def test_runs_kernels_are_the_float_products_of_the_rounded_row(qtype):
     for split_k, unroll in ((1, 1), (1, 2), (2, 1)):
         got = tdp.gemv(x, weights, qtype, split, k, bias, split_k=split_k, runs=True, unroll=unroll)
         assert rel_err(got, want + bias) <= 1e-5
-    with pytest.raises(ValueError, match="runs kernels" if (qtype, split) in tdp._KERNELS else "no dp4a GEMV reads IQ4_XS"):
-        tdp.gemv(x, weights, qtype, split, k, unroll=2)  # IQ4_XS: only a runs kernel reads it
+    with pytest.raises(ValueError, match="runs kernels" if (qtype, split) in tdp._KERNELS else "no dp4a GEMV reads"):
+        tdp.gemv(x, weights, qtype, split, k, unroll=2)  # Q5_K, IQ4_XS: only a runs kernel reads them
 
 
 def test_int8_activations_take_the_products_they_are_faster_for_unless_turned_off(monkeypatch):
