@@ -11,13 +11,15 @@ mode_kernels() {
   done
 }
 
-#: dp4a-runs    one-row int8 GEMVs: triton_dp4a_runs' kernels (no reduction across threads in the loop)
-#:              against the default ones, per qwen3-8b matrix with launch grids (Q4_K, split Q6_K / Q8_0;
-#:              Q5_K and IQ4_XS against their float kernels; RUNS_SWEEP=0 skips it, ~4 min), then decode
+#: dp4a-runs    one-row int8 GEMVs: triton_dp4a_runs' tests on the GPU (their PTX), then the kernels (no
+#:              reduction across threads in the loop) against the default ones per qwen3-8b matrix with
+#:              launch grids (Q4_K, split Q6_K / Q8_0; Q5_K and IQ4_XS against their float kernels;
+#:              RUNS_SWEEP=0 skips it, ~4 min), then decode
 #:              at 512 on qwen3-8b with LUCEBOX_DP4A_RUNS=0 / 1 alternating, QUANTS (default q4_k_m
 #:              iq4_xs, ~4 min; also q8_0 q5_k_m)
 mode_dp4a_runs() {
   local quant runs turn
+  run_tests dp4a-runs-tests 90 tests/kernels/test_triton_kernels.py -k "runs or int8"  # the PTX paths (prmt, dp4a)
   if [ "${RUNS_SWEEP:-1}" = 1 ]; then
     step kernels-runs "${SECONDS_KERNELS:-270}" python3 scripts/bench_kernels.py --only quant --ms 1 --sweep \
       --sweep-paths int8 --qtypes Q4_K Q5_K Q6_K Q8_0 IQ4_XS --json "$out/kernels-runs.json"
