@@ -266,6 +266,7 @@ def test_int8_activations_take_the_products_they_are_faster_for_unless_turned_of
     from lucebox.kernels import triton_quant_int8 as tqi
     monkeypatch.setenv("LUCEBOX_TRITON", "1")
     monkeypatch.delenv("LUCEBOX_INT8_ACTIVATIONS", raising=False)
+    monkeypatch.delenv("LUCEBOX_DP4A_RUNS", raising=False)  # the default routes
     calls = []
     monkeypatch.setattr(tqi, "matmul", lambda *a, _real=tqi.matmul, **kw: calls.append(a[2]) or _real(*a, **kw))
     k = 256
