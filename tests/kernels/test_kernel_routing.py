@@ -29,6 +29,11 @@ PINNED = {
 }
 
 
+@pytest.fixture(autouse=True)
+def default_routes(monkeypatch):
+    monkeypatch.delenv("LUCEBOX_DP4A_RUNS", raising=False)  # the opt-in runs kernels: their own test below
+
+
 @pytest.mark.parametrize("key", list(PINNED), ids=lambda k: f"{k[0].name}{'-split' if k[1] else ''}")
 def test_the_quantised_table_picks_todays_kernels(key):
     qtype, split = key
@@ -37,6 +42,19 @@ def test_the_quantised_table_picks_todays_kernels(key):
             assert routing.quant_kernel(qtype, split, rows, fused=True, int8=int8) == want, (rows, int8)
         for rows in (1, 16, 65):  # where Triton cannot read the rows in place (the CPU, odd layouts)
             assert routing.quant_kernel(qtype, split, rows, fused=False, int8=int8) == "dequant_matmul"
+
+
+def test_the_runs_switch_sends_their_formats_decode_to_int8_activations(monkeypatch):
+    """LUCEBOX_DP4A_RUNS=1: one row of every format triton_dp4a_runs reads takes int8 activations (where
+    they are allowed); verify rows and every other format keep today's kernels."""
+    monkeypatch.setenv("LUCEBOX_DP4A_RUNS", "1")
+    assert routing.DP4A_RUNS_TYPES == {(Q.Q4_K, False), (Q.Q5_K, False), (Q.Q6_K, True), (Q.Q8_0, True),
+                                       (Q.IQ4_XS, False)}
+    for (qtype, split), (allowed, without) in PINNED.items():
+        runs = (qtype, split) in routing.DP4A_RUNS_TYPES
+        assert routing.quant_kernel(qtype, split, 1, fused=True, int8=True) == ("int8_gemv" if runs else allowed[0])
+        assert routing.quant_kernel(qtype, split, 16, fused=True, int8=True) == allowed[1]
+        assert routing.quant_kernel(qtype, split, 1, fused=True, int8=False) == without[0]
 
 
 def test_every_int8_route_has_its_kernels():
