@@ -25,13 +25,13 @@ from .triton_pdl import wait_for_previous_kernel
 @triton.jit
 def _k_quant_runs(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_per_prog, stride_os,
                   BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr, STAGES: tl.constexpr,
-                  PDL: tl.constexpr, UNROLL: tl.constexpr, FIFTH_BIT: tl.constexpr):
+                  UNROLL: tl.constexpr, FIFTH_BIT: tl.constexpr):
     """_q4_k_dp4a_kernel's product with nothing reduced across threads inside the loop: a super-block
     row is 8 runs of 4 nibble words (16 bytes, one vector load), run t holding half of sub-blocks 2j and
     2j + 1 (j = t // 2), and each run's scaled sums stay in its own accumulator until the end; the
     16-byte header (d, dmin, 12 scale bytes) is one vector load too. FIFTH_BIT: Q5_K, whose 32 qh bytes
-    after the header hold each value's fifth bit (bit s of byte k: value k of sub-block s)."""
-    wait_for_previous_kernel(PDL)
+    after the header hold each value's fifth bit (bit s of byte k: value k of sub-block s). The kernels
+    calling it have waited for the previous kernel (PDL) already."""
     rn, row, u0, u1 = one_row_program(w_ptr, N, row_bytes, n_units, units_per_prog, BLOCK_N)
     UNIT: tl.constexpr = 44 if FIFTH_BIT else 36  # words a super-block: 4 of header[, 8 of qh], 32 of nibbles
     words = row.to(tl.pointer_type(tl.int32))[:, None, None]
@@ -80,8 +80,9 @@ def _q4_k_dp4a_runs_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, un
                            stride_os, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
                            ASM: tl.constexpr = PTX_DP4A, STAGES: tl.constexpr = 1, PDL: tl.constexpr = False,
                            UNROLL: tl.constexpr = 1):
+    wait_for_previous_kernel(PDL)
     _k_quant_runs(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_per_prog, stride_os,
-                  BLOCK_N, HAS_BIAS, ASM, STAGES, PDL, UNROLL, False)
+                  BLOCK_N, HAS_BIAS, ASM, STAGES, UNROLL, False)
 
 
 @triton.jit
@@ -89,8 +90,9 @@ def _q5_k_dp4a_runs_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, un
                            stride_os, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
                            ASM: tl.constexpr = PTX_DP4A, STAGES: tl.constexpr = 1, PDL: tl.constexpr = False,
                            UNROLL: tl.constexpr = 1):
+    wait_for_previous_kernel(PDL)
     _k_quant_runs(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_per_prog, stride_os,
-                  BLOCK_N, HAS_BIAS, ASM, STAGES, PDL, UNROLL, True)
+                  BLOCK_N, HAS_BIAS, ASM, STAGES, UNROLL, True)
 
 
 @triton.jit
