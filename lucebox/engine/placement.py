@@ -29,6 +29,7 @@ from torch import nn
 from ..errors import RequestError
 from ..kernels.forward_batch import ForwardBatch
 from ..model.loader import check_device
+from ..model.transformer import fused_projections
 from ..util import move
 
 log = logging.getLogger("lucebox")
@@ -239,7 +240,7 @@ def unfuse(model: nn.Module) -> None:
     would leave behind): each linear's weight becomes its own tensor again, so the fused tensor goes;
     the engine fuses again on the new devices."""
     for module in model.modules():
-        fused = [name for name in ("qkv", "qk", "gate_up") if getattr(module, name, None) is not None]
+        fused = fused_projections(module)
         for name in fused:
             setattr(module, name, None)
         for child in module.children() if fused else ():

@@ -72,6 +72,14 @@ def fuse_linears(layers: list[nn.Module]):
     return None
 
 
+def fused_projections(module: nn.Module) -> list[str]:
+    """The names of module's attributes that hold a projection fuse_linears made (a FusedProjection,
+    or a quantised projection's forward: a bound method of an unregistered QuantLinear), whatever a
+    layer calls them (qkv, gate_up, Laguna's qkvg, DeltaNet's projections ...)."""
+    return [name for name, value in vars(module).items()
+            if isinstance(value, FusedProjection) or isinstance(getattr(value, "__self__", None), QuantLinear)]
+
+
 def _slices(layers, fused: torch.Tensor, bias: torch.Tensor | None):
     row = 0
     for m in layers:
@@ -233,9 +241,9 @@ class Transformer(nn.Module):
         first, its layers' row slices then only told). Idempotent. For inference."""
         linears = [m for m in self.modules() if isinstance(m, (QuantLinear, QuantEmbedding))]
         for module in self.modules():  # fused projections are bound methods of unregistered QuantLinears
-            for fused in (getattr(module, name, None) for name in ("qkv", "qk", "gate_up")):
-                if isinstance(getattr(fused, "__self__", None), QuantLinear):
-                    linears.append(fused.__self__)
+            for name in fused_projections(module):
+                if isinstance(getattr(module, name).__self__, QuantLinear):
+                    linears.append(getattr(module, name).__self__)
         done: list[tuple[int, int]] = []  # byte ranges reordered
         for m in sorted(linears, key=lambda m: -m.qweight.numel()):
             if m.split_rows or not m.splits_rows():

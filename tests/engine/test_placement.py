@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from lucebox import LLM, SamplingParams
 from lucebox.config import EngineArgs
@@ -273,27 +274,33 @@ def test_the_summary_line_the_cli_and_server_print_names_each_range(models):
     assert all(size > 0 for size in kv)  # DeltaNet state in 0-2, paged K/V in 3
 
 
-def test_a_fused_model_placed_again_computes_the_same_logits(models):
-    """A bench places one model several ways: fused projections are undone before the parts move."""
-    path = models("dense")
+@pytest.mark.parametrize("family", ["dense", "hybrid", "laguna"])
+def test_a_fused_model_placed_again_computes_the_same_logits(family, models):
+    """A bench places one model several ways: fused projections are undone before the parts move,
+    whatever a layer calls them (q/k/v and gate/up; DeltaNet's four input projections; Laguna's qkvg)."""
+    from lucebox.model.transformer import fused_projections
+    path = models(family)
     whole = load_model(str(path), dtype="float32", device="cpu")
     batch = prompts(whole.config.vocab_size, [9, 6], seed=5)
     want, _ = run_steps(whole, batch)
     split, placement = split_model(path, "cpu:0-1,cpu:2-3")
     split.model.fuse_projections()
-    assert split.model.layers[0].self_attn.qkv is not None
-    weight = split.model.layers[0].self_attn.q_proj.weight
-    assert weight.untyped_storage().nbytes() > weight.numel() * weight.element_size()  # a slice of the fused one
+    fused = [(module, name) for module in split.model.modules() for name in fused_projections(module)]
+    assert fused
+    members = [m for m in split.model.modules() if type(m) is nn.Linear and not _owns_storage(m.weight)]
+    assert members  # row slices of the fused tensors
     placement.remove(split.model)
     again = Placement(parse_device_map("cpu:0,cpu:1-3", 4))
     again.apply(split.model)
-    assert split.model.layers[0].self_attn.qkv is None and split.model.layers[0].mlp.gate_up is None
-    for linear in (split.model.layers[0].self_attn.q_proj, split.model.layers[3].mlp.up_proj):
-        weight = linear.weight  # its own storage again: the fused tensor is gone
-        assert weight.untyped_storage().nbytes() == weight.numel() * weight.element_size()
+    assert all(getattr(module, name) is None for module, name in fused)
+    assert all(_owns_storage(m.weight) for m in members)  # their own storage again: the fused tensors are gone
     split.model.fuse_projections()
     got, _ = run_steps(split, batch)
     assert (got - want).abs().max().item() <= 1e-5 and again.crossings == 4 * 2
+
+
+def _owns_storage(weight: torch.Tensor) -> bool:
+    return weight.untyped_storage().nbytes() == weight.numel() * weight.element_size()
 
 
 def test_auto_fills_the_first_gpu_then_puts_the_rest_on_the_host(models, monkeypatch):

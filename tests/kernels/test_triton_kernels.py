@@ -480,7 +480,7 @@ def test_linears_in_split_rows_compute_what_they_did_for_decode_verify_and_prefi
     short = QuantLinear(QuantTensor(quant_rows(Q.Q6_K, 8, 512, seed=5), Q.Q6_K, (8, 512), "short"))  # Q6_K < 2048
     holder = nn.Module()
     holder.parts, holder.odd, holder.short = nn.ModuleList(parts), odd, short
-    holder.qkv = fuse_linears(parts[:3])
+    holder.qkvg = fuse_linears(parts[:3])  # any name (Laguna's qkvg): split_quant_rows finds it by its value
     holder.embed = QuantEmbedding(QuantTensor(quant_rows(Q.Q8_0, 12, k, seed=3), Q.Q8_0, (12, k), "embed"))
     raws = [m.weight.data.clone() for m in parts]
     table = holder.embed.weight.data.clone()
@@ -488,18 +488,18 @@ def test_linears_in_split_rows_compute_what_they_did_for_decode_verify_and_prefi
     looked_up, projected = holder.embed(ids), holder.embed.project(xs_head := torch.randn(1, k).to(DEVICE))
     xs = {width: [torch.randn(rows, width, generator=torch.Generator().manual_seed(rows)).to(DEVICE)
                   for rows in (1, 3, tqm.MAX_FUSED_M + 1)] for width in (k, 2048)}
-    before = [[m(x) for x in xs[m.in_features]] for m in parts] + [[holder.qkv(x) for x in xs[k]]]
+    before = [[m(x) for x in xs[m.in_features]] for m in parts] + [[holder.qkvg(x) for x in xs[k]]]
     gemvs = []
     monkeypatch.setattr(tsr, "gemv", lambda *a, _real=tsr.gemv, **kw: gemvs.append(1) or _real(*a, **kw))
     Transformer.split_quant_rows(holder)
     Transformer.split_quant_rows(holder)  # idempotent
-    assert all(m.split_rows for m in parts) and holder.qkv.__self__.split_rows
+    assert all(m.split_rows for m in parts) and holder.qkvg.__self__.split_rows
     assert not odd.split_rows and not short.split_rows
     assert all(torch.equal(m.weight.data, raw) for m, raw in zip(parts, raws))
     assert holder.embed.split_rows and torch.equal(holder.embed.weight.data, table)
     assert torch.equal(holder.embed(ids), looked_up)  # the dequantiser reads split rows bit for bit
     assert rel_err(holder.embed.project(xs_head), projected) <= 1e-5
-    after = [[m(x) for x in xs[m.in_features]] for m in parts] + [[holder.qkv(x) for x in xs[k]]]
+    after = [[m(x) for x in xs[m.in_features]] for m in parts] + [[holder.qkvg(x) for x in xs[k]]]
     for got_rows, want_rows in zip(after, before):
         for got, want in zip(got_rows, want_rows):
             assert rel_err(got, want) <= 1e-5
