@@ -40,7 +40,7 @@ from .gemma4 import GeGLU, Gemma4DecoderLayer, Gemma4Model
 from .laguna import LagunaAttention, LagunaDecoderLayer, LagunaTransformer
 from .moe import SparseMoE
 from .qwen3_5 import HybridDecoderLayer, HybridTransformer
-from .transformer import MLP, Attention, DecoderLayer, Transformer
+from .transformer import MLP, Attention, DecoderLayer, Transformer, fused_projections
 
 
 @dataclass
@@ -180,8 +180,7 @@ def shard_model(model: Transformer, rank: int, size: int, keep_full_vocab: bool 
     """Replace model's projections, embedding and LM head by rank's shards, in place (before
     fuse_projections). keep_full_vocab: return the unsharded embedding and head (FullVocab)."""
     check_shardable(model, size)
-    fused = ("qkv", "qk", "qkvg", "gate_up", "projections")
-    if any(getattr(m, name, None) is not None for m in model.layers.modules() for name in fused):
+    if any(fused_projections(m) for m in model.layers.modules()):
         raise RuntimeError("shard_model: shard the projections before fuse_projections")
     for layer in model.layers:
         _shard_layer(layer, rank, size)

@@ -192,3 +192,15 @@ def test_what_does_not_split_is_refused_naming_the_count(tokenizer_dir, tmp_path
     hf_dir = build_hf_model("qwen3", tmp_path / "hybrid", tokenizer_dir, **spec)
     with pytest.raises(UnsupportedError, match=re.escape(f"--tensor-parallel-size 2 does not divide the model's {count}")):
         LLM(str(hf_dir), speculative_config={}, tensor_parallel_size=2, **hybrid_kwargs())
+
+
+def test_sharding_a_fused_hybrid_is_refused(models):
+    """shard_model needs the projections unfused: DeltaNet's fused input projections count, as q/k/v's do."""
+    from lucebox.model.loader import load_model
+    from lucebox.model.tensor_parallel import shard_model
+    loaded = load_model(str(models["dense"]), dtype="float32", device="cpu")
+    for layer in loaded.model.layers:
+        if hasattr(layer, "linear_attn"):
+            layer.linear_attn.fuse()
+    with pytest.raises(RuntimeError, match="before fuse_projections"):
+        shard_model(loaded.model, 0, 2)
