@@ -157,20 +157,29 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
         self.state = None  # RecurrentState of this layer, installed by the runner
         self.projections = None  # qkv | z | b | a as one projection, after fuse()
+        self.qkvz = self.ba = None  # or qkv | z and b | a as two, when the four cannot be one (e.g. quantised + float)
 
     def fuse(self) -> None:
-        """The four input projections as one GEMV (float weights only: quantised rows may be
-        reordered per linear for the GPU's split layout)."""
-        layers = [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a]
-        if self.projections is None and all(type(m) is nn.Linear for m in layers):
-            self.projections = fuse_linears(layers)
+        """The four input projections as one GEMV where their weights allow (float of one dtype, or
+        quantised of one type), else qkv | z and b | a as two (a GGUF's small b and a are often float
+        beside quantised qkv and z): fewer kernels per decode step."""
+        if self.projections is not None or self.qkvz is not None or self.ba is not None:
+            return
+        self.projections = fuse_linears([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
+        if self.projections is None:
+            self.qkvz = fuse_linears([self.in_proj_qkv, self.in_proj_z])
+            self.ba = fuse_linears([self.in_proj_b, self.in_proj_a])
 
     def _project(self, h: torch.Tensor):
         """(qkv, z, b, a) of the normalised input."""
         if self.projections is not None:
             return self.projections(h).split([self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads],
                                              dim=-1)
-        return self.in_proj_qkv(h), self.in_proj_z(h), self.in_proj_b(h), self.in_proj_a(h)
+        qkv, z = (self.qkvz(h).split([self.conv_dim, self.value_dim], dim=-1) if self.qkvz is not None
+                  else (self.in_proj_qkv(h), self.in_proj_z(h)))
+        b, a = (self.ba(h).split([self.num_v_heads, self.num_v_heads], dim=-1) if self.ba is not None
+                else (self.in_proj_b(h), self.in_proj_a(h)))
+        return qkv, z, b, a
 
     def cache_spec(self) -> RecurrentSpec:
         """Per sequence: S [Hv, dk, dv] and the conv window [channels, kernel - 1], in float32

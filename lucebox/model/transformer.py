@@ -58,7 +58,7 @@ def fuse_linears(layers: list[nn.Module]):
             if b is not None:
                 m.bias = nn.Parameter(b, requires_grad=False)
         return FusedProjection(fused, bias)
-    if all(isinstance(m, QuantLinear) for m in layers):
+    if all(type(m) is QuantLinear for m in layers):  # not a subclass that transforms its input
         if len({(m.qtype, m.in_features, m.qweight.device, m.split_rows) for m in layers}) != 1:
             return None
         shape = (sum(m.out_features for m in layers), layers[0].in_features)
@@ -242,8 +242,9 @@ class Transformer(nn.Module):
         linears = [m for m in self.modules() if isinstance(m, (QuantLinear, QuantEmbedding))]
         for module in self.modules():  # fused projections are bound methods of unregistered QuantLinears
             for name in fused_projections(module):
-                if isinstance(getattr(module, name).__self__, QuantLinear):
-                    linears.append(getattr(module, name).__self__)
+                owner = getattr(getattr(module, name), "__self__", None)  # None: float (FusedProjection)
+                if isinstance(owner, QuantLinear):
+                    linears.append(owner)
         done: list[tuple[int, int]] = []  # byte ranges reordered
         for m in sorted(linears, key=lambda m: -m.qweight.numel()):
             if m.split_rows or not m.splits_rows():

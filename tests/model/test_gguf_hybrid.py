@@ -204,6 +204,13 @@ def test_q8_0_gguf_keeps_experts_quantised_and_computes_its_dequantised_values(a
     # logits by 0.01-0.08 of their ~1-2, up to ~0.2 at a position where a top-2 routing choice flips;
     # a layout mistake moves them by their own size.
     assert (got - reference_logits(references[arch], prompt)).abs().max().item() <= 0.4
+    if arch != "qwen3moe":  # DeltaNet's input projections fuse, as one or as qkv | z and b | a
+        loaded.model.fuse_projections()
+        kinds = {(type(m.in_proj_qkv), type(m.in_proj_b)) for m in (layer.linear_attn for layer in loaded.model.layers
+                                                                     if hasattr(layer, "linear_attn"))}
+        assert all(m.projections is not None or (m.qkvz is not None and m.ba is not None)
+                   for m in (layer.linear_attn for layer in loaded.model.layers if hasattr(layer, "linear_attn")))
+        assert (lucebox_logits(loaded, prompt) - got).abs().max().item() <= 1e-5, kinds
 
 
 def test_expert_weights_dequantises_only_the_selected_experts():
