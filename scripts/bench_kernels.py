@@ -555,6 +555,9 @@ def record_dense(launches: list) -> None:
     lazy_real = [m._kernel for m in lazy]
     for module, make in zip(lazy, lazy_real):
         module._kernel = lambda kernel=make(): Capture(kernel)
+    from lucebox.kernels import triton_moe_route
+    route_real = triton_moe_route._route_kernel
+    triton_moe_route._route_kernel = Capture(route_real)
     sampling_real = triton_sampling._kernels
     triton_sampling._kernels = lambda kernels=sampling_real(): tuple(Capture(k) for k in kernels)
     try:
@@ -622,6 +625,10 @@ def record_dense(launches: list) -> None:
                     if k <= 4096:
                         triton_gemv.gemv(x, w, None, prologue, x if prologue == triton_gemv.NORM else None,
                                          norm_w, 1e-6, config=(2, triton_gemv.next_pow2(k), 4, 264))
+        for experts, top_k, softmax, biased in ((256, 8, True, False), (128, 8, True, False), (64, 4, False, True)):
+            logits = torch.zeros(16, experts, dtype=torch.bfloat16)  # a MoE router (Qwen; Laguna: sigmoid + bias)
+            triton_moe_route.route(logits, top_k, softmax=softmax, softcap=0.0 if softmax else 30.0,
+                                   bias=torch.zeros(experts) if biased else None, dtype=torch.bfloat16)
         for vocab, rows in ((8192, 1), (8192, 16), (151936, 16), (262144, 16)):  # in-graph sampling (262K: Gemma 4)
             row = torch.zeros(1)
             for search in triton_sampling.SEARCHES:
@@ -636,6 +643,7 @@ def record_dense(launches: list) -> None:
         for module, make in zip(lazy, lazy_real):
             module._kernel = make
         triton_sampling._kernels = sampling_real
+        triton_moe_route._route_kernel = route_real
 
 
 def markdown(table: list) -> str:

@@ -25,7 +25,7 @@ from ..errors import CheckpointError
 from ..kernels import dequant
 from ..kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from ..kernels.linear import linear
-from ..kernels.moe import expert_kernel, expert_matmul
+from ..kernels.moe import expert_kernel, expert_matmul, route_experts
 from ..kernels.routing import TORCH
 from ..weights.quant import QuantTensor
 from .config import ModelConfig
@@ -171,7 +171,12 @@ class SparseMoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(expert ids [T, k], their weights [T, k] in x's dtype), computed in float32."""
         bias = self.experts.e_score_correction_bias if self.routing.selection_bias else None
-        ids, weights = self.routing.choose(linear(x, self.gate).float(), bias)
+        logits, r = linear(x, self.gate), self.routing
+        chosen = route_experts(logits, r.top_k, softmax=r.scoring == "softmax", softcap=r.logit_softcap, bias=bias,
+                               norm=r.norm_topk_prob, dtype=x.dtype)  # one kernel where Triton runs
+        if chosen is not None:
+            return chosen
+        ids, weights = r.choose(logits.float(), bias)
         return ids, weights.to(x.dtype)
 
     def routed(self, x: torch.Tensor) -> torch.Tensor:

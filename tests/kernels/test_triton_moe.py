@@ -267,3 +267,60 @@ def test_the_kernels_replay_from_a_cuda_graph_with_new_routes(tokens, weights_ty
             want = reference(module, x, ids, weights, monkeypatch)
             monkeypatch.delenv("LUCEBOX_TRITON")
             assert rel_err(out, want) <= 2e-2
+
+
+@pytest.mark.parametrize("experts, top_k, scoring, softcap, biased, norm", [
+    (256, 8, "softmax", 0.0, False, True),  # Qwen 3.5 / 3.6 MoE
+    (60, 4, "softmax", 0.0, False, False),  # no renormalisation, E not a power of two
+    (33, 3, "sigmoid", 30.0, True, True),  # Laguna-style: soft-capped sigmoid scores, a selection bias
+    (16, 1, "softmax", 0.0, False, True)])
+def test_the_router_kernel_chooses_what_routing_choose_does(experts, top_k, scoring, softcap, biased, norm):
+    """kernels/triton_moe_route.py against model/moe.Routing.choose: the same experts in the same order
+    and their weights, in the output dtype, for float32 and bfloat16 logits (bfloat16 logits tie often:
+    there, experts of equal score may be chosen in either order, as torch.topk's own order is unspecified)."""
+    from lucebox.kernels import triton_moe_route
+    from lucebox.model.moe import Routing
+    g = torch.Generator().manual_seed(experts)
+    logits = (3 * torch.randn(5, experts, generator=g)).to(DEVICE)
+    bias = (0.1 * torch.randn(experts, generator=g)).to(DEVICE) if biased else None
+    reference = Routing(top_k, norm, scoring, softcap, biased)
+    for dtype in (torch.float32, torch.bfloat16):
+        want_ids, want_weights = reference.choose(logits.to(dtype).float(), bias)
+        ids, weights = triton_moe_route.route(logits.to(dtype), top_k, softmax=scoring == "softmax", softcap=softcap,
+                                              bias=bias, norm=norm, dtype=dtype)
+        if dtype == torch.float32:
+            assert torch.equal(ids, want_ids)
+        else:  # the chosen experts' keys (score + bias) are the reference's, highest first; weights: their scores
+            scores = torch.softmax(logits.to(dtype).float(), -1) if scoring == "softmax" else None
+            if scores is None:
+                capped = logits.to(dtype).float()
+                capped = softcap * torch.tanh(capped / softcap) if softcap else capped
+                scores = torch.sigmoid(capped)
+            keys = scores + bias if biased else scores
+            assert torch.equal(keys.gather(1, ids), keys.gather(1, want_ids))
+            chosen = scores.gather(1, ids)
+            want_weights = chosen / chosen.sum(-1, keepdim=True) if norm else chosen
+        assert weights.dtype == dtype
+        torch.testing.assert_close(weights, want_weights.to(dtype), rtol=1e-5 if dtype == torch.float32 else 1e-2,
+                                   atol=1e-6)
+    with pytest.raises(ValueError, match="top-3 of 2"):
+        triton_moe_route.route(logits[:, :2], 3)
+
+
+def test_a_moe_block_routes_with_one_kernel_where_triton_runs(monkeypatch):
+    """SparseMoE.route takes the router kernel under Triton (LUCEBOX_TRITON=1) and agrees with its
+    torch reference; without Triton it keeps the reference."""
+    from lucebox.kernels import triton_moe_route
+    cfg = block_config(True, 0)
+    moe = SparseMoE(cfg).to(DEVICE)
+    x = torch.randn(3, cfg.hidden_size, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    monkeypatch.setenv("LUCEBOX_TRITON", "0")
+    with torch.no_grad():  # inference, as the engine runs it (a product needing grad stays on torch)
+        want = moe.route(x)
+    calls = []
+    monkeypatch.setattr(triton_moe_route, "route", lambda *a, _real=triton_moe_route.route, **kw:
+                        calls.append(1) or _real(*a, **kw))
+    monkeypatch.setenv("LUCEBOX_TRITON", "1")
+    with torch.no_grad():
+        ids, weights = moe.route(x)
+    assert calls and torch.equal(ids, want[0]) and torch.allclose(weights, want[1], rtol=1e-5, atol=1e-6)
