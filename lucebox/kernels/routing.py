@@ -98,7 +98,7 @@ def bucket_chunks() -> bool:
 
 
 def dp4a_runs() -> bool:
-    """One-row int8 GEMVs through triton_dp4a's runs kernels (no reduction across threads inside the
+    """One-row int8 GEMVs through triton_dp4a_runs' kernels (no reduction across threads inside the
     loop): opt-in (LUCEBOX_DP4A_RUNS=1) until a GPU measures them against the default kernels."""
     return dp4a_runs_setting()
 
