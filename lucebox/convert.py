@@ -47,9 +47,8 @@ from .model.gguf_config import (
 )
 from .model.gguf_hybrid_config import write_hybrid_keys
 from .model.gguf_hybrid_write import hybrid_plan, planned_values
-from .model.gated_attention import rotary_dim
 from .model.loader import read_generation_config
-from .model.rope import inverse_frequencies
+from .model.rope import inverse_frequencies, rotary_dim
 from .model.transformer import Transformer
 from .text import gguf_gemma4_vocab
 from .text.gguf_vocab import LLAMA3_REGEX, NEWLINE_RUNS_REGEX, QWEN2_REGEX, QWEN35_REGEX
@@ -218,7 +217,8 @@ def write_shape_metadata(w: GGUFWriter, cfg: ModelConfig, name: str, want: Q,
     w.add_head_count_kv(cfg.num_kv_heads)
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
-    w.add_rope_dimension_count(rotary_dim(cfg) if hasattr(cfg, "partial_rotary_factor") else cfg.head_dim)
+    factor = getattr(cfg, "partial_rotary_factor", 1.0)
+    w.add_rope_dimension_count(rotary_dim(cfg.head_dim, factor))
     w.add_rope_freq_base(cfg.rope.theta)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
 

@@ -4,13 +4,14 @@
     ys, stream = norm_linear(x, residual, norm_weight, eps, projections)
     # == tuple(p(rms_norm(x + residual)) for p in projections), x + residual; residual None: (.., x)
     y = silu_mul_linear(gate_up, projection)     # == projection(silu(gate) * up), gate_up = [gate | up]
+    y = sigmoid_gate_linear(gate, x, projection)  # == projection(sigmoid(gate) * x), gated attention
     ys = linears(x, projections)                 # == tuple(p(x) for p in projections)
 
 A projection is float weights (an nn.Linear exactly, or a FusedProjection), quantised rows (an
 object with qweight, qtype, in_features, split_rows, bias and chunk_bytes, as weights.quant's
 QuantLinear, or the bound forward of one), or any other module, which is called. Products of one
 input on int8 activations share one rounding of it (triton_dp4a.quantize_rows' rows), passed
-explicitly: made by the op that makes the input (the norm, silu * up) in the same launch, or by
+explicitly: made by the op that makes the input (the norm, silu * up, the gate) in the same launch, or by
 the first product that takes it.
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import dequant, routing
-from .activation import silu_and_mul, silu_and_mul_rounded
+from .activation import sigmoid_gate, silu_and_mul, silu_and_mul_rounded
 from .dispatch import use_triton
 from .norm import rms_norm, rms_norm_residual, rms_norm_rounded
 from .routing import DEQUANT_MATMUL, GEMV, GEMV_NORM, GEMV_SILU_MUL, INT8, QUANT_GEMV, QUANT_TILES, SPLIT_GEMV
@@ -138,6 +139,13 @@ def silu_mul_linear(gate_up: torch.Tensor, projection) -> torch.Tensor:
         h, rows = silu_and_mul_rounded(gate, up)
         return linears(h, (projection,), rows)[0]
     return projection(silu_and_mul(gate, up))
+
+
+def sigmoid_gate_linear(gate: torch.Tensor, x: torch.Tensor, projection) -> torch.Tensor:
+    """projection(sigmoid(gate) * x), gate [T, heads, head_dim], x [T, heads * head_dim]: the gate's
+    launch rounds its output to int8 too where the product takes int8 rows."""
+    h, rows = sigmoid_gate(gate, x, rounded=takes_int8((projection,), x))
+    return linear(h, projection) if rows is None else linears(h, (projection,), rows)[0]
 
 
 def quant_linear(x: torch.Tensor, q, *, rows: torch.Tensor | None = None, kernel: str | None = None) -> torch.Tensor:

@@ -18,7 +18,11 @@ QKNorm = tuple[torch.Tensor, torch.Tensor, float]  # (q weight, k weight, eps) o
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim]; cos/sin [T, head_dim] (already in x's dtype)."""
+    """x [T, heads, head_dim]; cos/sin [T, rotary_dim] (already in x's dtype): the first rotary_dim
+    dims of each head turned, the rest kept (partial rotary; rotary_dim == head_dim turns all)."""
+    dim = cos.shape[-1]
+    if dim < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :dim], cos, sin), x[..., dim:]], dim=-1)
     cos, sin = cos[:, None, :], sin[:, None, :]
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -28,7 +32,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def rope_and_write_kv_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                                 sin: torch.Tensor, k_cache, v_cache, slot_mapping: torch.Tensor,
                                 qk_norm: QKNorm | None = None) -> torch.Tensor:
-    """q [T, Hq, D], k and v [T, Hkv, D]; cos/sin [T, D] in q's dtype; k_cache / v_cache are
+    """q [T, Hq, D], k and v [T, Hkv, D]; cos/sin [T, rotary_dim <= D] in q's dtype; k_cache / v_cache are
     model/kv_cache.PagedKVCache; slot_mapping [T]; qk_norm: (q weight, k weight, eps) of an
     RMSNorm over each head applied to q and k first (Qwen3). Writes rotated k and v into their
     slots and returns rotated q."""

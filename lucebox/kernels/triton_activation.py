@@ -1,9 +1,12 @@
-"""Triton silu(gate) * up (reference and dispatch: kernels/activation.py).
+"""Triton silu(gate) * up and sigmoid(gate) * up (reference and dispatch: kernels/activation.py).
 
-One pass over the row: gate and up are read once, silu(gate) stays in registers. Rounding follows
-torch's two elementwise kernels: silu is computed in float32 and rounded to the input dtype, then
-the product is computed in float32 and rounded. The exponential may differ from torch's in the
-last bit.
+One pass over the row: gate and up are read once, the activation stays in registers. Rounding
+follows torch's two elementwise kernels: the activation is computed in float32 and rounded to the
+input dtype, then the product is computed in float32 and rounded. The exponential may differ from
+torch's in the last bit.
+
+A gate of per-head rows [T, heads, head_dim] may stride over heads (Qwen 3.5's output gate sits
+beside each head's query in one projection): it is read in place, where a flat row would be a copy.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import torch
 
 from .dispatch import next_pow2, pdl_launch
 
+SILU, SIGMOID = 0, 1
 BLOCK = 1024
 
 
@@ -27,17 +31,21 @@ def _kernel():
     from .triton_pdl import wait_for_previous_kernel
 
     @triton.jit
-    def _silu_mul_kernel(gate, up, out, q_ptr, n, stride_g, stride_u, stride_o, stride_q, BLOCK_N: tl.constexpr,
-                         ROUND: tl.constexpr = False, PDL: tl.constexpr = False):
+    def _act_mul_kernel(gate, up, out, q_ptr, n, head, stride_g, stride_gh, stride_u, stride_o, stride_q,
+                        BLOCK_N: tl.constexpr, ACT: tl.constexpr, ROUND: tl.constexpr = False,
+                        PDL: tl.constexpr = False):
         wait_for_previous_kernel(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         ok = cols < n
-        g = tl.load(gate + row * stride_g + cols, mask=ok, other=0.0)
+        g = tl.load(gate + row * stride_g + (cols // head) * stride_gh + cols % head, mask=ok, other=0.0)
         u = tl.load(up + row * stride_u + cols, mask=ok, other=0.0).to(tl.float32)
         ty = g.dtype
         g = g.to(tl.float32)
-        s = (g / (1.0 + tl.exp(-g))).to(ty).to(tl.float32)
+        if ACT == 0:  # SILU
+            s = (g / (1.0 + tl.exp(-g))).to(ty).to(tl.float32)
+        else:  # SIGMOID
+            s = (1.0 / (1.0 + tl.exp(-g))).to(ty).to(tl.float32)
         h = (s * u).to(ty)
         tl.store(out + row * stride_o + cols, h, mask=ok)
         if ROUND:  # the output rounded to int8 too, for products on int8 activations
@@ -45,7 +53,7 @@ def _kernel():
             store_rounded(q_ptr + row * stride_q, tl.reshape(h.to(tl.float32), [BLOCK_N // 32, 32]), b,
                            b < n // 32, n // 32)
 
-    return _silu_mul_kernel
+    return _act_mul_kernel
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -54,23 +62,42 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def silu_and_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return _launch(gate, up, rounded=False)[0]
+    return _silu_launch(gate, up, rounded=False)[0]
 
 
 def silu_and_mul_rounded_triton(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(silu(gate) * up, its rows rounded to int8 as triton_dp4a.quantize_rows packs them) in one launch."""
-    return _launch(gate, up, rounded=True)
+    return _silu_launch(gate, up, rounded=True)
 
 
-def _launch(gate: torch.Tensor, up: torch.Tensor, rounded: bool):
+def _silu_launch(gate: torch.Tensor, up: torch.Tensor, rounded: bool):
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError(f"silu_and_mul: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} "
                          f"{up.dtype} differ")
-    n = gate.shape[-1]
+    g2 = _rows(gate)
+    out, packed = _launch(g2, g2.stride(0), g2.shape[-1], 0, _rows(up), SILU, rounded)
+    return out.reshape(gate.shape), packed
+
+
+def sigmoid_gate_triton(gate: torch.Tensor, x: torch.Tensor, rounded: bool = False
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """gate [T, heads, head_dim] (heads may stride apart), x [T, heads * head_dim] of its dtype ->
+    (sigmoid(gate) * x [T, heads * head_dim], with `rounded` its rows rounded to int8 as well, else
+    None) in one launch."""
+    tokens, heads, head = gate.shape
+    if x.shape != (tokens, heads * head) or x.dtype != gate.dtype or gate.stride(-1) != 1:
+        raise ValueError(f"sigmoid gate: gate {tuple(gate.shape)} {gate.dtype} (unit stride along head_dim) "
+                         f"does not gate x {tuple(x.shape)} {x.dtype}")
+    return _launch(gate, gate.stride(0), head, gate.stride(1), _rows(x), SIGMOID, rounded)
+
+
+def _launch(gate, stride_g: int, head: int, stride_gh: int, up: torch.Tensor, act: int, rounded: bool):
+    """act(gate) * up over rows of up [M, n]; a row's gate value of column c lies at
+    gate + row * stride_g + (c // head) * stride_gh + c % head."""
+    n = up.shape[-1]
     if rounded and n % 256:
-        raise ValueError(f"silu_and_mul: rows rounded to int8 need a multiple of 256 values, got {n}")
-    g2, u2 = _rows(gate), _rows(up)
-    out = torch.empty(g2.shape, dtype=gate.dtype, device=gate.device)
+        raise ValueError(f"gated activation: rows rounded to int8 need a multiple of 256 values, got {n}")
+    out = torch.empty(up.shape, dtype=up.dtype, device=up.device)
     packed = None
     if rounded:
         from .triton_dp4a import rounded_rows_like
@@ -78,7 +105,7 @@ def _launch(gate: torch.Tensor, up: torch.Tensor, rounded: bool):
     if out.numel():
         block = min(BLOCK, next_pow2(n))
         q = packed if packed is not None else out
-        _kernel()[(g2.shape[0], -(-n // block))](g2, u2, out, q, n, g2.stride(0), u2.stride(0), out.stride(0),
-                                                 q.stride(0), BLOCK_N=block, ROUND=rounded, num_warps=4,
-                                                 enable_fp_fusion=False, **pdl_launch(out.device))
-    return out.reshape(gate.shape), packed
+        _kernel()[(up.shape[0], -(-n // block))](gate, up, out, q, n, head, stride_g, stride_gh, up.stride(0),
+                                                 out.stride(0), q.stride(0), BLOCK_N=block, ACT=act, ROUND=rounded,
+                                                 num_warps=4, enable_fp_fusion=False, **pdl_launch(out.device))
+    return out, packed

@@ -249,6 +249,8 @@ def gemv(x: torch.Tensor, weights: torch.Tensor, qtype, split_rows: bool, in_fea
         raise ValueError(f"the {what} GEMV needs in_features a multiple of {SUPER}, got {in_features}")
     if x.numel() != in_features:
         raise ValueError(f"the {what} GEMV multiplies one row of {in_features}, got {tuple(x.shape)}")
+    if split_rows and weights.stride(0) % 4:  # the kernels load each field in 4-byte words
+        raise ValueError(f"split {Q(qtype).name} rows of {in_features} values are not 4-byte aligned")
     if unroll > 1 and not runs:
         raise ValueError("unroll applies to the runs kernels (runs=True) only")
     if runs:

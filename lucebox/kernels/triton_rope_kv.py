@@ -47,36 +47,54 @@ def _kernel():
     from .triton_pdl import wait_for_previous_kernel
 
     @triton.jit
-    def _rotate_heads(src, dst, heads, half, src_head_stride, dst_head_stride, cos_lo, cos_hi, sin_lo, sin_hi,
-                      row, norm_w, eps, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, NORM: tl.constexpr):
+    def _rotate_heads(src, dst, heads, half, rest, src_head_stride, dst_head_stride, cos_lo, cos_hi, sin_lo, sin_hi,
+                      row, norm_w, eps, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
+                      NORM: tl.constexpr):
+        # dims [0, 2 * half) rotate; the `rest` dims after them (partial rotary) pass through
         h = tl.arange(0, BLOCK_H)
         d = tl.arange(0, BLOCK_HALF)
         # row < 0: a padding slot, store nothing. Broadcast arithmetically: Triton's interpreter
         # rejects a mask made by and-ing a block with a scalar boolean.
-        mask = (h < heads)[:, None] & (d < half)[None, :] & (h[:, None] * 0 + row >= 0)
+        head_ok = (h < heads)[:, None] & (h[:, None] * 0 + row >= 0)
+        mask = head_ok & (d < half)[None, :]
         src_at = src + h[:, None] * src_head_stride + d[None, :]
         lo = tl.load(src_at, mask=mask, other=0.0).to(tl.float32)
         hi = tl.load(src_at + half, mask=mask, other=0.0).to(tl.float32)
         ty = src.dtype.element_ty
-        if NORM:  # RMSNorm over each head first (kernels/norm.py's arithmetic; masked lanes are 0)
-            inv = tl.rsqrt((tl.sum(lo * lo, axis=1) + tl.sum(hi * hi, axis=1)) / (2 * half) + eps)[:, None]
+        dst_ty = dst.dtype.element_ty
+        dst_at = dst + h[:, None] * dst_head_stride + d[None, :]
+        if BLOCK_REST > 0:
+            r = tl.arange(0, BLOCK_REST)
+            rest_mask = head_ok & (r < rest)[None, :]
+            rest_at = h[:, None] * src_head_stride + 2 * half + r[None, :]
+            kept = tl.load(src + rest_at, mask=rest_mask, other=0.0).to(tl.float32)
+        if NORM:  # RMSNorm over each whole head first (kernels/norm.py's arithmetic; masked lanes are 0)
+            sum_sq = tl.sum(lo * lo, axis=1) + tl.sum(hi * hi, axis=1)
+            if BLOCK_REST > 0:
+                sum_sq += tl.sum(kept * kept, axis=1)
+            inv = tl.rsqrt(sum_sq / (2 * half + rest) + eps)[:, None]
             w_lo = tl.load(norm_w + d, mask=d < half, other=0.0).to(tl.float32)[None, :]
             w_hi = tl.load(norm_w + half + d, mask=d < half, other=0.0).to(tl.float32)[None, :]
             lo = (w_lo * (lo * inv).to(ty).to(tl.float32)).to(ty).to(tl.float32)
             hi = (w_hi * (hi * inv).to(ty).to(tl.float32)).to(ty).to(tl.float32)
+            if BLOCK_REST > 0:
+                w_rest = tl.load(norm_w + 2 * half + r, mask=r < rest, other=0.0).to(tl.float32)[None, :]
+                kept = (w_rest * (kept * inv).to(ty).to(tl.float32)).to(ty).to(tl.float32)
+        if BLOCK_REST > 0:
+            tl.store(dst + h[:, None] * dst_head_stride + 2 * half + r[None, :], kept.to(ty).to(dst_ty),
+                     mask=rest_mask)
         # Reference: x * cos + cat(-x_hi, x_lo) * sin, every op rounded to the input dtype.
         out_lo = ((lo * cos_lo[None, :]).to(ty).to(tl.float32) - (hi * sin_lo[None, :]).to(ty).to(tl.float32)).to(ty)
         out_hi = ((hi * cos_hi[None, :]).to(ty).to(tl.float32) + (lo * sin_hi[None, :]).to(ty).to(tl.float32)).to(ty)
-        dst_ty = dst.dtype.element_ty
-        dst_at = dst + h[:, None] * dst_head_stride + d[None, :]
         tl.store(dst_at, out_lo.to(dst_ty), mask=mask)
         tl.store(dst_at + half, out_hi.to(dst_ty), mask=mask)
 
     @triton.jit
     def _rope_kv_kernel(q, k, v, cos, sin, slots, q_out, k_dst, v_dst, q_norm_w, k_norm_w, eps,
                         sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, scos_t, ssin_t,
-                        sqo_t, sqo_h, skd_t, skd_h, svd_t, svd_h, num_q_heads, num_kv_heads, half,
+                        sqo_t, sqo_h, skd_t, skd_h, svd_t, svd_h, num_q_heads, num_kv_heads, half, rest,
                         BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                        BLOCK_REST: tl.constexpr,
                         BLOCK_D: tl.constexpr, K_TO_CACHE: tl.constexpr, V_TO_CACHE: tl.constexpr,
                         NORM: tl.constexpr, PDL: tl.constexpr = False):
         wait_for_previous_kernel(PDL)
@@ -88,18 +106,20 @@ def _kernel():
         sin_lo = tl.load(sin + t * ssin_t + d, mask=d_ok, other=0.0).to(tl.float32)
         sin_hi = tl.load(sin + t * ssin_t + half + d, mask=d_ok, other=0.0).to(tl.float32)
         slot = tl.load(slots + t).to(tl.int64)
-        _rotate_heads(q + t * sq_t, q_out + t * sqo_t, num_q_heads, half, sq_h, sqo_h,
-                      cos_lo, cos_hi, sin_lo, sin_hi, t, q_norm_w, eps, BLOCK_HQ, BLOCK_HALF, NORM)
+        _rotate_heads(q + t * sq_t, q_out + t * sqo_t, num_q_heads, half, rest, sq_h, sqo_h,
+                      cos_lo, cos_hi, sin_lo, sin_hi, t, q_norm_w, eps, BLOCK_HQ, BLOCK_HALF, BLOCK_REST, NORM)
         if K_TO_CACHE:
-            _rotate_heads(k + t * sk_t, k_dst + slot * skd_t, num_kv_heads, half, sk_h, skd_h,
-                          cos_lo, cos_hi, sin_lo, sin_hi, slot, k_norm_w, eps, BLOCK_HK, BLOCK_HALF, NORM)
+            _rotate_heads(k + t * sk_t, k_dst + slot * skd_t, num_kv_heads, half, rest, sk_h, skd_h,
+                          cos_lo, cos_hi, sin_lo, sin_hi, slot, k_norm_w, eps, BLOCK_HK, BLOCK_HALF, BLOCK_REST,
+                          NORM)
         else:
-            _rotate_heads(k + t * sk_t, k_dst + t * skd_t, num_kv_heads, half, sk_h, skd_h,
-                          cos_lo, cos_hi, sin_lo, sin_hi, t, k_norm_w, eps, BLOCK_HK, BLOCK_HALF, NORM)
+            _rotate_heads(k + t * sk_t, k_dst + t * skd_t, num_kv_heads, half, rest, sk_h, skd_h,
+                          cos_lo, cos_hi, sin_lo, sin_hi, t, k_norm_w, eps, BLOCK_HK, BLOCK_HALF, BLOCK_REST,
+                          NORM)
         if V_TO_CACHE:
             h = tl.arange(0, BLOCK_HK)
             dd = tl.arange(0, BLOCK_D)
-            mask = (h < num_kv_heads)[:, None] & (dd < 2 * half)[None, :] & (h[:, None] * 0 + slot >= 0)
+            mask = (h < num_kv_heads)[:, None] & (dd < 2 * half + rest)[None, :] & (h[:, None] * 0 + slot >= 0)
             x = tl.load(v + t * sv_t + h[:, None] * sv_h + dd[None, :], mask=mask, other=0.0)
             tl.store(v_dst + slot * svd_t + h[:, None] * svd_h + dd[None, :],
                      x.to(v_dst.dtype.element_ty), mask=mask)
@@ -115,10 +135,12 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
                       k_cache, v_cache, slot_mapping: torch.Tensor, qk_norm=None) -> torch.Tensor:
     """Same contract as kernels/rope.rope_and_write_kv_reference: returns rotated q [T, Hq, D]."""
     tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
-    if head_dim % 2 or k.shape != (tokens, num_kv_heads, head_dim) or v.shape != k.shape:
-        raise ValueError(f"rope_and_write_kv: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} "
-                         "do not describe the same tokens and an even head_dim")
+    num_kv_heads, rotary = k.shape[1], cos.shape[-1]
+    if (rotary % 2 or rotary > head_dim or k.shape != (tokens, num_kv_heads, head_dim) or v.shape != k.shape
+            or sin.shape != cos.shape):
+        raise ValueError(f"rope_and_write_kv: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                         f"cos {tuple(cos.shape)} do not describe the same tokens and an even rotary width "
+                         "within the head")
     norm_w = (q, k)  # placeholders: not read without NORM
     eps = 0.0
     if qk_norm is not None:
@@ -135,14 +157,16 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
              else torch.empty(k.shape, dtype=k.dtype, device=k.device))
     v_dst = v_cache.values.view(-1, num_kv_heads, head_dim) if v_to_cache else v  # unused when not in place
     if tokens:
-        block_hq, block_hk, block_half = next_pow2(num_q_heads), next_pow2(num_kv_heads), next_pow2(head_dim // 2)
-        warps = min(8, max(1, block_hq * block_half // 256))
+        block_hq, block_hk, block_half = next_pow2(num_q_heads), next_pow2(num_kv_heads), next_pow2(rotary // 2)
+        rest = head_dim - rotary
+        warps = min(8, max(1, block_hq * next_pow2(head_dim) // 512))
         _kernel()[(tokens,)](
             q, k, v, cos, sin, slot_mapping, q_out, k_dst, v_dst, *norm_w, float(eps),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
             sin.stride(0), q_out.stride(0), q_out.stride(1), k_dst.stride(0), k_dst.stride(1),
-            v_dst.stride(0), v_dst.stride(1), num_q_heads, num_kv_heads, head_dim // 2,
-            BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half, BLOCK_D=next_pow2(head_dim),
+            v_dst.stride(0), v_dst.stride(1), num_q_heads, num_kv_heads, rotary // 2, rest,
+            BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half, BLOCK_REST=next_pow2(rest) if rest else 0,
+            BLOCK_D=next_pow2(head_dim),
             K_TO_CACHE=k_to_cache, V_TO_CACHE=v_to_cache, NORM=qk_norm is not None, num_warps=warps,
             enable_fp_fusion=False, **pdl_launch(q.device))
     if not k_to_cache:

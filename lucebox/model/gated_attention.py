@@ -15,21 +15,10 @@ from torch import nn
 
 from ..kernels.attention import paged_attention
 from ..kernels.forward_batch import ForwardBatch
-from ..kernels.norm import rms_norm
-from ..kernels.rope import apply_rope
+from ..kernels.linear import sigmoid_gate_linear
+from ..kernels.rope import rope_and_write_kv
 from .cache_spec import PagedKVSpec
 from .transformer import RMSNorm
-
-
-def rotary_dim(cfg) -> int:
-    dim = int(cfg.head_dim * cfg.partial_rotary_factor)
-    return dim - dim % 2
-
-
-def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim]; cos/sin [T, rotary_dim]: the first rotary_dim dims turned, the rest kept."""
-    dim = cos.shape[-1]
-    return torch.cat([apply_rope(x[..., :dim], cos, sin), x[..., dim:]], dim=-1)
 
 
 class GatedAttention(nn.Module):
@@ -58,10 +47,7 @@ class GatedAttention(nn.Module):
         q, gate = self.q_proj(h).view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         k = self.k_proj(h).view(tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(h).view(tokens, self.num_kv_heads, self.head_dim)
-        q = apply_partial_rope(rms_norm(q.contiguous(), self.q_norm.weight, self.q_norm.eps), cos, sin)
-        k = apply_partial_rope(rms_norm(k, self.k_norm.weight, self.k_norm.eps), cos, sin)
-        self.k_cache.write(k, batch.slot_mapping)
-        self.v_cache.write(v, batch.slot_mapping)
+        qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        q = rope_and_write_kv(q, k, v, cos, sin, self.k_cache, self.v_cache, batch.slot_mapping, qk_norm)
         o = paged_attention(q, self.k_cache, self.v_cache, batch, self.scale)
-        o = o.reshape(tokens, -1) * torch.sigmoid(gate.reshape(tokens, -1))
-        return self.o_proj(o)
+        return sigmoid_gate_linear(gate, o.reshape(tokens, -1), self.o_proj)

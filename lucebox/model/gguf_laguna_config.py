@@ -25,7 +25,7 @@ from gguf import ExpertGatingFuncType
 from ..errors import CheckpointError, UnsupportedError
 from .config import RopeConfig
 from .gguf_config import Metadata, rope_config
-from .laguna import rotary_dim
+from .rope import rotary_dim
 from .laguna_config import FULL, SLIDING, LagunaConfig
 
 log = logging.getLogger("lucebox")

@@ -24,22 +24,14 @@ from ..errors import CheckpointError
 from ..kernels.attention import paged_attention
 from ..kernels.forward_batch import ForwardBatch
 from ..kernels.linear import linear, linears, norm_linear
-from ..kernels.norm import rms_norm
 from ..kernels.rope import rope_and_write_kv
 from .cache_spec import PagedKVSpec
 from .config import HF_KEYS
-from .gated_attention import apply_partial_rope
 from .laguna_config import LagunaConfig
 from .moe import SparseMoE
-from .rope import RopeTable
+from .rope import RopeTable, rotary_dim
 from .tensor_check import check_config_against_tensors
 from .transformer import MLP, RMSNorm, Transformer, fuse_linears
-
-
-def rotary_dim(head_dim: int, factor: float) -> int:
-    """transformers' int(head_dim * partial_rotary_factor), rounded down to whole pairs."""
-    dim = int(head_dim * factor)
-    return dim - dim % 2
 
 
 class LagunaAttention(nn.Module):
@@ -90,14 +82,8 @@ class LagunaAttention(nn.Module):
         q = q.reshape(tokens, self.num_heads, self.head_dim)
         k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
-        if cos.shape[-1] == self.head_dim:  # RoPE over whole heads: the fused norm + rope + KV write
-            qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-            q = rope_and_write_kv(q, k, v, cos, sin, self.k_cache, self.v_cache, batch.slot_mapping, qk_norm)
-        else:
-            q = apply_partial_rope(rms_norm(q.contiguous(), self.q_norm.weight, self.q_norm.eps), cos, sin)
-            k = apply_partial_rope(rms_norm(k.contiguous(), self.k_norm.weight, self.k_norm.eps), cos, sin)
-            self.k_cache.write(k, batch.slot_mapping)
-            self.v_cache.write(v, batch.slot_mapping)
+        qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        q = rope_and_write_kv(q, k, v, cos, sin, self.k_cache, self.v_cache, batch.slot_mapping, qk_norm)
         o = paged_attention(q, self.k_cache, self.v_cache, batch, self.scale, self.sliding_window)
         gate = F.softplus(gate.float()).to(o.dtype)
         if self.gate_per_head:

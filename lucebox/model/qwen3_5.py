@@ -19,8 +19,9 @@ from torch import nn
 
 from ..kernels.gated_delta import warm_up_chunk
 from .deltanet import GatedDeltaNet
-from .gated_attention import GatedAttention, rotary_dim
+from .gated_attention import GatedAttention
 from .moe import SparseMoE
+from .rope import rotary_dim
 from .transformer import MLP, RMSNorm, Transformer
 
 log = logging.getLogger("lucebox")
@@ -68,7 +69,7 @@ class HybridTransformer(Transformer):
     """Transformer's embedding, final norm, LM head and forward; hybrid layers and partial RoPE."""
 
     def __init__(self, cfg):
-        super().__init__(cfg, HybridDecoderLayer, rotary_dim(cfg))
+        super().__init__(cfg, HybridDecoderLayer, rotary_dim(cfg.head_dim, cfg.partial_rotary_factor))
 
     def cache_specs(self, cache_type_k: str | None = "auto", cache_type_v: str | None = "auto",
                     rotate_k: bool = False) -> list:

@@ -9,6 +9,12 @@ import torch
 from .config import RopeConfig
 
 
+def rotary_dim(head_dim: int, factor: float) -> int:
+    """transformers' int(head_dim * partial_rotary_factor), rounded down to whole pairs."""
+    dim = int(head_dim * factor)
+    return dim - dim % 2
+
+
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:
     """Returns (inv_freq [head_dim/2] float32, attention scaling applied to cos and sin)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim

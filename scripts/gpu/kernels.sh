@@ -16,16 +16,24 @@ mode_kernels() {
 #:              launch grids (Q4_K, split Q6_K / Q8_0; Q5_K and IQ4_XS against their float kernels;
 #:              RUNS_SWEEP=0 skips it, ~4 min), then decode
 #:              at 512 on qwen3-8b with LUCEBOX_DP4A_RUNS=0 / 1 alternating, QUANTS (default q4_k_m
-#:              iq4_xs, ~4 min; also q8_0 q5_k_m)
+#:              iq4_xs, ~4 min; also q8_0 q5_k_m); PROFILE=1: scripts/profile_decode.py of each quant
+#:              with the switch off and on (~1 min each)
 mode_dp4a_runs() {
   local quant runs turn
-  run_tests dp4a-runs-tests 90 tests/kernels/test_triton_kernels.py -k "runs or int8"  # the PTX paths (prmt, dp4a)
+  run_tests dp4a-runs-tests 150 tests/kernels/test_triton_kernels.py tests/kernels/test_fused_kernels.py \
+    -k "runs or int8 or round or gate or rope"  # the PTX paths (prmt, dp4a), the fused rope / gate kernels
   if [ "${RUNS_SWEEP:-1}" = 1 ]; then
     step kernels-runs "${SECONDS_KERNELS:-270}" python3 scripts/bench_kernels.py --only quant --ms 1 --sweep \
       --sweep-paths int8 --qtypes Q4_K Q5_K Q6_K Q8_0 IQ4_XS --json "$out/kernels-runs.json"
     grep -E "^\| (kernel|quant_matmul)" "$out/kernels-runs.log" | cut -c1-900
   fi
   for quant in ${QUANTS:-q4_k_m iq4_xs}; do
+    if [ "${PROFILE:-0}" = 1 ]; then
+      for runs in 0 1; do
+        LUCEBOX_DP4A_RUNS=$runs step "profile-$quant-runs$runs" 120 python3 scripts/profile_decode.py \
+          --shape qwen3-8b --quant $quant --context 512 --rows 30
+      done
+    fi
     turn=0
     for runs in 0 1 0 1; do
       export LUCEBOX_DP4A_RUNS=$runs

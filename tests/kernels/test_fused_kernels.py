@@ -38,18 +38,21 @@ BLOCK_SIZE, NUM_BLOCKS = 4, 6
 
 
 def rope_case(dtype, heads, kv_heads, head_dim, tokens, cache_types=("auto", "auto"), rotate_k=False,
-              fused_qkv=False, seed=0):
+              fused_qkv=False, gated_q=False, rotary=None, seed=0):
     """Inputs of one attention layer's rope+write step, caches pre-filled with noise, and slots
-    scattered over non-contiguous blocks."""
+    scattered over non-contiguous blocks. rotary: the rotated width (partial rotary), else head_dim."""
     g = torch.Generator().manual_seed(seed)
     if fused_qkv:  # q, k, v as strided views of one projection output, as a fused qkv linear gives
         qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(DEVICE, dtype)
         q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
         q, k, v = (t.view(tokens, -1, head_dim) for t in (q, k, v))
+    elif gated_q:  # each head's query beside its output gate, as Qwen 3.5's q_proj yields them
+        q = torch.randn(tokens, heads, 2 * head_dim, generator=g).to(DEVICE, dtype)[..., :head_dim]
+        k, v = (torch.randn(tokens, kv_heads, head_dim, generator=g).to(DEVICE, dtype) for _ in range(2))
     else:
         q = torch.randn(tokens, heads, head_dim, generator=g).to(DEVICE, dtype)
         k, v = (torch.randn(tokens, kv_heads, head_dim, generator=g).to(DEVICE, dtype) for _ in range(2))
-    angles = torch.rand(tokens, head_dim // 2, generator=g) * 6.3
+    angles = torch.rand(tokens, (rotary or head_dim) // 2, generator=g) * 6.3
     cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(DEVICE, dtype) for f in (torch.cos, torch.sin))
     caches = [PagedKVCache(NUM_BLOCKS, BLOCK_SIZE, kv_heads, head_dim, t, dtype, DEVICE, rotate=r)
               for t, r in zip(cache_types, (rotate_k, False))]
@@ -81,6 +84,8 @@ ROPE_CASES = {
     "bf16-model-f32-k-f16-v": (torch.bfloat16, 4, 1, 32, 5, {"cache_types": ("f32", "f16")}),
     "bf16-q8_0-rotated-k-fp8-v": (torch.bfloat16, 4, 2, 32, 5, {"cache_types": ("q8_0", "fp8"), "rotate_k": True}),
     "f32-q4_0-k-plain-v": (torch.float32, 2, 2, 64, 3, {"cache_types": ("q4_0", "auto")}),
+    "bf16-partial-rotary-quarter": (torch.bfloat16, 4, 2, 64, 5, {"rotary": 16}),
+    "f32-partial-rotary-q8_0-k": (torch.float32, 2, 1, 32, 3, {"rotary": 24, "cache_types": ("q8_0", "auto")}),
 }
 
 
@@ -103,6 +108,9 @@ QK_NORM_CASES = {
     "bf16-head-dim-48": (torch.bfloat16, 6, 2, 48, 4, torch.bfloat16, {}),
     "bf16-q8_0-k": (torch.bfloat16, 4, 2, 32, 4, torch.bfloat16, {"cache_types": ("q8_0", "auto")}),
     "f16-f32-weights-promote": (torch.float16, 4, 2, 32, 3, torch.float32, {}),
+    # Qwen 3.5 gated attention: q a strided view beside its output gate, a quarter of each head turned
+    "bf16-partial-rotary-gated-q": (torch.bfloat16, 4, 2, 64, 3, torch.bfloat16, {"rotary": 16, "gated_q": True}),
+    "f32-partial-rotary": (torch.float32, 2, 2, 48, 4, torch.float32, {"rotary": 12}),
 }
 
 
@@ -282,6 +290,30 @@ def test_silu_and_mul_matches_the_reference(dtype, layout):
     assert got.dtype == want.dtype and got.shape == want.shape
     assert rel_err(got, want) <= (1e-6 if dtype == torch.float32 else 1e-2)
     assert rel_err(got, gate * up) > 0.1  # the activation is applied
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rounded", [False, True], ids=["float", "rounded"])
+def test_the_sigmoid_gate_reads_heads_beside_their_queries_and_matches_the_reference(dtype, rounded):
+    # Qwen 3.5 gated attention: q_proj yields [query | gate] per head, the gate a strided view
+    g = torch.Generator().manual_seed(4)
+    tokens, heads, head = 3, 4, 64
+    q_and_gate = (4 * torch.randn(tokens, heads, 2 * head, generator=g)).to(DEVICE, dtype)
+    gate = q_and_gate[..., head:]
+    x = torch.randn(tokens, heads * head, generator=g).to(DEVICE, dtype)
+    got, rows = triton_activation.sigmoid_gate_triton(gate, x, rounded)
+    want = activation.sigmoid_gate_reference(gate, x)
+    assert torch.equal(want, x * torch.sigmoid(gate.reshape(tokens, -1)))
+    assert got.dtype == want.dtype and got.shape == (tokens, heads * head)
+    assert rel_err(got, want) <= (1e-6 if dtype == torch.float32 else 1e-2)
+    assert rel_err(got, x * torch.sigmoid(q_and_gate[..., :head].reshape(tokens, -1))) > 0.1  # the gate half
+    if rounded:  # the bytes quantize_rows makes of the output
+        from lucebox.kernels import triton_dp4a
+        assert torch.equal(rows, triton_dp4a.quantize_rows(got))
+    else:
+        assert rows is None
+    with pytest.raises(ValueError, match="does not gate"):
+        triton_activation.sigmoid_gate_triton(gate, x[:, :head])
 
 
 def test_silu_and_mul_dispatch_follows_the_switch(monkeypatch):

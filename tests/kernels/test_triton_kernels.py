@@ -244,14 +244,19 @@ def test_runs_kernels_are_the_float_products_of_the_rounded_row(qtype):
     Q4_K, Q5_K and IQ4_XS rows) equals the rounded row times the exact weights, whatever the split of K,
     the units an iteration and the bias."""
     from lucebox.kernels import triton_dp4a as tdp
-    k, n = 768, 40  # three super-blocks: an odd one out for unroll 2
+    k, n = 768, 40  # three super-blocks: an odd one out for unroll 2 (split Q6_K: six, three a split)
+    if qtype == Q.Q6_K:  # 210-byte super-blocks: an odd number leaves rows off 4-byte alignment
+        with pytest.raises(ValueError, match="4-byte aligned"):
+            tdp.gemv(torch.zeros(1, k, device=DEVICE), layout.split_rows(quant_rows(qtype, 2, k, 1), qtype), qtype,
+                     True, k, runs=True)
+        k = 1536
     raw = quant_rows(qtype, n, k, seed=31)
     x = torch.randn(1, k, generator=torch.Generator().manual_seed(32)).to(DEVICE)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(33)).to(DEVICE)
     want = rounded_rows(tdp.quantize_rows(x), k) @ dequant.dequantize(raw, qtype).T
     split = qtype in (Q.Q8_0, Q.Q6_K)
     weights = layout.split_rows(raw, qtype) if split else raw
-    for split_k, unroll in ((1, 1), (1, 2), (2, 1)):
+    for split_k, unroll in ((1, 1), (1, 2), (2, 1), (2, 2)):
         got = tdp.gemv(x, weights, qtype, split, k, bias, split_k=split_k, runs=True, unroll=unroll)
         assert rel_err(got, want + bias) <= 1e-5
     with pytest.raises(ValueError, match="runs kernels" if (qtype, split) in tdp._KERNELS else "no dp4a GEMV reads"):
@@ -442,6 +447,29 @@ def test_a_quantised_layer_rounds_its_inputs_where_they_are_made(monkeypatch):
     assert not rounds
     for g_, w in zip((*got[0], got[1]), (*want[0], want[1])):
         assert rel_err(g_, w) <= 1e-5
+
+
+def test_the_attention_output_gate_rounds_the_rows_a_quantised_o_proj_takes(monkeypatch):
+    """Gated attention's sigmoid(gate) * o before a Q4_K o_proj: one launch gates and rounds (no
+    quantising launch of the product's own), and the result is the unfused computation's."""
+    from lucebox.kernels import triton_dp4a as tdp
+    from lucebox.kernels import triton_quant_int8 as tqi
+    from lucebox.kernels.activation import sigmoid_gate_reference
+    from lucebox.kernels.linear import sigmoid_gate_linear
+    monkeypatch.setenv("LUCEBOX_TRITON", "1")
+    monkeypatch.delenv("LUCEBOX_INT8_ACTIVATIONS", raising=False)
+    o_proj = QuantLinear(QuantTensor(quant_rows(Q.Q4_K, 32, 256, seed=66), Q.Q4_K, (32, 256)))
+    g = torch.Generator().manual_seed(67)
+    gate = torch.randn(1, 4, 128, generator=g).to(DEVICE)[..., 64:]
+    o = torch.randn(1, 256, generator=g).to(DEVICE)
+    want = o_proj(sigmoid_gate_reference(gate, o))
+    rounds, real = [], tdp.quantize_rows
+    for module in (tdp, tqi):
+        monkeypatch.setattr(module, "quantize_rows", lambda x: rounds.append(1) or real(x))
+    with torch.no_grad():
+        got = sigmoid_gate_linear(gate, o, o_proj)
+    assert not rounds
+    assert rel_err(got, want) <= 1e-5
 
 
 def test_quant_linear_uses_the_fused_kernel_for_decode_and_dequantise_plus_matmul_for_prefill(monkeypatch):

@@ -80,7 +80,7 @@ def test_a_padded_step_through_triton_kernels_matches_the_torch_reference(laguna
     got = runner.run(plan).logits
     assert runner.graphs.replays[(4, 4)] == 1
     assert (got - want).abs().max().item() <= 1e-4
-    assert calls == {"paged_attention": 4, "rope_and_write_kv": 2, "expert_matmul": 3}  # sliding layers: fused rope
+    assert calls == {"paged_attention": 4, "rope_and_write_kv": 4, "expert_matmul": 3}  # partial rotary too
 
 
 def count_calls(monkeypatch, *functions) -> dict:
