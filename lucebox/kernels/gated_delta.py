@@ -187,14 +187,20 @@ def conv_steps_reference(qkv, conv, weight, slots, starts, advance, seq, local, 
     return mixed
 
 
-def gates(a, b, a_log, dt_bias) -> tuple[torch.Tensor, torch.Tensor]:
+def gates(a, b, a_log, dt_bias, stash=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per token and value head, from the projections a, b [T, Hv]: (g = -exp(A_log) *
-    softplus(a + dt_bias), beta = sigmoid(b)), float32 [T, Hv] each."""
+    softplus(a + dt_bias), beta = sigmoid(b)), float32 [T, Hv] each. stash: (g store, beta store,
+    rows [T]) float32 [rows, Hv] stores that keep token t's g and beta at row rows[t] as well
+    (a verify's stash, written in the same launch)."""
     if routing.gated_delta_route("gates", triton=use_triton(a, b, a_log, dt_bias)) == routing.TRITON_GATES:
         from .triton_gated_delta import gates_triton
-        return gates_triton(a, b, a_log, dt_bias)
+        return gates_triton(a, b, a_log, dt_bias, stash)
     beta = b.float().sigmoid()
     g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    if stash is not None:
+        g_stash, beta_stash, rows = stash
+        g_stash.index_copy_(0, rows, g.to(g_stash.dtype))
+        beta_stash.index_copy_(0, rows, beta.to(beta_stash.dtype))
     return g, beta
 
 

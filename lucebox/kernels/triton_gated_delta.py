@@ -174,9 +174,10 @@ def _kernel():
         tl.store(base + i[None, :], values, mask=ok[:, None] & (live & (n > 0))[None, :])
 
     @triton.jit
-    def _gates(a, b, a_log, dt_bias, g, beta, heads, stride_a, stride_b, BH: tl.constexpr,
-               PDL: tl.constexpr = False):
-        """Row t: g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b), float32."""
+    def _gates(a, b, a_log, dt_bias, g, beta, g_stash, beta_stash, stash_rows, heads, stride_a, stride_b,
+               BH: tl.constexpr, STASH: tl.constexpr, PDL: tl.constexpr = False):
+        """Row t: g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b), float32; STASH: also at
+        row stash_rows[t] of g_stash / beta_stash."""
         wait_for_previous_kernel(PDL)
         t = tl.program_id(0).to(tl.int64)
         h = tl.arange(0, BH)
@@ -186,8 +187,13 @@ def _kernel():
         softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # torch's threshold
         decay = -tl.exp(tl.load(a_log + h, mask=ok, other=0.0).to(tl.float32)) * softplus
         y = tl.load(b + t * stride_b + h, mask=ok, other=0.0).to(tl.float32)
+        sig = 1.0 / (1.0 + tl.exp(-y))
         tl.store(g + t * heads + h, decay, mask=ok)
-        tl.store(beta + t * heads + h, 1.0 / (1.0 + tl.exp(-y)), mask=ok)
+        tl.store(beta + t * heads + h, sig, mask=ok)
+        if STASH:
+            at = tl.load(stash_rows + t).to(tl.int64) * heads + h
+            tl.store(g_stash + at, decay, mask=ok)
+            tl.store(beta_stash + at, sig, mask=ok)
 
     @triton.jit
     def _gated_norm(x, gate, weight, out, size, eps, stride_x, stride_g, stride_o, BN: tl.constexpr,
@@ -331,17 +337,21 @@ def conv_windows_triton(rows, conv, slots, starts, advance) -> None:
             WIDTH=width, WP=next_pow2(width), BC=block, **pdl_launch(rows.device))
 
 
-def gates_triton(a, b, a_log, dt_bias) -> tuple[torch.Tensor, torch.Tensor]:
+def gates_triton(a, b, a_log, dt_bias, stash=None) -> tuple[torch.Tensor, torch.Tensor]:
     """kernels.gated_delta.gates on the Triton kernel (same contract)."""
     tokens, heads = a.shape
     if a.stride(1) != 1 or b.stride(1) != 1:
         raise ValueError("gates: a and b need unit stride per head")
     g = torch.empty(tokens, heads, dtype=torch.float32, device=a.device)
     beta = torch.empty_like(g)
+    g_stash, beta_stash, rows = stash if stash is not None else (g, beta, g)
+    if stash is not None and not (g_stash.dtype == beta_stash.dtype == torch.float32
+                                  and g_stash.stride() == beta_stash.stride() == (heads, 1)):
+        raise ValueError("gates: the stash takes float32 rows of one entry a head")
     if tokens:
         kernel = _kernel()[3]
-        kernel[(tokens,)](a, b, a_log, dt_bias, g, beta, heads, a.stride(0), b.stride(0), BH=next_pow2(heads),
-                          **pdl_launch(a.device))
+        kernel[(tokens,)](a, b, a_log, dt_bias, g, beta, g_stash, beta_stash, rows, heads, a.stride(0), b.stride(0),
+                          BH=next_pow2(heads), STASH=stash is not None, **pdl_launch(a.device))
     return g, beta
 
 

@@ -193,17 +193,18 @@ class GatedDeltaNet(nn.Module):
         if self.state is None or batch.state_slots is None:
             raise RuntimeError(f"layer {self.layer}: Gated DeltaNet needs recurrent-state slots in the batch")
         qkv, z, b, a = self._project(h)
-        g, beta = gates(a, b, self.A_log, self.dt_bias)
         steps, chunks = self._split(batch)
         if steps is BUCKET:
+            g, beta = gates(a, b, self.A_log, self.dt_bias)
             out = self._bucket_chunk(qkv, beta, g, batch)
         elif chunks is None and steps is not None:
-            out = self._steps(qkv, beta, g, steps)
+            out = self._steps(qkv, a, b, steps)
         else:
             out = torch.zeros(h.shape[0], self.num_v_heads, self.head_v_dim, dtype=torch.float32, device=h.device)
             if steps is not None:
-                out[steps.rows] = self._steps(qkv[steps.rows], beta[steps.rows], g[steps.rows], steps)
+                out[steps.rows] = self._steps(qkv[steps.rows], a[steps.rows], b[steps.rows], steps)
             if chunks:
+                g, beta = gates(a, b, self.A_log, self.dt_bias)
                 self._chunks(qkv, beta, g, batch, chunks, out)
         o = self.norm(out, z.view(-1, self.num_v_heads, self.head_v_dim), h.dtype)
         return self.out_proj(o.reshape(h.shape[0], -1))
@@ -232,17 +233,19 @@ class GatedDeltaNet(nn.Module):
         k = l2_normalize(k.reshape(-1, self.num_k_heads, self.head_k_dim))
         return q, k, v.reshape(-1, self.num_v_heads, self.head_v_dim)
 
-    def _steps(self, qkv: torch.Tensor, beta: torch.Tensor, g: torch.Tensor, rows: StepRows) -> torch.Tensor:
-        """Decode / verify rows (qkv etc. of `rows` only) -> o [T', Hv, dv] float32, no host sync."""
+    def _steps(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rows: StepRows) -> torch.Tensor:
+        """Decode / verify rows (qkv, a, b of `rows` only) -> o [T', Hv, dv] float32, no host sync;
+        with a stash, each row's conv input and output, g and beta are kept there too."""
         state = self.state
-        stash = None
+        stash = gate_stash = None
         if state.positions:
             # (a graph bucket longer than the stash is a catch-up of taps, never committed)
             if rows.max_len > state.positions and not rows.device_only:
                 raise RuntimeError(f"layer {self.layer}: a verify of {rows.max_len} tokens needs "
                                    f"{rows.max_len} stash positions, the pool keeps {state.positions}")
             stash = state.conv_stash
-            state.stash_gates(rows.stash_rows(state.positions, state.trash), g, beta)
+            gate_stash = state.gate_stash(rows.stash_rows(state.positions, state.trash))
+        g, beta = gates(a, b, self.A_log, self.dt_bias, gate_stash)
         tree = rows.tree
         mixed = conv_steps(qkv, state.conv, self.conv1d.weight[:, 0, :], rows.slots, rows.starts, rows.advance,
                            rows.seq, rows.local, stash, state.positions, tree)

@@ -74,10 +74,10 @@ class RecurrentState:
         """(raw, mixed) stores the conv of a step's rows fills (kernels.gated_delta.conv_steps)."""
         return self.stash_raw, self.stash_mixed
 
-    def stash_gates(self, rows: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> None:
-        """Keep tokens' g and beta at stash rows `rows` (slot * positions + index in the verify)."""
-        self.stash_g.index_copy_(0, rows, g.to(self.stash_g.dtype))
-        self.stash_beta.index_copy_(0, rows, beta.to(self.stash_beta.dtype))
+    def gate_stash(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(g store, beta store, rows): where kernels.gated_delta.gates keeps tokens' g and beta, at
+        stash rows `rows` (slot * positions + index in the verify)."""
+        return self.stash_g, self.stash_beta, rows
 
     def compact_stash(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Stash row slot * positions + src[i] moves onto slot * positions + dst[i] in every layer

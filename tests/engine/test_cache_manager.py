@@ -189,7 +189,7 @@ def test_recurrent_rollback_advances_over_the_accepted_stashed_tokens(accepted):
     gate, beta = -torch.rand(5, v_heads, generator=g), torch.rand(5, v_heads, generator=g)
     rows = slot * 5 + torch.arange(5)
     state.stash_raw[rows], state.stash_mixed[rows] = raw, mixed
-    state.stash_gates(rows, gate, beta)
+    state.stash_g[rows], state.stash_beta[rows] = gate, beta
     k = torch.nn.functional.normalize(mixed[:, key_dim:2 * key_dim].view(5, k_heads, dk), dim=-1, eps=1e-12)
     v = mixed[:, 2 * key_dim:].view(5, v_heads, dv)
     cache.grow(a, 6 + 5)

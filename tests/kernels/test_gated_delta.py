@@ -258,6 +258,16 @@ def test_triton_gates_match_the_reference(monkeypatch):
     got = gates(a, b, a_log, dt_bias)
     for x, y in zip(got, want):
         assert (x - y).abs().max() <= 1e-5 * max(1.0, y.abs().max().item())
+    # a verify's stash: each token's g and beta kept at its row too, the other rows untouched
+    rows = torch.tensor([7, 2, 9, 0, 4], device=DEVICE)
+    for switch in ("0", "1"):
+        monkeypatch.setenv("LUCEBOX_TRITON", switch)
+        g_store, beta_store = (torch.full((10, V_HEADS), 5.0, device=DEVICE) for _ in range(2))
+        kept = gates(a, b, a_log, dt_bias, (g_store, beta_store, rows))
+        for x, y, store in zip(kept, want, (g_store, beta_store)):
+            assert (x - y).abs().max() <= 1e-5 * max(1.0, y.abs().max().item())
+            assert torch.equal(store[rows], x)
+            assert (store[[1, 3, 5, 6, 8]] == 5.0).all()
 
 
 @pytest.mark.skipif(not INTERPRETABLE, reason="Triton was imported without its interpreter on a machine without a GPU")
