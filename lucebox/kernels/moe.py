@@ -59,6 +59,12 @@ def route_experts(logits: torch.Tensor, top_k: int, *, softmax: bool, softcap: f
     return triton_moe_route.route(logits, top_k, softmax=softmax, softcap=softcap, bias=bias, norm=norm, dtype=dtype)
 
 
+def add_gated_shared(out: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """out + sigmoid(gate) * value for a gated shared expert's (value [T, H], gate logit [T, 1])."""
+    value, gate = shared
+    return out + torch.sigmoid(gate) * value
+
+
 def stacked(w):
     """triton_moe's view of stacked experts (float or quantised)."""
     from . import triton_moe
@@ -69,15 +75,18 @@ def stacked(w):
 
 def expert_matmul(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up, down,
                   kernel: str | None = None, *, activation: str = "silu",
-                  weights_on_input: bool = False) -> torch.Tensor:
+                  weights_on_input: bool = False, shared: tuple[torch.Tensor, torch.Tensor] | None = None
+                  ) -> torch.Tensor:
     """out [T, H] for x [T, H] routed to experts ids [T, k] with weights [T, k], by routing's kernel
     (or `kernel`, decided already; not TORCH). weights_on_input: each expert reads weight * x and
-    the experts' outputs are summed unweighted."""
+    the experts' outputs are summed unweighted. shared: a gated shared expert's (value [T, H], gate
+    logit [T, 1]), sigmoid(gate) * value added (by the decode kernels' last launch)."""
     kernel = kernel or expert_kernel(x, ids, gate_up, down, activation)
     from . import triton_moe
     options = {"activation": activation, "weights_on_input": weights_on_input}
     if kernel == routing.MOE_PAIRS:
-        return triton_moe.pairs_experts(x, ids, weights, stacked(gate_up), stacked(down), **options)
+        return triton_moe.pairs_experts(x, ids, weights, stacked(gate_up), stacked(down), shared=shared, **options)
     if kernel == routing.MOE_GROUPED:
-        return triton_moe.grouped_experts(x, ids, weights, stacked(gate_up), stacked(down), **options)
+        out = triton_moe.grouped_experts(x, ids, weights, stacked(gate_up), stacked(down), **options)
+        return out if shared is None else add_gated_shared(out, shared)
     raise ValueError(f"expert_matmul runs the Triton kernels, not {kernel!r} (the torch reference is Experts')")

@@ -25,7 +25,7 @@ from ..errors import CheckpointError
 from ..kernels import dequant
 from ..kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from ..kernels.linear import linear
-from ..kernels.moe import expert_kernel, expert_matmul, route_experts
+from ..kernels.moe import add_gated_shared, expert_kernel, expert_matmul, route_experts
 from ..kernels.routing import TORCH
 from ..weights.quant import QuantTensor
 from .config import ModelConfig
@@ -51,13 +51,20 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                weights_on_input: bool = False) -> torch.Tensor:
+                weights_on_input: bool = False, shared: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor:
         """x [T, H]; ids, weights [T, k]: sum over j of weights[t, j] * expert_{ids[t, j]}(x[t]), or
-        with weights_on_input, of expert_{ids[t, j]}(weights[t, j] * x[t])."""
+        with weights_on_input, of expert_{ids[t, j]}(weights[t, j] * x[t]); shared: a gated shared
+        expert's (value [T, H], gate logit [T, 1]), sigmoid(gate) * value added."""
         kernel = expert_kernel(x, ids, self.gate_up_proj, self.down_proj, self.activation)
         if kernel != TORCH:
             return expert_matmul(x, ids, weights, self.gate_up_proj, self.down_proj, kernel,
-                                 activation=self.activation, weights_on_input=weights_on_input)
+                                 activation=self.activation, weights_on_input=weights_on_input, shared=shared)
+        out = self._reference(x, ids, weights, weights_on_input)
+        return out if shared is None else add_gated_shared(out, shared)
+
+    def _reference(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                   weights_on_input: bool) -> torch.Tensor:
         tokens, k = ids.shape
         rows, per_row = tokens * k, k
         if weights_on_input:  # one pre-weighted row per (token, expert), each its own token
@@ -155,6 +162,7 @@ class SparseMoE(nn.Module):
         if self.routing.selection_bias:
             self.experts.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts), requires_grad=False)
         self.shared_expert = self.shared_expert_gate = None
+        self.router = None  # gate | shared_expert_gate as one projection, after fuse()
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = MLP(cfg, cfg.shared_expert_intermediate_size)
             if shared_expert_gated:
@@ -170,14 +178,18 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(expert ids [T, k], their weights [T, k] in x's dtype), computed in float32."""
+        return self.choose(linear(x, self.gate), x.dtype)
+
+    def choose(self, logits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """route's (ids, weights in dtype) of the router's logits [T, E]."""
         bias = self.experts.e_score_correction_bias if self.routing.selection_bias else None
-        logits, r = linear(x, self.gate), self.routing
+        r = self.routing
         chosen = route_experts(logits, r.top_k, softmax=r.scoring == "softmax", softcap=r.logit_softcap, bias=bias,
-                               norm=r.norm_topk_prob, dtype=x.dtype)  # one kernel where Triton runs
+                               norm=r.norm_topk_prob, dtype=dtype)  # one kernel where Triton runs
         if chosen is not None:
             return chosen
         ids, weights = r.choose(logits.float(), bias)
-        return ids, weights.to(x.dtype)
+        return ids, weights.to(dtype)
 
     def routed(self, x: torch.Tensor) -> torch.Tensor:
         """The routed experts' part of the output."""
@@ -188,16 +200,27 @@ class SparseMoE(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.router is not None:  # one product gives the logits and the shared expert's gate logit
+            logits = linear(x, self.router)
+            experts = self.experts.num_experts
+            ids, weights = self.choose(logits[:, :experts], x.dtype)
+            shared = self.shared_expert(x), logits[:, experts:]
+            return self.experts(x, ids, weights, self.routing.weights_on_input, shared)
         out = self.routed(x)
         if self.shared_expert_gate is not None:
-            out = out + torch.sigmoid(linear(x, self.shared_expert_gate)) * self.shared_expert(x)
+            out = add_gated_shared(out, (self.shared_expert(x), linear(x, self.shared_expert_gate)))
         elif self.shared_expert is not None:
             out = out + self.shared_expert(x)
         return out
 
     def fuse(self) -> None:
+        """Fuse the shared expert's projections, and the router with the shared expert's gate (both
+        read x): routed experts and the gated shared expert are then summed in one launch."""
+        from .transformer import fuse_linears
         if self.shared_expert is not None:
             self.shared_expert.fuse()
+        if self.shared_expert_gate is not None and self.routing.routed_scaling_factor == 1.0:
+            self.router = fuse_linears([self.gate, self.shared_expert_gate])
 
     def after_norm(self, norm, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(moe(norm(x + residual)), x + residual), as MLP.after_norm."""

@@ -194,9 +194,12 @@ def test_experts_forward_takes_the_kernels_and_agrees_with_the_reference(tokens,
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 40], ids=["decode", "verify", "prefill"])
-def test_a_moe_block_on_the_kernels_reads_only_routed_experts(tokens, monkeypatch):
-    """SparseMoE (router, experts, shared expert) against the per-token definition; experts that no
-    token routes to are poisoned with NaN, which an unrouted read would carry into the output."""
+@pytest.mark.parametrize("fused", [False, True], ids=["apart", "fused"])
+def test_a_moe_block_on_the_kernels_reads_only_routed_experts(tokens, fused, monkeypatch):
+    """SparseMoE (router, experts, gated shared expert) against the per-token definition; experts that
+    no token routes to are poisoned with NaN, which an unrouted read would carry into the output.
+    fused: the router and the shared expert's gate as one product, the shared expert added by the
+    launch that sums the routed experts (decode)."""
     torch.manual_seed(0)
     block = SparseMoE(block_config(True, 16))
     with torch.no_grad():
@@ -204,6 +207,9 @@ def test_a_moe_block_on_the_kernels_reads_only_routed_experts(tokens, monkeypatc
             p.normal_(0, 0.3)
         block.gate.weight[4:] = -1.0  # positive inputs never route to experts 4 and 5
     block = block.to(DEVICE)
+    if fused:
+        block.fuse()
+        assert block.router is not None
     x = (torch.randn(tokens, 24).abs() + 0.1).to(DEVICE)
     monkeypatch.setenv("LUCEBOX_TRITON", "1")
     with torch.no_grad():
