@@ -354,9 +354,10 @@ def bucket_chunks_setting() -> bool:
 
 
 def dp4a_runs_setting() -> bool:
-    """LUCEBOX_DP4A_RUNS (0 | 1; default 0): 1 sends one-row products of Q4_K, Q5_K, split Q8_0 / Q6_K
-    and IQ4_XS rows to int8 activations and the kernels that keep each thread's sums apart until the end
-    (kernels/triton_dp4a_runs.py). Read at each product (kernels/routing.dp4a_runs)."""
+    """LUCEBOX_DP4A_RUNS (0 | 1; default 0): 1 sends one-row products of Q4_K and split Q8_0 / Q6_K
+    rows to int8 activations and the kernels that keep each thread's sums apart until the end
+    (kernels/triton_dp4a_runs.py; Q5_K and IQ4_XS take them anyway). Read at each product
+    (kernels/routing.dp4a_runs)."""
     return _switch(os.environ.get("LUCEBOX_DP4A_RUNS")) is True
 
 

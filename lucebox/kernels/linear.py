@@ -165,7 +165,7 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype, in_features: int
     if kernel in INT8:
         from . import triton_quant_int8
         return triton_quant_int8.matmul(x, qweight, qtype, split_rows, in_features, bias, quantized=rows,
-                                        runs=routing.dp4a_runs())
+                                        runs=routing.runs_kernel(qtype, split_rows))
     if kernel == SPLIT_GEMV:
         from . import triton_split_rows
         return triton_split_rows.gemv(x, qweight, qtype, in_features, bias)

@@ -72,14 +72,19 @@ FLOAT_ROUTES = {"linear": GEMV, "norm_linear": GEMV_NORM, "silu_mul_linear": GEM
 # (ggml type, split rows) -> (DECODE, VERIFY) kernel where int8 activations are allowed; types not
 # listed take (QUANT_GEMV, QUANT_TILES), or (SPLIT_GEMV, QUANT_TILES) in split rows.
 # scripts/bench_kernels.py --only quant --ms 1 16 --sweep, H200, qwen3-8b shapes in CUDA graphs, 2026-12-04
+# Q5_K, IQ4_XS: the H100 sweep of 2026-12-05 (their runs kernels 1.3-2.2x the float GEMVs).
 QUANT_ROUTES = {
     (Q.Q4_K, False): (INT8_GEMV, QUANT_TILES),
     (Q.Q6_K, True): (INT8_GEMV, QUANT_TILES),
     (Q.Q8_0, True): (SPLIT_GEMV, INT8_TILES),
+    (Q.Q5_K, False): (INT8_GEMV, QUANT_TILES),
+    (Q.IQ4_XS, False): (INT8_GEMV, QUANT_TILES),
 }
 # Rows triton_dp4a_runs' kernels read: with dp4a_runs() on, their decode products all take INT8_GEMV
 # (Q5_K and IQ4_XS have no other int8 kernel: their verify stays on QUANT_TILES).
 DP4A_RUNS_TYPES = frozenset({(Q.Q4_K, False), (Q.Q5_K, False), (Q.Q6_K, True), (Q.Q8_0, True), (Q.IQ4_XS, False)})
+# Of those, the rows only a runs kernel reads: their one-row int8 products take it whatever the switch.
+RUNS_ONLY_TYPES = frozenset({(Q.Q5_K, False), (Q.IQ4_XS, False)})
 
 
 def gated_delta_route(op: str, triton: bool = False, fla: bool = False) -> str:
@@ -99,8 +104,15 @@ def bucket_chunks() -> bool:
 
 def dp4a_runs() -> bool:
     """One-row int8 GEMVs through triton_dp4a_runs' kernels (no reduction across threads inside the
-    loop): opt-in (LUCEBOX_DP4A_RUNS=1) until a GPU measures them against the default kernels."""
+    loop) for every format they read: opt-in (LUCEBOX_DP4A_RUNS=1; qwen3-8b Q4_K_M decode 2.5% slower
+    with it on an H100, 2026-12-05, though each matrix alone was faster)."""
     return dp4a_runs_setting()
+
+
+def runs_kernel(qtype, split_rows: bool) -> bool:
+    """Whether a one-row int8 product of these rows takes triton_dp4a_runs' kernel: with the switch
+    on (dp4a_runs), or for rows only a runs kernel reads."""
+    return dp4a_runs() or (qtype, split_rows) in RUNS_ONLY_TYPES
 
 
 def rows_kind(rows: int) -> str:

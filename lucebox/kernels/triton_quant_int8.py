@@ -27,7 +27,7 @@ from gguf import GGMLQuantizationType as Q
 
 from . import triton_dp4a
 from .dispatch import next_pow2, num_sms, pdl_launch
-from .routing import INT8, MAX_FUSED_M, QUANT_ROUTES
+from .routing import INT8, MAX_FUSED_M, QUANT_ROUTES, RUNS_ONLY_TYPES
 from .triton_dp4a import SUPER, quantize_rows, scales_mins
 from .triton_one_row import f16, one_row_program, reduce_splits
 from .triton_pdl import wait_for_previous_kernel
@@ -150,7 +150,8 @@ _KERNELS = {(Q.Q4_K, False): _q4_k_int8_kernel, (Q.Q8_0, True): _q8_0_split_int8
             (Q.Q6_K, True): _q6_k_split_int8_kernel}
 assert _KERNELS.keys() == triton_dp4a._KERNELS.keys()
 serves = triton_dp4a.serves
-assert all(key in _KERNELS for key, kernels in QUANT_ROUTES.items() if INT8.intersection(kernels))
+assert all(key in _KERNELS or (verify not in INT8 and key in RUNS_ONLY_TYPES)
+           for key, (decode, verify) in QUANT_ROUTES.items() if INT8.intersection((decode, verify)))
 
 
 def matmul(x: torch.Tensor, weights: torch.Tensor, qtype, split_rows: bool, in_features: int,

@@ -22,9 +22,9 @@ PINNED = {
     (Q.Q8_0, True): (("split_gemv", "int8_tiles"), ("split_gemv", "quant_tiles")),
     (Q.Q8_0, False): (("quant_gemv", "quant_tiles"),) * 2,
     (Q.Q6_K, False): (("quant_gemv", "quant_tiles"),) * 2,
-    (Q.Q5_K, False): (("quant_gemv", "quant_tiles"),) * 2,
+    (Q.Q5_K, False): (("int8_gemv", "quant_tiles"), ("quant_gemv", "quant_tiles")),  # a runs kernel
     (Q.Q4_0, False): (("quant_gemv", "quant_tiles"),) * 2,
-    (Q.IQ4_XS, False): (("quant_gemv", "quant_tiles"),) * 2,
+    (Q.IQ4_XS, False): (("int8_gemv", "quant_tiles"), ("quant_gemv", "quant_tiles")),  # a runs kernel
     **{(qtype, False): (("quant_gemv", "quant_tiles"),) * 2 for qtype in (Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.IQ4_NL)},
 }
 
@@ -58,10 +58,13 @@ def test_the_runs_switch_sends_their_formats_decode_to_int8_activations(monkeypa
 
 
 def test_every_int8_route_has_its_kernels():
-    from lucebox.kernels import triton_dp4a, triton_quant_int8
-    for key, kernels in routing.QUANT_ROUTES.items():
-        if routing.INT8.intersection(kernels):
-            assert key in triton_dp4a._KERNELS and key in triton_quant_int8._KERNELS
+    from lucebox.kernels import triton_dp4a, triton_dp4a_runs, triton_quant_int8
+    for key, (decode, verify) in routing.QUANT_ROUTES.items():
+        if decode in routing.INT8:  # the default one-row kernel, or a runs kernel where only one reads the rows
+            assert key in triton_dp4a._KERNELS or (key in routing.RUNS_ONLY_TYPES
+                                                   and key in triton_dp4a_runs.RUNS_KERNELS)
+        if verify in routing.INT8:
+            assert key in triton_quant_int8._KERNELS
 
 
 @pytest.fixture

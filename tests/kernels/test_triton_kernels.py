@@ -265,8 +265,9 @@ def test_runs_kernels_are_the_float_products_of_the_rounded_row(qtype):
 
 def test_int8_activations_take_the_products_they_are_faster_for_unless_turned_off(monkeypatch):
     """By default (kernels/routing.QUANT_ROUTES): a Q4_K linear's one-row product runs on int8 activations
-    and its verify rows on the float kernel; a split Q8_0 linear the other way round; formats without
-    int8 kernels (Q5_K) stay on the float kernel; LUCEBOX_INT8_ACTIVATIONS=0 turns it all off."""
+    and its verify rows on the float kernel; a split Q8_0 linear the other way round; Q5_K decode on
+    its runs kernel (triton_dp4a_runs), its verify on the float kernel; LUCEBOX_INT8_ACTIVATIONS=0
+    turns it all off."""
     from lucebox.kernels import triton_dp4a as tdp
     from lucebox.kernels import triton_quant_int8 as tqi
     monkeypatch.setenv("LUCEBOX_TRITON", "1")
@@ -285,17 +286,20 @@ def test_int8_activations_take_the_products_they_are_faster_for_unless_turned_of
     assert rel_err(q4(x[:1]), rounded[:1] @ w4.T) <= 1e-5 and rel_err(q4(x), x @ w4.T) <= 1e-5
     assert rel_err(q8(x[:1]), x[:1] @ w8.T) <= 1e-5 and rel_err(q8(x), rounded @ w8.T) <= 1e-5
     assert calls == [Q.Q4_K, Q.Q8_0]
-    assert rel_err(q5(x[:1]), x[:1] @ dequant.dequantize(q5.qweight, Q.Q5_K).T) <= 1e-5
+    w5 = dequant.dequantize(q5.qweight, Q.Q5_K)
+    assert rel_err(q5(x[:1]), rounded[:1] @ w5.T) <= 1e-5 and rel_err(q5(x), x @ w5.T) <= 1e-5
+    assert calls == [Q.Q4_K, Q.Q8_0, Q.Q5_K]
     monkeypatch.setenv("LUCEBOX_INT8_ACTIVATIONS", "0")
     assert rel_err(q4(x[:1]), x[:1] @ w4.T) <= 1e-5 and rel_err(q8(x), x @ w8.T) <= 1e-5
-    assert calls == [Q.Q4_K, Q.Q8_0]
+    assert rel_err(q5(x[:1]), x[:1] @ w5.T) <= 1e-5
+    assert calls == [Q.Q4_K, Q.Q8_0, Q.Q5_K]
 
 
 def test_the_runs_kernels_take_one_row_int8_products_when_switched_on(monkeypatch):
     """LUCEBOX_DP4A_RUNS=1 (an experiment until measured): a Q4_K linear's decode product goes to
-    triton_dp4a_runs' kernel, a split Q8_0 one (float split-row GEMV by default) and an IQ4_XS one
-    (float kernel by default) to int8 activations and theirs, each equal to the float product of the
-    rounded row; off by default."""
+    triton_dp4a_runs' kernel, a split Q8_0 one (float split-row GEMV by default) to int8 activations
+    and its runs kernel, each equal to the float product of the rounded row; off by default. An
+    IQ4_XS one takes its runs kernel either way (no other int8 kernel reads it)."""
     from lucebox.kernels import triton_dp4a as tdp
     from lucebox.kernels import triton_dp4a_runs as tdr
     monkeypatch.setenv("LUCEBOX_TRITON", "1")
@@ -312,12 +316,12 @@ def test_the_runs_kernels_take_one_row_int8_products_when_switched_on(monkeypatc
     linears[Q.Q8_0].use_split_rows()
     monkeypatch.delenv("LUCEBOX_DP4A_RUNS", raising=False)
     for qtype, lin in linears.items():
-        assert rel_err(lin(x), (rounded if qtype == Q.Q4_K else x) @ weights[qtype].T) <= 1e-5
-    assert launched == [tdp._KERNELS[(Q.Q4_K, False)]]  # Q8_0 and IQ4_XS: float kernels
+        assert rel_err(lin(x), (x if qtype == Q.Q8_0 else rounded) @ weights[qtype].T) <= 1e-5
+    assert launched == [tdp._KERNELS[(Q.Q4_K, False)], tdr.RUNS_KERNELS[(Q.IQ4_XS, False)]]  # Q8_0: float
     monkeypatch.setenv("LUCEBOX_DP4A_RUNS", "1")
     for qtype, lin in linears.items():
         assert rel_err(lin(x), rounded @ weights[qtype].T) <= 1e-5
-    assert launched[1:] == [tdr.RUNS_KERNELS[key] for key in ((Q.Q4_K, False), (Q.Q8_0, True), (Q.IQ4_XS, False))]
+    assert launched[2:] == [tdr.RUNS_KERNELS[key] for key in ((Q.Q4_K, False), (Q.Q8_0, True), (Q.IQ4_XS, False))]
     assert rel_err(lin(x.repeat(3, 1)), x.repeat(3, 1) @ weights[Q.IQ4_XS].T) <= 1e-5  # verify: the float kernel
 
 
