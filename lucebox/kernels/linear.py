@@ -3,6 +3,7 @@
     y = linear(x, projection)                                       # == projection(x)
     ys, stream = norm_linear(x, residual, norm_weight, eps, projections)
     # == tuple(p(rms_norm(x + residual)) for p in projections), x + residual; residual None: (.., x)
+    h, stream, rows = norm_rows(x, residual, norm_weight, eps, projections)  # h kept, rows for linears
     y = silu_mul_linear(gate_up, projection)     # == projection(silu(gate) * up), gate_up = [gate | up]
     y = sigmoid_gate_linear(gate, x, projection)  # == projection(sigmoid(gate) * x), gated attention
     ys = linears(x, projections)                 # == tuple(p(x) for p in projections)
@@ -115,11 +116,19 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
             return (y,), (total if residual is not None else x)
         y, stream = norm_linear_reference(x, residual, norm_weight, eps, *weights)
         return (y,), stream
-    if takes_int8(projections, x):  # the norm's launch rounds its output too
+    h, stream, rows = norm_rows(x, residual, norm_weight, eps, projections)
+    return linears(h, projections, rows), stream
+
+
+def norm_rows(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+              projections) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(rms_norm(x + residual), x + residual (x when residual is None), the normalised rows rounded
+    to int8 by the norm's own launch where one of these projections takes int8 rows, else None)."""
+    if takes_int8(projections, x):
         h, total, rows = rms_norm_rounded(x, residual, norm_weight, eps)
-        return linears(h, projections, rows), (x if residual is None else total)
+        return h, (x if residual is None else total), rows
     h, stream = _norm(x, residual, norm_weight, eps)
-    return linears(h, projections), stream
+    return h, stream, None
 
 
 def silu_mul_linear_reference(gate_up, weight, bias=None):

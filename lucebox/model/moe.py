@@ -24,7 +24,7 @@ from torch import nn
 from ..errors import CheckpointError
 from ..kernels import dequant
 from ..kernels.activation import gelu_tanh_and_mul, silu_and_mul
-from ..kernels.linear import linear
+from ..kernels.linear import linear, linears, norm_rows
 from ..kernels.moe import add_gated_shared, expert_kernel, expert_matmul, route_experts
 from ..kernels.routing import TORCH
 from ..weights.quant import QuantTensor
@@ -200,12 +200,8 @@ class SparseMoE(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.router is not None:  # one product gives the logits and the shared expert's gate logit
-            logits = linear(x, self.router)
-            experts = self.experts.num_experts
-            ids, weights = self.choose(logits[:, :experts], x.dtype)
-            shared = self.shared_expert(x), logits[:, experts:]
-            return self.experts(x, ids, weights, self.routing.weights_on_input, shared)
+        if self.router is not None:
+            return self._fused(x)
         out = self.routed(x)
         if self.shared_expert_gate is not None:
             out = add_gated_shared(out, (self.shared_expert(x), linear(x, self.shared_expert_gate)))
@@ -223,9 +219,27 @@ class SparseMoE(nn.Module):
             self.router = fuse_linears([self.gate, self.shared_expert_gate])
 
     def after_norm(self, norm, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(moe(norm(x + residual)), x + residual), as MLP.after_norm."""
+        """(moe(norm(x + residual)), x + residual), as MLP.after_norm; fused, the norm's launch also
+        rounds the rows the shared expert's int8 product takes."""
+        if self.router is not None:
+            h, residual, rows = norm_rows(x, residual, norm.weight, norm.eps, self._input_projections())
+            return self._fused(h, rows), residual
         h, residual = norm(x, residual)
         return self(h), residual
+
+    def _input_projections(self) -> tuple:
+        """The fused router, and the shared expert's gate | up where they are one projection."""
+        gate_up = self.shared_expert.gate_up
+        return (self.router,) if gate_up is None else (self.router, gate_up)
+
+    def _fused(self, x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """forward after fuse(): one product gives the logits and the shared expert's gate logit, and
+        the routed experts' sum adds the gated shared expert. rows: x rounded to int8, if it was."""
+        logits, *gate_up = linears(x, self._input_projections(), rows)
+        experts = self.experts.num_experts
+        ids, weights = self.choose(logits[:, :experts], x.dtype)
+        value = self.shared_expert.down(gate_up[0]) if gate_up else self.shared_expert(x)
+        return self.experts(x, ids, weights, self.routing.weights_on_input, (value, logits[:, experts:]))
 
 
 # ---------------------------------------------------------------------------------------- checkpoints

@@ -239,6 +239,43 @@ def test_quantised_experts_forward_takes_the_kernels_and_reads_only_routed_exper
     assert torch.isfinite(got).all() and rel_err(got, want) <= 1e-5
 
 
+def test_a_fused_moe_layer_rounds_its_input_once_in_the_norm(monkeypatch):
+    """After fuse(), a MoE layer behind its norm (after_norm): the router and the shared expert's gate
+    one product, the shared expert's Q4_K gate | up on int8 rows the norm's launch rounded (no
+    quantising launch of its own), the gated shared expert added by the routed experts' sum; equal
+    to the unfused layer on the torch reference."""
+    from lucebox.kernels import triton_dp4a as tdp
+    from lucebox.kernels import triton_quant_int8 as tqi
+    from lucebox.model.transformer import RMSNorm
+    from lucebox.weights.quant import QuantLinear
+    from tests.kernels.test_triton_kernels import quant_rows
+    cfg = block_config(True, 256)
+    cfg = type(cfg)(**{**vars(cfg), "hidden_size": 256})
+    torch.manual_seed(1)
+    block, norm = SparseMoE(cfg), RMSNorm(256, 1e-6)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.1)
+    mlp = block.shared_expert
+    for name, seed in (("gate_proj", 71), ("up_proj", 72)):
+        setattr(mlp, name, QuantLinear(QuantTensor(quant_rows(Q.Q4_K, 256, 256, seed=seed), Q.Q4_K, (256, 256))))
+    block, norm = block.to(DEVICE), norm.to(DEVICE)
+    g = torch.Generator().manual_seed(73)
+    x, residual = (torch.randn(1, 256, generator=g).to(DEVICE) for _ in range(2))
+    monkeypatch.delenv("LUCEBOX_INT8_ACTIVATIONS", raising=False)
+    monkeypatch.setenv("LUCEBOX_TRITON", "1")
+    with torch.no_grad():
+        want, want_stream = block.after_norm(norm, x, residual)  # unfused: the norm, then each product
+        block.fuse()
+        assert block.router is not None and mlp.gate_up is not None
+        rounds, real = [], tdp.quantize_rows
+        for module in (tdp, tqi):
+            monkeypatch.setattr(module, "quantize_rows", lambda t: rounds.append(1) or real(t))
+        got, stream = block.after_norm(norm, x, residual)
+    assert not rounds
+    assert torch.equal(stream, want_stream) and rel_err(got, want) <= 1e-5
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("tokens", [1, 16, 300], ids=["decode", "verify", "prefill"])
 @pytest.mark.parametrize("weights_type", ["bf16", "Q4_K"])
