@@ -72,17 +72,28 @@ def main() -> None:
     p.add_argument("--quant", default="q4_k_m")
     p.add_argument("--layers", type=int, default=4, help="layers of the small model (hybrids: 3 DeltaNet to 1 attention)")
     p.add_argument("--tokens", type=int, default=1, help="1: a decode row; more: a verify row")
+    p.add_argument("--callers", action="store_true", help="also list the Triton launches by model call site")
     args = p.parse_args()
     import profile_decode  # scripts/: the forward exactly as bench speed times it
 
     dispatch._current_choice = lambda: (True, True)  # route as on a GPU (every launch below is recorded only)
     launches: collections.Counter = collections.Counter()
-    jit.JITFunction.__getitem__ = lambda self, grid: (lambda *a, **k: launches.update([self.fn.__name__]))
+    callers: collections.Counter = collections.Counter()
+
+    def record(name: str) -> None:
+        launches.update([name])
+        if args.callers:  # the innermost frame of the model's code
+            frames = [f for f in traceback.extract_stack() if "/lucebox/model/" in f.filename]
+            where = f"{frames[-1].filename.split('/lucebox/')[-1]}:{frames[-1].lineno}" if frames else "?"
+            callers[name, where] += 1
+
+    jit.JITFunction.__getitem__ = lambda self, grid: (lambda *a, **k: record(self.fn.__name__))
     shapes.SHAPES["count-kernels"] = small(args.shape, args.layers)
     loaded, _ = shapes.load_under_test(None, "count-kernels", args.quant, "auto", torch.device("cpu"))
     _, forward = profile_decode.runner_for(loaded, 64, args.tokens, False)
     forward()
     launches.clear()
+    callers.clear()
     with Sites() as mode:
         forward()
     torch_ops = sum(mode.sites.values())
@@ -91,6 +102,10 @@ def main() -> None:
     print("\nTriton kernels:")
     for name, n in launches.most_common():
         print(f"{n:5d}  {name}")
+    if args.callers:
+        print("\nTriton launches by model call site:")
+        for (name, where), n in sorted(callers.items(), key=lambda kv: kv[0][1]):
+            print(f"{n:5d}  {name:28s} {where}")
     print("\ntorch ops by call site:")
     for (name, where), n in sorted(mode.sites.items(), key=lambda kv: kv[0][1]):
         print(f"{n:5d}  {name:20s} {where}")

@@ -47,6 +47,7 @@ from ..kernels.gated_delta import (  # noqa: F401  (the references, re-exported 
     stash_rows,
 )
 from ..kernels.gated_delta_tree import TreeLinks, gated_delta_tree, tree_links
+from ..kernels.linear import linears
 from ..util import host_to_device
 from .cache_spec import RecurrentSpec
 from .transformer import fuse_linears
@@ -170,16 +171,24 @@ class GatedDeltaNet(nn.Module):
             self.qkvz = fuse_linears([self.in_proj_qkv, self.in_proj_z])
             self.ba = fuse_linears([self.in_proj_b, self.in_proj_a])
 
-    def _project(self, h: torch.Tensor):
-        """(qkv, z, b, a) of the normalised input."""
+    def input_projections(self) -> tuple:
+        """The projections of the normalised input, fused where fuse() could: their outputs are
+        qkv | z | b | a in that order."""
         if self.projections is not None:
-            return self.projections(h).split([self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads],
-                                             dim=-1)
-        qkv, z = (self.qkvz(h).split([self.conv_dim, self.value_dim], dim=-1) if self.qkvz is not None
-                  else (self.in_proj_qkv(h), self.in_proj_z(h)))
-        b, a = (self.ba(h).split([self.num_v_heads, self.num_v_heads], dim=-1) if self.ba is not None
-                else (self.in_proj_b(h), self.in_proj_a(h)))
-        return qkv, z, b, a
+            return (self.projections,)
+        qkvz = (self.qkvz,) if self.qkvz is not None else (self.in_proj_qkv, self.in_proj_z)
+        return qkvz + ((self.ba,) if self.ba is not None else (self.in_proj_b, self.in_proj_a))
+
+    def _project(self, h: torch.Tensor, rows: torch.Tensor | None = None):
+        """(qkv, z, b, a) of the normalised input; rows: h rounded to int8 by the norm, if it was."""
+        sizes = [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads]
+        parts = []
+        for out in linears(h, self.input_projections(), rows):  # each output covers the next sizes
+            take = [sizes[len(parts)]]
+            while sum(take) < out.shape[-1]:
+                take.append(sizes[len(parts) + len(take)])
+            parts.extend(out.split(take, dim=-1))
+        return parts
 
     def cache_spec(self) -> RecurrentSpec:
         """Per sequence: S [Hv, dk, dv] and the conv window [channels, kernel - 1], in float32
@@ -187,12 +196,13 @@ class GatedDeltaNet(nn.Module):
         return RecurrentSpec((self.num_v_heads, self.head_k_dim, self.head_v_dim),
                              (self.conv_dim, self.conv_kernel - 1), self.num_k_heads, torch.float32)
 
-    def forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, batch: ForwardBatch, rows: torch.Tensor | None = None) -> torch.Tensor:
         """h [T, hidden] (normalised) of the batch's sequences -> [T, hidden]; each sequence's
-        state is read from (and, as batch.state_advance says, written back to) its slot."""
+        state is read from (and, as batch.state_advance says, written back to) its slot. rows: h
+        rounded to int8 by the norm, if it was (norm_rows)."""
         if self.state is None or batch.state_slots is None:
             raise RuntimeError(f"layer {self.layer}: Gated DeltaNet needs recurrent-state slots in the batch")
-        qkv, z, b, a = self._project(h)
+        qkv, z, b, a = self._project(h, rows)
         steps, chunks = self._split(batch)
         if steps is BUCKET:
             g, beta = gates(a, b, self.A_log, self.dt_bias)

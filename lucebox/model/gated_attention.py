@@ -15,7 +15,7 @@ from torch import nn
 
 from ..kernels.attention import paged_attention
 from ..kernels.forward_batch import ForwardBatch
-from ..kernels.linear import sigmoid_gate_linear
+from ..kernels.linear import linears, sigmoid_gate_linear
 from ..kernels.rope import rope_and_write_kv
 from .cache_spec import PagedKVSpec
 from .transformer import RMSNorm
@@ -42,11 +42,17 @@ class GatedAttention(nn.Module):
         return PagedKVSpec.of(self.num_kv_heads, self.head_dim, model_dtype, cache_type_k, cache_type_v, None,
                               rotate_k)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def input_projections(self) -> tuple:
+        return self.q_proj, self.k_proj, self.v_proj
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """rows: h rounded to int8 by the norm, if it was (norm_rows): the products share it."""
         tokens = h.shape[0]
-        q, gate = self.q_proj(h).view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        k = self.k_proj(h).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(h).view(tokens, self.num_kv_heads, self.head_dim)
+        q_and_gate, k, v = linears(h, self.input_projections(), rows)
+        q, gate = q_and_gate.view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
         qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         q = rope_and_write_kv(q, k, v, cos, sin, self.k_cache, self.v_cache, batch.slot_mapping, qk_norm)
         o = paged_attention(q, self.k_cache, self.v_cache, batch, self.scale)

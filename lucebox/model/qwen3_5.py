@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..kernels.gated_delta import warm_up_chunk
+from ..kernels.linear import norm_rows
 from .deltanet import GatedDeltaNet
 from .gated_attention import GatedAttention
 from .moe import SparseMoE
@@ -55,13 +56,11 @@ class HybridDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos, sin, batch):
         """DecoderLayer's contract: (x, residual) -> (mlp output, residual stream before it)."""
-        if residual is None:
-            h, residual = self.input_layernorm(x), x
-        else:
-            h, residual = self.input_layernorm(x, residual)
+        norm = self.input_layernorm  # its launch rounds h to int8 too where the mixer's products take it
+        h, residual, rows = norm_rows(x, residual, norm.weight, norm.eps, self.mixer.input_projections())
         if self.layer - 1 in batch.capture_layers:
             batch.captured[self.layer - 1] = residual
-        h = self.linear_attn(h, batch) if self.kind == LINEAR else self.self_attn(h, cos, sin, batch)
+        h = self.linear_attn(h, batch, rows) if self.kind == LINEAR else self.self_attn(h, cos, sin, batch, rows)
         return self.mlp.after_norm(self.post_attention_layernorm, h, residual)
 
 

@@ -123,13 +123,13 @@ def test_the_deltanet_path_of_a_graph_batch_never_reads_device_values(hybrid_pat
     inside = {"layers": 0}
     forward = GatedDeltaNet.forward
 
-    def guarded(self, h, batch):
+    def guarded(self, h, batch, rows=None):
         assert batch.device_only
         inside["layers"] += 1
         with monkeypatch.context() as m:
             for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy"):
                 m.setattr(torch.Tensor, name, _refuse(name))
-            return forward(self, h, batch)
+            return forward(self, h, batch, rows)
 
     monkeypatch.setattr(GatedDeltaNet, "forward", guarded)
     runner.run(plan)
