@@ -209,7 +209,24 @@ def gated_rms_norm(x, gate, weight, eps: float, dtype: torch.dtype) -> torch.Ten
     float dtype, is rounded to it first), rows [..., size]."""
     if routing.gated_delta_route("norm", triton=use_triton(x, gate, weight)) == routing.TRITON_NORM:
         from .triton_gated_delta import gated_rms_norm_triton
-        return gated_rms_norm_triton(x, gate, weight, eps, dtype)
+        return gated_rms_norm_triton(x, gate, weight, eps, dtype)[0]
+    return gated_rms_norm_reference(x, gate, weight, eps, dtype)
+
+
+def gated_rms_norm_rounded(x, gate, weight, eps: float, dtype: torch.dtype
+                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(gated_rms_norm of x [T, heads, size], its token rows [T, heads * size] rounded to int8 as
+    triton_dp4a.quantize_rows packs them, from the Triton kernel's same launch; None from the
+    reference, or where the rows do not round in one launch: size not a power of two from 32)."""
+    size = x.shape[-1]
+    if (routing.gated_delta_route("norm", triton=use_triton(x, gate, weight)) == routing.TRITON_NORM
+            and x.dim() == 3 and 32 <= size == 1 << (size.bit_length() - 1) and x.shape[1] * size % 256 == 0):
+        from .triton_gated_delta import gated_rms_norm_triton
+        return gated_rms_norm_triton(x, gate, weight, eps, dtype, rounded=True)
+    return gated_rms_norm(x, gate, weight, eps, dtype), None
+
+
+def gated_rms_norm_reference(x, gate, weight, eps: float, dtype: torch.dtype) -> torch.Tensor:
     xf = x.to(dtype).float()
     normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
     return (weight * normed * F.silu(gate.float())).to(dtype)

@@ -48,8 +48,11 @@ def float_weights(projection) -> tuple[torch.Tensor, torch.Tensor | None] | None
 
 
 def quant_rows(projection):
-    """The quantised module behind a projection (itself, or the owner of its bound forward), or None."""
+    """The quantised module behind a projection (itself, or the owner of its bound forward), or None;
+    None too for one whose forward transforms its input first (`transforms_input`): it is called."""
     module = getattr(projection, "__self__", projection)
+    if getattr(module, "transforms_input", False):
+        return None
     return module if hasattr(module, "qweight") and hasattr(module, "in_features") else None
 
 

@@ -31,10 +31,11 @@ BLOCK_C = 256  # conv channels per program (design choice, not measured)
 @functools.cache
 def _kernel():
     """Defined on first use: importing this module must not import Triton (see triton_norm)."""
-    global triton, tl, wait_for_previous_kernel, _delta_update, _delta_output, _delta_step
+    global triton, tl, wait_for_previous_kernel, store_rounded, _delta_update, _delta_output, _delta_step
     import triton
     import triton.language as tl
 
+    from .triton_dp4a import store_rounded
     from .triton_pdl import wait_for_previous_kernel
 
     @triton.jit
@@ -196,10 +197,12 @@ def _kernel():
             tl.store(beta_stash + at, sig, mask=ok)
 
     @triton.jit
-    def _gated_norm(x, gate, weight, out, size, eps, stride_x, stride_g, stride_o, BN: tl.constexpr,
-                    PDL: tl.constexpr = False):
+    def _gated_norm(x, gate, weight, out, q_ptr, size, heads, eps, stride_x, stride_g, stride_o, stride_q,
+                    BN: tl.constexpr, ROUND: tl.constexpr = False, PDL: tl.constexpr = False):
         """Row r: rms_norm(x) * weight * silu(gate), rounded where the torch reference rounds (x and
-        the normalised row to out's dtype, weight * normalised too)."""
+        the normalised row to out's dtype, weight * normalised too). ROUND: row r is head r % heads
+        of token r // heads, and the token's output row [heads * size] is rounded to int8 as well
+        (store_rounded's packed rows at q_ptr; size a multiple of 32, BN == size)."""
         wait_for_previous_kernel(PDL)
         r = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BN)
@@ -209,7 +212,12 @@ def _kernel():
         normed = (v * (1.0 / tl.sqrt(tl.sum(v * v, axis=0) / size + eps))).to(ty)
         scaled = (tl.load(weight + cols, mask=ok, other=0.0).to(ty) * normed).to(tl.float32)
         z = tl.load(gate + r * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
-        tl.store(out + r * stride_o + cols, (scaled * (z / (1.0 + tl.exp(-z)))).to(ty), mask=ok)
+        h = (scaled * (z / (1.0 + tl.exp(-z)))).to(ty)
+        tl.store(out + r * stride_o + cols, h, mask=ok)
+        if ROUND:
+            b = (r % heads) * (BN // 32) + tl.arange(0, BN // 32)
+            store_rounded(q_ptr + (r // heads) * stride_q, tl.reshape(h.to(tl.float32), [BN // 32, 32]), b,
+                          b < heads * (BN // 32), heads * (BN // 32))
 
     @triton.jit
     def _gated_delta_tree(q, k, v, g, beta, out, state, slots, starts, seq, masks, run_end, advance,
@@ -355,15 +363,26 @@ def gates_triton(a, b, a_log, dt_bias, stash=None) -> tuple[torch.Tensor, torch.
     return g, beta
 
 
-def gated_rms_norm_triton(x, gate, weight, eps: float, dtype: torch.dtype) -> torch.Tensor:
-    """kernels.gated_delta.gated_rms_norm on the Triton kernel (same contract)."""
+def gated_rms_norm_triton(x, gate, weight, eps: float, dtype: torch.dtype, rounded: bool = False
+                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """kernels.gated_delta.gated_rms_norm on the Triton kernel, as (out, None); rounded: x [T,
+    heads, size] with size a power of two from 32, and the second item is out's token rows [T,
+    heads * size] rounded to int8 (triton_dp4a.quantize_rows' packing) by the same launch."""
     size = x.shape[-1]
     x2, g2 = x.reshape(-1, size), gate.reshape(-1, size)
     if x2.stride(1) != 1 or g2.stride(1) != 1:
         raise ValueError("gated_rms_norm: x and gate need unit stride per row")
+    heads = x.shape[-2] if rounded else 1
+    if rounded and (x.dim() != 3 or size < 32 or size != next_pow2(size) or heads * size % 256):
+        raise ValueError(f"gated_rms_norm: rows of {tuple(x.shape)} cannot be rounded to int8 per token")
     out = torch.empty(x2.shape, dtype=dtype, device=x.device)
+    packed = None
+    if rounded:
+        from .triton_dp4a import rounded_rows_like
+        packed = rounded_rows_like(out.view(x.shape[0], heads * size))
+    q = packed if packed is not None else out
     if x2.shape[0]:
         kernel = _kernel()[4]
-        kernel[(x2.shape[0],)](x2, g2, weight, out, size, float(eps), x2.stride(0), g2.stride(0), out.stride(0),
-                               BN=next_pow2(size), **pdl_launch(x.device))
-    return out.view(x.shape)
+        kernel[(x2.shape[0],)](x2, g2, weight, out, q, size, heads, float(eps), x2.stride(0), g2.stride(0),
+                               out.stride(0), q.stride(0), BN=next_pow2(size), ROUND=rounded, **pdl_launch(x.device))
+    return out.view(x.shape), packed

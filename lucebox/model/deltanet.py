@@ -41,13 +41,14 @@ from ..kernels.gated_delta import (  # noqa: F401  (the references, re-exported 
     gated_delta_chunk_slot,
     gated_delta_steps,
     gated_rms_norm,
+    gated_rms_norm_rounded,
     gates,
     l2_normalize,
     recurrent_gated_delta_rule,
     stash_rows,
 )
 from ..kernels.gated_delta_tree import TreeLinks, gated_delta_tree, tree_links
-from ..kernels.linear import linears
+from ..kernels.linear import linears, takes_int8
 from ..util import host_to_device
 from .cache_spec import RecurrentSpec
 from .transformer import fuse_linears
@@ -216,8 +217,17 @@ class GatedDeltaNet(nn.Module):
             if chunks:
                 g, beta = gates(a, b, self.A_log, self.dt_bias)
                 self._chunks(qkv, beta, g, batch, chunks, out)
-        o = self.norm(out, z.view(-1, self.num_v_heads, self.head_v_dim), h.dtype)
-        return self.out_proj(o.reshape(h.shape[0], -1))
+        return self._output(out, z, h.dtype)
+
+    def _output(self, out: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """out_proj(norm(out) * silu(z)): the gated norm's launch rounds out_proj's int8 rows too."""
+        tokens = z.shape[0]
+        heads = z.view(tokens, self.num_v_heads, self.head_v_dim)
+        if takes_int8((self.out_proj,), z):
+            o, rows = gated_rms_norm_rounded(out, heads, self.norm.weight, self.norm.eps, dtype)
+        else:
+            o, rows = self.norm(out, heads, dtype), None
+        return linears(o.reshape(tokens, -1), (self.out_proj,), rows)[0]
 
     @staticmethod
     def _split(batch: ForwardBatch) -> tuple[StepRows | None, list[int] | None]:

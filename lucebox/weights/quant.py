@@ -181,6 +181,8 @@ class PermutedInputQuantLinear(QuantLinear):
     quantisation blocks straddle (llama.cpp's tiled DeltaNet value heads in ssm_out), so that the
     bytes stay as stored; `weight` is the stored matrix."""
 
+    transforms_input = True  # kernels/linear.quant_rows: multiply through forward, never the raw rows
+
     def __init__(self, weight: QuantTensor, input_order: torch.Tensor, bias: torch.Tensor | None = None,
                  chunk_bytes: int = 32 << 20):
         super().__init__(weight, bias, chunk_bytes)

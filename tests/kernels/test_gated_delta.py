@@ -289,6 +289,29 @@ def test_triton_gated_rms_norm_matches_the_reference(dtype, monkeypatch):
     assert (got.float() - want.float()).abs().max() <= tol * want.float().abs().max()
 
 
+@pytest.mark.skipif(not INTERPRETABLE, reason="Triton was imported without its interpreter on a machine without a GPU")
+def test_the_gated_norm_rounds_each_tokens_output_row_for_int8_products(monkeypatch):
+    """gated_rms_norm_rounded: the same output as gated_rms_norm, and each token's row (its heads side
+    by side) rounded to int8 by the same launch, byte for byte what quantize_rows makes of it; sizes
+    that cannot round in one launch (and the reference) give None."""
+    pytest.importorskip("triton")
+    from lucebox.kernels import triton_dp4a
+    from lucebox.kernels.gated_delta import gated_rms_norm, gated_rms_norm_rounded
+    g = torch.Generator().manual_seed(5)
+    heads, size = 4, 64  # 256 values a token
+    x = torch.randn(3, heads, size, generator=g).to(DEVICE)
+    gate = torch.randn(3, 2 * heads * size, generator=g).to(DEVICE, torch.float16)[:, :heads * size]  # a slice
+    gate = gate.view(3, heads, size)
+    weight = (torch.rand(size, generator=g) + 0.5).to(DEVICE, torch.float16)
+    monkeypatch.setenv("LUCEBOX_TRITON", "1")
+    out, rows = gated_rms_norm_rounded(x, gate, weight, 1e-6, torch.float16)
+    assert torch.equal(out, gated_rms_norm(x, gate, weight, 1e-6, torch.float16))
+    assert torch.equal(rows, triton_dp4a.quantize_rows(out.reshape(3, -1)))
+    assert gated_rms_norm_rounded(x[..., :48], gate[..., :48], weight[:48], 1e-6, torch.float16)[1] is None
+    monkeypatch.setenv("LUCEBOX_TRITON", "0")
+    assert gated_rms_norm_rounded(x, gate, weight, 1e-6, torch.float16)[1] is None
+
+
 def test_a_gpu_without_fla_core_is_told_what_its_hybrid_prefill_costs(monkeypatch, caplog):
     """Nothing to compile without fla-core: the warm-up names the missing extra instead (and touches no device)."""
     monkeypatch.setattr(gd, "fla_chunk", lambda: None)

@@ -125,3 +125,17 @@ def test_without_triton_every_product_takes_the_torch_reference(monkeypatch):
     assert kernel_for("linear", one, q4) == "dequant_matmul"
     assert kernel_for("linear", one, FusedProjection(torch.zeros(8, 256), None)) == "torch"
     assert not takes_int8((q4,), one)
+
+
+def test_a_projection_that_reorders_its_input_is_called_not_multiplied_by_its_rows(fake_gpu):
+    """PermutedInputQuantLinear (GGUF DeltaNet ssm_out) multiplies x[..., order]: the shared int8
+    rounding of x (linears, norm_rows) would give the unpermuted product, so its rows are not
+    offered to the kernels and the module's own forward runs."""
+    from lucebox.kernels.linear import quant_rows
+    from lucebox.weights.quant import PermutedInputQuantLinear
+    plain = quant_linear(Q.Q4_K, 8, 256)
+    permuted = PermutedInputQuantLinear(plain.weight, torch.arange(255, -1, -1))
+    x = torch.zeros(1, 256)
+    assert quant_rows(plain) is plain and quant_rows(permuted) is None
+    assert kernel_for("products", x, plain) == "int8_gemv" and kernel_for("products", x, permuted) == routing.TORCH
+    assert takes_int8((plain,), x) and not takes_int8((permuted,), x)
