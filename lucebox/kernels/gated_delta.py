@@ -204,17 +204,21 @@ def gates(a, b, a_log, dt_bias, stash=None) -> tuple[torch.Tensor, torch.Tensor]
     return g, beta
 
 
-def gated_rms_norm(x, gate, weight, eps: float, dtype: torch.dtype) -> torch.Tensor:
+def gated_rms_norm(x, gate, weight, eps: float, dtype: torch.dtype,
+                   head_order: torch.Tensor | None = None) -> torch.Tensor:
     """DeltaNet's output norm per value head: rms_norm(x) * weight * silu(gate) in `dtype` (x, any
-    float dtype, is rounded to it first), rows [..., size]."""
+    float dtype, is rounded to it first), rows [..., size]. head_order [heads] (x [T, heads, size]):
+    output head j of a token is its head head_order[j] normalised (a consumer's stored order)."""
     if routing.gated_delta_route("norm", triton=use_triton(x, gate, weight)) == routing.TRITON_NORM:
         from .triton_gated_delta import gated_rms_norm_triton
-        return gated_rms_norm_triton(x, gate, weight, eps, dtype)[0]
+        return gated_rms_norm_triton(x, gate, weight, eps, dtype, head_order=head_order)[0]
+    if head_order is not None:
+        x, gate = x.index_select(-2, head_order), gate.index_select(-2, head_order)
     return gated_rms_norm_reference(x, gate, weight, eps, dtype)
 
 
-def gated_rms_norm_rounded(x, gate, weight, eps: float, dtype: torch.dtype
-                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def gated_rms_norm_rounded(x, gate, weight, eps: float, dtype: torch.dtype,
+                           head_order: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(gated_rms_norm of x [T, heads, size], its token rows [T, heads * size] rounded to int8 as
     triton_dp4a.quantize_rows packs them, from the Triton kernel's same launch; None from the
     reference, or where the rows do not round in one launch: size not a power of two from 32)."""
@@ -222,8 +226,8 @@ def gated_rms_norm_rounded(x, gate, weight, eps: float, dtype: torch.dtype
     if (routing.gated_delta_route("norm", triton=use_triton(x, gate, weight)) == routing.TRITON_NORM
             and x.dim() == 3 and 32 <= size == 1 << (size.bit_length() - 1) and x.shape[1] * size % 256 == 0):
         from .triton_gated_delta import gated_rms_norm_triton
-        return gated_rms_norm_triton(x, gate, weight, eps, dtype, rounded=True)
-    return gated_rms_norm(x, gate, weight, eps, dtype), None
+        return gated_rms_norm_triton(x, gate, weight, eps, dtype, rounded=True, head_order=head_order)
+    return gated_rms_norm(x, gate, weight, eps, dtype, head_order), None
 
 
 def gated_rms_norm_reference(x, gate, weight, eps: float, dtype: torch.dtype) -> torch.Tensor:

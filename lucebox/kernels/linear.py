@@ -160,6 +160,18 @@ def sigmoid_gate_linear(gate: torch.Tensor, x: torch.Tensor, projection) -> torc
     return linear(h, projection) if rows is None else linears(h, (projection,), rows)[0]
 
 
+def stored_order_linear(x: torch.Tensor, module, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """A transforms_input module's raw rows times x already in its stored input order (the module's
+    own transform skipped); rows: x rounded to int8, used where the product takes int8 rows."""
+    kernel = routing.quant_route(x, module.qweight, module.qtype, module.in_features, module.split_rows)
+    return quant_linear(x, module, rows=rows if kernel in INT8 else None, kernel=kernel)
+
+
+def stored_order_takes_int8(x: torch.Tensor, module) -> bool:
+    """Whether stored_order_linear(x, module) multiplies on int8 rows."""
+    return routing.quant_route(x, module.qweight, module.qtype, module.in_features, module.split_rows) in INT8
+
+
 def quant_linear(x: torch.Tensor, q, *, rows: torch.Tensor | None = None, kernel: str | None = None) -> torch.Tensor:
     """x times a quantised module's rows (+ its bias); rows: x rounded to int8, if it was."""
     return quant_matmul(x, q.qweight, q.qtype, q.in_features, q.bias, q.chunk_bytes, q.split_rows,

@@ -197,21 +197,26 @@ def _kernel():
             tl.store(beta_stash + at, sig, mask=ok)
 
     @triton.jit
-    def _gated_norm(x, gate, weight, out, q_ptr, size, heads, eps, stride_x, stride_g, stride_o, stride_q,
-                    BN: tl.constexpr, ROUND: tl.constexpr = False, PDL: tl.constexpr = False):
+    def _gated_norm(x, gate, weight, out, q_ptr, src_heads, size, heads, eps, stride_x, stride_g, stride_o,
+                    stride_q, BN: tl.constexpr, ROUND: tl.constexpr = False, REORDER: tl.constexpr = False,
+                    PDL: tl.constexpr = False):
         """Row r: rms_norm(x) * weight * silu(gate), rounded where the torch reference rounds (x and
-        the normalised row to out's dtype, weight * normalised too). ROUND: row r is head r % heads
-        of token r // heads, and the token's output row [heads * size] is rounded to int8 as well
-        (store_rounded's packed rows at q_ptr; size a multiple of 32, BN == size)."""
+        the normalised row to out's dtype, weight * normalised too). Row r is head r % heads of token
+        r // heads; REORDER: it normalises head src_heads[r % heads] of that token instead. ROUND: the
+        token's output row [heads * size] is rounded to int8 as well (store_rounded's packed rows at
+        q_ptr; size a multiple of 32, BN == size)."""
         wait_for_previous_kernel(PDL)
         r = tl.program_id(0).to(tl.int64)
+        src = r
+        if REORDER:
+            src = (r // heads) * heads + tl.load(src_heads + r % heads).to(tl.int64)
         cols = tl.arange(0, BN)
         ok = cols < size
         ty = out.dtype.element_ty
-        v = tl.load(x + r * stride_x + cols, mask=ok, other=0.0).to(ty).to(tl.float32)
+        v = tl.load(x + src * stride_x + cols, mask=ok, other=0.0).to(ty).to(tl.float32)
         normed = (v * (1.0 / tl.sqrt(tl.sum(v * v, axis=0) / size + eps))).to(ty)
         scaled = (tl.load(weight + cols, mask=ok, other=0.0).to(ty) * normed).to(tl.float32)
-        z = tl.load(gate + r * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
+        z = tl.load(gate + src * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
         h = (scaled * (z / (1.0 + tl.exp(-z)))).to(ty)
         tl.store(out + r * stride_o + cols, h, mask=ok)
         if ROUND:
@@ -363,16 +368,19 @@ def gates_triton(a, b, a_log, dt_bias, stash=None) -> tuple[torch.Tensor, torch.
     return g, beta
 
 
-def gated_rms_norm_triton(x, gate, weight, eps: float, dtype: torch.dtype, rounded: bool = False
-                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def gated_rms_norm_triton(x, gate, weight, eps: float, dtype: torch.dtype, rounded: bool = False,
+                          head_order: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """kernels.gated_delta.gated_rms_norm on the Triton kernel, as (out, None); rounded: x [T,
     heads, size] with size a power of two from 32, and the second item is out's token rows [T,
-    heads * size] rounded to int8 (triton_dp4a.quantize_rows' packing) by the same launch."""
+    heads * size] rounded to int8 (triton_dp4a.quantize_rows' packing) by the same launch.
+    head_order [heads]: output head j of a token is its head head_order[j] normalised."""
     size = x.shape[-1]
     x2, g2 = x.reshape(-1, size), gate.reshape(-1, size)
     if x2.stride(1) != 1 or g2.stride(1) != 1:
         raise ValueError("gated_rms_norm: x and gate need unit stride per row")
-    heads = x.shape[-2] if rounded else 1
+    heads = x.shape[-2] if rounded or head_order is not None else 1
+    if head_order is not None and (x.dim() != 3 or tuple(head_order.shape) != (heads,)):
+        raise ValueError(f"gated_rms_norm: a head order of {tuple(head_order.shape)} for rows {tuple(x.shape)}")
     if rounded and (x.dim() != 3 or size < 32 or size != next_pow2(size) or heads * size % 256):
         raise ValueError(f"gated_rms_norm: rows of {tuple(x.shape)} cannot be rounded to int8 per token")
     out = torch.empty(x2.shape, dtype=dtype, device=x.device)
@@ -383,6 +391,7 @@ def gated_rms_norm_triton(x, gate, weight, eps: float, dtype: torch.dtype, round
     q = packed if packed is not None else out
     if x2.shape[0]:
         kernel = _kernel()[4]
-        kernel[(x2.shape[0],)](x2, g2, weight, out, q, size, heads, float(eps), x2.stride(0), g2.stride(0),
-                               out.stride(0), q.stride(0), BN=next_pow2(size), ROUND=rounded, **pdl_launch(x.device))
+        kernel[(x2.shape[0],)](x2, g2, weight, out, q, head_order if head_order is not None else x2, size, heads,
+                               float(eps), x2.stride(0), g2.stride(0), out.stride(0), q.stride(0), BN=next_pow2(size),
+                               ROUND=rounded, REORDER=head_order is not None, **pdl_launch(x.device))
     return out.view(x.shape), packed

@@ -48,7 +48,7 @@ from ..kernels.gated_delta import (  # noqa: F401  (the references, re-exported 
     stash_rows,
 )
 from ..kernels.gated_delta_tree import TreeLinks, gated_delta_tree, tree_links
-from ..kernels.linear import linears, takes_int8
+from ..kernels.linear import linears, stored_order_linear, stored_order_takes_int8, takes_int8
 from ..util import host_to_device
 from .cache_spec import RecurrentSpec
 from .transformer import fuse_linears
@@ -131,9 +131,11 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """x [..., size] (rounded to `dtype`, default its own, first), gate like x -> `dtype`."""
-        return gated_rms_norm(x, gate, self.weight, self.eps, dtype or x.dtype)
+    def forward(self, x: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype | None = None,
+                head_order: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., size] (rounded to `dtype`, default its own, first), gate like x -> `dtype`;
+        head_order: see kernels.gated_delta.gated_rms_norm."""
+        return gated_rms_norm(x, gate, self.weight, self.eps, dtype or x.dtype, head_order)
 
 
 class GatedDeltaNet(nn.Module):
@@ -160,11 +162,17 @@ class GatedDeltaNet(nn.Module):
         self.state = None  # RecurrentState of this layer, installed by the runner
         self.projections = None  # qkv | z | b | a as one projection, after fuse()
         self.qkvz = self.ba = None  # or qkv | z and b | a as two, when the four cannot be one (e.g. quantised + float)
+        # after fuse(), where out_proj stores its columns in another head order (GGUF ssm_out): the
+        # source head of each stored one, so the gated norm writes that order (no permuting launch)
+        self.register_buffer("out_heads", None, persistent=False)
 
     def fuse(self) -> None:
         """The four input projections as one GEMV where their weights allow (float of one dtype, or
         quantised of one type), else qkv | z and b | a as two (a GGUF's small b and a are often float
         beside quantised qkv and z): fewer kernels per decode step."""
+        block_order = getattr(self.out_proj, "block_order", None)
+        if block_order is not None and self.out_heads is None:
+            self.out_heads = block_order(self.head_v_dim)
         if self.projections is not None or self.qkvz is not None or self.ba is not None:
             return
         self.projections = fuse_linears([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
@@ -223,6 +231,12 @@ class GatedDeltaNet(nn.Module):
         """out_proj(norm(out) * silu(z)): the gated norm's launch rounds out_proj's int8 rows too."""
         tokens = z.shape[0]
         heads = z.view(tokens, self.num_v_heads, self.head_v_dim)
+        if self.out_heads is not None:  # out_proj's input order, written by the norm
+            if stored_order_takes_int8(z, self.out_proj):
+                o, rows = gated_rms_norm_rounded(out, heads, self.norm.weight, self.norm.eps, dtype, self.out_heads)
+            else:
+                o, rows = self.norm(out, heads, dtype, self.out_heads), None
+            return stored_order_linear(o.reshape(tokens, -1), self.out_proj, rows)
         if takes_int8((self.out_proj,), z):
             o, rows = gated_rms_norm_rounded(out, heads, self.norm.weight, self.norm.eps, dtype)
         else:

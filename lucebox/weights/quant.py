@@ -194,6 +194,17 @@ class PermutedInputQuantLinear(QuantLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x.index_select(-1, self.input_order))
 
+    def block_order(self, block: int) -> torch.Tensor | None:
+        """Where input_order moves whole blocks of `block` features (DeltaNet value heads): the
+        source block of each stored block (long [in_features / block], on the weights' device), so a
+        producer can write its output in the stored order; None otherwise. Reads the order (a sync)."""
+        if self.in_features % block:
+            return None
+        blocks = self.input_order.view(-1, block)
+        first = blocks[:, 0]
+        whole = (first % block == 0).all() and torch.equal(blocks, first[:, None] + torch.arange(block, device=first.device))
+        return (first // block).contiguous() if whole else None
+
 
 class QuantEmbedding(_SplitRows, torch.nn.Module):
     """Token embedding with the table kept quantised: a lookup dequantises only the rows it reads.

@@ -308,8 +308,15 @@ def test_the_gated_norm_rounds_each_tokens_output_row_for_int8_products(monkeypa
     assert torch.equal(out, gated_rms_norm(x, gate, weight, 1e-6, torch.float16))
     assert torch.equal(rows, triton_dp4a.quantize_rows(out.reshape(3, -1)))
     assert gated_rms_norm_rounded(x[..., :48], gate[..., :48], weight[:48], 1e-6, torch.float16)[1] is None
+    # a consumer's stored head order (GGUF ssm_out): head j of the output is head order[j] of the input
+    order = torch.tensor([2, 0, 3, 1], device=DEVICE)
+    moved, moved_rows = gated_rms_norm_rounded(x, gate, weight, 1e-6, torch.float16, order)
+    assert torch.equal(moved, out[:, order]) and torch.equal(moved_rows, triton_dp4a.quantize_rows(moved.reshape(3, -1)))
+    assert torch.equal(gated_rms_norm(x, gate, weight, 1e-6, torch.float16, order), moved)
     monkeypatch.setenv("LUCEBOX_TRITON", "0")
     assert gated_rms_norm_rounded(x, gate, weight, 1e-6, torch.float16)[1] is None
+    reference = gated_rms_norm(x, gate, weight, 1e-6, torch.float16, order)
+    assert (reference.float() - moved.float()).abs().max() <= 2e-3 * reference.float().abs().max()
 
 
 def test_a_gpu_without_fla_core_is_told_what_its_hybrid_prefill_costs(monkeypatch, caplog):
