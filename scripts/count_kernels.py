@@ -35,8 +35,12 @@ NO_KERNEL = {"view", "as_strided", "reshape", "expand", "unsqueeze", "slice", "s
 
 def small(shape: str, layers: int) -> dict:
     """The shape's config with small dimensions and `layers` layers (its per-layer pattern kept)."""
-    cfg = dict(shapes.SHAPES[shape], num_hidden_layers=layers, vocab_size=1024, hidden_size=256,
+    full = shapes.SHAPES[shape]
+    cfg = dict(full, num_hidden_layers=layers, vocab_size=1024, hidden_size=256,
                num_attention_heads=4, num_key_value_heads=2)
+    for key, value in full.items():  # per-layer lists (layer_types, ...): their first `layers` entries
+        if isinstance(value, list) and len(value) == full.get("num_hidden_layers"):
+            cfg[key] = value[:layers]
     if "intermediate_size" in cfg:
         cfg["intermediate_size"] = 512
     if "num_experts" in cfg:
