@@ -14,6 +14,8 @@ gate_up holds each expert's gate rows then its up rows ([E, 2I, H]); down is [E,
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from . import routing
@@ -59,10 +61,22 @@ def route_experts(logits: torch.Tensor, top_k: int, *, softmax: bool, softcap: f
     return triton_moe_route.route(logits, top_k, softmax=softmax, softcap=softcap, bias=bias, norm=norm, dtype=dtype)
 
 
-def add_gated_shared(out: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """out + sigmoid(gate) * value for a gated shared expert's (value [T, H], gate logit [T, 1])."""
-    value, gate = shared
-    return out + torch.sigmoid(gate) * value
+@dataclass(frozen=True)
+class Shared:
+    """A MoE's shared expert, added to the routed experts' sum: out = scale * routed + value, or with a
+    gate logit [T, 1], + sigmoid(gate) * value (value [T, H])."""
+    value: torch.Tensor
+    gate: torch.Tensor | None = None
+    scale: float = 1.0  # the routed experts' scaling factor (routing.routed_scaling_factor)
+
+
+def add_shared(out: torch.Tensor, shared: Shared) -> torch.Tensor:
+    """The routed experts' out combined with the shared expert, in torch (the reference's ops)."""
+    if shared.scale != 1.0:
+        out = out * shared.scale
+    if shared.gate is None:
+        return out + shared.value
+    return out + torch.sigmoid(shared.gate) * shared.value
 
 
 def stacked(w):
@@ -75,12 +89,11 @@ def stacked(w):
 
 def expert_matmul(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up, down,
                   kernel: str | None = None, *, activation: str = "silu",
-                  weights_on_input: bool = False, shared: tuple[torch.Tensor, torch.Tensor] | None = None
-                  ) -> torch.Tensor:
+                  weights_on_input: bool = False, shared: Shared | None = None) -> torch.Tensor:
     """out [T, H] for x [T, H] routed to experts ids [T, k] with weights [T, k], by routing's kernel
     (or `kernel`, decided already; not TORCH). weights_on_input: each expert reads weight * x and
-    the experts' outputs are summed unweighted. shared: a gated shared expert's (value [T, H], gate
-    logit [T, 1]), sigmoid(gate) * value added (by the decode kernels' last launch)."""
+    the experts' outputs are summed unweighted. shared: the shared expert to combine with (by the
+    decode kernels' last launch)."""
     kernel = kernel or expert_kernel(x, ids, gate_up, down, activation)
     from . import triton_moe
     options = {"activation": activation, "weights_on_input": weights_on_input}
@@ -88,5 +101,5 @@ def expert_matmul(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
         return triton_moe.pairs_experts(x, ids, weights, stacked(gate_up), stacked(down), shared=shared, **options)
     if kernel == routing.MOE_GROUPED:
         out = triton_moe.grouped_experts(x, ids, weights, stacked(gate_up), stacked(down), **options)
-        return out if shared is None else add_gated_shared(out, shared)
+        return out if shared is None else add_shared(out, shared)
     raise ValueError(f"expert_matmul runs the Triton kernels, not {kernel!r} (the torch reference is Experts')")

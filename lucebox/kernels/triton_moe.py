@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from .dispatch import next_pow2, num_sms, pdl_launch
-from .moe import add_gated_shared
+from .moe import Shared, add_shared
 from .triton_moe_align import align_by_expert, max_blocks
 from .triton_one_row import reduce_splits
 from .triton_pdl import wait_for_previous_kernel
@@ -309,14 +309,13 @@ def _down_weights(weights: torch.Tensor, weights_on_input: bool) -> torch.Tensor
 def pairs_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: Stack, down: Stack, *,
                   activation: str = "silu", weights_on_input: bool = False, block_n: int | None = None,
                   plane: int = 128, split_k: int | None = None, groups: int | None = None,
-                  num_warps: int | None = None, shared: tuple[torch.Tensor, torch.Tensor] | None = None
-                  ) -> torch.Tensor:
+                  num_warps: int | None = None, shared: Shared | None = None) -> torch.Tensor:
     """out [T, H] of x [T, H] routed to ids / weights [T, k], GEMV-style (decode). activation: a key
     of ACTIVATIONS; weights_on_input: weigh each expert's input, not its output. split_k: the
     gate_up product's K split over programs; groups: the down product's top_k experts split over
     that many programs a token (a divisor of k); default: enough programs to fill the GPU. block_n,
-    num_warps: both products' (default: per weight format). shared: (value [T, H], gate logit [T, 1])
-    of a gated shared expert, + sigmoid(gate) * value added where the groups are summed."""
+    num_warps: both products' (default: per weight format). shared: the shared expert, combined
+    where the groups are summed."""
     inter = _check(x, ids, weights, gate_up, down, activation)
     tokens, top_k = ids.shape
     hidden = x.shape[-1]
@@ -356,9 +355,10 @@ def pairs_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
         act, ids, _down_weights(weights, weights_on_input), down.rows, target, hidden, inter, down.rows.shape[1], down.n_units, tokens * hidden,
         top_k // groups, TOPK=top_k, BLOCK_N=block, num_warps=warps, **_consts(down), **launch)
     if groups > 1:
-        reduce_splits(target, None, out, None if shared is None else (shared[0].contiguous(), shared[1]))
+        reduce_splits(target, None, out, None if shared is None else
+                      Shared(shared.value.contiguous(), shared.gate, shared.scale))
     elif shared is not None:
-        out = add_gated_shared(out, shared)
+        out = add_shared(out, shared)
     return out
 
 

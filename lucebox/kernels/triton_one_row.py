@@ -46,13 +46,13 @@ def store_one_row(res, rn, N, o_ptr, stride_os, b_ptr, HAS_BIAS: tl.constexpr):
 
 
 @triton.jit
-def _sum_splits_kernel(part_ptr, b_ptr, o_ptr, add_ptr, gate_ptr, gate_stride, total, N, SPLITS: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, GATED_ADD: tl.constexpr = False,
-                       PDL: tl.constexpr = False):
-    """out = sum over the SPLITS float32 partials [SPLITS, total] (+ bias per column) (+ GATED_ADD:
-    sigmoid(gate[row]) * add [M, N], a MoE's gated shared expert), cast: one launch where torch needs
-    a reduction, a bias add and a copy (each a few microseconds at decode sizes, for every quantised
-    GEMV)."""
+def _sum_splits_kernel(part_ptr, b_ptr, o_ptr, add_ptr, gate_ptr, gate_stride, scale, total, N,
+                       SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr = False,
+                       GATED: tl.constexpr = False, PDL: tl.constexpr = False):
+    """out = sum over the SPLITS float32 partials [SPLITS, total] (+ bias per column), cast: one
+    launch where torch needs a reduction, a bias add and a copy (each a few microseconds at decode
+    sizes, for every quantised GEMV). ADD (a MoE's shared expert): scale * sum + add [M, N], with
+    GATED each row's add times sigmoid(gate[row])."""
     wait_for_previous_kernel(PDL)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = i < total
@@ -61,24 +61,30 @@ def _sum_splits_kernel(part_ptr, b_ptr, o_ptr, add_ptr, gate_ptr, gate_stride, t
         acc += tl.load(part_ptr + s * total + i, mask=mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + i % N, mask=mask, other=0.0).to(tl.float32)
-    if GATED_ADD:
-        gate = tl.load(gate_ptr + (i // N) * gate_stride, mask=mask, other=0.0).to(tl.float32)
-        acc += tl.load(add_ptr + i, mask=mask, other=0.0).to(tl.float32) / (1.0 + tl.exp(-gate))
+    if ADD:
+        value = tl.load(add_ptr + i, mask=mask, other=0.0).to(tl.float32)
+        if GATED:
+            gate = tl.load(gate_ptr + (i // N) * gate_stride, mask=mask, other=0.0).to(tl.float32)
+            value = value / (1.0 + tl.exp(-gate))
+        acc = acc * scale + value
     tl.store(o_ptr + i, acc.to(o_ptr.dtype.element_ty), mask=mask)
 
 
 # ----------------------------------------------------------------------------- host side
 
 def reduce_splits(partials: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-                  gated_add: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-    """out [M, N] = the float32 split-K partials [splits, M, N] summed (+ bias), cast; gated_add
-    (value [M, N] contiguous, gate [M, 1]): + sigmoid(gate) * value, in float32 before the cast."""
+                  shared=None) -> None:
+    """out [M, N] = the float32 split-K partials [splits, M, N] summed (+ bias), cast; shared (a
+    kernels.moe.Shared, value contiguous): scale * that sum + (sigmoid(gate) *) value, in float32
+    before the cast."""
     total, block = out.numel(), 256
-    value, gate = gated_add if gated_add is not None else (partials, partials)
+    value = shared.value if shared is not None else partials
+    gate = shared.gate if shared is not None and shared.gate is not None else partials
     _sum_splits_kernel[(triton.cdiv(total, block),)](
-        partials, bias if bias is not None else partials, out, value, gate, gate.stride(0), total, out.shape[1],
-        SPLITS=partials.shape[0], HAS_BIAS=bias is not None, BLOCK=block, GATED_ADD=gated_add is not None,
-        **pdl_launch(out.device))
+        partials, bias if bias is not None else partials, out, value, gate, gate.stride(0),
+        float(shared.scale) if shared is not None else 1.0, total, out.shape[1], SPLITS=partials.shape[0],
+        HAS_BIAS=bias is not None, BLOCK=block, ADD=shared is not None,
+        GATED=shared is not None and shared.gate is not None, **pdl_launch(out.device))
 
 
 def one_row_gemv(kernel, x: torch.Tensor, weights: torch.Tensor, in_features: int, unit: int,

@@ -25,7 +25,7 @@ from ..errors import CheckpointError
 from ..kernels import dequant
 from ..kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from ..kernels.linear import linear, linears, norm_rows
-from ..kernels.moe import add_gated_shared, expert_kernel, expert_matmul, route_experts
+from ..kernels.moe import Shared, add_shared, expert_kernel, expert_matmul, route_experts
 from ..kernels.routing import TORCH
 from ..weights.quant import QuantTensor
 from .config import ModelConfig
@@ -51,17 +51,16 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                weights_on_input: bool = False, shared: tuple[torch.Tensor, torch.Tensor] | None = None
-                ) -> torch.Tensor:
+                weights_on_input: bool = False, shared: Shared | None = None) -> torch.Tensor:
         """x [T, H]; ids, weights [T, k]: sum over j of weights[t, j] * expert_{ids[t, j]}(x[t]), or
-        with weights_on_input, of expert_{ids[t, j]}(weights[t, j] * x[t]); shared: a gated shared
-        expert's (value [T, H], gate logit [T, 1]), sigmoid(gate) * value added."""
+        with weights_on_input, of expert_{ids[t, j]}(weights[t, j] * x[t]); shared: a shared expert
+        to combine that sum with (kernels.moe.Shared)."""
         kernel = expert_kernel(x, ids, self.gate_up_proj, self.down_proj, self.activation)
         if kernel != TORCH:
             return expert_matmul(x, ids, weights, self.gate_up_proj, self.down_proj, kernel,
                                  activation=self.activation, weights_on_input=weights_on_input, shared=shared)
         out = self._reference(x, ids, weights, weights_on_input)
-        return out if shared is None else add_gated_shared(out, shared)
+        return out if shared is None else add_shared(out, shared)
 
     def _reference(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                    weights_on_input: bool) -> torch.Tensor:
@@ -163,6 +162,7 @@ class SparseMoE(nn.Module):
             self.experts.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.num_experts), requires_grad=False)
         self.shared_expert = self.shared_expert_gate = None
         self.router = None  # gate | shared_expert_gate as one projection, after fuse()
+        self.shared_fused = False  # after fuse(): the shared expert combined by the routed experts' sum
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = MLP(cfg, cfg.shared_expert_intermediate_size)
             if shared_expert_gated:
@@ -200,46 +200,57 @@ class SparseMoE(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.router is not None:
+        if self._combined():
             return self._fused(x)
         out = self.routed(x)
         if self.shared_expert_gate is not None:
-            out = add_gated_shared(out, (self.shared_expert(x), linear(x, self.shared_expert_gate)))
+            out = add_shared(out, Shared(self.shared_expert(x), linear(x, self.shared_expert_gate)))
         elif self.shared_expert is not None:
             out = out + self.shared_expert(x)
         return out
 
     def fuse(self) -> None:
-        """Fuse the shared expert's projections, and the router with the shared expert's gate (both
-        read x): routed experts and the gated shared expert are then summed in one launch."""
+        """Fuse the shared expert's projections and the router with the shared expert's gate (both
+        read x); the shared expert is then combined by the launch that sums the routed experts."""
         from .transformer import fuse_linears
-        if self.shared_expert is not None:
-            self.shared_expert.fuse()
-        if self.shared_expert_gate is not None and self.routing.routed_scaling_factor == 1.0:
+        if self.shared_expert is None:
+            return
+        self.shared_expert.fuse()
+        if self.shared_expert_gate is not None and self.router is None:
             self.router = fuse_linears([self.gate, self.shared_expert_gate])
+        self.shared_fused = True
+
+    def _combined(self) -> bool:
+        """fuse() has run (and a gated shared expert's gate is in the router: a move unfuses it)."""
+        return self.shared_fused and (self.shared_expert_gate is None or self.router is not None)
 
     def after_norm(self, norm, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(moe(norm(x + residual)), x + residual), as MLP.after_norm; fused, the norm's launch also
         rounds the rows the shared expert's int8 product takes."""
-        if self.router is not None:
+        if self._combined():
             h, residual, rows = norm_rows(x, residual, norm.weight, norm.eps, self._input_projections())
             return self._fused(h, rows), residual
         h, residual = norm(x, residual)
         return self(h), residual
 
     def _input_projections(self) -> tuple:
-        """The fused router, and the shared expert's gate | up where they are one projection."""
+        """The router (fused with a shared expert's gate: its logit the last column), and the shared
+        expert's gate | up where they are one projection."""
+        router = self.router if self.shared_expert_gate is not None else self.gate
         gate_up = self.shared_expert.gate_up
-        return (self.router,) if gate_up is None else (self.router, gate_up)
+        return (router,) if gate_up is None else (router, gate_up)
 
     def _fused(self, x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """forward after fuse(): one product gives the logits and the shared expert's gate logit, and
-        the routed experts' sum adds the gated shared expert. rows: x rounded to int8, if it was."""
+        """forward after fuse(): the router's product (with the shared expert's gate logit, if gated)
+        and the shared expert's, then the experts, whose sum combines the shared expert (the routed
+        scaling factor applied). rows: x rounded to int8, if it was."""
         logits, *gate_up = linears(x, self._input_projections(), rows)
         experts = self.experts.num_experts
         ids, weights = self.choose(logits[:, :experts], x.dtype)
         value = self.shared_expert.down(gate_up[0]) if gate_up else self.shared_expert(x)
-        return self.experts(x, ids, weights, self.routing.weights_on_input, (value, logits[:, experts:]))
+        gate = logits[:, experts:] if self.shared_expert_gate is not None else None
+        shared = Shared(value, gate, self.routing.routed_scaling_factor)
+        return self.experts(x, ids, weights, self.routing.weights_on_input, shared)
 
 
 # ---------------------------------------------------------------------------------------- checkpoints

@@ -239,6 +239,31 @@ def test_quantised_experts_forward_takes_the_kernels_and_reads_only_routed_exper
     assert torch.isfinite(got).all() and rel_err(got, want) <= 1e-5
 
 
+@pytest.mark.parametrize("tokens", [1, 3], ids=["decode", "verify"])
+def test_an_ungated_shared_expert_and_a_routed_scale_combine_in_the_experts_sum(tokens, monkeypatch):
+    """Laguna's MoE (an ungated shared expert, routed_scaling_factor 2.5) after fuse(): the launch that
+    sums the routed experts applies the scale and adds the shared expert; equal to the unfused
+    block, and the scale is not applied to the shared expert."""
+    from lucebox.model.moe import Routing
+    torch.manual_seed(2)
+    block = SparseMoE(block_config(True, 16), Routing(2, True, routed_scaling_factor=2.5), shared_expert_gated=False)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.3)
+    block = block.to(DEVICE)
+    x = torch.randn(tokens, 24, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    monkeypatch.setenv("LUCEBOX_TRITON", "1")
+    with torch.no_grad():
+        want = block(x)
+        routed, shared = block.routed(x), block.shared_expert(x)
+        assert (want - (routed + shared)).abs().max().item() <= 1e-5
+        block.fuse()
+        got = block(x)
+    assert block.shared_fused and block.router is None
+    assert (got - want).abs().max().item() <= 1e-5
+    assert (got - 2.5 * (routed + shared)).abs().max().item() > 1e-2
+
+
 def test_a_fused_moe_layer_rounds_its_input_once_in_the_norm(monkeypatch):
     """After fuse(), a MoE layer behind its norm (after_norm): the router and the shared expert's gate
     one product, the shared expert's Q4_K gate | up on int8 rows the norm's launch rounded (no
