@@ -1,8 +1,8 @@
-"""The gated activation of the MLP, silu(gate) * up, and the sigmoid output gate of gated attention.
+"""The gated activation of the MLP, silu(gate) * up, and the output gates of gated attention.
 
     h = silu_and_mul(gate, up)   # == F.silu(gate) * up
     h, rows = silu_and_mul_rounded(gate, up)   # also h's rows rounded to int8, from the same launch
-    h, rows = sigmoid_gate(gate, x, rounded)   # == sigmoid(gate) * x, gate [T, heads, head_dim]
+    h, rows = output_gate(gate, x, act, rounded)   # == act(gate) * x, gate [T, heads, head_dim]
 
 GPU tensors go to the Triton kernel in kernels/triton_activation.py (one pass, where torch runs
 two kernels and writes silu(gate) in between) through kernels/dispatch.py; CPU tensors, and
@@ -44,16 +44,22 @@ def silu_and_mul_rounded(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Te
     return silu_and_mul_reference(gate, up), None
 
 
-def sigmoid_gate_reference(gate: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return torch.sigmoid(gate.reshape(x.shape)) * x
+# Output gates by name: act(gate) in float32, rounded to the gate's dtype (Qwen 3.5: sigmoid, Laguna: softplus)
+OUTPUT_GATES = {"sigmoid": lambda g: torch.sigmoid(g),
+                "softplus": lambda g: F.softplus(g.float()).to(g.dtype)}
 
 
-def sigmoid_gate(gate: torch.Tensor, x: torch.Tensor, rounded: bool = False
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """gate [T, heads, head_dim] (its heads may stride apart), x [T, heads * head_dim] ->
-    (sigmoid(gate) * x, with `rounded` its rows rounded to int8 from the Triton kernel's same pass;
-    None from the reference, whose products take float rows)."""
-    if use_triton(gate, x) and not needs_grad(gate, x) and gate.dtype == x.dtype and gate.stride(-1) == 1:
+def output_gate_reference(gate: torch.Tensor, x: torch.Tensor, act: str) -> torch.Tensor:
+    return OUTPUT_GATES[act](gate).reshape(x.shape) * x
+
+
+def output_gate(gate: torch.Tensor, x: torch.Tensor, act: str, rounded: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """gate [T, heads, head_dim] (any strides: heads apart, or one value a head expanded), x [T,
+    heads * head_dim], act a key of OUTPUT_GATES -> (act(gate) * x, with `rounded` its rows rounded
+    to int8 from the Triton kernel's same pass; None from the reference, whose products take float
+    rows)."""
+    if use_triton(gate, x) and not needs_grad(gate, x) and gate.dtype == x.dtype:
         from . import triton_activation
-        return triton_activation.sigmoid_gate_triton(gate, x, rounded)
-    return sigmoid_gate_reference(gate, x), None
+        return triton_activation.output_gate_triton(gate, x, act, rounded)
+    return output_gate_reference(gate, x, act), None

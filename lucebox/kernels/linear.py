@@ -5,7 +5,7 @@
     # == tuple(p(rms_norm(x + residual)) for p in projections), x + residual; residual None: (.., x)
     h, stream, rows = norm_rows(x, residual, norm_weight, eps, projections)  # h kept, rows for linears
     y = silu_mul_linear(gate_up, projection)     # == projection(silu(gate) * up), gate_up = [gate | up]
-    y = sigmoid_gate_linear(gate, x, projection)  # == projection(sigmoid(gate) * x), gated attention
+    y = output_gate_linear(gate, x, projection, act)  # == projection(act(gate) * x), gated attention
     ys = linears(x, projections)                 # == tuple(p(x) for p in projections)
 
 A projection is float weights (an nn.Linear exactly, or a FusedProjection), quantised rows (an
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import dequant, routing
-from .activation import sigmoid_gate, silu_and_mul, silu_and_mul_rounded
+from .activation import output_gate, silu_and_mul, silu_and_mul_rounded
 from .dispatch import use_triton
 from .norm import rms_norm, rms_norm_residual, rms_norm_rounded
 from .routing import DEQUANT_MATMUL, GEMV, GEMV_NORM, GEMV_SILU_MUL, INT8, QUANT_GEMV, QUANT_TILES, SPLIT_GEMV
@@ -153,10 +153,11 @@ def silu_mul_linear(gate_up: torch.Tensor, projection) -> torch.Tensor:
     return projection(silu_and_mul(gate, up))
 
 
-def sigmoid_gate_linear(gate: torch.Tensor, x: torch.Tensor, projection) -> torch.Tensor:
-    """projection(sigmoid(gate) * x), gate [T, heads, head_dim], x [T, heads * head_dim]: the gate's
-    launch rounds its output to int8 too where the product takes int8 rows."""
-    h, rows = sigmoid_gate(gate, x, rounded=takes_int8((projection,), x))
+def output_gate_linear(gate: torch.Tensor, x: torch.Tensor, projection, act: str) -> torch.Tensor:
+    """projection(act(gate) * x), gate [T, heads, head_dim], x [T, heads * head_dim], act a key of
+    activation.OUTPUT_GATES: the gate's launch rounds its output to int8 too where the product takes
+    int8 rows."""
+    h, rows = output_gate(gate, x, act, rounded=takes_int8((projection,), x))
     return linear(h, projection) if rows is None else linears(h, (projection,), rows)[0]
 
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from ..kernels.attention import paged_attention
 from ..kernels.forward_batch import ForwardBatch
-from ..kernels.linear import linears, sigmoid_gate_linear
+from ..kernels.linear import linears, output_gate_linear
 from ..kernels.rope import rope_and_write_kv
 from .cache_spec import PagedKVSpec
 from .transformer import RMSNorm
@@ -56,4 +56,4 @@ class GatedAttention(nn.Module):
         qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         q = rope_and_write_kv(q, k, v, cos, sin, self.k_cache, self.v_cache, batch.slot_mapping, qk_norm)
         o = paged_attention(q, self.k_cache, self.v_cache, batch, self.scale)
-        return sigmoid_gate_linear(gate, o.reshape(tokens, -1), self.o_proj)
+        return output_gate_linear(gate, o.reshape(tokens, -1), self.o_proj, "sigmoid")

@@ -17,13 +17,12 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..errors import CheckpointError
 from ..kernels.attention import paged_attention
 from ..kernels.forward_batch import ForwardBatch
-from ..kernels.linear import linear, linears, norm_linear
+from ..kernels.linear import linears, norm_linear, output_gate_linear
 from ..kernels.rope import rope_and_write_kv
 from .cache_spec import PagedKVSpec
 from .config import HF_KEYS
@@ -85,12 +84,9 @@ class LagunaAttention(nn.Module):
         qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         q = rope_and_write_kv(q, k, v, cos, sin, self.k_cache, self.v_cache, batch.slot_mapping, qk_norm)
         o = paged_attention(q, self.k_cache, self.v_cache, batch, self.scale, self.sliding_window)
-        gate = F.softplus(gate.float()).to(o.dtype)
-        if self.gate_per_head:
-            o = o * gate.unsqueeze(-1)
-        else:
-            o = o * gate.reshape(tokens, self.num_heads, self.head_dim)
-        return linear(o.reshape(tokens, -1), self.o_proj)
+        heads = (gate.unsqueeze(-1).expand(tokens, self.num_heads, self.head_dim) if self.gate_per_head
+                 else gate.reshape(tokens, self.num_heads, self.head_dim))
+        return output_gate_linear(heads, o.reshape(tokens, -1), self.o_proj, "softplus")
 
 
 class LagunaDecoderLayer(nn.Module):

@@ -294,26 +294,38 @@ def test_silu_and_mul_matches_the_reference(dtype, layout):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("rounded", [False, True], ids=["float", "rounded"])
-def test_the_sigmoid_gate_reads_heads_beside_their_queries_and_matches_the_reference(dtype, rounded):
-    # Qwen 3.5 gated attention: q_proj yields [query | gate] per head, the gate a strided view
+@pytest.mark.parametrize("act, layout", [("sigmoid", "beside-queries"), ("softplus", "one-a-head"),
+                                         ("softplus", "elementwise")])
+def test_output_gates_read_their_gate_in_place_and_match_the_reference(dtype, rounded, act, layout):
+    """act(gate) * o before o_proj. Qwen 3.5: q_proj yields [query | gate] per head, the sigmoid gate
+    a strided view; Laguna: softplus of one value a head (expanded along head_dim) or of every
+    element. The kernel reads each in place, rounding as the reference (and its rows for int8)."""
     g = torch.Generator().manual_seed(4)
     tokens, heads, head = 3, 4, 64
-    q_and_gate = (4 * torch.randn(tokens, heads, 2 * head, generator=g)).to(DEVICE, dtype)
-    gate = q_and_gate[..., head:]
     x = torch.randn(tokens, heads * head, generator=g).to(DEVICE, dtype)
-    got, rows = triton_activation.sigmoid_gate_triton(gate, x, rounded)
-    want = activation.sigmoid_gate_reference(gate, x)
-    assert torch.equal(want, x * torch.sigmoid(gate.reshape(tokens, -1)))
+    if layout == "beside-queries":
+        q_and_gate = (4 * torch.randn(tokens, heads, 2 * head, generator=g)).to(DEVICE, dtype)
+        gate, other = q_and_gate[..., head:], q_and_gate[..., :head]
+    elif layout == "one-a-head":  # a column slice of a fused projection, one value a head
+        proj = (4 * torch.randn(tokens, heads + 8, generator=g)).to(DEVICE, dtype)
+        gate, other = (t.unsqueeze(-1).expand(tokens, heads, head) for t in (proj[:, 8:], proj[:, :heads]))
+    else:
+        gate = (4 * torch.randn(tokens, heads, head, generator=g)).to(DEVICE, dtype)
+        other = gate.flip(-1)
+    got, rows = triton_activation.output_gate_triton(gate, x, act, rounded)
+    want = activation.output_gate_reference(gate, x, act)
+    if act == "sigmoid":
+        assert torch.equal(want, x * torch.sigmoid(gate.reshape(tokens, -1)))
     assert got.dtype == want.dtype and got.shape == (tokens, heads * head)
     assert rel_err(got, want) <= (1e-6 if dtype == torch.float32 else 1e-2)
-    assert rel_err(got, x * torch.sigmoid(q_and_gate[..., :head].reshape(tokens, -1))) > 0.1  # the gate half
+    assert rel_err(got, activation.output_gate_reference(other, x, act)) > 0.1  # that gate, not another
     if rounded:  # the bytes quantize_rows makes of the output
         from lucebox.kernels import triton_dp4a
         assert torch.equal(rows, triton_dp4a.quantize_rows(got))
     else:
         assert rows is None
     with pytest.raises(ValueError, match="does not gate"):
-        triton_activation.sigmoid_gate_triton(gate, x[:, :head])
+        triton_activation.output_gate_triton(gate, x[:, :head], act)
 
 
 def test_silu_and_mul_dispatch_follows_the_switch(monkeypatch):

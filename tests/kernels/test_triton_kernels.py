@@ -458,20 +458,20 @@ def test_the_attention_output_gate_rounds_the_rows_a_quantised_o_proj_takes(monk
     quantising launch of the product's own), and the result is the unfused computation's."""
     from lucebox.kernels import triton_dp4a as tdp
     from lucebox.kernels import triton_quant_int8 as tqi
-    from lucebox.kernels.activation import sigmoid_gate_reference
-    from lucebox.kernels.linear import sigmoid_gate_linear
+    from lucebox.kernels.activation import output_gate_reference
+    from lucebox.kernels.linear import output_gate_linear
     monkeypatch.setenv("LUCEBOX_TRITON", "1")
     monkeypatch.delenv("LUCEBOX_INT8_ACTIVATIONS", raising=False)
     o_proj = QuantLinear(QuantTensor(quant_rows(Q.Q4_K, 32, 256, seed=66), Q.Q4_K, (32, 256)))
     g = torch.Generator().manual_seed(67)
     gate = torch.randn(1, 4, 128, generator=g).to(DEVICE)[..., 64:]
     o = torch.randn(1, 256, generator=g).to(DEVICE)
-    want = o_proj(sigmoid_gate_reference(gate, o))
+    want = o_proj(output_gate_reference(gate, o, "sigmoid"))
     rounds, real = [], tdp.quantize_rows
     for module in (tdp, tqi):
         monkeypatch.setattr(module, "quantize_rows", lambda x: rounds.append(1) or real(x))
     with torch.no_grad():
-        got = sigmoid_gate_linear(gate, o, o_proj)
+        got = output_gate_linear(gate, o, o_proj, "sigmoid")
     assert not rounds
     assert rel_err(got, want) <= 1e-5
 
