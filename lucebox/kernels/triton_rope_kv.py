@@ -18,6 +18,9 @@ in the same program before it is rotated: no separate norm launches, and no copy
 column slices of a fused qkv projection. Rounding follows kernels/norm.py's arithmetic (the
 rsqrt and the sum order may differ from torch's in the last bit, as in triton_norm).
 
+Given `v_norm_eps` (Gemma 4's RMSNorm without a weight over each head of v), v is normalised in the
+same program before it is stored.
+
 CUDA-graph safe: the grid is the token count, slots are read on the device, nothing syncs.
 A negative slot (a padding token of a captured graph) is skipped rather than written.
 """
@@ -28,6 +31,7 @@ import functools
 import torch
 
 from .dispatch import next_pow2, pdl_launch
+from .norm import unit_rms_norm
 from .triton_norm import rms_norm_triton
 
 
@@ -90,13 +94,13 @@ def _kernel():
         tl.store(dst_at + half, out_hi.to(dst_ty), mask=mask)
 
     @triton.jit
-    def _rope_kv_kernel(q, k, v, cos, sin, slots, q_out, k_dst, v_dst, q_norm_w, k_norm_w, eps,
+    def _rope_kv_kernel(q, k, v, cos, sin, slots, q_out, k_dst, v_dst, q_norm_w, k_norm_w, eps, v_eps,
                         sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, scos_t, ssin_t,
                         sqo_t, sqo_h, skd_t, skd_h, svd_t, svd_h, num_q_heads, num_kv_heads, half, rest,
                         BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
                         BLOCK_REST: tl.constexpr,
                         BLOCK_D: tl.constexpr, K_TO_CACHE: tl.constexpr, V_TO_CACHE: tl.constexpr,
-                        NORM: tl.constexpr, PDL: tl.constexpr = False):
+                        NORM: tl.constexpr, V_NORM: tl.constexpr = False, PDL: tl.constexpr = False):
         wait_for_previous_kernel(PDL)
         t = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, BLOCK_HALF)
@@ -121,6 +125,10 @@ def _kernel():
             dd = tl.arange(0, BLOCK_D)
             mask = (h < num_kv_heads)[:, None] & (dd < 2 * half + rest)[None, :] & (h[:, None] * 0 + slot >= 0)
             x = tl.load(v + t * sv_t + h[:, None] * sv_h + dd[None, :], mask=mask, other=0.0)
+            if V_NORM:  # kernels/norm.unit_rms_norm per head, in float32
+                xf = x.to(tl.float32)
+                inv = tl.rsqrt(tl.sum(xf * xf, axis=1) / (2 * half + rest) + v_eps)[:, None]
+                x = (xf * inv).to(v.dtype.element_ty)
             tl.store(v_dst + slot * svd_t + h[:, None] * svd_h + dd[None, :],
                      x.to(v_dst.dtype.element_ty), mask=mask)
 
@@ -132,7 +140,8 @@ def _unit_last(t: torch.Tensor) -> torch.Tensor:
 
 
 def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      k_cache, v_cache, slot_mapping: torch.Tensor, qk_norm=None) -> torch.Tensor:
+                      k_cache, v_cache, slot_mapping: torch.Tensor, qk_norm=None,
+                      v_norm_eps: float | None = None) -> torch.Tensor:
     """Same contract as kernels/rope.rope_and_write_kv_reference: returns rotated q [T, Hq, D]."""
     tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, rotary = k.shape[1], cos.shape[-1]
@@ -161,16 +170,17 @@ def rope_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
         rest = head_dim - rotary
         warps = min(8, max(1, block_hq * next_pow2(head_dim) // 512))
         _kernel()[(tokens,)](
-            q, k, v, cos, sin, slot_mapping, q_out, k_dst, v_dst, *norm_w, float(eps),
+            q, k, v, cos, sin, slot_mapping, q_out, k_dst, v_dst, *norm_w, float(eps), float(v_norm_eps or 0.0),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
             sin.stride(0), q_out.stride(0), q_out.stride(1), k_dst.stride(0), k_dst.stride(1),
             v_dst.stride(0), v_dst.stride(1), num_q_heads, num_kv_heads, rotary // 2, rest,
             BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half, BLOCK_REST=next_pow2(rest) if rest else 0,
             BLOCK_D=next_pow2(head_dim),
-            K_TO_CACHE=k_to_cache, V_TO_CACHE=v_to_cache, NORM=qk_norm is not None, num_warps=warps,
+            K_TO_CACHE=k_to_cache, V_TO_CACHE=v_to_cache, NORM=qk_norm is not None,
+            V_NORM=v_norm_eps is not None, num_warps=warps,
             enable_fp_fusion=False, **pdl_launch(q.device))
     if not k_to_cache:
         k_cache.write(k_dst, slot_mapping)
-    if not v_to_cache:
-        v_cache.write(v, slot_mapping)
+    if not v_to_cache:  # a quantised V cache quantises the normalised rows itself
+        v_cache.write(v if v_norm_eps is None else unit_rms_norm(v, v_norm_eps), slot_mapping)
     return q_out

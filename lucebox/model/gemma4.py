@@ -23,19 +23,13 @@ from ..kernels.activation import gelu_tanh_and_mul
 from ..kernels.attention import paged_attention
 from ..kernels.dispatch import decided_once
 from ..kernels.forward_batch import ForwardBatch
-from ..kernels.norm import rms_norm
-from ..kernels.rope import apply_rope
+from ..kernels.norm import rms_norm, unit_rms_norm
+from ..kernels.rope import apply_rope, rope_and_write_kv
 from .cache_spec import PagedKVSpec, SharedKVSpec
 from .gemma4_config import FULL, Gemma4Config
 from .moe import Experts
 from .rope import RopeTable
 from .transformer import RMSNorm, Transformer
-
-
-def unit_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm without a weight (Gemma 4's v norm and router norm), in float32 like the others."""
-    h = x.float()
-    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def rope_table(rotary, head_dim: int) -> RopeTable:
@@ -88,15 +82,15 @@ class Gemma4Attention(nn.Module):
         tokens = h.shape[0]
         batch = batch.group(self.shares[0].kv_group if self.shares else self.kv_group)
         q = self.q_proj(h).view(tokens, self.num_heads, self.head_dim)
-        q = apply_rope(rms_norm(q, self.q_norm.weight, self.eps), cos, sin)
-        if self.shares:
+        if self.shares:  # K/V come from the source layer's cache
             k_cache, v_cache = self.shares[0].k_cache, self.shares[0].v_cache
-        else:
+            q = apply_rope(rms_norm(q, self.q_norm.weight, self.eps), cos, sin)
+        else:  # q/k norms, v's unit norm, RoPE and the K/V writes: one launch
             k_cache, v_cache = self.k_cache, self.v_cache
             k = self.k_proj(h).view(tokens, self.num_kv_heads, self.head_dim)
             v = k if self.v_proj is None else self.v_proj(h).view(tokens, self.num_kv_heads, self.head_dim)
-            k_cache.write(apply_rope(rms_norm(k, self.k_norm.weight, self.eps), cos, sin), batch.slot_mapping)
-            v_cache.write(unit_rms_norm(v, self.eps), batch.slot_mapping)
+            qk_norm = (self.q_norm.weight, self.k_norm.weight, self.eps)
+            q = rope_and_write_kv(q, k, v, cos, sin, k_cache, v_cache, batch.slot_mapping, qk_norm, self.eps)
         o = paged_attention(q.contiguous(), k_cache, v_cache, batch, 1.0, self.sliding_window)
         return self.o_proj(o.reshape(tokens, -1))
 

@@ -136,6 +136,31 @@ def test_fused_qk_norm_matches_norm_then_rope_then_cache_write(case):
     assert torch.equal(tri_caches[1].gather(slots, v.dtype), v)
 
 
+@pytest.mark.parametrize("case", ["f32", "bf16-k-is-v", "bf16-q8_0-v"])
+def test_gemma_v_norm_normalises_v_before_its_cache_write(case):
+    """Gemma 4: v is RMS-normalised per head without a weight (its k_eq_v layers pass k's projection
+    as v) in the same launch as the q/k norms, RoPE and the writes; a quantised V cache quantises
+    the normalised rows."""
+    dtype = torch.float32 if case == "f32" else torch.bfloat16
+    kw = {"cache_types": ("auto", "q8_0")} if case == "bf16-q8_0-v" else {}
+    q, k, v, cos, sin, k_cache, v_cache, slots = rope_case(dtype, 4, 2, 64, 3, **kw)
+    if case == "bf16-k-is-v":
+        v = k
+    g = torch.Generator().manual_seed(2)
+    q_w, k_w = ((1 + 0.2 * torch.randn(64, generator=g)).to(DEVICE, dtype) for _ in range(2))
+    ref_caches, tri_caches = copy.deepcopy((k_cache, v_cache)), copy.deepcopy((k_cache, v_cache))
+    want = rope.rope_and_write_kv_reference(q, k, v, cos, sin, *ref_caches, slots, (q_w, k_w, 1e-6), 1e-6)
+    got = triton_rope_kv.rope_and_write_kv(q, k, v, cos, sin, *tri_caches, slots, (q_w, k_w, 1e-6), 1e-6)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert rel_err(got, want) <= tol
+    want_v = norm.unit_rms_norm(v, 1e-6)
+    assert rel_err(want_v, v) > 0.05  # the norm changed the values
+    for ref, tri in zip(ref_caches, tri_caches):
+        assert rel_err(tri.gather(slots, dtype), ref.gather(slots, dtype)) <= tol
+    if case != "bf16-q8_0-v":
+        assert rel_err(tri_caches[1].gather(slots, dtype), want_v) <= tol
+
+
 def test_plain_caches_are_written_in_place_and_quantised_ones_through_their_quantiser():
     q, k, v, cos, sin, k_cache, v_cache, slots = rope_case(torch.float32, 2, 2, 32, 2, ("q8_0", "f32"))
     assert not triton_rope_kv.writes_in_place(k_cache) and triton_rope_kv.writes_in_place(v_cache)
