@@ -1,6 +1,6 @@
 """The gated activation of the MLP, silu(gate) * up, and the output gates of gated attention.
 
-    h = silu_and_mul(gate, up)   # == F.silu(gate) * up
+    h = silu_and_mul(gate, up)   # == F.silu(gate) * up (gelu_tanh_and_mul likewise, Gemma)
     h, rows = silu_and_mul_rounded(gate, up)   # also h's rows rounded to int8, from the same launch
     h, rows = output_gate(gate, x, act, rounded)   # == act(gate) * x, gate [T, heads, head_dim]
 
@@ -21,9 +21,23 @@ def silu_and_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor
     return F.silu(gate) * up
 
 
-def gelu_tanh_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """gelu(gate) (tanh approximation, Gemma's GeGLU) * up; torch on every device."""
+def gelu_tanh_and_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
+
+
+def gelu_tanh_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate) (tanh approximation, Gemma's GeGLU) * up, gate and up as silu_and_mul's."""
+    return gelu_tanh_and_mul_rounded(gate, up, rounded=False)[0]
+
+
+def gelu_tanh_and_mul_rounded(gate: torch.Tensor, up: torch.Tensor, rounded: bool = True
+                              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(gelu_tanh(gate) * up, with `rounded` its rows rounded to int8 from the Triton kernel's same
+    pass; None from the reference)."""
+    if use_triton(gate, up) and not needs_grad(gate, up) and gate.dtype == up.dtype:
+        from . import triton_activation
+        return triton_activation.gated_act_triton(gate, up, "gelu_tanh", rounded)
+    return gelu_tanh_and_mul_reference(gate, up), None
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@
     # == tuple(p(rms_norm(x + residual)) for p in projections), x + residual; residual None: (.., x)
     h, stream, rows = norm_rows(x, residual, norm_weight, eps, projections)  # h kept, rows for linears
     y = silu_mul_linear(gate_up, projection)     # == projection(silu(gate) * up), gate_up = [gate | up]
+    y = gelu_mul_linear(gate, up, projection)    # == projection(gelu_tanh(gate) * up) (Gemma)
     y = output_gate_linear(gate, x, projection, act)  # == projection(act(gate) * x), gated attention
     ys = linears(x, projections)                 # == tuple(p(x) for p in projections)
 
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import dequant, routing
-from .activation import output_gate, silu_and_mul, silu_and_mul_rounded
+from .activation import gelu_tanh_and_mul_rounded, output_gate, silu_and_mul, silu_and_mul_rounded
 from .dispatch import use_triton
 from .norm import rms_norm, rms_norm_residual, rms_norm_rounded
 from .routing import DEQUANT_MATMUL, GEMV, GEMV_NORM, GEMV_SILU_MUL, INT8, QUANT_GEMV, QUANT_TILES, SPLIT_GEMV
@@ -151,6 +152,13 @@ def silu_mul_linear(gate_up: torch.Tensor, projection) -> torch.Tensor:
         h, rows = silu_and_mul_rounded(gate, up)
         return linears(h, (projection,), rows)[0]
     return projection(silu_and_mul(gate, up))
+
+
+def gelu_mul_linear(gate: torch.Tensor, up: torch.Tensor, projection) -> torch.Tensor:
+    """projection(gelu_tanh(gate) * up) (Gemma's GeGLU); the activation's launch rounds its output to
+    int8 too where the product takes int8 rows."""
+    h, rows = gelu_tanh_and_mul_rounded(gate, up, rounded=takes_int8((projection,), gate))
+    return linear(h, projection) if rows is None else linears(h, (projection,), rows)[0]
 
 
 def output_gate_linear(gate: torch.Tensor, x: torch.Tensor, projection, act: str) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Triton silu(gate) * up, and the output gates act(gate) * x of gated attention (sigmoid: Qwen 3.5,
+"""Triton silu(gate) * up and gelu_tanh(gate) * up, and the output gates act(gate) * x of gated attention (sigmoid: Qwen 3.5,
 softplus: Laguna) (reference and dispatch: kernels/activation.py).
 
 One pass over the row: gate and up are read once, the activation stays in registers. Rounding
@@ -18,7 +18,8 @@ import torch
 
 from .dispatch import next_pow2, pdl_launch
 
-SILU, SIGMOID, SOFTPLUS = 0, 1, 2
+SILU, SIGMOID, SOFTPLUS, GELU_TANH = 0, 1, 2, 3
+GATED_ACTS = {"silu": SILU, "gelu_tanh": GELU_TANH}
 OUTPUT_GATES = {"sigmoid": SIGMOID, "softplus": SOFTPLUS}
 BLOCK = 1024
 
@@ -50,8 +51,11 @@ def _kernel():
             s = (g / (1.0 + tl.exp(-g))).to(ty).to(tl.float32)
         elif ACT == 1:  # SIGMOID
             s = (1.0 / (1.0 + tl.exp(-g))).to(ty).to(tl.float32)
-        else:  # SOFTPLUS (torch's threshold 20)
+        elif ACT == 2:  # SOFTPLUS (torch's threshold 20)
             s = tl.where(g > 20.0, g, tl.log(1.0 + tl.exp(tl.minimum(g, 20.0)))).to(ty).to(tl.float32)
+        else:  # GELU_TANH: 0.5 g (1 + tanh(y)) == g * sigmoid(2 y), y = sqrt(2 / pi) (g + 0.044715 g^3)
+            z = 1.5957691216057308 * (g + 0.044715 * g * g * g)
+            s = (g / (1.0 + tl.exp(-z))).to(ty).to(tl.float32)
         h = (s * u).to(ty)
         tl.store(out + row * stride_o + cols, h, mask=ok)
         if ROUND:  # the output rounded to int8 too, for products on int8 activations
@@ -68,20 +72,22 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def silu_and_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return _silu_launch(gate, up, rounded=False)[0]
+    return gated_act_triton(gate, up, "silu")[0]
 
 
 def silu_and_mul_rounded_triton(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(silu(gate) * up, its rows rounded to int8 as triton_dp4a.quantize_rows packs them) in one launch."""
-    return _silu_launch(gate, up, rounded=True)
+    return gated_act_triton(gate, up, "silu", rounded=True)
 
 
-def _silu_launch(gate: torch.Tensor, up: torch.Tensor, rounded: bool):
+def gated_act_triton(gate: torch.Tensor, up: torch.Tensor, act: str, rounded: bool = False):
+    """(act(gate) * up for act a key of GATED_ACTS, with `rounded` its rows rounded to int8 as
+    triton_dp4a.quantize_rows packs them, else None) in one launch."""
     if gate.shape != up.shape or gate.dtype != up.dtype:
-        raise ValueError(f"silu_and_mul: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} "
+        raise ValueError(f"{act} and mul: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} "
                          f"{up.dtype} differ")
     g2 = _rows(gate)
-    out, packed = _launch(g2, g2.stride(0), g2.shape[-1], 0, 1, _rows(up), SILU, rounded)
+    out, packed = _launch(g2, g2.stride(0), g2.shape[-1], 0, 1, _rows(up), GATED_ACTS[act], rounded)
     return out.reshape(gate.shape), packed
 
 

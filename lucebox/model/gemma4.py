@@ -23,13 +23,14 @@ from ..kernels.activation import gelu_tanh_and_mul
 from ..kernels.attention import paged_attention
 from ..kernels.dispatch import decided_once
 from ..kernels.forward_batch import ForwardBatch
+from ..kernels.linear import gelu_mul_linear, linears, norm_rows
 from ..kernels.norm import rms_norm, unit_rms_norm
 from ..kernels.rope import apply_rope, rope_and_write_kv
 from .cache_spec import PagedKVSpec, SharedKVSpec
 from .gemma4_config import FULL, Gemma4Config
 from .moe import Experts
 from .rope import RopeTable
-from .transformer import RMSNorm, Transformer
+from .transformer import RMSNorm, Transformer, fuse_linears
 
 
 def rope_table(rotary, head_dim: int) -> RopeTable:
@@ -103,9 +104,19 @@ class GeGLU(nn.Module):
         self.gate_proj = nn.Linear(hidden, width, bias=False)
         self.up_proj = nn.Linear(hidden, width, bias=False)
         self.down_proj = nn.Linear(width, hidden, bias=False)
+        self.gate_up = None  # gate and up as one projection, after fuse()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gelu_tanh_and_mul(self.gate_proj(x), self.up_proj(x)))
+    def fuse(self) -> None:
+        self.gate_up = self.gate_up or fuse_linears([self.gate_proj, self.up_proj])
+
+    def input_projections(self) -> tuple:
+        return (self.gate_up,) if self.gate_up is not None else (self.gate_proj, self.up_proj)
+
+    def forward(self, x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """rows: x rounded to int8 by its norm, if it was (norm_rows)."""
+        outs = linears(x, self.input_projections(), rows)
+        gate, up = outs[0].chunk(2, dim=-1) if len(outs) == 1 else outs
+        return gelu_mul_linear(gate, up, self.down_proj)
 
 
 class Gemma4Router(nn.Module):
@@ -152,7 +163,9 @@ class Gemma4DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, per_layer_input: torch.Tensor | None, cos, sin, batch) -> torch.Tensor:
         """The residual stream after this layer."""
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, batch))
-        h = self.mlp(self.pre_feedforward_layernorm(x))
+        norm = self.pre_feedforward_layernorm  # its launch rounds the rows the MLP's int8 products take
+        h, _, rows = norm_rows(x, None, norm.weight, norm.eps, self.mlp.input_projections())
+        h = self.mlp(h, rows)
         if self.moe:
             h = self.post_feedforward_layernorm_1(h) + self.routed(x)
         x = x + self.post_feedforward_layernorm(h)
@@ -193,7 +206,9 @@ class Gemma4Model(Transformer):
         return [layer.self_attn.cache_spec(self.dtype, cache_type_k, cache_type_v, rotate_k) for layer in self.layers]
 
     def fuse_projections(self) -> None:
-        """Nothing fused yet: the GeGLU MLP and the normalised q/k/v keep their own products."""
+        """The GeGLU MLP's gate and up as one product (q/k/v keep their own)."""
+        for layer in self.layers:
+            layer.mlp.fuse()
 
     def per_layer_inputs(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
         """[T, layers, per-layer size]: each token's per-layer embedding mixed with a projection of x."""

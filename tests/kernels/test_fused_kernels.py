@@ -353,6 +353,21 @@ def test_output_gates_read_their_gate_in_place_and_match_the_reference(dtype, ro
         triton_activation.output_gate_triton(gate, x[:, :head], act)
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # -> inf, as on GPUs
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gelu_tanh_and_mul_matches_the_reference_and_rounds_its_rows(dtype):
+    """Gemma's GeGLU activation on the same kernel: gelu (tanh approximation) as torch computes it,
+    and its rows rounded to int8 as quantize_rows does."""
+    from lucebox.kernels import triton_dp4a
+    g = torch.Generator().manual_seed(6)
+    gate, up = (3 * torch.randn(2, 2, 768, generator=g)).to(DEVICE, dtype).unbind(0)  # 768: two column blocks
+    got, rows = triton_activation.gated_act_triton(gate, up, "gelu_tanh", rounded=True)
+    want = activation.gelu_tanh_and_mul_reference(gate, up)
+    assert got.dtype == want.dtype and rel_err(got, want) <= (1e-6 if dtype == torch.float32 else 1e-2)
+    assert rel_err(got, torch.nn.functional.silu(gate) * up) > 0.01  # not silu
+    assert torch.equal(rows, triton_dp4a.quantize_rows(got))
+
+
 def test_silu_and_mul_dispatch_follows_the_switch(monkeypatch):
     gate, up = torch.randn(2, 64).to(DEVICE), torch.randn(2, 64).to(DEVICE)
     calls = []
