@@ -51,14 +51,17 @@ def expert_kernel(x: torch.Tensor, ids: torch.Tensor, gate_up, down, activation:
 
 
 def route_experts(logits: torch.Tensor, top_k: int, *, softmax: bool, softcap: float, bias: torch.Tensor | None,
-                  norm: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+                  norm: bool, dtype: torch.dtype, expert_scale: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A router's (expert ids [T, k], weights [T, k] in dtype) of its logits [T, E] in one Triton kernel
-    (triton_moe_route) where Triton runs on them; None: the caller's torch reference (Routing.choose)."""
-    if not (logits.dim() == 2 and logits.dtype in routing.ACTIVATION_DTYPES and use_triton(logits, bias)
+    (triton_moe_route) where Triton runs on them; None: the caller's torch reference (Routing.choose,
+    Gemma4Router). expert_scale [E]: each chosen weight times its expert's entry, last (Gemma 4)."""
+    if not (logits.dim() == 2 and logits.dtype in routing.ACTIVATION_DTYPES and use_triton(logits, bias, expert_scale)
             and not needs_grad(logits)):
         return None
     from . import triton_moe_route
-    return triton_moe_route.route(logits, top_k, softmax=softmax, softcap=softcap, bias=bias, norm=norm, dtype=dtype)
+    return triton_moe_route.route(logits, top_k, softmax=softmax, softcap=softcap, bias=bias, norm=norm, dtype=dtype,
+                                  expert_scale=expert_scale)
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ reference; kernels/moe.route_experts dispatches.
 One program a token: logits [E] (any float dtype) in float32, soft-capped (softcap * tanh(x /
 softcap)) where set, scored by softmax or sigmoid, the top k chosen by score (+ the selection bias,
 where set) one after another (the highest first; ties to the lowest id), weighed by score,
-renormalised to sum 1 where set, stored in the caller's dtype.
+renormalised to sum 1 where set, times a per-expert scale where given (Gemma 4), stored in the
+caller's dtype.
 """
 from __future__ import annotations
 
@@ -19,9 +20,10 @@ from .triton_pdl import wait_for_previous_kernel
 
 
 @triton.jit
-def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, E, stride_l, softcap,
+def _route_kernel(logits_ptr, bias_ptr, scale_ptr, ids_ptr, w_ptr, E, stride_l, softcap,
                   BLOCK_E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, SOFTMAX: tl.constexpr,
-                  SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr = False):
+                  SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, SCALE: tl.constexpr = False,
+                  PDL: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
@@ -50,14 +52,17 @@ def _route_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, E, stride_l, softcap,
         key = tl.where(e == at, float("-inf"), key)
     if NORM:
         weights = weights / tl.sum(weights, axis=0)
+    if SCALE:
+        weights = weights * tl.load(scale_ptr + ids, mask=k < TOP_K, other=0.0).to(tl.float32)
     tl.store(ids_ptr + t * TOP_K + k, ids, mask=k < TOP_K)
     tl.store(w_ptr + t * TOP_K + k, weights.to(w_ptr.dtype.element_ty), mask=k < TOP_K)
 
 
 def route(logits: torch.Tensor, top_k: int, *, softmax: bool = True, softcap: float = 0.0,
-          bias: torch.Tensor | None = None, norm: bool = True, dtype: torch.dtype = torch.float32
-          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(expert ids [T, k] int64, weights [T, k] in `dtype`) of router logits [T, E] (see the module)."""
+          bias: torch.Tensor | None = None, norm: bool = True, dtype: torch.dtype = torch.float32,
+          expert_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(expert ids [T, k] int64, weights [T, k] in `dtype`) of router logits [T, E] (see the module);
+    expert_scale [E]: each chosen weight times its expert's entry, last."""
     tokens, experts = logits.shape
     if not 0 < top_k <= experts:
         raise ValueError(f"top-{top_k} of {experts} experts")
@@ -67,8 +72,9 @@ def route(logits: torch.Tensor, top_k: int, *, softmax: bool = True, softcap: fl
     weights = torch.empty(tokens, top_k, dtype=dtype, device=logits.device)
     if tokens:
         _route_kernel[(tokens,)](
-            logits, bias if bias is not None else logits, ids, weights, experts, logits.stride(0), float(softcap),
-            BLOCK_E=max(16, next_pow2(experts)), TOP_K=top_k, BLOCK_K=max(2, next_pow2(top_k)), SOFTMAX=softmax,
-            SOFTCAP=softcap > 0, HAS_BIAS=bias is not None, NORM=norm, num_warps=4 if experts > 128 else 1,
+            logits, bias if bias is not None else logits, expert_scale if expert_scale is not None else logits, ids,
+            weights, experts, logits.stride(0), float(softcap), BLOCK_E=max(16, next_pow2(experts)), TOP_K=top_k,
+            BLOCK_K=max(2, next_pow2(top_k)), SOFTMAX=softmax, SOFTCAP=softcap > 0, HAS_BIAS=bias is not None,
+            NORM=norm, SCALE=expert_scale is not None, num_warps=4 if experts > 128 else 1,
             **pdl_launch(logits.device))
     return ids, weights

@@ -24,6 +24,7 @@ from ..kernels.attention import paged_attention
 from ..kernels.dispatch import decided_once
 from ..kernels.forward_batch import ForwardBatch
 from ..kernels.linear import gelu_mul_linear, linears, norm_rows
+from ..kernels.moe import route_experts
 from ..kernels.norm import rms_norm, unit_rms_norm
 from ..kernels.rope import apply_rope, rope_and_write_kv
 from .cache_spec import PagedKVSpec, SharedKVSpec
@@ -126,11 +127,24 @@ class Gemma4Router(nn.Module):
         self.proj = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.scale = nn.Parameter(torch.ones(cfg.hidden_size))
         self.per_expert_scale = nn.Parameter(torch.ones(cfg.num_experts))
+        self.register_buffer("norm_weight", None, persistent=False)  # scale * root, after fuse()
+
+    def fuse(self) -> None:
+        """The norm's weight and the 1 / sqrt(hidden) factor as one (an RMSNorm launch), rounded once."""
+        self.norm_weight = (self.scale.detach().float() * self.root).to(self.scale.dtype)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(expert ids [T, k], their weights [T, k] in x's dtype)."""
-        h = unit_rms_norm(x, self.eps) * self.scale * self.root
-        probs = torch.softmax(self.proj(h).float(), dim=-1)
+        """(expert ids [T, k], their weights [T, k] in x's dtype): after fuse(), a norm launch, the
+        product and the router kernel (softmax top-k renormalised, times the per-expert scale)."""
+        if self.norm_weight is not None:
+            logits = self.proj(rms_norm(x, self.norm_weight.to(x.dtype), self.eps))
+            chosen = route_experts(logits, self.top_k, softmax=True, softcap=0.0, bias=None, norm=True,
+                                   dtype=x.dtype, expert_scale=self.per_expert_scale)
+            if chosen is not None:
+                return chosen
+        else:
+            logits = self.proj(unit_rms_norm(x, self.eps) * self.scale * self.root)
+        probs = torch.softmax(logits.float(), dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True) * self.per_expert_scale[ids].float()
         return ids, weights.to(x.dtype)
@@ -206,9 +220,11 @@ class Gemma4Model(Transformer):
         return [layer.self_attn.cache_spec(self.dtype, cache_type_k, cache_type_v, rotate_k) for layer in self.layers]
 
     def fuse_projections(self) -> None:
-        """The GeGLU MLP's gate and up as one product (q/k/v keep their own)."""
+        """The GeGLU MLP's gate and up as one product (q/k/v keep their own); the routers' norm weights."""
         for layer in self.layers:
             layer.mlp.fuse()
+            if layer.moe:
+                layer.router.fuse()
 
     def per_layer_inputs(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
         """[T, layers, per-layer size]: each token's per-layer embedding mixed with a projection of x."""

@@ -375,6 +375,42 @@ def test_the_router_kernel_chooses_what_routing_choose_does(experts, top_k, scor
         triton_moe_route.route(logits[:, :2], 3)
 
 
+def test_the_router_kernel_scales_each_chosen_weight_by_its_expert():
+    """Gemma 4's router: softmax top-k renormalised, then times the chosen experts' per-expert scale."""
+    from lucebox.kernels import triton_moe_route
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(5, 12, generator=g).to(DEVICE)
+    scale = (torch.rand(12, generator=g) + 0.5).to(DEVICE)
+    ids, weights = triton_moe_route.route(logits, 3, expert_scale=scale)
+    probs = torch.softmax(logits, dim=-1)
+    want_w, want_ids = torch.topk(probs, 3, dim=-1)
+    want_w = want_w / want_w.sum(dim=-1, keepdim=True) * scale[want_ids]
+    assert torch.equal(ids, want_ids) and torch.allclose(weights, want_w, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(triton_moe_route.route(logits, 3)[1], want_w, rtol=1e-3)  # the scale is applied
+
+
+def test_a_fused_gemma_router_chooses_as_the_unfused_one(monkeypatch):
+    """Gemma4Router after fuse(): one norm launch (weight scale / sqrt(hidden)), the product and the
+    router kernel, against its torch expression."""
+    from types import SimpleNamespace
+
+    from lucebox.model.gemma4 import Gemma4Router
+    cfg = SimpleNamespace(num_experts_per_tok=2, rms_norm_eps=1e-6, hidden_size=32, num_experts=8)
+    torch.manual_seed(3)
+    router = Gemma4Router(cfg)
+    with torch.no_grad():
+        for p in router.parameters():
+            p.normal_(1.0, 0.3)
+    router = router.to(DEVICE)
+    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    monkeypatch.setenv("LUCEBOX_TRITON", "1")
+    with torch.no_grad():
+        want_ids, want_w = router(x)
+        router.fuse()
+        ids, weights = router(x)
+    assert torch.equal(ids, want_ids) and torch.allclose(weights, want_w, rtol=1e-5, atol=1e-6)
+
+
 def test_a_moe_block_routes_with_one_kernel_where_triton_runs(monkeypatch):
     """SparseMoE.route takes the router kernel under Triton (LUCEBOX_TRITON=1) and agrees with its
     torch reference; without Triton it keeps the reference."""
