@@ -80,17 +80,26 @@ class Gemma4Attention(nn.Module):
         return PagedKVSpec.of(self.num_kv_heads, self.head_dim, model_dtype, cache_type_k, cache_type_v,
                               self.sliding_window, rotate_k)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def input_projections(self) -> tuple:
+        """q, and (a layer with its own K/V) k and v (none where v is k: k_eq_v)."""
+        if self.shares:
+            return (self.q_proj,)
+        return (self.q_proj, self.k_proj) + ((self.v_proj,) if self.v_proj is not None else ())
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """rows: h rounded to int8 by the norm, if it was (norm_rows): the products share it."""
         tokens = h.shape[0]
         batch = batch.group(self.shares[0].kv_group if self.shares else self.kv_group)
-        q = self.q_proj(h).view(tokens, self.num_heads, self.head_dim)
+        q, *kv = linears(h, self.input_projections(), rows)
+        q = q.view(tokens, self.num_heads, self.head_dim)
         if self.shares:  # K/V come from the source layer's cache
             k_cache, v_cache = self.shares[0].k_cache, self.shares[0].v_cache
             q = apply_rope(rms_norm(q, self.q_norm.weight, self.eps), cos, sin)
         else:  # q/k norms, v's unit norm, RoPE and the K/V writes: one launch
             k_cache, v_cache = self.k_cache, self.v_cache
-            k = self.k_proj(h).view(tokens, self.num_kv_heads, self.head_dim)
-            v = k if self.v_proj is None else self.v_proj(h).view(tokens, self.num_kv_heads, self.head_dim)
+            k = kv[0].view(tokens, self.num_kv_heads, self.head_dim)
+            v = k if self.v_proj is None else kv[1].view(tokens, self.num_kv_heads, self.head_dim)
             qk_norm = (self.q_norm.weight, self.k_norm.weight, self.eps)
             q = rope_and_write_kv(q, k, v, cos, sin, k_cache, v_cache, batch.slot_mapping, qk_norm, self.eps)
         o = paged_attention(q.contiguous(), k_cache, v_cache, batch, 1.0, self.sliding_window)
@@ -176,7 +185,9 @@ class Gemma4DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, per_layer_input: torch.Tensor | None, cos, sin, batch) -> torch.Tensor:
         """The residual stream after this layer."""
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, batch))
+        norm = self.input_layernorm  # its launch rounds the rows q / k / v take, where they take int8
+        h, _, rows = norm_rows(x, None, norm.weight, norm.eps, self.self_attn.input_projections())
+        x = x + self.post_attention_layernorm(self.self_attn(h, cos, sin, batch, rows))
         norm = self.pre_feedforward_layernorm  # its launch rounds the rows the MLP's int8 products take
         h, _, rows = norm_rows(x, None, norm.weight, norm.eps, self.mlp.input_projections())
         h = self.mlp(h, rows)
