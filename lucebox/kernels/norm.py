@@ -5,6 +5,7 @@
     # == (rms_norm(x + residual, weight, eps), x + residual)
     h, residual, rows = rms_norm_rounded(x, residual_or_None, weight, eps)
     # also h's rows rounded to int8 (triton_dp4a.quantize_rows' bytes), from the same launch
+    stream = rms_norm_add(y, weight, eps, stream)   # == stream + rms_norm(y, ...) (Gemma's post-norms)
 
 The references compute in float32 like HF's, cast back to the input dtype, then scale. GPU tensors
 go to the Triton kernels in kernels/triton_norm.py (one pass over the row instead of three) through
@@ -46,6 +47,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         from . import triton_norm
         return triton_norm.rms_norm_triton(x, weight, eps)
     return rms_norm_reference(x, weight, eps)
+
+
+def rms_norm_add(x: torch.Tensor, weight: torch.Tensor, eps: float, addend: torch.Tensor) -> torch.Tensor:
+    """addend + rms_norm(x): a post-norm added to the residual stream (Gemma's sandwich norms)."""
+    if use_triton(x, weight, addend) and not needs_grad(x, weight, addend):
+        from . import triton_norm
+        return triton_norm.rms_norm_add_triton(x, weight, eps, addend)
+    return addend + rms_norm_reference(x, weight, eps)
 
 
 def rms_norm_residual(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,

@@ -16,7 +16,7 @@ from .dispatch import next_pow2, pdl_launch
 from .norm import rms_norm, rms_norm_reference, rms_norm_residual, rms_norm_residual_reference
 
 __all__ = ["rms_norm", "rms_norm_residual", "rms_norm_reference", "rms_norm_residual_reference",
-           "rms_norm_triton", "rms_norm_residual_triton", "rms_norm_rounded_triton"]
+           "rms_norm_triton", "rms_norm_residual_triton", "rms_norm_rounded_triton", "rms_norm_add_triton"]
 
 
 @functools.cache
@@ -34,7 +34,7 @@ def _kernel():
     def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, o_ptr, s_ptr, q_ptr, n_rows, n_cols,
                          stride_x, stride_r, stride_o, stride_s, stride_q, eps,
                          BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HAS_RES: tl.constexpr,
-                         ROUND: tl.constexpr = False, PDL: tl.constexpr = False):
+                         ROUND: tl.constexpr = False, ADD_AFTER: tl.constexpr = False, PDL: tl.constexpr = False):
         wait_for_previous_kernel(PDL)
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK_N)
@@ -55,6 +55,9 @@ def _kernel():
         y = (h * inv[:, None]).to(row_ty).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)
         out = (w[None, :] * y).to(o_ptr.dtype.element_ty)
+        if ADD_AFTER:  # r + the normalised row (Gemma's post-norms), rounded as torch's add
+            r = tl.load(r_ptr + rows * stride_r + cols[None, :], mask=mask, other=0.0)
+            out = (out.to(tl.float32) + r.to(tl.float32)).to(o_ptr.dtype.element_ty)
         tl.store(o_ptr + rows * stride_o + cols[None, :], out, mask=mask)
         if ROUND:  # the output row rounded to int8 too (ROWS == 1), for products on int8 activations
             b = tl.arange(0, BLOCK_N // 32)
@@ -70,12 +73,15 @@ def _rows(t: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-            rounded: bool = False):
+            rounded: bool = False, addend: torch.Tensor | None = None):
     n = x.shape[-1]
     x2 = _rows(x, n)
     rows = x2.shape[0]
     row_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
-    out = torch.empty(rows, n, dtype=torch.promote_types(weight.dtype, row_dtype), device=x.device)
+    out_dtype = torch.promote_types(weight.dtype, row_dtype)
+    if addend is not None:
+        out_dtype = torch.promote_types(out_dtype, addend.dtype)
+    out = torch.empty(rows, n, dtype=out_dtype, device=x.device)
     total = torch.empty(rows, n, dtype=row_dtype, device=x.device) if residual is not None else None
     packed = None
     if rounded:
@@ -83,7 +89,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
             raise ValueError(f"rms_norm: rows rounded to int8 need a multiple of 256 values, got {n}")
         from .triton_dp4a import rounded_rows_like
         packed = rounded_rows_like(out)
-    r2 = _rows(residual, n) if residual is not None else x2
+    r2 = _rows(residual, n) if residual is not None else _rows(addend, n) if addend is not None else x2
     if rows:
         block_n = next_pow2(n)
         per_prog = 1 if rounded else min(next_pow2(rows), max(1, 4096 // block_n))  # small rows (q/k norm): batch them
@@ -93,13 +99,20 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         _kernel()[(-(-rows // per_prog),)](
             x2, r2, weight, out, s, q, rows, n, x2.stride(0), r2.stride(0), out.stride(0), s.stride(0),
             q.stride(0), float(eps), BLOCK_N=block_n, ROWS=per_prog, HAS_RES=residual is not None, ROUND=rounded,
-            num_warps=warps, **pdl_launch(out.device))
+            ADD_AFTER=addend is not None, num_warps=warps, **pdl_launch(out.device))
     shape = x.shape[:-1] + (n,)
     return out.reshape(shape), (total.reshape(shape) if total is not None else None), packed
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _launch(x, None, weight, eps)[0]
+
+
+def rms_norm_add_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, addend: torch.Tensor) -> torch.Tensor:
+    """addend + rms_norm(x) in one launch (kernels/norm.rms_norm_add)."""
+    if addend.shape != x.shape:
+        raise ValueError(f"rms_norm_add: x {tuple(x.shape)} and addend {tuple(addend.shape)} differ")
+    return _launch(x, None, weight, eps, addend=addend)[0]
 
 
 def rms_norm_residual_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,

@@ -25,7 +25,7 @@ from ..kernels.dispatch import decided_once
 from ..kernels.forward_batch import ForwardBatch
 from ..kernels.linear import gelu_mul_linear, linears, norm_rows
 from ..kernels.moe import route_experts
-from ..kernels.norm import rms_norm, unit_rms_norm
+from ..kernels.norm import rms_norm, rms_norm_add, unit_rms_norm
 from ..kernels.rope import apply_rope, rope_and_write_kv
 from .cache_spec import PagedKVSpec, SharedKVSpec
 from .gemma4_config import FULL, Gemma4Config
@@ -187,21 +187,31 @@ class Gemma4DecoderLayer(nn.Module):
         """The residual stream after this layer."""
         norm = self.input_layernorm  # its launch rounds the rows q / k / v take, where they take int8
         h, _, rows = norm_rows(x, None, norm.weight, norm.eps, self.self_attn.input_projections())
-        x = x + self.post_attention_layernorm(self.self_attn(h, cos, sin, batch, rows))
+        x = _add_norm(self.post_attention_layernorm, self.self_attn(h, cos, sin, batch, rows), x)
         norm = self.pre_feedforward_layernorm  # its launch rounds the rows the MLP's int8 products take
         h, _, rows = norm_rows(x, None, norm.weight, norm.eps, self.mlp.input_projections())
         h = self.mlp(h, rows)
         if self.moe:
-            h = self.post_feedforward_layernorm_1(h) + self.routed(x)
-        x = x + self.post_feedforward_layernorm(h)
+            h = _add_norm(self.post_feedforward_layernorm_2, self.experts_out(x), self.post_feedforward_layernorm_1(h))
+        x = _add_norm(self.post_feedforward_layernorm, h, x)
         if self.per_layer:
             h = gelu_tanh_and_mul(self.per_layer_input_gate(x), per_layer_input)
             x = x + self.post_per_layer_input_norm(self.per_layer_projection(h))
         return x * self.layer_scalar
 
+    def experts_out(self, x: torch.Tensor) -> torch.Tensor:
+        """The MoE block's experts for the pre-FFN stream x, before their post-norm (experts:
+        kernels/moe.py on GPUs)."""
+        return self.experts(self.pre_feedforward_layernorm_2(x), *self.router(x))
+
     def routed(self, x: torch.Tensor) -> torch.Tensor:
-        """The MoE block's part of the FFN output for the pre-FFN stream x (experts: kernels/moe.py on GPUs)."""
-        return self.post_feedforward_layernorm_2(self.experts(self.pre_feedforward_layernorm_2(x), *self.router(x)))
+        """The MoE block's part of the FFN output for the pre-FFN stream x."""
+        return self.post_feedforward_layernorm_2(self.experts_out(x))
+
+
+def _add_norm(norm: RMSNorm, y: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
+    """stream + norm(y) in one launch where Triton runs (kernels/norm.rms_norm_add)."""
+    return rms_norm_add(y, norm.weight, norm.eps, stream)
 
 
 class Gemma4Model(Transformer):

@@ -220,6 +220,18 @@ def test_a_forward_decides_the_dispatch_once(monkeypatch):
 # ----------------------------------------------------------------------------- RMSNorm + residual
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_post_norm_adds_to_the_stream_in_one_kernel(dtype):
+    """rms_norm_add (Gemma's sandwich norms): stream + rms_norm(y), rounded as the two torch ops."""
+    g = torch.Generator().manual_seed(7)
+    y, stream = (torch.randn(5, 48, generator=g).to(DEVICE, dtype) for _ in range(2))
+    weight = (1 + 0.1 * torch.randn(48, generator=g)).to(DEVICE, dtype)
+    got = triton_norm.rms_norm_add_triton(y, weight, 1e-6, stream)
+    want = stream + norm.rms_norm_reference(y, weight, 1e-6)
+    assert got.dtype == want.dtype and rel_err(got, want) <= (1e-6 if dtype == torch.float32 else 1e-2)
+    assert rel_err(got, norm.rms_norm_reference(y, weight, 1e-6)) > 0.1  # the stream is added
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_the_norm_module_adds_the_residual_and_normalises_in_one_kernel(monkeypatch, dtype):
     from lucebox.model.transformer import RMSNorm
 
