@@ -229,19 +229,16 @@ class GatedDeltaNet(nn.Module):
 
     def _output(self, out: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """out_proj(norm(out) * silu(z)): the gated norm's launch rounds out_proj's int8 rows too."""
-        tokens = z.shape[0]
+        tokens, order = z.shape[0], self.out_heads  # order: out_proj's stored head order, written by the norm
         heads = z.view(tokens, self.num_v_heads, self.head_v_dim)
-        if self.out_heads is not None:  # out_proj's input order, written by the norm
-            if stored_order_takes_int8(z, self.out_proj):
-                o, rows = gated_rms_norm_rounded(out, heads, self.norm.weight, self.norm.eps, dtype, self.out_heads)
-            else:
-                o, rows = self.norm(out, heads, dtype, self.out_heads), None
-            return stored_order_linear(o.reshape(tokens, -1), self.out_proj, rows)
-        if takes_int8((self.out_proj,), z):
-            o, rows = gated_rms_norm_rounded(out, heads, self.norm.weight, self.norm.eps, dtype)
+        if stored_order_takes_int8(z, self.out_proj) if order is not None else takes_int8((self.out_proj,), z):
+            o, rows = gated_rms_norm_rounded(out, heads, self.norm.weight, self.norm.eps, dtype, order)
         else:
-            o, rows = self.norm(out, heads, dtype), None
-        return linears(o.reshape(tokens, -1), (self.out_proj,), rows)[0]
+            o, rows = self.norm(out, heads, dtype, order), None
+        o = o.reshape(tokens, -1)
+        if order is not None:
+            return stored_order_linear(o, self.out_proj, rows)
+        return linears(o, (self.out_proj,), rows)[0]
 
     @staticmethod
     def _split(batch: ForwardBatch) -> tuple[StepRows | None, list[int] | None]:

@@ -228,28 +228,28 @@ class SparseMoE(nn.Module):
         """(moe(norm(x + residual)), x + residual), as MLP.after_norm; fused, the norm's launch also
         rounds the rows the shared expert's int8 product takes."""
         if self._combined():
-            h, residual, rows = norm_rows(x, residual, norm.weight, norm.eps, self._input_projections())
+            h, residual, rows = norm_rows(x, residual, norm.weight, norm.eps, self._shared_projections())
             return self._fused(h, rows), residual
         h, residual = norm(x, residual)
         return self(h), residual
 
-    def _input_projections(self) -> tuple:
-        """The router (fused with a shared expert's gate: its logit the last column), and the shared
-        expert's gate | up where they are one projection."""
-        router = self.router if self.shared_expert_gate is not None else self.gate
+    def _shared_projections(self) -> tuple:
+        """The shared expert's gate | up, where they are one projection (the norm rounds its rows)."""
         gate_up = self.shared_expert.gate_up
-        return (router,) if gate_up is None else (router, gate_up)
+        return () if gate_up is None else (gate_up,)
 
     def _fused(self, x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """forward after fuse(): the router's product (with the shared expert's gate logit, if gated)
         and the shared expert's, then the experts, whose sum combines the shared expert (the routed
         scaling factor applied). rows: x rounded to int8, if it was."""
-        logits, *gate_up = linears(x, self._input_projections(), rows)
+        gated = self.shared_expert_gate is not None
+        logits = linear(x, self.router if gated else self.gate)
         experts = self.experts.num_experts
         ids, weights = self.choose(logits[:, :experts], x.dtype)
-        value = self.shared_expert.down(gate_up[0]) if gate_up else self.shared_expert(x)
-        gate = logits[:, experts:] if self.shared_expert_gate is not None else None
-        shared = Shared(value, gate, self.routing.routed_scaling_factor)
+        projections = self._shared_projections()
+        value = (self.shared_expert.down(linears(x, projections, rows)[0]) if projections
+                 else self.shared_expert(x))
+        shared = Shared(value, logits[:, experts:] if gated else None, self.routing.routed_scaling_factor)
         return self.experts(x, ids, weights, self.routing.weights_on_input, shared)
 
 
