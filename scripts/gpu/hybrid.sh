@@ -56,13 +56,15 @@ mode_hybrid() { hybrid_with_peer "${SHAPES:-qwen3.6-27b qwen3.6-35b-a3b qwen3-30
 #:              tree): llama-bench builds on the CPUs (~6.5 min) while the hybrid GPU tests and lucebox's bench
 #:              speed of RUNS (shape:quant, default qwen3.6-27b:q4_k_m qwen3.6-35b-a3b:q4_k_m) run on the GPU;
 #:              then llama-bench on the same shapes (random GGUFs, bench/llama_cpp.py), all before 570 s;
-#:              PEER=0: no llama.cpp build and rows (a call with less than ~9 min of device time left)
+#:              PEER=0: no llama.cpp build and rows (a call with less than ~9 min of device time left);
+#:              HYBRID_TESTS replaces its test files (SECONDS_TESTS their time, default 110 s)
 mode_hybrid_all() {
   local start=$SECONDS peer=${PEER:-1} runs=${RUNS:-qwen3.6-27b:q4_k_m qwen3.6-35b-a3b:q4_k_m} sq left
   [ "$peer" = 0 ] || (nice -n 19 bash scripts/build_llama_cpp.sh > "$out/llama-build.log" 2>&1
                       echo "build exit $?" >> "$out/llama-build.log") &
-  run_tests hybrid-tests "${SECONDS_TESTS:-110}" tests/model/test_qwen3_5_graphs.py \
-    tests/kernels/test_gated_delta.py tests/kernels/test_triton_moe.py
+  # shellcheck disable=SC2086  # HYBRID_TESTS is a list of test files
+  run_tests hybrid-tests "${SECONDS_TESTS:-110}" ${HYBRID_TESTS:-tests/model/test_qwen3_5_graphs.py \
+    tests/kernels/test_gated_delta.py tests/kernels/test_triton_moe.py}
   for sq in $runs; do
     bench "${sq%%:*}-${sq##*:}" "${SECONDS_RUN:-120}" --shape "${sq%%:*}" --quant "${sq##*:}" --prompt-lens 4096 \
       --contexts 512 --decode-tokens 64 --repeats 2 --skip spec --no-peer
