@@ -5,7 +5,10 @@
     # == (rms_norm(x + residual, weight, eps), x + residual)
     h, residual, rows = rms_norm_rounded(x, residual_or_None, weight, eps)
     # also h's rows rounded to int8 (triton_dp4a.quantize_rows' bytes), from the same launch
-    stream = rms_norm_add(y, weight, eps, stream)   # == stream + rms_norm(y, ...) (Gemma's post-norms)
+    stream = rms_norm_add(y, weight, eps, stream[, scale])   # == (stream + rms_norm(y, ...)) [* scale]
+    outs, rows = rms_norm_many(x, weights, eps, rounded)   # rms_norm(x, weights[i]) for each i, one launch
+    stream = rms_norm_pair_add(a, b, weights, eps, stream[, scale])
+    # == (stream + rms_norm(rms_norm(a, w0) + rms_norm(b, w1), w2)) [* scale] (Gemma 4's MoE FFN output)
 
 The references compute in float32 like HF's, cast back to the input dtype, then scale. GPU tensors
 go to the Triton kernels in kernels/triton_norm.py (one pass over the row instead of three) through
@@ -49,12 +52,40 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm_reference(x, weight, eps)
 
 
-def rms_norm_add(x: torch.Tensor, weight: torch.Tensor, eps: float, addend: torch.Tensor) -> torch.Tensor:
-    """addend + rms_norm(x): a post-norm added to the residual stream (Gemma's sandwich norms)."""
-    if use_triton(x, weight, addend) and not needs_grad(x, weight, addend):
+def rms_norm_add(x: torch.Tensor, weight: torch.Tensor, eps: float, addend: torch.Tensor,
+                 scale: torch.Tensor | None = None) -> torch.Tensor:
+    """(addend + rms_norm(x)) [* scale]: a post-norm added to the residual stream (Gemma's sandwich
+    norms), the layer's one-value scale after it."""
+    if use_triton(x, weight, addend) and not needs_grad(x, weight, addend, scale):
         from . import triton_norm
-        return triton_norm.rms_norm_add_triton(x, weight, eps, addend)
-    return addend + rms_norm_reference(x, weight, eps)
+        return triton_norm.rms_norm_add_triton(x, weight, eps, addend, scale)
+    out = addend + rms_norm_reference(x, weight, eps)
+    return out if scale is None else out * scale
+
+
+def rms_norm_many(x: torch.Tensor, weights: torch.Tensor, eps: float, rounded: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """([outputs, *x.shape]: rms_norm(x, weights[i]) for each row of weights [outputs, hidden], the
+    first output's rows rounded to int8 or None): norms of one stream in one launch where Triton runs
+    (rounded only there, as rms_norm_rounded)."""
+    if use_triton(x, weights) and not needs_grad(x, weights):
+        from . import triton_norm
+        return triton_norm.rms_norm_many_triton(x, weights, eps, rounded)
+    return torch.stack([rms_norm_reference(x, w, eps) for w in weights]), None
+
+
+def rms_norm_pair_add(a: torch.Tensor, b: torch.Tensor, weights: torch.Tensor, eps: float, stream: torch.Tensor,
+                      scale: torch.Tensor | None = None) -> torch.Tensor:
+    """(stream + rms_norm(rms_norm(a, weights[0]) + rms_norm(b, weights[1]), weights[2])) [* scale]:
+    two branches' post-norms, their sum's post-norm and the residual add in one launch where Triton
+    runs and the tensors share a dtype."""
+    same = len({t.dtype for t in (a, b, stream, weights) + ((scale,) if scale is not None else ())}) == 1
+    if same and use_triton(a, b, stream, weights) and not needs_grad(a, b, stream, weights, scale):
+        from . import triton_norm
+        return triton_norm.rms_norm_pair_add_triton(a, b, weights, eps, stream, scale)
+    h = rms_norm_reference(a, weights[0], eps) + rms_norm_reference(b, weights[1], eps)
+    out = stream + rms_norm_reference(h, weights[2], eps)
+    return out if scale is None else out * scale
 
 
 def rms_norm_residual(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,

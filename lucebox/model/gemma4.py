@@ -23,9 +23,9 @@ from ..kernels.activation import gelu_tanh_and_mul
 from ..kernels.attention import paged_attention
 from ..kernels.dispatch import decided_once
 from ..kernels.forward_batch import ForwardBatch
-from ..kernels.linear import gelu_mul_linear, linears, norm_rows
+from ..kernels.linear import gelu_mul_linear, linears, norm_rows, takes_int8
 from ..kernels.moe import route_experts
-from ..kernels.norm import rms_norm, rms_norm_add, unit_rms_norm
+from ..kernels.norm import rms_norm, rms_norm_add, rms_norm_many, rms_norm_pair_add, unit_rms_norm
 from ..kernels.rope import apply_rope, rope_and_write_kv
 from .cache_spec import PagedKVSpec, SharedKVSpec
 from .gemma4_config import FULL, Gemma4Config
@@ -146,17 +146,20 @@ class Gemma4Router(nn.Module):
         """(expert ids [T, k], their weights [T, k] in x's dtype): after fuse(), a norm launch, the
         product and the router kernel (softmax top-k renormalised, times the per-expert scale)."""
         if self.norm_weight is not None:
-            logits = self.proj(rms_norm(x, self.norm_weight.to(x.dtype), self.eps))
-            chosen = route_experts(logits, self.top_k, softmax=True, softcap=0.0, bias=None, norm=True,
-                                   dtype=x.dtype, expert_scale=self.per_expert_scale)
-            if chosen is not None:
-                return chosen
-        else:
-            logits = self.proj(unit_rms_norm(x, self.eps) * self.scale * self.root)
+            return self.route(rms_norm(x, self.norm_weight.to(x.dtype), self.eps))
+        return self.route(unit_rms_norm(x, self.eps) * self.scale * self.root)
+
+    def route(self, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward's experts and weights from its normalised input (norm_weight's norm of the stream)."""
+        logits = self.proj(normed)
+        chosen = route_experts(logits, self.top_k, softmax=True, softcap=0.0, bias=None, norm=True,
+                               dtype=normed.dtype, expert_scale=self.per_expert_scale)
+        if chosen is not None:
+            return chosen
         probs = torch.softmax(logits.float(), dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True) * self.per_expert_scale[ids].float()
-        return ids, weights.to(x.dtype)
+        return ids, weights.to(normed.dtype)
 
 
 class Gemma4DecoderLayer(nn.Module):
@@ -182,22 +185,49 @@ class Gemma4DecoderLayer(nn.Module):
             self.per_layer_projection = nn.Linear(self.per_layer, cfg.hidden_size, bias=False)
             self.post_per_layer_input_norm = norm()
         self.layer_scalar = nn.Parameter(torch.ones(1))
+        # after fuse_norms(): the MoE layer's three norms of its FFN input (dense MLP, experts, router)
+        # and its three FFN post-norms, stacked for one launch each
+        self.register_buffer("ffn_in_norms", None, persistent=False)
+        self.register_buffer("ffn_out_norms", None, persistent=False)
+
+    def fuse_norms(self) -> None:
+        if self.moe:
+            self.router.fuse()
+            stack = lambda *ws: torch.stack([w.detach().to(self.layer_scalar.dtype) for w in ws])
+            self.ffn_in_norms = stack(self.pre_feedforward_layernorm.weight, self.pre_feedforward_layernorm_2.weight,
+                                      self.router.norm_weight)
+            self.ffn_out_norms = stack(self.post_feedforward_layernorm_1.weight,
+                                       self.post_feedforward_layernorm_2.weight, self.post_feedforward_layernorm.weight)
 
     def forward(self, x: torch.Tensor, per_layer_input: torch.Tensor | None, cos, sin, batch) -> torch.Tensor:
-        """The residual stream after this layer."""
+        """The residual stream after this layer; the layer scalar multiplies in the last add's launch."""
         norm = self.input_layernorm  # its launch rounds the rows q / k / v take, where they take int8
         h, _, rows = norm_rows(x, None, norm.weight, norm.eps, self.self_attn.input_projections())
         x = _add_norm(self.post_attention_layernorm, self.self_attn(h, cos, sin, batch, rows), x)
-        norm = self.pre_feedforward_layernorm  # its launch rounds the rows the MLP's int8 products take
-        h, _, rows = norm_rows(x, None, norm.weight, norm.eps, self.mlp.input_projections())
-        h = self.mlp(h, rows)
-        if self.moe:
-            h = _add_norm(self.post_feedforward_layernorm_2, self.experts_out(x), self.post_feedforward_layernorm_1(h))
-        x = _add_norm(self.post_feedforward_layernorm, h, x)
+        scale = None if self.per_layer else self.layer_scalar
+        if self.ffn_in_norms is not None and self.ffn_in_norms.dtype == x.dtype:
+            x = self._fused_moe_ffn(x, scale)
+        else:
+            norm = self.pre_feedforward_layernorm  # its launch rounds the rows the MLP's int8 products take
+            h, _, rows = norm_rows(x, None, norm.weight, norm.eps, self.mlp.input_projections())
+            h = self.mlp(h, rows)
+            if self.moe:
+                h = _add_norm(self.post_feedforward_layernorm_2, self.experts_out(x), self.post_feedforward_layernorm_1(h))
+            x = _add_norm(self.post_feedforward_layernorm, h, x, scale)
         if self.per_layer:
             h = gelu_tanh_and_mul(self.per_layer_input_gate(x), per_layer_input)
-            x = x + self.post_per_layer_input_norm(self.per_layer_projection(h))
-        return x * self.layer_scalar
+            x = _add_norm(self.post_per_layer_input_norm, self.per_layer_projection(h), x, self.layer_scalar)
+        return x
+
+    def _fused_moe_ffn(self, x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        """The MoE layer's FFN after fuse_norms(): its three input norms in one launch (the first one
+        rounding the MLP's int8 rows), the MLP and the experts, then the post-norms and the residual
+        add in one more."""
+        eps = self.pre_feedforward_layernorm.eps
+        (h, h_experts, h_router), rows = rms_norm_many(
+            x, self.ffn_in_norms, eps, rounded=takes_int8(self.mlp.input_projections(), x))
+        experts = self.experts(h_experts, *self.router.route(h_router))
+        return rms_norm_pair_add(self.mlp(h, rows), experts, self.ffn_out_norms, eps, x, scale)
 
     def experts_out(self, x: torch.Tensor) -> torch.Tensor:
         """The MoE block's experts for the pre-FFN stream x, before their post-norm (experts:
@@ -209,9 +239,10 @@ class Gemma4DecoderLayer(nn.Module):
         return self.post_feedforward_layernorm_2(self.experts_out(x))
 
 
-def _add_norm(norm: RMSNorm, y: torch.Tensor, stream: torch.Tensor) -> torch.Tensor:
-    """stream + norm(y) in one launch where Triton runs (kernels/norm.rms_norm_add)."""
-    return rms_norm_add(y, norm.weight, norm.eps, stream)
+def _add_norm(norm: RMSNorm, y: torch.Tensor, stream: torch.Tensor, scale: torch.Tensor | None = None
+              ) -> torch.Tensor:
+    """(stream + norm(y)) [* scale] in one launch where Triton runs (kernels/norm.rms_norm_add)."""
+    return rms_norm_add(y, norm.weight, norm.eps, stream, scale)
 
 
 class Gemma4Model(Transformer):
@@ -244,8 +275,7 @@ class Gemma4Model(Transformer):
         """The GeGLU MLP's gate and up as one product (q/k/v keep their own); the routers' norm weights."""
         for layer in self.layers:
             layer.mlp.fuse()
-            if layer.moe:
-                layer.router.fuse()
+            layer.fuse_norms()
 
     def per_layer_inputs(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
         """[T, layers, per-layer size]: each token's per-layer embedding mixed with a projection of x."""

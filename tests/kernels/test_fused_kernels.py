@@ -3,8 +3,7 @@
 - RoPE on q and k fused with the paged K/V write (kernels/rope.py, kernels/triton_rope_kv.py):
   bit-identical to apply_rope + PagedKVCache.write for every cache type (plain types written in
   place, quantised or rotated ones through the cache's own quantiser).
-- RMSNorm fused with the residual add (kernels/norm.py, kernels/triton_norm.py), as the decoder
-  layers call it; Qwen3's per-head q/k norm folded into the RoPE kernel.
+- Qwen3's per-head q/k norm folded into the RoPE kernel (the RMSNorm kernels: test_norm_kernels.py).
 - silu(gate) * up in one pass (kernels/activation.py, kernels/triton_activation.py).
 - A decode token's GEMV with the op before it in its prologue (kernels/linear.py,
   kernels/triton_gemv.py): RMSNorm with the residual add, silu(gate) * up, or nothing.
@@ -215,52 +214,6 @@ def test_a_forward_decides_the_dispatch_once(monkeypatch):
         assert calls == []
     rope.rope_and_write_kv(*inputs)
     assert calls == [1]
-
-
-# ----------------------------------------------------------------------------- RMSNorm + residual
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_a_post_norm_adds_to_the_stream_in_one_kernel(dtype):
-    """rms_norm_add (Gemma's sandwich norms): stream + rms_norm(y), rounded as the two torch ops."""
-    g = torch.Generator().manual_seed(7)
-    y, stream = (torch.randn(5, 48, generator=g).to(DEVICE, dtype) for _ in range(2))
-    weight = (1 + 0.1 * torch.randn(48, generator=g)).to(DEVICE, dtype)
-    got = triton_norm.rms_norm_add_triton(y, weight, 1e-6, stream)
-    want = stream + norm.rms_norm_reference(y, weight, 1e-6)
-    assert got.dtype == want.dtype and rel_err(got, want) <= (1e-6 if dtype == torch.float32 else 1e-2)
-    assert rel_err(got, norm.rms_norm_reference(y, weight, 1e-6)) > 0.1  # the stream is added
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_the_norm_module_adds_the_residual_and_normalises_in_one_kernel(monkeypatch, dtype):
-    from lucebox.model.transformer import RMSNorm
-
-    g = torch.Generator().manual_seed(1)
-    module = RMSNorm(48, 1e-6).to(DEVICE, dtype)
-    with torch.no_grad():
-        module.weight.copy_(1 + 0.1 * torch.randn(48, generator=g))
-    x, residual = (torch.randn(5, 48, generator=g).to(DEVICE, dtype) for _ in range(2))
-    monkeypatch.setenv("LUCEBOX_TRITON", "0")
-    with torch.inference_mode():
-        want_h, want_sum = module(x, residual)
-        assert torch.equal(want_h, module(x + residual)) and torch.equal(want_sum, x + residual)
-    monkeypatch.setenv("LUCEBOX_TRITON", "1")
-    calls = []
-    real = triton_norm.rms_norm_residual_triton
-    monkeypatch.setattr(triton_norm, "rms_norm_residual_triton", lambda *a: calls.append(1) or real(*a))
-    with torch.inference_mode():
-        h, total = module(x, residual)
-    assert calls == [1] and torch.equal(total, want_sum)
-    assert rel_err(h, want_h) <= (1e-5 if dtype == torch.float32 else 1e-2)
-
-
-def test_training_keeps_the_differentiable_reference(monkeypatch):
-    # The Triton kernels have no backward; train/lm.py trains through the same modules.
-    monkeypatch.setenv("LUCEBOX_TRITON", "1")
-    monkeypatch.setattr(triton_norm, "rms_norm_triton", lambda *a: pytest.fail("Triton under autograd"))
-    weight = torch.ones(16, device=DEVICE, requires_grad=True)
-    norm.rms_norm(torch.randn(3, 16, device=DEVICE), weight, 1e-6).sum().backward()
-    assert weight.grad is not None
 
 
 # ----------------------------------------------------------------------------- whole model

@@ -7,23 +7,29 @@ ConditionalGeneration checkpoint form."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import sys
 
 import pytest
 import torch
 
-from lucebox import LLM, SamplingParams
-from lucebox.engine.block_manager import BlockManager
-from lucebox.engine.runner import ModelRunner
-from lucebox.errors import CheckpointError
-from lucebox.model.cache_spec import PagedKVSpec, SharedKVSpec
-from lucebox.model.loader import load_model
-from tests.conftest import build_hf_model
-from tests.model.test_qwen3_5 import prompts, reference_logits
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU and "triton" not in sys.modules:  # before any Triton import; see test_triton_kernels.py
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from lucebox import LLM  # noqa: E402, SamplingParams
+from lucebox.engine.block_manager import BlockManager  # noqa: E402
+from lucebox.engine.runner import ModelRunner  # noqa: E402
+from lucebox.errors import CheckpointError  # noqa: E402
+from lucebox.model.cache_spec import PagedKVSpec, SharedKVSpec  # noqa: E402
+from lucebox.model.loader import load_model  # noqa: E402
+from tests.conftest import build_hf_model  # noqa: E402
+from tests.model.test_qwen3_5 import prompts, reference_logits  # noqa: E402
 
 BLOCK_SIZE = 4
 WINDOW = 5
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs")
+gpu = pytest.mark.skipif(not ON_GPU, reason="captures CUDA graphs")
 ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0}}
 TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention",
@@ -122,6 +128,31 @@ def test_cuda_prefill_and_decode_match_transformers(which, request):
     rows += [runner.forward([[t]], [17 + i], [table], all_logits=True) for i, t in enumerate(prompt[17:])]
     got = torch.cat(rows).cpu()
     assert (got - reference_logits(reference, prompt)).abs().max().item() <= 1e-3
+
+
+@pytest.mark.parametrize("which", ["dense", "moe"])
+def test_fused_layers_on_the_triton_kernels_match_transformers(which, request, monkeypatch):
+    """After the engine's fuse_projections: the MoE layer's three FFN input norms in one launch and its
+    post-norms with the residual add and layer scalar in another; the dense layers' scalar in their
+    last add (Triton interpreted on the CPU, float32, TF32 off on a GPU)."""
+    pytest.importorskip("triton")
+    if not ON_GPU and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton was imported before TRITON_INTERPRET=1 could be set")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    from tests.model.test_laguna_graphs import count_calls
+    path, reference = request.getfixturevalue(which)
+    loaded = load_model(str(path), dtype="float32", device="cuda" if ON_GPU else "cpu")
+    loaded.model.fuse_projections()
+    calls = count_calls(monkeypatch, ("kernels.triton_norm", "rms_norm_many_triton"),
+                        ("kernels.triton_norm", "rms_norm_pair_add_triton"), ("kernels.triton_norm", "rms_norm_add_triton"))
+    monkeypatch.setenv("LUCEBOX_TRITON", "1")
+    assert prefill_error(loaded, reference, [9, 6]) <= (1e-3 if ON_GPU else 1e-4)
+    layers = loaded.config.num_layers
+    if which == "moe":  # per layer: the post-attention add, then the fused FFN
+        assert calls == {"rms_norm_many_triton": layers, "rms_norm_pair_add_triton": layers,
+                         "rms_norm_add_triton": layers}
+    else:  # post-attention, post-FFN and per-layer-input adds (the scalar in the last)
+        assert calls == {"rms_norm_many_triton": 0, "rms_norm_pair_add_triton": 0, "rms_norm_add_triton": 3 * layers}
 
 
 @pytest.mark.parametrize("which", ["dense", "moe"])
