@@ -150,10 +150,12 @@ def record_gated_delta(launches: list) -> None:
     """The Gated DeltaNet kernels' launches at Qwen3.6-27B's heads (16 key heads, 48 value heads,
     128 x 128 states, a 4-tap conv over 10,240 channels): decode/verify steps with and without outputs,
     a commit's normalised steps, tree verifies, the conv with and without a stash or a tree, gates, norm."""
+    from lucebox.kernels import triton_deltanet_conv as tdc
     from lucebox.kernels import triton_gated_delta as tgd
 
-    real = tgd._kernel
+    real, real_conv = tgd._kernel, tdc._kernel
     tgd._kernel = lambda kernels=real(): tuple(Recorder(k, launches) for k in kernels)
+    tdc._kernel = lambda kernels=real_conv(): tuple(Recorder(k, launches) for k in kernels)
     try:
         tokens, seqs, kh, vh, d, channels, taps = 16, 2, 16, 48, 128, 2 * 16 * 128 + 48 * 128, 4
         idx = torch.zeros(seqs, dtype=torch.long)
@@ -169,13 +171,16 @@ def record_gated_delta(launches: list) -> None:
         conv = torch.zeros(seqs + 1, channels, taps - 1, dtype=torch.bfloat16)
         weight = torch.zeros(channels, taps, dtype=torch.bfloat16)
         stash = (torch.zeros(64, channels, dtype=torch.bfloat16),) * 2
+        a = torch.zeros(tokens, vh, dtype=torch.bfloat16)
+        gate_stash = (torch.zeros(64, vh), torch.zeros(64, vh), rows)
         for extra in ({}, {"stash": stash, "positions": 8}, {"stash": stash, "positions": 8, "tree": (rows, rows)}):
-            tgd.conv_steps_triton(qkv, conv, weight, idx, idx, idx, rows, rows, **extra)
-        tgd.gates_triton(torch.zeros(tokens, vh, dtype=torch.bfloat16), torch.zeros(tokens, vh, dtype=torch.bfloat16),
-                         torch.zeros(vh), torch.zeros(vh))
+            tdc.conv_steps_triton(qkv, conv, weight, idx, idx, idx, rows, rows, **extra)
+            tdc.conv_gate_steps_triton(qkv, a, a, conv, weight, torch.zeros(vh), torch.zeros(vh), idx, idx, idx, idx,
+                                       rows, **extra, gate_stash=gate_stash if extra else None)
+        tgd.gates_triton(a, a, torch.zeros(vh), torch.zeros(vh))
         tgd.gated_rms_norm_triton(v.float(), v, torch.zeros(d), 1e-6, torch.bfloat16)
     finally:
-        tgd._kernel = real
+        tgd._kernel, tdc._kernel = real, real_conv
 
 
 def main() -> None:

@@ -12,8 +12,10 @@ Two entry points, picked by the caller per row kind (routing.gated_delta_route s
   gated_delta_chunk   prefill chunks: flash-linear-attention's chunked kernel on CUDA (fla-core, the
                       `gpu` extra), else the torch reference `chunked_gated_delta_rule` per sequence.
   conv_steps          the causal depthwise conv (+ silu) of decode / verify rows, windows from the
-  conv_windows        slots, and moving each advancing sequence's window (also a verify's commit).
+  conv_windows        slots, and moving each advancing sequence's window (also a verify's commit)
+                      (Triton: triton_deltanet_conv.py).
   gates               each token's decay g and beta from its projections (one launch, any rows).
+  conv_gate_steps     conv_steps and gates of a step's rows, in one launch for short sequences.
   gated_rms_norm      the output norm, rms_norm(o) * weight * silu(z) per value head (one launch).
 """
 from __future__ import annotations
@@ -148,9 +150,30 @@ def conv_steps(qkv, conv, weight, slots, starts, advance, seq, local, stash=None
     a tree verify row's taps read its ancestors, then the window (default: row t - 1, depth local).
     Returns [T, channels] in qkv's dtype. No host sync."""
     if routing.gated_delta_route("conv", triton=use_triton(qkv, conv)) == routing.TRITON_CONV:
-        from .triton_gated_delta import conv_steps_triton
+        from .triton_deltanet_conv import conv_steps_triton
         return conv_steps_triton(qkv, conv, weight, slots, starts, advance, seq, local, stash, positions, tree)
     return conv_steps_reference(qkv, conv, weight, slots, starts, advance, seq, local, stash, positions, tree)
+
+
+def conv_gate_steps(qkv, a, b, conv, weight, a_log, dt_bias, rows, stash=None, positions: int = 0,
+                    gate_stash=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(conv_steps of qkv, then gates of a and b): (mixed [T, channels], g, beta [T, Hv]) for the rows
+    of `rows` (slots, starts, ends, advance, seq, local per sequence / row, max_len, tree: as
+    model.deltanet.StepRows holds them), which cover every row. One Triton launch where the
+    sequences are short (decode, verify: triton_deltanet_conv.SEQ_ROWS_MAX), else conv_steps' and
+    gates' own. No host sync."""
+    tree = rows.tree
+    if routing.gated_delta_route("conv", triton=use_triton(qkv, conv)) == routing.TRITON_CONV and \
+            routing.gated_delta_route("gates", triton=use_triton(a, b, a_log, dt_bias)) == routing.TRITON_GATES:
+        from . import triton_deltanet_conv
+        if rows.max_len <= triton_deltanet_conv.SEQ_ROWS_MAX:
+            return triton_deltanet_conv.conv_gate_steps_triton(
+                qkv, a, b, conv, weight, a_log, dt_bias, rows.slots, rows.starts, rows.ends, rows.advance, rows.local,
+                stash, positions, tree, gate_stash)
+    g, beta = gates(a, b, a_log, dt_bias, gate_stash)
+    mixed = conv_steps(qkv, conv, weight, rows.slots, rows.starts, rows.advance, rows.seq, rows.local, stash,
+                       positions, tree)
+    return mixed, g, beta
 
 
 def stash_rows(slots, seq, local, positions: int, trash: int) -> torch.Tensor:
@@ -241,7 +264,7 @@ def conv_windows(rows, conv, slots, starts, advance) -> None:
     K-1 inputs ending at its input advance[b] - 1, where its inputs are rows[starts[b]:] and the
     ones before them the window itself (a step's rows, or a verify's stashed raw rows). No host sync."""
     if routing.gated_delta_route("conv", triton=use_triton(rows, conv)) == routing.TRITON_CONV:
-        from .triton_gated_delta import conv_windows_triton
+        from .triton_deltanet_conv import conv_windows_triton
         conv_windows_triton(rows, conv, slots, starts, advance)
     else:
         conv_windows_reference(rows, conv, slots, starts, advance)

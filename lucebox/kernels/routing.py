@@ -50,7 +50,7 @@ DEQUANT_MATMUL = "dequant_matmul"  # [triton_quant_matmul.dequantize or dequant]
 INT8 = frozenset((INT8_GEMV, INT8_TILES))
 TRITON_STEPS, TORCH_STEPS = "triton_steps", "torch_steps"  # [triton_gated_delta] token by token, slots in place
 FLA_CHUNK, TORCH_CHUNK = "fla_chunk", "torch_chunk"  # [fla.ops.gated_delta_rule] chunked prefill
-TRITON_CONV, TORCH_CONV = "triton_conv", "torch_conv"  # [triton_gated_delta] the causal conv of decode/verify rows
+TRITON_CONV, TORCH_CONV = "triton_conv", "torch_conv"  # [triton_deltanet_conv] the causal conv of decode/verify rows
 TRITON_GATES, TORCH_GATES = "triton_gates", "torch_gates"  # [triton_gated_delta] g and beta of each token
 TRITON_NORM, TORCH_NORM = "triton_gated_norm", "torch_gated_norm"  # [triton_gated_delta] DeltaNet's output norm
 

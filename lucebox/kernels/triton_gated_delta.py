@@ -9,10 +9,7 @@ on the device and the grid depends only on shapes, so a launch is the same insid
 lengths. GVA: value head h reads q/k head h // (Hv / Hk). With NORMALIZE, q and k are the conv's
 raw outputs and the kernel l2-normalises them (q also scaled), so no normalised copy is made.
 
-The conv of decode / verify rows (`conv_steps`): one program per (row, block of channels) sums
-the kernel's taps over the row's inputs -- earlier rows of its sequence, or the slot's window for
-inputs before the step -- then a second launch moves each advancing sequence's window (the first
-still reads the old windows).
+The conv before it: triton_deltanet_conv.py.
 """
 from __future__ import annotations
 
@@ -25,13 +22,12 @@ from .dispatch import next_pow2, pdl_launch
 # Value columns per program: a [dk, BV] float32 tile in registers (128 x 32 = 32 values a thread
 # at 4 warps); design choice, not measured yet (scripts/check_deltanet_gpu.py times it).
 BLOCK_V = 32
-BLOCK_C = 256  # conv channels per program (design choice, not measured)
 
 
 @functools.cache
 def _kernel():
     """Defined on first use: importing this module must not import Triton (see triton_norm)."""
-    global triton, tl, wait_for_previous_kernel, store_rounded, _delta_update, _delta_output, _delta_step
+    global triton, tl, wait_for_previous_kernel, store_rounded, _delta_update, _delta_output, _delta_step, _gate_row
     import triton
     import triton.language as tl
 
@@ -109,78 +105,10 @@ def _kernel():
                             stride_ot, stride_oh, scale, OUTPUTS, NORMALIZE)
 
     @triton.jit
-    def _conv_steps(qkv, conv, weight, out, slots, seq, local, stash_raw, stash_mixed, parents, depths, channels,
-                    stride_xt, stride_cn, stride_cc, stride_ot, stride_st, positions,
-                    KERNEL: tl.constexpr, BC: tl.constexpr, STASH: tl.constexpr, TREE: tl.constexpr,
-                    PDL: tl.constexpr = False):
-        """Row t: silu of the causal depthwise conv over its sequence's inputs, the ones before the
-        step read from the slot's window; with STASH, the raw and convolved rows kept at
-        stash row slot * positions + (index of t in its sequence). TREE: the inputs are t's
-        ancestors (parents[t], ...), the window below depth depths[t]."""
-        wait_for_previous_kernel(PDL)
-        t = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BC + tl.arange(0, BC)
-        ok = cols < channels
-        s = tl.load(seq + t)
-        j = tl.load(local + t).to(tl.int64)
-        slot = tl.load(slots + s).to(tl.int64)
-        d = j  # inputs of t's own path before it
-        if TREE:
-            d = tl.load(depths + t).to(tl.int64)
-        at = tl.zeros([BC], dtype=tl.int64) + d  # as a vector for masks
-        acc = tl.zeros([BC], dtype=tl.float32)
-        row = t  # the input `back` steps up t's path (TREE: its back-th ancestor)
-        for back in tl.static_range(KERNEL):
-            w = KERNEL - 1 - back
-            if back > 0:
-                if TREE:
-                    row = tl.load(parents + tl.maximum(row, 0)).to(tl.int64)
-                else:
-                    row = t - back
-            x_row = tl.load(qkv + tl.maximum(row, 0) * stride_xt + cols, mask=ok & (at >= back), other=0.0)
-            x_old = tl.load(conv + slot * stride_cn + cols * stride_cc + (KERNEL - 1 + d - back),
-                            mask=ok & (at < back), other=0.0)
-            x = x_row.to(tl.float32) + x_old.to(tl.float32)
-            acc += tl.load(weight + cols * KERNEL + w, mask=ok, other=0.0).to(tl.float32) * x
-        y = acc / (1.0 + tl.exp(-acc))
-        tl.store(out + t * stride_ot + cols, y.to(out.dtype.element_ty), mask=ok)
-        if STASH:
-            keep = ok & (at < positions)
-            row = slot * positions + j
-            raw = tl.load(qkv + t * stride_xt + cols, mask=ok, other=0.0)
-            tl.store(stash_raw + row * stride_st + cols, raw.to(tl.float32), mask=keep)
-            tl.store(stash_mixed + row * stride_st + cols, y.to(out.dtype.element_ty).to(tl.float32), mask=keep)
-
-    @triton.jit
-    def _conv_windows(qkv, conv, slots, starts, advance, channels, stride_xt, stride_cn, stride_cc,
-                      WIDTH: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr, PDL: tl.constexpr = False):
-        """Sequence b with n = advance > 0: its window becomes the WIDTH inputs ending at its row
-        n - 1 (older ones from the window itself). One program owns its columns of the window and
-        loads all of it before storing."""
-        wait_for_previous_kernel(PDL)
-        b = tl.program_id(0)
-        cols = tl.program_id(1) * BC + tl.arange(0, BC)
-        ok = cols < channels
-        slot = tl.load(slots + b).to(tl.int64)
-        first = tl.load(starts + b).to(tl.int64)
-        i = tl.arange(0, WP)
-        n = tl.zeros([WP], dtype=tl.int64) + tl.load(advance + b).to(tl.int64)  # as a vector, for masks
-        back = WIDTH - 1 - i  # window column i is input n - 1 - back of the sequence
-        live = i < WIDTH
-        base = conv + slot * stride_cn + cols[:, None] * stride_cc
-        x_row = tl.load(qkv + (first + n - 1 - back)[None, :] * stride_xt + cols[:, None],
-                        mask=ok[:, None] & (live & (n > back))[None, :], other=0.0)
-        x_old = tl.load(base + (n + i)[None, :], mask=ok[:, None] & (live & (n <= back))[None, :], other=0.0)
-        values = x_row.to(tl.float32) + x_old
-        tl.store(base + i[None, :], values, mask=ok[:, None] & (live & (n > 0))[None, :])
-
-    @triton.jit
-    def _gates(a, b, a_log, dt_bias, g, beta, g_stash, beta_stash, stash_rows, heads, stride_a, stride_b,
-               BH: tl.constexpr, STASH: tl.constexpr, PDL: tl.constexpr = False):
+    def _gate_row(a, b, a_log, dt_bias, g, beta, g_stash, beta_stash, stash_rows, t, heads, stride_a, stride_b,
+                  BH: tl.constexpr, STASH: tl.constexpr):
         """Row t: g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b), float32; STASH: also at
         row stash_rows[t] of g_stash / beta_stash."""
-        wait_for_previous_kernel(PDL)
-        t = tl.program_id(0).to(tl.int64)
         h = tl.arange(0, BH)
         ok = h < heads
         x = tl.load(a + t * stride_a + h, mask=ok, other=0.0).to(tl.float32) + tl.load(
@@ -195,6 +123,13 @@ def _kernel():
             at = tl.load(stash_rows + t).to(tl.int64) * heads + h
             tl.store(g_stash + at, decay, mask=ok)
             tl.store(beta_stash + at, sig, mask=ok)
+
+    @triton.jit
+    def _gates(a, b, a_log, dt_bias, g, beta, g_stash, beta_stash, stash_rows, heads, stride_a, stride_b,
+               BH: tl.constexpr, STASH: tl.constexpr, PDL: tl.constexpr = False):
+        wait_for_previous_kernel(PDL)
+        _gate_row(a, b, a_log, dt_bias, g, beta, g_stash, beta_stash, stash_rows, tl.program_id(0).to(tl.int64),
+                  heads, stride_a, stride_b, BH, STASH)
 
     @triton.jit
     def _gated_norm(x, gate, weight, out, q_ptr, src_heads, size, heads, eps, stride_x, stride_g, stride_o,
@@ -263,7 +198,7 @@ def _kernel():
                                   stride_ot, stride_oh, scale, NORMALIZE)
                     tl.store(tile, s, mask=tile_ok & (keep == i + 1)[None, :])
 
-    return _gated_delta_steps, _conv_steps, _conv_windows, _gates, _gated_norm, _gated_delta_tree
+    return _gated_delta_steps, _gates, _gated_norm, _gated_delta_tree
 
 
 def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -306,7 +241,7 @@ def gated_delta_tree_triton(q, k, v, g, beta, state, slots, starts, seq, masks, 
     if tokens == 0:
         return out
     block_v = min(BLOCK_V, next_pow2(dv))
-    kernel = _kernel()[5]
+    kernel = _kernel()[3]
     kernel[(tokens, v_heads, triton.cdiv(dv, block_v))](
         q, k, v, g, beta, out, state, slots, starts, seq, masks, run_end, advance,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
@@ -314,40 +249,6 @@ def gated_delta_tree_triton(q, k, v, g, beta, state, slots, starts, seq, masks, 
         GROUP=v_heads // k.shape[1], DK=dk, DV=dv, BK=next_pow2(dk), BV=block_v, NORMALIZE=normalize,
         **pdl_launch(v.device))
     return out
-
-
-def conv_steps_triton(qkv, conv, weight, slots, starts, advance, seq, local, stash=None,
-                      positions: int = 0, tree=None) -> torch.Tensor:
-    """kernels.gated_delta.conv_steps on the Triton kernels (same contract)."""
-    tokens, channels = qkv.shape
-    taps = weight.shape[1]
-    if qkv.stride(1) != 1 or conv.stride(2) != 1 or not weight.is_contiguous():
-        raise ValueError("conv_steps: qkv rows, conv windows and the weight need unit stride")
-    out = torch.empty_like(qkv)
-    block = min(BLOCK_C, next_pow2(channels))
-    raw, mixed = stash if stash is not None else (conv, conv)  # never written without STASH
-    parents, depths = tree[:2] if tree is not None else (local, local)  # never read without TREE
-    kernel = _kernel()[1]
-    if tokens:
-        kernel[(tokens, triton.cdiv(channels, block))](
-            qkv, conv, weight, out, slots, seq, local, raw, mixed, parents, depths, channels,
-            qkv.stride(0), conv.stride(0), conv.stride(1), out.stride(0), raw.stride(0), positions,
-            KERNEL=taps, BC=block, STASH=stash is not None, TREE=tree is not None, **pdl_launch(qkv.device))
-    conv_windows_triton(qkv, conv, slots, starts, advance)
-    return out
-
-
-def conv_windows_triton(rows, conv, slots, starts, advance) -> None:
-    """kernels.gated_delta.conv_windows on the Triton kernel (same contract)."""
-    channels, width = conv.shape[1:]
-    if rows.stride(1) != 1 or conv.stride(2) != 1:
-        raise ValueError("conv_windows: rows and conv windows need unit stride")
-    block = min(BLOCK_C, next_pow2(channels))
-    if slots.shape[0]:
-        kernel = _kernel()[2]
-        kernel[(slots.shape[0], triton.cdiv(channels, block))](
-            rows, conv, slots, starts, advance, channels, rows.stride(0), conv.stride(0), conv.stride(1),
-            WIDTH=width, WP=next_pow2(width), BC=block, **pdl_launch(rows.device))
 
 
 def gates_triton(a, b, a_log, dt_bias, stash=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -362,7 +263,7 @@ def gates_triton(a, b, a_log, dt_bias, stash=None) -> tuple[torch.Tensor, torch.
                                   and g_stash.stride() == beta_stash.stride() == (heads, 1)):
         raise ValueError("gates: the stash takes float32 rows of one entry a head")
     if tokens:
-        kernel = _kernel()[3]
+        kernel = _kernel()[1]
         kernel[(tokens,)](a, b, a_log, dt_bias, g, beta, g_stash, beta_stash, rows, heads, a.stride(0), b.stride(0),
                           BH=next_pow2(heads), STASH=stash is not None, **pdl_launch(a.device))
     return g, beta
@@ -390,7 +291,7 @@ def gated_rms_norm_triton(x, gate, weight, eps: float, dtype: torch.dtype, round
         packed = rounded_rows_like(out.view(x.shape[0], heads * size))
     q = packed if packed is not None else out
     if x2.shape[0]:
-        kernel = _kernel()[4]
+        kernel = _kernel()[2]
         kernel[(x2.shape[0],)](x2, g2, weight, out, q, head_order if head_order is not None else x2, size, heads,
                                float(eps), x2.stride(0), g2.stride(0), out.stride(0), q.stride(0), BN=next_pow2(size),
                                ROUND=rounded, REORDER=head_order is not None, **pdl_launch(x.device))

@@ -35,6 +35,7 @@ from ..kernels import routing
 from ..kernels.forward_batch import ForwardBatch
 from ..kernels.gated_delta import (  # noqa: F401  (the references, re-exported for tests)
     chunked_gated_delta_rule,
+    conv_gate_steps,
     conv_steps,
     conv_windows,
     gated_delta_chunk,
@@ -276,10 +277,9 @@ class GatedDeltaNet(nn.Module):
                                    f"{rows.max_len} stash positions, the pool keeps {state.positions}")
             stash = state.conv_stash
             gate_stash = state.gate_stash(rows.stash_rows(state.positions, state.trash))
-        g, beta = gates(a, b, self.A_log, self.dt_bias, gate_stash)
+        mixed, g, beta = conv_gate_steps(qkv, a, b, state.conv, self.conv1d.weight[:, 0, :], self.A_log, self.dt_bias,
+                                         rows, stash, state.positions, gate_stash)
         tree = rows.tree
-        mixed = conv_steps(qkv, state.conv, self.conv1d.weight[:, 0, :], rows.slots, rows.starts, rows.advance,
-                           rows.seq, rows.local, stash, state.positions, tree)
         q = mixed[:, :self.key_dim].view(-1, self.num_k_heads, self.head_k_dim)
         k = mixed[:, self.key_dim:2 * self.key_dim].view(-1, self.num_k_heads, self.head_k_dim)
         v = mixed[:, 2 * self.key_dim:].view(-1, self.num_v_heads, self.head_v_dim)

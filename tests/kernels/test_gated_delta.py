@@ -199,6 +199,44 @@ def test_triton_conv_steps_match_the_reference(monkeypatch):
 
 
 @pytest.mark.skipif(not INTERPRETABLE, reason="Triton was imported without its interpreter on a machine without a GPU")
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_the_one_launch_conv_and_gates_match_the_torch_ops(tree, monkeypatch):
+    """conv_gate_steps (decode / verify rows): the conv, its stash, the windows' move and the gates
+    with their stash from one Triton launch, as conv_steps and gates compute them in torch."""
+    pytest.importorskip("triton")
+    from types import SimpleNamespace
+
+    from lucebox.kernels import triton_deltanet_conv
+    from lucebox.kernels.gated_delta import conv_gate_steps
+    qkv, conv, weight, rows = conv_case(seed=3)
+    g = torch.Generator().manual_seed(4)
+    a, b = ((torch.randn(7, V_HEADS, generator=g) * 4).to(DEVICE) for _ in range(2))
+    a_log, dt_bias = (torch.randn(V_HEADS, generator=g).to(DEVICE) for _ in range(2))
+    links = None
+    if tree:  # sequence 0: a root and two children of it (depths 0, 1, 1)
+        links = (torch.tensor([-1, 0, 0, -1, -1, 4, -1], device=DEVICE), torch.tensor([0, 1, 1, 0, 0, 1, 0], device=DEVICE))
+    step_rows = SimpleNamespace(**rows, ends=torch.tensor([3, 4, 6, 7], device=DEVICE), max_len=3, tree=links)
+    positions = 2
+    stash_row = torch.where(rows["local"] < positions, rows["slots"][rows["seq"]] * positions + rows["local"], 12)
+    results, calls = [], []
+    real = triton_deltanet_conv.conv_gate_steps_triton
+    monkeypatch.setattr(triton_deltanet_conv, "conv_gate_steps_triton", lambda *x: calls.append(1) or real(*x))
+    for switch in ("0", "1"):
+        monkeypatch.setenv("LUCEBOX_TRITON", switch)
+        windows = conv.clone()
+        stash = tuple(torch.zeros(6 * positions + 1, qkv.shape[1], device=DEVICE) for _ in range(2))
+        gate_stash = (torch.zeros(13, V_HEADS, device=DEVICE), torch.zeros(13, V_HEADS, device=DEVICE), stash_row)
+        calls.clear()
+        out = conv_gate_steps(qkv, a, b, windows, weight, a_log, dt_bias, step_rows, stash, positions, gate_stash)
+        assert calls == ([1] if switch == "1" else [])
+        results.append((*out, windows, *stash, *gate_stash[:2]))
+    for name, want, got in zip(["mixed", "g", "beta", "windows", "raw", "stash mixed", "stash g", "stash beta"],
+                               *results):
+        assert (got[:12] - want[:12]).abs().max() <= 1e-5 * max(1.0, want.abs().max().item()), name
+    assert not torch.equal(results[0][3], conv)  # windows moved
+
+
+@pytest.mark.skipif(not INTERPRETABLE, reason="Triton was imported without its interpreter on a machine without a GPU")
 @pytest.mark.parametrize("accepted", [[0, 3], [1, 2]])
 def test_a_commit_through_triton_matches_the_torch_one(accepted, monkeypatch):
     """RecurrentState.commit (the steps kernel over stashed rows, then the windows) on both paths."""
