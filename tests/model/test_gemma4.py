@@ -18,7 +18,7 @@ ON_GPU = torch.cuda.is_available()
 if not ON_GPU and "triton" not in sys.modules:  # before any Triton import; see test_triton_kernels.py
     os.environ["TRITON_INTERPRET"] = "1"
 
-from lucebox import LLM  # noqa: E402, SamplingParams
+from lucebox import LLM, SamplingParams  # noqa: E402
 from lucebox.engine.block_manager import BlockManager  # noqa: E402
 from lucebox.engine.runner import ModelRunner  # noqa: E402
 from lucebox.errors import CheckpointError  # noqa: E402
@@ -82,7 +82,7 @@ def prefill_error(loaded, reference, lengths, seed=1) -> float:
     tables = [[] for _ in batch]
     for table, prompt in zip(tables, batch):
         blocks.allocate(table, len(prompt))
-    logits = runner.forward(batch, [0] * len(batch), tables, all_logits=True)
+    logits = runner.forward(batch, [0] * len(batch), tables, all_logits=True).cpu()
     worst, start = 0.0, 0
     for prompt in batch:
         got = logits[start:start + len(prompt)]
@@ -109,7 +109,7 @@ def test_layers_and_cache_specs_follow_the_config(dense):
 @pytest.mark.parametrize("which", ["dense", "moe"])
 def test_batched_prefill_matches_transformers(which, request):
     path, reference = request.getfixturevalue(which)
-    loaded = load_model(str(path), dtype="float32")
+    loaded = load_model(str(path), dtype="float32", device="cpu")
     assert prefill_error(loaded, reference, [3, 23, 11]) <= 1e-4  # windows of 5 inside 23 tokens
 
 
@@ -160,7 +160,7 @@ def test_chunked_prefill_and_decode_match_transformers(which, request):
     """Unaligned chunks and single-token decodes, two sequences stepping together (one mid-prefill,
     one decoding), past the sliding window."""
     path, reference = request.getfixturevalue(which)
-    loaded = load_model(str(path), dtype="float32")
+    loaded = load_model(str(path), dtype="float32", device="cpu")
     a, b = prompts(loaded.config.vocab_size, [29, 17], seed=3)
     runner, blocks = runner_for(loaded)
     table_a, table_b = [], []
@@ -235,7 +235,7 @@ def test_a_missing_tensor_is_named(tmp_path, dense):
     del tensors["model.layers.3.post_feedforward_layernorm.weight"]
     save_file(tensors, file, metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=r"layers\.3\.post_feedforward_layernorm\.weight"):
-        load_model(str(path), dtype="float32")
+        load_model(str(path), dtype="float32", device="cpu")
 
 
 def test_a_wrong_shape_is_named(tmp_path, dense):
@@ -246,7 +246,7 @@ def test_a_wrong_shape_is_named(tmp_path, dense):
     tensors["model.layers.2.self_attn.q_proj.weight"] = torch.zeros(64, 64)
     save_file(tensors, file, metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=r"layers\.2\.self_attn\.q_proj\.weight has shape \[64, 64\]"):
-        load_model(str(path), dtype="float32")
+        load_model(str(path), dtype="float32", device="cpu")
 
 
 def test_a_bad_expert_count_is_named(tmp_path, moe):
@@ -255,7 +255,7 @@ def test_a_bad_expert_count_is_named(tmp_path, moe):
     raw["num_experts"] = 5
     (path / "config.json").write_text(json.dumps(raw))
     with pytest.raises(CheckpointError, match=r"layers\.0\.experts\.gate_up_proj has shape \[6, 48, 64\]"):
-        load_model(str(path), dtype="float32")
+        load_model(str(path), dtype="float32", device="cpu")
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
