@@ -158,7 +158,8 @@ def conv_steps_triton(qkv, conv, weight, slots, starts, advance, seq, local, sta
     raw, mixed = stash if stash is not None else (conv, conv)  # never written without STASH
     parents, depths = tree[:2] if tree is not None else (local, local)  # never read without TREE
     if tokens:
-        _kernel()[0][(tokens, triton.cdiv(channels, block))](
+        kernel = _kernel()[0]
+        kernel[(tokens, triton.cdiv(channels, block))](
             qkv, conv, weight, out, slots, seq, local, raw, mixed, parents, depths, channels,
             qkv.stride(0), conv.stride(0), conv.stride(1), out.stride(0), raw.stride(0), positions,
             KERNEL=weight.shape[1], BC=block, STASH=stash is not None, TREE=tree is not None,
@@ -173,7 +174,8 @@ def conv_windows_triton(rows, conv, slots, starts, advance) -> None:
     channels, width = conv.shape[1:]
     block = min(BLOCK_C, next_pow2(channels))
     if slots.shape[0]:
-        _kernel()[1][(slots.shape[0], triton.cdiv(channels, block))](
+        kernel = _kernel()[1]
+        kernel[(slots.shape[0], triton.cdiv(channels, block))](
             rows, conv, slots, starts, advance, channels, rows.stride(0), conv.stride(0), conv.stride(1),
             WIDTH=width, WP=next_pow2(width), BC=block, **pdl_launch(rows.device))
 
@@ -198,7 +200,8 @@ def conv_gate_steps_triton(qkv, a, b, conv, weight, a_log, dt_bias, slots, start
     raw, mixed = stash if stash is not None else (conv, conv)  # never written without STASH
     parents, depths = tree[:2] if tree is not None else (local, local)  # never read without TREE
     if slots.shape[0]:
-        _kernel()[2][(slots.shape[0], triton.cdiv(channels, block))](
+        kernel = _kernel()[2]
+        kernel[(slots.shape[0], triton.cdiv(channels, block))](
             qkv, conv, weight, out, slots, starts, ends, advance, raw, mixed, parents, depths, channels,
             qkv.stride(0), conv.stride(0), conv.stride(1), out.stride(0), raw.stride(0), positions,
             a, b, a_log, dt_bias, g, beta, g_stash, beta_stash, stash_rows, heads, a.stride(0), b.stride(0),

@@ -190,7 +190,8 @@ def rms_norm_pair_add_triton(a: torch.Tensor, b: torch.Tensor, weights: torch.Te
     out = torch.empty_like(s2)
     if s2.shape[0]:
         block_n = next_pow2(n)
-        _pair_kernel()[(s2.shape[0],)](
+        kernel = _pair_kernel()
+        kernel[(s2.shape[0],)](
             a2, b2, s2, weights, scale if scale is not None else weights, out, n, a2.stride(0), b2.stride(0),
             s2.stride(0), weights.stride(0), out.stride(0), float(eps), BLOCK_N=block_n, SCALE=scale is not None,
             num_warps=min(16, max(1, block_n // 512)), **pdl_launch(out.device))
