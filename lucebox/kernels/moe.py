@@ -51,17 +51,20 @@ def expert_kernel(x: torch.Tensor, ids: torch.Tensor, gate_up, down, activation:
 
 
 def route_experts(logits: torch.Tensor, top_k: int, *, softmax: bool, softcap: float, bias: torch.Tensor | None,
-                  norm: bool, dtype: torch.dtype, expert_scale: torch.Tensor | None = None
+                  norm: bool, dtype: torch.dtype, expert_scale: torch.Tensor | None = None,
+                  shared: str | None = None, routed_scale: float = 1.0
                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A router's (expert ids [T, k], weights [T, k] in dtype) of its logits [T, E] in one Triton kernel
     (triton_moe_route) where Triton runs on them; None: the caller's torch reference (Routing.choose,
-    Gemma4Router). expert_scale [E]: each chosen weight times its expert's entry, last (Gemma 4)."""
+    Gemma4Router). expert_scale [E]: each chosen weight times its expert's entry, last (Gemma 4).
+    shared ("gated": logits [T, E + 1] end with the shared expert's gate; "ungated"): a (k+1)-th route
+    to the shared expert, id E (triton_moe_route.route)."""
     if not (logits.dim() == 2 and logits.dtype in routing.ACTIVATION_DTYPES and use_triton(logits, bias, expert_scale)
             and not needs_grad(logits)):
         return None
     from . import triton_moe_route
     return triton_moe_route.route(logits, top_k, softmax=softmax, softcap=softcap, bias=bias, norm=norm, dtype=dtype,
-                                  expert_scale=expert_scale)
+                                  expert_scale=expert_scale, shared=shared, routed_scale=routed_scale)
 
 
 @dataclass(frozen=True)
@@ -92,16 +95,22 @@ def stacked(w):
 
 def expert_matmul(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up, down,
                   kernel: str | None = None, *, activation: str = "silu",
-                  weights_on_input: bool = False, shared: Shared | None = None) -> torch.Tensor:
+                  weights_on_input: bool = False, shared: Shared | None = None,
+                  shared_pair: tuple | None = None) -> torch.Tensor:
     """out [T, H] for x [T, H] routed to experts ids [T, k] with weights [T, k], by routing's kernel
     (or `kernel`, decided already; not TORCH). weights_on_input: each expert reads weight * x and
     the experts' outputs are summed unweighted. shared: the shared expert to combine with (by the
-    decode kernels' last launch)."""
+    decode kernels' last launch); shared_pair: its (gate_up, down) as stacks of one expert, routed
+    as expert E by the ids (the pairs kernel only)."""
     kernel = kernel or expert_kernel(x, ids, gate_up, down, activation)
     from . import triton_moe
     options = {"activation": activation, "weights_on_input": weights_on_input}
+    if shared_pair is not None and kernel != routing.MOE_PAIRS:
+        raise ValueError(f"a shared expert routed as a pair runs in the pairs kernel, not {kernel!r}")
     if kernel == routing.MOE_PAIRS:
-        return triton_moe.pairs_experts(x, ids, weights, stacked(gate_up), stacked(down), shared=shared, **options)
+        pair = None if shared_pair is None else (stacked(shared_pair[0]), stacked(shared_pair[1]))
+        return triton_moe.pairs_experts(x, ids, weights, stacked(gate_up), stacked(down), shared=shared,
+                                        shared_pair=pair, **options)
     if kernel == routing.MOE_GROUPED:
         out = triton_moe.grouped_experts(x, ids, weights, stacked(gate_up), stacked(down), **options)
         return out if shared is None else add_shared(out, shared)

@@ -17,7 +17,8 @@ output row n of gate_up is row e * 2I + n. Two products, two ways (kernels/moe.p
           is the epilogue (or, split over K, of the kernel summing the splits); the down product's
           program walks a group of the token's experts and applies their routing weights, so the sum
           over top_k needs no pass of its own unless the experts are split over programs
-          (reduce_splits then sums the groups, as the dense GEMVs' split-K).
+          (reduce_splits then sums the groups, as the dense GEMVs' split-K). A shared expert of the
+          experts' formats and sizes runs as one more pair: expert id E reads its own tensors.
   grouped (verify, prefill) pairs grouped by expert on the device (triton_moe_align) in blocks of
           BLOCK_M rows of one expert; a program multiplies one block by BLOCK_N rows of its expert
           with tl.dot, so each expert's weights are read once per block rather than once per pair;
@@ -28,8 +29,6 @@ on the input scales the float32 product, where the reference rounds w x to x's d
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -39,49 +38,11 @@ from .moe import Shared, add_shared
 from .triton_moe_align import align_by_expert, max_blocks
 from .triton_one_row import reduce_splits
 from .triton_pdl import wait_for_previous_kernel
-from .triton_quant_matmul import DECODE_LAUNCH, unit_layout, unit_product
+from .triton_moe_stack import ACTIVATIONS, Stack, check_operands, check_shared_pair, consts, decode_launch
+from .triton_moe_stack import float_stack, quant_stack  # noqa: F401  (re-exported: kernels/moe.py, tests)
+from .triton_quant_matmul import unit_product
 
-FLOAT = -1  # the format id of float weights (quantised formats: triton_quant_matmul's ids)
-# The experts' gated activation (model/moe.ACTIVATIONS' names) -> the kernels' ACT constant.
-ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}
 GELU_TANH_SCALE = tl.constexpr(2 * 0.7978845608028654)  # 2 sqrt(2 / pi): 0.5 (1 + tanh(y)) == sigmoid(2 y)
-
-
-@dataclass(frozen=True)
-class Stack:
-    """Stacked expert weights as the kernels read them: `rows` [E * N, row_len] (elements of float
-    weights, bytes of GGUF rows), K values a row, and the unit constants of unit_product (float: P
-    columns a unit)."""
-    rows: torch.Tensor
-    experts: int
-    out_features: int
-    in_features: int
-    fmt: int
-    unit_bytes: int = 0
-    unit_values: int = 0
-    bpu: int = 1
-    plane: int = 0
-    n_units: int = 0
-
-    def with_plane(self, plane: int) -> Stack:
-        """Float weights in units of `plane` columns; quantised ones keep their format's."""
-        if self.fmt != FLOAT:
-            return self
-        return Stack(self.rows, self.experts, self.out_features, self.in_features, FLOAT, 0, plane, 1, plane,
-                     triton.cdiv(self.in_features, plane))
-
-
-def float_stack(weight: torch.Tensor) -> Stack:
-    """Float experts [E, N, K] (contiguous)."""
-    experts, n, k = weight.shape
-    return Stack(weight.view(experts * n, k), experts, n, k, FLOAT)
-
-
-def quant_stack(data: torch.Tensor, qtype, shape: tuple[int, int, int]) -> Stack:
-    """GGUF rows [E * N, row_bytes] of experts of logical shape (E, N, K)."""
-    experts, n, k = shape
-    fmt, unit_bytes, unit_values, bpu, plane, n_units = unit_layout(qtype, k)
-    return Stack(data, experts, n, k, fmt, unit_bytes, unit_values, bpu, plane, n_units)
 
 
 # ----------------------------------------------------------------------------- device helpers
@@ -127,16 +88,27 @@ def _act_mul(gate, up, dt, ACT: tl.constexpr):
 # ----------------------------------------------------------------------------- pairs (decode)
 
 @triton.jit
-def _pairs_gate_up_kernel(x_ptr, ids_ptr, wts_ptr, w_ptr, o_ptr, I, K, row_len, n_units, units_per_prog,
+def _expert_rows(w_ptr, s_ptr, expert, E, rows_each, SHARED_W: tl.constexpr):
+    """(the weights holding expert `expert`, its first row there): expert E, with SHARED_W, is the
+    shared expert, whose rows are their own tensor."""
+    if SHARED_W:
+        own = expert == E
+        return tl.where(own, s_ptr, w_ptr), tl.where(own, 0, expert * rows_each)
+    return w_ptr, expert * rows_each
+
+
+@triton.jit
+def _pairs_gate_up_kernel(x_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, o_ptr, E, I, K, row_len, n_units, units_per_prog,
                           stride_os, TOPK: tl.constexpr, FMT: tl.constexpr, UNIT_BYTES: tl.constexpr,
                           UNIT_VALUES: tl.constexpr, BPU: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr,
                           SPLIT: tl.constexpr, ACT: tl.constexpr, ON_INPUT: tl.constexpr,
-                          PDL: tl.constexpr = False):
+                          SHARED_W: tl.constexpr = False, PDL: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
     r = tl.program_id(0)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     expert = tl.load(ids_ptr + r).to(tl.int64)
-    gate = expert * 2 * I + tl.minimum(rn, I - 1)  # rows past I re-read row I-1; dropped at the store
+    w_ptr, first = _expert_rows(w_ptr, s_ptr, expert, E, 2 * I, SHARED_W)
+    gate = first + tl.minimum(rn, I - 1)  # rows past I re-read row I-1; dropped at the store
     xk = x_ptr + (r // TOPK).to(tl.int64) * K
     acc_g = tl.zeros([BLOCK_N, P], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, P], dtype=tl.float32)
@@ -175,10 +147,10 @@ def _act_mul_splits_kernel(part_ptr, o_ptr, R, I, splits, BLOCK: tl.constexpr, A
 
 
 @triton.jit
-def _pairs_down_kernel(a_ptr, ids_ptr, wts_ptr, w_ptr, o_ptr, H, I, row_len, n_units, stride_os, per_group,
-                       TOPK: tl.constexpr, FMT: tl.constexpr, UNIT_BYTES: tl.constexpr,
+def _pairs_down_kernel(a_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, o_ptr, E, H, I, row_len, n_units, stride_os,
+                       per_group, TOPK: tl.constexpr, FMT: tl.constexpr, UNIT_BYTES: tl.constexpr,
                        UNIT_VALUES: tl.constexpr, BPU: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr,
-                       PDL: tl.constexpr = False):
+                       SHARED_W: tl.constexpr = False, PDL: tl.constexpr = False):
     """Token t's experts of group g (per_group of them) for BLOCK_N output features: their routing-
     weighted sum, the output itself with one group, else the group's float32 partial."""
     wait_for_previous_kernel(PDL)
@@ -189,10 +161,10 @@ def _pairs_down_kernel(a_ptr, ids_ptr, wts_ptr, w_ptr, o_ptr, H, I, row_len, n_u
     res = tl.zeros([BLOCK_N], dtype=tl.float32)
     for jj in range(per_group):
         r = t * TOPK + tl.program_id(1) * per_group + jj
-        expert = tl.load(ids_ptr + r).to(tl.int64)
+        base, first = _expert_rows(w_ptr, s_ptr, tl.load(ids_ptr + r).to(tl.int64), E, H, SHARED_W)
         acc = tl.zeros([BLOCK_N, P], dtype=tl.float32)
         for u in range(n_units):
-            acc = _unit(acc, w_ptr, expert * H + rows, row_len, u, n_units, I, a_ptr + r * I, FMT, UNIT_BYTES,
+            acc = _unit(acc, base, first + rows, row_len, u, n_units, I, a_ptr + r * I, FMT, UNIT_BYTES,
                         UNIT_VALUES, BPU, P, 0, 1, False)
         y = tl.sum(acc, axis=1).to(dt).to(tl.float32)
         res += (y * tl.load(wts_ptr + r).to(tl.float32)).to(dt).to(tl.float32)
@@ -274,33 +246,6 @@ def _sum_top_k_kernel(p_ptr, o_ptr, total, H, TOPK: tl.constexpr, BLOCK: tl.cons
 
 # ----------------------------------------------------------------------------- host side
 
-def _consts(stack: Stack) -> dict:
-    return {"FMT": stack.fmt, "UNIT_BYTES": stack.unit_bytes, "UNIT_VALUES": stack.unit_values, "BPU": stack.bpu,
-            "P": stack.plane}
-
-
-def _check(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: Stack, down: Stack,
-           activation: str) -> int:
-    """The intermediate size, after checking that the operands fit together."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"the expert kernels have no activation {activation!r} (they have {sorted(ACTIVATIONS)})")
-    inter = down.in_features
-    if (gate_up.experts != down.experts or gate_up.out_features != 2 * inter or gate_up.in_features != x.shape[-1]
-            or down.out_features != x.shape[-1]):
-        raise ValueError(f"experts do not fit: gate_up ({gate_up.experts}, {gate_up.out_features}, "
-                         f"{gate_up.in_features}), down ({down.experts}, {down.out_features}, {down.in_features}), "
-                         f"x {tuple(x.shape)}")
-    if ids.shape != weights.shape or ids.dim() != 2 or ids.shape[0] != x.shape[0]:
-        raise ValueError(f"routes do not fit: ids {tuple(ids.shape)}, weights {tuple(weights.shape)}, x {tuple(x.shape)}")
-    return inter
-
-
-def _decode_launch(stack: Stack, block_n: int | None, num_warps: int | None) -> tuple[int, int]:
-    """(BLOCK_N, warps) of a pairs kernel: given, else the dense one-row GEMV's per format (GGUF rows)."""
-    default = (32, 4) if stack.fmt == FLOAT else DECODE_LAUNCH.get(stack.fmt, (32, 4))
-    return block_n or default[0], num_warps or default[1]
-
-
 def _down_weights(weights: torch.Tensor, weights_on_input: bool) -> torch.Tensor:
     """The down products' routing weights: ones where the gate_up products applied them."""
     return torch.ones_like(weights) if weights_on_input else weights
@@ -309,14 +254,18 @@ def _down_weights(weights: torch.Tensor, weights_on_input: bool) -> torch.Tensor
 def pairs_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: Stack, down: Stack, *,
                   activation: str = "silu", weights_on_input: bool = False, block_n: int | None = None,
                   plane: int = 128, split_k: int | None = None, groups: int | None = None,
-                  num_warps: int | None = None, shared: Shared | None = None) -> torch.Tensor:
+                  num_warps: int | None = None, shared: Shared | None = None,
+                  shared_pair: tuple[Stack, Stack] | None = None) -> torch.Tensor:
     """out [T, H] of x [T, H] routed to ids / weights [T, k], GEMV-style (decode). activation: a key
     of ACTIVATIONS; weights_on_input: weigh each expert's input, not its output. split_k: the
     gate_up product's K split over programs; groups: the down product's top_k experts split over
     that many programs a token (a divisor of k); default: enough programs to fill the GPU. block_n,
     num_warps: both products' (default: per weight format). shared: the shared expert, combined
-    where the groups are summed."""
-    inter = _check(x, ids, weights, gate_up, down, activation)
+    where the groups are summed; shared_pair: the shared expert's (gate_up, down) stacks of one expert
+    in the experts' formats, routed as expert id E (triton_moe_route's shared route)."""
+    inter = check_operands(x, ids, weights, gate_up, down, activation)
+    if shared_pair is not None:
+        check_shared_pair(gate_up, down, *shared_pair)
     tokens, top_k = ids.shape
     hidden = x.shape[-1]
     pairs = tokens * top_k
@@ -325,9 +274,10 @@ def pairs_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
         return out
     x, ids, weights = x.contiguous(), ids.contiguous(), weights.to(x.dtype).contiguous()
     gate_up, down = gate_up.with_plane(plane), down.with_plane(plane)
+    shared_rows = (gate_up.rows, down.rows) if shared_pair is None else (shared_pair[0].rows, shared_pair[1].rows)
     launch = pdl_launch(x.device)
     waves = 8 * num_sms(x.device)
-    block, warps = _decode_launch(gate_up, block_n, num_warps)
+    block, warps = decode_launch(gate_up, block_n, num_warps)
     tiles = triton.cdiv(inter, block)
     if split_k is None:
         split_k = max(1, min(waves // (pairs * tiles), gate_up.n_units // 2))
@@ -337,13 +287,13 @@ def pairs_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
     target = torch.empty(split_k, pairs, 2 * inter, dtype=torch.float32, device=x.device) if split_k > 1 else act
     act_id = ACTIVATIONS[activation]
     _pairs_gate_up_kernel[(pairs, tiles, split_k)](
-        x, ids, weights, gate_up.rows, target, inter, hidden, gate_up.rows.shape[1], gate_up.n_units, per,
-        pairs * 2 * inter, TOPK=top_k, BLOCK_N=block, SPLIT=split_k > 1, ACT=act_id, ON_INPUT=weights_on_input,
-        num_warps=warps, **_consts(gate_up), **launch)
+        x, ids, weights, gate_up.rows, shared_rows[0], target, gate_up.experts, inter, hidden, gate_up.rows.shape[1],
+        gate_up.n_units, per, pairs * 2 * inter, TOPK=top_k, BLOCK_N=block, SPLIT=split_k > 1, ACT=act_id,
+        ON_INPUT=weights_on_input, SHARED_W=shared_pair is not None, num_warps=warps, **consts(gate_up), **launch)
     if split_k > 1:
         _act_mul_splits_kernel[(triton.cdiv(pairs * inter, 256),)](target, act, pairs, inter, split_k, BLOCK=256,
                                                                   ACT=act_id, **launch)
-    block, warps = _decode_launch(down, block_n, num_warps)
+    block, warps = decode_launch(down, block_n, num_warps)
     tiles = triton.cdiv(hidden, block)
     if groups is None:
         wanted = triton.cdiv(waves, tokens * tiles)
@@ -352,8 +302,9 @@ def pairs_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gat
         raise ValueError(f"pairs_experts: groups ({groups}) must divide top_k ({top_k})")
     target = torch.empty(groups, tokens, hidden, dtype=torch.float32, device=x.device) if groups > 1 else out
     _pairs_down_kernel[(tokens, groups, tiles)](
-        act, ids, _down_weights(weights, weights_on_input), down.rows, target, hidden, inter, down.rows.shape[1], down.n_units, tokens * hidden,
-        top_k // groups, TOPK=top_k, BLOCK_N=block, num_warps=warps, **_consts(down), **launch)
+        act, ids, _down_weights(weights, weights_on_input), down.rows, shared_rows[1], target, down.experts, hidden,
+        inter, down.rows.shape[1], down.n_units, tokens * hidden, top_k // groups, TOPK=top_k, BLOCK_N=block,
+        SHARED_W=shared_pair is not None, num_warps=warps, **consts(down), **launch)
     if groups > 1:
         reduce_splits(target, None, out, None if shared is None else
                       Shared(shared.value.contiguous(), shared.gate, shared.scale))
@@ -372,7 +323,7 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, g
                     block_n: int = 64, plane: int = 64, num_warps: int | None = None,
                     num_stages: int | None = None) -> torch.Tensor:
     """out [T, H] as pairs_experts, with the pairs grouped by expert on the device (verify, prefill)."""
-    inter = _check(x, ids, weights, gate_up, down, activation)
+    inter = check_operands(x, ids, weights, gate_up, down, activation)
     tokens, top_k = ids.shape
     hidden = x.shape[-1]
     pairs = tokens * top_k
@@ -393,11 +344,11 @@ def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, g
     _grouped_gate_up_kernel[(blocks, triton.cdiv(inter, block_n))](
         x, slots, block_expert, weights, gate_up.rows, act, pairs, inter, hidden, gate_up.rows.shape[1],
         gate_up.n_units, TOPK=top_k, BLOCK_N=block_n, BLOCK_M=block_m, DOT_IEEE=dot_ieee,
-        ACT=ACTIVATIONS[activation], ON_INPUT=weights_on_input, **_consts(gate_up), **options, **launch)
+        ACT=ACTIVATIONS[activation], ON_INPUT=weights_on_input, **consts(gate_up), **options, **launch)
     rows = x.new_empty(pairs, hidden)
     _grouped_down_kernel[(blocks, triton.cdiv(hidden, block_n))](
         act, slots, block_expert, _down_weights(weights, weights_on_input), down.rows, rows, pairs, hidden, inter, down.rows.shape[1], down.n_units,
-        BLOCK_N=block_n, BLOCK_M=block_m, DOT_IEEE=dot_ieee, **_consts(down), **options, **launch)
+        BLOCK_N=block_n, BLOCK_M=block_m, DOT_IEEE=dot_ieee, **consts(down), **options, **launch)
     block = 512
     _sum_top_k_kernel[(triton.cdiv(tokens * hidden, block),)](rows, out, tokens * hidden, hidden, TOPK=top_k,
                                                              BLOCK=block, **launch)

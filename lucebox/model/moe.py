@@ -26,8 +26,8 @@ from ..kernels import dequant
 from ..kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from ..kernels.linear import linear, linears, norm_rows
 from ..kernels.moe import Shared, add_shared, expert_kernel, expert_matmul, route_experts
-from ..kernels.routing import TORCH
-from ..weights.quant import QuantTensor
+from ..kernels.routing import MOE_PAIRS, TORCH
+from ..weights.quant import QuantLinear, QuantTensor
 from .config import ModelConfig
 
 # The torch reference (the CPU; GPUs without Triton): up to this many routed (token, expert) rows,
@@ -51,14 +51,17 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                weights_on_input: bool = False, shared: Shared | None = None) -> torch.Tensor:
+                weights_on_input: bool = False, shared: Shared | None = None,
+                shared_pair: tuple | None = None) -> torch.Tensor:
         """x [T, H]; ids, weights [T, k]: sum over j of weights[t, j] * expert_{ids[t, j]}(x[t]), or
         with weights_on_input, of expert_{ids[t, j]}(weights[t, j] * x[t]); shared: a shared expert
-        to combine that sum with (kernels.moe.Shared)."""
+        to combine that sum with (kernels.moe.Shared); shared_pair: the shared expert's (gate_up,
+        down) as one-expert stacks, expert id E of the ids (the pairs kernel's)."""
         kernel = expert_kernel(x, ids, self.gate_up_proj, self.down_proj, self.activation)
         if kernel != TORCH:
             return expert_matmul(x, ids, weights, self.gate_up_proj, self.down_proj, kernel,
-                                 activation=self.activation, weights_on_input=weights_on_input, shared=shared)
+                                 activation=self.activation, weights_on_input=weights_on_input, shared=shared,
+                                 shared_pair=shared_pair)
         out = self._reference(x, ids, weights, weights_on_input)
         return out if shared is None else add_shared(out, shared)
 
@@ -101,6 +104,31 @@ class Experts(nn.Module):
         out = torch.empty_like(sorted_out)
         out[order] = sorted_out
         return out
+
+
+def shared_expert_stacks(mlp: nn.Module, experts: Experts) -> tuple | None:
+    """A fused shared expert's (gate | up, down) as stacks of one expert in its experts' formats and
+    sizes, for the pairs kernel to run it as one more routed pair; None where they differ. Views of
+    its weights, except quantised rows that the GPU's split layout has reordered or may reorder in
+    place: those are copied in ggml's layout."""
+    gate_up = getattr(mlp.gate_up, "__self__", mlp.gate_up)  # a quantised projection's module
+    stacks = []
+    for module, stacked in ((gate_up, experts.gate_up_proj), (mlp.down_proj, experts.down_proj)):
+        if getattr(module, "bias", None) is not None:
+            return None
+        if isinstance(stacked, QuantTensor) and type(module) is QuantLinear and module.qtype == stacked.qtype:
+            moves = module.split_rows or module.splits_rows()
+            rows = module._raw_rows() if module.split_rows or not moves else module.qweight.clone()
+            stack = QuantTensor(rows, stacked.qtype, (1, module.out_features, module.in_features), "shared expert")
+        elif isinstance(stacked, torch.Tensor) and isinstance(getattr(module, "weight", None), torch.Tensor) \
+                and module.weight.dtype == stacked.dtype and not isinstance(module, QuantLinear):
+            stack = module.weight.detach()[None]
+        else:
+            return None
+        if tuple(stack.shape) != (1, *stacked.shape[1:]):
+            return None
+        stacks.append(stack)
+    return tuple(stacks)
 
 
 def expert_weights(w: torch.Tensor | QuantTensor, ids: torch.Tensor | int, dtype: torch.dtype) -> torch.Tensor:
@@ -163,6 +191,7 @@ class SparseMoE(nn.Module):
         self.shared_expert = self.shared_expert_gate = None
         self.router = None  # gate | shared_expert_gate as one projection, after fuse()
         self.shared_fused = False  # after fuse(): the shared expert combined by the routed experts' sum
+        self.shared_pair = None  # after fuse(), where it fits: the shared expert as one more routed pair
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = MLP(cfg, cfg.shared_expert_intermediate_size)
             if shared_expert_gated:
@@ -180,13 +209,16 @@ class SparseMoE(nn.Module):
         """(expert ids [T, k], their weights [T, k] in x's dtype), computed in float32."""
         return self.choose(linear(x, self.gate), x.dtype)
 
-    def choose(self, logits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """route's (ids, weights in dtype) of the router's logits [T, E]."""
+    def choose(self, logits: torch.Tensor, dtype: torch.dtype, shared: str | None = None):
+        """route's (ids, weights in dtype) of the router's logits [T, E]. shared ("gated": logits
+        [T, E + 1], or "ungated"): also route k + 1 to the shared expert (kernels.moe.route_experts),
+        where the Triton kernel runs, else None."""
         bias = self.experts.e_score_correction_bias if self.routing.selection_bias else None
         r = self.routing
         chosen = route_experts(logits, r.top_k, softmax=r.scoring == "softmax", softcap=r.logit_softcap, bias=bias,
-                               norm=r.norm_topk_prob, dtype=dtype)  # one kernel where Triton runs
-        if chosen is not None:
+                               norm=r.norm_topk_prob, dtype=dtype, shared=shared,
+                               routed_scale=r.routed_scaling_factor if shared else 1.0)  # one kernel where Triton runs
+        if chosen is not None or shared is not None:
             return chosen
         ids, weights = r.choose(logits.float(), bias)
         return ids, weights.to(dtype)
@@ -219,6 +251,8 @@ class SparseMoE(nn.Module):
         if self.shared_expert_gate is not None and self.router is None:
             self.router = fuse_linears([self.gate, self.shared_expert_gate])
         self.shared_fused = True
+        if not self.routing.weights_on_input:  # a gate on the input would not be the gate on the output
+            self.shared_pair = self.shared_pair or shared_expert_stacks(self.shared_expert, self.experts)
 
     def _combined(self) -> bool:
         """fuse() has run (and a gated shared expert's gate is in the router: a move unfuses it)."""
@@ -233,6 +267,14 @@ class SparseMoE(nn.Module):
         h, residual = norm(x, residual)
         return self(h), residual
 
+    def _pairs(self, x: torch.Tensor) -> bool:
+        """Whether the shared expert runs as one more pair of the experts' pairs kernel (decode rows) for x:
+        its stacks made by fuse() and still on x's device (a move after fuse() keeps it separate)."""
+        pair = self.shared_pair
+        if pair is None or any(getattr(w, "data", w).device != x.device for w in pair):
+            return False
+        return expert_kernel(x, x, self.experts.gate_up_proj, self.experts.down_proj, self.experts.activation) == MOE_PAIRS
+
     def _shared_projections(self) -> tuple:
         """The shared expert's gate | up, where they are one projection (the norm rounds its rows)."""
         gate_up = self.shared_expert.gate_up
@@ -245,6 +287,10 @@ class SparseMoE(nn.Module):
         gated = self.shared_expert_gate is not None
         logits = linear(x, self.router if gated else self.gate)
         experts = self.experts.num_experts
+        if self._pairs(x):  # the shared expert as route k + 1
+            chosen = self.choose(logits, x.dtype, "gated" if gated else "ungated")
+            if chosen is not None:
+                return self.experts(x, *chosen, shared_pair=self.shared_pair)
         ids, weights = self.choose(logits[:, :experts], x.dtype)
         projections = self._shared_projections()
         value = (self.shared_expert.down(linears(x, projections, rows)[0]) if projections
