@@ -239,68 +239,6 @@ def test_quantised_experts_forward_takes_the_kernels_and_reads_only_routed_exper
     assert torch.isfinite(got).all() and rel_err(got, want) <= 1e-5
 
 
-@pytest.mark.parametrize("tokens", [1, 3], ids=["decode", "verify"])
-def test_an_ungated_shared_expert_and_a_routed_scale_combine_in_the_experts_sum(tokens, monkeypatch):
-    """Laguna's MoE (an ungated shared expert, routed_scaling_factor 2.5) after fuse(): the launch that
-    sums the routed experts applies the scale and adds the shared expert; equal to the unfused
-    block, and the scale is not applied to the shared expert."""
-    from lucebox.model.moe import Routing
-    torch.manual_seed(2)
-    block = SparseMoE(block_config(True, 16), Routing(2, True, routed_scaling_factor=2.5), shared_expert_gated=False)
-    with torch.no_grad():
-        for p in block.parameters():
-            p.normal_(0, 0.3)
-    block = block.to(DEVICE)
-    x = torch.randn(tokens, 24, generator=torch.Generator().manual_seed(5)).to(DEVICE)
-    monkeypatch.setenv("LUCEBOX_TRITON", "1")
-    with torch.no_grad():
-        want = block(x)
-        routed, shared = block.routed(x), block.shared_expert(x)
-        assert (want - (routed + shared)).abs().max().item() <= 1e-5
-        block.fuse()
-        got = block(x)
-    assert block.shared_fused and block.router is None
-    assert (got - want).abs().max().item() <= 1e-5
-    assert (got - 2.5 * (routed + shared)).abs().max().item() > 1e-2
-
-
-def test_a_fused_moe_layer_rounds_its_input_once_in_the_norm(monkeypatch):
-    """After fuse(), a MoE layer behind its norm (after_norm): the router and the shared expert's gate
-    one product, the shared expert's Q4_K gate | up on int8 rows the norm's launch rounded (no
-    quantising launch of its own), the gated shared expert added by the routed experts' sum; equal
-    to the unfused layer on the torch reference."""
-    from lucebox.kernels import triton_dp4a as tdp
-    from lucebox.kernels import triton_quant_int8 as tqi
-    from lucebox.model.transformer import RMSNorm
-    from lucebox.weights.quant import QuantLinear
-    from tests.kernels.test_triton_kernels import quant_rows
-    cfg = block_config(True, 256)
-    cfg = type(cfg)(**{**vars(cfg), "hidden_size": 256})
-    torch.manual_seed(1)
-    block, norm = SparseMoE(cfg), RMSNorm(256, 1e-6)
-    with torch.no_grad():
-        for p in block.parameters():
-            p.normal_(0, 0.1)
-    mlp = block.shared_expert
-    for name, seed in (("gate_proj", 71), ("up_proj", 72)):
-        setattr(mlp, name, QuantLinear(QuantTensor(quant_rows(Q.Q4_K, 256, 256, seed=seed), Q.Q4_K, (256, 256))))
-    block, norm = block.to(DEVICE), norm.to(DEVICE)
-    g = torch.Generator().manual_seed(73)
-    x, residual = (torch.randn(1, 256, generator=g).to(DEVICE) for _ in range(2))
-    monkeypatch.delenv("LUCEBOX_INT8_ACTIVATIONS", raising=False)
-    monkeypatch.setenv("LUCEBOX_TRITON", "1")
-    with torch.no_grad():
-        want, want_stream = block.after_norm(norm, x, residual)  # unfused: the norm, then each product
-        block.fuse()
-        assert block.router is not None and mlp.gate_up is not None
-        rounds, real = [], tdp.quantize_rows
-        for module in (tdp, tqi):
-            monkeypatch.setattr(module, "quantize_rows", lambda t: rounds.append(1) or real(t))
-        got, stream = block.after_norm(norm, x, residual)
-    assert not rounds
-    assert torch.equal(stream, want_stream) and rel_err(got, want) <= 1e-5
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("tokens", [1, 16, 300], ids=["decode", "verify", "prefill"])
 @pytest.mark.parametrize("weights_type", ["bf16", "Q4_K"])
