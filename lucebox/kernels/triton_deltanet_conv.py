@@ -184,18 +184,12 @@ def conv_gate_steps_triton(qkv, a, b, conv, weight, a_log, dt_bias, slots, start
                            stash=None, positions: int = 0, tree=None, gate_stash=None
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """kernels.gated_delta.conv_gate_steps on the by-sequence kernel, one launch (same contract)."""
+    from .triton_gated_delta import gate_outputs
+
     _check(qkv, conv, weight)
-    if a.stride(1) != 1 or b.stride(1) != 1:
-        raise ValueError("gates: a and b need unit stride per head")
-    tokens, channels = qkv.shape
-    heads = a.shape[1]
+    channels, heads = qkv.shape[1], a.shape[1]
     out = torch.empty_like(qkv)
-    g = torch.empty(tokens, heads, dtype=torch.float32, device=a.device)
-    beta = torch.empty_like(g)
-    g_stash, beta_stash, stash_rows = gate_stash if gate_stash is not None else (g, beta, g)
-    if gate_stash is not None and not (g_stash.dtype == beta_stash.dtype == torch.float32
-                                       and g_stash.stride() == beta_stash.stride() == (heads, 1)):
-        raise ValueError("gates: the stash takes float32 rows of one entry a head")
+    g, beta, g_stash, beta_stash, stash_rows = gate_outputs(a, b, gate_stash)
     block = min(BLOCK_C, next_pow2(channels))
     raw, mixed = stash if stash is not None else (conv, conv)  # never written without STASH
     parents, depths = tree[:2] if tree is not None else (local, local)  # never read without TREE

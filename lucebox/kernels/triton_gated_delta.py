@@ -251,8 +251,9 @@ def gated_delta_tree_triton(q, k, v, g, beta, state, slots, starts, seq, masks, 
     return out
 
 
-def gates_triton(a, b, a_log, dt_bias, stash=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """kernels.gated_delta.gates on the Triton kernel (same contract)."""
+def gate_outputs(a, b, stash=None) -> tuple:
+    """(g, beta, g_stash, beta_stash, stash rows) for a launch of _gate_row over a and b [T, Hv]: the
+    outputs allocated, the stash checked (without one, the outputs stand in for it, never written)."""
     tokens, heads = a.shape
     if a.stride(1) != 1 or b.stride(1) != 1:
         raise ValueError("gates: a and b need unit stride per head")
@@ -262,6 +263,13 @@ def gates_triton(a, b, a_log, dt_bias, stash=None) -> tuple[torch.Tensor, torch.
     if stash is not None and not (g_stash.dtype == beta_stash.dtype == torch.float32
                                   and g_stash.stride() == beta_stash.stride() == (heads, 1)):
         raise ValueError("gates: the stash takes float32 rows of one entry a head")
+    return g, beta, g_stash, beta_stash, rows
+
+
+def gates_triton(a, b, a_log, dt_bias, stash=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels.gated_delta.gates on the Triton kernel (same contract)."""
+    tokens, heads = a.shape
+    g, beta, g_stash, beta_stash, rows = gate_outputs(a, b, stash)
     if tokens:
         kernel = _kernel()[1]
         kernel[(tokens,)](a, b, a_log, dt_bias, g, beta, g_stash, beta_stash, rows, heads, a.stride(0), b.stride(0),
