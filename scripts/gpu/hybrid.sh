@@ -18,6 +18,7 @@ hybrid_with_peer() {  # hybrid_with_peer "SHAPES" "QUANTS": bench speed of each 
 }
 
 llama_rows() {  # llama_rows SHAPE QUANT SECONDS: llama-bench of a random GGUF of SHAPE, as bench speed's peer runs it
+               # (decode depths LLAMA_CONTEXTS, default 512)
   timeout "$3" python3 - "$1" "$2" <<'PY'
 import os, subprocess, sys, time
 from lucebox.bench import llama_cpp, shapes
@@ -27,7 +28,9 @@ path = llama_cpp.work_dir(None, llama_cpp.expected_file_bytes(cfg, quant)) / f"p
 start = time.perf_counter()
 size = llama_cpp.write_gguf(cfg, quant, path)
 print(f"== llama.cpp {shape} {quant}: GGUF {size / 2**30:.2f} GiB written in {time.perf_counter() - start:.1f} s")
-command = llama_cpp.bench_command(".llama/bin/llama-bench", path, [4096], 64, [512], 2, os.environ.get("LLAMA_BENCH_ARGS", "").split())
+contexts = [int(c) for c in os.environ.get("LLAMA_CONTEXTS", "512").split()]
+command = llama_cpp.bench_command(".llama/bin/llama-bench", path, [4096], 64, contexts, 2,
+                                  os.environ.get("LLAMA_BENCH_ARGS", "").split())
 done = subprocess.run(command, capture_output=True, text=True, check=False)
 path.unlink()
 if done.returncode:
@@ -91,5 +94,26 @@ mode_gemma_laguna() {
     bench "$shape-${QUANT:-q4_k_m}" "${SECONDS_RUN:-185}" --shape "$shape" --quant "${QUANT:-q4_k_m}" \
       --prompt-lens 4096 --contexts ${CONTEXTS:-512 32768} --decode-tokens 64 --repeats "${REPEATS:-2}" \
       --skip spec forced --no-peer
+  done
+}
+
+#: long-peer    issue 27 in one call: llama-bench builds on the CPUs (~6.5 min) while lucebox decodes RUNS (default
+#:              gemma4-26b-a4b, laguna-xs-33b, gemma4-31b in q4_k_m) at LONG_CONTEXTS (default 32768 131072; the
+#:              rows show the KV each sequence holds), then llama-bench on RUNS at depths 512 and 32768, all
+#:              before 570 s
+mode_long_peer() {
+  local start=$SECONDS runs=${RUNS:-gemma4-26b-a4b:q4_k_m laguna-xs-33b:q4_k_m gemma4-31b:q4_k_m} sq left
+  (nice -n 19 bash scripts/build_llama_cpp.sh > "$out/llama-build.log" 2>&1
+   echo "build exit $?" >> "$out/llama-build.log") &
+  for sq in $runs; do
+    # shellcheck disable=SC2086  # LONG_CONTEXTS is a list of numbers
+    bench "${sq%%:*}-${sq##*:}-long" "${SECONDS_RUN:-150}" --shape "${sq%%:*}" --quant "${sq##*:}" --prompt-lens 128 \
+      --contexts ${LONG_CONTEXTS:-32768 131072} --decode-tokens 64 --repeats 1 --skip verify forced spec --no-peer
+  done
+  while [ $((SECONDS - start)) -lt 450 ] && ! grep -q "build exit" "$out/llama-build.log"; do sleep 5; done
+  tail -n 2 "$out/llama-build.log"
+  for sq in $runs; do
+    left=$((570 - SECONDS + start)); [ "$left" -gt 20 ] || break
+    LLAMA_CONTEXTS="512 32768" llama_rows "${sq%%:*}" "${sq##*:}" "$left" 2>&1 | tee -a "$out/llama-peer.log" | tail -n 8
   done
 }
