@@ -163,14 +163,16 @@ class BlockManager:
             if block_id != self.released:
                 self._release(block_id)
 
-    def release_before(self, block_table: list[int], num_tokens: int) -> int:
+    def release_before(self, block_table: list[int], num_tokens: int, keep: range = range(0)) -> int:
         """Release the blocks wholly before token `num_tokens` (out of every window), keeping the
         table's length; returns how many were released now. Walks back from the last such block to
-        the first one released before, so a step costs the blocks it releases."""
+        the first one released before, so a step costs the blocks it releases. Entries in `keep` (the
+        window a prefix hit at the prompt's end reads) join the free pool last, the others first: a
+        window slid past mid-output is what a later prompt is least likely to reach."""
         released = 0
         index = min(num_tokens // self.block_size, len(block_table)) - 1
         while index >= 0 and block_table[index] != self.released:
-            self._release(block_table[index])
+            self._release(block_table[index], evict_first=index not in keep)
             block_table[index] = self.released
             released += 1
             index -= 1
@@ -180,11 +182,13 @@ class BlockManager:
         # Tail blocks first, so a prompt's early blocks, the likeliest to be shared, are evicted last.
         self.truncate(block_table, 0)
 
-    def _release(self, block_id: int) -> None:
+    def _release(self, block_id: int, evict_first: bool = False) -> None:
         block = self.blocks[block_id]
         block.ref_count -= 1
         if block.ref_count == 0:
             self.free[block_id] = None
+            if evict_first:
+                self.free.move_to_end(block_id, last=False)
 
     @property
     def hit_rate(self) -> float:

@@ -206,7 +206,7 @@ class CacheManager:
         self._register(seq)
         for pool, table, window in self._tables(seq):
             if window is not None:
-                pool.release_before(table, seq.num_computed - window + 1)
+                pool.release_before(table, seq.num_computed - window + 1, self._prompt_window(seq, window))
         if self.snapshots is not None:
             entry = (seq, self.slots[id(seq)], self.prompt_boundaries[id(seq)])
             if self._batching:  # a verify's: the state advances when the block ends (_apply_commits)
@@ -321,6 +321,12 @@ class CacheManager:
             if self.blocks.blocks[cached[n - 1]].hash in self.snapshots:
                 return cached[:n]
         return []
+
+    def _prompt_window(self, seq: Sequence, window: int) -> range:
+        """Entries of a window group's table that a later prompt extending seq's prompt reads on a hit
+        (window_hit at the prompt's last full block): a thinking model's next turn drops the output."""
+        k = (len(seq.prompt_token_ids) - 1) // self.block_size
+        return range(max(0, k * self.block_size - window + 1) // self.block_size, k)
 
     def prompt_boundary(self, seq: Sequence) -> int:
         """The last block boundary a later request repeating seq's tokens could be served up to

@@ -235,6 +235,28 @@ def test_a_hit_is_shortened_to_what_the_window_group_still_holds():
     assert len(second.block_table) == len(hit) and len(second.window_tables[0]) == len(hit)
 
 
+def test_a_prompts_window_outlives_the_windows_its_output_slid_past():
+    """A thinking model's next turn repeats the prompt, not the output: the window blocks a hit at the
+    prompt's end reads join the free pool last, the ones decoding slid past first."""
+    specs = [PagedKVSpec.of(2, 32, torch.float32, window=6), PagedKVSpec.of(2, 32, torch.float32)]
+    cache = CacheManager(specs, [32, 8], BLOCK)
+    seq = Sequence("a", 0, list(range(10)), SamplingParams())
+    cache.admit(seq, [])
+    cache.grow(seq, 10)
+    seq.num_computed = 10
+    cache.commit(seq)
+    while seq.num_tokens < 30:  # decode: window blocks 0..5 released, 6 and 7 held
+        seq.output_token_ids.append(100 + seq.num_tokens)
+        cache.grow(seq, seq.num_tokens)
+        seq.num_computed = seq.num_tokens
+        cache.commit(seq)
+    pool, other = cache.window_pools[0], []
+    pool.allocate(other, (len(pool.free) - 2) * BLOCK)  # another sequence takes all but two free blocks
+    next_turn = list(range(10)) + [7, 7]
+    hit = cache.match_prefix(next_turn)  # the first query (position 8) reads keys 3..7: window blocks 0, 1
+    assert len(hit) == 2 and [(skipped, len(blocks)) for skipped, blocks in hit.windows] == [(0, 2)]
+
+
 def test_preemption_and_recompute(mixed, reference):
     g = random.Random(4)
     many = [{"prompt_token_ids": [g.randrange(380) for _ in range(g.randint(2, 5))]} for _ in range(12)]

@@ -317,7 +317,11 @@ def test_published_config_fields_read_as_transformers_reads_them(spec):
     assert ours.layer_types == theirs.layer_types
     assert ours.layer_head_dims == [theirs.per_layer_config[i].head_dim for i in layers]
     assert ours.layer_kv_heads == [theirs.per_layer_config[i].num_key_value_heads for i in layers]
-    assert [source != i for i, source in enumerate(ours.kv_sources)] == [m == "reuse" for m in theirs.kv_sharing_modes]
-    assert ours.double_wide_mlp == [theirs.use_double_wide_mlp and m == "reuse" for m in theirs.kv_sharing_modes]
+    # transformers before kv_sharing_modes (5.17) shared the last num_kv_shared_layers layers' KV, as it still does
+    first_shared = theirs.num_hidden_layers - theirs.num_kv_shared_layers
+    reuse = ([m == "reuse" for m in theirs.kv_sharing_modes] if hasattr(type(theirs), "kv_sharing_modes")
+             else [i >= first_shared for i in layers])
+    assert [source != i for i, source in enumerate(ours.kv_sources)] == reuse
+    assert ours.double_wide_mlp == [theirs.use_double_wide_mlp and r for r in reuse]
     assert ours.sliding_windows == [theirs.sliding_window if t == "sliding_attention" else None
                                     for t in theirs.layer_types]
