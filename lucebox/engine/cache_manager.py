@@ -195,6 +195,16 @@ class CacheManager:
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
         return all(pool.can_allocate(table, num_tokens) for pool, table, _ in self._tables(seq))
 
+    def can_grow_together(self, growth: list[tuple[Sequence, int]]) -> bool:
+        """Whether every (seq, num_tokens) can grow at once: their new blocks come out of the same pools."""
+        needed: dict[int, int] = {}
+        free: dict[int, int] = {}
+        for seq, num_tokens in growth:
+            for pool, table, _ in self._tables(seq):
+                needed[id(pool)] = needed.get(id(pool), 0) + max(0, pool.blocks_for(num_tokens) - len(table))
+                free[id(pool)] = len(pool.free)
+        return all(n <= free[key] for key, n in needed.items())
+
     def grow(self, seq: Sequence, num_tokens: int) -> None:
         """Room for seq's first num_tokens tokens."""
         for pool, table, _ in self._tables(seq):

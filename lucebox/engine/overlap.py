@@ -98,7 +98,8 @@ class Overlap:
         if self.scheduler.waiting or any(len(row.tokens) != 1 for row in plan.rows):
             return None
         cache = self.scheduler.cache
-        if any(s.num_tokens + 1 >= self.max_model_len or not cache.can_grow(s, s.num_computed + 2) for s in seqs):
+        if any(s.num_tokens + 1 >= self.max_model_len for s in seqs) or \
+                not cache.can_grow_together([(s, s.num_computed + 2) for s in seqs]):
             return None
         argmax = all(argmax_only(s.params, len(s.output_token_ids) + 1) for s in seqs)
         if not argmax and (sample is None or not all(graph_samplable(s.params, len(s.output_token_ids) + 1)

@@ -143,6 +143,20 @@ def test_free_returns_every_held_block_once():
     assert all(b.ref_count == 0 for b in cache.blocks.blocks)
 
 
+def test_growth_of_several_sequences_is_checked_against_the_pools_together():
+    """A decode step launched ahead grows every row at once: each fitting alone is not enough."""
+    cache = CacheManager([windowed(None), windowed(6)], [3, 6], BLOCK)
+    a, b = seq_of(4), seq_of(4, start=50)
+    for seq in (a, b):
+        cache.admit(seq, [])
+        computed(cache, seq, 4)  # one full block of the primary pool each: one left
+    assert cache.can_grow(a, 5) and cache.can_grow(b, 5)
+    assert not cache.can_grow_together([(a, 5), (b, 5)])
+    assert cache.can_grow_together([(a, 5), (b, 4)])
+    cache.grow(a, 5)
+    assert not cache.can_grow_together([(b, 5)])
+
+
 def test_released_blocks_stay_in_the_prefix_cache_and_are_shared_again():
     cache = CacheManager([windowed(8)], 32, BLOCK)
     first = seq_of(30)

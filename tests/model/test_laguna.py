@@ -308,11 +308,12 @@ def test_ngram_speculation_is_token_identical_to_plain_decoding(laguna_path):
         params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
         return llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
 
-    plain = LLM(str(laguna_path), block_size=BLOCK_SIZE, max_num_seqs=4)
+    plain = LLM(str(laguna_path), block_size=BLOCK_SIZE, max_num_seqs=4, kv_cache_memory=64 << 20)  # two engines live
     a, b, c = prompts(plain.engine.loaded.config.vocab_size, [5, 3, 7], seed=11)
     batch = [a * 4, b * 5 + a, c + b * 3 + c, a + c * 2]  # repeated phrases: the n-gram lookup drafts from them
     want = [o.outputs[0].token_ids for o in greedy(plain, batch)]
-    spec = LLM(str(laguna_path), block_size=BLOCK_SIZE, max_num_seqs=4, speculative_config=NGRAM)
+    spec = LLM(str(laguna_path), block_size=BLOCK_SIZE, max_num_seqs=4, speculative_config=NGRAM,
+               kv_cache_memory=64 << 20)
     outs = greedy(spec, batch)
     assert [o.outputs[0].token_ids for o in outs] == want
     metrics = [o.metrics for o in outs]

@@ -100,10 +100,13 @@ def count_calls(monkeypatch, *functions) -> dict:
 
 @pytest.mark.parametrize("config", [None, NGRAM], ids=["plain", "ngram"])
 def test_greedy_generation_through_padded_static_batches_equals_eager(laguna_path, config):
-    eager = LLM(str(laguna_path), block_size=BLOCK_SIZE, max_num_seqs=4, speculative_config=config)
+    # each engine's KV bounded: on a GPU the default pool takes most of the card, and both engines live at once
+    eager = LLM(str(laguna_path), block_size=BLOCK_SIZE, max_num_seqs=4, speculative_config=config,
+                kv_cache_memory=64 << 20)
     batch = repetitive_prompts(eager.engine.loaded.config.vocab_size)
     want = [o.outputs[0].token_ids for o in greedy(eager, batch, 16)]
-    llm = LLM(str(laguna_path), block_size=BLOCK_SIZE, max_num_seqs=4, speculative_config=config, cuda_graphs=True)
+    llm = LLM(str(laguna_path), block_size=BLOCK_SIZE, max_num_seqs=4, speculative_config=config, cuda_graphs=True,
+              kv_cache_memory=64 << 20)
     runner = llm.engine.runner
     runner.attach_graphs(replace(llm.engine._graph_settings(), capture=False))
     assert [o.outputs[0].token_ids for o in greedy(llm, batch, 16)] == want
