@@ -90,7 +90,7 @@ class BlockManager:
 
     def lookup(self, chunks):
         """Per (chained hash, token ids) of `chunks` (prefix_chunks): the cached block holding them, or
-        None, lazily (a window group's side of a prefix hit: CacheManager.window_hit)."""
+        None, lazily (a window group's side of a prefix hit: window_hits.window_hit)."""
         for h, chunk in chunks:
             block_id = self.cached.get(h)
             yield block_id if block_id is not None and self.blocks[block_id].token_ids == chunk else None

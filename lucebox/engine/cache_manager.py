@@ -32,20 +32,12 @@ import torch
 from ..model.cache_spec import KVGroup, RecurrentSpec, bytes_per_sequence, bytes_per_token, kv_groups
 from ..model.recurrent_state import RecurrentState
 from ..util import host_to_device
-from .block_manager import BlockManager, extend_hashes, prefix_chunks
+from .block_manager import BlockManager, extend_hashes
 from .sequence import Sequence
 from .state_snapshots import StateSnapshots, snapshot_bytes
+from .window_hits import CachedPrefix, prompt_window, window_hit
 
 log = logging.getLogger("lucebox")
-
-
-class CachedPrefix(list):
-    """A prefix-cache hit: the primary group's block ids (a list, as the scheduler reads them) and
-    per window group (released entries before its blocks, its cached block ids)."""
-
-    def __init__(self, primary: list[int], windows: list[tuple[int, list[int]]]):
-        super().__init__(primary)
-        self.windows = windows
 
 
 class CacheManager:
@@ -136,19 +128,9 @@ class CacheManager:
             found = self.recurrent_prefix_hit(found)
         return self.window_hit(token_ids, found) if self.window_pools else found
     def window_hit(self, token_ids: list[int], found: list[int]) -> CachedPrefix:
-        """The longest prefix of `found` (k blocks, n = k * block_size tokens) every window group
-        can serve: the first query, at position n, reads keys from n - W + 1 on, so a group of
-        window W needs its cached blocks from (n - W + 1) // block_size to k - 1 (those before are
-        released entries). Kept apart from the primary lookup on purpose (hybrid prefix caching
-        changes that one)."""
-        bs = self.block_size
-        chunks = list(prefix_chunks(token_ids[:len(found) * bs], bs))
-        present = [list(pool.lookup(chunks)) for pool in self.window_pools]
-        for k in range(len(found), -1, -1):
-            firsts = [max(0, k * bs - w + 1) // bs for w in self.windows]
-            if all(None not in ids[first:k] for ids, first in zip(present, firsts)):
-                return CachedPrefix(found[:k], [(first, ids[first:k]) for ids, first in zip(present, firsts)])
-        raise AssertionError("k = 0 needs no block")
+        """The longest prefix of `found` every window group can serve (window_hits.window_hit). Kept
+        apart from the primary lookup on purpose (hybrid prefix caching changes that one)."""
+        return window_hit(self.window_pools, self.windows, self.block_size, token_ids, found)
 
     def _window_hits(self, cached: list[int]) -> list[tuple[int, list[int]]]:
         """(released entries, cached blocks) each window group starts a table with."""
@@ -216,7 +198,8 @@ class CacheManager:
         self._register(seq)
         for pool, table, window in self._tables(seq):
             if window is not None:
-                pool.release_before(table, seq.num_computed - window + 1, self._prompt_window(seq, window))
+                keep = prompt_window(len(seq.prompt_token_ids), self.block_size, window)
+                pool.release_before(table, seq.num_computed - window + 1, keep)
         if self.snapshots is not None:
             entry = (seq, self.slots[id(seq)], self.prompt_boundaries[id(seq)])
             if self._batching:  # a verify's: the state advances when the block ends (_apply_commits)
@@ -331,12 +314,6 @@ class CacheManager:
             if self.blocks.blocks[cached[n - 1]].hash in self.snapshots:
                 return cached[:n]
         return []
-
-    def _prompt_window(self, seq: Sequence, window: int) -> range:
-        """Entries of a window group's table that a later prompt extending seq's prompt reads on a hit
-        (window_hit at the prompt's last full block): a thinking model's next turn drops the output."""
-        k = (len(seq.prompt_token_ids) - 1) // self.block_size
-        return range(max(0, k * self.block_size - window + 1) // self.block_size, k)
 
     def prompt_boundary(self, seq: Sequence) -> int:
         """The last block boundary a later request repeating seq's tokens could be served up to
