@@ -45,20 +45,19 @@ mode_check_kvflash() {
 }
 
 #: recheck      the GPU tests fixed or written without a GPU since their last GPU run, those never run there
-#:              first: hybrid draft models (captured draft graphs with state slots), wide-head attention, the
-#:              runs GEMVs and the MoE router kernel (twenty-sixth session), the twenty-seventh's fused
-#:              partial RoPE, sigmoid gate, gated-norm rounding / head order and MoE gated sum, the
-#:              twenty-eighth's Gemma 4 FFN norms and MoE shared expert as a routed pair,
-#:              trees on hybrids, pooled families, whole-slice draft buckets, device placement (its hybrid
+#:              first: the twenty-ninth session's fixes (Gemma 4 config / continuous batch, mixed-window
+#:              preemption with decodes launched ahead, two-engine Laguna / Qwen 3.5 tests), the expert kernels
+#:              and hybrid GGUF / graphs not reached since the twenty-seventh, hybrid draft models, wide-head
+#:              attention, trees on hybrids, pooled families, whole-slice draft buckets, device placement (its hybrid
 #:              speculation alone ~140 s); then prefill graph buckets (passed on the H100 in the twenty-fifth
 #:              session) and the ones that passed in the twenty-third (KVFlash engines and page-ins, PFlash's
 #:              windowed scorer, DFlash2, tree graph buckets) (~6 min; SECONDS_CHECK)
 mode_recheck() {
-  run_tests gpu-tests-recheck "${SECONDS_CHECK:-300}" tests/model/test_qwen3_5_spec.py \
-    tests/kernels/test_triton_kernels.py tests/kernels/test_triton_moe.py tests/kernels/test_prefill_attention.py tests/spec/test_ddtree_hybrid.py \
-    tests/kernels/test_fused_kernels.py tests/kernels/test_norm_kernels.py tests/kernels/test_moe_shared_pair.py \
-    tests/kernels/test_gated_delta.py tests/model/test_qwen3_5_graphs.py \
-    tests/model/test_gguf_hybrid.py \
+  run_tests gpu-tests-recheck "${SECONDS_CHECK:-300}" tests/model/test_gemma4.py \
+    tests/engine/test_sliding_window_mixed.py tests/model/test_laguna_graphs.py tests/model/test_laguna.py \
+    tests/kernels/test_triton_moe.py tests/model/test_gguf_hybrid.py tests/model/test_qwen3_5_graphs.py \
+    tests/model/test_qwen3_5_spec.py tests/kernels/test_triton_kernels.py tests/kernels/test_prefill_attention.py \
+    tests/spec/test_ddtree_hybrid.py \
     tests/engine/test_kv_pool_families.py tests/engine/test_placement.py tests/engine/test_engine_build.py \
     tests/engine/test_prefill_graphs.py tests/model/test_qwen3_5_prefill_graphs.py \
     tests/spec/test_dflash_graphs.py tests/engine/test_kv_pool_engine.py \

@@ -185,7 +185,7 @@ def test_greedy_generation_in_a_continuous_batch_equals_transformers(which, requ
     transformers would mask it instead, which ignore_eos does not). The second round extends the
     first round's prompts, so its prefixes come from the prefix cache."""
     path, reference = request.getfixturevalue(which)
-    llm = LLM(str(path), block_size=BLOCK_SIZE, max_num_batched_tokens=8, max_num_seqs=3)
+    llm = LLM(str(path), block_size=BLOCK_SIZE, max_num_batched_tokens=8, max_num_seqs=3, kv_cache_memory=64 << 20)
     eos = set(llm.engine.loaded.config.eos_token_ids)
     first = prompts(llm.engine.loaded.config.vocab_size, [13, 6, 9], seed=4)
     blocks = llm.engine.scheduler.cache.blocks

@@ -232,7 +232,8 @@ def test_per_element_gates_softmax_routing_and_weights_on_input_match_their_defi
 def test_greedy_generation_in_a_continuous_batch_equals_transformers(laguna_path, reference):
     """Then next turns (prompt + reply + new text), their prefixes (past the window) served from the
     prefix cache: the window layers keep only a window, so a hit reaches where their last window is held."""
-    llm = LLM(str(laguna_path), block_size=BLOCK_SIZE, max_num_batched_tokens=8, max_num_seqs=3)
+    llm = LLM(str(laguna_path), block_size=BLOCK_SIZE, max_num_batched_tokens=8, max_num_seqs=3,
+              kv_cache_memory=64 << 20)
     batch = prompts(llm.engine.loaded.config.vocab_size, [15, 6, 11], seed=7)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
