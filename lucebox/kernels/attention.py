@@ -61,6 +61,23 @@ def paged_attention(q: torch.Tensor, k_cache, v_cache, batch: ForwardBatch, scal
     return out
 
 
+def attention_output(q: torch.Tensor, k_cache, v_cache, batch: ForwardBatch, scale: float,
+                     sliding_window: int | None, projection) -> torch.Tensor:
+    """projection(paged_attention(...) as [T, heads * head_dim]). Where the product takes int8 rows and
+    the step's attention is the Triton decode / verify kernel, its merge launch rounds them (no
+    quantize_rows launch of their own)."""
+    from .linear import linear, linears, takes_int8
+    tokens = q.shape[0]
+    if (batch.query_capture is None and uses_triton(q, k_cache, v_cache)
+            and (batch.device_only or not pa.prefill_sequences(batch))):
+        from . import triton_paged_attention as tpa
+        if tpa.rounds_rows(q, v_cache) and takes_int8((projection,), q.view(tokens, -1)):
+            o, rows = tpa.paged_attention(q, k_cache, v_cache, batch, scale, sliding_window, rounded=True)
+            return linears(o.view(tokens, -1), (projection,), rows)[0]
+    o = paged_attention(q, k_cache, v_cache, batch, scale, sliding_window)
+    return linear(o.reshape(tokens, -1), projection)
+
+
 def paged_attention_reference(q: torch.Tensor, k_cache, v_cache, batch: ForwardBatch, scale: float,
                               sliding_window: int | None = None) -> torch.Tensor:
     """The specification every path is tested against: per sequence, its whole context gathered

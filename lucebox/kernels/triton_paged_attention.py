@@ -41,6 +41,7 @@ import triton.language as tl
 
 from .dispatch import next_pow2, num_sms, pdl_launch
 from .forward_batch import check_tree_window
+from .triton_dp4a import rounded_rows_like, store_rounded
 from .triton_pdl import wait_for_previous_kernel
 
 _KV_PLAIN, _KV_FP8, _KV_Q8_0, _KV_Q4_0 = range(4)
@@ -253,10 +254,12 @@ def _paged_attn_kernel(
 
 
 @triton.jit
-def _merge_splits_kernel(part_ptr, lse_ptr, o_ptr, num_splits,
-                         stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot, stride_oh,
+def _merge_splits_kernel(part_ptr, lse_ptr, o_ptr, rows_ptr, num_splits, n_blocks,
+                         stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot, stride_oh, stride_rt,
                          HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                         PDL: tl.constexpr = False):
+                         ROUND: tl.constexpr = False, PDL: tl.constexpr = False):
+    """One (token, head): the splits' outputs weighed by their log-sum-exp; with ROUND, also the
+    head's values of the token's row rounded to int8 as triton_dp4a.quantize_rows packs them."""
     wait_for_previous_kernel(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -272,6 +275,10 @@ def _merge_splits_kernel(part_ptr, lse_ptr, o_ptr, num_splits,
     total = tl.sum(w, axis=0)
     out = tl.sum(part * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
     tl.store(o_ptr + t * stride_ot + h * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+    if ROUND:  # from the stored (model dtype) values, as quantize_rows reads them
+        x = tl.reshape(out.to(o_ptr.dtype.element_ty).to(tl.float32), [BLOCK_D // 32, 32])
+        b = tl.arange(0, BLOCK_D // 32)
+        store_rounded(rows_ptr + t * stride_rt, x, h * (HEAD_DIM // 32) + b, b < HEAD_DIM // 32, n_blocks)
 
 
 def supports(q: torch.Tensor, k_cache, v_cache) -> bool:
@@ -287,20 +294,32 @@ def _storage(cache):
     return vals, scales
 
 
+def rounds_rows(q: torch.Tensor, v_cache) -> bool:
+    """Whether paged_attention(..., rounded=True) can round its output rows for an int8 product."""
+    tokens, heads, head_dim = q.shape
+    return not v_cache.rotate and head_dim % 32 == 0 and heads * head_dim % 256 == 0
+
+
 def paged_attention(q: torch.Tensor, k_cache, v_cache, batch, scale: float,
                     sliding_window: int | None = None, *, num_splits: int | None = None,
                     block_kv: int | None = None, num_warps: int | None = None,
-                    num_stages: int | None = None, rows: int | None = None) -> torch.Tensor:
+                    num_stages: int | None = None, rows: int | None = None, rounded: bool = False):
     """Same contract as kernels.attention.paged_attention: q [T, heads, head_dim] -> same shape;
     this step's K/V must already be written. The keyword launch settings (splits of the keys, key
-    tile, warps, stages, query rows a program) override the heuristics: for sweeps."""
+    tile, warps, stages, query rows a program) override the heuristics: for sweeps. rounded (where
+    rounds_rows): (output, its rows [T, heads * head_dim] rounded to int8 as quantize_rows packs
+    them), the merge launch writing both (it runs even over one split)."""
     tokens, heads, head_dim = q.shape
     kv_heads = k_cache.num_kv_heads
     group = heads // kv_heads
     num_seqs = int(batch.query_start_loc.shape[0]) - 1
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    packed = rounded_rows_like(out.view(tokens, -1)) if rounded else None
     if tokens == 0 or num_seqs <= 0:
-        return out
+        return (out, packed) if rounded else out
+    if rounded and not rounds_rows(q, v_cache):
+        raise ValueError(f"paged attention: rows rounded to int8 need head_dim % 32 == 0, heads * head_dim % 256 "
+                         f"== 0 and an unrotated V cache, got {heads} x {head_dim}, rotate={v_cache.rotate}")
     if k_cache.rotate:
         q = (q.float() @ k_cache._hadamard).to(q.dtype)
     if q.stride(-1) != 1:
@@ -333,7 +352,7 @@ def paged_attention(q: torch.Tensor, k_cache, v_cache, batch, scale: float,
 
     k_vals, k_scales = _storage(k_cache)
     v_vals, v_scales = _storage(v_cache)
-    split = num_splits > 1
+    split = num_splits > 1 or rounded
     # A rotated V cache gives rotated outputs: written aside, un-rotated into `out` at the end.
     final = torch.empty(q.shape, dtype=q.dtype, device=q.device) if v_cache.rotate else out
     if split:
@@ -368,11 +387,11 @@ def paged_attention(q: torch.Tensor, k_cache, v_cache, batch, scale: float,
         TREE=tree is not None, **kwargs, **pdl_launch(q.device))
     if split:
         _merge_splits_kernel[(tokens, heads)](
-            part, lse, final, num_splits,
+            part, lse, final, packed if rounded else part, num_splits, heads * head_dim // 32,
             part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-            final.stride(0), final.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=max(2, next_pow2(num_splits)), num_warps=4,
+            final.stride(0), final.stride(1), packed.stride(0) if rounded else 0,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=max(2, next_pow2(num_splits)), ROUND=rounded, num_warps=4,
             **pdl_launch(q.device))
     if v_cache.rotate:
         out.copy_(final.float() @ v_cache._hadamard.T)
-    return out
+    return (out, packed) if rounded else out

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..kernels.activation import gelu_tanh_and_mul
-from ..kernels.attention import paged_attention
+from ..kernels.attention import attention_output
 from ..kernels.dispatch import decided_once
 from ..kernels.forward_batch import ForwardBatch
 from ..kernels.linear import gelu_mul_linear, linears, norm_rows, takes_int8
@@ -102,8 +102,7 @@ class Gemma4Attention(nn.Module):
             v = k if self.v_proj is None else kv[1].view(tokens, self.num_kv_heads, self.head_dim)
             qk_norm = (self.q_norm.weight, self.k_norm.weight, self.eps)
             q = rope_and_write_kv(q, k, v, cos, sin, k_cache, v_cache, batch.slot_mapping, qk_norm, self.eps)
-        o = paged_attention(q.contiguous(), k_cache, v_cache, batch, 1.0, self.sliding_window)
-        return self.o_proj(o.reshape(tokens, -1))
+        return attention_output(q.contiguous(), k_cache, v_cache, batch, 1.0, self.sliding_window, self.o_proj)
 
 
 class GeGLU(nn.Module):

@@ -12,10 +12,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.activation import silu_and_mul
-from ..kernels.attention import paged_attention
+from ..kernels.attention import attention_output
 from ..kernels.dispatch import decided_once
 from ..kernels.forward_batch import ForwardBatch
-from ..kernels.linear import FusedProjection, linear, linears, norm_linear, silu_mul_linear
+from ..kernels.linear import FusedProjection, linears, norm_linear, silu_mul_linear
 from ..kernels.norm import rms_norm, rms_norm_residual
 from ..kernels.rope import rope_and_write_kv
 from ..weights.quant import QuantEmbedding, QuantLinear, QuantTensor
@@ -156,8 +156,7 @@ class Attention(nn.Module):
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         qk_norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else None
         q = rope_and_write_kv(q, k, v, cos, sin, self.k_cache, self.v_cache, batch.slot_mapping, qk_norm)
-        o = paged_attention(q, self.k_cache, self.v_cache, batch, self.scale, self.sliding_window)
-        return linear(o.reshape(tokens, -1), self.o_proj)
+        return attention_output(q, self.k_cache, self.v_cache, batch, self.scale, self.sliding_window, self.o_proj)
 
 
 class MLP(nn.Module):
