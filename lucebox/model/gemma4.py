@@ -23,7 +23,7 @@ from ..kernels.activation import gelu_tanh_and_mul
 from ..kernels.attention import attention_output
 from ..kernels.dispatch import decided_once
 from ..kernels.forward_batch import ForwardBatch
-from ..kernels.linear import gelu_mul_linear, linears, norm_rows, takes_int8
+from ..kernels.linear import gelu_mul_linear, linear, linears, norm_rows, takes_int8
 from ..kernels.moe import route_experts
 from ..kernels.norm import rms_norm, rms_norm_add, rms_norm_many, rms_norm_pair_add, unit_rms_norm
 from ..kernels.rope import apply_rope, rope_and_write_kv
@@ -150,7 +150,7 @@ class Gemma4Router(nn.Module):
 
     def route(self, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """forward's experts and weights from its normalised input (norm_weight's norm of the stream)."""
-        logits = self.proj(normed)
+        logits = linear(normed, self.proj)  # the measured GEMV route of a float router, not torch's
         chosen = route_experts(logits, self.top_k, softmax=True, softcap=0.0, bias=None, norm=True,
                                dtype=normed.dtype, expert_scale=self.per_expert_scale)
         if chosen is not None:

@@ -173,6 +173,23 @@ def test_gemma4_moe_block_on_the_kernels_matches_transformers(tokens, quantised,
     assert rel_err(got.cpu(), want) <= 1e-5
 
 
+def test_the_gemma4_router_takes_the_triton_gemv_at_decode(monkeypatch):
+    """A decode row's float router product takes linear()'s measured GEMV route, not torch's kernel."""
+    from lucebox.kernels import triton_gemv
+    ours, _ = gemma4_layers(False)
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    monkeypatch.setenv("LUCEBOX_TRITON", "0")
+    with torch.no_grad():
+        want = ours.router(x)
+    monkeypatch.setenv("LUCEBOX_TRITON", "1")
+    calls, real = [], triton_gemv.gemv
+    monkeypatch.setattr(triton_gemv, "gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    with torch.no_grad():
+        got = ours.router(x)
+    assert calls == [1]
+    assert torch.equal(got[0], want[0]) and rel_err(got[1], want[1]) <= 1e-5
+
+
 # ----------------------------------------------------------------------------- Laguna's MoE block
 
 def laguna_blocks(scoring: str, on_input: bool):
