@@ -183,9 +183,11 @@ def test_chunked_prefill_and_decode_match_transformers(which, request):
 def test_greedy_generation_in_a_continuous_batch_equals_transformers(which, request):
     """Both stop at the end-of-sequence token where greedy decoding meets it (min_new_tokens in
     transformers would mask it instead, which ignore_eos does not). The second round extends the
-    first round's prompts, so its prefixes come from the prefix cache."""
+    first round's prompts, so its prefixes come from the prefix cache: max_num_seqs 6 for 3 prompts sizes
+    the window pools with room beside the running windows, where the prompts' windows stay cached (a pool
+    of exactly the running windows recycles them under load, by design)."""
     path, reference = request.getfixturevalue(which)
-    llm = LLM(str(path), block_size=BLOCK_SIZE, max_num_batched_tokens=8, max_num_seqs=3, kv_cache_memory=64 << 20)
+    llm = LLM(str(path), block_size=BLOCK_SIZE, max_num_batched_tokens=8, max_num_seqs=6, kv_cache_memory=64 << 20)
     eos = set(llm.engine.loaded.config.eos_token_ids)
     first = prompts(llm.engine.loaded.config.vocab_size, [13, 6, 9], seed=4)
     blocks = llm.engine.scheduler.cache.blocks
