@@ -56,6 +56,7 @@ mode_recheck() {
   run_tests gpu-tests-recheck "${SECONDS_CHECK:-300}" tests/model/test_gemma4.py \
     tests/engine/test_sliding_window_mixed.py tests/model/test_laguna_graphs.py tests/model/test_laguna.py \
     tests/kernels/test_triton_moe.py tests/model/test_gguf_hybrid.py tests/model/test_qwen3_5_graphs.py \
+    tests/kernels/test_attention_rounding.py tests/kernels/test_paged_attention.py \
     tests/model/test_qwen3_5_spec.py tests/kernels/test_triton_kernels.py tests/kernels/test_prefill_attention.py \
     tests/spec/test_ddtree_hybrid.py \
     tests/engine/test_kv_pool_families.py tests/engine/test_placement.py tests/engine/test_engine_build.py \

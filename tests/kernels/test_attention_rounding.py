@@ -8,7 +8,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from tests.kernels.test_triton_kernels import paged_case, quant_rows  # noqa: I001  (sets TRITON_INTERPRET=1 first)
+from tests.kernels.test_paged_attention import paged_case  # noqa: I001  (sets TRITON_INTERPRET=1 first)
+from tests.kernels.test_triton_kernels import quant_rows  # noqa: E402
 from lucebox.kernels import triton_dp4a as tdp  # noqa: E402
 from lucebox.kernels import triton_paged_attention as tpa  # noqa: E402
 from lucebox.kernels import triton_quant_int8 as tqi  # noqa: E402

@@ -18,7 +18,7 @@ from lucebox.kernels import prefill_attention as pa  # noqa: E402
 from lucebox.kernels.attention import paged_attention, paged_attention_reference
 from lucebox.kernels.forward_batch import ForwardBatch
 
-from tests.kernels.test_triton_kernels import paged_case  # noqa: I001  (sets TRITON_INTERPRET=1 before triton loads)
+from tests.kernels.test_paged_attention import paged_case  # noqa: I001  (sets TRITON_INTERPRET=1 before triton loads)
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
