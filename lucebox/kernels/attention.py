@@ -35,47 +35,49 @@ from .forward_batch import ForwardBatch, check_tree_window
 
 
 def paged_attention(q: torch.Tensor, k_cache, v_cache, batch: ForwardBatch, scale: float,
-                    sliding_window: int | None = None) -> torch.Tensor:
-    """q [T, heads, head_dim] -> [T, heads, head_dim]; the new K/V must already be written."""
+                    sliding_window: int | None = None, rounded: bool = False):
+    """q [T, heads, head_dim] -> [T, heads, head_dim]; the new K/V must already be written. rounded:
+    (that, its rows [T, heads * head_dim] rounded to int8 as quantize_rows packs them where the
+    Triton decode / verify kernel runs and can write them in its last launch, else None)."""
     check_tree_window(batch, sliding_window)
     if batch.query_capture is not None:  # each row's last token (a graph's rows: max_query_len tokens each)
         batch.query_capture[id(k_cache)] = (q.view(-1, batch.max_query_len, *q.shape[1:])[:, -1] if batch.device_only
                                              else q[[start - 1 for start in batch.query_starts_host[1:]]])
     triton = uses_triton(q, k_cache, v_cache)
-    if batch.device_only:
-        if triton:
-            from . import triton_paged_attention as tpa
-            return tpa.paged_attention(q, k_cache, v_cache, batch, scale, sliding_window)
-        return _device_only_reference(q, k_cache, v_cache, batch, scale, sliding_window)
-    prefill = pa.prefill_sequences(batch)
-    if not prefill:
-        return _short_steps(q, k_cache, v_cache, batch, scale, sliding_window, triton)
-    out = pa.prefill_attention(q, k_cache, v_cache, batch, scale, sliding_window, seqs=prefill)
-    rest = [i for i, n in enumerate(batch.query_lens_host) if n > 0 and i not in prefill]
-    if rest:
-        if triton:
-            sub, rows = batch.select(rest)
-            out[rows] = _short_steps(q[rows], k_cache, v_cache, sub, scale, sliding_window, triton)
-        else:
-            _reference_into(out, q, k_cache, v_cache, batch, scale, sliding_window, rest)
-    return out
+    prefill = [] if batch.device_only else pa.prefill_sequences(batch)
+    if triton and not prefill:  # decode / verify steps (all of a graph's)
+        from . import triton_paged_attention as tpa
+        if rounded and tpa.rounds_rows(q, v_cache):
+            return tpa.paged_attention(q, k_cache, v_cache, batch, scale, sliding_window, rounded=True)
+        out = tpa.paged_attention(q, k_cache, v_cache, batch, scale, sliding_window)
+    elif batch.device_only:
+        out = _device_only_reference(q, k_cache, v_cache, batch, scale, sliding_window)
+    elif not prefill:
+        out = paged_attention_reference(q, k_cache, v_cache, batch, scale, sliding_window)
+    else:
+        out = pa.prefill_attention(q, k_cache, v_cache, batch, scale, sliding_window, seqs=prefill)
+        rest = [i for i, n in enumerate(batch.query_lens_host) if n > 0 and i not in prefill]
+        if rest:
+            if triton:
+                from . import triton_paged_attention as tpa
+                sub, rows = batch.select(rest)
+                out[rows] = tpa.paged_attention(q[rows], k_cache, v_cache, sub, scale, sliding_window)
+            else:
+                _reference_into(out, q, k_cache, v_cache, batch, scale, sliding_window, rest)
+    return (out, None) if rounded else out
 
 
 def attention_output(q: torch.Tensor, k_cache, v_cache, batch: ForwardBatch, scale: float,
                      sliding_window: int | None, projection) -> torch.Tensor:
-    """projection(paged_attention(...) as [T, heads * head_dim]). Where the product takes int8 rows and
-    the step's attention is the Triton decode / verify kernel, its merge launch rounds them (no
-    quantize_rows launch of their own)."""
+    """projection(paged_attention(...) as [T, heads * head_dim]). Where the product takes int8 rows,
+    the attention's last launch rounds them if it can (no quantize_rows launch of their own)."""
     from .linear import linear, linears, takes_int8
     tokens = q.shape[0]
-    if (batch.query_capture is None and uses_triton(q, k_cache, v_cache)
-            and (batch.device_only or not pa.prefill_sequences(batch))):
-        from . import triton_paged_attention as tpa
-        if tpa.rounds_rows(q, v_cache) and takes_int8((projection,), q.view(tokens, -1)):
-            o, rows = tpa.paged_attention(q, k_cache, v_cache, batch, scale, sliding_window, rounded=True)
-            return linears(o.view(tokens, -1), (projection,), rows)[0]
-    o = paged_attention(q, k_cache, v_cache, batch, scale, sliding_window)
-    return linear(o.reshape(tokens, -1), projection)
+    if not takes_int8((projection,), q.reshape(tokens, -1)):
+        return linear(paged_attention(q, k_cache, v_cache, batch, scale, sliding_window).reshape(tokens, -1),
+                      projection)
+    o, rows = paged_attention(q, k_cache, v_cache, batch, scale, sliding_window, rounded=True)
+    return linears(o.reshape(tokens, -1), (projection,), rows)[0]
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache, v_cache, batch: ForwardBatch, scale: float,
@@ -87,13 +89,6 @@ def paged_attention_reference(q: torch.Tensor, k_cache, v_cache, batch: ForwardB
     out = torch.empty_like(q)
     return _reference_into(out, q, k_cache, v_cache, batch, scale, sliding_window,
                            range(len(batch.query_lens_host)))
-
-
-def _short_steps(q, k_cache, v_cache, batch: ForwardBatch, scale: float, sliding_window, triton: bool):
-    if triton:
-        from . import triton_paged_attention as tpa
-        return tpa.paged_attention(q, k_cache, v_cache, batch, scale, sliding_window)
-    return paged_attention_reference(q, k_cache, v_cache, batch, scale, sliding_window)
 
 
 def _reference_into(out: torch.Tensor, q: torch.Tensor, k_cache, v_cache, batch: ForwardBatch, scale: float,
