@@ -84,7 +84,7 @@ def lucebox_logits(loaded, prompt: list[int]) -> torch.Tensor:
 # ------------------------------------------------------------------------------------ our writer, F32
 @pytest.mark.parametrize("arch", ARCHS)
 def test_f32_gguf_logits_equal_transformers(arch, ggufs, references):
-    loaded = load_model(str(ggufs[arch, "f32"]), dtype="float32")
+    loaded = load_model(str(ggufs[arch, "f32"]), dtype="float32", device="cpu")
     assert GGUFReader(ggufs[arch, "f32"]).fields["general.architecture"].contents() == arch
     prompt = prompt_for(loaded.config.vocab_size)
     assert (lucebox_logits(loaded, prompt) - reference_logits(references[arch], prompt)).abs().max().item() <= 1e-4
@@ -185,7 +185,7 @@ def finish(writer):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_q8_0_gguf_keeps_experts_quantised_and_computes_its_dequantised_values(arch, ggufs, references, tmp_path):
-    loaded = load_model(str(ggufs[arch, "q8_0"]), dtype="float32")
+    loaded = load_model(str(ggufs[arch, "q8_0"]), dtype="float32", device="cpu")
     mlps = [layer.mlp for layer in loaded.model.layers]
     if arch != "qwen35":
         for mlp in mlps:  # stacked [E, out, in], raw Q8_0 rows [E * out, bytes]
@@ -196,7 +196,7 @@ def test_q8_0_gguf_keeps_experts_quantised_and_computes_its_dequantised_values(a
     if arch != "qwen3moe":
         deltanet = loaded.model.layers[0].linear_attn
         assert isinstance(deltanet.in_proj_qkv, QuantLinear) and isinstance(deltanet.out_proj, PermutedInputQuantLinear)
-    float_copy = load_model(str(dequantised_copy(ggufs[arch, "q8_0"], tmp_path / "f32.gguf")), dtype="float32")
+    float_copy = load_model(str(dequantised_copy(ggufs[arch, "q8_0"], tmp_path / "f32.gguf")), dtype="float32", device="cpu")
     prompt = prompt_for(loaded.config.vocab_size, seed=2)
     got = lucebox_logits(loaded, prompt)
     assert (got - lucebox_logits(float_copy, prompt)).abs().max().item() <= 1e-4
@@ -263,7 +263,7 @@ def test_quantised_moe_generates_greedily_like_its_dequantised_copy(arch, ggufs,
     float_path = dequantised_copy(ggufs[arch, "q8_0"], tmp_path / "f32.gguf")
     outputs = []
     for path in (ggufs[arch, "q8_0"], float_path):
-        llm = LLM(str(path), block_size=4, max_num_batched_tokens=8, max_num_seqs=2)
+        llm = LLM(str(path), block_size=4, max_num_batched_tokens=8, max_num_seqs=2, kv_cache_memory=64 << 20)
         prompts = [prompt_for(llm.engine.loaded.config.vocab_size, n, seed=n) for n in (13, 6)]
         outputs.append([list(o.outputs[0].token_ids) for o in
                         llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)])
@@ -371,7 +371,7 @@ def test_a_gguf_in_llama_cpp_convention_loads_to_transformers_logits(arch, fuse_
                                                                       tmp_path):
     path = llama_cpp_gguf(arch, hf_dirs[arch], ggufs[arch, "f32"], tmp_path / "ll.gguf", fuse_gate_up)
     assert LLAMA_CPP_NAMES[arch] <= {t.name for t in GGUFReader(path).tensors}
-    loaded = load_model(str(path), dtype="float32")
+    loaded = load_model(str(path), dtype="float32", device="cpu")
     prompt = prompt_for(loaded.config.vocab_size, seed=4)
     assert (lucebox_logits(loaded, prompt) - reference_logits(references[arch], prompt)).abs().max() <= 1e-4
 
@@ -405,7 +405,7 @@ def test_mtp_blocks_after_the_layers_are_skipped(ggufs, references, tmp_path):
             writer.add_tensor(t.name.replace("blk.3.", "blk.4."), np.array(t.data))
     writer.add_tensor("blk.4.nextn.eh_proj.weight", np.zeros((64, 128), np.float32))
     finish(writer)
-    loaded = load_model(str(tmp_path / "mtp.gguf"), dtype="float32")
+    loaded = load_model(str(tmp_path / "mtp.gguf"), dtype="float32", device="cpu")
     assert loaded.config.num_layers == 4
     prompt = prompt_for(loaded.config.vocab_size, seed=5)
     assert (lucebox_logits(loaded, prompt) - reference_logits(references["qwen35"], prompt)).abs().max() <= 1e-4

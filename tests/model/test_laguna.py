@@ -157,7 +157,7 @@ def test_config_and_model_take_the_laguna_shape(laguna_path):
 @pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
 def test_batched_prefill_matches_transformers(laguna_path, reference, fused):
     """Prompts longer than the window (5) and than YaRN's original context's fraction the test reaches."""
-    loaded = load_model(str(laguna_path), dtype="float32")
+    loaded = load_model(str(laguna_path), dtype="float32", device="cpu")
     if fused:
         loaded.model.fuse_projections()
         assert all(layer.self_attn.qkvg is not None for layer in loaded.model.layers)
@@ -185,7 +185,7 @@ def chunked_logits(loaded, prompt: list[int], steps) -> torch.Tensor:
 
 
 def test_chunked_prefill_and_decode_match_transformers(laguna_path, reference):
-    loaded = load_model(str(laguna_path), dtype="float32")
+    loaded = load_model(str(laguna_path), dtype="float32", device="cpu")
     (prompt,) = prompts(loaded.config.vocab_size, [31], seed=4)
     got = chunked_logits(loaded, prompt, (7, 1, 1, 9, 1, 3, 1, 6, 1, 1))
     assert (got - reference_logits(reference, prompt)).abs().max().item() <= 1e-4
@@ -195,7 +195,7 @@ def test_layers_with_different_kv_head_counts_keep_their_own_cache_shapes(laguna
     """The KV pool is per layer: layer 1's 2 KV heads expanded to one per query head (each repeated 3
     times: the same attention) give a pool of 2, 6, 2 and 2 KV heads and transformers' logits."""
     from lucebox.model.cache_spec import bytes_per_token
-    loaded = load_model(str(laguna_path), dtype="float32")
+    loaded = load_model(str(laguna_path), dtype="float32", device="cpu")
     attn = loaded.model.layers[1].self_attn
     groups, width = attn.num_heads // attn.num_kv_heads, loaded.config.hidden_size
     for name in ("k_proj", "v_proj"):
@@ -216,7 +216,7 @@ def test_layers_with_different_kv_head_counts_keep_their_own_cache_shapes(laguna
 
 def test_per_element_gates_softmax_routing_and_weights_on_input_match_their_definition(per_element_path):
     sigmoid_path, path = per_element_path
-    loaded = load_model(str(path), dtype="float32")
+    loaded = load_model(str(path), dtype="float32", device="cpu")
     cfg = loaded.config
     assert not cfg.gate_per_head and not cfg.router_sigmoid and cfg.router_weights_on_input
     assert loaded.model.layers[0].self_attn.g_proj.out_features == 4 * 16
