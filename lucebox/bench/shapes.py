@@ -38,7 +38,6 @@ from ..kernels.dequant import IQ4_KVALUES
 from ..model.assign import assign, empty_model, model_class
 from ..model.config import ModelConfig
 from ..model.loader import LoadedModel
-from ..model.transformer import Transformer
 from ..util import on_meta
 from ..weights.quant import QuantEmbedding, QuantLinear, QuantTensor
 from . import limits

@@ -147,6 +147,24 @@ mode_compare() {
   done
 }
 
+#: setting      bench speed decode at 512 with an environment switch off and on, alternating in one call:
+#:              SETTING names it (default LUCEBOX_PDL_PREFETCH), COMPARE the shape:quant pairs (default 0.6b
+#:              bf16, 8b bf16, 8b q4_k_m), two rounds (~4 min)
+mode_setting() {
+  local sq value round name=${SETTING:-LUCEBOX_PDL_PREFETCH}
+  for sq in ${COMPARE:-qwen3-0.6b:bf16 qwen3-8b:bf16 qwen3-8b:q4_k_m}; do
+    set -- ${sq/:/ }
+    for round in 1 2; do
+      for value in 0 1; do
+        export "$name=$value"
+        bench "$1-$2-$value-r$round" 120 --shape $1 --quant $2 --contexts 512 --skip prefill verify forced spec peer \
+          | grep -E '^(==|\| decode)'
+      done
+    done
+  done
+  unset "$name"
+}
+
 #: short-prefill  issue 33 item 1: bench speed TTFT of 128/256/512 new tokens fresh and on a cached 4K / 16K
 #:              prefix (its cached-token count checked), decode at 512 with joules per token, on qwen3-8b bf16
 #:              and q4_k_m and qwen3-0.6b bf16; then scripts/profile_prefill.py of one 256-token suffix on a
