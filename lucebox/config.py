@@ -346,12 +346,6 @@ def pdl_tiles() -> bool:
     return _switch(os.environ.get("LUCEBOX_PDL_TILES")) is True
 
 
-def pdl_prefetch() -> bool:
-    """LUCEBOX_PDL_PREFETCH (0 | 1; default 0): 1 has the GEMVs launched with PDL ask L2 for their first
-    weights before waiting for the kernel before them (kernels/triton_pdl.prefetch_span). Read at launch."""
-    return _switch(os.environ.get("LUCEBOX_PDL_PREFETCH")) is True
-
-
 def bucket_chunks_setting() -> bool:
     """LUCEBOX_BUCKET_CHUNKS (0 | 1; default 0): 1 sends a hybrid's prefill graph buckets' Gated DeltaNet
     rows through the chunked rule instead of token by token (kernels/routing.bucket_chunks). Read at

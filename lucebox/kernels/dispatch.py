@@ -15,7 +15,7 @@ import threading
 
 import torch
 
-from ..config import int8_activations_setting, pdl_enabled, pdl_prefetch, pdl_tiles, triton_interpret, triton_setting
+from ..config import int8_activations_setting, pdl_enabled, pdl_tiles, triton_interpret, triton_setting
 
 
 @functools.cache
@@ -118,18 +118,6 @@ def pdl_launch(device: torch.device, tiles: bool = False) -> dict:
     if not _pdl_supported(device.index if device.index is not None else torch.cuda.current_device()):
         return {}
     return {"PDL": True, "launch_pdl": True}
-
-
-MAX_PREFETCH_LINES = 64  # 8 KiB a row: the first tile of a float GEMV row (4096 bf16 values)
-
-
-def prefetch_lines(device: torch.device, nbytes: int) -> int:
-    """The PREFETCH constant of a GEMV launched with pdl_launch whose program reads `nbytes` of each of
-    its weight rows: the 128-byte lines (a power of two, at most MAX_PREFETCH_LINES) it asks L2 for
-    before waiting for the previous kernel; 0 (none) without PDL or unless LUCEBOX_PDL_PREFETCH=1."""
-    if nbytes <= 0 or not pdl_prefetch() or not pdl_launch(device):
-        return 0
-    return min(next_pow2(-(-nbytes // 128)), MAX_PREFETCH_LINES)
 
 
 def int8_activations() -> bool:

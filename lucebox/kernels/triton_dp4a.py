@@ -30,7 +30,7 @@ from gguf import GGMLQuantizationType as Q
 from .dispatch import interpreting, pdl_launch
 from .routing import DP4A_RUNS_TYPES
 from .triton_one_row import f16, one_row_gemv, one_row_program, store_one_row
-from .triton_pdl import prefetch_span, wait_for_previous_kernel
+from .triton_pdl import wait_for_previous_kernel
 
 QK = 32  # values per activation scale (and per Q4_K sub-block)
 SUPER = 256  # values per Q4_K super-block; the kernel spells both as literals
@@ -125,11 +125,9 @@ def quantize_rows(x: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _q4_k_dp4a_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_per_prog,
                       stride_os, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      ASM: tl.constexpr = PTX_DP4A, STAGES: tl.constexpr = 1, PDL: tl.constexpr = False,
-                      PREFETCH: tl.constexpr = 0):
-    rn, row, u0, u1 = one_row_program(w_ptr, N, row_bytes, n_units, units_per_prog, BLOCK_N)
-    prefetch_span(row, u0 * 144, (u1 - u0) * 144, PREFETCH)
+                      ASM: tl.constexpr = PTX_DP4A, STAGES: tl.constexpr = 1, PDL: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
+    rn, row, u0, u1 = one_row_program(w_ptr, N, row_bytes, n_units, units_per_prog, BLOCK_N)
     xq = x_ptr.to(tl.pointer_type(tl.int32))  # quantize_rows' row: int8 values as words,
     xd = (x_ptr + n_units * 256).to(tl.pointer_type(tl.float32))  # then the scales,
     xs = xd + n_units * 8  # then the scaled sums
@@ -160,11 +158,9 @@ def _q4_k_dp4a_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_p
 @triton.jit
 def _q8_0_split_dp4a_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_per_prog,
                             stride_os, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
-                            ASM: tl.constexpr = PTX_DP4A, STAGES: tl.constexpr = 1, PDL: tl.constexpr = False,
-                            PREFETCH: tl.constexpr = 0):
-    rn, row, u0, u1 = one_row_program(w_ptr, N, row_bytes, n_units, units_per_prog, BLOCK_N)
-    prefetch_span(row, u0 * 256, (u1 - u0) * 256, PREFETCH)  # the values
+                            ASM: tl.constexpr = PTX_DP4A, STAGES: tl.constexpr = 1, PDL: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
+    rn, row, u0, u1 = one_row_program(w_ptr, N, row_bytes, n_units, units_per_prog, BLOCK_N)
     # split rows: the K int8 values, then K/32 fp16 scales
     values = row.to(tl.pointer_type(tl.int32))
     scales = (row + n_units * 256).to(tl.pointer_type(tl.float16))
@@ -184,12 +180,9 @@ def _q8_0_split_dp4a_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, u
 @triton.jit
 def _q6_k_split_dp4a_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, units_per_prog,
                             stride_os, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
-                            ASM: tl.constexpr = PTX_DP4A, STAGES: tl.constexpr = 1, PDL: tl.constexpr = False,
-                            PREFETCH: tl.constexpr = 0):
-    rn, row, u0, u1 = one_row_program(w_ptr, N, row_bytes, n_units, units_per_prog, BLOCK_N)
-    prefetch_span(row, u0 * 128, (u1 - u0) * 128, PREFETCH)  # ql, then qh
-    prefetch_span(row, n_units * 128 + u0 * 64, (u1 - u0) * 64, PREFETCH)
+                            ASM: tl.constexpr = PTX_DP4A, STAGES: tl.constexpr = 1, PDL: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
+    rn, row, u0, u1 = one_row_program(w_ptr, N, row_bytes, n_units, units_per_prog, BLOCK_N)
     # split rows (triton_split_rows): every unit's 128 ql bytes, then 64 qh bytes, 16 scales, d
     ql_words = row.to(tl.pointer_type(tl.int32))
     qh_words = (row + n_units * 128).to(tl.pointer_type(tl.int32))
@@ -231,8 +224,6 @@ def _q6_k_split_dp4a_kernel(x_ptr, w_ptr, b_ptr, o_ptr, N, row_bytes, n_units, u
 _KERNELS = {(Q.Q4_K, False): _q4_k_dp4a_kernel, (Q.Q8_0, True): _q8_0_split_dp4a_kernel,
             (Q.Q6_K, True): _q6_k_split_dp4a_kernel}
 BLOCK_N, MAX_UNITS = 64, 4
-# Bytes of a unit each kernel's prefetch_span asks for (its largest contiguous span of a row's unit)
-PREFETCH_UNIT_BYTES = {(Q.Q4_K, False): 144, (Q.Q8_0, True): 256, (Q.Q6_K, True): 128}
 
 
 def serves(qtype, split_rows: bool, runs: bool = False) -> bool:
@@ -269,5 +260,4 @@ def gemv(x: torch.Tensor, weights: torch.Tensor, qtype, split_rows: bool, in_fea
         kernel = _KERNELS[(qtype, split_rows)]
     return one_row_gemv(kernel, x, weights, in_features, SUPER, bias, what,
                         block_n=block_n, split_k=split_k, num_warps=num_warps, max_units=MAX_UNITS, stages=stages,
-                        operand=quantize_rows(x) if quantized is None else quantized, unroll=unroll,
-                        prefetch_unit_bytes=0 if runs else PREFETCH_UNIT_BYTES[(qtype, split_rows)])
+                        operand=quantize_rows(x) if quantized is None else quantized, unroll=unroll)

@@ -23,7 +23,7 @@ import functools
 
 import torch
 
-from .dispatch import next_pow2, num_sms, pdl_launch, prefetch_lines
+from .dispatch import next_pow2, num_sms, pdl_launch
 
 IDENTITY, NORM, SILU_MUL = 0, 1, 2
 TILE = 16384  # weights a program holds per iteration (BLOCK_N x BLOCK_K): 64 a thread at 8 warps
@@ -34,11 +34,11 @@ RESIDENT_MAX_K = 4096  # the longest input a program keeps in registers (32 floa
 def _kernel():
     """Defined on first use: importing this module must not import Triton (see triton_norm). The
     helper is a module global: kernels resolve the functions they call there."""
-    global triton, tl, _input, prefetch_span, wait_for_previous_kernel
+    global triton, tl, _input, wait_for_previous_kernel
     import triton
     import triton.language as tl
 
-    from .triton_pdl import prefetch_span, wait_for_previous_kernel
+    from .triton_pdl import wait_for_previous_kernel
 
     @triton.jit
     def _input(x_ptr, r_ptr, nw_ptr, cols, ok, K, inv, dt, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr):
@@ -61,14 +61,9 @@ def _kernel():
     @triton.jit
     def _gemv_kernel(x_ptr, r_ptr, nw_ptr, total_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_w, eps,
                      PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RESIDENT: tl.constexpr, PDL: tl.constexpr = False,
-                     PREFETCH: tl.constexpr = 0):
-        pid = tl.program_id(0)
-        if PREFETCH > 0:  # the first row block's weights (a resident program's first too is block pid)
-            first = tl.minimum(pid * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
-            prefetch_span((w_ptr + first * stride_w).to(tl.pointer_type(tl.int8)), 0,
-                          tl.minimum(K, BLOCK_K) * (w_ptr.dtype.element_ty.primitive_bitwidth // 8), PREFETCH)
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RESIDENT: tl.constexpr, PDL: tl.constexpr = False):
         wait_for_previous_kernel(PDL)
+        pid = tl.program_id(0)
         dt = x_ptr.dtype.element_ty
         inv = 1.0
         if PROLOGUE == 1:  # the row's RMS first (and the summed stream, by program 0)
@@ -134,11 +129,6 @@ def launch_config(n: int, k: int, prologue: int, device: torch.device) -> tuple[
     return block_n, block_k, 8, 0
 
 
-def _prefetch(device: torch.device, nbytes: int) -> dict:
-    lines = prefetch_lines(device, nbytes)
-    return {"PREFETCH": lines} if lines else {}
-
-
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, prologue: int = IDENTITY,
          residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
          config: tuple[int, int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -159,6 +149,5 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         x, r, norm_weight if norm_weight is not None else x, total if total is not None else x, weight,
         bias if bias is not None else weight, y, n, k, weight.stride(0), float(eps),
         PROLOGUE=prologue, HAS_RES=residual is not None, HAS_BIAS=bias is not None,
-        BLOCK_N=block_n, BLOCK_K=block_k, RESIDENT=programs > 0, num_warps=warps, **pdl_launch(y.device),
-        **_prefetch(y.device, min(block_k, k) * weight.element_size()))
+        BLOCK_N=block_n, BLOCK_K=block_k, RESIDENT=programs > 0, num_warps=warps, **pdl_launch(y.device))
     return y, total

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .dispatch import num_sms, pdl_launch, prefetch_lines
+from .dispatch import num_sms, pdl_launch
 from .triton_pdl import wait_for_previous_kernel
 
 # ----------------------------------------------------------------------------- device helpers
@@ -90,8 +90,7 @@ def reduce_splits(partials: torch.Tensor, bias: torch.Tensor | None, out: torch.
 def one_row_gemv(kernel, x: torch.Tensor, weights: torch.Tensor, in_features: int, unit: int,
                  bias: torch.Tensor | None, what: str, *, block_n: int, split_k: int | None,
                  num_warps: int, waves: int = 8, min_units: int = 2, max_units: int | None = None,
-                 stages: int = 1, operand: torch.Tensor | None = None, unroll: int = 1,
-                 prefetch_unit_bytes: int = 0) -> torch.Tensor:
+                 stages: int = 1, operand: torch.Tensor | None = None, unroll: int = 1) -> torch.Tensor:
     """x [1, K] @ W.T (+ bias) through a one-row GEMV `kernel` over rows of `unit`-value units, whose
     arguments are (x, w, bias, partials or out, N, row_bytes, n_units, units_per_prog, stride_os,
     BLOCK_N, HAS_BIAS, STAGES): the K range split over programs when there are fewer than `waves`
@@ -99,9 +98,7 @@ def one_row_gemv(kernel, x: torch.Tensor, weights: torch.Tensor, in_features: in
     many), the float32 partials summed by reduce_splits. stages > 1: the loop over units software-
     pipelined (the next units' weights copied to shared memory while one is multiplied; an option
     to measure); unroll > 1: that many units an iteration (kernels with an UNROLL constexpr). `operand`: what the kernel reads as x, when not x
-    itself (e.g. x quantised); x still sets the output's dtype. `what` names the layout in errors.
-    prefetch_unit_bytes: for kernels with a PREFETCH constexpr, the bytes of a unit they ask L2 for
-    before waiting for the previous kernel (dispatch.prefetch_lines)."""
+    itself (e.g. x quantised); x still sets the output's dtype. `what` names the layout in errors."""
     if in_features % unit:
         raise ValueError(f"{what} rows need in_features a multiple of {unit}, got {in_features}")
     x2 = x.reshape(-1, in_features)
@@ -118,12 +115,11 @@ def one_row_gemv(kernel, x: torch.Tensor, weights: torch.Tensor, in_features: in
     out = x2.new_empty(1, n)
     target = torch.empty(split_k, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
     has_bias = bias is not None and split_k == 1
-    lines = prefetch_lines(x.device, per * prefetch_unit_bytes)
     kernel[(programs_n, split_k)](
         x2.contiguous() if operand is None else operand, weights, bias if has_bias else x2, target,
         n, weights.shape[1], n_units, per, n,
         BLOCK_N=block_n, HAS_BIAS=has_bias, STAGES=stages, num_warps=num_warps, **pdl_launch(x.device),
-        **({"UNROLL": unroll} if unroll > 1 else {}), **({"PREFETCH": lines} if lines else {}))
+        **({"UNROLL": unroll} if unroll > 1 else {}))
     if split_k > 1:
         reduce_splits(target.view(split_k, 1, n), bias, out)
     return out.reshape(*x.shape[:-1], n)

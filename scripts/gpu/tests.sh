@@ -44,22 +44,21 @@ mode_check_kvflash() {
   step kv-host-store-gpu 120 python3 scripts/check_kv_host_store_gpu.py
 }
 
-#: recheck      the GPU tests fixed or written without a GPU since their last GPU run, those never run there
-#:              first: the thirtieth session's L2 prefetch, the attention rounding and paged attention of the
-#:              twenty-ninth, Laguna / hybrid GGUF references pinned to the CPU, CUDA graphs with PDL; then
-#:              hybrid graphs and speculation, trees on hybrids, pooled families, placement, prefill graph buckets,
-#:              KVFlash, PFlash, DFlash2, tree graphs; last the ones that passed in the thirtieth's first recheck
-#:              (Gemma 4, mixed windows, Laguna graphs) (~6 min; SECONDS_CHECK)
+#: recheck      the GPU tests fixed or written without a GPU since their last GPU run, or not reached there:
+#:              CUDA graphs first (its graph-key fix), then hybrid speculation, the Triton kernels, trees on
+#:              hybrids, pooled families, placement, prefill graph buckets, KVFlash, PFlash, DFlash2, tree graphs;
+#:              last the ones that passed in the thirtieth session (attention rounding, paged attention, Laguna,
+#:              hybrid GGUF, hybrid graphs, Gemma 4, mixed windows, Laguna graphs) (~6 min; SECONDS_CHECK)
 mode_recheck() {
-  run_tests gpu-tests-recheck "${SECONDS_CHECK:-300}" tests/kernels/test_pdl_prefetch.py \
-    tests/kernels/test_attention_rounding.py tests/kernels/test_paged_attention.py tests/model/test_laguna.py \
-    tests/model/test_gguf_hybrid.py tests/engine/test_cuda_graphs.py \
-    tests/model/test_qwen3_5_graphs.py tests/model/test_qwen3_5_spec.py tests/kernels/test_triton_kernels.py \
+  run_tests gpu-tests-recheck "${SECONDS_CHECK:-300}" tests/engine/test_cuda_graphs.py \
+    tests/model/test_qwen3_5_spec.py tests/kernels/test_triton_kernels.py \
     tests/kernels/test_prefill_attention.py tests/spec/test_ddtree_hybrid.py \
     tests/engine/test_kv_pool_families.py tests/engine/test_placement.py tests/engine/test_engine_build.py \
     tests/engine/test_prefill_graphs.py tests/model/test_qwen3_5_prefill_graphs.py \
     tests/spec/test_dflash_graphs.py tests/engine/test_kv_pool_engine.py \
     tests/engine/test_kv_pool_page_in.py tests/engine/test_pflash_score.py tests/spec/test_dflash2.py \
-    tests/spec/test_dflash2_trees.py tests/engine/test_tree_graphs.py tests/model/test_gemma4.py \
+    tests/spec/test_dflash2_trees.py tests/engine/test_tree_graphs.py \
+    tests/kernels/test_attention_rounding.py tests/kernels/test_paged_attention.py tests/model/test_laguna.py \
+    tests/model/test_gguf_hybrid.py tests/model/test_qwen3_5_graphs.py tests/model/test_gemma4.py \
     tests/engine/test_sliding_window_mixed.py tests/model/test_laguna_graphs.py
 }
