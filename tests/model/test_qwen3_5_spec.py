@@ -20,6 +20,7 @@ from tests.model.test_qwen3_5 import (
     runner_for,
 )
 
+KV = 64 << 20  # each engine's KV pool: two engines live at once (the default pool would take the card)
 NGRAM = {"method": "ngram", "prompt_lookup_min": 1, "num_speculative_tokens": 3, "adaptive": False}
 
 
@@ -43,7 +44,7 @@ def repetitive_prompts(vocab: int) -> list[list[int]]:
 def test_verify_commit_leaves_the_state_after_each_accepted_length(hybrid_path, reference):
     """A 4-token verify row leaves the state alone; committing a accepted drafts and decoding on
     gives transformers' logits of the prompt plus the first a + 1 tokens."""
-    loaded = load_model(str(hybrid_path), dtype="float32")
+    loaded = load_model(str(hybrid_path), dtype="float32", device="cpu")  # its states are built on the CPU
     prompt, row = prompts(loaded.config.vocab_size, [11, 4], seed=7)
     runner, blocks = runner_for(loaded)
     layers = [loaded.model.layers[i].linear_attn for i in runner.recurrent_layers]
@@ -77,10 +78,10 @@ def greedy(llm, batch, max_tokens):
 
 def test_ngram_speculation_is_token_identical_to_plain_decoding(hybrid_path):
     """One continuous batch of several sequences whose drafts are partly accepted, partly rejected."""
-    plain = LLM(str(hybrid_path), block_size=BLOCK_SIZE, max_num_seqs=4)
+    plain = LLM(str(hybrid_path), block_size=BLOCK_SIZE, kv_cache_memory=KV, max_num_seqs=4)
     batch = repetitive_prompts(plain.engine.loaded.config.vocab_size)
     want = [o.outputs[0].token_ids for o in greedy(plain, batch, 24)]
-    spec = LLM(str(hybrid_path), block_size=BLOCK_SIZE, max_num_seqs=4, speculative_config=NGRAM)
+    spec = LLM(str(hybrid_path), block_size=BLOCK_SIZE, kv_cache_memory=KV, max_num_seqs=4, speculative_config=NGRAM)
     outs = greedy(spec, batch, 24)
     assert [o.outputs[0].token_ids for o in outs] == want
     metrics = [o.metrics for o in outs]
@@ -158,11 +159,11 @@ def test_dflash_speculation_is_token_identical_to_plain_decoding(drafts, hybrid_
     """A continuous batch on the hybrid target with a DFlash drafter: output equals plain decoding,
     every position's taps come from the step that computed it (no catch-up recomputes anything),
     and verifies accept different lengths in one batch."""
-    plain = LLM(str(hybrid_path), block_size=BLOCK_SIZE, max_num_seqs=4, max_num_batched_tokens=24)
+    plain = LLM(str(hybrid_path), block_size=BLOCK_SIZE, kv_cache_memory=KV, max_num_seqs=4, max_num_batched_tokens=24)
     batch = repetitive_prompts(plain.engine.loaded.config.vocab_size)
     want = [o.outputs[0].token_ids for o in greedy(plain, batch, 16)]
     config = DFLASH | {"model": str(drafter), "adaptive": drafts == "adaptive policy"}
-    spec = LLM(str(hybrid_path), block_size=BLOCK_SIZE, max_num_seqs=4, max_num_batched_tokens=24,
+    spec = LLM(str(hybrid_path), block_size=BLOCK_SIZE, kv_cache_memory=KV, max_num_seqs=4, max_num_batched_tokens=24,
                speculative_config=config)
     speculator = spec.engine.speculator
     assert speculator.every_step
@@ -186,7 +187,8 @@ def test_dflash_speculation_is_token_identical_to_plain_decoding(drafts, hybrid_
 def test_a_step_without_taps_on_a_hybrid_is_an_internal_error(hybrid_path, drafter, monkeypatch):
     """Were a decode step to skip the drafter's taps, recomputing them later would advance the
     recurrent state twice: the engine stops with an internal error instead of corrupting it."""
-    spec = LLM(str(hybrid_path), block_size=BLOCK_SIZE, speculative_config=DFLASH | {"model": str(drafter)})
+    spec = LLM(str(hybrid_path), block_size=BLOCK_SIZE, kv_cache_memory=KV,
+               speculative_config=DFLASH | {"model": str(drafter)})
     monkeypatch.setattr(spec.engine.speculator, "taps_needed", lambda: False)
     monkeypatch.setattr(spec.engine.speculator, "_choose", lambda *a: 0)  # dormant: plain decodes
     with pytest.raises(RuntimeError, match="recurrent state twice"):
@@ -195,7 +197,8 @@ def test_a_step_without_taps_on_a_hybrid_is_an_internal_error(hybrid_path, draft
 
 def test_recomputing_cached_positions_of_a_hybrid_is_refused(hybrid_path, drafter):
     """The catch-up pass (write_kv=False) itself refuses on a target with recurrent layers."""
-    spec = LLM(str(hybrid_path), block_size=BLOCK_SIZE, speculative_config=DFLASH | {"model": str(drafter)})
+    spec = LLM(str(hybrid_path), block_size=BLOCK_SIZE, kv_cache_memory=KV,
+               speculative_config=DFLASH | {"model": str(drafter)})
     engine = spec.engine
     seq = type("Seq", (), {"num_computed": 4, "block_table": [0, 1], "window_tables": [],
                            "token_slice": lambda self, a, b: [5] * (b - a)})()
@@ -209,11 +212,11 @@ def test_recomputing_cached_positions_of_a_hybrid_is_refused(hybrid_path, drafte
 def test_draft_model_speculation_is_token_identical_to_plain_decoding(hybrid_path, tmp_path, tokenizer_dir):
     """A dense draft model proposes for the hybrid target (its own KV, no recurrent state)."""
     draft = build_hf_model("qwen3", tmp_path / "draft", tokenizer_dir, seed=5, num_hidden_layers=1)
-    plain = LLM(str(hybrid_path), block_size=BLOCK_SIZE, max_num_seqs=4)
+    plain = LLM(str(hybrid_path), block_size=BLOCK_SIZE, kv_cache_memory=KV, max_num_seqs=4)
     batch = repetitive_prompts(plain.engine.loaded.config.vocab_size)
     want = [o.outputs[0].token_ids for o in greedy(plain, batch, 16)]
     config = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3, "adaptive": False}
-    spec = LLM(str(hybrid_path), block_size=BLOCK_SIZE, max_num_seqs=4, speculative_config=config)
+    spec = LLM(str(hybrid_path), block_size=BLOCK_SIZE, kv_cache_memory=KV, max_num_seqs=4, speculative_config=config)
     outs = greedy(spec, batch, 16)
     assert [o.outputs[0].token_ids for o in outs] == want
     assert sum(o.metrics.num_draft_tokens for o in outs) > 0
@@ -232,7 +235,7 @@ def test_a_hybrid_draft_model_drafts_its_own_greedy_continuation_across_rejectio
     from lucebox.spec.draft_model import DraftModelProposer
     draft = build_hf_model("qwen3", tmp_path / "draft", tokenizer_dir, **HYBRID_DRAFT)
     oracle = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).eval()
-    plain = LLM(str(hybrid_path), block_size=BLOCK_SIZE, max_num_seqs=4)
+    plain = LLM(str(hybrid_path), block_size=BLOCK_SIZE, kv_cache_memory=KV, max_num_seqs=4)
     batch = repetitive_prompts(plain.engine.loaded.config.vocab_size)
     want = [o.outputs[0].token_ids for o in greedy(plain, batch, 16)]
     checked, real = [], DraftModelProposer.propose
@@ -249,7 +252,7 @@ def test_a_hybrid_draft_model_drafts_its_own_greedy_continuation_across_rejectio
 
     monkeypatch.setattr(DraftModelProposer, "propose", propose)
     config = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3, "adaptive": False}
-    spec = LLM(str(hybrid_path), block_size=BLOCK_SIZE, max_num_seqs=4, speculative_config=config)
+    spec = LLM(str(hybrid_path), block_size=BLOCK_SIZE, kv_cache_memory=KV, max_num_seqs=4, speculative_config=config)
     outs = greedy(spec, batch, 16)
     assert [o.outputs[0].token_ids for o in outs] == want
     drafted = sum(o.metrics.num_draft_tokens for o in outs)
@@ -268,11 +271,12 @@ def test_a_hybrid_draft_model_through_graph_buckets_is_token_identical(hybrid_pa
     advance the draft's state slots named by its steps."""
     from dataclasses import replace
     draft = build_hf_model("qwen3", tmp_path / "draft", tokenizer_dir, **HYBRID_DRAFT)
-    plain = LLM(str(hybrid_path), block_size=BLOCK_SIZE, max_num_seqs=4)
+    plain = LLM(str(hybrid_path), block_size=BLOCK_SIZE, kv_cache_memory=KV, max_num_seqs=4)
     batch = repetitive_prompts(plain.engine.loaded.config.vocab_size)
     want = [o.outputs[0].token_ids for o in greedy(plain, batch, 12)]
     config = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3, "adaptive": False}
-    spec = LLM(str(hybrid_path), block_size=BLOCK_SIZE, max_num_seqs=4, speculative_config=config, cuda_graphs=True)
+    spec = LLM(str(hybrid_path), block_size=BLOCK_SIZE, kv_cache_memory=KV, max_num_seqs=4, speculative_config=config,
+               cuda_graphs=True)
     settings = replace(spec.engine._graph_settings(), capture=False)
     spec.engine.runner.attach_graphs(settings)
     runner = spec.engine.speculator.proposer.runner
@@ -303,7 +307,8 @@ def test_sampled_tokens_follow_the_hybrid_target_distribution(method, tmp_path):
                "dflash": lambda: write_dflash_drafter(target, tmp_path / "d", taps=TAPS, block_size=3)}[method]()
     config = {"method": method.removeprefix("hybrid_"), "num_speculative_tokens": 2, "adaptive": False,
               "model": str(drafter)}
-    llm = LLM(str(target), speculative_config=config, max_num_seqs=1024, max_num_batched_tokens=8192)
+    llm = LLM(str(target), speculative_config=config, max_num_seqs=1024, max_num_batched_tokens=8192,
+              kv_cache_memory=KV)
     samples = 1000
     counts = sample_pairs(llm, PROMPT, samples)
     rejected, stat, critical = chi_square_rejects(counts, exact_pair_distribution(target, PROMPT), samples)
