@@ -4,7 +4,9 @@ token, prefix-cache hit rate.
 Output tok/s at several concurrency levels (a checkpoint, or random weights of a named --shape / --quant
 like `bench speed`), with its ratio to one sequence measured in the same run, and the limit of that batch
 (bench/batch_limits.py): the weights read once a step plus every sequence's KV (and recurrent state) read a
-step, at the GEMV bandwidth measured in the same run. With --spec-method each level runs speculating too.
+step, at the GEMV bandwidth measured in the same run. With --spec-method each level runs speculating too, on
+the same prompts; `forced` drafts each sequence's own greedy continuation (bench/forced.py: every draft
+accepted once the recording converges), what batched verification delivers whatever a drafter's quality.
 """
 from __future__ import annotations
 
@@ -31,8 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64, 128], help="sequences decoded at once")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per sequence")
     p.add_argument("--output-len", type=int, default=64, help="output tokens per sequence")
-    p.add_argument("--spec-method", default=None, choices=["dflash", "draft_model", "ngram"],
-                   help="also measure each level speculating (ngram needs no --draft)")
+    p.add_argument("--spec-method", default=None, choices=["dflash", "draft_model", "ngram", "forced"],
+                   help="also measure each level speculating (ngram and forced need no --draft; forced: drafts "
+                        "of each sequence's recorded greedy continuation, all accepted)")
     p.add_argument("--draft", default=None, help="drafter of --spec-method dflash / draft_model")
     p.add_argument("--spec-tokens", type=int, default=None, help="draft tokens per step (default: the method's)")
     p.add_argument("--cuda-graph-max-batch", type=int, default=EngineArgs.cuda_graph_max_batch,
@@ -43,8 +46,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
 
 
-def _run_batch(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[int, float, int]:
-    """(tokens decoded once every prompt was prefilled, their seconds, sequence-steps that produced them)."""
+def _run_batch(engine: LLMEngine, prompts: list[list[int]], max_tokens: int,
+               outputs: dict | None = None) -> tuple[int, float, int]:
+    """(tokens decoded once every prompt was prefilled, their seconds, sequence-steps that produced them);
+    `outputs`, given, gets each prompt's (a tuple) greedy output."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"b{i}", {"prompt_token_ids": p}, params)
@@ -53,6 +58,9 @@ def _run_batch(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> 
     while engine.has_unfinished():
         outs = engine.step()
         done += sum(len(o.outputs[0].token_ids) for o in outs if o.finished)
+        if outputs is not None:
+            outputs.update((tuple(prompts[int(o.request_id[1:])]), list(o.outputs[0].token_ids))
+                           for o in outs if o.finished)
         if start is not None:
             advanced += len(outs)  # sequences that advanced this step (speculating: by one token or more)
         elif all(s.num_computed >= len(s.prompt_token_ids) for s in engine.scheduler.running) \
@@ -96,18 +104,36 @@ def _engine(loaded, args, **extra) -> LLMEngine:
         enable_prefix_caching=False, cuda_graph_max_batch=args.cuda_graph_max_batch, **extra), loaded)
 
 
-def _measure(engine: LLMEngine, n: int, args, rng: random.Random) -> dict:
-    vocab = engine.model.config.vocab_size
-    prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(n)]
+def _measure(engine: LLMEngine, prompts: list[list[int]], args, outputs: dict | None = None) -> dict:
     _run_batch(engine, prompts, 4)  # warm-up: this batch size's shapes compiled, its graphs captured
-    tokens, seconds, advanced = _run_batch(engine, prompts, args.output_len)
+    tokens, seconds, advanced = _run_batch(engine, prompts, args.output_len, outputs)
     return {"output_tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
             "tokens_per_sequence_step": tokens / advanced if advanced else None}
+
+
+def _measure_forced(engine: LLMEngine, prompts: list[list[int]], args, recorded: dict) -> dict:
+    """_measure with every sequence drafting its recorded greedy continuation, re-recorded from the
+    speculating engine's own output until a run reproduces it (a batched verify rounds differently from
+    a decode step, so near-ties of random weights can flip; bench/forced.py)."""
+    from .forced import MAX_RERECORDINGS, RecordedContinuationProposer
+    engine.speculator.proposer = RecordedContinuationProposer(recorded)
+    rerecorded = 0
+    while True:
+        outputs = {}
+        _run_batch(engine, prompts, args.output_len, outputs)
+        converged = all(outputs[tuple(p)] == recorded[tuple(p)] for p in prompts)
+        if converged or rerecorded == MAX_RERECORDINGS:
+            break
+        recorded.update(outputs)
+        rerecorded += 1
+    return dict(_measure(engine, prompts, args), rerecorded=rerecorded, converged=converged)
 
 
 def _spec_config(args) -> dict | None:
     if args.spec_method is None:
         return None
+    if args.spec_method == "forced":  # an n-gram speculator of the right length, its proposer swapped
+        return {"method": "ngram", "num_speculative_tokens": args.spec_tokens or 4, "adaptive": False}
     if args.spec_method != "ngram" and not args.draft:
         raise RequestError(f"--spec-method {args.spec_method} needs --draft")
     config = {"method": args.spec_method, **({"model": args.draft} if args.draft else {})}
@@ -123,15 +149,19 @@ def run(args) -> dict:
     from .speed import Clock, reference
     ref = None if args.no_reference else reference(device, Clock(device))
     rng = random.Random(args.seed)
-    rows = []
+    vocab, forced = loaded.config.vocab_size, args.spec_method == "forced"
+    batches = [[[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(n)] for n in args.concurrency]
+    rows, recorded = [], {}
     engine = _engine(loaded, args)
-    for n in args.concurrency:
-        rows.append(dict(_measure(engine, n, args, rng), concurrency=n, spec=None))
-    del engine
+    for n, prompts in zip(args.concurrency, batches):
+        rows.append(dict(_measure(engine, prompts, args, recorded if forced else None), concurrency=n, spec=None))
+    del engine  # the next engine installs its own KV caches in the model
     if spec is not None:
         engine = _engine(loaded, args, speculative_config=spec)
-        for row in rows:
-            row["spec"] = _measure(engine, row["concurrency"], args, rng)
+        for row, prompts in zip(rows, batches):
+            row["spec"] = (_measure_forced(engine, prompts, args, recorded) if forced
+                           else _measure(engine, prompts, args))
+            row["spec"]["ratio_to_plain"] = row["spec"]["tok_s"] / row["tok_s"]
         del engine
     base = rows[0]["tok_s"]
     for row in rows:
@@ -147,7 +177,8 @@ def run(args) -> dict:
         hit = multi_turn_hit_rate(cached_engine, conversations=8, turns=4, rng=rng)
     return {"model": loaded.source, "shape": args.shape, "quant": quant, "device": str(loaded.model.device),
             "dtype": str(dtype).replace("torch.", ""), "meta": shapes.run_metadata(args, device), "reference": ref,
-            "prompt_len": args.prompt_len, "output_len": args.output_len, "spec_config": spec, "throughput": rows,
+            "prompt_len": args.prompt_len, "output_len": args.output_len, "spec_config": spec,
+            "spec_method": args.spec_method, "throughput": rows,
             "kv_bytes_per_token": kv, "multi_turn_prefix_hit_rate": hit}
 
 
@@ -166,16 +197,19 @@ def print_report(result: dict) -> None:
           f"{result['prompt_len']} tokens, {result['output_len']} output tokens per sequence"
           + (f"; GEMV bandwidth {_fmt(ref['gemv_gb_s'])} GB/s" if ref else "") + "\n")
     spec = result["spec_config"]
+    method = result.get("spec_method") or (spec or {}).get("method")
     print("| concurrent sequences | output tok/s | ratio to 1 | GB a step (weights + KV) | limit tok/s | % of limit |"
-          + (f" speculative ({spec['method']}) tok/s | tokens a sequence-step |" if spec else "")
-          + "\n|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if spec else ""))
+          + (f" speculative ({method}) tok/s | x plain | tokens a sequence-step |" if spec else "")
+          + "\n|---:|---:|---:|---:|---:|---:|" + ("---:|---:|---:|" if spec else ""))
     for row in result["throughput"]:
         limit = (f"{_fmt(row['limit_tok_s'])} | {row['pct_limit']:.1f}%" if "limit_tok_s" in row else "- | -")
         line = (f"| {row['concurrency']} | {_fmt(row['tok_s'])} | {row['ratio_to_1']:.2f}x | "
                 f"{_fmt(row['weight_bytes_per_step'] / 1e9)} + {_fmt(row['kv_bytes_per_step'] / 1e9)} | {limit} |")
         if row["spec"]:
             s = row["spec"]
-            line += f" {_fmt(s['tok_s'])} | {s['tokens_per_sequence_step'] or 0:.2f} |"
+            converged = "" if s.get("converged", True) else " (recording not reproduced)"
+            tau = f"{s['tokens_per_sequence_step'] or 0:.2f}{converged}"
+            line += f" {_fmt(s['tok_s'])} | {s['ratio_to_plain']:.2f}x | {tau} |"
         print(line)
     print("\n| KV cache type (K and V) | bytes per token |\n|---|---:|")
     for name, size in result["kv_bytes_per_token"].items():

@@ -139,3 +139,20 @@ def test_a_batch_reads_the_experts_any_of_its_tokens_routes_to():
 
 def test_throughput_refuses_a_drafter_method_without_a_drafter():
     assert main(["bench", "throughput", "--shape", "tiny", "--device", "cpu", "--spec-method", "dflash"]) == 1
+
+
+def test_forced_throughput_accepts_every_draft_of_each_sequence_on_the_same_prompts(tmp_path, capsys):
+    """--spec-method forced: each sequence drafts its own recorded greedy continuation, so with 3 drafts a
+    step every verify commits 4 tokens (12 after the prefill's first: 3 steps a sequence)."""
+    out = tmp_path / "f.json"
+    assert main(["bench", "throughput", "--shape", "tiny", "--device", "cpu", "--concurrency", "1", "3",
+                 "--prompt-len", "16", "--output-len", "13", "--spec-method", "forced", "--spec-tokens", "3",
+                 "--no-hit-rate", "--no-reference", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["spec_method"] == "forced" and result["spec_config"]["num_speculative_tokens"] == 3
+    for row in result["throughput"]:
+        spec = row["spec"]
+        assert spec["converged"] and spec["output_tokens"] == row["output_tokens"] == 12 * row["concurrency"]
+        assert spec["tokens_per_sequence_step"] == pytest.approx(4.0)
+        assert spec["ratio_to_plain"] == pytest.approx(spec["tok_s"] / row["tok_s"])
+    assert "| speculative (forced) tok/s | x plain | tokens a sequence-step |" in capsys.readouterr().out
