@@ -58,7 +58,7 @@ mode_spec() {
 #: overlap      bench speed decode with and without --async-decode, 0.6b and 8b at 512, after the
 #:              overlapped-decoding GPU tests (~4 min)
 mode_overlap() {
-  run_tests overlap-tests 120 tests/engine/test_cuda_graphs.py -k overlapped
+  run_tests overlap-tests 120 tests/engine/test_overlapped_decoding.py
   local shape mode flag
   for shape in qwen3-0.6b qwen3-8b; do
     for mode in sync async; do

@@ -4,7 +4,8 @@
 #: check        the GPU tests that predate hybrids and windows: CUDA graphs, fused/Triton kernels, model,
 #:              training, acceptance, step plans, sliding windows (~5.5 min; SECONDS_CHECK)
 mode_check() {
-  run_tests gpu-tests "${SECONDS_CHECK:-540}" tests/engine/test_cuda_graphs.py tests/kernels \
+  run_tests gpu-tests "${SECONDS_CHECK:-540}" tests/engine/test_cuda_graphs.py tests/engine/test_graph_attention.py \
+    tests/engine/test_graph_sampling.py tests/engine/test_overlapped_decoding.py tests/engine/test_pdl.py tests/kernels \
     --ignore=tests/kernels/test_gated_delta.py --ignore=tests/kernels/test_triton_moe.py \
     --ignore=tests/kernels/test_triton_moe_models.py --ignore=tests/kernels/test_block32_formats.py \
     --ignore=tests/kernels/test_tree_attention.py --ignore=tests/kernels/test_gated_delta_tree.py \
@@ -45,12 +46,12 @@ mode_check_kvflash() {
 }
 
 #: recheck      the GPU tests fixed or written without a GPU since their last GPU run, or not reached there:
-#:              CUDA graphs first (its graph-key fix), then hybrid speculation, the Triton kernels, trees on
-#:              hybrids, pooled families, placement, prefill graph buckets, KVFlash, PFlash, DFlash2, tree graphs;
-#:              last the ones that passed in the thirtieth session (attention rounding, paged attention, Laguna,
-#:              hybrid GGUF, hybrid graphs, Gemma 4, mixed windows, Laguna graphs) (~6 min; SECONDS_CHECK)
+#:              hybrid speculation first (its bounded pools), the Triton kernels, trees on hybrids, pooled families, placement,
+#:              prefill graph buckets, KVFlash, PFlash, DFlash2, tree graphs; last the ones that passed in the thirtieth session (attention rounding, paged attention, Laguna,
+#:              hybrid GGUF, hybrid graphs, CUDA graphs, Gemma 4, mixed windows, Laguna graphs) (~6 min;
+#:              SECONDS_CHECK)
 mode_recheck() {
-  run_tests gpu-tests-recheck "${SECONDS_CHECK:-300}" tests/engine/test_cuda_graphs.py \
+  run_tests gpu-tests-recheck "${SECONDS_CHECK:-300}" \
     tests/model/test_qwen3_5_spec.py tests/kernels/test_triton_kernels.py \
     tests/kernels/test_prefill_attention.py tests/spec/test_ddtree_hybrid.py \
     tests/engine/test_kv_pool_families.py tests/engine/test_placement.py tests/engine/test_engine_build.py \
@@ -59,6 +60,7 @@ mode_recheck() {
     tests/engine/test_kv_pool_page_in.py tests/engine/test_pflash_score.py tests/spec/test_dflash2.py \
     tests/spec/test_dflash2_trees.py tests/engine/test_tree_graphs.py \
     tests/kernels/test_attention_rounding.py tests/kernels/test_paged_attention.py tests/model/test_laguna.py \
-    tests/model/test_gguf_hybrid.py tests/model/test_qwen3_5_graphs.py tests/model/test_gemma4.py \
-    tests/engine/test_sliding_window_mixed.py tests/model/test_laguna_graphs.py
+    tests/model/test_gguf_hybrid.py tests/model/test_qwen3_5_graphs.py tests/engine/test_cuda_graphs.py \
+    tests/engine/test_graph_sampling.py tests/engine/test_overlapped_decoding.py tests/engine/test_pdl.py \
+    tests/model/test_gemma4.py tests/engine/test_sliding_window_mixed.py tests/model/test_laguna_graphs.py
 }
