@@ -46,10 +46,10 @@ mode_check_kvflash() {
 }
 
 #: recheck      the GPU tests fixed or written without a GPU since their last GPU run, or not reached there:
-#:              hybrid speculation first (its bounded pools), the Triton kernels, trees on hybrids, pooled families, placement,
-#:              prefill graph buckets, KVFlash, PFlash, DFlash2, tree graphs; last the ones that passed in the thirtieth session (attention rounding, paged attention, Laguna,
-#:              hybrid GGUF, hybrid graphs, CUDA graphs, Gemma 4, mixed windows, Laguna graphs) (~6 min;
-#:              SECONDS_CHECK)
+#:              hybrid speculation first (its bounded pools), the Triton kernels, trees on hybrids, pooled
+#:              families, placement, prefill graph buckets, KVFlash, PFlash, DFlash2, tree graphs; last the
+#:              ones that passed in the thirtieth session (attention rounding, paged attention, Laguna, hybrid
+#:              GGUF and graphs, CUDA graphs, Gemma 4, mixed windows, Laguna graphs) (~6 min; SECONDS_CHECK)
 mode_recheck() {
   run_tests gpu-tests-recheck "${SECONDS_CHECK:-300}" \
     tests/model/test_qwen3_5_spec.py tests/kernels/test_triton_kernels.py \
