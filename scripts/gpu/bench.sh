@@ -99,7 +99,7 @@ mode_pdl_tiles() {
 #:              (q4_k_m), bench speed q4_k_m / q8_0 with and without LUCEBOX_INT8_ACTIVATIONS, then the
 #:              M = 16 kernels swept (~8 min)
 mode_int8() {
-  run_tests int8-tests 150 tests/kernels/test_triton_kernels.py -k "int8 or rounded or split_rows or model_forward"
+  run_tests int8-tests 150 tests/kernels/test_triton_kernels.py tests/kernels/test_int8_activations.py -k "int8 or rounded or split_rows or model_forward"
   step int8-numerics 120 python3 scripts/check_decode_numerics.py --shape qwen3-8b --quant q4_k_m --prompt-len 256 --tokens 32
   grep "^|" "$out/int8-numerics.log"
   local quant int8

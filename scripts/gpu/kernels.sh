@@ -20,7 +20,7 @@ mode_kernels() {
 #:              with the switch off and on (~1 min each)
 mode_dp4a_runs() {
   local quant runs turn
-  run_tests dp4a-runs-tests 150 tests/kernels/test_triton_kernels.py tests/kernels/test_fused_kernels.py \
+  run_tests dp4a-runs-tests 150 tests/kernels/test_int8_activations.py tests/kernels/test_fused_kernels.py \
     -k "runs or int8 or round or gate or rope"  # the PTX paths (prmt, dp4a), the fused rope / gate kernels
   if [ "${RUNS_SWEEP:-1}" = 1 ]; then
     step kernels-runs "${SECONDS_KERNELS:-270}" python3 scripts/bench_kernels.py --only quant --ms 1 --sweep \

@@ -52,7 +52,7 @@ mode_check_kvflash() {
 #:              GGUF and graphs, CUDA graphs, Gemma 4, mixed windows, Laguna graphs) (~6 min; SECONDS_CHECK)
 mode_recheck() {
   run_tests gpu-tests-recheck "${SECONDS_CHECK:-300}" \
-    tests/model/test_qwen3_5_spec.py tests/kernels/test_triton_kernels.py \
+    tests/model/test_qwen3_5_spec.py tests/kernels/test_triton_kernels.py tests/kernels/test_int8_activations.py \
     tests/kernels/test_prefill_attention.py tests/spec/test_ddtree_hybrid.py \
     tests/engine/test_kv_pool_families.py tests/engine/test_placement.py tests/engine/test_engine_build.py \
     tests/engine/test_prefill_graphs.py tests/model/test_qwen3_5_prefill_graphs.py \
