@@ -53,7 +53,9 @@ test_summary() {  # test_summary LOG: counts, failures, and the test a timeout c
   echo "   $(grep -cE '::.* PASSED' "$log") passed, $(grep -cE '::.* (FAILED|ERROR)' "$log") failed," \
     "$(grep -cE '::.* SKIPPED' "$log") skipped"
   grep -E '^(FAILED|ERROR) ' "$log" | head -n 20 | cut -c1-240
-  last=$(grep -E '^tests/.*::' "$log" | tail -n 1)
+  # the last test line before pytest's report sections (whose warnings and durations name tests too)
+  last=$(awk '/^(=+ (FAILURES|ERRORS|warnings summary|short test summary|slowest)|!+ KeyboardInterrupt)/ {exit}
+              /^tests\/.*::/ {line = $0} END {print line}' "$log")
   case "$last" in
     ""|*PASSED*|*FAILED*|*SKIPPED*|*ERROR*|*XFAIL*|*XPASS*) ;;
     *) echo "   cut off in: $last" ;;
