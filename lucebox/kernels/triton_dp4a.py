@@ -31,6 +31,7 @@ from .dispatch import interpreting, pdl_launch
 from .routing import DP4A_RUNS_TYPES
 from .triton_one_row import f16, one_row_gemv, one_row_program, store_one_row
 from .triton_pdl import wait_for_previous_kernel
+from .triton_quant_units import scale_min
 
 QK = 32  # values per activation scale (and per Q4_K sub-block)
 SUPER = 256  # values per Q4_K super-block; the kernel spells both as literals
@@ -49,17 +50,6 @@ def dp4a(a, b, c, ASM: tl.constexpr):
         for k in tl.static_range(4):
             out += ((a << (24 - 8 * k)) >> 24) * ((b << (24 - 8 * k)) >> 24)
     return out
-
-
-@triton.jit
-def scale_min(w1, w2, w3, j):
-    """6-bit (scale, min) of sub-block j of the Q4_K super-blocks whose 12 scale bytes are the words
-    w1..w3 (int32, broadcastable against j): float32 tiles of their broadcast shape."""
-    s = 8 * (j % 4)
-    low = j < 4
-    sc = tl.where(low, (w1 >> s) & 63, ((w3 >> s) & 15) | (((w1 >> (s + 6)) & 3) << 4))
-    mn = tl.where(low, (w2 >> s) & 63, ((w3 >> (s + 4)) & 15) | (((w2 >> (s + 6)) & 3) << 4))
-    return sc.to(tl.float32), mn.to(tl.float32)
 
 
 @triton.jit

@@ -16,10 +16,10 @@ import triton.language as tl
 from gguf import GGMLQuantizationType as Q
 
 from .routing import DP4A_RUNS_TYPES
-from .triton_dp4a import PTX_DP4A, dp4a, scale_min
+from .triton_dp4a import PTX_DP4A, dp4a
 from .triton_one_row import one_row_program, store_one_row
 from .triton_pdl import wait_for_previous_kernel
-from .triton_quant_units import IQ4_TABLE_WORDS, iq4_byte
+from .triton_quant_units import IQ4_TABLE_WORDS, iq4_byte, scale_min
 
 
 @triton.jit

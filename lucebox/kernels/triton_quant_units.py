@@ -99,6 +99,17 @@ def _k_scale_min(w1, w2, w3, J: tl.constexpr):
 
 
 @triton.jit
+def scale_min(w1, w2, w3, j):
+    """6-bit (scale, min) of sub-blocks j (an int32 tile) of the Q4_K/Q5_K super-blocks whose 12 scale
+    bytes are the words w1..w3 (int32, broadcastable against j): float32 tiles of their broadcast shape."""
+    s = 8 * (j % 4)
+    low = j < 4
+    sc = tl.where(low, (w1 >> s) & 63, ((w3 >> s) & 15) | (((w1 >> (s + 6)) & 3) << 4))
+    mn = tl.where(low, (w2 >> s) & 63, ((w3 >> (s + 4)) & 15) | (((w2 >> (s + 6)) & 3) << 4))
+    return sc.to(tl.float32), mn.to(tl.float32)
+
+
+@triton.jit
 def iq4_byte(q):
     """The codebook entries of indices q (an int32 tile of 0..15) as bytes (0..255, two's complement)."""
     t = tl.where(q < 8, tl.where(q < 4, _IQ4_T0, _IQ4_T1), tl.where(q < 12, _IQ4_T2, _IQ4_T3))
@@ -189,6 +200,28 @@ def _unit_q45_k(acc, ub, xk, stride_xm, M, ok, n_mask, FIVE: tl.constexpr,
 
 
 @triton.jit
+def _unit_q4_k_wide(acc, ub, xk, stride_xm, M, ok, n_mask, BLOCK_M: tl.constexpr, DOT_IEEE: tl.constexpr):
+    """Q4_K for tl.dot (MODE 1) in two planes of 128: the low nibbles of the 128 bytes (byte 32g + i
+    holds value 64g + i) and the high ones (value 64g + 32 + i), scaled per 32-value sub-block as
+    [BLOCK_N, 4, 32] tiles: two dots of K = 128 a unit instead of eight of 32."""
+    g = tl.arange(0, 4)[None, :, None]
+    i = tl.arange(0, 32)[None, None, :]
+    u3 = ub[:, :, None]  # [BLOCK_N, 1, 1]
+    d = f16(u3)
+    dmin = f16(u3 + 2)
+    wp = (u3 + 4).to(tl.pointer_type(tl.int32))
+    w1, w2, w3 = tl.load(wp), tl.load(wp + 1), tl.load(wp + 2)
+    qs = tl.load(u3 + 16 + 32 * g + i).to(tl.int32)  # [BLOCK_N, 4, 32]
+    b = tl.arange(0, 128)
+    for h in tl.static_range(2):
+        sc, mn = scale_min(w1, w2, w3, 2 * g + h)  # [BLOCK_N, 4, 1]
+        w = (d * sc) * ((qs >> (4 * h)) & 15).to(tl.float32) - dmin * mn
+        acc = _use(acc, tl.reshape(w, [w.shape[0], 128]), 64 * (b // 32) + 32 * h + b % 32,
+                   xk, stride_xm, M, ok, n_mask, 1, BLOCK_M, DOT_IEEE)
+    return acc
+
+
+@triton.jit
 def _unit_q6_k(acc, qlb, qhb, scb, db, xk, stride_xm, M, ok, n_mask,
                MODE: tl.constexpr, BLOCK_M: tl.constexpr, DOT_IEEE: tl.constexpr):
     """Q6_K (210 bytes: 128 low-nibble bytes at qlb, 64 bytes of 2-bit pairs at qhb, 16 int8 scales
@@ -242,10 +275,11 @@ def _unit_iq4_xs(acc, ub, xk, stride_xm, M, ok, n_mask,
 @triton.jit
 def unit_product(acc, w_row, u, n_units, xk, stride_xm, M, ok, n_mask,
                  FMT: tl.constexpr, UNIT_BYTES: tl.constexpr, UNIT_VALUES: tl.constexpr, BPU: tl.constexpr,
-                 SPLIT: tl.constexpr, MODE: tl.constexpr, BLOCK_M: tl.constexpr, DOT_IEEE: tl.constexpr):
+                 SPLIT: tl.constexpr, MODE: tl.constexpr, BLOCK_M: tl.constexpr, DOT_IEEE: tl.constexpr,
+                 WIDE: tl.constexpr = False):
     """Consume unit u of K of the rows at byte pointers w_row [BLOCK_N, 1] (MODE as _use; xk and ok:
     x's and the output's pointers at the unit's first column). Also read by triton_moe, whose
-    experts' rows are found through an expert id."""
+    experts' rows are found through an expert id. WIDE (Q4_K, MODE 1): planes of 128 values."""
     ub = w_row + u * UNIT_BYTES
     if FMT == 0:  # split rows: a unit's values are UNIT_BYTES = UNIT_VALUES bytes, its scales after all values
         sb = w_row + n_units * UNIT_VALUES + u * (2 * BPU)
@@ -265,6 +299,8 @@ def unit_product(acc, w_row, u, n_units, xk, stride_xm, M, ok, n_mask,
     elif FMT == 9:  # IQ4_NL
         acc = _unit_4bit_blocks(acc, ub, xk, stride_xm, M, ok, n_mask, BPU,
                                 False, False, True, MODE, BLOCK_M, DOT_IEEE)
+    elif FMT == 2 and WIDE and MODE == 1:
+        acc = _unit_q4_k_wide(acc, ub, xk, stride_xm, M, ok, n_mask, BLOCK_M, DOT_IEEE)
     elif FMT == 2:
         acc = _unit_q45_k(acc, ub, xk, stride_xm, M, ok, n_mask, False, MODE, BLOCK_M, DOT_IEEE)
     elif FMT == 3:

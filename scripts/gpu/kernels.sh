@@ -1,7 +1,8 @@
 # Kernel modes (sourced by scripts/gpu_session.sh): launch configs swept, kernels against torch.
 
 #: kernels      scripts/bench_kernels.py: quantised GEMV rows at M = 1 and 16 (decode, verify), launch configs
-#:              (one row: also stages) swept, timed in CUDA graphs (~9 min; MS=1 for the one-row sweep alone)
+#:              (one row: also stages; Q4_K tiles: also the wide planes) swept, timed in CUDA graphs, float
+#:              and int8 paths (~9 min; MS=1 for the one-row sweep alone, MS="32 64" for batched rows)
 mode_kernels() {
   local m
   for m in ${MS:-1 16}; do

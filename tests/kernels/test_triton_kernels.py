@@ -121,6 +121,25 @@ def test_one_row_through_the_tensor_core_path_matches_the_elementwise_path(qtype
         tqm.quant_matmul(x.repeat(2, 1), raw, qtype, k, tensor_cores=False)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_wide_q4_k_tiles_compute_what_the_narrow_ones_do(dtype):
+    """The wide launch option (128-value planes, two dots a unit): the same product, float32 to its
+    rounding, bf16 to the narrow tiles' bf16 rounding of the weights; rows up to 64, split K with bias."""
+    k, n = 512, 40
+    raw = quant_rows(Q.Q4_K, n, k, seed=31)
+    g = torch.Generator().manual_seed(5)
+    bias = torch.randn(n, generator=g).to(DEVICE, dtype)
+    for m in (2, 17, 64):
+        x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
+        want = x.float() @ dequant.dequantize(raw, Q.Q4_K).T + bias.float()
+        for split_k in (1, 2):
+            got = tqm.quant_matmul(x, raw, Q.Q4_K, k, bias, split_k=split_k, wide=True)
+            assert got.dtype == dtype and got.shape == (m, n)
+            narrow = tqm.quant_matmul(x, raw, Q.Q4_K, k, bias, split_k=split_k)
+            assert rel_err(got, want) <= (1e-5 if dtype == torch.float32 else 1e-2)
+            assert rel_err(got, narrow) <= (1e-5 if dtype == torch.float32 else 1e-2)
+
+
 @pytest.mark.parametrize("split_k", [1, 3])
 @pytest.mark.parametrize("m", [1, 7, tqm.MAX_FUSED_M // 2])
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
