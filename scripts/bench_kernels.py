@@ -211,8 +211,8 @@ def sweep_quant(x, raws, qtype, k, m, device) -> dict:
     # x padded to 16 rows).
     paths = {"elementwise": {"tensor_cores": False}} if m == 1 else {}
     paths["tensor cores"] = {"tensor_cores": True}
-    if qtype == Q.Q4_K and m > 1:  # 128-value planes: two dots a unit instead of eight
-        paths["tensor cores, wide"] = {"tensor_cores": True, "wide": True}
+    if qtype in (Q.Q4_K, Q.Q6_K) and m > 1:  # 128-value planes: two dots a unit instead of eight
+        paths["tensor cores, 128-value planes"] = {"tensor_cores": True, "planes_128": True}
     for path, options in paths.items():
         for block_n in block_ns:
             for warps in (4, 8):

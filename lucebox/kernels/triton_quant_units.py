@@ -200,7 +200,7 @@ def _unit_q45_k(acc, ub, xk, stride_xm, M, ok, n_mask, FIVE: tl.constexpr,
 
 
 @triton.jit
-def _unit_q4_k_wide(acc, ub, xk, stride_xm, M, ok, n_mask, BLOCK_M: tl.constexpr, DOT_IEEE: tl.constexpr):
+def _unit_q4_k_128(acc, ub, xk, stride_xm, M, ok, n_mask, BLOCK_M: tl.constexpr, DOT_IEEE: tl.constexpr):
     """Q4_K for tl.dot (MODE 1) in two planes of 128: the low nibbles of the 128 bytes (byte 32g + i
     holds value 64g + i) and the high ones (value 64g + 32 + i), scaled per 32-value sub-block as
     [BLOCK_N, 4, 32] tiles: two dots of K = 128 a unit instead of eight of 32."""
@@ -249,6 +249,32 @@ def _unit_q6_k(acc, qlb, qhb, scb, db, xk, stride_xm, M, ok, n_mask,
 
 
 @triton.jit
+def _unit_q6_k_128(acc, qlb, qhb, scb, db, xk, stride_xm, M, ok, n_mask,
+                    BLOCK_M: tl.constexpr, DOT_IEEE: tl.constexpr):
+    """Q6_K (pointers as _unit_q6_k) for tl.dot in two planes of 128, the low and the high nibbles of
+    the 128 ql bytes: ql byte 32p + i (p = 2n + a) with qh byte 32n + i makes value 128n + 64nib + 32a + i,
+    as [BLOCK_N, 4, 32] tiles: two dots of K = 128 a unit instead of eight of 32."""
+    p = tl.arange(0, 4)[None, :, None]
+    i = tl.arange(0, 32)[None, None, :]
+    n, a = p // 2, p % 2
+    ql = tl.load(qlb[:, :, None] + 32 * p + i).to(tl.int32)  # [BLOCK_N, 4, 32]
+    qh = tl.load(qhb[:, :, None] + 32 * n + i).to(tl.int32)
+    d = f16(db[:, :, None])
+    first = i < 16
+    b = tl.arange(0, 128)
+    for nib in tl.static_range(2):
+        q = ((ql >> (4 * nib)) & 15) | (((qh >> (2 * a + 4 * nib)) & 3) << 4)
+        # each 32-value run's two int8 scales are adjacent (its first value // 16 is even): one 2-byte load
+        pair = tl.load((scb[:, :, None] + (128 * n + 64 * nib + 32 * a) // 16).to(tl.pointer_type(tl.int16)))
+        pair = pair.to(tl.int32)
+        scale = tl.where(first, d * (((pair & 0xFF) ^ 0x80) - 0x80).to(tl.float32), d * (pair >> 8).to(tl.float32))
+        w = scale * (q.to(tl.float32) - 32.0)
+        cols = 128 * (b // 64) + 64 * nib + 32 * ((b // 32) % 2) + b % 32
+        acc = _use(acc, tl.reshape(w, [w.shape[0], 128]), cols, xk, stride_xm, M, ok, n_mask, 1, BLOCK_M, DOT_IEEE)
+    return acc
+
+
+@triton.jit
 def _unit_iq4_xs(acc, ub, xk, stride_xm, M, ok, n_mask,
                  MODE: tl.constexpr, BLOCK_M: tl.constexpr, DOT_IEEE: tl.constexpr):
     """IQ4_XS (136 bytes: fp16 d, uint16 high scale bits, 4 bytes of low scale nibbles, 128 bytes
@@ -276,10 +302,10 @@ def _unit_iq4_xs(acc, ub, xk, stride_xm, M, ok, n_mask,
 def unit_product(acc, w_row, u, n_units, xk, stride_xm, M, ok, n_mask,
                  FMT: tl.constexpr, UNIT_BYTES: tl.constexpr, UNIT_VALUES: tl.constexpr, BPU: tl.constexpr,
                  SPLIT: tl.constexpr, MODE: tl.constexpr, BLOCK_M: tl.constexpr, DOT_IEEE: tl.constexpr,
-                 WIDE: tl.constexpr = False):
+                 PLANES_128: tl.constexpr = False):
     """Consume unit u of K of the rows at byte pointers w_row [BLOCK_N, 1] (MODE as _use; xk and ok:
     x's and the output's pointers at the unit's first column). Also read by triton_moe, whose
-    experts' rows are found through an expert id. WIDE (Q4_K, MODE 1): planes of 128 values."""
+    experts' rows are found through an expert id. PLANES_128 (Q4_K, Q6_K; MODE 1): planes of 128 values."""
     ub = w_row + u * UNIT_BYTES
     if FMT == 0:  # split rows: a unit's values are UNIT_BYTES = UNIT_VALUES bytes, its scales after all values
         sb = w_row + n_units * UNIT_VALUES + u * (2 * BPU)
@@ -299,20 +325,22 @@ def unit_product(acc, w_row, u, n_units, xk, stride_xm, M, ok, n_mask,
     elif FMT == 9:  # IQ4_NL
         acc = _unit_4bit_blocks(acc, ub, xk, stride_xm, M, ok, n_mask, BPU,
                                 False, False, True, MODE, BLOCK_M, DOT_IEEE)
-    elif FMT == 2 and WIDE and MODE == 1:
-        acc = _unit_q4_k_wide(acc, ub, xk, stride_xm, M, ok, n_mask, BLOCK_M, DOT_IEEE)
+    elif FMT == 2 and PLANES_128 and MODE == 1:
+        acc = _unit_q4_k_128(acc, ub, xk, stride_xm, M, ok, n_mask, BLOCK_M, DOT_IEEE)
     elif FMT == 2:
         acc = _unit_q45_k(acc, ub, xk, stride_xm, M, ok, n_mask, False, MODE, BLOCK_M, DOT_IEEE)
     elif FMT == 3:
         acc = _unit_q45_k(acc, ub, xk, stride_xm, M, ok, n_mask, True, MODE, BLOCK_M, DOT_IEEE)
     elif FMT == 4:
         if SPLIT:  # split rows: every unit's ql, then every qh, every scale run, every d
-            acc = _unit_q6_k(acc, w_row + u * 128, w_row + n_units * 128 + u * 64,
-                             w_row + n_units * 192 + u * 16, w_row + n_units * 208 + u * 2,
-                             xk, stride_xm, M, ok, n_mask, MODE, BLOCK_M, DOT_IEEE)
+            ql, qh, sc, d = (w_row + u * 128, w_row + n_units * 128 + u * 64, w_row + n_units * 192 + u * 16,
+                             w_row + n_units * 208 + u * 2)
         else:
-            acc = _unit_q6_k(acc, ub, ub + 128, ub + 192, ub + 208, xk, stride_xm, M, ok, n_mask,
-                             MODE, BLOCK_M, DOT_IEEE)
+            ql, qh, sc, d = ub, ub + 128, ub + 192, ub + 208
+        if PLANES_128 and MODE == 1:
+            acc = _unit_q6_k_128(acc, ql, qh, sc, d, xk, stride_xm, M, ok, n_mask, BLOCK_M, DOT_IEEE)
+        else:
+            acc = _unit_q6_k(acc, ql, qh, sc, d, xk, stride_xm, M, ok, n_mask, MODE, BLOCK_M, DOT_IEEE)
     else:
         acc = _unit_iq4_xs(acc, ub, xk, stride_xm, M, ok, n_mask, MODE, BLOCK_M, DOT_IEEE)
     return acc

@@ -121,23 +121,26 @@ def test_one_row_through_the_tensor_core_path_matches_the_elementwise_path(qtype
         tqm.quant_matmul(x.repeat(2, 1), raw, qtype, k, tensor_cores=False)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_wide_q4_k_tiles_compute_what_the_narrow_ones_do(dtype):
-    """The wide launch option (128-value planes, two dots a unit): the same product, float32 to its
-    rounding, bf16 to the narrow tiles' bf16 rounding of the weights; rows up to 64, split K with bias."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("qtype, split", [(Q.Q4_K, False), (Q.Q6_K, False), (Q.Q6_K, True)],
+                         ids=["Q4_K", "Q6_K", "Q6_K-split"])
+def test_128_value_planes_compute_what_the_32_value_ones_do(qtype, split, dtype):
+    """planes_128 (two dots a 256-value unit instead of eight): the same product, float32 to its rounding,
+    bf16 to the weights' bf16 rounding; 2, 17 and 64 rows, split K with the bias in the reduction."""
     k, n = 512, 40
-    raw = quant_rows(Q.Q4_K, n, k, seed=31)
+    raw = quant_rows(qtype, n, k, seed=31)
+    weights = layout.split_rows(raw, qtype) if split else raw
     g = torch.Generator().manual_seed(5)
     bias = torch.randn(n, generator=g).to(DEVICE, dtype)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
     for m in (2, 17, 64):
         x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
-        want = x.float() @ dequant.dequantize(raw, Q.Q4_K).T + bias.float()
+        want = x.float() @ dequant.dequantize(raw, qtype).T + bias.float()
         for split_k in (1, 2):
-            got = tqm.quant_matmul(x, raw, Q.Q4_K, k, bias, split_k=split_k, wide=True)
-            assert got.dtype == dtype and got.shape == (m, n)
-            narrow = tqm.quant_matmul(x, raw, Q.Q4_K, k, bias, split_k=split_k)
-            assert rel_err(got, want) <= (1e-5 if dtype == torch.float32 else 1e-2)
-            assert rel_err(got, narrow) <= (1e-5 if dtype == torch.float32 else 1e-2)
+            got = tqm.quant_matmul(x, weights, qtype, k, bias, split_k=split_k, split_rows=split, planes_128=True)
+            assert got.dtype == dtype and got.shape == (m, n) and rel_err(got, want) <= tol
+            narrow = tqm.quant_matmul(x, weights, qtype, k, bias, split_k=split_k, split_rows=split)
+            assert rel_err(got, narrow) <= tol
 
 
 @pytest.mark.parametrize("split_k", [1, 3])
