@@ -1,7 +1,7 @@
 # Kernel modes (sourced by scripts/gpu_session.sh): launch configs swept, kernels against torch.
 
 #: kernels      scripts/bench_kernels.py: quantised GEMV rows at M = 1 and 16 (decode, verify), launch configs
-#:              (one row: also stages; Q4_K tiles: also the wide planes) swept, timed in CUDA graphs, float
+#:              (one row: also stages; Q4_K / Q6_K tiles: also 128-value planes) swept, timed in CUDA graphs, float
 #:              and int8 paths (~9 min; MS=1 for the one-row sweep alone, MS="32 64" for batched rows)
 mode_kernels() {
   local m
