@@ -213,6 +213,8 @@ def sweep_quant(x, raws, qtype, k, m, device) -> dict:
     paths["tensor cores"] = {"tensor_cores": True}
     if qtype in (Q.Q4_K, Q.Q6_K) and m > 1:  # 128-value planes: two dots a unit instead of eight
         paths["tensor cores, 128-value planes"] = {"tensor_cores": True, "planes_128": True}
+    if qtype == Q.Q4_K and m > 1 and x.dtype == torch.bfloat16:  # two weights an instruction
+        paths["tensor cores, packed nibbles"] = {"tensor_cores": True, "packed": True}
     for path, options in paths.items():
         for block_n in block_ns:
             for warps in (4, 8):
@@ -571,6 +573,8 @@ def record_dense(launches: list) -> None:
                     if m > 1 and qtype in (Q.Q4_K, Q.Q6_K):  # the 128-value planes (an option of the sweep)
                         tqm.quant_matmul(torch.zeros(m, 4096, dtype=dtype), raw, qtype, 4096, split_k=1,
                                          planes_128=True)
+                    if m > 1 and qtype == Q.Q4_K and dtype == torch.bfloat16:  # packed nibbles (the sweep's too)
+                        tqm.quant_matmul(torch.zeros(m, 4096, dtype=dtype), raw, qtype, 4096, split_k=1, packed=True)
             tqm.dequantize(raw, qtype, 4096, torch.bfloat16)
         # head sizes: the Llama/Qwen 128, Gemma 4's 256 (sliding) and 512 (full attention, 16 heads a K/V head)
         for cache_type, head_dim, group in itertools.product(("bf16", "fp8", "q8_0", "q4_0"), (128, 256, 512), (4,)):

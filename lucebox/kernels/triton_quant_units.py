@@ -26,6 +26,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 from .dequant import IQ4_KVALUES
+from .dispatch import interpreting
 from .triton_one_row import f16
 
 _F_Q8_0, _F_Q4_0, _F_Q4_K, _F_Q5_K, _F_Q6_K, _F_IQ4_XS, _F_Q4_1, _F_Q5_0, _F_Q5_1, _F_IQ4_NL = range(10)
@@ -169,9 +170,31 @@ def _unit_4bit_blocks(acc, ub, xk, stride_xm, M, ok, n_mask, BPU: tl.constexpr, 
     return acc
 
 
+# PTX when compiled for NVIDIA; the interpreter (and AMD) spell the same arithmetic out
+PTX_BF16X2 = tl.constexpr(not interpreting() and torch.version.hip is None)
+
+
+@triton.jit
+def nibbles_bf16(qs, scale, neg_offset, HIGH: tl.constexpr, ASM: tl.constexpr):
+    """bf16 weights q * scale + neg_offset of the low (HIGH: high) nibbles q of the uint8 tile qs, scale
+    and neg_offset bf16 tiles of its shape, each weight rounded once. ASM: packed bf16x2 PTX, two weights
+    an instruction (128 + q's bits placed under bf16's exponent of 128, 128 taken off exactly, one FMA)."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "{\n.reg .b32 z, t0, t1, one, bias;\nmov.b32 z, 0;\nmov.b32 one, 0x3F803F80;\n"
+            "mov.b32 bias, 0xC300C300;\nprmt.b32 t0, $2, z, 0x4140;\nprmt.b32 t1, $2, z, 0x4342;\n"
+            + ("shr.b32 t0, t0, 4;\nshr.b32 t1, t1, 4;\n" if HIGH else "")
+            + "lop3.b32 t0, t0, 0x000F000F, 0x43004300, 0xEA;\nlop3.b32 t1, t1, 0x000F000F, 0x43004300, 0xEA;\n"
+            "fma.rn.bf16x2 t0, t0, one, bias;\nfma.rn.bf16x2 t1, t1, one, bias;\n"
+            "fma.rn.bf16x2 $0, t0, $3, $5;\nfma.rn.bf16x2 $1, t1, $4, $6;\n}",
+            "=r,=r,r,r,r,r,r", [qs, scale, neg_offset], dtype=tl.bfloat16, is_pure=True, pack=4)
+    q = (qs.to(tl.int32) >> (4 if HIGH else 0)) & 15
+    return (q.to(tl.float32) * scale.to(tl.float32) + neg_offset.to(tl.float32)).to(tl.bfloat16)
+
+
 @triton.jit
 def _unit_q45_k(acc, ub, xk, stride_xm, M, ok, n_mask, FIVE: tl.constexpr,
-                MODE: tl.constexpr, BLOCK_M: tl.constexpr, DOT_IEEE: tl.constexpr):
+                MODE: tl.constexpr, BLOCK_M: tl.constexpr, DOT_IEEE: tl.constexpr, PACKED: tl.constexpr = False):
     """Q4_K (144 bytes: d, dmin, 12 scale bytes, 128 nibble bytes) and Q5_K (176 bytes: the same
     with 32 bytes of fifth bits before the nibbles). value = (d*sc)*q - (dmin*m) per 32 values."""
     i = tl.arange(0, 32)
@@ -184,18 +207,26 @@ def _unit_q45_k(acc, ub, xk, stride_xm, M, ok, n_mask, FIVE: tl.constexpr,
     if FIVE:
         qh = tl.load(ub + 16 + i[None, :]).to(tl.int32)
     for g in tl.static_range(4):
-        qs = tl.load(ub + (48 if FIVE else 16) + 32 * g + i[None, :]).to(tl.int32)
-        lo = qs & 15
-        hi = qs >> 4
-        if FIVE:
-            lo = lo | (((qh >> (2 * g)) & 1) << 4)
-            hi = hi | (((qh >> (2 * g + 1)) & 1) << 4)
-        sc, mn = _k_scale_min(w1, w2, w3, 2 * g)
-        w = (d * sc) * lo.to(tl.float32) - dmin * mn
-        acc = _use(acc, w, 64 * g + i, xk, stride_xm, M, ok, n_mask, MODE, BLOCK_M, DOT_IEEE)
-        sc, mn = _k_scale_min(w1, w2, w3, 2 * g + 1)
-        w = (d * sc) * hi.to(tl.float32) - dmin * mn
-        acc = _use(acc, w, 64 * g + 32 + i, xk, stride_xm, M, ok, n_mask, MODE, BLOCK_M, DOT_IEEE)
+        if PACKED and MODE == 1 and not FIVE:  # bf16 weights from packed nibbles (nibbles_bf16)
+            qb = tl.load(ub + 16 + 32 * g + i[None, :])
+            for h in tl.static_range(2):
+                sc, mn = _k_scale_min(w1, w2, w3, 2 * g + h)
+                w = nibbles_bf16(qb, tl.broadcast_to((d * sc).to(tl.bfloat16), qb.shape),
+                                 tl.broadcast_to((-(dmin * mn)).to(tl.bfloat16), qb.shape), h == 1, PTX_BF16X2)
+                acc = _use(acc, w, 64 * g + 32 * h + i, xk, stride_xm, M, ok, n_mask, MODE, BLOCK_M, DOT_IEEE)
+        else:
+            qs = tl.load(ub + (48 if FIVE else 16) + 32 * g + i[None, :]).to(tl.int32)
+            lo = qs & 15
+            hi = qs >> 4
+            if FIVE:
+                lo = lo | (((qh >> (2 * g)) & 1) << 4)
+                hi = hi | (((qh >> (2 * g + 1)) & 1) << 4)
+            sc, mn = _k_scale_min(w1, w2, w3, 2 * g)
+            w = (d * sc) * lo.to(tl.float32) - dmin * mn
+            acc = _use(acc, w, 64 * g + i, xk, stride_xm, M, ok, n_mask, MODE, BLOCK_M, DOT_IEEE)
+            sc, mn = _k_scale_min(w1, w2, w3, 2 * g + 1)
+            w = (d * sc) * hi.to(tl.float32) - dmin * mn
+            acc = _use(acc, w, 64 * g + 32 + i, xk, stride_xm, M, ok, n_mask, MODE, BLOCK_M, DOT_IEEE)
     return acc
 
 
@@ -302,10 +333,11 @@ def _unit_iq4_xs(acc, ub, xk, stride_xm, M, ok, n_mask,
 def unit_product(acc, w_row, u, n_units, xk, stride_xm, M, ok, n_mask,
                  FMT: tl.constexpr, UNIT_BYTES: tl.constexpr, UNIT_VALUES: tl.constexpr, BPU: tl.constexpr,
                  SPLIT: tl.constexpr, MODE: tl.constexpr, BLOCK_M: tl.constexpr, DOT_IEEE: tl.constexpr,
-                 PLANES_128: tl.constexpr = False):
+                 PLANES_128: tl.constexpr = False, PACKED: tl.constexpr = False):
     """Consume unit u of K of the rows at byte pointers w_row [BLOCK_N, 1] (MODE as _use; xk and ok:
     x's and the output's pointers at the unit's first column). Also read by triton_moe, whose
-    experts' rows are found through an expert id. PLANES_128 (Q4_K, Q6_K; MODE 1): planes of 128 values."""
+    experts' rows are found through an expert id. PLANES_128 (Q4_K, Q6_K; MODE 1): planes of 128 values;
+    PACKED (Q4_K, MODE 1, bf16 x): weights from packed nibbles (nibbles_bf16)."""
     ub = w_row + u * UNIT_BYTES
     if FMT == 0:  # split rows: a unit's values are UNIT_BYTES = UNIT_VALUES bytes, its scales after all values
         sb = w_row + n_units * UNIT_VALUES + u * (2 * BPU)
@@ -328,7 +360,7 @@ def unit_product(acc, w_row, u, n_units, xk, stride_xm, M, ok, n_mask,
     elif FMT == 2 and PLANES_128 and MODE == 1:
         acc = _unit_q4_k_128(acc, ub, xk, stride_xm, M, ok, n_mask, BLOCK_M, DOT_IEEE)
     elif FMT == 2:
-        acc = _unit_q45_k(acc, ub, xk, stride_xm, M, ok, n_mask, False, MODE, BLOCK_M, DOT_IEEE)
+        acc = _unit_q45_k(acc, ub, xk, stride_xm, M, ok, n_mask, False, MODE, BLOCK_M, DOT_IEEE, PACKED)
     elif FMT == 3:
         acc = _unit_q45_k(acc, ub, xk, stride_xm, M, ok, n_mask, True, MODE, BLOCK_M, DOT_IEEE)
     elif FMT == 4:
