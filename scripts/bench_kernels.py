@@ -213,7 +213,7 @@ def sweep_quant(x, raws, qtype, k, m, device) -> dict:
     paths["tensor cores"] = {"tensor_cores": True}
     if qtype in (Q.Q4_K, Q.Q6_K) and m > 1:  # 128-value planes: two dots a unit instead of eight
         paths["tensor cores, 128-value planes"] = {"tensor_cores": True, "planes_128": True}
-    if qtype == Q.Q4_K and m > 1 and x.dtype == torch.bfloat16:  # two weights an instruction
+    if qtype in (Q.Q4_K, Q.Q6_K) and m > 1 and x.dtype == torch.bfloat16:  # two weights an instruction
         paths["tensor cores, packed nibbles"] = {"tensor_cores": True, "packed": True}
     for path, options in paths.items():
         for block_n in block_ns:
@@ -573,7 +573,7 @@ def record_dense(launches: list) -> None:
                     if m > 1 and qtype in (Q.Q4_K, Q.Q6_K):  # the 128-value planes (an option of the sweep)
                         tqm.quant_matmul(torch.zeros(m, 4096, dtype=dtype), raw, qtype, 4096, split_k=1,
                                          planes_128=True)
-                    if m > 1 and qtype == Q.Q4_K and dtype == torch.bfloat16:  # packed nibbles (the sweep's too)
+                    if m > 1 and qtype in (Q.Q4_K, Q.Q6_K) and dtype == torch.bfloat16:  # packed (the sweep's too)
                         tqm.quant_matmul(torch.zeros(m, 4096, dtype=dtype), raw, qtype, 4096, split_k=1, packed=True)
             tqm.dequantize(raw, qtype, 4096, torch.bfloat16)
         # head sizes: the Llama/Qwen 128, Gemma 4's 256 (sliding) and 512 (full attention, 16 heads a K/V head)
@@ -615,8 +615,9 @@ def record_dense(launches: list) -> None:
                 tqm.quant_matmul(torch.zeros(m, 4096, dtype=torch.bfloat16), raw, qtype, 4096, split_k=1,
                                  split_rows=True)
             if qtype == Q.Q6_K:
-                tqm.quant_matmul(torch.zeros(16, 4096, dtype=torch.bfloat16), raw, qtype, 4096, split_k=1,
-                                 split_rows=True, planes_128=True)
+                for option in ("planes_128", "packed"):
+                    tqm.quant_matmul(torch.zeros(16, 4096, dtype=torch.bfloat16), raw, qtype, 4096, split_k=1,
+                                     split_rows=True, **{option: True})
             tqm.dequantize(raw, qtype, 4096, torch.bfloat16, split_rows=True)
         for qk_norm in (None, (torch.ones(128, dtype=torch.bfloat16),) * 2 + (1e-6,)):
             kc, vc = (PagedKVCache(8, 16, 8, 128, "bf16", torch.bfloat16, "cpu") for _ in range(2))

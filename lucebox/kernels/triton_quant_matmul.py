@@ -93,7 +93,7 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype, in_features: int
     instructions per weight, which the tensor-core path changes: a launch option to measure.
     split_rows: Q8_0 or Q6_K rows in the split layout (kernels/triton_split_rows.py).
     planes_128: Q4_K and Q6_K tiles dequantised 128 values at a time (two tl.dots a 256-value unit, not eight);
-    packed: Q4_K tiles of bf16 x dequantised two weights an instruction (triton_quant_units.nibbles_bf16;
+    packed: Q4_K and Q6_K tiles of bf16 x dequantised two weights an instruction (triton_quant_units;
     each weight rounded once from bf16 scales). Both launch options to measure (scripts/bench_kernels.py's sweep)."""
     if x.dtype not in ACTIVATION_DTYPES:
         raise TypeError(f"quant_matmul: unsupported activation dtype {x.dtype}")
@@ -150,7 +150,7 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype, in_features: int
         BLOCK_N=block_n, BLOCK_M=block_m, MODE=mode, HAS_BIAS=has_bias,
         DOT_IEEE=_is_fp32(x.dtype), SPLIT=split_rows, **kwargs, **pdl_launch(x.device, tiles=mode == 1),
         PLANES_128=planes_128 and mode == 1 and qtype in (Q.Q4_K, Q.Q6_K),
-        PACKED=packed and mode == 1 and qtype == Q.Q4_K and x.dtype == torch.bfloat16)
+        PACKED=packed and mode == 1 and qtype in (Q.Q4_K, Q.Q6_K) and x.dtype == torch.bfloat16)
     if split_k > 1:
         reduce_splits(target, bias, out)
     return out.reshape(*lead, n)

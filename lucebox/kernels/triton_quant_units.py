@@ -193,6 +193,28 @@ def nibbles_bf16(qs, scale, neg_offset, HIGH: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
+def six_bits_bf16(ql, qh, scale, neg_offset, HIGH: tl.constexpr, SH: tl.constexpr, ASM: tl.constexpr):
+    """nibbles_bf16 for Q6_K: q = the low (HIGH: high) nibbles of the uint8 tile ql with bits SH, SH + 1 of
+    the uint8 tile qh above them (SH in 0, 2, 4, 6), as bf16 weights q * scale + neg_offset."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "{\n.reg .b32 z, t0, t1, h0, h1, one, bias;\nmov.b32 z, 0;\nmov.b32 one, 0x3F803F80;\n"
+            "mov.b32 bias, 0xC300C300;\nprmt.b32 t0, $2, z, 0x4140;\nprmt.b32 t1, $2, z, 0x4342;\n"
+            "prmt.b32 h0, $3, z, 0x4140;\nprmt.b32 h1, $3, z, 0x4342;\n"
+            + ("shr.b32 t0, t0, 4;\nshr.b32 t1, t1, 4;\n" if HIGH else "")
+            + ("shl.b32 h0, h0, 4;\nshl.b32 h1, h1, 4;\n" if SH == 0 else
+               "shl.b32 h0, h0, 2;\nshl.b32 h1, h1, 2;\n" if SH == 2 else
+               "" if SH == 4 else "shr.b32 h0, h0, 2;\nshr.b32 h1, h1, 2;\n")
+            + "lop3.b32 t0, t0, 0x000F000F, 0x43004300, 0xEA;\nlop3.b32 t1, t1, 0x000F000F, 0x43004300, 0xEA;\n"
+            "lop3.b32 t0, t0, h0, 0x00300030, 0xF8;\nlop3.b32 t1, t1, h1, 0x00300030, 0xF8;\n"
+            "fma.rn.bf16x2 t0, t0, one, bias;\nfma.rn.bf16x2 t1, t1, one, bias;\n"
+            "fma.rn.bf16x2 $0, t0, $4, $6;\nfma.rn.bf16x2 $1, t1, $5, $7;\n}",
+            "=r,=r,r,r,r,r,r,r", [ql, qh, scale, neg_offset], dtype=tl.bfloat16, is_pure=True, pack=4)
+    q = ((ql.to(tl.int32) >> (4 if HIGH else 0)) & 15) | (((qh.to(tl.int32) >> SH) & 3) << 4)
+    return (q.to(tl.float32) * scale.to(tl.float32) + neg_offset.to(tl.float32)).to(tl.bfloat16)
+
+
+@triton.jit
 def _unit_q45_k(acc, ub, xk, stride_xm, M, ok, n_mask, FIVE: tl.constexpr,
                 MODE: tl.constexpr, BLOCK_M: tl.constexpr, DOT_IEEE: tl.constexpr, PACKED: tl.constexpr = False):
     """Q4_K (144 bytes: d, dmin, 12 scale bytes, 128 nibble bytes) and Q5_K (176 bytes: the same
@@ -254,7 +276,7 @@ def _unit_q4_k_128(acc, ub, xk, stride_xm, M, ok, n_mask, BLOCK_M: tl.constexpr,
 
 @triton.jit
 def _unit_q6_k(acc, qlb, qhb, scb, db, xk, stride_xm, M, ok, n_mask,
-               MODE: tl.constexpr, BLOCK_M: tl.constexpr, DOT_IEEE: tl.constexpr):
+               MODE: tl.constexpr, BLOCK_M: tl.constexpr, DOT_IEEE: tl.constexpr, PACKED: tl.constexpr = False):
     """Q6_K (210 bytes: 128 low-nibble bytes at qlb, 64 bytes of 2-bit pairs at qhb, 16 int8 scales
     at scb, fp16 d at db: one block in ggml's layout, or a unit of split rows).
     Per half n of 128 values: ql byte 64n + l (l < 64) holds values 128n + l (low nibble) and
@@ -264,17 +286,23 @@ def _unit_q6_k(acc, qlb, qhb, scb, db, xk, stride_xm, M, ok, n_mask,
     first = i[None, :] < 16
     d = f16(db)
     for n in tl.static_range(2):
-        qh = tl.load(qhb + 32 * n + i[None, :]).to(tl.int32)
+        qh = tl.load(qhb + 32 * n + i[None, :])
         for a in tl.static_range(2):
-            ql = tl.load(qlb + 64 * n + 32 * a + i[None, :]).to(tl.int32)
+            ql = tl.load(qlb + 64 * n + 32 * a + i[None, :])
             for nib in tl.static_range(2):
-                q = ((ql >> (4 * nib)) & 15) | (((qh >> (2 * a + 4 * nib)) & 3) << 4)
                 v0 = 128 * n + 64 * nib + 32 * a
                 # The plane's two int8 scales are adjacent (v0 // 16 is even): one 2-byte load.
                 pair = tl.load((scb + v0 // 16).to(tl.pointer_type(tl.int16))).to(tl.int32)
                 s_lo = d * (((pair & 0xFF) ^ 0x80) - 0x80).to(tl.float32)
                 s_hi = d * (pair >> 8).to(tl.float32)
-                w = tl.where(first, s_lo, s_hi) * (q.to(tl.float32) - 32.0)
+                scale = tl.where(first, s_lo, s_hi)
+                if PACKED and MODE == 1:  # bf16 weights two at a time (six_bits_bf16); -32 * scale is exact
+                    w = six_bits_bf16(ql, qh, tl.broadcast_to(scale.to(tl.bfloat16), ql.shape),
+                                      tl.broadcast_to((-32.0 * scale).to(tl.bfloat16), ql.shape),
+                                      nib == 1, 2 * a + 4 * nib, PTX_BF16X2)
+                else:
+                    q = ((ql.to(tl.int32) >> (4 * nib)) & 15) | (((qh.to(tl.int32) >> (2 * a + 4 * nib)) & 3) << 4)
+                    w = scale * (q.to(tl.float32) - 32.0)
                 acc = _use(acc, w, v0 + i, xk, stride_xm, M, ok, n_mask, MODE, BLOCK_M, DOT_IEEE)
     return acc
 
@@ -337,7 +365,7 @@ def unit_product(acc, w_row, u, n_units, xk, stride_xm, M, ok, n_mask,
     """Consume unit u of K of the rows at byte pointers w_row [BLOCK_N, 1] (MODE as _use; xk and ok:
     x's and the output's pointers at the unit's first column). Also read by triton_moe, whose
     experts' rows are found through an expert id. PLANES_128 (Q4_K, Q6_K; MODE 1): planes of 128 values;
-    PACKED (Q4_K, MODE 1, bf16 x): weights from packed nibbles (nibbles_bf16)."""
+    PACKED (Q4_K, Q6_K; MODE 1, bf16 x): bf16 weights two an instruction (nibbles_bf16, six_bits_bf16)."""
     ub = w_row + u * UNIT_BYTES
     if FMT == 0:  # split rows: a unit's values are UNIT_BYTES = UNIT_VALUES bytes, its scales after all values
         sb = w_row + n_units * UNIT_VALUES + u * (2 * BPU)
@@ -372,7 +400,7 @@ def unit_product(acc, w_row, u, n_units, xk, stride_xm, M, ok, n_mask,
         if PLANES_128 and MODE == 1:
             acc = _unit_q6_k_128(acc, ql, qh, sc, d, xk, stride_xm, M, ok, n_mask, BLOCK_M, DOT_IEEE)
         else:
-            acc = _unit_q6_k(acc, ql, qh, sc, d, xk, stride_xm, M, ok, n_mask, MODE, BLOCK_M, DOT_IEEE)
+            acc = _unit_q6_k(acc, ql, qh, sc, d, xk, stride_xm, M, ok, n_mask, MODE, BLOCK_M, DOT_IEEE, PACKED)
     else:
         acc = _unit_iq4_xs(acc, ub, xk, stride_xm, M, ok, n_mask, MODE, BLOCK_M, DOT_IEEE)
     return acc

@@ -143,20 +143,25 @@ def test_128_value_planes_compute_what_the_32_value_ones_do(qtype, split, dtype)
             assert rel_err(got, narrow) <= tol
 
 
-def test_packed_q4_k_tiles_round_each_weight_once_from_bf16_scales():
-    """packed (bf16 x, Q4_K): each weight is q * bf16(d * sc) - bf16(dmin * m) rounded once to bf16, so
-    the product equals the exact weights' to bf16 rounding; float x keeps the float tiles (packed ignored)."""
+@pytest.mark.parametrize("qtype, split", [(Q.Q4_K, False), (Q.Q6_K, False), (Q.Q6_K, True)],
+                         ids=["Q4_K", "Q6_K", "Q6_K-split"])
+def test_packed_tiles_round_each_weight_once_from_bf16_scales(qtype, split):
+    """packed (bf16 x): each weight is q * bf16(scale) - bf16(offset) rounded once to bf16 (on a GPU by the
+    bf16x2 PTX itself), so the product equals the exact weights' to bf16 rounding; float x keeps the float
+    tiles (packed ignored)."""
     k, n = 512, 40
-    raw = quant_rows(Q.Q4_K, n, k, seed=41)
+    raw = quant_rows(qtype, n, k, seed=41)
+    weights = layout.split_rows(raw, qtype) if split else raw
     g = torch.Generator().manual_seed(6)
     for m in (2, 17, 64):
         x = torch.randn(m, k, generator=g).to(DEVICE, torch.bfloat16)
-        want = x.float() @ dequant.dequantize(raw, Q.Q4_K).T
+        want = x.float() @ dequant.dequantize(raw, qtype).T
         for split_k in (1, 2):
-            got = tqm.quant_matmul(x, raw, Q.Q4_K, k, split_k=split_k, packed=True)
+            got = tqm.quant_matmul(x, weights, qtype, k, split_k=split_k, split_rows=split, packed=True)
             assert got.dtype == torch.bfloat16 and rel_err(got, want) <= 1e-2
     x32 = torch.randn(5, k, generator=g).to(DEVICE)
-    assert torch.equal(tqm.quant_matmul(x32, raw, Q.Q4_K, k, packed=True), tqm.quant_matmul(x32, raw, Q.Q4_K, k))
+    assert torch.equal(tqm.quant_matmul(x32, weights, qtype, k, split_rows=split, packed=True),
+                       tqm.quant_matmul(x32, weights, qtype, k, split_rows=split))
 
 
 @pytest.mark.parametrize("split_k", [1, 3])
