@@ -47,11 +47,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from lucebox.model.kv_cache import PagedKVCache  # noqa: E402
-from lucebox.kernels import dequant, triton_activation, triton_gemv, triton_norm, triton_rope_kv  # noqa: E402
+from lucebox.kernels import dequant, triton_activation, triton_gemv, triton_norm  # noqa: E402
 from lucebox.kernels import triton_dp4a as tdp  # noqa: E402
 from lucebox.kernels import triton_dp4a_runs as tdr  # noqa: E402
-from lucebox.kernels import triton_one_row as tor  # noqa: E402
-from lucebox.kernels import triton_sampling  # noqa: E402
 from lucebox.kernels import prefill_attention as pa  # noqa: E402
 from lucebox.kernels import triton_paged_attention as tpa  # noqa: E402
 from lucebox.kernels import split_rows as layout  # noqa: E402
@@ -533,130 +531,6 @@ def bench_gemv(args, shape, peak, device) -> list:
             pct_peak=100 * gbps(nbytes, t) / peak, speedup=t_ref / t, config=str(triton_gemv.launch_config(n, k, prologue, device)),
             best_us=best[0] * 1e3 if best else None, best_config=str(best[1]) if best else None)
     return table
-
-
-# ----------------------------------------------------------------------------- launches to compile
-
-def record_dense(launches: list) -> None:
-    """Record (scripts/compile_kernels.py) every dense kernel variant the Python wrappers launch at
-    qwen3-8b-like shapes and Gemma 4's wide heads."""
-    from compile_kernels import Recorder
-
-    Capture = lambda fn: Recorder(fn, launches)  # noqa: E731
-
-    real = (tqm._qmm_kernel, tor._sum_splits_kernel, tpa._paged_attn_kernel, tpa._merge_splits_kernel,
-            tdp._quantize_rows_kernel)
-    tqm._qmm_kernel, tor._sum_splits_kernel = Capture(real[0]), Capture(real[1])
-    tdp._quantize_rows_kernel = Capture(real[4])
-    dp4a_kernels, int8_kernels, runs_kernels = dict(tdp._KERNELS), dict(tqi._KERNELS), dict(tdr.RUNS_KERNELS)
-    tdp._KERNELS = {key: Capture(kernel) for key, kernel in dp4a_kernels.items()}
-    tdr.RUNS_KERNELS = {key: Capture(kernel) for key, kernel in runs_kernels.items()}
-    tqi._KERNELS = {key: Capture(kernel) for key, kernel in int8_kernels.items()}
-    split_gemvs = dict(tsr._GEMV)
-    tsr._GEMV = {qtype: (Capture(kernel), *rest) for qtype, (kernel, *rest) in split_gemvs.items()}
-    tpa._paged_attn_kernel, tpa._merge_splits_kernel = Capture(real[2]), Capture(real[3])
-    lazy = (triton_norm, triton_rope_kv, triton_activation, triton_gemv)  # modules defining their kernel on first use
-    lazy_real = [m._kernel for m in lazy]
-    for module, make in zip(lazy, lazy_real):
-        module._kernel = lambda kernel=make(): Capture(kernel)
-    from lucebox.kernels import triton_moe_route
-    route_real = triton_moe_route._route_kernel
-    triton_moe_route._route_kernel = Capture(route_real)
-    sampling_real = triton_sampling._kernels
-    triton_sampling._kernels = lambda kernels=sampling_real(): tuple(Capture(k) for k in kernels)
-    try:
-        for qtype in sorted(tqm.SUPPORTED_TYPES):
-            raw = torch.zeros(64, 4096 // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1], dtype=torch.uint8)
-            for m in (1, 16, 64):
-                for dtype in (torch.bfloat16, torch.float32):
-                    tqm.quant_matmul(torch.zeros(m, 4096, dtype=dtype), raw, qtype, 4096, split_k=1)
-                    if m > 1 and qtype in (Q.Q4_K, Q.Q6_K):  # the 128-value planes (an option of the sweep)
-                        tqm.quant_matmul(torch.zeros(m, 4096, dtype=dtype), raw, qtype, 4096, split_k=1,
-                                         planes_128=True)
-                    if m > 1 and qtype in (Q.Q4_K, Q.Q6_K) and dtype == torch.bfloat16:  # packed (the sweep's too)
-                        tqm.quant_matmul(torch.zeros(m, 4096, dtype=dtype), raw, qtype, 4096, split_k=1, packed=True)
-            tqm.dequantize(raw, qtype, 4096, torch.bfloat16)
-        # head sizes: the Llama/Qwen 128, Gemma 4's 256 (sliding) and 512 (full attention, 16 heads a K/V head)
-        for cache_type, head_dim, group in itertools.product(("bf16", "fp8", "q8_0", "q4_0"), (128, 256, 512), (4,)):
-            group = 16 if head_dim == 512 else group
-            for q_len, window in ((1, None), (16, None), (32, 4096), (512, None)):
-                for dtype in (torch.bfloat16, torch.float32) if q_len == 1 else (torch.bfloat16,):
-                    blocks = math.ceil((100 + q_len) / 16)
-                    kc, vc = (PagedKVCache(blocks, 16, 2, head_dim, cache_type, dtype, "cpu") for _ in range(2))
-                    fb = ForwardBatch.build([[0] * q_len], [100], [list(range(blocks))], 16, "cpu")
-                    q = torch.zeros(q_len, 2 * group, head_dim, dtype=dtype)
-                    tpa.paged_attention(q, kc, vc, fb, 0.1, window, num_splits=4 if q_len == 1 else 1)
-                    if q_len in (16, 32):  # the same as a tree verify row (ForwardBatch.tree_mask)
-                        fb.tree_mask = torch.full((q_len,), -1, dtype=torch.long)
-                        tpa.paged_attention(q, kc, vc, fb, 0.1, window, num_splits=2)
-        for rows in (1, 64):
-            x = torch.zeros(rows, 4096, dtype=torch.bfloat16)
-            triton_norm.rms_norm_residual_triton(x, x, x[0], 1e-6)
-            triton_norm.rms_norm_rounded_triton(x, x, x[0], 1e-6)  # also rows rounded to int8
-            triton_norm.rms_norm_triton(torch.zeros(rows, 32, 128, dtype=torch.bfloat16), x[0, :128], 1e-6)
-        tqm.quant_matmul(torch.zeros(1, 4096, dtype=torch.bfloat16), raw, qtype, 4096, split_k=4)
-        for qtype, split in tqi._KERNELS:  # int8 activations: decode (dp4a) and verify (tensor cores)
-            raw = torch.zeros(64, 4096 // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1], dtype=torch.uint8)
-            for m in (1, 16, 64):
-                tqi.matmul(torch.zeros(m, 4096, dtype=torch.bfloat16), raw, qtype, split, 4096, split_k=1)
-            for stages in (2, 3):  # the one-row GEMV's loop software-pipelined (an option of the sweep)
-                tqi.matmul(torch.zeros(1, 4096, dtype=torch.bfloat16), raw, qtype, split, 4096, split_k=1,
-                           stages=stages)
-        for qtype, split in tdr.RUNS_KERNELS:  # one-row int8 GEMVs in runs (options of the sweep)
-            raw = torch.zeros(64, 4096 // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1], dtype=torch.uint8)
-            for unroll, warps in itertools.product((1, 2), (4, 8)):
-                tdp.gemv(torch.zeros(1, 4096, dtype=torch.bfloat16), raw, qtype, split, 4096, split_k=1,
-                         runs=True, unroll=unroll, num_warps=warps)
-        for qtype in layout.SPLIT_TYPES:  # split rows: the GEMV, the fused kernel (verify), the dequantiser (prefill)
-            raw = torch.zeros(64, 4096 // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1], dtype=torch.uint8)
-            for stages in (1, 2, 3):
-                tsr.gemv(torch.zeros(1, 4096, dtype=torch.bfloat16), raw, qtype, 4096, split_k=1, stages=stages)
-            for m in (1, 16):
-                tqm.quant_matmul(torch.zeros(m, 4096, dtype=torch.bfloat16), raw, qtype, 4096, split_k=1,
-                                 split_rows=True)
-            if qtype == Q.Q6_K:
-                for option in ("planes_128", "packed"):
-                    tqm.quant_matmul(torch.zeros(16, 4096, dtype=torch.bfloat16), raw, qtype, 4096, split_k=1,
-                                     split_rows=True, **{option: True})
-            tqm.dequantize(raw, qtype, 4096, torch.bfloat16, split_rows=True)
-        for qk_norm in (None, (torch.ones(128, dtype=torch.bfloat16),) * 2 + (1e-6,)):
-            kc, vc = (PagedKVCache(8, 16, 8, 128, "bf16", torch.bfloat16, "cpu") for _ in range(2))
-            q, k = torch.zeros(1, 32, 128, dtype=torch.bfloat16), torch.zeros(1, 8, 128, dtype=torch.bfloat16)
-            cos = torch.zeros(1, 128, dtype=torch.bfloat16)
-            triton_rope_kv.rope_and_write_kv(q, k, k, cos, cos, kc, vc, torch.zeros(1, dtype=torch.long), qk_norm)
-        gate_up = torch.zeros(1, 2 * 12288, dtype=torch.bfloat16)
-        triton_activation.silu_and_mul_triton(*gate_up.chunk(2, dim=-1))
-        triton_activation.silu_and_mul_rounded_triton(*gate_up.chunk(2, dim=-1))
-        for shape in (SHAPES["qwen3-8b"], SHAPES["qwen3-0.6b"]):  # decode GEMVs, each prologue
-            for _, n, k, prologue in decode_matrices(shape):
-                for dtype in (torch.bfloat16, torch.float32):
-                    w, x = torch.zeros(n, k, dtype=dtype), torch.zeros(1, 2 * k, dtype=dtype)
-                    norm_w = torch.zeros(k, dtype=dtype)
-                    x = x if prologue == triton_gemv.SILU_MUL else x[:, :k]
-                    triton_gemv.gemv(x, w, None, prologue,
-                                     x if prologue == triton_gemv.NORM else None, norm_w, 1e-6)
-                    if k <= 4096:
-                        triton_gemv.gemv(x, w, None, prologue, x if prologue == triton_gemv.NORM else None,
-                                         norm_w, 1e-6, config=(2, triton_gemv.next_pow2(k), 4, 264))
-        for experts, top_k, softmax, biased in ((256, 8, True, False), (128, 8, True, False), (64, 4, False, True)):
-            logits = torch.zeros(16, experts, dtype=torch.bfloat16)  # a MoE router (Qwen; Laguna: sigmoid + bias)
-            triton_moe_route.route(logits, top_k, softmax=softmax, softcap=0.0 if softmax else 30.0,
-                                   bias=torch.zeros(experts) if biased else None, dtype=torch.bfloat16)
-        for vocab, rows in ((8192, 1), (8192, 16), (151936, 16), (262144, 16)):  # in-graph sampling (262K: Gemma 4)
-            row = torch.zeros(1)
-            for search in triton_sampling.SEARCHES:
-                triton_sampling.accept_rows_triton(torch.zeros(rows, vocab), torch.zeros(rows, dtype=torch.long),
-                                                   torch.zeros(rows, dtype=torch.long), row, row.long(), row, row,
-                                                   row.long(), torch.zeros(1, dtype=torch.long),  # as a graph calls it
-                                                   search=search)
-    finally:
-        tqm._qmm_kernel, tor._sum_splits_kernel, tpa._paged_attn_kernel, tpa._merge_splits_kernel = real[:4]
-        tsr._GEMV, tdp._quantize_rows_kernel = split_gemvs, real[4]
-        tdp._KERNELS, tqi._KERNELS, tdr.RUNS_KERNELS = dp4a_kernels, int8_kernels, runs_kernels
-        for module, make in zip(lazy, lazy_real):
-            module._kernel = make
-        triton_sampling._kernels = sampling_real
-        triton_moe_route._route_kernel = route_real
 
 
 def markdown(table: list) -> str:

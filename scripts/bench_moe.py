@@ -246,7 +246,8 @@ def sweep(x, sets, gate_up, down, tokens, nbytes, old, device, args, where: dict
 def compile_only(arch: str) -> None:
     """Compile, for a GPU this machine need not have, every kernel variant the wrappers launch at
     the benchmark's shapes (bf16 and float32 activations, each weight type)."""
-    from compile_kernels import Recorder, compile_launches
+    from compile_kernels import compile_launches
+    from kernel_launches import Recorder
 
     from lucebox.kernels import triton_moe, triton_moe_align, triton_one_row
 

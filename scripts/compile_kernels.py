@@ -11,7 +11,7 @@ the GPU compiler rejects: each variant's registers and spills (cuobjdump, when T
 its shared memory against the arch's limit (a launch asking more fails with OutOfResources). The
 launches are recorded by running the Python wrappers on CPU tensors of real shapes with every
 kernel replaced by a Recorder: the dense kernels at qwen3-8b-like shapes and Gemma 4's wide heads
-(bench_kernels.record_dense), the Gated DeltaNet kernels at Qwen3.6-27B's (record_gated_delta);
+(kernel_launches.record_dense), the Gated DeltaNet kernels at Qwen3.6-27B's (record_gated_delta);
 scripts/bench_moe.py --compile-only records the MoE expert kernels.
 """
 from __future__ import annotations
@@ -29,16 +29,6 @@ from tqdm import tqdm
 _SIG_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.uint8: "u8",
               torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64",
               torch.float8_e4m3fn: "fp8e4nv"}
-
-
-class Recorder:
-    """Stands in for a kernel: records each launch (kernel, args, kwargs) in `launches` instead of running it."""
-
-    def __init__(self, fn, launches: list):
-        self.fn, self.launches = fn, launches
-
-    def __getitem__(self, grid):
-        return lambda *a, **kw: self.launches.append((self.fn, a, kw))
 
 
 # Shared memory one block may take (bytes, opt-in maximum) by CUDA compute capability: a variant asking
@@ -146,43 +136,6 @@ def compile_launches(launches: list, arch: str, kernels: str | None = None, sass
         sys.exit(1)
 
 
-def record_gated_delta(launches: list) -> None:
-    """The Gated DeltaNet kernels' launches at Qwen3.6-27B's heads (16 key heads, 48 value heads,
-    128 x 128 states, a 4-tap conv over 10,240 channels): decode/verify steps with and without outputs,
-    a commit's normalised steps, tree verifies, the conv with and without a stash or a tree, gates, norm."""
-    from lucebox.kernels import triton_deltanet_conv as tdc
-    from lucebox.kernels import triton_gated_delta as tgd
-
-    real, real_conv = tgd._kernel, tdc._kernel
-    tgd._kernel = lambda kernels=real(): tuple(Recorder(k, launches) for k in kernels)
-    tdc._kernel = lambda kernels=real_conv(): tuple(Recorder(k, launches) for k in kernels)
-    try:
-        tokens, seqs, kh, vh, d, channels, taps = 16, 2, 16, 48, 128, 2 * 16 * 128 + 48 * 128, 4
-        idx = torch.zeros(seqs, dtype=torch.long)
-        q, k = (torch.zeros(tokens, kh, d, dtype=torch.bfloat16) for _ in range(2))
-        v = torch.zeros(tokens, vh, d, dtype=torch.bfloat16)
-        g, beta = torch.zeros(tokens, vh), torch.zeros(tokens, vh)
-        state = torch.zeros(seqs + 1, vh, d, d)
-        for outputs, normalize in ((True, False), (False, True)):
-            tgd.gated_delta_steps_triton(q, k, v, g, beta, state, idx, idx, idx, idx, outputs, normalize)
-        rows = torch.zeros(tokens, dtype=torch.long)
-        tgd.gated_delta_tree_triton(q, k, v, g, beta, state, idx, idx, rows, rows, idx, rows)
-        qkv = torch.zeros(tokens, channels, dtype=torch.bfloat16)
-        conv = torch.zeros(seqs + 1, channels, taps - 1, dtype=torch.bfloat16)
-        weight = torch.zeros(channels, taps, dtype=torch.bfloat16)
-        stash = (torch.zeros(64, channels, dtype=torch.bfloat16),) * 2
-        a = torch.zeros(tokens, vh, dtype=torch.bfloat16)
-        gate_stash = (torch.zeros(64, vh), torch.zeros(64, vh), rows)
-        for extra in ({}, {"stash": stash, "positions": 8}, {"stash": stash, "positions": 8, "tree": (rows, rows)}):
-            tdc.conv_steps_triton(qkv, conv, weight, idx, idx, idx, rows, rows, **extra)
-            tdc.conv_gate_steps_triton(qkv, a, a, conv, weight, torch.zeros(vh), torch.zeros(vh), idx, idx, idx, idx,
-                                       rows, **extra, gate_stash=gate_stash if extra else None)
-        tgd.gates_triton(a, a, torch.zeros(vh), torch.zeros(vh))
-        tgd.gated_rms_norm_triton(v.float(), v, torch.zeros(d), 1e-6, torch.bfloat16)
-    finally:
-        tgd._kernel, tdc._kernel = real, real_conv
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", default="90", help="CUDA compute capability (90) or an AMD target (gfx942)")
@@ -190,7 +143,7 @@ def main() -> None:
                                      "matches this regex")
     p.add_argument("--sass", metavar="DIR", help="write each variant's SASS into DIR and count what its loops hold")
     args = p.parse_args()
-    from bench_kernels import record_dense
+    from kernel_launches import record_dense, record_gated_delta
 
     launches: list = []
     record_dense(launches)
