@@ -179,7 +179,7 @@ def bench_quant(args, shape, peak, device) -> list:
         best = {}
         if args.sweep and device.type == "cuda":
             paths = args.sweep_paths
-            best = sweep_quant(x, raws, qtype, k, m, device) if "float" in paths else {}
+            best = sweep_quant(x, raws, qtype, k, m, ref, device) if "float" in paths else {}
             if qtype in layout.SPLIT_TYPES and "split" in paths:
                 best |= sweep_split_rows(x, raws, qtype, k, m, ref, device)
             if qtype in (Q.Q4_K, Q.Q5_K, Q.Q8_0, Q.Q6_K, Q.IQ4_XS) and "int8" in paths:
@@ -202,18 +202,21 @@ def bench_quant(args, shape, peak, device) -> list:
     return table
 
 
-def sweep_quant(x, raws, qtype, k, m, device) -> dict:
-    best = None
+def sweep_quant(x, raws, qtype, k, m, ref, device) -> dict:
+    """The float kernel's launch grid per path: the best overall, and each path's best time and error
+    (a path's own arithmetic, e.g. the packed tiles' PTX, checked against the reference)."""
+    best, found = None, {}
     block_ns = (16, 32, 64) if m == 1 else (32, 64, 128)
     # Paths: at M = 1 the elementwise one and the tensor-core one (dequantised tiles through tl.dot,
     # x padded to 16 rows).
     paths = {"elementwise": {"tensor_cores": False}} if m == 1 else {}
     paths["tensor cores"] = {"tensor_cores": True}
     if qtype in (Q.Q4_K, Q.Q6_K) and m > 1:  # 128-value planes: two dots a unit instead of eight
-        paths["tensor cores, 128-value planes"] = {"tensor_cores": True, "planes_128": True}
+        paths["planes_128"] = {"tensor_cores": True, "planes_128": True}
     if qtype in (Q.Q4_K, Q.Q6_K) and m > 1 and x.dtype == torch.bfloat16:  # two weights an instruction
-        paths["tensor cores, packed nibbles"] = {"tensor_cores": True, "packed": True}
+        paths["packed"] = {"tensor_cores": True, "packed": True}
     for path, options in paths.items():
+        found[f"{path}_rel_err"] = rel_err(tqm.quant_matmul(x, raws[0], qtype, k, **options), ref)
         for block_n in block_ns:
             for warps in (4, 8):
                 for split in (None, 1, 4, 16):
@@ -223,12 +226,13 @@ def sweep_quant(x, raws, qtype, k, m, device) -> dict:
                             raws, device)
                     except Exception:  # e.g. out of shared memory for a config: skip it
                         continue
+                    found[f"{path}_best_us"] = min(found.get(f"{path}_best_us", math.inf), t * 1e3)
                     if best is None or t < best[0]:
                         best = (t, block_n, warps, split, path)
     if not best:
-        return {}
-    return {"best_us": best[0] * 1e3, "best_block_n": best[1], "best_warps": best[2],
-            "best_split": str(best[3]), "best_path": best[4]}
+        return found
+    return found | {"best_us": best[0] * 1e3, "best_block_n": best[1], "best_warps": best[2],
+                    "best_split": str(best[3]), "best_path": best[4]}
 
 
 def sweep_split_rows(x, raws, qtype, k, m, ref, device) -> dict:
@@ -245,7 +249,15 @@ def sweep_split_rows(x, raws, qtype, k, m, ref, device) -> dict:
     err = rel_err(product(splits[0]), ref)
     default = bench_in_graph(product, splits, device)
     best_t, best = best_launch(product, splits, m, (16, 32, 64), device)
-    return {"split_rel_err": err, "split_default_us": default * 1e3, "split_best_us": best_t * 1e3, "split_best": best}
+    found = {"split_rel_err": err, "split_default_us": default * 1e3, "split_best_us": best_t * 1e3,
+             "split_best": best}
+    if m > 1 and qtype == Q.Q6_K and x.dtype == torch.bfloat16:  # the packed tiles over split rows
+        def packed(w, **launch):
+            return product(w, packed=True, **launch)
+        best_t, best = best_launch(packed, splits, m, (16, 32, 64), device)
+        found |= {"split_packed_rel_err": rel_err(packed(splits[0]), ref), "split_packed_best_us": best_t * 1e3,
+                  "split_packed_best": best}
+    return found
 
 
 def sweep_int8(x, raws, qtype, k, m, ref, device) -> dict:

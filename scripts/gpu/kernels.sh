@@ -12,6 +12,19 @@ mode_kernels() {
   done
 }
 
+#: tiles        issue 33 items 3 / 6: the packed and 128-value-plane tile tests on the GPU (their PTX), then
+#:              bench_kernels' quant sweep of Q4_K and Q6_K at 16 and 64 rows: each float path's best time and
+#:              error (default, planes_128, packed; split Q6_K packed too) beside the int8 tiles (~8 min; MS)
+mode_tiles() {
+  run_tests tiles-tests 150 tests/kernels/test_triton_kernels.py -k "packed or planes or bfloat16"
+  local m
+  for m in ${MS:-16 64}; do
+    step "tiles-m$m" "${SECONDS_KERNELS:-200}" python3 scripts/bench_kernels.py --only quant --ms $m --sweep \
+      --qtypes Q4_K Q6_K --json "$out/tiles-m$m.json"
+    grep -E "^\| (kernel|quant_matmul)" "$out/tiles-m$m.log" | cut -c1-1200
+  done
+}
+
 #: dp4a-runs    one-row int8 GEMVs: triton_dp4a_runs' tests on the GPU (their PTX), then the kernels (no
 #:              reduction across threads in the loop) against the default ones per qwen3-8b matrix with
 #:              launch grids (Q4_K, split Q6_K / Q8_0; Q5_K and IQ4_XS against their float kernels;
