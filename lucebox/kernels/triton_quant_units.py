@@ -87,22 +87,9 @@ def _use(acc, w, cols, xk, stride_xm, M, ok, n_mask,
 
 
 @triton.jit
-def _k_scale_min(w1, w2, w3, J: tl.constexpr):
-    """6-bit (scale, min) of sub-block J of a Q4_K/Q5_K super-block; w1..w3 are the 12 scale
-    bytes as three little-endian int32 words."""
-    if J < 4:
-        sc = (w1 >> (8 * J)) & 63
-        mn = (w2 >> (8 * J)) & 63
-    else:
-        sc = ((w3 >> (8 * (J - 4))) & 15) | (((w1 >> (8 * (J - 4) + 6)) & 3) << 4)
-        mn = ((w3 >> (8 * (J - 4) + 4)) & 15) | (((w2 >> (8 * (J - 4) + 6)) & 3) << 4)
-    return sc.to(tl.float32), mn.to(tl.float32)
-
-
-@triton.jit
 def scale_min(w1, w2, w3, j):
-    """6-bit (scale, min) of sub-blocks j (an int32 tile) of the Q4_K/Q5_K super-blocks whose 12 scale
-    bytes are the words w1..w3 (int32, broadcastable against j): float32 tiles of their broadcast shape."""
+    """6-bit (scale, min) of sub-blocks j (an int32 tile, or one constant) of the Q4_K/Q5_K super-blocks whose
+    12 scale bytes are the words w1..w3 (int32, broadcastable against j): float32 tiles of their broadcast shape."""
     s = 8 * (j % 4)
     low = j < 4
     sc = tl.where(low, (w1 >> s) & 63, ((w3 >> s) & 15) | (((w1 >> (s + 6)) & 3) << 4))
@@ -232,7 +219,7 @@ def _unit_q45_k(acc, ub, xk, stride_xm, M, ok, n_mask, FIVE: tl.constexpr,
         if PACKED and MODE == 1 and not FIVE:  # bf16 weights from packed nibbles (nibbles_bf16)
             qb = tl.load(ub + 16 + 32 * g + i[None, :])
             for h in tl.static_range(2):
-                sc, mn = _k_scale_min(w1, w2, w3, 2 * g + h)
+                sc, mn = scale_min(w1, w2, w3, 2 * g + h)
                 w = nibbles_bf16(qb, tl.broadcast_to((d * sc).to(tl.bfloat16), qb.shape),
                                  tl.broadcast_to((-(dmin * mn)).to(tl.bfloat16), qb.shape), h == 1, PTX_BF16X2)
                 acc = _use(acc, w, 64 * g + 32 * h + i, xk, stride_xm, M, ok, n_mask, MODE, BLOCK_M, DOT_IEEE)
@@ -243,10 +230,10 @@ def _unit_q45_k(acc, ub, xk, stride_xm, M, ok, n_mask, FIVE: tl.constexpr,
             if FIVE:
                 lo = lo | (((qh >> (2 * g)) & 1) << 4)
                 hi = hi | (((qh >> (2 * g + 1)) & 1) << 4)
-            sc, mn = _k_scale_min(w1, w2, w3, 2 * g)
+            sc, mn = scale_min(w1, w2, w3, 2 * g)
             w = (d * sc) * lo.to(tl.float32) - dmin * mn
             acc = _use(acc, w, 64 * g + i, xk, stride_xm, M, ok, n_mask, MODE, BLOCK_M, DOT_IEEE)
-            sc, mn = _k_scale_min(w1, w2, w3, 2 * g + 1)
+            sc, mn = scale_min(w1, w2, w3, 2 * g + 1)
             w = (d * sc) * hi.to(tl.float32) - dmin * mn
             acc = _use(acc, w, 64 * g + 32 + i, xk, stride_xm, M, ok, n_mask, MODE, BLOCK_M, DOT_IEEE)
     return acc
@@ -275,6 +262,14 @@ def _unit_q4_k_128(acc, ub, xk, stride_xm, M, ok, n_mask, BLOCK_M: tl.constexpr,
 
 
 @triton.jit
+def _q6_k_run_scales(pair_ptr, d):
+    """d times the two int8 scales of a 32-value Q6_K run (adjacent: the run's first value // 16 is even),
+    read in one 2-byte load at pair_ptr: (first 16 values', last 16 values') float32."""
+    pair = tl.load(pair_ptr.to(tl.pointer_type(tl.int16))).to(tl.int32)
+    return d * (((pair & 0xFF) ^ 0x80) - 0x80).to(tl.float32), d * (pair >> 8).to(tl.float32)
+
+
+@triton.jit
 def _unit_q6_k(acc, qlb, qhb, scb, db, xk, stride_xm, M, ok, n_mask,
                MODE: tl.constexpr, BLOCK_M: tl.constexpr, DOT_IEEE: tl.constexpr, PACKED: tl.constexpr = False):
     """Q6_K (210 bytes: 128 low-nibble bytes at qlb, 64 bytes of 2-bit pairs at qhb, 16 int8 scales
@@ -291,10 +286,7 @@ def _unit_q6_k(acc, qlb, qhb, scb, db, xk, stride_xm, M, ok, n_mask,
             ql = tl.load(qlb + 64 * n + 32 * a + i[None, :])
             for nib in tl.static_range(2):
                 v0 = 128 * n + 64 * nib + 32 * a
-                # The plane's two int8 scales are adjacent (v0 // 16 is even): one 2-byte load.
-                pair = tl.load((scb + v0 // 16).to(tl.pointer_type(tl.int16))).to(tl.int32)
-                s_lo = d * (((pair & 0xFF) ^ 0x80) - 0x80).to(tl.float32)
-                s_hi = d * (pair >> 8).to(tl.float32)
+                s_lo, s_hi = _q6_k_run_scales(scb + v0 // 16, d)
                 scale = tl.where(first, s_lo, s_hi)
                 if PACKED and MODE == 1:  # bf16 weights two at a time (six_bits_bf16); -32 * scale is exact
                     w = six_bits_bf16(ql, qh, tl.broadcast_to(scale.to(tl.bfloat16), ql.shape),
@@ -323,10 +315,8 @@ def _unit_q6_k_128(acc, qlb, qhb, scb, db, xk, stride_xm, M, ok, n_mask,
     b = tl.arange(0, 128)
     for nib in tl.static_range(2):
         q = ((ql >> (4 * nib)) & 15) | (((qh >> (2 * a + 4 * nib)) & 3) << 4)
-        # each 32-value run's two int8 scales are adjacent (its first value // 16 is even): one 2-byte load
-        pair = tl.load((scb[:, :, None] + (128 * n + 64 * nib + 32 * a) // 16).to(tl.pointer_type(tl.int16)))
-        pair = pair.to(tl.int32)
-        scale = tl.where(first, d * (((pair & 0xFF) ^ 0x80) - 0x80).to(tl.float32), d * (pair >> 8).to(tl.float32))
+        s_lo, s_hi = _q6_k_run_scales(scb[:, :, None] + (128 * n + 64 * nib + 32 * a) // 16, d)
+        scale = tl.where(first, s_lo, s_hi)
         w = scale * (q.to(tl.float32) - 32.0)
         cols = 128 * (b // 64) + 64 * nib + 32 * ((b // 32) % 2) + b % 32
         acc = _use(acc, tl.reshape(w, [w.shape[0], 128]), cols, xk, stride_xm, M, ok, n_mask, 1, BLOCK_M, DOT_IEEE)
