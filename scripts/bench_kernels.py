@@ -204,17 +204,13 @@ def bench_quant(args, shape, peak, device) -> list:
 
 def sweep_quant(x, raws, qtype, k, m, ref, device) -> dict:
     """The float kernel's launch grid per path: the best overall, and each path's best time and error
-    (a path's own arithmetic, e.g. the packed tiles' PTX, checked against the reference)."""
+    (a path's own arithmetic, e.g. the bf16 tiles' PTX, checked against the reference)."""
     best, found = None, {}
     block_ns = (16, 32, 64) if m == 1 else (32, 64, 128)
     # Paths: at M = 1 the elementwise one and the tensor-core one (dequantised tiles through tl.dot,
     # x padded to 16 rows).
     paths = {"elementwise": {"tensor_cores": False}} if m == 1 else {}
     paths["tensor cores"] = {"tensor_cores": True}
-    if qtype in (Q.Q4_K, Q.Q6_K) and m > 1:  # 128-value planes: two dots a unit instead of eight
-        paths["planes_128"] = {"tensor_cores": True, "planes_128": True}
-    if qtype in (Q.Q4_K, Q.Q6_K) and m > 1 and x.dtype == torch.bfloat16:  # two weights an instruction
-        paths["packed"] = {"tensor_cores": True, "packed": True}
     for path, options in paths.items():
         found[f"{path}_rel_err"] = rel_err(tqm.quant_matmul(x, raws[0], qtype, k, **options), ref)
         for block_n in block_ns:
@@ -251,12 +247,6 @@ def sweep_split_rows(x, raws, qtype, k, m, ref, device) -> dict:
     best_t, best = best_launch(product, splits, m, (16, 32, 64), device)
     found = {"split_rel_err": err, "split_default_us": default * 1e3, "split_best_us": best_t * 1e3,
              "split_best": best}
-    if m > 1 and qtype == Q.Q6_K and x.dtype == torch.bfloat16:  # the packed tiles over split rows
-        def packed(w, **launch):
-            return product(w, packed=True, **launch)
-        best_t, best = best_launch(packed, splits, m, (16, 32, 64), device)
-        found |= {"split_packed_rel_err": rel_err(packed(splits[0]), ref), "split_packed_best_us": best_t * 1e3,
-                  "split_packed_best": best}
     return found
 
 

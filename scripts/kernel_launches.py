@@ -70,11 +70,6 @@ def record_dense(launches: list) -> None:
             for m in (1, 16, 64):
                 for dtype in (torch.bfloat16, torch.float32):
                     tqm.quant_matmul(torch.zeros(m, 4096, dtype=dtype), raw, qtype, 4096, split_k=1)
-                    if m > 1 and qtype in (Q.Q4_K, Q.Q6_K):  # the 128-value planes (an option of the sweep)
-                        tqm.quant_matmul(torch.zeros(m, 4096, dtype=dtype), raw, qtype, 4096, split_k=1,
-                                         planes_128=True)
-                    if m > 1 and qtype in (Q.Q4_K, Q.Q6_K) and dtype == torch.bfloat16:  # packed (the sweep's too)
-                        tqm.quant_matmul(torch.zeros(m, 4096, dtype=dtype), raw, qtype, 4096, split_k=1, packed=True)
             tqm.dequantize(raw, qtype, 4096, torch.bfloat16)
         # head sizes: the Llama/Qwen 128, Gemma 4's 256 (sliding) and 512 (full attention, 16 heads a K/V head)
         for cache_type, head_dim, group in itertools.product(("bf16", "fp8", "q8_0", "q4_0"), (128, 256, 512), (4,)):
@@ -114,10 +109,6 @@ def record_dense(launches: list) -> None:
             for m in (1, 16):
                 tqm.quant_matmul(torch.zeros(m, 4096, dtype=torch.bfloat16), raw, qtype, 4096, split_k=1,
                                  split_rows=True)
-            if qtype == Q.Q6_K:
-                for option in ("planes_128", "packed"):
-                    tqm.quant_matmul(torch.zeros(16, 4096, dtype=torch.bfloat16), raw, qtype, 4096, split_k=1,
-                                     split_rows=True, **{option: True})
             tqm.dequantize(raw, qtype, 4096, torch.bfloat16, split_rows=True)
         for qk_norm in (None, (torch.ones(128, dtype=torch.bfloat16),) * 2 + (1e-6,)):
             kc, vc = (PagedKVCache(8, 16, 8, 128, "bf16", torch.bfloat16, "cpu") for _ in range(2))

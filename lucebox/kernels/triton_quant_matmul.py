@@ -42,7 +42,7 @@ def _qmm_kernel(x_ptr, w_ptr, b_ptr, o_ptr, M, N, row_bytes, n_units, units_per_
                 FMT: tl.constexpr, UNIT_BYTES: tl.constexpr, UNIT_VALUES: tl.constexpr, BPU: tl.constexpr,
                 P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, MODE: tl.constexpr,
                 HAS_BIAS: tl.constexpr, DOT_IEEE: tl.constexpr, SPLIT: tl.constexpr = False,
-                PDL: tl.constexpr = False, PLANES_128: tl.constexpr = False, PACKED: tl.constexpr = False):
+                PDL: tl.constexpr = False):
     wait_for_previous_kernel(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -63,8 +63,7 @@ def _qmm_kernel(x_ptr, w_ptr, b_ptr, o_ptr, M, N, row_bytes, n_units, units_per_
     u1 = tl.minimum(u0 + units_per_prog, n_units)
     for u in range(u0, u1):
         acc = unit_product(acc, w_row, u, n_units, x_ptr + u * UNIT_VALUES, stride_xm, M, o_row + u * UNIT_VALUES,
-                           n_mask, FMT, UNIT_BYTES, UNIT_VALUES, BPU, SPLIT, MODE, BLOCK_M, DOT_IEEE, PLANES_128,
-                           PACKED)
+                           n_mask, FMT, UNIT_BYTES, UNIT_VALUES, BPU, SPLIT, MODE, BLOCK_M, DOT_IEEE)
     if MODE == 0:
         store_one_row(tl.sum(acc, axis=1), rn, N, o_ptr, stride_os, b_ptr, HAS_BIAS)
     elif MODE == 1:
@@ -85,16 +84,13 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype, in_features: int
                  bias: torch.Tensor | None = None, *, block_n: int | None = None,
                  split_k: int | None = None, num_warps: int | None = None,
                  num_stages: int | None = None, tensor_cores: bool | None = None,
-                 split_rows: bool = False, planes_128: bool = False, packed: bool = False) -> torch.Tensor:
+                 split_rows: bool = False) -> torch.Tensor:
     """x [..., K] @ W.T (+ bias) for raw GGUF rows `qweight` [N, bytes_per_row]; fused for
     M = prod(x.shape[:-1]) <= MAX_FUSED_M. Output in x.dtype, accumulated in float32.
     tensor_cores: multiply dequantised tiles with tl.dot (mode 1, x padded to 16 rows) rather
     than elementwise (mode 0); default: only for M > 1. At M = 1 the kernel is bound by the
     instructions per weight, which the tensor-core path changes: a launch option to measure.
-    split_rows: Q8_0 or Q6_K rows in the split layout (kernels/triton_split_rows.py).
-    planes_128: Q4_K and Q6_K tiles dequantised 128 values at a time (two tl.dots a 256-value unit, not eight);
-    packed: Q4_K and Q6_K tiles of bf16 x dequantised two weights an instruction (triton_quant_units;
-    each weight rounded once from bf16 scales). Both launch options to measure (scripts/bench_kernels.py's sweep)."""
+    split_rows: Q8_0 or Q6_K rows in the split layout (kernels/triton_split_rows.py)."""
     if x.dtype not in ACTIVATION_DTYPES:
         raise TypeError(f"quant_matmul: unsupported activation dtype {x.dtype}")
     fmt, unit_bytes, unit_values, bpu, plane, n_units = unit_layout(qtype, in_features, split_rows)
@@ -148,9 +144,7 @@ def quant_matmul(x: torch.Tensor, qweight: torch.Tensor, qtype, in_features: int
         m, n, qweight.shape[1], n_units, per, x2.stride(0), n, stride_os,
         FMT=fmt, UNIT_BYTES=unit_bytes, UNIT_VALUES=unit_values, BPU=bpu, P=plane,
         BLOCK_N=block_n, BLOCK_M=block_m, MODE=mode, HAS_BIAS=has_bias,
-        DOT_IEEE=_is_fp32(x.dtype), SPLIT=split_rows, **kwargs, **pdl_launch(x.device, tiles=mode == 1),
-        PLANES_128=planes_128 and mode == 1 and qtype in (Q.Q4_K, Q.Q6_K),
-        PACKED=packed and mode == 1 and qtype in (Q.Q4_K, Q.Q6_K) and x.dtype == torch.bfloat16)
+        DOT_IEEE=_is_fp32(x.dtype), SPLIT=split_rows, **kwargs, **pdl_launch(x.device, tiles=mode == 1))
     if split_k > 1:
         reduce_splits(target, bias, out)
     return out.reshape(*lead, n)

@@ -203,9 +203,10 @@ def six_bits_bf16(ql, qh, scale, neg_offset, HIGH: tl.constexpr, SH: tl.constexp
 
 @triton.jit
 def _unit_q45_k(acc, ub, xk, stride_xm, M, ok, n_mask, FIVE: tl.constexpr,
-                MODE: tl.constexpr, BLOCK_M: tl.constexpr, DOT_IEEE: tl.constexpr, PACKED: tl.constexpr = False):
+                MODE: tl.constexpr, BLOCK_M: tl.constexpr, DOT_IEEE: tl.constexpr, BF16: tl.constexpr = False):
     """Q4_K (144 bytes: d, dmin, 12 scale bytes, 128 nibble bytes) and Q5_K (176 bytes: the same
-    with 32 bytes of fifth bits before the nibbles). value = (d*sc)*q - (dmin*m) per 32 values."""
+    with 32 bytes of fifth bits before the nibbles). value = (d*sc)*q - (dmin*m) per 32 values.
+    BF16 (bf16 x): Q4_K tiles' weights from bf16 scales, two an instruction (nibbles_bf16)."""
     i = tl.arange(0, 32)
     d = f16(ub)
     dmin = f16(ub + 2)
@@ -216,7 +217,7 @@ def _unit_q45_k(acc, ub, xk, stride_xm, M, ok, n_mask, FIVE: tl.constexpr,
     if FIVE:
         qh = tl.load(ub + 16 + i[None, :]).to(tl.int32)
     for g in tl.static_range(4):
-        if PACKED and MODE == 1 and not FIVE:  # bf16 weights from packed nibbles (nibbles_bf16)
+        if BF16 and MODE == 1 and not FIVE:  # bf16 weights from packed nibbles (nibbles_bf16)
             qb = tl.load(ub + 16 + 32 * g + i[None, :])
             for h in tl.static_range(2):
                 sc, mn = scale_min(w1, w2, w3, 2 * g + h)
@@ -240,28 +241,6 @@ def _unit_q45_k(acc, ub, xk, stride_xm, M, ok, n_mask, FIVE: tl.constexpr,
 
 
 @triton.jit
-def _unit_q4_k_128(acc, ub, xk, stride_xm, M, ok, n_mask, BLOCK_M: tl.constexpr, DOT_IEEE: tl.constexpr):
-    """Q4_K for tl.dot (MODE 1) in two planes of 128: the low nibbles of the 128 bytes (byte 32g + i
-    holds value 64g + i) and the high ones (value 64g + 32 + i), scaled per 32-value sub-block as
-    [BLOCK_N, 4, 32] tiles: two dots of K = 128 a unit instead of eight of 32."""
-    g = tl.arange(0, 4)[None, :, None]
-    i = tl.arange(0, 32)[None, None, :]
-    u3 = ub[:, :, None]  # [BLOCK_N, 1, 1]
-    d = f16(u3)
-    dmin = f16(u3 + 2)
-    wp = (u3 + 4).to(tl.pointer_type(tl.int32))
-    w1, w2, w3 = tl.load(wp), tl.load(wp + 1), tl.load(wp + 2)
-    qs = tl.load(u3 + 16 + 32 * g + i).to(tl.int32)  # [BLOCK_N, 4, 32]
-    b = tl.arange(0, 128)
-    for h in tl.static_range(2):
-        sc, mn = scale_min(w1, w2, w3, 2 * g + h)  # [BLOCK_N, 4, 1]
-        w = (d * sc) * ((qs >> (4 * h)) & 15).to(tl.float32) - dmin * mn
-        acc = _use(acc, tl.reshape(w, [w.shape[0], 128]), 64 * (b // 32) + 32 * h + b % 32,
-                   xk, stride_xm, M, ok, n_mask, 1, BLOCK_M, DOT_IEEE)
-    return acc
-
-
-@triton.jit
 def _q6_k_run_scales(pair_ptr, d):
     """d times the two int8 scales of a 32-value Q6_K run (adjacent: the run's first value // 16 is even),
     read in one 2-byte load at pair_ptr: (first 16 values', last 16 values') float32."""
@@ -271,7 +250,7 @@ def _q6_k_run_scales(pair_ptr, d):
 
 @triton.jit
 def _unit_q6_k(acc, qlb, qhb, scb, db, xk, stride_xm, M, ok, n_mask,
-               MODE: tl.constexpr, BLOCK_M: tl.constexpr, DOT_IEEE: tl.constexpr, PACKED: tl.constexpr = False):
+               MODE: tl.constexpr, BLOCK_M: tl.constexpr, DOT_IEEE: tl.constexpr, BF16: tl.constexpr = False):
     """Q6_K (210 bytes: 128 low-nibble bytes at qlb, 64 bytes of 2-bit pairs at qhb, 16 int8 scales
     at scb, fp16 d at db: one block in ggml's layout, or a unit of split rows).
     Per half n of 128 values: ql byte 64n + l (l < 64) holds values 128n + l (low nibble) and
@@ -288,7 +267,7 @@ def _unit_q6_k(acc, qlb, qhb, scb, db, xk, stride_xm, M, ok, n_mask,
                 v0 = 128 * n + 64 * nib + 32 * a
                 s_lo, s_hi = _q6_k_run_scales(scb + v0 // 16, d)
                 scale = tl.where(first, s_lo, s_hi)
-                if PACKED and MODE == 1:  # bf16 weights two at a time (six_bits_bf16); -32 * scale is exact
+                if BF16 and MODE == 1:  # bf16 weights two at a time (six_bits_bf16); -32 * scale is exact
                     w = six_bits_bf16(ql, qh, tl.broadcast_to(scale.to(tl.bfloat16), ql.shape),
                                       tl.broadcast_to((-32.0 * scale).to(tl.bfloat16), ql.shape),
                                       nib == 1, 2 * a + 4 * nib, PTX_BF16X2)
@@ -296,30 +275,6 @@ def _unit_q6_k(acc, qlb, qhb, scb, db, xk, stride_xm, M, ok, n_mask,
                     q = ((ql.to(tl.int32) >> (4 * nib)) & 15) | (((qh.to(tl.int32) >> (2 * a + 4 * nib)) & 3) << 4)
                     w = scale * (q.to(tl.float32) - 32.0)
                 acc = _use(acc, w, v0 + i, xk, stride_xm, M, ok, n_mask, MODE, BLOCK_M, DOT_IEEE)
-    return acc
-
-
-@triton.jit
-def _unit_q6_k_128(acc, qlb, qhb, scb, db, xk, stride_xm, M, ok, n_mask,
-                    BLOCK_M: tl.constexpr, DOT_IEEE: tl.constexpr):
-    """Q6_K (pointers as _unit_q6_k) for tl.dot in two planes of 128, the low and the high nibbles of
-    the 128 ql bytes: ql byte 32p + i (p = 2n + a) with qh byte 32n + i makes value 128n + 64nib + 32a + i,
-    as [BLOCK_N, 4, 32] tiles: two dots of K = 128 a unit instead of eight of 32."""
-    p = tl.arange(0, 4)[None, :, None]
-    i = tl.arange(0, 32)[None, None, :]
-    n, a = p // 2, p % 2
-    ql = tl.load(qlb[:, :, None] + 32 * p + i).to(tl.int32)  # [BLOCK_N, 4, 32]
-    qh = tl.load(qhb[:, :, None] + 32 * n + i).to(tl.int32)
-    d = f16(db[:, :, None])
-    first = i < 16
-    b = tl.arange(0, 128)
-    for nib in tl.static_range(2):
-        q = ((ql >> (4 * nib)) & 15) | (((qh >> (2 * a + 4 * nib)) & 3) << 4)
-        s_lo, s_hi = _q6_k_run_scales(scb[:, :, None] + (128 * n + 64 * nib + 32 * a) // 16, d)
-        scale = tl.where(first, s_lo, s_hi)
-        w = scale * (q.to(tl.float32) - 32.0)
-        cols = 128 * (b // 64) + 64 * nib + 32 * ((b // 32) % 2) + b % 32
-        acc = _use(acc, tl.reshape(w, [w.shape[0], 128]), cols, xk, stride_xm, M, ok, n_mask, 1, BLOCK_M, DOT_IEEE)
     return acc
 
 
@@ -350,12 +305,11 @@ def _unit_iq4_xs(acc, ub, xk, stride_xm, M, ok, n_mask,
 @triton.jit
 def unit_product(acc, w_row, u, n_units, xk, stride_xm, M, ok, n_mask,
                  FMT: tl.constexpr, UNIT_BYTES: tl.constexpr, UNIT_VALUES: tl.constexpr, BPU: tl.constexpr,
-                 SPLIT: tl.constexpr, MODE: tl.constexpr, BLOCK_M: tl.constexpr, DOT_IEEE: tl.constexpr,
-                 PLANES_128: tl.constexpr = False, PACKED: tl.constexpr = False):
+                 SPLIT: tl.constexpr, MODE: tl.constexpr, BLOCK_M: tl.constexpr, DOT_IEEE: tl.constexpr):
     """Consume unit u of K of the rows at byte pointers w_row [BLOCK_N, 1] (MODE as _use; xk and ok:
     x's and the output's pointers at the unit's first column). Also read by triton_moe, whose
-    experts' rows are found through an expert id. PLANES_128 (Q4_K, Q6_K; MODE 1): planes of 128 values;
-    PACKED (Q4_K, Q6_K; MODE 1, bf16 x): bf16 weights two an instruction (nibbles_bf16, six_bits_bf16)."""
+    experts' rows are found through an expert id. Q4_K and Q6_K tiles of bf16 x (MODE 1) build their bf16
+    weights two an instruction (nibbles_bf16, six_bits_bf16)."""
     ub = w_row + u * UNIT_BYTES
     if FMT == 0:  # split rows: a unit's values are UNIT_BYTES = UNIT_VALUES bytes, its scales after all values
         sb = w_row + n_units * UNIT_VALUES + u * (2 * BPU)
@@ -375,10 +329,9 @@ def unit_product(acc, w_row, u, n_units, xk, stride_xm, M, ok, n_mask,
     elif FMT == 9:  # IQ4_NL
         acc = _unit_4bit_blocks(acc, ub, xk, stride_xm, M, ok, n_mask, BPU,
                                 False, False, True, MODE, BLOCK_M, DOT_IEEE)
-    elif FMT == 2 and PLANES_128 and MODE == 1:
-        acc = _unit_q4_k_128(acc, ub, xk, stride_xm, M, ok, n_mask, BLOCK_M, DOT_IEEE)
     elif FMT == 2:
-        acc = _unit_q45_k(acc, ub, xk, stride_xm, M, ok, n_mask, False, MODE, BLOCK_M, DOT_IEEE, PACKED)
+        acc = _unit_q45_k(acc, ub, xk, stride_xm, M, ok, n_mask, False, MODE, BLOCK_M, DOT_IEEE,
+                          xk.dtype.element_ty == tl.bfloat16)
     elif FMT == 3:
         acc = _unit_q45_k(acc, ub, xk, stride_xm, M, ok, n_mask, True, MODE, BLOCK_M, DOT_IEEE)
     elif FMT == 4:
@@ -387,10 +340,8 @@ def unit_product(acc, w_row, u, n_units, xk, stride_xm, M, ok, n_mask,
                              w_row + n_units * 208 + u * 2)
         else:
             ql, qh, sc, d = ub, ub + 128, ub + 192, ub + 208
-        if PLANES_128 and MODE == 1:
-            acc = _unit_q6_k_128(acc, ql, qh, sc, d, xk, stride_xm, M, ok, n_mask, BLOCK_M, DOT_IEEE)
-        else:
-            acc = _unit_q6_k(acc, ql, qh, sc, d, xk, stride_xm, M, ok, n_mask, MODE, BLOCK_M, DOT_IEEE, PACKED)
+        acc = _unit_q6_k(acc, ql, qh, sc, d, xk, stride_xm, M, ok, n_mask, MODE, BLOCK_M, DOT_IEEE,
+                         xk.dtype.element_ty == tl.bfloat16)
     else:
         acc = _unit_iq4_xs(acc, ub, xk, stride_xm, M, ok, n_mask, MODE, BLOCK_M, DOT_IEEE)
     return acc

@@ -227,10 +227,10 @@ mode_hybrid_buckets() {
 #: throughput   issue 33 item 6: bench throughput on qwen3-8b bf16 and q4_k_m at 1/8/32/64 sequences (prompt
 #:              128, 64 out), plain and with forced-acceptance speculation (4 drafts a step, each sequence's own
 #:              greedy continuation: random weights leave n-gram lookup nothing), against each batch's limit (~8 min);
-#:              THROUGHPUT_ARGS adds flags, e.g. "--concurrency 1 8 32 64 128"
+#:              QUANTS picks quants; THROUGHPUT_ARGS adds flags, e.g. "--concurrency 1 8 32 64 128"
 mode_throughput() {
   local quant
-  for quant in bf16 q4_k_m; do
+  for quant in ${QUANTS:-bf16 q4_k_m}; do
     step "throughput-8b-$quant" "${SECONDS_THROUGHPUT:-250}" python3 -m lucebox.cli bench throughput \
       --shape qwen3-8b --quant $quant --concurrency 1 8 32 64 --cuda-graph-max-batch 64 --spec-method forced \
       --no-hit-rate --json "$out/throughput-8b-$quant.json" ${THROUGHPUT_ARGS:-}

@@ -1,7 +1,7 @@
 # Kernel modes (sourced by scripts/gpu_session.sh): launch configs swept, kernels against torch.
 
 #: kernels      scripts/bench_kernels.py: quantised GEMV rows at M = 1 and 16 (decode, verify), launch configs
-#:              (one row: also stages; Q4_K / Q6_K tiles: also 128-value planes) swept, timed in CUDA graphs, float
+#:              (one row: also stages) swept, timed in CUDA graphs, float
 #:              and int8 paths (~9 min; MS=1 for the one-row sweep alone, MS="32 64" for batched rows)
 mode_kernels() {
   local m
@@ -12,11 +12,11 @@ mode_kernels() {
   done
 }
 
-#: tiles        issue 33 items 3 / 6: the packed and 128-value-plane tile tests on the GPU (their PTX), then
-#:              bench_kernels' quant sweep of Q4_K and Q6_K at 16 and 64 rows: each float path's best time and
-#:              error (default, planes_128, packed; split Q6_K packed too) beside the int8 tiles (~8 min; MS)
+#: tiles        issue 33 items 3 / 6: the bf16 tile tests on the GPU (their PTX), then bench_kernels' quant
+#:              sweep of Q4_K and Q6_K at 16 and 64 rows: each float path's best time and error (split
+#:              Q6_K too) beside the int8 tiles (~8 min; MS)
 mode_tiles() {
-  run_tests tiles-tests 150 tests/kernels/test_triton_kernels.py -k "packed or planes or bfloat16"
+  run_tests tiles-tests 150 tests/kernels/test_triton_kernels.py -k "bf16_tiles or bfloat16"
   local m
   for m in ${MS:-16 64}; do
     step "tiles-m$m" "${SECONDS_KERNELS:-200}" python3 scripts/bench_kernels.py --only quant --ms $m --sweep \
