@@ -11,7 +11,6 @@ import math
 
 import torch
 from gguf import GGML_QUANT_SIZES
-from gguf import GGMLQuantizationType as Q
 
 from bench_kernels import SHAPES, decode_matrices
 from lucebox.kernels import triton_activation, triton_gemv, triton_norm, triton_rope_kv, triton_sampling
