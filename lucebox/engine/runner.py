@@ -169,6 +169,8 @@ class ModelRunner:
         if self.model.layers[self.paged_layers[0]].self_attn.k_cache is not self.caches[0][0]:
             self._install()
         self._group_tables(plan)
+        if self.recurrent_layers and not plan.write_kv:
+            raise RuntimeError("recomputing cached positions would advance recurrent state twice")
         # tree steps through tree buckets (CudaGraphRunner), never a chain's; rows with a map of RoPE positions
         # (a compressed prompt's chunks) run eagerly, rows shifted by a constant (PlanRow.rope_shift) in graphs
         if self.graphs is not None and not plan.has_position_maps:
@@ -228,8 +230,6 @@ class ModelRunner:
         if plan.capture_queries:
             batch.query_capture = {}
         if self.recurrent_layers:
-            if not plan.write_kv:
-                raise RuntimeError("recomputing cached positions would advance recurrent state twice")
             self._set_state_rows(batch, plan)
         if not plan.write_kv:
             rows = batch.slot_mapping.shape[0]

@@ -116,14 +116,13 @@ def _causal_lower_right(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     m = k.shape[1]
     if gqa and (head_dim > FUSED_GQA_MAX_HEAD_DIM or (q.is_cuda and q.dtype == torch.float32)):
         # No fused kernel broadcasts K/V heads this wide, or in float32 on CUDA (enable_gqa would fall
-        # back to the math kernel and its [heads, q_len, m] scores): each K/V head is a batch entry of
-        # its query group, its K/V views expanded without copies, which the memory-efficient kernel takes.
+        # back to the math kernel and its [heads, q_len, m] scores): one call per member of the query
+        # groups, each K/V head a batch entry (K/V expanded over the group broke the lower-right bias).
         kv_heads = k.shape[0]
-        group = heads // kv_heads
-        q = q.reshape(kv_heads, group, q_len, head_dim)
-        k = k[:, None].expand(kv_heads, group, m, head_dim)
-        v = v[:, None].expand(kv_heads, group, m, v.shape[-1])
-        return _sdpa_lower_right(q, k, v, scale, False).reshape(heads, q_len, -1)
+        groups = q.reshape(kv_heads, heads // kv_heads, q_len, head_dim)
+        outs = [_sdpa_lower_right(groups[:, g, None], k[:, None], v[:, None], scale, False)
+                for g in range(groups.shape[1])]
+        return torch.cat(outs, dim=1).reshape(heads, q_len, -1)
     return _sdpa_lower_right(q[None], k[None], v[None], scale, gqa)[0]
 
 

@@ -16,6 +16,7 @@ from lucebox.model.loader import load_model
 from tests.conftest import build_hf_model
 
 BLOCK_SIZE = 4
+KV = 64 << 20  # an engine's KV pool in tests that keep two engines live (the default pool would take the card)
 HYBRID = dict(model_type="qwen3_5_text", num_hidden_layers=4, head_dim=16, linear_num_key_heads=2,
               linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=4,
               layer_types=["linear_attention"] * 3 + ["full_attention"],

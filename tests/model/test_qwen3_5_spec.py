@@ -9,18 +9,19 @@ import pytest
 import torch
 
 from lucebox import LLM, SamplingParams
+from lucebox.model.feature_ring import RingRows
 from lucebox.model.loader import load_model
 from tests.conftest import build_hf_model
 from tests.spec_fixtures import write_dflash_drafter
 from tests.model.test_qwen3_5 import (
     BLOCK_SIZE,
     HYBRID,
+    KV,
     prompts,
     reference_logits,
     runner_for,
 )
 
-KV = 64 << 20  # each engine's KV pool: two engines live at once (the default pool would take the card)
 NGRAM = {"method": "ngram", "prompt_lookup_min": 1, "num_speculative_tokens": 3, "adaptive": False}
 
 
@@ -109,6 +110,8 @@ def record_taps(monkeypatch, proposer) -> dict:
     observe = proposer.observe
 
     def recording(seq, start, features):
+        if isinstance(features, RingRows):  # a graph step's taps, in the ring until the next steps overwrite them
+            features = proposer.feature_ring.gather([features])
         seen.setdefault(tuple(seq.prompt_token_ids), []).append((start, features.clone()))
         observe(seq, start, features)
     monkeypatch.setattr(proposer, "observe", recording)

@@ -15,6 +15,7 @@ from tests.conftest import build_hf_model
 from tests.model.test_qwen3_5 import (
     BLOCK_SIZE,
     HYBRID,
+    KV,
     prompts,
     reference_logits,
     runner_for,
@@ -190,13 +191,14 @@ def test_greedy_tree_speculation_on_a_hybrid_equals_plain_decoding(hybrid_path, 
     top-1 chain of every length; then prompts extending the first ones hit the prefix cache (state
     snapshots) and still match plain decoding. A small token budget puts prompt chunks beside tree
     rows and cuts trees to DFS prefixes."""
-    plain = LLM(str(hybrid_path), block_size=BLOCK_SIZE, max_num_seqs=4)
+    plain = LLM(str(hybrid_path), block_size=BLOCK_SIZE, kv_cache_memory=KV, max_num_seqs=4)
     vocab = plain.engine.loaded.config.vocab_size
     a, b, c = prompts(vocab, [9, 6, 13], seed=21)
     batch = [a, b, c, a[:5]]
     want = greedy(plain, batch, 16)
     config = {"method": "dflash", "model": str(drafter), "tree_budget": 20, "adaptive": False}
-    spec = LLM(str(hybrid_path), block_size=BLOCK_SIZE, max_num_seqs=4, speculative_config=config, **budget)
+    spec = LLM(str(hybrid_path), block_size=BLOCK_SIZE, kv_cache_memory=KV, max_num_seqs=4, speculative_config=config,
+               **budget)
     engine = spec.engine
     oracle_want = {tuple(p): w for p, w in zip(batch, want)}
     branch_oracle(monkeypatch, engine.speculator, oracle_want, vocab)
@@ -240,7 +242,8 @@ def test_sampled_trees_follow_the_hybrid_target_distribution(tmp_path):
     target = peaked_model(tmp_path / "t", tok, layers=4, seed=1, model_type="qwen3_5_text", **layout)
     drafter = write_dflash_drafter(target, tmp_path / "d", taps=TAPS, block_size=3)
     config = {"method": "dflash", "model": str(drafter), "tree_budget": 6, "adaptive": False}
-    llm = LLM(str(target), speculative_config=config, max_num_seqs=1024, max_num_batched_tokens=8192)
+    llm = LLM(str(target), speculative_config=config, kv_cache_memory=KV, max_num_seqs=1024,
+              max_num_batched_tokens=8192)
     samples = 1000
     counts = sample_pairs(llm, PROMPT, samples)
     rejected, stat, critical = chi_square_rejects(counts, exact_pair_distribution(target, PROMPT), samples)
@@ -251,14 +254,14 @@ def test_sampled_trees_follow_the_hybrid_target_distribution(tmp_path):
 def test_trees_beside_lookup_chains_on_a_hybrid(hybrid_path, drafter):
     """n-gram lookups draft chains where the text repeats, the drafter trees elsewhere: chain verify
     rows and tree rows share DeltaNet steps (and their commits) and the output stays plain decoding's."""
-    plain = LLM(str(hybrid_path), block_size=BLOCK_SIZE, max_num_seqs=4)
+    plain = LLM(str(hybrid_path), block_size=BLOCK_SIZE, kv_cache_memory=KV, max_num_seqs=4)
     vocab = plain.engine.loaded.config.vocab_size
     a, b, c = prompts(vocab, [5, 3, 7], seed=11)
     batch = [a * 4, b * 5 + a, c, a + c * 2]
     want = greedy(plain, batch, 16)
     config = {"method": "dflash", "model": str(drafter), "tree_budget": 10, "adaptive": False,
               "ngram_first": True, "prompt_lookup_min": 1}
-    spec = LLM(str(hybrid_path), block_size=BLOCK_SIZE, max_num_seqs=4, speculative_config=config)
+    spec = LLM(str(hybrid_path), block_size=BLOCK_SIZE, kv_cache_memory=KV, max_num_seqs=4, speculative_config=config)
     assert greedy(spec, batch, 16) == want
     steps = spec.engine.speculator.steps_by_source
     assert steps["model"] > 0 and steps["lookup"] > 0
