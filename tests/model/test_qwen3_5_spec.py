@@ -126,7 +126,7 @@ def assert_taps_are_the_targets(seen: dict, outputs, reference):
         chunks = seen[tuple(out.prompt_token_ids)]
         starts = [start for start, _ in chunks]
         assert starts == sorted(starts) and starts[0] == 0
-        features = torch.cat([f for _, f in chunks])
+        features = torch.cat([f.cpu() for _, f in chunks])  # graph steps leave their taps on the device
         assert features.shape[0] == len(tokens) - 1  # the last token is never computed
         assert all(b == a + f.shape[0] for (a, f), b in zip(chunks, starts[1:]))  # no gap, no repeat
         with torch.no_grad():
