@@ -117,10 +117,15 @@ def test_throughput_of_a_shape_reports_each_level_against_its_bandwidth_limit(tm
         step = row["weight_bytes_per_step"] + row["kv_bytes_per_step"]
         assert row["limit_tok_s"] == pytest.approx(n * bandwidth / step)
         assert row["pct_limit"] == pytest.approx(100 * row["tok_s"] / row["limit_tok_s"])
-        assert row["spec"]["output_tokens"] == n * 5 and row["spec"]["tokens_per_sequence_step"] >= 1
+        spec = row["spec"]
+        assert spec["output_tokens"] == n * 5 and spec["tokens_per_sequence_step"] >= 1
+        # a verify step reads what a decode step reads and commits tau tokens a sequence: tau times the bound
+        assert spec["limit_tok_s"] == pytest.approx(spec["tokens_per_sequence_step"] * row["limit_tok_s"])
+        assert spec["pct_limit"] == pytest.approx(100 * spec["tok_s"] / spec["limit_tok_s"])
     table = capsys.readouterr().out
     assert "| concurrent sequences | output tok/s | ratio to 1 | GB a step (weights + KV) | limit tok/s |" in table
-    assert "speculative (ngram) tok/s" in table
+    assert "speculative (ngram) tok/s | x plain | tokens a sequence-step | % of limit x tokens a step |" in table
+    assert f"| {result['throughput'][1]['spec']['pct_limit']:.1f}% |" in table
 
 
 def test_a_batch_reads_the_experts_any_of_its_tokens_routes_to():
