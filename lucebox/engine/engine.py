@@ -23,7 +23,7 @@ from . import admission
 from .build import args_and_model
 from .cache_manager import CacheManager
 from .commit import StepCommitter
-from .cuda_graphs import GraphSettings
+from .graph_settings import GraphSettings
 from .memory_plan import make_kv_pool, plan_kv_blocks, stash_rows
 from .output_processor import OutputProcessor
 from .overlap import Overlap

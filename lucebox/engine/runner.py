@@ -16,7 +16,8 @@ from ..kernels.kv_compact import compact_rows, compaction_slots
 from ..model.cache_spec import KVGroup, PagedKVSpec, RecurrentSpec, kv_groups, release_window
 from ..model.transformer import Transformer
 from ..util import host_to_device
-from .cuda_graphs import CudaGraphRunner, GraphSettings
+from .cuda_graphs import CudaGraphRunner
+from .graph_settings import GraphSettings
 from .placement import layer_device
 from .step_plan import RowKind, StepPlan, StepResult
 

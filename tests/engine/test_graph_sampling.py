@@ -12,7 +12,8 @@ from tests.engine.test_cuda_graphs import (  # noqa: I001  (sets TRITON_INTERPRE
 
 
 from lucebox import LLM, SamplingParams
-from lucebox.engine.cuda_graphs import CudaGraphRunner, GraphSettings
+from lucebox.engine.cuda_graphs import CudaGraphRunner
+from lucebox.engine.graph_settings import GraphSettings
 from lucebox.engine.step_plan import StepPlan
 from lucebox.sampling.graph_rows import graph_row, graph_samplable
 

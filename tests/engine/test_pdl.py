@@ -9,7 +9,7 @@ import torch
 from tests.engine.test_cuda_graphs import (  # noqa: I001  (sets TRITON_INTERPRET=1 first)
     gpu, prefilled, step_tokens, tiny_model)
 
-from lucebox.engine.cuda_graphs import GraphSettings
+from lucebox.engine.graph_settings import GraphSettings
 
 
 # ----------------------------------------------------------------------------- programmatic dependent launch

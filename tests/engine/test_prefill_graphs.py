@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from lucebox import LLM, SamplingParams
-from lucebox.engine.cuda_graphs import CudaGraphRunner, GraphSettings
+from lucebox.engine.cuda_graphs import CudaGraphRunner
+from lucebox.engine.graph_settings import GraphSettings
 from lucebox.engine.step_plan import StepPlan
 from lucebox.model.feature_ring import FeatureRing, RingRows
 from tests.engine.test_cuda_graphs import (

@@ -15,7 +15,8 @@ if not torch.cuda.is_available() and "triton" not in sys.modules:  # before any 
     os.environ["TRITON_INTERPRET"] = "1"
 
 from lucebox import LLM, SamplingParams  # noqa: E402
-from lucebox.engine.cuda_graphs import CudaGraphRunner, GraphSettings  # noqa: E402
+from lucebox.engine.cuda_graphs import CudaGraphRunner  # noqa: E402
+from lucebox.engine.graph_settings import GraphSettings  # noqa: E402
 from lucebox.engine.graph_io import StaticInputs  # noqa: E402
 from lucebox.engine.overlap import AheadStep  # noqa: E402
 from lucebox.engine.pflash.positions import PromptCompression  # noqa: E402

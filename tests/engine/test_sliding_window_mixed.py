@@ -14,7 +14,7 @@ import torch
 
 from lucebox import LLM, SamplingParams
 from lucebox.engine.cache_manager import CacheManager
-from lucebox.engine.cuda_graphs import GraphSettings
+from lucebox.engine.graph_settings import GraphSettings
 from lucebox.engine.runner import ModelRunner
 from lucebox.engine.sequence import Sequence
 from lucebox.engine.step_plan import StepPlan

@@ -21,7 +21,8 @@ if not ON_GPU and "triton" not in sys.modules:  # before any Triton import; see 
 
 from lucebox import LLM, SamplingParams  # noqa: E402
 from lucebox.engine.block_manager import BlockManager  # noqa: E402
-from lucebox.engine.cuda_graphs import CudaGraphRunner, GraphSettings  # noqa: E402
+from lucebox.engine.cuda_graphs import CudaGraphRunner  # noqa: E402
+from lucebox.engine.graph_settings import GraphSettings  # noqa: E402
 from lucebox.engine.graph_io import StaticInputs  # noqa: E402
 from lucebox.engine.runner import ModelRunner  # noqa: E402
 from lucebox.engine.step_plan import RowKind, StepPlan  # noqa: E402

@@ -265,7 +265,7 @@ def test_padded_static_decode_and_verify_batches_give_the_eager_logits(dense, de
     """The batches a CUDA graph replays (GraphSettings(capture=False) runs them eagerly on the CPU,
     padding and device-only attention included; on CUDA real graphs are captured): both RoPE tables
     reserved, shared-KV layers reading their source's blocks, windows shorter than the contexts."""
-    from lucebox.engine.cuda_graphs import GraphSettings
+    from lucebox.engine.graph_settings import GraphSettings
     from lucebox.engine.step_plan import PlanRow, RowKind, StepPlan
     loaded = load_model(str(dense[0]), dtype="float32", device=device)
     runner, blocks = runner_for(loaded)

@@ -16,7 +16,7 @@ if not ON_GPU and "triton" not in sys.modules:  # before any Triton import; see 
     os.environ["TRITON_INTERPRET"] = "1"
 
 from lucebox import LLM  # noqa: E402
-from lucebox.engine.cuda_graphs import GraphSettings  # noqa: E402
+from lucebox.engine.graph_settings import GraphSettings  # noqa: E402
 from lucebox.engine.step_plan import PlanRow, RowKind, StepPlan  # noqa: E402
 from lucebox.model.loader import load_model  # noqa: E402
 from tests.model.test_laguna import build_laguna  # noqa: E402

@@ -17,7 +17,7 @@ if not ON_GPU and "triton" not in sys.modules:  # before any Triton import; see 
     os.environ["TRITON_INTERPRET"] = "1"
 
 from lucebox import LLM, SamplingParams  # noqa: E402
-from lucebox.engine.cuda_graphs import GraphSettings  # noqa: E402
+from lucebox.engine.graph_settings import GraphSettings  # noqa: E402
 from lucebox.engine.step_plan import PlanRow, RowKind, StepPlan  # noqa: E402
 from lucebox.model.deltanet import GatedDeltaNet  # noqa: E402
 from lucebox.model.loader import load_model  # noqa: E402

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lucebox import LLM, SamplingParams
-from lucebox.engine.cuda_graphs import GraphSettings
+from lucebox.engine.graph_settings import GraphSettings
 from lucebox.engine.step_plan import StepPlan, recurrent_prefill_graph_max
 from lucebox.model.deltanet import GatedDeltaNet
 from lucebox.model.loader import load_model

@@ -115,7 +115,7 @@ def test_compaction_moves_every_groups_kv_onto_the_accepted_chain(mixed, path):
 
 
 def tree_settings():
-    from lucebox.engine.cuda_graphs import GraphSettings
+    from lucebox.engine.graph_settings import GraphSettings
     return GraphSettings(max_model_len=160, max_batch=2, query_lens=(1, 4), tree_lens=(8,))
 
 
