@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_kernels import bench_in_graph  # noqa: E402
+from kernel_timing import bench_in_graph  # noqa: E402
 from lucebox.kernels.triton_sampling import SEARCHES, accept_rows_triton  # noqa: E402
 from lucebox.sampling import SamplingParams  # noqa: E402
 from lucebox.sampling import acceptance  # noqa: E402
