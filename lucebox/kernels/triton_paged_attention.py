@@ -7,7 +7,9 @@ is folded into the rows of the query tile: row r is query token r // GROUP of he
 kv_head * GROUP + r % GROUP, so every K/V tile read from memory serves all query heads that
 share it, and a decode (1 token x GROUP heads) still fills a tensor-core tile. K/V are gathered
 through the block table one token at a time (any block_size), dequantised in registers for
-fp8 / q8_0 / q4_0 caches, and combined with an online softmax in float32 (base 2).
+fp8 / q8_0 / q4_0 caches, and combined with an online softmax in float32 (base 2). Tall query tiles
+(64 rows or more: prefill chunks, long verifies) take the key tiles every row sees whole without masks
+(triton_attention_tiles.attend_tile holds one tile's step).
 
 Split-K (flash-decoding): for long contexts and few programs, the context is cut into NUM_SPLITS
 ranges processed in parallel; each writes its normalised partial output and log-sum-exp, and a
@@ -41,6 +43,7 @@ import triton.language as tl
 
 from .dispatch import next_pow2, num_sms, pdl_launch
 from .forward_batch import check_tree_window
+from .triton_attention_tiles import attend_tile
 from .triton_dp4a import rounded_rows_like, store_rounded
 from .triton_pdl import wait_for_previous_kernel
 
@@ -50,73 +53,6 @@ _KV_FORMATS = {"f32": _KV_PLAIN, "f16": _KV_PLAIN, "bf16": _KV_PLAIN, "fp8": _KV
 SUPPORTED_CACHE_TYPES = frozenset(_KV_FORMATS)
 _LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
-
-
-@triton.jit
-def _load_kv(v_ptr, s_ptr, slot, kmask, stride_slot, stride_s_slot, head_off, s_head_off,
-             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_KV: tl.constexpr,
-             FMT: tl.constexpr, TRANS: tl.constexpr):
-    """A K or V tile of BLOCK_KV tokens (slots [BLOCK_KV], int64) in float32: [BLOCK_D, BLOCK_KV]
-    when TRANS (keys, ready for q @ k^T) else [BLOCK_KV, BLOCK_D]. fp8 comes back unscaled (its
-    scale is per token, applied to the scores / probabilities by the caller)."""
-    if FMT == 0 or FMT == 1:
-        d = tl.arange(0, BLOCK_D)
-        if TRANS:
-            ptrs = v_ptr + slot[None, :] * stride_slot + head_off + d[:, None]
-            mask = kmask[None, :] & (d[:, None] < HEAD_DIM)
-        else:
-            ptrs = v_ptr + slot[:, None] * stride_slot + head_off + d[None, :]
-            mask = kmask[:, None] & (d[None, :] < HEAD_DIM)
-        x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    else:
-        # q8_0 / q4_0: blocks of 32 values along head_dim, one fp16 scale each.
-        NB: tl.constexpr = BLOCK_D // 32
-        b = tl.arange(0, NB)
-        bmask = b < HEAD_DIM // 32
-        if FMT == 2:
-            j = tl.arange(0, 32)
-            if TRANS:  # [NB, 32, BLOCK_KV]
-                ptrs = (v_ptr + slot[None, None, :] * stride_slot + head_off
-                        + (b[:, None, None] * 32 + j[None, :, None]))
-                mask = kmask[None, None, :] & bmask[:, None, None]
-                sc = tl.load(s_ptr + slot[None, None, :] * stride_s_slot + s_head_off + b[:, None, None],
-                             mask=mask, other=0.0).to(tl.float32)
-            else:  # [BLOCK_KV, NB, 32]
-                ptrs = (v_ptr + slot[:, None, None] * stride_slot + head_off
-                        + (b[None, :, None] * 32 + j[None, None, :]))
-                mask = kmask[:, None, None] & bmask[None, :, None]
-                sc = tl.load(s_ptr + slot[:, None, None] * stride_s_slot + s_head_off + b[None, :, None],
-                             mask=mask, other=0.0).to(tl.float32)
-            q = tl.load(ptrs, mask=mask, other=0).to(tl.float32)
-            x = q * sc
-            if TRANS:
-                x = tl.reshape(x, [BLOCK_D, BLOCK_KV])
-            else:
-                x = tl.reshape(x, [BLOCK_KV, BLOCK_D])
-        else:
-            # q4_0: 16 bytes per block; byte j holds value j (low nibble) and j + 16 (high).
-            j = tl.arange(0, 16)
-            if TRANS:  # [NB, 16, BLOCK_KV]
-                ptrs = (v_ptr + slot[None, None, :] * stride_slot + head_off
-                        + (b[:, None, None] * 16 + j[None, :, None]))
-                mask = kmask[None, None, :] & bmask[:, None, None]
-                sc = tl.load(s_ptr + slot[None, None, :] * stride_s_slot + s_head_off + b[:, None, None],
-                             mask=mask, other=0.0).to(tl.float32)
-            else:  # [BLOCK_KV, NB, 16]
-                ptrs = (v_ptr + slot[:, None, None] * stride_slot + head_off
-                        + (b[None, :, None] * 16 + j[None, None, :]))
-                mask = kmask[:, None, None] & bmask[None, :, None]
-                sc = tl.load(s_ptr + slot[:, None, None] * stride_s_slot + s_head_off + b[None, :, None],
-                             mask=mask, other=0.0).to(tl.float32)
-            byte = tl.load(ptrs, mask=mask, other=0).to(tl.int32)
-            lo = ((byte & 15) - 8).to(tl.float32) * sc
-            hi = ((byte >> 4) - 8).to(tl.float32) * sc
-            x = tl.join(lo, hi)  # [..., 16, ..., 2]: move the new axis in front of the 16
-            if TRANS:
-                x = tl.reshape(tl.permute(x, (0, 3, 1, 2)), [BLOCK_D, BLOCK_KV])
-            else:
-                x = tl.reshape(tl.permute(x, (0, 1, 3, 2)), [BLOCK_KV, BLOCK_D])
-    return x
 
 
 @triton.jit
@@ -169,6 +105,8 @@ def _paged_attn_kernel(
         if DOT_IEEE:
             q = q.to(tl.float32)
         win_pos = q_pos  # where each query's window is measured from
+        tree_lo = 0
+        tree_hi = 0
         if TREE:  # visibility bits of each row's query token among this step's keys
             tree_bits = tl.load(tree_ptr + tok, mask=row_ok, other=-1)
             tree_lo = tree_bits.to(tl.int32)  # bits 0..31 (truncation)
@@ -197,49 +135,44 @@ def _paged_attn_kernel(
         v_head = kvh * stride_v_head
         ks_head = kvh * stride_ks_head
         vs_head = kvh * stride_vs_head
-        for start in range(s_lo, s_hi, BLOCK_KV):
-            kpos = start + tl.arange(0, BLOCK_KV)
-            kmask = kpos < s_hi
-            page = tl.load(bt_row + kpos // block_size, mask=kmask, other=0)
-            slot = page.to(tl.int64) * block_size + (kpos % block_size)
-
-            kt = _load_kv(k_ptr, ks_ptr, slot, kmask, stride_k_slot, stride_ks_slot, k_head, ks_head,
-                          HEAD_DIM, BLOCK_D, BLOCK_KV, K_FMT, True)
-            if DOT_IEEE:
-                s = tl.dot(q, kt, input_precision="ieee")
-            else:
-                s = tl.dot(q, kt.to(q.dtype))
-            if K_FMT == 1:
-                s *= tl.load(ks_ptr + slot * stride_ks_slot + ks_head, mask=kmask, other=0.0)[None, :]
-            s *= qk_scale
-            visible = kmask[None, :] & (kpos[None, :] <= q_pos[:, None])
+        if BLOCK_R >= 64:
+            # Tall tiles (prefill chunks, long verifies) are bound by the tile's instructions: the tiles every
+            # row sees whole skip the masks (keys before the tile's first query, before this step's row for
+            # trees, and within every row's window). Short ones (decode) keep one loop and fewer registers.
+            full_lo = lo
             if HAS_WINDOW:
-                visible &= (win_pos[:, None] - kpos[None, :]) < window
-            if TREE:
-                if start + BLOCK_KV > ctx0:  # the tile reaches this step's row
-                    # bit min(rel, 63) of the row's mask, tested in 32-bit halves (cheaper than int64 shifts)
-                    rel = tl.minimum(kpos - ctx0, 63)
-                    word = tl.where(rel[None, :] < 32, tree_lo[:, None], tree_hi[:, None])
-                    bit = (word >> (rel[None, :] & 31)) & 1
-                    visible &= (rel[None, :] < 0) | (bit != 0)
-            s = tl.where(visible, s, float("-inf"))
-
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc *= alpha[:, None]
-            m_i = m_new
-
-            v = _load_kv(v_ptr, vs_ptr, slot, kmask, stride_v_slot, stride_vs_slot, v_head, vs_head,
-                         HEAD_DIM, BLOCK_D, BLOCK_KV, V_FMT, False)
-            if V_FMT == 1:
-                p *= tl.load(vs_ptr + slot * stride_vs_slot + vs_head, mask=kmask, other=0.0)[None, :]
-            if DOT_IEEE:
-                acc = tl.dot(p, v, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc)
+                full_lo = tl.maximum(hi - window, lo)
+            full_hi = ctx0 if TREE else ctx0 + q0 + 1
+            tiles = tl.cdiv(s_hi - s_lo, BLOCK_KV)
+            first_full = tl.minimum(tl.cdiv(tl.maximum(full_lo - s_lo, 0), BLOCK_KV), tiles)
+            end_full = tl.maximum(tl.minimum(tl.maximum(full_hi - s_lo, 0), s_hi - s_lo) // BLOCK_KV, first_full)
+            a = s_lo + first_full * BLOCK_KV
+            b = s_lo + end_full * BLOCK_KV
+            for start in range(s_lo, a, BLOCK_KV):
+                m_i, l_i, acc = attend_tile(
+                    q, m_i, l_i, acc, start, s_hi, q_pos, win_pos, tree_lo, tree_hi, ctx0, window, qk_scale, bt_row,
+                    block_size, k_ptr, ks_ptr, stride_k_slot, stride_ks_slot, k_head, ks_head,
+                    v_ptr, vs_ptr, stride_v_slot, stride_vs_slot, v_head, vs_head,
+                    HEAD_DIM, BLOCK_D, BLOCK_KV, K_FMT, V_FMT, HAS_WINDOW, DOT_IEEE, TREE, True)
+            for start in range(a, b, BLOCK_KV):
+                m_i, l_i, acc = attend_tile(
+                    q, m_i, l_i, acc, start, s_hi, q_pos, win_pos, tree_lo, tree_hi, ctx0, window, qk_scale, bt_row,
+                    block_size, k_ptr, ks_ptr, stride_k_slot, stride_ks_slot, k_head, ks_head,
+                    v_ptr, vs_ptr, stride_v_slot, stride_vs_slot, v_head, vs_head,
+                    HEAD_DIM, BLOCK_D, BLOCK_KV, K_FMT, V_FMT, HAS_WINDOW, DOT_IEEE, TREE, False)
+            for start in range(b, s_hi, BLOCK_KV):
+                m_i, l_i, acc = attend_tile(
+                    q, m_i, l_i, acc, start, s_hi, q_pos, win_pos, tree_lo, tree_hi, ctx0, window, qk_scale, bt_row,
+                    block_size, k_ptr, ks_ptr, stride_k_slot, stride_ks_slot, k_head, ks_head,
+                    v_ptr, vs_ptr, stride_v_slot, stride_vs_slot, v_head, vs_head,
+                    HEAD_DIM, BLOCK_D, BLOCK_KV, K_FMT, V_FMT, HAS_WINDOW, DOT_IEEE, TREE, True)
+        else:
+            for start in range(s_lo, s_hi, BLOCK_KV):
+                m_i, l_i, acc = attend_tile(
+                    q, m_i, l_i, acc, start, s_hi, q_pos, win_pos, tree_lo, tree_hi, ctx0, window, qk_scale, bt_row,
+                    block_size, k_ptr, ks_ptr, stride_k_slot, stride_ks_slot, k_head, ks_head,
+                    v_ptr, vs_ptr, stride_v_slot, stride_vs_slot, v_head, vs_head,
+                    HEAD_DIM, BLOCK_D, BLOCK_KV, K_FMT, V_FMT, HAS_WINDOW, DOT_IEEE, TREE, True)
 
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_safe[:, None]
