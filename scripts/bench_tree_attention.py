@@ -19,7 +19,6 @@ import json
 import os
 import random
 import sys
-import time
 from pathlib import Path
 
 SMOKE = "--smoke" in sys.argv
@@ -27,9 +26,11 @@ if SMOKE:
     os.environ["TRITON_INTERPRET"] = "1"
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
+from kernel_timing import bench  # noqa: E402
 from lucebox.kernels import triton_paged_attention as tpa  # noqa: E402
 from lucebox.kernels.attention import paged_attention_reference  # noqa: E402
 from lucebox.kernels.forward_batch import ForwardBatch  # noqa: E402
@@ -64,17 +65,6 @@ def case(geometry, ctx: int, q_len: int, batch: int, tree: bool, cache_type: str
     fb = ForwardBatch.build([[0] * q_len] * batch, [ctx] * batch, tables, block_size, device, tree_parents=parents)
     q = torch.randn(batch * q_len, heads, head_dim, device=device, dtype=dtype)
     return q, caches[0], caches[1], fb
-
-
-def bench(fn, device) -> float:
-    """Milliseconds per call."""
-    if device.type == "cuda":
-        import triton.testing
-        return triton.testing.do_bench(fn, warmup=25, rep=100)
-    fn()
-    t = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t) * 1e3
 
 
 def main() -> None:

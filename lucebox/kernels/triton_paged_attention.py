@@ -148,24 +148,15 @@ def _paged_attn_kernel(
             end_full = tl.maximum(tl.minimum(tl.maximum(full_hi - s_lo, 0), s_hi - s_lo) // BLOCK_KV, first_full)
             a = s_lo + first_full * BLOCK_KV
             b = s_lo + end_full * BLOCK_KV
-            for start in range(s_lo, a, BLOCK_KV):
-                m_i, l_i, acc = attend_tile(
-                    q, m_i, l_i, acc, start, s_hi, q_pos, win_pos, tree_lo, tree_hi, ctx0, window, qk_scale, bt_row,
-                    block_size, k_ptr, ks_ptr, stride_k_slot, stride_ks_slot, k_head, ks_head,
-                    v_ptr, vs_ptr, stride_v_slot, stride_vs_slot, v_head, vs_head,
-                    HEAD_DIM, BLOCK_D, BLOCK_KV, K_FMT, V_FMT, HAS_WINDOW, DOT_IEEE, TREE, True)
-            for start in range(a, b, BLOCK_KV):
-                m_i, l_i, acc = attend_tile(
-                    q, m_i, l_i, acc, start, s_hi, q_pos, win_pos, tree_lo, tree_hi, ctx0, window, qk_scale, bt_row,
-                    block_size, k_ptr, ks_ptr, stride_k_slot, stride_ks_slot, k_head, ks_head,
-                    v_ptr, vs_ptr, stride_v_slot, stride_vs_slot, v_head, vs_head,
-                    HEAD_DIM, BLOCK_D, BLOCK_KV, K_FMT, V_FMT, HAS_WINDOW, DOT_IEEE, TREE, False)
-            for start in range(b, s_hi, BLOCK_KV):
-                m_i, l_i, acc = attend_tile(
-                    q, m_i, l_i, acc, start, s_hi, q_pos, win_pos, tree_lo, tree_hi, ctx0, window, qk_scale, bt_row,
-                    block_size, k_ptr, ks_ptr, stride_k_slot, stride_ks_slot, k_head, ks_head,
-                    v_ptr, vs_ptr, stride_v_slot, stride_vs_slot, v_head, vs_head,
-                    HEAD_DIM, BLOCK_D, BLOCK_KV, K_FMT, V_FMT, HAS_WINDOW, DOT_IEEE, TREE, True)
+            for seg in tl.static_range(3):  # masked edge, interior, masked edge
+                seg_lo = s_lo if seg == 0 else (a if seg == 1 else b)
+                seg_hi = a if seg == 0 else (b if seg == 1 else s_hi)
+                for start in range(seg_lo, seg_hi, BLOCK_KV):
+                    m_i, l_i, acc = attend_tile(
+                        q, m_i, l_i, acc, start, s_hi, q_pos, win_pos, tree_lo, tree_hi, ctx0, window, qk_scale,
+                        bt_row, block_size, k_ptr, ks_ptr, stride_k_slot, stride_ks_slot, k_head, ks_head,
+                        v_ptr, vs_ptr, stride_v_slot, stride_vs_slot, v_head, vs_head,
+                        HEAD_DIM, BLOCK_D, BLOCK_KV, K_FMT, V_FMT, HAS_WINDOW, DOT_IEEE, TREE, seg != 1)
         else:
             for start in range(s_lo, s_hi, BLOCK_KV):
                 m_i, l_i, acc = attend_tile(
