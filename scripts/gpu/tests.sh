@@ -46,14 +46,15 @@ mode_check_kvflash() {
 }
 
 #: recheck      the GPU tests fixed or written without a GPU since their last GPU run, or not reached there:
-#:              hybrid speculation and trees on hybrids first (bounded pools, catch-up refusal), wide GQA
-#:              prefill, pooled families, placement, prefill graph buckets, KVFlash, PFlash, DFlash2, tree
-#:              graphs; last the ones that passed in the thirtieth and thirty-first sessions (Triton kernels,
-#:              int8 activations, attention rounding, paged attention, Laguna, hybrid GGUF and graphs, CUDA
-#:              graphs, Gemma 4, mixed windows, Laguna graphs) (~6 min; SECONDS_CHECK)
+#:              paged attention first (its tall tiles' unmasked interior, thirty-first session), hybrid
+#:              speculation and trees on hybrids (bounded pools, catch-up refusal), wide GQA prefill, pooled
+#:              families, placement, prefill graph buckets, KVFlash, PFlash, DFlash2, tree graphs; last the ones
+#:              that passed in the thirtieth and thirty-first sessions (Triton kernels, int8 activations, Laguna,
+#:              hybrid GGUF and graphs, CUDA graphs, Gemma 4, mixed windows, Laguna graphs) (~6 min; SECONDS_CHECK)
 mode_recheck() {
   run_tests gpu-tests-recheck "${SECONDS_CHECK:-300}" \
-    tests/model/test_qwen3_5_spec.py tests/spec/test_ddtree_hybrid.py \
+    tests/kernels/test_paged_attention.py tests/kernels/test_tree_attention.py tests/kernels/test_attention_rounding.py \
+    tests/engine/test_graph_attention.py tests/model/test_qwen3_5_spec.py tests/spec/test_ddtree_hybrid.py \
     tests/kernels/test_prefill_attention.py::test_heads_wider_than_fused_gqa_take_a_batch_entry_a_kv_head \
     tests/engine/test_kv_pool_families.py tests/engine/test_placement.py tests/engine/test_engine_build.py \
     tests/engine/test_prefill_graphs.py tests/model/test_qwen3_5_prefill_graphs.py \
@@ -61,7 +62,7 @@ mode_recheck() {
     tests/engine/test_kv_pool_page_in.py tests/engine/test_pflash_score.py tests/spec/test_dflash2.py \
     tests/spec/test_dflash2_trees.py tests/engine/test_tree_graphs.py \
     tests/kernels/test_triton_kernels.py tests/kernels/test_int8_activations.py tests/kernels/test_prefill_attention.py \
-    tests/kernels/test_attention_rounding.py tests/kernels/test_paged_attention.py tests/model/test_laguna.py \
+    tests/model/test_laguna.py \
     tests/model/test_gguf_hybrid.py tests/model/test_qwen3_5_graphs.py tests/engine/test_cuda_graphs.py \
     tests/engine/test_graph_sampling.py tests/engine/test_overlapped_decoding.py tests/engine/test_pdl.py \
     tests/model/test_gemma4.py tests/engine/test_sliding_window_mixed.py tests/model/test_laguna_graphs.py
