@@ -1,11 +1,15 @@
-"""The bandwidth limit of a batched decode step, for `lucebox bench throughput`.
+"""The limit of a batched decode step, for `lucebox bench throughput`.
 
-A step of B sequences reads the weights once (an MoE layer the experts that at least one of the B tokens
-routes to: E (1 - (1 - k/E)^B) of E on average for uniform routing, which random weights approach; one
-embedding row a sequence) and every sequence's KV over its context (sliding-window layers at most their
+Bandwidth: a step of B sequences reads the weights once (an MoE layer the experts that at least one of the
+B tokens routes to: E (1 - (1 - k/E)^B) of E on average for uniform routing, which random weights approach;
+one embedding row a sequence) and every sequence's KV over its context (sliding-window layers at most their
 window) and recurrent state. At the GEMV bandwidth measured in the same run that gives the most tok/s the
-batch can decode: B x bandwidth / bytes a step. Speculation is not in it (its step reads more KV rows and
-yields more tokens); its rows sit beside the plain limit.
+batch can decode: B x bandwidth / bytes a step. A speculative step reads the same and commits tau tokens a
+sequence: tau times that.
+
+Compute: every token row of a step (a verify's drafts included) costs limits.row_flops; at the bf16 matmul
+rate measured in the same run, rows a second times the tokens a row commits. The limit is the lower of the
+two (a wide verify batch is compute-bound long before its bytes are).
 """
 from __future__ import annotations
 
@@ -42,5 +46,14 @@ def limit(model, batch: int, prompt_len: int, output_len: int, ref: dict | None,
     kv = batch * (limits.kv_read_bytes(specs, context) + limits.state_bytes_per_token(model))
     row = {"weight_bytes_per_step": weights, "kv_bytes_per_step": kv, "mean_context": context}
     if ref:
-        row["limit_tok_s"] = batch * ref["gemv_gb_s"] * 1e9 / (weights + kv)
+        row["bandwidth_limit_tok_s"] = batch * ref["gemv_gb_s"] * 1e9 / (weights + kv)
     return row
+
+
+def bound(bandwidth_tok_s: float, model, context: float, tokens_per_row: float, ref: dict) -> dict:
+    """The lower of a step's bandwidth limit (tok/s) and its compute limit at `tokens_per_row` committed
+    tokens a computed row (1 plain; a speculative step's tokens over its rows), with the one that binds."""
+    compute = ref["matmul_tflops"] * 1e12 / limits.row_flops(model.config, context) * tokens_per_row
+    return {"bandwidth_limit_tok_s": bandwidth_tok_s, "compute_limit_tok_s": compute,
+            "limit_tok_s": min(bandwidth_tok_s, compute), "limit_bound": "bandwidth" if bandwidth_tok_s <= compute
+            else "compute"}

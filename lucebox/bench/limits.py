@@ -146,6 +146,22 @@ def prefill_flops(cfg: ModelConfig, prompt_len: int) -> int:
     return 2 * layers * prompt_len + 2 * head + attention + recurrence
 
 
+def row_flops(cfg: ModelConfig, context: float) -> float:
+    """FLOPs one token row of a decode or verify step costs at `context` cached positions: 2 per weight it
+    multiplies (its logits included: every verify row needs them), attention over the positions each layer
+    sees (QK^T and PV) and the DeltaNet recurrence."""
+    layers, head = matmul_params(cfg)
+    attention = recurrence = 0
+    for i in range(cfg.num_layers):
+        if layer_kind(cfg, i) == LINEAR:
+            recurrence += 6 * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+        else:
+            heads, dim = _attention_shape(cfg, i)
+            window = cfg.sliding_windows[i]
+            attention += 2 * 2 * heads * dim * (context if window is None else min(context, window))
+    return 2 * (layers + head) + attention + recurrence
+
+
 def _kv_layers(specs):
     """(bytes a position costs, window) of every layer's KV read in a decode step: a KV-shared layer
     reads its source's cache again."""
@@ -185,5 +201,5 @@ def active_params(cfg: ModelConfig) -> int:
 
 
 __all__ = ["active_params", "attended_pairs", "kv_held_bytes", "kv_read_bytes", "kv_unbounded_bytes_per_token",
-           "layer_kind", "matmul_params", "prefill_flops", "state_bytes_per_token", "weight_bytes",
+           "layer_kind", "matmul_params", "prefill_flops", "row_flops", "state_bytes_per_token", "weight_bytes",
            "weight_bytes_per_token", "weight_tensors"]

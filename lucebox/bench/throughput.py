@@ -1,10 +1,11 @@
-"""`lucebox bench throughput`: batched decode throughput against the batch's bandwidth limit, KV bytes per
-token, prefix-cache hit rate.
+"""`lucebox bench throughput`: batched decode throughput against the batch's limit, KV bytes per token,
+prefix-cache hit rate.
 
 Output tok/s at several concurrency levels (a checkpoint, or random weights of a named --shape / --quant
 like `bench speed`), with its ratio to one sequence measured in the same run, and the limit of that batch
 (bench/batch_limits.py): the weights read once a step plus every sequence's KV (and recurrent state) read a
-step, at the GEMV bandwidth measured in the same run. With --spec-method each level runs speculating too, on
+step, at the GEMV bandwidth measured in the same run, or where lower (marked "compute") the step's rows at the
+matmul rate measured in the same run. With --spec-method each level runs speculating too, on
 the same prompts; `forced` drafts each sequence's own greedy continuation (bench/forced.py: every draft
 accepted once the recording converges), what batched verification delivers whatever a drafter's quality.
 """
@@ -47,17 +48,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run_batch(engine: LLMEngine, prompts: list[list[int]], max_tokens: int,
-               outputs: dict | None = None) -> tuple[int, float, int]:
-    """(tokens decoded once every prompt was prefilled, their seconds, sequence-steps that produced them);
-    `outputs`, given, gets each prompt's (a tuple) greedy output."""
+               outputs: dict | None = None) -> tuple[int, float, int, int]:
+    """(tokens decoded once every prompt was prefilled, their seconds, sequence-steps that produced them, draft
+    tokens the requests verified); `outputs`, given, gets each prompt's (a tuple) greedy output."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(f"b{i}", {"prompt_token_ids": p}, params)
     # Time decode only: run until every prompt is prefilled, then count the tokens produced after.
-    start, before, done, advanced = None, 0, 0, 0
+    start, before, done, advanced, drafts = None, 0, 0, 0, 0
     while engine.has_unfinished():
         outs = engine.step()
         done += sum(len(o.outputs[0].token_ids) for o in outs if o.finished)
+        drafts += sum(o.metrics.num_draft_tokens for o in outs if o.finished and o.metrics)
         if outputs is not None:
             outputs.update((tuple(prompts[int(o.request_id[1:])]), list(o.outputs[0].token_ids))
                            for o in outs if o.finished)
@@ -69,7 +71,7 @@ def _run_batch(engine: LLMEngine, prompts: list[list[int]], max_tokens: int,
             start = time.perf_counter()
             before = done + sum(len(s.output_token_ids) for s in engine.scheduler.running)
     _sync(engine)
-    return done - before, time.perf_counter() - start, advanced
+    return done - before, time.perf_counter() - start, advanced, drafts
 
 
 def _sync(engine):
@@ -106,9 +108,11 @@ def _engine(loaded, args, **extra) -> LLMEngine:
 
 def _measure(engine: LLMEngine, prompts: list[list[int]], args, outputs: dict | None = None) -> dict:
     _run_batch(engine, prompts, 4)  # warm-up: this batch size's shapes compiled, its graphs captured
-    tokens, seconds, advanced = _run_batch(engine, prompts, args.output_len, outputs)
+    tokens, seconds, advanced, drafts = _run_batch(engine, prompts, args.output_len, outputs)
+    # rows a step computes: one a sequence plus its drafts (drafted only after its prompt: all in the timing)
     return {"output_tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds,
-            "tokens_per_sequence_step": tokens / advanced if advanced else None}
+            "tokens_per_sequence_step": tokens / advanced if advanced else None,
+            "tokens_per_row": tokens / (advanced + drafts) if advanced else None}
 
 
 def _measure_forced(engine: LLMEngine, prompts: list[list[int]], args, recorded: dict) -> dict:
@@ -167,13 +171,17 @@ def run(args) -> dict:
     for row in rows:
         row["ratio_to_1"] = row["tok_s"] / base
         row.update(batch_limits.limit(loaded.model, row["concurrency"], args.prompt_len, args.output_len, ref))
-        if "limit_tok_s" in row:
-            row["pct_limit"] = 100 * row["tok_s"] / row["limit_tok_s"]
-            if row["spec"] and row["spec"]["tokens_per_sequence_step"]:
-                # a verify step reads the weights and the KV once, as a decode step, and commits tau tokens a sequence
-                spec_row = row["spec"]
-                spec_row["limit_tok_s"] = spec_row["tokens_per_sequence_step"] * row["limit_tok_s"]
-                spec_row["pct_limit"] = 100 * spec_row["tok_s"] / spec_row["limit_tok_s"]
+        if ref is None:
+            continue
+        bandwidth = row["bandwidth_limit_tok_s"]
+        row.update(batch_limits.bound(bandwidth, loaded.model, row["mean_context"], 1.0, ref))
+        row["pct_limit"] = 100 * row["tok_s"] / row["limit_tok_s"]
+        spec_row = row["spec"]
+        if spec_row and spec_row["tokens_per_sequence_step"]:
+            # a verify step reads what a decode step reads and commits tau tokens a sequence; its rows cost compute
+            spec_row.update(batch_limits.bound(spec_row["tokens_per_sequence_step"] * bandwidth, loaded.model,
+                                               row["mean_context"], spec_row["tokens_per_row"], ref))
+            spec_row["pct_limit"] = 100 * spec_row["tok_s"] / spec_row["limit_tok_s"]
     cfg, dtype = loaded.config, loaded.model.dtype
     kv = {t: kv_bytes_per_token(loaded.model, t, t) for t in CACHE_TYPES[1:] if _supported(t, cfg.head_dim)}
     hit = None
@@ -191,6 +199,9 @@ def _supported(cache_type: str, head_dim: int) -> bool:
     return cache_type not in ("q8_0", "q4_0") or head_dim % 32 == 0
 
 
+_BOUND = {"bandwidth": "", "compute": " (compute)"}  # which limit binds, as the table marks it
+
+
 def _fmt(x: float) -> str:
     return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
 
@@ -204,19 +215,21 @@ def print_report(result: dict) -> None:
     spec = result["spec_config"]
     method = result.get("spec_method") or (spec or {}).get("method")
     print("| concurrent sequences | output tok/s | ratio to 1 | GB a step (weights + KV) | limit tok/s | % of limit |"
-          + (f" speculative ({method}) tok/s | x plain | tokens a sequence-step | % of limit x tokens a step |"
+          + (f" speculative ({method}) tok/s | x plain | tokens a sequence-step | its limit tok/s | % of it |"
              if spec else "")
-          + "\n|---:|---:|---:|---:|---:|---:|" + ("---:|---:|---:|---:|" if spec else ""))
+          + "\n|---:|---:|---:|---:|---:|---:|" + ("---:|---:|---:|---:|---:|" if spec else ""))
     for row in result["throughput"]:
-        limit = (f"{_fmt(row['limit_tok_s'])} | {row['pct_limit']:.1f}%" if "limit_tok_s" in row else "- | -")
+        limit = (f"{_fmt(row['limit_tok_s'])}{_BOUND[row['limit_bound']]} | {row['pct_limit']:.1f}%"
+                 if "limit_tok_s" in row else "- | -")
         line = (f"| {row['concurrency']} | {_fmt(row['tok_s'])} | {row['ratio_to_1']:.2f}x | "
                 f"{_fmt(row['weight_bytes_per_step'] / 1e9)} + {_fmt(row['kv_bytes_per_step'] / 1e9)} | {limit} |")
         if row["spec"]:
             s = row["spec"]
             converged = "" if s.get("converged", True) else " (recording not reproduced)"
             tau = f"{s['tokens_per_sequence_step'] or 0:.2f}{converged}"
-            pct = f"{s['pct_limit']:.1f}%" if "pct_limit" in s else "-"
-            line += f" {_fmt(s['tok_s'])} | {s['ratio_to_plain']:.2f}x | {tau} | {pct} |"
+            limit = (f"{_fmt(s['limit_tok_s'])}{_BOUND[s['limit_bound']]} | {s['pct_limit']:.1f}%" if "pct_limit" in s
+                     else "- | -")
+            line += f" {_fmt(s['tok_s'])} | {s['ratio_to_plain']:.2f}x | {tau} | {limit} |"
         print(line)
     print("\n| KV cache type (K and V) | bytes per token |\n|---|---:|")
     for name, size in result["kv_bytes_per_token"].items():

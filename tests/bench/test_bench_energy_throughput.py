@@ -115,16 +115,25 @@ def test_throughput_of_a_shape_reports_each_level_against_its_bandwidth_limit(tm
         assert row["weight_bytes_per_step"] == limits.weight_bytes_per_token(model) + (n - 1) * 256 * 34 // 32
         assert row["kv_bytes_per_step"] == pytest.approx(n * kv_bytes_per_token(model, "auto", "auto") * context, abs=n)
         step = row["weight_bytes_per_step"] + row["kv_bytes_per_step"]
-        assert row["limit_tok_s"] == pytest.approx(n * bandwidth / step)
+        assert row["bandwidth_limit_tok_s"] == pytest.approx(n * bandwidth / step)
+        # one row a token: the matmul rate over a row's FLOPs (2 a weight, attention over the mean context)
+        cfg = model.config
+        flops = 2 * sum(limits.matmul_params(cfg)) + 4 * cfg.num_heads * cfg.head_dim * context * cfg.num_layers
+        assert row["compute_limit_tok_s"] == pytest.approx(result["reference"]["matmul_tflops"] * 1e12 / flops)
+        assert row["limit_tok_s"] == min(row["bandwidth_limit_tok_s"], row["compute_limit_tok_s"])
         assert row["pct_limit"] == pytest.approx(100 * row["tok_s"] / row["limit_tok_s"])
         spec = row["spec"]
         assert spec["output_tokens"] == n * 5 and spec["tokens_per_sequence_step"] >= 1
-        # a verify step reads what a decode step reads and commits tau tokens a sequence: tau times the bound
-        assert spec["limit_tok_s"] == pytest.approx(spec["tokens_per_sequence_step"] * row["limit_tok_s"])
+        # a verify step reads what a decode step reads and commits tau tokens a sequence: tau times the bytes'
+        # bound; its rows (drafts included) cost compute, each committing tokens_per_row <= 1 token
+        assert spec["bandwidth_limit_tok_s"] == pytest.approx(spec["tokens_per_sequence_step"] * bandwidth * n / step)
+        assert 0 < spec["tokens_per_row"] <= 1
+        assert spec["compute_limit_tok_s"] == pytest.approx(row["compute_limit_tok_s"] * spec["tokens_per_row"])
+        assert spec["limit_tok_s"] == min(spec["bandwidth_limit_tok_s"], spec["compute_limit_tok_s"])
         assert spec["pct_limit"] == pytest.approx(100 * spec["tok_s"] / spec["limit_tok_s"])
     table = capsys.readouterr().out
     assert "| concurrent sequences | output tok/s | ratio to 1 | GB a step (weights + KV) | limit tok/s |" in table
-    assert "speculative (ngram) tok/s | x plain | tokens a sequence-step | % of limit x tokens a step |" in table
+    assert "speculative (ngram) tok/s | x plain | tokens a sequence-step | its limit tok/s | % of it |" in table
     assert f"| {result['throughput'][1]['spec']['pct_limit']:.1f}% |" in table
 
 
@@ -159,5 +168,6 @@ def test_forced_throughput_accepts_every_draft_of_each_sequence_on_the_same_prom
         spec = row["spec"]
         assert spec["converged"] and spec["output_tokens"] == row["output_tokens"] == 12 * row["concurrency"]
         assert spec["tokens_per_sequence_step"] == pytest.approx(4.0)
+        assert spec["tokens_per_row"] == pytest.approx(1.0)  # every drafted row committed
         assert spec["ratio_to_plain"] == pytest.approx(spec["tok_s"] / row["tok_s"])
     assert "| speculative (forced) tok/s | x plain | tokens a sequence-step |" in capsys.readouterr().out
