@@ -57,6 +57,11 @@ SHAPES: dict[str, dict] = {  # HF config.json fields of the real models
                      num_key_value_heads=8, intermediate_size=12288, tie_word_embeddings=False),
     "qwen3-32b": dict(_QWEN3, hidden_size=5120, num_hidden_layers=64, num_attention_heads=64,
                       num_key_value_heads=8, intermediate_size=25600, tie_word_embeddings=False),
+    # Source: Qwen/Qwen3.5-0.8B's published text config: 24 layers (6 x (3 DeltaNet + 1 attention)), hidden 1024,
+    # 8 query / 2 KV heads of 256, FFN 3584, 16 DeltaNet key and value heads, the 248,320-row embedding tied.
+    "qwen3.5-0.8b": dict(_QWEN3_5, model_type="qwen3_5_text", hidden_size=1024, intermediate_size=3584,
+                         num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2,
+                         linear_num_key_heads=16, linear_num_value_heads=16, tie_word_embeddings=True),
     # Source: Qwen/Qwen3.6-27B (= Qwen3.5-27B architecture) config.json text_config.
     "qwen3.6-27b": dict(_QWEN3_5, model_type="qwen3_5_text", hidden_size=5120, intermediate_size=17408,
                         num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4,

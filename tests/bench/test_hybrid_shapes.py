@@ -39,6 +39,13 @@ def test_the_hybrid_and_moe_shapes_are_the_published_configs():
     # "A3B": about 3 billion weights multiplied a token; the dense 27B about 27 billion in all
     assert 2.8e9 < limits.active_params(m) < 3.4e9 and 2.8e9 < limits.active_params(q) < 3.4e9
     assert 26e9 < limits.active_params(c) + c.vocab_size * c.hidden_size < 28e9
+    # Qwen3.5-0.8B (issue 33's small hybrid): its tied 248,320-row embedding is a third of its ~0.75B weights
+    s = shapes.shape_config("qwen3.5-0.8b")
+    assert (s.family, s.hidden_size, s.num_layers, s.intermediate_size, s.num_heads, s.num_kv_heads,
+            s.head_dim) == ("qwen3_5", 1024, 24, 3584, 8, 2, 256)
+    assert (s.linear_num_key_heads, s.linear_num_value_heads) == (16, 16) and s.tie_word_embeddings
+    assert s.layer_types == (["linear_attention"] * 3 + ["full_attention"]) * 6
+    assert 0.7e9 < limits.active_params(s) < 0.8e9
 
 
 def test_random_hybrid_moe_model_has_every_module_kind_and_sane_weights():

@@ -152,7 +152,7 @@ def test_quantised_blocks_are_valid_varied_and_of_the_lucebox_models_sizes(tmp_p
 
 
 def test_every_lucebox_tensor_of_each_shape_has_one_gguf_name():
-    for shape in ("qwen3.6-27b", "qwen3.6-35b-a3b", "qwen3-30b-a3b", "qwen3-8b"):
+    for shape in ("qwen3.6-27b", "qwen3.6-35b-a3b", "qwen3-30b-a3b", "qwen3-8b", "qwen3.5-0.8b"):
         cfg = shapes.shape_config(shape)
         plan = llama_cpp.tensor_plan(cfg, "q4_k_m")
         names = [target for _, target, _, _ in plan]
