@@ -1,6 +1,6 @@
-"""Mutated checkpoints (tests/mutations.py): every mutation of a GGUF or safetensors checkpoint gives a
-LuceboxError naming the field at fault, fast and without big allocations; random byte flips give a
-clean load or a LuceboxError, never another exception, a hang or a memory blow-up."""
+"""Mutated checkpoints (tests/mutations.py, hf_mutations.py): every mutation of a GGUF or safetensors
+checkpoint gives a LuceboxError naming the field at fault, fast and without big allocations; random byte
+flips give a clean load or a LuceboxError, never another exception, a hang or a memory blow-up."""
 from __future__ import annotations
 
 import re
@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import pytest
 from lucebox.errors import LuceboxError
 from lucebox.model.loader import load_model
-from tests import hybrid_mutations, mutations
+from tests import hf_mutations, hybrid_mutations, mutations
 
 SECONDS_PER_CASE = 30  # a hang, not a slow host: a full GC under tracemalloc late in a CI run took > 5 s
 PEAK_BYTES = 64 << 20  # the valid tiny checkpoints load with a few MB
@@ -23,7 +23,7 @@ def imports_done(tmp_path_factory):
     """Load each format once untraced, so that first-time imports do not count against a case's time."""
     directory = tmp_path_factory.mktemp("warm")
     load_model(str(mutations.write_gguf(directory / "ok.gguf")), device="cpu")
-    load_model(str(mutations.write_hf(directory / "hf")), device="cpu")
+    load_model(str(hf_mutations.write_hf(directory / "hf")), device="cpu")
 
 
 @contextmanager
@@ -57,7 +57,7 @@ def load_bounded(path):
 
 def test_the_unmutated_gguf_and_safetensors_checkpoints_load(tmp_path):
     gguf = mutations.write_gguf(tmp_path / "ok.gguf")
-    hf = mutations.write_hf(tmp_path / "hf")
+    hf = hf_mutations.write_hf(tmp_path / "hf")
     for path in (gguf, hf):
         loaded, peak, _ = load_bounded(path)
         assert not isinstance(loaded, Exception), loaded
@@ -79,7 +79,7 @@ def test_the_unmutated_hybrid_gguf_loads_with_quantised_experts(tmp_path):
     assert type(loaded.model.layers[1].mlp.experts.down_proj).__name__ == "QuantTensor"
 
 
-@pytest.mark.parametrize("case", [*mutations.gguf_cases(), *mutations.safetensors_cases(),
+@pytest.mark.parametrize("case", [*mutations.gguf_cases(), *hf_mutations.safetensors_cases(),
                                   *hybrid_mutations.hybrid_cases()], ids=lambda c: c.id)
 def test_mutated_checkpoint_fails_with_an_error_naming_the_field(case, tmp_path):
     path = case.build(tmp_path)
