@@ -1,7 +1,7 @@
 """A deterministic corpus of mutated checkpoints: tiny valid GGUF and safetensors models (the safetensors
-half in tests/hf_mutations.py), then each mutation of one field (or random byte flips with a fixed seed). Independent of lucebox: files are
-written with the `gguf` and `tokenizers` packages and raw bytes, so the reader under test cannot
-shape its own inputs.
+half in tests/hf_mutations.py), then each mutation of one field (or random byte flips with a fixed seed).
+Independent of lucebox: files are written with the `gguf` and `tokenizers` packages and raw bytes, so the
+reader under test cannot shape its own inputs.
 
 A case is (id, build(dir) -> path, expected): `expected` is a regex the LuceboxError must match
 (naming the field), or None for "a clean load or a LuceboxError".
