@@ -30,7 +30,8 @@ from lucebox.convert import convert_hf_to_gguf  # noqa: E402
 from lucebox.model.loader import load_model  # noqa: E402
 from tests.conftest import CHATML_TEMPLATE, SPECIAL_TOKENS, TRAINING_TEXT, build_hf_model  # noqa: E402
 from tests.hybrid_mutations import write_hybrid_gguf  # noqa: E402
-from tests.model.test_gguf_hybrid import ARCHS, lucebox_logits, prompt_for, reference_logits  # noqa: E402
+from tests.gguf_files import lucebox_logits, prompt_for  # noqa: E402
+from tests.model.test_gguf_hybrid import ARCHS, reference_logits  # noqa: E402
 
 # On CPU (2026-12-04): f16 moves these tiny models' logits by <= 0.003, Q8_0 by <= 0.22 (where a top-2
 # routing choice flips), bf16 compute by <= 0.12 more; a layout mistake moves them by their own size (~1-2).

@@ -12,7 +12,7 @@ from gguf import GGUFReader
 from lucebox.bench import llama_cpp, shapes
 from lucebox.model.loader import load_model
 from tests.bench.test_llama_cpp import LLAMA_BENCH, _arch_names, _field, _write
-from tests.model.test_gguf_hybrid import lucebox_logits
+from tests.gguf_files import lucebox_logits
 
 
 @pytest.mark.parametrize("shape", ["tiny-gemma4", "tiny-gemma4-moe"])

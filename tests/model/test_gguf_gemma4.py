@@ -17,7 +17,7 @@ from lucebox.errors import CheckpointError
 from lucebox.model.loader import load_model
 from lucebox.weights.quant import QuantLinear, QuantTensor
 from tests.model.test_gemma4 import ROPE, WINDOW, build
-from tests.model.test_gguf_hybrid import copy_fields, dequantised_copy, finish, lucebox_logits, prompt_for, rewritten
+from tests.gguf_files import copy_fields, dequantised_copy, finish, lucebox_logits, prompt_for, rewritten
 from tests.model.test_qwen3_5 import reference_logits
 
 S, F = "sliding_attention", "full_attention"

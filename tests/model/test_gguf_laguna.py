@@ -20,7 +20,7 @@ from lucebox.convert import convert_hf_to_gguf
 from lucebox.errors import CheckpointError, UnsupportedError
 from lucebox.model.loader import load_model
 from lucebox.weights.quant import QuantLinear, QuantTensor
-from tests.model.test_gguf_hybrid import dequantised_copy, lucebox_logits, prompt_for, rewritten
+from tests.gguf_files import dequantised_copy, lucebox_logits, prompt_for, rewritten
 from tests.model.test_laguna import FULL, SLIDING, build_laguna, with_config
 from tests.model.test_qwen3_5 import reference_logits
 
