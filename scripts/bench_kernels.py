@@ -105,9 +105,11 @@ def torch_reference():
 def bench_attention(args, shape, peak, device) -> list:
     table = []
     ctxs = [40] if SMOKE else [512, 4096, 32768]
-    jobs = [(c, ql, b, ct) for ct in args.cache_types for c in ctxs for ql in (1, 16) for b in (1, 8)]
+    jobs = [(c, ql, b, ct) for ct in args.cache_types for c in ctxs for ql in (1, 16) if ql in args.q_lens
+            for b in (1, 8)]
     # a prefill bucket's chunk on a cached prefix (an agent's turn): the tall tiles
-    jobs += [(c, 256, 1, ct) for ct in args.cache_types for c in ([40] if SMOKE else [4096, 16384, 32768])]
+    jobs += [(c, 256, 1, ct) for ct in args.cache_types for c in ([40] if SMOKE else [4096, 16384, 32768])
+             if 256 in args.q_lens]
     for ctx, q_len, batch, cache_type in tqdm(jobs, desc="paged attention"):
         q, kc, vc, fb, nbytes = attention_case(shape, ctx, q_len, batch, cache_type, args.dtype, device)
         scale = shape["head_dim"] ** -0.5
@@ -305,6 +307,8 @@ def main() -> None:
                                                    "Q4_1", "Q5_0", "Q5_1", "IQ4_NL"])
     p.add_argument("--ms", nargs="+", type=int, default=[1, 4, 16, 64], help="activation rows of the quant rows")
     p.add_argument("--cache-types", nargs="+", default=["bf16", "fp8", "q8_0"])
+    p.add_argument("--q-lens", nargs="+", type=int, choices=[1, 16, 256], default=[1, 16, 256],
+                   help="attention rows: decode (1), verify (16), a 256-token chunk on a cached prefix (256)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--sweep", action="store_true", help="also time a grid of launch configs per row")
     p.add_argument("--sweep-paths", nargs="+", choices=["float", "split", "int8"], default=["float", "split", "int8"],

@@ -84,10 +84,12 @@ mode_sampler() {
 
 #: attention    paged attention (bf16 KV) at 512 / 4K / 32K with its launch swept: is the split heuristic
 #:              (>= 256 tokens a split) right at short contexts? And 256-query prefill chunks on a cached
-#:              4K / 16K / 32K (query rows a program and stages swept too): issue 33's 16K agent turn (~6 min)
+#:              4K / 16K / 32K (query rows a program and stages swept too): issue 33's 16K agent turn (~6 min;
+#:              Q_LENS=256: the chunks alone, ~2 min)
 mode_attention() {
+  # shellcheck disable=SC2086  # Q_LENS is a list
   step attention "${SECONDS_ATTENTION:-360}" python3 scripts/bench_kernels.py --only attention --sweep \
-    --cache-types bf16 --json "$out/attention.json"
+    --cache-types bf16 --q-lens ${Q_LENS:-1 16 256} --json "$out/attention.json"
   grep -E "^\| (kernel|paged_attention)" "$out/attention.log"
 }
 
