@@ -41,6 +41,7 @@ import torch  # noqa: E402
 from gguf import GGML_QUANT_SIZES  # noqa: E402
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
+from kernel_timing import bench_in_graph  # noqa: E402
 from lucebox.kernels import moe as kmoe  # noqa: E402
 from lucebox.kernels import routing  # noqa: E402
 from lucebox.model.moe import Experts  # noqa: E402
@@ -104,39 +105,19 @@ def route_sets(tokens: int, experts: int, top_k: int, count: int, device) -> lis
 
 
 def time_calls(fn, operands: list, device, graph: bool) -> float:
-    """Milliseconds per fn(operand), cycling through the operands: replayed from one CUDA graph, or
-    eagerly (fn syncs with the host)."""
-    if device.type != "cuda":
-        fn(operands[0])
-        start = time.perf_counter()
-        for o in operands:
-            fn(o)
-        return (time.perf_counter() - start) * 1e3 / len(operands)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for o in operands:  # compile and warm up outside the capture
-            fn(o)
-    torch.cuda.current_stream().wait_stream(stream)
+    """Milliseconds per fn(operand), cycling through the operands: replayed from one CUDA graph
+    (kernel_timing.bench_in_graph), or eagerly (fn syncs with the host)."""
+    if graph or device.type != "cuda":
+        return bench_in_graph(fn, operands, device)
+    for o in operands:  # compile and warm up
+        fn(o)
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    if graph:
-        cuda_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(cuda_graph):
-            for o in operands:
-                fn(o)
-        cuda_graph.replay()
-        torch.cuda.synchronize()
-        reps = 20
-        start.record()
-        for _ in range(reps):
-            cuda_graph.replay()
-    else:
-        reps = max(1, min(20, int(200 / max(1e-3, _eager_ms(fn, operands[0])))))
-        start.record()
-        for _ in range(reps):
-            for o in operands:
-                fn(o)
+    reps = max(1, min(20, int(200 / max(1e-3, _eager_ms(fn, operands[0])))))
+    start.record()
+    for _ in range(reps):
+        for o in operands:
+            fn(o)
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / (reps * len(operands))
