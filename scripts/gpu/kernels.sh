@@ -85,8 +85,11 @@ mode_sampler() {
 #: attention    paged attention (bf16 KV) at 512 / 4K / 32K with its launch swept: is the split heuristic
 #:              (>= 256 tokens a split) right at short contexts? And 256-query prefill chunks on a cached
 #:              4K / 16K / 32K (query rows a program and stages swept too): issue 33's 16K agent turn (~6 min;
-#:              Q_LENS=256: the chunks alone, ~2 min)
+#:              Q_LENS=256: the chunks alone, ~2 min); after the attention GPU tests (~2 min; ATTENTION_TESTS=0 skips)
 mode_attention() {
+  # the kernel's GPU tests first (the tall tiles' unmasked interior loop had never run on a GPU)
+  [ "${ATTENTION_TESTS:-1}" = 1 ] && run_tests attention-tests 150 tests/kernels/test_paged_attention.py \
+    tests/kernels/test_tree_attention.py tests/kernels/test_attention_rounding.py tests/engine/test_graph_attention.py
   # shellcheck disable=SC2086  # Q_LENS is a list
   step attention "${SECONDS_ATTENTION:-360}" python3 scripts/bench_kernels.py --only attention --sweep \
     --cache-types bf16 --q-lens ${Q_LENS:-1 16 256} --json "$out/attention.json"
