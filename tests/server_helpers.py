@@ -155,3 +155,23 @@ def wait_until_healthy(url: str, proc, seconds: float, output=lambda: "") -> Non
             pass
         assert proc.poll() is None and time.monotonic() < deadline, output()
         time.sleep(0.2)
+
+
+def assert_tool_choice_holds_the_format(client, weather: dict) -> None:
+    """tool_choice "required" (one call of either tool, greedy) and a named tool (sampled) each give a
+    parseable call with typed arguments, through the OpenAI SDK `client`: the model is untrained, so only
+    the server's constrained decoding can produce them. `weather` is the family's get_weather tool."""
+    schema = {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}, "exact": {"type": "boolean"}},
+              "required": ["unit", "exact"]}
+    temp = {"type": "function", "function": {"name": "temp", "parameters": schema}}
+    messages = [{"role": "user", "content": "hi"}]
+    r = client.chat.completions.create(model="tiny", messages=messages, tools=[temp, weather], tool_choice="required",
+                                       parallel_tool_calls=False, max_tokens=120, temperature=0)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name in ("temp", "get_weather") and isinstance(json.loads(call.function.arguments), dict)
+    r = client.chat.completions.create(model="tiny", messages=messages, tools=[temp, weather], max_tokens=120,
+                                       temperature=0.8, seed=3,
+                                       tool_choice={"type": "function", "function": {"name": "temp"}})
+    (call,) = r.choices[0].message.tool_calls
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "temp" and args["unit"] in ("c", "f") and isinstance(args["exact"], bool)

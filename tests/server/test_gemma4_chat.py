@@ -30,7 +30,7 @@ from lucebox.server.protocol import ChatCompletionRequest
 from lucebox.server.tools import ToolSpec, tool_format
 from tests.conftest import build_hf_model
 from tests.model.test_gemma4 import DENSE
-from tests.server_helpers import build_model, start_server
+from tests.server_helpers import assert_tool_choice_holds_the_format, build_model, start_server
 
 TEMPLATE = (Path(__file__).parents[1] / "fixtures" / "gemma4_chat_template.jinja").read_text()
 REASONING, ANSWER = "The user greets me; answer briefly.", "Hello! How can I help?"
@@ -331,21 +331,7 @@ def test_an_anthropic_tool_turn_renders_the_same_prompt(server):
 
 
 def test_tool_choice_required_and_named_hold_an_untrained_model_to_gemma4_calls(server):
-    client = _oai(server)
-    schema = {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}, "exact": {"type": "boolean"}},
-              "required": ["unit", "exact"]}
-    temp = {"type": "function", "function": {"name": "temp", "parameters": schema}}
-    messages = [{"role": "user", "content": "hi"}]
-    r = client.chat.completions.create(model="tiny", messages=messages, tools=[temp, WEATHER], tool_choice="required",
-                                       parallel_tool_calls=False, max_tokens=120, temperature=0)
-    (call,) = r.choices[0].message.tool_calls
-    assert call.function.name in ("temp", "get_weather") and isinstance(json.loads(call.function.arguments), dict)
-    r = client.chat.completions.create(model="tiny", messages=messages, tools=[temp, WEATHER], max_tokens=120,
-                                       temperature=0.8, seed=3,
-                                       tool_choice={"type": "function", "function": {"name": "temp"}})
-    (call,) = r.choices[0].message.tool_calls
-    args = json.loads(call.function.arguments)
-    assert call.function.name == "temp" and args["unit"] in ("c", "f") and isinstance(args["exact"], bool)
+    assert_tool_choice_holds_the_format(_oai(server), WEATHER)
 
 
 def test_the_gemma4_grammar_takes_thought_then_calls_in_the_templates_key_order(server):

@@ -14,25 +14,12 @@ from lucebox.server.tools import ToolSpec, tool_format
 from lucebox.text.chat_template import render_chat_template
 from tests.server.laguna_server import (  # noqa: F401  (server: the module's fixture)
     CALL, SCHEMAS, TEMPLATE, THOUGHT, TIGHT_TEMPLATE, TURN_END, WEATHER, oai, parse, server)
+from tests.server_helpers import assert_tool_choice_holds_the_format
 
 
 # ---------------------------------------------------------------------------------------------- constrained
 def test_tool_choice_required_and_named_hold_an_untrained_model_to_arg_key_calls(server):
-    client = oai(server)
-    schema = {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}, "exact": {"type": "boolean"}},
-              "required": ["unit", "exact"]}
-    temp = {"type": "function", "function": {"name": "temp", "parameters": schema}}
-    messages = [{"role": "user", "content": "hi"}]
-    r = client.chat.completions.create(model="tiny", messages=messages, tools=[temp, WEATHER], tool_choice="required",
-                                       parallel_tool_calls=False, max_tokens=120, temperature=0)
-    (call,) = r.choices[0].message.tool_calls
-    assert call.function.name in ("temp", "get_weather") and isinstance(json.loads(call.function.arguments), dict)
-    r = client.chat.completions.create(model="tiny", messages=messages, tools=[temp, WEATHER], max_tokens=120,
-                                       temperature=0.8, seed=3,
-                                       tool_choice={"type": "function", "function": {"name": "temp"}})
-    (call,) = r.choices[0].message.tool_calls
-    args = json.loads(call.function.arguments)
-    assert call.function.name == "temp" and args["unit"] in ("c", "f") and isinstance(args["exact"], bool)
+    assert_tool_choice_holds_the_format(oai(server), WEATHER)
 
 
 def test_the_arg_key_grammar_takes_reasoning_then_calls_as_the_template_writes_them(server):
