@@ -88,6 +88,20 @@ def num_sms(device: torch.device) -> int:
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def shared_memory(device: torch.device) -> int:
+    """Bytes of shared memory one program may claim on `device` (opt-in maximum); on the CPU
+    interpreter a nominal Hopper-sized 227 KiB, so tests exercise the launches the GPU takes."""
+    if device.type != "cuda":
+        return 227 * 1024
+    return _shared_memory(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _shared_memory(index: int) -> int:
+    props = torch.cuda.get_device_properties(index)
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_block)
+
+
 @functools.cache
 def _pdl_supported(index: int) -> bool:
     if torch.version.hip is not None or torch.cuda.get_device_capability(index)[0] < 9:

@@ -113,7 +113,6 @@ def _causal_lower_right(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     """q [H, q_len, D] at the last q_len of the m key positions of k, v [Hkv, m, D]: query j sees
     keys 0..m - q_len + j."""
     heads, q_len, head_dim = q.shape
-    m = k.shape[1]
     if gqa and (head_dim > FUSED_GQA_MAX_HEAD_DIM or (q.is_cuda and q.dtype == torch.float32)):
         # No fused kernel broadcasts K/V heads this wide, or in float32 on CUDA (enable_gqa would fall
         # back to the math kernel and its [heads, q_len, m] scores): one call per member of the query

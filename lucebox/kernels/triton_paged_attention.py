@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .dispatch import next_pow2, num_sms, pdl_launch
+from .dispatch import next_pow2, num_sms, pdl_launch, shared_memory
 from .forward_batch import check_tree_window
 from .triton_attention_tiles import attend_tile
 from .triton_dp4a import rounded_rows_like, store_rounded
@@ -218,6 +218,17 @@ def _storage(cache):
     return vals, scales
 
 
+def key_tile(block_r: int, block_d: int, kv_bytes: int, shared: int) -> int:
+    """Keys a program's tile takes per step: 128 for decode and verify tiles (<= 64 rows) of a 16-bit
+    cache where three stages of its K and V tiles fit shared memory (the H100 sweep's fastest, run
+    by 4 warps), else 64 for those rows, 32 for taller or wider tiles. kv_bytes: a cache value's
+    bytes (f32 4; fp8 / q8_0 / q4_0 1, whose unpacking the sweep has not priced at 128)."""
+    if block_d > 128 or block_r > 64:
+        return 32
+    stages_bytes = 3 * 2 * 128 * block_d * kv_bytes + block_r * block_d * 2
+    return 128 if kv_bytes == 2 and stages_bytes <= shared else 64
+
+
 def rounds_rows(q: torch.Tensor, v_cache) -> bool:
     """Whether paged_attention(..., rounded=True) can round its output rows for an int8 product."""
     tokens, heads, head_dim = q.shape
@@ -264,7 +275,10 @@ def paged_attention(q: torch.Tensor, k_cache, v_cache, batch, scale: float,
     block_q = max(1, min(next_pow2(max_q), rows // next_pow2(group)))
     block_r = max(16, next_pow2(block_q * group))
     if block_kv is None:
-        block_kv = 64 if block_d <= 128 and block_r <= 64 else 32
+        kv_bytes = k_cache.values.element_size()
+        if v_cache.values.element_size() != kv_bytes:
+            kv_bytes = 0  # mixed K / V storage: the narrow tiles
+        block_kv = key_tile(block_r, block_d, kv_bytes, shared_memory(q.device))
     q_tiles = triton.cdiv(max_q, block_q)
     programs = num_seqs * kv_heads * q_tiles
     if num_splits is None:
@@ -290,7 +304,7 @@ def paged_attention(q: torch.Tensor, k_cache, v_cache, batch, scale: float,
         stride_lt = stride_lh = 0
     # 8 warps for the tall (or wide) tiles of verify/prefill keep the float32 accumulator and the q8_0/q4_0
     # unpacking out of local memory
-    kwargs = {"num_warps": num_warps or (8 if block_r * block_d >= 64 * 128 else 4)}
+    kwargs = {"num_warps": num_warps or (8 if block_r * block_d >= 64 * 128 and block_kv < 128 else 4)}
     if num_stages is not None or block_d > 256:
         kwargs["num_stages"] = num_stages or 2  # 3 stages of 512-wide K and V tiles overflow shared memory
     window = int(sliding_window) if sliding_window is not None else 0

@@ -85,3 +85,30 @@ def test_paged_attention_dispatches_to_triton_when_switched_on(monkeypatch):
     monkeypatch.setattr(tpa, "paged_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     got = paged_attention(q, k_cache, v_cache, batch, 0.2)
     assert calls == [1] and (got.float() - want.float()).abs().max().item() <= 2e-2
+
+
+H100_SHARED, A100_SHARED, RTX3090_SHARED = 232_448, 166_912, 101_376
+
+
+@pytest.mark.parametrize("block_r, block_d, kv_bytes, shared, want", [
+    (16, 128, 2, H100_SHARED, 128),  # a bf16 decode tile on Hopper: the sweep's fastest
+    (64, 128, 2, H100_SHARED, 128),  # a 16-token verify of 4 query heads a K/V head
+    (64, 128, 2, A100_SHARED, 64),  # three 128-key K/V stages (192 KiB) do not fit
+    (16, 128, 2, RTX3090_SHARED, 64),
+    (16, 128, 4, H100_SHARED, 64),  # f32 cache
+    (16, 128, 1, H100_SHARED, 64),  # fp8 / q8_0 / q4_0 / mixed K and V
+    (128, 128, 2, H100_SHARED, 32),  # prefill-chunk tiles
+    (16, 256, 2, H100_SHARED, 32),  # wide heads
+])
+def test_key_tile_takes_128_keys_only_where_its_stages_fit(block_r, block_d, kv_bytes, shared, want):
+    assert tpa.key_tile(block_r, block_d, kv_bytes, shared) == want
+
+
+def test_default_launch_of_a_bf16_verify_equals_narrow_key_tiles():
+    """The heuristic's 128-key tiles (CPU: nominal Hopper shared memory) against 16-key ones."""
+    q, k_cache, v_cache, batch = paged_case("bf16", torch.bfloat16, [16, 1], [300, 200], heads=8, head_dim=128,
+                                            block_size=16)
+    assert tpa.key_tile(64, 128, 2, 227 * 1024) == 128  # 16 tokens x 4 query heads a K/V head
+    wide = tpa.paged_attention(q, k_cache, v_cache, batch, 0.1)
+    narrow = tpa.paged_attention(q, k_cache, v_cache, batch, 0.1, block_kv=16)
+    assert (wide.float() - narrow.float()).abs().max().item() <= 2e-2
