@@ -135,8 +135,9 @@ def sweep_attention(q, kc, vc, fb, scale, device) -> dict:
     chunks) query rows a program and pipeline stages."""
     best = None
     tall = q.shape[0] > 32
-    for config in itertools.product((1, 2, 4, 8, 16, 32, 64), (32, 64, 128), (4, 8),
-                                    (64, 128) if tall else (None,), (2, 3) if tall else (None,)):
+    # tall tiles (prefill chunks) compile slowly: fewer splits and 128-row programs only
+    for config in itertools.product((1, 2, 4, 8, 16) if tall else (1, 2, 4, 8, 16, 32, 64), (32, 64, 128), (4, 8),
+                                    (128,) if tall else (None,), (2, 3) if tall else (None,)):
         splits, block_kv, warps, rows, stages = config
         try:
             t = bench(lambda: tpa.paged_attention(q, kc, vc, fb, scale, num_splits=splits, block_kv=block_kv,

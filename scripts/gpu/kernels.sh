@@ -82,10 +82,9 @@ mode_sampler() {
   grep "^|" "$out/sampler.log"
 }
 
-#: attention    paged attention (bf16 KV) at 512 / 4K / 32K with its launch swept: is the split heuristic
-#:              (>= 256 tokens a split) right at short contexts? And 256-query prefill chunks on a cached
-#:              4K / 16K / 32K (query rows a program and stages swept too): issue 33's 16K agent turn (~6 min;
-#:              Q_LENS=256: the chunks alone, ~2 min); after the attention GPU tests (~2 min; ATTENTION_TESTS=0 skips)
+#: attention    paged attention (bf16 KV) at 512 / 4K / 32K with its launch swept (1 and 16 queries: ~3.5 min),
+#:              then 256-query prefill chunks on a cached 4K / 16K / 32K (stages swept too; their compiles are
+#:              slow: Q_LENS=256 runs them alone); after the attention GPU tests (~1.5 min; ATTENTION_TESTS=0 skips)
 mode_attention() {
   # the kernel's GPU tests first (the tall tiles' unmasked interior loop had never run on a GPU)
   [ "${ATTENTION_TESTS:-1}" = 1 ] && run_tests attention-tests 150 tests/kernels/test_paged_attention.py \
