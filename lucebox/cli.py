@@ -151,6 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     throughput_arguments(bench_sub.add_parser(
         "throughput", formatter_class=fmt, help="batched decode tok/s against the batch's bandwidth limit (--shape "
                                                 "/ --quant or --model), speculating too; KV bytes, prefix-cache hits"))
+    from .bench.tp import add_arguments as tp_arguments
+    tp_arguments(bench_sub.add_parser(
+        "tp", formatter_class=fmt, help="tensor parallelism on a random --shape: TP=1 against TP=N in one run "
+                                        "(TTFT, decode, verify of 16, collectives a step, scaling)"))
     sp = bench_sub.add_parser("spec", help="speculative decoding: tau, tok/s and speedup over plain decoding",
                               formatter_class=fmt)
     sp.add_argument("--model", default=None, help="target model (default: the default model)")
@@ -344,13 +348,13 @@ def cmd_convert_drafter(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import kv_pool, kv_quality, prefill, serve, spec, speed, throughput
+    from .bench import kv_pool, kv_quality, prefill, serve, spec, speed, throughput, tp
     if args.bench == "serve":  # serve picks its own model: --url, --model or the default model
         return serve.main(args)
     if args.bench in (None, "speed"):  # speed picks its own model: --model, --shape or the default model
         return speed.main(args if args.bench else build_parser().parse_args(["bench", "speed"]))
-    if args.bench in ("prefill", "kv-pool", "throughput"):  # as speed: --model or --shape
-        return {"prefill": prefill, "kv-pool": kv_pool, "throughput": throughput}[args.bench].main(args)
+    if args.bench in ("prefill", "kv-pool", "throughput", "tp"):  # as speed: --model or --shape (tp: --shape)
+        return {"prefill": prefill, "kv-pool": kv_pool, "throughput": throughput, "tp": tp}[args.bench].main(args)
     if args.model is None:
         from .default_model import default_model_path
         args.model = str(default_model_path())

@@ -55,6 +55,7 @@ def weight_bytes_per_token(model) -> int:
     stacked experts the top_k / E share that one token routes to."""
     sizes, cfg = weight_tensors(model), model.config
     embed = model.embed_tokens
+    embed = getattr(embed, "table", embed)  # a tensor-parallel shard's rows of the table (VocabParallelEmbedding)
     table = _bytes(embed.qweight) if isinstance(embed, QuantEmbedding) else _bytes(embed.weight)
     row = table // embed.weight.shape[0]
     tied_head = table if cfg.tie_word_embeddings else 0

@@ -252,7 +252,7 @@ def weight_type(name: str, quant: str, tied: bool, cols: int) -> Q:
     return qtype
 
 
-def _random_tokenizer(vocab_size: int):
+def random_tokenizer(vocab_size: int):
     """A real tokenizer over the whole vocabulary (token i is the word `t<i>`), so the engine's
     detokenizer does the work it does for a real model at every step."""
     from tokenizers import Tokenizer as Backend
@@ -280,7 +280,7 @@ def build_random_model(shape: str, quant: str, device: torch.device, dtype: torc
         dtype = FLOAT_QUANTS[quant]
         model = empty_model(cfg, dtype, device)
         for name, p in model.named_parameters():
-            if _is_unit(name, p):
+            if is_unit(name, p):
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, STD)
@@ -291,10 +291,10 @@ def build_random_model(shape: str, quant: str, device: torch.device, dtype: torc
         tensors = _random_quant_tensors(model, cfg, quant, device, dtype)
         assign(model, tensors, f"random {shape} {quant}", dtype, device)
     model.eval()
-    return LoadedModel(model, _random_tokenizer(cfg.vocab_size), cfg, f"random {shape} ({quant})", "random")
+    return LoadedModel(model, random_tokenizer(cfg.vocab_size), cfg, f"random {shape} ({quant})", "random")
 
 
-def _is_unit(name: str, p) -> bool:
+def is_unit(name: str, p) -> bool:
     return p.dim() == 1 and any(word in name for word in _UNIT)
 
 
@@ -307,7 +307,7 @@ def _random_quant_tensors(model, cfg: ModelConfig, quant: str, device, dtype):
                 yield name, QuantTensor(qt.data, qt.qtype, tuple(p.shape), name)
             else:
                 yield name, (QuantEmbedding(qt, dtype) if name == "embed_tokens.weight" else QuantLinear(qt))
-        elif _is_unit(name, p):
+        elif is_unit(name, p):
             yield name, torch.ones(p.shape, dtype=dtype, device=device)
         else:  # the router, DeltaNet's a / b / conv / A_log / dt_bias, biases
             yield name, torch.randn(p.shape, device=device).mul_(STD).to(dtype)

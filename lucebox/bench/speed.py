@@ -157,7 +157,7 @@ def _lengths(given, name: str, limit: int, fits, notes: list[str]) -> list[int]:
     return kept
 
 
-def _request(engine: LLMEngine, clock: Clock, prompt: list[int],
+def timed_request(engine: LLMEngine, clock: Clock, prompt: list[int],
              max_tokens: int) -> tuple[float, tuple[float, float], list[int], int]:
     """One greedy request to the end: (time to first token, (start, end) stamps of the remaining tokens,
     output ids, KV bytes the sequence held after its prompt, every KV cache group; read between the two)."""
@@ -200,7 +200,7 @@ def engine_phase(engine, loaded, args, prompt_lens, contexts, kv: int, ref, cloc
         runs = []
         for r in range(args.repeats + 1):  # run 0 warms up the kernels for this length's shapes
             prompt = [rng.randrange(loaded.config.vocab_size) for _ in range(length)]
-            ttft, (t0, t1), ids, held = _request(engine, clock, prompt,
+            ttft, (t0, t1), ids, held = timed_request(engine, clock, prompt,
                                                  1 + args.decode_tokens if length in contexts else 1)
             joules = meter.joules(t0, t1) if meter and length in contexts else None
             runs += [(ttft, t1 - t0, joules)] if r else []
@@ -350,7 +350,7 @@ def run(args: argparse.Namespace) -> dict:
     contexts = [] if "decode" in skip else _lengths(args.contexts, "contexts", limit, fits, notes)
     longest = max([64, *prompt_lens, *contexts]) + args.decode_tokens + VERIFY_TOKENS
     engine = LLMEngine.from_args(engine_args(args, longest, loaded), loaded)
-    _request(engine, clock, [1] * 32, 4)  # first-call costs (kernel compilation) stay out of every figure
+    timed_request(engine, clock, [1] * 32, 4)  # first-call costs (kernel compilation) stay out of every figure
     meter, why = energy.open_meter(device)
     result["energy"] = {"skipped": why} if why else {"source": "NVML power", "interval_s": energy.INTERVAL_S}
     with meter or contextlib.nullcontext():

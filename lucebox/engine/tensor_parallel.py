@@ -19,6 +19,7 @@ import pickle
 import sys
 import traceback
 from dataclasses import replace
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -69,28 +70,28 @@ from .tp_state import RankStates, StateLog, mirror_cache
 log = logging.getLogger("lucebox")
 
 
-def launch(args: EngineArgs, loaded: LoadedModel | None = None) -> TensorParallelEngine:
-    """Rank 0: start the other ranks, load this rank's shard, build the engine (LLMEngine.from_args)."""
+def launch(args: EngineArgs, loaded: LoadedModel | None = None, shards: Shards | None = None) -> TensorParallelEngine:
+    """Rank 0: start the other ranks, load this rank's shard, build the engine (LLMEngine.from_args).
+    shards: where every rank's shard comes from (default: the checkpoint args.model names)."""
     if loaded is not None:
         raise RequestError("tensor parallelism loads each rank's shard itself: give the model by name, "
                            "not a loaded model")
-    args = resolve_args(args)
+    shards = shards or CheckpointShards()
+    args = shards.resolve(args)
     if args.cuda_graphs:
         log.info("CUDA graphs are off under tensor parallelism (steps run eagerly)")
     args = replace(args, cuda_graphs=False)
     size = args.tensor_parallel_size
-    path = resolve_path(args.model)
-    if path.is_dir():  # refused before any rank starts (a GGUF's config is checked once loaded)
-        check_config(ModelConfig.from_hf_dir(path), size)
+    shards.check(args)  # refused before any rank starts
     device = rank_device(args, 0)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL's communicator of rank 0 on cuda:0
-    ranks = Ranks.start(size, device.type, pickle.dumps(args))
+    ranks = Ranks.start(size, device.type, pickle.dumps((args, shards)))
     try:
         error, loaded, full, budget = None, None, None, None
         try:
             keep_vocab = args.speculative_config is not None and args.speculative_config.method == "dflash"
-            loaded, full = load_shard(args, 0, keep_vocab)
+            loaded, full = shards.load(args, 0, keep_vocab)
         except LuceboxError as e:
             error = e
         statuses = _exchange_status(ranks.channel.group, size, str(error) if error else None, budget)
@@ -124,20 +125,45 @@ def rank_device(args: EngineArgs, rank: int) -> torch.device:
     return torch.device("cuda", rank)
 
 
-def load_shard(args: EngineArgs, rank: int, keep_full_vocab: bool = False) -> tuple[LoadedModel, FullVocab | None]:
-    """This rank's shard, on its device: the checkpoint is read on the CPU, sharded, then moved."""
-    device = rank_device(args, rank)
-    dtype = args.dtype
-    if device.type == "cuda" and dtype in (None, "auto"):  # the checkpoint's dtype, as loading on the GPU keeps it
+class Shards(Protocol):
+    """Where every rank's shard comes from; pickled to the other ranks with the engine arguments."""
+
+    def resolve(self, args: EngineArgs) -> EngineArgs:
+        """The arguments completed as the engine will run them (rank 0, before any rank starts)."""
+
+    def check(self, args: EngineArgs) -> None:
+        """Refuse a model that does not split over args.tensor_parallel_size ranks, before any starts."""
+
+    def load(self, args: EngineArgs, rank: int, keep_full_vocab: bool = False) -> tuple[LoadedModel, FullVocab | None]:
+        """This rank's shard on rank_device(args, rank); keep_full_vocab: its unsharded embedding and head too."""
+
+
+class CheckpointShards:
+    """Shards of the checkpoint args.model names: read on the CPU, sharded, then moved."""
+
+    def resolve(self, args: EngineArgs) -> EngineArgs:
+        return resolve_args(args)
+
+    def check(self, args: EngineArgs) -> None:
         path = resolve_path(args.model)
-        dtype = resolve_dtype("auto", ModelConfig.from_hf_dir(path).torch_dtype if path.is_dir() else None, device)
-    loaded = load_model(args.model, dtype=dtype, device="cpu")
-    full = shard_model(loaded.model, rank, args.tensor_parallel_size, keep_full_vocab)
-    loaded.model.to(device)
-    move_quantised_experts(loaded.model, device)
-    if full is not None:
-        full = FullVocab(full.embed_tokens.to(device), full.lm_head.to(device) if full.lm_head is not None else None)
-    return loaded, full
+        if path.is_dir():  # a GGUF's config is checked once loaded
+            check_config(ModelConfig.from_hf_dir(path), args.tensor_parallel_size)
+
+    def load(self, args: EngineArgs, rank: int, keep_full_vocab: bool = False) -> tuple[LoadedModel, FullVocab | None]:
+        device = rank_device(args, rank)
+        dtype = args.dtype
+        if device.type == "cuda" and dtype in (None, "auto"):  # the checkpoint's dtype, as loading on the GPU keeps
+            path = resolve_path(args.model)
+            dtype = resolve_dtype("auto", ModelConfig.from_hf_dir(path).torch_dtype if path.is_dir() else None,
+                                  device)
+        loaded = load_model(args.model, dtype=dtype, device="cpu")
+        full = shard_model(loaded.model, rank, args.tensor_parallel_size, keep_full_vocab)
+        loaded.model.to(device)
+        move_quantised_experts(loaded.model, device)
+        if full is not None:
+            full = FullVocab(full.embed_tokens.to(device),
+                             full.lm_head.to(device) if full.lm_head is not None else None)
+        return loaded, full
 
 
 def _kv_budget(device: torch.device, utilization: float) -> int | None:
@@ -240,7 +266,7 @@ class RankRunner(ModelRunner):
 def worker_main() -> int:
     """A rank other than 0: load and shard, then run the forwards rank 0 broadcasts until told to stop."""
     rank, size, env = join()
-    args = read_payload()
+    args, shards = read_payload()
     logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(levelname)s %(message)s")
     device = rank_device(args, rank)
     if device.type == "cuda":
@@ -248,7 +274,7 @@ def worker_main() -> int:
     channel = form_group(rank, size, env, device.type)
     error, budget, model = None, None, None
     try:
-        loaded, _ = load_shard(args, rank)
+        loaded, _ = shards.load(args, rank)
         model = loaded.model
         model.fuse_projections()  # as LLMEngine does on rank 0
         model.split_quant_rows()
