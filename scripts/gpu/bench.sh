@@ -252,3 +252,18 @@ mode_pflash() {
   step pflash-interleave 200 python3 scripts/check_pflash_interleave.py --shape qwen3-8b --scorer qwen3-0.6b \
     --prompt-len 131072
 }
+
+#: tp           issue 32, on two GPUs (nvidia-h200-x2): the tensor-parallel tests (NCCL on cuda:0 + cuda:1), then
+#:              bench tp TP=1 against TP=2 (ranks build random shards) on qwen3-8b and qwen3-32b, bf16 and q4_k_m:
+#:              TTFT 512, decode at 512, verify 16 / decode, NCCL time a step (~10 min; TP_RUNS picks shape:quant)
+mode_tp() {
+  local sq
+  run_tests tp-tests "${SECONDS_TESTS:-240}" tests/engine/test_tensor_parallel.py \
+    tests/engine/test_tensor_parallel_hybrid.py tests/engine/test_tensor_parallel_gemma4_laguna.py
+  for sq in ${TP_RUNS:-qwen3-8b:bf16 qwen3-8b:q4_k_m qwen3-32b:bf16 qwen3-32b:q4_k_m}; do
+    set -- ${sq/:/ }
+    step "tp-$1-$2" 300 python3 -m lucebox.cli bench tp --shape "$1" --quant "$2" --sizes 1 2 \
+      --json "$out/tp-$1-$2.json"
+    sed -n '/^random /,$p' "$out/tp-$1-$2.log"
+  done
+}
