@@ -42,6 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=2, help="timed runs of each row; the median is reported")
     p.add_argument("--dtype", default="auto", help=EngineArgs.HELP["dtype"])
     p.add_argument("--device", default="auto", help="cuda (rank r on cuda:r) or cpu (gloo)")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="CUDA graphs at every size (default: the engine's, off under tensor parallelism)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
 
@@ -55,7 +57,7 @@ def start(args, size: int, device: torch.device) -> LLMEngine:
     act = None if args.dtype == "auto" else resolve_dtype(args.dtype, None, device)
     engine_args = EngineArgs(max_model_len=max(args.prompt_len, args.context) + args.decode_tokens + 2 * VERIFY_TOKENS,
                              max_num_seqs=1, enable_prefix_caching=False, device=args.device,
-                             tensor_parallel_size=size)
+                             tensor_parallel_size=size, cuda_graphs=args.cuda_graphs)
     if size == 1:
         loaded = shapes.build_random_model(args.shape, args.quant, device, act, seed=args.seed)
         return LLMEngine.from_args(EngineArgs(**{**vars(engine_args), "model": loaded.source}), loaded)

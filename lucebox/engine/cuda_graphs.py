@@ -147,9 +147,33 @@ class CudaGraphRunner:
             return None
         return num_seqs, query_len
 
-    @torch.inference_mode()
+    def key_for(self, plan: StepPlan) -> tuple | None:
+        """The graph this step replays, (B, Q, taps, sampled, tree, queries, prefill), or None to run it eagerly."""
+        capture_layers = tuple(plan.capture_layers)
+        tree = plan.has_trees
+        shape = self.bucket(plan.token_ids, plan.start_positions, plan.block_tables, catch_up=not plan.write_kv,
+                            tree=tree, rope_shifts=plan.rope_shifts)
+        ring = self.feature_ring is not None and bool(capture_layers)
+        if shape is None or (ring and plan.feature_rows is None) or (plan.capture_queries and not self.settings.queries):
+            return None
+        num_seqs, query_len = shape
+        prefill = plan.write_kv and not tree and query_len > self.query_lens[-1]
+        if prefill and ((capture_layers and not ring) or plan.capture_queries or plan.all_logits
+                        or not _last_token_at_most(plan)):
+            return None  # a prefill graph hands back one row's logits, taps through the ring only, no queries
+        # else logits come back; tree and prefill steps never sample in the graph (the host samples them)
+        sampled = plan.sample is not None and self.settings.sample and not tree and not prefill
+        return num_seqs, query_len, capture_layers, sampled, tree, plan.capture_queries, prefill
+
     def run(self, plan: StepPlan) -> StepResult | None:
-        """ModelRunner.run's contract for a step that fits a bucket (None when it fits none): with
+        """replay(plan, key_for(plan)); None when the step fits no bucket."""
+        key = self.key_for(plan)
+        return None if key is None else self.replay(plan, key)
+
+    @torch.inference_mode()
+    def replay(self, plan: StepPlan, key: tuple) -> StepResult:
+        """ModelRunner.run's contract for a step through the graph of `key` (key_for's; a tensor-parallel rank
+        other than 0 takes rank 0's, its plan bringing no sampling parameters, no taps ring of its own): with
         plan.sample (each row its pending token and deterministic drafts, every one a logits row) on
         a sampling graph, verdicts; with argmax, tokens; else logits; features, or their RingRows.
         write_kv=False: every K/V write goes to the scratch block.
@@ -158,22 +182,12 @@ class CudaGraphRunner:
         argmax and sampling steps (its `result()` waits for the step; its `device_tokens` feed the
         next step), and plan.ids_from (a decode step's: one token a sequence) takes the input tokens
         from such a step's device_tokens instead of the rows' tokens."""
-        token_ids, block_tables, capture_layers = plan.token_ids, plan.block_tables, tuple(plan.capture_layers)
+        token_ids, block_tables = plan.token_ids, plan.block_tables
         start_positions, feature_rows, logits_rows = plan.start_positions, plan.feature_rows, plan.logits_rows
-        tree, queries = plan.has_trees, plan.capture_queries
         rope_shifts = plan.rope_shifts
-        shape = self.bucket(token_ids, start_positions, block_tables, catch_up=not plan.write_kv, tree=tree,
-                            rope_shifts=rope_shifts)
+        num_seqs, query_len, capture_layers, sampled, tree, queries, prefill = key
+        shape = (num_seqs, query_len)
         ring = self.feature_ring is not None and bool(capture_layers)
-        if shape is None or (ring and feature_rows is None) or (queries and not self.settings.queries):
-            return None
-        num_seqs, query_len = shape
-        prefill = plan.write_kv and not tree and query_len > self.query_lens[-1]
-        if prefill and ((capture_layers and not ring) or queries or plan.all_logits or not _last_token_at_most(plan)):
-            return None  # a prefill graph hands back one row's logits, taps through the ring only, no queries
-        # else logits come back; tree and prefill steps never sample in the graph (the host samples them)
-        sampled = plan.sample is not None and self.settings.sample and not tree and not prefill
-        key = (num_seqs, query_len, capture_layers, sampled, tree, queries, prefill)
         if key not in self.graphs:
             self._prepare(*key)
         graph, query_start_loc = self.graphs[key]
@@ -201,7 +215,7 @@ class CudaGraphRunner:
             rows[real] = np.arange(feature_rows, feature_rows + len(real))
         real_dev = inputs.set_rows("real", real) if capture_layers and not ring else None
         if sampled:
-            inputs.set_sampling(plan.sample, num_seqs)
+            inputs.set_sampling(plan.sample or [], num_seqs)
             inputs.set_drafts(token_ids, num_seqs, query_len)
             inputs.new_seed()
         inputs.upload(num_seqs)

@@ -87,6 +87,7 @@ class LLMEngine:
         if cache.recurrent:
             devices = [layer_device(self.model, i) for i in self.runner.recurrent_layers]
             self.runner.install_recurrent(cache.build_recurrent(self.model.device, devices), cache.slot)
+            self._recurrent_installed(cache)
             if self.model.device.type == "cuda":
                 self.model.warm_up()  # fla-core's prefill kernels compile now, not in the first request
         self.scheduler = Scheduler(cache, args.max_num_seqs, args.max_num_batched_tokens)
@@ -161,6 +162,10 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop what this engine started besides itself (tensor parallelism: the other ranks); idempotent."""
+
+    def _recurrent_installed(self, cache) -> None:
+        """The runner keeps the cache manager's recurrent states now (tensor parallelism: the other ranks
+        build theirs, before any graph is captured over them)."""
 
     def _draft_target(self, loaded: LoadedModel) -> LoadedModel:
         """The target as the speculator sees it (tensor parallelism: with its vocabulary unsharded)."""

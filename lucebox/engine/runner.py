@@ -174,10 +174,13 @@ class ModelRunner:
             raise RuntimeError("recomputing cached positions would advance recurrent state twice")
         # tree steps through tree buckets (CudaGraphRunner), never a chain's; rows with a map of RoPE positions
         # (a compressed prompt's chunks) run eagerly, rows shifted by a constant (PlanRow.rope_shift) in graphs
-        if self.graphs is not None and not plan.has_position_maps:
-            result = self.graphs.run(plan)
-            if result is not None:
-                return result
+        key = self.graphs.key_for(plan) if self.graphs is not None and not plan.has_position_maps else None
+        return self._launch(plan, key)
+
+    def _launch(self, plan: StepPlan, key: tuple | None) -> StepResult:
+        """The step through the graph of `key` (CudaGraphRunner.key_for's), or eagerly (None)."""
+        if key is not None:
+            return self.graphs.replay(plan, key)
         if plan.ids_from is not None:
             raise RuntimeError("a step fed from a previous step's device tokens must fit a CUDA-graph bucket")
         return self.run_eager(plan)

@@ -9,7 +9,10 @@ and the LM head's all-gather, and discards the result. Hybrids' recurrent state 
 (each its own DeltaNet heads): rank 0's cache manager changes its slots, the other ranks follow
 (engine/tp_state.py). A DFlash drafter lives on rank 0 alone: its taps are the residual stream, the
 same on every rank, and it embeds and projects through an unsharded copy of the embedding and LM
-head (FullVocabView). CUDA graphs are off under tensor parallelism for now (steps run eagerly).
+head (FullVocabView). CUDA graphs: every rank captures the same buckets in the same order, and each
+step's plan names the graph rank 0 replays it through, so every rank pads it alike and the collectives
+inside the graphs (NCCL's are capturable) match; opt-in (--cuda-graphs). Overlapped decoding is off (a
+step's tokens come from its plan).
 """
 from __future__ import annotations
 
@@ -53,7 +56,9 @@ from .tp_plan import (
     unpack_plan,
 )
 from .tp_ranks import (
+    CAPTURE,
     COMPACT,
+    GRAPHS,
     INIT,
     RECURRENT,
     RUN,
@@ -78,9 +83,13 @@ def launch(args: EngineArgs, loaded: LoadedModel | None = None, shards: Shards |
                            "not a loaded model")
     shards = shards or CheckpointShards()
     args = shards.resolve(args)
-    if args.cuda_graphs:
-        log.info("CUDA graphs are off under tensor parallelism (steps run eagerly)")
-    args = replace(args, cuda_graphs=False)
+    if args.async_decode:
+        log.info("overlapped decoding is off under tensor parallelism (the ranks read each step's tokens from "
+                 "its plan)")
+    args = replace(args, async_decode=False)
+    if args.cuda_graphs is None:  # NCCL inside captured graphs has not run on two GPUs here yet: asked for, not default
+        log.info("CUDA graphs under tensor parallelism are opt-in (--cuda-graphs); steps run eagerly")
+        args = replace(args, cuda_graphs=False)
     size = args.tensor_parallel_size
     shards.check(args)  # refused before any rank starts
     device = rank_device(args, 0)
@@ -204,14 +213,31 @@ class ShardedRunner(ModelRunner):
         except Exception as e:
             raise self.ranks.fail(e) from e
 
-    def run(self, plan):
-        self._send(RUN, pack_plan(plan, self.state_rows(plan) if self.recurrent_layers else None))
+    def _launch(self, plan, key):
+        self._send(RUN, pack_plan(plan, self.state_rows(plan) if self.recurrent_layers else None, key))
         try:
-            result = super().run(plan)
+            result = super()._launch(plan, key)
         except Exception as e:
             raise self.ranks.fail(e) from e
         self.ranks.busy = False  # not on an interrupt (KeyboardInterrupt): shutdown then kills the others
         return result
+
+    def attach_graphs(self, settings) -> None:
+        self._send(GRAPHS, pickle.dumps(settings))
+        super().attach_graphs(settings)
+        self.ranks.busy = False
+
+    def capture_graphs(self, capture_layers=(), trees: bool = True, prefill: bool = True) -> None:
+        """Every rank captures the same buckets in the same order: a capture's warm-up forward runs the
+        collectives, which the other ranks' warm-ups match."""
+        if self.graphs is None:
+            return
+        self._send(CAPTURE, torch.tensor([int(trees), int(prefill), *capture_layers], dtype=torch.int64))
+        try:
+            super().capture_graphs(capture_layers, trees, prefill)
+        except Exception as e:
+            raise self.ranks.fail(e) from e
+        self.ranks.busy = False
 
     def compact_tree_rows(self, tables, starts, accepted, window_tables=()) -> None:
         self._send(COMPACT, pack_compaction(tables, starts, accepted, window_tables))
@@ -229,12 +255,13 @@ class TensorParallelEngine(LLMEngine):
                  worker_budgets: list[int]):
         self.ranks, self._full_vocab, self._worker_budgets = ranks, full_vocab, worker_budgets
         super().__init__(loaded, args)
-        if self.scheduler.cache.recurrent:
-            self.runner.mirror_recurrent(self.scheduler.cache)
         attn = self.model.layers[self.runner.paged_layers[0]].self_attn
         log.info("tensor parallel over %d ranks (%s): rank 0 keeps %d of %d query heads and %d of %d KV heads a layer",
                  ranks.size, ranks.backend, attn.num_heads, loaded.config.num_heads, attn.num_kv_heads,
                  loaded.config.num_kv_heads)
+
+    def _recurrent_installed(self, cache) -> None:
+        self.runner.mirror_recurrent(cache)
 
     def _draft_target(self, loaded: LoadedModel) -> LoadedModel:
         if self._full_vocab is None:
@@ -257,10 +284,16 @@ class TensorParallelEngine(LLMEngine):
 
 
 class RankRunner(ModelRunner):
-    """The runner of a rank other than 0: no sequences here, so recurrent slots and advances come in the plan."""
+    """The runner of a rank other than 0: no sequences here, so recurrent slots and advances come in the plan,
+    and so does the CUDA graph rank 0 replays the step through (each rank replays its own capture of it)."""
 
     def state_rows(self, plan: RankPlan) -> tuple[list[int], list[int]]:
         return plan.state_slots, plan.state_advance
+
+    def follow(self, plan: RankPlan) -> None:
+        if plan.graph_key is not None and self.graphs is None:
+            raise RuntimeError("rank 0 replays a CUDA graph this rank has no buckets for")
+        self._launch(plan, plan.graph_key)
 
 
 def worker_main() -> int:
@@ -303,7 +336,12 @@ def worker_main() -> int:
         elif op == STATE:
             states.apply(payload)
         elif op == RUN:
-            runner.run_eager(unpack_plan(payload))
+            runner.follow(unpack_plan(payload))
+        elif op == GRAPHS:
+            runner.attach_graphs(pickle.loads(payload))
+        elif op == CAPTURE:
+            trees, prefill, *taps = payload.tolist()
+            runner.capture_graphs(tuple(taps), bool(trees), bool(prefill))
         elif op == COMPACT:
             runner.compact_tree_rows(*unpack_compaction(payload))
         else:

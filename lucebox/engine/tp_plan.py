@@ -8,7 +8,9 @@ and how many of its tokens advance the state (ModelRunner.state_rows: rank 0 kno
     [rows, groups, write_kv, all_logits, logits rows (-1: None), trees, states]
     per row: [tokens, start, rope shift, table length, *tokens, *table, per group: (length, *table),
               if trees: (has parents, *parents), if states: (slot, advance)]
-    then the logits rows.
+    then the logits rows, then the CUDA graph rank 0 replays (-1: none; else B, Q, sampled, tree, queries,
+    prefill, tap count, *taps: CudaGraphRunner.key_for), which every rank replays with its own shard, so
+    the padded collectives match.
 """
 from __future__ import annotations
 
@@ -22,12 +24,16 @@ from .step_plan import PlanRow, StepPlan
 
 @dataclass
 class RankPlan(StepPlan):
-    """A plan as another rank gets it: with recurrent layers, each row's advance next to its slot."""
+    """A plan as another rank gets it: with recurrent layers, each row's advance next to its slot; the
+    graph rank 0 replays it through (None: eagerly)."""
     state_advance: list[int] | None = None
+    graph_key: tuple | None = None
 
 
-def pack_plan(plan: StepPlan, state_rows: tuple[list[int], list[int]] | None = None) -> torch.Tensor:
-    """state_rows: (slots, advances) of the plan's rows (ModelRunner.state_rows), for recurrent layers."""
+def pack_plan(plan: StepPlan, state_rows: tuple[list[int], list[int]] | None = None,
+              graph_key: tuple | None = None) -> torch.Tensor:
+    """state_rows: (slots, advances) of the plan's rows (ModelRunner.state_rows), for recurrent layers;
+    graph_key: the CUDA graph rank 0 replays the step through."""
     if plan.has_position_maps:  # the ranks would rotate at storage positions
         raise UnsupportedError("speculative prefill (prefill_keep_ratio) is not supported under tensor parallelism yet")
     groups = len(plan.rows[0].window_tables) if plan.rows else 0
@@ -44,6 +50,11 @@ def pack_plan(plan: StepPlan, state_rows: tuple[list[int], list[int]] | None = N
         if state_rows is not None:
             out += [state_rows[0][index], state_rows[1][index]]
     out += rows or []
+    if graph_key is None:
+        out.append(-1)
+    else:
+        num_seqs, query_len, taps, sampled, tree, queries, prefill = graph_key
+        out += [num_seqs, query_len, int(sampled), int(tree), int(queries), int(prefill), len(taps), *taps]
     return torch.tensor(out, dtype=torch.int64)
 
 
@@ -75,8 +86,15 @@ def unpack_plan(packed: torch.Tensor) -> RankPlan:
         rows.append(row)
         offset += n
     logits_rows = None if num_logits < 0 else values[at:at + num_logits]
+    at += max(num_logits, 0)
+    key = None
+    if values[at] >= 0:
+        num_seqs, query_len, sampled, tree, queries, prefill, taps = values[at:at + 7]
+        key = (num_seqs, query_len, tuple(values[at + 7:at + 7 + taps]), bool(sampled), bool(tree), bool(queries),
+               bool(prefill))
     return RankPlan(rows, logits_rows=logits_rows, all_logits=bool(all_logits), write_kv=bool(write_kv),
-                    state_slots=slots if states else None, state_advance=advance if states else None)
+                    state_slots=slots if states else None, state_advance=advance if states else None,
+                    graph_key=key)
 
 
 def pack_compaction(tables: list[list[int]], starts: list[int], accepted: list[list[int]],

@@ -34,7 +34,7 @@ JOIN_TIMEOUT = datetime.timedelta(seconds=300)  # a rank importing torch on a lo
 # Collectives wait as long as a server idles between requests; a dead peer fails them at once (gloo)
 # or is caught by the watchdogs.
 COLLECTIVE_TIMEOUT = datetime.timedelta(days=365)
-STOP, INIT, RUN, COMPACT, RECURRENT, STATE = range(6)
+STOP, INIT, RUN, COMPACT, RECURRENT, STATE, GRAPHS, CAPTURE = range(8)
 
 
 class TensorParallelError(LuceboxError):

@@ -255,15 +255,17 @@ mode_pflash() {
 
 #: tp           issue 32, on two GPUs (nvidia-h200-x2): the tensor-parallel tests (NCCL on cuda:0 + cuda:1), then
 #:              bench tp TP=1 against TP=2 (ranks build random shards) on qwen3-8b and qwen3-32b, bf16 and q4_k_m:
-#:              TTFT 512, decode at 512, verify 16 / decode, NCCL time a step (~10 min; TP_RUNS picks shape:quant)
+#:              TTFT 512, decode at 512, verify 16 / decode, NCCL time a step, every size with CUDA graphs (TP_ARGS:
+#:              "--no-cuda-graphs" for eager steps) (~10 min; TP_RUNS picks shape:quant)
 mode_tp() {
   local sq
   run_tests tp-tests "${SECONDS_TESTS:-240}" tests/engine/test_tensor_parallel.py \
     tests/engine/test_tensor_parallel_hybrid.py tests/engine/test_tensor_parallel_gemma4_laguna.py
   for sq in ${TP_RUNS:-qwen3-8b:bf16 qwen3-8b:q4_k_m qwen3-32b:bf16 qwen3-32b:q4_k_m}; do
     set -- ${sq/:/ }
+    # shellcheck disable=SC2086  # TP_ARGS is a list of flags
     step "tp-$1-$2" 300 python3 -m lucebox.cli bench tp --shape "$1" --quant "$2" --sizes 1 2 \
-      --json "$out/tp-$1-$2.json"
+      --json "$out/tp-$1-$2.json" ${TP_ARGS:---cuda-graphs}
     sed -n '/^random /,$p' "$out/tp-$1-$2.log"
   done
 }

@@ -328,9 +328,13 @@ def test_a_plan_survives_packing_with_groups_trees_and_logits_rows():
     assert back.token_ids == plan.token_ids and back.start_positions == [10, 2]
     assert back.block_tables == plan.block_tables and back.group_tables == plan.group_tables
     assert [r.parents for r in back.rows] == [[-1, 0, 0], None] and [r.offset for r in back.rows] == [0, 3]
-    assert back.logits_rows == [0, 2, 3] and not back.write_kv and not back.all_logits
-    plain = unpack_plan(pack_plan(StepPlan.forward([[1, 2]], [0], [[0]], all_logits=True)))
+    assert back.logits_rows == [0, 2, 3] and not back.write_kv and not back.all_logits and back.graph_key is None
+    key = (4, 4, (1, 3), True, False, False, False)  # CudaGraphRunner.key_for's: the graph rank 0 replays
+    assert unpack_plan(pack_plan(plan, graph_key=key)).graph_key == key
+    plain = unpack_plan(pack_plan(StepPlan.forward([[1, 2]], [0], [[0]], all_logits=True),
+                                  graph_key=(1, 64, (), False, False, False, True)))
     assert plain.logits_rows is None and plain.all_logits and plain.write_kv and not plain.has_trees
+    assert plain.graph_key == (1, 64, (), False, False, False, True)
     assert unpack_compaction(pack_compaction([[1, 2], [3]], [4, 5], [[0, 2], []])) == ([[1, 2], [3]], [4, 5],
                                                                                         [[0, 2], []], [])
     windows = [[[7], [8, 9]], [[], [6]]]  # per sequence, the tables of KV cache groups 1 and 2
