@@ -64,6 +64,19 @@ def forced_phase(loaded, args, engine_args, verify: dict, prompt: list[int], dra
     # plans its KV, graph buckets and draft length exactly as for any speculator.
     spec = {"method": "ngram", "num_speculative_tokens": draft_tokens, "adaptive": False}
     engine = LLMEngine.from_args(engine_args(args, max_len, loaded, kv_factor=2, speculative_config=spec), loaded)
+    forced = forced_decoding(engine, prompt, params, plain_output, args.repeats)
+    speedup = forced["tok_s"] / plain["tok_s"]
+    bound = forced["tau"] * verify["decode_step_s"] / verify["verify_step_s"]
+    return dict(forced, draft_tokens=draft_tokens, plain_tok_s=plain["tok_s"], speedup=speedup, bound=bound,
+                of_bound=speedup / bound)
+
+
+def forced_decoding(engine: LLMEngine, prompt: list[int], params: SamplingParams, plain_output: list[int],
+                    repeats: int) -> dict:
+    """Greedy decoding of `prompt` by a speculating engine whose proposer drafts the recorded continuation
+    (re-recorded from its own output until it reproduces it): tau, acceptance, tok/s (median of `repeats`
+    after a warm-up) and how the recording converged."""
+    from .spec import decode_runs, median_of
     recorded = {tuple(prompt): plain_output}
     engine.speculator.proposer = RecordedContinuationProposer(recorded)
     rerecorded, reproduced = 0, []  # reproduced: tokens each recording's run reproduced before differing
@@ -71,13 +84,11 @@ def forced_phase(loaded, args, engine_args, verify: dict, prompt: list[int], dra
     while (output := greedy_output(engine, prompt, params)) != recorded[key] and rerecorded < MAX_RERECORDINGS:
         reproduced.append(_equal_before(output, recorded[key]))
         recorded[key], rerecorded = output, rerecorded + 1
-    forced = measure(engine)
-    speedup = forced["tok_s"] / plain["tok_s"]
-    bound = forced["tau"] * verify["decode_step_s"] / verify["verify_step_s"]
-    return {"draft_tokens": draft_tokens, "tau": forced["tau"], "acceptance": forced["acceptance"],
-            "tok_s": forced["tok_s"], "plain_tok_s": plain["tok_s"], "speedup": speedup, "bound": bound,
-            "of_bound": speedup / bound, "rerecorded": rerecorded, "reproduced": reproduced,
-            "converged": output == recorded[key], "equal_to_plain_before": _equal_before(output, plain_output)}
+    decode_runs(engine, [prompt], params)  # warm-up
+    forced = median_of([decode_runs(engine, [prompt], params) for _ in range(repeats)])
+    return {"tau": forced["tau"], "acceptance": forced["acceptance"], "tok_s": forced["tok_s"],
+            "rerecorded": rerecorded, "reproduced": reproduced, "converged": output == recorded[key],
+            "equal_to_plain_before": _equal_before(output, plain_output)}
 
 
 def _equal_before(a: list[int], b: list[int]) -> int:

@@ -4,7 +4,8 @@ Each size gets its own engine (ranks build their shards from the seed: bench/ran
 measures, at batch 1: the TTFT of a --prompt-len prompt, decode tok/s at --context through engine
 steps, the runner's forward alone for one token and for a verify of 16 (as `bench speed`), and on
 CUDA the collectives' kernel time of a one-token forward on rank 0 (torch.profiler: the NCCL
-all-reduces and the LM head's all-gather). Scaling is decode tok/s over TP=1's; its efficiency that
+all-reduces and the LM head's all-gather), and forced-acceptance speculation (bench/forced.py: 15 drafts
+of the engine's own greedy continuation, the bound on what DFlash can deliver). Scaling is decode tok/s over TP=1's; its efficiency that
 over the size. The decode limit of a size is rank 0's bytes a token at the GEMV bandwidth measured
 in the same run (every rank reads its shard at once).
 """
@@ -26,10 +27,13 @@ from ..engine.tensor_parallel import launch
 from ..errors import RequestError
 from ..model.loader import resolve_device, resolve_dtype
 from . import kv_tables, limits, shapes
+from ..sampling import SamplingParams
+from .forced import RecordedContinuationProposer, forced_decoding, greedy_output
 from .random_shards import RandomShards
+from .spec import decode_runs, median_of
 from .speed import Clock, bare_forward, reference, timed_request
 
-VERIFY_TOKENS = 16
+VERIFY_TOKENS = 16  # a verify row: the pending token and 15 drafts, as bench speed's
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -55,9 +59,11 @@ def _say(text: str) -> None:
 def start(args, size: int, device: torch.device) -> LLMEngine:
     """An engine of `size` ranks over the random shape (size 1: the whole model in this process)."""
     act = None if args.dtype == "auto" else resolve_dtype(args.dtype, None, device)
+    # a speculator of 15 drafts whose proposer the measurements swap (forced.py): none, then the recording
+    spec = {"method": "ngram", "num_speculative_tokens": VERIFY_TOKENS - 1, "adaptive": False}
     engine_args = EngineArgs(max_model_len=max(args.prompt_len, args.context) + args.decode_tokens + 2 * VERIFY_TOKENS,
                              max_num_seqs=1, enable_prefix_caching=False, device=args.device,
-                             tensor_parallel_size=size, cuda_graphs=args.cuda_graphs)
+                             tensor_parallel_size=size, cuda_graphs=args.cuda_graphs, speculative_config=spec)
     if size == 1:
         loaded = shapes.build_random_model(args.shape, args.quant, device, act, seed=args.seed)
         return LLMEngine.from_args(EngineArgs(**{**vars(engine_args), "model": loaded.source}), loaded)
@@ -78,6 +84,7 @@ def collective_seconds(step, steps: int) -> float:
 
 def measure(engine: LLMEngine, args, size: int, clock: Clock, rng: random.Random, ref: dict | None) -> dict:
     model, vocab = engine.model, engine.model.config.vocab_size
+    engine.speculator.proposer = RecordedContinuationProposer({})  # no drafts: plain decode steps
     timed_request(engine, clock, [1] * 32, 4)  # first-call costs stay out of every figure
     ttfts, decodes = [], []
     for r in range(args.repeats + 1):
@@ -97,10 +104,15 @@ def measure(engine: LLMEngine, args, size: int, clock: Clock, rng: random.Random
         collective = collective_seconds(one, calls) if size > 1 and clock.cuda else None
     finally:
         kv_tables.free(engine, table, windows)
+    prompt = [rng.randrange(vocab) for _ in range(args.context)]
+    params = SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
+    plain = median_of([decode_runs(engine, [prompt], params) for _ in range(args.repeats)])
+    forced = forced_decoding(engine, prompt, params, greedy_output(engine, prompt, params), args.repeats)
+    forced["speedup"] = forced["tok_s"] / plain["tok_s"]
     per_token = limits.weight_bytes_per_token(model) + limits.state_bytes_per_token(model)
     row = {"size": size, "ttft_s": statistics.median(ttfts), "decode_tok_s": statistics.median(decodes),
            "decode_forward_s": decode_s, "verify_forward_s": verify_s, "verify_ratio": verify_s / decode_s,
-           "collective_s": collective, "rank0_weight_bytes_per_token": per_token}
+           "collective_s": collective, "rank0_weight_bytes_per_token": per_token, "forced": forced}
     row["prefill_tok_s"] = args.prompt_len / row["ttft_s"]
     if ref:
         row["decode_limit_tok_s"] = ref["gemv_gb_s"] * 1e9 / per_token
@@ -137,16 +149,17 @@ def run(args: argparse.Namespace) -> dict:
 def print_report(result: dict) -> None:
     print(f"random {result['shape']} ({result['quant']}) on {result['meta']['device']}")
     print("| TP | prefill tok/s (TTFT) | decode tok/s | x TP=1 (efficiency) | decode limit | forward 1 / 16 tokens "
-          "| verify / decode | collectives a step |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| verify / decode | collectives a step | forced speculation (15 drafts) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in result["rows"]:
+        f = r["forced"]
         limit = f"{r['decode_limit_tok_s']:,.0f}" if "decode_limit_tok_s" in r else "-"
         coll = (f"{1e3 * r['collective_s']:.3f} ms ({100 * r['collective_s'] / r['decode_forward_s']:.0f}%)"
                 if r["collective_s"] is not None else "-")
         print(f"| {r['size']} | {r['prefill_tok_s']:,.0f} ({1e3 * r['ttft_s']:.1f} ms) | {r['decode_tok_s']:,.1f} | "
               f"{r['decode_speedup']:.2f}x ({100 * r['efficiency']:.0f}%) | {limit} | "
               f"{1e3 * r['decode_forward_s']:.2f} / {1e3 * r['verify_forward_s']:.2f} ms | {r['verify_ratio']:.2f}x | "
-              f"{coll} |")
+              f"{coll} | {f['tok_s']:,.1f} tok/s, tau {f['tau']:.2f}, {f['speedup']:.2f}x |")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -67,13 +67,15 @@ def test_random_shards_refuse_what_they_cannot_build():
 def test_bench_tp_measures_tp1_against_tp2_in_one_run(tmp_path, capsys):
     out = tmp_path / "tp.json"
     assert cli_main(["bench", "tp", "--shape", "tiny", "--quant", "q8_0", "--device", "cpu", "--prompt-len", "48",
-                     "--context", "40", "--decode-tokens", "4", "--repeats", "1", "--json", str(out)]) == 0
+                     "--context", "40", "--decode-tokens", "8", "--repeats", "1", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     one, two = result["rows"]
     assert (one["size"], two["size"]) == (1, 2) and one["decode_speedup"] == 1.0
     for row in (one, two):
         assert row["decode_tok_s"] > 0 and row["ttft_s"] > 0 and row["verify_ratio"] > 0
         assert row["collective_s"] is None  # gloo: no kernel timeline to read
+        forced = row["forced"]  # the engine's own continuation drafted: every draft accepted
+        assert forced["converged"] and forced["tau"] > 4 and forced["speedup"] > 0
     assert two["efficiency"] == pytest.approx(two["decode_tok_s"] / one["decode_tok_s"] / 2)
     # rank 0 of two reads about half the weights a token (the norms and an embedding row are whole)
     assert 0.45 < two["rank0_weight_bytes_per_token"] / one["rank0_weight_bytes_per_token"] < 0.6
