@@ -1,5 +1,6 @@
 """Issue 31 item 5: a layer split cuda:0 + cpu on the qwen3-8b shape, prefill and decode rates for
-several split points (how much of the model can live on the host at what cost), and a DFlash
+several split points (how much of the model can live on the host at what cost; --rest cuda:1: on a
+second GPU instead, issue 32), and a DFlash
 drafter on the CPU beside the target on the GPU. Random weights of the real shapes
 (lucebox/bench/shapes.py), built once on the host and placed again for each row.
 
@@ -80,6 +81,7 @@ def main() -> int:
     p.add_argument("--skip-drafter", action="store_true")
     p.add_argument("--json", type=Path)
     p.add_argument("--gpu", default="cuda:0", help="the device of the first range (cpu: a smoke run of the script)")
+    p.add_argument("--rest", default="cpu", help="the device of the layers past --gpu-layers (cuda:1: a two-GPU split)")
     args = p.parse_args()
     if args.gpu != "cpu" and not torch.cuda.is_available():
         raise SystemExit("bench_device_map.py measures a cuda:0 + cpu split: it needs a GPU")
@@ -88,13 +90,13 @@ def main() -> int:
     prompt = torch.randint(0, loaded.config.vocab_size, (args.prompt_len,)).tolist()
     rows = []
     for n in args.gpu_layers:
-        device_map = f"{args.gpu}:0-{n - 1}" + (f",cpu:{n}-{layers - 1}" if n < layers else "")
+        device_map = f"{args.gpu}:0-{n - 1}" + (f",{args.rest}:{n}-{layers - 1}" if n < layers else "")
         if n >= layers:
             rows.append(row(loaded, f"{n} on GPU, graphs", device_map, args, prompt, speculative_config={}))
             rows.append(row(loaded, f"{n} on GPU, eager", device_map, args, prompt, speculative_config={},
                             cuda_graphs=False))
         else:
-            rows.append(row(loaded, f"{n} on GPU, {layers - n} on host", device_map, args, prompt,
+            rows.append(row(loaded, f"{n} on {args.gpu}, {layers - n} on {args.rest}", device_map, args, prompt,
                             speculative_config={}))
     if not args.skip_drafter:
         with tempfile.TemporaryDirectory() as tmp:

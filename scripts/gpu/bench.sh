@@ -255,8 +255,9 @@ mode_pflash() {
 
 #: tp           issue 32, on two GPUs (nvidia-h200-x2): the tensor-parallel tests (NCCL on cuda:0 + cuda:1), then
 #:              bench tp TP=1 against TP=2 (ranks build random shards) on qwen3-8b and qwen3-32b, bf16 and q4_k_m:
-#:              TTFT 512, decode at 512, verify 16 / decode, NCCL time a step, every size with CUDA graphs (TP_ARGS:
-#:              "--no-cuda-graphs" for eager steps) (~10 min; TP_RUNS picks shape:quant)
+#:              TTFT 512, decode at 512, verify 16 / decode, NCCL time a step, forced speculation, every size with
+#:              CUDA graphs (TP_ARGS: "--no-cuda-graphs" for eager steps); then the layer split cuda:0 + cuda:1
+#:              (bench_device_map.py --rest cuda:1) (~15 min: split it with TP_RUNS, shape:quant pairs)
 mode_tp() {
   local sq
   run_tests tp-tests "${SECONDS_TESTS:-240}" tests/engine/test_tensor_parallel.py \
@@ -268,4 +269,8 @@ mode_tp() {
       --json "$out/tp-$1-$2.json" ${TP_ARGS:---cuda-graphs}
     sed -n '/^random /,$p' "$out/tp-$1-$2.log"
   done
+  # the layer split cuda:0 + cuda:1 against all layers on cuda:0 (graphs and eager), qwen3-8b bf16
+  step device-map-2gpu 300 python3 scripts/bench_device_map.py --rest cuda:1 --gpu-layers 36 18 --skip-drafter \
+    --json "$out/device-map-2gpu.json"
+  sed -n '/^| row/,$p' "$out/device-map-2gpu.log"
 }
