@@ -220,9 +220,9 @@ def test_trees_chains_and_decodes_share_a_tree_bucket(pair, plain_llm):
                    spec={"ngram_first": True, "prompt_lookup_min": 1})
     graphs = static_tree_graphs(llm)
     mixed = []
-    run = graphs.run
-    graphs.run = lambda plan: (mixed.append(plan.has_trees and any(r.parents is None for r in plan.rows)),
-                               run(plan))[1]
+    replay = graphs.replay
+    graphs.replay = lambda plan, key: (mixed.append(plan.has_trees and any(r.parents is None for r in plan.rows)),
+                                       replay(plan, key))[1]
     assert token_ids(llm, prompts, params) == token_ids(plain_llm, prompts, params)
     assert any(mixed) and sum(graphs.tree_replays.values()) > 0
 

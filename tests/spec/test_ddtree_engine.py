@@ -243,8 +243,8 @@ def test_tree_rows_never_replay_a_chain_graph(pair, plain_llm):
     assert any(q == 4 for (_, q) in graphs.replays)
     llm = tree_llm(target, drafter, 3, device="cpu", cuda_graphs=True)
     graphs = static_graphs(llm)
-    graph_run, trees_seen = graphs.run, []
-    graphs.run = lambda plan: (trees_seen.append(plan.has_trees), graph_run(plan))[1]
+    key_for, trees_seen = graphs.key_for, []  # every step the runner offers the graphs
+    graphs.key_for = lambda plan: (trees_seen.append(plan.has_trees), key_for(plan))[1]
     assert token_ids(llm, prompts, GREEDY) == token_ids(plain_llm, prompts, GREEDY)
     assert any(trees_seen) and not graphs.replays and sum(graphs.tree_replays.values()) == sum(trees_seen)
     assert llm.engine.step_counts["verify"] > 0
