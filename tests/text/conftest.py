@@ -1,6 +1,6 @@
 import pytest
 
-from tests.text.test_tokenizer import train_byte_level_bpe
+from tests.text.tokenizer_fixtures import train_byte_level_bpe
 
 
 @pytest.fixture(scope="module")

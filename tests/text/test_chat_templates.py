@@ -5,7 +5,7 @@ import pytest
 
 from lucebox.errors import LuceboxError, RequestError
 from lucebox.text.tokenizer import Tokenizer
-from tests.text.test_tokenizer import (LLAMA3_TEMPLATE, MESSAGES, QWEN_TEMPLATE, TOOLS, added_token_json,
+from tests.text.tokenizer_fixtures import (LLAMA3_TEMPLATE, MESSAGES, QWEN_TEMPLATE, TOOLS, added_token_json,
                                        write_hf_dir)
 
 

@@ -4,7 +4,7 @@ several ids at once, the first token's leading space, and a window that stays sh
 import pytest
 
 from lucebox.text.tokenizer import IncrementalDetokenizer, Tokenizer
-from tests.text.test_tokenizer import hand_spm_vocab, train_byte_level_bpe, write_gguf
+from tests.text.tokenizer_fixtures import hand_spm_vocab, train_byte_level_bpe, write_gguf
 
 def stream(tok, ids, **kwargs):
     detok = IncrementalDetokenizer(tok, **kwargs)
