@@ -19,7 +19,7 @@ mode_check() {
 mode_check_new() {
   run_tests gpu-tests-new "${SECONDS_CHECK:-540}" tests/kernels/test_gated_delta.py tests/kernels/test_triton_moe.py \
     tests/kernels/test_moe_shared_pair.py tests/spec/test_dflash_graphs.py tests/model/test_laguna_graphs.py tests/model/test_qwen3_5_graphs.py \
-    tests/engine/test_hybrid_prefix.py tests/model/test_gemma4.py tests/engine/test_sliding_window_mixed.py
+    tests/engine/test_hybrid_prefix.py tests/model/test_gemma4.py tests/engine/test_sliding_window_mixed.py tests/engine/test_sliding_window_graphs.py
 }
 
 #: check-trees  the GPU tests written without a GPU in the eighteenth session: GeGLU / weights-on-input
@@ -65,5 +65,5 @@ mode_recheck() {
     tests/model/test_laguna.py \
     tests/model/test_gguf_hybrid.py tests/model/test_qwen3_5_graphs.py tests/engine/test_cuda_graphs.py \
     tests/engine/test_graph_sampling.py tests/engine/test_overlapped_decoding.py tests/engine/test_pdl.py \
-    tests/model/test_gemma4.py tests/engine/test_sliding_window_mixed.py tests/model/test_laguna_graphs.py
+    tests/model/test_gemma4.py tests/engine/test_sliding_window_mixed.py tests/engine/test_sliding_window_graphs.py tests/model/test_laguna_graphs.py
 }
