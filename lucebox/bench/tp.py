@@ -4,9 +4,9 @@ Each size gets its own engine (ranks build their shards from the seed: bench/ran
 measures, at batch 1: the TTFT of a --prompt-len prompt, decode tok/s at --context through engine
 steps, the runner's forward alone for one token and for a verify of 16 (as `bench speed`), and on
 CUDA the collectives' kernel time of a one-token forward on rank 0 (torch.profiler: the NCCL
-all-reduces and the LM head's all-gather), and forced-acceptance speculation (bench/forced.py: 15 drafts
-of the engine's own greedy continuation, the bound on what DFlash can deliver). Scaling is decode tok/s over TP=1's; its efficiency that
-over the size. The decode limit of a size is rank 0's bytes a token at the GEMV bandwidth measured
+all-reduces and the LM head's all-gather), and forced-acceptance speculation (bench/forced.py: 15
+drafts of the engine's own greedy continuation, the bound on what DFlash can deliver). Scaling is
+decode tok/s over TP=1's; its efficiency that over the size. The decode limit of a size is rank 0's bytes a token at the GEMV bandwidth measured
 in the same run (every rank reads its shard at once).
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ import json
 import random
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -26,14 +27,12 @@ from ..engine.engine import LLMEngine
 from ..engine.tensor_parallel import launch
 from ..errors import RequestError
 from ..model.loader import resolve_device, resolve_dtype
-from . import kv_tables, limits, shapes
 from ..sampling import SamplingParams
+from . import kv_tables, limits, shapes
 from .forced import RecordedContinuationProposer, forced_decoding, greedy_output
 from .random_shards import RandomShards
 from .spec import decode_runs, median_of
-from .speed import Clock, bare_forward, reference, timed_request
-
-VERIFY_TOKENS = 16  # a verify row: the pending token and 15 drafts, as bench speed's
+from .speed import VERIFY_TOKENS, Clock, bare_forward, reference, timed_request
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -66,7 +65,7 @@ def start(args, size: int, device: torch.device) -> LLMEngine:
                              tensor_parallel_size=size, cuda_graphs=args.cuda_graphs, speculative_config=spec)
     if size == 1:
         loaded = shapes.build_random_model(args.shape, args.quant, device, act, seed=args.seed)
-        return LLMEngine.from_args(EngineArgs(**{**vars(engine_args), "model": loaded.source}), loaded)
+        return LLMEngine.from_args(replace(engine_args, model=loaded.source), loaded)
     return launch(engine_args, shards=RandomShards(args.shape, args.quant, args.seed, act))
 
 
